@@ -1,0 +1,30 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test bench vllm-env lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m mconvert.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check mconvert tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

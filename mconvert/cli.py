@@ -1,0 +1,75 @@
+"""The `mconvert` command: a thin typer layer, one function per verb, each calling one library function.
+
+Known errors (MConvertError, and OS errors a user can fix) become one line on stderr and exit 1;
+MCONVERT_DEBUG=1 shows the traceback instead. Library code never imports typer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from mconvert.errors import MConvertError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Move Megatron-LM checkpoints to HuggingFace / FasterTransformer / TensorRT-LLM / ONNX, "
+    "re-shard them, and prove every result by comparing logits.",
+)
+console = Console(stderr=True)
+
+# ---- shared option types ----------------------------------------------------------------------------
+Force = Annotated[bool, typer.Option("--force", help="Replace OUT if it exists (only at the final rename).")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print files, sizes and peak memory; write nothing.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto keeps the source dtype).")]
+Iteration = Annotated[Optional[str], typer.Option("--iteration", help="Iteration number or 'release' (default: latest).")]
+
+# ==== train (trainer/) ===============================================================================
+# ==== end train ======================================================================================
+
+# ==== conversion verbs (convert/, mappings/) ========================================================
+# ==== end conversion verbs ===========================================================================
+
+# ==== deployment verbs (FT, TensorRT-LLM, ONNX) ======================================================
+# ==== end deployment verbs ===========================================================================
+
+# ==== validators (validate, verify) ==================================================================
+# ==== end validators =================================================================================
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry: map known errors to one line and exit 1."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except MConvertError as e:
+        if os.environ.get("MCONVERT_DEBUG"):
+            raise
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except (typer.Abort, KeyboardInterrupt):
+        console.print("[bold red]aborted[/]")
+        sys.exit(130)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except __import__("click").exceptions.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except OSError as e:
+        if os.environ.get("MCONVERT_DEBUG"):
+            raise
+        console.print(f"[bold red]error:[/] {e.strerror or e}: {e.filename or ''}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+_ = (Path,)  # Path is used by verbs below
+
+if __name__ == "__main__":
+    main()

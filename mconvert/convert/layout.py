@@ -1,0 +1,99 @@
+"""Megatron legacy "torch" checkpoint layout: directory names, the latest-iteration file, stage math.
+
+Pure path and index arithmetic plus the two small file writes every writer shares (rank file, tracker).
+    CKPT/latest_checkpointed_iteration.txt          "10" or "release"
+    CKPT/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.errors import MConvertError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RANK_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+_RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def iteration_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """`mp_rank_TT` when PP == 1, else `mp_rank_TT_PPP` (Megatron's get_checkpoint_name)."""
+    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def rank_file(root: str | Path, iteration: int | str, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
+    return Path(root) / iteration_dir_name(iteration) / rank_dir_name(tp_rank, pp_rank, pp_size) / RANK_FILE
+
+
+def parse_rank_dir(name: str) -> tuple[int, int | None] | None:
+    """`mp_rank_01_002` -> (1, 2); `mp_rank_01` -> (1, None); anything else -> None."""
+    m = _RANK_RE.match(name)
+    if not m:
+        return None
+    return int(m.group(1)), (int(m.group(2)) if m.group(2) is not None else None)
+
+
+def read_latest(root: str | Path) -> int | str:
+    """The iteration named by the tracker file: an int or 'release'. One-line error when unreadable."""
+    path = Path(root) / TRACKER
+    if not path.is_file():
+        raise MConvertError(f"{path}: not found; is {root} a Megatron checkpoint directory? (or pass --iteration)")
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MConvertError(f"{path}: unreadable ({e}); write the iteration number into it or pass --iteration")
+    if text == "release":
+        return "release"
+    try:
+        return int(text)
+    except ValueError:
+        raise MConvertError(
+            f"{path}: expected an iteration number or 'release', found {text[:40]!r}; fix it or pass --iteration"
+        ) from None
+
+
+def write_latest(root: str | Path, iteration: int | str) -> None:
+    path = Path(root) / TRACKER
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(iteration))
+    os.replace(tmp, path)
+
+
+def save_rank_file(path: str | Path, state: dict[str, Any]) -> None:
+    """torch.save into a temporary name, then rename: a killed save never leaves a truncated rank file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int | None = None) -> list[list[int]]:
+    """Global layer indices held by pipeline rank `pp_rank`: one list per virtual chunk (one when no VPP).
+
+    Without VPP the layers are contiguous blocks; with VPP chunk c of rank r holds model chunk c·pp + r
+    (PP=2, VPP=2, 4 layers: rank 0 holds 0 and 2, rank 1 holds 1 and 3)."""
+    chunks = vpp or 1
+    if num_layers % (pp * chunks):
+        raise MConvertError(f"PP={pp}×VPP={chunks} does not divide num_layers={num_layers}")
+    per = num_layers // (pp * chunks)
+    return [list(range((c * pp + pp_rank) * per, (c * pp + pp_rank + 1) * per)) for c in range(chunks)]
+
+
+def layer_location(num_layers: int, pp: int, layer: int, vpp: int | None = None) -> tuple[int, int, int]:
+    """Global layer -> (pp_rank, chunk, local index within the chunk)."""
+    chunks = vpp or 1
+    per = num_layers // (pp * chunks)
+    model_chunk, local = divmod(layer, per)
+    chunk, pp_rank = divmod(model_chunk, pp)
+    return pp_rank, chunk, local

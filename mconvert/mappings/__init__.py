@@ -1,0 +1,1 @@
+"""Layout transforms (pure shard math) and one plugin table per model family."""
