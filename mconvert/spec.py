@@ -558,6 +558,13 @@ PRESETS: dict[str, ModelSpec] = {
         family="gpt2", num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
         vocab_size=50257, max_position_embeddings=1024, activation="gelu_new",
     ),
+    # Llama-3-405B shapes: only for `--dry-run` estimates from shapes alone (126 layers: PP=16 is uneven)
+    "llama3-405b": ModelSpec(
+        family="llama", num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
+        ffn_hidden_size=53248, vocab_size=128256, max_position_embeddings=131072, normalization="RMSNorm",
+        activation="swiglu", position_embedding_type="rope", rotary_base=500000.0, add_bias_linear=False,
+        tie_embeddings=False, params_dtype="bfloat16",
+    ),
 }
 
 
