@@ -161,9 +161,7 @@ class ModelSpec:
                 f"TP={tp} does not divide num_attention_heads={self.num_attention_heads}; pick a TP that does"
             )
         if self.num_groups % tp and tp % self.num_groups:
-            raise MConvertError(
-                f"TP={tp} and num_query_groups={self.num_groups}: one must divide the other"
-            )
+            raise MConvertError(f"TP={tp} and num_query_groups={self.num_groups}: one must divide the other")
         if self.ffn_hidden_size % tp:
             raise MConvertError(f"TP={tp} does not divide ffn_hidden_size={self.ffn_hidden_size}")
         chunks = pp * (vpp or 1)
@@ -206,7 +204,11 @@ class ModelSpec:
         return out
 
     def embedding_params(self, tp: int = 1) -> list[ParamDecl]:
-        out = [ParamDecl("embedding.word_embeddings.weight", "vocab", (self.padded_vocab_size(tp), self.hidden_size))]
+        out = [
+            ParamDecl(
+                "embedding.word_embeddings.weight", "vocab", (self.padded_vocab_size(tp), self.hidden_size)
+            )
+        ]
         if self.position_embedding_type == "learned_absolute":
             out.append(
                 ParamDecl(
@@ -249,7 +251,9 @@ class ModelSpec:
         return [(_template(d.name), d.kind) for d in decls]
 
     # ---- Megatron args -------------------------------------------------------------------------
-    def to_megatron_args(self, tp: int = 1, pp: int = 1, vpp: int | None = None, **extra: Any) -> argparse.Namespace:
+    def to_megatron_args(
+        self, tp: int = 1, pp: int = 1, vpp: int | None = None, **extra: Any
+    ) -> argparse.Namespace:
         """A Namespace with Megatron-LM's own argument names (as stored in `model_optim_rng.pt['args']`)."""
         gqa = self.num_groups != self.num_attention_heads
         dtype = self.params_dtype
@@ -307,7 +311,9 @@ class ModelSpec:
             nh = int(a["num_attention_heads"])
             L = int(a["num_layers"])
         except KeyError as e:
-            raise MConvertError(f"{source}: Megatron args lack {e.args[0]!r}; is this a Megatron checkpoint?") from None
+            raise MConvertError(
+                f"{source}: Megatron args lack {e.args[0]!r}; is this a Megatron checkpoint?"
+            ) from None
         swiglu = bool(get("swiglu", False))
         norm = get("normalization", "LayerNorm")
         rope = get("position_embedding_type", "learned_absolute") == "rope"
@@ -363,11 +369,20 @@ class ModelSpec:
         arch, model_type = FAMILIES[self.family]
         cfg: dict[str, Any] = {"architectures": [arch], "model_type": model_type}
         if self.family == "gpt2":
-            if self.normalization != "LayerNorm" or self.gated or self.position_embedding_type != "learned_absolute":
-                raise MConvertError("a gpt2-family model needs LayerNorm, GeLU and learned absolute positions")
+            if (
+                self.normalization != "LayerNorm"
+                or self.gated
+                or self.position_embedding_type != "learned_absolute"
+            ):
+                raise MConvertError(
+                    "a gpt2-family model needs LayerNorm, GeLU and learned absolute positions"
+                )
             if not self.add_bias_linear:
                 raise MConvertError("HF GPT-2 always has linear biases; this model has add_bias_linear=False")
-            if self.head_dim * self.num_attention_heads != self.hidden_size or self.num_groups != self.num_attention_heads:
+            if (
+                self.head_dim * self.num_attention_heads != self.hidden_size
+                or self.num_groups != self.num_attention_heads
+            ):
                 raise MConvertError("HF GPT-2 needs MHA with head_dim = hidden/heads")
             cfg.update(
                 n_embd=self.hidden_size,
@@ -427,7 +442,9 @@ class ModelSpec:
         archs = cfg.get("architectures") or []
         family = next((ARCH_TO_FAMILY[a] for a in archs if a in ARCH_TO_FAMILY), None)
         if family is None:
-            family = {"gpt2": "gpt2", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(cfg.get("model_type", ""))
+            family = {"gpt2": "gpt2", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(
+                cfg.get("model_type", "")
+            )
         if family is None:
             raise MConvertError(
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -439,16 +456,22 @@ class ModelSpec:
             vocab_size=int(cfg["vocab_size"]),
             params_dtype=dtype if dtype in _DTYPES else "float32",
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id") if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"][0],
+            eos_token_id=cfg.get("eos_token_id")
+            if not isinstance(cfg.get("eos_token_id"), list)
+            else cfg["eos_token_id"][0],
         )
         try:
             if family == "gpt2":
                 H = int(cfg["n_embd"])
                 act = cfg.get("activation_function", "gelu_new")
                 if act not in ("gelu", "gelu_new"):
-                    raise MConvertError(f"{source}: activation_function {act!r} is not supported (gelu, gelu_new)")
+                    raise MConvertError(
+                        f"{source}: activation_function {act!r} is not supported (gelu, gelu_new)"
+                    )
                 if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
-                    raise MConvertError(f"{source}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn unsupported")
+                    raise MConvertError(
+                        f"{source}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn unsupported"
+                    )
                 return cls(
                     num_layers=int(cfg["n_layer"]),
                     hidden_size=H,
@@ -524,46 +547,117 @@ def torch_dtype(name: str):
 # Every preset has head_dim 32, 64 or 128: vLLM's CPU attention rejects 16.
 PRESETS: dict[str, ModelSpec] = {
     "tiny-gpt2": ModelSpec(
-        family="gpt2", num_layers=2, hidden_size=64, num_attention_heads=2, ffn_hidden_size=256,
-        vocab_size=1000, max_position_embeddings=128, activation="gelu_new",
+        family="gpt2",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=2,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        activation="gelu_new",
     ),
     "tiny-llama": ModelSpec(
-        family="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=256, vocab_size=1000, max_position_embeddings=128, normalization="RMSNorm",
-        activation="swiglu", position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False,
+        family="llama",
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        tie_embeddings=False,
     ),
     "tiny-qwen2": ModelSpec(
-        family="qwen2", num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=256, vocab_size=1000, max_position_embeddings=128, normalization="RMSNorm",
-        norm_epsilon=1e-6, activation="swiglu", position_embedding_type="rope", rotary_base=1000000.0,
-        add_bias_linear=False, add_qkv_bias=True, tie_embeddings=False,
+        family="qwen2",
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        normalization="RMSNorm",
+        norm_epsilon=1e-6,
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=1000000.0,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        tie_embeddings=False,
     ),
     "tiny-mistral": ModelSpec(
-        family="mistral", num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=1,
-        ffn_hidden_size=256, vocab_size=1000, max_position_embeddings=128, normalization="RMSNorm",
-        activation="swiglu", position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False,
+        family="mistral",
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=1,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        tie_embeddings=False,
     ),
     # ~100M parameters, for quick benchmarks
     "llama-100m": ModelSpec(
-        family="llama", num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4,
-        ffn_hidden_size=2048, vocab_size=32000, max_position_embeddings=1024, normalization="RMSNorm",
-        activation="swiglu", position_embedding_type="rope", add_bias_linear=False, tie_embeddings=False,
+        family="llama",
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        num_query_groups=4,
+        ffn_hidden_size=2048,
+        vocab_size=32000,
+        max_position_embeddings=1024,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        tie_embeddings=False,
     ),
     "gpt2-100m": ModelSpec(
-        family="gpt2", num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072,
-        vocab_size=50257, max_position_embeddings=1024, activation="gelu_new",
+        family="gpt2",
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        ffn_hidden_size=3072,
+        vocab_size=50257,
+        max_position_embeddings=1024,
+        activation="gelu_new",
     ),
     # ~1B parameters (~4 GB fp32), the `make bench` model; same shapes as GPT-2 XL's width
     "gpt2-1b": ModelSpec(
-        family="gpt2", num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
-        vocab_size=50257, max_position_embeddings=1024, activation="gelu_new",
+        family="gpt2",
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=16,
+        ffn_hidden_size=8192,
+        vocab_size=50257,
+        max_position_embeddings=1024,
+        activation="gelu_new",
     ),
     # Llama-3-405B shapes: only for `--dry-run` estimates from shapes alone (126 layers: PP=16 is uneven)
     "llama3-405b": ModelSpec(
-        family="llama", num_layers=126, hidden_size=16384, num_attention_heads=128, num_query_groups=8,
-        ffn_hidden_size=53248, vocab_size=128256, max_position_embeddings=131072, normalization="RMSNorm",
-        activation="swiglu", position_embedding_type="rope", rotary_base=500000.0, add_bias_linear=False,
-        tie_embeddings=False, params_dtype="bfloat16",
+        family="llama",
+        num_layers=126,
+        hidden_size=16384,
+        num_attention_heads=128,
+        num_query_groups=8,
+        ffn_hidden_size=53248,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=500000.0,
+        add_bias_linear=False,
+        tie_embeddings=False,
+        params_dtype="bfloat16",
     ),
 }
 

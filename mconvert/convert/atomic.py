@@ -83,9 +83,13 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
 
 def _os_error(e: OSError, out: Path) -> MConvertError:
     if e.errno == errno.ENOSPC:
-        return MConvertError(f"{out}: disk full while writing ({e.filename or out}); free space and run again")
+        return MConvertError(
+            f"{out}: disk full while writing ({e.filename or out}); free space and run again"
+        )
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return MConvertError(f"{out}: cannot write {e.filename or out} ({e.strerror}); choose another output path")
+        return MConvertError(
+            f"{out}: cannot write {e.filename or out} ({e.strerror}); choose another output path"
+        )
     return MConvertError(f"{out}: {e.strerror or e} ({e.filename or out})")
 
 

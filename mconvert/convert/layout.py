@@ -47,11 +47,15 @@ def read_latest(root: str | Path) -> int | str:
     """The iteration named by the tracker file: an int or 'release'. One-line error when unreadable."""
     path = Path(root) / TRACKER
     if not path.is_file():
-        raise MConvertError(f"{path}: not found; is {root} a Megatron checkpoint directory? (or pass --iteration)")
+        raise MConvertError(
+            f"{path}: not found; is {root} a Megatron checkpoint directory? (or pass --iteration)"
+        )
     try:
         text = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
-        raise MConvertError(f"{path}: unreadable ({e}); write the iteration number into it or pass --iteration")
+        raise MConvertError(
+            f"{path}: unreadable ({e}); write the iteration number into it or pass --iteration"
+        ) from None
     if text == "release":
         return "release"
     try:

@@ -114,7 +114,9 @@ def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
     except MConvertError:
         raise
     except Exception as e:
-        raise MConvertError(f"{path}: cannot load {what} ({_short(e)}); the file is truncated or corrupt") from None
+        raise MConvertError(
+            f"{path}: cannot load {what} ({_short(e)}); the file is truncated or corrupt"
+        ) from None
 
 
 def _short(e: BaseException) -> str:
