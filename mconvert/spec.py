@@ -97,6 +97,11 @@ class ModelSpec:
 
     # ---- derived -------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        # canonical form: defaults are stored as None so equal models compare equal
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            object.__setattr__(self, "kv_channels", None)
+        if self.num_query_groups == self.num_attention_heads:
+            object.__setattr__(self, "num_query_groups", None)
         self.validate()
 
     def validate(self) -> None:
