@@ -36,6 +36,45 @@ Iteration = Annotated[Optional[str], typer.Option("--iteration", help="Iteration
 # ==== end train ======================================================================================
 
 # ==== conversion verbs (convert/, mappings/) ========================================================
+@app.command("plan")
+def plan_cmd(
+    preset_name: Annotated[str, typer.Option("--preset", help="Model preset (mconvert.spec.PRESETS), e.g. llama3-405b.")],
+    to: Annotated[str, typer.Option("--to", help="hf | ft (from Megatron at --tp/--pp) | megatron (from HF, or reshard).")],
+    tp: Annotated[int, typer.Option("--tp", help="Megatron TP of the source (hf/ft) or of the output (megatron).")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Megatron PP, as --tp.")] = 1,
+    target_tp: Annotated[Optional[int], typer.Option("--target-tp", help="Reshard (--to megatron) / FT TP.")] = None,
+    target_pp: Annotated[Optional[int], typer.Option("--target-pp", help="Reshard target PP (--to megatron).")] = None,
+    first: Annotated[Optional[int], typer.Option("--first-stage-layers", help="Uneven PP: layers of stage 0.")] = None,
+    last: Annotated[Optional[int], typer.Option("--last-stage-layers", help="Uneven PP: layers of the last stage.")] = None,
+    dtype: Dtype = "auto",
+    bandwidth_file: Annotated[
+        Optional[Path], typer.Option("--bandwidth-file", help="Measured bandwidth JSON (default: `make bench`'s).")
+    ] = None,
+    files: Annotated[bool, typer.Option("--files", help="With --json: list every file and its bytes.")] = False,
+    json_out: Json = False,
+) -> None:
+    """Estimate a conversion from shapes alone: files, bytes, peak memory, time at the measured bandwidth.
+
+    Examples:
+      mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf
+      mconvert plan --preset llama3-405b --tp 8 --pp 16 --to megatron --target-tp 8 --target-pp 8 --json
+    """
+    import json as _json
+
+    from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate
+    from mconvert.spec import preset
+
+    est = estimate(
+        preset(preset_name), to, tp=tp, pp=pp, target_tp=target_tp, target_pp=target_pp, dtype=dtype,
+        first_stage_layers=first, last_stage_layers=last, bandwidth=load_bandwidth(bandwidth_file),
+        model=preset_name,
+    )
+    if json_out:
+        print(_json.dumps(est.to_dict(with_files=files), indent=1))
+    else:
+        console.print(render_estimate(est))
+
+
 # ==== end conversion verbs ===========================================================================
 
 # ==== deployment verbs (FT, TensorRT-LLM, ONNX) ======================================================

@@ -1,0 +1,351 @@
+"""Spec-only conversion estimate: files, bytes, peak memory and time of a conversion, from shapes alone.
+
+`plan.py` plans a conversion of a checkpoint on disk; this module answers the same questions for a model
+nobody has on disk yet (a preset such as `llama3-405b` at TP=8 PP=16), in well under a second: every number
+is a sum over `ModelSpec.params()` shapes. The time is the bytes moved at the copy bandwidth measured by
+`make bench` (a small JSON, see `bandwidth_file()`), times the measured converter-to-`cp` ratio.
+Layer counts that PP does not divide use Megatron's uneven first/last pipeline stage
+(`--decoder-first-pipeline-num-layers` / `--decoder-last-pipeline-num-layers`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mconvert.errors import MConvertError
+from mconvert.spec import ModelSpec, ParamDecl
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": None}
+HF_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
+GB = 10**9
+
+# Used when `make bench` has not measured this machine yet: a modest SSD-backed copy rate, conservative
+# converter ratios, and Python + torch resident set.
+DEFAULT_BANDWIDTH: dict[str, Any] = {
+    "copy_bytes_per_s": 0.5 * GB,
+    "ratio_to_cp": {"megatron-to-hf": 2.0, "hf-to-megatron": 2.0, "reshard": 2.5, "megatron-to-ft": 2.0},
+    "base_rss_bytes": int(0.5 * GB),
+    "source": "built-in default (run `make bench` to measure this machine)",
+}
+
+
+def bandwidth_file() -> Path:
+    """Where `make bench` leaves its measured copy bandwidth: $MCONVERT_BANDWIDTH_FILE or the user cache."""
+    env = os.environ.get("MCONVERT_BANDWIDTH_FILE")
+    if env:
+        return Path(env)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "mconvert" / "bandwidth.json"
+
+
+def load_bandwidth(path: str | Path | None = None) -> dict[str, Any]:
+    """The measured bandwidth JSON merged over the defaults; a missing default file means the defaults."""
+    p = Path(path) if path is not None else bandwidth_file()
+    out = json.loads(json.dumps(DEFAULT_BANDWIDTH))
+    if not p.is_file():
+        if path is not None:
+            raise MConvertError(f"{p}: bandwidth file not found; run `make bench` or drop --bandwidth-file")
+        return out
+    try:
+        data = json.loads(p.read_text())
+        bw = float(data["copy_bytes_per_s"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise MConvertError(f"{p}: unreadable bandwidth file ({e}); re-run `make bench` or delete it") from None
+    if bw <= 0:
+        raise MConvertError(f"{p}: copy_bytes_per_s must be positive, got {bw}; re-run `make bench`")
+    out["copy_bytes_per_s"] = bw
+    out["ratio_to_cp"].update({k: float(v) for k, v in (data.get("ratio_to_cp") or {}).items()})
+    if data.get("base_rss_bytes"):
+        out["base_rss_bytes"] = int(data["base_rss_bytes"])
+    out["source"] = str(p)
+    return out
+
+
+# ---- pipeline stages ----------------------------------------------------------------------------------
+def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per pipeline stage, Megatron's way (megatron-core `get_num_layers_to_build`).
+
+    Even split when PP divides the layers; otherwise (or when `first`/`last` are given) the first and
+    last stages hold `first`/`last` layers and the middle stages share the rest evenly. When neither is
+    given and PP does not divide, pick the split Megatron users pick for Llama-3-405B (126 layers, PP=16:
+    7 + 14×8 + 7): middle stages get ceil(L/PP), first and last share the remainder."""
+    if pp < 1 or num_layers < 1:
+        raise MConvertError(f"need PP >= 1 and layers >= 1 (got pp={pp}, layers={num_layers})")
+    if first is None and last is None:
+        if num_layers % pp == 0:
+            return [num_layers // pp] * pp
+        if pp <= 2:
+            per = math.ceil(num_layers / pp)
+            return [per, num_layers - per] if pp == 2 else [num_layers]
+        mid = math.ceil(num_layers / pp)
+        rest = num_layers - (pp - 2) * mid
+        if rest < 2:
+            raise MConvertError(
+                f"PP={pp} cannot hold {num_layers} layers with an uneven first/last stage; "
+                "pass --first-stage-layers/--last-stage-layers"
+            )
+        first, last = rest // 2, rest - rest // 2
+    stages = pp - (first is not None) - (last is not None)
+    left = num_layers - (first or 0) - (last or 0)
+    if (first is not None and first <= 0) or (last is not None and last <= 0) or left < 0:
+        raise MConvertError(f"first/last stage layers ({first}, {last}) do not fit {num_layers} layers at PP={pp}")
+    if stages == 0:
+        if left:
+            raise MConvertError(f"first + last stage layers ({first} + {last}) != num_layers {num_layers}")
+        mid = 0
+    elif left % stages:
+        raise MConvertError(
+            f"{left} layers left for {stages} middle stages at PP={pp} do not divide evenly "
+            f"(first={first}, last={last}); choose other first/last stage sizes"
+        )
+    else:
+        mid = left // stages
+    counts = [mid] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+# ---- sizes ------------------------------------------------------------------------------------------
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _shard_numel(decl: ParamDecl, tp: int) -> int:
+    n = _numel(decl.shape)
+    return n if decl.kind == "replicated" else n // tp
+
+
+def unit_bytes(spec: ModelSpec, tp: int, itemsize: int) -> dict[str, int]:
+    """Bytes of every unit summed over all TP shards (replicated params count once per rank)."""
+    emb = sum(_shard_numel(d, tp) * tp for d in spec.embedding_params(tp))
+    layer = sum(_shard_numel(d, tp) * tp for d in spec.layer_params(0))
+    final = sum(_shard_numel(d, tp) * tp for d in spec.final_params(tp))
+    return {"embedding": emb * itemsize, "layer": layer * itemsize, "final": final * itemsize}
+
+
+def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: list[int]) -> list[dict[str, Any]]:
+    """One entry per `mp_rank_TT[_PPP]/model_optim_rng.pt`: tensor bytes and tensor count (pickle overhead not counted)."""
+    layer_numel = [_shard_numel(d, tp) for d in spec.layer_params(0)]
+    emb = [_shard_numel(d, tp) for d in spec.embedding_params(tp)]
+    fin = [_shard_numel(d, tp) for d in spec.final_params(tp)]
+    if spec.tie_embeddings and pp > 1:  # the last stage's copy of the word embedding
+        fin.append(_shard_numel(spec.embedding_params(tp)[0], tp))
+    files = []
+    for p, n_layers in enumerate(counts):
+        numels = layer_numel * n_layers + (emb if p == 0 else []) + (fin if p == pp - 1 else [])
+        for t in range(tp):
+            name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+            files.append({"path": f"{name}/model_optim_rng.pt", "bytes": sum(numels) * itemsize,
+                          "tensors": len(numels), "layers": n_layers})
+    return files
+
+
+def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES) -> list[dict[str, Any]]:
+    """safetensors shards packed greedily in parameter order at `max_shard` bytes (true vocab rows)."""
+    sizes = []
+    for d in spec.params(tp=1):
+        shape = d.shape
+        if d.kind == "vocab":
+            shape = (spec.vocab_size, *shape[1:])
+        sizes.append(_numel(shape) * itemsize)
+    shards: list[list[int]] = [[]]
+    for s in sizes:
+        if shards[-1] and sum(shards[-1]) + s > max_shard:
+            shards.append([])
+        shards[-1].append(s)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return [{"path": nm, "bytes": sum(sh), "tensors": len(sh)} for nm, sh in zip(names, shards)]
+
+
+def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]:
+    """FasterTransformer `<t>-gpu/*.bin`: replicated tensors once, split tensors once per rank (true vocab)."""
+    files = []
+    for d in spec.params(tp=1):
+        shape = (spec.vocab_size, *d.shape[1:]) if d.kind == "vocab" else d.shape
+        n = _numel(shape)
+        if d.layer is None or d.kind == "replicated":
+            files.append({"path": f"{ft_tp}-gpu/{d.name}.bin", "bytes": n * itemsize, "tensors": 1})
+        else:
+            for r in range(ft_tp):
+                files.append({"path": f"{ft_tp}-gpu/{d.name}.{r}.bin", "bytes": n // ft_tp * itemsize, "tensors": 1})
+    return files
+
+
+@dataclass
+class Estimate:
+    """What a conversion will read, write, hold and take; all from shapes."""
+
+    model: str
+    parameters: int
+    operation: str
+    source: str
+    target: str
+    dtype: str
+    stage_layers: list[int]
+    read_files: int
+    read_bytes: int
+    write_files: int
+    write_bytes: int
+    largest_unit: str
+    largest_unit_bytes: int
+    peak_memory_bytes: int
+    copy_bytes_per_s: float
+    seconds_at_copy_speed: float
+    expected_seconds: float
+    ratio_to_cp: float
+    bandwidth_source: str
+    megatron_args: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def to_dict(self, with_files: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_files:
+            d.pop("files")
+        return d
+
+
+def estimate(
+    spec: ModelSpec,
+    to: str,
+    tp: int = 1,
+    pp: int = 1,
+    target_tp: int | None = None,
+    target_pp: int | None = None,
+    dtype: str | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+    bandwidth: dict[str, Any] | None = None,
+    model: str = "model",
+) -> Estimate:
+    """Estimate one conversion of `spec`.
+
+    `to`: `hf` or `ft` (source: Megatron at tp/pp), `megatron` (source: HF; written at tp/pp, or a
+    reshard from tp/pp to target_tp/target_pp when those are given)."""
+    if to not in ("hf", "ft", "megatron"):
+        raise MConvertError(f"--to must be hf, ft or megatron (got {to!r})")
+    dtype = DTYPE_ALIASES.get(dtype, dtype) if dtype else None
+    dtype = dtype or spec.params_dtype
+    if dtype not in ITEMSIZE:
+        raise MConvertError(f"unknown dtype {dtype!r}; use fp32, bf16 or fp16")
+    src_item = ITEMSIZE[spec.params_dtype]
+    out_item = ITEMSIZE[dtype]
+    bw = bandwidth or load_bandwidth()
+    notes: list[str] = []
+
+    def layout(t: int, p: int) -> tuple[list[int], dict[str, Any]]:
+        for name, value in (("TP", t), ("PP", p)):
+            if value < 1:
+                raise MConvertError(f"{name} must be >= 1 (got {value})")
+        spec.check_parallel(tp=t, pp=1)  # heads / groups / ffn; layers are checked below
+        counts = stage_layer_counts(spec.num_layers, p, first_stage_layers, last_stage_layers)
+        margs: dict[str, Any] = {}
+        if len(set(counts)) > 1:
+            margs = {"decoder_first_pipeline_num_layers": counts[0], "decoder_last_pipeline_num_layers": counts[-1]}
+            notes.append(
+                f"PP={p} does not divide {spec.num_layers} layers evenly: uneven stages {counts[0]} + "
+                f"{len(counts) - 2}×{counts[1] if len(counts) > 2 else 0} + {counts[-1]} "
+                f"(Megatron --decoder-first-pipeline-num-layers {counts[0]} "
+                f"--decoder-last-pipeline-num-layers {counts[-1]})"
+            )
+        return counts, margs
+
+    if to == "megatron" and target_tp is None and target_pp is None:
+        operation = "hf-to-megatron"
+        counts, margs = layout(tp, pp)
+        read = hf_files(spec, src_item)
+        write = megatron_files(spec, tp, pp, out_item, counts)
+        units_in, units_out = unit_bytes(spec, 1, src_item), unit_bytes(spec, tp, out_item)
+        source, target = "hf", f"megatron TP={tp} PP={pp}"
+    elif to == "megatron":
+        operation = "reshard"
+        ttp, tpp = target_tp or tp, target_pp or pp
+        counts_in, _ = layout(tp, pp)
+        counts, margs = layout(ttp, tpp)
+        read = megatron_files(spec, tp, pp, src_item, counts_in)
+        write = megatron_files(spec, ttp, tpp, out_item, counts)
+        units_in, units_out = unit_bytes(spec, tp, src_item), unit_bytes(spec, ttp, out_item)
+        source, target = f"megatron TP={tp} PP={pp}", f"megatron TP={ttp} PP={tpp}"
+    else:
+        operation = "megatron-to-hf" if to == "hf" else "megatron-to-ft"
+        counts, margs = layout(tp, pp)
+        read = megatron_files(spec, tp, pp, src_item, counts)
+        ft_tp = target_tp or 1
+        if to == "ft":
+            if out_item == 2 and dtype == "bfloat16":
+                notes.append("FasterTransformer stores fp32 or fp16 weights; bf16 is written as fp16 by FT's own tools")
+            write = ft_files(spec, ft_tp, out_item)
+        else:
+            write = hf_files(spec, out_item)
+        units_in, units_out = unit_bytes(spec, tp, src_item), unit_bytes(spec, 1, out_item)
+        source, target = f"megatron TP={tp} PP={pp}", ("hf" if to == "hf" else f"ft TP={ft_tp}")
+
+    # Peak: one unit's input shards (all TP ranks) plus that unit's output, plus the interpreter.
+    unit_total = {k: units_in[k] + units_out[k] for k in units_in}
+    largest = max(unit_total, key=lambda k: unit_total[k])
+    read_bytes = sum(f["bytes"] for f in read)
+    write_bytes = sum(f["bytes"] for f in write)
+    copy_bw = float(bw["copy_bytes_per_s"])
+    ratio = float(bw["ratio_to_cp"].get(operation, DEFAULT_BANDWIDTH["ratio_to_cp"][operation]))
+    at_copy = max(read_bytes, write_bytes) / copy_bw
+    if sum(counts) != spec.num_layers:  # internal consistency of the stage split
+        raise MConvertError(f"stage split {counts} does not add up to {spec.num_layers} layers")
+    return Estimate(
+        model=model,
+        parameters=spec.num_parameters(),
+        operation=operation,
+        source=source,
+        target=target,
+        dtype=dtype,
+        stage_layers=counts,
+        read_files=len(read),
+        read_bytes=read_bytes,
+        write_files=len(write),
+        write_bytes=write_bytes,
+        largest_unit=largest,
+        largest_unit_bytes=unit_total[largest],
+        peak_memory_bytes=unit_total[largest] + int(bw["base_rss_bytes"]),
+        copy_bytes_per_s=copy_bw,
+        seconds_at_copy_speed=at_copy,
+        expected_seconds=at_copy * ratio,
+        ratio_to_cp=ratio,
+        bandwidth_source=str(bw.get("source", "")),
+        megatron_args=margs,
+        notes=notes,
+        files={"read": read, "write": write},
+    )
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:,.2f} GB"
+
+
+def render_estimate(est: Estimate) -> Any:
+    """A rich table of one estimate (the CLI prints it to stderr)."""
+    from rich.table import Table
+
+    t = Table(title=f"{est.operation}: {est.model} ({est.parameters / 1e9:,.1f} B params, {est.dtype})")
+    t.add_column("quantity")
+    t.add_column("estimate")
+    t.add_row("source → target", f"{est.source} → {est.target}")
+    t.add_row("layers per stage", " ".join(map(str, est.stage_layers)))
+    t.add_row("read", f"{est.read_files} files, {_gb(est.read_bytes)}")
+    t.add_row("write", f"{est.write_files} files, {_gb(est.write_bytes)}")
+    t.add_row("largest unit (in + out)", f"{est.largest_unit}: {_gb(est.largest_unit_bytes)}")
+    t.add_row("peak memory", _gb(est.peak_memory_bytes))
+    t.add_row("copy bandwidth", f"{est.copy_bytes_per_s / GB:,.2f} GB/s ({est.bandwidth_source})")
+    t.add_row("time at copy speed", f"{est.seconds_at_copy_speed / 60:,.1f} min")
+    t.add_row("expected time", f"{est.expected_seconds / 60:,.1f} min (× {est.ratio_to_cp:.2f} cp)")
+    for n in est.notes:
+        t.add_row("note", n)
+    return t
