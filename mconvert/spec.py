@@ -399,7 +399,7 @@ class ModelSpec:
                 vocab_size=self.vocab_size,
                 layer_norm_epsilon=self.norm_epsilon,
                 activation_function=self.activation,
-                tie_word_embeddings=True,
+                tie_word_embeddings=self.tie_embeddings,
                 scale_attn_weights=True,
                 resid_pdrop=0.0,
                 embd_pdrop=0.0,

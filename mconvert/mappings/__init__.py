@@ -1,1 +1,5 @@
 """Layout transforms (pure shard math) and one plugin table per model family."""
+
+from mconvert.mappings.plugin import from_hf, hf_names, hf_unit, plugin_for, to_hf
+
+__all__ = ["from_hf", "hf_names", "hf_unit", "plugin_for", "to_hf"]

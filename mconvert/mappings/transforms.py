@@ -70,3 +70,111 @@ def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.
     total = sum(s.numel() for s in shards)
     assert full.numel() == total, f"{name}: merged {full.numel()} elements from {total}"
     return full
+
+
+# ---- full-tensor layout transforms (Megatron full tensor ⇄ HF tensors), both directions --------------
+# Pure functions over full (unsharded) tensors. Each checks element counts: a wrong layout must fail.
+
+
+def _check_numel(name: str, parts: list[torch.Tensor], whole: torch.Tensor) -> None:
+    total = sum(p.numel() for p in parts)
+    if total != whole.numel():
+        shapes = [tuple(p.shape) for p in parts]
+        raise MConvertError(f"{name}: parts {shapes} hold {total} elements but the fused tensor {tuple(whole.shape)} "
+                            f"holds {whole.numel()}; the model config does not match the tensors")
+
+
+def qkv_to_separate(qkv: torch.Tensor, nq: int, ng: int, hd: int, name: str = "linear_qkv") -> list[torch.Tensor]:
+    """Fused `[ng·(nq/ng+2)·hd, ...]` (per group: nq/ng query heads, 1 key, 1 value) -> [q, k, v]."""
+    rows = (nq + 2 * ng) * hd
+    if qkv.shape[0] != rows or nq % ng:
+        raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nq}, groups={ng}, head_dim={hd} "
+                            f"(expected {rows} rows)")
+    rest = tuple(qkv.shape[1:])
+    g = qkv.reshape(ng, nq // ng + 2, hd, *rest)
+    q = g[:, : nq // ng].reshape(nq * hd, *rest)
+    k = g[:, nq // ng].reshape(ng * hd, *rest)
+    v = g[:, nq // ng + 1].reshape(ng * hd, *rest)
+    _check_numel(name, [q, k, v], qkv)
+    return [q, k, v]
+
+
+def separate_to_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nq: int, ng: int, hd: int,
+                    name: str = "q/k/v") -> torch.Tensor:
+    """[q, k, v] (HF q_proj/k_proj/v_proj) -> Megatron's fused per-group layout."""
+    rest = tuple(q.shape[1:])
+    if q.shape[0] != nq * hd or k.shape[0] != ng * hd or v.shape[0] != ng * hd or nq % ng:
+        raise MConvertError(f"{name}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                            f"heads={nq}, groups={ng}, head_dim={hd}")
+    qg = q.reshape(ng, nq // ng, hd, *rest)
+    kg = k.reshape(ng, 1, hd, *rest)
+    vg = v.reshape(ng, 1, hd, *rest)
+    fused = torch.cat([qg, kg, vg], dim=1).reshape((nq + 2 * ng) * hd, *rest)
+    _check_numel(name, [q, k, v], fused)
+    return fused
+
+
+def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv") -> torch.Tensor:
+    """Megatron MHA qkv `[nh, 3, hd] (× H)` -> GPT-2 `c_attn` (Conv1D): `[3, nh, hd]` rows, transposed to [H, 3H].
+
+    A 1-D bias becomes `[3·nh·hd]` without the transpose."""
+    rest = tuple(qkv.shape[1:])
+    if qkv.shape[0] != 3 * nh * hd:
+        raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nh}, head_dim={hd}")
+    out = qkv.reshape(nh, 3, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest)
+    _check_numel(name, [qkv], out)
+    return out.t().contiguous() if out.dim() == 2 else out.contiguous()
+
+
+def conv1d_to_qkv(c_attn: torch.Tensor, nh: int, hd: int, name: str = "c_attn") -> torch.Tensor:
+    """GPT-2 `c_attn` `[H, 3H]` (or bias `[3H]`) -> Megatron MHA qkv `[nh, 3, hd]` rows."""
+    t = c_attn.t() if c_attn.dim() == 2 else c_attn
+    if t.shape[0] != 3 * nh * hd:
+        raise MConvertError(f"{name}: shape {tuple(c_attn.shape)} does not fit heads={nh}, head_dim={hd}")
+    rest = tuple(t.shape[1:])
+    out = t.reshape(3, nh, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest).contiguous()
+    _check_numel(name, [c_attn], out)
+    return out
+
+
+def gated_to_halves(fc1: torch.Tensor, name: str = "linear_fc1") -> list[torch.Tensor]:
+    """Full (TP=1 order) SwiGLU fc1 `[gate; up]` -> [gate, up]."""
+    if fc1.shape[0] % 2:
+        raise MConvertError(f"{name}: gated fc1 has an odd row count {fc1.shape[0]}")
+    gate, up = fc1.chunk(2, dim=0)
+    _check_numel(name, [gate, up], fc1)
+    return [gate, up]
+
+
+def halves_to_gated(gate: torch.Tensor, up: torch.Tensor, name: str = "gate/up") -> torch.Tensor:
+    """[gate, up] -> full SwiGLU fc1 `[gate; up]` (TP=1 order; `split(kind='gated')` re-cuts it per rank)."""
+    if gate.shape != up.shape:
+        raise MConvertError(f"{name}: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    fc1 = torch.cat([gate, up], dim=0)
+    _check_numel(name, [gate, up], fc1)
+    return fc1
+
+
+def transpose(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """Linear `[out, in]` ⇄ Conv1D `[in, out]` (GPT-2). 1-D tensors (biases) pass through."""
+    return t.t().contiguous() if t.dim() == 2 else t
+
+
+def strip_vocab(t: torch.Tensor, vocab: int, name: str = "embedding") -> torch.Tensor:
+    """Padded vocab rows -> the true vocab (HF export)."""
+    if t.shape[0] < vocab:
+        raise MConvertError(f"{name}: {t.shape[0]} rows but the vocabulary has {vocab}; wrong vocab_size/tokenizer")
+    return t[:vocab]
+
+
+def pad_vocab(t: torch.Tensor, rows: int, vocab: int | None = None, name: str = "embedding") -> torch.Tensor:
+    """Vocab rows -> exactly `rows` rows: kept as stored when already `rows` long; otherwise the first
+    `vocab` (true vocab) rows followed by zeros (Megatron's padding for the target TP)."""
+    if t.shape[0] == rows:
+        return t
+    vocab = t.shape[0] if vocab is None else vocab
+    if vocab > rows or t.shape[0] < vocab:
+        raise MConvertError(f"{name}: cannot fit {t.shape[0]} rows (vocab {vocab}) into {rows} padded rows")
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[:vocab] = t[:vocab]
+    return out

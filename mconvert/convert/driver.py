@@ -1,0 +1,194 @@
+"""The streaming driver: move one unit (embedding, layer i, final) at a time from a Source to a writer.
+
+Peak memory = one unit's source shards (all TP ranks, memory-mapped) + the merged/mapped unit + the writer's
+buffer (one safetensors shard for HF; one pipeline stage for Megatron, whose rank files hold a whole stage).
+"""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert.convert.base import Unit
+from mconvert.convert.sources import TOKENIZER_FILES, open_source
+from mconvert.errors import MConvertError
+
+DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def parse_dtype(name: str) -> torch.dtype | None:
+    """'auto' -> None (keep the source dtype); 'bf16' -> torch.bfloat16; anything else is an error."""
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise MConvertError(f"--dtype {name!r}: choose auto, fp32, bf16 or fp16") from None
+
+
+def _progress(units: list[Unit], desc: str, enabled: bool) -> Iterator[Unit]:
+    if not enabled:
+        yield from units
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[u]}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(desc, total=len(units), u="")
+        for u in units:
+            bar.update(task, u=f"unit {u}")
+            yield u
+            bar.advance(task)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
+    copied = []
+    if src_dir is not None:
+        for f in TOKENIZER_FILES:
+            if (src_dir / f).is_file():
+                shutil.copyfile(src_dir / f, out / f)
+                copied.append(f)
+    return copied
+
+
+def _files_report(root: Path) -> list[dict[str, Any]]:
+    return [{"path": str(p.relative_to(root)), "bytes": p.stat().st_size}
+            for p in sorted(root.rglob("*")) if p.is_file()]
+
+
+def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | None = None, dtype: str = "auto",
+                   tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
+                   progress: bool = False) -> dict[str, Any]:
+    """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict."""
+    from mconvert.convert.hf import HFWriter, parse_size
+
+    t0 = time.perf_counter()
+    target = parse_dtype(dtype)
+    size = parse_size(max_shard_size)
+    check_output(out, force)
+    src = open_source(ckpt, iteration=iteration, tokenizer=tokenizer)
+    if src.format == "hf":
+        raise MConvertError(f"{ckpt}: this is already a HuggingFace directory; use hf-to-megatron for the other way")
+    warnings: list[str] = []
+    if not getattr(src, "vocab_known", True):
+        warnings.append(f"vocab size unknown (args have no vocab_size and no tokenizer was found): exporting all "
+                        f"{src.spec.vocab_size} padded rows; pass --tokenizer DIR to strip them")
+    if src.spec.family == "gpt2" and not src.spec.tie_embeddings:
+        warnings.append("UNTIED GPT-2: vLLM always ties GPT-2's lm_head to wte, so this model will NOT be served "
+                        "correctly by vLLM (transformers reads lm_head.weight)")
+    spec = src.spec
+    if target is not None:
+        spec = spec.replace(params_dtype=_DTYPE_NAME[target])
+    with atomic_output_dir(out, force) as tmp:
+        writer = HFWriter(tmp, spec, size, target)
+        for unit in _progress(src.units(), "megatron-to-hf", progress):
+            writer.add(src.read_hf(unit))
+        writer.close(src.tokenizer_dir)
+        files = _files_report(tmp)
+    return {
+        "verb": "megatron-to-hf", "source": src.describe(), "output": str(out), "family": spec.family,
+        "dtype": spec.params_dtype, "files": files, "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
+        "peak_rss_bytes": peak_rss_bytes(), "hf_buffer_peak_bytes": writer.peak_buffer_bytes,
+        "seconds": round(time.perf_counter() - t0, 3), "warnings": warnings,
+    }
+
+
+def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                   dtype: str = "auto", force: bool = False, progress: bool = False) -> dict[str, Any]:
+    """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)."""
+    from mconvert.convert.megatron import MegatronWriter
+
+    t0 = time.perf_counter()
+    target = parse_dtype(dtype)
+    check_output(out, force)
+    src = open_source(hf_dir)
+    if src.format != "hf":
+        raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
+    spec = src.spec if target is None else src.spec.replace(params_dtype=_DTYPE_NAME[target])
+    spec.check_parallel(tp, pp, vpp)
+    with atomic_output_dir(out, force) as tmp:
+        writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target)
+        for unit in _progress(src.units(), "hf-to-megatron", progress):
+            writer.add(unit, src.read_mcore(unit))
+        writer.close()
+        tok = _copy_tokenizer(src.tokenizer_dir, tmp)
+        files = _files_report(tmp)
+    return {
+        "verb": "hf-to-megatron", "source": src.describe(), "output": str(out), "family": spec.family,
+        "tp": tp, "pp": pp, "vpp": vpp, "dtype": spec.params_dtype, "files": files, "tokenizer_files": tok,
+        "optimizer": "none (HF checkpoints carry no optimizer state)",
+        "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
+    }
+
+
+def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
+            with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
+            progress: bool = False) -> dict[str, Any]:
+    """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP): merge to full tensors, split again.
+
+    Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
+    their parameters' layouts so training resumes at the new layout; without it, no optimizer is written."""
+    from mconvert.convert.megatron import MegatronSource, MegatronWriter
+    from mconvert.convert.optimizer import index_states
+
+    t0 = time.perf_counter()
+    check_output(out, force)
+    src = open_source(ckpt, iteration=iteration)
+    if src.format == "hf":
+        raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
+    src.spec.check_parallel(tp, pp, vpp)
+    groups = None
+    top: dict[str, Any] = {}
+    if isinstance(src, MegatronSource):
+        top = src.top_level()
+        for k in ("args", "checkpoint_version", "iteration", "optimizer"):
+            top.pop(k, None)
+        if (tp, pp, vpp) != (src.tp, src.pp, src.vpp):
+            top.pop("rng_state", None)  # per-rank RNG streams have no meaning at another layout
+        if with_optimizer:
+            first = __import__("mconvert.convert.safeload", fromlist=["safe_load"]).safe_load(src.files[(0, 0)])
+            _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
+            del first
+    elif with_optimizer:
+        raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
+    iteration_out = src.iteration if src.iteration is not None else "release"
+    with atomic_output_dir(out, force) as tmp:
+        writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
+                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups)
+        for unit in _progress(src.units(), "reshard", progress):
+            if isinstance(src, MegatronSource):
+                tensors, states = src.read_unit(unit, with_optimizer)
+            else:
+                tensors, states = src.read_mcore(unit), {}
+            writer.add(unit, tensors, states if with_optimizer else None)
+        writer.close()
+        tok = _copy_tokenizer(src.tokenizer_dir, tmp)
+        files = _files_report(tmp)
+    return {
+        "verb": "reshard", "source": src.describe(), "output": str(out), "family": src.spec.family,
+        "tp": tp, "pp": pp, "vpp": vpp, "iteration": iteration_out, "files": files, "tokenizer_files": tok,
+        "optimizer": "re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
+        else "not written (pass --with-optimizer to re-shard the Adam states)",
+        "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
+    }
+
+
+def iter_units(src: Any, units: Iterable[Unit] | None = None) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:
+    """(unit, HF tensors) one unit at a time — the streaming interface other writers (FT, ONNX) consume."""
+    for u in units if units is not None else src.units():
+        yield u, src.read_hf(u)

@@ -1,0 +1,212 @@
+"""HuggingFace directories: a Source reading safetensors (or pytorch_model*.bin) one unit at a time, and a
+writer that streams units into safetensors shards of at most `max_shard_size` bytes.
+
+Writer output: `model.safetensors` (or `model-0000X-of-0000N.safetensors` + `model.safetensors.index.json`),
+`config.json` from `spec.to_hf_config()`, `generation_config.json` with bos/eos ids, tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from mconvert.convert.base import Unit
+from mconvert.convert.safeload import safe_load
+from mconvert.convert.sources import TOKENIZER_FILES, SourceBase, find_tokenizer_dir
+from mconvert.errors import MConvertError
+from mconvert.mappings import from_hf, hf_unit
+from mconvert.spec import ModelSpec
+
+INDEX = "model.safetensors.index.json"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5·10⁹ bytes (transformers' convention); '500MiB', '1000' accepted."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m or (m.group(2) or "").upper() not in _UNITS:
+        raise MConvertError(f"--max-shard-size {text!r}: expected a size like 5GB, 500MB or 2GiB")
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if size <= 0:
+        raise MConvertError(f"--max-shard-size {text!r} must be positive")
+    return size
+
+
+class HFSource(SourceBase):
+    """An HF model directory (config.json + safetensors / pytorch_model*.bin), read one unit at a time."""
+
+    format = "hf"
+
+    def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
+        self.path = Path(path)
+        cfg_path = self.path / "config.json"
+        try:
+            self.config = json.loads(cfg_path.read_text())
+        except (OSError, ValueError) as e:
+            raise MConvertError(f"{cfg_path}: unreadable config ({e})") from None
+        self.spec = ModelSpec.from_hf_config(self.config, source=str(cfg_path))
+        self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
+        self.key_file = self._index()
+        self.unit_keys: dict[Unit, list[str]] = {}
+        for k, f in self.key_file.items():
+            u = hf_unit(self.spec, k, source=str(self.path / f))
+            if u is not None:
+                self.unit_keys.setdefault(u, []).append(k)
+        self._bin_cache: tuple[str, dict] | None = None
+
+    def _index(self) -> dict[str, str]:
+        """tensor name -> file name, from the index json or by listing the weight files."""
+        idx = self.path / INDEX
+        if idx.is_file():
+            try:
+                weight_map = json.loads(idx.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise MConvertError(f"{idx}: unreadable index ({e})") from None
+            for f in set(weight_map.values()):
+                if not (self.path / f).is_file():
+                    raise MConvertError(f"{idx}: lists {f} but that file is missing")
+            return dict(weight_map)
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            bin_idx = self.path / "pytorch_model.bin.index.json"
+            if bin_idx.is_file():
+                return dict(json.loads(bin_idx.read_text())["weight_map"])
+            files = sorted(p.name for p in self.path.glob("pytorch_model*.bin"))
+        if not files:
+            raise MConvertError(f"{self.path}: no *.safetensors or pytorch_model*.bin weight files")
+        out: dict[str, str] = {}
+        for f in files:
+            for k in self._keys_of(f):
+                out[k] = f
+        return out
+
+    def _keys_of(self, f: str) -> list[str]:
+        if f.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(self.path / f), framework="pt") as sf:
+                    return list(sf.keys())
+            except Exception as e:  # noqa: BLE001
+                raise MConvertError(f"{self.path / f}: unreadable safetensors file ({str(e)[:120]})") from None
+        return list(safe_load(self.path / f, "weights"))
+
+    def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """HF tensors of one unit, as stored (true vocab)."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for k in self.unit_keys.get(unit, []):
+            by_file.setdefault(self.key_file[k], []).append(k)
+        out: dict[str, torch.Tensor] = {}
+        for f, keys in by_file.items():
+            if f.endswith(".safetensors"):
+                with safe_open(str(self.path / f), framework="pt") as sf:
+                    for k in keys:
+                        out[k] = sf.get_tensor(k)
+            else:
+                if self._bin_cache is None or self._bin_cache[0] != f:
+                    self._bin_cache = (f, safe_load(self.path / f, "weights"))
+                for k in keys:
+                    out[k] = self._bin_cache[1][k]
+        if unit == "final" and self.spec.tie_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+
+    def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Canonical full tensors of one unit (vocab rows = the true vocab, unpadded)."""
+        return from_hf(self.spec, unit, self.read_hf(unit), source=str(self.path))
+
+
+class HFWriter:
+    """Streams HF tensors into safetensors shards of at most `max_shard_size` bytes, then writes the configs."""
+
+    def __init__(self, out: Path, spec: ModelSpec, max_shard_size: int = 5 * 10**9,
+                 dtype: torch.dtype | None = None) -> None:
+        self.out, self.spec, self.max_shard_size, self.dtype = Path(out), spec, max_shard_size, dtype
+        self._buf: dict[str, torch.Tensor] = {}
+        self._buf_bytes = 0
+        self._tmp_files: list[tuple[Path, list[str]]] = []
+        self.total_size = 0
+        self.peak_buffer_bytes = 0
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            if self.dtype is not None and t.dtype != self.dtype:
+                t = t.to(self.dtype)
+            t = t.contiguous()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+                t = t.clone()
+            nbytes = t.numel() * t.element_size()
+            if self._buf and self._buf_bytes + nbytes > self.max_shard_size:
+                self._flush()
+            self._buf[name] = t
+            self._buf_bytes += nbytes
+            self.total_size += nbytes
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buf_bytes)
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self._buf:
+            return
+        path = self.out / f".shard-{len(self._tmp_files):05d}.safetensors"
+        save_file(self._buf, str(path), metadata={"format": "pt"})
+        self._tmp_files.append((path, list(self._buf)))
+        self._buf, self._buf_bytes = {}, 0
+
+    def close(self, tokenizer_dir: Path | None = None) -> list[Path]:
+        """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer."""
+        self._flush()
+        n = len(self._tmp_files)
+        files: list[Path] = []
+        weight_map: dict[str, str] = {}
+        for i, (tmp, names) in enumerate(self._tmp_files):
+            final = self.out / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+            os.replace(tmp, final)
+            files.append(final)
+            weight_map.update({k: final.name for k in names})
+        if n > 1:
+            idx = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out / INDEX).write_text(json.dumps(idx, indent=2) + "\n")
+            files.append(self.out / INDEX)
+        spec = self.spec
+        bos, eos = spec.bos_token_id, spec.eos_token_id
+        if tokenizer_dir is not None:
+            for f in TOKENIZER_FILES:
+                if (tokenizer_dir / f).is_file():
+                    shutil.copyfile(tokenizer_dir / f, self.out / f)
+                    files.append(self.out / f)
+            tb, te = _tokenizer_special_ids(tokenizer_dir)
+            bos = bos if bos is not None else tb
+            eos = eos if eos is not None else te
+        cfg = spec.replace(bos_token_id=bos, eos_token_id=eos).to_hf_config()
+        (self.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        gen: dict = {"_from_model_config": True}
+        if bos is not None:
+            gen["bos_token_id"] = bos
+        if eos is not None:
+            gen["eos_token_id"] = eos
+        (self.out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        files += [self.out / "config.json", self.out / "generation_config.json"]
+        return files
+
+
+def _tokenizer_special_ids(tok_dir: Path) -> tuple[int | None, int | None]:
+    """bos/eos ids of an HF tokenizer (None when it has none or cannot be loaded)."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        return tok.bos_token_id, tok.eos_token_id
+    except Exception:  # noqa: BLE001 - optional information only
+        return None, None

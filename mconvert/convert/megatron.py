@@ -1,0 +1,340 @@
+"""Megatron-LM legacy "torch" checkpoints: a streaming reader (Source) and a stage-buffered writer.
+
+Reader: one unit at a time, it opens (mmap, weights-only) only the TP files of the pipeline stage that holds
+the unit, normalizes every key spelling (mcore local / TE / legacy flat / legacy nested) to canonical names,
+makes the layer index global and merges the TP shards by the split kind ModelSpec declares.
+Writer: splits full tensors for the target TP, buffers one pipeline stage, writes its rank files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.convert import optimizer as optim
+from mconvert.convert.base import Unit
+from mconvert.convert.layout import (
+    CHECKPOINT_VERSION,
+    layer_location,
+    parse_rank_dir,
+    rank_file,
+    save_rank_file,
+    stage_layers,
+    write_latest,
+)
+from mconvert.convert.safeload import safe_load
+from mconvert.convert.sources import SourceBase, find_tokenizer_dir, resolve_iteration_dir, tokenizer_length
+from mconvert.errors import MConvertError
+from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
+from mconvert.mappings.transforms import merge, pad_vocab, split
+from mconvert.spec import ModelSpec
+
+RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
+
+
+def _args_dict(args: Any) -> dict[str, Any]:
+    if isinstance(args, dict):
+        return dict(args)
+    if isinstance(args, (argparse.Namespace, types.SimpleNamespace)):
+        return dict(vars(args))
+    raise MConvertError(f"checkpoint args have an unexpected type {type(args).__name__}")
+
+
+def _fix_legacy_qkv(t: torch.Tensor, version: float, nh: int, hd: int) -> torch.Tensor:
+    """checkpoint_version 0 ([3, np, hn]) and 1 ([np, hn, 3]) -> the >= 2 layout [np, 3, hn] (one TP shard)."""
+    rest = tuple(t.shape[1:])
+    np_ = t.shape[0] // (3 * hd)
+    if version == 0:
+        return t.reshape(3, np_, hd, *rest).transpose(0, 1).reshape(t.shape).contiguous()
+    return t.reshape(np_, hd, 3, *rest).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+class MegatronSource(SourceBase):
+    """A Megatron torch-format checkpoint (`iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt`) read unit by unit."""
+
+    format = "megatron"
+
+    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None) -> None:
+        self.path = Path(path)
+        self.iter_dir, self.iteration = resolve_iteration_dir(self.path, iteration)
+        self.root = self.iter_dir.parent if self.iter_dir != self.path else self.path.parent
+        self.files = self._rank_files()
+        self.tp = 1 + max(t for t, _ in self.files)
+        self.pp = 1 + max(p for _, p in self.files)
+        for t in range(self.tp):
+            for p in range(self.pp):
+                if (t, p) not in self.files:
+                    raise MConvertError(f"{self.iter_dir}: rank file for TP rank {t}, PP rank {p} is missing "
+                                        f"(found TP={self.tp}, PP={self.pp}); the checkpoint is incomplete")
+        first_file = self.files[(0, 0)]
+        first = safe_load(first_file)
+        if "args" not in first:
+            raise MConvertError(f"{first_file}: no 'args' entry; not a Megatron-LM checkpoint (or written without args)")
+        self.args = first["args"]
+        self.checkpoint_version = float(first.get("checkpoint_version", 0) or 0)
+        if self.iteration != "release" and first.get("iteration") is not None:
+            self.iteration = first["iteration"]
+        self.top_keys = [k for k in first if not k.startswith("model")]
+        chunks = sorted(int(k[5:]) for k in first if k.startswith("model") and k[5:].isdigit())
+        self.vpp = len(chunks) if chunks else None
+        if "model" not in first and not chunks:
+            raise MConvertError(f"{first_file}: no 'model' (or 'model0'...) entry; nothing to convert")
+        a = _args_dict(self.args)
+        self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.root, self.path)
+        if tokenizer and self.tokenizer_dir is None:
+            raise MConvertError(f"{tokenizer}: no tokenizer files (tokenizer.json / tokenizer_config.json) there")
+        vocab = a.get("vocab_size") or a.get("orig_vocab_size") or a.get("true_vocab_size")
+        self.vocab_known = vocab is not None
+        if vocab is None and self.tokenizer_dir is not None:
+            vocab, self.vocab_known = tokenizer_length(self.tokenizer_dir), True
+        spec = ModelSpec.from_megatron_args(a, source=str(first_file))
+        if vocab is not None:
+            spec = spec.replace(vocab_size=int(vocab))
+        self.spec = spec
+        self.padded_vocab = a.get("padded_vocab_size")
+        del first
+        spec.check_parallel(1, self.pp, self.vpp)
+        self._keymaps: dict[tuple[int, int], dict[str, str]] = {}
+        for p in range(self.pp):  # validate every key of every stage before any work is done
+            st = safe_load(self.files[(0, p)])
+            for c in range(self.vpp or 1):
+                self._keymaps[(p, c)] = self._keymap(st, p, c, self.files[(0, p)])
+            del st
+
+    # ---- discovery ------------------------------------------------------------------------------------
+    def _rank_files(self) -> dict[tuple[int, int], Path]:
+        files: dict[tuple[int, int], Path] = {}
+        for d in sorted(self.iter_dir.iterdir()):
+            parsed = parse_rank_dir(d.name) if d.is_dir() else None
+            if parsed is None:
+                continue
+            f = next((d / n for n in RANK_FILES if (d / n).is_file()), None)
+            if f is None:
+                raise MConvertError(f"{d}: no {RANK_FILES[0]} inside; the checkpoint is incomplete")
+            files[(parsed[0], parsed[1] or 0)] = f
+        if not files:
+            raise MConvertError(f"{self.iter_dir}: no mp_rank_* directories; not a Megatron torch checkpoint")
+        return files
+
+    def _model_dict(self, state: dict, chunk: int, file: Path) -> dict[str, Any]:
+        key = "model" if self.vpp is None else f"model{chunk}"
+        if key not in state:
+            raise MConvertError(f"{file}: no {key!r} entry (other rank files have it); the checkpoint is inconsistent")
+        return flatten(state[key])
+
+    def _keymap(self, state: dict, pp_rank: int, chunk: int, file: Path) -> dict[str, str]:
+        """raw key -> canonical global name for one stage chunk; drops omitted; unknown keys are an error."""
+        layers = stage_layers(self.spec.num_layers, self.pp, pp_rank, self.vpp)[chunk]
+        out: dict[str, str] = {}
+        for raw, val in self._model_dict(state, chunk, file).items():
+            name = canonical_key(raw)
+            if name is None:
+                continue
+            if not isinstance(val, torch.Tensor):
+                raise MConvertError(f"{file}: key {raw!r} holds a {type(val).__name__}, not a tensor")
+            unit = unit_of(name)
+            if isinstance(unit, int):
+                if unit >= len(layers):
+                    raise MConvertError(f"{file}: key {raw!r} has local layer {unit} but this stage holds "
+                                        f"{len(layers)} layers (num_layers={self.spec.num_layers}, PP={self.pp})")
+                name = with_layer(name, layers[unit])
+            try:
+                self.spec.split_kind(name)
+            except MConvertError:
+                raise MConvertError(f"{file}: unmapped key {raw!r} (read as {name!r}) for a {self.spec.family} "
+                                    "model; it is neither converted nor a known buffer") from None
+            out[raw] = name
+        return out
+
+    def location(self, unit: Unit) -> tuple[int, int]:
+        """(pp_rank, chunk) of the stage that holds `unit`."""
+        if unit == "embedding":
+            return 0, 0
+        if unit == "final":
+            return self.pp - 1, (self.vpp or 1) - 1
+        p, c, _ = layer_location(self.spec.num_layers, self.pp, int(unit), self.vpp)
+        return p, c
+
+    # ---- reading ------------------------------------------------------------------------------------
+    def _unit_of_global(self, name: str) -> Unit:
+        return unit_of(name)
+
+    def read_unit(self, unit: Unit, with_optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """Full tensors of one unit (canonical global names, source key order) and, when asked, their Adam states."""
+        p, c = self.location(unit)
+        keymap = self._keymaps[(p, c)]
+        wanted = [(raw, name) for raw, name in keymap.items() if unit_of(name) == unit]
+        shards: dict[str, list[torch.Tensor]] = {name: [] for _, name in wanted}
+        ostates: dict[str, list[dict]] = {name: [] for _, name in wanted}
+        for t in range(self.tp):
+            f = self.files[(t, p)]
+            st = safe_load(f)
+            model = self._model_dict(st, c, f)
+            opt_by_name = None
+            if with_optimizer:
+                opt_by_name, self.optimizer_groups = optim.index_states(st.get("optimizer"), str(f))
+            for raw, name in wanted:
+                if raw not in model:
+                    raise MConvertError(f"{f}: key {raw!r} is missing (TP rank 0 has it)")
+                ten = model[raw]
+                if self.checkpoint_version < 2 and name.endswith("linear_qkv.weight") or (
+                    self.checkpoint_version < 2 and name.endswith("linear_qkv.bias")
+                ):
+                    ten = _fix_legacy_qkv(ten, self.checkpoint_version, self.spec.num_attention_heads, self.spec.head_dim)
+                shards[name].append(ten)
+                if opt_by_name is not None:
+                    key = raw if self.vpp is None else f"model{c}.{raw}"
+                    s = opt_by_name.get(key)
+                    if s is None and self.vpp is None:
+                        s = opt_by_name.get(f"model0.{raw}") or opt_by_name.get(f"module.{raw}")
+                    if s is None:
+                        raise MConvertError(f"{f}: optimizer has no state for parameter {key!r}")
+                    ostates[name].append(s)
+            del st, model
+        out = {name: merge(sh, self.spec.split_kind(name), name) for name, sh in shards.items()}
+        states = {}
+        if with_optimizer:
+            states = {n: optim.merge_states(s, self.spec.split_kind(n), n) for n, s in ostates.items()}
+        return out, states
+
+    def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Full tensors of one unit under canonical global names; vocab rows as stored (padded)."""
+        return self.read_unit(unit)[0]
+
+    def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
+        """Top-level entries other than the model and optimizer (args, iteration, scheduler, rng, ...)."""
+        st = safe_load(self.files[(tp_rank, pp_rank)])
+        return {k: v for k, v in st.items() if not k.startswith("model") and k != "optimizer"}
+
+
+class MegatronWriter:
+    """Writes full tensors, unit by unit, as a Megatron torch-format checkpoint at a target TP/PP(/VPP).
+
+    Buffers one pipeline stage's shards (all TP ranks) and writes its rank files as soon as it is complete."""
+
+    def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
+                 iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
+                 optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None) -> None:
+        spec.check_parallel(tp, pp, vpp)
+        self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
+        self.iteration, self.dtype = iteration, dtype
+        self.args = self._target_args(args)
+        self.top_level = dict(top_level or {})
+        self.optimizer_groups = optimizer_groups
+        self.rows = spec.padded_vocab_size(tp)
+        self._stage_units = {p: self._units_of_stage(p) for p in range(pp)}
+        self._buffer: dict[int, dict[int, list[tuple[str, torch.Tensor | None, list]]]] = {}
+        self._received: dict[int, set] = {p: set() for p in range(pp)}
+        self._embedding: tuple[torch.Tensor, dict | None] | None = None
+        self.files: list[Path] = []
+
+    def _target_args(self, args: Any) -> argparse.Namespace:
+        if args is None:
+            return self.spec.to_megatron_args(self.tp, self.pp, self.vpp)
+        ns = argparse.Namespace(**_args_dict(args))
+        ns.tensor_model_parallel_size = self.tp
+        ns.pipeline_model_parallel_size = self.pp
+        ns.virtual_pipeline_model_parallel_size = self.vpp
+        ns.padded_vocab_size = self.spec.padded_vocab_size(self.tp)
+        if getattr(ns, "vocab_size", None) is None:
+            ns.vocab_size = self.spec.vocab_size
+        return ns
+
+    def _units_of_stage(self, p: int) -> list[Unit]:
+        units: list[Unit] = ["embedding"] if p == 0 else []
+        for chunk in stage_layers(self.spec.num_layers, self.pp, p, self.vpp):
+            units += chunk
+        if p == self.pp - 1:
+            units.append("final")
+        return units
+
+    def _where(self, unit: Unit) -> tuple[int, int, int | None]:
+        if unit == "embedding":
+            return 0, 0, None
+        if unit == "final":
+            return self.pp - 1, (self.vpp or 1) - 1, None
+        return layer_location(self.spec.num_layers, self.pp, int(unit), self.vpp)
+
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
+        """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states."""
+        p, c, local = self._where(unit)
+        tensors = dict(tensors)
+        states = dict(states or {})
+        tied = self.spec.tie_embeddings
+        if unit == "embedding" and tied and self.pp > 1:
+            name = "embedding.word_embeddings.weight"
+            self._embedding = (tensors[name], states.get(name))
+        if unit == "final" and tied:
+            if self.pp == 1:
+                tensors.pop("output_layer.weight", None)
+                states.pop("output_layer.weight", None)
+            elif "output_layer.weight" not in tensors:
+                assert self._embedding is not None
+                tensors["output_layer.weight"] = self._embedding[0]
+                if self._embedding[1] is not None:
+                    states["output_layer.weight"] = self._embedding[1]
+            self._embedding = None
+        entries = self._buffer.setdefault(p, {}).setdefault(c, [])
+        for name, full in tensors.items():
+            kind = self.spec.split_kind(name)
+            st = states.get(name)
+            if kind == "vocab":
+                full = pad_vocab(full, self.rows, self.spec.vocab_size, name)
+                if st is not None:
+                    st = {k: pad_vocab(v, self.rows, self.spec.vocab_size, f"{name}.{k}")
+                          if isinstance(v, torch.Tensor) and v.dim() > 0 and k != "step" else v
+                          for k, v in st.items()}
+            if self.dtype is not None and full.dtype != self.dtype:
+                full = full.to(self.dtype)
+            local_name = name if local is None else with_layer(name, local)
+            shards = split(full, kind, self.tp, name)
+            ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
+            entries.append((local_name, shards, ost))  # type: ignore[arg-type]
+        self._received[p].add(unit)
+        if len(self._received[p]) == len(self._stage_units[p]):
+            self._flush(p)
+
+    def _flush(self, p: int) -> None:
+        chunks = self._buffer.pop(p, {})
+        for t in range(self.tp):
+            state: dict[str, Any] = {k: v for k, v in self.top_level.items()}
+            state["args"] = self.args
+            state["checkpoint_version"] = CHECKPOINT_VERSION
+            state["iteration"] = 0 if self.iteration == "release" else int(self.iteration)
+            params: list[tuple[str, dict]] = []
+            for c in range(self.vpp or 1):
+                model = {}
+                for local_name, shards, ost in chunks.get(c, []):
+                    model[local_name] = _own(shards[t])
+                    if ost is not None:
+                        pname = local_name if self.vpp is None else f"model{c}.{local_name}"
+                        params.append((pname, {k: _own(v) if isinstance(v, torch.Tensor) else v
+                                               for k, v in ost[t].items()}))
+                state["model" if self.vpp is None else f"model{c}"] = model
+            if self.optimizer_groups is not None:
+                state["optimizer"] = optim.build_state_dict(params, self.optimizer_groups)
+            path = rank_file(self.out, self.iteration, t, p, self.pp)
+            save_rank_file(path, state)
+            self.files.append(path)
+        del chunks
+
+    def close(self) -> list[Path]:
+        """Check every stage was written and write the tracker file."""
+        missing = [p for p in range(self.pp) if len(self._received[p]) != len(self._stage_units[p])]
+        if missing:
+            raise MConvertError(f"internal: pipeline stages {missing} did not receive all their units")
+        write_latest(self.out, self.iteration)
+        return self.files
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes: torch.save of a view would save the whole storage."""
+    if t.dim() == 0:
+        return t.clone()
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t

@@ -1,0 +1,114 @@
+"""Adam state re-sharding helpers: index a torch Adam `state_dict()` by parameter name, and rebuild one.
+
+The trainer saves `optimizer` = `torch.optim.Adam(...).state_dict()` built from `named_parameters()`, so
+`param_groups[g]['param_names']` names each param id with its model state_dict key (stage-local layer index;
+with virtual pipeline chunks the name is prefixed `model<c>.`). `exp_avg` / `exp_avg_sq` have the parameter's
+sharded shape and follow its split kind; `step` is replicated.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from mconvert.errors import MConvertError
+
+STATE_TENSORS = ("exp_avg", "exp_avg_sq")
+_CHUNK_RE = re.compile(r"^model(\d+)\.(.*)$")
+
+
+def has_states(opt: Any) -> bool:
+    """True when `opt` is a torch optimizer state_dict with per-parameter state (not an empty placeholder)."""
+    return isinstance(opt, dict) and bool(opt.get("state")) and isinstance(opt.get("param_groups"), list)
+
+
+def split_chunk(name: str) -> tuple[int, str]:
+    """`model1.decoder.layers.0.x` -> (1, 'decoder.layers.0.x'); unprefixed names are chunk 0."""
+    m = _CHUNK_RE.match(name)
+    if m:
+        return int(m.group(1)), m.group(2)
+    if name.startswith("module."):
+        return 0, name[len("module."):]
+    return 0, name
+
+
+def index_states(opt: dict, source: str) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Adam state_dict -> ({param name: {'group': g, 'step', 'exp_avg', 'exp_avg_sq'}}, group hyperparameters).
+
+    Needs `param_names` in every group (torch >= 2.6 records them when the optimizer is built from
+    `named_parameters()`); without them the ids cannot be tied to parameters."""
+    if not has_states(opt):
+        raise MConvertError(f"{source}: no optimizer state to re-shard (optimizer is missing or empty); "
+                            "drop --with-optimizer")
+    by_name: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for g, group in enumerate(opt["param_groups"]):
+        names = group.get("param_names")
+        if names is None or len(names) != len(group.get("params", [])):
+            raise MConvertError(f"{source}: optimizer param_groups[{g}] has no param_names; build the optimizer "
+                                "from model.named_parameters() so states can be tied to parameters")
+        groups.append({k: v for k, v in group.items() if k not in ("params", "param_names")})
+        for pid, name in zip(group["params"], names):
+            st = opt["state"].get(pid, {})
+            by_name[name] = {"group": g, **st}
+    return by_name, groups
+
+
+def build_state_dict(params: list[tuple[str, dict[str, Any]]], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """[(param name, {'group', 'step', 'exp_avg', 'exp_avg_sq'})] in named_parameters order -> Adam state_dict.
+
+    Ids are numbered group by group in order, as `torch.optim.Optimizer.state_dict()` numbers them."""
+    state: dict[int, dict[str, Any]] = {}
+    out_groups = []
+    pid = 0
+    for g, hyper in enumerate(groups):
+        ids, names = [], []
+        for name, st in params:
+            if st["group"] != g:
+                continue
+            entry = {k: v for k, v in st.items() if k != "group"}
+            if entry:
+                state[pid] = entry
+            ids.append(pid)
+            names.append(name)
+            pid += 1
+        out_groups.append({**hyper, "params": ids, "param_names": names})
+    return {"state": state, "param_groups": out_groups}
+
+
+def merge_states(per_rank: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    """One parameter's states from every TP rank -> full-shape states (same split kind as the parameter)."""
+    from mconvert.mappings.transforms import merge
+
+    out: dict[str, Any] = {"group": per_rank[0]["group"]}
+    if "step" in per_rank[0]:
+        out["step"] = per_rank[0]["step"]
+    for key in STATE_TENSORS:
+        if key in per_rank[0]:
+            if any(key not in r for r in per_rank):
+                raise MConvertError(f"optimizer state {key!r} of {name} is missing on some TP ranks")
+            out[key] = merge([r[key] for r in per_rank], kind, f"{name}.{key}")
+    for k, v in per_rank[0].items():  # other per-parameter state (e.g. max_exp_avg_sq): kept when replicated
+        if k not in out and k != "group":
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                out[k] = merge([r[k] for r in per_rank], kind, f"{name}.{k}")
+            else:
+                out[k] = v
+    return out
+
+
+def split_states(full: dict[str, Any], kind: str, tp: int, name: str) -> list[dict[str, Any]]:
+    """Full-shape states -> one dict per target TP rank."""
+    from mconvert.mappings.transforms import split
+
+    outs: list[dict[str, Any]] = [{} for _ in range(tp)]
+    for k, v in full.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0 and k != "step":
+            for r, s in enumerate(split(v, kind, tp, f"{name}.{k}")):
+                outs[r][k] = s
+        else:
+            for r in range(tp):
+                outs[r][k] = v
+    return outs

@@ -1,0 +1,143 @@
+"""`open_source(path)`: detect the checkpoint format and return a Source (see `base.py`).
+
+Megatron torch (`latest_checkpointed_iteration.txt`, `iter_*` / `release`, `mp_rank_*`), Megatron torch_dist
+(`common.pt` / `metadata.json` / `.metadata` in the iteration dir; `mconvert.convert.torch_dist.TorchDistSource`,
+imported lazily) and HuggingFace dirs (`config.json` + safetensors or pytorch_model*.bin).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mconvert.convert.base import Unit, units_of
+from mconvert.convert.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
+from mconvert.errors import MConvertError
+from mconvert.spec import ModelSpec
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "vocab.txt",
+)
+_DIST_MARKERS = ("common.pt", "metadata.json", ".metadata")
+
+
+class SourceBase:
+    """What every Source shares: `units()` and `read_hf` = the family plugin over `read_mcore`."""
+
+    path: Path
+    format: str
+    spec: ModelSpec
+    tokenizer_dir: Path | None = None
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    iteration: int | str | None = None
+
+    def units(self) -> list[Unit]:
+        return units_of(self.spec)
+
+    def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Full tensors under HF names, vocab stripped to the true vocab."""
+        from mconvert.mappings import to_hf
+
+        return to_hf(self.spec, unit, self.read_mcore(unit), source=str(self.path))
+
+    def describe(self) -> str:
+        par = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")
+        return f"{self.format} checkpoint {self.path} ({self.spec.family}, {par})"
+
+
+def find_tokenizer_dir(*candidates: Path | None) -> Path | None:
+    """The first directory that holds HF tokenizer files."""
+    for d in candidates:
+        if d is not None and d.is_dir() and any((d / f).is_file() for f in TOKENIZER_FILES[:2] + ("tokenizer.model",)):
+            return d
+    return None
+
+
+def resolve_iteration_dir(root: Path, iteration: int | str | None) -> tuple[Path, int | str | None]:
+    """CKPT root (+ --iteration or the tracker file, else the newest iter_* dir) -> (iteration dir, iteration).
+
+    A path that already is an iteration dir (holds mp_rank_* dirs or torch_dist files) is returned as is."""
+    if _is_iteration_dir(root):
+        name = root.name
+        it: int | str | None = "release" if name == "release" else (int(name[5:]) if name.startswith("iter_") else None)
+        return root, it
+    if iteration is not None:
+        if str(iteration) != "release":
+            try:
+                iteration = int(iteration)
+            except ValueError:
+                raise MConvertError(f"--iteration {iteration!r}: expected a number or 'release'") from None
+        d = root / iteration_dir_name(iteration)
+        if not d.is_dir():
+            have = sorted(p.name for p in root.iterdir() if p.is_dir() and (p.name.startswith("iter_") or p.name == "release"))
+            raise MConvertError(f"{d}: no such iteration directory; available: {', '.join(have) or 'none'}")
+        return d, iteration
+    if (root / TRACKER).is_file():
+        it = read_latest(root)
+        d = root / iteration_dir_name(it)
+        if not d.is_dir():
+            raise MConvertError(f"{root / TRACKER} names iteration {it} but {d} does not exist; pass --iteration")
+        return d, it
+    iters = sorted(p for p in root.glob("iter_*") if p.is_dir())
+    if iters:
+        return iters[-1], int(iters[-1].name[5:])
+    if (root / "release").is_dir():
+        return root / "release", "release"
+    raise MConvertError(f"{root}: not a checkpoint (no {TRACKER}, iter_*/, release/, mp_rank_*/ or config.json)")
+
+
+def _is_iteration_dir(d: Path) -> bool:
+    if any((d / m).exists() for m in _DIST_MARKERS):
+        return True
+    return any(p.is_dir() and parse_rank_dir(p.name) for p in d.iterdir())
+
+
+def detect_format(path: str | Path, iteration: int | str | None = None) -> str:
+    """'hf', 'megatron' or 'megatron-torch_dist' (one-line error when it is none of them)."""
+    p = Path(path)
+    if not p.exists():
+        raise MConvertError(f"{p}: no such file or directory")
+    if not p.is_dir():
+        raise MConvertError(f"{p}: expected a checkpoint directory, got a file")
+    if (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
+                                          or (p / "model.safetensors.index.json").is_file()):
+        return "hf"
+    d, _ = resolve_iteration_dir(p, iteration)
+    if any((d / m).exists() for m in _DIST_MARKERS):
+        return "megatron-torch_dist"
+    return "megatron"
+
+
+def open_source(path: str | Path, iteration: int | str | None = None, tokenizer: str | Path | None = None):
+    """Open any supported checkpoint as a Source: units of full tensors, read one unit at a time."""
+    fmt = detect_format(path, iteration)
+    if fmt == "hf":
+        from mconvert.convert.hf import HFSource
+
+        return HFSource(Path(path), tokenizer=tokenizer)
+    if fmt == "megatron-torch_dist":
+        try:
+            from mconvert.convert.torch_dist import TorchDistSource
+        except ImportError as e:
+            raise MConvertError(f"{path}: torch_dist checkpoints need mconvert.convert.torch_dist ({e})") from None
+        return TorchDistSource(Path(path), iteration=iteration)
+    from mconvert.convert.megatron import MegatronSource
+
+    return MegatronSource(Path(path), iteration=iteration, tokenizer=tokenizer)
+
+
+def tokenizer_length(tok_dir: Path) -> int:
+    """len(tokenizer) of an HF tokenizer dir (the true vocab when the args do not say)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(str(tok_dir)))
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a user-facing one-liner
+        raise MConvertError(f"{tok_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:120]})") from None

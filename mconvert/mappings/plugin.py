@@ -1,0 +1,177 @@
+"""Plugin tables and the two adapter functions `to_hf` / `from_hf` over one unit of full tensors.
+
+A plugin is a table: canonical mcore name (with `*` for the layer index) -> `Rule(hf names, op)`, plus a
+table of HF names that are explicit drops (`None`). `op` names one layout transform of `transforms.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.mappings import transforms as T
+from mconvert.mappings.registry import Registry, fill
+from mconvert.spec import ModelSpec
+
+Unit = str | int
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one canonical mcore parameter becomes one or more HF tensors."""
+
+    hf: tuple[str, ...]
+    op: str = "identity"  # identity | vocab | qkv | qkv_conv1d | gated | transpose
+
+
+@dataclass(frozen=True)
+class Plugin:
+    family: str
+    table: dict[str, Rule]  # canonical mcore template -> Rule
+    hf_drops: dict[str, None]  # HF names (templates) dropped on import
+
+    def registry(self) -> Registry[Rule]:
+        return _registry(self)
+
+    def hf_registry(self) -> Registry[tuple[str, int] | None]:
+        return _hf_registry(self)
+
+
+_REG_CACHE: dict[str, Registry] = {}
+
+
+def _registry(p: Plugin) -> Registry[Rule]:
+    key = f"mc:{p.family}"
+    if key not in _REG_CACHE:
+        _REG_CACHE[key] = Registry(p.table)
+    return _REG_CACHE[key]
+
+
+def _hf_registry(p: Plugin) -> Registry:
+    """HF template -> (mcore template, position in the rule's hf tuple), or None for a drop."""
+    key = f"hf:{p.family}"
+    if key not in _REG_CACHE:
+        table: dict[str, tuple[str, int] | None] = {}
+        for mc, rule in p.table.items():
+            for i, h in enumerate(rule.hf):
+                table[h] = (mc, i)
+        table.update(p.hf_drops)
+        _REG_CACHE[key] = Registry(table)
+    return _REG_CACHE[key]
+
+
+# ---- ops: (to_hf, from_hf) over full tensors -------------------------------------------------------------
+def _qkv_to(spec: ModelSpec, t: torch.Tensor, name: str) -> list[torch.Tensor]:
+    return T.qkv_to_separate(t, spec.num_attention_heads, spec.num_groups, spec.head_dim, name)
+
+
+def _qkv_from(spec: ModelSpec, ts: list[torch.Tensor], name: str) -> torch.Tensor:
+    return T.separate_to_qkv(*ts, spec.num_attention_heads, spec.num_groups, spec.head_dim, name)
+
+
+OPS: dict[str, tuple[Callable[..., list[torch.Tensor]], Callable[..., torch.Tensor]]] = {
+    "identity": (lambda spec, t, n: [t], lambda spec, ts, n: ts[0]),
+    "vocab": (lambda spec, t, n: [T.strip_vocab(t, spec.vocab_size, n)], lambda spec, ts, n: ts[0]),
+    "transpose": (lambda spec, t, n: [T.transpose(t, n)], lambda spec, ts, n: T.transpose(ts[0], n)),
+    "gated": (lambda spec, t, n: T.gated_to_halves(t, n), lambda spec, ts, n: T.halves_to_gated(*ts, name=n)),
+    "qkv": (_qkv_to, _qkv_from),
+    "qkv_conv1d": (
+        lambda spec, t, n: [T.qkv_to_conv1d(t, spec.num_attention_heads, spec.head_dim, n)],
+        lambda spec, ts, n: T.conv1d_to_qkv(ts[0], spec.num_attention_heads, spec.head_dim, n),
+    ),
+}
+
+
+def plugin_for(spec: ModelSpec) -> Plugin:
+    """The family's plugin table (mistral and qwen2 share llama's)."""
+    from mconvert.mappings import gpt2, llama
+
+    return {"gpt2": gpt2.PLUGIN, "llama": llama.PLUGIN, "mistral": llama.PLUGIN, "qwen2": llama.PLUGIN}[spec.family]
+
+
+def _expected_mcore(spec: ModelSpec, unit: Unit) -> list[str]:
+    if unit == "embedding":
+        return [d.name for d in spec.embedding_params()]
+    if unit == "final":
+        return [d.name for d in spec.final_params()]
+    return [d.name for d in spec.layer_params(int(unit))]
+
+
+def to_hf(spec: ModelSpec, unit: Unit, mcore: dict[str, torch.Tensor], source: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Full tensors of one unit under canonical mcore names -> HF names (vocab stripped to the true vocab).
+
+    A tied `output_layer.weight` (the last stage's copy) is dropped: HF ties the head to the embedding."""
+    plugin = plugin_for(spec)
+    reg = plugin.registry()
+    out: dict[str, torch.Tensor] = {}
+    missing = [n for n in _expected_mcore(spec, unit) if n not in mcore]
+    if missing:
+        raise MConvertError(f"{source}: parameter {missing[0]!r} is missing (unit {unit!r})")
+    for name, t in mcore.items():
+        if name == "output_layer.weight" and spec.tie_embeddings:
+            continue
+        m = reg.match(name)
+        if m is None:
+            raise MConvertError(f"{source}: no {spec.family} mapping for parameter {name!r}")
+        _, rule, layer = m
+        parts = OPS[rule.op][0](spec, t, name)
+        for h, p in zip(rule.hf, parts, strict=True):
+            out[fill(h, layer)] = p
+    return out
+
+
+def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """HF tensors of one unit -> full tensors under canonical mcore names (vocab rows as in HF: unpadded).
+
+    Every HF key is consumed by a rule or an explicit drop; anything else is an error naming the key."""
+    plugin = plugin_for(spec)
+    reg = plugin.registry()
+    hreg = plugin.hf_registry()
+    for k in hf:
+        m = hreg.match(k)
+        if m is None:
+            raise MConvertError(f"{source}: unmapped tensor {k!r} for a {spec.family} model; "
+                                "this key is neither converted nor a known buffer")
+    out: dict[str, torch.Tensor] = {}
+    for name in _expected_mcore(spec, unit):
+        m = reg.match(name)
+        if m is None:
+            raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
+        _, rule, layer = m
+        names = [fill(h, layer) for h in rule.hf]
+        absent = [n for n in names if n not in hf]
+        if absent:
+            raise MConvertError(f"{source}: tensor {absent[0]!r} is missing (needed for {name})")
+        out[name] = OPS[rule.op][1](spec, [hf[n] for n in names], name)
+    return out
+
+
+def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit | None:
+    """Which unit an HF tensor belongs to (None: an explicit drop). Unknown names are an error."""
+    m = plugin_for(spec).hf_registry().match(hf_name)
+    if m is None:
+        raise MConvertError(f"{source}: unmapped tensor {hf_name!r} for a {spec.family} model; "
+                            "this key is neither converted nor a known buffer")
+    tpl, val, layer = m
+    if val is None:
+        if hf_name in ("lm_head.weight",):
+            return "final"
+        return None
+    if layer is not None:
+        return layer
+    return "embedding" if val[0].startswith("embedding.") else "final"
+
+
+def hf_names(spec: ModelSpec, unit: Unit) -> list[str]:
+    """The HF tensor names one unit produces (what an HF writer will receive)."""
+    reg = plugin_for(spec).registry()
+    out: list[str] = []
+    for name in _expected_mcore(spec, unit):
+        if name == "output_layer.weight" and spec.tie_embeddings:
+            continue
+        _, rule, layer = reg.match(name)  # type: ignore[misc]
+        out += [fill(h, layer) for h in rule.hf]
+    return out
