@@ -1,0 +1,309 @@
+"""GPT model (one pipeline stage of it) built from ModelSpec, with megatron-core local-spec parameter names.
+
+Every parameter's kind and full shape is read from `spec.layer_params(i)` / `embedding_params` /
+`final_params`; the full tensor is drawn from a generator seeded by (seed, canonical name) and this rank
+keeps `transforms.shard(full, kind, tp, rank)` of it — so a TP=2 PP=2 model holds exactly the numbers of
+the TP=1 model with the same seed. Layer indices in `state_dict()` are local to the stage, as Megatron writes.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mconvert.convert.layout import stage_layers
+from mconvert.errors import MConvertError
+from mconvert.mappings.transforms import shard
+from mconvert.spec import ModelSpec, ParamDecl
+from mconvert.trainer.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_tp,
+    vocab_parallel_cross_entropy,
+)
+from mconvert.trainer.parallel import ParallelState
+
+INIT_STD = 0.02  # Megatron's init_method_std
+COLUMN_KINDS = ("column", "qkv", "gated", "vocab")
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def full_init(decl: ParamDecl, spec: ModelSpec, seed: int) -> torch.Tensor:
+    """The full fp32 tensor of one parameter, identical for any TP/PP (Megatron's init rules).
+
+    Norm weights 1, biases 0, weights N(0, 0.02); linear_proj / linear_fc2 use 0.02/sqrt(2L) (scaled init).
+    Vocab rows: the true rows from one generator, padded rows from another (so TP padding never shifts them)."""
+    name = decl.name
+    leaf = name.rsplit(".", 1)[-1]
+    if "layernorm" in name:
+        return torch.ones(decl.shape) if leaf == "weight" else torch.zeros(decl.shape)
+    if leaf == "bias":
+        return torch.zeros(decl.shape)
+    std = INIT_STD
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std = INIT_STD / math.sqrt(2.0 * spec.num_layers)
+    gen = torch.Generator().manual_seed(_seed_for(seed, name))
+    if decl.kind == "vocab":
+        rows, cols = decl.shape
+        real = torch.randn((min(spec.vocab_size, rows), cols), generator=gen) * std
+        if rows <= spec.vocab_size:
+            return real
+        pad_gen = torch.Generator().manual_seed(_seed_for(seed, name + "#padding"))
+        return torch.cat([real, torch.randn((rows - spec.vocab_size, cols), generator=pad_gen) * std])
+    return torch.randn(decl.shape, generator=gen) * std
+
+
+class _Maker:
+    """Creates this rank's shard of each declared parameter (initialised, or empty for loading)."""
+
+    def __init__(self, spec: ModelSpec, st: ParallelState, seed: int | None, dtype: torch.dtype) -> None:
+        self.spec, self.st, self.seed, self.dtype = spec, st, seed, dtype
+
+    def __call__(self, decl: ParamDecl | None) -> nn.Parameter | None:
+        if decl is None:
+            return None
+        if self.seed is None:
+            meta = torch.empty(decl.shape, device="meta")
+            shape = shard(meta, decl.kind, self.st.tp, self.st.tp_rank, decl.name).shape
+            t = torch.empty(shape, dtype=self.dtype, device=self.st.device)
+        else:
+            full = full_init(decl, self.spec, self.seed)
+            t = shard(full, decl.kind, self.st.tp, self.st.tp_rank, decl.name)
+            t = t.to(dtype=self.dtype, device=self.st.device).clone()
+        return nn.Parameter(t)
+
+
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm (torch's functional forms, as megatron-core's local spec falls back to)."""
+
+    def __init__(self, spec: ModelSpec, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.rms = spec.normalization == "RMSNorm"
+        self.eps = spec.norm_epsilon
+        self.weight = weight
+        if bias is not None:
+            self.bias = bias
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        if self.rms:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
+
+
+def _linear(cls_kind: str, w: nn.Parameter | None, b: nn.Parameter | None, st: ParallelState) -> nn.Module:
+    return (ColumnParallelLinear if cls_kind in COLUMN_KINDS else RowParallelLinear)(w, b, st)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_tables(spec: ModelSpec, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [S, rot_dim] in megatron-core's non-interleaved layout (freqs repeated, rotate_half)."""
+    dim = int(spec.head_dim * spec.rotary_percent)
+    inv = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """t [B, S, heads, hd]; rotate the first rot_dim features of each head."""
+    rot = cos.shape[-1]
+    c, s = cos[None, :, None, :].to(t.dtype), sin[None, :, None, :].to(t.dtype)
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    return torch.cat([t_rot * c + rotate_half(t_rot) * s, t_pass], dim=-1)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV (per query group: nq/ng query heads, 1 key, 1 value) → causal fp32 attention → row proj."""
+
+    def __init__(self, spec: ModelSpec, decls: dict[str, ParamDecl], make: _Maker, st: ParallelState) -> None:
+        super().__init__()
+        self.spec, self.st = spec, st
+        w, b = decls["linear_qkv.weight"], decls.get("linear_qkv.bias")
+        self.linear_qkv = _linear(w.kind, make(w), make(b), st)
+        w, b = decls["linear_proj.weight"], decls.get("linear_proj.bias")
+        self.linear_proj = _linear(w.kind, make(w), make(b), st)
+        self.groups = spec.num_groups // st.tp
+        self.per_group = spec.num_attention_heads // spec.num_groups
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, S, _ = x.shape
+        hd = self.spec.head_dim
+        qkv = self.linear_qkv(x).view(B, S, self.groups, self.per_group + 2, hd)
+        q = qkv[:, :, :, : self.per_group].reshape(B, S, self.groups * self.per_group, hd)
+        k, v = qkv[:, :, :, self.per_group], qkv[:, :, :, self.per_group + 1]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k = k.repeat_interleave(self.per_group, dim=2)
+        v = v.repeat_interleave(self.per_group, dim=2)
+        q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, heads, S, hd], fp32
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        mask = torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        ctx = (probs @ v).to(x.dtype).transpose(1, 2).reshape(B, S, -1)
+        return self.linear_proj(ctx)
+
+
+class MLP(nn.Module):
+    """fc1 (column; gated: each rank holds [gate_r; up_r]) → activation → fc2 (row)."""
+
+    def __init__(self, spec: ModelSpec, decls: dict[str, ParamDecl], make: _Maker, st: ParallelState) -> None:
+        super().__init__()
+        self.activation = spec.activation
+        w, b = decls["linear_fc1.weight"], decls.get("linear_fc1.bias")
+        self.linear_fc1 = _linear(w.kind, make(w), make(b), st)
+        w, b = decls["linear_fc2.weight"], decls.get("linear_fc2.bias")
+        self.linear_fc2 = _linear(w.kind, make(w), make(b), st)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        elif self.activation == "gelu_new":  # Megatron openai_gelu
+            h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * h * (1.0 + 0.044715 * h * h)))
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int, make: _Maker, st: ParallelState) -> None:
+        super().__init__()
+        prefix = f"decoder.layers.{layer}."
+        decls = {d.name[len(prefix):]: d for d in spec.layer_params(layer)}
+        self.input_layernorm = Norm(spec, make(decls["input_layernorm.weight"]), make(decls.get("input_layernorm.bias")))
+        attn = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("self_attention.")}
+        self.self_attention = SelfAttention(spec, attn, make, st)
+        self.pre_mlp_layernorm = Norm(spec, make(decls["pre_mlp_layernorm.weight"]),
+                                      make(decls.get("pre_mlp_layernorm.bias")))
+        self.mlp = MLP(spec, {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("mlp.")}, make, st)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), rope)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions [P, H], replicated on every TP rank."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, seq: int) -> torch.Tensor:
+        return self.weight[:seq]
+
+
+class Embedding(nn.Module):
+    def __init__(self, spec: ModelSpec, make: _Maker, st: ParallelState) -> None:
+        super().__init__()
+        decls = {d.name: d for d in spec.embedding_params(st.tp)}
+        self.word_embeddings = VocabParallelEmbedding(make(decls["embedding.word_embeddings.weight"]), st)
+        pos = decls.get("embedding.position_embeddings.weight")
+        self.position_embeddings = PositionEmbedding(make(pos)) if pos is not None else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.word_embeddings(ids)
+        if self.position_embeddings is not None:
+            h = h + self.position_embeddings(ids.shape[1])[None]
+        return h
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: ModelSpec, layers: list[int], make: _Maker, st: ParallelState, post: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(spec, i, make, st) for i in layers)
+        if post:
+            decls = {d.name: d for d in spec.final_params(st.tp)}
+            self.final_layernorm = Norm(spec, make(decls["decoder.final_layernorm.weight"]),
+                                        make(decls.get("decoder.final_layernorm.bias")))
+        else:
+            self.final_layernorm = None
+
+
+class GPTModel(nn.Module):
+    """This rank's pipeline stage: embedding (first stage), its layers, final norm + output layer (last stage).
+
+    `forward(ids_or_hidden, labels)` returns hidden states [B, S, H] (not last stage), per-token loss
+    [B, S] (last stage with labels) or this rank's vocab shard of the logits [B, S, V_pad/TP]."""
+
+    def __init__(self, spec: ModelSpec, st: ParallelState, seed: int | None = 1234,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        check_trainable(spec, st.tp, st.pp)
+        self.spec, self.st = spec, st
+        make = _Maker(spec, st, seed, dtype)
+        self.pre_process, self.post_process = st.is_first_stage, st.is_last_stage
+        self.global_layers = stage_layers(spec.num_layers, st.pp, st.pp_rank)[0]
+        if self.pre_process:
+            self.embedding = Embedding(spec, make, st)
+        self.decoder = Decoder(spec, self.global_layers, make, st, self.post_process)
+        if self.post_process:
+            head: ParamDecl | None = next((d for d in spec.final_params(st.tp) if d.name == "output_layer.weight"), None)
+            if head is None and not self.pre_process:  # tied, PP > 1: the last stage keeps a copy
+                head = spec.embedding_params(st.tp)[0]  # same declaration and init as the embedding
+            self.output_layer = ColumnParallelLinear(make(head), None, st)
+        self.rope = spec.position_embedding_type == "rope"
+        self.hidden_states: list[torch.Tensor] | None = None  # filled when record_hidden is on
+        self.record_hidden = False
+
+    @property
+    def tied_copy(self) -> bool:
+        """True on the last stage of a tied model with PP > 1 (its output_layer is the embedding's copy)."""
+        return self.post_process and not self.pre_process and self.spec.tie_embeddings
+
+    def shared_embedding_weight(self) -> nn.Parameter | None:
+        """The parameter the embedding group all-reduces (word embeddings on stage 0, its copy on the last)."""
+        if not self.spec.tie_embeddings or self.st.pp == 1:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embedding(x)
+        rope = rope_tables(self.spec, x.shape[1], x.device) if self.rope else None
+        if self.record_hidden:
+            self.hidden_states = [x.detach()] if self.pre_process else []
+        for layer in self.decoder.layers:
+            x = layer(x, rope)
+            if self.record_hidden:
+                self.hidden_states.append(x.detach())
+        if not self.post_process:
+            return x
+        x = self.decoder.final_layernorm(x)
+        head = self.output_layer.weight if self.output_layer.weight is not None else self.embedding.word_embeddings.weight
+        logits = self.output_layer(x, head)
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels, self.st)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """All-gather the vocab shards (inference / tests only) and strip the padded rows."""
+        return gather_from_tp(logits.float(), self.st)[..., : self.spec.vocab_size]
+
+
+def check_trainable(spec: ModelSpec, tp: int, pp: int) -> None:
+    """What our layers (and megatron-core) need: TP divides heads, query groups and ffn; PP divides layers."""
+    spec.check_parallel(tp, pp)
+    if spec.num_groups % tp:
+        raise MConvertError(
+            f"TP={tp} does not divide num_query_groups={spec.num_groups}; megatron-core needs it to (pick a smaller TP)"
+        )
