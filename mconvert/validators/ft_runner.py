@@ -1,0 +1,150 @@
+"""FasterTransformer reference runner: logits from an FT directory with plain torch, no CUDA engine.
+
+It reads the per-rank `.R.bin` files exactly as FT's loader does (shapes from config.ini) and combines them
+the way FT's tensor-parallel kernels do: column-parallel GEMMs (QKV, h→4h / gate / up) run per rank on
+the rank's head/feature slice, row-parallel GEMMs (attention dense, 4h→h / down) produce per-rank partial
+sums that are all-reduced (summed), and the head is computed per rank on FT's padded vocab slice and
+all-gathered. Config semantics are FT's: `[gpt]` = pre-LayerNorm, tanh GeLU (`GeluActivation`), learned
+positions, head = `model.lm_head.weight.bin` if present else `model.wte.bin`; `[llama]` = RMSNorm, SiLU-gated
+MLP, GPT-NeoX rotary over `rotary_embedding` dims with base 10000; eps from `layernorm_eps`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from mconvert.convert.fastertransformer import (
+    FT_BASE_ROTARY,
+    check_ft_dir,
+    ft_expected_files,
+    load_ft_tensor,
+    read_ft_config,
+    resolve_ft_dir,
+)
+from mconvert.errors import MConvertError
+
+
+# ---- primitives shared with the TensorRT-LLM runner ----------------------------------------------------
+def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float) -> torch.Tensor:
+    mu = x.mean(-1, keepdim=True)
+    var = (x - mu).pow(2).mean(-1, keepdim=True)
+    y = (x - mu) * torch.rsqrt(var + eps) * w
+    return y + b if b is not None else y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """FT's GeluActivation: 0.5·x·(1 + tanh(0.79788456·(x + 0.044715·x³)))."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def rope_neox(x: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
+    """GPT-NeoX / HF rotate_half rotary on the first `rotary_dim` dims of each head. x: [B, nh, S, hd]."""
+    S = x.shape[-2]
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim))
+    ang = torch.outer(torch.arange(S, dtype=torch.float32, device=x.device), inv)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    r, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rot = torch.cat([-r[..., half:], r[..., :half]], -1)
+    return torch.cat([r * cos + rot * sin, rest], -1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax(q·kᵀ/√d + causal mask)·v with fp32 softmax; q,k,v [B, nh, S, hd] -> [B, S, nh·hd]."""
+    S, hd = q.shape[-2], q.shape[-1]
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    mask = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    ctx = probs @ v
+    return ctx.transpose(1, 2).reshape(q.shape[0], S, -1)
+
+
+def split_heads(x: torch.Tensor, nh: int) -> torch.Tensor:
+    """[B, S, nh·hd] -> [B, nh, S, hd]."""
+    B, S, _ = x.shape
+    return x.view(B, S, nh, -1).transpose(1, 2)
+
+
+def vocab_parallel_head(x: torch.Tensor, head: torch.Tensor, tp: int, vocab: int) -> torch.Tensor:
+    """FT: pad the head to ceil(V/t)·t rows, one GEMM per rank on its slice, all-gather, drop padding."""
+    local = -(-vocab // tp)
+    padded = torch.zeros(local * tp, head.shape[1], dtype=head.dtype, device=head.device)
+    padded[: head.shape[0]] = head
+    return torch.cat([x @ w.t() for w in padded.chunk(tp, 0)], -1)[..., :vocab]
+
+
+# ---- the runner ----------------------------------------------------------------------------------------
+@torch.no_grad()
+def ft_logits(ft_dir: str | Path, tokens: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """Logits [B, S, V] (float32) of an FT directory for `tokens` [B, S] (positions 0..S-1, no padding)."""
+    d = resolve_ft_dir(ft_dir)
+    problems = check_ft_dir(d)
+    if problems:
+        raise MConvertError(f"not a loadable FT directory: {problems[0]}")
+    section, cfg = read_ft_config(d)
+    dtype = cfg["weight_data_type"]
+    files = {f.name: f for f in ft_expected_files(section, cfg)}
+
+    def w(name: str) -> torch.Tensor:
+        return load_ft_tensor(d, files[name], dtype).to(device)
+
+    nh, hd, t = int(cfg["head_num"]), int(cfg["size_per_head"]), int(cfg["tensor_para_size"])
+    H, L, V, eps = nh * hd, int(cfg["num_layer"]), int(cfg["vocab_size"]), float(cfg["layernorm_eps"])
+    tokens = tokens.to(device)
+    if tokens.dim() != 2:
+        raise MConvertError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+    if int(tokens.max()) >= V or int(tokens.min()) < 0:
+        raise MConvertError(f"token ids must lie in [0, {V})")
+    S = tokens.shape[1]
+    gpt = section == "gpt"
+    if gpt:
+        if S > int(cfg["max_pos_seq_len"]):
+            raise MConvertError(f"sequence length {S} > max_pos_seq_len {cfg['max_pos_seq_len']}")
+        wte = w("model.wte.bin")
+        x = wte[tokens] + w("model.wpe.bin")[:S]
+    else:
+        wte = w("model.wte.weight.bin")
+        x = wte[tokens]
+        rot = int(cfg["rotary_embedding"])
+    for i in range(L):
+        p = f"model.layers.{i}."
+        h = (layer_norm(x, w(p + "input_layernorm.weight.bin"), w(p + "input_layernorm.bias.bin"), eps) if gpt
+             else rms_norm(x, w(p + "input_layernorm.weight.bin"), eps))
+        attn = torch.zeros_like(x)
+        for r in range(t):  # column-parallel QKV on the rank's heads, row-parallel dense: partial sums
+            qkv = h @ w(p + f"attention.query_key_value.weight.{r}.bin").reshape(H, 3 * H // t)
+            if gpt:
+                qkv = qkv + w(p + f"attention.query_key_value.bias.{r}.bin").reshape(-1)
+            q, k, v = (split_heads(z, nh // t) for z in qkv.chunk(3, -1))
+            if not gpt:
+                q, k = rope_neox(q, rot, FT_BASE_ROTARY), rope_neox(k, rot, FT_BASE_ROTARY)
+            attn += causal_attention(q, k, v) @ w(p + f"attention.dense.weight.{r}.bin")
+        x = x + attn + (w(p + "attention.dense.bias.bin") if gpt else 0)
+        if gpt:
+            h = layer_norm(x, w(p + "post_attention_layernorm.weight.bin"),
+                           w(p + "post_attention_layernorm.bias.bin"), eps)
+        else:
+            h = rms_norm(x, w(p + "post_attention_layernorm.weight.bin"), eps)
+        mlp = torch.zeros_like(x)
+        for r in range(t):
+            if gpt:
+                inter = gelu_tanh(h @ w(p + f"mlp.dense_h_to_4h.weight.{r}.bin") + w(p + f"mlp.dense_h_to_4h.bias.{r}.bin"))
+                mlp += inter @ w(p + f"mlp.dense_4h_to_h.weight.{r}.bin")
+            else:
+                gate = torch.nn.functional.silu(h @ w(p + f"mlp.gate_proj.weight.{r}.bin"))
+                mlp += (gate * (h @ w(p + f"mlp.up_proj.weight.{r}.bin"))) @ w(p + f"mlp.down_proj.weight.{r}.bin")
+        x = x + mlp + (w(p + "mlp.dense_4h_to_h.bias.bin") if gpt else 0)
+    if gpt:
+        x = layer_norm(x, w("model.final_layernorm.weight.bin"), w("model.final_layernorm.bias.bin"), eps)
+        head = w("model.lm_head.weight.bin") if (d / "model.lm_head.weight.bin").is_file() else wte
+    else:
+        x = rms_norm(x, w("model.final_layernorm.weight.bin"), eps)
+        head = w("model.lm_head.weight.bin")
+    return vocab_parallel_head(x, head, t, V).float()
