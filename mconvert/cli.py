@@ -78,6 +78,49 @@ def plan_cmd(
 # ==== end conversion verbs ===========================================================================
 
 # ==== deployment verbs (FT, TensorRT-LLM, ONNX) ======================================================
+def _deploy_report(title: str, rows: list[tuple[str, str]], data: dict, as_json: bool) -> None:
+    """Print a deployment verb's result as a rich table (stderr) or JSON (stdout)."""
+    if as_json:
+        import json as _json
+
+        print(_json.dumps(data, indent=1))
+        return
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+
+
+@app.command("megatron-to-ft")
+def megatron_to_ft_cmd(
+    src: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist) or HF model dir.")],
+    out: Annotated[Path, typer.Argument(help="Output dir; the FT layout goes to OUT/<N>-gpu/.")],
+    infer_tp: Annotated[int, typer.Option("--infer-tp", help="Inference tensor parallelism (divides the heads).")] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32|fp16 (FT's weight_data_type).")] = "fp32",
+    allow_approx_gelu: Annotated[
+        bool, typer.Option("--allow-approx-gelu", help="Write an exact-GeLU model for FT's tanh GeLU anyway.")
+    ] = False,
+    iteration: Iteration = None,
+    force: Force = False,
+    as_json: Json = False,
+) -> None:
+    """Write FasterTransformer's layout (config.ini + raw per-rank .bin files), then check it as FT's loader would.
+
+    GPT-2 style models get FT's [gpt] layout, LLaMA-style MHA models its [llama] layout; what FT cannot
+    represent (GQA in its LLaMA loader, erf GeLU, biases in LLaMA, a rotary base other than 10000) is refused.
+
+    Examples:
+      mconvert megatron-to-ft ckpt/ ft/ --infer-tp 2
+      mconvert megatron-to-ft hf-gpt2/ ft/ --infer-tp 4 --dtype fp16 --force
+    """
+    from mconvert.convert.fastertransformer import describe, megatron_to_ft
+
+    res = megatron_to_ft(src, out, infer_tp, dtype, force, allow_approx_gelu, iteration)
+    _deploy_report("FasterTransformer", list(describe(res)), res.to_dict(), as_json)
+
+
 # ==== end deployment verbs ===========================================================================
 
 # ==== validators (validate, verify) ==================================================================
