@@ -1,0 +1,219 @@
+"""megatron-core as an independent reference: run its GPTModel (local spec) on CPU over gloo, N processes.
+
+Truth we did not write (DESIGN.md): a checkpoint is right when megatron-core's own `GPTModel` loads it with
+`strict=True` and its logits match. This harness spawns `tp * pp` (≤ 4) processes, initialises
+`megatron.core.parallel_state` with the two CPU patches of DESIGN.md (inference RNG tracker before
+`model_parallel_cuda_manual_seed`; `torch.cuda.current_device` -> cpu), builds a `GPTModel` from a
+`mconvert.spec.ModelSpec`, runs a user function on every rank and returns the per-rank results.
+
+Import it as `mcore_ref` (pytest puts `tests/` on sys.path) or `tests.mcore_ref`:
+
+    from mcore_ref import run_mcore, mcore_forward_logits, McoreContext
+
+    def my_fn(ctx: McoreContext, path):          # module-level (it is pickled into the children)
+        ctx.model.load_state_dict(torch.load(path, weights_only=True)["model"], strict=True)
+        return ctx.logits(tokens)                 # full-vocab logits [b, s, V_pad] (last stage), else None
+
+    results = run_mcore(spec, tp=2, fn=my_fn, args=(path,), pp=1)   # list, index = global rank
+
+    logits = mcore_forward_logits(spec, tp=2, tokens=ids, state_dicts=per_rank_sds)   # loads + forward
+
+Rank layout is megatron-core's default order (tp fastest): global rank = pp_rank * tp + tp_rank.
+`ctx.logits(tokens)` runs a full forward (with PP > 1 it passes activations stage to stage over gloo
+point-to-point) and returns the vocab logits gathered across TP on the last stage, padded rows included
+(`[b, s, spec.padded_vocab_size(tp)]`). Results travel back as pickles through a temporary directory.
+The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`; one spawn costs ~10 s.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from mconvert.spec import ModelSpec
+
+MAX_PROCS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int = 1):
+    """megatron-core `TransformerConfig` equivalent to `spec` (fp32, no dropout, CPU init)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.utils import openai_gelu
+
+    if spec.gated:
+        act, glu = F.silu, True
+    elif spec.activation == "gelu_new":
+        act, glu = openai_gelu, False
+    else:
+        act, glu = F.gelu, False
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_groups,
+        kv_channels=spec.head_dim,
+        normalization=spec.normalization,
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=glu,
+        activation_func=act,
+        add_bias_linear=spec.add_bias_linear,
+        add_qkv_bias=spec.add_qkv_bias,
+        rotary_interleaved=spec.rotary_interleaved,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        apply_query_key_layer_scaling=False,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1):
+    """A megatron-core GPTModel (local layer spec) for this rank's stage; parallel_state must be initialised."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(spec, tp, pp)
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(normalization=spec.normalization),
+        vocab_size=spec.padded_vocab_size(tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type=spec.position_embedding_type,
+        rotary_percent=spec.rotary_percent,
+        rotary_base=int(spec.rotary_base),
+    ).eval()
+
+
+@dataclass
+class McoreContext:
+    """What a user function receives on each rank."""
+
+    spec: ModelSpec
+    model: Any  # megatron.core.models.gpt.GPTModel (this stage)
+    tp: int
+    pp: int
+    rank: int
+    tp_rank: int
+    pp_rank: int
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Full forward of `tokens` [b, s]; TP-gathered logits [b, s, V_pad] on the last stage, else None."""
+        return _pipeline_forward(self, tokens)
+
+
+def _pipeline_forward(ctx: McoreContext, tokens: torch.Tensor) -> torch.Tensor | None:
+    from megatron.core import parallel_state
+
+    tokens = tokens.long()
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
+    model = ctx.model
+    with torch.no_grad():
+        if ctx.pp > 1 and not parallel_state.is_pipeline_first_stage():
+            h = torch.empty(s, b, ctx.spec.hidden_size)
+            torch.distributed.recv(h, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(h)
+        out = model(tokens, pos, mask, runtime_gather_output=True)
+        if ctx.pp > 1 and not parallel_state.is_pipeline_last_stage():
+            torch.distributed.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+    return out.float()
+
+
+def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int, seed: int,
+            fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.cuda.current_device = lambda: torch.device("cpu")  # DESIGN.md test-only patch
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import random as mrandom
+
+        parallel_state.initialize_model_parallel(tp, pp)
+        mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        mrandom.model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)
+        model = build_gpt_model(spec, tp, pp)
+        ctx = McoreContext(
+            spec=spec, model=model, tp=tp, pp=pp, rank=rank,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        )
+        result = fn(ctx, *args)
+        Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        torch.distributed.barrier()
+        parallel_state.destroy_model_parallel()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _preload() -> None:
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.parallel_state  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+
+
+def run_mcore(spec: ModelSpec, tp: int, fn: Callable[..., Any], args: tuple = (), pp: int = 1,
+              seed: int = 1234) -> list[Any]:
+    """Run `fn(ctx, *args)` on every rank of a TP×PP megatron-core GPTModel; return results by global rank.
+
+    `fn` must be picklable (a module-level function); its result must be picklable (tensors are fine)."""
+    world = tp * pp
+    if world > MAX_PROCS:
+        raise ValueError(f"tp*pp={world} > {MAX_PROCS}: keep the reference runs small")
+    spec.check_parallel(tp, pp)
+    with tempfile.TemporaryDirectory(prefix="mcore_ref_") as tmp:
+        _preload()  # children fork with megatron already imported: ~10 s less per run than spawn
+        mp.start_processes(_worker, args=(world, _free_port(), spec, tp, pp, seed, fn, tuple(args), tmp),
+                           nprocs=world, start_method="fork")
+        # our own pickles, written a moment ago by the children above
+        return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def _load_and_forward(ctx: McoreContext, state_dicts: list[dict[str, torch.Tensor]] | None,
+                      tokens: torch.Tensor) -> torch.Tensor | None:
+    if state_dicts is not None:
+        ctx.model.load_state_dict(state_dicts[ctx.rank], strict=True)
+    return ctx.logits(tokens)
+
+
+def mcore_forward_logits(spec: ModelSpec, tp: int, tokens: torch.Tensor,
+                         state_dicts: list[dict[str, torch.Tensor]] | None = None, pp: int = 1,
+                         seed: int = 1234) -> torch.Tensor:
+    """Load `state_dicts[global_rank]` (strict; None = the seeded random init) and return the last stage's
+    TP-gathered logits `[b, s, V_pad]`."""
+    res = run_mcore(spec, tp, _load_and_forward, (state_dicts, tokens), pp=pp, seed=seed)
+    return res[-1]
