@@ -75,6 +75,136 @@ def plan_cmd(
         console.print(render_estimate(est))
 
 
+Tp = Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")]
+Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
+Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline chunks per stage (model0, model1, ...).")]
+
+
+def _print_report(report: dict, json_out: bool) -> None:
+    """A conversion report: JSON on stdout, or a rich table of files plus a summary on stderr."""
+    import json as _json
+
+    from rich.table import Table
+
+    if json_out:
+        print(_json.dumps(report, indent=1, default=str))
+        return
+    title = ("DRY RUN (nothing written): " if report.get("dry_run") else "") + f"{report['verb']} → {report['output']}"
+    t = Table(title=title)
+    t.add_column("file")
+    t.add_column("bytes", justify="right")
+    for f in report["files"]:
+        t.add_row(f["path"], f"{f['bytes']:,}")
+    console.print(t)
+    for k in ("source", "family", "dtype", "tp", "pp", "vpp", "iteration", "optimizer", "tokenizer",
+              "tokenizer_files", "read_bytes", "write_bytes", "largest_unit", "peak_memory_bytes", "peak_rss_bytes",
+              "seconds", "note"):
+        if report.get(k) not in (None, [], ""):
+            v = report[k]
+            console.print(f"  {k}: {v:,}" if isinstance(v, int) and "bytes" in k else f"  {k}: {v}")
+    for w in report.get("warnings", []):
+        console.print(f"[bold yellow]WARNING:[/] {w}", highlight=False)
+
+
+@app.command("megatron-to-hf")
+def megatron_to_hf_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist, any TP/PP/VPP).")],
+    out: Annotated[Path, typer.Argument(help="HF output dir (safetensors, config.json, tokenizer).")],
+    iteration: Iteration = None,
+    dtype: Dtype = "auto",
+    tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="HF tokenizer dir to carry (default: "
+                                                      "tokenizer files beside the checkpoint).")] = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
+    force: Force = False,
+    dry_run: DryRun = False,
+    json_out: Json = False,
+) -> None:
+    """Convert a Megatron checkpoint to a HuggingFace directory, one layer at a time.
+
+    Examples:
+      mconvert megatron-to-hf ckpt/ hf-out/
+      mconvert megatron-to-hf ckpt/ hf-out/ --iteration 2000 --dtype bf16 --tokenizer tok/ --max-shard-size 2GB
+      mconvert megatron-to-hf ckpt/ hf-out/ --dry-run
+    """
+    from mconvert.convert.driver import megatron_to_hf
+
+    _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
+                                 max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run), json_out)
+
+
+@app.command("hf-to-megatron")
+def hf_to_megatron_cmd(
+    hf_dir: Annotated[Path, typer.Argument(help="HF model dir (GPT-2, Llama, Mistral, Qwen2).")],
+    out: Annotated[Path, typer.Argument(help="Megatron checkpoint output dir.")],
+    tp: Tp = 1,
+    pp: Pp = 1,
+    vpp: Vpp = None,
+    dtype: Dtype = "auto",
+    force: Force = False,
+    dry_run: DryRun = False,
+    json_out: Json = False,
+) -> None:
+    """Convert a HuggingFace model to a Megatron torch-format checkpoint at TP/PP (vocab padded with zeros).
+
+    Examples:
+      mconvert hf-to-megatron hf-model/ ckpt/ --tp 2 --pp 2
+      mconvert hf-to-megatron hf-model/ ckpt/ --tp 4 --pp 2 --vpp 2 --dtype bf16 --force
+    """
+    from mconvert.convert.driver import hf_to_megatron
+
+    _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
+                                 dry_run=dry_run), json_out)
+
+
+@app.command("reshard")
+def reshard_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="Megatron checkpoint dir.")],
+    out: Annotated[Path, typer.Argument(help="Output checkpoint dir at the new layout.")],
+    tp: Tp = 1,
+    pp: Pp = 1,
+    vpp: Vpp = None,
+    with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="Re-shard the Adam states too, so "
+                                                 "`mconvert train --resume` continues at the new layout.")] = False,
+    iteration: Iteration = None,
+    force: Force = False,
+    dry_run: DryRun = False,
+    json_out: Json = False,
+) -> None:
+    """Re-shard a Megatron checkpoint to a new TP/PP (merge to full tensors, split again; no HF detour).
+
+    Examples:
+      mconvert reshard ckpt/ ckpt-tp4/ --tp 4 --pp 1
+      mconvert reshard ckpt/ ckpt-tp2pp2/ --tp 2 --pp 2 --with-optimizer
+    """
+    from mconvert.convert.driver import reshard
+
+    _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
+                          force=force, progress=True, dry_run=dry_run), json_out)
+
+
+@app.command("inspect")
+def inspect_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="Megatron (torch / torch_dist) or HF checkpoint dir.")],
+    iteration: Iteration = None,
+    json_out: Json = False,
+) -> None:
+    """Show the format, ModelSpec, every parameter's split kind and shape per rank, and its run-time collective.
+
+    Examples:
+      mconvert inspect ckpt/
+      mconvert inspect ckpt/ --iteration 100 --json
+    """
+    import json as _json
+
+    from mconvert.convert.inspect import inspect_checkpoint, render_inspect
+
+    info = inspect_checkpoint(ckpt, iteration=iteration)
+    if json_out:
+        print(_json.dumps(info, indent=1, default=str))
+    else:
+        Console().print(render_inspect(info))
+
+
 # ==== end conversion verbs ===========================================================================
 
 # ==== deployment verbs (FT, TensorRT-LLM, ONNX) ======================================================

@@ -17,6 +17,7 @@ import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.base import Unit
+from mconvert.convert.plan import plan_for_source
 from mconvert.convert.sources import TOKENIZER_FILES, open_source
 from mconvert.errors import MConvertError
 
@@ -73,7 +74,7 @@ def _files_report(root: Path) -> list[dict[str, Any]]:
 
 def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | None = None, dtype: str = "auto",
                    tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
-                   progress: bool = False) -> dict[str, Any]:
+                   progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
     """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict."""
     from mconvert.convert.hf import HFWriter, parse_size
 
@@ -94,6 +95,9 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     spec = src.spec
     if target is not None:
         spec = spec.replace(params_dtype=_DTYPE_NAME[target])
+    if dry_run:
+        return {**plan_for_source("megatron-to-hf", src, dtype=spec.params_dtype, max_shard_size=size),
+                "output": str(out), "dry_run": True, "warnings": warnings}
     with atomic_output_dir(out, force) as tmp:
         writer = HFWriter(tmp, spec, size, target)
         for unit in _progress(src.units(), "megatron-to-hf", progress):
@@ -109,7 +113,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
 
 
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                   dtype: str = "auto", force: bool = False, progress: bool = False) -> dict[str, Any]:
+                   dtype: str = "auto", force: bool = False, progress: bool = False,
+                   dry_run: bool = False) -> dict[str, Any]:
     """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)."""
     from mconvert.convert.megatron import MegatronWriter
 
@@ -121,6 +126,9 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
     spec = src.spec if target is None else src.spec.replace(params_dtype=_DTYPE_NAME[target])
     spec.check_parallel(tp, pp, vpp)
+    if dry_run:
+        return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
+                "output": str(out), "dry_run": True, "warnings": []}
     with atomic_output_dir(out, force) as tmp:
         writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target)
         for unit in _progress(src.units(), "hf-to-megatron", progress):
@@ -138,7 +146,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
-            progress: bool = False) -> dict[str, Any]:
+            progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
     """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP): merge to full tensors, split again.
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
@@ -152,6 +160,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     if src.format == "hf":
         raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
     src.spec.check_parallel(tp, pp, vpp)
+    if dry_run:
+        return {**plan_for_source("reshard", src, tp=tp, pp=pp, with_optimizer=with_optimizer),
+                "output": str(out), "dry_run": True, "warnings": []}
     groups = None
     top: dict[str, Any] = {}
     if isinstance(src, MegatronSource):

@@ -99,6 +99,7 @@ class MegatronSource(SourceBase):
         del first
         spec.check_parallel(1, self.pp, self.vpp)
         self._keymaps: dict[tuple[int, int], dict[str, str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}  # canonical name -> shape on TP rank 0 (as stored)
         for p in range(self.pp):  # validate every key of every stage before any work is done
             st = safe_load(self.files[(0, p)])
             for c in range(self.vpp or 1):
@@ -148,6 +149,7 @@ class MegatronSource(SourceBase):
                 raise MConvertError(f"{file}: unmapped key {raw!r} (read as {name!r}) for a {self.spec.family} "
                                     "model; it is neither converted nor a known buffer") from None
             out[raw] = name
+            self.shapes[name] = tuple(val.shape)
         return out
 
     def location(self, unit: Unit) -> tuple[int, int]:

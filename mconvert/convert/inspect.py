@@ -1,0 +1,97 @@
+"""`mconvert inspect`: what a checkpoint is — format, ModelSpec, and how the graph is cut: every parameter's
+split kind, its shape on each TP rank and pipeline stage, and the collective its layer needs at run time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mconvert.convert.layout import stage_layers
+from mconvert.convert.sources import open_source
+from mconvert.mappings.transforms import split_dim
+from mconvert.spec import SPLIT_COLLECTIVE, _template
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], None
+    for i, x in enumerate(layers):
+        if start is None:
+            start = x
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out)
+
+
+def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> dict[str, Any]:
+    """Describe a checkpoint (Megatron torch / torch_dist / HF) without reading any tensor data."""
+    src = open_source(path, iteration=iteration)
+    spec, tp, pp, vpp = src.spec, src.tp, src.pp, src.vpp
+    stored: dict[str, tuple[int, ...]] = getattr(src, "shapes", {})
+    stages: dict[str, list[int]] = {}
+    for p in range(pp):
+        for chunk in stage_layers(spec.num_layers, pp, p, vpp):
+            for layer in chunk:
+                stages.setdefault(str(p), []).append(layer)
+    params = []
+    decls = spec.embedding_params(tp) + spec.layer_params(0) + spec.final_params(tp)
+    if spec.tie_embeddings and "output_layer.weight" in stored:
+        decls.append(type(decls[0])("output_layer.weight", "vocab", decls[0].shape))
+    for d in decls:
+        tpl = _template(d.name)
+        full = list(d.shape)
+        sd = split_dim(d.kind, len(full))
+        shard = list(full)
+        if sd is not None:
+            shard[sd] //= tp
+        if d.name in stored:
+            shard = list(stored[d.name])
+        if d.layer is not None:
+            where = {p: _ranges(ls) for p, ls in stages.items()}
+        elif d.name.startswith("embedding."):
+            where = {"0": "-"}
+        else:
+            where = {str(pp - 1): "-"}
+        params.append({
+            "name": tpl, "kind": d.kind, "full_shape": full, "split_dim": sd,
+            "rank_shapes": {str(t): shard for t in range(tp)}, "stages": where,
+            "collective": SPLIT_COLLECTIVE[d.kind] if tp > 1 or d.kind != "replicated" else "none",
+        })
+    return {
+        "path": str(path), "format": src.format, "iteration": getattr(src, "iteration", None),
+        "tp": tp, "pp": pp, "vpp": vpp, "spec": spec.to_dict(),
+        "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
+        "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
+        "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params,
+    }
+
+
+def render_inspect(info: dict[str, Any]) -> Any:
+    """Rich renderables: a summary table and the per-parameter table."""
+    from rich.console import Group
+    from rich.table import Table
+
+    s = info["spec"]
+    head = Table(title=f"{info['path']}: {info['format']}", show_header=False)
+    head.add_column("field")
+    head.add_column("value")
+    head.add_row("parallel", f"TP={info['tp']} PP={info['pp']}" + (f" VPP={info['vpp']}" if info["vpp"] else ""))
+    head.add_row("iteration", str(info["iteration"]))
+    head.add_row("family", s["family"])
+    head.add_row("parameters", f"{info['parameters']:,}")
+    for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+              "ffn_hidden_size", "vocab_size", "max_position_embeddings", "normalization", "norm_epsilon",
+              "activation", "position_embedding_type", "rotary_base", "tie_embeddings", "params_dtype"):
+        head.add_row(k, str(s[k]))
+    head.add_row("padded vocab", str(info["padded_vocab_size"]))
+    head.add_row("stage layers", "  ".join(f"pp{p}: {r}" for p, r in info["stage_layers"].items()))
+    head.add_row("tokenizer", str(info["tokenizer"]))
+    t = Table(title="parameters (layer index *; shapes per TP rank)")
+    for c in ("parameter", "split", "full shape", "shard shape × TP", "stages", "run-time collective"):
+        t.add_column(c)
+    for p in info["params"]:
+        shard = next(iter(p["rank_shapes"].values()))
+        t.add_row(p["name"], p["kind"], str(tuple(p["full_shape"])), f"{tuple(shard)} × {len(p['rank_shapes'])}",
+                  " ".join(f"pp{k}:{v}" for k, v in p["stages"].items()), p["collective"])
+    return Group(head, t)

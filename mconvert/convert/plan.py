@@ -1,0 +1,75 @@
+"""`--dry-run`: the files, sizes and estimated peak memory of a conversion, from shapes alone, writing nothing.
+
+Shape-based (ModelSpec + parallel layout; no tensor is read), so the same numbers hold for a model nobody
+has on disk (see `estimate.py`, which answers from a preset). Peak memory of the streaming driver =
+one unit's source shards + its full/mapped copy + the writer's buffer (one safetensors shard for HF, one
+pipeline stage of the target for Megatron, whose rank files each hold a whole stage) + the interpreter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mconvert.convert.estimate import HF_MAX_SHARD_BYTES, ITEMSIZE, hf_files, load_bandwidth, megatron_files, unit_bytes
+from mconvert.errors import MConvertError
+from mconvert.spec import ModelSpec
+
+
+def _stage_counts(spec: ModelSpec, pp: int) -> list[int]:
+    return [spec.num_layers // pp] * pp
+
+
+def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int = 1, pp: int = 1,
+         dtype: str | None = None, max_shard_size: int = HF_MAX_SHARD_BYTES, with_optimizer: bool = False,
+         base_rss: int | None = None) -> dict[str, Any]:
+    """Files to write (path, bytes), bytes read, and the peak memory estimate of `verb` on `spec`."""
+    src_item = ITEMSIZE[spec.params_dtype]
+    out_dtype = dtype or spec.params_dtype
+    if out_dtype not in ITEMSIZE:
+        raise MConvertError(f"unknown dtype {out_dtype!r}")
+    out_item = ITEMSIZE[out_dtype]
+    if base_rss is None:
+        base_rss = int(load_bandwidth()["base_rss_bytes"])
+    if verb == "megatron-to-hf":
+        read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp))
+        write = hf_files(spec, out_item, max_shard_size)
+        unit_in, unit_out = unit_bytes(spec, src_tp, src_item), unit_bytes(spec, 1, out_item)
+        buffer = min(max_shard_size, max(f["bytes"] for f in write))
+    elif verb in ("hf-to-megatron", "reshard"):
+        if verb == "hf-to-megatron":
+            read = hf_files(spec, src_item)
+            unit_in = unit_bytes(spec, 1, src_item)
+        else:
+            read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp))
+            unit_in = unit_bytes(spec, src_tp, src_item)
+        write = megatron_files(spec, tp, pp, out_item, _stage_counts(spec, pp))
+        unit_out = unit_bytes(spec, tp, out_item)
+        stage_bytes: dict[str, int] = {}
+        for f in write:
+            stage = f["path"].split("/")[0][11:] or "0"
+            stage_bytes[stage] = stage_bytes.get(stage, 0) + f["bytes"]
+        buffer = max(stage_bytes.values())
+        if with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
+            scale = 1 + 2 * 4 / out_item
+            buffer = int(buffer * scale)
+            unit_in = {k: int(v * (1 + 2 * 4 / src_item)) for k, v in unit_in.items()}
+            for f in write:
+                f["bytes"] = int(f["bytes"] * scale)
+    else:
+        raise MConvertError(f"no plan for verb {verb!r}")
+    unit_total = {k: unit_in[k] + unit_out[k] for k in unit_in}
+    largest = max(unit_total, key=lambda k: unit_total[k])
+    return {
+        "verb": verb, "dtype": out_dtype, "files": write, "write_bytes": sum(f["bytes"] for f in write),
+        "read_files": len(read), "read_bytes": sum(f["bytes"] for f in read),
+        "largest_unit": largest, "largest_unit_bytes": unit_total[largest], "writer_buffer_bytes": buffer,
+        "base_rss_bytes": base_rss, "peak_memory_bytes": unit_total[largest] + buffer + base_rss,
+        "note": "tensor bytes only (pickle / header overhead not counted); nothing was written",
+    }
+
+
+def plan_for_source(verb: str, src: Any, **kw: Any) -> dict[str, Any]:
+    """`plan` for an opened Source (its spec, TP and PP)."""
+    out = plan(verb, src.spec, src_tp=src.tp, src_pp=src.pp, **kw)
+    out["source"] = src.describe()
+    return out
