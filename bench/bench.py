@@ -1,0 +1,374 @@
+"""`make bench`: mconvert against the copy limit, against transformers' converter, and across depth.
+
+One run: build a ~4 GB fp32 GPT-2 checkpoint with the trainer (`--steps 0`, TP=4 PP=2, preset gpt2-1b),
+then measure, each `--repeats` times (median): `cp -r` of it (the copy limit; warmed once first, the page
+cache is left as it is and its residency reported), `megatron-to-hf`, `reshard` to TP=2 PP=1,
+`megatron-to-ft`; then transformers' `checkpoint_reshaping_and_interoperability.py` HF → Megatron against
+our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers. Wall time and peak RSS of
+every command's process tree; ratios to `cp` and to the peer; targets of issue 7 marked pass/fail.
+Prints a rich table (stderr) and `--json` (stdout); leaves the measured bandwidth where `mconvert plan`
+reads it. Work dirs under bench/work/ are deleted at the end (`--keep` keeps them).
+
+    .venv/bin/python bench/bench.py                      # the full run (~10 min on 2 cores)
+    .venv/bin/python bench/bench.py --quick              # small smoke run (~1 min)
+    .venv/bin/python bench/bench.py --layers 8 --repeats 1 --skip peer,depth --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+from procmon import Measurement, dir_bytes, files_under, resident_bytes, run_measured  # noqa: E402
+
+from mconvert.convert.estimate import bandwidth_file, estimate, unit_bytes  # noqa: E402
+from mconvert.spec import preset as get_preset  # noqa: E402
+
+console = Console(stderr=True)
+GB = 10**9
+PEER_SCRIPT = "transformers/models/megatron_gpt2/checkpoint_reshaping_and_interoperability.py"
+SRC_TP, SRC_PP = 4, 2
+
+
+def mconvert_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "mconvert"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "mconvert.cli"]
+
+
+def peer_script() -> Path:
+    import transformers
+
+    return Path(transformers.__file__).parent.parent / PEER_SCRIPT
+
+
+# ---- the commands measured --------------------------------------------------------------------------
+def op_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
+    """The command line of one measured operation (our verbs take SRC OUT positionally)."""
+    mc = mconvert_cmd()
+    w = ["--workers", str(workers)] if workers else []
+    if op == "cp":
+        return ["cp", "-r", str(src), str(out)]
+    if op == "megatron-to-hf":
+        return [*mc, "megatron-to-hf", str(src), str(out), *w]
+    if op == "reshard":
+        return [*mc, "reshard", str(src), str(out), "--tp", "2", "--pp", "1", *w]
+    if op == "megatron-to-ft":
+        return [*mc, "megatron-to-ft", str(src), str(out), *w]
+    if op == "hf-to-megatron":
+        return [*mc, "hf-to-megatron", str(src), str(out), "--tp", str(SRC_TP), "--pp", str(SRC_PP), *w]
+    if op == "transformers-script":
+        return [
+            sys.executable, str(peer_script()),
+            "--load_path", str(src), "--save_path", str(out),
+            "--target_tensor_model_parallel_size", str(SRC_TP),
+            "--target_pipeline_model_parallel_size", str(SRC_PP),
+            "--megatron-path", str(ROOT / "tests" / "megatron_standin"),
+        ]
+    raise ValueError(op)
+
+
+def measure(op: str, src: Path, work: Path, repeats: int, workers: int = 0, keep_last: bool = False) -> dict[str, Any]:
+    """Run `op` `repeats` times into a fresh output dir (removed between runs, not timed); median figures."""
+    out = work / f"out-{op}"
+    runs: list[Measurement] = []
+    for i in range(repeats):
+        shutil.rmtree(out, ignore_errors=True)
+        m = run_measured(op_command(op, src, out, workers))
+        if m.returncode != 0:
+            raise SystemExit(f"bench: {op} failed (exit {m.returncode}):\n{m.output_tail}")
+        runs.append(m)
+        console.print(f"  {op} run {i + 1}/{repeats}: {m.wall_s:.2f} s, peak RSS {m.peak_rss / GB:.2f} GB")
+    out_bytes = dir_bytes(out) if out.exists() else 0
+    if not keep_last:
+        shutil.rmtree(out, ignore_errors=True)
+    return {
+        "op": op,
+        "command": " ".join(op_command(op, src, out, workers)),
+        "wall_s": statistics.median(r.wall_s for r in runs),
+        "peak_rss": int(statistics.median(r.peak_rss for r in runs)),
+        "peak_anon": int(statistics.median(r.peak_anon_tree for r in runs)),
+        "runs": [{k: v for k, v in asdict(r).items() if k != "output_tail"} for r in runs],
+        "out_bytes": out_bytes,
+        "out_dir": str(out),
+    }
+
+
+# ---- inputs -----------------------------------------------------------------------------------------
+def build_checkpoint(preset: str, layers: int | None, dest: Path) -> dict[str, Any]:
+    """The trainer writes an initialised checkpoint (`--steps 0`); timed for the record, not compared."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    cmd = [*mconvert_cmd(), "train", "--preset", preset, "--tp", str(SRC_TP), "--pp", str(SRC_PP),
+           "--steps", "0", "--save", str(dest)]
+    if layers:
+        cmd += ["--num-layers", str(layers)]
+    console.print(f"[bold]building[/] {preset} ({layers or 'preset'} layers) TP={SRC_TP} PP={SRC_PP} → {dest}")
+    m = run_measured(cmd)
+    if m.returncode != 0:
+        raise SystemExit(f"bench: the trainer failed (exit {m.returncode}):\n{m.output_tail}")
+    return {"command": " ".join(cmd), "wall_s": m.wall_s, "bytes": dir_bytes(dest), "files": len(files_under(dest))}
+
+
+def export_bin(hf_dir: Path, dest: Path) -> None:
+    """The peer reads only `pytorch_model*.bin`: re-save our HF output with transformers itself."""
+    code = (
+        "import sys, transformers as t; m = t.GPT2LMHeadModel.from_pretrained(sys.argv[1]); "
+        "m.save_pretrained(sys.argv[2], safe_serialization=False, max_shard_size='1000GB')"
+    )
+    shutil.rmtree(dest, ignore_errors=True)
+    m = run_measured([sys.executable, "-c", code, str(hf_dir), str(dest)])
+    if m.returncode != 0:
+        raise SystemExit(f"bench: exporting {hf_dir} as pytorch_model.bin failed:\n{m.output_tail}")
+
+
+# ---- figures ------------------------------------------------------------------------------------------
+def layer_figures(preset: str, layers: int | None) -> dict[str, Any]:
+    """Largest transformer layer and largest unit (embedding / final) of the source, all TP shards."""
+    spec = get_preset(preset)
+    if layers:
+        spec = spec.replace(num_layers=layers)
+    u = unit_bytes(spec, SRC_TP, 4 if spec.params_dtype == "float32" else 2)
+    return {"parameters": spec.num_parameters(), "layers": spec.num_layers,
+            "largest_layer_bytes": u["layer"], "largest_unit_bytes": max(u.values()), "units": u}
+
+
+def target(name: str, value: float, limit: float, ok: bool, unit: str = "") -> dict[str, Any]:
+    return {"target": name, "value": value, "limit": limit, "pass": bool(ok), "unit": unit}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="gpt2-1b", help="GPT-2 preset of mconvert.spec (default gpt2-1b)")
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's depth")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
+    ap.add_argument("--depth", default="8,32", help="layer counts for the depth-scaling runs")
+    ap.add_argument("--skip", default="", help="comma list of: ft, peer, depth")
+    ap.add_argument("--workers", type=int, default=0, help="pass --workers N to our verbs (0: their default)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-100m at 4 layers, 1 repeat, depth 2,4")
+    ap.add_argument("--work", type=Path, default=HERE / "work", help="scratch dir (deleted at the end)")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir")
+    ap.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
+    ap.add_argument("--no-save", action="store_true", help="do not write the bandwidth file / bench/last-run.json")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.preset, a.layers, a.repeats, a.depth = "gpt2-100m", a.layers or 4, 1, "2,8"
+    skip = {s.strip() for s in a.skip.split(",") if s.strip()}
+    work: Path = a.work
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+        "preset": a.preset, "repeats": a.repeats, "workers": a.workers,
+    }
+    try:
+        run(a, skip, work, report)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print_report(report)
+    if a.json:
+        print(json.dumps(report, indent=1))
+    if not a.no_save:
+        save(report)
+    return 0 if all(t["pass"] for t in report["targets"]) else 1
+
+
+def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any]) -> None:
+    ckpt = work / "ckpt"
+    report["model"] = layer_figures(a.preset, a.layers)
+    report["build"] = build_checkpoint(a.preset, a.layers, ckpt)
+    ckpt_bytes = report["build"]["bytes"]
+    console.print(f"checkpoint: {report['build']['files']} files, {ckpt_bytes / GB:.2f} GB "
+                  f"(built in {report['build']['wall_s']:.1f} s)")
+
+    # the copy limit: warm once, then measure; page cache left as it is, residency reported
+    before, total = resident_bytes(files_under(ckpt))
+    warm = run_measured(["cp", "-r", str(ckpt), str(work / "warm")])
+    shutil.rmtree(work / "warm", ignore_errors=True)
+    after, _ = resident_bytes(files_under(ckpt))
+    report["cache"] = {"resident_before_warmup": before / total, "resident_after_warmup": after / total,
+                       "warmup_cp_s": warm.wall_s, "warm": after / total > 0.95}
+    console.print(f"page cache: {100 * before / total:.0f}% of the checkpoint resident before the warm-up cp, "
+                  f"{100 * after / total:.0f}% after")
+
+    ops: dict[str, Any] = {}
+    ops["cp"] = measure("cp", ckpt, work, a.repeats)
+    ops["megatron-to-hf"] = measure("megatron-to-hf", ckpt, work, a.repeats, a.workers, keep_last=True)
+    ops["reshard"] = measure("reshard", ckpt, work, a.repeats, a.workers)
+    if "ft" not in skip:
+        ops["megatron-to-ft"] = measure("megatron-to-ft", ckpt, work, a.repeats, a.workers)
+    cp = ops["cp"]["wall_s"]
+    for r in ops.values():
+        r["ratio_to_cp"] = r["wall_s"] / cp
+        r["rss_ratio_to_cp"] = r["peak_rss"] / ops["cp"]["peak_rss"]
+    report["ops"] = ops
+    report["copy_bytes_per_s"] = ckpt_bytes / cp
+
+    hf_dir = Path(ops["megatron-to-hf"]["out_dir"])
+    if "peer" not in skip:
+        bin_dir = work / "hf-bin"
+        console.print("[bold]peer[/]: exporting the HF model as pytorch_model.bin with transformers")
+        export_bin(hf_dir, bin_dir)
+        peer = measure("transformers-script", bin_dir, work, a.repeats)
+        ours = measure("hf-to-megatron", hf_dir, work, a.repeats, a.workers)
+        ours_bin = None
+        try:
+            ours_bin = measure("hf-to-megatron", bin_dir, work, 1, a.workers)
+        except SystemExit as e:  # our reader may not take .bin; the safetensors figure stands
+            console.print(f"  hf-to-megatron on pytorch_model.bin: not measured ({str(e).splitlines()[0]})")
+        report["peer"] = {
+            "transformers-script": peer, "hf-to-megatron": ours, "hf-to-megatron-bin": ours_bin,
+            "speedup": peer["wall_s"] / ours["wall_s"], "rss_fraction": ours["peak_rss"] / peer["peak_rss"],
+        }
+        shutil.rmtree(bin_dir, ignore_errors=True)
+    shutil.rmtree(hf_dir, ignore_errors=True)
+
+    if "depth" not in skip:
+        depth: dict[str, Any] = {}
+        for n in [int(x) for x in a.depth.split(",") if x]:
+            d_ckpt = work / f"ckpt-{n}"
+            b = build_checkpoint(a.preset, n, d_ckpt)
+            depth[str(n)] = {
+                "layers": n, "bytes": b["bytes"],
+                "megatron-to-hf": measure("megatron-to-hf", d_ckpt, work, a.repeats, a.workers),
+                "reshard": measure("reshard", d_ckpt, work, a.repeats, a.workers),
+            }
+            shutil.rmtree(d_ckpt, ignore_errors=True)
+        base_layers = report["model"]["layers"]
+        depth[str(base_layers)] = {"layers": base_layers, "bytes": ckpt_bytes,
+                                   "megatron-to-hf": ops["megatron-to-hf"], "reshard": ops["reshard"]}
+        report["depth"] = dict(sorted(depth.items(), key=lambda kv: kv[1]["layers"]))
+    report["targets"] = targets(report)
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 7's targets, each with its figure and pass/fail."""
+    ops, model = report["ops"], report["model"]
+    out = [
+        target("megatron-to-hf wall ≤ 2.0 × cp", ops["megatron-to-hf"]["ratio_to_cp"], 2.0,
+               ops["megatron-to-hf"]["ratio_to_cp"] <= 2.0, "× cp"),
+        target("reshard wall ≤ 2.5 × cp", ops["reshard"]["ratio_to_cp"], 2.5, ops["reshard"]["ratio_to_cp"] <= 2.5, "× cp"),
+    ]
+    limit = 2 * model["largest_unit_bytes"] + 0.5 * GB
+    strict = 2 * model["largest_layer_bytes"] + 0.5 * GB
+    conv = {k: v for k, v in ops.items() if k != "cp"}
+    if "peer" in report:
+        conv["hf-to-megatron"] = report["peer"]["hf-to-megatron"]
+    for k, v in conv.items():
+        out.append(target(f"{k} peak RSS ≤ 2 × largest unit + 0.5 GB", v["peak_rss"] / GB, limit / GB,
+                          v["peak_rss"] <= limit, "GB"))
+        out.append(target(f"{k} peak RSS ≤ 2 × largest transformer layer + 0.5 GB (strict reading)",
+                          v["peak_rss"] / GB, strict / GB, v["peak_rss"] <= strict, "GB"))
+    if "depth" in report:
+        d = list(report["depth"].values())
+        lo, hi = d[0], d[-1]
+        for op in ("megatron-to-hf", "reshard"):
+            growth = hi[op]["peak_rss"] / lo[op]["peak_rss"]
+            out.append(target(f"{op} peak RSS flat {lo['layers']} → {hi['layers']} layers (ratio ≤ 1.15)",
+                              growth, 1.15, growth <= 1.15, "×"))
+            # linear in bytes: the seconds per byte at the deepest and shallowest points agree within 30 %
+            spb_lo, spb_hi = lo[op]["wall_s"] / lo["bytes"], hi[op]["wall_s"] / hi["bytes"]
+            lin = spb_hi / spb_lo
+            out.append(target(f"{op} time linear in depth (s/byte at {hi['layers']} ÷ at {lo['layers']} layers "
+                              "within 0.7–1.3)", lin, 1.3, 0.7 <= lin <= 1.3, "×"))
+    if "peer" in report:
+        p = report["peer"]
+        out.append(target("hf-to-megatron ≥ 5 × faster than transformers' script", p["speedup"], 5.0,
+                          p["speedup"] >= 5.0, "×"))
+        out.append(target("hf-to-megatron peak RSS ≤ ¼ of transformers' script", p["rss_fraction"], 0.25,
+                          p["rss_fraction"] <= 0.25, "×"))
+    return out
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """Rich tables: operations vs cp, peer, depth, targets."""
+    if "ops" not in report:
+        return
+    m = report["model"]
+    t = Table(title=f"{report['preset']} ({m['parameters'] / 1e9:.2f} B params, {m['layers']} layers, fp32) "
+                    f"TP={SRC_TP} PP={SRC_PP}: {report['build']['bytes'] / GB:.2f} GB, median of {report['repeats']}"
+                    f"; page cache {'warm' if report['cache']['warm'] else 'NOT warm'}")
+    for c in ("operation", "wall s", "× cp", "peak RSS GB", "anon GB", "× cp RSS"):
+        t.add_column(c, justify="left" if c == "operation" else "right")
+    for op, r in report["ops"].items():
+        t.add_row(op, f"{r['wall_s']:.2f}", f"{r['ratio_to_cp']:.2f}", f"{r['peak_rss'] / GB:.2f}",
+                  f"{r['peak_anon'] / GB:.2f}", f"{r['rss_ratio_to_cp']:.1f}")
+    console.print(t)
+    if "peer" in report:
+        p = report["peer"]
+        t = Table(title=f"HF → Megatron TP={SRC_TP} PP={SRC_PP}, same model: ours vs transformers' script")
+        for c in ("converter", "wall s", "peak RSS GB", "anon GB"):
+            t.add_column(c, justify="left" if c == "converter" else "right")
+        rows = [("transformers script (.bin)", p["transformers-script"]), ("mconvert hf-to-megatron (safetensors)",
+                                                                           p["hf-to-megatron"])]
+        if p.get("hf-to-megatron-bin"):
+            rows.append(("mconvert hf-to-megatron (.bin, 1 run)", p["hf-to-megatron-bin"]))
+        for name, r in rows:
+            t.add_row(name, f"{r['wall_s']:.2f}", f"{r['peak_rss'] / GB:.2f}", f"{r['peak_anon'] / GB:.2f}")
+        t.add_row("ratio", f"{p['speedup']:.1f}× faster", f"{p['rss_fraction']:.2f}× the RSS", "")
+        console.print(t)
+    if "depth" in report:
+        t = Table(title="depth scaling (same width)")
+        for c in ("layers", "ckpt GB", "m2h s", "m2h s/GB", "m2h RSS GB", "reshard s", "reshard s/GB", "reshard RSS GB"):
+            t.add_column(c, justify="right")
+        for d in report["depth"].values():
+            gbs = d["bytes"] / GB
+            t.add_row(str(d["layers"]), f"{gbs:.2f}",
+                      f"{d['megatron-to-hf']['wall_s']:.2f}", f"{d['megatron-to-hf']['wall_s'] / gbs:.2f}",
+                      f"{d['megatron-to-hf']['peak_rss'] / GB:.2f}",
+                      f"{d['reshard']['wall_s']:.2f}", f"{d['reshard']['wall_s'] / gbs:.2f}",
+                      f"{d['reshard']['peak_rss'] / GB:.2f}")
+        console.print(t)
+    t = Table(title="issue 7 targets")
+    for c in ("target", "measured", "limit", ""):
+        t.add_column(c)
+    for x in report["targets"]:
+        t.add_row(x["target"], f"{x['value']:.2f} {x['unit']}", f"{x['limit']:.2f}",
+                  "[green]pass[/]" if x["pass"] else "[red]FAIL[/]")
+    console.print(t)
+
+
+def save(report: dict[str, Any]) -> None:
+    """The small bandwidth JSON `mconvert plan` reads, and the whole report beside this script."""
+    if "ops" not in report:
+        return
+    ops = report["ops"]
+    conv = {k: v for k, v in ops.items() if k != "cp"}
+    if "peer" in report:
+        conv["hf-to-megatron"] = report["peer"]["hf-to-megatron"]
+    spec = get_preset(report["preset"]).replace(num_layers=report["model"]["layers"])
+    in_out = estimate(spec, "hf", tp=SRC_TP, pp=SRC_PP).largest_unit_bytes  # one unit's input + output
+    overhead = ops["megatron-to-hf"]["peak_rss"] - in_out
+    bw = {
+        "copy_bytes_per_s": report["copy_bytes_per_s"],
+        "ratio_to_cp": {k: v["wall_s"] / ops["cp"]["wall_s"] for k, v in conv.items()},
+        "base_rss_bytes": max(overhead, 0),
+        "measured": report["machine"]["date"],
+        "preset": report["preset"],
+    }
+    path = bandwidth_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(bw, indent=1) + "\n")
+    (HERE / "last-run.json").write_text(json.dumps(report, indent=1) + "\n")
+    console.print(f"wrote {path} and {HERE / 'last-run.json'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Spec-only estimates (`mconvert plan`) and the bench's measuring tools: quick, no timing goals here."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert.convert.estimate import ITEMSIZE, estimate, load_bandwidth, stage_layer_counts
+from mconvert.errors import MConvertError
+from mconvert.spec import preset
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+BW = {"copy_bytes_per_s": 1e9, "ratio_to_cp": {"megatron-to-hf": 2.0, "hf-to-megatron": 2.0, "reshard": 2.5,
+                                                 "megatron-to-ft": 2.0}, "base_rss_bytes": 0, "source": "test"}
+
+
+def _shape_sum(spec, tp: int, pp: int) -> int:
+    """Bytes of every Megatron rank file, summed from the declarations: split params once, replicated per TP rank."""
+    total = 0
+    for d in spec.params(tp):
+        n = math.prod(d.shape)
+        total += n * tp if d.kind == "replicated" else n
+    if spec.tie_embeddings and pp > 1:
+        total += math.prod(spec.embedding_params(tp)[0].shape)
+    return total * ITEMSIZE[spec.params_dtype]
+
+
+def test_405b_estimate_runs_in_seconds_and_sums_the_shapes() -> None:
+    spec = preset("llama3-405b")
+    t0 = time.perf_counter()
+    ests = {to: estimate(spec, to, tp=8, pp=16, bandwidth=BW) for to in ("hf", "ft", "megatron")}
+    ests["reshard"] = estimate(spec, "megatron", tp=8, pp=16, target_tp=8, target_pp=8, bandwidth=BW)
+    assert time.perf_counter() - t0 < 5.0
+    true_bytes = (spec.num_parameters() - (spec.padded_vocab_size(1) - spec.vocab_size) * spec.hidden_size * 2) * 2
+    meg = _shape_sum(spec, 8, 16)
+    hf = ests["hf"]
+    assert hf.parameters > 400e9 and hf.read_files == 128 and hf.read_bytes == meg
+    assert hf.write_bytes == true_bytes  # HF holds the true vocab rows (embedding and untied head)
+    assert ests["ft"].write_bytes == true_bytes
+    assert ests["megatron"].read_bytes == true_bytes and ests["megatron"].write_bytes == meg
+    assert ests["reshard"].read_bytes == meg and ests["reshard"].write_files == 64
+    assert hf.stage_layers == [7] + [8] * 14 + [7]
+    assert hf.megatron_args == {"decoder_first_pipeline_num_layers": 7, "decoder_last_pipeline_num_layers": 7}
+    # one layer's 8 TP shards in (norms on every rank) and the same layer out, in bf16: ~2 x 3.19 B params x 2 B
+    layer = sum(math.prod(d.shape) for d in spec.layer_params(0)) * 2
+    norms = sum(math.prod(d.shape) for d in spec.layer_params(0) if d.kind == "replicated") * 2
+    assert hf.largest_unit == "layer" and hf.largest_unit_bytes == 2 * layer + 7 * norms
+    assert hf.expected_seconds == pytest.approx(max(hf.read_bytes, hf.write_bytes) / 1e9 * 2.0)
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "gpt2-100m"])
+def test_hf_bytes_equal_transformers_parameter_bytes(name: str) -> None:
+    """The HF side of the estimate against transformers' own model of the same config (meta device)."""
+    import transformers
+
+    spec = preset(name)
+    cfg = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    sd = model.state_dict()
+    seen, nbytes = set(), 0
+    for k, t in sd.items():  # tied head: count the shared tensor once, as a safetensors file does
+        if k == "lm_head.weight" and spec.tie_embeddings:
+            continue
+        if k.endswith((".attn.bias", ".attn.masked_bias")) or k in seen:
+            continue
+        seen.add(k)
+        nbytes += t.numel() * ITEMSIZE[spec.params_dtype]
+    assert estimate(spec, "hf", tp=2, pp=2, bandwidth=BW).write_bytes == nbytes
+
+
+def test_405b_layer_bytes_equal_transformers_layer() -> None:
+    """One Llama-3-405B layer (and the embedding/head) as transformers builds it, on the meta device."""
+    import transformers
+
+    spec = preset("llama3-405b").replace(num_layers=2)
+    cfg = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    nbytes = sum(t.numel() for t in model.state_dict().values()) * 2
+    assert estimate(spec, "hf", tp=8, pp=2, bandwidth=BW).write_bytes == nbytes
+
+
+def test_stage_layer_counts() -> None:
+    assert stage_layer_counts(16, 2) == [8, 8]
+    assert stage_layer_counts(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_layer_counts(126, 16, first=6, last=8) == [6] + [8] * 14 + [8]
+    assert stage_layer_counts(10, 2, first=4) == [4, 6]
+    with pytest.raises(MConvertError, match="do not divide evenly"):
+        stage_layer_counts(126, 16, first=6, last=6)
+    with pytest.raises(MConvertError):
+        stage_layer_counts(3, 16)
+
+
+@pytest.mark.slow
+def test_uneven_stages_match_megatron_core() -> None:
+    """Our uneven split is megatron-core's own `get_num_layers_to_build` for the same first/last stage sizes."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for layers, pp in ((126, 16), (30, 4), (7, 3)):
+        counts = stage_layer_counts(layers, pp)
+        cfg = TransformerConfig(
+            num_layers=layers, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=pp,
+            num_layers_in_first_pipeline_stage=counts[0], num_layers_in_last_pipeline_stage=counts[-1],
+            pipeline_dtype=torch.float32,
+        )
+        assert [get_num_layers_to_build(cfg, pp_rank=r) for r in range(pp)] == counts
+
+
+def test_bandwidth_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MCONVERT_BANDWIDTH_FILE", str(tmp_path / "none.json"))
+    assert "default" in load_bandwidth()["source"]
+    p = tmp_path / "bw.json"
+    p.write_text(json.dumps({"copy_bytes_per_s": 2e9, "ratio_to_cp": {"reshard": 1.5}}))
+    monkeypatch.setenv("MCONVERT_BANDWIDTH_FILE", str(p))
+    bw = load_bandwidth()
+    assert bw["copy_bytes_per_s"] == 2e9 and bw["ratio_to_cp"]["reshard"] == 1.5
+    p.write_text("{not json")
+    with pytest.raises(MConvertError, match="bw.json: unreadable bandwidth file"):
+        load_bandwidth()
+    with pytest.raises(MConvertError, match="not found"):
+        load_bandwidth(tmp_path / "missing.json")
+
+
+def test_plan_verb_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from mconvert.cli import app
+
+    monkeypatch.setenv("MCONVERT_BANDWIDTH_FILE", str(tmp_path / "none.json"))
+    r = CliRunner().invoke(app, ["plan", "--preset", "llama3-405b", "--tp", "8", "--pp", "16", "--to", "hf", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["read_files"] == 128 and d["stage_layers"][0] == 7 and d["peak_memory_bytes"] > d["largest_unit_bytes"]
+
+
+@pytest.mark.slow
+def test_procmon_measures_peak_rss_and_page_cache(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH))
+    from procmon import resident_bytes, run_measured
+
+    m = run_measured([sys.executable, "-c", "import time; x = bytearray(300_000_000); time.sleep(0.3)"])
+    assert m.returncode == 0 and m.peak_rss >= 300_000_000 and m.wall_s > 0.3
+    f = tmp_path / "blob"
+    f.write_bytes(b"\1" * (8 << 20))
+    f.read_bytes()
+    resident, total = resident_bytes([f])
+    assert total == 8 << 20 and resident > 0.9 * total
