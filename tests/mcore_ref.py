@@ -156,6 +156,7 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int,
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     torch.cuda.current_device = lambda: torch.device("cpu")  # DESIGN.md test-only patch
+    torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing.save calls it; nothing to wait for on CPU
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from megatron.core import parallel_state
