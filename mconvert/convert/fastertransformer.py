@@ -456,12 +456,8 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
 
 def open_any_source(src: str | Path, iteration: str | None = None) -> Any:
     """Helper B's `open_source` (Megatron torch / torch_dist / HF dir)."""
-    try:
-        from mconvert.convert.sources import open_source  # type: ignore[attr-defined]
-    except ImportError:  # TEMPORARY until sources.py lands
-        from mconvert.convert._hf_shim import HFDirShim
+    from mconvert.convert.sources import open_source
 
-        return HFDirShim(src)
     return open_source(src, iteration=iteration)
 
 

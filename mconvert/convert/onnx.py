@@ -1,0 +1,206 @@
+"""ONNX export (`mconvert to-onnx`) through optimum-onnx, with OUR tolerance enforced by onnxruntime.
+
+optimum's `main_export` (task `text-generation` or `text-generation-with-past`) writes `model.onnx`
+(+ `model.onnx_data` external data when the graph exceeds protobuf's 2 GB) and only *warns* when its own
+validation misses; here the export is rejected instead unless onnxruntime's logits match transformers' within
+`rtol` (max |Δ| / max |ref|) on a prefill pass and, with the cache, on one cached decode step too.
+A Megatron source is first written as an HF dir (fp32) in a temporary directory by the HF writer.
+Fallback (`exporter="torch"`): plain `torch.onnx.export` of the logits-only graph (no KV cache), for
+installs without optimum-onnx or architectures it does not know; checked the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert.errors import MConvertError
+
+DEFAULT_RTOL = 1e-4
+
+
+@dataclass
+class OnnxResult:
+    """What `to_onnx` wrote and the differences it measured against transformers."""
+
+    out: str
+    task: str
+    exporter: str
+    opset: int | None
+    files: dict[str, int]
+    prefill_rel_diff: float
+    decode_rel_diff: float | None
+    rtol: float
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| (the tolerance measure used throughout mconvert)."""
+    a, ref = a.float(), ref.float()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def _is_hf_dir(p: Path) -> bool:
+    return (p / "config.json").is_file() and not (p / "latest_checkpointed_iteration.txt").exists()
+
+
+@contextlib.contextmanager
+def _hf_dir_for(src: Path, iteration: str | None) -> Any:
+    """Yield an HF dir for `src`: itself, or a temporary fp32 export of a Megatron checkpoint."""
+    if _is_hf_dir(src):
+        yield src
+        return
+    from mconvert.convert.driver import megatron_to_hf
+
+    with tempfile.TemporaryDirectory(prefix="mconvert-onnx-hf-") as tmp:
+        hf = Path(tmp) / "hf"
+        megatron_to_hf(src, hf, iteration=iteration, dtype="fp32")
+        yield hf
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """Silence transformers/optimum/torch.onnx chatter during export (our report says what matters)."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    loggers = [logging.getLogger(n) for n in ("optimum", "torch.onnx", "root")]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+        for lg, lv in zip(loggers, old):
+            lg.setLevel(lv)
+
+
+def _export_optimum(hf_dir: Path, out: Path, with_past: bool, opset: int | None) -> None:
+    try:
+        from optimum.exporters.onnx import main_export
+    except ImportError as e:
+        raise MConvertError(f"optimum-onnx is not installed ({e}); pip install optimum-onnx, or --exporter torch") from None
+    task = "text-generation-with-past" if with_past else "text-generation"
+    try:
+        main_export(str(hf_dir), output=out, task=task, opset=opset, device="cpu", do_validation=False,
+                    local_files_only=True, library_name="transformers")
+    except Exception as e:  # optimum raises ValueError/KeyError/RuntimeError for unsupported models
+        raise MConvertError(f"optimum could not export {hf_dir} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+class _LogitsOnly(torch.nn.Module):
+    """Wraps a causal LM so the traced graph is input_ids, attention_mask -> logits (no cache)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # A ready 4-D additive mask (causal & padding) keeps transformers' vmap-based mask builder out of the trace.
+        S = input_ids.shape[1]
+        causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).tril()
+        keep = causal[None, None] & attention_mask.bool()[:, None, None, :]
+        mask = torch.zeros(keep.shape, dtype=torch.float32).masked_fill(~keep, torch.finfo(torch.float32).min)
+        return self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
+
+
+def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
+    """Fallback: `torch.onnx.export` (TorchScript exporter) of the logits-only graph; copies config.json."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    torch.onnx.export(
+        _LogitsOnly(model), (ids, torch.ones_like(ids)), str(out / "model.onnx"),
+        input_names=["input_ids", "attention_mask"], output_names=["logits"],
+        dynamic_axes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"},
+                      "logits": {0: "batch", 1: "seq"}},
+        opset_version=opset or 17, dynamo=False,
+    )
+    for name in ("config.json", "generation_config.json"):
+        if (hf_dir / name).is_file():
+            shutil.copy(hf_dir / name, out / name)
+
+
+@torch.no_grad()
+def check_onnx_against_hf(onnx_dir: Path, hf_dir: Path, rtol: float = DEFAULT_RTOL,
+                          batch: int = 2, seq: int = 16) -> tuple[float, float | None]:
+    """Run onnxruntime and transformers on the same random tokens; (prefill diff, cached-decode diff or None)."""
+    from transformers import AutoModelForCausalLM
+
+    from mconvert.validators.onnx_runner import _past_inputs, onnx_session, onnx_step
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    cfg = model.config
+    seq = min(seq, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", seq))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    ref = model(input_ids=tokens, use_cache=False).logits
+    sess = onnx_session(onnx_dir)
+    if not _past_inputs(sess):
+        logits, _ = onnx_step(sess, tokens)
+        return rel_diff(logits, ref), None
+    pre, past = onnx_step(sess, tokens[:, :-1])
+    prefill = rel_diff(pre, ref[:, :-1])
+    step, _ = onnx_step(sess, tokens[:, -1:], past=past, past_len=seq - 1)
+    return prefill, rel_diff(step, ref[:, -1:])
+
+
+def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
+            force: bool = False, rtol: float = DEFAULT_RTOL, exporter: str = "optimum",
+            iteration: str | None = None) -> OnnxResult:
+    """`mconvert to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if exporter not in ("optimum", "torch"):
+        raise MConvertError(f"--exporter {exporter!r}: choose optimum or torch")
+    if exporter == "torch" and with_past:
+        raise MConvertError("the torch.onnx fallback exports no KV cache; pass --no-past with --exporter torch")
+    if not src.exists():
+        raise MConvertError(f"{src}: no such file or directory")
+    check_output(out, force)
+    notes: list[str] = []
+    with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force) as tmp:
+        if not _is_hf_dir(src):
+            notes.append("Megatron source exported to a temporary fp32 HF dir first")
+        with _quiet():
+            if exporter == "optimum":
+                _export_optimum(hf_dir, tmp, with_past, opset)
+            else:
+                _export_torch(hf_dir, tmp, opset)
+            prefill, decode = check_onnx_against_hf(tmp, hf_dir, rtol)
+        worst = max(prefill, decode or 0.0)
+        if not worst <= rtol:  # also catches NaN
+            raise MConvertError(
+                f"ONNX export does not match transformers: max relative logits difference {worst:.3g} > {rtol:g} "
+                f"(prefill {prefill:.3g}" + (f", cached decode {decode:.3g})" if decode is not None else ")")
+            )
+        if with_past and decode is None:
+            raise MConvertError("exported model has no past_key_values inputs although --with-past was asked")
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    if "model.onnx_data" in files:
+        notes.append("weights stored as external data in model.onnx_data (graph > 2 GB protobuf limit)")
+    task = "text-generation-with-past" if with_past else "text-generation"
+    return OnnxResult(str(out), task, exporter, opset, files, prefill, decode, rtol,
+                      round(time.perf_counter() - t0, 2), notes)
