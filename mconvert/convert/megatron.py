@@ -65,16 +65,15 @@ class MegatronSource(SourceBase):
         self.files = self._rank_files()
         self.tp = 1 + max(t for t, _ in self.files)
         self.pp = 1 + max(p for _, p in self.files)
-        for t in range(self.tp):
-            for p in range(self.pp):
-                if (t, p) not in self.files:
-                    raise MConvertError(f"{self.iter_dir}: rank file for TP rank {t}, PP rank {p} is missing "
-                                        f"(found TP={self.tp}, PP={self.pp}); the checkpoint is incomplete")
+        if (0, 0) not in self.files:
+            self._check_holes()
         first_file = self.files[(0, 0)]
         first = safe_load(first_file)
         if "args" not in first:
             raise MConvertError(f"{first_file}: no 'args' entry; not a Megatron-LM checkpoint (or written without args)")
         self.args = first["args"]
+        self._check_layout(_args_dict(self.args))  # safety: extra rank dirs are named against the args
+        self._check_holes()
         self.checkpoint_version = float(first.get("checkpoint_version", 0) or 0)
         if self.iteration != "release" and first.get("iteration") is not None:
             self.iteration = first["iteration"]
@@ -94,6 +93,8 @@ class MegatronSource(SourceBase):
         spec = ModelSpec.from_megatron_args(a, source=str(first_file))
         if vocab is not None:
             spec = spec.replace(vocab_size=int(vocab))
+        if a.get("bos_token_id") is not None or a.get("eos_token_id") is not None:
+            spec = spec.replace(bos_token_id=a.get("bos_token_id"), eos_token_id=a.get("eos_token_id"))
         self.spec = spec
         self.padded_vocab = a.get("padded_vocab_size")
         del first
@@ -105,8 +106,66 @@ class MegatronSource(SourceBase):
             for c in range(self.vpp or 1):
                 self._keymaps[(p, c)] = self._keymap(st, p, c, self.files[(0, p)])
             del st
+        self._check_ranks(a)  # safety: every other rank file agrees with TP rank 0 (args, keys, shapes)
 
     # ---- discovery ------------------------------------------------------------------------------------
+    def _check_holes(self) -> None:
+        for t in range(self.tp):
+            for p in range(self.pp):
+                if (t, p) not in self.files:
+                    raise MConvertError(f"{self.iter_dir}: rank file for TP rank {t}, PP rank {p} is missing "
+                                        f"(found TP={self.tp}, PP={self.pp}); the checkpoint is incomplete")
+
+    def _check_layout(self, args: dict[str, Any]) -> None:
+        """Rank dirs beyond the args' TP/PP are named (a stray copy must not be merged in or silently skipped)."""
+        want_tp, want_pp = args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
+        if not want_tp or not want_pp:
+            return
+        extra = sorted(self.files[k].parent.name for k in self.files if k[0] >= want_tp or k[1] >= want_pp)
+        if extra:
+            raise MConvertError(f"{self.iter_dir}: unexpected rank directories {', '.join(extra)} (the args say "
+                                f"TP={want_tp}, PP={want_pp}); remove them — a stray copy from another run?")
+
+    def _check_ranks(self, args0: dict[str, Any]) -> None:
+        """Every rank file must carry rank 0's model args and, per stage, exactly TP rank 0's keys and shapes."""
+        fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
+        spec0 = ModelSpec.from_megatron_args(args0).to_dict()
+        for (t, p), f in sorted(self.files.items()):
+            if t == 0 and p == 0:
+                continue
+            st = safe_load(f)
+            if "args" in st:
+                a = _args_dict(st["args"])
+                spec = ModelSpec.from_megatron_args(a, source=str(f)).to_dict()
+                diff = [(k, spec[k], spec0[k]) for k in spec0 if spec[k] != spec0[k]]
+                diff += [(k, a.get(k), args0.get(k)) for k in fields if a.get(k) != args0.get(k)]
+                if diff:
+                    k, here, there = diff[0]
+                    raise MConvertError(f"{f}: args differ from {self.files[(0, 0)]}: {k}={here!r} here, {there!r} "
+                                        "there; the rank files come from different runs — re-copy the checkpoint")
+            if t == 0:
+                continue
+            for c in range(self.vpp or 1):
+                model = self._model_dict(st, c, f)
+                ref = self._keymaps[(p, c)]
+                ref_file = self.files[(0, p)]
+                for raw, val in model.items():
+                    if canonical_key(raw) is None:
+                        continue
+                    if raw not in ref:
+                        raise MConvertError(f"{f}: unexpected key {raw!r} ({ref_file} does not have it); the rank "
+                                            "files do not belong to one checkpoint — re-copy it")
+                    want = self.shapes[ref[raw]]
+                    if not isinstance(val, torch.Tensor) or tuple(val.shape) != want:
+                        got = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
+                        raise MConvertError(f"{f}: key {raw!r} has shape {got} but {ref_file} has {want}; TP shards "
+                                            "of one parameter must agree — the rank files come from different runs")
+                missing = [raw for raw in ref if raw not in model]
+                if missing:
+                    raise MConvertError(f"{f}: key {missing[0]!r} is missing ({ref_file} has it); the checkpoint "
+                                        "is incomplete or mixed — re-copy it")
+            del st
+
     def _rank_files(self) -> dict[tuple[int, int], Path]:
         files: dict[tuple[int, int], Path] = {}
         for d in sorted(self.iter_dir.iterdir()):
@@ -116,7 +175,11 @@ class MegatronSource(SourceBase):
             f = next((d / n for n in RANK_FILES if (d / n).is_file()), None)
             if f is None:
                 raise MConvertError(f"{d}: no {RANK_FILES[0]} inside; the checkpoint is incomplete")
-            files[(parsed[0], parsed[1] or 0)] = f
+            key = (parsed[0], parsed[1] or 0)
+            if key in files:  # mp_rank_01 beside mp_rank_01_000
+                raise MConvertError(f"{d}: same TP/PP rank as {files[key].parent.name}; a checkpoint uses either "
+                                    "mp_rank_TT or mp_rank_TT_PPP directories — remove the stray one")
+            files[key] = f
         if not files:
             raise MConvertError(f"{self.iter_dir}: no mp_rank_* directories; not a Megatron torch checkpoint")
         return files
@@ -183,6 +246,9 @@ class MegatronSource(SourceBase):
                 if raw not in model:
                     raise MConvertError(f"{f}: key {raw!r} is missing (TP rank 0 has it)")
                 ten = model[raw]
+                if ten.is_floating_point() and not _all_finite(ten):
+                    raise MConvertError(f"{f}: key {raw!r} holds NaN or Inf values; the run diverged or the file is "
+                                        "corrupt — convert an earlier iteration (--iteration N)")
                 if self.checkpoint_version < 2 and name.endswith("linear_qkv.weight") or (
                     self.checkpoint_version < 2 and name.endswith("linear_qkv.bias")
                 ):
@@ -235,8 +301,9 @@ class MegatronWriter:
         self.files: list[Path] = []
 
     def _target_args(self, args: Any) -> argparse.Namespace:
-        if args is None:
-            return self.spec.to_megatron_args(self.tp, self.pp, self.vpp)
+        if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
+            return self.spec.to_megatron_args(self.tp, self.pp, self.vpp, bos_token_id=self.spec.bos_token_id,
+                                              eos_token_id=self.spec.eos_token_id)
         ns = argparse.Namespace(**_args_dict(args))
         ns.tensor_model_parallel_size = self.tp
         ns.pipeline_model_parallel_size = self.pp
@@ -331,6 +398,12 @@ class MegatronWriter:
             raise MConvertError(f"internal: pipeline stages {missing} did not receive all their units")
         write_latest(self.out, self.iteration)
         return self.files
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """No NaN/Inf, checked in chunks so the temporary mask stays small for a huge embedding."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

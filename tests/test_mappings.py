@@ -1,0 +1,130 @@
+"""Mappings: pure layout transforms, wildcard registry, key normalization, plugin tables (both directions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.mappings import from_hf, hf_names, hf_unit, to_hf
+from mconvert.mappings import transforms as T
+from mconvert.mappings.keys import canonical_key, flatten
+from mconvert.mappings.registry import Registry
+from mconvert.spec import preset
+
+
+def test_qkv_separate_roundtrip_and_group_layout():
+    nq, ng, hd, H = 8, 2, 3, 5
+    q, k, v = torch.randn(nq * hd, H), torch.randn(ng * hd, H), torch.randn(ng * hd, H)
+    fused = T.separate_to_qkv(q, k, v, nq, ng, hd)
+    # per group: nq/ng query heads, then the group's key head, then its value head
+    g1 = fused.view(ng, nq // ng + 2, hd, H)[1]
+    assert torch.equal(g1[: nq // ng].reshape(-1, H), q[(nq // ng) * hd: 2 * (nq // ng) * hd])
+    assert torch.equal(g1[nq // ng], k[hd:2 * hd]) and torch.equal(g1[-1], v[hd:])
+    q2, k2, v2 = T.qkv_to_separate(fused, nq, ng, hd)
+    assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
+    with pytest.raises(MConvertError, match="heads=8, groups=4"):
+        T.qkv_to_separate(fused, nq, 4, hd)
+
+
+def test_gpt2_conv1d_qkv_order():
+    nh, hd = 4, 2
+    H = nh * hd
+    c_attn = torch.randn(H, 3 * H)  # HF Conv1D [in, out], out = [q | k | v], each [nh, hd]
+    mc = T.conv1d_to_qkv(c_attn, nh, hd)
+    assert mc.shape == (3 * H, H)
+    # Megatron rows: head h -> [q_h, k_h, v_h]
+    assert torch.equal(mc.view(nh, 3, hd, H)[2, 1], c_attn.t()[H + 2 * hd: H + 3 * hd])
+    assert torch.equal(T.qkv_to_conv1d(mc, nh, hd), c_attn)
+    bias = torch.randn(3 * H)
+    assert torch.equal(T.qkv_to_conv1d(T.conv1d_to_qkv(bias, nh, hd), nh, hd), bias)
+
+
+def test_gated_and_tp_split_are_per_rank_halves():
+    gate, up = torch.arange(8.0).view(8, 1), 100 + torch.arange(8.0).view(8, 1)
+    full = T.halves_to_gated(gate, up)
+    shards = T.split(full, "gated", 2)
+    assert torch.equal(shards[0], torch.cat([gate[:4], up[:4]]))  # [gate_r; up_r]
+    assert torch.equal(T.merge(shards, "gated"), full)
+    naive = torch.cat(shards).chunk(2)[0]  # the classic bug: cat ranks, then chunk
+    assert not torch.equal(naive, gate)
+    g2, u2 = T.gated_to_halves(full)
+    assert torch.equal(g2, gate) and torch.equal(u2, up)
+
+
+def test_vocab_pad_and_strip():
+    t = torch.randn(10, 3)
+    padded = T.pad_vocab(t, 16, 10)
+    assert padded.shape == (16, 3) and torch.equal(padded[:10], t) and not padded[10:].any()
+    stored = torch.randn(16, 3)
+    assert T.pad_vocab(stored, 16, 10) is stored  # same padded size: rows kept as stored
+    assert torch.equal(T.strip_vocab(stored, 10), stored[:10])
+    with pytest.raises(MConvertError):
+        T.strip_vocab(t, 11)
+
+
+def test_registry_compiles_wildcards():
+    reg = Registry({"decoder.layers.*.mlp.linear_fc1.weight": "a", "embedding.word_embeddings.weight": "b"})
+    assert reg.match("decoder.layers.12.mlp.linear_fc1.weight") == ("decoder.layers.*.mlp.linear_fc1.weight", "a", 12)
+    assert reg.match("embedding.word_embeddings.weight")[2] is None
+    assert reg.match("decoder.layers.x.mlp.linear_fc1.weight") is None
+
+
+@pytest.mark.parametrize("raw,canon", [
+    ("decoder.layers.3.self_attention.linear_qkv.weight", "decoder.layers.3.self_attention.linear_qkv.weight"),
+    ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "decoder.layers.0.input_layernorm.weight"),
+    ("decoder.layers.0.mlp.linear_fc1.layer_norm_bias", "decoder.layers.0.pre_mlp_layernorm.bias"),
+    ("language_model.embedding.word_embeddings.weight", "embedding.word_embeddings.weight"),
+    ("language_model.encoder.layers.1.input_norm.weight", "decoder.layers.1.input_layernorm.weight"),
+    ("language_model.transformer.layers.1.input_layernorm.bias", "decoder.layers.1.input_layernorm.bias"),
+    ("language_model.encoder.layers.2.self_attention.query_key_value.bias", "decoder.layers.2.self_attention.linear_qkv.bias"),
+    ("language_model.encoder.layers.2.self_attention.dense.weight", "decoder.layers.2.self_attention.linear_proj.weight"),
+    ("language_model.encoder.layers.2.post_attention_norm.weight", "decoder.layers.2.pre_mlp_layernorm.weight"),
+    ("language_model.encoder.layers.2.post_attention_layernorm.weight", "decoder.layers.2.pre_mlp_layernorm.weight"),
+    ("language_model.encoder.layers.2.mlp.dense_h_to_4h.weight", "decoder.layers.2.mlp.linear_fc1.weight"),
+    ("language_model.encoder.layers.2.mlp.dense_4h_to_h.bias", "decoder.layers.2.mlp.linear_fc2.bias"),
+    ("language_model.encoder.final_norm.weight", "decoder.final_layernorm.weight"),
+    ("language_model.encoder.final_layernorm.bias", "decoder.final_layernorm.bias"),
+    ("language_model.output_layer.weight", "output_layer.weight"),
+    ("word_embeddings_for_head.weight", "output_layer.weight"),
+    ("decoder.layers.0.self_attention.linear_qkv._extra_state", None),
+    ("decoder.layers.0.self_attention.core_attention._extra_state", None),
+    ("decoder.layers.0.self_attention.rotary_pos_emb.inv_freq", None),
+    ("language_model.encoder.layers.0.attention.masked_bias", None),
+])
+def test_every_key_spelling_normalizes(raw, canon):
+    assert canonical_key(raw) == canon
+
+
+def test_legacy_nested_dict_flattens():
+    w = torch.zeros(2)
+    nested = {"language_model": {"embedding": {"word_embeddings": {"weight": w}},
+                                 "encoder": {"layers.0.self_attention.query_key_value.weight": w}},
+              "word_embeddings_for_head": {"weight": w}}
+    flat = flatten(nested)
+    assert set(map(canonical_key, flat)) == {"embedding.word_embeddings.weight", "output_layer.weight",
+                                             "decoder.layers.0.self_attention.linear_qkv.weight"}
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_plugin_to_hf_from_hf_roundtrip(name):
+    spec = preset(name)
+    g = torch.Generator().manual_seed(0)
+    for unit in ["embedding", 0, 1, "final"]:
+        decls = {"embedding": spec.embedding_params(), "final": spec.final_params()}.get(unit) or spec.layer_params(unit)
+        mc = {d.name: torch.randn(d.shape, generator=g) for d in decls}
+        hf = to_hf(spec, unit, mc)
+        assert sorted(hf) == sorted(hf_names(spec, unit))
+        assert all(hf_unit(spec, k) == unit for k in hf)
+        back = from_hf(spec, unit, hf)
+        for k, v in mc.items():
+            if k == "embedding.word_embeddings.weight" or k == "output_layer.weight":
+                v = v[: spec.vocab_size]
+            assert torch.equal(back[k], v), k
+
+
+def test_unmapped_hf_key_is_an_error_naming_it():
+    spec = preset("tiny-llama")
+    with pytest.raises(MConvertError, match="model.layers.0.self_attn.q_norm.weight"):
+        hf_unit(spec, "model.layers.0.self_attn.q_norm.weight", source="x.safetensors")
+    assert hf_unit(spec, "model.layers.3.self_attn.rotary_emb.inv_freq") is None  # explicit drop
