@@ -1,0 +1,461 @@
+"""TensorRT-LLM checkpoint (`mconvert megatron-to-trtllm`): `config.json` + `rank{i}.safetensors`.
+
+Names, shapes and splits as TensorRT-LLM's own converters write them (NVIDIA/TensorRT-LLM
+`tensorrt_llm/models/gpt/convert.py`, `models/llama/convert.py`; config = `models/modeling_utils.py`
+`PretrainedConfig.to_dict` + `GPTConfig` / `LLaMAConfig` fields):
+- `transformer.vocab_embedding.weight` [V, H] (whole on every rank: use_parallel_embedding=False),
+  `transformer.position_embedding.weight` [P, H] (GPT), `transformer.ln_f.weight` (+ `.bias` for GPT),
+  `lm_head.weight` [ceil(V/t)·t / t, H] (vocab padded with zero rows to a multiple of t, split on rows; written
+  for tied models too, as the converters do; the loader also accepts it absent when the embedding is present).
+- per layer `transformer.layers.N.`: `input_layernorm.*`, `post_layernorm.*`,
+  `attention.qkv.weight` [(nq + 2·nkv)·hd / t, H] = cat(q_r, k_r, v_r) of the rank's heads (KV heads duplicated
+  when nkv < t, as `dup_kv_weight` / `split_qkv` do), `attention.qkv.bias`, `attention.dense.weight` [H, nq·hd/t]
+  (+ replicated `.bias`), GPT `mlp.fc` [F/t, H] / `mlp.proj` [H, F/t]; LLaMA `mlp.fc` = gate_proj,
+  `mlp.gate` = up_proj (TensorRT-LLM's naming), `mlp.proj` = down_proj. Weights are Linear [out, in].
+`check_trtllm_dir` derives every expected name and shape from config.json alone (independently of the writer),
+and `trtllm_logits` runs the rank files with torch as TensorRT-LLM's TP layers combine them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert.errors import MConvertError
+from mconvert.spec import ModelSpec
+
+TRT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass
+class TrtllmResult:
+    out: str
+    architecture: str
+    tp: int
+    dtype: str
+    files: dict[str, int]
+    tensors_per_rank: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+class StreamingSafetensors:
+    """A safetensors file whose header is written first (all names/shapes known), tensors then in any order.
+
+    Lets a rank file be filled unit by unit without holding the model in memory; `close` refuses a file
+    with a tensor never written (it would read as garbage)."""
+
+    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> None:
+        self.path, self.dtype = path, dtype
+        item = torch.empty((), dtype=dtype).element_size()
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self._spans: dict[str, tuple[int, tuple[int, ...]]] = {}
+        off = 0
+        for name in sorted(shapes):
+            n = 1
+            for dim in shapes[name]:
+                n *= dim
+            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shapes[name]), "data_offsets": [off, off + n * item]}
+            self._spans[name] = (off, tuple(shapes[name]))
+            off += n * item
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self._base = 8 + len(blob)
+        self._f = open(path, "wb")
+        self._f.write(len(blob).to_bytes(8, "little") + blob)
+        self._f.truncate(self._base + off)
+        self._todo = set(shapes)
+
+    def write(self, name: str, x: torch.Tensor) -> None:
+        if name not in self._spans:
+            raise MConvertError(f"{self.path.name}: tensor {name} is not in the TensorRT-LLM layout")
+        off, shape = self._spans[name]
+        if tuple(x.shape) != shape:
+            raise MConvertError(f"{self.path.name}: {name} has shape {list(x.shape)}, layout says {list(shape)}")
+        data = x.detach().to(self.dtype).contiguous().cpu()
+        self._f.seek(self._base + off)
+        self._f.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        self._todo.discard(name)
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+            if self._todo:
+                raise MConvertError(f"{self.path.name}: never written: {sorted(self._todo)[:3]}")
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero rows appended up to a multiple (TensorRT-LLM's `pad_vocab_size`)."""
+    pad = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+
+def _kv_dup(x: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
+    """Repeat each KV head tp/nkv times along dim 0 when there are fewer KV heads than ranks."""
+    if nkv >= tp:
+        return x
+    if tp % nkv:
+        raise MConvertError(f"--tp {tp} and {nkv} KV heads: one must divide the other")
+    return x.reshape(nkv, -1, *x.shape[1:]).repeat_interleave(tp // nkv, dim=0).reshape(-1, *x.shape[1:])
+
+
+def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int, tp: int) -> list[torch.Tensor]:
+    """Per rank cat(q_r, k_r, v_r) along dim 0 (weights [out, in] or biases [out])."""
+    k, v = _kv_dup(k, nkv, tp), _kv_dup(v, nkv, tp)
+    return [torch.cat(parts) for parts in zip(q.chunk(tp), k.chunk(tp), v.chunk(tp))]
+
+
+def trtllm_config(spec: ModelSpec, tp: int, dtype: str) -> dict[str, Any]:
+    """config.json as PretrainedConfig.to_dict writes it, with the GPT / LLaMA fields."""
+    gpt = spec.family == "gpt2"
+    cfg: dict[str, Any] = {
+        "architecture": "GPT2LMHeadModel" if gpt else "LlamaForCausalLM",
+        "dtype": dtype,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_groups,
+        "head_size": spec.head_dim,
+        "intermediate_size": spec.ffn_hidden_size,
+        "hidden_act": spec.activation if gpt else "silu",
+        "logits_dtype": "float32",
+        "norm_epsilon": spec.norm_epsilon,
+        "position_embedding_type": "learned_absolute" if gpt else "rope_gpt_neox",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rotary_embedding_dim": int(spec.head_dim * spec.rotary_percent),
+        "use_parallel_embedding": False,
+        "embedding_sharding_dim": 0,
+        "qk_layernorm": False,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "mapping": {"world_size": tp, "gpus_per_node": 8, "cp_size": 1, "tp_size": tp, "pp_size": 1,
+                    "moe_tp_size": tp, "moe_ep_size": 1},
+        "quantization": {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128,
+                         "smoothquant_val": 0.5, "clamp_val": None, "has_zero_point": False,
+                         "pre_quant_scale": False, "exclude_modules": None},
+    }
+    if gpt:
+        cfg.update(gpt_variant="gpt2", bias=True, q_scaling=1.0, embedding_scale=None,
+                   apply_query_key_layer_scaling=False, rotary_pct=1.0, rotary_base=10000.0, rotary_scaling=None)
+    else:
+        cfg.update(mlp_bias=spec.add_bias_linear, attn_bias=spec.has_qkv_bias, rotary_base=spec.rotary_base,
+                   rotary_scaling=None, residual_mlp=False, disable_weight_only_quant_plugin=False,
+                   moe={"num_experts": 0, "top_k": 0, "normalization_mode": None})
+    return cfg
+
+
+def trtllm_refusal(spec: ModelSpec, tp: int) -> None:
+    """One-line refusal for what this writer / TensorRT-LLM's GPT and LLaMA classes cannot hold."""
+    if tp < 1 or spec.num_attention_heads % tp:
+        raise MConvertError(f"--tp {tp} does not divide num_attention_heads={spec.num_attention_heads}")
+    if spec.num_groups % tp and tp % spec.num_groups:
+        raise MConvertError(f"--tp {tp} and num_query_groups={spec.num_groups}: one must divide the other")
+    if spec.ffn_hidden_size % tp:
+        raise MConvertError(f"--tp {tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
+    if spec.family == "gpt2":
+        if spec.activation != "gelu_new":
+            raise MConvertError(
+                "TensorRT-LLM's GPT computes the tanh GeLU; this model uses the exact erf GeLU (no --openai-gelu)"
+            )
+        if spec.num_groups != spec.num_attention_heads or not spec.add_bias_linear:
+            raise MConvertError("GPT-2 style export needs MHA with linear biases")
+        if spec.head_dim * spec.num_attention_heads != spec.hidden_size:
+            raise MConvertError("TensorRT-LLM's GPT needs head_size = hidden/heads")
+    elif spec.family in ("llama", "mistral"):
+        if spec.rotary_percent != 1.0:
+            raise MConvertError(f"rotary_percent={spec.rotary_percent} is not supported for the LLaMA layout")
+        if spec.add_qkv_bias and not spec.add_bias_linear:
+            raise MConvertError("a qkv-only bias (Qwen2 style) is not part of TensorRT-LLM's LLaMA layout")
+    else:
+        raise MConvertError(f"megatron-to-trtllm supports GPT-2 and LLaMA/Mistral style models, not {spec.family}")
+
+
+def rank_tensors(unit: Any, hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int,
+                 embed: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
+    """One unit's HF tensors -> per-rank TensorRT-LLM tensors."""
+    gpt = spec.family == "gpt2"
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+
+    def every(name: str, x: torch.Tensor) -> None:
+        for d in out:
+            d[name] = x
+
+    def each(name: str, xs: list[torch.Tensor]) -> None:
+        for d, x in zip(out, xs):
+            d[name] = x
+
+    nkv, H = spec.num_groups, spec.hidden_size
+    if unit == "embedding":
+        every("transformer.vocab_embedding.weight", hf["transformer.wte.weight" if gpt else "model.embed_tokens.weight"])
+        if gpt:
+            every("transformer.position_embedding.weight", hf["transformer.wpe.weight"])
+        return out
+    if unit == "final":
+        if gpt:
+            every("transformer.ln_f.weight", hf["transformer.ln_f.weight"])
+            every("transformer.ln_f.bias", hf["transformer.ln_f.bias"])
+        else:
+            every("transformer.ln_f.weight", hf["model.norm.weight"])
+        head = hf.get("lm_head.weight")
+        if head is None:
+            if not spec.tie_embeddings:
+                raise MConvertError("untied model but the source yields no lm_head.weight")
+            head = embed
+        each("lm_head.weight", list(pad_rows(head, tp).chunk(tp)))
+        return out
+    i = int(unit)
+    t = f"transformer.layers.{i}."
+    if gpt:
+        s = f"transformer.h.{i}."
+        w = hf[s + "attn.c_attn.weight"].t()  # Conv1D [in, out] -> [out, in]; rows q|k|v
+        b = hf[s + "attn.c_attn.bias"]
+        each(t + "attention.qkv.weight", split_qkv(*w.split(H), nkv, tp))
+        each(t + "attention.qkv.bias", split_qkv(*b.split(H), nkv, tp))
+        each(t + "attention.dense.weight", list(hf[s + "attn.c_proj.weight"].t().chunk(tp, 1)))
+        every(t + "attention.dense.bias", hf[s + "attn.c_proj.bias"])
+        each(t + "mlp.fc.weight", list(hf[s + "mlp.c_fc.weight"].t().chunk(tp, 0)))
+        each(t + "mlp.fc.bias", list(hf[s + "mlp.c_fc.bias"].chunk(tp)))
+        each(t + "mlp.proj.weight", list(hf[s + "mlp.c_proj.weight"].t().chunk(tp, 1)))
+        every(t + "mlp.proj.bias", hf[s + "mlp.c_proj.bias"])
+        for a, b_ in (("ln_1", "input_layernorm"), ("ln_2", "post_layernorm")):
+            every(t + f"{b_}.weight", hf[s + f"{a}.weight"])
+            every(t + f"{b_}.bias", hf[s + f"{a}.bias"])
+        return out
+    s = f"model.layers.{i}."
+    qkv = [hf[s + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+    each(t + "attention.qkv.weight", split_qkv(*qkv, nkv, tp))
+    if s + "self_attn.q_proj.bias" in hf:
+        each(t + "attention.qkv.bias", split_qkv(*[hf[s + f"self_attn.{n}_proj.bias"] for n in "qkv"], nkv, tp))
+    each(t + "attention.dense.weight", list(hf[s + "self_attn.o_proj.weight"].chunk(tp, 1)))
+    if s + "self_attn.o_proj.bias" in hf:
+        every(t + "attention.dense.bias", hf[s + "self_attn.o_proj.bias"])
+    for trt, name in (("mlp.fc", "gate_proj"), ("mlp.gate", "up_proj")):
+        each(t + f"{trt}.weight", list(hf[s + f"mlp.{name}.weight"].chunk(tp, 0)))
+        if s + f"mlp.{name}.bias" in hf:
+            each(t + f"{trt}.bias", list(hf[s + f"mlp.{name}.bias"].chunk(tp)))
+    each(t + "mlp.proj.weight", list(hf[s + "mlp.down_proj.weight"].chunk(tp, 1)))
+    if s + "mlp.down_proj.bias" in hf:
+        every(t + "mlp.proj.bias", hf[s + "mlp.down_proj.bias"])
+    every(t + "input_layernorm.weight", hf[s + "input_layernorm.weight"])
+    every(t + "post_layernorm.weight", hf[s + "post_attention_layernorm.weight"])
+    return out
+
+
+def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str = "auto", force: bool = False,
+                       iteration: str | None = None) -> TrtllmResult:
+    """Write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on the result."""
+    from mconvert.convert.fastertransformer import _progress, open_any_source
+
+    check_output(out, force)
+    source = open_any_source(src, iteration)
+    spec: ModelSpec = source.spec
+    trtllm_refusal(spec, tp)
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    if dtype == "auto":
+        dtype = spec.params_dtype
+    if dtype not in TRT_DTYPES:
+        raise MConvertError(f"--dtype {dtype!r}: choose auto, fp32, fp16 or bf16")
+    tdt = TRT_DTYPES[dtype]
+    cfg = trtllm_config(spec, tp, dtype)
+    layout = expected_trtllm_shapes(cfg)  # names and shapes known up front: rank files are streamed
+    embed = None
+    units = source.units()
+    with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force) as tmp:
+        writers = [StreamingSafetensors(tmp / f"rank{r}.safetensors", layout, tdt) for r in range(tp)]
+        try:
+            for unit in units:
+                hf = source.read_hf(unit)
+                if unit == "embedding" and spec.tie_embeddings:
+                    embed = hf["transformer.wte.weight" if spec.family == "gpt2" else "model.embed_tokens.weight"]
+                for w, part in zip(writers, rank_tensors(unit, hf, spec, tp, embed)):
+                    for k, v in part.items():
+                        w.write(k, v)
+                step()
+        finally:
+            for w in writers:
+                w.close()
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
+        problems = check_trtllm_dir(tmp)
+        if problems:
+            raise MConvertError(f"TensorRT-LLM layout check failed on what was written: {problems[0]}")
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    notes = ["rank files hold the whole model (no pipeline split: mapping.pp_size=1)"]
+    if spec.num_groups < tp:
+        notes.append(f"{spec.num_groups} KV heads duplicated to {tp} ranks (TensorRT-LLM's dup_kv_weight)")
+    return TrtllmResult(str(out), cfg["architecture"], tp, dtype, files, len(layout), notes)
+
+
+# ---- the checker: names and shapes derived from config.json alone --------------------------------------
+def expected_trtllm_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor (name -> per-rank shape) a rank file must hold for this config.json."""
+    arch = cfg["architecture"]
+    gpt = arch in ("GPT2LMHeadModel", "GPTForCausalLM")
+    if not gpt and arch not in ("LlamaForCausalLM", "MistralForCausalLM"):
+        raise MConvertError(f"config.json: architecture {arch!r} is not one mconvert checks")
+    t = int(cfg["mapping"]["tp_size"])
+    H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    nh = int(cfg["num_attention_heads"])
+    nkv = int(cfg.get("num_key_value_heads") or nh)
+    hd = int(cfg.get("head_size") or H // nh)
+    F = int(cfg["intermediate_size"])
+    kv_local = max(nkv, t) // t  # KV heads per rank after duplication
+    shapes: dict[str, tuple[int, ...]] = {"transformer.vocab_embedding.weight": (V, H),
+                                          "transformer.ln_f.weight": (H,),
+                                          "lm_head.weight": (-(-V // t), H)}
+    if gpt:
+        shapes["transformer.position_embedding.weight"] = (int(cfg["max_position_embeddings"]), H)
+        shapes["transformer.ln_f.bias"] = (H,)
+    bias = bool(cfg.get("bias", True)) if gpt else bool(cfg.get("attn_bias", False))
+    mlp_bias = bool(cfg.get("bias", True)) if gpt else bool(cfg.get("mlp_bias", False))
+    qkv_rows = (nh // t + 2 * kv_local) * hd
+    for i in range(L):
+        p = f"transformer.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_layernorm.weight"] = (H,)
+        shapes[p + "attention.qkv.weight"] = (qkv_rows, H)
+        shapes[p + "attention.dense.weight"] = (H, nh * hd // t)
+        shapes[p + "mlp.fc.weight"] = (F // t, H)
+        shapes[p + "mlp.proj.weight"] = (H, F // t)
+        if not gpt:
+            shapes[p + "mlp.gate.weight"] = (F // t, H)
+        if gpt:
+            shapes[p + "input_layernorm.bias"] = (H,)
+            shapes[p + "post_layernorm.bias"] = (H,)
+        if bias:
+            shapes[p + "attention.qkv.bias"] = (qkv_rows,)
+            shapes[p + "attention.dense.bias"] = (H,)
+        if mlp_bias:
+            shapes[p + "mlp.fc.bias"] = (F // t,)
+            shapes[p + "mlp.proj.bias"] = (H,)
+            if not gpt:
+                shapes[p + "mlp.gate.bias"] = (F // t,)
+    return shapes
+
+
+def check_trtllm_dir(path: str | Path) -> list[str]:
+    """Problems with a TensorRT-LLM checkpoint dir (empty list: every rank holds exactly the expected tensors)."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    cfg_path = d / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        return [f"{cfg_path}: unreadable ({e})"]
+    need = ("architecture", "dtype", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+            "intermediate_size", "norm_epsilon", "position_embedding_type", "mapping")
+    missing = [k for k in need if k not in cfg]
+    if missing:
+        return [f"{cfg_path}: lacks {', '.join(missing)}"]
+    try:
+        shapes = expected_trtllm_shapes(cfg)
+    except (MConvertError, KeyError, ValueError, TypeError) as e:
+        return [f"{cfg_path}: {e}"]
+    t = int(cfg["mapping"]["tp_size"])
+    if int(cfg["mapping"].get("world_size", t)) != t * int(cfg["mapping"].get("pp_size", 1)):
+        return [f"{cfg_path}: mapping world_size != tp_size·pp_size"]
+    want_dtype = TRT_DTYPES.get(cfg["dtype"])
+    if want_dtype is None:
+        return [f"{cfg_path}: dtype {cfg['dtype']!r} unknown"]
+    problems: list[str] = []
+    for r in range(t):
+        f = d / f"rank{r}.safetensors"
+        if not f.is_file():
+            problems.append(f"{f}: missing (mapping.tp_size={t})")
+            continue
+        with safe_open(f, "pt") as h:
+            have = set(h.keys())
+            for name in sorted(set(shapes) - have):
+                if name == "lm_head.weight" and "transformer.vocab_embedding.weight" in have:
+                    continue  # TensorRT-LLM's load(): embedding sharing exemption
+                problems.append(f"{f}: missing tensor {name}")
+            for name in sorted(have - set(shapes)):
+                problems.append(f"{f}: unexpected tensor {name}")
+            for name in sorted(have & set(shapes)):
+                sl = h.get_slice(name)
+                shape = tuple(sl.get_shape())
+                if shape != shapes[name]:
+                    problems.append(f"{f}: {name} has shape {list(shape)}, expected {list(shapes[name])}")
+                dt = h.get_slice(name).get_dtype()
+                if dt != {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[want_dtype]:
+                    problems.append(f"{f}: {name} is {dt}, config dtype is {cfg['dtype']}")
+    stray = sorted(p.name for p in d.glob("rank*.safetensors") if p.name not in {f"rank{r}.safetensors" for r in range(t)})
+    problems += [f"{d / n}: rank file beyond mapping.tp_size={t}" for n in stray]
+    return problems
+
+
+# ---- a torch runner over the rank files ---------------------------------------------------------------
+@torch.no_grad()
+def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -> torch.Tensor:
+    """Logits [B, S, V] from the rank files, combined as TensorRT-LLM's ColumnLinear / RowLinear do."""
+    from safetensors.torch import load_file
+
+    from mconvert.validators.ft_runner import causal_attention, gelu_tanh, layer_norm, rms_norm, rope_neox, split_heads
+
+    d = Path(path)
+    problems = check_trtllm_dir(d)
+    if problems:
+        raise MConvertError(f"not a valid TensorRT-LLM checkpoint: {problems[0]}")
+    cfg = json.loads((d / "config.json").read_text())
+    t = int(cfg["mapping"]["tp_size"])
+    ranks = [{k: v.float().to(device) for k, v in load_file(str(d / f"rank{r}.safetensors")).items()}
+             for r in range(t)]
+    gpt = cfg["architecture"] in ("GPT2LMHeadModel", "GPTForCausalLM")
+    H, L, V, eps = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["norm_epsilon"]
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_size") or H // nh
+    nq_l, nkv_l = nh // t, max(nkv, t) // t
+    tokens = tokens.to(device)
+    S = tokens.shape[1]
+    r0 = ranks[0]
+    x = r0["transformer.vocab_embedding.weight"][tokens]
+    if gpt:
+        x = x + r0["transformer.position_embedding.weight"][:S]
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return layer_norm(x, r0[name + ".weight"], r0[name + ".bias"], eps) if gpt else rms_norm(x, r0[name + ".weight"], eps)
+
+    for i in range(L):
+        p = f"transformer.layers.{i}."
+        h = norm(x, p + "input_layernorm")
+        attn = torch.zeros_like(x)
+        for w in ranks:
+            qkv = h @ w[p + "attention.qkv.weight"].t()
+            if p + "attention.qkv.bias" in w:
+                qkv = qkv + w[p + "attention.qkv.bias"]
+            q, k, v = qkv.split([nq_l * hd, nkv_l * hd, nkv_l * hd], -1)
+            q, k, v = split_heads(q, nq_l), split_heads(k, nkv_l), split_heads(v, nkv_l)
+            if not gpt:
+                rot = int(cfg.get("rotary_embedding_dim") or hd)
+                q, k = rope_neox(q, rot, float(cfg["rotary_base"])), rope_neox(k, rot, float(cfg["rotary_base"]))
+            k, v = k.repeat_interleave(nq_l // nkv_l, 1), v.repeat_interleave(nq_l // nkv_l, 1)
+            attn += causal_attention(q, k, v) @ w[p + "attention.dense.weight"].t()
+        x = x + attn + r0.get(p + "attention.dense.bias", 0)
+        h = norm(x, p + "post_layernorm")
+        mlp = torch.zeros_like(x)
+        for w in ranks:
+            fc = h @ w[p + "mlp.fc.weight"].t() + w.get(p + "mlp.fc.bias", 0)
+            if gpt:
+                inter = gelu_tanh(fc)
+            else:
+                inter = torch.nn.functional.silu(fc) * (h @ w[p + "mlp.gate.weight"].t() + w.get(p + "mlp.gate.bias", 0))
+            mlp += inter @ w[p + "mlp.proj.weight"].t()
+        x = x + mlp + r0.get(p + "mlp.proj.bias", 0)
+    x = norm(x, "transformer.ln_f")
+    if "lm_head.weight" in r0:
+        logits = torch.cat([x @ w["lm_head.weight"].t() for w in ranks], -1)
+    else:
+        logits = x @ r0["transformer.vocab_embedding.weight"].t()
+    return logits[..., :V].float()
