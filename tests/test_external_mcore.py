@@ -1,0 +1,140 @@
+"""Checkpoints written by megatron-core itself convert to HF whose transformers logits match megatron-core's.
+
+Truth we did not write on both ends: megatron-core 0.16.1's GPTModel (local spec, TP=2 over gloo, CPU) writes
+(a) the legacy torch layout exactly as Megatron-LM's `save_checkpoint` does (`iter_0000010/mp_rank_0T/
+model_optim_rng.pt` with `args`, `checkpoint_version` 3.0, `iteration`, `model` =
+`state_dict_for_save_checkpoint()`, rng state, scheduler) and (b) a `dist_checkpointing.save` torch_dist
+checkpoint with `common.pt`; `mconvert megatron-to-hf` converts each, and transformers' model class runs the
+export. Issue 3: max abs ≤ 1e-4 · max|logit| and the same top-1 everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mcore_ref import McoreContext, run_mcore
+from safetensors.torch import load_file
+
+from mconvert.cli import main as cli_main
+from mconvert.convert.layout import rank_file, save_rank_file, write_latest
+from mconvert.spec import ModelSpec, preset
+
+ITERATION = 10
+TOKENS = torch.Generator().manual_seed(7)
+
+SPECS = {
+    # GQA (4 heads, 2 groups at TP=2), SwiGLU, RoPE with a non-default base, untied head, eps 1e-6
+    "llama": preset("tiny-llama").replace(rotary_base=500000.0, norm_epsilon=1e-6),
+    # LayerNorm with biases, tanh GeLU, learned positions, tied head
+    "gpt2": preset("tiny-gpt2"),
+}
+
+
+def _perturb(ctx: McoreContext) -> None:
+    """Move every parameter off its init (norms off 1, biases off 0) so that a wrong layout cannot hide.
+
+    Replicated parameters get the same values on every TP rank, split ones differ per rank."""
+    for name, p in ctx.model.named_parameters():
+        split = bool(getattr(p, "tensor_model_parallel", False))
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * ctx.tp_rank if split else 0))
+        noise = torch.randn(p.shape, generator=g)
+        with torch.no_grad():
+            if name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def _megatron_args(ctx: McoreContext):
+    from megatron.core.transformer.enums import AttnBackend
+
+    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp)
+    args.params_dtype = torch.float32  # Megatron-LM stores a torch.dtype and enums in its args
+    args.attention_backend = AttnBackend.auto
+    args.iteration = ITERATION
+    args.ckpt_format = "torch"
+    return args
+
+
+def _save_both(ctx: McoreContext, torch_root: str, dist_root: str, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Per rank: perturb, save legacy torch + torch_dist checkpoints as Megatron-LM would, return logits."""
+    from megatron.core import dist_checkpointing
+
+    _perturb(ctx)
+    args = _megatron_args(ctx)
+    state = {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": ITERATION,
+        "model": ctx.model.state_dict_for_save_checkpoint(),
+        "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": ITERATION * 8},
+        "rng_state": [{
+            "random_rng_state": random.getstate(),
+            "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": {},
+        }],
+        "num_floating_point_operations_so_far": 0,
+    }
+    save_rank_file(rank_file(torch_root, ITERATION, ctx.tp_rank, ctx.pp_rank, ctx.pp), state)
+    dist_dir = Path(dist_root) / f"iter_{ITERATION:07d}"
+    dist_dir.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dargs = _megatron_args(ctx)
+    dargs.ckpt_format = "torch_dist"
+    dist_checkpointing.save(
+        {"model": ctx.model.sharded_state_dict(), "args": dargs, "checkpoint_version": 3.0, "iteration": ITERATION},
+        str(dist_dir),
+    )
+    if ctx.rank == 0:
+        write_latest(torch_root, ITERATION)
+        write_latest(dist_root, ITERATION)
+    return ctx.logits(tokens)
+
+
+def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(hf_dir.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, tmp_path: Path) -> None:
+    spec: ModelSpec = SPECS[family]
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=TOKENS)
+    torch_root, dist_root = tmp_path / "mcore_torch", tmp_path / "mcore_dist"
+    results = run_mcore(spec, 2, _save_both, (str(torch_root), str(dist_root), tokens))
+    ref = results[0][..., : spec.vocab_size]  # megatron-core's logits, padded vocab rows dropped
+    assert torch.equal(results[0], results[1])  # both TP ranks gathered the same logits
+
+    exports = {}
+    for kind, root in (("torch", torch_root), ("torch_dist", dist_root)):
+        out = tmp_path / f"hf_{kind}"
+        cli_main(["megatron-to-hf", str(root), str(out)])
+        logits = _hf_logits(out, tokens)
+        diff = (logits - ref).abs().max().item()
+        scale = ref.abs().max().item()
+        print(f"{family} {kind}: max|hf - mcore| = {diff:.3e}, max|logit| = {scale:.3f}")
+        assert diff <= 1e-4 * scale, f"{family} {kind}: max abs diff {diff} > 1e-4 * {scale}"
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1)), f"{family} {kind}: top-1 differs"
+        exports[kind] = _hf_tensors(out)
+    # two independent readers (legacy torch, torch_dist) of the same weights agree bit for bit
+    a, b = exports["torch"], exports["torch_dist"]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
