@@ -251,6 +251,69 @@ def megatron_to_ft_cmd(
     _deploy_report("FasterTransformer", list(describe(res)), res.to_dict(), as_json)
 
 
+@app.command("megatron-to-trtllm")
+def megatron_to_trtllm_cmd(
+    src: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist) or HF model dir.")],
+    out: Annotated[Path, typer.Argument(help="Output dir: config.json + rank{i}.safetensors.")],
+    tp: Annotated[int, typer.Option("--tp", help="TensorRT-LLM tensor parallelism (rank files).")] = 1,
+    dtype: Annotated[str, typer.Option("--dtype", help="auto|fp32|fp16|bf16 (auto keeps the source dtype).")] = "auto",
+    iteration: Iteration = None,
+    force: Force = False,
+    as_json: Json = False,
+) -> None:
+    """Write a TensorRT-LLM checkpoint (names/shapes as its gpt/llama converters), then check every rank file.
+
+    Feed OUT to `trtllm-build --checkpoint_dir OUT`. GQA is supported (KV heads duplicated when fewer than --tp).
+
+    Examples:
+      mconvert megatron-to-trtllm ckpt/ trtllm/ --tp 2
+      mconvert megatron-to-trtllm hf-llama/ trtllm/ --tp 4 --dtype fp16 --force
+    """
+    from mconvert.convert.trtllm import megatron_to_trtllm
+
+    res = megatron_to_trtllm(src, out, tp, dtype, force, iteration)
+    rows = [("out", res.out), ("architecture", res.architecture), ("tp", str(res.tp)), ("dtype", res.dtype),
+            ("tensors per rank", str(res.tensors_per_rank))]
+    rows += [(name, f"{size:,} B") for name, size in res.files.items()] + [("note", n) for n in res.notes]
+    _deploy_report("TensorRT-LLM checkpoint", rows, res.to_dict(), as_json)
+
+
+@app.command("to-onnx")
+def to_onnx_cmd(
+    src: Annotated[Path, typer.Argument(help="HF model dir or Megatron checkpoint (exported to HF first).")],
+    out: Annotated[Path, typer.Argument(help="Output dir: model.onnx (+ model.onnx_data when large).")],
+    with_past: Annotated[
+        bool, typer.Option("--with-past/--no-past", help="Export the KV-cache graph (text-generation-with-past).")
+    ] = True,
+    opset: Annotated[Optional[int], typer.Option("--opset", help="ONNX opset (default: optimum's choice).")] = None,
+    rtol: Annotated[float, typer.Option("--rtol", help="Max relative logits difference vs transformers.")] = 1e-4,
+    exporter: Annotated[
+        str, typer.Option("--exporter", help="optimum (default) or torch (plain torch.onnx.export, no cache).")
+    ] = "optimum",
+    iteration: Iteration = None,
+    force: Force = False,
+    as_json: Json = False,
+) -> None:
+    """Export to ONNX with optimum, then refuse unless onnxruntime's logits match transformers' within --rtol.
+
+    The check covers a prefill pass and, with the cache, one cached decode step.
+
+    Examples:
+      mconvert to-onnx hf-model/ onnx/
+      mconvert to-onnx ckpt/ onnx/ --no-past --opset 17 --force
+    """
+    from mconvert.convert.onnx import to_onnx
+
+    res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration)
+    rows = [("out", res.out), ("task", res.task), ("exporter", res.exporter),
+            ("prefill rel diff", f"{res.prefill_rel_diff:.3g} (≤ {res.rtol:g})")]
+    if res.decode_rel_diff is not None:
+        rows.append(("cached decode rel diff", f"{res.decode_rel_diff:.3g} (≤ {res.rtol:g})"))
+    rows += [(name, f"{size:,} B") for name, size in res.files.items()] + [("note", n) for n in res.notes]
+    rows.append(("seconds", str(res.seconds)))
+    _deploy_report("ONNX export", rows, res.to_dict(), as_json)
+
+
 # ==== end deployment verbs ===========================================================================
 
 # ==== validators (validate, verify) ==================================================================
