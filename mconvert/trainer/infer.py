@@ -1,0 +1,113 @@
+"""Run a Megatron checkpoint natively at its own TP/PP (no merging) and return its logits.
+
+`megatron_logits(ckpt, tokens)` starts TP·PP processes (gloo on CPU, NCCL on CUDA), each loads its own
+`mp_rank_TT[_PPP]` file into the trainer's GPT stage, activations flow stage to stage, the last stage
+all-gathers its vocab shards and strips the padded rows. This is what the validator compares formats against.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.convert.layout import rank_file, read_latest
+from mconvert.convert.safeload import safe_load
+from mconvert.errors import MConvertError
+from mconvert.spec import ModelSpec
+from mconvert.trainer.model import GPTModel
+from mconvert.trainer.parallel import ParallelState, init_distributed
+from mconvert.trainer.schedule import P2P
+
+
+def pipeline_logits(model: GPTModel, st: ParallelState, tokens: torch.Tensor,
+                    return_hidden: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """Forward `tokens` [B, S] through every stage; full-vocab logits [B, S, V] (fp32) on the last stage.
+
+    Also returns this stage's recorded hidden states when asked (inputs of its layers and final output)."""
+    B, S = tokens.shape
+    model.record_hidden = return_hidden
+    dtype = next(model.parameters()).dtype
+    p2p = P2P(st, (B, S, model.spec.hidden_size), dtype)
+    with torch.no_grad():
+        x = p2p.recv_forward()
+        out = model(tokens.to(st.device) if st.is_first_stage else x.detach())
+        p2p.send_forward(out)
+        hidden = [h.float().cpu() for h in (model.hidden_states or [])]
+        if not st.is_last_stage:
+            return None, hidden
+        return model.full_logits(out).cpu(), hidden
+
+
+def read_checkpoint_args(ckpt_dir: str | Path, iteration: int | str | None = None) -> tuple[Any, int | str]:
+    """The `args` Namespace of rank 0's file and the resolved iteration."""
+    it = read_latest(ckpt_dir) if iteration is None else iteration
+    if isinstance(it, str) and it != "release":
+        it = int(it)
+    for pp_size in (2, 1):  # PP > 1 names mp_rank_00_000; PP == 1 names mp_rank_00
+        path = rank_file(ckpt_dir, it, 0, 0, pp_size)
+        if path.is_file():
+            return safe_load(path)["args"], it
+    raise MConvertError(f"{ckpt_dir}: no {rank_file(ckpt_dir, it, 0, 0, 2).parent.name} or mp_rank_00 in "
+                        f"iteration {it}; is this a Megatron legacy-torch checkpoint?")
+
+
+def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: int, tokens: torch.Tensor,
+                  device: str, return_hidden: bool) -> dict[str, Any]:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * pp)))
+    st = init_distributed(tp, pp, 1, device)
+    try:
+        path = rank_file(ckpt_dir, it, st.tp_rank, st.pp_rank, pp)
+        state = safe_load(path)
+        dtype = next(v.dtype for v in state["model"].values() if isinstance(v, torch.Tensor))
+        model = GPTModel(spec, st, seed=None, dtype=dtype)
+        missing, unexpected = model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise MConvertError(f"{path}: keys do not match the model (missing {missing[:3]}, unexpected "
+                                f"{unexpected[:3]})")
+        del state
+        logits, hidden = pipeline_logits(model, st, tokens, return_hidden)
+        out: dict[str, Any] = {}
+        if st.tp_rank == 0:
+            out["hidden"] = (st.pp_rank, hidden)
+            if logits is not None:
+                out["logits"] = logits
+        return out
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def megatron_logits(ckpt_dir: str | Path, tokens: torch.LongTensor, iteration: int | str | None = None,
+                    device: str = "cpu", return_hidden: bool = False) -> Any:
+    """Logits [B, S, vocab_size] (fp32, padding stripped) of the checkpoint run at its own TP/PP.
+
+    With `return_hidden=True` returns (logits, hidden) where hidden is a list of num_layers + 1 tensors
+    [B, S, H]: the embedding output, then each layer's output (before the final norm)."""
+    from mconvert.trainer.train import launch
+
+    args, it = read_checkpoint_args(ckpt_dir, iteration)
+    spec = ModelSpec.from_megatron_args(args, source=str(ckpt_dir))
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        raise MConvertError(f"{ckpt_dir}: virtual pipeline checkpoints are not supported by the native runner")
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if tokens.dim() != 2:
+        raise MConvertError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+    if int(tokens.max()) >= spec.vocab_size or int(tokens.min()) < 0:
+        raise MConvertError(f"token ids must lie in [0, {spec.vocab_size}) for {ckpt_dir}")
+    results = launch(_infer_worker, (str(ckpt_dir), it, spec, tp, pp, tokens, device, return_hidden), tp * pp,
+                     device)
+    logits = next(r["logits"] for r in results.values() if r and "logits" in r)
+    if not return_hidden:
+        return logits
+    stages = sorted((r["hidden"] for r in results.values() if r and "hidden" in r), key=lambda h: h[0])
+    return logits, [h for _, hs in stages for h in hs]

@@ -1,0 +1,488 @@
+"""The training loop (one process per rank) and the launcher that starts TP·PP·DP processes on this node.
+
+`train(cfg)` builds the tokenizer, then starts the ranks through torch's elastic launcher (what torchrun
+uses); every rank runs `train_worker`: process groups, the GPT stage, Adam, the 1F1B schedule, DP and
+embedding-group gradient all-reduces, and Megatron legacy-torch checkpoints (only DP rank 0 writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import os
+import random
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
+from mconvert.convert.safeload import safe_load
+from mconvert.errors import MConvertError
+from mconvert.spec import ModelSpec, preset
+from mconvert.trainer import comm
+from mconvert.trainer.model import GPTModel, check_trainable
+from mconvert.trainer.parallel import ParallelState, global_rank, init_distributed
+from mconvert.trainer.schedule import forward_backward_1f1b
+
+# Model-size fields a flag may override on top of the preset.
+SPEC_OVERRIDES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                  "max_position_embeddings", "kv_channels", "rotary_base", "norm_epsilon")
+ADAM = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+@dataclass
+class TrainConfig:
+    """Everything `mconvert train` takes; field names become the `--flags` of `python -m mconvert.trainer.main`."""
+
+    preset: str = "tiny-llama"
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    steps: int = 50  # Megatron's train_iters: the iteration to stop at (also with --resume)
+    save: str | None = None
+    save_interval: int | None = None  # default: only at the end
+    resume: bool = False
+    force: bool = False  # replace an existing checkpoint in `save`
+    seed: int = 1234
+    lr: float = 1e-3
+    micro_batch_size: int = 4
+    global_batch_size: int = 16
+    seq_length: int = 64
+    dtype: str = "fp32"  # fp32 | bf16
+    comm_report: bool = False
+    device: str | None = None  # cpu | cuda (default: cuda when available)
+    quiet: bool = False
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    max_position_embeddings: int | None = None
+    kv_channels: int | None = None
+    rotary_base: float | None = None
+    norm_epsilon: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def validate(self) -> None:
+        if self.dtype not in ("fp32", "bf16"):
+            raise MConvertError(f"--dtype {self.dtype!r}: choose fp32 or bf16")
+        if self.steps < 0:
+            raise MConvertError(f"--steps must be >= 0, got {self.steps}")
+        if min(self.tp, self.pp, self.dp) < 1:
+            raise MConvertError(f"--tp/--pp/--dp must be >= 1 (got {self.tp}/{self.pp}/{self.dp})")
+        if self.global_batch_size % (self.micro_batch_size * self.dp):
+            raise MConvertError(
+                f"--global-batch-size {self.global_batch_size} is not a multiple of micro_batch_size × DP = "
+                f"{self.micro_batch_size} × {self.dp}"
+            )
+        if self.resume and not self.save:
+            raise MConvertError("--resume needs --save DIR (the checkpoint to continue)")
+        if self.save_interval is not None and self.save_interval < 1:
+            raise MConvertError(f"--save-interval must be >= 1, got {self.save_interval}")
+
+
+def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
+    """The preset, overridden by any model-size flag; vocab follows the tokenizer; dtype follows --dtype."""
+    changes: dict[str, Any] = {k: getattr(cfg, k) for k in SPEC_OVERRIDES if getattr(cfg, k) is not None}
+    base = preset(cfg.preset)
+    if "max_position_embeddings" not in changes and cfg.seq_length > base.max_position_embeddings:
+        changes["max_position_embeddings"] = cfg.seq_length
+    if "hidden_size" in changes or "num_attention_heads" in changes:
+        changes.setdefault("kv_channels", None)
+    spec = base.replace(vocab_size=vocab_size, params_dtype="bfloat16" if cfg.dtype == "bf16" else "float32",
+                        **changes)
+    if cfg.seq_length > spec.max_position_embeddings:
+        raise MConvertError(
+            f"--seq-length {cfg.seq_length} > max_position_embeddings {spec.max_position_embeddings}; lower it"
+        )
+    check_trainable(spec, cfg.tp, cfg.pp)
+    return spec
+
+
+# ---- data ----------------------------------------------------------------------------------------
+def sample_batch(tokens: torch.Tensor, seq: int, start: int, count: int, seed: int) -> torch.Tensor:
+    """Samples [start, start+count) of the endless shuffled stream of (seq+1)-token windows -> [count, seq+1].
+
+    Epoch e is a permutation drawn from seed+e, so the data position is a pure function of consumed samples
+    (resume needs no data state)."""
+    n = (tokens.numel() - 1) // seq
+    out = []
+    for k in range(start, start + count):
+        epoch, i = divmod(k, n)
+        perm = np.random.RandomState(seed + epoch).permutation(n)
+        j = int(perm[i]) * seq
+        out.append(tokens[j: j + seq + 1])
+    return torch.stack(out)
+
+
+def get_micro_batches(cfg: TrainConfig, st: ParallelState, tokens: torch.Tensor, consumed: int,
+                      spec: ModelSpec) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's micro-batches of the iteration; TP rank 0 reads them, the TP group gets a broadcast."""
+    M, b, S = cfg.num_micro_batches, cfg.micro_batch_size, cfg.seq_length
+    if st.tp_rank == 0:
+        data = sample_batch(tokens, S, consumed + st.dp_rank * M * b, M * b, cfg.seed).to(st.device)
+    else:
+        data = torch.empty(M * b, S + 1, dtype=torch.int64, device=st.device)
+    comm.broadcast(data, st.tp_ranks[0], st.tp_group, "TP")
+    data = data.view(M, b, S + 1)
+    return [{"tokens": data[m, :, :-1], "labels": data[m, :, 1:]} for m in range(M)]
+
+
+# ---- gradient synchronisation -------------------------------------------------------------------
+def _flat_all_reduce(tensors: list[torch.Tensor], group: Any, name: str, scale: float = 1.0) -> None:
+    if group is None or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    comm.all_reduce(flat, group, name)
+    if scale != 1.0:
+        flat.mul_(scale)
+    off = 0
+    for t in tensors:
+        t.copy_(flat[off: off + t.numel()].view_as(t))
+        off += t.numel()
+
+
+def sync_gradients(model: GPTModel, st: ParallelState) -> None:
+    """DP mean of every gradient (one flat all-reduce), then the tied-embedding sum over the embedding group."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    _flat_all_reduce(grads, st.dp_group, "DP", 1.0 / st.dp)
+    shared = model.shared_embedding_weight()
+    if shared is not None and shared.grad is not None:
+        _flat_all_reduce([shared.grad], st.embedding_group, "embedding")
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def rng_state(seed: int, st: ParallelState) -> list[dict[str, Any]]:
+    """Megatron's rng_state: a list (one entry per DP rank it gathered; here this rank's) of RNG dicts."""
+    tracker = torch.Generator().manual_seed(seed + 2718 + st.tp_rank)  # Megatron's model-parallel seed offset
+    state: dict[str, Any] = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": {"model-parallel-rng": tracker.get_state()},
+    }
+    if torch.cuda.is_available() and st.device.type == "cuda":
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return [state]
+
+
+def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: int) -> Any:
+    """Megatron's args Namespace: the model's (spec.to_megatron_args) plus the training run's own names."""
+    return spec.to_megatron_args(
+        cfg.tp, cfg.pp,
+        seq_length=cfg.seq_length, seed=cfg.seed, lr=cfg.lr, min_lr=cfg.lr, lr_decay_style="constant",
+        lr_warmup_iters=0, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
+        train_iters=cfg.steps, iteration=iteration, consumed_train_samples=consumed,
+        data_parallel_size=cfg.dp, world_size=cfg.world, optimizer="adam", adam_beta1=ADAM["betas"][0],
+        adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], weight_decay=ADAM["weight_decay"], clip_grad=0.0,
+        init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0, save=cfg.save, load=cfg.save,
+        save_interval=cfg.save_interval, use_distributed_optimizer=False, data_parallel_random_init=False,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=cfg.save, use_checkpoint_args=False,
+    )
+
+
+def flops_per_iteration(spec: ModelSpec, cfg: TrainConfig) -> float:
+    """6·N·tokens for the matmuls plus the attention score/context products (fwd+bwd)."""
+    tokens = cfg.global_batch_size * cfg.seq_length
+    attn = 12 * spec.num_layers * spec.hidden_size * cfg.seq_length * tokens
+    return 6.0 * spec.num_parameters() * tokens + attn
+
+
+def save_checkpoint(cfg: TrainConfig, spec: ModelSpec, st: ParallelState, model: GPTModel,
+                    opt: torch.optim.Optimizer, iteration: int, consumed: int) -> None:
+    """Every DP-rank-0 process writes its mp_rank file; after a barrier global rank 0 writes the tracker."""
+    import torch.distributed as dist
+
+    if st.dp_rank == 0:
+        state = {
+            "args": megatron_args(cfg, spec, iteration, consumed),
+            "checkpoint_version": 3.0,
+            "iteration": iteration,
+            "model": {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                      for k, v in model.state_dict().items()},
+            "optimizer": _to_cpu(opt.state_dict()),
+            "opt_param_scheduler": {
+                "max_lr": cfg.lr, "lr_warmup_steps": 0, "num_steps": consumed, "lr_decay_style": "constant",
+                "lr_decay_steps": cfg.steps * cfg.global_batch_size, "min_lr": cfg.lr, "start_wd": 0.0,
+                "end_wd": 0.0, "wd_incr_style": "constant",
+            },
+            "rng_state": rng_state(cfg.seed, st),
+            "num_floating_point_operations_so_far": flops_per_iteration(spec, cfg) * iteration,
+        }
+        save_rank_file(rank_file(cfg.save, iteration, st.tp_rank, st.pp_rank, st.pp), state)
+    if dist.is_initialized():
+        dist.barrier()
+    if st.rank == 0:
+        write_latest(cfg.save, iteration)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def _clone(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(device).clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v, device) for v in obj]
+    return obj
+
+
+def load_rank_checkpoint(root: str | Path, iteration: int | str, st: ParallelState) -> dict[str, Any]:
+    """This rank's model_optim_rng.pt (safe_load only)."""
+    path = rank_file(root, iteration, st.tp_rank, st.pp_rank, st.pp)
+    if not path.is_file():
+        raise MConvertError(f"{path}: missing; the checkpoint does not have TP={st.tp} PP={st.pp} shards")
+    return safe_load(path)
+
+
+def check_resume_args(args: Any, spec: ModelSpec, cfg: TrainConfig, path: str) -> None:
+    """Refuse to resume into a different model or layout, naming the first differing field."""
+    theirs = ModelSpec.from_megatron_args(args, family=spec.family, source=path)
+    for f in ("num_layers", "hidden_size", "num_attention_heads", "num_groups", "ffn_hidden_size", "vocab_size",
+              "normalization", "activation", "position_embedding_type", "tie_embeddings", "params_dtype"):
+        if getattr(theirs, f) != getattr(spec, f):
+            raise MConvertError(
+                f"{path}: checkpoint has {f}={getattr(theirs, f)!r} but this run asks for {getattr(spec, f)!r}; "
+                "repeat the original flags to resume"
+            )
+    for f, mine in (("tensor_model_parallel_size", cfg.tp), ("pipeline_model_parallel_size", cfg.pp)):
+        if getattr(args, f, None) != mine:
+            raise MConvertError(
+                f"{path}: checkpoint has {f}={getattr(args, f, None)} but this run uses {mine}; "
+                "reshard it first (mconvert reshard) or resume at its layout"
+            )
+
+
+# ---- the worker -----------------------------------------------------------------------------------
+def _dtype(cfg: TrainConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+
+def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
+    """One rank's whole run. Returns {'losses': [...]} on the logging rank, comm rows on rank 0, else {}."""
+    world = cfg.world
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device)
+    try:
+        return _train(cfg, spec, tokens, st)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _log_rank(cfg: TrainConfig) -> int:
+    return global_rank(0, 0, cfg.pp - 1, cfg.tp, cfg.dp)
+
+
+def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: ParallelState) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    comm.STATS.reset()
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    dtype = _dtype(cfg)
+    start, consumed = 0, 0
+    ckpt: dict[str, Any] | None = None
+    if cfg.resume:
+        latest = read_latest(cfg.save)
+        if latest == "release":
+            raise MConvertError(f"{cfg.save}/{TRACKER}: 'release' has no iteration to resume from")
+        ckpt = load_rank_checkpoint(cfg.save, latest, st)
+        check_resume_args(ckpt["args"], spec, cfg, str(rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp)))
+        start = int(ckpt["iteration"])
+        consumed = int(getattr(ckpt["args"], "consumed_train_samples", start * cfg.global_batch_size))
+    model = GPTModel(spec, st, seed=None if ckpt else cfg.seed, dtype=dtype)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"], strict=True)
+    # fp32 master copies for bf16 (Megatron's mixed precision); Adam names each parameter by its state_dict key
+    if dtype == torch.float32:
+        named = list(model.named_parameters())
+    else:
+        named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in model.named_parameters()]
+    opt = torch.optim.Adam(named, lr=cfg.lr, **ADAM)
+    if ckpt is not None:
+        opt.load_state_dict(_clone(ckpt["optimizer"], st.device))
+        rs = ckpt["rng_state"][min(st.dp_rank, len(ckpt["rng_state"]) - 1)]
+        random.setstate(rs["random_rng_state"])
+        np.random.set_state(rs["np_rng_state"])
+        torch.set_rng_state(rs["torch_rng_state"])
+        del ckpt
+    losses: list[float] = []
+    log = st.rank == _log_rank(cfg) and not cfg.quiet
+    if cfg.steps == 0 or start >= cfg.steps:
+        if log and start >= cfg.steps and cfg.steps:
+            print(f"checkpoint is at iteration {start} >= --steps {cfg.steps}: nothing to train", flush=True)
+        if cfg.save and cfg.steps == 0:
+            save_checkpoint(cfg, spec, st, model, opt, 0, 0)
+    for it in range(start + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        for p in model.parameters():
+            p.grad = None
+        mbs = get_micro_batches(cfg, st, tokens, consumed, spec)
+        mb_losses = forward_backward_1f1b(model, mbs, st, dtype)
+        sync_gradients(model, st)
+        if dtype != torch.float32:
+            for (_, master), p in zip(named, model.parameters()):
+                master.grad = p.grad.float()
+        opt.step()
+        if dtype != torch.float32:
+            with torch.no_grad():
+                for (_, master), p in zip(named, model.parameters()):
+                    p.copy_(master)
+        consumed += cfg.global_batch_size
+        loss = torch.tensor([sum(mb_losses) / max(1, len(mb_losses))], device=st.device)
+        if st.is_last_stage:
+            comm.all_reduce(loss, st.dp_group, "DP")
+            loss /= st.dp
+        loss_v = float(loss.item())
+        losses.append(loss_v)
+        if log:
+            print(f"iteration {it:>6}/{cfg.steps} | loss {loss_v:.6f} | lr {cfg.lr:.2e} | "
+                  f"{time.perf_counter() - t0:.3f} s", flush=True)
+        if cfg.save and (it == cfg.steps or (cfg.save_interval and it % cfg.save_interval == 0)):
+            save_checkpoint(cfg, spec, st, model, opt, it, consumed)
+            if log:
+                print(f"saved checkpoint iteration {it} to {cfg.save}", flush=True)
+    out: dict[str, Any] = {}
+    if st.rank == _log_rank(cfg):
+        out["losses"] = losses
+    rows = comm.gather_report() if cfg.comm_report else None
+    if st.rank == 0 and rows is not None:
+        out["comm"] = rows
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+# ---- launcher ---------------------------------------------------------------------------------------
+def prepare_tokens(save: str | None, write: bool) -> tuple[torch.Tensor, int]:
+    """Build the tokenizer (deterministic), save it as HF files into `save` when asked, tokenize the corpus."""
+    from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
+
+    tok = build_tokenizer()
+    if save and write:
+        Path(save).mkdir(parents=True, exist_ok=True)
+        save_hf_tokenizer(tok, save)
+    return tokenize_corpus(tok), tok.get_vocab_size()
+
+
+def prepare_save_dir(cfg: TrainConfig) -> None:
+    """Refuse to mix a new run into an existing checkpoint unless --resume or --force (which clears it)."""
+    if not cfg.save:
+        return
+    root = Path(cfg.save)
+    if root.exists() and not root.is_dir():
+        raise MConvertError(f"--save {root}: exists and is not a directory")
+    has_ckpt = (root / TRACKER).exists() or any(root.glob("iter_*"))
+    if cfg.resume:
+        if not (root / TRACKER).exists():
+            raise MConvertError(f"--resume: {root / TRACKER} not found; nothing to resume (drop --resume)")
+        return
+    if has_ckpt and not cfg.force:
+        raise MConvertError(f"--save {root}: already holds a checkpoint; pass --resume to continue or --force")
+    if has_ckpt:
+        for p in list(root.glob("iter_*")) + list(root.glob("release")):
+            shutil.rmtree(p)
+        (root / TRACKER).unlink(missing_ok=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir: str | None = None) -> dict[int, Any]:
+    """Start `nprocs` ranks of `fn(*args)` on this node with torch's elastic launcher (torchrun's engine).
+
+    CPU runs fork (a spawned rank re-imports torch: ~10 s each on a small machine); CUDA runs spawn.
+    Returns {global rank: return value}. A failing rank raises MConvertError with its error line."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
+        start_method=os.environ.get("MCONVERT_START_METHOD", _start_method(device)), logs_specs=DefaultLogsSpecs(log_dir=log_dir), local_addr="127.0.0.1",
+    )
+    env_before = os.environ.get("OMP_NUM_THREADS")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    try:
+        return elastic_launch(config, fn)(*args)
+    except ChildFailedError as e:
+        first = next(iter(e.failures.values()))
+        msg = (first.message or "").strip().splitlines()
+        raise MConvertError(f"rank {first.global_rank} failed: {msg[-1] if msg else first}") from None
+    finally:
+        if env_before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def _start_method(device: str | None) -> str:
+    cuda = device.startswith("cuda") if device else torch.cuda.is_available()
+    return "spawn" if cuda or sys.platform != "linux" else "fork"
+
+
+def _entry(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
+    """What each launched rank runs: a user error becomes a one-line failure, not a traceback."""
+    try:
+        return train_worker(cfg, spec, tokens)
+    except MConvertError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run a whole training job on this node: TP·PP·DP processes; returns losses (and comm rows)."""
+    cfg.validate()
+    prepare_save_dir(cfg)
+    tokens, vocab = prepare_tokens(cfg.save, write=True)
+    spec = build_spec(cfg, vocab)
+    results = launch(_entry, (cfg, spec, tokens), cfg.world, cfg.device)
+    out: dict[str, Any] = {"spec": spec}
+    for r in sorted(results):
+        out.update(results[r] or {})
+    return out
+
+
+def config_from_dict(d: dict[str, Any]) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(d) - names
+    if unknown:
+        raise MConvertError(f"unknown training option(s): {', '.join(sorted(unknown))}")
+    return TrainConfig(**d)
+
+
+
