@@ -7,11 +7,13 @@ only at that final rename. The manifest lists the sha256 of every file written.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -33,25 +35,85 @@ def check_output(out: str | Path, force: bool) -> Path:
     while not probe.exists():
         probe = probe.parent
     if not os.access(probe, os.W_OK):
-        raise MConvertError(f"{out}: cannot write to {probe} (permission denied); choose another output path")
+        raise MConvertError(f"{out}: cannot write to {probe} (not writable); choose another output path")
     return out
 
 
+def _pid_of(p: Path) -> int | None:
+    try:
+        return int(p.name.rsplit("-", 1)[1])
+    except (ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def _clean_stale(parent: Path, name: str) -> None:
-    """Remove temporary siblings left by killed runs whose process is gone."""
-    for p in parent.glob(f".{name}{_TMP_TAG}*"):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-        except ProcessLookupError:
+    """Remove temporary siblings left by killed runs whose process is gone.
+
+    A run killed between the two renames of a non-atomic replace leaves OUT missing and the previous
+    OUT parked as `.OUT.mconvert-tmp-old-PID`: that one is put back, not deleted."""
+    out = parent / name
+    for p in sorted(parent.glob(f".{name}{_TMP_TAG}*")):
+        pid = _pid_of(p)
+        if pid is None or _alive(pid):
+            continue
+        if p.name.startswith(f".{name}{_TMP_TAG}old-") and not out.exists():
+            os.rename(p, out)
+        else:
             shutil.rmtree(p, ignore_errors=True)
-        except (ValueError, PermissionError, IndexError):
-            pass
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished `tmp` to `out`; an existing `out` is replaced in one atomic step where the OS allows."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if _exchange(tmp, out):  # out is now the new tree, tmp holds the old one
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    old = out.parent / f".{out.name}{_TMP_TAG}old-{os.getpid()}"
+    os.rename(out, old)  # a kill right here is repaired by _clean_stale on the next run
+    os.rename(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager
 def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = True) -> Iterator[Path]:
-    """Yield a temporary directory; on success write the manifest and rename it to `out`."""
+    """Yield a temporary directory; on success write the manifest and rename it to `out`.
+
+    Killed at any point, no OUT appears (or, with --force, the old OUT stays whole); the next run
+    into the same OUT removes the dead run's temporary directory. Write failures (disk full, file-size
+    limit, read-only or permission) become one MConvertError line."""
     out = check_output(out, force)
     parent = out.absolute().parent
     try:
@@ -66,31 +128,62 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
         yield tmp
         if manifest:
             write_manifest(tmp)
-        if out.exists():
-            old = parent / f".{out.name}{_TMP_TAG}old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except OSError as e:
+        _replace(tmp, out.absolute())
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _os_error(e, out) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        mapped = write_failure(e, out, parent)
+        if mapped is not None:
+            raise mapped from None
         raise
 
 
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
+_TEXT_ERRNOS = (  # how torch / safetensors / numpy word the same failures without an errno attribute
+    ("No space left on device", errno.ENOSPC),
+    ("os error 28", errno.ENOSPC),
+    ("Disk quota exceeded", errno.EDQUOT),
+    ("os error 122", errno.EDQUOT),
+    ("File too large", errno.EFBIG),
+    ("os error 27", errno.EFBIG),
+)
+_SHORT_WRITE = ("PytorchStreamWriter", "inline_container", "unexpected pos", "file write failed", "requested and")
+
+
+def write_failure(e: BaseException, out: Path, where: Path) -> MConvertError | None:
+    """The one-line error for a failed write of OUT, or None when `e` is not a write failure (a bug: re-raise)."""
+    if isinstance(e, MConvertError):
+        return None
+    if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+        return _os_error(e, out)
+    text = str(e)
+    for needle, code in _TEXT_ERRNOS:
+        if needle in text:
+            return _os_error(OSError(code, os.strerror(code)), out)
+    if isinstance(e, (OSError, RuntimeError)) and any(n in text for n in _SHORT_WRITE):
+        try:
+            free = shutil.disk_usage(where).free
+        except OSError:
+            free = -1
+        if 0 <= free < 1 << 20:
+            return _os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), out)
+        return MConvertError(
+            f"{out}: a write came up short ({text.split(chr(10))[0][:120]}); {free:,} bytes are free there — "
+            "check free space and the file-size limit (ulimit -f), then run again"
+        )
+    return None
+
+
 def _os_error(e: OSError, out: Path) -> MConvertError:
-    if e.errno == errno.ENOSPC:
-        return MConvertError(
-            f"{out}: disk full while writing ({e.filename or out}); free space and run again"
-        )
+    where = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return MConvertError(f"{out}: disk full while writing{where}; free space (or choose another output path) "
+                             "and run again — nothing was written")
+    if e.errno == errno.EFBIG:
+        return MConvertError(f"{out}: file too large for this system's file-size limit{where}; raise `ulimit -f` "
+                             "or write elsewhere — nothing was written")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return MConvertError(
-            f"{out}: cannot write {e.filename or out} ({e.strerror}); choose another output path"
-        )
-    return MConvertError(f"{out}: {e.strerror or e} ({e.filename or out})")
+        return MConvertError(f"{out}: cannot write{where} ({e.strerror}); choose another output path")
+    return MConvertError(f"{out}: {e.strerror or e}{where}")
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
@@ -115,22 +208,30 @@ def write_manifest(root: Path, workers: int = 4) -> Path:
 
 
 def check_manifest(root: str | Path) -> list[str]:
-    """Problems found comparing `root` with its manifest (empty list: intact). Missing manifest is one problem."""
+    """Problems found comparing `root` with its manifest (empty list: intact): a missing, resized, changed or
+    unlisted file (a stray `*.safetensors` would be loaded by vLLM). A missing manifest is one problem."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
         return [f"{root}: no {MANIFEST} (not written by mconvert, or copied without it)"]
     try:
         entries = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return [f"{path}: unreadable manifest ({e})"]
+        listed = {rel: (int(meta["bytes"]), str(meta["sha256"])) for rel, meta in entries.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        return [f"{path}: unreadable manifest ({type(e).__name__}: {e}); re-run the conversion"]
     problems = []
-    for rel, meta in sorted(entries.items()):
+    top = root.resolve()
+    for rel, (size, digest) in sorted(listed.items()):
         p = root / rel
-        if not p.is_file():
+        if top not in p.resolve().parents:
+            problems.append(f"{path}: entry {rel!r} points outside {root}; the manifest was tampered with")
+        elif not p.is_file():
             problems.append(f"{p}: listed in the manifest but missing")
-        elif p.stat().st_size != meta["bytes"]:
-            problems.append(f"{p}: size {p.stat().st_size} != manifest {meta['bytes']}")
-        elif sha256_file(p) != meta["sha256"]:
+        elif p.stat().st_size != size:
+            problems.append(f"{p}: size {p.stat().st_size} != manifest {size}")
+        elif sha256_file(p) != digest:
             problems.append(f"{p}: sha256 differs from the manifest (file changed or corrupt)")
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and str(p.relative_to(root)) not in listed:
+            problems.append(f"{p}: not in the manifest (added after the conversion)")
     return problems

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import argparse
 import io
+import pathlib
+import pickle
+import re
+import signal
+import threading
 import types
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +28,30 @@ from mconvert.errors import MConvertError
 
 
 class StandIn:
-    """Stand-in for a class from a module that is not installed (Megatron's enums): keeps the args."""
+    """Stand-in for a class from a module that is not installed (Megatron's enums, configs): keeps the data.
+
+    An enum member `E.x` pickles as `E(value)`: `.value` gives it back. A dataclass pickles as its
+    `__dict__`: the fields become attributes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args = args
         self.kwargs = kwargs
 
+    @property
+    def value(self) -> Any:
+        args = self.__dict__.get("args") or (None,)
+        return args[0]
+
     def __setstate__(self, state: Any) -> None:
-        self.state = state
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        else:
+            self.state = state
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}{self.args}"
+        if "args" in self.__dict__:
+            return f"{type(self).__name__}{self.args}"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
 
 
 def _stand_in(qualname: str) -> tuple[type, str]:
@@ -64,6 +85,12 @@ _MEGATRON_STAND_INS = (
     "megatron.model.enums.LayerType",
     "megatron.model.enums.AttnType",
     "megatron.model.enums.PositionEmbeddingType",
+    "megatron.core.enums.Fp4Recipe",
+    # megatron-core's own safe list (megatron/core/safe_globals.py): rerun state machine, optimizer config
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
 )
 
 
@@ -75,6 +102,10 @@ def _allow_list() -> dict[str, Any]:
         "io.BytesIO": io.BytesIO,
         "builtins.set": set,
         "builtins.frozenset": frozenset,
+        # in args (save/load dirs, exit_signal); constructing them runs no user code
+        "pathlib.PosixPath": pathlib.PosixPath,
+        "pathlib.WindowsPath": _stand_in("pathlib.WindowsPath"),
+        "signal.Signals": signal.Signals,
     }
     allow.update(_numpy_globals())
     for q in _MEGATRON_STAND_INS:
@@ -83,42 +114,121 @@ def _allow_list() -> dict[str, Any]:
 
 
 ALLOW_LIST = _allow_list()
+_LOCK = threading.Lock()
+
+
+@contextmanager
+def _exactly_our_allow_list() -> Iterator[None]:
+    """Make ALLOW_LIST the only user allow-list while loading: importing megatron-core registers its own
+    classes process-wide (megatron/core/safe_globals.py); mconvert's answer must not depend on imports."""
+    with _LOCK:
+        saved = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        # the whole list, not just what the scan reported: classes built inside a REDUCE (numpy dtypes)
+        # are not reported by it
+        torch.serialization.add_safe_globals(list(ALLOW_LIST.values()))
+        try:
+            yield
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(saved)
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
-    """Load a torch pickle weights-only (mmap when possible). One-line MConvertError on anything unsafe or broken."""
+    """Load a torch pickle weights-only (mmap when possible). One-line MConvertError on anything unsafe or broken.
+
+    Zip files (torch >= 1.6) are scanned for the globals they need before any unpickling; legacy
+    (pre-zip) files go straight to the weights-only unpickler, whose refusal is reported by global name."""
     path = Path(path)
     if not path.is_file():
         raise MConvertError(f"{path}: {what} file not found")
     try:
-        needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-    except Exception as e:  # not a zip file, truncated central directory, ...
-        raise MConvertError(
-            f"{path}: not a readable torch checkpoint ({_short(e)}); the file is truncated or corrupt — re-copy it"
-        ) from None
-    refused = [g for g in needed if g not in ALLOW_LIST]
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise MConvertError(f"{path}: cannot read {what} ({e.strerror}); check its permissions") from None
+    if not head:
+        raise MConvertError(f"{path}: {what} file is empty (truncated copy?); re-copy it")
+    if head == _ZIP_MAGIC:
+        with _exactly_our_allow_list():
+            try:
+                needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+            except Exception as e:  # truncated central directory, no data.pkl, ...
+                raise MConvertError(
+                    f"{path}: not a readable torch checkpoint ({_short(e)}); "
+                    "the file is truncated or corrupt — re-copy it"
+                ) from None
+            _refuse(path, [g for g in needed if g not in ALLOW_LIST])
+            return _load(path, what, mmap=True)
+    if head[:1] == b"\x80":  # a bare pickle: the legacy torch.save format (or not torch at all)
+        with _exactly_our_allow_list():
+            return _load(path, what, mmap=False)
+    raise MConvertError(
+        f"{path}: not a torch checkpoint (starts with {head!r}, expected a zip or pickle); "
+        "check the file name or re-copy it"
+    )
+
+
+def _refuse(path: Path, refused: list[str]) -> None:
     if refused:
         raise MConvertError(
             f"{path}: refuses to unpickle global {refused[0]!r} (not on mconvert's allow-list); "
             "this file may run code when loaded — do not load it with weights_only=False"
         )
+
+
+def _load(path: Path, what: str, mmap: bool) -> Any:
     try:
-        # the whole list: classes built inside a REDUCE (numpy dtypes) are not reported by the scan
-        with torch.serialization.safe_globals(list(ALLOW_LIST.values())):
-            try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):
-                    raise
-                return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pickle-protocol notes would be a second line on stderr
+            if mmap:
+                try:
+                    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as e:
+                    if "mmap" not in str(e):
+                        raise
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        m = _GLOBAL_RE.search(str(e))
+        if m:
+            _refuse(path, [m.group(1)])
+        raise MConvertError(
+            f"{path}: the weights-only unpickler refuses this {what} ({_first_reason(e)}); "
+            "it is corrupt or not a torch.save file — re-copy it"
+        ) from None
     except MConvertError:
         raise
     except Exception as e:
         raise MConvertError(
-            f"{path}: cannot load {what} ({_short(e)}); the file is truncated or corrupt"
+            f"{path}: cannot load {what} ({_short(e)}); the file is truncated or corrupt — re-copy it"
         ) from None
 
 
+def _first_reason(e: BaseException) -> str:
+    """The useful line of torch's multi-paragraph weights-only error."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error:" in line:
+            rest = line.split("WeightsUnpickler error:", 1)[1].strip()
+            if not rest and i + 1 < len(lines):
+                rest = lines[i + 1]
+            if rest:
+                return rest[:160]
+    return _short(e)
+
+
 def _short(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0][:200]}" if msg else type(e).__name__
+    """`Type: first sentence of the message` — enough to tell truncation from corruption, on one line."""
+    msg = " ".join(str(e).split())
+    first = msg.split(". ", 1)[0]
+    return f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__
+
+
+def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """No NaN/Inf in `t`; checked in chunks so the temporary mask stays small even for a huge embedding."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk))

@@ -1,0 +1,113 @@
+"""Shared helpers of the safety tests: a correct tiny checkpoint (made by transformers + our hf-to-megatron),
+its reference conversion, damaged copies of it, and running the real CLI in-process.
+
+Everything built here is cached per test process (the base checkpoint is built once and copied per case).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+_WORK = Path(tempfile.mkdtemp(prefix="mconvert-safety-"))
+atexit.register(shutil.rmtree, _WORK, True)
+
+
+def make_hf_llama(out: Path, layers: int = 2, hidden: int = 64, ffn: int = 128, heads: int = 4, groups: int = 2,
+                  vocab: int = 100, seed: int = 0) -> Path:
+    """A random tiny LlamaForCausalLM saved by transformers itself (truth we did not write)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=groups, vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=False,
+        head_dim=hidden // heads,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(out)
+    return out
+
+
+@lru_cache(maxsize=None)
+def base() -> dict[str, Path]:
+    """{'hf': tiny HF llama, 'ckpt': its Megatron TP=2 PP=2 checkpoint, 'ref': ckpt converted back to HF}."""
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+
+    hf = make_hf_llama(_WORK / "hf")
+    ckpt = _WORK / "ckpt"
+    hf_to_megatron(hf, ckpt, tp=2, pp=2)
+    ref = _WORK / "ref"
+    megatron_to_hf(ckpt, ref)
+    return {"hf": hf, "ckpt": ckpt, "ref": ref}
+
+
+def copy_of(which: str, dst: Path) -> Path:
+    """A private copy of base()[which] to damage."""
+    shutil.copytree(base()[which], dst)
+    return dst
+
+
+def rank_file(ckpt: Path, tp: int, pp: int) -> Path:
+    return ckpt / "release" / f"mp_rank_{tp:02d}_{pp:03d}" / "model_optim_rng.pt"
+
+
+def load_rank(path: Path) -> dict:
+    from mconvert.convert.safeload import safe_load
+
+    state = safe_load(path)
+    # materialize: the file is memory-mapped and about to be rewritten
+    return {k: ({n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()} if k == "model" else v)
+            for k, v in state.items()}
+
+
+def save_rank(path: Path, state: dict) -> None:
+    torch.save(state, path)
+
+
+def hf_tensors(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Run `mconvert ARGV` in-process through the console-script entry; (exit code, stdout, stderr)."""
+    from mconvert.cli import main
+
+    capsys.readouterr()
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *must_contain: str) -> str:
+    """Non-zero exit, exactly one non-empty stderr line starting with `error:`, no traceback; returns the line."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code != 0, f"exit code 0; stderr: {err!r}"
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{err}"
+    line = lines[0]
+    assert line.startswith("error: "), line
+    assert "Traceback" not in err, err
+    for s in must_contain:
+        assert s.lower() in line.lower(), f"{s!r} not in {line!r}"
+    return line
+
+
+def is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
