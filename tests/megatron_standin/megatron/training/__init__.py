@@ -1,0 +1,1 @@
+"""Stand-in `megatron.training` (see `megatron/__init__.py`)."""
