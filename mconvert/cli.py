@@ -33,6 +33,64 @@ Dtype = Annotated[str, typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto k
 Iteration = Annotated[Optional[str], typer.Option("--iteration", help="Iteration number or 'release' (default: latest).")]
 
 # ==== train (trainer/) ===============================================================================
+TrainInt = Optional[int]
+
+
+@app.command("train", epilog="""Examples:\n
+  mconvert train --preset tiny-llama --tp 2 --pp 2 --dp 1 --steps 50 --save ckpt/\n
+  mconvert train --preset tiny-llama --tp 2 --pp 2 --steps 100 --save ckpt/ --resume\n
+  mconvert train --preset gpt2-1b --tp 4 --pp 2 --steps 0 --save big/   (initialised model only)\n
+  mconvert train --preset tiny-gpt2 --tp 2 --dp 2 --steps 20 --comm-report --json""")
+def train_cmd(
+    preset_name: Annotated[str, typer.Option("--preset", help="Model preset (tiny-llama, tiny-gpt2, ...).")] = "tiny-llama",
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel size.")] = 1,
+    dp: Annotated[int, typer.Option("--dp", help="Data-parallel size.")] = 1,
+    steps: Annotated[int, typer.Option("--steps", help="Iteration to train to (Megatron train_iters); 0 = save the init.")] = 50,
+    save: Annotated[Optional[Path], typer.Option("--save", help="Checkpoint directory (Megatron legacy torch format).")] = None,
+    save_interval: Annotated[TrainInt, typer.Option("--save-interval", help="Also save every N iterations.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the latest iteration in --save.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a checkpoint already in --save.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Init and data-order seed.")] = 1234,
+    lr: Annotated[float, typer.Option("--lr", help="Adam learning rate (constant).")] = 1e-3,
+    micro_batch_size: Annotated[int, typer.Option("--micro-batch-size")] = 4,
+    global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="Multiple of micro-batch × DP.")] = 16,
+    seq_length: Annotated[int, typer.Option("--seq-length")] = 64,
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16 (bf16: every saved tensor bf16, fp32 Adam).")] = "fp32",
+    comm_report: Annotated[bool, typer.Option("--comm-report", help="Table of collectives per group.")] = False,
+    device: Annotated[Optional[str], typer.Option("--device", help="cpu | cuda (default: cuda if available).")] = None,
+    num_layers: Annotated[TrainInt, typer.Option("--num-layers")] = None,
+    hidden_size: Annotated[TrainInt, typer.Option("--hidden-size")] = None,
+    num_attention_heads: Annotated[TrainInt, typer.Option("--num-attention-heads")] = None,
+    num_query_groups: Annotated[TrainInt, typer.Option("--num-query-groups")] = None,
+    ffn_hidden_size: Annotated[TrainInt, typer.Option("--ffn-hidden-size")] = None,
+    max_position_embeddings: Annotated[TrainInt, typer.Option("--max-position-embeddings")] = None,
+    kv_channels: Annotated[TrainInt, typer.Option("--kv-channels")] = None,
+    json_out: Json = False,
+) -> None:
+    """Train a GPT on the shipped corpus with TP×PP×DP processes; write Megatron checkpoints."""
+    import json
+
+    from mconvert.trainer.comm import render_report
+    from mconvert.trainer.train import TrainConfig, train
+
+    cfg = TrainConfig(
+        preset=preset_name, tp=tp, pp=pp, dp=dp, steps=steps, save=str(save) if save else None,
+        save_interval=save_interval, resume=resume, force=force, seed=seed, lr=lr,
+        micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length,
+        dtype=dtype, comm_report=comm_report, device=device, log_stderr=json_out, num_layers=num_layers,
+        hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
+        ffn_hidden_size=ffn_hidden_size, max_position_embeddings=max_position_embeddings, kv_channels=kv_channels,
+    )
+    result = train(cfg)
+    if json_out:
+        keys = ("collective", "group", "ranks_reporting", "calls", "bytes", "seconds")
+        comm = [dict(zip(keys, (r[0], r[1], r[5], r[2], r[3], r[4]))) for r in result.get("comm", [])]
+        print(json.dumps({"losses": result.get("losses", []), "comm": comm, "save": cfg.save}))
+    elif comm_report:
+        Console().print(render_report(result.get("comm", [])))
+
+
 # ==== end train ======================================================================================
 
 # ==== conversion verbs (convert/, mappings/) ========================================================

@@ -59,6 +59,7 @@ class TrainConfig:
     comm_report: bool = False
     device: str | None = None  # cpu | cuda (default: cuda when available)
     quiet: bool = False
+    log_stderr: bool = False  # loss lines to stderr (keeps stdout clean for --json)
     num_layers: int | None = None
     hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -367,11 +368,12 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
         losses.append(loss_v)
         if log:
             print(f"iteration {it:>6}/{cfg.steps} | loss {loss_v:.6f} | lr {cfg.lr:.2e} | "
-                  f"{time.perf_counter() - t0:.3f} s", flush=True)
+                  f"{time.perf_counter() - t0:.3f} s", flush=True, file=sys.stderr if cfg.log_stderr else sys.stdout)
         if cfg.save and (it == cfg.steps or (cfg.save_interval and it % cfg.save_interval == 0)):
             save_checkpoint(cfg, spec, st, model, opt, it, consumed)
             if log:
-                print(f"saved checkpoint iteration {it} to {cfg.save}", flush=True)
+                print(f"saved checkpoint iteration {it} to {cfg.save}", flush=True,
+                      file=sys.stderr if cfg.log_stderr else sys.stdout)
     out: dict[str, Any] = {}
     if st.rank == _log_rank(cfg):
         out["losses"] = losses
