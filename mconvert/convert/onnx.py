@@ -77,17 +77,21 @@ def _quiet() -> Any:
 
     from transformers.utils import logging as hf_logging
 
+    with contextlib.suppress(ImportError):  # importing optimum configures its loggers: do it before muting
+        import optimum.exporters.onnx  # noqa: F401
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     loggers = [logging.getLogger(n) for n in ("optimum", "torch.onnx", "root")]
     old = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
+    logging.disable(logging.WARNING)  # optimum re-arms its loggers while exporting; silence WARNING and below
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        logging.disable(logging.NOTSET)
         hf_logging.set_verbosity(level)
         for lg, lv in zip(loggers, old):
             lg.setLevel(lv)
