@@ -153,3 +153,20 @@ def test_procmon_measures_peak_rss_and_page_cache(tmp_path: Path) -> None:
     f.read_bytes()
     resident, total = resident_bytes([f])
     assert total == 8 << 20 and resident > 0.9 * total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
+    """The one-pass NaN/Inf check (made fast for issue 7) answers exactly as torch.isfinite().all()."""
+    from mconvert.convert.safeload import all_finite
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 31, 4097, 100_003):
+        clean = torch.randn(n, generator=g).to(dtype)
+        assert all_finite(clean) and all_finite(clean.reshape(-1, 1).t())
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for pos in {0, n // 2, n - 1}:
+                x = clean.clone()
+                x[pos] = bad
+                assert all_finite(x) == bool(torch.isfinite(x).all()) is False
+    assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(5))

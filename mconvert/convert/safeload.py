@@ -229,6 +229,12 @@ def _short(e: BaseException) -> str:
 
 
 def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
-    """No NaN/Inf in `t`; checked in chunks so the temporary mask stays small even for a huge embedding."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+    """No NaN/Inf in `t`. One reduction pass, no temporary mask: min and max are both finite exactly when
+    every element is (a NaN propagates into both, +Inf is the max, -Inf the min); ~20x faster than
+    `isfinite().all()` (bench/, issue 7). `chunk` is kept for callers that pass it."""
+    if t.numel() == 0:
+        return True
+    if not t.is_floating_point():  # integers are finite; complex keeps the elementwise check
+        return bool(torch.isfinite(t).all())
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
