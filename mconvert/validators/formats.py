@@ -1,0 +1,183 @@
+"""Which on-disk format a path holds (Megatron checkpoint, HF dir, FT dir, ONNX dir), and small facts about it.
+
+Detection looks only at file names and small text files, so it is instant and never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mconvert.convert.layout import RANK_FILE, TRACKER, parse_rank_dir
+from mconvert.errors import MConvertError
+
+FORMATS = ("megatron", "megatron-torch_dist", "hf", "ft", "onnx", "trtllm")
+
+
+@dataclass
+class ModelInfo:
+    """What the validator needs to know about one model before running it."""
+
+    path: Path
+    format: str
+    dtype: str = "float32"  # float32 | float16 | bfloat16 (the dtype it computes in)
+    vocab_size: int | None = None  # true vocab (logit columns that count)
+    max_positions: int | None = None
+    layout: dict[str, Any] = field(default_factory=dict)  # tp / pp / infer_tp / iteration ...
+    tokenizer_dir: Path | None = None
+
+
+def detect_format(path: str | Path) -> str:
+    """Name the format held at `path`; one-line error when it is none we can run."""
+    p = Path(path)
+    if not p.exists():
+        raise MConvertError(f"{p}: no such file or directory")
+    if p.is_file():
+        if p.suffix == ".onnx":
+            return "onnx"
+        raise MConvertError(f"{p}: a file, not a model directory; pass the directory that holds the model")
+    if (p / TRACKER).is_file() or _megatron_iter_dirs(p):
+        return "megatron"
+    if (p / "metadata.json").is_file() and (p / "common.pt").is_file():
+        return "megatron-torch_dist"
+    if _ft_config(p) is not None:
+        return "ft"
+    if (p / "model.onnx").is_file() or any(p.glob("*.onnx")):
+        return "onnx"
+    if (p / "config.json").is_file():
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+        except ValueError as e:
+            raise MConvertError(f"{p / 'config.json'}: not valid JSON ({e}); re-export the model") from None
+        if any(p.glob("rank*.safetensors")) and "architecture" in cfg and "architectures" not in cfg:
+            return "trtllm"
+        return "hf"
+    raise MConvertError(
+        f"{p}: not a Megatron checkpoint, HF dir, FasterTransformer dir or ONNX dir "
+        f"(no {TRACKER}, config.json, config.ini or model.onnx)"
+    )
+
+
+def _megatron_iter_dirs(p: Path) -> list[Path]:
+    out = []
+    for d in p.iterdir():
+        if d.is_dir() and (d.name == "release" or d.name.startswith("iter_")):
+            if any(parse_rank_dir(r.name) is not None and (r / RANK_FILE).is_file() for r in d.iterdir()):
+                out.append(d)
+    return sorted(out)
+
+
+def _ft_config(p: Path) -> Path | None:
+    """FT's `config.ini`: directly in `p` or in the single `<t>-gpu/` directory below it."""
+    if (p / "config.ini").is_file():
+        return p / "config.ini"
+    found = sorted(p.glob("*-gpu/config.ini"))
+    return found[0] if found else None
+
+
+def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
+    """Detect the format and read dtype, true vocab size, positions, layout and tokenizer location."""
+    p = Path(path)
+    fmt = fmt or detect_format(p)
+    info = ModelInfo(path=p, format=fmt)
+    if fmt == "hf":
+        cfg = _read_json(p / "config.json")
+        info.dtype = _norm_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+        info.vocab_size = cfg.get("vocab_size")
+        info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+        info.tokenizer_dir = p if _has_tokenizer(p) else None
+    elif fmt == "megatron":
+        _describe_megatron(info)
+    elif fmt == "megatron-torch_dist":
+        info.tokenizer_dir = p if _has_tokenizer(p) else None
+    elif fmt == "ft":
+        ini = _ft_config(p)
+        cp = configparser.ConfigParser()
+        cp.read(ini)
+        sec = cp[cp.sections()[0]] if cp.sections() else {}
+        wdt = sec.get("weight_data_type", "fp32")
+        info.dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(wdt, "float32")
+        info.vocab_size = int(sec["vocab_size"]) if "vocab_size" in sec else None
+        if "max_pos_seq_len" in sec:
+            info.max_positions = int(sec["max_pos_seq_len"])
+        info.layout = {"infer_tp": int(sec.get("tensor_para_size", ini.parent.name.split("-")[0] or 1))}
+        for cand in (p, ini.parent, p.parent):
+            if _has_tokenizer(cand):
+                info.tokenizer_dir = cand
+                break
+    elif fmt == "onnx":
+        d = p if p.is_dir() else p.parent
+        if (d / "config.json").is_file():
+            cfg = _read_json(d / "config.json")
+            info.vocab_size = cfg.get("vocab_size")
+            info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+        info.dtype = _onnx_dtype(p if p.is_file() else (d / "model.onnx"))
+        info.tokenizer_dir = d if _has_tokenizer(d) else None
+    return info
+
+
+def _describe_megatron(info: ModelInfo) -> None:
+    from mconvert.convert.layout import iteration_dir_name, read_latest
+    from mconvert.convert.safeload import safe_load
+
+    p = info.path
+    try:
+        it = read_latest(p)
+    except MConvertError:
+        dirs = _megatron_iter_dirs(p)
+        if not dirs:
+            raise
+        it = "release" if dirs[-1].name == "release" else int(dirs[-1].name[5:])
+    d = p / iteration_dir_name(it)
+    ranks = [parse_rank_dir(r.name) for r in d.iterdir() if r.is_dir()] if d.is_dir() else []
+    ranks = [r for r in ranks if r is not None]
+    if not ranks:
+        raise MConvertError(f"{d}: no mp_rank_* directories; is iteration {it} in this checkpoint?")
+    tp = max(r[0] for r in ranks) + 1
+    pp = max((r[1] or 0) for r in ranks) + 1
+    first = d / ("mp_rank_00" if pp == 1 else "mp_rank_00_000") / RANK_FILE
+    state = safe_load(first)
+    args = state.get("args") if isinstance(state, dict) else None
+    a = vars(args) if args is not None and not isinstance(args, dict) else dict(args or {})
+    info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
+    info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
+    info.max_positions = a.get("max_position_embeddings")
+    info.layout = {"tp": tp, "pp": pp, "iteration": it}
+    for cand in (p, p / "tokenizer", p.parent):
+        if _has_tokenizer(cand):
+            info.tokenizer_dir = cand
+            break
+
+
+def _onnx_dtype(path: Path) -> str:
+    try:
+        import onnx
+
+        m = onnx.load(str(path), load_external_data=False)
+        out = next((o for o in m.graph.output if o.name == "logits"), m.graph.output[0])
+        et = out.type.tensor_type.elem_type
+        return {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}.get(et, "float32")
+    except Exception:
+        return "float32"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _has_tokenizer(p: Path) -> bool:
+    return p.is_dir() and any((p / f).is_file() for f in TOKENIZER_FILES)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise MConvertError(f"{path}: unreadable JSON ({e}); re-export the model") from None
+
+
+def _norm_dtype(d: Any) -> str:
+    d = str(d).replace("torch.", "")
+    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}.get(d, d)

@@ -1,0 +1,132 @@
+"""Run one model, in its own format, on a token batch: logits [B, S, V] (float32, CPU) and, where the
+engine exposes them, per-layer hidden states.
+
+Megatron checkpoints run natively at their own TP/PP (the trainer's model across processes), HF dirs
+through transformers, FT dirs through the FT reference runner, ONNX through onnxruntime.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.validators.formats import ModelInfo
+
+
+@dataclass
+class RunOutput:
+    logits: torch.Tensor  # [B, S, V] float32 on CPU (V: the model's own vocab, padding stripped for Megatron)
+    hidden: list[torch.Tensor] | None  # per-layer hidden states [B, S, H] (embeddings first) or None
+    seconds: float
+
+
+def resolve_device(device: str) -> str:
+    """`auto` takes the GPU when one is visible; `cuda` without one is a one-line error."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise MConvertError(f"--device {device!r}: choose auto, cpu or cuda")
+    has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise MConvertError("--device cuda: no CUDA GPU is visible to torch on this machine; use --device cpu or auto")
+    if device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    return device
+
+
+def _optional(module: str, attr: str, who: str):
+    """A function another part of mconvert provides; a clear error when it is not installed yet."""
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        raise MConvertError(f"{who} is not available in this install ({module}.{attr} missing)") from None
+
+
+def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
+    """Logits of `info`'s model on `tokens`, computed by that format's own engine."""
+    t0 = time.perf_counter()
+    hidden = None
+    if info.format == "hf":
+        logits, hidden = hf_logits(info.path, tokens, device)
+    elif info.format == "megatron":
+        fn = _optional("mconvert.trainer.infer", "megatron_logits", "the native Megatron runner")
+        it = info.layout.get("iteration")
+        logits = fn(info.path, tokens, iteration=it, device=device)
+    elif info.format == "megatron-torch_dist":
+        logits = source_logits(info.path, tokens, device)
+    elif info.format == "ft":
+        fn = _optional("mconvert.validators.ft_runner", "ft_logits", "the FasterTransformer reference runner")
+        logits = fn(info.path, tokens, device)
+    elif info.format == "onnx":
+        fn = _optional("mconvert.validators.onnx_runner", "onnx_logits", "the ONNX runner")
+        logits = fn(info.path, tokens, device)
+    elif info.format == "trtllm":
+        raise MConvertError(
+            f"{info.path}: a TensorRT-LLM checkpoint; it needs the TensorRT-LLM engine (GPU) to run — "
+            "validate the HF or FT export of the same model instead"
+        )
+    else:
+        raise MConvertError(f"{info.path}: format {info.format!r} cannot be run")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise MConvertError(f"{info.path}: the {info.format} runner returned no [B, S, V] logits")
+    logits = logits.detach().float().cpu()
+    if info.format.startswith("megatron") and info.vocab_size and logits.shape[-1] > info.vocab_size:
+        logits = logits[..., : info.vocab_size]  # Megatron pads the vocab; the padding rows are not the model's
+    if logits.shape[:2] != tokens.shape:
+        raise MConvertError(
+            f"{info.path}: logits shape {tuple(logits.shape)} does not match tokens {tuple(tokens.shape)}"
+        )
+    return RunOutput(logits=logits, hidden=hidden, seconds=time.perf_counter() - t0)
+
+
+def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Logits and hidden states from transformers, in the dtype the dir stores."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", local_files_only=True)
+    except Exception as e:  # a broken dir: missing shard, bad config ... -> one line
+        raise MConvertError(f"{path}: transformers cannot load this dir ({_first_line(e)})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.eval().to(device)
+    with torch.inference_mode():
+        out = model(input_ids=tokens.to(device), output_hidden_states=True, use_cache=False)
+    hidden = [h.float().cpu() for h in out.hidden_states] if out.hidden_states is not None else None
+    return out.logits.float().cpu(), hidden
+
+
+def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor:
+    """Logits of any Source (e.g. torch_dist) via its HF-named tensors loaded into the transformers class."""
+    open_source = _optional("mconvert.convert.sources", "open_source", "the conversion engine's reader")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = open_source(path)
+    cfg_dict = src.spec.to_hf_config()
+    model_type = cfg_dict.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **cfg_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    state = {}
+    for unit in src.units():
+        state.update(src.read_hf(unit))
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (k == "lm_head.weight" and src.spec.tie_embeddings)]
+    if missing or unexpected:
+        raise MConvertError(f"{path}: tensors do not match the transformers class (missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]})")
+    model.tie_weights()
+    model.eval().to(device)
+    with torch.inference_mode():
+        return model(input_ids=tokens.to(device), use_cache=False).logits.float().cpu()
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return (s[0] if s else type(e).__name__)[:300]

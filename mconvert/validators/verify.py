@@ -1,0 +1,565 @@
+"""`mconvert verify HF_DIR`: is this HF export ready to be served by vLLM, and does it compute what we trained?
+
+Static checks follow vLLM's loading rules (DESIGN.md, vLLM section): vLLM loads models it would then serve
+wrongly (an untied head that is missing becomes all zeros, a present `lm_head` wins over
+`tie_word_embeddings`, GPT-2's head is always tied), so each of those is checked here by name. `--against`
+adds the logits comparison of `validate`; `--vllm-python` serves the dir in a real vLLM engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.errors import MConvertError
+
+SCHEMA = "mconvert.verify/1"
+VLLM_ARCHS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+BASE_MODEL_ARCHS = {"LlamaModel", "GPT2Model", "MistralModel", "Qwen2Model"}
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# Buffers that transformers and vLLM skip when present in a checkpoint (never weights).
+_IGNORABLE = (r"\.attn\.bias$", r"\.attn\.masked_bias$", r"rotary_emb\.inv_freq$")
+_MODEL_TYPE_ARCH = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | error
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    checks: list[Check] = field(default_factory=list)
+    logits: dict[str, Any] | None = None  # validate's JSON report when --against was given
+    vllm: dict[str, Any] | None = None  # the real-engine comparison when --vllm-python was given
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.status != "error" for c in self.checks)
+
+    def add(self, name: str, status: str, message: str) -> None:
+        self.checks.append(Check(name, status, message))
+
+    def errors(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "error"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "path": self.path,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+            "errors": [c.name for c in self.errors()],
+            "checks": [asdict(c) for c in self.checks],
+            "logits": self.logits,
+            "vllm": self.vllm,
+        }
+
+
+def verify(
+    hf_dir: str | Path,
+    against: str | Path | None = None,
+    vllm_python: str | Path | None = None,
+    device: str = "auto",
+    n_tokens: int = 32,
+) -> VerifyReport:
+    """Run every readiness check on `hf_dir`; errors are collected, never raised, so all show at once."""
+    t0 = time.perf_counter()
+    d = Path(hf_dir)
+    if not d.is_dir():
+        raise MConvertError(f"{d}: not a directory; pass the HF export directory")
+    rep = VerifyReport(path=str(d))
+    cfg = _config(d, rep)
+    if cfg is None:
+        rep.seconds = time.perf_counter() - t0
+        return rep
+    _architecture(cfg, rep)
+    _config_fields(cfg, rep)
+    files = _weight_files(d, rep)
+    header = _headers(files, rep)  # name -> (shape, dtype, file)
+    if header:
+        _strict(cfg, header, rep)
+        _dtypes(cfg, header, rep)
+        _finite_and_tied(cfg, header, rep)
+    _tokenizer(d, cfg, rep)
+    _generation_config(d, cfg, rep)
+    _manifest(d, rep)
+    if against is not None:
+        _against(d, cfg, Path(against), rep, device, n_tokens)
+    if vllm_python is not None:
+        from mconvert.validators.vllm_check import vllm_compare
+
+        if rep.errors():
+            rep.add("vllm", "error", f"not served: fix {', '.join(c.name for c in rep.errors())} first")
+        else:
+            rep.vllm = vllm_compare(d, Path(vllm_python))
+            v = rep.vllm
+            rep.add("vllm", "ok" if v["passed"] else "error", v["summary"])
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+# ---- config ---------------------------------------------------------------------------------------
+def _config(d: Path, rep: VerifyReport) -> dict[str, Any] | None:
+    p = d / "config.json"
+    if not p.is_file():
+        rep.add("config", "error", f"{p}: missing; an HF dir needs config.json")
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+    except ValueError as e:
+        rep.add("config", "error", f"{p}: not valid JSON ({e})")
+        return None
+    rep.add("config", "ok", f"{p.name}: model_type={cfg.get('model_type')}")
+    return cfg
+
+
+def _architecture(cfg: dict[str, Any], rep: VerifyReport) -> None:
+    archs = cfg.get("architectures") or []
+    mt = cfg.get("model_type")
+    want = _MODEL_TYPE_ARCH.get(mt)
+    if not archs:
+        rep.add("architecture", "error", f"config.json has no 'architectures'; set it to [{want or VLLM_ARCHS[1]!r}]")
+    elif len(archs) != 1:
+        rep.add("architecture", "error", f"config.json lists {len(archs)} architectures {archs}; give exactly one")
+    elif archs[0] in BASE_MODEL_ARCHS:
+        rep.add("architecture", "error",
+                f"architectures={archs}: a base model without LM head; vLLM needs {want or 'a *ForCausalLM'} "
+                "(some vLLM versions treat it as an embedding model) — re-export with the causal-LM class")
+    elif archs[0] not in VLLM_ARCHS:
+        rep.add("architecture", "error", f"architectures={archs}: not one mconvert checks for vLLM ({', '.join(VLLM_ARCHS)})")
+    elif want and archs[0] != want:
+        rep.add("architecture", "error", f"architectures={archs} does not match model_type={mt!r} ({want})")
+    else:
+        rep.add("architecture", "ok", f"{archs[0]} is in vLLM's registry")
+
+
+def _config_fields(cfg: dict[str, Any], rep: VerifyReport) -> None:
+    mt = cfg.get("model_type")
+    problems, notes = [], []
+    if mt == "gpt2":
+        need = {"n_positions": "max positions", "layer_norm_epsilon": "LayerNorm eps", "n_embd": "hidden",
+                "n_head": "heads", "n_layer": "layers", "vocab_size": "vocab"}
+        if cfg.get("tie_word_embeddings") is False:
+            problems.append("tie_word_embeddings=false: vLLM always ties GPT-2's head to wte (untied GPT-2 head)")
+        hd = int(cfg.get("n_embd", 0)) // max(int(cfg.get("n_head", 1)), 1)
+    else:
+        need = {"max_position_embeddings": "max positions", "rms_norm_eps": "RMSNorm eps (HF default 1e-6 differs "
+                "from Megatron's 1e-5)", "rope_theta": "RoPE base", "hidden_size": "hidden",
+                "num_attention_heads": "heads", "num_hidden_layers": "layers", "intermediate_size": "ffn",
+                "vocab_size": "vocab", "num_key_value_heads": "KV heads"}
+        if "tie_word_embeddings" not in cfg:
+            notes.append("tie_word_embeddings not set (transformers' default applies)")
+        nh, kvh = int(cfg.get("num_attention_heads", 1)), int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1))
+        if nh % kvh:
+            problems.append(f"num_attention_heads {nh} is not divisible by num_key_value_heads {kvh}")
+        hd = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // nh)
+        if cfg.get("rope_scaling"):
+            notes.append(f"rope_scaling={cfg['rope_scaling']}")
+    for k, what in need.items():
+        if cfg.get(k) is None:
+            problems.append(f"{k} ({what}) missing")
+    if not (cfg.get("torch_dtype") or cfg.get("dtype")):
+        notes.append("no torch_dtype: vLLM falls back to float32/float16 by its own rule")
+    if problems:
+        rep.add("config-fields", "error", "config.json: " + "; ".join(problems))
+    else:
+        rep.add("config-fields", "ok", "positions, eps" + (", rope" if mt != "gpt2" else "") + " present"
+                + (f" ({'; '.join(notes)})" if notes else ""))
+    if hd and hd not in VLLM_CPU_HEAD_DIMS:
+        rep.add("head-dim", "warn", f"head_dim={hd}: vLLM's CPU attention supports {VLLM_CPU_HEAD_DIMS} only "
+                "(GPU backends accept more)")
+    else:
+        rep.add("head-dim", "ok", f"head_dim={hd}")
+
+
+# ---- weight files ---------------------------------------------------------------------------------
+def _weight_files(d: Path, rep: VerifyReport) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    st = sorted(d.glob("*.safetensors"))
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            rep.add("weight-files", "error", f"{index}: unreadable index ({e}); re-export")
+            return []
+        named = sorted(set(wmap.values()))
+        missing = [f for f in named if not (d / f).is_file()]
+        stray = [p.name for p in st if p.name not in named]
+        problems = []
+        if missing:
+            problems.append(f"missing shard(s) {missing} named in {index.name}")
+        if stray:
+            problems.append(f"stray {stray} not in {index.name} (vLLM would skip them; transformers too — "
+                            "remove them or fix the index)")
+        if problems:
+            rep.add("weight-files", "error", "; ".join(problems))
+        else:
+            rep.add("weight-files", "ok", f"{len(named)} shard(s), all in {index.name}, none stray")
+        files = [d / f for f in named if (d / f).is_file()]
+        # every key the index promises must be in the file it names
+        rep._index = wmap  # type: ignore[attr-defined]
+        return files
+    if not st:
+        if list(d.glob("*.bin")):
+            rep.add("weight-files", "error", "only pytorch *.bin weights; export safetensors (pickle-free) for serving")
+        else:
+            rep.add("weight-files", "error", f"{d}: no *.safetensors weights")
+        return []
+    if len(st) > 1 or st[0].name != "model.safetensors":
+        rep.add("weight-files", "error",
+                f"{[p.name for p in st]} without model.safetensors.index.json: missing index or stray shard(s)")
+        return st
+    rep.add("weight-files", "ok", "model.safetensors (single file)")
+    return st
+
+
+def _headers(files: list[Path], rep: VerifyReport) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+    from safetensors import safe_open
+
+    out: dict[str, tuple[tuple[int, ...], str, Path]] = {}
+    wmap = getattr(rep, "_index", None)
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    out[k] = (tuple(sl.get_shape()), str(sl.get_dtype()), f)
+        except Exception as e:  # truncated / corrupt header
+            rep.add("weight-files", "error", f"{f}: unreadable safetensors ({str(e)[:200]}); re-copy or re-export")
+    if wmap:
+        wrong = [k for k, fn in wmap.items() if k not in out and (Path(rep.path) / fn).is_file()]
+        wrong += [k for k, v in out.items() if k in wmap and wmap[k] != v[2].name]
+        if wrong:
+            rep.add("weight-index", "error", f"index entries do not match shard contents (e.g. {wrong[0]!r})")
+    return out
+
+
+_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def _meta_model(cfg: dict[str, Any]):
+    """The transformers class vLLM's architecture maps to, built on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    c = dict(cfg)
+    mt = c.pop("model_type", None)
+    if mt not in _MODEL_TYPE_ARCH:
+        raise MConvertError(f"config.json: model_type {mt!r} is not one mconvert verifies ({', '.join(_MODEL_TYPE_ARCH)})")
+    for k in ("architectures", "transformers_version", "_name_or_path"):
+        c.pop(k, None)
+    v = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        conf = AutoConfig.for_model(mt, **c)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(conf), conf
+    finally:
+        hf_logging.set_verbosity(v)
+
+
+def _strict(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
+    try:
+        model, conf = _meta_model(cfg)
+    except MConvertError as e:
+        rep.add("weights-strict", "error", str(e))
+        return
+    except Exception as e:  # transformers rejects the config itself
+        rep.add("weights-strict", "error", f"config.json: transformers cannot build the model ({str(e)[:200]})")
+        return
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = bool(getattr(conf, "tie_word_embeddings", False)) or cfg.get("model_type") == "gpt2"
+    missing = [k for k in expected if k not in header and not (tied and k == "lm_head.weight")]
+    unexpected = [k for k in header if k not in expected and not any(re.search(p, k) for p in _IGNORABLE)]
+    bad_shape = [(k, header[k][0], expected[k]) for k in expected if k in header and header[k][0] != expected[k]]
+    problems = []
+    if missing:
+        hint = " (untied lm_head missing: vLLM would serve an all-zero head)" if "lm_head.weight" in missing else ""
+        problems.append(f"missing {len(missing)} key(s) {missing[:4]}{hint}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} key(s) {unexpected[:4]}")
+    if bad_shape:
+        k, got, want = bad_shape[0]
+        problems.append(f"{len(bad_shape)} shape mismatch(es), e.g. {k} is {list(got)}, config says {list(want)}")
+    if problems:
+        rep.add("weights-strict", "error", f"not strict-loadable by {type(model).__name__}: " + "; ".join(problems))
+    else:
+        rep.add("weights-strict", "ok", f"{len(header)} tensors match {type(model).__name__} by name and shape")
+
+
+def _dtypes(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
+    want = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").replace("torch.", "")
+    found: dict[str, int] = {}
+    for _, (_, dt, _) in header.items():
+        name = _ST_DTYPES.get(dt, dt)
+        found[name] = found.get(name, 0) + 1
+    floats = {k: v for k, v in found.items() if k in ("float32", "float16", "bfloat16", "float64")}
+    if want and set(floats) - {want}:
+        rep.add("dtypes", "error", f"tensors are {floats} but config.json says {want}; re-export with one dtype")
+    elif len(floats) > 1:
+        rep.add("dtypes", "error", f"mixed tensor dtypes {floats}")
+    else:
+        rep.add("dtypes", "ok", f"all {sum(floats.values())} tensors {next(iter(floats), '?')}")
+
+
+def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
+    """Stream every tensor once: NaN/Inf scan, and the embedding vs lm_head comparison."""
+    from safetensors import safe_open
+
+    mt = cfg.get("model_type")
+    emb_key = "transformer.wte.weight" if mt == "gpt2" else "model.embed_tokens.weight"
+    bad: list[str] = []
+    emb = head = None
+    by_file: dict[Path, list[str]] = {}
+    for k, (_, _, f) in header.items():
+        by_file.setdefault(f, []).append(k)
+    for f, keys in by_file.items():
+        with safe_open(str(f), framework="pt") as h:
+            for k in keys:
+                t = h.get_tensor(k)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    n = int((~torch.isfinite(t)).sum())
+                    bad.append(f"{k} ({n} non-finite)")
+                if k == emb_key:
+                    emb = t
+                elif k == "lm_head.weight":
+                    head = t
+                del t
+    if bad:
+        rep.add("finite", "error", f"NaN/Inf in {len(bad)} tensor(s): {', '.join(bad[:3])}")
+    else:
+        rep.add("finite", "ok", f"no NaN/Inf in {len(header)} tensors")
+
+    tie = cfg.get("tie_word_embeddings")
+    tie = True if (tie is None and mt == "gpt2") else bool(tie)
+    same = head is not None and emb is not None and head.shape == emb.shape and torch.equal(head, emb)
+    if mt == "gpt2":
+        if head is not None and not same:
+            rep.add("tied-head", "error", "untied GPT-2 head: lm_head.weight differs from transformer.wte.weight, "
+                    "but vLLM always ties GPT-2's head to wte — it would serve a different model")
+        elif not tie:
+            rep.add("tied-head", "error", "untied GPT-2 head: tie_word_embeddings=false, but vLLM always ties "
+                    "GPT-2's head to wte")
+        else:
+            rep.add("tied-head", "ok", "GPT-2 head tied to wte (as vLLM serves it)")
+    elif tie:
+        if head is not None and not same:
+            rep.add("tied-head", "error", "tie_word_embeddings=true beside a different lm_head.weight: vLLM loads the "
+                    "present lm_head, transformers ties it — they disagree; drop lm_head or set tie=false")
+        else:
+            rep.add("tied-head", "ok", "tied (lm_head absent or equal to the embedding)")
+    else:
+        if head is None:
+            rep.add("tied-head", "error", "untied lm_head missing: tie_word_embeddings=false and no lm_head.weight; "
+                    "vLLM would load an all-zero head without a warning")
+        else:
+            rep.add("tied-head", "ok", "untied lm_head present")
+
+
+# ---- tokenizer, generation config, manifest -------------------------------------------------------
+def _tokenizer(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
+    from mconvert.validators.formats import _has_tokenizer
+    from mconvert.validators.tokens import load_tokenizer
+
+    vocab = int(cfg.get("vocab_size") or 0)
+    if not _has_tokenizer(d):
+        rep.add("tokenizer", "error", f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json); vLLM "
+                "needs one to serve text — export with --tokenizer DIR")
+        return
+    try:
+        tok = load_tokenizer(d)
+    except MConvertError as e:
+        rep.add("tokenizer", "error", str(e))
+        return
+    n = len(tok)
+    top = max(tok.get_vocab().values(), default=-1)
+    if n > vocab or top >= vocab:
+        rep.add("tokenizer", "error", f"tokenizer has {n} tokens (max id {top}) but vocab_size is {vocab}: ids "
+                "beyond the embedding would crash or read garbage")
+    else:
+        pad = f"; {vocab - n} embedding rows beyond the tokenizer" if vocab > n else ""
+        rep.add("tokenizer", "ok", f"{n} tokens within vocab_size {vocab}{pad}")
+
+
+def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
+    p = d / "generation_config.json"
+    vocab = int(cfg.get("vocab_size") or 0)
+    if not p.is_file():
+        rep.add("generation-config", "error", f"{p}: missing; vLLM reads eos/bos ids from it")
+        return
+    try:
+        g = json.loads(p.read_text())
+    except ValueError as e:
+        rep.add("generation-config", "error", f"{p}: not valid JSON ({e})")
+        return
+    eos = g.get("eos_token_id", cfg.get("eos_token_id"))
+    eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not eos_ids:
+        rep.add("generation-config", "error", f"{p.name}: no eos_token_id; generation would never stop on EOS")
+    elif any(not isinstance(i, int) or not 0 <= i < vocab for i in eos_ids):
+        rep.add("generation-config", "error", f"{p.name}: eos_token_id {eos} outside vocab_size {vocab}")
+    else:
+        rep.add("generation-config", "ok", f"eos_token_id {eos}")
+
+
+def _manifest(d: Path, rep: VerifyReport) -> None:
+    from mconvert.convert.atomic import MANIFEST, check_manifest
+
+    if not (d / MANIFEST).is_file():
+        rep.add("manifest", "warn", f"no {MANIFEST} (not written by mconvert, or copied without it)")
+        return
+    problems = check_manifest(d)
+    if problems:
+        rep.add("manifest", "error", f"{len(problems)} file(s) differ from the manifest: {problems[0]}")
+    else:
+        rep.add("manifest", "ok", "every file matches its sha256")
+
+
+# ---- against a checkpoint ------------------------------------------------------------------------
+def _against(d: Path, cfg: dict[str, Any], ckpt: Path, rep: VerifyReport, device: str, n_tokens: int) -> None:
+    """Config vs the checkpoint's spec (named differences), then the logits check of `validate`."""
+    from mconvert.validators.formats import describe
+    from mconvert.validators.validate import validate
+
+    info = describe(ckpt)
+    ref_spec = reference_spec(info)
+    if ref_spec is not None:
+        _config_vs_spec(cfg, ref_spec, rep)
+    try:
+        vr = validate(ckpt, [d], device=device, n_tokens=n_tokens)
+    except MConvertError as e:
+        rep.add("logits", "error", f"logits check could not run: {e}")
+        return
+    rep.logits = vr.to_json()
+    r = vr.results[0]
+    if r.passed:
+        m = r.metrics
+        rep.add("logits", "ok", f"vs {ckpt.name} ({info.format}): max abs {m['max_abs']:.2e}, KL {m['kl']:.1e}, "
+                f"top-1 {m['top1']:.3f}")
+    else:
+        rep.add("logits", "error", f"vs {ckpt.name} ({info.format}): " + "; ".join(r.failures))
+        culprit = diagnose_weights(d, ckpt)
+        if culprit:
+            rep.add("weights-vs-checkpoint", "error", culprit)
+
+
+def reference_spec(info) -> Any:
+    """The ModelSpec of a reference model (Megatron args or HF config), or None when unknown."""
+    from mconvert.spec import ModelSpec
+
+    try:
+        if info.format == "hf":
+            return ModelSpec.from_hf_config(json.loads((info.path / "config.json").read_text()))
+        if info.format == "megatron":
+            from mconvert.convert.layout import RANK_FILE, iteration_dir_name
+            from mconvert.convert.safeload import safe_load
+
+            lay = info.layout
+            rank = "mp_rank_00" if lay["pp"] == 1 else "mp_rank_00_000"
+            st = safe_load(info.path / iteration_dir_name(lay["iteration"]) / rank / RANK_FILE)
+            return ModelSpec.from_megatron_args(st["args"])
+    except (MConvertError, OSError, ValueError, KeyError):
+        return None
+    return None
+
+
+def _config_vs_spec(cfg: dict[str, Any], ref, rep: VerifyReport) -> None:
+    from mconvert.spec import ModelSpec
+
+    try:
+        mine = ModelSpec.from_hf_config(cfg)
+    except MConvertError as e:
+        rep.add("config-vs-checkpoint", "error", str(e))
+        return
+    diffs = []
+    if mine.vocab_size != ref.vocab_size:
+        pad = any(mine.vocab_size == ref.padded_vocab_size(tp) for tp in (1, 2, 4, 8, 16))
+        diffs.append(f"vocab_size {mine.vocab_size} != checkpoint's true vocab {ref.vocab_size}"
+                     + (" (vocab padding left in)" if pad or mine.vocab_size > ref.vocab_size else ""))
+    eps_key = "layer_norm_epsilon" if mine.family == "gpt2" else "rms_norm_eps"
+    if not _close(mine.norm_epsilon, ref.norm_epsilon):
+        diffs.append(f"{eps_key} {mine.norm_epsilon:g} != checkpoint's {ref.norm_epsilon:g}")
+    if mine.position_embedding_type == "rope" and not _close(mine.rotary_base, ref.rotary_base):
+        diffs.append(f"rope_theta {mine.rotary_base:g} != checkpoint's rotary_base {ref.rotary_base:g}")
+    for f in ("num_layers", "hidden_size", "num_attention_heads", "num_groups", "ffn_hidden_size", "head_dim",
+              "max_position_embeddings", "activation", "tie_embeddings"):
+        a, b = getattr(mine, f), getattr(ref, f)
+        if a != b:
+            diffs.append(f"{f} {a} != checkpoint's {b}")
+    if diffs:
+        rep.add("config-vs-checkpoint", "error", "; ".join(diffs))
+    else:
+        rep.add("config-vs-checkpoint", "ok", "sizes, eps, rope and tying equal the checkpoint's")
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-30)
+
+
+def diagnose_weights(d: Path, ckpt: Path) -> str | None:
+    """Name the first HF tensor that differs from the checkpoint's, and how (permuted rows, mixed halves)."""
+    try:
+        from mconvert.convert.sources import open_source
+    except ImportError:
+        return None
+    from safetensors import safe_open
+
+    try:
+        src = open_source(ckpt)
+        keys: dict[str, Path] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                keys.update({k: f for k in h.keys()})
+        for unit in src.units():
+            want = src.read_hf(unit)
+            for name, w in want.items():
+                if name not in keys:
+                    continue
+                with safe_open(str(keys[name]), framework="pt") as h:
+                    got = h.get_tensor(name)
+                verdict = classify_difference(name, got, w, want)
+                if verdict:
+                    return verdict
+    except Exception as e:  # diagnosis is best effort; the logits verdict stands either way
+        return f"(weight diagnosis unavailable: {str(e)[:120]})"
+    return None
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return torch.unique(t.float().reshape(t.shape[0], -1), dim=0)
+
+
+def classify_difference(name: str, got: torch.Tensor, want: torch.Tensor, unit: dict[str, torch.Tensor]) -> str | None:
+    """How `got` differs from `want` (None when equal); `unit` holds the expected siblings (gate/up, q/k/v)."""
+    if got.shape != want.shape:
+        return f"{name}: shape {list(got.shape)} != checkpoint's {list(want.shape)}"
+    if torch.equal(got, want.to(got.dtype)):
+        return None
+    where = f"{name}: "
+    if got.dim() == 2:
+        g = got.float()
+        if torch.equal(_rows(g), _rows(want)):
+            kind = "GQA/head groups permuted" if any(x in name for x in ("k_proj", "v_proj", "q_proj", "c_attn")) \
+                else "rows permuted"
+            return where + f"same rows as the checkpoint in another order ({kind})"
+        for a, b in (("gate_proj", "up_proj"), ("up_proj", "gate_proj")):
+            sib = name.replace(a, b)
+            if a in name and sib in unit:
+                pool = _rows(torch.cat([want.float(), unit[sib].float()]))
+                mine = _rows(g)
+                if all(bool((pool == r).all(-1).any()) for r in mine):
+                    return where + "rows mixed between gate_proj and up_proj (SwiGLU halves swapped across TP ranks)"
+    diff = float((got.float() - want.float()).abs().max())
+    return where + f"values differ from the checkpoint (max abs {diff:.3g})"
