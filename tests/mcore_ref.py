@@ -3,7 +3,9 @@
 Truth we did not write (DESIGN.md): a checkpoint is right when megatron-core's own `GPTModel` loads it with
 `strict=True` and its logits match. This harness spawns `tp * pp` (≤ 4) processes, initialises
 `megatron.core.parallel_state` with the two CPU patches of DESIGN.md (inference RNG tracker before
-`model_parallel_cuda_manual_seed`; `torch.cuda.current_device` -> cpu), builds a `GPTModel` from a
+`model_parallel_cuda_manual_seed`; `torch.cuda.current_device` -> cpu; plus, in the children only,
+`torch.cuda.synchronize` -> no-op for `dist_checkpointing.save` and `Tensor.cuda` -> identity for the tied
+embedding all-reduce at PP > 1), builds a `GPTModel` from a
 `mconvert.spec.ModelSpec`, runs a user function on every rank and returns the per-rank results.
 
 Import it as `mcore_ref` (pytest puts `tests/` on sys.path) or `tests.mcore_ref`:
@@ -157,6 +159,7 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int,
     torch.set_num_threads(1)
     torch.cuda.current_device = lambda: torch.device("cpu")  # DESIGN.md test-only patch
     torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing.save calls it; nothing to wait for on CPU
+    torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP > 1: `weight.data.cuda()` before all-reduce
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from megatron.core import parallel_state

@@ -41,6 +41,8 @@ def _perturb(ctx: McoreContext) -> None:
     Replicated parameters get the same values on every TP rank, split ones differ per rank."""
     for name, p in ctx.model.named_parameters():
         split = bool(getattr(p, "tensor_model_parallel", False))
+        if name == "output_layer.weight" and ctx.spec.tie_embeddings:
+            name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding (PP > 1)
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * ctx.tp_rank if split else 0))
         noise = torch.randn(p.shape, generator=g)
         with torch.no_grad():
@@ -113,14 +115,14 @@ def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("family,pp", [("llama", 1), ("gpt2", 1), ("gpt2", 2)])
+def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, tmp_path: Path) -> None:
     spec: ModelSpec = SPECS[family]
     tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=TOKENS)
     torch_root, dist_root = tmp_path / "mcore_torch", tmp_path / "mcore_dist"
-    results = run_mcore(spec, 2, _save_both, (str(torch_root), str(dist_root), tokens))
-    ref = results[0][..., : spec.vocab_size]  # megatron-core's logits, padded vocab rows dropped
-    assert torch.equal(results[0], results[1])  # both TP ranks gathered the same logits
+    results = run_mcore(spec, 2, _save_both, (str(torch_root), str(dist_root), tokens), pp=pp)
+    ref = results[-1][..., : spec.vocab_size]  # megatron-core's logits (last stage), padded vocab rows dropped
+    assert torch.equal(results[-1], results[-2])  # both TP ranks gathered the same logits
 
     exports = {}
     for kind, root in (("torch", torch_root), ("torch_dist", dist_root)):
@@ -129,7 +131,7 @@ def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, tmp_path:
         logits = _hf_logits(out, tokens)
         diff = (logits - ref).abs().max().item()
         scale = ref.abs().max().item()
-        print(f"{family} {kind}: max|hf - mcore| = {diff:.3e}, max|logit| = {scale:.3f}")
+        print(f"{family} TP=2 PP={pp} {kind}: max|hf - mcore| = {diff:.3e}, max|logit| = {scale:.3f}")
         assert diff <= 1e-4 * scale, f"{family} {kind}: max abs diff {diff} > 1e-4 * {scale}"
         assert torch.equal(logits.argmax(-1), ref.argmax(-1)), f"{family} {kind}: top-1 differs"
         exports[kind] = _hf_tensors(out)
