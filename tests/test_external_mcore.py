@@ -114,16 +114,28 @@ def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+_SAVED: dict[tuple[str, int], tuple] = {}
+
+
+def _saved(family: str, pp: int, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    """One megatron-core run per (family, PP), shared by the tests of this module."""
+    if (family, pp) not in _SAVED:
+        spec: ModelSpec = SPECS[family]
+        tmp = tmp_path_factory.mktemp(f"mcore_{family}_pp{pp}")
+        tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=TOKENS)
+        torch_root, dist_root = tmp / "mcore_torch", tmp / "mcore_dist"
+        results = run_mcore(spec, 2, _save_both, (str(torch_root), str(dist_root), tokens), pp=pp)
+        assert torch.equal(results[-1], results[-2])  # both TP ranks of the last stage gathered the same logits
+        _SAVED[(family, pp)] = (spec, tokens, results[-1], torch_root, dist_root)
+    return _SAVED[(family, pp)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,pp", [("llama", 1), ("gpt2", 1), ("gpt2", 2)])
-def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, tmp_path: Path) -> None:
-    spec: ModelSpec = SPECS[family]
-    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=TOKENS)
-    torch_root, dist_root = tmp_path / "mcore_torch", tmp_path / "mcore_dist"
-    results = run_mcore(spec, 2, _save_both, (str(torch_root), str(dist_root), tokens), pp=pp)
-    ref = results[-1][..., : spec.vocab_size]  # megatron-core's logits (last stage), padded vocab rows dropped
-    assert torch.equal(results[-1], results[-2])  # both TP ranks gathered the same logits
-
+def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, tmp_path: Path,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    spec, tokens, logits_mcore, torch_root, dist_root = _saved(family, pp, tmp_path_factory)
+    ref = logits_mcore[..., : spec.vocab_size]  # megatron-core's logits (last stage), padded vocab rows dropped
     exports = {}
     for kind, root in (("torch", torch_root), ("torch_dist", dist_root)):
         out = tmp_path / f"hf_{kind}"
@@ -140,3 +152,64 @@ def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, 
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_torch_dist_reader_reads_one_layer_slice_and_matches_the_legacy_reader(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each unit reads only the DCP chunks of its own layer; full tensors equal the legacy rank files' merge."""
+    from mconvert.convert.megatron import MegatronSource
+    from mconvert.convert.sources import open_source
+    from mconvert.convert.torch_dist import TorchDistSource
+
+    spec, _, _, torch_root, dist_root = _saved("llama", 1, tmp_path_factory)
+    dist, legacy = open_source(dist_root), open_source(torch_root)
+    assert isinstance(dist, TorchDistSource) and isinstance(legacy, MegatronSource)
+    assert dist.iteration == ITERATION and dist.spec == legacy.spec
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    real_read = dist.reader.read_data
+
+    def spy(plan, planner):
+        seen.extend((it.storage_index.fqn, tuple(it.storage_index.offset)) for it in plan.items)
+        return real_read(plan, planner)
+
+    dist.reader.read_data = spy
+    for unit in dist.units():
+        seen.clear()
+        got, want = dist.read_mcore(unit), legacy.read_mcore(unit)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (unit, k)
+        if isinstance(unit, int):  # stacked [num_layers, ...] tensors: only this layer's chunks were opened
+            assert seen and all(off[0] == unit for fqn, off in seen if fqn.startswith("decoder.layers."))
+
+
+@pytest.mark.slow
+def test_torch_dist_damage_is_one_line_errors(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import shutil
+
+    from mconvert.convert.torch_dist import TorchDistSource
+    from mconvert.errors import MConvertError
+
+    _, _, _, _, dist_root = _saved("llama", 1, tmp_path_factory)
+
+    def damaged(name: str, fn) -> Path:
+        root = tmp_path / name
+        shutil.copytree(dist_root, root)
+        fn(root / f"iter_{ITERATION:07d}")
+        return root
+
+    cases = {
+        "no common.pt": (lambda d: (d / "common.pt").unlink(), "common.pt"),
+        "zarr backend": (lambda d: (d / "metadata.json").write_text('{"sharded_backend": "zarr"}'), "zarr"),
+        "no .metadata": (lambda d: (d / ".metadata").unlink(), ".metadata"),
+        "truncated distcp": (lambda d: (d / "__1_0.distcp").write_bytes(b"x" * 10), "distcp"),
+    }
+    for name, (fn, needle) in cases.items():
+        root = damaged(name.replace(" ", "_"), fn)
+        with pytest.raises(MConvertError) as e:
+            src = TorchDistSource(root)
+            for unit in src.units():
+                src.read_mcore(unit)
+        msg = str(e.value)
+        assert needle in msg and "\n" not in msg, (name, msg)
