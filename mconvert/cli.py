@@ -375,13 +375,86 @@ def to_onnx_cmd(
 # ==== end deployment verbs ===========================================================================
 
 # ==== validators (validate, verify) ==================================================================
+Device = Annotated[str, typer.Option("--device", help="auto (GPU when present) | cpu | cuda.")]
+Tokens = Annotated[int, typer.Option("--tokens", help="Tokens per sequence (batch of 2 sequences).")]
+
+
+@app.command("validate")
+def validate_cmd(
+    ref: Annotated[Path, typer.Argument(help="Reference model: Megatron checkpoint, HF dir, FT dir or ONNX dir.")],
+    others: Annotated[list[Path], typer.Argument(help="Models to compare with REF (any of the same formats).")],
+    device: Device = "auto",
+    tokens: Tokens = 32,
+    text: Annotated[Optional[Path], typer.Option("--text", help="Text file to tokenize (default: built-in).")] = None,
+    json_out: Json = False,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of the error per position/layer.")] = None,
+) -> None:
+    """Run every model in its own format on the same tokens; compare logits with REF. Exit 0 only if all pass.
+
+    A Megatron checkpoint runs natively at its own TP/PP (processes, gloo/NCCL); HF through transformers,
+    FT through the reference runner, ONNX through onnxruntime. Tolerances depend on the dtype pair.
+
+    Examples:
+      mconvert validate ckpt/ hf/ onnx/ ft/x
+      mconvert validate ckpt/ ckpt-tp1pp2/ --device cpu --tokens 64 --plot err.png
+      mconvert validate hf/ onnx/ --text prompt.txt --json
+    """
+    import json as _json
+
+    from mconvert.validators.validate import render, validate
+
+    report = validate(ref, list(others), device=device, n_tokens=tokens, text_file=text, plot=plot)
+    if json_out:
+        print(_json.dumps(report.to_json(), indent=1))
+    else:
+        render(report, console)
+        if plot:
+            console.print(f"plot: {plot}")
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command("verify")
+def verify_cmd(
+    hf_dir: Annotated[Path, typer.Argument(help="HF export dir to check before serving it with vLLM.")],
+    against: Annotated[
+        Optional[Path], typer.Option("--against", help="Checkpoint it came from: adds the logits check.")
+    ] = None,
+    vllm_python: Annotated[
+        Optional[Path], typer.Option("--vllm-python", help="Interpreter of a vLLM venv (`make vllm-env`): serve it "
+                                     "in a real vLLM engine and compare with transformers.")
+    ] = None,
+    device: Device = "auto",
+    json_out: Json = False,
+) -> None:
+    """vLLM readiness: registry architecture, strict weights, index/shards, dtypes, NaN/Inf, tied head, config,
+    tokenizer, generation config, manifest; exit 1 on any error.
+
+    Examples:
+      mconvert verify hf/
+      mconvert verify hf/ --against ckpt/ --json
+      mconvert verify hf/ --against ckpt/ --vllm-python ~/.cache/mconvert/vllm-venv/bin/python
+    """
+    import json as _json
+
+    from mconvert.validators.verify import render_verify, verify
+
+    report = verify(hf_dir, against=against, vllm_python=vllm_python, device=device)
+    if json_out:
+        print(_json.dumps(report.to_json(), indent=1))
+    else:
+        render_verify(report, console)
+    if not report.passed:
+        raise typer.Exit(1)
 # ==== end validators =================================================================================
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: map known errors to one line and exit 1."""
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
+        if isinstance(rc, int) and rc:  # click returns a verb's typer.Exit code instead of raising it
+            sys.exit(rc)
     except MConvertError as e:
         if os.environ.get("MCONVERT_DEBUG"):
             raise

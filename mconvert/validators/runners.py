@@ -54,7 +54,7 @@ def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
     elif info.format == "megatron":
         fn = _optional("mconvert.trainer.infer", "megatron_logits", "the native Megatron runner")
         it = info.layout.get("iteration")
-        logits = fn(info.path, tokens, iteration=it, device=device)
+        logits, hidden = fn(info.path, tokens, iteration=it, device=device, return_hidden=True)
     elif info.format == "megatron-torch_dist":
         logits = source_logits(info.path, tokens, device)
     elif info.format == "ft":
@@ -83,7 +83,10 @@ def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
 
 
 def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Logits and hidden states from transformers, in the dtype the dir stores."""
+    """Logits and hidden states from transformers, in the dtype the dir stores.
+
+    Hidden states are captured by hooks as the Megatron runner records them: the first layer's input
+    (the embedding output), then every layer's output before the final norm."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -96,10 +99,37 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
     finally:
         hf_logging.set_verbosity(verbosity)
     model.eval().to(device)
-    with torch.inference_mode():
-        out = model(input_ids=tokens.to(device), output_hidden_states=True, use_cache=False)
-    hidden = [h.float().cpu() for h in out.hidden_states] if out.hidden_states is not None else None
-    return out.logits.float().cpu(), hidden
+    hidden: list[torch.Tensor] = []
+    layers = _decoder_layers(model)
+    hooks = []
+    if layers is not None:
+        def pre(_m, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            hidden.append(x.detach().float().cpu())
+
+        def post(_m, _args, out):
+            x = out[0] if isinstance(out, tuple) else out
+            hidden.append(x.detach().float().cpu())
+
+        hooks.append(layers[0].register_forward_pre_hook(pre, with_kwargs=True))
+        hooks += [layer.register_forward_hook(post) for layer in layers]
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=tokens.to(device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out.logits.float().cpu(), (hidden or None)
+
+
+def _decoder_layers(model) -> list | None:
+    for path in ("model.layers", "transformer.h"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            return list(obj)
+    return None
 
 
 def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor:

@@ -563,3 +563,22 @@ def classify_difference(name: str, got: torch.Tensor, want: torch.Tensor, unit: 
                     return where + "rows mixed between gate_proj and up_proj (SwiGLU halves swapped across TP ranks)"
     diff = float((got.float() - want.float()).abs().max())
     return where + f"values differ from the checkpoint (max abs {diff:.3g})"
+
+
+def render_verify(rep: VerifyReport, console) -> None:
+    """The rich table of checks, then the verdict line."""
+    from rich.table import Table
+
+    t = Table(title=f"verify {rep.path} (vLLM readiness)", title_justify="left")
+    t.add_column("check")
+    t.add_column("status")
+    t.add_column("detail", overflow="fold")
+    style = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "error": "[bold red]ERROR[/]"}
+    for c in rep.checks:
+        t.add_row(c.name, style.get(c.status, c.status), c.message)
+    console.print(t)
+    errs = rep.errors()
+    if errs:
+        console.print(f"[bold red]NOT READY[/]: {len(errs)} error(s): {', '.join(c.name for c in errs)}")
+    else:
+        console.print(f"[bold green]READY[/] for vLLM ({rep.seconds:.1f} s)")
