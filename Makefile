@@ -23,6 +23,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench.py
 
+# vLLM pins transformers 5.x, so it gets its own venv (outside the repo; reused when present).
+VLLM_VENV ?= $(HOME)/.cache/mconvert/vllm-venv
+vllm-env:
+	PY=$(PY) bash mconvert/validators/vllm_env.sh $(VLLM_VENV)
+
 lint: $(STAMP)
 	$(BIN)/ruff check mconvert tests bench
 
