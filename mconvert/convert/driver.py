@@ -165,12 +165,15 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                 "output": str(out), "dry_run": True, "warnings": []}
     groups = None
     top: dict[str, Any] = {}
+    rank_top = None
     if isinstance(src, MegatronSource):
         top = src.top_level()
         for k in ("args", "checkpoint_version", "iteration", "optimizer"):
             top.pop(k, None)
-        if (tp, pp, vpp) != (src.tp, src.pp, src.vpp):
-            top.pop("rng_state", None)  # per-rank RNG streams have no meaning at another layout
+        rng_from = _rng_source_ranks(src, tp, pp, vpp)
+        if "rng_state" in top:
+            top.pop("rng_state")
+            rank_top = lambda t, p: {"rng_state": src.top_level(*rng_from[(t, p)][::-1])["rng_state"]}  # noqa: E731
         if with_optimizer:
             first = __import__("mconvert.convert.safeload", fromlist=["safe_load"]).safe_load(src.files[(0, 0)])
             _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
@@ -180,7 +183,8 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     iteration_out = src.iteration if src.iteration is not None else "release"
     with atomic_output_dir(out, force) as tmp:
         writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups)
+                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
+                                rank_top_level=rank_top)
         for unit in _progress(src.units(), "reshard", progress):
             if isinstance(src, MegatronSource):
                 tensors, states = src.read_unit(unit, with_optimizer)
@@ -197,6 +201,20 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         else "not written (pass --with-optimizer to re-shard the Adam states)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
     }
+
+
+def _rng_source_ranks(src: Any, tp: int, pp: int, vpp: int | None) -> dict[tuple[int, int], tuple[int, int]]:
+    """Target (tp_rank, pp_rank) -> the source (tp_rank, pp_rank) whose rng_state it keeps: the same rank when
+    the layout is unchanged, else TP rank modulo the source TP and the stage holding the target's first layer."""
+    from mconvert.convert.layout import layer_location, stage_layers
+
+    out = {}
+    for p in range(pp):
+        first = stage_layers(src.spec.num_layers, pp, p, vpp)[0][0]
+        sp = layer_location(src.spec.num_layers, src.pp, first, src.vpp)[0]
+        for t in range(tp):
+            out[(t, p)] = (t % src.tp, sp)
+    return out
 
 
 def iter_units(src: Any, units: Iterable[Unit] | None = None) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:

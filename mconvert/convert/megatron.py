@@ -9,6 +9,7 @@ Writer: splits full tensors for the target TP, buffers one pipeline stage, write
 from __future__ import annotations
 
 import argparse
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from mconvert.convert.layout import (
     stage_layers,
     write_latest,
 )
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.sources import SourceBase, find_tokenizer_dir, resolve_iteration_dir, tokenizer_length
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
@@ -34,6 +35,9 @@ from mconvert.mappings.transforms import merge, pad_vocab, split
 from mconvert.spec import ModelSpec
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
+# megatron-core local-spec modules whose state_dict carries `<module>._extra_state` (None): strict loading
+# into megatron-core's GPTModel and the trainer expects them.
+EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
 def _args_dict(args: Any) -> dict[str, Any]:
@@ -159,7 +163,7 @@ class MegatronSource(SourceBase):
                     if not isinstance(val, torch.Tensor) or tuple(val.shape) != want:
                         got = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
                         raise MConvertError(f"{f}: key {raw!r} has shape {got} but {ref_file} has {want}; TP shards "
-                                            "of one parameter must agree — the rank files come from different runs")
+                                            "of one parameter must agree — re-copy the rank files from one checkpoint")
                 missing = [raw for raw in ref if raw not in model]
                 if missing:
                     raise MConvertError(f"{f}: key {missing[0]!r} is missing ({ref_file} has it); the checkpoint "
@@ -246,7 +250,7 @@ class MegatronSource(SourceBase):
                 if raw not in model:
                     raise MConvertError(f"{f}: key {raw!r} is missing (TP rank 0 has it)")
                 ten = model[raw]
-                if ten.is_floating_point() and not _all_finite(ten):
+                if ten.is_floating_point() and not all_finite(ten):
                     raise MConvertError(f"{f}: key {raw!r} holds NaN or Inf values; the run diverged or the file is "
                                         "corrupt — convert an earlier iteration (--iteration N)")
                 if self.checkpoint_version < 2 and name.endswith("linear_qkv.weight") or (
@@ -286,13 +290,16 @@ class MegatronWriter:
 
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
-                 optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None) -> None:
+                 optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None,
+                 rank_top_level: Any = None, extra_state: bool = True) -> None:
         spec.check_parallel(tp, pp, vpp)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
         self.args = self._target_args(args)
         self.top_level = dict(top_level or {})
         self.optimizer_groups = optimizer_groups
+        self.rank_top_level = rank_top_level  # (tp_rank, pp_rank) -> per-rank top-level entries (rng_state)
+        self.extra_state = extra_state
         self.rows = spec.padded_vocab_size(tp)
         self._stage_units = {p: self._units_of_stage(p) for p in range(pp)}
         self._buffer: dict[int, dict[int, list[tuple[str, torch.Tensor | None, list]]]] = {}
@@ -304,7 +311,7 @@ class MegatronWriter:
         if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
             return self.spec.to_megatron_args(self.tp, self.pp, self.vpp, bos_token_id=self.spec.bos_token_id,
                                               eos_token_id=self.spec.eos_token_id)
-        ns = argparse.Namespace(**_args_dict(args))
+        ns = argparse.Namespace(**_interned(_args_dict(args)))
         ns.tensor_model_parallel_size = self.tp
         ns.pipeline_model_parallel_size = self.pp
         ns.virtual_pipeline_model_parallel_size = self.vpp
@@ -370,15 +377,22 @@ class MegatronWriter:
     def _flush(self, p: int) -> None:
         chunks = self._buffer.pop(p, {})
         for t in range(self.tp):
-            state: dict[str, Any] = {k: v for k, v in self.top_level.items()}
-            state["args"] = self.args
-            state["checkpoint_version"] = CHECKPOINT_VERSION
-            state["iteration"] = 0 if self.iteration == "release" else int(self.iteration)
+            # Megatron-LM's key order: args, checkpoint_version, iteration, model*, optimizer, the rest
+            state: dict[str, Any] = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
+                                     "iteration": 0 if self.iteration == "release" else int(self.iteration)}
+            rest = {k: _interned(v) if k == "opt_param_scheduler" else v for k, v in self.top_level.items()}
+            if self.rank_top_level is not None:
+                rest.update(self.rank_top_level(t, p))
             params: list[tuple[str, dict]] = []
             for c in range(self.vpp or 1):
-                model = {}
-                for local_name, shards, ost in chunks.get(c, []):
+                model: dict[str, Any] = {}
+                entries = chunks.get(c, [])
+                for i, (local_name, shards, ost) in enumerate(entries):
                     model[local_name] = _own(shards[t])
+                    module = local_name.rsplit(".", 1)[0]
+                    nxt = entries[i + 1][0].rsplit(".", 1)[0] if i + 1 < len(entries) else None
+                    if self.extra_state and module.endswith(EXTRA_STATE_MODULES) and nxt != module:
+                        model[module + "._extra_state"] = None  # megatron-core local spec: one per linear
                     if ost is not None:
                         pname = local_name if self.vpp is None else f"model{c}.{local_name}"
                         params.append((pname, {k: _own(v) if isinstance(v, torch.Tensor) else v
@@ -386,6 +400,9 @@ class MegatronWriter:
                 state["model" if self.vpp is None else f"model{c}"] = model
             if self.optimizer_groups is not None:
                 state["optimizer"] = optim.build_state_dict(params, self.optimizer_groups)
+            for k in ("opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far", *rest):
+                if k in rest and k not in state:
+                    state[k] = rest[k]
             path = rank_file(self.out, self.iteration, t, p, self.pp)
             save_rank_file(path, state)
             self.files.append(path)
@@ -400,12 +417,6 @@ class MegatronWriter:
         return self.files
 
 
-def _all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
-    """No NaN/Inf, checked in chunks so the temporary mask stays small for a huge embedding."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
-
-
 def _own(t: torch.Tensor) -> torch.Tensor:
     """A tensor that owns exactly its bytes: torch.save of a view would save the whole storage."""
     if t.dim() == 0:
@@ -413,3 +424,13 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
         return t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def _interned(obj: Any) -> Any:
+    """Identifier-like str keys and values interned, as Python interns the literals of the code that wrote the
+    source: pickle then shares them the same way, so a round trip is byte-identical, not just equal."""
+    if isinstance(obj, str):
+        return sys.intern(obj) if obj.isidentifier() else obj
+    if isinstance(obj, dict):
+        return {_interned(k): _interned(v) for k, v in obj.items()}
+    return obj

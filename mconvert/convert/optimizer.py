@@ -9,6 +9,7 @@ sharded shape and follow its split kind; `step` is replicated.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def index_states(opt: dict, source: str) -> tuple[dict[str, dict[str, Any]], lis
         if names is None or len(names) != len(group.get("params", [])):
             raise MConvertError(f"{source}: optimizer param_groups[{g}] has no param_names; build the optimizer "
                                 "from model.named_parameters() so states can be tied to parameters")
-        groups.append({k: v for k, v in group.items() if k not in ("params", "param_names")})
+        groups.append(dict(group))  # key order kept; params / param_names are rebuilt per target rank
         for pid, name in zip(group["params"], names):
             st = opt["state"].get(pid, {})
             by_name[name] = {"group": g, **st}
@@ -68,13 +69,16 @@ def build_state_dict(params: list[tuple[str, dict[str, Any]]], groups: list[dict
         for name, st in params:
             if st["group"] != g:
                 continue
-            entry = {k: v for k, v in st.items() if k != "group"}
+            entry = {sys.intern(k): v for k, v in st.items() if k != "group"}
             if entry:
                 state[pid] = entry
             ids.append(pid)
-            names.append(name)
+            names.append((name + ".")[:-1])  # a distinct str object, as the trainer's own (pickle memo identity)
             pid += 1
-        out_groups.append({**hyper, "params": ids, "param_names": names})
+        fresh = {"params": ids, "param_names": names}
+        group = {sys.intern(k): fresh.get(k, v) for k, v in hyper.items()}
+        group.update({k: v for k, v in fresh.items() if k not in group})
+        out_groups.append(group)
     return {"state": state, "param_groups": out_groups}
 
 
