@@ -98,7 +98,7 @@ class TorchDistSource(SourceBase):
         self.padded_vocab = a.get("padded_vocab_size")
         # canonical template (layer '*') or canonical name -> (DCP key, stacked?)
         self.keys: dict[str, tuple[str, bool]] = {}
-        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.global_shapes: dict[str, tuple[int, ...]] = {}  # full shapes (no per-rank files in torch_dist)
         self._index()
 
     @staticmethod
@@ -116,6 +116,9 @@ class TorchDistSource(SourceBase):
 
         md_file = self.iter_dir / ".metadata"
         L = self.spec.num_layers
+        decls = self.spec.embedding_params(self.tp) + self.spec.layer_params(0) + self.spec.final_params(self.tp)
+        self._declared = {d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1): d.shape for d in decls}
+        self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])
         for key, md in self.metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata) or "_extra_state" in key:
                 continue  # bytes: TE extra state, rng state, other pickled objects
@@ -143,8 +146,20 @@ class TorchDistSource(SourceBase):
             elif unit_of(name) not in ("embedding", "final"):
                 raise MConvertError(f"{md_file}: key {key!r} is a per-layer key outside the stacked layout; "
                                     "not a megatron-core torch_dist save this reader knows")
+            self._check_shape(key, name, shape, md_file)
             self.keys[name] = (key, stacked)
-            self.shapes[name] = shape
+            self.global_shapes[name] = shape
+
+    def _check_shape(self, key: str, name: str, shape: tuple[int, ...], md_file: Path) -> None:
+        """The stored full shape must be the one the args declare (vocab rows: at least the true vocab)."""
+        want = self._declared[name]
+        if self.spec.split_kind(name.replace("*", "0")) == "vocab":
+            ok = len(shape) == 2 and shape[1] == want[1] and shape[0] >= self.spec.vocab_size
+        else:
+            ok = tuple(shape) == tuple(want)
+        if not ok:
+            raise MConvertError(f"{md_file}: {key!r} has shape {list(shape)} but common.pt args declare "
+                                f"{list(want)}; the args and the weights disagree")
 
     # ---- reading --------------------------------------------------------------------------------------
     def read_slice(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
@@ -174,7 +189,7 @@ class TorchDistSource(SourceBase):
         """Full tensors of one unit under canonical global names; vocab rows as stored (padded)."""
         out: dict[str, torch.Tensor] = {}
         for name, (key, stacked) in self.keys.items():
-            shape = self.shapes[name]
+            shape = self.global_shapes[name]
             if stacked:
                 if not isinstance(unit, int):
                     continue
