@@ -47,10 +47,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg.validate()
         rank = int(os.environ.get("RANK", "0"))
+        tokens, vocab = prepare_tokens(None, write=False)
+        spec = build_spec(cfg, vocab)
         if rank == 0:
             prepare_save_dir(cfg)
-        tokens, vocab = prepare_tokens(cfg.save, write=rank == 0)
-        result = train_worker(cfg, build_spec(cfg, vocab), tokens)
+            if cfg.save:
+                prepare_tokens(cfg.save, write=True)
+        result = train_worker(cfg, spec, tokens)
     except MConvertError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

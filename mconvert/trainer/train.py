@@ -469,9 +469,11 @@ def _entry(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str,
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run a whole training job on this node: TP·PP·DP processes; returns losses (and comm rows)."""
     cfg.validate()
+    tokens, vocab = prepare_tokens(None, write=False)
+    spec = build_spec(cfg, vocab)  # refuse a bad layout before anything is written
     prepare_save_dir(cfg)
-    tokens, vocab = prepare_tokens(cfg.save, write=True)
-    spec = build_spec(cfg, vocab)
+    if cfg.save:
+        prepare_tokens(cfg.save, write=True)
     results = launch(_entry, (cfg, spec, tokens), cfg.world, cfg.device)
     out: dict[str, Any] = {"spec": spec}
     for r in sorted(results):

@@ -1,0 +1,69 @@
+"""`mconvert train` end to end through the console script: elastic launch, loss lines, --json, --comm-report,
+HF tokenizer files in the checkpoint root (loaded by transformers), and one-line user errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import pytest
+
+from mconvert.convert.layout import read_latest
+
+pytestmark = pytest.mark.slow
+MCONVERT = [sys.executable, "-m", "mconvert.cli"]
+
+
+def test_train_cli_tp2_pp2_json_and_tokenizer(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cmd = MCONVERT + ["train", "--preset", "tiny-llama", "--tp", "2", "--pp", "2", "--dp", "1", "--steps", "3",
+                      "--save", str(ckpt), "--seq-length", "32", "--micro-batch-size", "2",
+                      "--global-batch-size", "8", "--comm-report", "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert len(out["losses"]) == 3
+    assert "iteration      3/3 | loss" in res.stderr  # loss per step (stderr under --json)
+    seen = {(r["collective"], r["group"]) for r in out["comm"]}
+    assert {("all-reduce", "TP"), ("send/recv", "PP"), ("broadcast", "TP")} <= seen
+    assert read_latest(ckpt) == 3
+    assert sorted(p.name for p in (ckpt / "iter_0000003").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert len(tok) == 1000 and tok.eos_token == "<|endoftext|>" == tok.bos_token
+    assert tok.decode(tok("The cat sat down near Anna.")["input_ids"]) == "The cat sat down near Anna."
+
+    # a second run into the same directory without --resume is a one-line user error
+    code, err = _cli_error(cmd[3:])
+    assert code == 1 and err.startswith("error:") and "--resume" in err and len(err.splitlines()) == 1
+
+
+def _cli_error(argv: list[str]) -> tuple[int, str]:
+    """Run the CLI in-process (errors stop before any process is launched); exit code and stderr."""
+    import contextlib
+    import io
+
+    from mconvert import cli
+
+    buf = io.StringIO()
+    cli.console.file = buf
+    try:
+        with contextlib.redirect_stderr(buf), pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+    finally:
+        cli.console.file = None
+    return exc.value.code, buf.getvalue().strip()
+
+
+def test_train_cli_one_line_errors(tmp_path):
+    save = tmp_path / "x"
+    code, err = _cli_error(["train", "--preset", "tiny-llama", "--tp", "4", "--steps", "1", "--save", str(save)])
+    assert code == 1 and "num_query_groups" in err and "Traceback" not in err
+    assert not save.exists()  # refused before anything was written
+    code, err = _cli_error(["train", "--steps", "1", "--save", str(save), "--resume"])
+    assert code == 1 and "nothing to resume" in err
+    code, err = _cli_error(["train", "--global-batch-size", "10", "--micro-batch-size", "4"])
+    assert code == 1 and "global-batch-size" in err
