@@ -1,0 +1,97 @@
+"""ONNX exports (optimum main_export) checked by onnxruntime against transformers, with and without KV cache.
+
+Both families (GPT-2 from a Megatron TP=2 checkpoint, LLaMA from an HF dir), head_dim 32. Exports are kept to
+the minimum: with-past and no-past per family, one torch.onnx fallback, one refused export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from mconvert.convert.driver import hf_to_megatron
+from mconvert.convert.onnx import to_onnx
+from mconvert.errors import MConvertError
+from mconvert.spec import preset
+from mconvert.validators.onnx_runner import onnx_logits, onnx_session
+
+pytestmark = pytest.mark.slow
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def make_hf(spec, path: Path, seed: int = 0) -> Path:
+    cfg = spec.to_hf_config()
+    config = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "torch_dtype"})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "ln" in n or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("onnx")
+    gpt_hf = make_hf(preset("tiny-gpt2"), d / "gpt_hf")
+    ckpt = d / "gpt_ckpt"
+    hf_to_megatron(gpt_hf, ckpt, tp=2)
+    llama_hf = make_hf(preset("tiny-llama"), d / "llama_hf", seed=1)  # GQA 4/2, untied
+    return {"dir": d, "gpt": (ckpt, gpt_hf), "llama": (llama_hf, llama_hf)}
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_onnx_with_past_logits_and_greedy_generation(models, family):
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    src, hf = models[family]
+    out = models["dir"] / f"{family}_past"
+    res = to_onnx(src, out, with_past=True)
+    assert res.prefill_rel_diff <= 1e-4 and res.decode_rel_diff is not None and res.decode_rel_diff <= 1e-4
+    assert (out / "model.onnx").is_file()
+    sess = onnx_session(out)
+    assert any(i.name == "past_key_values.0.key" for i in sess.get_inputs())
+    assert any(o.name == "present.1.value" for o in sess.get_outputs())
+    ref_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert rel(onnx_logits(out, tokens), ref_model(tokens).logits) <= 1e-4
+    prompt = tokens[:, :6]
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+              pad_token_id=0)
+    ort_tokens = ORTModelForCausalLM.from_pretrained(out, use_cache=True).generate(input_ids=prompt, **kw)
+    hf_tokens = ref_model.generate(input_ids=prompt, **kw)
+    assert ort_tokens.shape == (2, 26) and torch.equal(ort_tokens, hf_tokens)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_onnx_no_past(models, family):
+    src, hf = models[family]
+    out = models["dir"] / f"{family}_nopast"
+    res = to_onnx(src, out, with_past=False)
+    assert res.decode_rel_diff is None and res.prefill_rel_diff <= 1e-4
+    assert not [i for i in onnx_session(out).get_inputs() if i.name.startswith("past_key_values")]
+    tokens = torch.randint(0, 1000, (3, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(tokens).logits
+    assert rel(onnx_logits(out, tokens), ref) <= 1e-4
+
+
+def test_onnx_tolerance_is_enforced_and_torch_fallback(models):
+    _, hf = models["gpt"]
+    out = models["dir"] / "refused"
+    with pytest.raises(MConvertError, match="does not match transformers") as e:
+        to_onnx(hf, out, with_past=False, rtol=1e-12)  # float32 export differs by ~1e-7: must be refused
+    assert "\n" not in str(e.value) and not out.exists()
+    with pytest.raises(MConvertError, match="--no-past"):
+        to_onnx(hf, out, with_past=True, exporter="torch")
+    res = to_onnx(hf, out, with_past=False, exporter="torch")
+    assert res.exporter == "torch" and res.prefill_rel_diff <= 1e-4
