@@ -370,6 +370,8 @@ class MegatronWriter:
             shards = split(full, kind, self.tp, name)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
             entries.append((local_name, shards, ost))  # type: ignore[arg-type]
+        if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
+            entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
         self._received[p].add(unit)
         if len(self._received[p]) == len(self._stage_units[p]):
             self._flush(p)
@@ -388,6 +390,9 @@ class MegatronWriter:
                 model: dict[str, Any] = {}
                 entries = chunks.get(c, [])
                 for i, (local_name, shards, ost) in enumerate(entries):
+                    if shards is None:
+                        model[local_name] = None
+                        continue
                     model[local_name] = _own(shards[t])
                     module = local_name.rsplit(".", 1)[0]
                     nxt = entries[i + 1][0].rsplit(".", 1)[0] if i + 1 < len(entries) else None
