@@ -184,6 +184,15 @@ def test_torch_dist_reader_reads_one_layer_slice_and_matches_the_legacy_reader(
             assert seen and all(off[0] == unit for fqn, off in seen if fqn.startswith("decoder.layers."))
 
 
+def _wrong_ffn_args(d: Path) -> None:
+    from mconvert.convert.safeload import safe_load
+
+    common = safe_load(d / "common.pt")
+    common["args"].ffn_hidden_size *= 2
+    common["args"].attention_backend = None  # safe_load's stand-in for the enum cannot be pickled again
+    torch.save(common, d / "common.pt")
+
+
 @pytest.mark.slow
 def test_torch_dist_damage_is_one_line_errors(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     import shutil
@@ -204,6 +213,7 @@ def test_torch_dist_damage_is_one_line_errors(tmp_path: Path, tmp_path_factory: 
         "zarr backend": (lambda d: (d / "metadata.json").write_text('{"sharded_backend": "zarr"}'), "zarr"),
         "no .metadata": (lambda d: (d / ".metadata").unlink(), ".metadata"),
         "truncated distcp": (lambda d: (d / "__1_0.distcp").write_bytes(b"x" * 10), "distcp"),
+        "args disagree": (_wrong_ffn_args, "disagree"),
     }
     for name, (fn, needle) in cases.items():
         root = damaged(name.replace(" ", "_"), fn)
