@@ -449,6 +449,12 @@ def verify_cmd(
 # ==== end validators =================================================================================
 
 
+try:  # typer >= 0.26 vendors click (no top-level `click` module)
+    from typer._click.exceptions import ClickException as _ClickException
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import ClickException as _ClickException
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: map known errors to one line and exit 1."""
     try:
@@ -465,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except __import__("click").exceptions.ClickException as e:
+    except _ClickException as e:  # usage errors: click's own one-line message
         e.show()
         sys.exit(e.exit_code)
     except OSError as e:

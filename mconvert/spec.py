@@ -166,13 +166,18 @@ class ModelSpec:
                 f"TP={tp} does not divide num_attention_heads={self.num_attention_heads}; pick a TP that does"
             )
         if self.num_groups % tp and tp % self.num_groups:
-            raise MConvertError(f"TP={tp} and num_query_groups={self.num_groups}: one must divide the other")
+            raise MConvertError(
+                f"TP={tp} and num_query_groups={self.num_groups}: one must divide the other; pick such a TP"
+            )
         if self.ffn_hidden_size % tp:
-            raise MConvertError(f"TP={tp} does not divide ffn_hidden_size={self.ffn_hidden_size}")
+            raise MConvertError(
+                f"TP={tp} does not divide ffn_hidden_size={self.ffn_hidden_size}; pick a TP that does"
+            )
         chunks = pp * (vpp or 1)
         if self.num_layers % chunks:
             raise MConvertError(
-                f"PP={pp}" + (f"×VPP={vpp}" if vpp else "") + f" does not divide num_layers={self.num_layers}"
+                f"PP={pp}" + (f"×VPP={vpp}" if vpp else "") + f" does not divide num_layers={self.num_layers}; "
+                "pick a PP that does"
             )
 
     # ---- the split declarations ----------------------------------------------------------------
@@ -306,6 +311,12 @@ class ModelSpec:
     def from_megatron_args(cls, args: Any, family: str | None = None, source: str = "args") -> "ModelSpec":
         """Parse a Megatron args Namespace (or SimpleNamespace / dict) — tolerant of older names."""
         a = vars(args) if not isinstance(args, dict) else dict(args)
+        for flag, what in _UNSUPPORTED_ARGS:
+            if a.get(flag):
+                raise MConvertError(
+                    f"{source}: unsupported architecture: {what} ({flag}={a[flag]!r}); mconvert converts dense "
+                    "GPT-2 / Llama / Mistral / Qwen2-style decoders only"
+                )
 
         def get(name: str, default: Any = None) -> Any:
             v = a.get(name, default)
@@ -537,6 +548,14 @@ def _template(name: str) -> str:
     parts = name.split(".")
     return ".".join("*" if p.isdigit() else p for p in parts)
 
+
+# Megatron args naming architectures no mconvert format describes (refused by name, not half-converted).
+_UNSUPPORTED_ARGS = (
+    ("num_experts", "mixture-of-experts"),
+    ("multi_latent_attention", "multi-latent attention"),
+    ("qk_layernorm", "QK layernorm"),
+    ("squared_relu", "squared-ReLU MLP"),
+)
 
 _DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 

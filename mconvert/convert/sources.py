@@ -77,7 +77,8 @@ def resolve_iteration_dir(root: Path, iteration: int | str | None) -> tuple[Path
         d = root / iteration_dir_name(iteration)
         if not d.is_dir():
             have = sorted(p.name for p in root.iterdir() if p.is_dir() and (p.name.startswith("iter_") or p.name == "release"))
-            raise MConvertError(f"{d}: no such iteration directory; available: {', '.join(have) or 'none'}")
+            raise MConvertError(f"{d}: no such iteration directory; available: {', '.join(have) or 'none'} "
+                                "(pass one of them to --iteration)")
         return d, iteration
     if (root / TRACKER).is_file():
         it = read_latest(root)

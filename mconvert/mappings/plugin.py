@@ -109,7 +109,8 @@ def to_hf(spec: ModelSpec, unit: Unit, mcore: dict[str, torch.Tensor], source: s
     out: dict[str, torch.Tensor] = {}
     missing = [n for n in _expected_mcore(spec, unit) if n not in mcore]
     if missing:
-        raise MConvertError(f"{source}: parameter {missing[0]!r} is missing (unit {unit!r})")
+        raise MConvertError(f"{source}: parameter {missing[0]!r} is missing (unit {unit!r}); the checkpoint is "
+                            "incomplete or its config describes another model — re-copy it")
     for name, t in mcore.items():
         if name == "output_layer.weight" and spec.tie_embeddings:
             continue
