@@ -382,7 +382,7 @@ def ft_config(spec: ModelSpec, section: str, infer_tp: int, dtype: str, source: 
 
     start, end = token(spec.bos_token_id), token(spec.eos_token_id)
     common = {
-        "model_name": spec.family,
+        "model_name": "gpt" if section == "gpt" else spec.family,  # FT's converters: "gpt" / the model's name
         "head_num": spec.num_attention_heads,
         "size_per_head": spec.head_dim,
         "inter_size": spec.ffn_hidden_size,
