@@ -186,19 +186,20 @@ class TorchDistSource(SourceBase):
         return dest
 
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Full tensors of one unit under canonical global names; vocab rows as stored (padded)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, (key, stacked) in self.keys.items():
-            shape = self.global_shapes[name]
-            if stacked:
-                if not isinstance(unit, int):
-                    continue
-                full = (self.spec.num_layers, *shape)
-                t = self.read_slice(key, (unit,) + (0,) * len(shape), (1, *shape))[0]
-                out[name.replace("*", str(unit), 1)] = t
-                del full
-            elif unit_of(name) == unit:
-                out[name] = self.read_slice(key, (0,) * len(shape), shape)
+        """Full tensors of one unit under canonical global names, in ModelSpec's declared order; vocab rows as
+        stored (padded)."""
         if isinstance(unit, int) and not 0 <= unit < self.spec.num_layers:
             raise MConvertError(f"{self.path}: layer {unit} out of range (num_layers={self.spec.num_layers})")
+        out: dict[str, torch.Tensor] = {}
+        for name in self._declared:
+            if name not in self.keys:
+                continue
+            key, stacked = self.keys[name]
+            shape = self.global_shapes[name]
+            if stacked:
+                if isinstance(unit, int):
+                    t = self.read_slice(key, (unit,) + (0,) * len(shape), (1, *shape))[0]
+                    out[name.replace("*", str(unit), 1)] = t
+            elif unit_of(name) == unit:
+                out[name] = self.read_slice(key, (0,) * len(shape), shape)
         return out
