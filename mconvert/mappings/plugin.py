@@ -111,7 +111,11 @@ def to_hf(spec: ModelSpec, unit: Unit, mcore: dict[str, torch.Tensor], source: s
     if missing:
         raise MConvertError(f"{source}: parameter {missing[0]!r} is missing (unit {unit!r}); the checkpoint is "
                             "incomplete or its config describes another model — re-copy it")
-    for name, t in mcore.items():
+    # HF names come out in ModelSpec's declared order whatever order the source's keys had (megatron-core's
+    # own files list linear_proj before linear_qkv); the streaming HF writer plans its shards by that order.
+    declared = _expected_mcore(spec, unit)
+    for name in declared + [n for n in mcore if n not in set(declared)]:
+        t = mcore[name]
         if name == "output_layer.weight" and spec.tie_embeddings:
             continue
         m = reg.match(name)
