@@ -53,7 +53,14 @@ def _progress(units: list[Unit], desc: str, enabled: bool) -> Iterator[Unit]:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (Linux ru_maxrss is in KiB)."""
+    """This process's peak resident set size so far: VmHWM (per address space, so a parent's peak before
+    fork+exec is not counted, unlike ru_maxrss), else ru_maxrss (KiB on Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
