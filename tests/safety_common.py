@@ -50,9 +50,12 @@ def base() -> dict[str, Path]:
     return {"hf": hf, "ckpt": ckpt, "ref": ref}
 
 
-def copy_of(which: str, dst: Path) -> Path:
-    """A private copy of base()[which] to damage."""
+def copy_of(which: str, dst: Path, manifest: bool = False) -> Path:
+    """A private copy of base()[which] to damage; without mconvert's manifest unless asked (like a checkpoint
+    Megatron-LM or transformers wrote: with the manifest, any changed byte is refused before reading)."""
     shutil.copytree(base()[which], dst)
+    if not manifest:
+        (dst / "mconvert-manifest.json").unlink(missing_ok=True)
     return dst
 
 

@@ -6,6 +6,7 @@ traceback, and no OUT directory.
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import shutil
@@ -242,6 +243,15 @@ def unreadable_config_json(tmp):
     return ["hf-to-megatron", h, tmp / "out"]
 
 
+def input_changed_since_mconvert_wrote_it(tmp):
+    c = copy_of("ckpt", tmp / "ckpt", manifest=True)
+    f = rank_file(c, 1, 1)
+    data = bytearray(f.read_bytes())
+    data[-4096] ^= 0x10  # inside tensor data: only the manifest can tell
+    f.write_bytes(bytes(data))
+    return _to_hf(tmp, c)
+
+
 CATALOGUE: dict[str, Case] = {
     "missing rank directory": Case(missing_rank_dir, ("{tmp}/ckpt/release", "TP rank 1, PP rank 1 is missing")),
     "extra rank directory": Case(extra_rank_dir, ("mp_rank_02_001", "the args say TP=2, PP=2", "remove")),
@@ -279,7 +289,14 @@ CATALOGUE: dict[str, Case] = {
         unsupported_megatron_architecture, ("mp_rank_00_000/model_optim_rng.pt", "num_experts=8"), action=False),
     "not a checkpoint": Case(not_a_checkpoint, ("{tmp}/empty", "not a checkpoint"), action=False),
     "unreadable config.json": Case(unreadable_config_json, ("{tmp}/hf/config.json", "unreadable config")),
+    "input changed after mconvert wrote it": Case(
+        input_changed_since_mconvert_wrote_it, ("mp_rank_01_001/model_optim_rng.pt", "sha256 differs")),
 }
+
+
+def test_usage_error_is_clicks_message_not_a_traceback(tmp_path, capsys):
+    code, _, err = run_cli(["megatron-to-hf", base()["ckpt"], tmp_path / "out", "--no-such-flag"], capsys)
+    assert code == 2 and "No such option" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("name", list(CATALOGUE))
@@ -320,7 +337,9 @@ def _mount_tmpfs(d: Path, opts: str) -> bool:
 
 
 def _umount(d: Path) -> None:
-    subprocess.run(["umount", str(d)], capture_output=True)
+    gc.collect()  # a failed writer's file object may still hold the mount busy
+    if subprocess.run(["umount", str(d)], capture_output=True).returncode:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
 def test_output_not_writable(tmp_path, capsys):

@@ -120,7 +120,7 @@ def test_verb_writes_a_manifest_of_every_file(verb, tmp_path, capsys):
 
 @pytest.fixture
 def hf_copy(tmp_path) -> Path:
-    return copy_of("ref", tmp_path / "hf")
+    return copy_of("ref", tmp_path / "hf", manifest=True)
 
 
 def test_flipped_byte_is_detected(hf_copy):

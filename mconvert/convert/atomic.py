@@ -131,7 +131,7 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
         _replace(tmp, out.absolute())
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        mapped = write_failure(e, out, parent)
+        mapped = write_failure(e, out, parent, tmp)
         if mapped is not None:
             raise mapped from None
         raise
@@ -149,12 +149,17 @@ _TEXT_ERRNOS = (  # how torch / safetensors / numpy word the same failures witho
 _SHORT_WRITE = ("PytorchStreamWriter", "inline_container", "unexpected pos", "file write failed", "requested and")
 
 
-def write_failure(e: BaseException, out: Path, where: Path) -> MConvertError | None:
-    """The one-line error for a failed write of OUT, or None when `e` is not a write failure (a bug: re-raise)."""
+def write_failure(e: BaseException, out: Path, where: Path, tmp: Path | None = None) -> MConvertError | None:
+    """The one-line error for a failed write of OUT, or None when `e` is not a write failure (a bug: re-raise).
+
+    A file inside the hidden temporary directory is named as it would have been inside OUT."""
     if isinstance(e, MConvertError):
         return None
     if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
-        return _os_error(e, out)
+        name = e.filename
+        if tmp is not None and isinstance(name, str) and name.startswith(str(tmp)):
+            name = str(out) + name[len(str(tmp)):]
+        return _os_error(OSError(e.errno, e.strerror, name), out)
     text = str(e)
     for needle, code in _TEXT_ERRNOS:
         if needle in text:
@@ -194,11 +199,31 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     return h.hexdigest()
 
 
+# Digests computed by writers while writing (mconvert.convert.stream): path -> (size, mtime_ns, sha256).
+_KNOWN_DIGESTS: dict[str, tuple[int, int, str]] = {}
+
+
+def record_digest(path: str | Path, sha256_hex: str) -> None:
+    """Register the sha256 a writer computed over the bytes it wrote, so the manifest need not read the file
+    back; it is used only while the file keeps the size and mtime it has now."""
+    st = os.stat(path)
+    _KNOWN_DIGESTS[str(Path(path).resolve())] = (st.st_size, st.st_mtime_ns, sha256_hex)
+
+
+def _digest(path: Path) -> str:
+    known = _KNOWN_DIGESTS.pop(str(path.resolve()), None)
+    if known is not None:
+        st = path.stat()
+        if (st.st_size, st.st_mtime_ns) == known[:2]:
+            return known[2]
+    return sha256_file(path)
+
+
 def write_manifest(root: Path, workers: int = 4) -> Path:
     """Write MANIFEST with {relative path: {sha256, bytes}} of every file under `root`."""
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
     with ThreadPoolExecutor(workers) as ex:  # hashlib releases the GIL
-        digests = list(ex.map(sha256_file, files))
+        digests = list(ex.map(_digest, files))
     entries = {
         str(p.relative_to(root)): {"sha256": d, "bytes": p.stat().st_size} for p, d in zip(files, digests)
     }
@@ -207,9 +232,10 @@ def write_manifest(root: Path, workers: int = 4) -> Path:
     return path
 
 
-def check_manifest(root: str | Path) -> list[str]:
+def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) -> list[str]:
     """Problems found comparing `root` with its manifest (empty list: intact): a missing, resized, changed or
-    unlisted file (a stray `*.safetensors` would be loaded by vLLM). A missing manifest is one problem."""
+    (with `unlisted`) unlisted file — a stray `*.safetensors` would be loaded by vLLM. A missing manifest is
+    one problem."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
@@ -221,6 +247,7 @@ def check_manifest(root: str | Path) -> list[str]:
         return [f"{path}: unreadable manifest ({type(e).__name__}: {e}); re-run the conversion"]
     problems = []
     top = root.resolve()
+    to_hash = []
     for rel, (size, digest) in sorted(listed.items()):
         p = root / rel
         if top not in p.resolve().parents:
@@ -229,9 +256,33 @@ def check_manifest(root: str | Path) -> list[str]:
             problems.append(f"{p}: listed in the manifest but missing")
         elif p.stat().st_size != size:
             problems.append(f"{p}: size {p.stat().st_size} != manifest {size}")
-        elif sha256_file(p) != digest:
+        else:
+            to_hash.append((p, digest))
+    with ThreadPoolExecutor(workers) as ex:  # hashlib releases the GIL
+        digests = list(ex.map(sha256_file, [p for p, _ in to_hash]))
+    for (p, want), got in zip(to_hash, digests):
+        if got != want:
             problems.append(f"{p}: sha256 differs from the manifest (file changed or corrupt)")
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != MANIFEST and str(p.relative_to(root)) not in listed:
-            problems.append(f"{p}: not in the manifest (added after the conversion)")
+    if unlisted:
+        for p in sorted(root.rglob("*")):
+            if p.is_file() and p.name != MANIFEST and str(p.relative_to(root)) not in listed:
+                problems.append(f"{p}: not in the manifest (added after the conversion)")
     return problems
+
+
+def verify_input(path: str | Path) -> None:
+    """Refuse an input that mconvert wrote (it has a manifest) whose listed files changed since: without this
+    a flipped bit inside a tensor is undetectable (neither torch nor safetensors files carry checksums).
+    Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked."""
+    path = Path(path)
+    roots = [path] + ([path.parent] if path.name == "release" or path.name.startswith("iter_") else [])
+    for root in roots:
+        if (root / MANIFEST).is_file():
+            problems = check_manifest(root, unlisted=False)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise MConvertError(
+                    f"{problems[0]}{more}; the input changed after mconvert wrote it — re-copy it "
+                    f"(or delete {root / MANIFEST} to convert it as it is)"
+                )
+            return
