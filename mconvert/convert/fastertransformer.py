@@ -464,6 +464,8 @@ def open_any_source(src: str | Path, iteration: str | None = None) -> Any:
 def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str = "fp32", force: bool = False,
                    allow_approx_gelu: bool = False, iteration: str | None = None) -> FTResult:
     """`mconvert megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it."""
+    if dtype not in FT_DTYPES:
+        raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
     check_output(out, force)
     source = open_any_source(src, iteration)
     ft_section(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work

@@ -52,14 +52,16 @@ def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def _is_hf_dir(p: Path) -> bool:
-    return (p / "config.json").is_file() and not (p / "latest_checkpointed_iteration.txt").exists()
+def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
+    from mconvert.convert.sources import detect_format
+
+    return detect_format(p, iteration) == "hf"
 
 
 @contextlib.contextmanager
 def _hf_dir_for(src: Path, iteration: str | None) -> Any:
     """Yield an HF dir for `src`: itself, or a temporary fp32 export of a Megatron checkpoint."""
-    if _is_hf_dir(src):
+    if _is_hf_dir(src, iteration):
         yield src
         return
     from mconvert.convert.driver import megatron_to_hf
@@ -181,12 +183,11 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
         raise MConvertError(f"--exporter {exporter!r}: choose optimum or torch")
     if exporter == "torch" and with_past:
         raise MConvertError("the torch.onnx fallback exports no KV cache; pass --no-past with --exporter torch")
-    if not src.exists():
-        raise MConvertError(f"{src}: no such file or directory")
     check_output(out, force)
+    from_megatron = not _is_hf_dir(src, iteration)  # also the one-line error for a non-checkpoint
     notes: list[str] = []
     with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force) as tmp:
-        if not _is_hf_dir(src):
+        if from_megatron:
             notes.append("Megatron source exported to a temporary fp32 HF dir first")
         with _quiet():
             if exporter == "optimum":
