@@ -223,3 +223,30 @@ def test_torch_dist_damage_is_one_line_errors(tmp_path: Path, tmp_path_factory: 
                 src.read_mcore(unit)
         msg = str(e.value)
         assert needle in msg and "\n" not in msg, (name, msg)
+
+
+def _state_and_logits(ctx: McoreContext, tokens: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    _perturb(ctx)
+    return dict(ctx.model.state_dict()), ctx.logits(tokens)
+
+
+@pytest.mark.slow
+def test_mcore_ref_pipeline_forward_equals_one_stage() -> None:
+    """The harness's PP=2 forward (activations passed stage to stage) gives megatron-core's PP=1 logits."""
+    import re
+
+    spec = SPECS["llama"]
+    tokens = torch.randint(0, spec.vocab_size, (2, 8), generator=torch.Generator().manual_seed(11))
+    staged = run_mcore(spec, 2, _state_and_logits, (tokens,), pp=2)  # ranks: pp0 tp0, pp0 tp1, pp1 tp0, pp1 tp1
+    per_stage = spec.num_layers // 2
+    merged = []
+    for t in range(2):
+        sd = dict(staged[t][0])
+        for k, v in staged[2 + t][0].items():
+            m = re.match(r"decoder\.layers\.(\d+)\.(.*)", k)
+            sd[f"decoder.layers.{int(m.group(1)) + per_stage}.{m.group(2)}" if m else k] = v
+        merged.append(sd)
+    from mcore_ref import mcore_forward_logits
+
+    one_stage = mcore_forward_logits(spec, 2, tokens, merged, pp=1)
+    assert staged[0][1] is None and torch.equal(one_stage, staged[-1][1])
