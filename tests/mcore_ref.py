@@ -1,7 +1,7 @@
 """megatron-core as an independent reference: run its GPTModel (local spec) on CPU over gloo, N processes.
 
 Truth we did not write (DESIGN.md): a checkpoint is right when megatron-core's own `GPTModel` loads it with
-`strict=True` and its logits match. This harness spawns `tp * pp` (≤ 4) processes, initialises
+`strict=True` and its logits match. This harness forks `tp * pp` (≤ 4) processes, initialises
 `megatron.core.parallel_state` with the two CPU patches of DESIGN.md (inference RNG tracker before
 `model_parallel_cuda_manual_seed`; `torch.cuda.current_device` -> cpu; plus, in the children only,
 `torch.cuda.synchronize` -> no-op for `dist_checkpointing.save` and `Tensor.cuda` -> identity for the tied
@@ -20,11 +20,16 @@ Import it as `mcore_ref` (pytest puts `tests/` on sys.path) or `tests.mcore_ref`
 
     logits = mcore_forward_logits(spec, tp=2, tokens=ids, state_dicts=per_rank_sds)   # loads + forward
 
+With `vpp=V` every rank builds V virtual chunks (`ctx.models`; chunk c holds model chunk c·pp + pp_rank, the
+layer index inside a chunk is local, as in Megatron-LM's `model0`, `model1`, ... entries); `ctx.model` is
+chunk 0. Missing `_extra_state` keys are accepted by megatron-core's strict load.
+
 Rank layout is megatron-core's default order (tp fastest): global rank = pp_rank * tp + tp_rank.
 `ctx.logits(tokens)` runs a full forward (with PP > 1 it passes activations stage to stage over gloo
 point-to-point) and returns the vocab logits gathered across TP on the last stage, padded rows included
 (`[b, s, spec.padded_vocab_size(tp)]`). Results travel back as pickles through a temporary directory.
-The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`; one spawn costs ~10 s.
+The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`. Children fork from a parent that
+has imported megatron-core once (~10 s); each run after that costs ~1-3 s.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def transformer_config(spec: ModelSpec, tp: int, pp: int = 1):
+def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None):
     """megatron-core `TransformerConfig` equivalent to `spec` (fp32, no dropout, CPU init)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
@@ -82,6 +87,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1):
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
@@ -90,24 +96,26 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1):
     )
 
 
-def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1):
-    """A megatron-core GPTModel (local layer spec) for this rank's stage; parallel_state must be initialised."""
+def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None, vp_stage: int | None = None):
+    """A megatron-core GPTModel (local layer spec) for this rank's stage (virtual chunk `vp_stage` when VPP);
+    parallel_state must be initialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, tp, pp)
+    config = transformer_config(spec, tp, pp, vpp)
     return GPTModel(
         config,
         get_gpt_layer_local_spec(normalization=spec.normalization),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=spec.tie_embeddings,
         position_embedding_type=spec.position_embedding_type,
         rotary_percent=spec.rotary_percent,
         rotary_base=int(spec.rotary_base),
+        vp_stage=vp_stage,
     ).eval()
 
 
@@ -116,12 +124,14 @@ class McoreContext:
     """What a user function receives on each rank."""
 
     spec: ModelSpec
-    model: Any  # megatron.core.models.gpt.GPTModel (this stage)
+    model: Any  # megatron.core.models.gpt.GPTModel (this stage; with VPP the first virtual chunk)
     tp: int
     pp: int
     rank: int
     tp_rank: int
     pp_rank: int
+    vpp: int | None = None
+    models: list[Any] | None = None  # every virtual chunk of this rank (chunk c = model chunk c·pp + pp_rank)
 
     @property
     def is_last_stage(self) -> bool:
@@ -133,26 +143,28 @@ class McoreContext:
 
 
 def _pipeline_forward(ctx: McoreContext, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Run the model chunks in pipeline order (chunk 0 of ranks 0..pp-1, then chunk 1, ...) over gloo p2p."""
     from megatron.core import parallel_state
 
     tokens = tokens.long()
     b, s = tokens.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
-    model = ctx.model
+    out = None
     with torch.no_grad():
-        if ctx.pp > 1 and not parallel_state.is_pipeline_first_stage():
-            h = torch.empty(s, b, ctx.spec.hidden_size)
-            torch.distributed.recv(h, src=parallel_state.get_pipeline_model_parallel_prev_rank())
-            model.set_input_tensor(h)
-        out = model(tokens, pos, mask, runtime_gather_output=True)
-        if ctx.pp > 1 and not parallel_state.is_pipeline_last_stage():
-            torch.distributed.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
-            return None
-    return out.float()
+        for model in ctx.models or [ctx.model]:
+            if not model.pre_process:
+                h = torch.empty(s, b, ctx.spec.hidden_size)
+                torch.distributed.recv(h, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+                model.set_input_tensor(h)
+            out = model(tokens, pos, mask, runtime_gather_output=True)
+            if not model.post_process:
+                torch.distributed.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+                out = None
+    return None if out is None else out.float()
 
 
-def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int, seed: int,
+def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int, vpp: int | None, seed: int,
             fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1")
     warnings.filterwarnings("ignore")
@@ -165,15 +177,16 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int,
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import random as mrandom
 
-        parallel_state.initialize_model_parallel(tp, pp)
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         mrandom.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
-        model = build_gpt_model(spec, tp, pp)
+        models = [build_gpt_model(spec, tp, pp, vpp, c if vpp else None) for c in range(vpp or 1)]
         ctx = McoreContext(
-            spec=spec, model=model, tp=tp, pp=pp, rank=rank,
+            spec=spec, model=models[0], tp=tp, pp=pp, rank=rank,
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            vpp=vpp, models=models,
         )
         result = fn(ctx, *args)
         Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -191,33 +204,35 @@ def _preload() -> None:
 
 
 def run_mcore(spec: ModelSpec, tp: int, fn: Callable[..., Any], args: tuple = (), pp: int = 1,
-              seed: int = 1234) -> list[Any]:
+              seed: int = 1234, vpp: int | None = None) -> list[Any]:
     """Run `fn(ctx, *args)` on every rank of a TP×PP megatron-core GPTModel; return results by global rank.
 
     `fn` must be picklable (a module-level function); its result must be picklable (tensors are fine)."""
     world = tp * pp
     if world > MAX_PROCS:
         raise ValueError(f"tp*pp={world} > {MAX_PROCS}: keep the reference runs small")
-    spec.check_parallel(tp, pp)
+    spec.check_parallel(tp, pp, vpp)
     with tempfile.TemporaryDirectory(prefix="mcore_ref_") as tmp:
         _preload()  # children fork with megatron already imported: ~10 s less per run than spawn
-        mp.start_processes(_worker, args=(world, _free_port(), spec, tp, pp, seed, fn, tuple(args), tmp),
+        mp.start_processes(_worker, args=(world, _free_port(), spec, tp, pp, vpp, seed, fn, tuple(args), tmp),
                            nprocs=world, start_method="fork")
         # our own pickles, written a moment ago by the children above
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
-def _load_and_forward(ctx: McoreContext, state_dicts: list[dict[str, torch.Tensor]] | None,
+def _load_and_forward(ctx: McoreContext, state_dicts: list[Any] | None,
                       tokens: torch.Tensor) -> torch.Tensor | None:
     if state_dicts is not None:
-        ctx.model.load_state_dict(state_dicts[ctx.rank], strict=True)
+        mine = state_dicts[ctx.rank]
+        chunks = mine if isinstance(mine, (list, tuple)) else [mine]
+        for model, sd in zip(ctx.models, chunks, strict=True):
+            model.load_state_dict(sd, strict=True)
     return ctx.logits(tokens)
 
 
-def mcore_forward_logits(spec: ModelSpec, tp: int, tokens: torch.Tensor,
-                         state_dicts: list[dict[str, torch.Tensor]] | None = None, pp: int = 1,
-                         seed: int = 1234) -> torch.Tensor:
-    """Load `state_dicts[global_rank]` (strict; None = the seeded random init) and return the last stage's
-    TP-gathered logits `[b, s, V_pad]`."""
-    res = run_mcore(spec, tp, _load_and_forward, (state_dicts, tokens), pp=pp, seed=seed)
-    return res[-1]
+def mcore_forward_logits(spec: ModelSpec, tp: int, tokens: torch.Tensor, state_dicts: list[Any] | None = None,
+                         pp: int = 1, seed: int = 1234, vpp: int | None = None) -> torch.Tensor:
+    """Load `state_dicts[global_rank]` (strict; a list of chunk dicts with VPP; None = the seeded random init)
+    and return the last stage's TP-gathered logits `[b, s, V_pad]`."""
+    res = run_mcore(spec, tp, _load_and_forward, (state_dicts, tokens), pp=pp, seed=seed, vpp=vpp)
+    return next(r for r in reversed(res) if r is not None)

@@ -32,35 +32,53 @@ SPECS = {
     "llama": preset("tiny-llama").replace(rotary_base=500000.0, norm_epsilon=1e-6),
     # LayerNorm with biases, tanh GeLU, learned positions, tied head
     "gpt2": preset("tiny-gpt2"),
+    # 4 layers for PP=2 x VPP=2: rank 0 holds global layers 0 and 2, rank 1 holds 1 and 3
+    "llama4": preset("tiny-llama").replace(num_layers=4, rotary_base=500000.0, norm_epsilon=1e-6),
 }
 
 
 def _perturb(ctx: McoreContext) -> None:
     """Move every parameter off its init (norms off 1, biases off 0) so that a wrong layout cannot hide.
 
-    Replicated parameters get the same values on every TP rank, split ones differ per rank."""
-    for name, p in ctx.model.named_parameters():
-        split = bool(getattr(p, "tensor_model_parallel", False))
-        if name == "output_layer.weight" and ctx.spec.tie_embeddings:
-            name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding (PP > 1)
-        g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * ctx.tp_rank if split else 0))
-        noise = torch.randn(p.shape, generator=g)
-        with torch.no_grad():
-            if name.endswith("layernorm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            else:
-                p.copy_(0.1 * noise)
+    Replicated parameters get the same values on every TP rank, split ones differ per rank (and per virtual
+    chunk, whose layer names repeat)."""
+    for chunk, model in enumerate(ctx.models):
+        for name, p in model.named_parameters():
+            _perturb_one(ctx, chunk, name, p)
+
+
+def _perturb_one(ctx: McoreContext, chunk: int, name: str, p: torch.Tensor) -> None:
+    split = bool(getattr(p, "tensor_model_parallel", False))
+    where = f"{ctx.pp_rank}:{chunk}"  # stage-local layer names repeat across stages and chunks
+    if name == "output_layer.weight" and ctx.spec.tie_embeddings:
+        name = "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding (PP > 1)
+    if name.startswith("embedding."):
+        where = "0:0"
+    g = torch.Generator().manual_seed(zlib.crc32(f"{where}:{name}".encode()) + (1000 * ctx.tp_rank if split else 0))
+    noise = torch.randn(p.shape, generator=g)
+    with torch.no_grad():
+        if name.endswith("layernorm.weight"):
+            p.copy_(1.0 + 0.2 * noise)
+        else:
+            p.copy_(0.1 * noise)
 
 
 def _megatron_args(ctx: McoreContext):
     from megatron.core.transformer.enums import AttnBackend
 
-    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp)
+    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ctx.vpp)
     args.params_dtype = torch.float32  # Megatron-LM stores a torch.dtype and enums in its args
     args.attention_backend = AttnBackend.auto
     args.iteration = ITERATION
     args.ckpt_format = "torch"
     return args
+
+
+def _per_chunk(ctx: McoreContext, fn) -> dict:
+    """Megatron-LM's `model` entry, or `model0`, `model1`, ... with virtual pipeline chunks."""
+    if ctx.vpp is None:
+        return {"model": fn(ctx.model)}
+    return {f"model{c}": fn(m) for c, m in enumerate(ctx.models)}
 
 
 def _save_both(ctx: McoreContext, torch_root: str, dist_root: str, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -73,7 +91,7 @@ def _save_both(ctx: McoreContext, torch_root: str, dist_root: str, tokens: torch
         "args": args,
         "checkpoint_version": 3.0,
         "iteration": ITERATION,
-        "model": ctx.model.state_dict_for_save_checkpoint(),
+        **_per_chunk(ctx, lambda m: m.state_dict_for_save_checkpoint()),
         "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": ITERATION * 8},
         "rng_state": [{
             "random_rng_state": random.getstate(),
@@ -90,7 +108,8 @@ def _save_both(ctx: McoreContext, torch_root: str, dist_root: str, tokens: torch
     dargs = _megatron_args(ctx)
     dargs.ckpt_format = "torch_dist"
     dist_checkpointing.save(
-        {"model": ctx.model.sharded_state_dict(), "args": dargs, "checkpoint_version": 3.0, "iteration": ITERATION},
+        {**_per_chunk(ctx, lambda m: m.sharded_state_dict()), "args": dargs, "checkpoint_version": 3.0,
+         "iteration": ITERATION},
         str(dist_dir),
     )
     if ctx.rank == 0:
@@ -114,27 +133,28 @@ def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-_SAVED: dict[tuple[str, int], tuple] = {}
+_SAVED: dict[tuple[str, int, int | None], tuple] = {}
 
 
-def _saved(family: str, pp: int, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    """One megatron-core run per (family, PP), shared by the tests of this module."""
-    if (family, pp) not in _SAVED:
+def _saved(family: str, pp: int, tmp_path_factory: pytest.TempPathFactory, vpp: int | None = None) -> tuple:
+    """One megatron-core run per (family, PP, VPP), shared by the tests of this module."""
+    if (family, pp, vpp) not in _SAVED:
         spec: ModelSpec = SPECS[family]
-        tmp = tmp_path_factory.mktemp(f"mcore_{family}_pp{pp}")
+        tmp = tmp_path_factory.mktemp(f"mcore_{family}_pp{pp}_vpp{vpp}")
         tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=TOKENS)
         torch_root, dist_root = tmp / "mcore_torch", tmp / "mcore_dist"
-        results = run_mcore(spec, 2, _save_both, (str(torch_root), str(dist_root), tokens), pp=pp)
+        results = run_mcore(spec, 2, _save_both, (str(torch_root), str(dist_root), tokens), pp=pp, vpp=vpp)
         assert torch.equal(results[-1], results[-2])  # both TP ranks of the last stage gathered the same logits
-        _SAVED[(family, pp)] = (spec, tokens, results[-1], torch_root, dist_root)
-    return _SAVED[(family, pp)]
+        _SAVED[(family, pp, vpp)] = (spec, tokens, results[-1], torch_root, dist_root)
+    return _SAVED[(family, pp, vpp)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,pp", [("llama", 1), ("gpt2", 1), ("gpt2", 2)])
-def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, tmp_path: Path,
+@pytest.mark.parametrize("family,pp,vpp", [("llama", 1, None), ("gpt2", 1, None), ("gpt2", 2, None),
+                                          ("llama4", 2, 2)])
+def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, vpp: int | None, tmp_path: Path,
                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
-    spec, tokens, logits_mcore, torch_root, dist_root = _saved(family, pp, tmp_path_factory)
+    spec, tokens, logits_mcore, torch_root, dist_root = _saved(family, pp, tmp_path_factory, vpp)
     ref = logits_mcore[..., : spec.vocab_size]  # megatron-core's logits (last stage), padded vocab rows dropped
     exports = {}
     for kind, root in (("torch", torch_root), ("torch_dist", dist_root)):
@@ -143,7 +163,7 @@ def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, 
         logits = _hf_logits(out, tokens)
         diff = (logits - ref).abs().max().item()
         scale = ref.abs().max().item()
-        print(f"{family} TP=2 PP={pp} {kind}: max|hf - mcore| = {diff:.3e}, max|logit| = {scale:.3f}")
+        print(f"{family} TP=2 PP={pp} VPP={vpp} {kind}: max|hf - mcore| = {diff:.3e}, max|logit| = {scale:.3f}")
         assert diff <= 1e-4 * scale, f"{family} {kind}: max abs diff {diff} > 1e-4 * {scale}"
         assert torch.equal(logits.argmax(-1), ref.argmax(-1)), f"{family} {kind}: top-1 differs"
         exports[kind] = _hf_tensors(out)
