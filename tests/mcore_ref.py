@@ -96,7 +96,8 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
     )
 
 
-def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None, vp_stage: int | None = None):
+def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None,
+                    vp_stage: int | None = None):
     """A megatron-core GPTModel (local layer spec) for this rank's stage (virtual chunk `vp_stage` when VPP);
     parallel_state must be initialised."""
     from megatron.core import parallel_state
@@ -159,7 +160,8 @@ def _pipeline_forward(ctx: McoreContext, tokens: torch.Tensor) -> torch.Tensor |
                 model.set_input_tensor(h)
             out = model(tokens, pos, mask, runtime_gather_output=True)
             if not model.post_process:
-                torch.distributed.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
+                nxt = parallel_state.get_pipeline_model_parallel_next_rank()
+                torch.distributed.send(out.contiguous(), dst=nxt)
                 out = None
     return None if out is None else out.float()
 
@@ -170,8 +172,8 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int,
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     torch.cuda.current_device = lambda: torch.device("cpu")  # DESIGN.md test-only patch
-    torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing.save calls it; nothing to wait for on CPU
-    torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings with PP > 1: `weight.data.cuda()` before all-reduce
+    torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing.save calls it; nothing to wait for
+    torch.Tensor.cuda = lambda self, *a, **k: self  # tied embeddings at PP > 1: `weight.data.cuda()`, all-reduce
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from megatron.core import parallel_state
