@@ -114,7 +114,8 @@ def test_sharded_run_equals_single_rank_and_trains(tmp_path, name, layout):
 
     ref_logits, ref_grads = _reference(spec, cfg, tokens)
     logits = next(p["logits"] for p in probes if p["logits"] is not None)
-    assert (logits - ref_logits).abs().max().item() <= TOL
+    logit_diff = (logits - ref_logits).abs().max().item()
+    assert logit_diff <= TOL
 
     # merge the DP-rank-0 gradient shards back to full tensors; compare every parameter
     shards: dict[str, dict[int, torch.Tensor]] = {}
@@ -134,12 +135,14 @@ def test_sharded_run_equals_single_rank_and_trains(tmp_path, name, layout):
         full = merge([by_tp[t] for t in range(cfg.tp)], spec.split_kind(gname), gname)
         worst = max(worst, (full - ref_grads[gname]).abs().max().item())
     assert worst <= TOL, worst
+    print(f"[figures] {name} {layout}: init logits max|Δ| {logit_diff:.2e}, step-1 grads max|Δ| {worst:.2e}")
 
     out = {}
     for r in sorted(results):
         out.update(results[r] or {})
     losses = out["losses"]
     assert len(losses) == steps and losses[-1] < losses[0] - 0.2, losses
+    print(f"[figures] {name} {layout}: losses {[round(x, 4) for x in losses]}")
 
     # the comm report measured what this layout needs
     seen = {(row[0], row[1]) for row in out["comm"]}
@@ -178,7 +181,9 @@ def _check_against_mcore(ckpt: Path, spec: ModelSpec, cfg: TrainConfig, it: int)
     ref = mcore_forward_logits(spec, cfg.tp, PROBE, sds, pp=cfg.pp)[..., : spec.vocab_size]
     ours = megatron_logits(ckpt, PROBE)
     assert ours.shape == (2, 24, 1000)
-    assert (ours - ref).abs().max().item() <= TOL
+    diff = (ours - ref).abs().max().item()
+    print(f"[figures] mcore TP={cfg.tp} PP={cfg.pp}: strict load ok, logits max|Δ| {diff:.2e}")
+    assert diff <= TOL
 
 
 def test_resume_equals_straight_run_and_loads_into_mcore_at_tp1(tmp_path):
@@ -189,6 +194,7 @@ def test_resume_equals_straight_run_and_loads_into_mcore_at_tp1(tmp_path):
     straight = train(_cfg(preset="tiny-gpt2", tp=1, pp=2, steps=20, save=str(b)))["losses"]
     assert len(first) == 10 and len(second) == 10
     assert first + second == straight
+    print(f"[figures] resume: 10+10 {[round(x, 4) for x in first + second]} == straight")
     for p in range(2):
         sa, sb = safe_load(rank_file(a, 20, 0, p, 2)), safe_load(rank_file(b, 20, 0, p, 2))
         for k, v in sa["model"].items():

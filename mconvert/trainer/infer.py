@@ -7,7 +7,6 @@ all-gathers its vocab shards and strips the padded rows. This is what the valida
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from mconvert.spec import ModelSpec
 from mconvert.trainer.model import GPTModel
 from mconvert.trainer.parallel import ParallelState, init_distributed
 from mconvert.trainer.schedule import P2P
+from mconvert.trainer.train import threads_per_rank
 
 
 def pipeline_logits(model: GPTModel, st: ParallelState, tokens: torch.Tensor,
@@ -56,7 +56,7 @@ def read_checkpoint_args(ckpt_dir: str | Path, iteration: int | str | None = Non
 
 def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: int, tokens: torch.Tensor,
                   device: str, return_hidden: bool) -> dict[str, Any]:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (tp * pp)))
+    torch.set_num_threads(threads_per_rank(tp * pp))
     st = init_distributed(tp, pp, 1, device)
     try:
         path = rank_file(ckpt_dir, it, st.tp_rank, st.pp_rank, pp)

@@ -287,8 +287,7 @@ def _dtype(cfg: TrainConfig) -> torch.dtype:
 
 def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
     """One rank's whole run. Returns {'losses': [...]} on the logging rank, comm rows on rank 0, else {}."""
-    world = cfg.world
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(threads_per_rank(cfg.world))
     st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device)
     try:
         return _train(cfg, spec, tokens, st)
@@ -437,10 +436,10 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
-        start_method=os.environ.get("MCONVERT_START_METHOD", _start_method(device)), logs_specs=DefaultLogsSpecs(log_dir=log_dir), local_addr="127.0.0.1",
+        start_method=os.environ.get("MCONVERT_START_METHOD", _start_method(device, nprocs)), logs_specs=DefaultLogsSpecs(log_dir=log_dir), local_addr="127.0.0.1",
     )
     env_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as e:
@@ -452,9 +451,18 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
             os.environ.pop("OMP_NUM_THREADS", None)
 
 
-def _start_method(device: str | None) -> str:
+def threads_per_rank(nprocs: int) -> int:
+    """Intra-op threads for each of `nprocs` ranks on this node (the cores shared out)."""
+    return max(1, (os.cpu_count() or 1) // nprocs)
+
+
+def _start_method(device: str | None, nprocs: int) -> str:
+    """fork when each rank gets one thread (fast: no re-import of torch per rank). A forked child must not use
+    the parent's OpenMP pool (it deadlocks), so with more threads per rank: forkserver; with CUDA: spawn."""
     cuda = device.startswith("cuda") if device else torch.cuda.is_available()
-    return "spawn" if cuda or sys.platform != "linux" else "fork"
+    if cuda or sys.platform != "linux":
+        return "spawn"
+    return "fork" if threads_per_rank(nprocs) == 1 else "forkserver"
 
 
 def _entry(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
