@@ -22,6 +22,7 @@ The loader only warns on a missing or short file (and runs on garbage): `check_f
 from __future__ import annotations
 
 import configparser
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +38,13 @@ from mconvert.spec import ModelSpec
 FT_DTYPES = {"fp32": (np.dtype("<f4"), torch.float32), "fp16": (np.dtype("<f2"), torch.float16)}
 FT_BASE_ROTARY = 10000.0  # FT's rotary kernels take no base: it is fixed
 
-# Config fields FT's examples / Triton backend read, per section (GetInteger without default = required).
+# Config fields FT's examples / Triton backend read, per section (GetInteger without default = required);
+# has_adapters defaults to false in FT. tensor_para_size, when absent (FT's LLaMA converter omits it), is
+# taken from the `<t>-gpu` directory name; layernorm_eps is required although FT falls back to 1e-6.
 REQUIRED_FIELDS = {
     "gpt": (
         "model_name", "head_num", "size_per_head", "inter_size", "num_layer", "max_pos_seq_len", "vocab_size",
-        "has_adapters", "adapter_inter_size", "layernorm_eps", "start_id", "end_id", "weight_data_type",
-        "tensor_para_size",
+        "layernorm_eps", "start_id", "end_id", "weight_data_type", "tensor_para_size",
     ),
     "llama": (
         "model_name", "head_num", "size_per_head", "inter_size", "num_layer", "rotary_embedding", "vocab_size",
@@ -214,7 +216,11 @@ def read_ft_config(ft_dir: Path) -> tuple[str, dict[str, str]]:
     sections = [s for s in ("gpt", "llama") if cp.has_section(s)]
     if len(sections) != 1:
         raise MConvertError(f"{ft_dir / 'config.ini'}: needs exactly one of the sections [gpt] or [llama]")
-    return sections[0], dict(cp[sections[0]])
+    fields = dict(cp[sections[0]])
+    m = re.fullmatch(r"(\d+)-gpu", ft_dir.name)
+    if "tensor_para_size" not in fields and m:
+        fields["tensor_para_size"] = m.group(1)
+    return sections[0], fields
 
 
 def load_ft_tensor(ft_dir: Path, f: FTFile, dtype: str) -> torch.Tensor:
