@@ -220,3 +220,21 @@ def test_bf16_and_steps0(tmp_path):
     assert torch.equal(got["decoder.layers.0.mlp.linear_fc1.weight"], ref["decoder.layers.1.mlp.linear_fc1.weight"])
     assert torch.equal(got["output_layer.weight"], ref["output_layer.weight"])
     shutil.rmtree(tmp_path / "init")
+
+
+def test_single_process_run_after_parent_used_openmp(tmp_path):
+    """A forked rank after this process used its OpenMP pool must not deadlock (launch keeps forked ranks
+    single-threaded); the 1-rank checkpoint runs natively and gives the logits of the file loaded here."""
+    a = torch.randn(256, 256)
+    for _ in range(5):
+        a = (a @ a).tanh()  # this process has now used its OpenMP pool
+    out = train(_cfg(preset="tiny-llama", tp=1, pp=1, steps=3, save=str(tmp_path / "one")))
+    assert len(out["losses"]) == 3
+    state = safe_load(rank_file(tmp_path / "one", 3, 0, 0, 1))
+    model = GPTModel(out["spec"], ParallelState(), seed=None)
+    model.load_state_dict(state["model"], strict=True)
+    with torch.no_grad():
+        ref = model(PROBE)[..., :1000]
+    logits, hidden = megatron_logits(tmp_path / "one", PROBE, return_hidden=True)
+    assert len(hidden) == out["spec"].num_layers + 1 and hidden[0].shape == (2, 24, out["spec"].hidden_size)
+    assert (logits - ref).abs().max().item() <= TOL

@@ -427,19 +427,22 @@ def _free_port() -> int:
 def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir: str | None = None) -> dict[int, Any]:
     """Start `nprocs` ranks of `fn(*args)` on this node with torch's elastic launcher (torchrun's engine).
 
-    CPU runs fork (a spawned rank re-imports torch: ~10 s each on a small machine); CUDA runs spawn.
+    CPU runs fork with one thread per rank (see _start_method); CUDA runs spawn.
     Returns {global rank: return value}. A failing rank raises MConvertError with its error line."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    method = _start_method(device)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
-        start_method=os.environ.get("MCONVERT_START_METHOD", _start_method(device, nprocs)), logs_specs=DefaultLogsSpecs(log_dir=log_dir), local_addr="127.0.0.1",
+        start_method=method, logs_specs=DefaultLogsSpecs(log_dir=log_dir), local_addr="127.0.0.1",
     )
-    env_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
+    # A forked rank must stay single-threaded: the parent's OpenMP pool does not survive fork (deadlock).
+    threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MCONVERT_RANK_THREADS")}
+    os.environ.update(OMP_NUM_THREADS=str(threads), MCONVERT_RANK_THREADS=str(threads))
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as e:
@@ -447,22 +450,26 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
         msg = (first.message or "").strip().splitlines()
         raise MConvertError(f"rank {first.global_rank} failed: {msg[-1] if msg else first}") from None
     finally:
-        if env_before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def threads_per_rank(nprocs: int) -> int:
-    """Intra-op threads for each of `nprocs` ranks on this node (the cores shared out)."""
-    return max(1, (os.cpu_count() or 1) // nprocs)
+    """Intra-op threads for each rank: what `launch` chose (1 for forked ranks), else the cores shared out."""
+    env = os.environ.get("MCONVERT_RANK_THREADS")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nprocs))  # torchrun: ranks on this node
+    return int(env) if env else max(1, (os.cpu_count() or 1) // local)
 
 
-def _start_method(device: str | None, nprocs: int) -> str:
-    """fork when each rank gets one thread (fast: no re-import of torch per rank). A forked child must not use
-    the parent's OpenMP pool (it deadlocks), so with more threads per rank: forkserver; with CUDA: spawn."""
+def _start_method(device: str | None) -> str:
+    """CPU: fork (no re-import of torch per rank: ~10 s each on a small machine); CUDA: spawn.
+    MCONVERT_START_METHOD=spawn gives each rank cores/nprocs threads instead of one."""
     cuda = device.startswith("cuda") if device else torch.cuda.is_available()
-    if cuda or sys.platform != "linux":
-        return "spawn"
-    return "fork" if threads_per_rank(nprocs) == 1 else "forkserver"
+    default = "spawn" if cuda or sys.platform != "linux" else "fork"
+    return os.environ.get("MCONVERT_START_METHOD", default)
 
 
 def _entry(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
