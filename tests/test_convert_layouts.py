@@ -130,7 +130,19 @@ def gpt2():
     return _rand(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager"))
 
 
-def _legacy_gpt2(model, root: Path, tp: int, pp: int) -> None:
+def _old_qkv(shard: torch.Tensor, version: float, hd: int) -> torch.Tensor:
+    """One rank's qkv rows [np, 3, hd] (version >= 2) in the order older Megatron wrote: 0 = [3, np, hd],
+    1 = [np, hd, 3]."""
+    rest = tuple(shard.shape[1:])
+    g = shard.reshape(-1, 3, hd, *rest)
+    if version == 0:
+        return g.transpose(0, 1).reshape(shard.shape).clone()
+    if version == 1:
+        return g.transpose(1, 2).reshape(shard.shape).clone()
+    return shard
+
+
+def _legacy_gpt2(model, root: Path, tp: int, pp: int, version: float = 3.0) -> None:
     sd = model.state_dict()
     nh, hd, n_layer = 4, 8, 4
     padded = -(-V // (128 * tp)) * 128 * tp
@@ -154,8 +166,10 @@ def _legacy_gpt2(model, root: Path, tp: int, pp: int) -> None:
 
                 enc.update({
                     e + "input_layernorm.weight": sd[h + "ln_1.weight"], e + "input_layernorm.bias": sd[h + "ln_1.bias"],
-                    e + "self_attention.query_key_value.weight": qkv(sd[h + "attn.c_attn.weight"].t()).chunk(tp)[r].clone(),
-                    e + "self_attention.query_key_value.bias": qkv(sd[h + "attn.c_attn.bias"]).chunk(tp)[r].clone(),
+                    e + "self_attention.query_key_value.weight":
+                        _old_qkv(qkv(sd[h + "attn.c_attn.weight"].t()).chunk(tp)[r], version, hd),
+                    e + "self_attention.query_key_value.bias":
+                        _old_qkv(qkv(sd[h + "attn.c_attn.bias"]).chunk(tp)[r], version, hd),
                     e + "self_attention.dense.weight": sd[h + "attn.c_proj.weight"].t().chunk(tp, 1)[r].clone(),
                     e + "self_attention.dense.bias": sd[h + "attn.c_proj.bias"],
                     e + "post_attention_layernorm.weight": sd[h + "ln_2.weight"],
@@ -176,14 +190,14 @@ def _legacy_gpt2(model, root: Path, tp: int, pp: int) -> None:
                 enc["final_layernorm.bias"] = sd["transformer.ln_f.bias"]
                 model_d["word_embeddings_for_head"] = {"weight": wte_pad.chunk(tp)[r].clone()}
             opt = {"step": 0, "param_groups": [{"lr": 0.0, "params": []}]}
-            _save(root, "release", r, p, pp, {"model": model_d, "checkpoint_version": 3.0, "args": margs,
+            _save(root, "release", r, p, pp, {"model": model_d, "checkpoint_version": version, "args": margs,
                                               "optimizer": opt})
     (root / "latest_checkpointed_iteration.txt").write_text("release")
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
-def test_legacy_nested_gpt2_converts_back_equal(gpt2, tmp_path, tp, pp):
-    _legacy_gpt2(gpt2, tmp_path / "mg", tp, pp)
+@pytest.mark.parametrize("tp,pp,version", [(1, 1, 3.0), (2, 2, 3.0), (2, 1, 0), (2, 2, 1.0)])
+def test_legacy_nested_gpt2_converts_back_equal(gpt2, tmp_path, tp, pp, version):
+    _legacy_gpt2(gpt2, tmp_path / "mg", tp, pp, version)
     rep = megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
     assert rep["warnings"] == []
     back = load_file(tmp_path / "hf" / "model.safetensors")
