@@ -91,13 +91,17 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", local_files_only=True)
     except Exception as e:  # a broken dir: missing shard, bad config ... -> one line
         raise MConvertError(f"{path}: transformers cannot load this dir ({_first_line(e)})") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval().to(device)
     hidden: list[torch.Tensor] = []
     layers = _decoder_layers(model)

@@ -189,7 +189,7 @@ def render(report: ValidateReport, console) -> None:
         m = x.metrics or {}
         if x.tolerance:
             used.add(x.tolerance["dtype"])
-        verdict = "[green]PASS[/]" if x.passed else "[bold red]FAIL[/] " + "; ".join(x.failures)
+        verdict = "[green]PASS[/]" if x.passed else "[bold red]FAIL[/]"
         t.add_row(
             Path(x.path).name, _fmt_layout(x), _short_dtype(x.dtype),
             f"{m['max_abs']:.2e} ({m['max_abs_limit']:.1e})" if m else "—", f"{m['mean_abs']:.2e}" if m else "—",
@@ -201,6 +201,9 @@ def render(report: ValidateReport, console) -> None:
         tol = TOLERANCES[d]
         console.print(f"  limits ({_short_dtype(d)}): max abs ≤ {tol.atol:g} + {tol.rtol:g}·max|ref|, "
                       f"mean abs ≤ {tol.mean_abs:g}, KL ≤ {tol.kl:g}, top-1 ≥ {tol.top1:g}", highlight=False)
+    for x in report.results:
+        if not x.passed:
+            console.print(f"  [red]✗[/] {x.path}: {'; '.join(x.failures)}", highlight=False, soft_wrap=True)
     n_bad = sum(not x.passed for x in report.results)
     if n_bad:
         console.print(f"[bold red]FAIL[/]: {n_bad} of {len(report.results)} model(s) differ from the reference")

@@ -55,11 +55,15 @@ def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) 
     from transformers.utils import logging as hf_logging
 
     v = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True).eval()
     finally:
         hf_logging.set_verbosity(v)
+        if bars:
+            hf_logging.enable_progress_bar()
     out = []
     with torch.inference_mode():
         for p in prompts:
