@@ -57,6 +57,7 @@ def train_cmd(
     global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="Multiple of micro-batch × DP.")] = 16,
     seq_length: Annotated[int, typer.Option("--seq-length")] = 64,
     dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16 (bf16: every saved tensor bf16, fp32 Adam).")] = "fp32",
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism (TP > 1).")] = False,
     comm_report: Annotated[bool, typer.Option("--comm-report", help="Table of collectives per group.")] = False,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu | cuda (default: cuda if available).")] = None,
     num_layers: Annotated[TrainInt, typer.Option("--num-layers")] = None,
@@ -78,7 +79,7 @@ def train_cmd(
         preset=preset_name, tp=tp, pp=pp, dp=dp, steps=steps, save=str(save) if save else None,
         save_interval=save_interval, resume=resume, force=force, seed=seed, lr=lr,
         micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length,
-        dtype=dtype, comm_report=comm_report, device=device, log_stderr=json_out, num_layers=num_layers,
+        dtype=dtype, sequence_parallel=sequence_parallel, comm_report=comm_report, device=device, log_stderr=json_out, num_layers=num_layers,
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
         ffn_hidden_size=ffn_hidden_size, max_position_embeddings=max_position_embeddings, kv_channels=kv_channels,
     )

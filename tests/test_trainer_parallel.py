@@ -51,7 +51,7 @@ def _probe_then_train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, o
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    st = init_distributed(cfg.tp, cfg.pp, cfg.dp)
+    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, sequence_parallel=cfg.sequence_parallel)
     model = GPTModel(spec, st, seed=cfg.seed)
     logits, _ = pipeline_logits(model, st, PROBE)
     forward_backward_1f1b(model, get_micro_batches(cfg, st, tokens, 0, spec), st, torch.float32)
@@ -91,10 +91,11 @@ LAYOUTS = [
     ("tiny-gpt2", dict(tp=2, pp=2, dp=1)),
     ("tiny-llama", dict(tp=2, pp=1, dp=2)),
     ("tiny-gpt2", dict(tp=2, pp=1, dp=2)),
+    ("tiny-gpt2", dict(tp=2, pp=2, dp=1, sequence_parallel=True)),  # learned positions + tied head under SP
 ]
 
 
-@pytest.mark.parametrize("name,layout", LAYOUTS, ids=[f"{n}-tp{d['tp']}pp{d['pp']}dp{d['dp']}" for n, d in LAYOUTS])
+@pytest.mark.parametrize("name,layout", LAYOUTS, ids=[f"{n}-tp{d['tp']}pp{d['pp']}dp{d['dp']}{'-sp' if d.get('sequence_parallel') else ''}" for n, d in LAYOUTS])
 def test_sharded_run_equals_single_rank_and_trains(tmp_path, name, layout):
     steps = 8
     cfg = _cfg(preset=name, steps=steps, save=str(tmp_path / "ckpt"), comm_report=True, **layout)
@@ -148,6 +149,8 @@ def test_sharded_run_equals_single_rank_and_trains(tmp_path, name, layout):
     seen = {(row[0], row[1]) for row in out["comm"]}
     assert ("all-reduce", "TP") in seen and ("broadcast", "TP") in seen
     assert (("send/recv", "PP") in seen) == (cfg.pp > 1)
+    sp = cfg.sequence_parallel
+    assert (("all-gather", "TP") in seen) == sp and (("reduce-scatter", "TP") in seen) == sp
     assert (("all-reduce", "DP") in seen) == (cfg.dp > 1)
     assert (("all-reduce", "embedding") in seen) == (cfg.pp > 1 and spec.tie_embeddings)
 

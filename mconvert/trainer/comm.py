@@ -80,19 +80,15 @@ def all_gather(t: torch.Tensor, group: Any, name: str, dim: int = -1) -> torch.T
 
 
 def reduce_scatter(t: torch.Tensor, group: Any, name: str, dim: int = 0) -> torch.Tensor:
-    """Sum over ranks, each rank keeps its chunk along `dim` (gloo lacks it: all-reduce + slice)."""
+    """Sum over ranks; each rank keeps its chunk of the sum along `dim` (rank order of the group)."""
     if group is None:
         return t
     n, r = dist.get_world_size(group), dist.get_rank(group)
+    parts = [p.contiguous() for p in t.chunk(n, dim)]
+    out = torch.empty_like(parts[r])
     with _Timer("reduce-scatter", name, _nbytes(t)):
-        if dist.get_backend(group) == "nccl":
-            parts = [p.contiguous() for p in t.chunk(n, dim)]
-            out = torch.empty_like(parts[r])
-            dist.reduce_scatter(out, parts, group=group)
-            return out
-        full = t.clone()
-        dist.all_reduce(full, group=group)
-    return full.chunk(n, dim)[r].contiguous()
+        dist.reduce_scatter(out, parts, group=group)
+    return out
 
 
 def broadcast(t: torch.Tensor, src: int, group: Any, name: str) -> torch.Tensor:

@@ -30,7 +30,7 @@ def pipeline_logits(model: GPTModel, st: ParallelState, tokens: torch.Tensor,
     B, S = tokens.shape
     model.record_hidden = return_hidden
     dtype = next(model.parameters()).dtype
-    p2p = P2P(st, (B, S, model.spec.hidden_size), dtype)
+    p2p = P2P(st, (B, S // st.tp if st.sequence_parallel else S, model.spec.hidden_size), dtype)
     with torch.no_grad():
         x = p2p.recv_forward()
         out = model(tokens.to(st.device) if st.is_first_stage else x.detach())

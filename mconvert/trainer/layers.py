@@ -51,12 +51,46 @@ class _GatherFromTP(torch.autograd.Function):
         return g[..., ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size].contiguous(), None, None
 
 
+class _GatherFromSP(torch.autograd.Function):
+    """Sequence parallel: all-gather the sequence chunks (dim 1) fwd, reduce-scatter the gradient bwd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return comm.all_gather(x, group, "TP", dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return comm.reduce_scatter(g, ctx.group, "TP", dim=1), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """Sequence parallel: reduce-scatter partial sums along the sequence (dim 1) fwd, all-gather bwd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return comm.reduce_scatter(x, group, "TP", dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return comm.all_gather(g.contiguous(), ctx.group, "TP", dim=1), None
+
+
 def copy_to_tp(x: torch.Tensor, st: ParallelState) -> torch.Tensor:
     return x if st.tp_group is None else _CopyToTP.apply(x, st.tp_group)
 
 
 def reduce_from_tp(x: torch.Tensor, st: ParallelState) -> torch.Tensor:
     return x if st.tp_group is None else _ReduceFromTP.apply(x, st.tp_group)
+
+
+def gather_from_sp(x: torch.Tensor, st: ParallelState) -> torch.Tensor:
+    return x if st.tp_group is None else _GatherFromSP.apply(x, st.tp_group)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, st: ParallelState) -> torch.Tensor:
+    return x if st.tp_group is None else _ReduceScatterToSP.apply(x, st.tp_group)
 
 
 def gather_from_tp(x: torch.Tensor, st: ParallelState) -> torch.Tensor:
@@ -86,18 +120,22 @@ class _LinearBase(nn.Module):
 
 
 class ColumnParallelLinear(_LinearBase):
-    """Y_r = X A_r^T (+ b_r): weight split on dim 0; input copied to TP (all-reduce of its grad)."""
+    """Y_r = X A_r^T (+ b_r): weight split on dim 0; input copied to TP (all-reduce of its grad), or with
+    sequence parallelism all-gathered along the sequence (reduce-scatter of its grad)."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weight if weight is None else weight
-        return F.linear(copy_to_tp(x, self.st), w, self.bias)
+        x = gather_from_sp(x, self.st) if self.st.sequence_parallel else copy_to_tp(x, self.st)
+        return F.linear(x, w, self.bias)
 
 
 class RowParallelLinear(_LinearBase):
-    """Y = sum_r X_r A_r^T + b: weight split on dim 1; partial outputs all-reduced over TP, bias after."""
+    """Y = sum_r X_r A_r^T + b: weight split on dim 1; partial outputs all-reduced over TP (or reduce-scattered
+    along the sequence with sequence parallelism), bias added after."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.st)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, self.st) if self.st.sequence_parallel else reduce_from_tp(y, self.st)
         return y if self.bias is None else y + self.bias
 
 
@@ -117,6 +155,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.st.sequence_parallel:  # Megatron's reduce_scatter_embeddings
+            return reduce_scatter_to_sp(out, self.st)
         return reduce_from_tp(out, self.st)
 
 

@@ -77,7 +77,9 @@ class _Maker:
             full = full_init(decl, self.spec, self.seed)
             t = shard(full, decl.kind, self.st.tp, self.st.tp_rank, decl.name)
             t = t.to(dtype=self.dtype, device=self.st.device).clone()
-        return nn.Parameter(t)
+        p = nn.Parameter(t)
+        p.split_kind = decl.kind  # type: ignore[attr-defined]  (read by sequence_parallel_params)
+        return p
 
 
 class Norm(nn.Module):
@@ -140,9 +142,10 @@ class SelfAttention(nn.Module):
         self.per_group = spec.num_attention_heads // spec.num_groups
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        B, S, _ = x.shape
         hd = self.spec.head_dim
-        qkv = self.linear_qkv(x).view(B, S, self.groups, self.per_group + 2, hd)
+        qkv = self.linear_qkv(x)  # full sequence (gathered under sequence parallelism)
+        B, S = qkv.shape[:2]
+        qkv = qkv.view(B, S, self.groups, self.per_group + 2, hd)
         q = qkv[:, :, :, : self.per_group].reshape(B, S, self.groups * self.per_group, hd)
         k, v = qkv[:, :, :, self.per_group], qkv[:, :, :, self.per_group + 1]
         if rope is not None:
@@ -151,7 +154,7 @@ class SelfAttention(nn.Module):
         v = v.repeat_interleave(self.per_group, dim=2)
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, heads, S, hd], fp32
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        mask = torch.ones(S, S, dtype=torch.bool, device=x.device).triu(1)
+        mask = torch.ones(S, S, dtype=torch.bool, device=qkv.device).triu(1)
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
         ctx = (probs @ v).to(x.dtype).transpose(1, 2).reshape(B, S, -1)
         return self.linear_proj(ctx)
@@ -217,9 +220,13 @@ class Embedding(nn.Module):
         self.position_embeddings = PositionEmbedding(make(pos)) if pos is not None else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.word_embeddings(ids)
+        h = self.word_embeddings(ids)  # [B, S/TP, H] under sequence parallelism
         if self.position_embeddings is not None:
-            h = h + self.position_embeddings(ids.shape[1])[None]
+            pos = self.position_embeddings(ids.shape[1])
+            st = self.word_embeddings.st
+            if st.sequence_parallel:
+                pos = pos.chunk(st.tp, dim=0)[st.tp_rank]
+            h = h + pos[None]
         return h
 
 
@@ -266,6 +273,13 @@ class GPTModel(nn.Module):
         """True on the last stage of a tied model with PP > 1 (its output_layer is the embedding's copy)."""
         return self.post_process and not self.pre_process and self.spec.tie_embeddings
 
+    def sequence_parallel_params(self) -> list[nn.Parameter]:
+        """Replicated parameters that see only this rank's sequence chunk under sequence parallelism (norms,
+        row-parallel biases, position embeddings): their gradients are summed over TP, as Megatron does."""
+        if not self.st.sequence_parallel:
+            return []
+        return [p for p in self.parameters() if getattr(p, "split_kind", None) == "replicated"]
+
     def shared_embedding_weight(self) -> nn.Parameter | None:
         """The parameter the embedding group all-reduces (word embeddings on stage 0, its copy on the last)."""
         if not self.spec.tie_embeddings or self.st.pp == 1:
@@ -279,7 +293,8 @@ class GPTModel(nn.Module):
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if self.pre_process:
             x = self.embedding(x)
-        rope = rope_tables(self.spec, x.shape[1], x.device) if self.rope else None
+        seq = x.shape[1] * (self.st.tp if self.st.sequence_parallel else 1)
+        rope = rope_tables(self.spec, seq, x.device) if self.rope else None
         if self.record_hidden:
             self.hidden_states = [x.detach()] if self.pre_process else []
         for layer in self.decoder.layers:

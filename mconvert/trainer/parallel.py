@@ -63,6 +63,7 @@ class ParallelState:
     pp_ranks: tuple[int, ...] = (0,)
     tp_ranks: tuple[int, ...] = (0,)
     device: torch.device = torch.device("cpu")
+    sequence_parallel: bool = False  # activations outside attention/MLP split along the sequence over TP
 
     @property
     def tp_rank(self) -> int:
@@ -100,7 +101,8 @@ def backend_for(device: str | None = None) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def init_distributed(tp: int, pp: int, dp: int, device: str | None = None, timeout_s: int = 600) -> ParallelState:
+def init_distributed(tp: int, pp: int, dp: int, device: str | None = None, timeout_s: int = 600,
+                     sequence_parallel: bool = False) -> ParallelState:
     """Join the launcher's process group (env://) and build every TP/DP/PP/embedding group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != tp * pp * dp:
@@ -116,7 +118,7 @@ def init_distributed(tp: int, pp: int, dp: int, device: str | None = None, timeo
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     rank = dist.get_rank()
-    st = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, device=dev)
+    st = ParallelState(tp=tp, pp=pp, dp=dp, rank=rank, device=dev, sequence_parallel=sequence_parallel and tp > 1)
     for kind, lists in group_ranks(tp, dp, pp).items():
         for ranks in lists:
             g = dist.new_group(ranks)  # every rank creates every group, in the same order

@@ -70,6 +70,8 @@ def forward_backward_1f1b(model: GPTModel, micro_batches: list[dict[str, torch.T
     per-micro-batch mean losses on the last stage (empty elsewhere). The loss is divided by M for backward."""
     M = len(micro_batches)
     b, s = micro_batches[0]["labels"].shape
+    if st.sequence_parallel:
+        s //= st.tp
     p2p = P2P(st, (b, s, model.spec.hidden_size), dtype)
     losses: list[float] = []
     pending: list[tuple[torch.Tensor | None, torch.Tensor]] = []

@@ -56,6 +56,7 @@ class TrainConfig:
     global_batch_size: int = 16
     seq_length: int = 64
     dtype: str = "fp32"  # fp32 | bf16
+    sequence_parallel: bool = False  # Megatron's --sequence-parallel (needs TP > 1)
     comm_report: bool = False
     device: str | None = None  # cpu | cuda (default: cuda when available)
     quiet: bool = False
@@ -93,6 +94,8 @@ class TrainConfig:
             )
         if self.resume and not self.save:
             raise MConvertError("--resume needs --save DIR (the checkpoint to continue)")
+        if self.sequence_parallel and self.seq_length % self.tp:
+            raise MConvertError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by TP={self.tp}")
         if self.save_interval is not None and self.save_interval < 1:
             raise MConvertError(f"--save-interval must be >= 1, got {self.save_interval}")
 
@@ -159,7 +162,9 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group: Any, name: str, scale: 
 
 
 def sync_gradients(model: GPTModel, st: ParallelState) -> None:
-    """DP mean of every gradient (one flat all-reduce), then the tied-embedding sum over the embedding group."""
+    """TP sum of sequence-parallel replicated grads, DP mean of every gradient (one flat all-reduce each), then
+    the tied-embedding sum over the embedding group."""
+    _flat_all_reduce([p.grad for p in model.sequence_parallel_params() if p.grad is not None], st.tp_group, "TP")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     _flat_all_reduce(grads, st.dp_group, "DP", 1.0 / st.dp)
     shared = model.shared_embedding_weight()
@@ -194,6 +199,7 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
         init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0, save=cfg.save, load=cfg.save,
         save_interval=cfg.save_interval, use_distributed_optimizer=False, data_parallel_random_init=False,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=cfg.save, use_checkpoint_args=False,
+        sequence_parallel=cfg.sequence_parallel and cfg.tp > 1,
     )
 
 
@@ -288,7 +294,7 @@ def _dtype(cfg: TrainConfig) -> torch.dtype:
 def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
     """One rank's whole run. Returns {'losses': [...]} on the logging rank, comm rows on rank 0, else {}."""
     torch.set_num_threads(threads_per_rank(cfg.world))
-    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device)
+    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device, sequence_parallel=cfg.sequence_parallel)
     try:
         return _train(cfg, spec, tokens, st)
     finally:
@@ -447,8 +453,11 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as e:
         first = next(iter(e.failures.values()))
-        msg = (first.message or "").strip().splitlines()
-        raise MConvertError(f"rank {first.global_rank} failed: {msg[-1] if msg else first}") from None
+        text = first.message
+        if isinstance(text, dict):
+            text = text.get("message", "")
+        lines = str(text or "").strip().splitlines()
+        raise MConvertError(f"rank {first.global_rank} failed: {lines[-1] if lines else first}") from None
     finally:
         for k, v in saved.items():
             if v is None:
