@@ -26,7 +26,7 @@ def _ranges(layers: list[int]) -> str:
 
 def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> dict[str, Any]:
     """Describe a checkpoint (Megatron torch / torch_dist / HF) without reading any tensor data."""
-    src = open_source(path, iteration=iteration)
+    src = open_source(path, iteration=iteration, verify=False)  # no tensor data read: no hashing either
     spec, tp, pp, vpp = src.spec, src.tp, src.pp, src.vpp
     stored: dict[str, tuple[int, ...]] = getattr(src, "shapes", {})
     stages: dict[str, list[int]] = {}
@@ -41,6 +41,8 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
     for d in decls:
         tpl = _template(d.name)
         full = list(d.shape)
+        if d.kind == "vocab" and src.format == "hf":
+            full[0] = spec.vocab_size  # HF stores the true vocab; Megatron pads it
         sd = split_dim(d.kind, len(full))
         shard = list(full)
         if sd is not None:

@@ -116,9 +116,16 @@ def detect_format(path: str | Path, iteration: int | str | None = None) -> str:
     return "megatron"
 
 
-def open_source(path: str | Path, iteration: int | str | None = None, tokenizer: str | Path | None = None):
-    """Open any supported checkpoint as a Source: units of full tensors, read one unit at a time."""
+def open_source(path: str | Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,
+                verify: bool = True):
+    """Open any supported checkpoint as a Source: units of full tensors, read one unit at a time.
+
+    `verify`: an input mconvert wrote is first checked against its manifest (sha256 of every file)."""
     fmt = detect_format(path, iteration)
+    if verify:
+        from mconvert.convert.atomic import verify_input
+
+        verify_input(path)
     if fmt == "hf":
         from mconvert.convert.hf import HFSource
 
@@ -128,7 +135,7 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
             from mconvert.convert.torch_dist import TorchDistSource
         except ImportError as e:
             raise MConvertError(f"{path}: torch_dist checkpoints need mconvert.convert.torch_dist ({e})") from None
-        return TorchDistSource(Path(path), iteration=iteration)
+        return TorchDistSource(Path(path), iteration=iteration, tokenizer=tokenizer)
     from mconvert.convert.megatron import MegatronSource
 
     return MegatronSource(Path(path), iteration=iteration, tokenizer=tokenizer)
