@@ -160,6 +160,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     their parameters' layouts so training resumes at the new layout; without it, no optimizer is written."""
     from mconvert.convert.megatron import MegatronSource, MegatronWriter
     from mconvert.convert.optimizer import index_states
+    from mconvert.convert.safeload import safe_load
 
     t0 = time.perf_counter()
     check_output(out, force)
@@ -182,7 +183,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
             top.pop("rng_state")
             rank_top = lambda t, p: {"rng_state": src.top_level(*rng_from[(t, p)][::-1])["rng_state"]}  # noqa: E731
         if with_optimizer:
-            first = __import__("mconvert.convert.safeload", fromlist=["safe_load"]).safe_load(src.files[(0, 0)])
+            first = safe_load(src.files[(0, 0)])
             _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
             del first
     elif with_optimizer:
