@@ -94,3 +94,14 @@ def test_megatron_files_have_the_declared_layout(hf_models, tmp_path):
     assert m["output_layer.weight"].shape == (512 // 4, 32)  # vocab 100 padded to a multiple of 128·TP = 512
     assert st["args"].padded_vocab_size == 512 and st["args"].tensor_model_parallel_size == 4
     assert "embedding.word_embeddings.weight" not in m and "decoder.final_layernorm.weight" in m
+
+
+def test_pytorch_model_bin_input(hf_models, tmp_path):
+    """HF dirs with only pytorch_model.bin (what transformers' Megatron script reads) convert the same way."""
+    model, _ = hf_models["gpt2"]
+    model.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert not list((tmp_path / "bin").glob("*.safetensors"))
+    hf_to_megatron(tmp_path / "bin", tmp_path / "mg", tp=2, pp=2)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back")
+    with torch.no_grad():
+        assert torch.equal(_logits(tmp_path / "back"), model(TOKENS).logits)
