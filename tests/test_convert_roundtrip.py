@@ -29,6 +29,10 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
                                               max_position_embeddings=32, tie_word_embeddings=False),
+    # attention_bias + mlp_bias: o_proj / down_proj biases replicated, gate/up biases split as [gate_r; up_r]
+    "llama-bias": lambda: transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                                   max_position_embeddings=32, attention_bias=True, mlp_bias=True),
     "mistral": lambda: transformers.MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=1, vocab_size=100,
                                                   max_position_embeddings=32, sliding_window=None),
@@ -63,8 +67,11 @@ def _logits(model_dir: Path) -> torch.Tensor:
         return m(TOKENS).logits
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (4, 2), (2, 2)])
+LAYOUTS = [(1, 2), (2, 1), (4, 2)]  # TP 1/2/4 and PP 1/2 each appear
+
+
+@pytest.mark.parametrize("name,tp,pp", [(n, t, p) for n in CONFIGS for t, p in LAYOUTS if n != "llama-bias"]
+                         + [("llama-bias", 2, 2)])
 def test_hf_megatron_hf_is_identical(hf_models, tmp_path, name, tp, pp):
     model, src = hf_models[name]
     hf_to_megatron(src, tmp_path / "mg", tp=tp, pp=pp)
