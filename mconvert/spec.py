@@ -102,6 +102,12 @@ class ModelSpec:
             object.__setattr__(self, "kv_channels", None)
         if self.num_query_groups == self.num_attention_heads:
             object.__setattr__(self, "num_query_groups", None)
+        if self.add_bias_linear and self.add_qkv_bias:  # the qkv bias is already there
+            object.__setattr__(self, "add_qkv_bias", False)
+        if self.position_embedding_type != "rope":  # rotary fields mean nothing without rope
+            object.__setattr__(self, "rotary_base", 10000.0)
+            object.__setattr__(self, "rotary_percent", 1.0)
+            object.__setattr__(self, "rotary_interleaved", False)
         self.validate()
 
     def validate(self) -> None:
@@ -114,9 +120,17 @@ class ModelSpec:
             raise MConvertError(f"unsupported activation {self.activation!r} (gelu, gelu_new or swiglu)")
         if self.position_embedding_type not in ("learned_absolute", "rope"):
             raise MConvertError(f"unsupported position_embedding_type {self.position_embedding_type!r}")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                     "max_position_embeddings", "make_vocab_size_divisible_by"):
             if getattr(self, name) <= 0:
                 raise MConvertError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("kv_channels", "num_query_groups"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise MConvertError(f"{name} must be positive, got {getattr(self, name)}")
+        if not (math.isfinite(self.norm_epsilon) and self.norm_epsilon > 0):
+            raise MConvertError(f"norm_epsilon must be a small positive number, got {self.norm_epsilon}")
+        if not 0 < self.rotary_percent <= 1:
+            raise MConvertError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -168,6 +182,11 @@ class ModelSpec:
         if self.num_groups % tp and tp % self.num_groups:
             raise MConvertError(
                 f"TP={tp} and num_query_groups={self.num_groups}: one must divide the other; pick such a TP"
+            )
+        if self.qkv_rows % tp:  # groups < TP: a group straddles ranks, the fused rows must still split evenly
+            raise MConvertError(
+                f"TP={tp} does not divide the {self.qkv_rows} fused QKV rows (heads={self.num_attention_heads}, "
+                f"groups={self.num_groups}, head_dim={self.head_dim}); pick a TP that divides num_query_groups"
             )
         if self.ffn_hidden_size % tp:
             raise MConvertError(
@@ -309,8 +328,21 @@ class ModelSpec:
 
     @classmethod
     def from_megatron_args(cls, args: Any, family: str | None = None, source: str = "args") -> "ModelSpec":
-        """Parse a Megatron args Namespace (or SimpleNamespace / dict) — tolerant of older names."""
-        a = vars(args) if not isinstance(args, dict) else dict(args)
+        """Parse a Megatron args Namespace (or SimpleNamespace / dict) — tolerant of older names.
+
+        A field of the wrong type (None, text, NaN where a size belongs) is one MConvertError naming it."""
+        try:
+            a = vars(args) if not isinstance(args, dict) else dict(args)
+        except TypeError:
+            raise MConvertError(f"{source}: args is a {type(args).__name__}, not a Namespace or dict") from None
+        _check_numbers(a, _ARGS_NUMBERS, ("hidden_size", "num_attention_heads", "num_layers"), source)
+        try:
+            return cls._from_megatron_args(a, family, source)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as e:
+            raise MConvertError(f"{source}: malformed Megatron args ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_megatron_args(cls, a: dict[str, Any], family: str | None, source: str) -> "ModelSpec":
         for flag, what in _UNSUPPORTED_ARGS:
             if a.get(flag):
                 raise MConvertError(
@@ -455,6 +487,17 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelSpec":
+        """Parse an HF config.json dict. A field of the wrong type is one MConvertError naming it."""
+        if not isinstance(cfg, dict):
+            raise MConvertError(f"{source}: expected a JSON object, found {type(cfg).__name__}; fix or re-export it")
+        _check_numbers(cfg, _HF_NUMBERS, (), source)
+        try:
+            return cls._from_hf_config(cfg, source)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as e:
+            raise MConvertError(f"{source}: malformed config ({type(e).__name__}: {e}); fix or re-export it") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: dict[str, Any], source: str) -> "ModelSpec":
         archs = cfg.get("architectures") or []
         family = next((ARCH_TO_FAMILY[a] for a in archs if a in ARCH_TO_FAMILY), None)
         if family is None:
@@ -499,7 +542,8 @@ class ModelSpec:
                     activation=act,
                     position_embedding_type="learned_absolute",
                     add_bias_linear=True,
-                    tie_embeddings=True,
+                    # transformers' GPT2Config default is tied; an untied one keeps its own lm_head
+                    tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
                     **common,
                 )
             nh = int(cfg["num_attention_heads"])
@@ -547,6 +591,33 @@ def _template(name: str) -> str:
     """`decoder.layers.7.mlp...` -> `decoder.layers.*.mlp...`."""
     parts = name.split(".")
     return ".".join("*" if p.isdigit() else p for p in parts)
+
+
+# Numeric fields: checked for type before parsing so a malformed file is refused by field name.
+_ARGS_NUMBERS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
+    "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
+)
+_HF_NUMBERS = (
+    "vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "layer_norm_epsilon",
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+)
+
+
+def _check_numbers(d: dict[str, Any], keys: tuple[str, ...], required: tuple[str, ...], source: str) -> None:
+    """Refuse a non-numeric, non-finite or (for sizes) non-positive value, naming the field."""
+    for k in keys:
+        if k not in d or (d[k] is None and k not in required):
+            continue
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise MConvertError(f"{source}: field {k!r} = {v!r} is not a finite number; fix it")
+        if v <= 0 and not k.endswith(("epsilon", "eps", "percent", "theta", "base")):
+            raise MConvertError(f"{source}: field {k!r} = {v!r} must be positive; fix it")
+        if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base")) and v != int(v):
+            raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")
 
 
 # Megatron args naming architectures no mconvert format describes (refused by name, not half-converted).
