@@ -67,3 +67,25 @@ def test_train_cli_one_line_errors(tmp_path):
     assert code == 1 and "nothing to resume" in err
     code, err = _cli_error(["train", "--global-batch-size", "10", "--micro-batch-size", "4"])
     assert code == 1 and "global-batch-size" in err
+
+
+def _run_module_main(argv: list[str]) -> None:
+    from mconvert.trainer import main
+
+    main.main(argv)
+
+
+def test_torchrun_module_entry_point(tmp_path):
+    """`python -m mconvert.trainer.main` is what torchrun starts on every rank (multi-node form); here the same
+    elastic agent starts it twice on one node (TP=1 PP=2): rank 0 writes the tokenizer and the tracker."""
+    from mconvert.trainer.main import parse
+    from mconvert.trainer.train import launch
+
+    argv = ["--preset", "tiny-gpt2", "--pp", "2", "--steps", "2", "--save", str(tmp_path / "ck"), "--seq-length",
+            "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--quiet"]
+    cfg = parse(argv)
+    assert (cfg.pp, cfg.steps, cfg.seq_length, cfg.quiet, cfg.resume) == (2, 2, 32, True, False)
+    launch(_run_module_main, (argv,), 2)
+    assert read_latest(tmp_path / "ck") == 2
+    assert (tmp_path / "ck" / "tokenizer.json").is_file()
+    assert (tmp_path / "ck" / "iter_0000002" / "mp_rank_00_001" / "model_optim_rng.pt").is_file()
