@@ -8,6 +8,7 @@ embedding-group gradient all-reduces, and Megatron legacy-torch checkpoints (onl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import os
 import random
@@ -128,10 +129,14 @@ def sample_batch(tokens: torch.Tensor, seq: int, start: int, count: int, seed: i
     out = []
     for k in range(start, start + count):
         epoch, i = divmod(k, n)
-        perm = np.random.RandomState(seed + epoch).permutation(n)
-        j = int(perm[i]) * seq
+        j = int(_epoch_order(n, seed + epoch)[i]) * seq
         out.append(tokens[j: j + seq + 1])
     return torch.stack(out)
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int) -> np.ndarray:
+    return np.random.RandomState(seed).permutation(n)
 
 
 def get_micro_batches(cfg: TrainConfig, st: ParallelState, tokens: torch.Tensor, consumed: int,
