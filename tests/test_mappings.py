@@ -128,3 +128,45 @@ def test_unmapped_hf_key_is_an_error_naming_it():
     with pytest.raises(MConvertError, match="model.layers.0.self_attn.q_norm.weight"):
         hf_unit(spec, "model.layers.0.self_attn.q_norm.weight", source="x.safetensors")
     assert hf_unit(spec, "model.layers.3.self_attn.rotary_emb.inv_freq") is None  # explicit drop
+
+
+def test_rotary_interleaved_q_k_reordered_for_hf(monkeypatch):
+    """Megatron rotary_interleaved=True, applied by megatron-core's own RoPE, gives the attention scores
+    transformers' rotate_half RoPE gives on the converted q/k rows (and the unconverted rows do not)."""
+    mcore_rope = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    nq, ng, hd, H, S = 4, 2, 8, 32, 7
+    spec = preset("tiny-llama").replace(hidden_size=H, num_attention_heads=nq, num_query_groups=ng, kv_channels=hd,
+                                        rotary_interleaved=True)
+    g = torch.Generator().manual_seed(3)
+    q_m, k_m, v_m = torch.randn(nq * hd, H, generator=g), torch.randn(ng * hd, H, generator=g), torch.randn(ng * hd, H)
+    x = torch.randn(S, H, generator=g)
+
+    rope = RotaryEmbedding(kv_channels=hd, rotary_percent=1.0, rotary_interleaved=True, rotary_base=10000,
+                           use_cpu_initialization=True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))  # megatron-core on CPU
+    emb = rope.get_emb(S)  # [S, 1, 1, hd], interleaved frequencies
+    qm = mcore_rope._apply_rotary_pos_emb_bshd((x @ q_m.T).view(S, 1, nq, hd), emb, rotary_interleaved=True)
+    km = mcore_rope._apply_rotary_pos_emb_bshd((x @ k_m.T).view(S, 1, ng, hd), emb, rotary_interleaved=True)
+    want = torch.einsum("sbhd,tbhd->hst", qm, km.repeat_interleave(nq // ng, dim=2))
+
+    cfg = LlamaConfig(hidden_size=H, num_attention_heads=nq, num_key_value_heads=ng, head_dim=hd)
+    cos, sin = LlamaRotaryEmbedding(cfg)(x[None], torch.arange(S)[None])
+
+    def hf_scores(q_w, k_w):
+        q = (x @ q_w.T).view(1, S, nq, hd).transpose(1, 2)
+        k = (x @ k_w.T).view(1, S, ng, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return (q @ k.repeat_interleave(nq // ng, dim=1).transpose(-1, -2))[0]
+
+    fused = T.separate_to_qkv(q_m, k_m, v_m, nq, ng, hd)
+    hf = to_hf(spec, 0, {**{d.name: torch.zeros(d.shape) for d in spec.layer_params(0)},
+                         "decoder.layers.0.self_attention.linear_qkv.weight": fused})
+    q_h, k_h = hf["model.layers.0.self_attn.q_proj.weight"], hf["model.layers.0.self_attn.k_proj.weight"]
+    assert torch.allclose(hf_scores(q_h, k_h), want, atol=1e-4)
+    assert not torch.allclose(hf_scores(q_m, k_m), want, atol=1e-2)  # without the reorder: wrong
+    back = from_hf(spec, 0, hf)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert torch.equal(back, fused)

@@ -65,11 +65,19 @@ def _hf_registry(p: Plugin) -> Registry:
 
 # ---- ops: (to_hf, from_hf) over full tensors -------------------------------------------------------------
 def _qkv_to(spec: ModelSpec, t: torch.Tensor, name: str) -> list[torch.Tensor]:
-    return T.qkv_to_separate(t, spec.num_attention_heads, spec.num_groups, spec.head_dim, name)
+    q, k, v = T.qkv_to_separate(t, spec.num_attention_heads, spec.num_groups, spec.head_dim, name)
+    if spec.rotary_interleaved:  # HF only knows rotate_half: reorder the rotary pairs of q and k
+        q = T.interleaved_to_half(q, spec.num_attention_heads, spec.head_dim, name)
+        k = T.interleaved_to_half(k, spec.num_groups, spec.head_dim, name)
+    return [q, k, v]
 
 
 def _qkv_from(spec: ModelSpec, ts: list[torch.Tensor], name: str) -> torch.Tensor:
-    return T.separate_to_qkv(*ts, spec.num_attention_heads, spec.num_groups, spec.head_dim, name)
+    q, k, v = ts
+    if spec.rotary_interleaved:
+        q = T.half_to_interleaved(q, spec.num_attention_heads, spec.head_dim, name)
+        k = T.half_to_interleaved(k, spec.num_groups, spec.head_dim, name)
+    return T.separate_to_qkv(q, k, v, spec.num_attention_heads, spec.num_groups, spec.head_dim, name)
 
 
 OPS: dict[str, tuple[Callable[..., list[torch.Tensor]], Callable[..., torch.Tensor]]] = {

@@ -178,3 +178,20 @@ def pad_vocab(t: torch.Tensor, rows: int, vocab: int | None = None, name: str = 
     out = t.new_zeros((rows, *t.shape[1:]))
     out[:vocab] = t[:vocab]
     return out
+
+
+def interleaved_to_half(t: torch.Tensor, heads: int, hd: int, name: str = "q/k") -> torch.Tensor:
+    """Rows of q or k per head from Megatron's `rotary_interleaved=True` order (pairs 2i, 2i+1) to HF's
+    rotate_half order (pairs i, i + hd/2): [r0, r2, r4, ..., r1, r3, ...] in each head."""
+    if t.shape[0] != heads * hd or hd % 2:
+        raise MConvertError(f"{name}: shape {tuple(t.shape)} does not fit heads={heads}, head_dim={hd}")
+    rest = tuple(t.shape[1:])
+    return t.reshape(heads, hd // 2, 2, *rest).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def half_to_interleaved(t: torch.Tensor, heads: int, hd: int, name: str = "q/k") -> torch.Tensor:
+    """Inverse of `interleaved_to_half`."""
+    if t.shape[0] != heads * hd or hd % 2:
+        raise MConvertError(f"{name}: shape {tuple(t.shape)} does not fit heads={heads}, head_dim={hd}")
+    rest = tuple(t.shape[1:])
+    return t.reshape(heads, 2, hd // 2, *rest).transpose(1, 2).reshape(t.shape).contiguous()
