@@ -112,3 +112,15 @@ def test_pytorch_model_bin_input(hf_models, tmp_path):
     megatron_to_hf(tmp_path / "mg", tmp_path / "back")
     with torch.no_grad():
         assert torch.equal(_logits(tmp_path / "back"), model(TOKENS).logits)
+
+
+def test_sliding_window_is_refused_not_dropped(tmp_path):
+    from mconvert.errors import MConvertError
+
+    cfg = transformers.MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=1, vocab_size=100, max_position_embeddings=64,
+                                     sliding_window=16)
+    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    with pytest.raises(MConvertError, match="sliding_window=16"):
+        hf_to_megatron(tmp_path / "hf", tmp_path / "mg")
+    assert not (tmp_path / "mg").exists()

@@ -131,6 +131,12 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     src = open_source(hf_dir)
     if src.format != "hf":
         raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
+    cfg = getattr(src, "config", {})
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", _window_by_default(src)) else None
+    if window:
+        raise MConvertError(f"{Path(hf_dir) / 'config.json'}: sliding_window={window} attention cannot be expressed in "
+                            "the Megatron args mconvert writes; converting would silently change attention beyond "
+                            f"{window} tokens")
     spec = src.spec if target is None else src.spec.replace(params_dtype=_DTYPE_NAME[target])
     spec.check_parallel(tp, pp, vpp)
     if dry_run:
@@ -209,6 +215,11 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         else "not written (pass --with-optimizer to re-shard the Adam states)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
     }
+
+
+def _window_by_default(src: Any) -> bool:
+    """Mistral applies `sliding_window` whenever it is set; Qwen2 only with `use_sliding_window`."""
+    return src.spec.family == "mistral"
 
 
 def _rng_source_ranks(src: Any, tp: int, pp: int, vpp: int | None) -> dict[tuple[int, int], tuple[int, int]]:
