@@ -7,6 +7,7 @@ compare its greedy tokens and prompt logprobs with transformers on the same prom
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -142,7 +143,7 @@ def _judge(got: dict[str, Any], ref: list[dict[str, Any]], wall: float) -> dict[
     total, agree = 0, 0
     for g, r in zip(got["results"], ref):
         diffs = [abs(a - b) for a, b in zip(g["prompt_logprobs"], r["prompt_logprobs"]) if a is not None]
-        lp = max(diffs) if diffs else float("inf")
+        lp = max(diffs) if diffs and all(math.isfinite(x) for x in diffs) else float("inf")  # NaN: fail
         max_lp = max(max_lp, lp)
         first = next((i for i, (a, b) in enumerate(zip(g["tokens"], r["tokens"])) if a != b), None)
         n = len(r["tokens"])
@@ -154,11 +155,17 @@ def _judge(got: dict[str, Any], ref: list[dict[str, Any]], wall: float) -> dict[
         ok = (same or tie) and lp <= LOGPROB_TOL
         passed &= ok
         per.append({"vllm_tokens": g["tokens"], "transformers_tokens": r["tokens"], "first_divergence": first,
-                    "divergence_is_tie": tie, "prompt_logprob_max_abs": lp, "passed": ok})
+                    "divergence_is_tie": tie, "prompt_logprob_max_abs": _finite(lp), "passed": ok})
+    lp_txt = f"within {max_lp:.1e}" if math.isfinite(max_lp) else "not finite (NaN/Inf)"
     summary = (f"vLLM {got['vllm_version']}: greedy tokens {agree}/{total} equal to transformers', prompt logprobs "
-               f"within {max_lp:.1e} (limit {LOGPROB_TOL:g}); engine start {got['start_seconds']:.1f} s "
+               f"{lp_txt} (limit {LOGPROB_TOL:g}); engine start {got['start_seconds']:.1f} s "
                f"(+{got['import_seconds']:.1f} s import)")
     return {"passed": passed, "summary": summary, "vllm_version": got["vllm_version"],
             "import_seconds": got["import_seconds"],
             "start_seconds": got["start_seconds"], "generate_seconds": got["generate_seconds"], "wall_seconds": wall,
-            "token_agreement": agree / max(total, 1), "prompt_logprob_max_abs": max_lp, "prompts": per}
+            "token_agreement": agree / max(total, 1), "prompt_logprob_max_abs": _finite(max_lp), "prompts": per}
+
+
+def _finite(x: float) -> float | None:
+    """JSON-safe: None for a non-finite difference (NaN/Inf in either side's logprobs)."""
+    return x if math.isfinite(x) else None
