@@ -1,0 +1,203 @@
+"""Byte-level fuzz over checkpoint files: flip, zero or truncate random bytes of a tiny checkpoint's `.pt`,
+`.safetensors`, `config.json` and `latest_checkpointed_iteration.txt`, run the real conversion, and classify.
+
+Every case must end in one of:
+  refused     exit 1, one `error:` line, no traceback, no OUT;
+  same        exit 0 and the output equals the undamaged conversion (the bytes did not matter);
+  undetectable  exit 0 and a different output, where EVERY damaged byte lies inside raw tensor data (or the
+              damaged config.json is still valid JSON describing another model). Megatron `.pt`, safetensors
+              and config.json carry no checksums: no reader can tell such a change from a real weight. Only a
+              checkpoint mconvert wrote (it has a manifest) is protected — the last group of cases shows that
+              every damage to one of those is refused.
+Anything else — a traceback, a hang (alarm), or a changed output from damage outside tensor data — fails.
+Deterministic: the cases come from one seeded RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import struct
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safety_common import assert_one_line_error, base, copy_of, hf_tensors, run_cli
+
+from mconvert.convert.safeload import safe_load
+from mconvert.spec import ModelSpec
+
+RANK_FILES = [f"release/mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt" for t in range(2) for p in range(2)]
+TRACKER = "latest_checkpointed_iteration.txt"
+OUTCOMES: Counter = Counter()
+
+
+def _cases() -> list[tuple[str, str, str, int]]:
+    """(direction, file, mutation, seed). direction: megatron (no manifest), hf, protected (with manifest)."""
+    rng = random.Random(int(os.environ.get("MCONVERT_FUZZ_SEED", "20260601")))
+    scale = int(os.environ.get("MCONVERT_FUZZ_SCALE", "1"))  # more cases for a longer, exploratory run
+    cases = []
+    for _ in range(30 * scale):
+        f = rng.choice(RANK_FILES * 3 + [TRACKER])
+        cases.append(("megatron", f, rng.choice(["flip", "meta", "meta", "zero", "truncate"]), rng.randrange(1 << 30)))
+    for _ in range(10 * scale):
+        f = rng.choice(["model.safetensors"] * 2 + ["config.json"])
+        cases.append(("hf", f, rng.choice(["flip", "meta", "zero", "truncate"]), rng.randrange(1 << 30)))
+    for _ in range(6 * scale):
+        f = rng.choice(RANK_FILES + [TRACKER])
+        cases.append(("protected", f, rng.choice(["flip", "zero", "truncate"]), rng.randrange(1 << 30)))
+    return cases
+
+
+def _damage(path: Path, mutation: str, seed: int) -> dict[int, int] | None:
+    """Damage `path` in place; returns {offset: new byte} of what changed (None for a truncation).
+
+    flip: 1-8 random bytes anywhere; meta: 1-3 bytes outside raw tensor data (pickle, zip records, safetensors
+    header); zero: a run of up to 64 bytes; truncate: cut at a random length."""
+    rng = random.Random(seed)
+    orig = path.read_bytes()
+    data = bytearray(orig)
+    if mutation == "truncate":
+        path.write_bytes(orig[: rng.randrange(0, len(orig))])
+        return None
+    if mutation in ("flip", "meta"):
+        regions = _tensor_regions(path) if mutation == "meta" else []
+        candidates = [i for i in range(len(data)) if not any(a <= i < b for a, b in regions)]
+        for _ in range(rng.randint(1, 8 if mutation == "flip" else 3)):
+            i = rng.choice(candidates)
+            data[i] ^= rng.randint(1, 255)
+    else:  # zero a run of bytes
+        start = rng.randrange(len(data))
+        for i in range(start, min(len(data), start + rng.randint(1, 64))):
+            data[i] = 0
+    path.write_bytes(bytes(data))
+    return {i: data[i] for i in range(len(data)) if data[i] != orig[i]}
+
+
+def _tensor_regions(path: Path) -> list[tuple[int, int]]:
+    """[start, end) byte ranges holding raw tensor data in an undamaged .pt (zip) or .safetensors file."""
+    if path.suffix == ".safetensors":
+        raw = path.read_bytes()
+        header = struct.unpack("<Q", raw[:8])[0]
+        return [(8 + header, len(raw))]
+    if path.suffix == ".pt":
+        regions = []
+        raw = path.read_bytes()
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                parts = info.filename.split("/")
+                if len(parts) >= 2 and parts[-2] == "data" and parts[-1].isdigit():
+                    off = info.header_offset
+                    name_len, extra_len = struct.unpack("<HH", raw[off + 26: off + 30])
+                    start = off + 30 + name_len + extra_len
+                    regions.append((start, start + info.compress_size))
+        return regions
+    return []
+
+
+def _megatron_equal(out: Path, ref: Path) -> bool:
+    for rel in RANK_FILES:
+        a, b = safe_load(out / rel), safe_load(ref / rel)
+        if ModelSpec.from_megatron_args(a["args"]) != ModelSpec.from_megatron_args(b["args"]):
+            return False
+        ma, mb = a["model"], b["model"]
+        if ma.keys() != mb.keys() or not all(
+                not isinstance(ma[k], torch.Tensor) or torch.equal(ma[k], mb[k]) for k in ma):
+            return False
+    return True
+
+
+def _hf_equal(out: Path, ref: Path) -> bool:
+    a, b = hf_tensors(out), hf_tensors(ref)
+    return (a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            and json.loads((out / "config.json").read_text()) == json.loads((ref / "config.json").read_text()))
+
+
+class _Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Hang()
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("direction,rel,mutation,seed", CASES,
+                         ids=[f"{d}-{r.split('/')[-2] if '/' in r else r}-{m}-{s % 1000}" for d, r, m, s in CASES])
+def test_damaged_file_is_refused_or_converted_correctly(direction, rel, mutation, seed, tmp_path, capsys):
+    b = base()
+    if direction == "hf":
+        src = copy_of("hf", tmp_path / "src")
+        argv = ["hf-to-megatron", src, tmp_path / "out", "--tp", "2", "--pp", "2"]
+        ref, equal = b["ckpt"], _megatron_equal
+    else:
+        src = copy_of("ckpt", tmp_path / "src", manifest=direction == "protected")
+        argv = ["megatron-to-hf", src, tmp_path / "out"]
+        ref, equal = b["ref"], _hf_equal
+    target = src / rel
+    regions = _tensor_regions(target)
+    before = target.read_bytes()
+    changed = _damage(target, mutation, seed)
+    if target.read_bytes() == before:
+        pytest.skip("the mutation changed nothing")
+    code, err = _convert(argv, capsys, f"{direction} {rel} {mutation} seed={seed}")
+    out = tmp_path / "out"
+    if code != 0:
+        assert_one_line_error(code, err)
+        assert not out.exists()
+        if direction == "protected":
+            assert "manifest" in err, err
+        OUTCOMES[(direction, "refused")] += 1
+        return
+    assert direction != "protected", f"a damaged file of an mconvert checkpoint was converted: {rel}"
+    if equal(out, ref):
+        OUTCOMES[(direction, "same")] += 1
+        return
+    # a different output: allowed only when the bytes that made it different are raw tensor data
+    if rel == "config.json":
+        try:
+            assert isinstance(json.loads(target.read_text()), dict)
+        except (ValueError, UnicodeDecodeError, AssertionError):
+            pytest.fail(f"invalid config.json converted: {mutation} seed={seed}")
+        OUTCOMES[(direction, "undetectable")] += 1
+        return
+    assert changed is not None, f"a truncated {rel} was converted into a different model (seed={seed})"
+    outside = {i: v for i, v in changed.items() if not any(a <= i < b for a, b in regions)}
+    if outside:  # apply only the damage outside tensor data: it alone must not change the model
+        data = bytearray(before)
+        for i, v in outside.items():
+            data[i] = v
+        target.write_bytes(bytes(data))
+        shutil.rmtree(out)
+        code2, _ = _convert(argv, capsys, f"{direction} {rel} metadata-only seed={seed}")
+        assert code2 == 0 and equal(out, ref), (
+            f"damage outside tensor data changed the model silently: {rel} offsets {sorted(outside)[:10]} seed={seed}")
+    OUTCOMES[(direction, "undetectable")] += 1
+
+
+def _convert(argv: list, capsys, what: str) -> tuple[int, str]:
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(60)
+    try:
+        code, _, err = run_cli(argv, capsys)
+    except _Hang:
+        pytest.fail(f"hang: {what}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    return code, err
+
+
+def test_zz_fuzz_summary(capsys):
+    """Print the outcome counts (run with -s to see them); every direction produced refusals."""
+    with capsys.disabled():
+        print("\nbyte fuzz outcomes:", dict(sorted(OUTCOMES.items())))
+    if OUTCOMES:
+        assert OUTCOMES[("megatron", "refused")] > 0 and OUTCOMES[("protected", "refused")] > 0
