@@ -15,6 +15,7 @@ def plot_errors(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     ncols = 2 if per_layer else 1
     fig, axes = plt.subplots(1, ncols, figsize=(6.5 * ncols, 4.2), squeeze=False)
@@ -35,6 +36,7 @@ def plot_errors(
         for label, ys in per_layer.items():
             ax2.plot(range(len(ys)), [max(y, 1e-12) for y in ys], marker="o", label=label)
         ax2.set_yscale("log")
+        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax2.set_xlabel("layer (0 = embeddings)")
         ax2.set_ylabel("max |hidden − ref hidden|")
         ax2.set_title("error per layer")

@@ -318,6 +318,8 @@ def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> No
     """Stream every tensor once: NaN/Inf scan, and the embedding vs lm_head comparison."""
     from safetensors import safe_open
 
+    from mconvert.convert.safeload import all_finite
+
     mt = cfg.get("model_type")
     emb_key = "transformer.wte.weight" if mt == "gpt2" else "model.embed_tokens.weight"
     bad: list[str] = []
@@ -329,7 +331,7 @@ def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> No
         with safe_open(str(f), framework="pt") as h:
             for k in keys:
                 t = h.get_tensor(k)
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                if t.is_floating_point() and not all_finite(t):
                     n = int((~torch.isfinite(t)).sum())
                     bad.append(f"{k} ({n} non-finite)")
                 if k == emb_key:
@@ -578,6 +580,8 @@ def render_verify(rep: VerifyReport, console) -> None:
         t.add_row(c.name, style.get(c.status, c.status), c.message)
     console.print(t)
     errs = rep.errors()
+    for c in errs:
+        console.print(f"  [red]✗[/] {c.name}: {c.message}", highlight=False, soft_wrap=True)
     if errs:
         console.print(f"[bold red]NOT READY[/]: {len(errs)} error(s): {', '.join(c.name for c in errs)}")
     else:
