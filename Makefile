@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/python -m mconvert.demo
+demo: $(STAMP) vllm-env
+	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m mconvert.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -19,7 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.rule import Rule
 
-console = Console()
+console = Console(width=int(os.environ.get("COLUMNS", "120")))
 
 
 def run(*args: str, expect_refusal: bool = False) -> bool:
@@ -28,7 +28,8 @@ def run(*args: str, expect_refusal: bool = False) -> bool:
     console.print(Rule(style="dim"))
     console.print(f"[bold cyan]$ mconvert {shlex.join(args)}[/]")
     t0 = time.perf_counter()
-    rc = subprocess.call(cmd)
+    env = {**os.environ, "COLUMNS": os.environ.get("COLUMNS", "120")}  # readable tables when piped
+    rc = subprocess.call(cmd, env=env)
     dt = time.perf_counter() - t0
     if rc != 0 and expect_refusal:
         console.print(f"[yellow]refused as expected[/] (exit {rc}): this format cannot hold this model")
@@ -94,10 +95,10 @@ def demo_one(preset: str, out: Path, steps: int, vllm_python: str | None) -> Non
     run("reshard", str(ckpt), str(resharded), "--tp", "1", "--pp", "2", "--with-optimizer")
     run("inspect", str(resharded))
     gqa = spec.num_groups != spec.num_attention_heads
-    wrote_ft = run("megatron-to-ft", str(ckpt), str(ft / "x"), "--infer-tp", "2", expect_refusal=gqa)
+    wrote_ft = run("megatron-to-ft", str(ckpt), str(ft), "--infer-tp", "2", expect_refusal=gqa)
     run("megatron-to-trtllm", str(ckpt), str(trt), "--tp", "2")
     run("to-onnx", str(hf), str(onnx))
-    others = [str(resharded), str(hf), str(onnx)] + ([str(ft / "x")] if wrote_ft else [])
+    others = [str(resharded), str(hf), str(onnx)] + ([str(ft)] if wrote_ft else [])
     run("validate", str(ckpt), *others)
     verify = ["verify", str(hf), "--against", str(ckpt)]
     if vllm_python:
