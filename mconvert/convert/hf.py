@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,8 +143,62 @@ class HFWriter:
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
             if self.dtype is not None and t.dtype != self.dtype:
+        # Streaming (issue 7): shards planned from the spec on the first add, each tensor written as it
+        # arrives (memory: one unit, not one 5 GB shard); the buffered path below stays for other callers.
+        self._shards: list | None = None  # planned shards, or [] when the arrivals do not follow the plan
+        self._stream: Any = None
+        self._digests: dict[Path, str] = {}
+        self._streaming = False
+
+    def _plan(self, first: dict[str, torch.Tensor]) -> list:
+        """Every tensor this model will produce, in arrival order (units of the spec through the plugin on
+        the meta device), cut into shards; [] when `first` is not the start of that sequence."""
+        from mconvert.convert.base import units_of
+        from mconvert.convert.stream import plan_shards
+        from mconvert.mappings import to_hf
+
+        spec = self.spec
+        dtype = self.dtype or next(iter(first.values())).dtype
+        entries = []
+        try:
+            for unit in units_of(spec):
+                decls = (spec.embedding_params() if unit == "embedding" else
+                         spec.final_params() if unit == "final" else spec.layer_params(int(unit)))
+                meta = {d.name: torch.empty(d.shape, dtype=dtype, device="meta") for d in decls}
+                entries += [(n, dtype, tuple(t.shape)) for n, t in to_hf(spec, unit, meta).items()]
+        except Exception:  # noqa: BLE001 - no plan: fall back to buffering
+            return []
+        head = [(n, t.dtype, tuple(t.shape)) for n, t in first.items()]
+        return plan_shards(entries, self.max_shard_size) if entries[: len(head)] == head else []
+
+    def _add_streamed(self, name: str, t: torch.Tensor) -> None:
+        from mconvert.convert.stream import SafetensorsStream
+
+        if self._stream is None:
+            if not self._shards:
+                raise MConvertError(f"{self.out}: tensor {name!r} arrived after every planned tensor was written")
+            entries = self._shards.pop(0)
+            path = self.out / f".shard-{len(self._tmp_files):05d}.safetensors"
+            self._stream = SafetensorsStream(path, entries, {"format": "pt"})
+            self._tmp_files.append((path, [e[0] for e in entries]))
+        self._stream.add(name, t)
+        self.total_size += t.numel() * t.element_size()
+        if self._stream.complete:
+            self._digests[self._stream.path] = self._stream.close()
+            self._stream = None
                 t = t.to(self.dtype)
             t = t.contiguous()
+        if self.dtype is not None:
+            tensors = {n: t.to(self.dtype) if t.dtype != self.dtype else t for n, t in tensors.items()}
+        if self._shards is None and tensors:
+            self._shards = self._plan(tensors)
+            self._streaming = bool(self._shards)
+        if self._streaming:
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, sum(t.numel() * t.element_size()
+                                                                     for t in tensors.values()))
+            for name, t in tensors.items():
+                self._add_streamed(name, t)
+            return
             if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
                 t = t.clone()
             nbytes = t.numel() * t.element_size()
@@ -170,6 +225,13 @@ class HFWriter:
         n = len(self._tmp_files)
         files: list[Path] = []
         weight_map: dict[str, str] = {}
+        from mconvert.convert.atomic import record_digest
+
+        if self._streaming and (self._stream is not None or self._shards):
+            missing = self._stream.entries[self._stream._next][0] if self._stream else self._shards[0][0][0]
+            if self._stream is not None:
+                self._stream.abort()
+            raise MConvertError(f"internal: HF writer closed before all tensors arrived (e.g. {missing!r})")
         for i, (tmp, names) in enumerate(self._tmp_files):
             final = self.out / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
             os.replace(tmp, final)
@@ -177,6 +239,8 @@ class HFWriter:
             weight_map.update({k: final.name for k in names})
         if n > 1:
             idx = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            if tmp in self._digests:  # hashed while written: the manifest need not read it back
+                record_digest(final, self._digests[tmp])
             (self.out / INDEX).write_text(json.dumps(idx, indent=2) + "\n")
             files.append(self.out / INDEX)
         spec = self.spec

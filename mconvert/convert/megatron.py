@@ -9,6 +9,7 @@ Writer: splits full tensors for the target TP, buffers one pipeline stage, write
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import types
 from pathlib import Path
@@ -232,6 +233,51 @@ class MegatronSource(SourceBase):
     def _unit_of_global(self, name: str) -> Unit:
         return unit_of(name)
 
+    def _lazy_model(self, t: int, p: int, c: int) -> Any:
+        """Rank file (t, p)'s chunk c read tensor by tensor with pread at indexed offsets (built from one safe,
+        weights-only load per file): no unpickling per unit, no mmap pages left in RSS. None: use safe_load."""
+        from mconvert.convert.stream import LazyModel, TensorIndex
+
+        cache = self.__dict__.setdefault("_tensor_index", {})
+        if (t, p) not in cache:
+            f = self.files[(t, p)]
+            st = safe_load(f)
+            tensors = {f"{cc}\0{k}": v for cc in range(self.vpp or 1)
+                       for k, v in self._model_dict(st, cc, f).items() if isinstance(v, torch.Tensor)}
+            idx = TensorIndex.build(f, st, tensors)
+            cache[(t, p)] = None if idx is None else (idx, os.open(f, os.O_RDONLY))
+            del st, tensors
+        entry = cache[(t, p)]
+        return None if entry is None else LazyModel(entry[0], entry[1], f"{c}\0")
+
+    def _read_dim0_direct(self, p: int, c: int, wanted: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+        """Dim-0 split parameters (column / qkv / vocab / gated) of one unit, each rank's shard pread straight
+        into the merged tensor (= `merge`, without shard copies and torch.cat); each rank's rows are checked
+        finite as the shard loop would. Parameters it cannot read in place are left to that loop."""
+        from mconvert.convert.stream import merge_dim0_into
+
+        if self.tp == 1 or self.checkpoint_version < 2:
+            return {}
+        lazies = [self._lazy_model(t, p, c) for t in range(self.tp)]
+        if any(lz is None for lz in lazies):
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for raw, name in wanted:
+            kind = self.spec.split_kind(name)
+            shape = self.shapes.get(name)
+            if kind not in ("column", "qkv", "vocab", "gated") or not shape or not all(raw in lz for lz in lazies):
+                continue
+            got = merge_dim0_into(lazies, raw, kind, shape)
+            if got is None:
+                continue
+            full, parts = got
+            for t, rank_parts in enumerate(parts):
+                if full.is_floating_point() and not all(all_finite(x) for x in rank_parts):
+                    raise MConvertError(f"{self.files[(t, p)]}: key {raw!r} holds NaN or Inf values; the run "
+                                        "diverged or the file is corrupt — convert an earlier iteration (--iteration N)")
+            out[name] = full
+        return out
+
     def read_unit(self, unit: Unit, with_optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """Full tensors of one unit (canonical global names, source key order) and, when asked, their Adam states."""
         p, c = self.location(unit)
@@ -239,16 +285,20 @@ class MegatronSource(SourceBase):
         wanted = [(raw, name) for raw, name in keymap.items() if unit_of(name) == unit]
         shards: dict[str, list[torch.Tensor]] = {name: [] for _, name in wanted}
         ostates: dict[str, list[dict]] = {name: [] for _, name in wanted}
+        direct = {} if with_optimizer else self._read_dim0_direct(p, c, wanted)
         for t in range(self.tp):
             f = self.files[(t, p)]
-            st = safe_load(f)
-            model = self._model_dict(st, c, f)
+            lazy = None if with_optimizer else self._lazy_model(t, p, c)  # pread by offset (bench/, issue 7)
+            st = {} if lazy is not None else safe_load(f)
+            model = lazy if lazy is not None else self._model_dict(st, c, f)
             opt_by_name = None
             if with_optimizer:
                 opt_by_name, self.optimizer_groups = optim.index_states(st.get("optimizer"), str(f))
             for raw, name in wanted:
                 if raw not in model:
                     raise MConvertError(f"{f}: key {raw!r} is missing (TP rank 0 has it)")
+                if name in direct:  # already read into the merged tensor (and checked finite)
+                    continue
                 ten = model[raw]
                 if ten.is_floating_point() and not all_finite(ten):
                     raise MConvertError(f"{f}: key {raw!r} holds NaN or Inf values; the run diverged or the file is "
@@ -267,7 +317,8 @@ class MegatronSource(SourceBase):
                         raise MConvertError(f"{f}: optimizer has no state for parameter {key!r}")
                     ostates[name].append(s)
             del st, model
-        out = {name: merge(sh, self.spec.split_kind(name), name) for name, sh in shards.items()}
+        out = {name: direct[name] if name in direct else merge(sh, self.spec.split_kind(name), name)
+               for name, sh in shards.items()}
         states = {}
         if with_optimizer:
             states = {n: optim.merge_states(s, self.spec.split_kind(n), n) for n, s in ostates.items()}

@@ -1,0 +1,342 @@
+"""Streaming output files: bytes go to disk as soon as a unit is converted, hashed on the way.
+
+`HashingFile` writes a file front to back from a background thread that also feeds sha256, so the main
+thread converts the next unit while the previous one is written and hashed (2 cores: I/O + hash overlap
+with the shard math), and the manifest need not read the file back (`atomic.record_digest`).
+`SafetensorsStream` writes one safetensors file whose header is planned before the first tensor arrives
+(names, dtypes and shapes follow from ModelSpec), then the tensors in that order: memory is one unit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.errors import MConvertError
+
+ST_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of `t` in row-major order (a copy only when `t` is not contiguous)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+class HashingFile:
+    """Sequential writer + sha256 on a background thread; at most `max_pending` bytes queued.
+
+    The queued buffers keep their tensors alive until written, so callers may drop them at once."""
+
+    def __init__(self, path: str | Path, max_pending: int = 256 << 20) -> None:
+        self.path = Path(path)
+        self._f = open(self.path, "wb")
+        self._h = hashlib.sha256()
+        self.bytes = 0
+        self._q: deque[tuple[memoryview, Any]] = deque()
+        self._pending = 0
+        self._max = max_pending
+        self._cv = threading.Condition()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, name=f"write {self.path.name}", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q and not self._closed:
+                    self._cv.wait()
+                if not self._q:
+                    return
+                mv, _keep = self._q.popleft()
+            try:
+                if self._error is None:
+                    self._f.write(mv)  # both release the GIL for large buffers
+                    self._h.update(mv)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._error = e
+            with self._cv:
+                self._pending -= len(mv)
+                self._cv.notify_all()
+
+    def write(self, data: bytes | memoryview, keep: Any = None) -> None:
+        """Queue `data` (keep `keep` — e.g. its tensor — alive until written)."""
+        mv = memoryview(data).cast("B")
+        if not len(mv):
+            return
+        with self._cv:
+            while self._pending and self._pending + len(mv) > self._max and self._error is None:
+                self._cv.wait()
+            self._raise()
+            self._q.append((mv, keep))
+            self._pending += len(mv)
+            self.bytes += len(mv)
+            self._cv.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e = self._error
+            if isinstance(e, OSError):  # disk full / file-size limit / EROFS: atomic_output_dir names OUT
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
+            raise MConvertError(f"{self.path}: write failed ({getattr(e, 'strerror', None) or e})") from None
+
+    def close(self) -> str:
+        """Flush, close, and return the sha256 hex digest of everything written."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._t.join()
+        self._f.close()
+        self._raise()
+        return self._h.hexdigest()
+
+    def abort(self) -> None:
+        with self._cv:
+            self._q.clear()
+            self._closed = True
+            self._cv.notify_all()
+        self._t.join()
+        self._f.close()
+
+
+def safetensors_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                       metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length + JSON header of a safetensors file holding `entries` in this order (8-aligned)."""
+    head: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    off = 0
+    for name, dtype, shape in entries:
+        if dtype not in ST_DTYPES:
+            raise MConvertError(f"{name}: dtype {dtype} cannot be stored in safetensors")
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        head[name] = {"dtype": ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class SafetensorsStream:
+    """One safetensors file written in a planned order: header first, then each tensor as it arrives."""
+
+    def __init__(self, path: str | Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        self.path = Path(path)
+        self.entries = list(entries)
+        self.names = [e[0] for e in self.entries]
+        self._next = 0
+        self._f = HashingFile(self.path)
+        self._f.write(safetensors_header(self.entries, metadata))
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        """Write the next tensor; it must be the one the header planned (name, dtype, shape)."""
+        if self._next >= len(self.entries):
+            raise MConvertError(f"{self.path}: tensor {name!r} arrived after the planned ones were all written")
+        want, dtype, shape = self.entries[self._next]
+        if name != want or t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            raise MConvertError(
+                f"{self.path}: got {name!r} {t.dtype} {tuple(t.shape)} where {want!r} {dtype} {tuple(shape)} was "
+                "planned from the model config; the checkpoint disagrees with its own config (pass --dtype if only "
+                "the dtype differs)"
+            )
+        if not t.is_contiguous():
+            t = t.contiguous()
+        self._f.write(tensor_bytes(t), keep=t)
+        self._next += 1
+
+    @property
+    def complete(self) -> bool:
+        return self._next == len(self.entries)
+
+    def close(self) -> str:
+        """Close and return the file's sha256; every planned tensor must have been written."""
+        digest = self._f.close()
+        if not self.complete:
+            raise MConvertError(f"internal: {self.path} closed after {self._next} of {len(self.entries)} tensors")
+        return digest
+
+    def abort(self) -> None:
+        self._f.abort()
+
+
+def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int
+                ) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """Greedy shards in arrival order: a new shard when the next tensor would pass `max_shard_size`."""
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    size = 0
+    for e in entries:
+        n = int(torch.Size(e[2]).numel()) * torch.empty((), dtype=e[1]).element_size()
+        if shards[-1] and size + n > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+    return [s for s in shards if s]
+
+
+
+# ---- reading: a rank file's tensors by file offset, without unpickling it again ----------------------------
+def _all_tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 12 and isinstance(obj, dict):
+        for v in obj.values():
+            _all_tensors(v, out, depth + 1)
+    elif depth < 12 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            _all_tensors(v, out, depth + 1)
+
+
+class TensorIndex:
+    """Where each tensor of a torch zip checkpoint lives in the file, so a unit's shards can be `pread` into
+    fresh memory: no second unpickling per unit, no mmap pages left resident in the process (issue 7).
+
+    Built from an already (safely) loaded mmap'd state: the storages of a mmap load are slices of one mapping
+    at the zip records' offsets, so sorting both gives the record of every storage; sizes are checked one by
+    one and any doubt returns None (callers then keep reading through the loaded state)."""
+
+    def __init__(self, path: Path, entries: dict[str, tuple]) -> None:
+        self.path = path
+        self.entries = entries  # key -> (record offset, dtype, shape, stride, storage offset (elements), nbytes)
+
+    @classmethod
+    def build(cls, path: str | Path, state: Any, tensors: dict[str, torch.Tensor]) -> "TensorIndex | None":
+        """Index `tensors` (key -> tensor of the mmap-loaded `state` of `path`)."""
+        path = Path(path)
+        try:
+            reader = torch._C.PyTorchFileReader(str(path))
+            records = [r for r in reader.get_all_records() if r.startswith("data/")]
+            rec = sorted((reader.get_record_offset(r), r) for r in records)
+            import zipfile
+
+            with zipfile.ZipFile(path) as z:
+                size_of = {i.filename.split("/", 1)[1]: i.file_size for i in z.infolist() if "/" in i.filename}
+        except Exception:  # noqa: BLE001 - not a zip checkpoint (legacy pickle): no index
+            return None
+        everything: list[torch.Tensor] = []
+        _all_tensors(state, everything)
+        storages: dict[int, int] = {}
+        for t in everything:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+        ptrs = sorted(storages)
+        if len(ptrs) != len(rec) or any(p == 0 for p in ptrs):
+            return None
+        base = ptrs[0] - rec[0][0]
+        record_of: dict[int, int] = {}
+        for p, (off, name) in zip(ptrs, rec):
+            if p - base != off or storages[p] != size_of.get(name, -1):
+                return None
+            record_of[p] = off
+        entries = {}
+        for k, t in tensors.items():
+            s = t.untyped_storage()
+            entries[k] = (record_of[s.data_ptr()], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                          s.nbytes())
+        return cls(path, entries)
+
+    def read_into(self, fd: int, key: str, dst: torch.Tensor, start: int = 0) -> bool:
+        """pread bytes [start, start + dst.nbytes) of the stored (contiguous) tensor `key` straight into `dst`
+        (contiguous, same dtype); False when the stored tensor is a strided view (then use `read`)."""
+        off, dtype, shape, stride, soff, nbytes = self.entries[key]
+        n = dst.numel() * dst.element_size()
+        if (dtype != dst.dtype or not dst.is_contiguous() or list(stride) != _contiguous_strides(shape)
+                or start + n > _numel(shape) * dst.element_size()):
+            return False
+        self._pread(fd, key, memoryview(dst.reshape(-1).view(torch.uint8).numpy()),
+                    off + soff * dst.element_size() + start)
+        return True
+
+    def _pread(self, fd: int, key: str, mv: memoryview, pos: int) -> None:
+        got, total = 0, len(mv)
+        while got < total:
+            n = os.preadv(fd, [mv[got:]], pos + got)
+            if n <= 0:
+                raise MConvertError(f"{self.path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
+            got += n
+
+    def read(self, fd: int, key: str) -> torch.Tensor:
+        """The tensor `key`, read with one pread into new memory (its whole storage, then the same view)."""
+        off, dtype, shape, stride, soff, nbytes = self.entries[key]
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self._pread(fd, key, memoryview(buf.numpy()), off)
+        typed = buf.view(dtype)
+        if soff == 0 and list(stride) == _contiguous_strides(shape) and typed.numel() == _numel(shape):
+            return typed.view(shape)
+        return torch.as_strided(typed, shape, stride, soff)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return list(reversed(out))
+
+
+class LazyModel:
+    """A rank file's model dict for one chunk, read tensor by tensor through a TensorIndex."""
+
+    def __init__(self, index: TensorIndex, fd: int, prefix: str) -> None:
+        self.index, self.fd, self.prefix = index, fd, prefix
+
+    def __contains__(self, key: str) -> bool:
+        return self.prefix + key in self.index.entries
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.index.read(self.fd, self.prefix + key)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.index.entries[self.prefix + key][1]
+
+    def read_into(self, key: str, dst: torch.Tensor, start: int = 0) -> bool:
+        return self.index.read_into(self.fd, self.prefix + key, dst, start)
+
+
+def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: tuple[int, ...]
+                    ) -> tuple[torch.Tensor, list[list[torch.Tensor]]] | None:
+    """Merge the TP shards of a dim-0 split parameter (column / qkv / vocab / gated) by reading each rank's
+    rows straight into the full tensor — what `transforms.merge` computes, without the shard copies and
+    the concatenation. Returns (full, each rank's slices of it) or None when a shard cannot be read in place."""
+    tp = len(lazies)
+    rows = shard_shape[0]
+    full = torch.empty((rows * tp, *shard_shape[1:]), dtype=lazies[0].dtype(raw))
+    row_bytes = full[0].numel() * full.element_size() if full.dim() > 1 else full.element_size()
+    parts: list[torch.Tensor] = []
+    if kind == "gated":
+        if rows % 2:
+            return None
+        half, gate_rows = rows // 2, rows * tp // 2
+        for t, lz in enumerate(lazies):
+            gate = full[t * half:(t + 1) * half]
+            up = full[gate_rows + t * half:gate_rows + (t + 1) * half]
+            if not (lz.read_into(raw, gate) and lz.read_into(raw, up, start=half * row_bytes)):
+                return None
+            parts.append([gate, up])
+    else:
+        for t, lz in enumerate(lazies):
+            part = full[t * rows:(t + 1) * rows]
+            if lz.dtype(raw) != full.dtype or not lz.read_into(raw, part):
+                return None
+            parts.append([part])
+    return full, parts
