@@ -246,3 +246,17 @@ def test_loading_does_not_leave_the_allow_list_widened(tmp_path):
     before = set(map(repr, torch.serialization.get_safe_globals()))
     safe_load(tmp_path / "a.pt")
     assert set(map(repr, torch.serialization.get_safe_globals())) == before
+
+
+def test_a_tensor_with_overlapping_strides_is_refused(tmp_path):
+    """Found by the byte fuzz: a damaged stride in the pickle (64 -> 0..63) kept the tensor inside its storage
+    and silently produced a different weight. Overlap is refused; transposed or sliced views still load."""
+    base = torch.arange(4096.0)
+    good = {"t": base.reshape(64, 64).t(), "s": base.reshape(64, 64)[:, :32], "e": torch.zeros(0)}
+    torch.save({"model": good}, tmp_path / "good.pt")
+    out = safe_load(tmp_path / "good.pt")["model"]
+    assert all(torch.equal(out[k], good[k]) for k in good)
+    bad = {"decoder.layers.0.mlp.linear_fc2.weight": base.as_strided((64, 64), (17, 1))}
+    torch.save({"model": bad}, tmp_path / "bad.pt")
+    with pytest.raises(MConvertError, match=r"model\.decoder\.layers\.0\.mlp\.linear_fc2\.weight.*overlap"):
+        safe_load(tmp_path / "bad.pt")

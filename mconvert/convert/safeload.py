@@ -163,14 +163,46 @@ def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
                     "the file is truncated or corrupt — re-copy it"
                 ) from None
             _refuse(path, [g for g in needed if g not in ALLOW_LIST])
-            return _load(path, what, mmap=True)
+            return _check_layouts(path, _load(path, what, mmap=True))
     if head[:1] == b"\x80":  # a bare pickle: the legacy torch.save format (or not torch at all)
         with _exactly_our_allow_list():
-            return _load(path, what, mmap=False)
+            return _check_layouts(path, _load(path, what, mmap=False))
     raise MConvertError(
         f"{path}: not a torch checkpoint (starts with {head!r}, expected a zip or pickle); "
         "check the file name or re-copy it"
     )
+
+
+def _check_layouts(path: Path, obj: Any) -> Any:
+    """Refuse a tensor whose elements overlap in its storage (a zero or shrunken stride): torch.save never
+    writes one for a parameter, and a damaged stride in the pickle would otherwise make a wrong tensor
+    silently (a grown stride runs out of its storage and torch refuses it already)."""
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        key, o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            if _overlaps(o):
+                raise MConvertError(
+                    f"{path}: tensor {key or '(top level)'} has shape {tuple(o.shape)} but strides {o.stride()} "
+                    "that make its elements overlap; the file is corrupt — re-copy it"
+                )
+        elif isinstance(o, dict):
+            todo.extend((f"{key}.{k}" if key else str(k), v) for k, v in o.items())
+        elif isinstance(o, (list, tuple)):
+            todo.extend((f"{key}[{i}]", v) for i, v in enumerate(o))
+    return obj
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """True when two indices of `t` address the same storage element (sufficient test, stride-sorted)."""
+    if t.layout != torch.strided or t.numel() <= 1:
+        return False
+    extent = 1  # elements spanned by the dims seen so far
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < extent:
+            return True
+        extent = stride * (size - 1) + extent
+    return False
 
 
 def _refuse(path: Path, refused: list[str]) -> None:
