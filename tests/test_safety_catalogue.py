@@ -174,6 +174,22 @@ def nan_in_hf_input(tmp):
     return ["hf-to-megatron", h, tmp / "out"]
 
 
+def int_weight_on_one_rank(tmp):
+    c = _ckpt(tmp)
+    _edit_rank(c, 1, 0, lambda s: s["model"].__setitem__(FC1, s["model"][FC1].view(torch.int32).clone()))
+    return _to_hf(tmp, c)
+
+
+def int_weight_in_hf_input(tmp):
+    h = copy_of("hf", tmp / "hf")
+    f = h / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    at = raw.find(b'"F32"', raw.find(b'"model.layers.0.mlp.up_proj.weight"'))
+    raw[at + 1: at + 2] = b"I"  # same size, so safetensors itself accepts it
+    f.write_bytes(bytes(raw))
+    return ["hf-to-megatron", h, tmp / "out"]
+
+
 def iteration_not_found(tmp):
     return _to_hf(tmp, base()["ckpt"], "--iteration", "5")
 
@@ -272,6 +288,9 @@ CATALOGUE: dict[str, Case] = {
     "NaN weight": Case(nan_weight, ("mp_rank_01_001/model_optim_rng.pt", "linear_proj.weight", "NaN or Inf")),
     "Inf weight": Case(inf_weight, ("mp_rank_00_000/model_optim_rng.pt", "embedding.word_embeddings.weight")),
     "NaN in an HF input": Case(nan_in_hf_input, ("{tmp}/hf/model.safetensors", "model.layers.1.mlp.up_proj.weight")),
+    "integer weights on one TP rank": Case(int_weight_on_one_rank, ("mp_rank_01_000/model_optim_rng.pt", FC1,
+                                                                    "torch.int32")),
+    "integer weights in an HF input": Case(int_weight_in_hf_input, ("{tmp}/hf/model.safetensors", "torch.int32")),
     "iteration not found": Case(iteration_not_found, ("iter_0000005", "available: release")),
     "tracker names an absent iteration": Case(tracker_names_absent_iteration,
                                               ("latest_checkpointed_iteration.txt", "iteration 7", "--iteration")),

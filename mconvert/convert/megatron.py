@@ -165,6 +165,10 @@ class MegatronSource(SourceBase):
                         got = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
                         raise MConvertError(f"{f}: key {raw!r} has shape {got} but {ref_file} has {want}; TP shards "
                                             "of one parameter must agree — re-copy the rank files from one checkpoint")
+                    if val.dtype != self._dtypes[ref[raw]]:
+                        raise MConvertError(f"{f}: key {raw!r} is {val.dtype} but {ref_file} has "
+                                            f"{self._dtypes[ref[raw]]}; TP shards of one parameter must agree — "
+                                            "re-copy the rank files from one checkpoint")
                 missing = [raw for raw in ref if raw not in model]
                 if missing:
                     raise MConvertError(f"{f}: key {missing[0]!r} is missing ({ref_file} has it); the checkpoint "
@@ -205,6 +209,9 @@ class MegatronSource(SourceBase):
                 continue
             if not isinstance(val, torch.Tensor):
                 raise MConvertError(f"{file}: key {raw!r} holds a {type(val).__name__}, not a tensor")
+            if not val.is_floating_point():  # safety: an int view of float bits would be converted as numbers
+                raise MConvertError(f"{file}: key {raw!r} holds {val.dtype} values, not floating-point weights; "
+                                    "the file is corrupt — re-copy it")
             unit = unit_of(name)
             if isinstance(unit, int):
                 if unit >= len(layers):
@@ -218,6 +225,7 @@ class MegatronSource(SourceBase):
                                     "model; it is neither converted nor a known buffer") from None
             out[raw] = name
             self.shapes[name] = tuple(val.shape)
+            self.__dict__.setdefault("_dtypes", {})[name] = val.dtype
         return out
 
     def location(self, unit: Unit) -> tuple[int, int]:

@@ -121,11 +121,11 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
     """Open any supported checkpoint as a Source: units of full tensors, read one unit at a time.
 
     `verify`: an input mconvert wrote is first checked against its manifest (sha256 of every file)."""
-    fmt = detect_format(path, iteration)
-    if verify:
+    if verify:  # before anything is read, the tracker file included
         from mconvert.convert.atomic import verify_input
 
         verify_input(path)
+    fmt = detect_format(path, iteration)
     if fmt == "hf":
         from mconvert.convert.hf import HFSource
 
