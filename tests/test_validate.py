@@ -45,14 +45,18 @@ def test_every_llama_format_and_layout_matches_the_native_checkpoint(tmp_path):
 def test_every_gpt2_format_and_layout_matches_the_native_checkpoint(capsys):
     ref = trained_ckpt("gpt2")  # TP=2 PP=1
     others = [hf_export("gpt2"), ft_export("gpt2", 1), ft_export("gpt2", 2), onnx_export("gpt2"),
-              resharded("gpt2", 1, 2)]
+              resharded("gpt2", 1, 2), ft_export("gpt2", 2, "fp16")]
     rc, out, _ = _cli(capsys, "validate", ref, *others, "--device", "cpu", "--json")
     assert rc == 0
     rep = json.loads(out)
     assert rep["schema"] == SCHEMA and rep["passed"] and rep["reference"]["layout"]["tp"] == 2
-    assert [r["format"] for r in rep["results"]] == ["hf", "ft", "ft", "onnx", "megatron"]
-    for r in rep["results"]:
+    assert [r["format"] for r in rep["results"]] == ["hf", "ft", "ft", "onnx", "megatron", "ft"]
+    for r in rep["results"][:5]:
         assert r["passed"] and r["metrics"]["max_abs"] <= 1e-5, r
+    fp16 = rep["results"][5]  # FT's fp16 weights: judged by the fp16 row, and it needs it
+    assert fp16["dtype"] == "float16" and fp16["tolerance"]["dtype"] == "float16" and fp16["passed"], fp16
+    assert fp16["metrics"]["max_abs"] > rep["tolerances"]["float32"]["atol"]
+    print({k: fp16["metrics"][k] for k in ("max_abs", "mean_abs", "kl", "top1")})
 
 
 @pytest.mark.slow

@@ -64,11 +64,11 @@ def onnx_export(family: str) -> Path:
 
 
 @lru_cache(maxsize=None)
-def ft_export(family: str, infer_tp: int) -> Path:
+def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
     from mconvert.convert.fastertransformer import megatron_to_ft
 
-    out = WORK / f"ft-{family}-{infer_tp}"
-    megatron_to_ft(trained_ckpt(family), out, infer_tp)
+    out = WORK / f"ft-{family}-{infer_tp}-{dtype}"
+    megatron_to_ft(trained_ckpt(family), out, infer_tp, dtype)
     return out
 
 

@@ -103,6 +103,10 @@ def validate(
         except MConvertError as e:
             res.error, res.failures = str(e), [f"did not run: {e}"]
             continue
+        except Exception as e:  # a runner crashing on one model must not hide the others' verdicts
+            msg = (str(e).strip().splitlines() or [""])[0][:300]
+            res.error, res.failures = f"{type(e).__name__}: {msg}", [f"runner failed: {type(e).__name__}: {msg}"]
+            continue
         _judge(res, ref_info, ref_out, info, out, tokens)
         if res.metrics:
             per_pos[_label(info)] = res.metrics["per_position_max_abs"]
