@@ -135,3 +135,29 @@ def test_metrics_against_closed_forms():
     # uniform logits: perplexity equals the vocabulary size
     assert perplexity(ref, torch.tensor([[0, 1, 2]])) == pytest.approx(4.0)
     assert judge(m, TOLERANCES["float32"]) and not judge(compare_logits(ref, ref), TOLERANCES["float32"])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_any_source_runs_through_the_transformers_class(family):
+    # the path torch_dist checkpoints take: full tensors from the Source loaded into the transformers class
+    from mconvert.validators.runners import hf_logits, source_logits
+
+    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    got = source_logits(trained_ckpt(family), tokens, "cpu")
+    want, _ = hf_logits(hf_export(family), tokens, "cpu")
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_torch_dist_checkpoint_is_described_without_a_tp_pp_layout(tmp_path):
+    # names only (the torch_dist reader itself is tested by the conversion tests): common.pt args are read
+    from mconvert.spec import preset
+    from mconvert.validators.formats import describe
+
+    d = tmp_path / "iter_0000007"
+    d.mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    torch.save({"args": preset("tiny-llama").to_megatron_args(), "iteration": 7}, d / "common.pt")
+    (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    info = describe(tmp_path)
+    assert (info.format, info.vocab_size, info.dtype, info.layout) == ("megatron-torch_dist", 1000, "float32",
+                                                                        {"iteration": 7})

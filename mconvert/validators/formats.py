@@ -134,14 +134,22 @@ def _describe_megatron(info: ModelInfo) -> None:
     d = p / iteration_dir_name(it)
     ranks = [parse_rank_dir(r.name) for r in d.iterdir() if r.is_dir()] if d.is_dir() else []
     ranks = [r for r in ranks if r is not None]
+    if not ranks and (d / "common.pt").is_file():  # torch_dist: global tensors, no TP/PP layout to run at
+        info.format = "megatron-torch_dist"
+        a = _args_dict(safe_load(d / "common.pt", "common.pt").get("args"))
+        info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
+        info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
+        info.max_positions = a.get("max_position_embeddings")
+        info.layout = {"iteration": it}
+        info.tokenizer_dir = next((c for c in (p, p / "tokenizer", p.parent) if _has_tokenizer(c)), None)
+        return
     if not ranks:
         raise MConvertError(f"{d}: no mp_rank_* directories; is iteration {it} in this checkpoint?")
     tp = max(r[0] for r in ranks) + 1
     pp = max((r[1] or 0) for r in ranks) + 1
     first = d / ("mp_rank_00" if pp == 1 else "mp_rank_00_000") / RANK_FILE
     state = safe_load(first)
-    args = state.get("args") if isinstance(state, dict) else None
-    a = vars(args) if args is not None and not isinstance(args, dict) else dict(args or {})
+    a = _args_dict(state.get("args") if isinstance(state, dict) else None)
     info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
     info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
     info.max_positions = a.get("max_position_embeddings")
@@ -150,6 +158,10 @@ def _describe_megatron(info: ModelInfo) -> None:
         if _has_tokenizer(cand):
             info.tokenizer_dir = cand
             break
+
+
+def _args_dict(args: Any) -> dict[str, Any]:
+    return vars(args) if args is not None and not isinstance(args, dict) else dict(args or {})
 
 
 def _onnx_dtype(path: Path) -> str:

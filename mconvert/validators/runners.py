@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.spec import torch_dtype
 from mconvert.validators.formats import ModelInfo
 
 
@@ -141,16 +142,19 @@ def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor
     open_source = _optional("mconvert.convert.sources", "open_source", "the conversion engine's reader")
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from transformers.modeling_utils import no_init_weights
+
     src = open_source(path)
     cfg_dict = src.spec.to_hf_config()
     model_type = cfg_dict.pop("model_type")
+    cfg_dict.pop("architectures", None)
     cfg = AutoConfig.for_model(model_type, **cfg_dict)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+    with no_init_weights():  # buffers (rotary inv_freq, causal masks) built for real; weights come from the source
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch_dtype(src.spec.params_dtype))
     state = {}
     for unit in src.units():
         state.update(src.read_hf(unit))
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and src.spec.tie_embeddings)]
     if missing or unexpected:
         raise MConvertError(f"{path}: tensors do not match the transformers class (missing {missing[:3]}, "

@@ -86,8 +86,8 @@ def verify(
         return rep
     _architecture(cfg, rep)
     _config_fields(cfg, rep)
-    files = _weight_files(d, rep)
-    header = _headers(files, rep)  # name -> (shape, dtype, file)
+    files, wmap = _weight_files(d, rep)
+    header = _headers(d, files, wmap, rep)  # name -> (shape, dtype, file)
     if header:
         _strict(cfg, header, rep)
         _dtypes(cfg, header, rep)
@@ -185,7 +185,8 @@ def _config_fields(cfg: dict[str, Any], rep: VerifyReport) -> None:
 
 
 # ---- weight files ---------------------------------------------------------------------------------
-def _weight_files(d: Path, rep: VerifyReport) -> list[Path]:
+def _weight_files(d: Path, rep: VerifyReport) -> tuple[list[Path], dict[str, str] | None]:
+    """The weight files vLLM would load (the index's, when there is one) and the index's weight_map."""
     index = d / "model.safetensors.index.json"
     st = sorted(d.glob("*.safetensors"))
     if index.is_file():
@@ -193,7 +194,7 @@ def _weight_files(d: Path, rep: VerifyReport) -> list[Path]:
             wmap = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError) as e:
             rep.add("weight-files", "error", f"{index}: unreadable index ({e}); re-export")
-            return []
+            return [], None
         named = sorted(set(wmap.values()))
         missing = [f for f in named if not (d / f).is_file()]
         stray = [p.name for p in st if p.name not in named]
@@ -207,29 +208,27 @@ def _weight_files(d: Path, rep: VerifyReport) -> list[Path]:
             rep.add("weight-files", "error", "; ".join(problems))
         else:
             rep.add("weight-files", "ok", f"{len(named)} shard(s), all in {index.name}, none stray")
-        files = [d / f for f in named if (d / f).is_file()]
-        # every key the index promises must be in the file it names
-        rep._index = wmap  # type: ignore[attr-defined]
-        return files
+        return [d / f for f in named if (d / f).is_file()], wmap
     if not st:
         if list(d.glob("*.bin")):
             rep.add("weight-files", "error", "only pytorch *.bin weights; export safetensors (pickle-free) for serving")
         else:
             rep.add("weight-files", "error", f"{d}: no *.safetensors weights")
-        return []
+        return [], None
     if len(st) > 1 or st[0].name != "model.safetensors":
         rep.add("weight-files", "error",
                 f"{[p.name for p in st]} without model.safetensors.index.json: missing index or stray shard(s)")
-        return st
+        return st, None
     rep.add("weight-files", "ok", "model.safetensors (single file)")
-    return st
+    return st, None
 
 
-def _headers(files: list[Path], rep: VerifyReport) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+def _headers(d: Path, files: list[Path], wmap: dict[str, str] | None, rep: VerifyReport
+             ) -> dict[str, tuple[tuple[int, ...], str, Path]]:
+    """Name -> (shape, dtype, file) from the safetensors headers (no tensor read); index entries checked."""
     from safetensors import safe_open
 
     out: dict[str, tuple[tuple[int, ...], str, Path]] = {}
-    wmap = getattr(rep, "_index", None)
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as h:
@@ -239,7 +238,7 @@ def _headers(files: list[Path], rep: VerifyReport) -> dict[str, tuple[tuple[int,
         except Exception as e:  # truncated / corrupt header
             rep.add("weight-files", "error", f"{f}: unreadable safetensors ({str(e)[:200]}); re-copy or re-export")
     if wmap:
-        wrong = [k for k, fn in wmap.items() if k not in out and (Path(rep.path) / fn).is_file()]
+        wrong = [k for k, fn in wmap.items() if k not in out and (d / fn).is_file()]
         wrong += [k for k, v in out.items() if k in wmap and wmap[k] != v[2].name]
         if wrong:
             rep.add("weight-index", "error", f"index entries do not match shard contents (e.g. {wrong[0]!r})")
