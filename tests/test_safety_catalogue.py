@@ -190,6 +190,15 @@ def int_weight_in_hf_input(tmp):
     return ["hf-to-megatron", h, tmp / "out"]
 
 
+def nan_in_hf_bin_input(tmp):
+    h = copy_of("hf", tmp / "hf")
+    t = hf_tensors(h)
+    t["model.norm.weight"][5] = float("inf")
+    (h / "model.safetensors").unlink()
+    torch.save(t, h / "pytorch_model.bin")
+    return ["hf-to-megatron", h, tmp / "out"]
+
+
 def iteration_not_found(tmp):
     return _to_hf(tmp, base()["ckpt"], "--iteration", "5")
 
@@ -291,6 +300,7 @@ CATALOGUE: dict[str, Case] = {
     "integer weights on one TP rank": Case(int_weight_on_one_rank, ("mp_rank_01_000/model_optim_rng.pt", FC1,
                                                                     "torch.int32")),
     "integer weights in an HF input": Case(int_weight_in_hf_input, ("{tmp}/hf/model.safetensors", "torch.int32")),
+    "Inf in an HF pytorch_model.bin": Case(nan_in_hf_bin_input, ("{tmp}/hf/pytorch_model.bin", "model.norm.weight")),
     "iteration not found": Case(iteration_not_found, ("iter_0000005", "available: release")),
     "tracker names an absent iteration": Case(tracker_names_absent_iteration,
                                               ("latest_checkpointed_iteration.txt", "iteration 7", "--iteration")),
