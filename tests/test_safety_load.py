@@ -74,6 +74,9 @@ def test_no_module_of_mconvert_loads_pickles_any_other_way():
                 offenders.append(f"{rel}:{call.lineno}: {name}(")
             if name.split(".")[0] in ("pickle", "dill", "_pickle") and name.endswith(".load"):
                 offenders.append(f"{rel}:{call.lineno}: {name}(")
+            if name.endswith(".read_metadata") or name.split(".")[-1] in ("dcp_to_torch_save", "torch_save_to_dcp"):
+                offenders.append(f"{rel}:{call.lineno}: {name}( unpickles with pickle.load (use "
+                                 "safeload.safe_load_dcp_metadata)")
             ap = kw.get("allow_pickle")
             if isinstance(ap, ast.Constant) and ap.value is True:
                 offenders.append(f"{rel}:{call.lineno}: {name}(allow_pickle=True)")
@@ -260,3 +263,45 @@ def test_a_tensor_with_overlapping_strides_is_refused(tmp_path):
     torch.save({"model": bad}, tmp_path / "bad.pt")
     with pytest.raises(MConvertError, match=r"model\.decoder\.layers\.0\.mlp\.linear_fc2\.weight.*overlap"):
         safe_load(tmp_path / "bad.pt")
+
+
+
+# ---- torch_dist: DCP's `.metadata` is a bare pickle in torch -------------------------------------------
+def test_dcp_metadata_loads_like_torchs_reader(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mconvert.convert.safeload import safe_load_dcp_metadata
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"a": torch.zeros(3, 4), "b": {"c": torch.ones(2, dtype=torch.bfloat16)}, "x": b"extra"},
+                 checkpoint_id=tmp_path)
+    ours, torchs = safe_load_dcp_metadata(tmp_path / ".metadata"), FileSystemReader(tmp_path).read_metadata()
+    assert ours.state_dict_metadata == torchs.state_dict_metadata and ours.storage_data == torchs.storage_data
+
+
+@pytest.mark.parametrize("verb", ["megatron-to-hf", "inspect"])
+def test_payload_in_torch_dist_metadata_is_refused(tmp_path, capsys, verb):
+    """A torch_dist iteration dir whose `.metadata` would create a marker when pickle.load-ed (as torch's own
+    FileSystemReader.read_metadata does) is refused by name."""
+    import json
+    import pickle
+
+    from mconvert.spec import preset
+
+    d = tmp_path / "ckpt" / "iter_0000001"
+    d.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("1")
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                 "common_backend": "torch", "common_backend_version": 1}))
+    torch.save({"args": preset("tiny-llama").to_megatron_args(1, 1), "checkpoint_version": 3.0, "iteration": 1},
+               d / "common.pt")
+    marker = tmp_path / "MARKER"
+    (d / ".metadata").write_bytes(pickle.dumps(_Open(marker)))
+    argv = [verb, tmp_path / "ckpt"] + ([tmp_path / "out"] if verb != "inspect" else [])
+    code, _, err = run_cli(argv, capsys)
+    assert_one_line_error(code, err, str(d / ".metadata"), "refuses to unpickle global", "open")
+    assert not marker.exists() and not (tmp_path / "out").exists()

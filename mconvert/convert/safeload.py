@@ -270,3 +270,51 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
         return bool(torch.isfinite(t).all())
     lo, hi = torch.aminmax(t.reshape(-1))
     return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
+# ---- torch.distributed.checkpoint `.metadata` ------------------------------------------------------------
+# torch's FileSystemReader.read_metadata() is a bare pickle.load: a torch_dist checkpoint's `.metadata` could
+# run code. It is read here instead, with find_class limited to DCP's own dataclasses, torch.Size and dtypes
+# (megatron's planner classes get data-only stand-ins).
+_DCP_ALLOWED: dict[str, set[str]] = {
+    "torch": {"Size"} | {n for n, v in vars(torch).items() if isinstance(v, torch.dtype)},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "BytesStorageMetadata", "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+        "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "LoadPlan", "WriteItem", "ReadItem", "WriteItemType", "LoadItemType", "TensorWriteData",
+    },
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+    "builtins": {"set", "frozenset", "object"},
+    "copyreg": {"_reconstructor"},
+}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module.startswith("megatron.") and name.isidentifier():
+            return _stand_in(f"{module}.{name}")[0]
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def safe_load_dcp_metadata(path: str | Path) -> Any:
+    """A torch_dist checkpoint's `.metadata` (DCP Metadata), unpickled with an allow-list — never pickle.load."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return _DCPMetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        m = _GLOBAL_RE.search(str(e))
+        if m:
+            _refuse(path, [m.group(1)])
+        raise MConvertError(f"{path}: unreadable ({_short(e)}); the file is truncated or corrupt — re-copy it") from None
+    except OSError as e:
+        raise MConvertError(f"{path}: cannot read ({e.strerror}); check it exists and is readable") from None
+    except Exception as e:  # EOFError, ValueError, ... from a damaged pickle
+        raise MConvertError(f"{path}: unreadable ({_short(e)}); the file is truncated or corrupt — re-copy it") from None

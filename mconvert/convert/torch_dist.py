@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.base import Unit
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.safeload import safe_load, safe_load_dcp_metadata
 from mconvert.convert.sources import SourceBase, find_tokenizer_dir, resolve_iteration_dir, tokenizer_length
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import canonical_key, unit_of
@@ -75,10 +75,8 @@ class TorchDistSource(SourceBase):
         if not (d / ".metadata").is_file():
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
         self.reader = FileSystemReader(str(d))
-        try:
-            self.metadata = self.reader.read_metadata()
-        except Exception as e:  # noqa: BLE001 - corrupt metadata -> one line
-            raise MConvertError(f"{d / '.metadata'}: unreadable ({type(e).__name__}: {str(e)[:120]}); re-copy it") from None
+        # not reader.read_metadata(): that is a bare pickle.load (code execution from a foreign checkpoint)
+        self.metadata = safe_load_dcp_metadata(d / ".metadata")
         self.reader.set_up_storage_reader(self.metadata, True)
 
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.root, self.path)
