@@ -150,3 +150,19 @@ def test_comm_report_lists_every_collective():
     text = console.export_text()
     for c in COLLECTIVES:
         assert c in text
+
+
+def _fail_on_rank_one():
+    import os
+
+    if int(os.environ["RANK"]) == 1:
+        raise ValueError("kaboom on rank one")
+    return 0
+
+
+@pytest.mark.slow
+def test_a_failing_rank_is_one_line_naming_the_rank():
+    from mconvert.trainer.train import launch
+
+    with pytest.raises(MConvertError, match=r"^rank 1 failed: ValueError: kaboom on rank one$"):
+        launch(_fail_on_rank_one, (), 2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import os
 import random
@@ -452,17 +453,21 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
     )
     # A forked rank must stay single-threaded: the parent's OpenMP pool does not survive fork (deadlock).
     threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
+    if not os.environ.get("MCONVERT_DEBUG"):  # a failing rank is reported once, as one line, below
+        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MCONVERT_RANK_THREADS")}
     os.environ.update(OMP_NUM_THREADS=str(threads), MCONVERT_RANK_THREADS=str(threads))
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as e:
-        first = next(iter(e.failures.values()))
+        rank, first = next(iter(sorted(e.failures.items())))  # {global rank: ProcessFailure}
         text = first.message
-        if isinstance(text, dict):
+        if isinstance(text, dict):  # the error file's JSON: {"message": ..., "extraInfo": ...}
             text = text.get("message", "")
         lines = str(text or "").strip().splitlines()
-        raise MConvertError(f"rank {first.global_rank} failed: {lines[-1] if lines else first}") from None
+        detail = lines[-1] if lines else f"exit code {first.exitcode}"
+        raise MConvertError(f"rank {rank} failed: {detail}") from None
     finally:
         for k, v in saved.items():
             if v is None:
