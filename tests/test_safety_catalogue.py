@@ -199,6 +199,15 @@ def nan_in_hf_bin_input(tmp):
     return ["hf-to-megatron", h, tmp / "out"]
 
 
+def bit_flip_inside_a_tensor(tmp):
+    c = _ckpt(tmp)  # no manifest, as Megatron-LM writes it: torch's per-entry CRC-32 is the only witness
+    f = rank_file(c, 0, 1)
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    f.write_bytes(bytes(data))
+    return _to_hf(tmp, c)
+
+
 def iteration_not_found(tmp):
     return _to_hf(tmp, base()["ckpt"], "--iteration", "5")
 
@@ -301,6 +310,8 @@ CATALOGUE: dict[str, Case] = {
                                                                     "torch.int32")),
     "integer weights in an HF input": Case(int_weight_in_hf_input, ("{tmp}/hf/model.safetensors", "torch.int32")),
     "Inf in an HF pytorch_model.bin": Case(nan_in_hf_bin_input, ("{tmp}/hf/pytorch_model.bin", "model.norm.weight")),
+    "one bit flipped inside a tensor (.pt)": Case(bit_flip_inside_a_tensor, ("mp_rank_00_001/model_optim_rng.pt",
+                                                                           "CRC-32", "re-copy")),
     "iteration not found": Case(iteration_not_found, ("iter_0000005", "available: release")),
     "tracker names an absent iteration": Case(tracker_names_absent_iteration,
                                               ("latest_checkpointed_iteration.txt", "iteration 7", "--iteration")),

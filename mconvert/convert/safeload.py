@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import argparse
 import io
+import mmap
+import os
 import pathlib
 import pickle
 import re
 import signal
+import struct
 import threading
 import types
 import warnings
+import zipfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -163,6 +168,7 @@ def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
                     "the file is truncated or corrupt — re-copy it"
                 ) from None
             _refuse(path, [g for g in needed if g not in ALLOW_LIST])
+            verify_zip_crc(path)
             return _check_layouts(path, _load(path, what, mmap=True))
     if head[:1] == b"\x80":  # a bare pickle: the legacy torch.save format (or not torch at all)
         with _exactly_our_allow_list():
@@ -171,6 +177,46 @@ def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
         f"{path}: not a torch checkpoint (starts with {head!r}, expected a zip or pickle); "
         "check the file name or re-copy it"
     )
+
+
+_CRC_CHECKED: set[tuple[str, int, int]] = set()
+
+
+def verify_zip_crc(path: str | Path) -> None:
+    """Check the CRC-32 that torch.save stores for every entry of its zip (torch.load never checks it), so a
+    flipped bit inside a tensor's bytes is refused instead of converted. Once per file version per process;
+    entries with CRC 0 (saved with torch's crc32 option off) are skipped; MCONVERT_SKIP_CRC=1 skips it all."""
+    if os.environ.get("MCONVERT_SKIP_CRC"):
+        return
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key in _CRC_CHECKED or st.st_size == 0:
+        return
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            buf = memoryview(mm)
+            try:
+                for info in zipfile.ZipFile(f).infolist():
+                    if not info.CRC or info.compress_type != zipfile.ZIP_STORED:
+                        continue
+                    off = info.header_offset
+                    if bytes(buf[off: off + 4]) != b"PK\x03\x04":
+                        raise zipfile.BadZipFile(f"no local header for {info.filename}")
+                    n, m = struct.unpack("<HH", buf[off + 26: off + 30])
+                    start = off + 30 + n + m
+                    if start + info.compress_size > len(buf):
+                        raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
+                    if zlib.crc32(buf[start: start + info.compress_size]) != info.CRC:
+                        raise MConvertError(
+                            f"{path}: entry {info.filename} fails the CRC-32 check torch.save stored for it; "
+                            "the file is corrupt — re-copy it"
+                        )
+            finally:
+                buf.release()
+    except (zipfile.BadZipFile, ValueError, struct.error) as e:
+        raise MConvertError(f"{path}: damaged zip structure ({_short(e)}); the file is corrupt — re-copy it") from None
+    _CRC_CHECKED.add(key)
 
 
 def _check_layouts(path: Path, obj: Any) -> Any:
