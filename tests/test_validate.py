@@ -12,7 +12,7 @@ from mconvert.cli import main
 from mconvert.validators.compare import TOLERANCES, compare_logits, judge, perplexity, tolerance_for
 from mconvert.validators.formats import detect_format
 from mconvert.validators.validate import SCHEMA, validate
-from validate_common import broken, ft_export, hf_export, onnx_export, resharded, trained_ckpt
+from validate_common import broken, ft_export, hf_export, onnx_export, resharded, trained_ckpt, trtllm_export
 
 
 def _cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -26,10 +26,11 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 @pytest.mark.slow
 def test_every_llama_format_and_layout_matches_the_native_checkpoint(tmp_path):
     ref = trained_ckpt("llama")  # TP=2 PP=2, run natively across 4 processes
-    others = [hf_export("llama"), resharded("llama", 1, 1), resharded("llama", 2, 1), onnx_export("llama")]
+    others = [hf_export("llama"), resharded("llama", 1, 1), resharded("llama", 2, 1), onnx_export("llama"),
+              trtllm_export("llama", 2)]
     plot = tmp_path / "err.png"
     rep = validate(ref, others, device="cpu", plot=plot)
-    assert [r.format for r in rep.results] == ["hf", "megatron", "megatron", "onnx"]
+    assert [r.format for r in rep.results] == ["hf", "megatron", "megatron", "onnx", "trtllm"]
     assert [(r.layout["tp"], r.layout["pp"]) for r in rep.results[1:3]] == [(1, 1), (2, 1)]
     for r in rep.results:
         assert r.passed, (r.path, r.failures)
@@ -45,15 +46,15 @@ def test_every_llama_format_and_layout_matches_the_native_checkpoint(tmp_path):
 def test_every_gpt2_format_and_layout_matches_the_native_checkpoint(capsys):
     ref = trained_ckpt("gpt2")  # TP=2 PP=1
     others = [hf_export("gpt2"), ft_export("gpt2", 1), ft_export("gpt2", 2), onnx_export("gpt2"),
-              resharded("gpt2", 1, 2), ft_export("gpt2", 2, "fp16")]
+              resharded("gpt2", 1, 2), trtllm_export("gpt2", 2), ft_export("gpt2", 2, "fp16")]
     rc, out, _ = _cli(capsys, "validate", ref, *others, "--device", "cpu", "--json")
     assert rc == 0
     rep = json.loads(out)
     assert rep["schema"] == SCHEMA and rep["passed"] and rep["reference"]["layout"]["tp"] == 2
-    assert [r["format"] for r in rep["results"]] == ["hf", "ft", "ft", "onnx", "megatron", "ft"]
-    for r in rep["results"][:5]:
+    assert [r["format"] for r in rep["results"]] == ["hf", "ft", "ft", "onnx", "megatron", "trtllm", "ft"]
+    for r in rep["results"][:6]:
         assert r["passed"] and r["metrics"]["max_abs"] <= 1e-5, r
-    fp16 = rep["results"][5]  # FT's fp16 weights: judged by the fp16 row, and it needs it
+    fp16 = rep["results"][6]  # FT's fp16 weights: judged by the fp16 row, and it needs it
     assert fp16["dtype"] == "float16" and fp16["tolerance"]["dtype"] == "float16" and fp16["passed"], fp16
     assert fp16["metrics"]["max_abs"] > rep["tolerances"]["float32"]["atol"]
     print({k: fp16["metrics"][k] for k in ("max_abs", "mean_abs", "kl", "top1")})
@@ -112,6 +113,7 @@ def test_detect_format_of_every_layout():
     assert detect_format(hf_export("gpt2")) == "hf"
     assert detect_format(ft_export("gpt2", 2)) == "ft"
     assert detect_format(onnx_export("gpt2")) == "onnx"
+    assert detect_format(trtllm_export("gpt2", 2)) == "trtllm"
 
 
 def test_tolerance_rows_follow_the_less_precise_dtype():

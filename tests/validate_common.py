@@ -72,6 +72,15 @@ def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
     return out
 
 
+@lru_cache(maxsize=None)
+def trtllm_export(family: str, tp: int) -> Path:
+    from mconvert.convert.trtllm import megatron_to_trtllm
+
+    out = WORK / f"trtllm-{family}-{tp}"
+    megatron_to_trtllm(trained_ckpt(family), out, tp)
+    return out
+
+
 # ---- broken exports ------------------------------------------------------------------------------
 def _copy(src: Path, name: str) -> Path:
     dst = WORK / "broken" / name

@@ -108,6 +108,16 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
             if _has_tokenizer(cand):
                 info.tokenizer_dir = cand
                 break
+    elif fmt == "trtllm":
+        cfg = _read_json(p / "config.json")
+        info.dtype = _norm_dtype(cfg.get("dtype", "float32"))
+        info.vocab_size = cfg.get("vocab_size")
+        info.max_positions = cfg.get("max_position_embeddings")
+        info.layout = {"tp": int(cfg.get("mapping", {}).get("tp_size", 1))}
+        for cand in (p, p.parent):
+            if _has_tokenizer(cand):
+                info.tokenizer_dir = cand
+                break
     elif fmt == "onnx":
         d = p if p.is_dir() else p.parent
         if (d / "config.json").is_file():

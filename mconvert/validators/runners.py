@@ -65,10 +65,9 @@ def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
         fn = _optional("mconvert.validators.onnx_runner", "onnx_logits", "the ONNX runner")
         logits = fn(info.path, tokens, device)
     elif info.format == "trtllm":
-        raise MConvertError(
-            f"{info.path}: a TensorRT-LLM checkpoint; it needs the TensorRT-LLM engine (GPU) to run — "
-            "validate the HF or FT export of the same model instead"
-        )
+        # the rank files combined as TensorRT-LLM's ColumnLinear / RowLinear do (the engine itself needs a GPU build)
+        fn = _optional("mconvert.convert.trtllm", "trtllm_logits", "the TensorRT-LLM reference runner")
+        logits = fn(info.path, tokens, device)
     else:
         raise MConvertError(f"{info.path}: format {info.format!r} cannot be run")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
