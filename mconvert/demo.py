@@ -98,7 +98,7 @@ def demo_one(preset: str, out: Path, steps: int, vllm_python: str | None) -> Non
     wrote_ft = run("megatron-to-ft", str(ckpt), str(ft), "--infer-tp", "2", expect_refusal=gqa)
     run("megatron-to-trtllm", str(ckpt), str(trt), "--tp", "2")
     run("to-onnx", str(hf), str(onnx))
-    others = [str(resharded), str(hf), str(onnx)] + ([str(ft)] if wrote_ft else [])
+    others = [str(resharded), str(hf), str(onnx), str(trt)] + ([str(ft)] if wrote_ft else [])
     run("validate", str(ckpt), *others)
     verify = ["verify", str(hf), "--against", str(ckpt)]
     if vllm_python:
