@@ -54,6 +54,28 @@ def read_checkpoint_args(ckpt_dir: str | Path, iteration: int | str | None = Non
                         f"iteration {it}; is this a Megatron legacy-torch checkpoint?")
 
 
+def _local_spec_weights(state: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """This rank's tensors under megatron-core local-spec names, whatever spelling the file uses
+    (TE spec, legacy `language_model.*` flat or nested); still this rank's shards, never merged."""
+    from mconvert.mappings.keys import canonical_key, flatten
+
+    if "model" not in state:
+        raise MConvertError(f"{path}: no 'model' entry (virtual-pipeline files hold model0, model1, ...); "
+                            "the native runner needs one model per rank — reshard without --vpp first")
+    version = float(state.get("checkpoint_version", 3.0) or 0)
+    if version < 2.0:
+        raise MConvertError(f"{path}: checkpoint_version {version} uses the pre-2.0 QKV row order; "
+                            "run `mconvert reshard` on it first to write the current layout")
+    out: dict[str, torch.Tensor] = {}
+    for key, value in flatten(state["model"]).items():
+        name = canonical_key(key)
+        if name is not None and isinstance(value, torch.Tensor):
+            out[name] = value
+    if not out:
+        raise MConvertError(f"{path}: the model entry holds no tensors")
+    return out
+
+
 def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: int, tokens: torch.Tensor,
                   device: str, return_hidden: bool) -> dict[str, Any]:
     torch.set_num_threads(threads_per_rank(tp * pp))
@@ -61,9 +83,10 @@ def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: in
     try:
         path = rank_file(ckpt_dir, it, st.tp_rank, st.pp_rank, pp)
         state = safe_load(path)
-        dtype = next(v.dtype for v in state["model"].values() if isinstance(v, torch.Tensor))
+        weights = _local_spec_weights(state, path)
+        dtype = next(iter(weights.values())).dtype
         model = GPTModel(spec, st, seed=None, dtype=dtype)
-        missing, unexpected = model.load_state_dict(state["model"], strict=False)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
         if missing or unexpected:
