@@ -49,6 +49,15 @@ def _args_dict(args: Any) -> dict[str, Any]:
     raise MConvertError(f"checkpoint args have an unexpected type {type(args).__name__}")
 
 
+def _checkpoint_version(state: dict, file: Path) -> float:
+    """Megatron's checkpoint_version (0 when absent): one of 0, 1, 2, 3 — anything else is a damaged file."""
+    v = state.get("checkpoint_version", 0) or 0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or float(v) not in (0.0, 1.0, 2.0, 3.0):
+        raise MConvertError(f"{file}: unknown checkpoint_version {v!r} (Megatron writes 0 to 3); the file is "
+                            "corrupt — re-copy it")
+    return float(v)
+
+
 def _fix_legacy_qkv(t: torch.Tensor, version: float, nh: int, hd: int) -> torch.Tensor:
     """checkpoint_version 0 ([3, np, hn]) and 1 ([np, hn, 3]) -> the >= 2 layout [np, 3, hn] (one TP shard)."""
     rest = tuple(t.shape[1:])
@@ -79,7 +88,7 @@ class MegatronSource(SourceBase):
         self.args = first["args"]
         self._check_layout(_args_dict(self.args))  # safety: extra rank dirs are named against the args
         self._check_holes()
-        self.checkpoint_version = float(first.get("checkpoint_version", 0) or 0)
+        self.checkpoint_version = _checkpoint_version(first, first_file)
         if self.iteration != "release" and first.get("iteration") is not None:
             self.iteration = first["iteration"]
         self.top_keys = [k for k in first if not k.startswith("model")]
@@ -139,6 +148,10 @@ class MegatronSource(SourceBase):
             if t == 0 and p == 0:
                 continue
             st = safe_load(f)
+            if _checkpoint_version(st, f) != self.checkpoint_version:  # it decides the legacy QKV layout
+                raise MConvertError(f"{f}: checkpoint_version {_checkpoint_version(st, f)} but "
+                                    f"{self.files[(0, 0)]} has {self.checkpoint_version}; the rank files come from "
+                                    "different runs or one is corrupt — re-copy the checkpoint")
             if "args" in st:
                 a = _args_dict(st["args"])
                 spec = ModelSpec.from_megatron_args(a, source=str(f)).to_dict()
@@ -365,6 +378,7 @@ class MegatronWriter:
         self._received: dict[int, set] = {p: set() for p in range(pp)}
         self._embedding: tuple[torch.Tensor, dict | None] | None = None
         self.files: list[Path] = []
+        self._spools: dict[tuple[int, int], Any] = {}
 
     def _target_args(self, args: Any) -> argparse.Namespace:
         if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
@@ -428,6 +442,8 @@ class MegatronWriter:
             local_name = name if local is None else with_layer(name, local)
             shards = split(full, kind, self.tp, name)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
+            if self.optimizer_groups is None and ost is None and full.dim() > 0 and full.numel():
+                shards = [self._spool(p, t).park(_own(x)) for t, x in enumerate(shards)]  # issue 7: no stage in RAM
             entries.append((local_name, shards, ost))  # type: ignore[arg-type]
         if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
@@ -468,9 +484,27 @@ class MegatronWriter:
                 if k in rest and k not in state:
                     state[k] = rest[k]
             path = rank_file(self.out, self.iteration, t, p, self.pp)
-            save_rank_file(path, state)
+            spool = self._spools.pop((p, t), None)
+            if spool is None:
+                save_rank_file(path, state)
+            else:  # byte-identical to save_rank_file, the parked shard bytes copied in by the kernel
+                from mconvert.convert.stream import save_spooled
+
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(path.name + ".tmp")
+                save_spooled(state, tmp, spool)
+                spool.close()
+                os.replace(tmp, path)
             self.files.append(path)
         del chunks
+
+    def _spool(self, p: int, t: int) -> Any:
+        """The spool of rank file (t, p): shard bytes wait there, not in memory, until the stage is complete."""
+        from mconvert.convert.stream import Spool
+
+        if (p, t) not in self._spools:
+            self._spools[(p, t)] = Spool(self.out / f".spool-{p:03d}-{t:02d}")
+        return self._spools[(p, t)]
 
     def close(self) -> list[Path]:
         """Check every stage was written and write the tracker file."""
