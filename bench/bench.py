@@ -52,6 +52,13 @@ def mconvert_cmd() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "mconvert.cli"]
 
 
+def train_verb_available() -> bool:
+    import subprocess
+
+    r = subprocess.run([*mconvert_cmd(), "train", "--help"], capture_output=True, text=True)
+    return r.returncode == 0 and "--steps" in r.stdout
+
+
 def peer_script() -> Path:
     import transformers
 
@@ -84,30 +91,48 @@ def op_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
     raise ValueError(op)
 
 
-def measure(op: str, src: Path, work: Path, repeats: int, workers: int = 0, keep_last: bool = False) -> dict[str, Any]:
-    """Run `op` `repeats` times into a fresh output dir (removed between runs, not timed); median figures."""
-    out = work / f"out-{op}"
-    runs: list[Measurement] = []
-    for i in range(repeats):
-        shutil.rmtree(out, ignore_errors=True)
-        m = run_measured(op_command(op, src, out, workers))
-        if m.returncode != 0:
-            raise SystemExit(f"bench: {op} failed (exit {m.returncode}):\n{m.output_tail}")
-        runs.append(m)
-        console.print(f"  {op} run {i + 1}/{repeats}: {m.wall_s:.2f} s, peak RSS {m.peak_rss / GB:.2f} GB")
-    out_bytes = dir_bytes(out) if out.exists() else 0
-    if not keep_last:
-        shutil.rmtree(out, ignore_errors=True)
+def _summary(op: str, runs: list[Measurement], cmd: list[str], out: Path) -> dict[str, Any]:
     return {
         "op": op,
-        "command": " ".join(op_command(op, src, out, workers)),
+        "command": " ".join(cmd),
         "wall_s": statistics.median(r.wall_s for r in runs),
+        "cpu_s": statistics.median(r.cpu_s for r in runs),
         "peak_rss": int(statistics.median(r.peak_rss for r in runs)),
         "peak_anon": int(statistics.median(r.peak_anon_tree for r in runs)),
         "runs": [{k: v for k, v in asdict(r).items() if k != "output_tail"} for r in runs],
-        "out_bytes": out_bytes,
+        "out_bytes": dir_bytes(out) if out.exists() else 0,
         "out_dir": str(out),
     }
+
+
+def measure_rounds(jobs: list[tuple[str, str, Path]], work: Path, repeats: int, workers: int = 0,
+                   keep: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Run every (label, op, src) once per round, `repeats` rounds, interleaved so that load from other
+    processes on the machine hits every operation alike; median figures per label. Outputs are removed
+    between runs (not timed), except the last run of the labels in `keep`."""
+    runs: dict[str, list[Measurement]] = {label: [] for label, _, _ in jobs}
+    for i in range(repeats):
+        for label, op, src in jobs:
+            out = work / f"out-{label}"
+            shutil.rmtree(out, ignore_errors=True)
+            m = run_measured(op_command(op, src, out, 0 if op in ("cp", "transformers-script") else workers))
+            if m.returncode != 0:
+                raise SystemExit(f"bench: {label} failed (exit {m.returncode}):\n{m.output_tail}")
+            runs[label].append(m)
+            console.print(f"  round {i + 1}/{repeats} {label}: {m.wall_s:.2f} s wall, {m.cpu_s:.2f} s CPU, "
+                          f"peak RSS {m.peak_rss / GB:.2f} GB")
+    out_all = {}
+    for label, op, src in jobs:
+        out = work / f"out-{label}"
+        out_all[label] = _summary(label, runs[label], op_command(op, src, out, workers), out)
+        if label not in keep:
+            shutil.rmtree(out, ignore_errors=True)
+    return out_all
+
+
+def measure(op: str, src: Path, work: Path, repeats: int, workers: int = 0, keep_last: bool = False) -> dict[str, Any]:
+    """`repeats` runs of one operation (see measure_rounds)."""
+    return measure_rounds([(op, op, src)], work, repeats, workers, keep=(op,) if keep_last else ())[op]
 
 
 # ---- inputs -----------------------------------------------------------------------------------------
@@ -115,12 +140,22 @@ def build_checkpoint(preset: str, layers: int | None, dest: Path) -> dict[str, A
     """The trainer writes an initialised checkpoint (`--steps 0`); timed for the record, not compared."""
     if dest.exists():
         shutil.rmtree(dest)
-    cmd = [*mconvert_cmd(), "train", "--preset", preset, "--tp", str(SRC_TP), "--pp", str(SRC_PP),
-           "--steps", "0", "--save", str(dest)]
-    if layers:
-        cmd += ["--num-layers", str(layers)]
+    if train_verb_available():
+        cmd = [*mconvert_cmd(), "train", "--preset", preset, "--tp", str(SRC_TP), "--pp", str(SRC_PP),
+               "--steps", "0", "--save", str(dest)]
+        if layers:
+            cmd += ["--num-layers", str(layers)]
+    else:  # the same trainer through its library entry point
+        code = ("import sys; from mconvert.trainer.train import TrainConfig, train; "
+                "train(TrainConfig(preset=sys.argv[1], tp=int(sys.argv[2]), pp=int(sys.argv[3]), steps=0, "
+                "save=sys.argv[4], num_layers=int(sys.argv[5]) or None, force=True, quiet=True, device='cpu'))")
+        cmd = [sys.executable, "-c", code, preset, str(SRC_TP), str(SRC_PP), str(dest), str(layers or 0)]
     console.print(f"[bold]building[/] {preset} ({layers or 'preset'} layers) TP={SRC_TP} PP={SRC_PP} → {dest}")
     m = run_measured(cmd)
+    if m.returncode != 0:  # one retry: a rendezvous timeout on a loaded machine is not the bench's subject
+        console.print(f"  trainer failed (exit {m.returncode}); retrying once")
+        shutil.rmtree(dest, ignore_errors=True)
+        m = run_measured(cmd)
     if m.returncode != 0:
         raise SystemExit(f"bench: the trainer failed (exit {m.returncode}):\n{m.output_tail}")
     return {"command": " ".join(cmd), "wall_s": m.wall_s, "bytes": dir_bytes(dest), "files": len(files_under(dest))}
@@ -159,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="override the preset's depth")
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
     ap.add_argument("--depth", default="8,32", help="layer counts for the depth-scaling runs")
+    ap.add_argument("--depth-repeats", type=int, default=2, help="runs per depth-scaling measurement (median)")
     ap.add_argument("--skip", default="", help="comma list of: ft, peer, depth")
     ap.add_argument("--workers", type=int, default=0, help="pass --workers N to our verbs (0: their default)")
     ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-100m at 4 layers, 1 repeat, depth 2,4")
@@ -168,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-save", action="store_true", help="do not write the bandwidth file / bench/last-run.json")
     a = ap.parse_args(argv)
     if a.quick:
-        a.preset, a.layers, a.repeats, a.depth = "gpt2-100m", a.layers or 4, 1, "2,8"
+        a.preset, a.layers, a.repeats, a.depth, a.depth_repeats = "gpt2-100m", a.layers or 4, 1, "2,8", 1
     skip = {s.strip() for s in a.skip.split(",") if s.strip()}
     work: Path = a.work
     work.mkdir(parents=True, exist_ok=True)
@@ -208,15 +244,14 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
     console.print(f"page cache: {100 * before / total:.0f}% of the checkpoint resident before the warm-up cp, "
                   f"{100 * after / total:.0f}% after")
 
-    ops: dict[str, Any] = {}
-    ops["cp"] = measure("cp", ckpt, work, a.repeats)
-    ops["megatron-to-hf"] = measure("megatron-to-hf", ckpt, work, a.repeats, a.workers, keep_last=True)
-    ops["reshard"] = measure("reshard", ckpt, work, a.repeats, a.workers)
+    jobs = [("cp", "cp", ckpt), ("megatron-to-hf", "megatron-to-hf", ckpt), ("reshard", "reshard", ckpt)]
     if "ft" not in skip:
-        ops["megatron-to-ft"] = measure("megatron-to-ft", ckpt, work, a.repeats, a.workers)
-    cp = ops["cp"]["wall_s"]
+        jobs.append(("megatron-to-ft", "megatron-to-ft", ckpt))
+    ops = measure_rounds(jobs, work, a.repeats, a.workers, keep=("megatron-to-hf",))
+    cp, cp_cpu = ops["cp"]["wall_s"], ops["cp"]["cpu_s"]
     for r in ops.values():
         r["ratio_to_cp"] = r["wall_s"] / cp
+        r["cpu_ratio_to_cp"] = r["cpu_s"] / cp_cpu if cp_cpu else float("nan")
         r["rss_ratio_to_cp"] = r["peak_rss"] / ops["cp"]["peak_rss"]
     report["ops"] = ops
     report["copy_bytes_per_s"] = ckpt_bytes / cp
@@ -226,16 +261,25 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         bin_dir = work / "hf-bin"
         console.print("[bold]peer[/]: exporting the HF model as pytorch_model.bin with transformers")
         export_bin(hf_dir, bin_dir)
-        peer = measure("transformers-script", bin_dir, work, a.repeats)
-        ours = measure("hf-to-megatron", hf_dir, work, a.repeats, a.workers)
+        # ours reads the safetensors dir as a user has it from the Hub: without mconvert's manifest (with one,
+        # every conversion first re-hashes its input — a safety check that costs one sha256 pass)
+        hub_dir = work / "hf-hub"
+        shutil.rmtree(hub_dir, ignore_errors=True)
+        shutil.copytree(hf_dir, hub_dir, ignore=shutil.ignore_patterns("mconvert-manifest.json"))
+        both = measure_rounds([("transformers-script", "transformers-script", bin_dir),
+                               ("hf-to-megatron", "hf-to-megatron", hub_dir)], work, a.repeats, a.workers)
+        peer, ours = both["transformers-script"], both["hf-to-megatron"]
         ours_bin = None
         try:
-            ours_bin = measure("hf-to-megatron", bin_dir, work, 1, a.workers)
+            ours_bin = measure_rounds([("hf-to-megatron-bin", "hf-to-megatron", bin_dir)], work, 1, a.workers)[
+                "hf-to-megatron-bin"]
         except SystemExit as e:  # our reader may not take .bin; the safetensors figure stands
             console.print(f"  hf-to-megatron on pytorch_model.bin: not measured ({str(e).splitlines()[0]})")
+        shutil.rmtree(hub_dir, ignore_errors=True)
         report["peer"] = {
             "transformers-script": peer, "hf-to-megatron": ours, "hf-to-megatron-bin": ours_bin,
             "speedup": peer["wall_s"] / ours["wall_s"], "rss_fraction": ours["peak_rss"] / peer["peak_rss"],
+            "cpu_speedup": peer["cpu_s"] / ours["cpu_s"],
         }
         shutil.rmtree(bin_dir, ignore_errors=True)
     shutil.rmtree(hf_dir, ignore_errors=True)
@@ -245,11 +289,10 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         for n in [int(x) for x in a.depth.split(",") if x]:
             d_ckpt = work / f"ckpt-{n}"
             b = build_checkpoint(a.preset, n, d_ckpt)
-            depth[str(n)] = {
-                "layers": n, "bytes": b["bytes"],
-                "megatron-to-hf": measure("megatron-to-hf", d_ckpt, work, a.repeats, a.workers),
-                "reshard": measure("reshard", d_ckpt, work, a.repeats, a.workers),
-            }
+            d = measure_rounds([("megatron-to-hf", "megatron-to-hf", d_ckpt), ("reshard", "reshard", d_ckpt)],
+                               work, a.depth_repeats, a.workers)
+            depth[str(n)] = {"layers": n, "bytes": b["bytes"], "megatron-to-hf": d["megatron-to-hf"],
+                             "reshard": d["reshard"]}
             shutil.rmtree(d_ckpt, ignore_errors=True)
         base_layers = report["model"]["layers"]
         depth[str(base_layers)] = {"layers": base_layers, "bytes": ckpt_bytes,
@@ -305,24 +348,26 @@ def print_report(report: dict[str, Any]) -> None:
     t = Table(title=f"{report['preset']} ({m['parameters'] / 1e9:.2f} B params, {m['layers']} layers, fp32) "
                     f"TP={SRC_TP} PP={SRC_PP}: {report['build']['bytes'] / GB:.2f} GB, median of {report['repeats']}"
                     f"; page cache {'warm' if report['cache']['warm'] else 'NOT warm'}")
-    for c in ("operation", "wall s", "× cp", "peak RSS GB", "anon GB", "× cp RSS"):
+    for c in ("operation", "wall s", "× cp", "CPU s", "CPU × cp", "peak RSS GB", "anon GB"):
         t.add_column(c, justify="left" if c == "operation" else "right")
     for op, r in report["ops"].items():
-        t.add_row(op, f"{r['wall_s']:.2f}", f"{r['ratio_to_cp']:.2f}", f"{r['peak_rss'] / GB:.2f}",
-                  f"{r['peak_anon'] / GB:.2f}", f"{r['rss_ratio_to_cp']:.1f}")
+        t.add_row(op, f"{r['wall_s']:.2f}", f"{r['ratio_to_cp']:.2f}", f"{r['cpu_s']:.2f}",
+                  f"{r['cpu_ratio_to_cp']:.1f}", f"{r['peak_rss'] / GB:.2f}", f"{r['peak_anon'] / GB:.2f}")
     console.print(t)
     if "peer" in report:
         p = report["peer"]
         t = Table(title=f"HF → Megatron TP={SRC_TP} PP={SRC_PP}, same model: ours vs transformers' script")
-        for c in ("converter", "wall s", "peak RSS GB", "anon GB"):
+        for c in ("converter", "wall s", "CPU s", "peak RSS GB", "anon GB"):
             t.add_column(c, justify="left" if c == "converter" else "right")
         rows = [("transformers script (.bin)", p["transformers-script"]), ("mconvert hf-to-megatron (safetensors)",
                                                                            p["hf-to-megatron"])]
         if p.get("hf-to-megatron-bin"):
             rows.append(("mconvert hf-to-megatron (.bin, 1 run)", p["hf-to-megatron-bin"]))
         for name, r in rows:
-            t.add_row(name, f"{r['wall_s']:.2f}", f"{r['peak_rss'] / GB:.2f}", f"{r['peak_anon'] / GB:.2f}")
-        t.add_row("ratio", f"{p['speedup']:.1f}× faster", f"{p['rss_fraction']:.2f}× the RSS", "")
+            t.add_row(name, f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}", f"{r['peak_rss'] / GB:.2f}",
+                      f"{r['peak_anon'] / GB:.2f}")
+        t.add_row("ours vs script", f"{p['speedup']:.1f}× faster", f"{p['cpu_speedup']:.1f}× less CPU",
+                  f"{p['rss_fraction']:.2f}× the RSS", "")
         console.print(t)
     if "depth" in report:
         t = Table(title="depth scaling (same width)")

@@ -29,6 +29,7 @@ class Measurement:
     peak_rss_tree: int  # bytes, polled sum over the process tree
     peak_anon_tree: int  # bytes, polled (rss - file-backed) summed over the tree
     maxrss_kernel: int  # bytes, ru_maxrss from wait4 (largest single process)
+    cpu_s: float  # user + system CPU seconds of the command and its reaped children (load-independent)
     returncode: int
     output_tail: str
 
@@ -76,7 +77,8 @@ def run_measured(cmd: list[str], cwd: str | Path | None = None, env: dict[str, s
         log.seek(0)
         tail = log.read()[-4000:].decode(errors="replace")
     maxrss = int(rusage.ru_maxrss) * 1024  # KiB on Linux
-    return Measurement(wall, max(peak, maxrss), peak, peak_anon, maxrss, p.returncode, tail)
+    cpu = float(rusage.ru_utime + rusage.ru_stime)
+    return Measurement(wall, max(peak, maxrss), peak, peak_anon, maxrss, cpu, p.returncode, tail)
 
 
 def _libc() -> ctypes.CDLL:

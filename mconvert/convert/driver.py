@@ -107,6 +107,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
                 "output": str(out), "dry_run": True, "warnings": warnings}
     with atomic_output_dir(out, force) as tmp:
         writer = HFWriter(tmp, spec, size, target)
+        writer.prefetch_tokenizer(src.tokenizer_dir)
         for unit in _progress(src.units(), "megatron-to-hf", progress):
             writer.add(src.read_hf(unit))
         writer.close(src.tokenizer_dir)

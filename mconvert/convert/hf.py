@@ -171,6 +171,18 @@ class HFWriter:
         head = [(n, t.dtype, tuple(t.shape)) for n, t in first.items()]
         return plan_shards(entries, self.max_shard_size) if entries[: len(head)] == head else []
 
+    def prefetch_tokenizer(self, tokenizer_dir: Path | None) -> None:
+        """Start reading the tokenizer's bos/eos ids now, on a thread: importing transformers costs seconds of
+        CPU that then overlap the conversion instead of following it (bench/, issue 7). Same answer."""
+        if tokenizer_dir is None:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        ex = ThreadPoolExecutor(1)
+        self._special_ids = ex.submit(_tokenizer_special_ids, tokenizer_dir)
+        self._special_ids.tok_dir = tokenizer_dir  # type: ignore[attr-defined]
+        ex.shutdown(wait=False)
+
     def _add_streamed(self, name: str, t: torch.Tensor) -> None:
         from mconvert.convert.stream import SafetensorsStream
 
@@ -250,7 +262,9 @@ class HFWriter:
                 if (tokenizer_dir / f).is_file():
                     shutil.copyfile(tokenizer_dir / f, self.out / f)
                     files.append(self.out / f)
-            tb, te = _tokenizer_special_ids(tokenizer_dir)
+            pre = getattr(self, "_special_ids", None)
+            tb, te = pre.result() if pre is not None and pre.tok_dir == tokenizer_dir else _tokenizer_special_ids(
+                tokenizer_dir)
             bos = bos if bos is not None else tb
             eos = eos if eos is not None else te
         cfg = spec.replace(bos_token_id=bos, eos_token_id=eos).to_hf_config()

@@ -503,6 +503,7 @@ class MegatronWriter:
         from mconvert.convert.stream import Spool
 
         if (p, t) not in self._spools:
+            self.out.mkdir(parents=True, exist_ok=True)
             self._spools[(p, t)] = Spool(self.out / f".spool-{p:03d}-{t:02d}")
         return self._spools[(p, t)]
 

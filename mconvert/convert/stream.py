@@ -340,3 +340,139 @@ def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: t
                 return None
             parts.append([part])
     return full, parts
+
+
+# ---- writing: a rank file that is byte-identical to torch.save, without holding the stage in memory ----------
+class Spool:
+    """Bytes of tensors parked in a file as they arrive; each comes back as a placeholder tensor of its shape
+    and dtype (untouched memory, no RSS) that `save_spooled` fills into the final file from here."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.size = 0
+        self.where: dict[int, tuple[int, int, int]] = {}  # storage _cdata -> (spool offset, nbytes, crc32)
+
+    def park(self, t: torch.Tensor) -> torch.Tensor:
+        import zlib
+
+        if not t.is_contiguous():
+            t = t.contiguous()
+        mv = tensor_bytes(t) if t.numel() else memoryview(b"")
+        n = len(mv)
+        done = 0
+        while done < n:
+            done += os.pwrite(self.fd, mv[done:], self.size + done)
+        ph = torch.empty(tuple(t.shape), dtype=t.dtype)
+        self.where[ph.untyped_storage()._cdata] = (self.size, n, zlib.crc32(mv))
+        self.size += n
+        return ph
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+
+
+def _central_entries(data: bytes, start: int, count: int) -> list[tuple[int, str]]:
+    """(offset of the entry, file name) of every central directory entry from `start`."""
+    out, pos = [], start
+    for _ in range(count):
+        if data[pos:pos + 4] != b"PK\x01\x02":
+            raise ValueError("central directory entry signature")
+        n, e, c = struct.unpack_from("<HHH", data, pos + 28)
+        out.append((pos, data[pos + 46:pos + 46 + n].decode()))
+        pos += 46 + n + e + c
+    return out
+
+
+def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
+    """`torch.save(state, path)` where the data of placeholder tensors lives in `spool`: the file is written
+    with torch's own writer without storage bytes (`torch.serialization.skip_data`), the bytes are copied in
+    from the spool by the kernel (copy_file_range), then the CRC32 fields and `.data/serialization_id` are
+    set as torch.save sets them — the result is byte-identical to torch.save of the real tensors."""
+    import pickle
+    import zipfile
+    import zlib
+
+    path = Path(path)
+    order: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    class _Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor):
+                cd = obj.untyped_storage()._cdata
+                if cd not in seen:
+                    seen.add(cd)
+                    order.append(obj)
+            return NotImplemented
+
+    class _PickleModule:
+        Pickler = _Pickler
+
+    with torch.serialization.skip_data():
+        torch.save(state, path, pickle_module=_PickleModule)
+    reader = torch._C.PyTorchFileReader(str(path))
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        start_dir = z.start_dir
+    prefix = infos[0].filename.split("/", 1)[0] + "/"
+    crcs: dict[str, int] = {i.filename: i.CRC for i in infos}
+    size_of = {i.filename: i.file_size for i in infos}
+    flags = {i.filename: i.flag_bits for i in infos}
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for key, t in enumerate(order):
+            name = f"data/{key}"
+            off = reader.get_record_offset(name)
+            s = t.untyped_storage()
+            if s._cdata in spool.where:
+                soff, n, crc = spool.where[s._cdata]
+                if n != size_of[prefix + name]:
+                    raise MConvertError(f"internal: {path}: record {name} holds {size_of[prefix + name]} bytes, "
+                                        f"the spool {n}")
+                done = 0
+                while done < n:
+                    k = os.copy_file_range(spool.fd, fd, n - done, soff + done, off + done)
+                    if k <= 0:
+                        raise MConvertError(f"{path}: copy from {spool.path} failed (disk full?)")
+                    done += k
+            else:  # a real tensor of the state (rng state, ...): its whole storage, as torch.save writes it
+                raw = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
+                mv = memoryview(raw.numpy()) if s.nbytes() else memoryview(b"")
+                n, crc = len(mv), zlib.crc32(mv)
+                done = 0
+                while done < n:
+                    done += os.pwrite(fd, mv[done:], off + done)
+            crcs[prefix + name] = crc
+            if not flags[prefix + name] & 8:  # no data descriptor (an empty record): nothing else to set
+                continue
+            # the data descriptor after the record: PK\x07\x08, crc32, sizes
+            if os.pread(fd, 4, off + n) != b"PK\x07\x08":
+                raise MConvertError(f"internal: {path}: no data descriptor after {name}")
+            os.pwrite(fd, struct.pack("<I", crc), off + n + 4)
+        # serialization_id: torch's combined hash of record names (kept) and of record CRC32s (recomputed)
+        sid_name = prefix + ".data/serialization_id"
+        mask = (1 << 64) - 1
+        comb = 0
+        for i in infos:
+            if i.filename == sid_name:
+                break
+            if not i.flag_bits & 8:  # torch combines the CRCs it sees in data descriptors only
+                continue
+            comb = (comb ^ ((crcs[i.filename] + 0x9E3779B9 + ((comb << 6) & mask) + (comb >> 2)) & mask)) & mask
+        if sid_name in crcs:
+            soff = reader.get_record_offset(".data/serialization_id")
+            old = os.pread(fd, 40, soff)
+            sid = old[:20] + f"{comb:020d}".encode()
+            os.pwrite(fd, sid, soff)
+            crcs[sid_name] = zlib.crc32(sid)
+            if os.pread(fd, 4, soff + 40) != b"PK\x07\x08":
+                raise MConvertError(f"internal: {path}: no data descriptor after the serialization id")
+            os.pwrite(fd, struct.pack("<I", crcs[sid_name]), soff + 44)
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, size - start_dir, start_dir)
+        for pos, name in _central_entries(tail, 0, len(infos)):
+            os.pwrite(fd, struct.pack("<I", crcs[name]), start_dir + pos + 16)
+    finally:
+        os.close(fd)
