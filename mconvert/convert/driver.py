@@ -19,6 +19,7 @@ from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.base import Unit
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.sources import TOKENIZER_FILES, open_source
+from mconvert.convert.stream import bound_heap
 from mconvert.errors import MConvertError
 
 DTYPES: dict[str, torch.dtype | None] = {
@@ -85,6 +86,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict."""
     from mconvert.convert.hf import HFWriter, parse_size
 
+    bound_heap()  # RSS = live tensors (bench/, issue 7)
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
     size = parse_size(max_shard_size)
@@ -126,6 +128,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)."""
     from mconvert.convert.megatron import MegatronWriter
 
+    bound_heap()  # RSS = live tensors (bench/, issue 7)
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
     check_output(out, force)
@@ -169,6 +172,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     from mconvert.convert.optimizer import index_states
     from mconvert.convert.safeload import safe_load
 
+    bound_heap()  # RSS = live tensors (bench/, issue 7)
     t0 = time.perf_counter()
     check_output(out, force)
     src = open_source(ckpt, iteration=iteration)

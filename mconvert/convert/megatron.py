@@ -443,7 +443,7 @@ class MegatronWriter:
             shards = split(full, kind, self.tp, name)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
             if self.optimizer_groups is None and ost is None and full.dim() > 0 and full.numel():
-                shards = [self._spool(p, t).park(_own(x)) for t, x in enumerate(shards)]  # issue 7: no stage in RAM
+                shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]  # issue 7: no stage in RAM
             entries.append((local_name, shards, ost))  # type: ignore[arg-type]
         if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
