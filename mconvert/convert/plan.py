@@ -2,8 +2,9 @@
 
 Shape-based (ModelSpec + parallel layout; no tensor is read), so the same numbers hold for a model nobody
 has on disk (see `estimate.py`, which answers from a preset). Peak memory of the streaming driver =
-one unit's source shards + its full/mapped copy + the writer's buffer (one safetensors shard for HF, one
-pipeline stage of the target for Megatron, whose rank files each hold a whole stage) + the interpreter.
+one unit's source shards + its full/mapped copy + the writer's buffer (HF: the write queue, ≤ 64 MB;
+Megatron: none — shards are spooled to disk until their stage is complete — except with optimizer states,
+where one pipeline stage of the target is held) + the interpreter.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp))
         write = hf_files(spec, out_item, max_shard_size)
         unit_in, unit_out = unit_bytes(spec, src_tp, src_item), unit_bytes(spec, 1, out_item)
-        buffer = min(max_shard_size, max(f["bytes"] for f in write))
+        buffer = min(64 << 20, max_shard_size, max(f["bytes"] for f in write))  # streamed: stream.HashingFile queue
     elif verb in ("hf-to-megatron", "reshard"):
         if verb == "hf-to-megatron":
             read = hf_files(spec, src_item)
@@ -48,10 +49,10 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         for f in write:
             stage = f["path"].split("/")[0][11:] or "0"
             stage_bytes[stage] = stage_bytes.get(stage, 0) + f["bytes"]
-        buffer = max(stage_bytes.values())
+        buffer = 0  # shards are spooled to disk until the stage is complete (stream.Spool), not held
         if with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
             scale = 1 + 2 * 4 / out_item
-            buffer = int(buffer * scale)
+            buffer = int(max(stage_bytes.values()) * scale)  # with Adam states the stage is still buffered
             unit_in = {k: int(v * (1 + 2 * 4 / src_item)) for k, v in unit_in.items()}
             for f in write:
                 f["bytes"] = int(f["bytes"] * scale)
