@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.base import Unit
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.sources import TOKENIZER_FILES, SourceBase, find_tokenizer_dir
 from mconvert.errors import MConvertError
 from mconvert.mappings import from_hf, hf_unit
@@ -53,7 +53,7 @@ class HFSource(SourceBase):
         try:
             self.config = json.loads(cfg_path.read_text())
         except (OSError, ValueError) as e:
-            raise MConvertError(f"{cfg_path}: unreadable config ({e})") from None
+            raise MConvertError(f"{cfg_path}: unreadable config ({e}); fix it or re-copy the model directory") from None
         self.spec = ModelSpec.from_hf_config(self.config, source=str(cfg_path))
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
         self.key_file = self._index()
@@ -98,7 +98,8 @@ class HFSource(SourceBase):
                 with safe_open(str(self.path / f), framework="pt") as sf:
                     return list(sf.keys())
             except Exception as e:  # noqa: BLE001
-                raise MConvertError(f"{self.path / f}: unreadable safetensors file ({str(e)[:120]})") from None
+                raise MConvertError(f"{self.path / f}: unreadable safetensors file ({str(e)[:120]}); it is "
+                                    "truncated or corrupt — re-copy it") from None
         return list(safe_load(self.path / f, "weights"))
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -119,6 +120,13 @@ class HFSource(SourceBase):
                     self._bin_cache = (f, safe_load(self.path / f, "weights"))
                 for k in keys:
                     out[k] = self._bin_cache[1][k]
+        for k, t in out.items():  # safety: int bits would be converted as numbers; NaN/Inf refused
+            if not t.is_floating_point():
+                raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds {t.dtype} values, not "
+                                    "floating-point weights; the file is corrupt — re-copy it")
+            if not all_finite(t):
+                raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds NaN or Inf values; the "
+                                    "model is corrupt — re-copy or re-export it")
         if unit == "final" and self.spec.tie_embeddings:
             out.pop("lm_head.weight", None)
         return out
