@@ -473,6 +473,9 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     if dtype not in FT_DTYPES:
         raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
     check_output(out, force)
+    from mconvert.convert.stream import bound_heap
+
+    bound_heap()  # RSS = live tensors (bench/, issue 7)
     source = open_any_source(src, iteration)
     ft_section(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
     units = source.units()
