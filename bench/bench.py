@@ -202,7 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
     ap.add_argument("--json", action="store_true", help="print the full report as JSON on stdout")
     ap.add_argument("--no-save", action="store_true", help="do not write the bandwidth file / bench/last-run.json")
+    ap.add_argument("--render", type=Path, default=None, help="print a saved report (last-run.json) as markdown")
     a = ap.parse_args(argv)
+    if a.render is not None:
+        print(markdown(json.loads(a.render.read_text())), end="")
+        return 0
     if a.quick:
         a.preset, a.layers, a.repeats, a.depth, a.depth_repeats = "gpt2-100m", a.layers or 4, 1, "2,8", 1
     skip = {s.strip() for s in a.skip.split(",") if s.strip()}
@@ -390,6 +394,47 @@ def print_report(report: dict[str, Any]) -> None:
     console.print(t)
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The figures as markdown tables (README / notes), from a report dict (`--render last-run.json`)."""
+    m, ops = report["model"], report["ops"]
+    lines = [f"Model: {report['preset']}, {m['layers']} layers, {m['parameters'] / 1e9:.2f} B parameters, fp32, "
+             f"TP={SRC_TP} PP={SRC_PP}: {report['build']['files']} files, {report['build']['bytes'] / GB:.2f} GB; "
+             f"median of {report['repeats']} interleaved rounds; page cache "
+             f"{'warm' if report['cache']['warm'] else 'NOT warm'}; {report['machine']['cpus']} CPUs; "
+             f"{report['machine']['date']}.", "",
+             "| operation | wall s | × cp | CPU s | CPU × cp | peak RSS GB |", "|---|---:|---:|---:|---:|---:|"]
+    for op, r in ops.items():
+        lines.append(f"| {op} | {r['wall_s']:.2f} | {r['ratio_to_cp']:.2f} | {r['cpu_s']:.2f} | "
+                     f"{r['cpu_ratio_to_cp']:.1f} | {r['peak_rss'] / GB:.2f} |")
+    if "peer" in report:
+        p = report["peer"]
+        lines += ["", f"HF → Megatron TP={SRC_TP} PP={SRC_PP}, same model:", "",
+                  "| converter | wall s | CPU s | peak RSS GB |", "|---|---:|---:|---:|"]
+        rows = [("transformers' checkpoint_reshaping_and_interoperability.py (pytorch_model.bin)",
+                 p["transformers-script"]), ("mconvert hf-to-megatron (safetensors)", p["hf-to-megatron"])]
+        if p.get("hf-to-megatron-bin"):
+            rows.append(("mconvert hf-to-megatron (the same pytorch_model.bin, 1 run)", p["hf-to-megatron-bin"]))
+        for name, r in rows:
+            lines.append(f"| {name} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['peak_rss'] / GB:.2f} |")
+        lines.append(f"| **ours vs script** | **{p['speedup']:.1f}× faster** | {p['cpu_speedup']:.1f}× less CPU | "
+                     f"**{p['rss_fraction']:.2f}× the RSS** |")
+    if "depth" in report:
+        lines += ["", "Depth scaling (same width):", "",
+                  "| layers | ckpt GB | megatron-to-hf s | s/GB | RSS GB | reshard s | s/GB | RSS GB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for d in report["depth"].values():
+            gbs = d["bytes"] / GB
+            h, r = d["megatron-to-hf"], d["reshard"]
+            lines.append(f"| {d['layers']} | {gbs:.2f} | {h['wall_s']:.2f} | {h['wall_s'] / gbs:.2f} | "
+                         f"{h['peak_rss'] / GB:.2f} | {r['wall_s']:.2f} | {r['wall_s'] / gbs:.2f} | "
+                         f"{r['peak_rss'] / GB:.2f} |")
+    lines += ["", "| target (issue 7) | measured | limit | |", "|---|---:|---:|---|"]
+    for x in report["targets"]:
+        lines.append(f"| {x['target']} | {x['value']:.2f} {x['unit']} | {x['limit']:.2f} | "
+                     f"{'pass' if x['pass'] else '**FAIL**'} |")
+    return "\n".join(lines) + "\n"
+
+
 def save(report: dict[str, Any]) -> None:
     """The small bandwidth JSON `mconvert plan` reads, and the whole report beside this script."""
     if "ops" not in report:
@@ -412,7 +457,8 @@ def save(report: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(bw, indent=1) + "\n")
     (HERE / "last-run.json").write_text(json.dumps(report, indent=1) + "\n")
-    console.print(f"wrote {path} and {HERE / 'last-run.json'}")
+    (HERE / "last-run.md").write_text(markdown(report))
+    console.print(f"wrote {path}, {HERE / 'last-run.json'} and {HERE / 'last-run.md'}")
 
 
 if __name__ == "__main__":

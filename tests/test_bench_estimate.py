@@ -170,3 +170,29 @@ def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
                 x[pos] = bad
                 assert all_finite(x) == bool(torch.isfinite(x).all()) is False
     assert all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(5))
+
+
+def test_bench_report_targets_and_markdown() -> None:
+    """The bench's target logic and tables on a synthetic report (no timing: numbers are made up)."""
+    sys.path.insert(0, str(BENCH))
+    import bench
+
+    def op(wall: float, rss: float) -> dict:
+        return {"wall_s": wall, "cpu_s": wall, "peak_rss": int(rss * 1e9), "peak_anon": 0, "ratio_to_cp": wall,
+                "cpu_ratio_to_cp": wall, "rss_ratio_to_cp": 1.0}
+
+    rep = {"preset": "gpt2-1b", "repeats": 3, "machine": {"cpus": 2, "date": "now"},
+           "model": {"layers": 16, "parameters": 8e8, "largest_layer_bytes": 2e8, "largest_unit_bytes": 2e8},
+           "build": {"files": 12, "bytes": 3.3e9}, "cache": {"warm": True},
+           "ops": {"cp": op(1.0, 0.01), "megatron-to-hf": op(1.9, 0.8), "reshard": op(3.0, 0.8)},
+           "peer": {"transformers-script": op(10, 4), "hf-to-megatron": op(1.5, 0.8), "hf-to-megatron-bin": None,
+                    "speedup": 10 / 1.5, "cpu_speedup": 10 / 1.5, "rss_fraction": 0.2},
+           "depth": {"8": {"layers": 8, "bytes": 1.6e9, "megatron-to-hf": op(1.0, 0.8), "reshard": op(1.5, 0.8)},
+                     "32": {"layers": 32, "bytes": 6.4e9, "megatron-to-hf": op(4.0, 0.8), "reshard": op(6.0, 0.8)}}}
+    rep["targets"] = bench.targets(rep)
+    verdict = {t["target"]: t["pass"] for t in rep["targets"]}
+    assert verdict["megatron-to-hf wall ≤ 2.0 × cp"] and not verdict["reshard wall ≤ 2.5 × cp"]
+    assert verdict["hf-to-megatron ≥ 5 × faster than transformers' script"]
+    assert all(v for k, v in verdict.items() if "flat" in k or "linear" in k)
+    md = bench.markdown(rep)
+    assert "| reshard | 3.00 | 3.00 |" in md and "**FAIL**" in md
