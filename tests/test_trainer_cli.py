@@ -4,11 +4,15 @@ HF tokenizer files in the checkpoint root (loaded by transformers), and one-line
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+
 import pytest
 
 from mconvert.convert.layout import read_latest
+from mconvert.convert.safeload import safe_load
 
 pytestmark = pytest.mark.slow
 MCONVERT = [sys.executable, "-m", "mconvert.cli"]
@@ -39,6 +43,24 @@ def test_train_cli_tp2_pp2_json_and_tokenizer(tmp_path):
     # a second run into the same directory without --resume is a one-line user error
     code, err = _cli_error(cmd[3:])
     assert code == 1 and err.startswith("error:") and "--resume" in err and len(err.splitlines()) == 1
+
+    # --force replaces the checkpoint only when the new run has saved: one killed mid-run leaves it whole
+    before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    long_run = cmd[:cmd.index("--steps") + 1] + ["400"] + cmd[cmd.index("--steps") + 2:-2] + ["--force"]
+    proc = subprocess.Popen(long_run, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:  # kill once training is under way
+        if "iteration      2/400" in line:
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
+    replace = cmd[:cmd.index("--steps") + 1] + ["2"] + cmd[cmd.index("--steps") + 2:-2] + ["--force"]
+    res = subprocess.run(replace, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert read_latest(ckpt) == 2 and not (ckpt / "iter_0000003").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]  # no temporary sibling left
+    assert safe_load(ckpt / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt")["args"].save == str(ckpt)
 
 
 def _cli_error(argv: list[str]) -> tuple[int, str]:

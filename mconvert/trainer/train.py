@@ -13,7 +13,6 @@ import logging
 
 import os
 import random
-import shutil
 import sys
 import time
 import uuid
@@ -51,7 +50,8 @@ class TrainConfig:
     save: str | None = None
     save_interval: int | None = None  # default: only at the end
     resume: bool = False
-    force: bool = False  # replace an existing checkpoint in `save`
+    force: bool = False  # replace an existing checkpoint in `save` (only once the new run has saved)
+    save_as: str | None = None  # the path `save` is renamed to at the end (args record it); internal
     seed: int = 1234
     lr: float = 1e-3
     micro_batch_size: int = 4
@@ -202,9 +202,9 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
         train_iters=cfg.steps, iteration=iteration, consumed_train_samples=consumed,
         data_parallel_size=cfg.dp, world_size=cfg.world, optimizer="adam", adam_beta1=ADAM["betas"][0],
         adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], weight_decay=ADAM["weight_decay"], clip_grad=0.0,
-        init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0, save=cfg.save, load=cfg.save,
+        init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0, save=cfg.save_as or cfg.save, load=cfg.save_as or cfg.save,
         save_interval=cfg.save_interval, use_distributed_optimizer=False, data_parallel_random_init=False,
-        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=cfg.save, use_checkpoint_args=False,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=cfg.save_as or cfg.save, use_checkpoint_args=False,
         sequence_parallel=cfg.sequence_parallel and cfg.tp > 1,
     )
 
@@ -383,7 +383,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
         if cfg.save and (it == cfg.steps or (cfg.save_interval and it % cfg.save_interval == 0)):
             save_checkpoint(cfg, spec, st, model, opt, it, consumed)
             if log:
-                print(f"saved checkpoint iteration {it} to {cfg.save}", flush=True,
+                print(f"saved checkpoint iteration {it} to {cfg.save_as or cfg.save}", flush=True,
                       file=sys.stderr if cfg.log_stderr else sys.stdout)
     out: dict[str, Any] = {}
     if st.rank == _log_rank(cfg):
@@ -422,10 +422,14 @@ def prepare_save_dir(cfg: TrainConfig) -> None:
         return
     if has_ckpt and not cfg.force:
         raise MConvertError(f"--save {root}: already holds a checkpoint; pass --resume to continue or --force")
-    if has_ckpt:
-        for p in list(root.glob("iter_*")) + list(root.glob("release")):
-            shutil.rmtree(p)
-        (root / TRACKER).unlink(missing_ok=True)
+
+
+def _replaces_checkpoint(cfg: TrainConfig) -> bool:
+    """--force over an existing checkpoint: train into a temporary sibling, swap it in only at the end."""
+    if not (cfg.save and cfg.force and not cfg.resume):
+        return False
+    root = Path(cfg.save)
+    return root.is_dir() and ((root / TRACKER).exists() or any(root.glob("iter_*")) or (root / "release").exists())
 
 
 def _free_port() -> int:
@@ -506,6 +510,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     tokens, vocab = prepare_tokens(None, write=False)
     spec = build_spec(cfg, vocab)  # refuse a bad layout before anything is written
     prepare_save_dir(cfg)
+    if _replaces_checkpoint(cfg):  # a run that dies leaves the old checkpoint whole
+        from mconvert.convert.atomic import atomic_output_dir
+
+        with atomic_output_dir(cfg.save, force=True, manifest=False) as tmp:
+            return _run_training(dataclasses.replace(cfg, save=str(tmp), save_as=cfg.save), spec, tokens)
+    return _run_training(cfg, spec, tokens)
+
+
+def _run_training(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
     if cfg.save:
         prepare_tokens(cfg.save, write=True)
     results = launch(_entry, (cfg, spec, tokens), cfg.world, cfg.device)
