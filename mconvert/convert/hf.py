@@ -117,7 +117,7 @@ class HFSource(SourceBase):
                         out[k] = sf.get_tensor(k)
             else:
                 if self._bin_cache is None or self._bin_cache[0] != f:
-                    self._bin_cache = (f, safe_load(self.path / f, "weights"))
+                    self._bin_cache = (f, _bin_reader(self.path / f))
                 for k in keys:
                     out[k] = self._bin_cache[1][k]
         for k, t in out.items():  # safety: int bits would be converted as numbers; NaN/Inf refused
@@ -147,10 +147,6 @@ class HFWriter:
         self._tmp_files: list[tuple[Path, list[str]]] = []
         self.total_size = 0
         self.peak_buffer_bytes = 0
-
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
-        for name, t in tensors.items():
-            if self.dtype is not None and t.dtype != self.dtype:
         # Streaming (issue 7): shards planned from the spec on the first add, each tensor written as it
         # arrives (memory: one unit, not one 5 GB shard); the buffered path below stays for other callers.
         self._shards: list | None = None  # planned shards, or [] when the arrivals do not follow the plan
@@ -206,8 +202,8 @@ class HFWriter:
         if self._stream.complete:
             self._digests[self._stream.path] = self._stream.close()
             self._stream = None
-                t = t.to(self.dtype)
-            t = t.contiguous()
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
         if self.dtype is not None:
             tensors = {n: t.to(self.dtype) if t.dtype != self.dtype else t for n, t in tensors.items()}
         if self._shards is None and tensors:
@@ -219,6 +215,10 @@ class HFWriter:
             for name, t in tensors.items():
                 self._add_streamed(name, t)
             return
+        for name, t in tensors.items():
+            if self.dtype is not None and t.dtype != self.dtype:
+                t = t.to(self.dtype)
+            t = t.contiguous()
             if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
                 t = t.clone()
             nbytes = t.numel() * t.element_size()
@@ -241,10 +241,6 @@ class HFWriter:
 
     def close(self, tokenizer_dir: Path | None = None) -> list[Path]:
         """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer."""
-        self._flush()
-        n = len(self._tmp_files)
-        files: list[Path] = []
-        weight_map: dict[str, str] = {}
         from mconvert.convert.atomic import record_digest
 
         if self._streaming and (self._stream is not None or self._shards):
@@ -252,15 +248,19 @@ class HFWriter:
             if self._stream is not None:
                 self._stream.abort()
             raise MConvertError(f"internal: HF writer closed before all tensors arrived (e.g. {missing!r})")
+        self._flush()
+        n = len(self._tmp_files)
+        files: list[Path] = []
+        weight_map: dict[str, str] = {}
         for i, (tmp, names) in enumerate(self._tmp_files):
             final = self.out / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
             os.replace(tmp, final)
+            if tmp in self._digests:  # hashed while written: the manifest need not read it back
+                record_digest(final, self._digests[tmp])
             files.append(final)
             weight_map.update({k: final.name for k in names})
         if n > 1:
             idx = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            if tmp in self._digests:  # hashed while written: the manifest need not read it back
-                record_digest(final, self._digests[tmp])
             (self.out / INDEX).write_text(json.dumps(idx, indent=2) + "\n")
             files.append(self.out / INDEX)
         spec = self.spec
@@ -285,6 +285,20 @@ class HFWriter:
         (self.out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         files += [self.out / "config.json", self.out / "generation_config.json"]
         return files
+
+
+def _bin_reader(path: Path) -> Any:
+    """A pytorch_model*.bin as a mapping read tensor by tensor with pread (one safe, weights-only load builds
+    the offset index): its pages do not stay resident as a whole mmap'd file would (bench/, issue 7)."""
+    from mconvert.convert.stream import LazyModel, TensorIndex
+
+    st = safe_load(path, "weights")
+    if not isinstance(st, dict):
+        return st
+    idx = TensorIndex.build(path, st, {k: v for k, v in st.items() if isinstance(v, torch.Tensor)})
+    if idx is None:
+        return st
+    return LazyModel(idx, os.open(path, os.O_RDONLY), "")
 
 
 def _tokenizer_special_ids(tok_dir: Path) -> tuple[int | None, int | None]:
