@@ -177,9 +177,16 @@ def export_bin(hf_dir: Path, dest: Path) -> None:
 def layer_figures(ckpt: Path) -> dict[str, Any]:
     """Largest transformer layer and largest unit (embedding / final) of the built checkpoint, all TP shards
     (its spec from its own args: the trainer's tokenizer sets the vocabulary, not the preset)."""
-    from mconvert.convert.megatron import MegatronSource
+    import subprocess
 
-    spec = MegatronSource(ckpt).spec
+    from mconvert.spec import ModelSpec
+
+    # in a child process: importing torch here would grow this process, whose pages every child measured
+    # after it would otherwise carry in its ru_maxrss
+    code = ("import json, sys; from mconvert.convert.megatron import MegatronSource; "
+            "print(json.dumps(MegatronSource(sys.argv[1]).spec.to_dict()))")
+    out = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, check=True)
+    spec = ModelSpec(**json.loads(out.stdout.strip().splitlines()[-1]))
     u = unit_bytes(spec, SRC_TP, 4 if spec.params_dtype == "float32" else 2)
     return {"parameters": spec.num_parameters(), "layers": spec.num_layers, "vocab_size": spec.vocab_size,
             "largest_layer_bytes": u["layer"], "largest_unit_bytes": max(u.values()), "units": u}

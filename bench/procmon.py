@@ -1,8 +1,9 @@
 """Measure one command: wall time and peak resident memory of its whole process tree; page-cache residency.
 
 Peak RSS is taken two ways and the larger is kept: psutil polling of the sum over the process tree (catches
-`--workers N` children living at once) and the kernel's own `ru_maxrss` of the child from `wait4` (exact for a
-single process, blind to sums). `anon` is RSS minus file-backed pages (mmap'd inputs count in RSS but are
+`--workers N` children living at once) and the sum of each process's own high-water mark (VmHWM, exact for a
+single process between polls). The kernel's `ru_maxrss` from `wait4` is recorded but not used: after
+fork + exec it still counts the parent's resident pages at fork time. `anon` is RSS minus file-backed pages (mmap'd inputs count in RSS but are
 page cache the kernel can drop at any time).
 """
 
@@ -25,16 +26,28 @@ class Measurement:
     """One run of one command."""
 
     wall_s: float
-    peak_rss: int  # bytes, max(tree-sum polling, ru_maxrss)
+    peak_rss: int  # bytes, max(tree-sum polling, sum of each process's VmHWM)
     peak_rss_tree: int  # bytes, polled sum over the process tree
     peak_anon_tree: int  # bytes, polled (rss - file-backed) summed over the tree
-    maxrss_kernel: int  # bytes, ru_maxrss from wait4 (largest single process)
+    maxrss_kernel: int  # bytes, ru_maxrss from wait4 (includes the parent's RSS at fork: not used)
     cpu_s: float  # user + system CPU seconds of the command and its reaped children (load-independent)
     returncode: int
     output_tail: str
 
 
-def _tree_rss(proc: psutil.Process) -> tuple[int, int]:
+def _vm_hwm(pid: int) -> int:
+    """VmHWM of a process: the peak RSS of its current address space (fresh at exec, unlike ru_maxrss)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _tree_rss(proc: psutil.Process, hwm: dict[int, int] | None = None) -> tuple[int, int]:
     rss = anon = 0
     try:
         procs = [proc, *proc.children(recursive=True)]
@@ -47,6 +60,8 @@ def _tree_rss(proc: psutil.Process) -> tuple[int, int]:
             continue
         rss += mi.rss
         anon += max(0, mi.rss - getattr(mi, "shared", 0))
+        if hwm is not None:
+            hwm[p.pid] = max(hwm.get(p.pid, 0), _vm_hwm(p.pid))
     return rss, anon
 
 
@@ -60,6 +75,7 @@ def run_measured(cmd: list[str], cwd: str | Path | None = None, env: dict[str, s
         p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
         ps = psutil.Process(p.pid)
         peak = peak_anon = 0
+        hwm: dict[int, int] = {}
         status = None
         rusage = None
         while True:
@@ -67,7 +83,7 @@ def run_measured(cmd: list[str], cwd: str | Path | None = None, env: dict[str, s
             if pid:
                 status, rusage = st, ru
                 break
-            rss, anon = _tree_rss(ps)
+            rss, anon = _tree_rss(ps, hwm)
             peak, peak_anon = max(peak, rss), max(peak_anon, anon)
             if time.perf_counter() - t0 > timeout_s:
                 p.kill()
@@ -78,7 +94,8 @@ def run_measured(cmd: list[str], cwd: str | Path | None = None, env: dict[str, s
         tail = log.read()[-4000:].decode(errors="replace")
     maxrss = int(rusage.ru_maxrss) * 1024  # KiB on Linux
     cpu = float(rusage.ru_utime + rusage.ru_stime)
-    return Measurement(wall, max(peak, maxrss), peak, peak_anon, maxrss, cpu, p.returncode, tail)
+    # ru_maxrss of a fork+exec'd child also counts the parent's pages at fork time: recorded, not used
+    return Measurement(wall, max(peak, sum(hwm.values())), peak, peak_anon, maxrss, cpu, p.returncode, tail)
 
 
 def _libc() -> ctypes.CDLL:
