@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import mmap
 import os
 import pathlib
 import pickle
@@ -194,26 +193,34 @@ def verify_zip_crc(path: str | Path) -> None:
     if key in _CRC_CHECKED or st.st_size == 0:
         return
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            buf = memoryview(mm)
-            try:
-                for info in zipfile.ZipFile(f).infolist():
-                    if not info.CRC or info.compress_type != zipfile.ZIP_STORED:
-                        continue
-                    off = info.header_offset
-                    if bytes(buf[off: off + 4]) != b"PK\x03\x04":
-                        raise zipfile.BadZipFile(f"no local header for {info.filename}")
-                    n, m = struct.unpack("<HH", buf[off + 26: off + 30])
-                    start = off + 30 + n + m
-                    if start + info.compress_size > len(buf):
+        with open(path, "rb") as f:
+            # read through one 8 MiB buffer, not a mapping of the whole file: mapped pages stay resident
+            # until unmapped, and a rank file can be larger than one layer (bench/, issue 7: RSS flat in depth)
+            fd, size = f.fileno(), os.fstat(f.fileno()).st_size
+            chunk = memoryview(bytearray(8 << 20))
+            for info in zipfile.ZipFile(f).infolist():
+                if not info.CRC or info.compress_type != zipfile.ZIP_STORED:
+                    continue
+                off = info.header_offset
+                head = os.pread(fd, 30, off)
+                if head[:4] != b"PK\x03\x04" or len(head) < 30:
+                    raise zipfile.BadZipFile(f"no local header for {info.filename}")
+                n, m = struct.unpack("<HH", head[26:30])
+                start = off + 30 + n + m
+                if start + info.compress_size > size:
+                    raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
+                crc, pos, left = 0, start, info.compress_size
+                while left:
+                    k = os.preadv(fd, [chunk[: min(left, len(chunk))]], pos)
+                    if k <= 0:
                         raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
-                    if zlib.crc32(buf[start: start + info.compress_size]) != info.CRC:
-                        raise MConvertError(
-                            f"{path}: entry {info.filename} fails the CRC-32 check torch.save stored for it; "
-                            "the file is corrupt — re-copy it"
-                        )
-            finally:
-                buf.release()
+                    crc = zlib.crc32(chunk[:k], crc)
+                    pos, left = pos + k, left - k
+                if crc != info.CRC:
+                    raise MConvertError(
+                        f"{path}: entry {info.filename} fails the CRC-32 check torch.save stored for it; "
+                        "the file is corrupt — re-copy it"
+                    )
     except (zipfile.BadZipFile, ValueError, struct.error) as e:
         raise MConvertError(f"{path}: damaged zip structure ({_short(e)}); the file is corrupt — re-copy it") from None
     _CRC_CHECKED.add(key)
