@@ -455,7 +455,7 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
         start_method=method, logs_specs=DefaultLogsSpecs(log_dir=log_dir), local_addr="127.0.0.1",
     )
-    # A forked rank must stay single-threaded: the parent's OpenMP pool does not survive fork (deadlock).
+    # A rank forked from the caller must stay single-threaded: the parent's OpenMP pool does not survive fork.
     threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
     if not os.environ.get("MCONVERT_DEBUG"):  # a failing rank is reported once, as one line, below
         for name in ("torch.distributed.elastic", "torch.multiprocessing"):
@@ -488,11 +488,18 @@ def threads_per_rank(nprocs: int) -> int:
 
 
 def _start_method(device: str | None) -> str:
-    """CPU: fork (no re-import of torch per rank: ~10 s each on a small machine); CUDA: spawn.
-    MCONVERT_START_METHOD=spawn gives each rank cores/nprocs threads instead of one."""
+    """CPU: forkserver — ranks fork from a clean single-threaded server that imported torch once, so a
+    rank neither re-imports torch (~10 s each on a small machine) nor inherits the caller's threads and
+    locks (forking a busy process, a test runner say, can deadlock a rank in its store connect); CUDA:
+    spawn. MCONVERT_START_METHOD=fork|spawn overrides."""
     cuda = device.startswith("cuda") if device else torch.cuda.is_available()
-    default = "spawn" if cuda or sys.platform != "linux" else "fork"
-    return os.environ.get("MCONVERT_START_METHOD", default)
+    default = "spawn" if cuda or sys.platform != "linux" else "forkserver"
+    method = os.environ.get("MCONVERT_START_METHOD", default)
+    if method == "forkserver":
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch", "mconvert.trainer.train"])
+    return method
 
 
 def _entry(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
