@@ -18,7 +18,7 @@ demo: $(STAMP) vllm-env
 	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m mconvert.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench.py
