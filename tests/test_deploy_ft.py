@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from mconvert.cli import main as cli_main
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
@@ -24,26 +24,9 @@ from mconvert.convert.trtllm import check_trtllm_dir, megatron_to_trtllm, trtllm
 from mconvert.errors import MConvertError
 from mconvert.spec import preset
 from mconvert.validators.ft_runner import ft_logits
+from deploy_common import make_hf, rel
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
-def make_hf(spec, path: Path, seed: int = 0) -> Path:
-    """A random transformers model of `spec` (norm weights/biases perturbed so their layout matters)."""
-    cfg = spec.to_hf_config()
-    config = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "torch_dtype"})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "ln" in n or "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return path
 
 
 def hf_ref(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:

@@ -6,36 +6,19 @@ the minimum: with-past and no-past per family, one torch.onnx fallback, one refu
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from mconvert.convert.driver import hf_to_megatron
 from mconvert.convert.onnx import to_onnx
 from mconvert.errors import MConvertError
 from mconvert.spec import preset
 from mconvert.validators.onnx_runner import onnx_logits, onnx_session
+from deploy_common import make_hf, rel
 
 pytestmark = pytest.mark.slow
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
-def make_hf(spec, path: Path, seed: int = 0) -> Path:
-    cfg = spec.to_hf_config()
-    config = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "torch_dtype"})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "ln" in n or "norm" in n:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
