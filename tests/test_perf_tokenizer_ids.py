@@ -1,0 +1,62 @@
+"""bos/eos ids read from a tokenizer's JSON files (no transformers import, issue 7) equal what
+transformers' AutoTokenizer reports for the same directory — and anything ambiguous falls back to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mconvert.convert.hf import _special_ids_from_json, _tokenizer_special_ids
+from mconvert.data import EOS, build_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return build_tokenizer(vocab_size=300)
+
+
+def _save(bpe, out: Path, cls: str = "PreTrainedTokenizerFast", **special) -> Path:
+    klass = getattr(transformers, cls)
+    fast = klass(tokenizer_object=bpe._tokenizer, **special)
+    fast.save_pretrained(str(out))
+    return out
+
+
+def _truth(d: Path) -> tuple[int | None, int | None]:
+    tok = transformers.AutoTokenizer.from_pretrained(str(d))
+    return tok.bos_token_id, tok.eos_token_id
+
+
+CASES = {
+    "bos=eos": dict(bos_token=EOS, eos_token=EOS, unk_token=EOS),
+    "distinct new bos": dict(bos_token="<s>", eos_token=EOS),
+    "no bos": dict(eos_token=EOS),
+    "gpt2 class": dict(cls="GPT2TokenizerFast", bos_token="<s>", eos_token="</s>"),
+    "bos from vocab": dict(bos_token="a", eos_token=EOS),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_special_ids_match_autotokenizer(bpe, tmp_path: Path, case: str) -> None:
+    d = _save(bpe, tmp_path / case.replace(" ", "_"), **CASES[case])
+    assert _tokenizer_special_ids(d) == _truth(d)
+    fast = _special_ids_from_json(d)
+    assert fast is None or fast == _truth(d)
+
+
+def test_fast_path_used_for_trainer_layout(bpe, tmp_path: Path) -> None:
+    d = _save(bpe, tmp_path / "t", **CASES["bos=eos"])
+    assert _special_ids_from_json(d) == _truth(d)
+
+
+def test_disagreeing_special_tokens_map_falls_back(bpe, tmp_path: Path) -> None:
+    d = _save(bpe, tmp_path / "t", bos_token="<s>", eos_token=EOS)
+    smap = json.loads((d / "special_tokens_map.json").read_text())
+    smap["bos_token"] = EOS
+    (d / "special_tokens_map.json").write_text(json.dumps(smap))
+    assert _special_ids_from_json(d) is None
+    assert _tokenizer_special_ids(d) == _truth(d)
