@@ -379,6 +379,8 @@ class MegatronWriter:
         self._embedding: tuple[torch.Tensor, dict | None] | None = None
         self.files: list[Path] = []
         self._spools: dict[tuple[int, int], Any] = {}
+        self._hasher: Any = None
+        self._hashes: list[tuple[Path, tuple[int, int], Any]] = []
 
     def _target_args(self, args: Any) -> argparse.Namespace:
         if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
@@ -496,7 +498,20 @@ class MegatronWriter:
                 spool.close()
                 os.replace(tmp, path)
             self.files.append(path)
+            self._hash_in_background(path)
         del chunks
+
+    def _hash_in_background(self, path: Path) -> None:
+        """sha256 of a finished rank file on a thread, overlapping the next stage's reads (issue 7); `close`
+        hands it to the manifest (`atomic.record_digest`), which uses it only if the file is unchanged since."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from mconvert.convert.atomic import sha256_file
+
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hash-rank-files")
+        st = os.stat(path)
+        self._hashes.append((path, (st.st_size, st.st_mtime_ns), self._hasher.submit(sha256_file, path)))
 
     def _spool(self, p: int, t: int) -> Any:
         """The spool of rank file (t, p): shard bytes wait there, not in memory, until the stage is complete."""
@@ -513,6 +528,20 @@ class MegatronWriter:
         if missing:
             raise MConvertError(f"internal: pipeline stages {missing} did not receive all their units")
         write_latest(self.out, self.iteration)
+        from mconvert.convert.atomic import record_digest
+
+        for path, (size, mtime), fut in self._hashes:
+            try:
+                digest = fut.result()
+                st = os.stat(path)
+            except OSError:  # the manifest then hashes the file itself
+                continue
+            if (st.st_size, st.st_mtime_ns) == (size, mtime):
+                record_digest(path, digest)
+        self._hashes.clear()
+        if self._hasher is not None:
+            self._hasher.shutdown()
+            self._hasher = None
         return self.files
 
 
