@@ -119,6 +119,7 @@ class MegatronSource(SourceBase):
             st = safe_load(self.files[(0, p)])
             for c in range(self.vpp or 1):
                 self._keymaps[(p, c)] = self._keymap(st, p, c, self.files[(0, p)])
+            self._remember(0, p, st)
             del st
         self._check_ranks(a)  # safety: every other rank file agrees with TP rank 0 (args, keys, shapes)
 
@@ -186,6 +187,7 @@ class MegatronSource(SourceBase):
                 if missing:
                     raise MConvertError(f"{f}: key {missing[0]!r} is missing ({ref_file} has it); the checkpoint "
                                         "is incomplete or mixed — re-copy it")
+            self._remember(t, p, st)
             del st
 
     def _rank_files(self) -> dict[tuple[int, int], Path]:
@@ -257,19 +259,34 @@ class MegatronSource(SourceBase):
     def _lazy_model(self, t: int, p: int, c: int) -> Any:
         """Rank file (t, p)'s chunk c read tensor by tensor with pread at indexed offsets (built from one safe,
         weights-only load per file): no unpickling per unit, no mmap pages left in RSS. None: use safe_load."""
-        from mconvert.convert.stream import LazyModel, TensorIndex
+        from mconvert.convert.stream import LazyModel
 
         cache = self.__dict__.setdefault("_tensor_index", {})
         if (t, p) not in cache:
             f = self.files[(t, p)]
             st = safe_load(f)
-            tensors = {f"{cc}\0{k}": v for cc in range(self.vpp or 1)
-                       for k, v in self._model_dict(st, cc, f).items() if isinstance(v, torch.Tensor)}
-            idx = TensorIndex.build(f, st, tensors)
-            cache[(t, p)] = None if idx is None else (idx, os.open(f, os.O_RDONLY))
-            del st, tensors
+            self._remember(t, p, st)
+            del st
         entry = cache[(t, p)]
         return None if entry is None else LazyModel(entry[0], entry[1], f"{c}\0")
+
+    def _remember(self, t: int, p: int, st: dict) -> None:
+        """While rank file (t, p) is loaded anyway (opening checks): build its offset index and keep its small
+        top-level entries, so reading units and `top_level` need no second unpickling of it (issue 7)."""
+        from mconvert.convert.stream import TensorIndex
+
+        cache = self.__dict__.setdefault("_tensor_index", {})
+        tops = self.__dict__.setdefault("_top_level", {})
+        f = self.files[(t, p)]
+        if (t, p) not in cache:
+            try:
+                tensors = {f"{cc}\0{k}": v for cc in range(self.vpp or 1)
+                           for k, v in self._model_dict(st, cc, f).items() if isinstance(v, torch.Tensor)}
+            except MConvertError:
+                return  # reported by the caller's own checks / at read time
+            idx = TensorIndex.build(f, st, tensors)
+            cache[(t, p)] = None if idx is None else (idx, os.open(f, os.O_RDONLY))
+        tops[(t, p)] = {k: v for k, v in st.items() if not k.startswith("model") and k != "optimizer"}
 
     def _read_dim0_direct(self, p: int, c: int, wanted: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
         """Dim-0 split parameters (column / qkv / vocab / gated) of one unit, each rank's shard pread straight
@@ -351,6 +368,9 @@ class MegatronSource(SourceBase):
 
     def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
         """Top-level entries other than the model and optimizer (args, iteration, scheduler, rng, ...)."""
+        known = self.__dict__.get("_top_level", {}).get((tp_rank, pp_rank))
+        if known is not None:
+            return dict(known)
         st = safe_load(self.files[(tp_rank, pp_rank)])
         return {k: v for k, v in st.items() if not k.startswith("model") and k != "optimizer"}
 
