@@ -189,43 +189,6 @@ def plan_shards(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_sha
 
 
 # ---- reading: a rank file's tensors by file offset, without unpickling it again ----------------------------
-class BufferPool:
-    """Read buffers reused by exact byte size once nothing references them any more (storage use count: the
-    pool's own tensor only), so pread lands in memory that is already mapped — a fresh buffer (bound_heap
-    gives every large one its own mmap) costs a zero-filled page fault per 4 KiB: pread 0.8-1.0 GB/s fresh vs
-    2.5-3.8 GB/s reused on the bench VM (issue 7). Idle buffers above `cap` bytes are let go, oldest first."""
-
-    def __init__(self, cap: int = 256 << 20) -> None:
-        self.cap = cap
-        self._bufs: list[torch.Tensor] = []  # oldest first
-
-    @staticmethod
-    def _free(b: torch.Tensor) -> bool:
-        return torch._C._storage_Use_Count(b.untyped_storage()._cdata) <= 2  # the pool's tensor + this call's
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        """An uint8 tensor of exactly `nbytes` (contents undefined), reused when a free one of that size exists."""
-        if nbytes < (1 << 20):
-            return torch.empty(nbytes, dtype=torch.uint8)
-        for i, b in enumerate(self._bufs):
-            if b.numel() == nbytes and self._free(b):
-                self._bufs.append(self._bufs.pop(i))
-                return b.view(-1)  # a new tensor: it counts as a use of the storage while the caller holds it
-        b = torch.empty(nbytes, dtype=torch.uint8)
-        self._bufs.append(b)
-        total = sum(x.numel() for x in self._bufs)
-        for x in list(self._bufs):
-            if total <= self.cap:
-                break
-            if x is not b and self._free(x):
-                self._bufs.remove(x)
-                total -= x.numel()
-        return b.view(-1)
-
-
-POOL = BufferPool()
-
-
 def _all_tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -308,7 +271,7 @@ class TensorIndex:
     def read(self, fd: int, key: str) -> torch.Tensor:
         """The tensor `key`, read with one pread into new memory (its whole storage, then the same view)."""
         off, dtype, shape, stride, soff, nbytes = self.entries[key]
-        buf = POOL.get(nbytes)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
         self._pread(fd, key, memoryview(buf.numpy()), off)
         typed = buf.view(dtype)
         if soff == 0 and list(stride) == _contiguous_strides(shape) and typed.numel() == _numel(shape):
@@ -357,9 +320,7 @@ def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: t
     the concatenation. Returns (full, each rank's slices of it) or None when a shard cannot be read in place."""
     tp = len(lazies)
     rows = shard_shape[0]
-    dtype = lazies[0].dtype(raw)
-    shape = (rows * tp, *shard_shape[1:])
-    full = POOL.get(_numel(shape) * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
+    full = torch.empty((rows * tp, *shard_shape[1:]), dtype=lazies[0].dtype(raw))
     row_bytes = full[0].numel() * full.element_size() if full.dim() > 1 else full.element_size()
     parts: list[torch.Tensor] = []
     if kind == "gated":
