@@ -29,7 +29,7 @@ from mconvert.convert.layout import (
     write_latest,
 )
 from mconvert.convert.safeload import all_finite, safe_load
-from mconvert.convert.sources import SourceBase, find_tokenizer_dir, resolve_iteration_dir, tokenizer_length
+from mconvert.convert.sources import SourceBase, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.transforms import merge, pad_vocab, split
@@ -97,16 +97,7 @@ class MegatronSource(SourceBase):
         if "model" not in first and not chunks:
             raise MConvertError(f"{first_file}: no 'model' (or 'model0'...) entry; nothing to convert")
         a = _args_dict(self.args)
-        self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.root, self.path)
-        if tokenizer and self.tokenizer_dir is None:
-            raise MConvertError(f"{tokenizer}: no tokenizer files (tokenizer.json / tokenizer_config.json) there")
-        vocab = a.get("vocab_size") or a.get("orig_vocab_size") or a.get("true_vocab_size")
-        self.vocab_known = vocab is not None
-        if vocab is None and self.tokenizer_dir is not None:
-            vocab, self.vocab_known = tokenizer_length(self.tokenizer_dir), True
-        spec = ModelSpec.from_megatron_args(a, source=str(first_file))
-        if vocab is not None:
-            spec = spec.replace(vocab_size=int(vocab))
+        spec, self.tokenizer_dir, self.vocab_known = megatron_spec(a, str(first_file), tokenizer, self.root, self.path)
         if a.get("bos_token_id") is not None or a.get("eos_token_id") is not None:
             spec = spec.replace(bos_token_id=a.get("bos_token_id"), eos_token_id=a.get("eos_token_id"))
         self.spec = spec

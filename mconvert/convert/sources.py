@@ -149,3 +149,20 @@ def tokenizer_length(tok_dir: Path) -> int:
         return len(AutoTokenizer.from_pretrained(str(tok_dir)))
     except Exception as e:  # noqa: BLE001 - any tokenizer failure is a user-facing one-liner
         raise MConvertError(f"{tok_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:120]})") from None
+
+
+def megatron_spec(args: dict, source: str, tokenizer: str | Path | None, *roots: Path) -> tuple[ModelSpec, Path | None, bool]:
+    """ModelSpec of a Megatron checkpoint's args with its true vocab (args, else the tokenizer's length).
+
+    Returns (spec, tokenizer dir, whether the true vocab is known)."""
+    tok_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, *roots)
+    if tokenizer and tok_dir is None:
+        raise MConvertError(f"{tokenizer}: no tokenizer files (tokenizer.json / tokenizer_config.json) there")
+    vocab = args.get("vocab_size") or args.get("orig_vocab_size") or args.get("true_vocab_size")
+    known = vocab is not None
+    if vocab is None and tok_dir is not None:
+        vocab, known = tokenizer_length(tok_dir), True
+    spec = ModelSpec.from_megatron_args(args, source=source)
+    if vocab is not None:
+        spec = spec.replace(vocab_size=int(vocab))
+    return spec, tok_dir, known

@@ -17,10 +17,9 @@ import torch
 
 from mconvert.convert.base import Unit
 from mconvert.convert.safeload import safe_load, safe_load_dcp_metadata
-from mconvert.convert.sources import SourceBase, find_tokenizer_dir, resolve_iteration_dir, tokenizer_length
+from mconvert.convert.sources import SourceBase, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import canonical_key, unit_of
-from mconvert.spec import ModelSpec
 
 STACKED_PREFIX = "decoder.layers."
 # Explicit drops: top-level entries of a Megatron-LM save that are not model weights.
@@ -79,17 +78,9 @@ class TorchDistSource(SourceBase):
         self.metadata = safe_load_dcp_metadata(d / ".metadata")
         self.reader.set_up_storage_reader(self.metadata, True)
 
-        self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.root, self.path)
-        if tokenizer and self.tokenizer_dir is None:
-            raise MConvertError(f"{tokenizer}: no tokenizer files (tokenizer.json / tokenizer_config.json) there")
-        vocab = a.get("vocab_size") or a.get("orig_vocab_size") or a.get("true_vocab_size")
-        self.vocab_known = vocab is not None
-        if vocab is None and self.tokenizer_dir is not None:
-            vocab, self.vocab_known = tokenizer_length(self.tokenizer_dir), True
-        spec = ModelSpec.from_megatron_args(a, source=str(common_file))
-        if vocab is not None:
-            spec = spec.replace(vocab_size=int(vocab))
-        self.spec = spec
+        self.spec, self.tokenizer_dir, self.vocab_known = megatron_spec(
+            a, str(common_file), tokenizer, self.root, self.path
+        )
         self.tp = int(a.get("tensor_model_parallel_size") or 1)
         self.pp = int(a.get("pipeline_model_parallel_size") or 1)
         self.vpp = a.get("virtual_pipeline_model_parallel_size")
