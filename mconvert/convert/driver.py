@@ -18,6 +18,7 @@ import torch
 from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.base import Unit
 from mconvert.convert.plan import plan_for_source
+from mconvert.convert.safeload import crc_in_background, wait_crc_checks
 from mconvert.convert.sources import TOKENIZER_FILES, open_source
 from mconvert.convert.stream import bound_heap
 from mconvert.errors import MConvertError
@@ -80,6 +81,7 @@ def _files_report(root: Path) -> list[dict[str, Any]]:
             for p in sorted(root.rglob("*")) if p.is_file()]
 
 
+@crc_in_background
 def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | None = None, dtype: str = "auto",
                    tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
                    progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
@@ -113,6 +115,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         for unit in _progress(src.units(), "megatron-to-hf", progress):
             writer.add(src.read_hf(unit))
         writer.close(src.tokenizer_dir)
+        wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
         files = _files_report(tmp)
     return {
         "verb": "megatron-to-hf", "source": src.describe(), "output": str(out), "family": spec.family,
@@ -161,6 +164,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     }
 
 
+@crc_in_background
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
             progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
@@ -211,6 +215,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                 tensors, states = src.read_mcore(unit), {}
             writer.add(unit, tensors, states if with_optimizer else None)
         writer.close()
+        wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
         tok = _copy_tokenizer(src.tokenizer_dir, tmp)
         files = _files_report(tmp)
     return {

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert.convert.safeload import crc_in_background, wait_crc_checks
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 
@@ -467,6 +468,7 @@ def open_any_source(src: str | Path, iteration: str | None = None) -> Any:
     return open_source(src, iteration=iteration)
 
 
+@crc_in_background
 def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str = "fp32", force: bool = False,
                    allow_approx_gelu: bool = False, iteration: str | None = None) -> FTResult:
     """`mconvert megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it."""
@@ -486,6 +488,7 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
         problems = check_ft_dir(ft_dir)
         if problems:  # our own writer disagreeing with FT's loader is a bug: never leave the dir behind
             raise MConvertError(f"FT layout check failed on what was written: {problems[0]}")
+        wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
     notes = []
     if source.spec.activation == "gelu":
         notes.append("exact-erf GeLU model written for FT's tanh GeLU (--allow-approx-gelu): logits will differ")

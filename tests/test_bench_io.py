@@ -1,0 +1,160 @@
+"""Issue 7's I/O changes, each against an answer we did not compute: hashlib's sha256 of the same bytes, the
+bytes themselves, and the CRC-32 torch.save stored in the zip."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert.convert import stream
+from mconvert.convert.safeload import deferred_crc_checks, safe_load, wait_crc_checks
+from mconvert.convert.stream import HashingFile
+from mconvert.errors import MConvertError
+
+
+def _pieces(seed: int) -> list[bytes | torch.Tensor]:
+    """Writes of awkward sizes: a few bytes, exact and off-by-one chunk sizes, tensors large enough for the
+    GIL-free copy, read-only bytes, and an odd tail so the last O_DIRECT block is padded then cut."""
+    g = torch.Generator().manual_seed(seed)
+    chunk = stream._CHUNK
+    sizes = [7, 4096, chunk - 7 - 4096, 1, chunk, (3 << 20) + 3, 2 * chunk + 12345, 333]
+    out: list[bytes | torch.Tensor] = []
+    for i, n in enumerate(sizes):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        out.append(bytes(t.numpy()) if i % 3 == 0 else t)
+    return out
+
+
+def _raw(p: bytes | torch.Tensor) -> bytes:
+    return p if isinstance(p, bytes) else bytes(p.numpy())
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_hashing_file_bytes_and_digest_match_hashlib(tmp_path: Path, direct: bool) -> None:
+    pieces = _pieces(1)
+    f = HashingFile(tmp_path / "x.bin", direct=direct)
+    for p in pieces:
+        f.write(memoryview(p.numpy()) if isinstance(p, torch.Tensor) else p, keep=p)
+    digest = f.close()
+    want = b"".join(_raw(p) for p in pieces)
+    got = (tmp_path / "x.bin").read_bytes()
+    assert len(got) == len(want)  # the O_DIRECT tail padding was cut off
+    assert got == want
+    assert digest == hashlib.sha256(want).hexdigest()
+
+
+def test_hashing_file_direct_is_used_where_the_fs_allows_it(tmp_path: Path) -> None:
+    f = HashingFile(tmp_path / "y.bin", direct=True)
+    f.write(b"abc")
+    f.close()
+    probe = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    os.close(probe)  # this file system takes O_DIRECT: the writer must have used it
+    assert f.direct == hasattr(os, "O_DIRECT")
+
+
+def test_hashing_file_falls_back_when_o_direct_open_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def no_direct(path, flags, *a):  # a file system without O_DIRECT (tmpfs on older kernels, FUSE)
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    pieces = _pieces(2)
+    f = HashingFile(tmp_path / "z.bin", direct=True)
+    for p in pieces:
+        f.write(_raw(p))
+    digest = f.close()
+    want = b"".join(_raw(p) for p in pieces)
+    assert not f.direct
+    assert (tmp_path / "z.bin").read_bytes() == want and digest == hashlib.sha256(want).hexdigest()
+
+
+def test_hashing_file_falls_back_when_o_direct_write_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The open succeeds but the first write gets EINVAL: the same bytes then go out buffered."""
+    real_write = os.write
+    refused: list[int] = []
+
+    def picky(fd, data):
+        import fcntl
+
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(fd)
+            raise OSError(22, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", picky)
+    pieces = _pieces(3)
+    f = HashingFile(tmp_path / "w.bin", direct=True)
+    for p in pieces:
+        f.write(_raw(p))
+    digest = f.close()
+    want = b"".join(_raw(p) for p in pieces)
+    assert refused or not hasattr(os, "O_DIRECT")
+    assert (tmp_path / "w.bin").read_bytes() == want and digest == hashlib.sha256(want).hexdigest()
+
+
+def test_hashing_file_reports_a_write_error_as_os_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    f = HashingFile(tmp_path / "v.bin", direct=True)
+    f.write(bytes(stream._CHUNK + 1))
+    with pytest.raises(OSError, match="No space left"):
+        f.close()
+
+
+def _torch_file(path: Path) -> Path:
+    torch.save({"model": {"w": torch.arange(4096, dtype=torch.float32)}}, path)
+    return path
+
+
+def _flip_tensor_byte(path: Path) -> None:
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data/0"))
+    data = bytearray(path.read_bytes())
+    n, m = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little"), \
+        int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+    data[info.header_offset + 30 + n + m + 100] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_deferred_crc_check_reports_the_flipped_bit_at_wait(tmp_path: Path) -> None:
+    good = _torch_file(tmp_path / "good.pt")
+    bad = _torch_file(tmp_path / "bad.pt")
+    _flip_tensor_byte(bad)
+    with pytest.raises(MConvertError, match="bad.pt.*CRC-32"):
+        with deferred_crc_checks():
+            safe_load(good)
+            safe_load(bad)  # returns: the check runs on the background thread
+            wait_crc_checks()  # where the driver waits, before committing
+
+
+def test_deferred_crc_failure_wins_over_the_error_it_caused(tmp_path: Path) -> None:
+    bad = _torch_file(tmp_path / "bad.pt")
+    _flip_tensor_byte(bad)
+    with pytest.raises(MConvertError, match="CRC-32"):
+        with deferred_crc_checks():
+            safe_load(bad)
+            raise MConvertError("a later check tripped over the corrupt bytes")
+
+
+def test_megatron_to_hf_refuses_a_flipped_bit_and_leaves_no_output(tmp_path: Path) -> None:
+    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.trainer.train import TrainConfig, train
+
+    ck = tmp_path / "ck"
+    train(TrainConfig(preset="tiny-gpt2", tp=2, pp=1, steps=0, save=str(ck), force=True, quiet=True, device="cpu"))
+    rank = sorted(ck.rglob("model_optim_rng.pt"))[-1]
+    _flip_tensor_byte(rank)
+    with pytest.raises(MConvertError, match="CRC-32"):
+        megatron_to_hf(ck, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
