@@ -150,7 +150,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
                 "output": str(out), "dry_run": True, "warnings": []}
     with atomic_output_dir(out, force) as tmp:
-        writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target)
+        writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
         for unit in _progress(src.units(), "hf-to-megatron", progress):
             writer.add(unit, src.read_mcore(unit))
         writer.close()
@@ -207,7 +207,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     with atomic_output_dir(out, force) as tmp:
         writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
                                 args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
-                                rank_top_level=rank_top)
+                                rank_top_level=rank_top, preview=None if with_optimizer else _preview(src))
         for unit in _progress(src.units(), "reshard", progress):
             if isinstance(src, MegatronSource):
                 tensors, states = src.read_unit(unit, with_optimizer)
@@ -225,6 +225,13 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         else "not written (pass --with-optimizer to re-shard the Adam states)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
     }
+
+
+def _preview(src: Any) -> Any:
+    """The source's `preview` when it can give one for every unit (streamed rank files), else None."""
+    if src.preview is None or not getattr(src, "can_preview", lambda: True)():
+        return None
+    return src.preview
 
 
 def _window_by_default(src: Any) -> bool:

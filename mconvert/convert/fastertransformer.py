@@ -418,8 +418,22 @@ def ft_config(spec: ModelSpec, section: str, infer_tp: int, dtype: str, source: 
 
 
 def _write_raw(path: Path, x: torch.Tensor, dtype: str) -> int:
+    """One FT weight file: raw little-endian values. Written through `stream.HashingFile` (O_DIRECT from
+    1 MiB up, sha256 on the way, handed to the manifest) instead of a buffered `tofile` that the manifest
+    then read back to hash (issue 7)."""
+    from mconvert.convert.atomic import record_digest
+    from mconvert.convert.stream import HashingFile
+
     arr = x.detach().to(torch.float32).contiguous().numpy().astype(FT_DTYPES[dtype][0], copy=False)
-    arr.tofile(path)
+    chunk = min(16 << 20, max(4096, -(-arr.nbytes // 4096) * 4096))
+    f = HashingFile(path, direct=arr.nbytes >= (1 << 20), chunk=chunk)
+    try:
+        f.write(memoryview(arr).cast("B"), keep=arr)
+        digest = f.close()
+    except BaseException:
+        f.abort()
+        raise
+    record_digest(path, digest)
     return arr.nbytes
 
 

@@ -135,6 +135,28 @@ class HFSource(SourceBase):
         """Canonical full tensors of one unit (vocab rows = the true vocab, unpadded)."""
         return from_hf(self.spec, unit, self.read_hf(unit), source=str(self.path))
 
+    def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """`read_mcore(unit)` as meta tensors, from the safetensors headers (no data read); `.bin` weights
+        have no header to read it from, so writers fall back to their general path (`MegatronWriter`)."""
+        from safetensors import safe_open
+
+        from mconvert.convert.stream import ST_DTYPES
+
+        by_name = {v: k for k, v in ST_DTYPES.items()}
+        meta: dict[str, torch.Tensor] = {}
+        for k in self.unit_keys.get(unit, []):
+            f = self.key_file[k]
+            with safe_open(str(self.path / f), framework="pt") as sf:
+                sl = sf.get_slice(k)
+                meta[k] = torch.empty(sl.get_shape(), dtype=by_name[sl.get_dtype()], device="meta")
+        if unit == "final" and self.spec.tie_embeddings:
+            meta.pop("lm_head.weight", None)
+        return from_hf(self.spec, unit, meta, source=str(self.path))
+
+    def can_preview(self) -> bool:
+        """Only safetensors files have headers to preview from."""
+        return all(f.endswith(".safetensors") for f in set(self.key_file.values()))
+
 
 class HFWriter:
     """Streams HF tensors into safetensors shards of at most `max_shard_size` bytes, then writes the configs."""

@@ -357,6 +357,23 @@ class MegatronSource(SourceBase):
         """Full tensors of one unit under canonical global names; vocab rows as stored (padded)."""
         return self.read_unit(unit)[0]
 
+    def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """What `read_mcore(unit)` returns, as meta tensors (names in its order, full shapes, dtypes): from the
+        key maps of the opening checks, no tensor data read. Writers lay out their files from it."""
+        from mconvert.mappings.transforms import split_dim
+
+        p, c = self.location(unit)
+        out: dict[str, torch.Tensor] = {}
+        for _, name in self._keymaps[(p, c)].items():
+            if unit_of(name) != unit:
+                continue
+            shape = list(self.shapes[name])
+            d = split_dim(self.spec.split_kind(name), len(shape))
+            if d is not None:
+                shape[d] *= self.tp
+            out[name] = torch.empty(shape, dtype=self.__dict__["_dtypes"][name], device="meta")
+        return out
+
     def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
         """Top-level entries other than the model and optimizer (args, iteration, scheduler, rng, ...)."""
         known = self.__dict__.get("_top_level", {}).get((tp_rank, pp_rank))
@@ -374,7 +391,8 @@ class MegatronWriter:
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
                  optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None,
-                 rank_top_level: Any = None, extra_state: bool = True) -> None:
+                 rank_top_level: Any = None, extra_state: bool = True,
+                 preview: Any = None) -> None:
         spec.check_parallel(tp, pp, vpp)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
@@ -392,6 +410,14 @@ class MegatronWriter:
         self._spools: dict[tuple[int, int], Any] = {}
         self._hasher: Any = None
         self._hashes: list[tuple[Path, tuple[int, int], Any]] = []
+        # Streaming (issue 7): with the source's `preview` (each unit's tensors as meta tensors: names, shapes,
+        # dtypes, in the order `read_mcore` returns them) a stage's rank files are laid out when its first
+        # unit arrives and written front to back as the shards come (`stream.TorchSaveStream`): no spool,
+        # O_DIRECT, sha256 on the way. Without it (or with optimizer states, or VPP, whose stages interleave)
+        # the spool path below is used.
+        self.preview = preview if optimizer_groups is None and vpp is None else None
+        self._streams: dict[int, dict[int, Any]] = {}  # pp rank -> tp rank -> TorchSaveStream
+        self._placeholders: dict[tuple[int, int, int, str], torch.Tensor] = {}  # (p, t, chunk, local name)
 
     def _target_args(self, args: Any) -> argparse.Namespace:
         if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
@@ -424,6 +450,30 @@ class MegatronWriter:
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
         """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states."""
         p, c, local = self._where(unit)
+        if self.preview is not None and p not in self._streams:
+            self._open_stage(p)
+        new = self._entries(unit, tensors, states, real=True)
+        if p in self._streams:
+            for local_name, shards, _ in new:
+                if shards is None:
+                    continue
+                for t, x in enumerate(shards):
+                    ph = self._placeholders.pop((p, t, c, local_name), None)
+                    if ph is None or tuple(ph.shape) != tuple(x.shape) or ph.dtype != x.dtype:
+                        want = "nothing" if ph is None else f"{tuple(ph.shape)} {ph.dtype}"
+                        raise MConvertError(f"internal: {local_name} arrived as {tuple(x.shape)} {x.dtype} where the "
+                                            f"source's preview planned {want}")
+                    self._streams[p][t].feed(ph, x if x.is_contiguous() else x.contiguous())  # a view: no copy
+        else:
+            self._buffer.setdefault(p, {}).setdefault(c, []).extend(new)
+        self._received[p].add(unit)
+        if len(self._received[p]) == len(self._stage_units[p]):
+            self._flush(p)
+
+    def _entries(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None,
+                 real: bool) -> list[tuple[str, Any, Any]]:
+        """(local name, TP shards or None, Adam state shards) of one unit — on meta tensors when planning."""
+        p, c, local = self._where(unit)
         tensors = dict(tensors)
         states = dict(states or {})
         tied = self.spec.tie_embeddings
@@ -440,7 +490,7 @@ class MegatronWriter:
                 if self._embedding[1] is not None:
                     states["output_layer.weight"] = self._embedding[1]
             self._embedding = None
-        entries = self._buffer.setdefault(p, {}).setdefault(c, [])
+        entries: list[tuple[str, Any, Any]] = []
         for name, full in tensors.items():
             kind = self.spec.split_kind(name)
             st = states.get(name)
@@ -455,47 +505,104 @@ class MegatronWriter:
             local_name = name if local is None else with_layer(name, local)
             shards = split(full, kind, self.tp, name)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
-            if self.optimizer_groups is None and ost is None and full.dim() > 0 and full.numel():
+            if (real and self.preview is None and self.optimizer_groups is None and ost is None and full.dim() > 0
+                    and full.numel()):
                 shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]  # issue 7: no stage in RAM
-            entries.append((local_name, shards, ost))  # type: ignore[arg-type]
+            entries.append((local_name, shards, ost))
         if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
-        self._received[p].add(unit)
-        if len(self._received[p]) == len(self._stage_units[p]):
-            self._flush(p)
+        return entries
+
+    def _open_stage(self, p: int) -> None:
+        """Lay out stage p's rank files from the source's preview and open their streams: each planned shard
+        gets a placeholder (untouched memory) that the real shard's bytes replace as they arrive."""
+        from mconvert.convert.stream import TorchSaveStream
+
+        saved = self._embedding
+        chunks: dict[int, list] = {}
+        for unit in self._stage_units[p]:
+            if unit == "final" and self.spec.tie_embeddings and self.pp > 1 and p > 0:
+                self._entries("embedding", self.preview("embedding"), None, real=False)  # the tied copy
+            meta = self.preview(unit)
+            _, c, _ = self._where(unit)
+            chunks.setdefault(c, []).extend(self._entries(unit, meta, None, real=False))
+        self._embedding = saved
+        streams: dict[int, Any] = {}
+        try:
+            for t in range(self.tp):
+                placed: dict[int, list] = {}
+                mine: list[torch.Tensor] = []
+                for c, entries in chunks.items():
+                    placed[c] = []
+                    for local_name, shards, ost in entries:
+                        if shards is None:
+                            placed[c].append((local_name, None, ost))
+                            continue
+                        x = shards[t]
+                        ph = torch.empty(tuple(x.shape), dtype=x.dtype)  # never written: no resident pages
+                        self._placeholders[(p, t, c, local_name)] = ph
+                        mine.append(ph)
+                        placed[c].append((local_name, [ph] * self.tp, ost))
+                state = self._state(t, p, placed)
+                path = rank_file(self.out, self.iteration, t, p, self.pp)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                streams[t] = TorchSaveStream(state, path.with_name(path.name + ".tmp"), mine)
+        except BaseException:
+            for st in streams.values():
+                st.abort()
+            raise
+        self._streams[p] = streams
+
+    def _close_stage(self, p: int) -> None:
+        from mconvert.convert.atomic import record_digest
+
+        for t, stream in sorted(self._streams.pop(p).items()):
+            digest = stream.close()
+            path = rank_file(self.out, self.iteration, t, p, self.pp)
+            os.replace(stream.path, path)
+            record_digest(path, digest)
+            self.files.append(path)
+
+    def _state(self, t: int, p: int, chunks: dict[int, list]) -> dict[str, Any]:
+        """Rank file (t, p)'s state dict in Megatron-LM's key order: args, checkpoint_version, iteration,
+        model*, optimizer, the rest."""
+        state: dict[str, Any] = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
+                                 "iteration": 0 if self.iteration == "release" else int(self.iteration)}
+        rest = {k: _interned(v) if k == "opt_param_scheduler" else v for k, v in self.top_level.items()}
+        if self.rank_top_level is not None:
+            rest.update(self.rank_top_level(t, p))
+        params: list[tuple[str, dict]] = []
+        for c in range(self.vpp or 1):
+            model: dict[str, Any] = {}
+            entries = chunks.get(c, [])
+            for i, (local_name, shards, ost) in enumerate(entries):
+                if shards is None:
+                    model[local_name] = None
+                    continue
+                model[local_name] = _own(shards[t])
+                module = local_name.rsplit(".", 1)[0]
+                nxt = entries[i + 1][0].rsplit(".", 1)[0] if i + 1 < len(entries) else None
+                if self.extra_state and module.endswith(EXTRA_STATE_MODULES) and nxt != module:
+                    model[module + "._extra_state"] = None  # megatron-core local spec: one per linear
+                if ost is not None:
+                    pname = local_name if self.vpp is None else f"model{c}.{local_name}"
+                    params.append((pname, {k: _own(v) if isinstance(v, torch.Tensor) else v
+                                           for k, v in ost[t].items()}))
+            state["model" if self.vpp is None else f"model{c}"] = model
+        if self.optimizer_groups is not None:
+            state["optimizer"] = optim.build_state_dict(params, self.optimizer_groups)
+        for k in ("opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far", *rest):
+            if k in rest and k not in state:
+                state[k] = rest[k]
+        return state
 
     def _flush(self, p: int) -> None:
+        if p in self._streams:
+            self._close_stage(p)
+            return
         chunks = self._buffer.pop(p, {})
         for t in range(self.tp):
-            # Megatron-LM's key order: args, checkpoint_version, iteration, model*, optimizer, the rest
-            state: dict[str, Any] = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
-                                     "iteration": 0 if self.iteration == "release" else int(self.iteration)}
-            rest = {k: _interned(v) if k == "opt_param_scheduler" else v for k, v in self.top_level.items()}
-            if self.rank_top_level is not None:
-                rest.update(self.rank_top_level(t, p))
-            params: list[tuple[str, dict]] = []
-            for c in range(self.vpp or 1):
-                model: dict[str, Any] = {}
-                entries = chunks.get(c, [])
-                for i, (local_name, shards, ost) in enumerate(entries):
-                    if shards is None:
-                        model[local_name] = None
-                        continue
-                    model[local_name] = _own(shards[t])
-                    module = local_name.rsplit(".", 1)[0]
-                    nxt = entries[i + 1][0].rsplit(".", 1)[0] if i + 1 < len(entries) else None
-                    if self.extra_state and module.endswith(EXTRA_STATE_MODULES) and nxt != module:
-                        model[module + "._extra_state"] = None  # megatron-core local spec: one per linear
-                    if ost is not None:
-                        pname = local_name if self.vpp is None else f"model{c}.{local_name}"
-                        params.append((pname, {k: _own(v) if isinstance(v, torch.Tensor) else v
-                                               for k, v in ost[t].items()}))
-                state["model" if self.vpp is None else f"model{c}"] = model
-            if self.optimizer_groups is not None:
-                state["optimizer"] = optim.build_state_dict(params, self.optimizer_groups)
-            for k in ("opt_param_scheduler", "rng_state", "num_floating_point_operations_so_far", *rest):
-                if k in rest and k not in state:
-                    state[k] = rest[k]
+            state = self._state(t, p, chunks)
             path = rank_file(self.out, self.iteration, t, p, self.pp)
             spool = self._spools.pop((p, t), None)
             if spool is None:

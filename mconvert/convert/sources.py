@@ -35,6 +35,10 @@ class SourceBase:
     vpp: int | None = None
     iteration: int | str | None = None
 
+    # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
+    # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead (issue 7)
+    preview = None
+
     def units(self) -> list[Unit]:
         return units_of(self.spec)
 

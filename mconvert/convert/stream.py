@@ -37,7 +37,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 DIRECT_MIN_BYTES = 256 << 20  # files planned at least this large are written with O_DIRECT (see HashingFile)
-_CHUNK = 16 << 20  # one O_DIRECT write; three of them are the staging memory
+_CHUNK = 16 << 20  # one O_DIRECT write (default); three of them are a file's staging memory
 _ALIGN = 4096
 
 
@@ -56,8 +56,10 @@ class HashingFile:
     the disk, off both cores. Where the file system refuses O_DIRECT (tmpfs, some FUSE), it falls back to
     buffered writes with the same chunks; the bytes and the digest are the same either way."""
 
-    def __init__(self, path: str | Path, max_pending: int = 64 << 20, direct: bool = False) -> None:
+    def __init__(self, path: str | Path, max_pending: int = 64 << 20, direct: bool = False,
+                 chunk: int = _CHUNK) -> None:
         self.path = Path(path)
+        self._chunk = chunk
         self.direct = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -76,10 +78,9 @@ class HashingFile:
         self._closed = False
         self._error: BaseException | None = None
         if self.direct:
-            import mmap
             import queue
 
-            self._chunks = [mmap.mmap(-1, _CHUNK) for _ in range(3)]  # page-aligned
+            self._chunks = [_take_chunk(chunk) for _ in range(3)]  # page-aligned, reused across files
             self._free: Any = queue.Queue()
             for i in range(len(self._chunks)):
                 self._free.put(i)
@@ -107,10 +108,10 @@ class HashingFile:
                     else:
                         pos = 0
                         while pos < len(mv):
-                            n = min(len(mv) - pos, _CHUNK - fill)
+                            n = min(len(mv) - pos, self._chunk - fill)
                             _memmove(self._chunks[cur], fill, mv[pos:pos + n])
                             fill, pos = fill + n, pos + n
-                            if fill == _CHUNK:
+                            if fill == self._chunk:
                                 self._full.put((cur, fill))
                                 cur, fill = self._free.get(), 0
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
@@ -182,8 +183,7 @@ class HashingFile:
             if self.direct and self._error is None:
                 os.ftruncate(self._fd, self.bytes)  # the padding of the last chunk
         finally:
-            os.close(self._fd)
-            self._release()
+            self._close_fd()
         self._raise()
         return self._h.hexdigest()
 
@@ -192,16 +192,30 @@ class HashingFile:
             self._q.clear()
             self._error = self._error or MConvertError("aborted")
         self._stop()
-        os.close(self._fd)
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         self._release()
 
     def _release(self) -> None:
         for c in getattr(self, "_chunks", []):
-            try:
-                c.close()
-            except BufferError:  # still exported somewhere: the garbage collector unmaps it
-                pass
+            _CHUNK_POOL.setdefault(len(c), []).append(c)
         self._chunks = []
+
+
+_CHUNK_POOL: dict[int, list[Any]] = {}
+
+
+def _take_chunk(size: int) -> Any:
+    """A page-aligned staging chunk: a free one of this size (its pages already resident — new pages cost a
+    fault each, and on this project's VM a host-side one too), else a new mapping."""
+    import mmap
+
+    free = _CHUNK_POOL.get(size)
+    return free.pop() if free else mmap.mmap(-1, size)
 
 
 def _write_all(fd: int, mv: memoryview, owner: HashingFile | None = None) -> None:
@@ -606,6 +620,185 @@ def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
             os.pwrite(fd, struct.pack("<I", crcs[name]), start_dir + pos + 16)
     finally:
         os.close(fd)
+
+
+class TorchSaveStream:
+    """The file `torch.save(state)` writes, written front to back while the bytes of its placeholder tensors
+    arrive — no spool, no second copy, the sha256 on the way (issue 7).
+
+    `state` holds placeholders (tensors of the right shape and dtype whose memory is never touched) for the
+    data still to come, and real tensors (rng states) for the rest. The file's layout comes from torch's own
+    writer run without data (`torch.serialization.skip_data`) into a sparse skeleton; the bytes are then
+    written in file order through `HashingFile(direct=True)`: skeleton bytes up to a record, the record's
+    data as it is `feed`-ed, and so on. The CRC-32 of every record goes into its data descriptor (right after
+    it), the central directory and `.data/serialization_id` as `save_spooled` sets them, so the file is
+    byte-identical to torch.save. A record that arrives before its turn waits in memory until it."""
+
+    def __init__(self, state: Any, path: str | Path, placeholders: list[torch.Tensor]) -> None:
+        import pickle
+        import zipfile
+
+        self.path = Path(path)
+        # same base name as `path`: torch names the zip's top folder after the file it writes
+        skel_dir = self.path.parent / f".skeleton-{self.path.name}"
+        skel_dir.mkdir(parents=True, exist_ok=True)
+        skel = skel_dir / self.path.name
+        order: list[torch.Tensor] = []
+        seen: set[int] = set()
+
+        class _Pickler(pickle.Pickler):
+            def reducer_override(self, obj: Any) -> Any:
+                if isinstance(obj, torch.Tensor):
+                    cd = obj.untyped_storage()._cdata
+                    if cd not in seen:
+                        seen.add(cd)
+                        order.append(obj)
+                return NotImplemented
+
+        class _PickleModule:
+            Pickler = _Pickler
+
+        try:
+            with torch.serialization.skip_data():
+                torch.save(state, skel, pickle_module=_PickleModule)
+            reader = torch._C.PyTorchFileReader(str(skel))
+            with zipfile.ZipFile(skel) as z:
+                self._infos = z.infolist()
+                self._start_dir = z.start_dir
+            self._prefix = self._infos[0].filename.split("/", 1)[0] + "/"
+            self._size = os.path.getsize(skel)
+            self._skel_fd = os.open(skel, os.O_RDONLY)
+        finally:
+            skel.unlink(missing_ok=True)  # the open descriptor keeps it readable
+            skel_dir.rmdir()
+        by_name = {i.filename: i for i in self._infos}
+        self._records: list[tuple[int, int, bool]] = []  # (data offset, nbytes, has a data descriptor)
+        self._real: dict[int, torch.Tensor] = {}
+        self._index_of: dict[int, int] = {}
+        wanted = {t.untyped_storage()._cdata for t in placeholders}
+        for k, t in enumerate(order):
+            info = by_name[f"{self._prefix}data/{k}"]
+            self._records.append((reader.get_record_offset(f"data/{k}"), info.file_size, bool(info.flag_bits & 8)))
+            cd = t.untyped_storage()._cdata
+            self._index_of[cd] = k
+            if cd not in wanted:
+                self._real[k] = t
+        self._sid_off = (reader.get_record_offset(".data/serialization_id")
+                         if f"{self._prefix}.data/serialization_id" in by_name else None)
+        self._crcs: dict[str, int] = {i.filename: i.CRC for i in self._infos}
+        self._early: dict[int, torch.Tensor] = {}
+        self._desc: list[tuple[int, int]] = []  # (file offset of a CRC field to patch, its value)
+        self._next = 0
+        self._pos = 0
+        # rank files of a stage are open together (one per TP rank): smaller staging chunks each
+        self._f = HashingFile(self.path, direct=True, chunk=4 << 20, max_pending=32 << 20)
+        self._drain()
+
+    def record_of(self, t: torch.Tensor) -> int:
+        return self._index_of[t.untyped_storage()._cdata]
+
+    def feed(self, placeholder: torch.Tensor, data: torch.Tensor) -> None:
+        """The bytes of `placeholder` (same shape and dtype, contiguous whole storage) are `data`."""
+        k = self.record_of(placeholder)
+        n = self._records[k][1]
+        if data.numel() * data.element_size() != n or data.dtype != placeholder.dtype:
+            raise MConvertError(f"internal: {self.path}: record data/{k} holds {n} bytes of {placeholder.dtype}, "
+                                f"got {tuple(data.shape)} {data.dtype}")
+        self._early[k] = data
+        self._drain()
+
+    def _drain(self) -> None:
+        import zlib
+
+        while self._next < len(self._records):
+            k = self._next
+            t = self._early.pop(k, None)
+            if t is None:
+                t = self._real.get(k)
+                if t is not None:  # a real tensor of the state: its whole storage, as torch.save writes it
+                    s = t.untyped_storage()
+                    t = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
+            if t is None:
+                return
+            off, n, _ = self._records[k]
+            self._skeleton_to(off)
+            mv = tensor_bytes(t) if n else memoryview(b"")
+            crc = zlib.crc32(mv) if n else 0
+            self._crcs[f"{self._prefix}data/{k}"] = crc
+            if self._records[k][2]:
+                self._desc.append((off + n + 4, crc))
+            self._f.write(mv, keep=t)
+            self._pos = off + n
+            self._next += 1
+
+    def _skeleton_to(self, end: int) -> None:
+        """Skeleton bytes [pos, end), with the CRC fields known so far patched in."""
+        while self._pos < end:
+            n = min(end - self._pos, 8 << 20)
+            raw = bytearray(os.pread(self._skel_fd, n, self._pos))
+            if len(raw) != n:
+                raise MConvertError(f"internal: {self.path}: skeleton shorter than its layout")
+            self._patch(raw, self._pos)
+            self._f.write(bytes(raw))
+            self._pos += n
+
+    def _patch(self, raw: bytearray, start: int) -> None:
+        end = start + len(raw)
+
+        def put(at: int, value: bytes) -> None:
+            lo, hi = max(at, start), min(at + len(value), end)
+            if lo < hi:
+                raw[lo - start:hi - start] = value[lo - at:hi - at]
+
+        while self._desc and self._desc[0][0] < end:  # data descriptors: PK\x07\x08, crc32, sizes
+            at, crc = self._desc[0]
+            put(at, struct.pack("<I", crc))
+            if at + 4 > end:
+                break  # straddles the next piece: patched there too
+            self._desc.pop(0)
+        if self._sid_off is not None and self._next == len(self._records):
+            put(self._sid_off, self._sid_bytes())
+            put(self._sid_off + 44, struct.pack("<I", self._crcs[self._prefix + ".data/serialization_id"]))
+        if end > self._start_dir and self._next == len(self._records):
+            tail = os.pread(self._skel_fd, self._size - self._start_dir, self._start_dir)
+            for pos, name in _central_entries(tail, 0, len(self._infos)):
+                put(self._start_dir + pos + 16, struct.pack("<I", self._crcs[name]))
+
+    def _sid_bytes(self) -> bytes:
+        """`.data/serialization_id` as torch.save sets it: record names kept, CRC-32s combined (once)."""
+        import zlib
+
+        if getattr(self, "_sid", None) is None:
+            sid_name = self._prefix + ".data/serialization_id"
+            mask = (1 << 64) - 1
+            comb = 0
+            for i in self._infos:
+                if i.filename == sid_name:
+                    break
+                if not i.flag_bits & 8:
+                    continue
+                comb = (comb ^ ((self._crcs[i.filename] + 0x9E3779B9 + ((comb << 6) & mask) + (comb >> 2)) & mask)) & mask
+            old = os.pread(self._skel_fd, 40, self._sid_off)
+            self._sid = old[:20] + f"{comb:020d}".encode()
+            self._crcs[sid_name] = zlib.crc32(self._sid)
+        return self._sid
+
+    @property
+    def complete(self) -> bool:
+        return self._next == len(self._records)
+
+    def close(self) -> str:
+        """Write the rest (every record must have arrived) and return the file's sha256."""
+        if not self.complete:
+            missing = [k for k in range(self._next, len(self._records)) if k not in self._early]
+            raise MConvertError(f"internal: {self.path}: records {missing[:3]} never arrived")
+        self._skeleton_to(self._size)
+        os.close(self._skel_fd)
+        return self._f.close()
+
+    def abort(self) -> None:
+        os.close(self._skel_fd)
+        self._f.abort()
 
 
 def bound_heap(threshold: int = 128 << 10) -> None:
