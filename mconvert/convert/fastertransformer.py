@@ -417,24 +417,41 @@ def ft_config(spec: ModelSpec, section: str, infer_tp: int, dtype: str, source: 
     return cp
 
 
-def _write_raw(path: Path, x: torch.Tensor, dtype: str) -> int:
-    """One FT weight file: raw little-endian values. Written through `stream.HashingFile` (O_DIRECT from
-    1 MiB up, sha256 on the way, handed to the manifest) instead of a buffered `tofile` that the manifest
-    then read back to hash (issue 7)."""
-    from mconvert.convert.atomic import record_digest
-    from mconvert.convert.stream import HashingFile
+class _RawFiles:
+    """FT weight files (raw little-endian values), each written through `stream.HashingFile` — O_DIRECT from
+    1 MiB up, sha256 on the way and handed to the manifest — instead of a buffered `tofile` that the manifest
+    then read back to hash (issue 7). Up to `window` files are in flight, so converting the next tensor
+    overlaps writing the previous ones; `finish()` waits for the rest."""
 
-    arr = x.detach().to(torch.float32).contiguous().numpy().astype(FT_DTYPES[dtype][0], copy=False)
-    chunk = min(16 << 20, max(4096, -(-arr.nbytes // 4096) * 4096))
-    f = HashingFile(path, direct=arr.nbytes >= (1 << 20), chunk=chunk)
-    try:
+    def __init__(self, window: int = 1) -> None:
+        from collections import deque
+
+        self._open: Any = deque()
+        self._window = window
+
+    def write(self, path: Path, x: torch.Tensor, dtype: str) -> int:
+        from mconvert.convert.stream import HashingFile
+
+        arr = x.detach().to(torch.float32).contiguous().numpy().astype(FT_DTYPES[dtype][0], copy=False)
+        f = HashingFile(path, direct=arr.nbytes >= (1 << 20), chunk=4 << 20)  # one chunk size: a small pool
+        self._open.append(f)
         f.write(memoryview(arr).cast("B"), keep=arr)
-        digest = f.close()
-    except BaseException:
-        f.abort()
-        raise
-    record_digest(path, digest)
-    return arr.nbytes
+        while len(self._open) > self._window:
+            self._close(self._open.popleft())
+        return arr.nbytes
+
+    def _close(self, f: Any) -> None:
+        from mconvert.convert.atomic import record_digest
+
+        record_digest(f.path, f.close())
+
+    def finish(self) -> None:
+        while self._open:
+            self._close(self._open.popleft())
+
+    def abort(self) -> None:
+        while self._open:
+            self._open.popleft().abort()
 
 
 def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
@@ -446,30 +463,36 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
     section = ft_section(spec, infer_tp, allow_approx_gelu)
     nfiles = nbytes = 0
     embed: torch.Tensor | None = None
-    for unit in source.units():
-        hf = source.read_hf(unit)
-        if unit == "embedding":
-            if section == "gpt":
-                files = gpt_embedding_files(hf)
+    raw = _RawFiles()
+    try:
+        for unit in source.units():
+            hf = source.read_hf(unit)
+            if unit == "embedding":
+                if section == "gpt":
+                    files = gpt_embedding_files(hf)
+                else:
+                    files = llama_embedding_files(hf)
+                    if spec.tie_embeddings:
+                        embed = hf["model.embed_tokens.weight"]
+                wte = next(iter(files.values()))
+                if wte.shape[0] != spec.vocab_size:
+                    raise MConvertError(
+                        f"{source.path}: embedding has {wte.shape[0]} rows, spec vocab_size={spec.vocab_size}"
+                    )
+            elif unit == "final":
+                files = gpt_final_files(hf, spec) if section == "gpt" else llama_final_files(hf, embed, spec)
             else:
-                files = llama_embedding_files(hf)
-                if spec.tie_embeddings:
-                    embed = hf["model.embed_tokens.weight"]
-            wte = next(iter(files.values()))
-            if wte.shape[0] != spec.vocab_size:
-                raise MConvertError(
-                    f"{source.path}: embedding has {wte.shape[0]} rows, spec vocab_size={spec.vocab_size}"
-                )
-        elif unit == "final":
-            files = gpt_final_files(hf, spec) if section == "gpt" else llama_final_files(hf, embed, spec)
-        else:
-            layer = gpt_layer_files if section == "gpt" else llama_layer_files
-            files = layer(hf, int(unit), spec, infer_tp)
-        for name, x in files.items():
-            nbytes += _write_raw(ft_dir / name, x, dtype)
-            nfiles += 1
-        if progress is not None:
-            progress()
+                layer = gpt_layer_files if section == "gpt" else llama_layer_files
+                files = layer(hf, int(unit), spec, infer_tp)
+            for name, x in files.items():
+                nbytes += raw.write(ft_dir / name, x, dtype)
+                nfiles += 1
+            if progress is not None:
+                progress()
+        raw.finish()
+    except BaseException:
+        raw.abort()
+        raise
     with open(ft_dir / "config.ini", "w") as fh:
         ft_config(spec, section, infer_tp, dtype, str(source.path)).write(fh)
     return section, nfiles + 1, nbytes

@@ -92,29 +92,29 @@ class HFSource(SourceBase):
 
     def _keys_of(self, f: str) -> list[str]:
         if f.endswith(".safetensors"):
-            from safetensors import safe_open
-
-            try:
-                with safe_open(str(self.path / f), framework="pt") as sf:
-                    return list(sf.keys())
-            except Exception as e:  # noqa: BLE001
-                raise MConvertError(f"{self.path / f}: unreadable safetensors file ({str(e)[:120]}); it is "
-                                    "truncated or corrupt — re-copy it") from None
+            return self._st(f).keys()
         return list(safe_load(self.path / f, "weights"))
+
+    def _st(self, f: str) -> _SafetensorsFile:
+        """The opened (header-checked) safetensors file `f`, kept open for the source's life."""
+        cache = self.__dict__.setdefault("_st_files", {})
+        if f not in cache:
+            cache[f] = _SafetensorsFile(self.path / f)
+        return cache[f]
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
         """HF tensors of one unit, as stored (true vocab)."""
-        from safetensors import safe_open
-
         by_file: dict[str, list[str]] = {}
         for k in self.unit_keys.get(unit, []):
             by_file.setdefault(self.key_file[k], []).append(k)
         out: dict[str, torch.Tensor] = {}
         for f, keys in by_file.items():
             if f.endswith(".safetensors"):
-                with safe_open(str(self.path / f), framework="pt") as sf:
-                    for k in keys:
-                        out[k] = sf.get_tensor(k)
+                st = self._st(f)
+                for k in keys:
+                    if k not in st.entries:
+                        raise MConvertError(f"{self.path / f}: tensor {k!r} is missing (the index lists it there)")
+                    out[k] = st.get(k)
             else:
                 if self._bin_cache is None or self._bin_cache[0] != f:
                     self._bin_cache = (f, _bin_reader(self.path / f))
@@ -138,17 +138,12 @@ class HFSource(SourceBase):
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """`read_mcore(unit)` as meta tensors, from the safetensors headers (no data read); `.bin` weights
         have no header to read it from, so writers fall back to their general path (`MegatronWriter`)."""
-        from safetensors import safe_open
-
-        from mconvert.convert.stream import ST_DTYPES
-
-        by_name = {v: k for k, v in ST_DTYPES.items()}
         meta: dict[str, torch.Tensor] = {}
         for k in self.unit_keys.get(unit, []):
-            f = self.key_file[k]
-            with safe_open(str(self.path / f), framework="pt") as sf:
-                sl = sf.get_slice(k)
-                meta[k] = torch.empty(sl.get_shape(), dtype=by_name[sl.get_dtype()], device="meta")
+            st = self._st(self.key_file[k])
+            if k not in st.entries:
+                raise MConvertError(f"{st.path}: tensor {k!r} is missing (the index lists it there)")
+            meta[k] = st.meta(k)
         if unit == "final" and self.spec.tie_embeddings:
             meta.pop("lm_head.weight", None)
         return from_hf(self.spec, unit, meta, source=str(self.path))
@@ -307,6 +302,85 @@ class HFWriter:
         (self.out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         files += [self.out / "config.json", self.out / "generation_config.json"]
         return files
+
+
+class _SafetensorsFile:
+    """One safetensors file read tensor by tensor with pread into fresh memory — not through a mapping of the
+    whole file, whose touched pages count in the resident set until unmapped (issue 7: hf-to-megatron of the
+    1B bench model at 8 layers had 0.5 GB of mapped file pages at its peak). The header gets the checks
+    safetensors' own loader makes: known dtypes, sizes that match the shapes, offsets that tile the data."""
+
+    def __init__(self, path: Path) -> None:
+        import struct
+
+        from mconvert.convert.stream import ST_DTYPES
+
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise MConvertError(f"{path}: cannot read ({e.strerror}); check it exists and is readable") from None
+        size = os.fstat(self.fd).st_size
+        try:
+            (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+            if n > min(size - 8, 100 << 20):
+                raise ValueError(f"header length {n} exceeds the file")
+            head = json.loads(os.pread(self.fd, n, 8))
+            if not isinstance(head, dict):
+                raise ValueError("header is not a JSON object")
+            by_name = {v: k for k, v in ST_DTYPES.items()}
+            self.start = 8 + n
+            self.entries: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+            spans = []
+            for k, v in head.items():
+                if k == "__metadata__":
+                    continue
+                dtype = by_name.get(v.get("dtype")) if isinstance(v, dict) else None
+                if dtype is None:
+                    raise ValueError(f"tensor {k!r}: unknown dtype {v.get('dtype') if isinstance(v, dict) else v!r}")
+                shape, (a, b) = tuple(int(x) for x in v["shape"]), (int(x) for x in v["data_offsets"])
+                numel = 1
+                for d in shape:
+                    if d < 0:
+                        raise ValueError(f"tensor {k!r}: negative dimension")
+                    numel *= d
+                if b - a != numel * torch.empty((), dtype=dtype).element_size() or a < 0:
+                    raise ValueError(f"tensor {k!r}: {b - a} bytes for shape {list(shape)} {v['dtype']}")
+                self.entries[k] = (a, dtype, shape)
+                spans.append((a, b))
+            pos = 0
+            for a, b in sorted(spans):
+                if a != pos:
+                    raise ValueError("tensor data offsets do not tile the data section")
+                pos = b
+            if self.start + pos != size:
+                raise ValueError(f"data section holds {size - self.start} bytes, the header describes {pos}")
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            os.close(self.fd)
+            raise MConvertError(f"{path}: unreadable safetensors file ({str(e)[:120]}); it is truncated or corrupt "
+                                "— re-copy it") from None
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def meta(self, key: str) -> torch.Tensor:
+        _, dtype, shape = self.entries[key]
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def get(self, key: str) -> torch.Tensor:
+        a, dtype, shape = self.entries[key]
+        t = torch.empty(shape, dtype=dtype)
+        mv = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        got = 0
+        while got < len(mv):
+            k = os.preadv(self.fd, [mv[got:]], self.start + a + got)
+            if k <= 0:
+                raise MConvertError(f"{self.path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
+            got += k
+        return t
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def _bin_reader(path: Path) -> Any:

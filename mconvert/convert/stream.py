@@ -691,7 +691,7 @@ class TorchSaveStream:
         self._next = 0
         self._pos = 0
         # rank files of a stage are open together (one per TP rank): smaller staging chunks each
-        self._f = HashingFile(self.path, direct=True, chunk=4 << 20, max_pending=32 << 20)
+        self._f = HashingFile(self.path, direct=True, chunk=4 << 20, max_pending=4 << 20)
         self._drain()
 
     def record_of(self, t: torch.Tensor) -> int:
