@@ -231,3 +231,20 @@ def test_preview_matches_what_is_read(trained: dict[str, Path], tmp_path: Path, 
             want = src.preview(unit)
             assert [(n, tuple(t.shape), t.dtype) for n, t in want.items()] == \
                 [(n, tuple(t.shape), t.dtype) for n, t in got.items()], (src.format, unit)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_merge_transposed_is_merge_laid_out_for_a_transpose(tp: int) -> None:
+    from mconvert.mappings.transforms import merge, merge_transposed
+
+    g = torch.Generator().manual_seed(tp)
+    shards = [torch.randn(6, 5, generator=g) for _ in range(tp)]
+    got = merge_transposed(shards, "row", "w")
+    assert torch.equal(got, torch.cat(shards, dim=1)) and torch.equal(got, merge(shards, "row", "w"))
+    assert tp == 1 or got.t().is_contiguous()
+    bad = shards[:-1] + [torch.randn(6, 4, generator=g)]
+    if tp > 1:
+        with pytest.raises(MConvertError, match="TP rank"):
+            merge_transposed(bad, "row", "w")
+    col = [torch.randn(3, 5, generator=g) for _ in range(tp)]
+    assert torch.equal(merge_transposed(col, "column", "w"), torch.cat(col, dim=0))  # other kinds: merge

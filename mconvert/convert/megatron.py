@@ -32,7 +32,7 @@ from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.sources import SourceBase, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
-from mconvert.mappings.transforms import merge, pad_vocab, split
+from mconvert.mappings.transforms import merge, merge_transposed, pad_vocab, split
 from mconvert.spec import ModelSpec
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -307,8 +307,21 @@ class MegatronSource(SourceBase):
             out[name] = full
         return out
 
-    def read_unit(self, unit: Unit, with_optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-        """Full tensors of one unit (canonical global names, source key order) and, when asked, their Adam states."""
+    def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """`SourceBase.read_hf`, with the parameters HF stores transposed merged column-major, so that the
+        plugin's transpose is free (`transforms.merge_transposed`, issue 7)."""
+        from mconvert.mappings import to_hf
+        from mconvert.mappings.plugin import transposed_in_hf
+
+        p, c = self.location(unit)
+        names = {n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit and transposed_in_hf(self.spec, n)}
+        return to_hf(self.spec, unit, self.read_unit(unit, transposed=names)[0], source=str(self.path))
+
+    def read_unit(self, unit: Unit, with_optimizer: bool = False, transposed: set[str] | frozenset[str] = frozenset()
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """Full tensors of one unit (canonical global names, source key order) and, when asked, their Adam states.
+
+        Names in `transposed` may come back column-major (same values; see `transforms.merge_transposed`)."""
         p, c = self.location(unit)
         keymap = self._keymaps[(p, c)]
         wanted = [(raw, name) for raw, name in keymap.items() if unit_of(name) == unit]
@@ -346,7 +359,8 @@ class MegatronSource(SourceBase):
                         raise MConvertError(f"{f}: optimizer has no state for parameter {key!r}")
                     ostates[name].append(s)
             del st, model
-        out = {name: direct[name] if name in direct else merge(sh, self.spec.split_kind(name), name)
+        out = {name: direct[name] if name in direct else
+               (merge_transposed if name in transposed else merge)(sh, self.spec.split_kind(name), name)
                for name, sh in shards.items()}
         states = {}
         if with_optimizer:

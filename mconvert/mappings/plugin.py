@@ -93,6 +93,12 @@ OPS: dict[str, tuple[Callable[..., list[torch.Tensor]], Callable[..., torch.Tens
 }
 
 
+def transposed_in_hf(spec: ModelSpec, name: str) -> bool:
+    """Whether HF stores canonical parameter `name` as its transpose (GPT-2's Conv1D weights)."""
+    m = plugin_for(spec).registry().match(name)
+    return m is not None and m[1].op == "transpose"
+
+
 def plugin_for(spec: ModelSpec) -> Plugin:
     """The family's plugin table (mistral and qwen2 share llama's)."""
     from mconvert.mappings import gpt2, llama

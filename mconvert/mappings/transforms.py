@@ -72,6 +72,25 @@ def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.
     return full
 
 
+def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.Tensor:
+    """`merge(shards, kind)` for 2-D row-split shards, laid out column-major: equal values, but its `.t()` is
+    contiguous — each rank's shard is transposed straight into its block of rows of the transposed tensor.
+    For a consumer that transposes next (GPT-2's Conv1D), this is merge + transpose in one copy instead of
+    a concatenation and a transpose (issue 7: 1.5–2.6× faster for the row-split MLP/attention outputs)."""
+    if kind != "row" or len(shards) == 1 or shards[0].dim() != 2:
+        return merge(shards, kind, name)
+    merge(shards[:1], kind, name)  # same shape checks as merge
+    rows, k = shards[0].shape[0], shards[0].shape[1]
+    for r, s in enumerate(shards):
+        if tuple(s.shape) != (rows, k):
+            raise MConvertError(f"{name}: TP rank {r} has shape {tuple(s.shape)} but rank 0 has {(rows, k)}; "
+                                "the shards do not belong to one checkpoint")
+    out_t = torch.empty((k * len(shards), rows), dtype=shards[0].dtype)
+    for r, s in enumerate(shards):
+        out_t[r * k:(r + 1) * k].copy_(s.t())
+    return out_t.t()
+
+
 # ---- full-tensor layout transforms (Megatron full tensor ⇄ HF tensors), both directions --------------
 # Pure functions over full (unsharded) tensors. Each checks element counts: a wrong layout must fail.
 
