@@ -248,3 +248,25 @@ def test_merge_transposed_is_merge_laid_out_for_a_transpose(tp: int) -> None:
             merge_transposed(bad, "row", "w")
     col = [torch.randn(3, 5, generator=g) for _ in range(tp)]
     assert torch.equal(merge_transposed(col, "column", "w"), torch.cat(col, dim=0))  # other kinds: merge
+
+
+def test_changed_input_with_a_manifest_is_refused_though_checked_in_the_background(
+        trained: dict[str, Path], tmp_path: Path) -> None:
+    """The manifest check of an input mconvert wrote runs beside the conversion; its failure still stops the
+    output from being committed, and its message is the one the user sees."""
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+
+    megatron_to_hf(trained["tiny-llama"], tmp_path / "hf")
+    st = tmp_path / "hf" / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[-5] ^= 0x40  # a bit inside the last tensor: safetensors has no checksum of its own
+    st.write_bytes(bytes(data))
+    with pytest.raises(MConvertError, match="sha256 differs from the manifest"):
+        hf_to_megatron(tmp_path / "hf", tmp_path / "mg", tp=1, pp=1)
+    assert not (tmp_path / "mg").exists()
+    reshard(trained["tiny-llama"], tmp_path / "r", tp=1, pp=1)
+    rank = sorted((tmp_path / "r").rglob("model_optim_rng.pt"))[0]
+    _flip_tensor_byte(rank)
+    with pytest.raises(MConvertError, match="sha256 differs from the manifest|CRC-32"):
+        megatron_to_hf(tmp_path / "r", tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()

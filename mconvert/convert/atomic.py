@@ -273,7 +273,18 @@ def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) ->
 def verify_input(path: str | Path) -> None:
     """Refuse an input that mconvert wrote (it has a manifest) whose listed files changed since: without this
     a flipped bit inside a tensor is undetectable (neither torch nor safetensors files carry checksums).
-    Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked."""
+    Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked.
+
+    Inside a conversion (`safeload.deferred_crc_checks()`) the sha256 pass runs on a background thread while
+    the conversion proceeds, and is waited for before the output is committed (issue 7); a failure then wins
+    over any error the changed bytes caused."""
+    from mconvert.convert.safeload import deferred
+
+    if not deferred(path, _verify_input_now):
+        _verify_input_now(path)
+
+
+def _verify_input_now(path: str | Path) -> None:
     path = Path(path)
     roots = [path] + ([path.parent] if path.name == "release" or path.name.startswith("iter_") else [])
     for root in roots:

@@ -125,6 +125,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     }
 
 
+@crc_in_background
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str = "auto", force: bool = False, progress: bool = False,
                    dry_run: bool = False) -> dict[str, Any]:
@@ -154,6 +155,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         for unit in _progress(src.units(), "hf-to-megatron", progress):
             writer.add(unit, src.read_mcore(unit))
         writer.close()
+        wait_crc_checks()  # the input's manifest, checked in the background, before the output is committed
         tok = _copy_tokenizer(src.tokenizer_dir, tmp)
         files = _files_report(tmp)
     return {

@@ -194,8 +194,9 @@ class DeferredCRC:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="crc32")
         self._futures: list[Any] = []
 
-    def submit(self, path: Path) -> None:
-        self._futures.append(self._pool.submit(_verify_zip_crc_now, path))
+    def submit(self, path: Path, check: Any = None) -> None:
+        """Run `check(path)` (default: the zip CRC-32 check) on the background thread."""
+        self._futures.append(self._pool.submit(check or _verify_zip_crc_now, path))
 
     def wait(self) -> None:
         for f in self._futures:
@@ -246,6 +247,15 @@ def crc_in_background(fn: Any) -> Any:
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def deferred(path: str | Path, check: Any) -> bool:
+    """Inside `deferred_crc_checks()` (and on the main thread): queue `check(path)` on its background thread
+    and return True; else False (the caller checks now)."""
+    if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
+        _DEFERRED.submit(Path(path), check)
+        return True
+    return False
 
 
 def verify_zip_crc(path: str | Path) -> None:
