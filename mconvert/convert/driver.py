@@ -211,7 +211,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                                 args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                 rank_top_level=rank_top, preview=None if with_optimizer else _preview(src))
         for unit in _progress(src.units(), "reshard", progress):
-            if isinstance(src, MegatronSource):
+            if isinstance(src, MegatronSource) and with_optimizer:
                 tensors, states = src.read_unit(unit, with_optimizer)
             else:
                 tensors, states = src.read_mcore(unit), {}

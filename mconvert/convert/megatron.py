@@ -308,23 +308,37 @@ class MegatronSource(SourceBase):
         return out
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """`SourceBase.read_hf`, with the parameters HF stores transposed merged column-major, so that the
-        plugin's transpose is free (`transforms.merge_transposed`, issue 7)."""
-        from mconvert.mappings import to_hf
-        from mconvert.mappings.plugin import transposed_in_hf
+        """`SourceBase.read_hf` (= `to_hf` over `read_mcore`), one parameter per task on a small thread pool:
+        pread and torch's ops release the GIL, so two parameters are read, merged and re-laid at once (issue 7:
+        the main thread was the bottleneck, one core of two idle), and only the parameters in progress hold
+        their merged form. Parameters HF stores transposed are merged column-major, so the plugin's
+        transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`."""
+        from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
 
         p, c = self.location(unit)
-        names = {n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit and transposed_in_hf(self.spec, n)}
-        return to_hf(self.spec, unit, self.read_unit(unit, transposed=names)[0], source=str(self.path))
+        names = [n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit]
+        check_complete(self.spec, unit, names, str(self.path))
 
-    def read_unit(self, unit: Unit, with_optimizer: bool = False, transposed: set[str] | frozenset[str] = frozenset()
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        def one(name: str) -> dict[str, torch.Tensor]:
+            lay = {name} if transposed_in_hf(self.spec, name) else frozenset()
+            t = self.read_unit(unit, only={name}, transposed=lay)[0][name]
+            return to_hf_one(self.spec, name, t, str(self.path))
+
+        out: dict[str, torch.Tensor] = {}
+        for part in _pool().map(one, hf_order(self.spec, unit, names)):
+            out.update(part)
+        return out
+
+    def read_unit(self, unit: Unit, with_optimizer: bool = False, transposed: set[str] | frozenset[str] = frozenset(),
+                  only: set[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """Full tensors of one unit (canonical global names, source key order) and, when asked, their Adam states.
 
-        Names in `transposed` may come back column-major (same values; see `transforms.merge_transposed`)."""
+        `only`: just these parameters. Names in `transposed` may come back column-major (same values; see
+        `transforms.merge_transposed`)."""
         p, c = self.location(unit)
         keymap = self._keymaps[(p, c)]
-        wanted = [(raw, name) for raw, name in keymap.items() if unit_of(name) == unit]
+        wanted = [(raw, name) for raw, name in keymap.items()
+                  if unit_of(name) == unit and (only is None or name in only)]
         shards: dict[str, list[torch.Tensor]] = {name: [] for _, name in wanted}
         ostates: dict[str, list[dict]] = {name: [] for _, name in wanted}
         direct = {} if with_optimizer else self._read_dim0_direct(p, c, wanted)
@@ -368,8 +382,14 @@ class MegatronSource(SourceBase):
         return out, states
 
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Full tensors of one unit under canonical global names; vocab rows as stored (padded)."""
-        return self.read_unit(unit)[0]
+        """Full tensors of one unit under canonical global names; vocab rows as stored (padded). One parameter
+        per task on the readers' pool (see `read_hf`); same tensors, same order as `read_unit`."""
+        p, c = self.location(unit)
+        names = [n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit]
+        out: dict[str, torch.Tensor] = {}
+        for part in _pool().map(lambda n: self.read_unit(unit, only={n})[0], names):
+            out.update(part)
+        return out
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """What `read_mcore(unit)` returns, as meta tensors (names in its order, full shapes, dtypes): from the
@@ -675,6 +695,23 @@ class MegatronWriter:
             self._hasher.shutdown()
             self._hasher = None
         return self.files
+
+
+_POOL: Any = None
+
+
+def _pool() -> Any:
+    """The readers' thread pool: one thread per core (at least 2), created on first use."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 2
+        _POOL = ThreadPoolExecutor(max(2, min(cores, 8)), thread_name_prefix="read-param")
+    return _POOL
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 import threading
+import zlib
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,7 @@ class HashingFile:
         if not self.direct:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._h = hashlib.sha256()
-        self.bytes = 0
+        self._total = 0  # bytes written so far (writer thread)
         self._q: deque[tuple[memoryview, Any]] = deque()
         self._pending = 0
         self._max = max_pending
@@ -99,9 +100,15 @@ class HashingFile:
                     self._cv.wait()
                 if not self._q:
                     break
-                mv, _keep = self._q.popleft()
+                mv, keep = self._q.popleft()
+            queued = len(mv) if isinstance(mv, memoryview) else 0
             try:
                 if self._error is None:
+                    if callable(mv):  # bytes known only now (`write_later`)
+                        mv = memoryview(mv()).cast("B")
+                    elif isinstance(keep, _Checksum):  # `write(..., crc=...)`: CRC-32 here, off the caller
+                        keep.value = zlib.crc32(mv)
+                    self._total += len(mv)
                     self._h.update(mv)  # releases the GIL for large buffers, as os.write does
                     if not self.direct:
                         _write_all(self._fd, mv)
@@ -116,9 +123,12 @@ class HashingFile:
                                 cur, fill = self._free.get(), 0
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e.with_traceback(None)  # its frames would pin the buffers
+            if isinstance(keep, _Checksum):
+                keep.keep = None  # the CRC stays (the caller holds it); the bytes go
             with self._cv:
-                self._pending -= len(mv)
+                self._pending -= queued
                 self._cv.notify_all()
+            del mv, keep
         if self.direct:
             if fill and self._error is None:
                 self._full.put((cur, fill))
@@ -147,10 +157,23 @@ class HashingFile:
 
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
 
-    def write(self, data: bytes | memoryview, keep: Any = None) -> None:
-        """Queue `data` (keep `keep` — e.g. its tensor — alive until written)."""
+    def write_later(self, produce: Any) -> None:
+        """Queue a call that returns the next bytes, made on the writer thread in turn — after every byte
+        queued before it was written (and its CRC-32 taken): for bytes that depend on those CRCs."""
+        with self._cv:
+            self._raise()
+            self._q.append((produce, None))
+            self._cv.notify_all()
+
+    def write(self, data: bytes | memoryview, keep: Any = None, crc: "_Checksum | None" = None) -> None:
+        """Queue `data` (keep `keep` — e.g. its tensor — alive until written). With `crc`, its CRC-32 is taken
+        on the writer thread into `crc.value` (with `crc.keep` kept alive instead of `keep`)."""
         mv = memoryview(data).cast("B")
+        if crc is not None:
+            crc.keep, keep = keep, crc
         if not len(mv):
+            if crc is not None:
+                crc.value = 0
             return
         with self._cv:
             while self._pending and self._pending + len(mv) > self._max and self._error is None:
@@ -158,7 +181,6 @@ class HashingFile:
             self._raise()
             self._q.append((mv, keep))
             self._pending += len(mv)
-            self.bytes += len(mv)
             self._cv.notify_all()
 
     def _raise(self) -> None:
@@ -181,7 +203,7 @@ class HashingFile:
         self._stop()
         try:
             if self.direct and self._error is None:
-                os.ftruncate(self._fd, self.bytes)  # the padding of the last chunk
+                os.ftruncate(self._fd, self._total)  # the padding of the last chunk
         finally:
             self._close_fd()
         self._raise()
@@ -216,6 +238,16 @@ def _take_chunk(size: int) -> Any:
 
     free = _CHUNK_POOL.get(size)
     return free.pop() if free else mmap.mmap(-1, size)
+
+
+class _Checksum:
+    """A CRC-32 the writer thread fills in (`HashingFile.write(..., crc=)`)."""
+
+    __slots__ = ("value", "keep")
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+        self.keep: Any = None
 
 
 def _write_all(fd: int, mv: memoryview, owner: HashingFile | None = None) -> None:
@@ -687,7 +719,8 @@ class TorchSaveStream:
                          if f"{self._prefix}.data/serialization_id" in by_name else None)
         self._crcs: dict[str, int] = {i.filename: i.CRC for i in self._infos}
         self._early: dict[int, torch.Tensor] = {}
-        self._desc: list[tuple[int, int]] = []  # (file offset of a CRC field to patch, its value)
+        self._desc: list[tuple[int, _Checksum]] = []  # (file offset of a CRC field to patch, its value)
+        self._ck: dict[str, _Checksum] = {}  # data record -> its CRC-32, taken on the writer thread
         self._next = 0
         self._pos = 0
         # rank files of a stage are open together (one per TP rank): smaller staging chunks each
@@ -708,8 +741,6 @@ class TorchSaveStream:
         self._drain()
 
     def _drain(self) -> None:
-        import zlib
-
         while self._next < len(self._records):
             k = self._next
             t = self._early.pop(k, None)
@@ -720,30 +751,31 @@ class TorchSaveStream:
                     t = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
             if t is None:
                 return
-            off, n, _ = self._records[k]
+            off, n, desc = self._records[k]
             self._skeleton_to(off)
-            mv = tensor_bytes(t) if n else memoryview(b"")
-            crc = zlib.crc32(mv) if n else 0
-            self._crcs[f"{self._prefix}data/{k}"] = crc
-            if self._records[k][2]:
-                self._desc.append((off + n + 4, crc))
-            self._f.write(mv, keep=t)
+            ck = _Checksum()
+            self._ck[f"{self._prefix}data/{k}"] = ck
+            if desc:
+                self._desc.append((off + n + 4, ck))
+            self._f.write(tensor_bytes(t) if n else memoryview(b""), keep=t, crc=ck)  # CRC-32 on its thread
             self._pos = off + n
             self._next += 1
 
     def _skeleton_to(self, end: int) -> None:
-        """Skeleton bytes [pos, end), with the CRC fields known so far patched in."""
+        """Skeleton bytes [pos, end), read and patched on the writer thread in turn — after the data before
+        them, whose CRC-32 the writer thread has then taken."""
+        import functools
+
         while self._pos < end:
             n = min(end - self._pos, 8 << 20)
-            raw = bytearray(os.pread(self._skel_fd, n, self._pos))
-            if len(raw) != n:
-                raise MConvertError(f"internal: {self.path}: skeleton shorter than its layout")
-            self._patch(raw, self._pos)
-            self._f.write(bytes(raw))
+            self._f.write_later(functools.partial(self._skeleton_bytes, self._pos, n))
             self._pos += n
 
-    def _patch(self, raw: bytearray, start: int) -> None:
-        end = start + len(raw)
+    def _skeleton_bytes(self, start: int, n: int) -> bytes:
+        raw = bytearray(os.pread(self._skel_fd, n, start))
+        if len(raw) != n:
+            raise MConvertError(f"internal: {self.path}: skeleton shorter than its layout")
+        end = start + n
 
         def put(at: int, value: bytes) -> None:
             lo, hi = max(at, start), min(at + len(value), end)
@@ -751,23 +783,26 @@ class TorchSaveStream:
                 raw[lo - start:hi - start] = value[lo - at:hi - at]
 
         while self._desc and self._desc[0][0] < end:  # data descriptors: PK\x07\x08, crc32, sizes
-            at, crc = self._desc[0]
-            put(at, struct.pack("<I", crc))
+            at, ck = self._desc[0]
+            put(at, struct.pack("<I", ck.value))
             if at + 4 > end:
                 break  # straddles the next piece: patched there too
             self._desc.pop(0)
-        if self._sid_off is not None and self._next == len(self._records):
+        if self._sid_off is not None and start < self._sid_off + 48 and self._sid_off < end:
             put(self._sid_off, self._sid_bytes())
-            put(self._sid_off + 44, struct.pack("<I", self._crcs[self._prefix + ".data/serialization_id"]))
-        if end > self._start_dir and self._next == len(self._records):
+            put(self._sid_off + 44, struct.pack("<I", self._crc(self._prefix + ".data/serialization_id")))
+        if end > self._start_dir:
             tail = os.pread(self._skel_fd, self._size - self._start_dir, self._start_dir)
             for pos, name in _central_entries(tail, 0, len(self._infos)):
-                put(self._start_dir + pos + 16, struct.pack("<I", self._crcs[name]))
+                put(self._start_dir + pos + 16, struct.pack("<I", self._crc(name)))
+        return bytes(raw)
+
+    def _crc(self, name: str) -> int:
+        ck = self._ck.get(name)
+        return self._crcs[name] if ck is None else ck.value
 
     def _sid_bytes(self) -> bytes:
         """`.data/serialization_id` as torch.save sets it: record names kept, CRC-32s combined (once)."""
-        import zlib
-
         if getattr(self, "_sid", None) is None:
             sid_name = self._prefix + ".data/serialization_id"
             mask = (1 << 64) - 1
@@ -777,7 +812,7 @@ class TorchSaveStream:
                     break
                 if not i.flag_bits & 8:
                     continue
-                comb = (comb ^ ((self._crcs[i.filename] + 0x9E3779B9 + ((comb << 6) & mask) + (comb >> 2)) & mask)) & mask
+                comb = (comb ^ ((self._crc(i.filename) + 0x9E3779B9 + ((comb << 6) & mask) + (comb >> 2)) & mask)) & mask
             old = os.pread(self._skel_fd, 40, self._sid_off)
             self._sid = old[:20] + f"{comb:020d}".encode()
             self._crcs[sid_name] = zlib.crc32(self._sid)
@@ -793,12 +828,14 @@ class TorchSaveStream:
             missing = [k for k in range(self._next, len(self._records)) if k not in self._early]
             raise MConvertError(f"internal: {self.path}: records {missing[:3]} never arrived")
         self._skeleton_to(self._size)
-        os.close(self._skel_fd)
-        return self._f.close()
+        try:
+            return self._f.close()
+        finally:
+            os.close(self._skel_fd)
 
     def abort(self) -> None:
-        os.close(self._skel_fd)
         self._f.abort()
+        os.close(self._skel_fd)
 
 
 def bound_heap(threshold: int = 128 << 10) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -118,28 +119,42 @@ def to_hf(spec: ModelSpec, unit: Unit, mcore: dict[str, torch.Tensor], source: s
     """Full tensors of one unit under canonical mcore names -> HF names (vocab stripped to the true vocab).
 
     A tied `output_layer.weight` (the last stage's copy) is dropped: HF ties the head to the embedding."""
-    plugin = plugin_for(spec)
-    reg = plugin.registry()
+    reg = plugin_for(spec).registry()
     out: dict[str, torch.Tensor] = {}
-    missing = [n for n in _expected_mcore(spec, unit) if n not in mcore]
+    check_complete(spec, unit, mcore, source)
+    for name in hf_order(spec, unit, mcore):
+        out.update(to_hf_one(spec, name, mcore[name], source, reg))
+    return out
+
+
+def hf_order(spec: ModelSpec, unit: Unit, names: Any) -> list[str]:
+    """The canonical names of one unit in the order `to_hf` emits them: ModelSpec's declared order whatever
+    order the source's keys had (megatron-core's own files list linear_proj before linear_qkv; the streaming
+    HF writer plans its shards by this order), then any others; the tied head (dropped) left out."""
+    declared = _expected_mcore(spec, unit)
+    have = list(names)
+    order = [n for n in declared if n in set(have)] + [n for n in have if n not in set(declared)]
+    return [n for n in order if not (n == "output_layer.weight" and spec.tie_embeddings)]
+
+
+def to_hf_one(spec: ModelSpec, name: str, t: torch.Tensor, source: str = "checkpoint",
+              reg: Registry | None = None) -> dict[str, torch.Tensor]:
+    """One full canonical parameter -> its HF tensor(s) (what `to_hf` does for each name)."""
+    m = (reg or plugin_for(spec).registry()).match(name)
+    if m is None:
+        raise MConvertError(f"{source}: no {spec.family} mapping for parameter {name!r}")
+    _, rule, layer = m
+    parts = OPS[rule.op][0](spec, t, name)
+    return {fill(h, layer): p for h, p in zip(rule.hf, parts, strict=True)}
+
+
+def check_complete(spec: ModelSpec, unit: Unit, names: Any, source: str = "checkpoint") -> None:
+    """Every parameter ModelSpec declares for the unit is among `names` (else one clear error)."""
+    have = set(names)
+    missing = [n for n in _expected_mcore(spec, unit) if n not in have]
     if missing:
         raise MConvertError(f"{source}: parameter {missing[0]!r} is missing (unit {unit!r}); the checkpoint is "
                             "incomplete or its config describes another model — re-copy it")
-    # HF names come out in ModelSpec's declared order whatever order the source's keys had (megatron-core's
-    # own files list linear_proj before linear_qkv); the streaming HF writer plans its shards by that order.
-    declared = _expected_mcore(spec, unit)
-    for name in declared + [n for n in mcore if n not in set(declared)]:
-        t = mcore[name]
-        if name == "output_layer.weight" and spec.tie_embeddings:
-            continue
-        m = reg.match(name)
-        if m is None:
-            raise MConvertError(f"{source}: no {spec.family} mapping for parameter {name!r}")
-        _, rule, layer = m
-        parts = OPS[rule.op][0](spec, t, name)
-        for h, p in zip(rule.hf, parts, strict=True):
-            out[fill(h, layer)] = p
-    return out
 
 
 def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: str = "checkpoint") -> dict[str, torch.Tensor]:
