@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.base import Unit
+from mconvert.convert.megatron import pmap
 from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.sources import TOKENIZER_FILES, SourceBase, find_tokenizer_dir
 from mconvert.errors import MConvertError
@@ -114,26 +115,37 @@ class HFSource(SourceBase):
                 for k in keys:
                     if k not in st.entries:
                         raise MConvertError(f"{self.path / f}: tensor {k!r} is missing (the index lists it there)")
-                    out[k] = st.get(k)
+                # several tensors at once on the readers' pool: pread and the finite check release the GIL
+                out.update(zip(keys, pmap(self._checked, [(st, k) for k in keys])))
             else:
                 if self._bin_cache is None or self._bin_cache[0] != f:
                     self._bin_cache = (f, _bin_reader(self.path / f))
                 for k in keys:
                     out[k] = self._bin_cache[1][k]
-        for k, t in out.items():  # safety: int bits would be converted as numbers; NaN/Inf refused
-            if not t.is_floating_point():
-                raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds {t.dtype} values, not "
-                                    "floating-point weights; the file is corrupt — re-copy it")
-            if not all_finite(t):
-                raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds NaN or Inf values; the "
-                                    "model is corrupt — re-copy or re-export it")
+                    self._check(k, out[k])
         if unit == "final" and self.spec.tie_embeddings:
             out.pop("lm_head.weight", None)
         return out
 
+    def _checked(self, st_key: tuple[Any, str]) -> torch.Tensor:
+        st, k = st_key
+        t = st.get(k)
+        self._check(k, t)
+        return t
+
+    def _check(self, k: str, t: torch.Tensor) -> None:
+        """Safety: int bits would be converted as numbers; NaN/Inf refused."""
+        if not t.is_floating_point():
+            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds {t.dtype} values, not "
+                                "floating-point weights; the file is corrupt — re-copy it")
+        if not all_finite(t):
+            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds NaN or Inf values; the "
+                                "model is corrupt — re-copy or re-export it")
+
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """Canonical full tensors of one unit (vocab rows = the true vocab, unpadded)."""
-        return from_hf(self.spec, unit, self.read_hf(unit), source=str(self.path))
+        """Canonical full tensors of one unit (vocab rows = the true vocab, unpadded); the parameters are built
+        several at once on the readers' pool."""
+        return from_hf(self.spec, unit, self.read_hf(unit), source=str(self.path), pmap=pmap)
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """`read_mcore(unit)` as meta tensors, from the safetensors headers (no data read); `.bin` weights

@@ -325,7 +325,7 @@ class MegatronSource(SourceBase):
             return to_hf_one(self.spec, name, t, str(self.path))
 
         out: dict[str, torch.Tensor] = {}
-        for part in _pool().map(one, hf_order(self.spec, unit, names)):
+        for part in pmap(one, hf_order(self.spec, unit, names)):
             out.update(part)
         return out
 
@@ -387,7 +387,7 @@ class MegatronSource(SourceBase):
         p, c = self.location(unit)
         names = [n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit]
         out: dict[str, torch.Tensor] = {}
-        for part in _pool().map(lambda n: self.read_unit(unit, only={n})[0], names):
+        for part in pmap(lambda n: self.read_unit(unit, only={n})[0], names):
             out.update(part)
         return out
 
@@ -712,6 +712,16 @@ def _pool() -> Any:
             cores = os.cpu_count() or 2
         _POOL = ThreadPoolExecutor(max(2, min(cores, 8)), thread_name_prefix="read-param")
     return _POOL
+
+
+def pmap(fn: Any, items: Any) -> list[Any]:
+    """`list(map(fn, items))` on the readers' pool — serially when already on it (a nested map on a full
+    pool would wait for itself). Exceptions surface in item order, as with map."""
+    import threading
+
+    if threading.current_thread().name.startswith("read-param"):
+        return [fn(x) for x in items]
+    return list(_pool().map(fn, items))
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

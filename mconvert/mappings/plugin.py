@@ -157,10 +157,12 @@ def check_complete(spec: ModelSpec, unit: Unit, names: Any, source: str = "check
                             "incomplete or its config describes another model — re-copy it")
 
 
-def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: str = "checkpoint") -> dict[str, torch.Tensor]:
+def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: str = "checkpoint",
+            pmap: Any = None) -> dict[str, torch.Tensor]:
     """HF tensors of one unit -> full tensors under canonical mcore names (vocab rows as in HF: unpadded).
 
-    Every HF key is consumed by a rule or an explicit drop; anything else is an error naming the key."""
+    Every HF key is consumed by a rule or an explicit drop; anything else is an error naming the key.
+    `pmap` (a map over a thread pool): the parameters are built several at once (torch's ops release the GIL)."""
     plugin = plugin_for(spec)
     reg = plugin.registry()
     hreg = plugin.hf_registry()
@@ -169,18 +171,27 @@ def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: st
         if m is None:
             raise MConvertError(f"{source}: unmapped tensor {k!r} for a {spec.family} model; "
                                 "this key is neither converted nor a known buffer")
-    out: dict[str, torch.Tensor] = {}
-    for name in _expected_mcore(spec, unit):
-        m = reg.match(name)
-        if m is None:
-            raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
-        _, rule, layer = m
-        names = [fill(h, layer) for h in rule.hf]
-        absent = [n for n in names if n not in hf]
-        if absent:
-            raise MConvertError(f"{source}: tensor {absent[0]!r} is missing (needed for {name})")
-        out[name] = OPS[rule.op][1](spec, [hf[n] for n in names], name)
-    return out
+    names = _expected_mcore(spec, unit)
+    parts = (pmap or _serial_map)(lambda n: from_hf_one(spec, n, hf, source, reg), names)
+    return dict(zip(names, parts, strict=True))
+
+
+def _serial_map(fn: Any, items: Any) -> list[Any]:
+    return [fn(x) for x in items]
+
+
+def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source: str = "checkpoint",
+                reg: Registry | None = None) -> torch.Tensor:
+    """One canonical parameter from the HF tensors it is made of (what `from_hf` does for each name)."""
+    m = (reg or plugin_for(spec).registry()).match(name)
+    if m is None:
+        raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
+    _, rule, layer = m
+    names = [fill(h, layer) for h in rule.hf]
+    absent = [n for n in names if n not in hf]
+    if absent:
+        raise MConvertError(f"{source}: tensor {absent[0]!r} is missing (needed for {name})")
+    return OPS[rule.op][1](spec, [hf[n] for n in names], name)
 
 
 def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit | None:
