@@ -81,6 +81,8 @@ def op_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
         return ["cp", "-r", str(src), str(out)]
     if op == "megatron-to-hf":
         return [*mc, "megatron-to-hf", str(src), str(out), *w]
+    if op == "megatron-to-hf-w1":  # one parameter at a time: what the readers' threads buy
+        return [*mc, "megatron-to-hf", str(src), str(out), "--workers", "1"]
     if op == "reshard":
         return [*mc, "reshard", str(src), str(out), "--tp", "2", "--pp", "1", *w]
     if op == "megatron-to-ft":
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
     ap.add_argument("--depth", default="8,32", help="layer counts for the depth-scaling runs")
     ap.add_argument("--depth-repeats", type=int, default=2, help="runs per depth-scaling measurement (median)")
-    ap.add_argument("--skip", default="", help="comma list of: ft, peer, depth")
+    ap.add_argument("--skip", default="", help="comma list of: ft, workers, peer, depth")
     ap.add_argument("--workers", type=int, default=0, help="pass --workers N to our verbs (0: their default)")
     ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-100m at 4 layers, 1 repeat, depth 2,4")
     ap.add_argument("--work", type=Path, default=HERE / "work", help="scratch dir (deleted at the end)")
@@ -269,6 +271,8 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
             ("reshard", "reshard", ckpt)]
     if "ft" not in skip:
         jobs.append(("megatron-to-ft", "megatron-to-ft", ckpt))
+    if "workers" not in skip:
+        jobs.append(("megatron-to-hf --workers 1", "megatron-to-hf-w1", ckpt))
     ops = measure_rounds(jobs, work, a.repeats, a.workers, keep=("megatron-to-hf",))
     cp, cp_cpu = ops["cp"]["wall_s"], ops["cp"]["cpu_s"]
     for r in ops.values():

@@ -31,6 +31,14 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print files, sizes and 
 Json = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto keeps the source dtype).")]
 Iteration = Annotated[Optional[str], typer.Option("--iteration", help="Iteration number or 'release' (default: latest).")]
+Workers = Annotated[int, typer.Option("--workers", help="Parameters read and re-laid at once, on threads "
+                                      "(0: one per core; 1: one after another).")]
+
+
+def _workers(n: int) -> None:
+    from mconvert.convert.megatron import set_workers
+
+    set_workers(n)
 
 # ==== train (trainer/) ===============================================================================
 TrainInt = Optional[int]
@@ -176,6 +184,7 @@ def megatron_to_hf_cmd(
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
     force: Force = False,
     dry_run: DryRun = False,
+    workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
     """Convert a Megatron checkpoint to a HuggingFace directory, one layer at a time.
@@ -187,6 +196,7 @@ def megatron_to_hf_cmd(
     """
     from mconvert.convert.driver import megatron_to_hf
 
+    _workers(workers)
     _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
                                  max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run), json_out)
 
@@ -201,6 +211,7 @@ def hf_to_megatron_cmd(
     dtype: Dtype = "auto",
     force: Force = False,
     dry_run: DryRun = False,
+    workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
     """Convert a HuggingFace model to a Megatron torch-format checkpoint at TP/PP (vocab padded with zeros).
@@ -211,6 +222,7 @@ def hf_to_megatron_cmd(
     """
     from mconvert.convert.driver import hf_to_megatron
 
+    _workers(workers)
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
                                  dry_run=dry_run), json_out)
 
@@ -227,6 +239,7 @@ def reshard_cmd(
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
+    workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
     """Re-shard a Megatron checkpoint to a new TP/PP (merge to full tensors, split again; no HF detour).
@@ -237,6 +250,7 @@ def reshard_cmd(
     """
     from mconvert.convert.driver import reshard
 
+    _workers(workers)
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
                           force=force, progress=True, dry_run=dry_run), json_out)
 
@@ -293,6 +307,7 @@ def megatron_to_ft_cmd(
     ] = False,
     iteration: Iteration = None,
     force: Force = False,
+    workers: Workers = 0,
     as_json: Json = False,
 ) -> None:
     """Write FasterTransformer's layout (config.ini + raw per-rank .bin files), then check it as FT's loader would.
@@ -306,6 +321,7 @@ def megatron_to_ft_cmd(
     """
     from mconvert.convert.fastertransformer import describe, megatron_to_ft
 
+    _workers(workers)
     res = megatron_to_ft(src, out, infer_tp, dtype, force, allow_approx_gelu, iteration)
     _deploy_report("FasterTransformer", list(describe(res)), res.to_dict(), as_json)
 

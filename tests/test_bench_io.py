@@ -270,3 +270,31 @@ def test_changed_input_with_a_manifest_is_refused_though_checked_in_the_backgrou
     with pytest.raises(MConvertError, match="sha256 differs from the manifest|CRC-32"):
         megatron_to_hf(tmp_path / "r", tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
+
+
+def test_workers_change_the_speed_not_the_bytes(trained: dict[str, Path], tmp_path: Path) -> None:
+    """`--workers 1` (one parameter at a time) and `--workers 3` write the same files as the default."""
+    from typer.testing import CliRunner
+
+    from mconvert.cli import app
+    from mconvert.convert.megatron import set_workers
+
+    runner = CliRunner()
+    try:
+        for w in (0, 1, 3):
+            for verb, extra in (("megatron-to-hf", []), ("reshard", ["--tp", "1", "--pp", "2"])):
+                r = runner.invoke(app, [verb, str(trained["tiny-llama"]), str(tmp_path / f"{verb}-{w}"),
+                                        "--workers", str(w), *extra])
+                assert r.exit_code == 0, r.output
+        for verb in ("megatron-to-hf", "reshard"):
+            assert _sha_tree(tmp_path / f"{verb}-0") == _sha_tree(tmp_path / f"{verb}-1") == \
+                _sha_tree(tmp_path / f"{verb}-3")
+        import subprocess
+        import sys
+
+        r = subprocess.run([sys.executable, "-m", "mconvert.cli", "reshard", str(trained["tiny-llama"]),
+                            str(tmp_path / "bad"), "--workers", "-1"], capture_output=True, text=True)
+        assert r.returncode == 1 and "--workers -1" in r.stderr and "Traceback" not in r.stderr
+        assert not (tmp_path / "bad").exists()
+    finally:
+        set_workers(0)

@@ -698,11 +698,26 @@ class MegatronWriter:
 
 
 _POOL: Any = None
+_WORKERS = 0  # 0: one per core (at least 2, at most 8)
+
+
+def set_workers(n: int) -> None:
+    """`--workers N`: how many parameters are read and re-laid at once (1: one after another; 0: one per core).
+    Memory grows with N by at most N parameters (their merged form), not by units."""
+    global _POOL, _WORKERS
+    if n < 0:
+        raise MConvertError(f"--workers {n}: expected 0 (one per core) or a positive number")
+    if _POOL is not None:
+        _POOL.shutdown(wait=True)
+        _POOL = None
+    _WORKERS = n
 
 
 def _pool() -> Any:
-    """The readers' thread pool: one thread per core (at least 2), created on first use."""
+    """The readers' thread pool (`set_workers`), created on first use; None when one worker is asked for."""
     global _POOL
+    if _WORKERS == 1:
+        return None
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -710,7 +725,7 @@ def _pool() -> Any:
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             cores = os.cpu_count() or 2
-        _POOL = ThreadPoolExecutor(max(2, min(cores, 8)), thread_name_prefix="read-param")
+        _POOL = ThreadPoolExecutor(_WORKERS or max(2, min(cores, 8)), thread_name_prefix="read-param")
     return _POOL
 
 
@@ -719,9 +734,10 @@ def pmap(fn: Any, items: Any) -> list[Any]:
     pool would wait for itself). Exceptions surface in item order, as with map."""
     import threading
 
-    if threading.current_thread().name.startswith("read-param"):
+    pool = _pool()
+    if pool is None or threading.current_thread().name.startswith("read-param"):
         return [fn(x) for x in items]
-    return list(_pool().map(fn, items))
+    return list(pool.map(fn, items))
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
