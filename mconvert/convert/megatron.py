@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -254,11 +255,13 @@ class MegatronSource(SourceBase):
 
         cache = self.__dict__.setdefault("_tensor_index", {})
         if (t, p) not in cache:
-            f = self.files[(t, p)]
-            st = safe_load(f)
-            self._remember(t, p, st)
-            del st
-        entry = cache[(t, p)]
+            with _INDEX_LOCK:  # the readers' threads: one load per file
+                if (t, p) not in cache:
+                    f = self.files[(t, p)]
+                    st = safe_load(f)
+                    self._remember(t, p, st)
+                    del st
+        entry = cache.get((t, p))
         return None if entry is None else LazyModel(entry[0], entry[1], f"{c}\0")
 
     def _remember(self, t: int, p: int, st: dict) -> None:
@@ -698,6 +701,7 @@ class MegatronWriter:
 
 
 _POOL: Any = None
+_INDEX_LOCK = threading.Lock()
 _WORKERS = 0  # 0: one per core (at least 2, at most 8)
 
 
@@ -732,8 +736,6 @@ def _pool() -> Any:
 def pmap(fn: Any, items: Any) -> list[Any]:
     """`list(map(fn, items))` on the readers' pool — serially when already on it (a nested map on a full
     pool would wait for itself). Exceptions surface in item order, as with map."""
-    import threading
-
     pool = _pool()
     if pool is None or threading.current_thread().name.startswith("read-param"):
         return [fn(x) for x in items]
