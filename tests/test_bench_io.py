@@ -298,3 +298,38 @@ def test_workers_change_the_speed_not_the_bytes(trained: dict[str, Path], tmp_pa
         assert not (tmp_path / "bad").exists()
     finally:
         set_workers(0)
+
+
+def test_a_failed_conversion_leaves_no_writer_threads(trained: dict[str, Path], tmp_path: Path) -> None:
+    """A conversion that fails half-way (a NaN in the final unit) stops its streams: no writer thread, no
+    staging memory and no open file is left in the caller's process, and no output directory."""
+    import threading
+
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+
+    def writers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(("write ", "odirect "))]
+
+    before = writers()
+    megatron_to_hf(trained["tiny-gpt2"], tmp_path / "hf")
+    st = tmp_path / "hf" / "model.safetensors"
+    (tmp_path / "hf" / "mconvert-manifest.json").unlink()  # edited on purpose: no manifest to refuse it
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(st)
+    tensors["transformer.ln_f.weight"][0] = float("nan")  # the final unit: the last stage's files are open
+    save_file(tensors, st, metadata={"format": "pt"})
+    with pytest.raises(MConvertError, match="NaN"):
+        hf_to_megatron(tmp_path / "hf", tmp_path / "mg", tp=2, pp=2)
+    rank = sorted(trained["tiny-gpt2"].rglob("model_optim_rng.pt"))[-1]
+    copy = tmp_path / "ck"
+    import shutil
+
+    shutil.copytree(trained["tiny-gpt2"], copy)
+    _flip_tensor_byte(sorted(copy.rglob("model_optim_rng.pt"))[-1])
+    for fn, kw in ((megatron_to_hf, {}), (reshard, {"tp": 1, "pp": 1})):
+        with pytest.raises(MConvertError):
+            fn(copy, tmp_path / f"out-{fn.__name__}", **kw)
+        assert not (tmp_path / f"out-{fn.__name__}").exists()
+    assert rank.exists() and not (tmp_path / "mg").exists()
+    assert writers() == before

@@ -10,6 +10,7 @@ import resource
 import shutil
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +113,10 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     with atomic_output_dir(out, force) as tmp:
         writer = HFWriter(tmp, spec, size, target)
         writer.prefetch_tokenizer(src.tokenizer_dir)
-        for unit in _progress(src.units(), "megatron-to-hf", progress):
-            writer.add(src.read_hf(unit))
-        writer.close(src.tokenizer_dir)
+        with _aborting(writer):
+            for unit in _progress(src.units(), "megatron-to-hf", progress):
+                writer.add(src.read_hf(unit))
+            writer.close(src.tokenizer_dir)
         wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
         files = _files_report(tmp)
     return {
@@ -152,9 +154,10 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                 "output": str(out), "dry_run": True, "warnings": []}
     with atomic_output_dir(out, force) as tmp:
         writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
-        for unit in _progress(src.units(), "hf-to-megatron", progress):
-            writer.add(unit, src.read_mcore(unit))
-        writer.close()
+        with _aborting(writer):
+            for unit in _progress(src.units(), "hf-to-megatron", progress):
+                writer.add(unit, src.read_mcore(unit))
+            writer.close()
         wait_crc_checks()  # the input's manifest, checked in the background, before the output is committed
         tok = _copy_tokenizer(src.tokenizer_dir, tmp)
         files = _files_report(tmp)
@@ -210,13 +213,14 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
                                 args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                 rank_top_level=rank_top, preview=None if with_optimizer else _preview(src))
-        for unit in _progress(src.units(), "reshard", progress):
-            if isinstance(src, MegatronSource) and with_optimizer:
-                tensors, states = src.read_unit(unit, with_optimizer)
-            else:
-                tensors, states = src.read_mcore(unit), {}
-            writer.add(unit, tensors, states if with_optimizer else None)
-        writer.close()
+        with _aborting(writer):
+            for unit in _progress(src.units(), "reshard", progress):
+                if isinstance(src, MegatronSource) and with_optimizer:
+                    tensors, states = src.read_unit(unit, with_optimizer)
+                else:
+                    tensors, states = src.read_mcore(unit), {}
+                writer.add(unit, tensors, states if with_optimizer else None)
+            writer.close()
         wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
         tok = _copy_tokenizer(src.tokenizer_dir, tmp)
         files = _files_report(tmp)
@@ -227,6 +231,17 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         else "not written (pass --with-optimizer to re-shard the Adam states)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
     }
+
+
+@contextmanager
+def _aborting(writer: Any) -> Iterator[None]:
+    """On any error, stop the writer's streams (threads, staging memory, open files) before the output
+    directory is removed: a library caller's process must not keep them."""
+    try:
+        yield
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _preview(src: Any) -> Any:

@@ -268,6 +268,12 @@ class HFWriter:
         self._tmp_files.append((path, list(self._buf)))
         self._buf, self._buf_bytes = {}, 0
 
+    def abort(self) -> None:
+        """Stop the file being streamed (its threads, its staging memory); the caller removes the directory."""
+        if self._stream is not None:
+            self._stream.abort()
+            self._stream = None
+
     def close(self, tokenizer_dir: Path | None = None) -> list[Path]:
         """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer."""
         from mconvert.convert.atomic import record_digest

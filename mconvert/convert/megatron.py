@@ -590,6 +590,17 @@ class MegatronWriter:
             raise
         self._streams[p] = streams
 
+    def abort(self) -> None:
+        """Stop every open rank-file stream and spool (threads, staging memory, descriptors); the caller
+        removes the output directory."""
+        for streams in self._streams.values():
+            for st in streams.values():
+                st.abort()
+        self._streams.clear()
+        for spool in self._spools.values():
+            spool.close()
+        self._spools.clear()
+
     def _close_stage(self, p: int) -> None:
         from mconvert.convert.atomic import record_digest
 
