@@ -19,7 +19,7 @@ import torch
 from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.base import Unit
 from mconvert.convert.plan import plan_for_source
-from mconvert.convert.safeload import crc_in_background, wait_crc_checks
+from mconvert.convert.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import TOKENIZER_FILES, open_source
 from mconvert.convert.stream import bound_heap
 from mconvert.errors import MConvertError
@@ -108,6 +108,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     if target is not None:
         spec = spec.replace(params_dtype=_DTYPE_NAME[target])
     if dry_run:
+        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("megatron-to-hf", src, dtype=spec.params_dtype, max_shard_size=size),
                 "output": str(out), "dry_run": True, "warnings": warnings}
     with atomic_output_dir(out, force) as tmp:
@@ -150,6 +151,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     spec = src.spec if target is None else src.spec.replace(params_dtype=_DTYPE_NAME[target])
     spec.check_parallel(tp, pp, vpp)
     if dry_run:
+        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
                 "output": str(out), "dry_run": True, "warnings": []}
     with atomic_output_dir(out, force) as tmp:
@@ -189,6 +191,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
     src.spec.check_parallel(tp, pp, vpp)
     if dry_run:
+        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("reshard", src, tp=tp, pp=pp, with_optimizer=with_optimizer),
                 "output": str(out), "dry_run": True, "warnings": []}
     groups = None

@@ -203,6 +203,16 @@ class DeferredCRC:
             f.result()  # re-raises the MConvertError of a failed check
         self._futures.clear()
 
+    def cancel(self) -> None:
+        """Drop the checks not started yet (nothing will be committed: a dry run, or a conversion that
+        failed); raise the first failure among those that ran, since corrupt bytes explain the rest."""
+        for f in self._futures:
+            f.cancel()
+        done = [f for f in self._futures if not f.cancelled()]
+        self._futures.clear()
+        for f in done:
+            f.result()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
 
@@ -222,7 +232,7 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
         d.wait()
     except BaseException:
         try:
-            d.wait()
+            d.cancel()  # a failed conversion does not wait for the whole input's CRC pass
         except MConvertError as crc:
             raise crc from None
         raise
@@ -235,6 +245,12 @@ def wait_crc_checks() -> None:
     """Raise the first failed background CRC-32 check (no-op outside `deferred_crc_checks()`)."""
     if _DEFERRED is not None:
         _DEFERRED.wait()
+
+
+def skip_crc_checks() -> None:
+    """Nothing derived from the input will be committed (a dry run): drop the checks not started yet."""
+    if _DEFERRED is not None:
+        _DEFERRED.cancel()
 
 
 def crc_in_background(fn: Any) -> Any:
