@@ -2,9 +2,10 @@
 
 Shape-based (ModelSpec + parallel layout; no tensor is read), so the same numbers hold for a model nobody
 has on disk (see `estimate.py`, which answers from a preset). Peak memory of the streaming driver =
-one unit's source shards + its full/mapped copy + the writer's buffer (HF: the write queue, ≤ 64 MB;
-Megatron: none — shards are spooled to disk until their stage is complete — except with optimizer states,
-where one pipeline stage of the target is held) + the interpreter.
+one unit's source shards + its full/mapped copy + the writer's buffer (HF: the write queue, ≤ 64 MB, and
+three 16 MiB O_DIRECT staging chunks; Megatron: per open rank file a 4 MiB queue and three 4 MiB staging
+chunks — shards are streamed into their rank files, or spooled to disk until their stage is complete — except
+with optimizer states, where one pipeline stage of the target is held) + the interpreter.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp))
         write = hf_files(spec, out_item, max_shard_size)
         unit_in, unit_out = unit_bytes(spec, src_tp, src_item), unit_bytes(spec, 1, out_item)
-        buffer = min(64 << 20, max_shard_size, max(f["bytes"] for f in write))  # streamed: stream.HashingFile queue
+        # streamed: stream.HashingFile's queue + its O_DIRECT staging chunks
+        buffer = min(64 << 20, max_shard_size, max(f["bytes"] for f in write)) + 3 * (16 << 20)
     elif verb in ("hf-to-megatron", "reshard"):
         if verb == "hf-to-megatron":
             read = hf_files(spec, src_item)
@@ -49,7 +51,7 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         for f in write:
             stage = f["path"].split("/")[0][11:] or "0"
             stage_bytes[stage] = stage_bytes.get(stage, 0) + f["bytes"]
-        buffer = 0  # shards are spooled to disk until the stage is complete (stream.Spool), not held
+        buffer = tp * 4 * (4 << 20)  # streamed rank files (stream.TorchSaveStream): queue + staging per TP file
         if with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
             scale = 1 + 2 * 4 / out_item
             buffer = int(max(stage_bytes.values()) * scale)  # with Adam states the stage is still buffered
