@@ -85,7 +85,7 @@ class StreamingSafetensors:
             raise MConvertError(f"{self.path.name}: {name} has shape {list(x.shape)}, layout says {list(shape)}")
         data = x.detach().to(self.dtype).contiguous().cpu()
         self._f.seek(self._base + off)
-        self._f.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        self._f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"")  # no copy
         self._todo.discard(name)
 
     def close(self) -> None:
