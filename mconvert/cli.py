@@ -36,7 +36,7 @@ Workers = Annotated[int, typer.Option("--workers", help="Parameters read and re-
 
 
 def _workers(n: int) -> None:
-    from mconvert.convert.megatron import set_workers
+    from mconvert.convert.base import set_workers
 
     set_workers(n)
 

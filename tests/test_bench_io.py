@@ -35,18 +35,28 @@ def _raw(p: bytes | torch.Tensor) -> bytes:
     return p if isinstance(p, bytes) else bytes(p.numpy())
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_hashing_file_bytes_and_digest_match_hashlib(tmp_path: Path, direct: bool) -> None:
-    pieces = _pieces(1)
-    f = HashingFile(tmp_path / "x.bin", direct=direct)
+def _write_and_check(path: Path, seed: int, direct: bool = True, as_bytes: bool = False) -> HashingFile:
+    """Write `_pieces(seed)` through a HashingFile (tensors as views, or all as bytes); the file must hold
+    exactly their bytes and close() must return hashlib's sha256 of them."""
+    pieces = _pieces(seed)
+    f = HashingFile(path, direct=direct)
     for p in pieces:
-        f.write(memoryview(p.numpy()) if isinstance(p, torch.Tensor) else p, keep=p)
+        if as_bytes or not isinstance(p, torch.Tensor):
+            f.write(_raw(p))
+        else:
+            f.write(memoryview(p.numpy()), keep=p)
     digest = f.close()
     want = b"".join(_raw(p) for p in pieces)
-    got = (tmp_path / "x.bin").read_bytes()
+    got = path.read_bytes()
     assert len(got) == len(want)  # the O_DIRECT tail padding was cut off
     assert got == want
     assert digest == hashlib.sha256(want).hexdigest()
+    return f
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_hashing_file_bytes_and_digest_match_hashlib(tmp_path: Path, direct: bool) -> None:
+    _write_and_check(tmp_path / "x.bin", 1, direct=direct)
 
 
 def test_hashing_file_direct_is_used_where_the_fs_allows_it(tmp_path: Path) -> None:
@@ -67,14 +77,8 @@ def test_hashing_file_falls_back_when_o_direct_open_is_refused(tmp_path: Path, m
         return real_open(path, flags, *a)
 
     monkeypatch.setattr(os, "open", no_direct)
-    pieces = _pieces(2)
-    f = HashingFile(tmp_path / "z.bin", direct=True)
-    for p in pieces:
-        f.write(_raw(p))
-    digest = f.close()
-    want = b"".join(_raw(p) for p in pieces)
+    f = _write_and_check(tmp_path / "z.bin", 2, as_bytes=True)
     assert not f.direct
-    assert (tmp_path / "z.bin").read_bytes() == want and digest == hashlib.sha256(want).hexdigest()
 
 
 def test_hashing_file_falls_back_when_o_direct_write_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,14 +95,8 @@ def test_hashing_file_falls_back_when_o_direct_write_is_refused(tmp_path: Path, 
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", picky)
-    pieces = _pieces(3)
-    f = HashingFile(tmp_path / "w.bin", direct=True)
-    for p in pieces:
-        f.write(_raw(p))
-    digest = f.close()
-    want = b"".join(_raw(p) for p in pieces)
+    _write_and_check(tmp_path / "w.bin", 3, as_bytes=True)
     assert refused or not hasattr(os, "O_DIRECT")
-    assert (tmp_path / "w.bin").read_bytes() == want and digest == hashlib.sha256(want).hexdigest()
 
 
 def test_hashing_file_reports_a_write_error_as_os_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -277,7 +275,7 @@ def test_workers_change_the_speed_not_the_bytes(trained: dict[str, Path], tmp_pa
     from typer.testing import CliRunner
 
     from mconvert.cli import app
-    from mconvert.convert.megatron import set_workers
+    from mconvert.convert.base import set_workers
 
     runner = CliRunner()
     try:

@@ -8,11 +8,13 @@ Writers consume units one by one, so peak memory is one unit's shards plus the o
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Protocol, Union
+from typing import Any, Protocol, Union
 
 import torch
 
+from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 
 Unit = Union[str, int]  # "embedding", 0 .. num_layers-1, "final"
@@ -33,3 +35,47 @@ class Source(Protocol):
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]: ...
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]: ...
+
+
+# ---- the readers' thread pool: a unit's parameters read and re-laid several at once (issue 7) ----------------
+_POOL: Any = None
+_WORKERS = 0  # 0: one per core (at least 2, at most 8)
+
+
+def set_workers(n: int) -> None:
+    """`--workers N`: how many parameters are read and re-laid at once (1: one after another; 0: one per core).
+    Memory grows with N by at most N parameters (their merged form), not by units."""
+    global _POOL, _WORKERS
+    if n < 0:
+        raise MConvertError(f"--workers {n}: expected 0 (one per core) or a positive number")
+    if _POOL is not None:
+        _POOL.shutdown(wait=True)
+        _POOL = None
+    _WORKERS = n
+
+
+def _pool() -> Any:
+    """The readers' thread pool (`set_workers`), created on first use; None when one worker is asked for."""
+    global _POOL
+    if _WORKERS == 1:
+        return None
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 2
+        _POOL = ThreadPoolExecutor(_WORKERS or max(2, min(cores, 8)), thread_name_prefix="read-param")
+    return _POOL
+
+
+def pmap(fn: Any, items: Any) -> list[Any]:
+    """`list(map(fn, items))` on the readers' pool — serially when already on it (a nested map on a full
+    pool would wait for itself). Exceptions surface in item order, as with map."""
+    import threading
+
+    pool = _pool()
+    if pool is None or threading.current_thread().name.startswith("read-param"):
+        return [fn(x) for x in items]
+    return list(pool.map(fn, items))

@@ -215,7 +215,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     with atomic_output_dir(out, force) as tmp:
         writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
                                 args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
-                                rank_top_level=rank_top, preview=None if with_optimizer else _preview(src))
+                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
         with _aborting(writer):
             for unit in _progress(src.units(), "reshard", progress):
                 if isinstance(src, MegatronSource) and with_optimizer:

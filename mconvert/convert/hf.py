@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.base import Unit
-from mconvert.convert.megatron import pmap
+from mconvert.convert.base import Unit, pmap
 from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.sources import TOKENIZER_FILES, SourceBase, find_tokenizer_dir
 from mconvert.errors import MConvertError

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mconvert.convert import optimizer as optim
-from mconvert.convert.base import Unit
+from mconvert.convert.base import Unit, pmap
 from mconvert.convert.layout import (
     CHECKPOINT_VERSION,
     layer_location,
@@ -310,6 +310,11 @@ class MegatronSource(SourceBase):
             out[name] = full
         return out
 
+    def _unit_names(self, unit: Unit) -> list[str]:
+        """The canonical names of one unit, in the order its stage's rank files hold them."""
+        p, c = self.location(unit)
+        return [n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit]
+
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
         """`SourceBase.read_hf` (= `to_hf` over `read_mcore`), one parameter per task on a small thread pool:
         pread and torch's ops release the GIL, so two parameters are read, merged and re-laid at once (issue 7:
@@ -318,8 +323,7 @@ class MegatronSource(SourceBase):
         transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`."""
         from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
 
-        p, c = self.location(unit)
-        names = [n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit]
+        names = self._unit_names(unit)
         check_complete(self.spec, unit, names, str(self.path))
 
         def one(name: str) -> dict[str, torch.Tensor]:
@@ -387,10 +391,8 @@ class MegatronSource(SourceBase):
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Full tensors of one unit under canonical global names; vocab rows as stored (padded). One parameter
         per task on the readers' pool (see `read_hf`); same tensors, same order as `read_unit`."""
-        p, c = self.location(unit)
-        names = [n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit]
         out: dict[str, torch.Tensor] = {}
-        for part in pmap(lambda n: self.read_unit(unit, only={n})[0], names):
+        for part in pmap(lambda n: self.read_unit(unit, only={n})[0], self._unit_names(unit)):
             out.update(part)
         return out
 
@@ -399,11 +401,8 @@ class MegatronSource(SourceBase):
         key maps of the opening checks, no tensor data read. Writers lay out their files from it."""
         from mconvert.mappings.transforms import split_dim
 
-        p, c = self.location(unit)
         out: dict[str, torch.Tensor] = {}
-        for _, name in self._keymaps[(p, c)].items():
-            if unit_of(name) != unit:
-                continue
+        for name in self._unit_names(unit):
             shape = list(self.shapes[name])
             d = split_dim(self.spec.split_kind(name), len(shape))
             if d is not None:
@@ -711,46 +710,7 @@ class MegatronWriter:
         return self.files
 
 
-_POOL: Any = None
-_INDEX_LOCK = threading.Lock()
-_WORKERS = 0  # 0: one per core (at least 2, at most 8)
-
-
-def set_workers(n: int) -> None:
-    """`--workers N`: how many parameters are read and re-laid at once (1: one after another; 0: one per core).
-    Memory grows with N by at most N parameters (their merged form), not by units."""
-    global _POOL, _WORKERS
-    if n < 0:
-        raise MConvertError(f"--workers {n}: expected 0 (one per core) or a positive number")
-    if _POOL is not None:
-        _POOL.shutdown(wait=True)
-        _POOL = None
-    _WORKERS = n
-
-
-def _pool() -> Any:
-    """The readers' thread pool (`set_workers`), created on first use; None when one worker is asked for."""
-    global _POOL
-    if _WORKERS == 1:
-        return None
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 2
-        _POOL = ThreadPoolExecutor(_WORKERS or max(2, min(cores, 8)), thread_name_prefix="read-param")
-    return _POOL
-
-
-def pmap(fn: Any, items: Any) -> list[Any]:
-    """`list(map(fn, items))` on the readers' pool — serially when already on it (a nested map on a full
-    pool would wait for itself). Exceptions surface in item order, as with map."""
-    pool = _pool()
-    if pool is None or threading.current_thread().name.startswith("read-param"):
-        return [fn(x) for x in items]
-    return list(pool.map(fn, items))
+_INDEX_LOCK = threading.Lock()  # the readers' threads: one index load per rank file
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

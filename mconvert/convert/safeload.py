@@ -194,9 +194,9 @@ class DeferredCRC:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="crc32")
         self._futures: list[Any] = []
 
-    def submit(self, path: Path, check: Any = None) -> None:
-        """Run `check(path)` (default: the zip CRC-32 check) on the background thread."""
-        self._futures.append(self._pool.submit(check or _verify_zip_crc_now, path))
+    def submit(self, path: Path, check: Any) -> None:
+        """Run `check(path)` on the background thread."""
+        self._futures.append(self._pool.submit(check, path))
 
     def wait(self) -> None:
         for f in self._futures:
@@ -276,10 +276,8 @@ def deferred(path: str | Path, check: Any) -> bool:
 
 def verify_zip_crc(path: str | Path) -> None:
     """Check the CRC-32 of every entry now, or on the background thread of `deferred_crc_checks()`."""
-    if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
-        _DEFERRED.submit(Path(path))
-        return
-    _verify_zip_crc_now(path)
+    if not deferred(path, _verify_zip_crc_now):
+        _verify_zip_crc_now(path)
 
 
 def _verify_zip_crc_now(path: str | Path) -> None:

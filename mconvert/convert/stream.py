@@ -527,8 +527,6 @@ class Spool:
         self.where: dict[int, tuple[int, int, int]] = {}  # storage _cdata -> (spool offset, nbytes, crc32)
 
     def park(self, t: torch.Tensor) -> torch.Tensor:
-        import zlib
-
         if not t.is_contiguous():
             t = t.contiguous()
         mv = tensor_bytes(t) if t.numel() else memoryview(b"")
@@ -561,16 +559,11 @@ def _central_entries(data: bytes, start: int, count: int) -> list[tuple[int, str
     return out
 
 
-def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
-    """`torch.save(state, path)` where the data of placeholder tensors lives in `spool`: the file is written
-    with torch's own writer without storage bytes (`torch.serialization.skip_data`), the bytes are copied in
-    from the spool by the kernel (copy_file_range), then the CRC32 fields and `.data/serialization_id` are
-    set as torch.save sets them — the result is byte-identical to torch.save of the real tensors."""
+def _save_skeleton(state: Any, path: Path) -> list[torch.Tensor]:
+    """`torch.save(state, path)` without storage bytes (`torch.serialization.skip_data`: the records' space
+    is left as holes); returns the tensors whose storages became records data/0, data/1, ... in that order."""
     import pickle
-    import zipfile
-    import zlib
 
-    path = Path(path)
     order: list[torch.Tensor] = []
     seen: set[int] = set()
 
@@ -588,6 +581,32 @@ def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
 
     with torch.serialization.skip_data():
         torch.save(state, path, pickle_module=_PickleModule)
+    return order
+
+
+def _serialization_id(infos: list[Any], sid_name: str, crc_of: Any, old: bytes) -> bytes:
+    """`.data/serialization_id` as torch.save sets it: the record-name half of `old` kept, then torch's
+    combined hash of the CRC-32s (`crc_of(name)`) of the records before it that have a data descriptor."""
+    mask = (1 << 64) - 1
+    comb = 0
+    for i in infos:
+        if i.filename == sid_name:
+            break
+        if not i.flag_bits & 8:  # torch combines the CRCs it sees in data descriptors only
+            continue
+        comb = (comb ^ ((crc_of(i.filename) + 0x9E3779B9 + ((comb << 6) & mask) + (comb >> 2)) & mask)) & mask
+    return old[:20] + f"{comb:020d}".encode()
+
+
+def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
+    """`torch.save(state, path)` where the data of placeholder tensors lives in `spool`: the file is written
+    with torch's own writer without storage bytes (`torch.serialization.skip_data`), the bytes are copied in
+    from the spool by the kernel (copy_file_range), then the CRC32 fields and `.data/serialization_id` are
+    set as torch.save sets them — the result is byte-identical to torch.save of the real tensors."""
+    import zipfile
+
+    path = Path(path)
+    order = _save_skeleton(state, path)
     reader = torch._C.PyTorchFileReader(str(path))
     with zipfile.ZipFile(path) as z:
         infos = z.infolist()
@@ -629,18 +648,9 @@ def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
             os.pwrite(fd, struct.pack("<I", crc), off + n + 4)
         # serialization_id: torch's combined hash of record names (kept) and of record CRC32s (recomputed)
         sid_name = prefix + ".data/serialization_id"
-        mask = (1 << 64) - 1
-        comb = 0
-        for i in infos:
-            if i.filename == sid_name:
-                break
-            if not i.flag_bits & 8:  # torch combines the CRCs it sees in data descriptors only
-                continue
-            comb = (comb ^ ((crcs[i.filename] + 0x9E3779B9 + ((comb << 6) & mask) + (comb >> 2)) & mask)) & mask
         if sid_name in crcs:
             soff = reader.get_record_offset(".data/serialization_id")
-            old = os.pread(fd, 40, soff)
-            sid = old[:20] + f"{comb:020d}".encode()
+            sid = _serialization_id(infos, sid_name, crcs.__getitem__, os.pread(fd, 40, soff))
             os.pwrite(fd, sid, soff)
             crcs[sid_name] = zlib.crc32(sid)
             if os.pread(fd, 4, soff + 40) != b"PK\x07\x08":
@@ -667,7 +677,6 @@ class TorchSaveStream:
     byte-identical to torch.save. A record that arrives before its turn waits in memory until it."""
 
     def __init__(self, state: Any, path: str | Path, placeholders: list[torch.Tensor]) -> None:
-        import pickle
         import zipfile
 
         self.path = Path(path)
@@ -675,24 +684,8 @@ class TorchSaveStream:
         skel_dir = self.path.parent / f".skeleton-{self.path.name}"
         skel_dir.mkdir(parents=True, exist_ok=True)
         skel = skel_dir / self.path.name
-        order: list[torch.Tensor] = []
-        seen: set[int] = set()
-
-        class _Pickler(pickle.Pickler):
-            def reducer_override(self, obj: Any) -> Any:
-                if isinstance(obj, torch.Tensor):
-                    cd = obj.untyped_storage()._cdata
-                    if cd not in seen:
-                        seen.add(cd)
-                        order.append(obj)
-                return NotImplemented
-
-        class _PickleModule:
-            Pickler = _Pickler
-
         try:
-            with torch.serialization.skip_data():
-                torch.save(state, skel, pickle_module=_PickleModule)
+            order = _save_skeleton(state, skel)
             reader = torch._C.PyTorchFileReader(str(skel))
             with zipfile.ZipFile(skel) as z:
                 self._infos = z.infolist()
@@ -802,19 +795,10 @@ class TorchSaveStream:
         return self._crcs[name] if ck is None else ck.value
 
     def _sid_bytes(self) -> bytes:
-        """`.data/serialization_id` as torch.save sets it: record names kept, CRC-32s combined (once)."""
+        """`.data/serialization_id` as torch.save sets it (computed once, on the writer thread)."""
         if getattr(self, "_sid", None) is None:
             sid_name = self._prefix + ".data/serialization_id"
-            mask = (1 << 64) - 1
-            comb = 0
-            for i in self._infos:
-                if i.filename == sid_name:
-                    break
-                if not i.flag_bits & 8:
-                    continue
-                comb = (comb ^ ((self._crc(i.filename) + 0x9E3779B9 + ((comb << 6) & mask) + (comb >> 2)) & mask)) & mask
-            old = os.pread(self._skel_fd, 40, self._sid_off)
-            self._sid = old[:20] + f"{comb:020d}".encode()
+            self._sid = _serialization_id(self._infos, sid_name, self._crc, os.pread(self._skel_fd, 40, self._sid_off))
             self._crcs[sid_name] = zlib.crc32(self._sid)
         return self._sid
 
