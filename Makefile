@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test bench vllm-env lint clean
+.PHONY: venv demo test docs bench vllm-env lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,8 +17,12 @@ venv: $(STAMP)
 demo: $(STAMP) vllm-env
 	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m mconvert.demo
 
-test: $(STAMP)
+test: $(STAMP) docs
 	$(BIN)/python -m pytest -q --durations=25 tests
+
+# The user docs (mkdocs.yml, docs/); --strict fails on a broken link, anchor or nav entry.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench.py
@@ -32,4 +36,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check mconvert tests bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info
