@@ -511,14 +511,14 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     """`mconvert megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it."""
     if dtype not in FT_DTYPES:
         raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
-    check_output(out, force)
+    check_output(out, force, (src,))
     from mconvert.convert.stream import bound_heap
 
     bound_heap()  # RSS = live tensors (bench/, issue 7)
     source = open_any_source(src, iteration)
     ft_section(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
     units = source.units()
-    with _progress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force) as tmp:
+    with _progress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         ft_dir = tmp / f"{infer_tp}-gpu"
         ft_dir.mkdir()
         section, nfiles, nbytes = write_ft_dir(source, ft_dir, infer_tp, dtype, allow_approx_gelu, step)

@@ -183,10 +183,10 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
         raise MConvertError(f"--exporter {exporter!r}: choose optimum or torch")
     if exporter == "torch" and with_past:
         raise MConvertError("the torch.onnx fallback exports no KV cache; pass --no-past with --exporter torch")
-    check_output(out, force)
+    check_output(out, force, (src,))
     from_megatron = not _is_hf_dir(src, iteration)  # also the one-line error for a non-checkpoint
     notes: list[str] = []
-    with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force) as tmp:
+    with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         if from_megatron:
             notes.append("Megatron source exported to a temporary fp32 HF dir first")
         with _quiet():

@@ -257,7 +257,7 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     """Write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on the result."""
     from mconvert.convert.fastertransformer import _progress, open_any_source
 
-    check_output(out, force)
+    check_output(out, force, (src,))
     source = open_any_source(src, iteration)
     spec: ModelSpec = source.spec
     trtllm_refusal(spec, tp)
@@ -271,7 +271,7 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     layout = expected_trtllm_shapes(cfg)  # names and shapes known up front: rank files are streamed
     embed = None
     units = source.units()
-    with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force) as tmp:
+    with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         writers = [StreamingSafetensors(tmp / f"rank{r}.safetensors", layout, tdt) for r in range(tp)]
         try:
             for unit in units:
