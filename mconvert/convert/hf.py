@@ -50,7 +50,7 @@ class HFSource(SourceBase):
     def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
         self.path = Path(path)
         cfg_path = inside_file(self.path, "config.json", f"{self.path}: config")
-        self.config = read_json(cfg_path)
+        self.config = read_json(cfg_path, what="config")
         self.spec = ModelSpec.from_hf_config(self.config, source=str(cfg_path))
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
         self.key_file = self._index()

@@ -113,12 +113,13 @@ def read_small(path: str | Path, kind: str) -> bytes:
     return b"".join(chunks)
 
 
-def read_json(path: str | Path, kind: str = "json") -> Any:
-    """A small JSON file, size-checked first; undecodable JSON is one line naming the file."""
+def read_json(path: str | Path, kind: str = "json", what: str = "JSON file") -> Any:
+    """A small JSON file, size-checked first; undecodable JSON is one line naming the file (`what` it is)."""
     try:
         return json.loads(read_small(path, kind))
     except (ValueError, UnicodeDecodeError) as e:
-        raise MConvertError(f"{path}: not valid JSON ({str(e)[:120]}); re-copy or re-export it") from None
+        raise MConvertError(f"{path}: unreadable {what}, not valid JSON ({str(e)[:120]}); re-copy or re-export "
+                            "it") from None
 
 
 def copy_contained(src_dir: Path, name: str, dst_dir: Path, kind: str = "tokenizer") -> Path:
