@@ -130,9 +130,9 @@ class _LogitsOnly(torch.nn.Module):
 
 def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
     """Fallback: `torch.onnx.export` (TorchScript exporter) of the logits-only graph; copies config.json."""
-    import shutil
-
     from transformers import AutoModelForCausalLM
+
+    from mconvert.convert.paths import copy_contained
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
     model.eval()
@@ -146,7 +146,7 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
     )
     for name in ("config.json", "generation_config.json"):
         if (hf_dir / name).is_file():
-            shutil.copy(hf_dir / name, out / name)
+            copy_contained(hf_dir, name, out, "json")
 
 
 @torch.no_grad()
