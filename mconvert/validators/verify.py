@@ -8,7 +8,6 @@ adds the logits comparison of `validate`; `--vllm-python` serves the dir in a re
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -421,9 +420,9 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
         rep.add("generation-config", "error", f"{p}: missing; vLLM reads eos/bos ids from it")
         return
     try:
-        g = json.loads(p.read_text())
-    except ValueError as e:
-        rep.add("generation-config", "error", f"{p}: not valid JSON ({e})")
+        g = read_json(inside_file(d, p.name, f"{d}: generation config"), what="generation config")
+    except MConvertError as e:
+        rep.add("generation-config", "error", str(e))
         return
     eos = g.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
@@ -482,7 +481,7 @@ def reference_spec(info) -> Any:
 
     try:
         if info.format == "hf":
-            return ModelSpec.from_hf_config(json.loads((info.path / "config.json").read_text()))
+            return ModelSpec.from_hf_config(read_json(inside_file(info.path, "config.json", f"{info.path}: config")))
         if info.format == "megatron":
             from mconvert.convert.layout import RANK_FILE, iteration_dir_name
             from mconvert.convert.safeload import safe_load
