@@ -156,6 +156,21 @@ def test_rank_dir_symlinked_outside_the_checkpoint_is_refused(tmp_path, capsys):
     assert tree_digest(tmp_path) == before and siblings(tmp_path / "out") == []
 
 
+def test_verify_reports_an_index_naming_a_file_outside_the_model_dir(tmp_path, capsys):
+    hf = copy_of("ref", tmp_path / "hf")
+    os.rename(hf / "model.safetensors", tmp_path / "x.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as h:
+        wmap = {k: "../x.safetensors" for k in h.keys()}
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wmap}))
+    code, out, _ = run_cli(["verify", hf, "--json"], capsys)
+    report = json.loads(out)
+    assert code == 1 and "weight-files" in report["errors"]
+    msg = next(c["message"] for c in report["checks"] if c["name"] == "weight-files")
+    assert "'../x.safetensors'" in msg and "outside" in msg, msg
+
+
 def test_trtllm_rank_file_symlinked_outside_is_a_problem(tmp_path):
     from mconvert.convert.trtllm import check_trtllm_dir, megatron_to_trtllm
 
