@@ -183,6 +183,27 @@ def test_trtllm_rank_file_symlinked_outside_is_a_problem(tmp_path):
     assert len(problems) == 1 and "rank0.safetensors" in problems[0] and "outside" in problems[0], problems
 
 
+@pytest.mark.parametrize("where", ["weight file", "config.ini"])
+def test_ft_file_symlinked_outside_is_refused(tmp_path, where):
+    from deploy_common import make_hf
+
+    from mconvert.convert.fastertransformer import check_ft_dir, megatron_to_ft
+    from mconvert.errors import MConvertError
+    from mconvert.spec import preset
+    from mconvert.validators.ft_runner import ft_logits
+
+    megatron_to_ft(make_hf(preset("tiny-gpt2"), tmp_path / "hf"), tmp_path / "ft", 1)
+    ft = tmp_path / "ft" / "1-gpu"
+    assert check_ft_dir(tmp_path / "ft") == []
+    f = ft / ("model.wte.bin" if where == "weight file" else "config.ini")
+    os.rename(f, tmp_path / f.name)
+    f.symlink_to(tmp_path / f.name)
+    problems = check_ft_dir(tmp_path / "ft")
+    assert len(problems) == 1 and str(f) in problems[0] and "outside" in problems[0], problems
+    with pytest.raises(MConvertError, match="outside"):
+        ft_logits(tmp_path / "ft", torch.zeros(1, 4, dtype=torch.long))
+
+
 # ---- special and oversized files ---------------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["hf weight file", "rank file", "tracker", "tokenizer.json"])
 def test_fifo_where_a_file_belongs_is_refused_without_hanging(tmp_path, where):
