@@ -149,7 +149,11 @@ def rename_noreplace(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-            raise _appeared(out) from None
+            raise _appeared(out) from None  # filled by someone else meanwhile: theirs now
+        try:
+            os.rmdir(out)  # the empty directory claimed above, unless someone filled it
+        except OSError:
+            pass
         raise
 
 
