@@ -2,7 +2,9 @@
 
 Every verb writes into a hidden temporary sibling of OUT and renames it into place at the very end,
 so a run killed at any point (SIGKILL included) leaves no OUT, and `--force` replaces an existing OUT
-only at that final rename. The manifest lists the sha256 of every file written.
+only at that final rename; without `--force` that rename never replaces anything (RENAME_NOREPLACE).
+SIGTERM and SIGHUP remove the temporary directory as SIGINT does. An OUT that is, contains or lies inside
+an input is refused before anything is read. The manifest lists the sha256 of every file written.
 """
 
 from __future__ import annotations
@@ -12,12 +14,16 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from mconvert.errors import MConvertError
 
@@ -25,9 +31,18 @@ MANIFEST = "mconvert-manifest.json"
 _TMP_TAG = ".mconvert-tmp-"
 
 
-def check_output(out: str | Path, force: bool) -> Path:
-    """Refuse an existing OUT without --force and an unwritable parent, before any work is done."""
+def check_output(out: str | Path, force: bool, inputs: tuple[str | Path | None, ...] = ()) -> Path:
+    """Refuse an OUT that is, contains or lies inside one of `inputs` (with or without --force: the rename or
+    the removal of the old OUT would destroy the input), an existing OUT without --force and an unwritable
+    parent, before any work is done."""
+    from mconvert.convert.paths import overlap
+
     out = Path(out)
+    for inp in inputs:
+        how = overlap(out, inp) if inp is not None else None
+        if how is not None:
+            raise MConvertError(f"{out}: the output {how} the input {inp}; choose an output path outside every "
+                                "input (--force never replaces an input)")
     if out.exists() and not force:
         raise MConvertError(f"{out}: output already exists; pass --force to replace it")
     parent = out.absolute().parent
@@ -39,11 +54,25 @@ def check_output(out: str | Path, force: bool) -> Path:
     return out
 
 
-def _pid_of(p: Path) -> int | None:
+def tmp_name(name: str, pid: int | None = None, old: bool = False) -> str:
+    """The hidden sibling a run with `pid` writes OUT `name` into (`old`: where --force parks the previous OUT)."""
+    return f".{name}{_TMP_TAG}{'old-' if old else ''}{os.getpid() if pid is None else pid}"
+
+
+def _leftovers(parent: Path, name: str) -> list[tuple[Path, int, bool]]:
+    """(path, pid, old?) of every directory in `parent` named exactly as `tmp_name(name, pid[, old])` names it."""
+    pat = re.compile(re.escape(f".{name}{_TMP_TAG}") + r"(old-)?([1-9][0-9]{0,9})")
+    found = []
     try:
-        return int(p.name.rsplit("-", 1)[1])
-    except (ValueError, IndexError):
-        return None
+        entries = sorted(os.listdir(parent))
+    except OSError:
+        return []
+    for entry in entries:
+        m = pat.fullmatch(entry)
+        p = parent / entry
+        if m and p.is_dir() and not p.is_symlink():
+            found.append((p, int(m.group(2)), m.group(1) is not None))
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -62,21 +91,22 @@ def _clean_stale(parent: Path, name: str) -> None:
     A run killed between the two renames of a non-atomic replace leaves OUT missing and the previous
     OUT parked as `.OUT.mconvert-tmp-old-PID`: that one is put back, not deleted."""
     out = parent / name
-    for p in sorted(parent.glob(f".{name}{_TMP_TAG}*")):
-        pid = _pid_of(p)
-        if pid is None or _alive(pid):
+    for p, pid, old in _leftovers(parent, name):
+        if _alive(pid):
             continue
-        if p.name.startswith(f".{name}{_TMP_TAG}old-") and not out.exists():
+        if old and not out.exists():
             os.rename(p, out)
         else:
             shutil.rmtree(p, ignore_errors=True)
 
 
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """Linux renameat2(a, b, flags); False where the call or the flag is unsupported (other OS, old kernel,
+    file system without it); OSError when it ran and failed."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -85,7 +115,7 @@ def _exchange(a: Path, b: Path) -> bool:
     except (OSError, AttributeError):
         return False
     at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), _RENAME_EXCHANGE) == 0:
+    if fn(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), flags) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
@@ -93,42 +123,116 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (RENAME_EXCHANGE); False where unsupported."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def _appeared(out: Path) -> MConvertError:
+    return MConvertError(f"{out}: appeared while this run was in progress and was left untouched; nothing was "
+                         "written — remove it or pass --force, then run again")
+
+
+def rename_noreplace(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out` only if nothing is at `out`: RENAME_NOREPLACE, else claim `out` with an exclusive
+    mkdir and rename over that empty directory (a rename onto a directory someone filled meanwhile fails)."""
+    try:
+        if _renameat2(tmp, out, _RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        raise _appeared(out) from None
+    try:
+        os.mkdir(out, 0o700)
+    except FileExistsError:
+        raise _appeared(out) from None
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise _appeared(out) from None  # filled by someone else meanwhile: theirs now
+        try:
+            os.rmdir(out)  # the empty directory claimed above, unless someone filled it
+        except OSError:
+            pass
+        raise
+
+
 def _replace(tmp: Path, out: Path) -> None:
     """Move the finished `tmp` to `out`; an existing `out` is replaced in one atomic step where the OS allows."""
-    if not out.exists():
+    if not os.path.lexists(out):
         os.rename(tmp, out)
         return
     if _exchange(tmp, out):  # out is now the new tree, tmp holds the old one
         shutil.rmtree(tmp, ignore_errors=True)
         return
-    old = out.parent / f".{out.name}{_TMP_TAG}old-{os.getpid()}"
+    old = out.parent / tmp_name(out.name, old=True)
     os.rename(out, old)  # a kill right here is repaired by _clean_stale on the next run
     os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
 
 
+class _Terminated(SystemExit):
+    """SIGTERM / SIGHUP as an exception, so the temporary directory is removed as for Ctrl-C; its code is
+    128 + the signal number, the exit status a shell reports for a process the signal ended."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated(128 + signum)
+
+
 @contextmanager
-def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = True) -> Iterator[Path]:
+def _terminating() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `_Terminated` inside the block (main thread only: elsewhere Python cannot set
+    handlers); the previous handlers are restored after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    before = {s: signal.getsignal(s) for s in sigs}
+    for s in sigs:
+        if before[s] in (signal.SIG_DFL, None):  # an ignored signal (nohup) or the caller's own handler stays
+            signal.signal(s, _raise_terminated)
+    try:
+        yield
+    finally:
+        for s, h in before.items():
+            if h is not None:
+                signal.signal(s, h)
+
+
+@contextmanager
+def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = True,
+                      inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
     """Yield a temporary directory; on success write the manifest and rename it to `out`.
 
-    Killed at any point, no OUT appears (or, with --force, the old OUT stays whole); the next run
-    into the same OUT removes the dead run's temporary directory. Write failures (disk full, file-size
-    limit, read-only or permission) become one MConvertError line."""
-    out = check_output(out, force)
+    Killed at any point, no OUT appears (or, with --force, the old OUT stays whole); SIGTERM, SIGHUP and
+    SIGINT remove the temporary directory; the next run into the same OUT removes a SIGKILLed run's. Without
+    `force` an OUT that appears meanwhile is never replaced. Write failures (disk full, file-size limit,
+    read-only or permission) become one MConvertError line."""
+    out = check_output(out, force, inputs)
     parent = out.absolute().parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale(parent, out.name)
-        tmp = parent / f".{out.name}{_TMP_TAG}{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise _os_error(e, out) from None
+    with _terminating():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            _clean_stale(parent, out.name)
+            tmp = parent / tmp_name(out.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise _os_error(e, out) from None
+        yield from _commit(tmp, out, parent, force, manifest)
+
+
+def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool) -> Iterator[Path]:
+    """The body of `atomic_output_dir` after the temporary directory exists."""
     try:
         yield tmp
         if manifest:
             write_manifest(tmp)
-        _replace(tmp, out.absolute())
+        if force:
+            _replace(tmp, out.absolute())
+        else:
+            rename_noreplace(tmp, out.absolute())
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         mapped = write_failure(e, out, parent, tmp)
@@ -240,9 +344,13 @@ def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) ->
     path = root / MANIFEST
     if not path.is_file():
         return [f"{root}: no {MANIFEST} (not written by mconvert, or copied without it)"]
+    from mconvert.convert.paths import read_small
+
     try:
-        entries = json.loads(path.read_text())["files"]
+        entries = json.loads(read_small(path, "json"))["files"]
         listed = {rel: (int(meta["bytes"]), str(meta["sha256"])) for rel, meta in entries.items()}
+    except MConvertError as e:
+        return [str(e)]
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         return [f"{path}: unreadable manifest ({type(e).__name__}: {e}); re-run the conversion"]
     problems = []

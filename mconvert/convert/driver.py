@@ -7,7 +7,6 @@ buffer (one safetensors shard for HF; one pipeline stage for Megatron, whose ran
 from __future__ import annotations
 
 import resource
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.base import Unit
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
-from mconvert.convert.sources import TOKENIZER_FILES, open_source
+from mconvert.convert.sources import open_source
 from mconvert.convert.stream import bound_heap
 from mconvert.errors import MConvertError
 
@@ -68,13 +67,9 @@ def peak_rss_bytes() -> int:
 
 
 def _copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
-    copied = []
-    if src_dir is not None:
-        for f in TOKENIZER_FILES:
-            if (src_dir / f).is_file():
-                shutil.copyfile(src_dir / f, out / f)
-                copied.append(f)
-    return copied
+    from mconvert.convert.sources import copy_tokenizer
+
+    return copy_tokenizer(src_dir, out)
 
 
 def _files_report(root: Path) -> list[dict[str, Any]]:
@@ -93,7 +88,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
     size = parse_size(max_shard_size)
-    check_output(out, force)
+    check_output(out, force, (ckpt, tokenizer))
     src = open_source(ckpt, iteration=iteration, tokenizer=tokenizer)
     if src.format == "hf":
         raise MConvertError(f"{ckpt}: this is already a HuggingFace directory; use hf-to-megatron for the other way")
@@ -111,7 +106,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("megatron-to-hf", src, dtype=spec.params_dtype, max_shard_size=size),
                 "output": str(out), "dry_run": True, "warnings": warnings}
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, force, inputs=(ckpt, tokenizer, src.tokenizer_dir)) as tmp:
         writer = HFWriter(tmp, spec, size, target)
         writer.prefetch_tokenizer(src.tokenizer_dir)
         with _aborting(writer):
@@ -138,7 +133,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     bound_heap()  # RSS = live tensors (bench/, issue 7)
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
-    check_output(out, force)
+    check_output(out, force, (hf_dir,))
     src = open_source(hf_dir)
     if src.format != "hf":
         raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
@@ -154,7 +149,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
                 "output": str(out), "dry_run": True, "warnings": []}
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, force, inputs=(hf_dir, src.tokenizer_dir)) as tmp:
         writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
         with _aborting(writer):
             for unit in _progress(src.units(), "hf-to-megatron", progress):
@@ -185,7 +180,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
 
     bound_heap()  # RSS = live tensors (bench/, issue 7)
     t0 = time.perf_counter()
-    check_output(out, force)
+    check_output(out, force, (ckpt,))
     src = open_source(ckpt, iteration=iteration)
     if src.format == "hf":
         raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
@@ -212,7 +207,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     elif with_optimizer:
         raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
     iteration_out = src.iteration if src.iteration is not None else "release"
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
         writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
                                 args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                 rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states

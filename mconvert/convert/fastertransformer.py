@@ -22,6 +22,7 @@ The loader only warns on a missing or short file (and runs on garbage): `check_f
 from __future__ import annotations
 
 import configparser
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert.convert.paths import contained, inside_file, read_small
 from mconvert.convert.safeload import crc_in_background, wait_crc_checks
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
@@ -197,11 +199,11 @@ def ft_expected_files(section: str, cfg: dict[str, Any]) -> list[FTFile]:
 def resolve_ft_dir(path: str | Path) -> Path:
     """`OUT` (holding one `<t>-gpu/`) or `OUT/<t>-gpu` itself -> the dir with config.ini."""
     path = Path(path)
-    if (path / "config.ini").is_file():
+    if os.path.lexists(path / "config.ini"):
         return path
-    subs = sorted(p for p in path.glob("*-gpu") if (p / "config.ini").is_file())
+    subs = sorted(p for p in path.glob("*-gpu") if os.path.lexists(p / "config.ini"))
     if len(subs) == 1:
-        return subs[0]
+        return contained(path, subs[0].name, f"{path}: FT directory")
     if not subs:
         raise MConvertError(f"{path}: no config.ini and no <N>-gpu/config.ini; not a FasterTransformer directory")
     raise MConvertError(f"{path}: several FT layouts ({', '.join(p.name for p in subs)}); pass one of them")
@@ -210,8 +212,9 @@ def resolve_ft_dir(path: str | Path) -> Path:
 def read_ft_config(ft_dir: Path) -> tuple[str, dict[str, str]]:
     """(section, fields) of `config.ini`; the section is `gpt` or `llama`."""
     cp = configparser.ConfigParser()
+    ini = inside_file(ft_dir, "config.ini", f"{ft_dir}: FT config")
     try:
-        cp.read(ft_dir / "config.ini")
+        cp.read_string(read_small(ini, "ini").decode("utf-8", errors="replace"), str(ini))
     except configparser.Error as e:
         raise MConvertError(f"{ft_dir / 'config.ini'}: unreadable ({str(e).splitlines()[0]})") from None
     sections = [s for s in ("gpt", "llama") if cp.has_section(s)]
@@ -229,9 +232,9 @@ def load_ft_tensor(ft_dir: Path, f: FTFile, dtype: str) -> torch.Tensor:
     np_dtype = FT_DTYPES[dtype][0]
     path = ft_dir / f.name
     n = int(np.prod(f.shape))
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise MConvertError(f"{path}: missing; FT would read garbage here")
-    size = path.stat().st_size
+    size = inside_file(ft_dir, f.name, f"{ft_dir}: FT weight file").stat().st_size
     if size != n * np_dtype.itemsize:
         raise MConvertError(
             f"{path}: {size} bytes, FT reads {n}×{np_dtype.itemsize} = {n * np_dtype.itemsize} for shape {f.shape}"
@@ -273,6 +276,12 @@ def check_ft_dir(path: str | Path) -> list[str]:
     for f in expected:
         p = ft_dir / f.name
         want = int(np.prod(f.shape)) * itemsize
+        if os.path.lexists(p):
+            try:
+                inside_file(ft_dir, f.name, f"{ft_dir}: FT weight file")
+            except MConvertError as e:
+                problems.append(str(e))
+                continue
         if not p.is_file():
             if not f.optional:
                 problems.append(f"{p}: missing (FT's loader would only warn and run on uninitialised memory)")
@@ -511,14 +520,14 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     """`mconvert megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it."""
     if dtype not in FT_DTYPES:
         raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
-    check_output(out, force)
+    check_output(out, force, (src,))
     from mconvert.convert.stream import bound_heap
 
     bound_heap()  # RSS = live tensors (bench/, issue 7)
     source = open_any_source(src, iteration)
     ft_section(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
     units = source.units()
-    with _progress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force) as tmp:
+    with _progress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         ft_dir = tmp / f"{infer_tp}-gpu"
         ft_dir.mkdir()
         section, nfiles, nbytes = write_ft_dir(source, ft_dir, infer_tp, dtype, allow_approx_gelu, step)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,8 @@ import torch
 
 from mconvert.convert.base import Unit, pmap
 from mconvert.convert.safeload import all_finite, safe_load
-from mconvert.convert.sources import TOKENIZER_FILES, SourceBase, find_tokenizer_dir
+from mconvert.convert.paths import contained, inside_file, open_regular, read_json
+from mconvert.convert.sources import SourceBase, copy_tokenizer, find_tokenizer_dir
 from mconvert.errors import MConvertError
 from mconvert.mappings import from_hf, hf_unit
 from mconvert.spec import ModelSpec
@@ -49,11 +49,8 @@ class HFSource(SourceBase):
 
     def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
         self.path = Path(path)
-        cfg_path = self.path / "config.json"
-        try:
-            self.config = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise MConvertError(f"{cfg_path}: unreadable config ({e}); fix it or re-copy the model directory") from None
+        cfg_path = inside_file(self.path, "config.json", f"{self.path}: config")
+        self.config = read_json(cfg_path, what="config")
         self.spec = ModelSpec.from_hf_config(self.config, source=str(cfg_path))
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
         self.key_file = self._index()
@@ -67,28 +64,38 @@ class HFSource(SourceBase):
     def _index(self) -> dict[str, str]:
         """tensor name -> file name, from the index json or by listing the weight files."""
         idx = self.path / INDEX
-        if idx.is_file():
-            try:
-                weight_map = json.loads(idx.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise MConvertError(f"{idx}: unreadable index ({e})") from None
-            for f in set(weight_map.values()):
-                if not (self.path / f).is_file():
-                    raise MConvertError(f"{idx}: lists {f} but that file is missing")
-            return dict(weight_map)
+        if os.path.lexists(idx):
+            return self._weight_map(idx)
         files = sorted(p.name for p in self.path.glob("*.safetensors"))
         if not files:
             bin_idx = self.path / "pytorch_model.bin.index.json"
-            if bin_idx.is_file():
-                return dict(json.loads(bin_idx.read_text())["weight_map"])
+            if os.path.lexists(bin_idx):
+                return self._weight_map(bin_idx)
             files = sorted(p.name for p in self.path.glob("pytorch_model*.bin"))
         if not files:
             raise MConvertError(f"{self.path}: no *.safetensors or pytorch_model*.bin weight files")
         out: dict[str, str] = {}
         for f in files:
+            inside_file(self.path, f, f"{self.path}: weight file")
             for k in self._keys_of(f):
                 out[k] = f
         return out
+
+    def _weight_map(self, idx: Path) -> dict[str, str]:
+        """An index's `weight_map`; every file it names must be a regular file inside the model directory."""
+        index = read_json(inside_file(self.path, idx.name, f"{self.path}: index"))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise MConvertError(f"{idx}: no 'weight_map' object; re-export the model or remove the index")
+        for k, f in weight_map.items():
+            if not isinstance(f, str):
+                raise MConvertError(f"{idx}: weight_map[{k!r}] is {type(f).__name__}, not a file name")
+        for f in sorted(set(weight_map.values())):
+            path = contained(self.path, f, f"{idx}: weight_map file")
+            if not os.path.lexists(path):
+                raise MConvertError(f"{idx}: lists {f} but that file is missing")
+            inside_file(self.path, f, f"{idx}: weight_map file")
+        return dict(weight_map)
 
     def _keys_of(self, f: str) -> list[str]:
         if f.endswith(".safetensors"):
@@ -300,10 +307,7 @@ class HFWriter:
         spec = self.spec
         bos, eos = spec.bos_token_id, spec.eos_token_id
         if tokenizer_dir is not None:
-            for f in TOKENIZER_FILES:
-                if (tokenizer_dir / f).is_file():
-                    shutil.copyfile(tokenizer_dir / f, self.out / f)
-                    files.append(self.out / f)
+            files += [self.out / f for f in copy_tokenizer(tokenizer_dir, self.out)]
             pre = getattr(self, "_special_ids", None)
             tb, te = pre.result() if pre is not None and pre.tok_dir == tokenizer_dir else _tokenizer_special_ids(
                 tokenizer_dir)
@@ -333,10 +337,7 @@ class _SafetensorsFile:
         from mconvert.convert.stream import ST_DTYPES
 
         self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise MConvertError(f"{path}: cannot read ({e.strerror}); check it exists and is readable") from None
+        self.fd = open_regular(path)
         size = os.fstat(self.fd).st_size
         try:
             (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
@@ -411,7 +412,7 @@ def _bin_reader(path: Path) -> Any:
     idx = TensorIndex.build(path, st, {k: v for k, v in st.items() if isinstance(v, torch.Tensor)})
     if idx is None:
         return st
-    return LazyModel(idx, os.open(path, os.O_RDONLY), "")
+    return LazyModel(idx, open_regular(path), "")
 
 
 def _special_ids_from_json(tok_dir: Path) -> tuple[int | None, int | None] | None:
@@ -419,14 +420,14 @@ def _special_ids_from_json(tok_dir: Path) -> tuple[int | None, int | None] | Non
     the bench VM, issue 7). Answers only when unambiguous: a `*Fast` tokenizer_class, both tokens named in
     tokenizer_config.json (so no class default applies), special_tokens_map.json agreeing, and each token one
     of tokenizer.json's added tokens (tokenizer_config's added_tokens_decoder agreeing). Else None."""
-    import json
+    def load(name: str) -> Any:
+        return read_json(inside_file(tok_dir, name, f"{tok_dir}: tokenizer file {name}"), "tokenizer")
 
     try:
-        cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
-        tj = json.loads((tok_dir / "tokenizer.json").read_text())
-        smap_file = tok_dir / "special_tokens_map.json"
-        smap = json.loads(smap_file.read_text()) if smap_file.is_file() else {}
-    except (OSError, ValueError):
+        cfg = load("tokenizer_config.json")
+        tj = load("tokenizer.json")
+        smap = load("special_tokens_map.json") if (tok_dir / "special_tokens_map.json").is_file() else {}
+    except MConvertError:
         return None
     if not isinstance(cfg, dict) or not isinstance(tj, dict) or not isinstance(smap, dict):
         return None

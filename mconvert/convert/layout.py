@@ -45,14 +45,16 @@ def parse_rank_dir(name: str) -> tuple[int, int | None] | None:
 
 def read_latest(root: str | Path) -> int | str:
     """The iteration named by the tracker file: an int or 'release'. One-line error when unreadable."""
+    from mconvert.convert.paths import inside_file, read_small
+
     path = Path(root) / TRACKER
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise MConvertError(
             f"{path}: not found; is {root} a Megatron checkpoint directory? (or pass --iteration)"
         )
     try:
-        text = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
+        text = read_small(inside_file(root, TRACKER, f"{root}: tracker file"), "tracker").decode().strip()
+    except UnicodeDecodeError as e:
         raise MConvertError(
             f"{path}: unreadable ({e}); write the iteration number into it or pass --iteration"
         ) from None

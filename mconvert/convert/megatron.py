@@ -29,6 +29,7 @@ from mconvert.convert.layout import (
     stage_layers,
     write_latest,
 )
+from mconvert.convert.paths import inside_file
 from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.sources import SourceBase, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError
@@ -188,9 +189,10 @@ class MegatronSource(SourceBase):
             parsed = parse_rank_dir(d.name) if d.is_dir() else None
             if parsed is None:
                 continue
-            f = next((d / n for n in RANK_FILES if (d / n).is_file()), None)
-            if f is None:
+            name = next((n for n in RANK_FILES if os.path.lexists(d / n)), None)
+            if name is None:
                 raise MConvertError(f"{d}: no {RANK_FILES[0]} inside; the checkpoint is incomplete")
+            f = inside_file(self.iter_dir, f"{d.name}/{name}", f"{self.iter_dir}: rank file")
             key = (parsed[0], parsed[1] or 0)
             if key in files:  # mp_rank_01 beside mp_rank_01_000
                 raise MConvertError(f"{d}: same TP/PP rank as {files[key].parent.name}; a checkpoint uses either "

@@ -130,9 +130,9 @@ class _LogitsOnly(torch.nn.Module):
 
 def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
     """Fallback: `torch.onnx.export` (TorchScript exporter) of the logits-only graph; copies config.json."""
-    import shutil
-
     from transformers import AutoModelForCausalLM
+
+    from mconvert.convert.paths import copy_contained
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
     model.eval()
@@ -146,7 +146,7 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
     )
     for name in ("config.json", "generation_config.json"):
         if (hf_dir / name).is_file():
-            shutil.copy(hf_dir / name, out / name)
+            copy_contained(hf_dir, name, out, "json")
 
 
 @torch.no_grad()
@@ -183,10 +183,10 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
         raise MConvertError(f"--exporter {exporter!r}: choose optimum or torch")
     if exporter == "torch" and with_past:
         raise MConvertError("the torch.onnx fallback exports no KV cache; pass --no-past with --exporter torch")
-    check_output(out, force)
+    check_output(out, force, (src,))
     from_megatron = not _is_hf_dir(src, iteration)  # also the one-line error for a non-checkpoint
     notes: list[str] = []
-    with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force) as tmp:
+    with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         if from_megatron:
             notes.append("Megatron source exported to a temporary fp32 HF dir first")
         with _quiet():

@@ -7,12 +7,14 @@ imported lazily) and HuggingFace dirs (`config.json` + safetensors or pytorch_mo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.convert.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
+from mconvert.convert.paths import contained
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 
@@ -56,12 +58,45 @@ class SourceBase:
         return f"{self.format} checkpoint {self.path} ({self.spec.family}, {par})"
 
 
+# Files transformers may open when it loads a tokenizer directory: each must be a regular file inside it.
+TOKENIZER_READ_FILES = TOKENIZER_FILES + ("chat_template.jinja", "chat_template.json", "spiece.model")
+
+
+def check_tokenizer_dir(d: Path) -> Path:
+    """Refuse a tokenizer directory whose files (`TOKENIZER_READ_FILES`) are symlinks leading outside it, FIFOs,
+    devices or larger than a tokenizer file holds: transformers and the copy into OUT would follow them."""
+    from mconvert.convert.paths import LIMITS, inside_file
+
+    for f in TOKENIZER_READ_FILES:
+        if os.path.lexists(d / f):
+            st = inside_file(d, f, f"{d}: tokenizer file {f}").stat()
+            if st.st_size > LIMITS["tokenizer"]:
+                raise MConvertError(f"{d / f}: {st.st_size:,} bytes, more than a tokenizer file holds "
+                                    f"(limit {LIMITS['tokenizer']:,}); check the tokenizer directory")
+    return d
+
+
 def find_tokenizer_dir(*candidates: Path | None) -> Path | None:
-    """The first directory that holds HF tokenizer files."""
+    """The first directory that holds HF tokenizer files, checked by `check_tokenizer_dir`."""
     for d in candidates:
-        if d is not None and d.is_dir() and any((d / f).is_file() for f in TOKENIZER_FILES[:2] + ("tokenizer.model",)):
-            return d
+        if d is not None and d.is_dir() and any(os.path.lexists(d / f)
+                                                for f in TOKENIZER_FILES[:2] + ("tokenizer.model",)):
+            return check_tokenizer_dir(d)
     return None
+
+
+def copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
+    """Copy the tokenizer files of `src_dir` into `out` (each a regular file inside `src_dir`); their names."""
+    from mconvert.convert.paths import copy_contained
+
+    copied = []
+    if src_dir is not None:
+        check_tokenizer_dir(src_dir)
+        for f in TOKENIZER_FILES:
+            if (src_dir / f).is_file():
+                copy_contained(src_dir, f, out)
+                copied.append(f)
+    return copied
 
 
 def resolve_iteration_dir(root: Path, iteration: int | str | None) -> tuple[Path, int | str | None]:
@@ -79,22 +114,24 @@ def resolve_iteration_dir(root: Path, iteration: int | str | None) -> tuple[Path
             except ValueError:
                 raise MConvertError(f"--iteration {iteration!r}: expected a number or 'release'") from None
         d = root / iteration_dir_name(iteration)
+        if d.is_dir():
+            contained(root, d.name, f"{root}: iteration directory")
         if not d.is_dir():
             have = sorted(p.name for p in root.iterdir() if p.is_dir() and (p.name.startswith("iter_") or p.name == "release"))
             raise MConvertError(f"{d}: no such iteration directory; available: {', '.join(have) or 'none'} "
                                 "(pass one of them to --iteration)")
         return d, iteration
-    if (root / TRACKER).is_file():
+    if os.path.lexists(root / TRACKER):  # a FIFO or symlink here is refused by read_latest, not skipped
         it = read_latest(root)
         d = root / iteration_dir_name(it)
         if not d.is_dir():
             raise MConvertError(f"{root / TRACKER} names iteration {it} but {d} does not exist; pass --iteration")
-        return d, it
-    iters = sorted(p for p in root.glob("iter_*") if p.is_dir())
+        return contained(root, d.name, f"{root / TRACKER}: iteration directory"), it
+    iters = sorted(p for p in root.glob("iter_*") if p.is_dir() and p.name[5:].isdigit())
     if iters:
-        return iters[-1], int(iters[-1].name[5:])
+        return contained(root, iters[-1].name, f"{root}: iteration directory"), int(iters[-1].name[5:])
     if (root / "release").is_dir():
-        return root / "release", "release"
+        return contained(root, "release", f"{root}: iteration directory"), "release"
     raise MConvertError(f"{root}: not a checkpoint (no {TRACKER}, iter_*/, release/, mp_rank_*/ or config.json)")
 
 

@@ -9,13 +9,14 @@ only as a file reader (no process group): a unit reads just its own layer's slic
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mconvert.convert.base import Unit
+from mconvert.convert.paths import check_regular, contained, inside_file, read_json
 from mconvert.convert.safeload import safe_load, safe_load_dcp_metadata
 from mconvert.convert.sources import SourceBase, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError
@@ -61,7 +62,7 @@ class TorchDistSource(SourceBase):
         if backend != "torch_dist":
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
                                 "re-save with --ckpt-format torch_dist or torch")
-        common_file = d / "common.pt"
+        common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
         common = safe_load(common_file, "common.pt")
         if not isinstance(common, dict) or "args" not in common:
             raise MConvertError(f"{common_file}: no 'args' entry; cannot tell the model's shape")
@@ -71,11 +72,12 @@ class TorchDistSource(SourceBase):
             self.iteration = common["iteration"]
         a = dict(vars(self.args)) if not isinstance(self.args, dict) else dict(self.args)
         del common
-        if not (d / ".metadata").is_file():
+        if not os.path.lexists(d / ".metadata"):
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
         self.reader = FileSystemReader(str(d))
         # not reader.read_metadata(): that is a bare pickle.load (code execution from a foreign checkpoint)
-        self.metadata = safe_load_dcp_metadata(d / ".metadata")
+        self.metadata = safe_load_dcp_metadata(inside_file(d, ".metadata", f"{d}: DCP metadata"))
+        self._check_storage(d / ".metadata")
         self.reader.set_up_storage_reader(self.metadata, True)
 
         self.spec, self.tokenizer_dir, self.vocab_known = megatron_spec(
@@ -92,12 +94,31 @@ class TorchDistSource(SourceBase):
 
     @staticmethod
     def _backend(path: Path) -> str:
-        if not path.is_file():
+        if not os.path.lexists(path):
             return "torch_dist"  # older saves: .metadata alone
-        try:
-            return str(json.loads(path.read_text()).get("sharded_backend", "torch_dist"))
-        except (OSError, ValueError) as e:
-            raise MConvertError(f"{path}: not valid JSON ({e}); re-copy the checkpoint") from None
+        meta = read_json(inside_file(path.parent, path.name, f"{path.parent}: torch_dist metadata"))
+        if not isinstance(meta, dict):
+            raise MConvertError(f"{path}: expected a JSON object, found {type(meta).__name__}; re-copy the checkpoint")
+        return str(meta.get("sharded_backend", "torch_dist"))
+
+    def _check_storage(self, md_file: Path) -> None:
+        """Every data file `.metadata` names (`relative_path`) must be a regular file inside the iteration
+        directory, and every entry's byte range must lie within that file."""
+        storage = getattr(self.metadata, "storage_data", None)
+        if not isinstance(storage, dict):
+            raise MConvertError(f"{md_file}: no storage table (storage_data); the checkpoint is damaged")
+        sizes: dict[str, int] = {}
+        for index, info in storage.items():
+            rel = getattr(info, "relative_path", None)
+            fqn = getattr(index, "fqn", index)
+            if rel not in sizes:
+                path = contained(self.iter_dir, rel, f"{md_file}: relative_path of {fqn!r}")
+                sizes[rel] = check_regular(path, f"named by {md_file}").st_size
+            off, n = getattr(info, "offset", None), getattr(info, "length", None)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (off, n)) \
+                    or off + n > sizes[rel]:
+                raise MConvertError(f"{md_file}: entry {fqn!r} claims bytes {off!r}+{n!r} of {rel} "
+                                    f"({sizes[rel]:,} bytes); a .distcp file is truncated or the metadata is damaged")
 
     def _index(self) -> None:
         """Map every DCP key to a canonical name (or an explicit drop); unknown keys are an error."""

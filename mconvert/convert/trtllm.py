@@ -19,6 +19,7 @@ and `trtllm_logits` runs the rank files with torch as TensorRT-LLM's TP layers c
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert.convert.paths import inside_file, read_json
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 
@@ -257,7 +259,7 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     """Write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on the result."""
     from mconvert.convert.fastertransformer import _progress, open_any_source
 
-    check_output(out, force)
+    check_output(out, force, (src,))
     source = open_any_source(src, iteration)
     spec: ModelSpec = source.spec
     trtllm_refusal(spec, tp)
@@ -271,7 +273,7 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     layout = expected_trtllm_shapes(cfg)  # names and shapes known up front: rank files are streamed
     embed = None
     units = source.units()
-    with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force) as tmp:
+    with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         writers = [StreamingSafetensors(tmp / f"rank{r}.safetensors", layout, tdt) for r in range(tp)]
         try:
             for unit in units:
@@ -350,9 +352,11 @@ def check_trtllm_dir(path: str | Path) -> list[str]:
     d = Path(path)
     cfg_path = d / "config.json"
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        return [f"{cfg_path}: unreadable ({e})"]
+        cfg = read_json(inside_file(d, "config.json", f"{d}: TensorRT-LLM config"))
+    except MConvertError as e:
+        return [str(e)]
+    if not isinstance(cfg, dict):
+        return [f"{cfg_path}: expected a JSON object, found {type(cfg).__name__}"]
     need = ("architecture", "dtype", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
             "intermediate_size", "norm_epsilon", "position_embedding_type", "mapping")
     missing = [k for k in need if k not in cfg]
@@ -371,8 +375,13 @@ def check_trtllm_dir(path: str | Path) -> list[str]:
     problems: list[str] = []
     for r in range(t):
         f = d / f"rank{r}.safetensors"
-        if not f.is_file():
+        if not os.path.lexists(f):
             problems.append(f"{f}: missing (mapping.tp_size={t})")
+            continue
+        try:
+            inside_file(d, f.name, f"{d}: TensorRT-LLM rank file")
+        except MConvertError as e:
+            problems.append(str(e))
             continue
         with safe_open(f, "pt") as h:
             have = set(h.keys())
@@ -407,7 +416,7 @@ def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -
     problems = check_trtllm_dir(d)
     if problems:
         raise MConvertError(f"not a valid TensorRT-LLM checkpoint: {problems[0]}")
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = read_json(inside_file(d, "config.json", f"{d}: TensorRT-LLM config"))
     t = int(cfg["mapping"]["tp_size"])
     ranks = [{k: v.float().to(device) for k, v in load_file(str(d / f"rank{r}.safetensors")).items()}
              for r in range(t)]

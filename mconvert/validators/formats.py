@@ -6,12 +6,12 @@ Detection looks only at file names and small text files, so it is instant and ne
 from __future__ import annotations
 
 import configparser
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mconvert.convert.layout import RANK_FILE, TRACKER, parse_rank_dir
+from mconvert.convert.paths import inside_file, read_json
 from mconvert.errors import MConvertError
 
 FORMATS = ("megatron", "megatron-torch_dist", "hf", "ft", "onnx", "trtllm")
@@ -48,10 +48,9 @@ def detect_format(path: str | Path) -> str:
     if (p / "model.onnx").is_file() or any(p.glob("*.onnx")):
         return "onnx"
     if (p / "config.json").is_file():
-        try:
-            cfg = json.loads((p / "config.json").read_text())
-        except ValueError as e:
-            raise MConvertError(f"{p / 'config.json'}: not valid JSON ({e}); re-export the model") from None
+        cfg = read_json(inside_file(p, "config.json", f"{p}: config"), what="config")
+        if not isinstance(cfg, dict):
+            raise MConvertError(f"{p / 'config.json'}: expected a JSON object, found {type(cfg).__name__}")
         if any(p.glob("rank*.safetensors")) and "architecture" in cfg and "architectures" not in cfg:
             return "trtllm"
         return "hf"
@@ -194,10 +193,7 @@ def _has_tokenizer(p: Path) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise MConvertError(f"{path}: unreadable JSON ({e}); re-export the model") from None
+    return read_json(inside_file(path.parent, path.name, f"{path.parent}: model file"))
 
 
 def _norm_dtype(d: Any) -> str:

@@ -8,7 +8,7 @@ adds the logits comparison of `validate`; `--vllm-python` serves the dir in a re
 
 from __future__ import annotations
 
-import json
+import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mconvert.convert.paths import contained, inside_file, read_json
 from mconvert.errors import MConvertError
 
 SCHEMA = "mconvert.verify/1"
@@ -117,9 +118,12 @@ def _config(d: Path, rep: VerifyReport) -> dict[str, Any] | None:
         rep.add("config", "error", f"{p}: missing; an HF dir needs config.json")
         return None
     try:
-        cfg = json.loads(p.read_text())
-    except ValueError as e:
-        rep.add("config", "error", f"{p}: not valid JSON ({e})")
+        cfg = read_json(inside_file(d, "config.json", f"{d}: config"), what="config")
+    except MConvertError as e:
+        rep.add("config", "error", str(e))
+        return None
+    if not isinstance(cfg, dict):
+        rep.add("config", "error", f"{p}: expected a JSON object, found {type(cfg).__name__}")
         return None
     rep.add("config", "ok", f"{p.name}: model_type={cfg.get('model_type')}")
     return cfg
@@ -191,9 +195,18 @@ def _weight_files(d: Path, rep: VerifyReport) -> tuple[list[Path], dict[str, str
     st = sorted(d.glob("*.safetensors"))
     if index.is_file():
         try:
-            wmap = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
+            wmap = read_json(inside_file(d, index.name, f"{d}: index"), what="index")["weight_map"]
+            if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
+                raise MConvertError(f"{index}: 'weight_map' is not an object of file names")
+            for f in set(wmap.values()):  # a name leading outside the directory is never opened
+                contained(d, f, f"{index}: weight_map file")
+                if os.path.lexists(d / f):
+                    inside_file(d, f, f"{index}: weight_map file")
+        except (KeyError, TypeError) as e:
             rep.add("weight-files", "error", f"{index}: unreadable index ({e}); re-export")
+            return [], None
+        except MConvertError as e:
+            rep.add("weight-files", "error", str(e))
             return [], None
         named = sorted(set(wmap.values()))
         missing = [f for f in named if not (d / f).is_file()]
@@ -209,6 +222,12 @@ def _weight_files(d: Path, rep: VerifyReport) -> tuple[list[Path], dict[str, str
         else:
             rep.add("weight-files", "ok", f"{len(named)} shard(s), all in {index.name}, none stray")
         return [d / f for f in named if (d / f).is_file()], wmap
+    try:
+        for f in st:
+            inside_file(d, f.name, f"{d}: weight file")
+    except MConvertError as e:
+        rep.add("weight-files", "error", str(e))
+        return [], None
     if not st:
         if list(d.glob("*.bin")):
             rep.add("weight-files", "error", "only pytorch *.bin weights; export safetensors (pickle-free) for serving")
@@ -401,9 +420,9 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
         rep.add("generation-config", "error", f"{p}: missing; vLLM reads eos/bos ids from it")
         return
     try:
-        g = json.loads(p.read_text())
-    except ValueError as e:
-        rep.add("generation-config", "error", f"{p}: not valid JSON ({e})")
+        g = read_json(inside_file(d, p.name, f"{d}: generation config"), what="generation config")
+    except MConvertError as e:
+        rep.add("generation-config", "error", str(e))
         return
     eos = g.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
@@ -462,7 +481,7 @@ def reference_spec(info) -> Any:
 
     try:
         if info.format == "hf":
-            return ModelSpec.from_hf_config(json.loads((info.path / "config.json").read_text()))
+            return ModelSpec.from_hf_config(read_json(inside_file(info.path, "config.json", f"{info.path}: config")))
         if info.format == "megatron":
             from mconvert.convert.layout import RANK_FILE, iteration_dir_name
             from mconvert.convert.safeload import safe_load

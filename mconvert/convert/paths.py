@@ -1,0 +1,147 @@
+"""Containment of paths that come from inside an input, and opening of input files that cannot block or balloon.
+
+A file name written inside an input (an index `weight_map`, a DCP `relative_path`, an FT/TensorRT-LLM name, a
+tokenizer file, a rank or iteration directory) is data an attacker may choose: `contained` admits it only when
+it names a path that, with every symlink resolved, stays inside the input directory. Only regular files are
+opened (a FIFO or device is refused by `stat` before any `open`, which could block forever), and small metadata
+files have their size checked before they are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from mconvert.errors import MConvertError
+
+# The most bytes each kind of small metadata file may hold; anything larger is not one mconvert reads whole.
+LIMITS: dict[str, int] = {
+    "json": 64 << 20,  # config.json, indexes, metadata.json, tokenizer JSON
+    "tokenizer": 256 << 20,  # any tokenizer file (tokenizer.json of large vocabularies, sentencepiece models)
+    "tracker": 64,  # latest_checkpointed_iteration.txt: "release" or an iteration number
+    "ini": 1 << 20,  # FasterTransformer config.ini
+}
+
+
+def _inside(real: str, root_real: str) -> bool:
+    return real == root_real or real.startswith(root_real.rstrip(os.sep) + os.sep)
+
+
+def contained(root: str | Path, relative: Any, what: str) -> Path:
+    """`root / relative`, refused unless `relative` is a relative name without `..` whose resolved path (every
+    symlink followed) stays inside `root`. `what` names where the name came from, for the error line."""
+    root = Path(root)
+    if not isinstance(relative, (str, os.PathLike)) or not str(relative) or "\0" in str(relative):
+        raise MConvertError(f"{what}: {relative!r} is not a file name; the input is damaged or crafted — re-copy it")
+    rel = PurePosixPath(str(relative))
+    if rel.is_absolute() or ".." in rel.parts:
+        raise MConvertError(f"{what}: {str(relative)!r} points outside {root} (absolute or '..'); only files inside "
+                            "the input directory are read — the input is damaged or crafted")
+    path = root / rel
+    if not _inside(os.path.realpath(path), os.path.realpath(root)):
+        raise MConvertError(f"{what}: {path} is a symlink leading outside {root}; only files inside the input "
+                            "directory are read — copy the file in instead of linking it")
+    return path
+
+
+def check_regular(path: str | Path, what: str = "") -> os.stat_result:
+    """`stat` of `path`, refused unless it is a regular file: opening a FIFO blocks forever, a device has no end."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MConvertError(f"{path}: missing{f' ({what})' if what else ''}; the input is incomplete") from None
+    except OSError as e:
+        raise MConvertError(f"{path}: cannot read ({e.strerror}); check it exists and is readable") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+        raise MConvertError(f"{path}: {kind}, not a regular file; only regular files are read — replace it with the "
+                            "real file")
+    return st
+
+
+def inside_file(root: str | Path, relative: Any, what: str) -> Path:
+    """`contained` + `check_regular`: the regular file `relative` inside `root`."""
+    path = contained(root, relative, what)
+    check_regular(path, what)
+    return path
+
+
+def open_regular(path: str | Path, max_size: int | None = None, kind: str = "") -> int:
+    """A read-only descriptor of the regular file `path` (never blocks: O_NONBLOCK, checked with fstat after the
+    open as well), refused when larger than `max_size` bytes. The caller closes it."""
+    check_regular(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise MConvertError(f"{path}: cannot read ({e.strerror}); check it exists and is readable") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped for something else since the stat
+            raise MConvertError(f"{path}: not a regular file; only regular files are read")
+        if max_size is not None and st.st_size > max_size:
+            raise MConvertError(f"{path}: {st.st_size:,} bytes, more than a {kind or 'metadata'} file holds "
+                                f"(limit {max_size:,}); it is not the file mconvert expects — check the input")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: str | Path, kind: str) -> bytes:
+    """The whole of a small metadata file of `kind` (a key of LIMITS), size-checked before reading."""
+    limit = LIMITS[kind]
+    fd = open_regular(path, limit, kind)
+    try:
+        chunks, total = [], 0
+        while total <= limit:
+            b = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not b:
+                break
+            chunks.append(b)
+            total += len(b)
+    except OSError as e:
+        raise MConvertError(f"{path}: cannot read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if total > limit:  # grew while read
+        raise MConvertError(f"{path}: more than {limit:,} bytes, more than a {kind} file holds; check the input")
+    return b"".join(chunks)
+
+
+def read_json(path: str | Path, kind: str = "json", what: str = "JSON file") -> Any:
+    """A small JSON file, size-checked first; undecodable JSON is one line naming the file (`what` it is)."""
+    try:
+        return json.loads(read_small(path, kind))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MConvertError(f"{path}: unreadable {what}, not valid JSON ({str(e)[:120]}); re-copy or re-export "
+                            "it") from None
+
+
+def copy_contained(src_dir: Path, name: str, dst_dir: Path, kind: str = "tokenizer") -> Path:
+    """Copy the regular file `name` from inside `src_dir` (contained, size-bounded) to `dst_dir / name`."""
+    src = contained(src_dir, name, f"{src_dir}: file {name}")
+    fd = open_regular(src, LIMITS[kind], kind)
+    dst = dst_dir / name
+    try:
+        with os.fdopen(fd, "rb") as fi, open(dst, "xb") as fo:
+            shutil.copyfileobj(fi, fo, 1 << 20)
+    except FileExistsError:
+        raise MConvertError(f"{dst}: already written; {name} is listed twice") from None
+    return dst
+
+
+def overlap(out: str | Path, inp: str | Path) -> str | None:
+    """How OUT and an input overlap once resolved ('is', 'contains', 'lies inside'), or None when apart."""
+    o, i = os.path.realpath(out), os.path.realpath(inp)
+    if o == i:
+        return "is"
+    if _inside(i, o):
+        return "contains"
+    if _inside(o, i):
+        return "lies inside"
+    return None
