@@ -336,6 +336,9 @@ class ModelSpec:
         except TypeError:
             raise MConvertError(f"{source}: args is a {type(args).__name__}, not a Namespace or dict") from None
         _check_numbers(a, _ARGS_NUMBERS, ("hidden_size", "num_attention_heads", "num_layers"), source)
+        from mconvert.mappings.fields import check_megatron_args  # mappings imports spec: import on use
+
+        check_megatron_args(a, source)
         try:
             return cls._from_megatron_args(a, family, source)
         except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as e:
@@ -343,13 +346,6 @@ class ModelSpec:
 
     @classmethod
     def _from_megatron_args(cls, a: dict[str, Any], family: str | None, source: str) -> "ModelSpec":
-        for flag, what in _UNSUPPORTED_ARGS:
-            if a.get(flag):
-                raise MConvertError(
-                    f"{source}: unsupported architecture: {what} ({flag}={a[flag]!r}); mconvert converts dense "
-                    "GPT-2 / Llama / Mistral / Qwen2-style decoders only"
-                )
-
         def get(name: str, default: Any = None) -> Any:
             v = a.get(name, default)
             return default if v is None else v
@@ -509,6 +505,9 @@ class ModelSpec:
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {', '.join(a for a, _ in FAMILIES.values())}"
             )
+        from mconvert.mappings.fields import check_hf_config  # mappings imports spec: import on use
+
+        check_hf_config(cfg, FAMILIES[family][1], source)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         common = dict(
             family=family,
@@ -619,14 +618,6 @@ def _check_numbers(d: dict[str, Any], keys: tuple[str, ...], required: tuple[str
         if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base")) and v != int(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")
 
-
-# Megatron args naming architectures no mconvert format describes (refused by name, not half-converted).
-_UNSUPPORTED_ARGS = (
-    ("num_experts", "mixture-of-experts"),
-    ("multi_latent_attention", "multi-latent attention"),
-    ("qk_layernorm", "QK layernorm"),
-    ("squared_relu", "squared-ReLU MLP"),
-)
 
 _DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 
