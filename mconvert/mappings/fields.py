@@ -159,6 +159,7 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "seq_length": mapped("max_position_embeddings", INT),
     "vocab_size": mapped("vocab_size", INT),
     "true_vocab_size": mapped("vocab_size", INT),
+    "orig_vocab_size": mapped("vocab_size", INT),
     "padded_vocab_size": mapped("vocab_size", INT),
     "make_vocab_size_divisible_by": mapped("make_vocab_size_divisible_by", INT, 128),
     "normalization": mapped("normalization", STR, "LayerNorm", ("LayerNorm", "RMSNorm")),
