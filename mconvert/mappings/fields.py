@@ -123,6 +123,15 @@ def hf_table(model_type: str) -> dict[str, Field]:
         raise MConvertError(f"no config field table for model_type {model_type!r}") from None
 
 
+def key_names(table: Mapping[str, Field]) -> dict[str, str]:
+    """ModelSpec field -> the key a source spells it with (the first mapped entry of the table)."""
+    out: dict[str, str] = {}
+    for k, f in table.items():
+        if f.kind == MAPPED:
+            out.setdefault(f.to, k)
+    return out
+
+
 def check_hf_config(cfg: Mapping[str, Any], model_type: str, source: str) -> None:
     """Refuse config.json fields that change the function and are not mapped (one line naming the field)."""
     check(cfg, hf_table(model_type), source, "config field")
