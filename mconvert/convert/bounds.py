@@ -9,16 +9,18 @@ seen in the weights. Each refusal is one line naming the field, its value and wh
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from mconvert.errors import MConvertError
 from mconvert.spec import SPLIT_DIM, ModelSpec
 
-# The spec field whose value explains a dimension, tried in this order (first match is named).
-_EXPLAINS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-             "kv_channels", "max_position_embeddings")
+ExpectedOf = Callable[[ModelSpec], Mapping[str, tuple[int, ...]]]
+
+# The spec fields a wrong tensor shape is blamed on, tried in this order (the first that explains it is named).
+_SIZES = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_query_groups", "num_attention_heads", "kv_channels",
+          "max_position_embeddings")
 
 
 def template(name: str) -> str:
@@ -31,33 +33,28 @@ def layer_of(name: str) -> int | None:
     return next((int(p) for p in name.split(".") if p.isdigit()), None)
 
 
-def _dim_meanings(spec: ModelSpec) -> list[tuple[int, str]]:
-    """(dimension size, 'field=value') pairs: which config field a tensor dimension of that size comes from."""
-    hd, nh, ng = spec.head_dim, spec.num_attention_heads, spec.num_groups
-    out: list[tuple[int, str]] = []
-    for f in _EXPLAINS:
-        v = {"num_query_groups": ng, "kv_channels": hd}.get(f, getattr(spec, f))
-        sizes = {
-            "vocab_size": [v, spec.padded_vocab_size()],
-            "ffn_hidden_size": [v, 2 * v],
-            "num_attention_heads": [nh * hd, spec.qkv_rows],
-            "num_query_groups": [ng * hd, 2 * ng * hd, spec.qkv_rows],
-            "kv_channels": [v, nh * hd, spec.qkv_rows],
-        }.get(f, [v])
-        out += [(s, f"{f}={v}") for s in sizes]
-    return out
+def _current(spec: ModelSpec, field: str) -> int:
+    return {"num_query_groups": spec.num_groups, "kv_channels": spec.head_dim}.get(field) or getattr(spec, field)
 
 
-def _blame(spec: ModelSpec, want: tuple[int, ...], got: tuple[int, ...], names: Mapping[str, str]) -> str:
-    """The config field (under the source's own key name) that a mismatching dimension comes from."""
-    if len(want) != len(got):
-        return "the model sizes"
-    i = next(i for i, (w, g) in enumerate(zip(want, got)) if w != g)
-    for size, what in _dim_meanings(spec):
-        if size == want[i]:
-            field, value = what.split("=", 1)
-            return f"{names.get(field, field)}={value}"
-    return "the model sizes"
+def _blame(spec: ModelSpec, key: str, got: tuple[int, ...], expected_of: ExpectedOf,
+           names: Mapping[str, str]) -> str:
+    """'field=value' for the one config size whose correction would give tensor `key` the shape `got`."""
+    tpl = template(key)
+    divisors = {1, 2, 3, spec.head_dim, 2 * spec.head_dim, spec.num_attention_heads, spec.num_groups}
+    candidates = sorted({g // m for g in got for m in divisors if m and g % m == 0 and g // m > 0})
+    for field in _SIZES:
+        cur = _current(spec, field)
+        for v in candidates:
+            if v == cur:
+                continue
+            try:
+                if expected_of(spec.replace(**{field: v})).get(tpl) == tuple(got):
+                    return f"{names.get(field, field)}={cur}"
+            except (MConvertError, RuntimeError, ValueError, ZeroDivisionError):
+                continue  # not a valid model with that value
+    sizes = ", ".join(f"{names.get(f, f)}={_current(spec, f)}" for f in _SIZES[1:6])
+    return f"the sizes ({sizes})"
 
 
 def check_layer_count(spec: ModelSpec, layers: set[int], source: str, names: Mapping[str, str]) -> None:
@@ -69,15 +66,18 @@ def check_layer_count(spec: ModelSpec, layers: set[int], source: str, names: Map
                             "fix the config or re-copy the checkpoint")
 
 
-def check_shapes(spec: ModelSpec, expected: Mapping[str, tuple[int, ...]], actual: Mapping[str, tuple[int, ...]],
-                 source: str, names: Mapping[str, str]) -> None:
-    """Every tensor present has the shape the config implies (`expected` is keyed by `template` names)."""
-    for k, got in actual.items():
-        want = expected.get(template(k))
-        if want is None or tuple(got) == tuple(want):
+def check_shapes(spec: ModelSpec, expected_of: ExpectedOf, actual: Mapping[str, tuple[int, ...]], source: str,
+                 names: Mapping[str, str]) -> None:
+    """Every tensor present has the shape the config implies (`expected_of(spec)`: shapes by `template` name).
+
+    The tensors outside the layers go first, so a wrong hidden or vocab size is named on the embedding."""
+    expected = expected_of(spec)
+    for k in sorted(actual, key=lambda k: layer_of(k) is not None):
+        got, want = tuple(actual[k]), expected.get(template(k))
+        if want is None or got == tuple(want):
             continue  # a key the config does not declare is reported by the key tables, by name
         raise MConvertError(
-            f"{source}: {_blame(spec, tuple(want), tuple(got), names)} does not match the weights: tensor {k!r} is "
+            f"{source}: {_blame(spec, k, got, expected_of, names)} does not match the weights: tensor {k!r} is "
             f"{list(got)}, the config implies {list(want)}; fix the config or re-copy the checkpoint"
         )
 

@@ -85,7 +85,7 @@ class HFSource(SourceBase):
                 if entry is not None:
                     shapes[k] = entry[2]
                     sizes[unit] = sizes.get(unit, 0) + math.prod(entry[2]) * entry[1].itemsize
-        bounds.check_shapes(self.spec, bounds.expected_hf_shapes(self.spec), shapes, source, names)
+        bounds.check_shapes(self.spec, bounds.expected_hf_shapes, shapes, source, names)
         bounds.check_memory(sizes, source)
 
     def _index(self) -> dict[str, str]:

@@ -128,8 +128,8 @@ class MegatronSource(SourceBase):
                                  names)
         padded = args.get("padded_vocab_size")
         rows = padded if isinstance(padded, int) and padded >= self.spec.vocab_size else None
-        expected = bounds.expected_shard_shapes(self.spec, self.tp, rows)
-        bounds.check_shapes(self.spec, expected, self.shapes, source, names)
+        bounds.check_shapes(self.spec, lambda s: bounds.expected_shard_shapes(s, self.tp, rows), self.shapes, source,
+                            names)
         sizes: dict[Unit, int] = {}
         for name, shape in self.shapes.items():
             u = unit_of(name)
