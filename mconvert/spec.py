@@ -169,7 +169,10 @@ class ModelSpec:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     def num_parameters(self) -> int:
-        return sum(math.prod(p.shape) for p in self.params(tp=1))
+        """Parameter count (padded vocab at TP=1); every layer has layer 0's shapes, so no loop over layers."""
+        per_layer = sum(math.prod(p.shape) for p in self.layer_params(0))
+        rest = self.embedding_params(1) + self.final_params(1)
+        return sum(math.prod(p.shape) for p in rest) + self.num_layers * per_layer
 
     def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
         """Refuse a TP/PP that does not divide heads, groups, ffn or layers."""

@@ -70,7 +70,7 @@ def _type_ok(v: Any, types: tuple[type, ...]) -> bool:
 
 
 def _at_default(v: Any, f: Field) -> bool:
-    if v is None or v is f.default:
+    if v is None or v is f.default or (v is False and f.default is None):  # argparse's two spellings of "unset"
         return True
     try:
         if type(v) is not bool and type(f.default) is not bool and v == f.default:
