@@ -30,6 +30,7 @@ def _hf_with(tmp: Path, **changes) -> Path:
 # the base model: 2 layers, hidden 64, 4 heads of 16, 2 KV heads, ffn 128, vocab 100 (safety_common.make_hf_llama)
 HF_CASES = {
     "a billion layers": ({"num_hidden_layers": 10**9}, ["num_hidden_layers=1000000000", "2 layers"]),
+    "fewer layers than the weights": ({"num_hidden_layers": 1}, ["num_hidden_layers=1", "2 layers"]),
     "vocab one short of the embedding": ({"vocab_size": 99}, ["vocab_size=99", "[100, 64]"]),
     "vocab one beyond the embedding": ({"vocab_size": 101}, ["vocab_size=101", "[100, 64]"]),
     "hidden 2^40": ({"hidden_size": 2**40}, ["hidden_size=1099511627776", "[100, 64]"]),
