@@ -169,7 +169,10 @@ class ModelSpec:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     def num_parameters(self) -> int:
-        return sum(math.prod(p.shape) for p in self.params(tp=1))
+        """Parameter count (padded vocab at TP=1); every layer has layer 0's shapes, so no loop over layers."""
+        per_layer = sum(math.prod(p.shape) for p in self.layer_params(0))
+        rest = self.embedding_params(1) + self.final_params(1)
+        return sum(math.prod(p.shape) for p in rest) + self.num_layers * per_layer
 
     def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
         """Refuse a TP/PP that does not divide heads, groups, ffn or layers."""
@@ -336,6 +339,9 @@ class ModelSpec:
         except TypeError:
             raise MConvertError(f"{source}: args is a {type(args).__name__}, not a Namespace or dict") from None
         _check_numbers(a, _ARGS_NUMBERS, ("hidden_size", "num_attention_heads", "num_layers"), source)
+        from mconvert.mappings.fields import check_megatron_args  # mappings imports spec: import on use
+
+        check_megatron_args(a, source)
         try:
             return cls._from_megatron_args(a, family, source)
         except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as e:
@@ -343,13 +349,6 @@ class ModelSpec:
 
     @classmethod
     def _from_megatron_args(cls, a: dict[str, Any], family: str | None, source: str) -> "ModelSpec":
-        for flag, what in _UNSUPPORTED_ARGS:
-            if a.get(flag):
-                raise MConvertError(
-                    f"{source}: unsupported architecture: {what} ({flag}={a[flag]!r}); mconvert converts dense "
-                    "GPT-2 / Llama / Mistral / Qwen2-style decoders only"
-                )
-
         def get(name: str, default: Any = None) -> Any:
             v = a.get(name, default)
             return default if v is None else v
@@ -509,6 +508,9 @@ class ModelSpec:
                 f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
                 f"supported: {', '.join(a for a, _ in FAMILIES.values())}"
             )
+        from mconvert.mappings.fields import check_hf_config  # mappings imports spec: import on use
+
+        check_hf_config(cfg, FAMILIES[family][1], source)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         common = dict(
             family=family,
@@ -522,15 +524,7 @@ class ModelSpec:
         try:
             if family == "gpt2":
                 H = int(cfg["n_embd"])
-                act = cfg.get("activation_function", "gelu_new")
-                if act not in ("gelu", "gelu_new"):
-                    raise MConvertError(
-                        f"{source}: activation_function {act!r} is not supported (gelu, gelu_new)"
-                    )
-                if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
-                    raise MConvertError(
-                        f"{source}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn unsupported"
-                    )
+                act = cfg.get("activation_function") or "gelu_new"  # its values are checked by the field table
                 return cls(
                     num_layers=int(cfg["n_layer"]),
                     hidden_size=H,
@@ -549,10 +543,6 @@ class ModelSpec:
             nh = int(cfg["num_attention_heads"])
             H = int(cfg["hidden_size"])
             kvh = int(cfg.get("num_key_value_heads") or nh)
-            if cfg.get("rope_scaling"):
-                raise MConvertError(f"{source}: rope_scaling {cfg['rope_scaling']!r} is not supported")
-            if cfg.get("hidden_act", "silu") != "silu":
-                raise MConvertError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
             attn_bias = bool(cfg.get("attention_bias", False))
             mlp_bias = bool(cfg.get("mlp_bias", False))
             if family == "llama" and attn_bias != mlp_bias:
@@ -619,14 +609,6 @@ def _check_numbers(d: dict[str, Any], keys: tuple[str, ...], required: tuple[str
         if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base")) and v != int(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")
 
-
-# Megatron args naming architectures no mconvert format describes (refused by name, not half-converted).
-_UNSUPPORTED_ARGS = (
-    ("num_experts", "mixture-of-experts"),
-    ("multi_latent_attention", "multi-latent attention"),
-    ("qk_layernorm", "QK layernorm"),
-    ("squared_relu", "squared-ReLU MLP"),
-)
 
 _DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 

@@ -8,6 +8,7 @@ Writer output: `model.safetensors` (or `model-0000X-of-0000N.safetensors` + `mod
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -60,6 +61,29 @@ class HFSource(SourceBase):
             if u is not None:
                 self.unit_keys.setdefault(u, []).append(k)
         self._bin_cache: tuple[str, dict] | None = None
+        self._check_sizes(str(cfg_path))
+
+    def _check_sizes(self, source: str) -> None:
+        """config.json's sizes against the tensors present (safetensors headers) and the memory available,
+        before any per-layer loop or allocation."""
+        from mconvert.convert import bounds
+        from mconvert.mappings.fields import hf_table, key_names
+        from mconvert.spec import FAMILIES
+
+        names = key_names(hf_table(FAMILIES[self.spec.family][1]))
+        bounds.check_layer_count(self.spec, {u for u in self.unit_keys if isinstance(u, int)}, source, names)
+        if not self.can_preview():
+            return  # pytorch_model*.bin has no header: its shapes are checked as each unit is read
+        shapes: dict[str, tuple[int, ...]] = {}
+        sizes: dict[Unit, int] = {}
+        for unit, keys in self.unit_keys.items():
+            for k in keys:
+                entry = self._st(self.key_file[k]).entries.get(k)
+                if entry is not None:
+                    shapes[k] = entry[2]
+                    sizes[unit] = sizes.get(unit, 0) + math.prod(entry[2]) * entry[1].itemsize
+        bounds.check_shapes(self.spec, bounds.expected_hf_shapes, shapes, source, names)
+        bounds.check_memory(sizes, source)
 
     def _index(self) -> dict[str, str]:
         """tensor name -> file name, from the index json or by listing the weight files."""

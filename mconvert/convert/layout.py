@@ -84,16 +84,17 @@ def save_rank_file(path: str | Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int | None = None) -> list[list[int]]:
+def stage_layers(num_layers: int, pp: int, pp_rank: int, vpp: int | None = None) -> list[range]:
     """Global layer indices held by pipeline rank `pp_rank`: one list per virtual chunk (one when no VPP).
 
     Without VPP the layers are contiguous blocks; with VPP chunk c of rank r holds model chunk c·pp + r
-    (PP=2, VPP=2, 4 layers: rank 0 holds 0 and 2, rank 1 holds 1 and 3)."""
+    (PP=2, VPP=2, 4 layers: rank 0 holds 0 and 2, rank 1 holds 1 and 3). Ranges, not lists: the layer count
+    comes from args that are checked against the weights only after the stage's keys are read."""
     chunks = vpp or 1
     if num_layers % (pp * chunks):
         raise MConvertError(f"PP={pp}×VPP={chunks} does not divide num_layers={num_layers}")
     per = num_layers // (pp * chunks)
-    return [list(range((c * pp + pp_rank) * per, (c * pp + pp_rank + 1) * per)) for c in range(chunks)]
+    return [range((c * pp + pp_rank) * per, (c * pp + pp_rank + 1) * per) for c in range(chunks)]
 
 
 def layer_location(num_layers: int, pp: int, layer: int, vpp: int | None = None) -> tuple[int, int, int]:

@@ -9,6 +9,7 @@ Writer: splits full tensors for the target TP, buffers one pipeline stage, write
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import threading
@@ -114,7 +115,27 @@ class MegatronSource(SourceBase):
                 self._keymaps[(p, c)] = self._keymap(st, p, c, self.files[(0, p)])
             self._remember(0, p, st)
             del st
+        self._check_sizes(a, str(first_file))
         self._check_ranks(a)  # safety: every other rank file agrees with TP rank 0 (args, keys, shapes)
+
+    def _check_sizes(self, args: dict[str, Any], source: str) -> None:
+        """The args' sizes against the tensors of the TP-rank-0 files and the memory available, before any
+        per-layer loop or allocation."""
+        from mconvert.convert import bounds
+        from mconvert.mappings.fields import MEGATRON_ARGS, key_names
+
+        names = key_names(MEGATRON_ARGS)
+        bounds.check_layer_count(self.spec, {u for u in map(unit_of, self.shapes) if isinstance(u, int)}, source,
+                                 names)
+        padded = args.get("padded_vocab_size")
+        rows = padded if isinstance(padded, int) and padded >= self.spec.vocab_size else None
+        bounds.check_shapes(self.spec, lambda s: bounds.expected_shard_shapes(s, self.tp, rows), self.shapes, source,
+                            names)
+        sizes: dict[Unit, int] = {}
+        for name, shape in self.shapes.items():
+            u = unit_of(name)
+            sizes[u] = sizes.get(u, 0) + math.prod(shape) * self.__dict__["_dtypes"][name].itemsize * self.tp
+        bounds.check_memory(sizes, source)
 
     # ---- discovery ------------------------------------------------------------------------------------
     def _check_holes(self) -> None:

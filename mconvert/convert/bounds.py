@@ -1,0 +1,129 @@
+"""Sizes from a config / args checked against the tensors actually present, before anything is allocated.
+
+A config.json or args Namespace is just text: `num_hidden_layers: 1000000000` would make the converter loop a
+billion times, `hidden_size: 2**40` would size buffers from it, and a `vocab_size` one short of the embedding
+rows would drop a row silently. The sources call these checks when they open, from the tensor shapes in the
+safetensors headers / rank files (no tensor data read), so every size the converter later trusts has been
+seen in the weights. Each refusal is one line naming the field, its value and what the tensors say.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.spec import SPLIT_DIM, ModelSpec
+
+ExpectedOf = Callable[[ModelSpec], Mapping[str, tuple[int, ...]]]
+
+# The spec fields a wrong tensor shape is blamed on, tried in this order (the first that explains it is named).
+_SIZES = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_query_groups", "num_attention_heads", "kv_channels",
+          "max_position_embeddings")
+
+
+def template(name: str) -> str:
+    """`model.layers.7.mlp.up_proj.weight` -> `model.layers.*.mlp.up_proj.weight` (any layer index)."""
+    return ".".join("*" if p.isdigit() else p for p in name.split("."))
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index of a tensor name (its first all-digit component), None outside the layers."""
+    return next((int(p) for p in name.split(".") if p.isdigit()), None)
+
+
+def _current(spec: ModelSpec, field: str) -> int:
+    return {"num_query_groups": spec.num_groups, "kv_channels": spec.head_dim}.get(field) or getattr(spec, field)
+
+
+def _blame(spec: ModelSpec, key: str, got: tuple[int, ...], expected_of: ExpectedOf,
+           names: Mapping[str, str]) -> str:
+    """'field=value' for the one config size whose correction would give tensor `key` the shape `got`."""
+    tpl = template(key)
+    divisors = {1, 2, 3, spec.head_dim, 2 * spec.head_dim, spec.num_attention_heads, spec.num_groups}
+    candidates = sorted({g // m for g in got for m in divisors if m and g % m == 0 and g // m > 0})
+    for field in _SIZES:
+        cur = _current(spec, field)
+        for v in candidates:
+            if v == cur:
+                continue
+            try:
+                if expected_of(spec.replace(**{field: v})).get(tpl) == tuple(got):
+                    return f"{names.get(field, field)}={cur}"
+            except (MConvertError, RuntimeError, ValueError, ZeroDivisionError):
+                continue  # not a valid model with that value
+    sizes = ", ".join(f"{names.get(f, f)}={_current(spec, f)}" for f in _SIZES[1:6])
+    return f"the sizes ({sizes})"
+
+
+def check_layer_count(spec: ModelSpec, layers: set[int], source: str, names: Mapping[str, str]) -> None:
+    """The weights hold exactly layers 0 .. num_layers-1 (refused before any per-layer loop)."""
+    n = spec.num_layers
+    if len(layers) != n or (layers and (min(layers) != 0 or max(layers) != n - 1)):
+        held = f"{len(layers)} layers" + (f" ({min(layers)}..{max(layers)})" if layers else "")
+        raise MConvertError(f"{source}: {names.get('num_layers', 'num_layers')}={n} but the weights hold {held}; "
+                            "fix the config or re-copy the checkpoint")
+
+
+def check_shapes(spec: ModelSpec, expected_of: ExpectedOf, actual: Mapping[str, tuple[int, ...]], source: str,
+                 names: Mapping[str, str]) -> None:
+    """Every tensor present has the shape the config implies (`expected_of(spec)`: shapes by `template` name).
+
+    The tensors outside the layers go first, so a wrong hidden or vocab size is named on the embedding."""
+    expected = expected_of(spec)
+    for k in sorted(actual, key=lambda k: layer_of(k) is not None):
+        got, want = tuple(actual[k]), expected.get(template(k))
+        if want is None or got == tuple(want):
+            continue  # a key the config does not declare is reported by the key tables, by name
+        raise MConvertError(
+            f"{source}: {_blame(spec, k, got, expected_of, names)} does not match the weights: tensor {k!r} is "
+            f"{list(got)}, the config implies {list(want)}; fix the config or re-copy the checkpoint"
+        )
+
+
+def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """HF tensor shapes the spec implies (layer index `*`), from the plugin on the meta device (no memory)."""
+    from mconvert.mappings import to_hf
+
+    out: dict[str, tuple[int, ...]] = {}
+    for unit in ("embedding", 0, "final"):
+        decls = (spec.embedding_params() if unit == "embedding" else
+                 spec.final_params() if unit == "final" else spec.layer_params(0))
+        meta = {d.name: torch.empty(d.shape, device="meta") for d in decls}
+        out.update({template(n): tuple(t.shape) for n, t in to_hf(spec, unit, meta).items()})
+    return out
+
+
+def expected_shard_shapes(spec: ModelSpec, tp: int, vocab_rows: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Canonical Megatron shapes on one TP rank (layer index `*`); `vocab_rows`: the padded rows the args
+    declare, when they do (else Megatron's own padding of the true vocab)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for d in spec.embedding_params(tp) + spec.layer_params(0) + spec.final_params(tp):
+        shape = list(d.shape)
+        if d.kind == "vocab" and vocab_rows is not None:
+            shape[0] = vocab_rows
+        dim = SPLIT_DIM[d.kind]
+        if dim is not None and len(shape) > dim:
+            shape[dim] //= tp
+        out[template(d.name)] = tuple(shape)
+    if spec.tie_embeddings:  # the last stage's copy of the embedding, when PP > 1
+        out["output_layer.weight"] = out["embedding.word_embeddings.weight"]
+    return out
+
+
+def check_memory(unit_sizes: Mapping[Any, int], source: str, available: int | None = None) -> None:
+    """The largest unit (its shards, the merged tensors and the output buffer: 3 × its bytes) must fit in the
+    memory available; `unit_sizes`: bytes of every unit, from the tensor shapes."""
+    if not unit_sizes:
+        return
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    unit, size = max(unit_sizes.items(), key=lambda kv: kv[1])
+    if 3 * size > available:
+        what = f"layer {unit}" if isinstance(unit, int) else f"the {unit}"
+        raise MConvertError(f"{source}: converting {what} needs about {3 * size / 2**30:.1f} GiB (3 × its "
+                            f"{size / 2**30:.1f} GiB of weights) but {available / 2**30:.1f} GiB is available; "
+                            "free memory or convert on a larger machine")

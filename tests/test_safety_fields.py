@@ -1,0 +1,211 @@
+"""Every Megatron arg and HF config field is mapped, refused, or function-neutral (mappings/fields.py).
+
+Truth we did not write: the field lists come from the installed megatron-core `TransformerConfig` and
+transformers' config classes, so a version bump that adds a field fails here until it is classified; the
+Llama-3.1 checkpoint is written by megatron-core's own GPTModel with the args Megatron-LM stores for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safety_common import assert_one_line_error, make_hf_llama, run_cli
+
+from mconvert.errors import MConvertError
+from mconvert.mappings.fields import MEGATRON_ARGS, NEUTRAL, hf_table
+from mconvert.spec import FAMILIES, ModelSpec, preset
+
+HF_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+
+
+def _transformer_config_fields() -> list[str]:
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return [f.name for cls in (TransformerConfig, ModelParallelConfig) for f in dataclasses.fields(cls)]
+
+
+def test_every_megatron_core_transformer_config_field_is_classified() -> None:
+    missing = [n for n in _transformer_config_fields() if n not in MEGATRON_ARGS]
+    assert not missing, f"unclassified megatron-core TransformerConfig fields: {missing}"
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_CLASSES))
+def test_every_transformers_config_field_is_classified(model_type: str) -> None:
+    import transformers
+
+    cls = getattr(transformers, HF_CLASSES[model_type])
+    names = set(cls().to_dict())  # a default instance: the family's fields and PretrainedConfig's
+    names |= {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "kwargs")}
+    names |= set(transformers.PretrainedConfig().to_dict())
+    missing = sorted(names - set(hf_table(model_type)))
+    assert not missing, f"unclassified {HF_CLASSES[model_type]} fields: {missing}"
+
+
+def test_the_function_changing_examples_are_not_neutral() -> None:
+    """The args the issue names as changing the function are mapped or refused, never waved through."""
+    for name in ("use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor", "qk_layernorm",
+                 "num_experts", "multi_latent_attention", "softmax_scale", "apply_residual_connection_post_layernorm",
+                 "layernorm_zero_centered_gamma", "window_size", "squared_relu", "activation_func",
+                 "add_bias_linear", "rotary_interleaved", "fp8_param", "swiglu", "normalization"):
+        assert MEGATRON_ARGS[name].kind != NEUTRAL, name
+    for name in ("rope_scaling", "sliding_window", "attention_bias", "mlp_bias", "head_dim",
+                 "partial_rotary_factor"):
+        for model_type in ("llama", "mistral", "qwen2"):
+            f = hf_table(model_type).get(name)
+            if f is not None and not (model_type == "qwen2" and name == "sliding_window"):
+                assert f.kind != NEUTRAL, (model_type, name)
+    assert hf_table("gpt2")["scale_attn_by_inverse_layer_idx"].kind != NEUTRAL
+
+
+def _args(**changes) -> argparse.Namespace:
+    args = preset("tiny-llama").to_megatron_args(1, 1)
+    for k, v in changes.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_an_unknown_megatron_arg_is_refused_by_name_unless_unset() -> None:
+    with pytest.raises(MConvertError, match=r"x/model_optim_rng.pt: .*frobnicate_heads=3 is not known"):
+        ModelSpec.from_megatron_args(_args(frobnicate_heads=3), source="x/model_optim_rng.pt")
+    # argparse's "never given": None for a value option, False for a flag
+    assert ModelSpec.from_megatron_args(_args(frobnicate_heads=None, frobnicate=False)) == preset("tiny-llama")
+
+
+def test_neutral_megatron_args_pass_whatever_their_value() -> None:
+    args = _args(lr=3e-4, adam_beta2=0.95, hidden_dropout=0.1, init_method_std=0.006, moe_router_topk=8,
+                 attention_softmax_in_fp32=False, apply_query_key_layer_scaling=True, bias_gelu_fusion=True,
+                 recompute_granularity="full", tokenizer_type="Llama2Tokenizer", data_path=["1.0", "corpus"])
+    assert ModelSpec.from_megatron_args(args) == preset("tiny-llama")
+
+
+@pytest.mark.parametrize("name,value", [
+    ("qk_layernorm", True), ("apply_residual_connection_post_layernorm", True), ("window_size", (128, 0)),
+    ("softmax_scale", 0.1), ("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True),
+    ("num_layers_in_first_pipeline_stage", 1), ("rotary_seq_len_interpolation_factor", 4), ("squared_relu", True),
+    ("num_experts", 8), ("multi_latent_attention", True), ("spec", ["my.module", "my_spec"]),
+    ("gated_linear_unit", True), ("mtp_num_layers", 1), ("fp8_param", True),
+])
+def test_a_function_changing_megatron_arg_is_refused_by_name(name: str, value) -> None:
+    args = _args(**{name: value})
+    if name == "gated_linear_unit":
+        args.swiglu = False  # GeGLU: gated, not SwiGLU
+    with pytest.raises(MConvertError, match=f"{name}="):
+        ModelSpec.from_megatron_args(args, source="x/model_optim_rng.pt")
+
+
+def test_refused_megatron_args_at_their_defaults_pass() -> None:
+    """Megatron-LM stores every option; the refused ones hold their defaults in a plain Llama run."""
+    args = _args(use_rope_scaling=False, rope_scaling_factor=8.0, rotary_scaling_factor=1.0, mscale=1.0,
+                 qk_layernorm=False, softmax_type="vanilla", glu_linear_offset=0.0, hybrid_attention_ratio=0.0,
+                 encoder_num_layers=2, add_position_embedding=True, gated_linear_unit=True,
+                 use_rotary_position_embeddings=True, rope_type="rope", num_experts=None)
+    assert ModelSpec.from_megatron_args(args) == preset("tiny-llama")
+
+
+@pytest.mark.parametrize("name,value,expect", [
+    ("swiglu", "yes", "swiglu='yes' must be bool"),
+    ("normalization", "LayerNorm1p", "normalization='LayerNorm1p' is not supported"),
+    ("position_embedding_type", "yarn", "position_embedding_type='yarn' is not supported"),
+    ("untie_embeddings_and_output_weights", 1, "untie_embeddings_and_output_weights=1 must be bool"),
+    ("num_query_groups", "2", "'num_query_groups' = '2' is not a finite number"),
+])
+def test_a_megatron_arg_of_the_wrong_type_is_refused_by_name(name: str, value, expect: str) -> None:
+    with pytest.raises(MConvertError, match=expect):
+        ModelSpec.from_megatron_args(_args(**{name: value}), source="x/model_optim_rng.pt")
+
+
+def _hf(model_type: str, **changes) -> dict:
+    cfg = preset({"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "tiny-mistral",
+                  "qwen2": "tiny-qwen2"}[model_type]).to_hf_config()
+    cfg.update(changes)
+    return cfg
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_config_written_by_transformers_parses(model_type: str) -> None:
+    """transformers' own save (every default field written) passes the table."""
+    import transformers
+
+    cfg = _hf(model_type)
+    cfg.pop("sliding_window", None)  # mistral's class default (4096) is longer than this context
+    full = getattr(transformers, HF_CLASSES[model_type])(**cfg).to_dict()
+    if model_type == "mistral":
+        full["sliding_window"] = None
+    ours = ModelSpec.from_hf_config(_hf(model_type))
+    assert ModelSpec.from_hf_config(full).replace(bos_token_id=None, eos_token_id=None) == ours
+
+
+@pytest.mark.parametrize("model_type,name,value", [
+    ("llama", "rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    ("qwen2", "rope_scaling", {"type": "linear", "factor": 2.0}),
+    ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+    ("gpt2", "scale_attn_weights", False),
+    ("llama", "partial_rotary_factor", 0.5),
+    ("qwen2", "use_sliding_window", True),
+    ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
+    ("mistral", "sliding_window", 16),
+    ("llama", "pruned_heads", {"0": [1]}),
+    ("llama", "quantization_config", {"quant_method": "gptq"}),
+    ("llama", "frobnicate", 2),
+])
+def test_a_function_changing_hf_field_is_refused_by_name(model_type: str, name: str, value) -> None:
+    with pytest.raises(MConvertError, match=f"x/config.json: config field {name}="):
+        ModelSpec.from_hf_config(_hf(model_type, **{name: value}), source="x/config.json")
+
+
+@pytest.mark.parametrize("model_type,name,value", [
+    ("llama", "attention_bias", "no"), ("llama", "tie_word_embeddings", "false"), ("gpt2", "activation_function", 1),
+    ("qwen2", "hidden_act", "gelu"), ("mistral", "eos_token_id", "2"),
+])
+def test_an_hf_field_of_the_wrong_type_is_refused_by_name(model_type: str, name: str, value) -> None:
+    with pytest.raises(MConvertError, match=f"config field {name}="):
+        ModelSpec.from_hf_config(_hf(model_type, **{name: value}), source="x/config.json")
+
+
+# ---- the Llama-3.1 case: megatron-core writes use_rope_scaling / rope_scaling_factor ------------------------
+
+
+def _save_llama31(ctx, root: str) -> None:
+    """One rank of a Megatron-LM save of a megatron-core GPTModel trained with Llama-3.1 rope scaling."""
+    from mconvert.convert.layout import rank_file, save_rank_file, write_latest
+
+    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp)
+    args.params_dtype = torch.float32
+    args.use_rope_scaling = True  # Megatron-LM --use-rope-scaling; megatron-core GPTModel(rope_scaling=True)
+    args.rope_scaling_factor = 8.0
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": 1,
+             "model": ctx.model.state_dict_for_save_checkpoint()}
+    save_rank_file(rank_file(root, 1, ctx.tp_rank, ctx.pp_rank, ctx.pp), state)
+    if ctx.rank == 0:
+        write_latest(root, 1)
+
+
+@pytest.mark.timeout(300)
+def test_a_megatron_core_llama31_checkpoint_is_refused_naming_use_rope_scaling(tmp_path: Path, capsys) -> None:
+    from mcore_ref import run_mcore
+
+    run_mcore(preset("tiny-llama"), 1, _save_llama31, (str(tmp_path / "mg"),))
+    code, _, err = run_cli(["megatron-to-hf", tmp_path / "mg", tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, "use_rope_scaling=True", "mp_rank_00/model_optim_rng.pt")
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mg"]  # no hidden partial output either
+
+
+@pytest.mark.timeout(120)
+def test_an_hf_config_with_rope_scaling_is_refused_naming_it(tmp_path: Path, capsys) -> None:
+    hf = make_hf_llama(tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "mg"], capsys)
+    assert_one_line_error(code, err, "rope_scaling=", "config.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
