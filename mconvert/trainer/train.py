@@ -7,10 +7,10 @@ embedding-group gradient all-reduces, and Megatron legacy-torch checkpoints (onl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
-
 import os
 import random
 import sys
@@ -27,7 +27,7 @@ from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_f
 from mconvert.convert.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec, preset
-from mconvert.trainer import comm
+from mconvert.trainer import comm, procs
 from mconvert.trainer.model import GPTModel, check_trainable
 from mconvert.trainer.parallel import ParallelState, global_rank, init_distributed
 from mconvert.trainer.schedule import forward_backward_1f1b
@@ -300,14 +300,13 @@ def _dtype(cfg: TrainConfig) -> torch.dtype:
 def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
     """One rank's whole run. Returns {'losses': [...]} on the logging rank, comm rows on rank 0, else {}."""
     torch.set_num_threads(threads_per_rank(cfg.world))
-    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device, sequence_parallel=cfg.sequence_parallel)
-    try:
-        return _train(cfg, spec, tokens, st)
-    finally:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device, sequence_parallel=cfg.sequence_parallel)
+    out = _train(cfg, spec, tokens, st)  # a failure leaves at once; its peers are ended by the launcher
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
 
 
 def _log_rank(cfg: TrainConfig) -> int:
@@ -443,9 +442,11 @@ def _free_port() -> int:
 def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir: str | None = None) -> dict[int, Any]:
     """Start `nprocs` ranks of `fn(*args)` on this node with torch's elastic launcher (torchrun's engine).
 
-    CPU runs fork with one thread per rank (see _start_method); CUDA runs spawn.
-    Returns {global rank: return value}. A failing rank raises MConvertError with its error line."""
+    CPU runs fork from a forkserver with one thread per rank (see _start_method); CUDA runs spawn. Every rank
+    runs inside procs.run_rank: the first failing rank ends the launch at once, and no rank outlives it.
+    Returns {global rank: return value}. A failing rank raises MConvertError naming it and its error."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -462,22 +463,41 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
             logging.getLogger(name).setLevel(logging.CRITICAL)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MCONVERT_RANK_THREADS")}
     os.environ.update(OMP_NUM_THREADS=str(threads), MCONVERT_RANK_THREADS=str(threads))
+    signalled: int | None = None
     try:
-        return elastic_launch(config, fn)(*args)
-    except ChildFailedError as e:
-        rank, first = next(iter(sorted(e.failures.items())))  # {global rank: ProcessFailure}
-        text = first.message
-        if isinstance(text, dict):  # the error file's JSON: {"message": ..., "extraInfo": ...}
-            text = text.get("message", "")
-        lines = str(text or "").strip().splitlines()
-        detail = lines[-1] if lines else f"exit code {first.exitcode}"
-        raise MConvertError(f"rank {rank} failed: {detail}") from None
+        with procs.kept_signal_handlers(), procs.RankGroup() as group:
+            try:
+                return elastic_launch(config, procs.run_rank)(group.control, fn, args)
+            except ChildFailedError as e:
+                group.kill()
+                failure = group.first_failure()
+                if failure is None:  # killed from outside (OOM killer, a signal): what the agent saw
+                    rank, first = next(iter(sorted(e.failures.items())))  # {global rank: ProcessFailure}
+                    text = first.message
+                    if isinstance(text, dict):  # the error file's JSON: {"message": ..., "extraInfo": ...}
+                        text = text.get("message", "")
+                    lines = str(text or "").strip().splitlines()
+                    failure = (rank, lines[-1] if lines else _exit_reason(first.exitcode))
+                raise MConvertError(f"rank {failure[0]} failed: {failure[1]}") from None
+            except SignalException as e:
+                signalled = int(e.sigval)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    procs.redeliver(signalled)  # the ranks are gone and the caller's handlers are back
+    raise AssertionError("unreachable")
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        import signal
+
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def threads_per_rank(nprocs: int) -> int:
@@ -502,15 +522,6 @@ def _start_method(device: str | None) -> str:
     return method
 
 
-def _entry(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
-    """What each launched rank runs: a user error becomes a one-line failure, not a traceback."""
-    try:
-        return train_worker(cfg, spec, tokens)
-    except MConvertError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise
-
-
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run a whole training job on this node: TP·PP·DP processes; returns losses (and comm rows)."""
     cfg.validate()
@@ -528,7 +539,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _run_training(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
     if cfg.save:
         prepare_tokens(cfg.save, write=True)
-    results = launch(_entry, (cfg, spec, tokens), cfg.world, cfg.device)
+    results = launch(train_worker, (cfg, spec, tokens), cfg.world, cfg.device)
     out: dict[str, Any] = {"spec": spec}
     for r in sorted(results):
         out.update(results[r] or {})
