@@ -41,6 +41,15 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
+def guard_forkserver() -> None:
+    """Inside multiprocessing's forkserver only: arm the parent-death signal, so that the server and the ranks
+    it forked cannot outlive the launcher; exit at once when the launcher is already gone."""
+    if sys.argv != ["-c"] or "multiprocessing.forkserver" not in sys.modules:
+        return  # imported somewhere else: not the forkserver
+    if set_parent_death_signal() and os.getppid() == 1:
+        os._exit(0)
+
+
 def process_start_time(pid: int) -> str:
     """The kernel's start time of `pid` (/proc/PID/stat field 22), or '' when unknown: with the pid it names
     one process, so a recycled pid is never signalled."""

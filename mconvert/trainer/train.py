@@ -518,7 +518,7 @@ def _start_method(device: str | None) -> str:
     if method == "forkserver":
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["torch", "mconvert.trainer.train"])
+        multiprocessing.set_forkserver_preload(["torch", "mconvert.trainer.train", "mconvert.trainer.forkserver_init"])
     return method
 
 
