@@ -459,8 +459,9 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
     # A rank forked from the caller must stay single-threaded: the parent's OpenMP pool does not survive fork.
     threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
     if not os.environ.get("MCONVERT_DEBUG"):  # a failing rank is reported once, as one line, below
-        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        for name in list(logging.root.manager.loggerDict):  # elastic's loggers set their own level each
+            if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MCONVERT_RANK_THREADS")}
     os.environ.update(OMP_NUM_THREADS=str(threads), MCONVERT_RANK_THREADS=str(threads))
     signalled: int | None = None
