@@ -302,8 +302,10 @@ def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dic
     torch.set_num_threads(threads_per_rank(cfg.world))
     import torch.distributed as dist
 
+    # this rank's checkpoint is read and checked before the first collective: a bad file fails the rank alone
+    ckpt = load_resume(cfg, spec, int(os.environ.get("RANK", "0"))) if cfg.resume else None
     st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device, sequence_parallel=cfg.sequence_parallel)
-    out = _train(cfg, spec, tokens, st)  # a failure leaves at once; its peers are ended by the launcher
+    out = _train(cfg, spec, tokens, st, ckpt)  # a failure leaves at once; its peers are ended by the launcher
     if dist.is_initialized():
         dist.destroy_process_group()
     return out
@@ -313,7 +315,19 @@ def _log_rank(cfg: TrainConfig) -> int:
     return global_rank(0, 0, cfg.pp - 1, cfg.tp, cfg.dp)
 
 
-def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: ParallelState) -> dict[str, Any]:
+def load_resume(cfg: TrainConfig, spec: ModelSpec, rank: int) -> dict[str, Any]:
+    """Global rank `rank`'s file of the checkpoint in --save, checked against this run's model and layout."""
+    latest = read_latest(cfg.save)
+    if latest == "release":
+        raise MConvertError(f"{cfg.save}/{TRACKER}: 'release' has no iteration to resume from")
+    st = ParallelState(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=rank)
+    ckpt = load_rank_checkpoint(cfg.save, latest, st)
+    check_resume_args(ckpt["args"], spec, cfg, str(rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp)))
+    return ckpt
+
+
+def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: ParallelState,
+           ckpt: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch.distributed as dist
 
     comm.STATS.reset()
@@ -322,13 +336,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     torch.manual_seed(cfg.seed)
     dtype = _dtype(cfg)
     start, consumed = 0, 0
-    ckpt: dict[str, Any] | None = None
-    if cfg.resume:
-        latest = read_latest(cfg.save)
-        if latest == "release":
-            raise MConvertError(f"{cfg.save}/{TRACKER}: 'release' has no iteration to resume from")
-        ckpt = load_rank_checkpoint(cfg.save, latest, st)
-        check_resume_args(ckpt["args"], spec, cfg, str(rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp)))
+    if ckpt is not None:
         start = int(ckpt["iteration"])
         consumed = int(getattr(ckpt["args"], "consumed_train_samples", start * cfg.global_batch_size))
     model = GPTModel(spec, st, seed=None if ckpt else cfg.seed, dtype=dtype)
