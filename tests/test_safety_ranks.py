@@ -103,6 +103,34 @@ def test_train_resume_with_a_damaged_rank_file_fails_at_once_naming_rank_and_fil
     assert "Traceback" not in out + err
 
 
+def _fail_while_peer_waits() -> int:
+    """Rank 1 raises after joining the group; rank 0 is then inside an all-reduce that rank 1 never enters."""
+    import torch
+    import torch.distributed as dist
+
+    from mconvert.trainer.parallel import init_distributed
+
+    st = init_distributed(1, 2, 1, "cpu")
+    if st.rank == 1:
+        time.sleep(1)  # rank 0 is inside the collective by now
+        raise ValueError("rank one breaks mid-run")
+    dist.all_reduce(torch.ones(1))
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_failing_while_its_peer_waits_in_a_collective_ends_the_launch_at_once():
+    from mconvert.errors import MConvertError
+    from mconvert.trainer.train import launch
+
+    trained_ckpt("llama")  # the forkserver is warm, as in every other test here
+    t0 = time.monotonic()
+    with pytest.raises(MConvertError, match=r"^rank 1 failed: ValueError: rank one breaks mid-run$"):
+        launch(_fail_while_peer_waits, (), 2, "cpu")
+    assert time.monotonic() - t0 < BOUND_S
+
+
 def _tree_while_running(proc: subprocess.Popen, ranks: int, ready, deadline: float = 120) -> list[psutil.Process]:
     """Poll the parent's process tree until `ready(tree)`; returns the tree with `ranks` live grandchildren
     (ranks fork from multiprocessing's forkserver, a child of the parent)."""
@@ -247,7 +275,7 @@ def test_parent_death_signal_kills_the_child_when_its_parent_is_sigkilled(arm):
     try:
         mid.kill()
         mid.wait(10)
-        end = time.monotonic() + 5
+        end = time.monotonic() + 3
         while time.monotonic() < end and _running(grandchild):
             time.sleep(0.05)
         assert _running(grandchild) is (not arm)

@@ -23,7 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from mconvert.errors import MConvertError
 
@@ -192,7 +192,7 @@ def kept_signal_handlers():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
-def redeliver(sig: int) -> None:
+def redeliver(sig: int) -> NoReturn:
     """Hand a signal the elastic agent intercepted to this process's own handler (after the ranks are gone):
     SIGINT becomes KeyboardInterrupt, SIGTERM/SIGHUP reach the caller's cleanup or end the process."""
     signal.raise_signal(sig)

@@ -496,8 +496,8 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    assert signalled is not None  # every other path returned or raised above
     procs.redeliver(signalled)  # the ranks are gone and the caller's handlers are back
-    raise AssertionError("unreachable")
 
 
 def _exit_reason(code: int) -> str:
@@ -519,8 +519,9 @@ def threads_per_rank(nprocs: int) -> int:
 def _start_method(device: str | None) -> str:
     """CPU: forkserver — ranks fork from a clean single-threaded server that imported torch once, so a
     rank neither re-imports torch (~10 s each on a small machine) nor inherits the caller's threads and
-    locks (forking a busy process, a test runner say, can deadlock a rank in its store connect); CUDA:
-    spawn. MCONVERT_START_METHOD=fork|spawn overrides."""
+    locks (forking a busy process, a test runner say, can deadlock a rank in its store connect); the
+    preloaded forkserver_init ties the server's life to the launcher's. CUDA: spawn.
+    MCONVERT_START_METHOD=fork|spawn overrides."""
     cuda = device.startswith("cuda") if device else torch.cuda.is_available()
     default = "spawn" if cuda or sys.platform != "linux" else "forkserver"
     method = os.environ.get("MCONVERT_START_METHOD", default)
