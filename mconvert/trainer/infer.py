@@ -17,7 +17,7 @@ from mconvert.convert.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 from mconvert.trainer.model import GPTModel
-from mconvert.trainer.parallel import ParallelState, init_distributed
+from mconvert.trainer.parallel import ParallelState, coords, init_distributed
 from mconvert.trainer.schedule import P2P
 from mconvert.trainer.train import threads_per_rank
 
@@ -78,34 +78,35 @@ def _local_spec_weights(state: dict[str, Any], path: Path) -> dict[str, torch.Te
 
 def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: int, tokens: torch.Tensor,
                   device: str, return_hidden: bool) -> dict[str, Any]:
-    torch.set_num_threads(threads_per_rank(tp * pp))
-    st = init_distributed(tp, pp, 1, device)
-    try:
-        path = rank_file(ckpt_dir, it, st.tp_rank, st.pp_rank, pp)
-        state = safe_load(path)
-        weights = _local_spec_weights(state, path)
-        dtype = next(iter(weights.values())).dtype
-        model = GPTModel(spec, st, seed=None, dtype=dtype)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise MConvertError(f"{path}: keys do not match the model (missing {missing[:3]}, unexpected "
-                                f"{unexpected[:3]})")
-        del state
-        logits, hidden = pipeline_logits(model, st, tokens, return_hidden)
-        out: dict[str, Any] = {}
-        if st.tp_rank == 0:
-            out["hidden"] = (st.pp_rank, hidden)
-            if logits is not None:
-                out["logits"] = logits
-        return out
-    finally:
-        import torch.distributed as dist
+    """One rank: load and check its own file before joining the group (a bad file fails this rank before any
+    collective), then run its stage. A failure leaves at once: no barrier on the way out."""
+    import os
 
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads_per_rank(tp * pp))
+    tp_rank, _, pp_rank = coords(int(os.environ.get("RANK", "0")), tp, 1, pp)
+    path = rank_file(ckpt_dir, it, tp_rank, pp_rank, pp)
+    weights = _local_spec_weights(safe_load(path), path)
+    st = init_distributed(tp, pp, 1, device)
+    dtype = next(iter(weights.values())).dtype
+    model = GPTModel(spec, st, seed=None, dtype=dtype)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise MConvertError(f"{path}: keys do not match the model (missing {missing[:3]}, unexpected "
+                            f"{unexpected[:3]})")
+    del weights
+    logits, hidden = pipeline_logits(model, st, tokens, return_hidden)
+    out: dict[str, Any] = {}
+    if st.tp_rank == 0:
+        out["hidden"] = (st.pp_rank, hidden)
+        if logits is not None:
+            out["logits"] = logits
+    dist.barrier()
+    dist.destroy_process_group()
+    return out
 
 
 def megatron_logits(ckpt_dir: str | Path, tokens: torch.LongTensor, iteration: int | str | None = None,

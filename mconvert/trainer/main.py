@@ -17,6 +17,7 @@ import sys
 import typing
 
 from mconvert.errors import MConvertError
+from mconvert.trainer.procs import set_parent_death_signal
 from mconvert.trainer.train import TrainConfig, prepare_save_dir, prepare_tokens, build_spec, train_worker
 
 
@@ -44,6 +45,7 @@ def parse(argv: list[str] | None = None) -> TrainConfig:
 def main(argv: list[str] | None = None) -> None:
     """One rank: rank 0 prepares the save dir and tokenizer files, everyone trains."""
     cfg = parse(argv)
+    set_parent_death_signal()  # a rank never outlives the torchrun agent that started it
     try:
         cfg.validate()
         rank = int(os.environ.get("RANK", "0"))

@@ -7,10 +7,10 @@ embedding-group gradient all-reduces, and Megatron legacy-torch checkpoints (onl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
-
 import os
 import random
 import sys
@@ -27,7 +27,7 @@ from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_f
 from mconvert.convert.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec, preset
-from mconvert.trainer import comm
+from mconvert.trainer import comm, procs
 from mconvert.trainer.model import GPTModel, check_trainable
 from mconvert.trainer.parallel import ParallelState, global_rank, init_distributed
 from mconvert.trainer.schedule import forward_backward_1f1b
@@ -300,21 +300,34 @@ def _dtype(cfg: TrainConfig) -> torch.dtype:
 def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
     """One rank's whole run. Returns {'losses': [...]} on the logging rank, comm rows on rank 0, else {}."""
     torch.set_num_threads(threads_per_rank(cfg.world))
-    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device, sequence_parallel=cfg.sequence_parallel)
-    try:
-        return _train(cfg, spec, tokens, st)
-    finally:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # this rank's checkpoint is read and checked before the first collective: a bad file fails the rank alone
+    ckpt = load_resume(cfg, spec, int(os.environ.get("RANK", "0"))) if cfg.resume else None
+    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device, sequence_parallel=cfg.sequence_parallel)
+    out = _train(cfg, spec, tokens, st, ckpt)  # a failure leaves at once; its peers are ended by the launcher
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
 
 
 def _log_rank(cfg: TrainConfig) -> int:
     return global_rank(0, 0, cfg.pp - 1, cfg.tp, cfg.dp)
 
 
-def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: ParallelState) -> dict[str, Any]:
+def load_resume(cfg: TrainConfig, spec: ModelSpec, rank: int) -> dict[str, Any]:
+    """Global rank `rank`'s file of the checkpoint in --save, checked against this run's model and layout."""
+    latest = read_latest(cfg.save)
+    if latest == "release":
+        raise MConvertError(f"{cfg.save}/{TRACKER}: 'release' has no iteration to resume from")
+    st = ParallelState(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=rank)
+    ckpt = load_rank_checkpoint(cfg.save, latest, st)
+    check_resume_args(ckpt["args"], spec, cfg, str(rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp)))
+    return ckpt
+
+
+def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: ParallelState,
+           ckpt: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch.distributed as dist
 
     comm.STATS.reset()
@@ -323,13 +336,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     torch.manual_seed(cfg.seed)
     dtype = _dtype(cfg)
     start, consumed = 0, 0
-    ckpt: dict[str, Any] | None = None
-    if cfg.resume:
-        latest = read_latest(cfg.save)
-        if latest == "release":
-            raise MConvertError(f"{cfg.save}/{TRACKER}: 'release' has no iteration to resume from")
-        ckpt = load_rank_checkpoint(cfg.save, latest, st)
-        check_resume_args(ckpt["args"], spec, cfg, str(rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp)))
+    if ckpt is not None:
         start = int(ckpt["iteration"])
         consumed = int(getattr(ckpt["args"], "consumed_train_samples", start * cfg.global_batch_size))
     model = GPTModel(spec, st, seed=None if ckpt else cfg.seed, dtype=dtype)
@@ -443,9 +450,11 @@ def _free_port() -> int:
 def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir: str | None = None) -> dict[int, Any]:
     """Start `nprocs` ranks of `fn(*args)` on this node with torch's elastic launcher (torchrun's engine).
 
-    CPU runs fork with one thread per rank (see _start_method); CUDA runs spawn.
-    Returns {global rank: return value}. A failing rank raises MConvertError with its error line."""
+    CPU runs fork from a forkserver with one thread per rank (see _start_method); CUDA runs spawn. Every rank
+    runs inside procs.run_rank: the first failing rank ends the launch at once, and no rank outlives it.
+    Returns {global rank: return value}. A failing rank raises MConvertError naming it and its error."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -458,26 +467,46 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
     # A rank forked from the caller must stay single-threaded: the parent's OpenMP pool does not survive fork.
     threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
     if not os.environ.get("MCONVERT_DEBUG"):  # a failing rank is reported once, as one line, below
-        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        for name in list(logging.root.manager.loggerDict):  # elastic's loggers set their own level each
+            if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MCONVERT_RANK_THREADS")}
     os.environ.update(OMP_NUM_THREADS=str(threads), MCONVERT_RANK_THREADS=str(threads))
+    signalled: int | None = None
     try:
-        return elastic_launch(config, fn)(*args)
-    except ChildFailedError as e:
-        rank, first = next(iter(sorted(e.failures.items())))  # {global rank: ProcessFailure}
-        text = first.message
-        if isinstance(text, dict):  # the error file's JSON: {"message": ..., "extraInfo": ...}
-            text = text.get("message", "")
-        lines = str(text or "").strip().splitlines()
-        detail = lines[-1] if lines else f"exit code {first.exitcode}"
-        raise MConvertError(f"rank {rank} failed: {detail}") from None
+        with procs.kept_signal_handlers(), procs.RankGroup() as group:
+            try:
+                return elastic_launch(config, procs.run_rank)(group.control, fn, args)
+            except ChildFailedError as e:
+                group.kill()
+                failure = group.first_failure()
+                if failure is None:  # killed from outside (OOM killer, a signal): what the agent saw
+                    rank, first = next(iter(sorted(e.failures.items())))  # {global rank: ProcessFailure}
+                    text = first.message
+                    if isinstance(text, dict):  # the error file's JSON: {"message": ..., "extraInfo": ...}
+                        text = text.get("message", "")
+                    lines = str(text or "").strip().splitlines()
+                    failure = (rank, lines[-1] if lines else _exit_reason(first.exitcode))
+                raise MConvertError(f"rank {failure[0]} failed: {failure[1]}") from None
+            except SignalException as e:
+                signalled = int(e.sigval)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    assert signalled is not None  # every other path returned or raised above
+    procs.redeliver(signalled)  # the ranks are gone and the caller's handlers are back
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        import signal
+
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def threads_per_rank(nprocs: int) -> int:
@@ -490,25 +519,17 @@ def threads_per_rank(nprocs: int) -> int:
 def _start_method(device: str | None) -> str:
     """CPU: forkserver — ranks fork from a clean single-threaded server that imported torch once, so a
     rank neither re-imports torch (~10 s each on a small machine) nor inherits the caller's threads and
-    locks (forking a busy process, a test runner say, can deadlock a rank in its store connect); CUDA:
-    spawn. MCONVERT_START_METHOD=fork|spawn overrides."""
+    locks (forking a busy process, a test runner say, can deadlock a rank in its store connect); the
+    preloaded forkserver_init ties the server's life to the launcher's. CUDA: spawn.
+    MCONVERT_START_METHOD=fork|spawn overrides."""
     cuda = device.startswith("cuda") if device else torch.cuda.is_available()
     default = "spawn" if cuda or sys.platform != "linux" else "forkserver"
     method = os.environ.get("MCONVERT_START_METHOD", default)
     if method == "forkserver":
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["torch", "mconvert.trainer.train"])
+        multiprocessing.set_forkserver_preload(["torch", "mconvert.trainer.train", "mconvert.trainer.forkserver_init"])
     return method
-
-
-def _entry(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
-    """What each launched rank runs: a user error becomes a one-line failure, not a traceback."""
-    try:
-        return train_worker(cfg, spec, tokens)
-    except MConvertError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        raise
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -528,7 +549,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 def _run_training(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
     if cfg.save:
         prepare_tokens(cfg.save, write=True)
-    results = launch(_entry, (cfg, spec, tokens), cfg.world, cfg.device)
+    results = launch(train_worker, (cfg, spec, tokens), cfg.world, cfg.device)
     out: dict[str, Any] = {"spec": spec}
     for r in sorted(results):
         out.update(results[r] or {})
