@@ -156,6 +156,19 @@ def test_rank_dir_symlinked_outside_the_checkpoint_is_refused(tmp_path, capsys):
     assert tree_digest(tmp_path) == before and siblings(tmp_path / "out") == []
 
 
+def test_native_runner_refuses_a_rank_file_symlinked_outside_the_checkpoint(tmp_path):
+    # validate / verify --against run the checkpoint natively: their rank-file reads are contained too
+    from mconvert.errors import MConvertError
+    from mconvert.trainer.infer import read_checkpoint_args
+
+    ckpt = copy_of("ckpt", tmp_path / "ckpt")
+    first = rank_file(ckpt, 0, 0)
+    os.rename(first, tmp_path / "stray.pt")
+    first.symlink_to(tmp_path / "stray.pt")
+    with pytest.raises(MConvertError, match="symlink leading outside"):
+        read_checkpoint_args(ckpt)
+
+
 def test_verify_reports_an_index_naming_a_file_outside_the_model_dir(tmp_path, capsys):
     hf = copy_of("ref", tmp_path / "hf")
     os.rename(hf / "model.safetensors", tmp_path / "x.safetensors")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.layout import rank_file, read_latest
+from mconvert.convert.paths import inside_file
 from mconvert.convert.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
@@ -41,6 +42,11 @@ def pipeline_logits(model: GPTModel, st: ParallelState, tokens: torch.Tensor,
         return model.full_logits(out).cpu(), hidden
 
 
+def _contained(ckpt_dir: str | Path, path: Path) -> Path:
+    """The rank file `path`, refused unless it is a regular file inside the checkpoint (no symlink out, no FIFO)."""
+    return inside_file(ckpt_dir, path.relative_to(ckpt_dir), "rank file")
+
+
 def read_checkpoint_args(ckpt_dir: str | Path, iteration: int | str | None = None) -> tuple[Any, int | str]:
     """The `args` Namespace of rank 0's file and the resolved iteration."""
     it = read_latest(ckpt_dir) if iteration is None else iteration
@@ -48,8 +54,8 @@ def read_checkpoint_args(ckpt_dir: str | Path, iteration: int | str | None = Non
         it = int(it)
     for pp_size in (2, 1):  # PP > 1 names mp_rank_00_000; PP == 1 names mp_rank_00
         path = rank_file(ckpt_dir, it, 0, 0, pp_size)
-        if path.is_file():
-            return safe_load(path)["args"], it
+        if path.exists():
+            return safe_load(_contained(ckpt_dir, path))["args"], it
     raise MConvertError(f"{ckpt_dir}: no {rank_file(ckpt_dir, it, 0, 0, 2).parent.name} or mp_rank_00 in "
                         f"iteration {it}; is this a Megatron legacy-torch checkpoint?")
 
@@ -86,7 +92,7 @@ def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: in
 
     torch.set_num_threads(threads_per_rank(tp * pp))
     tp_rank, _, pp_rank = coords(int(os.environ.get("RANK", "0")), tp, 1, pp)
-    path = rank_file(ckpt_dir, it, tp_rank, pp_rank, pp)
+    path = _contained(ckpt_dir, rank_file(ckpt_dir, it, tp_rank, pp_rank, pp))
     weights = _local_spec_weights(safe_load(path), path)
     st = init_distributed(tp, pp, 1, device)
     dtype = next(iter(weights.values())).dtype
