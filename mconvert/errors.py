@@ -1,5 +1,80 @@
-"""The one exception type a user sees: a single line saying what is wrong, where, and what to do."""
+"""The one exception type a user sees: a single line saying what is wrong, where, and what to do.
+
+Also the small readers every module shares so that a wrong-shaped input ends in that one line: a JSON
+file whose top level must be an object, and a value that must have a given type.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from pathlib import Path
+from typing import Any
 
 
 class MConvertError(Exception):
     """A user-facing error. The CLI prints `error: <message>` and exits 1 (MCONVERT_DEBUG=1 shows a traceback)."""
+
+
+# Bidirectional overrides and isolates reorder what a terminal shows (a path can be made to read as another).
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character shown as an escape (`\\n`, `\\x1b`, `\\u2028`): one visible line that
+    no file name or key can split, recolour or reorder. Everything else is kept verbatim."""
+    out = []
+    for ch in text:
+        if ch in "\n\r\t":
+            out.append({"\n": "\\n", "\r": "\\r", "\t": "\\t"}[ch])
+        elif ch in _BIDI or unicodedata.category(ch) in ("Cc", "Zl", "Zp"):
+            o = ord(ch)
+            out.append(f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+_TYPE_WORDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+               float: "a number", type(None): "null"}
+
+
+def type_name(value: Any) -> str:
+    """The JSON word for a parsed value's type (`an object`, `an array`, `a string`, ...), else the Python name."""
+    return _TYPE_WORDS.get(type(value), f"a {type(value).__name__}")
+
+
+def load_json_object(path: str | Path, what: str, fix: str = "fix or re-create it") -> dict[str, Any]:
+    """Parse the JSON file `path` whose top level must be an object; a missing, unreadable, invalid or
+    wrong-shaped file is one MConvertError naming the file and `what` it should be."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise MConvertError(f"{p}: unreadable {what} (not UTF-8 text: {e.reason} at byte {e.start}); {fix}") from None
+    except OSError as e:
+        raise MConvertError(f"{p}: unreadable {what} ({e.strerror or e}); {fix}") from None
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise MConvertError(f"{p}: unreadable {what} (JSON nested too deeply); {fix}") from None
+    except ValueError as e:
+        raise MConvertError(f"{p}: unreadable {what} (not valid JSON: {e}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise MConvertError(f"{p}: unreadable {what} (expected a JSON object, found {type_name(obj)}); {fix}")
+    return obj
+
+
+def expect(value: Any, types: type | tuple[type, ...], where: str, fix: str = "fix or re-create it") -> Any:
+    """`value` when it is an instance of `types` (a bool is never taken for a number), else one MConvertError:
+    `where` names the file and key, e.g. `config.ini [gpt] head_num`."""
+    want = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, want) and not (isinstance(value, bool) and bool not in want):
+        return value
+    words = " or ".join(_TYPE_WORDS.get(t, f"a {t.__name__}") for t in want)
+    raise MConvertError(f"{where}: expected {words}, found {type_name(value)} ({_short(value)}); {fix}")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
