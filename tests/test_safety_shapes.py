@@ -14,7 +14,7 @@ from typing import Callable
 
 import pytest
 import torch
-from safety_common import _WORK, assert_one_line_error, base, copy_of, load_rank, rank_file, run_cli, save_rank
+from safety_common import _WORK, assert_one_line_error, base, copy_of, load_rank, run_cli, save_rank
 
 pytestmark = pytest.mark.timeout(120)
 

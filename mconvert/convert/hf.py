@@ -19,7 +19,7 @@ import torch
 from mconvert.convert.base import Unit, pmap
 from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.sources import TOKENIZER_FILES, SourceBase, find_tokenizer_dir
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, expect, load_json_object
 from mconvert.mappings import from_hf, hf_unit
 from mconvert.spec import ModelSpec
 
@@ -42,6 +42,19 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a `*.index.json` (tensor name -> file name); any other shape is one MConvertError
+    naming the file and the key."""
+    fix = "re-export the model (or delete the index to list the weight files instead)"
+    obj = load_json_object(index, "index", fix)
+    if "weight_map" not in obj:
+        raise MConvertError(f"{index}: unreadable index (no 'weight_map'); {fix}")
+    wmap = expect(obj["weight_map"], dict, f"{index}: weight_map", fix)
+    for name, file in wmap.items():
+        expect(file, str, f"{index}: weight_map[{name!r}]", fix)
+    return dict(wmap)
+
+
 class HFSource(SourceBase):
     """An HF model directory (config.json + safetensors / pytorch_model*.bin), read one unit at a time."""
 
@@ -50,10 +63,7 @@ class HFSource(SourceBase):
     def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
         self.path = Path(path)
         cfg_path = self.path / "config.json"
-        try:
-            self.config = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise MConvertError(f"{cfg_path}: unreadable config ({e}); fix it or re-copy the model directory") from None
+        self.config = load_json_object(cfg_path, "config", "fix it or re-copy the model directory")
         self.spec = ModelSpec.from_hf_config(self.config, source=str(cfg_path))
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
         self.key_file = self._index()
@@ -68,10 +78,7 @@ class HFSource(SourceBase):
         """tensor name -> file name, from the index json or by listing the weight files."""
         idx = self.path / INDEX
         if idx.is_file():
-            try:
-                weight_map = json.loads(idx.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise MConvertError(f"{idx}: unreadable index ({e})") from None
+            weight_map = read_weight_map(idx)
             for f in set(weight_map.values()):
                 if not (self.path / f).is_file():
                     raise MConvertError(f"{idx}: lists {f} but that file is missing")
@@ -80,7 +87,7 @@ class HFSource(SourceBase):
         if not files:
             bin_idx = self.path / "pytorch_model.bin.index.json"
             if bin_idx.is_file():
-                return dict(json.loads(bin_idx.read_text())["weight_map"])
+                return read_weight_map(bin_idx)
             files = sorted(p.name for p in self.path.glob("pytorch_model*.bin"))
         if not files:
             raise MConvertError(f"{self.path}: no *.safetensors or pytorch_model*.bin weight files")

@@ -7,13 +7,16 @@ imported lazily) and HuggingFace dirs (`config.json` + safetensors or pytorch_mo
 
 from __future__ import annotations
 
+import argparse
+import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.convert.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, type_name
 from mconvert.spec import ModelSpec
 
 TOKENIZER_FILES = (
@@ -54,6 +57,27 @@ class SourceBase:
     def describe(self) -> str:
         par = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")
         return f"{self.format} checkpoint {self.path} ({self.spec.family}, {par})"
+
+
+def checkpoint_dict(state: Any, file: str | Path) -> dict[str, Any]:
+    """The top level of a Megatron rank file or `common.pt`, which must be a dict; anything else is one
+    MConvertError naming the file."""
+    if not isinstance(state, dict):
+        raise MConvertError(f"{file}: top level is {type_name(state)}, not the dict Megatron saves (args, model, "
+                            "...); not a Megatron checkpoint file, or a damaged one — re-copy it")
+    return state
+
+
+def args_dict(args: Any, file: str | Path) -> dict[str, Any]:
+    """Megatron `args` (argparse.Namespace, SimpleNamespace or dict) as a dict; missing or of another type is
+    one MConvertError naming the file and the key."""
+    if isinstance(args, dict):
+        return dict(args)
+    if isinstance(args, (argparse.Namespace, types.SimpleNamespace)):
+        return dict(vars(args))
+    what = "missing" if args is None else f"{type_name(args)}, not an argparse.Namespace"
+    raise MConvertError(f"{file}: 'args' is {what}; cannot tell the model's shape — re-copy the checkpoint "
+                        "(Megatron-LM saves its args in every rank file)")
 
 
 def find_tokenizer_dir(*candidates: Path | None) -> Path | None:

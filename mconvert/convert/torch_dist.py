@@ -9,7 +9,6 @@ only as a file reader (no process group): a unit reads just its own layer's slic
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,8 @@ import torch
 
 from mconvert.convert.base import Unit
 from mconvert.convert.safeload import safe_load, safe_load_dcp_metadata
-from mconvert.convert.sources import SourceBase, megatron_spec, resolve_iteration_dir
-from mconvert.errors import MConvertError
+from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.errors import MConvertError, expect, load_json_object
 from mconvert.mappings.keys import canonical_key, unit_of
 
 STACKED_PREFIX = "decoder.layers."
@@ -62,14 +61,14 @@ class TorchDistSource(SourceBase):
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
                                 "re-save with --ckpt-format torch_dist or torch")
         common_file = d / "common.pt"
-        common = safe_load(common_file, "common.pt")
-        if not isinstance(common, dict) or "args" not in common:
+        common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
+        if "args" not in common:
             raise MConvertError(f"{common_file}: no 'args' entry; cannot tell the model's shape")
         self.args = common["args"]
         self.checkpoint_version = float(common.get("checkpoint_version", 0) or 0)
         if self.iteration != "release" and common.get("iteration") is not None:
             self.iteration = common["iteration"]
-        a = dict(vars(self.args)) if not isinstance(self.args, dict) else dict(self.args)
+        a = args_dict(self.args, common_file)
         del common
         if not (d / ".metadata").is_file():
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
@@ -94,10 +93,9 @@ class TorchDistSource(SourceBase):
     def _backend(path: Path) -> str:
         if not path.is_file():
             return "torch_dist"  # older saves: .metadata alone
-        try:
-            return str(json.loads(path.read_text()).get("sharded_backend", "torch_dist"))
-        except (OSError, ValueError) as e:
-            raise MConvertError(f"{path}: not valid JSON ({e}); re-copy the checkpoint") from None
+        meta = load_json_object(path, "torch_dist metadata", "re-copy the checkpoint")
+        return str(expect(meta.get("sharded_backend", "torch_dist"), str, f"{path}: sharded_backend",
+                          "re-copy the checkpoint"))
 
     def _index(self) -> None:
         """Map every DCP key to a canonical name (or an explicit drop); unknown keys are an error."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, expect, load_json_object
 from mconvert.spec import ModelSpec
 
 TRT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -343,6 +343,36 @@ def expected_trtllm_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_TRT_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+_TRT_OPTIONAL_INTS = ("num_key_value_heads", "head_size", "max_position_embeddings", "rotary_embedding_dim")
+
+
+def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
+    """A TensorRT-LLM `config.json` with every field the checker and runner use checked for presence and type;
+    anything else is one MConvertError naming the file and the key."""
+    fix = "re-export it with `mconvert megatron-to-trtllm`"
+    cfg = load_json_object(cfg_path, "TensorRT-LLM config", fix)
+    need = ("architecture", "dtype", *_TRT_INTS, "norm_epsilon", "position_embedding_type", "mapping")
+    missing = [k for k in need if k not in cfg]
+    if missing:
+        raise MConvertError(f"{cfg_path}: lacks {', '.join(missing)}; {fix}")
+    expect(cfg["architecture"], str, f"{cfg_path}: architecture", fix)
+    expect(cfg["dtype"], str, f"{cfg_path}: dtype", fix)
+    expect(cfg["norm_epsilon"], (int, float), f"{cfg_path}: norm_epsilon", fix)
+    for k in _TRT_INTS + tuple(k for k in _TRT_OPTIONAL_INTS if cfg.get(k) is not None):
+        if expect(cfg[k], int, f"{cfg_path}: {k}", fix) <= 0:
+            raise MConvertError(f"{cfg_path}: {k} = {cfg[k]} must be positive; {fix}")
+    mapping = expect(cfg["mapping"], dict, f"{cfg_path}: mapping", fix)
+    for k in ("tp_size", "pp_size", "world_size"):
+        if k in mapping and expect(mapping[k], int, f"{cfg_path}: mapping.{k}", fix) <= 0:
+            raise MConvertError(f"{cfg_path}: mapping.{k} = {mapping[k]} must be positive; {fix}")
+    if "tp_size" not in mapping:
+        raise MConvertError(f"{cfg_path}: lacks mapping.tp_size; {fix}")
+    if cfg.get("rotary_base") is not None:
+        expect(cfg["rotary_base"], (int, float), f"{cfg_path}: rotary_base", fix)
+    return cfg
+
+
 def check_trtllm_dir(path: str | Path) -> list[str]:
     """Problems with a TensorRT-LLM checkpoint dir (empty list: every rank holds exactly the expected tensors)."""
     from safetensors import safe_open
@@ -350,14 +380,9 @@ def check_trtllm_dir(path: str | Path) -> list[str]:
     d = Path(path)
     cfg_path = d / "config.json"
     try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        return [f"{cfg_path}: unreadable ({e})"]
-    need = ("architecture", "dtype", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-            "intermediate_size", "norm_epsilon", "position_embedding_type", "mapping")
-    missing = [k for k in need if k not in cfg]
-    if missing:
-        return [f"{cfg_path}: lacks {', '.join(missing)}"]
+        cfg = read_trtllm_config(cfg_path)
+    except MConvertError as e:
+        return [str(e)]
     try:
         shapes = expected_trtllm_shapes(cfg)
     except (MConvertError, KeyError, ValueError, TypeError) as e:
@@ -407,7 +432,7 @@ def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -
     problems = check_trtllm_dir(d)
     if problems:
         raise MConvertError(f"not a valid TensorRT-LLM checkpoint: {problems[0]}")
-    cfg = json.loads((d / "config.json").read_text())
+    cfg = read_trtllm_config(d / "config.json")
     t = int(cfg["mapping"]["tp_size"])
     ranks = [{k: v.float().to(device) for k, v in load_file(str(d / f"rank{r}.safetensors")).items()}
              for r in range(t)]

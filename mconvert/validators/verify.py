@@ -8,7 +8,6 @@ adds the logits comparison of `validate`; `--vllm-python` serves the dir in a re
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,7 +16,8 @@ from typing import Any
 
 import torch
 
-from mconvert.errors import MConvertError
+from mconvert.convert.hf import read_weight_map
+from mconvert.errors import MConvertError, escape_controls, load_json_object
 
 SCHEMA = "mconvert.verify/1"
 VLLM_ARCHS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -117,9 +117,9 @@ def _config(d: Path, rep: VerifyReport) -> dict[str, Any] | None:
         rep.add("config", "error", f"{p}: missing; an HF dir needs config.json")
         return None
     try:
-        cfg = json.loads(p.read_text())
-    except ValueError as e:
-        rep.add("config", "error", f"{p}: not valid JSON ({e})")
+        cfg = load_json_object(p, "config", "re-export the model")
+    except MConvertError as e:
+        rep.add("config", "error", str(e))
         return None
     rep.add("config", "ok", f"{p.name}: model_type={cfg.get('model_type')}")
     return cfg
@@ -191,9 +191,9 @@ def _weight_files(d: Path, rep: VerifyReport) -> tuple[list[Path], dict[str, str
     st = sorted(d.glob("*.safetensors"))
     if index.is_file():
         try:
-            wmap = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            rep.add("weight-files", "error", f"{index}: unreadable index ({e}); re-export")
+            wmap = read_weight_map(index)
+        except MConvertError as e:
+            rep.add("weight-files", "error", str(e))
             return [], None
         named = sorted(set(wmap.values()))
         missing = [f for f in named if not (d / f).is_file()]
@@ -401,9 +401,9 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
         rep.add("generation-config", "error", f"{p}: missing; vLLM reads eos/bos ids from it")
         return
     try:
-        g = json.loads(p.read_text())
-    except ValueError as e:
-        rep.add("generation-config", "error", f"{p}: not valid JSON ({e})")
+        g = load_json_object(p, "generation config", "re-export the model")
+    except MConvertError as e:
+        rep.add("generation-config", "error", str(e))
         return
     eos = g.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
@@ -462,7 +462,7 @@ def reference_spec(info) -> Any:
 
     try:
         if info.format == "hf":
-            return ModelSpec.from_hf_config(json.loads((info.path / "config.json").read_text()))
+            return ModelSpec.from_hf_config(load_json_object(info.path / "config.json", "config"))
         if info.format == "megatron":
             from mconvert.convert.layout import RANK_FILE, iteration_dir_name
             from mconvert.convert.safeload import safe_load
@@ -566,6 +566,13 @@ def classify_difference(name: str, got: torch.Tensor, want: torch.Tensor, unit: 
     return where + f"values differ from the checkpoint (max abs {diff:.3g})"
 
 
+def _plain(text: str) -> str:
+    """A message from file names and keys, safe for rich: markup and control characters escaped."""
+    from rich.markup import escape
+
+    return escape(escape_controls(text))
+
+
 def render_verify(rep: VerifyReport, console) -> None:
     """The rich table of checks, then the verdict line."""
     from rich.table import Table
@@ -576,11 +583,11 @@ def render_verify(rep: VerifyReport, console) -> None:
     t.add_column("detail", overflow="fold")
     style = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "error": "[bold red]ERROR[/]"}
     for c in rep.checks:
-        t.add_row(c.name, style.get(c.status, c.status), c.message)
+        t.add_row(c.name, style.get(c.status, c.status), _plain(c.message))
     console.print(t)
     errs = rep.errors()
     for c in errs:
-        console.print(f"  [red]✗[/] {c.name}: {c.message}", highlight=False, soft_wrap=True)
+        console.print(f"  [red]✗[/] {c.name}: {_plain(c.message)}", highlight=False, soft_wrap=True)
     if errs:
         console.print(f"[bold red]NOT READY[/]: {len(errs)} error(s): {', '.join(c.name for c in errs)}")
     else:
