@@ -18,7 +18,13 @@ import torch
 
 from mconvert.convert.base import Unit, pmap
 from mconvert.convert.safeload import all_finite, safe_load
-from mconvert.convert.sources import TOKENIZER_FILES, SourceBase, find_tokenizer_dir
+from mconvert.convert.sources import (
+    TOKENIZER_FILES,
+    SourceBase,
+    TokenizerCodeRefused,
+    find_tokenizer_dir,
+    load_tokenizer,
+)
 from mconvert.errors import MConvertError, expect, load_json_object
 from mconvert.mappings import from_hf, hf_unit
 from mconvert.spec import ModelSpec
@@ -426,17 +432,14 @@ def _special_ids_from_json(tok_dir: Path) -> tuple[int | None, int | None] | Non
     the bench VM, issue 7). Answers only when unambiguous: a `*Fast` tokenizer_class, both tokens named in
     tokenizer_config.json (so no class default applies), special_tokens_map.json agreeing, and each token one
     of tokenizer.json's added tokens (tokenizer_config's added_tokens_decoder agreeing). Else None."""
-    import json
 
-    try:
-        cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
-        tj = json.loads((tok_dir / "tokenizer.json").read_text())
-        smap_file = tok_dir / "special_tokens_map.json"
-        smap = json.loads(smap_file.read_text()) if smap_file.is_file() else {}
-    except (OSError, ValueError):
+    fix = "re-save the tokenizer (or pass --tokenizer DIR)"
+    if not (tok_dir / "tokenizer_config.json").is_file() or not (tok_dir / "tokenizer.json").is_file():
         return None
-    if not isinstance(cfg, dict) or not isinstance(tj, dict) or not isinstance(smap, dict):
-        return None
+    cfg = load_json_object(tok_dir / "tokenizer_config.json", "tokenizer file", fix)
+    tj = load_json_object(tok_dir / "tokenizer.json", "tokenizer file", fix)
+    smap_file = tok_dir / "special_tokens_map.json"
+    smap = load_json_object(smap_file, "tokenizer file", fix) if smap_file.is_file() else {}
     if not str(cfg.get("tokenizer_class") or "").endswith("Fast"):
         return None
 
@@ -473,9 +476,9 @@ def _tokenizer_special_ids(tok_dir: Path) -> tuple[int | None, int | None]:
     if fast is not None:
         return fast
     try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        tok = load_tokenizer(Path(tok_dir))
         return tok.bos_token_id, tok.eos_token_id
-    except Exception:  # noqa: BLE001 - optional information only
+    except TokenizerCodeRefused:
+        raise
+    except MConvertError:  # optional information only (e.g. a sentencepiece model without sentencepiece)
         return None, None

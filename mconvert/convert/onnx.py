@@ -107,7 +107,7 @@ def _export_optimum(hf_dir: Path, out: Path, with_past: bool, opset: int | None)
     task = "text-generation-with-past" if with_past else "text-generation"
     try:
         main_export(str(hf_dir), output=out, task=task, opset=opset, device="cpu", do_validation=False,
-                    local_files_only=True, library_name="transformers")
+                    local_files_only=True, library_name="transformers", trust_remote_code=False)
     except Exception as e:  # optimum raises ValueError/KeyError/RuntimeError for unsupported models
         raise MConvertError(f"optimum could not export {hf_dir} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
@@ -134,7 +134,8 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
+                                                 trust_remote_code=False, local_files_only=True)
     model.eval()
     ids = torch.zeros(1, 8, dtype=torch.long)
     torch.onnx.export(
@@ -157,7 +158,8 @@ def check_onnx_against_hf(onnx_dir: Path, hf_dir: Path, rtol: float = DEFAULT_RT
 
     from mconvert.validators.onnx_runner import _past_inputs, onnx_session, onnx_step
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, trust_remote_code=False,
+                                                 local_files_only=True).eval()
     cfg = model.config
     seq = min(seq, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", seq))
     g = torch.Generator().manual_seed(0)

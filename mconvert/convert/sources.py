@@ -16,7 +16,7 @@ import torch
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.convert.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
-from mconvert.errors import MConvertError, type_name
+from mconvert.errors import MConvertError, escape_controls, load_json_object, type_name
 from mconvert.spec import ModelSpec
 
 TOKENIZER_FILES = (
@@ -81,11 +81,49 @@ def args_dict(args: Any, file: str | Path) -> dict[str, Any]:
 
 
 def find_tokenizer_dir(*candidates: Path | None) -> Path | None:
-    """The first directory that holds HF tokenizer files."""
+    """The first directory that holds HF tokenizer files; their JSON files must be JSON objects."""
     for d in candidates:
         if d is not None and d.is_dir() and any((d / f).is_file() for f in TOKENIZER_FILES[:2] + ("tokenizer.model",)):
+            check_tokenizer_files(d)
             return d
     return None
+
+
+# Small tokenizer files whose top level is a JSON object (tokenizer.json is checked where it is parsed).
+_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+_TOKENIZER_FIX = "re-save the tokenizer (or pass --tokenizer DIR)"
+
+
+def check_tokenizer_files(tok_dir: Path) -> None:
+    """Refuse, naming the file, a tokenizer dir whose small JSON files are not JSON objects."""
+    for name in _TOKENIZER_JSON:
+        if (tok_dir / name).is_file():
+            load_json_object(tok_dir / name, "tokenizer file", _TOKENIZER_FIX)
+
+
+class TokenizerCodeRefused(MConvertError):
+    """A tokenizer that only the code shipped in its directory can build: refused, never run."""
+
+
+def load_tokenizer(tok_dir: Path) -> Any:
+    """transformers' tokenizer of `tok_dir`, never running code shipped in it: `trust_remote_code=False` and
+    local files only, so no `[y/N]` prompt either. A tokenizer that only its own code can build (`auto_map`
+    without a class transformers has) is refused by name; any other failure is one MConvertError."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    check_tokenizer_files(tok_dir)
+    try:
+        if (tok_dir / "tokenizer_config.json").is_file() or (tok_dir / "vocab.json").is_file():
+            return AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False, local_files_only=True)
+        return PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer dir
+        if "trust_remote_code" in str(e):
+            raise TokenizerCodeRefused(f"{tok_dir}: the tokenizer names its own code (auto_map) and no class transformers "
+                                "has; mconvert never runs code from a checkpoint — remove auto_map or pass "
+                                "--tokenizer DIR with a standard tokenizer") from None
+        text = escape_controls(str(e).split("\n", 1)[0])[:200]
+        raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({type(e).__name__}: {text}); "
+                            f"{_TOKENIZER_FIX}") from None
 
 
 def resolve_iteration_dir(root: Path, iteration: int | str | None) -> tuple[Path, int | str | None]:
@@ -171,12 +209,7 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
 
 def tokenizer_length(tok_dir: Path) -> int:
     """len(tokenizer) of an HF tokenizer dir (the true vocab when the args do not say)."""
-    try:
-        from transformers import AutoTokenizer
-
-        return len(AutoTokenizer.from_pretrained(str(tok_dir)))
-    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a user-facing one-liner
-        raise MConvertError(f"{tok_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:120]})") from None
+    return len(load_tokenizer(tok_dir))
 
 
 def megatron_spec(args: dict, source: str, tokenizer: str | Path | None, *roots: Path) -> tuple[ModelSpec, Path | None, bool]:

@@ -60,7 +60,8 @@ def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True,
+                                                     trust_remote_code=False).eval()
     finally:
         hf_logging.set_verbosity(v)
         if bars:
