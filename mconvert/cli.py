@@ -15,7 +15,8 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from mconvert.errors import MConvertError, escape_controls
+from mconvert.errors import MConvertError
+from mconvert.errors import rich_safe as plain
 
 app = typer.Typer(
     add_completion=False,
@@ -25,15 +26,6 @@ app = typer.Typer(
     "re-shard them, and prove every result by comparing logits.",
 )
 console = Console(stderr=True)
-
-
-def plain(text: object) -> str:
-    """`text` safe to hand to rich: markup brackets escaped (a path `[v2]` prints as itself, `[/x]` cannot
-    crash the printer) and control characters shown as escapes (no newline or ESC from an input reaches the
-    terminal). Every message the CLI prints from a file, key or exception passes through here."""
-    from rich.markup import escape
-
-    return escape(escape_controls(str(text)))
 
 
 def error_line(message: object) -> None:

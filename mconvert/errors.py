@@ -35,6 +35,15 @@ def escape_controls(text: str) -> str:
     return "".join(out)
 
 
+def rich_safe(text: object) -> str:
+    """`text` ready to embed in rich markup: control characters escaped (above) and markup brackets escaped, so
+    a path `[v2]` prints as itself and `[/x]` cannot crash the printer. Every report line that shows a file
+    name, a key or an exception's text passes through here."""
+    from rich.markup import escape
+
+    return escape(escape_controls(str(text)))
+
+
 _TYPE_WORDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
                float: "a number", type(None): "null"}
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, load_json_object
 
 DEFAULT_RTOL = 1e-4
 
@@ -62,6 +62,7 @@ def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
 def _hf_dir_for(src: Path, iteration: str | None) -> Any:
     """Yield an HF dir for `src`: itself, or a temporary fp32 export of a Megatron checkpoint."""
     if _is_hf_dir(src, iteration):
+        load_json_object(src / "config.json", "config", "fix it or re-copy the model directory")  # before optimum
         yield src
         return
     from mconvert.convert.driver import megatron_to_hf

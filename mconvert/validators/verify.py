@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from mconvert.convert.hf import read_weight_map
-from mconvert.errors import MConvertError, escape_controls, load_json_object
+from mconvert.errors import MConvertError, load_json_object
+from mconvert.errors import rich_safe as _plain
 
 SCHEMA = "mconvert.verify/1"
 VLLM_ARCHS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -564,13 +565,6 @@ def classify_difference(name: str, got: torch.Tensor, want: torch.Tensor, unit: 
                     return where + "rows mixed between gate_proj and up_proj (SwiGLU halves swapped across TP ranks)"
     diff = float((got.float() - want.float()).abs().max())
     return where + f"values differ from the checkpoint (max abs {diff:.3g})"
-
-
-def _plain(text: str) -> str:
-    """A message from file names and keys, safe for rich: markup and control characters escaped."""
-    from rich.markup import escape
-
-    return escape(escape_controls(text))
 
 
 def render_verify(rep: VerifyReport, console) -> None:
