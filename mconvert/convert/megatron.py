@@ -372,6 +372,7 @@ class MegatronSource(SourceBase):
                         s = opt_by_name.get(f"model0.{raw}") or opt_by_name.get(f"module.{raw}")
                     if s is None:
                         raise MConvertError(f"{f}: optimizer has no state for parameter {key!r}")
+                    optim.check_finite(s, key, str(f))
                     ostates[name].append(s)
             del st, model
         out = {name: direct[name] if name in direct else
