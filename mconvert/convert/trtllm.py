@@ -89,10 +89,20 @@ class StreamingSafetensors:
         self._todo.discard(name)
 
     def close(self) -> None:
+        """Flush and close; a tensor never written is an error (a bug in the writer, not in the input)."""
         if not self._f.closed:
             self._f.close()
             if self._todo:
-                raise MConvertError(f"{self.path.name}: never written: {sorted(self._todo)[:3]}")
+                raise MConvertError(f"internal: {self.path.name}: tensors never written: {sorted(self._todo)[:3]}")
+
+    def abort(self) -> None:
+        """Close after a failure without judging the file: the failure in flight (disk full, a refusal) is the
+        one to report, and the file is about to be removed with the rest of the output."""
+        if not self._f.closed:
+            try:
+                self._f.close()
+            except OSError:  # the buffered tail cannot be written either (the disk is still full)
+                pass
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -272,8 +282,10 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     embed = None
     units = source.units()
     with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force) as tmp:
-        writers = [StreamingSafetensors(tmp / f"rank{r}.safetensors", layout, tdt) for r in range(tp)]
+        writers: list[StreamingSafetensors] = []
         try:
+            for r in range(tp):
+                writers.append(StreamingSafetensors(tmp / f"rank{r}.safetensors", layout, tdt))
             for unit in units:
                 hf = source.read_hf(unit)
                 if unit == "embedding" and spec.tie_embeddings:
@@ -282,9 +294,12 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
                     for k, v in part.items():
                         w.write(k, v)
                 step()
-        finally:
+        except BaseException:
             for w in writers:
-                w.close()
+                w.abort()
+            raise
+        for w in writers:
+            w.close()
         (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
         problems = check_trtllm_dir(tmp)
         if problems:
