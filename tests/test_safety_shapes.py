@@ -162,9 +162,12 @@ CASES: dict[str, Case] = {
         "head_num"),
     "bandwidth file is an array": Case("tok", lambda d: _write(d / "bw.json", []), ("plan --bandwidth-file",),
                                        "bw.json"),
+    "bandwidth ratio_to_cp is an array": Case("tok", lambda d: _write(d / "bw.json", {"copy_bytes_per_s": 1e9,
+                                                                                      "ratio_to_cp": [1]}),
+                                              ("plan --bandwidth-file",), "ratio_to_cp"),
 }
 
-_SRC_FILE = {"bandwidth file is an array": "bw.json"}
+_SRC_FILE = {"bandwidth file is an array": "bw.json", "bandwidth ratio_to_cp is an array": "bw.json"}
 
 
 @pytest.mark.parametrize("name,verb", [(n, v) for n, c in CASES.items() for v in c.verbs])
