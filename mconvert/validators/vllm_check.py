@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, load_json_object
 
 SERVE_SCRIPT = Path(__file__).with_name("vllm_serve.py")
 ENV_SCRIPT = Path(__file__).with_name("vllm_env.sh")
@@ -101,7 +101,7 @@ def vllm_compare_many(
 
     jobs = []
     for d in dirs:
-        cfg = json.loads((d / "config.json").read_text())
+        cfg = load_json_object(d / "config.json", "config", "re-export the model")
         max_pos = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 128)
         max_len = min(128, max_pos)
         plen = min(prompt_len, max_len // 2)
