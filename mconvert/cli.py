@@ -1,7 +1,9 @@
 """The `mconvert` command: a thin typer layer, one function per verb, each calling one library function.
 
-Known errors (MConvertError, and OS errors a user can fix) become one line on stderr and exit 1;
-MCONVERT_DEBUG=1 shows the traceback instead. Library code never imports typer.
+Every failure becomes one line `error: ...` on stderr and exit 1: MConvertError as it is, OS errors with
+their cause, anything else (a bug) as "internal error" with its type. What the line shows from files and keys
+is escaped (markup, control characters) in one place, `errors.rich_safe`. MCONVERT_DEBUG=1 re-raises instead.
+Library code never imports typer.
 """
 
 from __future__ import annotations
@@ -508,8 +510,6 @@ def main(argv: list[str] | None = None) -> None:
     except _ClickException as e:  # usage errors: click's own one-line message
         e.show()
         sys.exit(e.exit_code)
-    except SystemExit:
-        raise
     except OSError as e:
         if debug:
             raise
