@@ -25,7 +25,6 @@ def _made(kind: str) -> Path:
     from mconvert.convert.fastertransformer import megatron_to_ft
     from mconvert.convert.trtllm import megatron_to_trtllm
     from mconvert.data import build_tokenizer, save_hf_tokenizer
-    from mconvert.spec import preset
 
     out = _WORK / f"made-{kind}"
     if kind == "trtllm":
@@ -41,9 +40,15 @@ def _made(kind: str) -> Path:
         (out / "latest_checkpointed_iteration.txt").write_text("1")
         (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                      "common_backend": "torch", "common_backend_version": 1}))
-        torch.save({"args": preset("tiny-llama").to_megatron_args(1, 1), "checkpoint_version": 3.0,
-                    "iteration": 1}, d / "common.pt")
+        torch.save(_common(), d / "common.pt")
     return out
+
+
+def _common(**over: object) -> dict:
+    """common.pt of a torch_dist iteration as megatron-core writes it (args, checkpoint_version, iteration)."""
+    from mconvert.spec import preset
+
+    return {"args": preset("tiny-llama").to_megatron_args(1, 1), "checkpoint_version": 3.0, "iteration": 1, **over}
 
 
 def _copy(kind: str, dst: Path) -> Path:
@@ -145,6 +150,9 @@ CASES: dict[str, Case] = {
                                                  ("megatron-to-hf", "inspect"), "metadata.json"),
     "torch_dist common.pt is a list": Case("dist", lambda d: torch.save([1, 2], d / "iter_0000001/common.pt"),
                                            ("megatron-to-hf", "inspect"), "common.pt"),
+    "torch_dist common.pt checkpoint_version is text": Case(
+        "dist", lambda d: torch.save(_common(checkpoint_version="3.0"), d / "iter_0000001/common.pt"),
+        ("megatron-to-hf",), "checkpoint_version"),
     "TensorRT-LLM config.json is an array": Case("trtllm", lambda d: _write(d / "config.json", []),
                                                  ("validate",), "config.json"),
     "TensorRT-LLM config mapping is an array": Case(

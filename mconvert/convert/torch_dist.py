@@ -65,7 +65,8 @@ class TorchDistSource(SourceBase):
         if "args" not in common:
             raise MConvertError(f"{common_file}: no 'args' entry; cannot tell the model's shape")
         self.args = common["args"]
-        self.checkpoint_version = float(common.get("checkpoint_version", 0) or 0)
+        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
+                                               f"{common_file}: checkpoint_version", "re-copy the checkpoint"))
         if self.iteration != "release" and common.get("iteration") is not None:
             self.iteration = common["iteration"]
         a = args_dict(self.args, common_file)
