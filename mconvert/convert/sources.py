@@ -118,9 +118,10 @@ def load_tokenizer(tok_dir: Path) -> Any:
         return PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer dir
         if "trust_remote_code" in str(e):
-            raise TokenizerCodeRefused(f"{tok_dir}: the tokenizer names its own code (auto_map) and no class transformers "
-                                "has; mconvert never runs code from a checkpoint — remove auto_map or pass "
-                                "--tokenizer DIR with a standard tokenizer") from None
+            raise TokenizerCodeRefused(
+                f"{tok_dir}: the tokenizer names its own code (auto_map) and no class transformers has; mconvert "
+                "never runs code from a checkpoint — remove auto_map or pass --tokenizer DIR with a standard tokenizer"
+            ) from None
         text = escape_controls(str(e).split("\n", 1)[0])[:200]
         raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({type(e).__name__}: {text}); "
                             f"{_TOKENIZER_FIX}") from None
