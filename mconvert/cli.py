@@ -1,11 +1,14 @@
 """The `mconvert` command: a thin typer layer, one function per verb, each calling one library function.
 
-Known errors (MConvertError, and OS errors a user can fix) become one line on stderr and exit 1;
-MCONVERT_DEBUG=1 shows the traceback instead. Library code never imports typer.
+Every failure becomes one line `error: ...` on stderr and exit 1: MConvertError as it is, OS errors with
+their cause, anything else (a bug) as "internal error" with its type. What the line shows from files and keys
+is escaped (markup, control characters) in one place, `errors.rich_safe`. MCONVERT_DEBUG=1 re-raises instead.
+Library code never imports typer.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -15,6 +18,7 @@ import typer
 from rich.console import Console
 
 from mconvert.errors import MConvertError
+from mconvert.errors import rich_safe as plain
 
 app = typer.Typer(
     add_completion=False,
@@ -24,6 +28,12 @@ app = typer.Typer(
     "re-shard them, and prove every result by comparing logits.",
 )
 console = Console(stderr=True)
+
+
+def error_line(message: object) -> None:
+    """Print `error: MESSAGE` as exactly one line on stderr, whatever MESSAGE holds."""
+    console.print(f"[bold red]error:[/] {plain(message)}", highlight=False, soft_wrap=True, emoji=False)
+
 
 # ---- shared option types ----------------------------------------------------------------------------
 Force = Annotated[bool, typer.Option("--force", help="Replace OUT if it exists (only at the final rename).")]
@@ -157,20 +167,20 @@ def _print_report(report: dict, json_out: bool) -> None:
         print(_json.dumps(report, indent=1, default=str))
         return
     title = ("DRY RUN (nothing written): " if report.get("dry_run") else "") + f"{report['verb']} → {report['output']}"
-    t = Table(title=title)
+    t = Table(title=plain(title))
     t.add_column("file")
     t.add_column("bytes", justify="right")
     for f in report["files"]:
-        t.add_row(f["path"], f"{f['bytes']:,}")
+        t.add_row(plain(f["path"]), f"{f['bytes']:,}")
     console.print(t)
     for k in ("source", "family", "dtype", "tp", "pp", "vpp", "iteration", "optimizer", "tokenizer",
               "tokenizer_files", "read_bytes", "write_bytes", "largest_unit", "peak_memory_bytes", "peak_rss_bytes",
               "seconds", "note"):
         if report.get(k) not in (None, [], ""):
             v = report[k]
-            console.print(f"  {k}: {v:,}" if isinstance(v, int) and "bytes" in k else f"  {k}: {v}")
+            console.print(f"  {k}: {v:,}" if isinstance(v, int) and "bytes" in k else f"  {k}: {plain(v)}", highlight=False)
     for w in report.get("warnings", []):
-        console.print(f"[bold yellow]WARNING:[/] {w}", highlight=False)
+        console.print(f"[bold yellow]WARNING:[/] {plain(w)}", highlight=False, soft_wrap=True)
 
 
 @app.command("megatron-to-hf")
@@ -292,7 +302,7 @@ def _deploy_report(title: str, rows: list[tuple[str, str]], data: dict, as_json:
 
     table = Table(title=title, show_header=False)
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(plain(k), plain(v))
     console.print(table)
 
 
@@ -426,7 +436,7 @@ def validate_cmd(
     else:
         render(report, console)
         if plot:
-            console.print(f"plot: {plot}")
+            console.print(f"plot: {plain(plot)}", highlight=False)
     if not report.passed:
         raise typer.Exit(1)
 
@@ -472,16 +482,25 @@ except ImportError:  # pragma: no cover - older typer
     from click.exceptions import ClickException as _ClickException
 
 
+def _os_error_message(e: OSError) -> str:
+    """An OSError a user can act on: the OS's words, the path(s) and the errno name kept together."""
+    where = ": ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    code = f" [{errno.errorcode.get(e.errno, e.errno)}]" if e.errno else ""
+    what = e.strerror or str(e) or type(e).__name__
+    return f"{where + ': ' if where else ''}{what}{code}; check the path and its permissions or free space, then run again"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry: map known errors to one line and exit 1."""
+    """Console-script entry: every failure ends in one `error:` line and exit 1 (MCONVERT_DEBUG=1 re-raises)."""
+    debug = bool(os.environ.get("MCONVERT_DEBUG"))
     try:
         rc = app(args=argv, standalone_mode=False)
         if isinstance(rc, int) and rc:  # click returns a verb's typer.Exit code instead of raising it
             sys.exit(rc)
     except MConvertError as e:
-        if os.environ.get("MCONVERT_DEBUG"):
+        if debug:
             raise
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        error_line(e)
         sys.exit(1)
     except (typer.Abort, KeyboardInterrupt):
         console.print("[bold red]aborted[/]")
@@ -492,9 +511,21 @@ def main(argv: list[str] | None = None) -> None:
         e.show()
         sys.exit(e.exit_code)
     except OSError as e:
-        if os.environ.get("MCONVERT_DEBUG"):
+        if debug:
             raise
-        console.print(f"[bold red]error:[/] {e.strerror or e}: {e.filename or ''}", highlight=False, soft_wrap=True)
+        error_line(_os_error_message(e))
+        sys.exit(1)
+    except MemoryError:
+        if debug:
+            raise
+        error_line("out of memory; free memory (or convert on a larger machine) and run again")
+        sys.exit(1)
+    except Exception as e:  # noqa: BLE001 - a bug: still one line, the traceback on request
+        if debug:
+            raise
+        text = str(e).split("\n", 1)[0][:300]
+        error_line(f"internal error ({type(e).__name__}{': ' + text if text else ''}); "
+                   "set MCONVERT_DEBUG=1 for the traceback and report it")
         sys.exit(1)
 
 

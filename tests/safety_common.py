@@ -107,6 +107,7 @@ def assert_one_line_error(code: int, err: str, *must_contain: str) -> str:
     line = lines[0]
     assert line.startswith("error: "), line
     assert "Traceback" not in err, err
+    assert "set MCONVERT_DEBUG=1 for the traceback" not in line, f"a bug, not a refusal: {line}"
     for s in must_contain:
         assert s.lower() in line.lower(), f"{s!r} not in {line!r}"
     return line

@@ -80,3 +80,35 @@ def test_with_optimizer_needs_states(tmp_path):
     with pytest.raises(MConvertError, match="no optimizer state to re-shard"):
         reshard(tmp_path / "a", tmp_path / "b", tp=1, pp=1, with_optimizer=True)
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("key,bad", [("exp_avg", float("nan")), ("exp_avg_sq", float("inf")),
+                                     ("master_param", float("-inf"))])
+def test_nan_or_inf_in_optimizer_states_is_refused(tmp_path, capsys, key, bad):
+    """One poisoned element in one Adam state (or a master copy kept beside them) on TP rank 1, PP stage 1:
+    `reshard --with-optimizer` refuses naming the file, the parameter and the state key, and writes nothing.
+    Without --with-optimizer the states are not read and the weights (all finite) reshard fine."""
+    from safety_common import assert_one_line_error, run_cli
+
+    cfg = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=50, n_positions=8)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+    hf_to_megatron(tmp_path / "hf", tmp_path / "a", tp=2, pp=2)
+    _add_optimizer(tmp_path / "a")
+    f = tmp_path / "a" / "release" / "mp_rank_01_001" / "model_optim_rng.pt"
+    st = dict(safe_load(f))
+    group = st["optimizer"]["param_groups"][0]
+    name = next(n for n in group["param_names"] if n.endswith("mlp.linear_fc1.weight"))
+    s = st["optimizer"]["state"][group["param_names"].index(name)]
+    s["master_param"] = st["model"][name].float().clone()
+    s[key] = s[key].clone()
+    s[key].view(-1)[5] = bad
+    torch.save(st, f.with_suffix(".tmp"))  # not over the file safe_load has memory-mapped
+    f.with_suffix(".tmp").replace(f)
+    code, _, err = run_cli(["reshard", tmp_path / "a", tmp_path / "b", "--tp", "1", "--pp", "1",
+                            "--with-optimizer"], capsys)
+    assert_one_line_error(code, err, str(f), f"'{key}'", f"'{name}'", "NaN or Inf")
+    assert not (tmp_path / "b").exists()
+    code, _, err = run_cli(["reshard", tmp_path / "a", tmp_path / "c", "--tp", "1", "--pp", "1"], capsys)
+    assert code == 0, err

@@ -49,8 +49,9 @@ def check_output(out: str | Path, force: bool, inputs: tuple[str | Path | None, 
     probe = parent
     while not probe.exists():
         probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise MConvertError(f"{out}: cannot write to {probe} (not writable); choose another output path")
+    if not os.access(probe, os.W_OK):  # the OS's reason is kept: a read-only mount is fixed differently
+        code = errno.EROFS if os.statvfs(probe).f_flag & os.ST_RDONLY else errno.EACCES
+        raise MConvertError(f"{out}: cannot write to {probe} ({os.strerror(code)}); choose another output path")
     return out
 
 

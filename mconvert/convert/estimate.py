@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mconvert.errors import MConvertError
+from mconvert.convert.paths import load_json_object
+from mconvert.errors import MConvertError, expect
 from mconvert.spec import ModelSpec, ParamDecl
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -52,17 +53,19 @@ def load_bandwidth(path: str | Path | None = None) -> dict[str, Any]:
         if path is not None:
             raise MConvertError(f"{p}: bandwidth file not found; run `make bench` or drop --bandwidth-file")
         return out
-    try:
-        data = json.loads(p.read_text())
-        bw = float(data["copy_bytes_per_s"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise MConvertError(f"{p}: unreadable bandwidth file ({e}); re-run `make bench` or delete it") from None
-    if bw <= 0:
+    fix = "re-run `make bench` or delete it"
+    data = load_json_object(p, "bandwidth file", fix)
+    if "copy_bytes_per_s" not in data:
+        raise MConvertError(f"{p}: unreadable bandwidth file (no copy_bytes_per_s); {fix}")
+    bw = float(expect(data["copy_bytes_per_s"], (int, float), f"{p}: copy_bytes_per_s", fix))
+    if not bw > 0:
         raise MConvertError(f"{p}: copy_bytes_per_s must be positive, got {bw}; re-run `make bench`")
     out["copy_bytes_per_s"] = bw
-    out["ratio_to_cp"].update({k: float(v) for k, v in (data.get("ratio_to_cp") or {}).items()})
+    ratios = expect(data.get("ratio_to_cp") or {}, dict, f"{p}: ratio_to_cp", fix)
+    out["ratio_to_cp"].update({k: float(expect(v, (int, float), f"{p}: ratio_to_cp.{k}", fix))
+                               for k, v in ratios.items()})
     if data.get("base_rss_bytes"):
-        out["base_rss_bytes"] = int(data["base_rss_bytes"])
+        out["base_rss_bytes"] = int(expect(data["base_rss_bytes"], (int, float), f"{p}: base_rss_bytes", fix))
     out["source"] = str(p)
     return out
 

@@ -227,6 +227,18 @@ def read_ft_config(ft_dir: Path) -> tuple[str, dict[str, str]]:
     return sections[0], fields
 
 
+def ft_number(fields: dict[str, str], key: str, ini: Path, kind: type = int) -> Any:
+    """config.ini field `key` as an int (or `kind`); a missing field or text where a number belongs is one
+    MConvertError naming the file and the key."""
+    if key not in fields:
+        raise MConvertError(f"{ini}: lacks {key}; re-export the FasterTransformer directory")
+    try:
+        return kind(fields[key])
+    except ValueError:
+        raise MConvertError(f"{ini}: {key} = {fields[key]!r} is not {'an integer' if kind is int else 'a number'}; "
+                            "re-export the FasterTransformer directory") from None
+
+
 def load_ft_tensor(ft_dir: Path, f: FTFile, dtype: str) -> torch.Tensor:
     """One raw little-endian file as a float32 tensor of the loader's shape (size checked)."""
     np_dtype = FT_DTYPES[dtype][0]
@@ -255,11 +267,18 @@ def check_ft_dir(path: str | Path) -> list[str]:
     if problems:
         return problems
     try:
-        ints = {k: int(cfg[k]) for k in ("head_num", "size_per_head", "inter_size", "num_layer", "vocab_size",
-                                         "tensor_para_size")}
-        float(cfg["layernorm_eps"])
-    except ValueError as e:
-        return [f"{ini}: non-numeric field ({e})"]
+        ints = {k: ft_number(cfg, k, ini) for k in ("head_num", "size_per_head", "inter_size", "num_layer",
+                                                    "vocab_size", "tensor_para_size")}
+        ft_number(cfg, "layernorm_eps", ini, float)
+        if section == "llama":
+            ft_number(cfg, "rotary_embedding", ini)
+        if "max_pos_seq_len" in cfg:
+            ft_number(cfg, "max_pos_seq_len", ini)
+    except MConvertError as e:
+        return [str(e)]
+    not_positive = [k for k, v in ints.items() if v <= 0]
+    if not_positive:
+        return [f"{ini}: {not_positive[0]} = {ints[not_positive[0]]} must be positive; re-export the directory"]
     dtype = cfg["weight_data_type"]
     if dtype not in FT_DTYPES:
         return [f"{ini}: weight_data_type {dtype!r} (mconvert writes fp32 or fp16)"]

@@ -18,9 +18,15 @@ import torch
 
 from mconvert.convert.base import Unit, pmap
 from mconvert.convert.safeload import all_finite, safe_load
-from mconvert.convert.paths import contained, inside_file, open_regular, read_json
-from mconvert.convert.sources import SourceBase, copy_tokenizer, find_tokenizer_dir
-from mconvert.errors import MConvertError
+from mconvert.convert.paths import contained, inside_file, load_json_object, open_regular
+from mconvert.convert.sources import (
+    SourceBase,
+    TokenizerCodeRefused,
+    copy_tokenizer,
+    find_tokenizer_dir,
+    load_tokenizer,
+)
+from mconvert.errors import MConvertError, expect
 from mconvert.mappings import from_hf, hf_unit
 from mconvert.spec import ModelSpec
 
@@ -43,6 +49,19 @@ def parse_size(text: str | int) -> int:
     return size
 
 
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a `*.index.json` (tensor name -> file name); any other shape is one MConvertError
+    naming the file and the key."""
+    fix = "re-export the model (or delete the index to list the weight files instead)"
+    obj = load_json_object(index, "index", fix)
+    if "weight_map" not in obj:
+        raise MConvertError(f"{index}: unreadable index (no 'weight_map'); {fix}")
+    wmap = expect(obj["weight_map"], dict, f"{index}: weight_map", fix)
+    for name, file in wmap.items():
+        expect(file, str, f"{index}: weight_map[{name!r}]", fix)
+    return dict(wmap)
+
+
 class HFSource(SourceBase):
     """An HF model directory (config.json + safetensors / pytorch_model*.bin), read one unit at a time."""
 
@@ -51,7 +70,7 @@ class HFSource(SourceBase):
     def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
         self.path = Path(path)
         cfg_path = inside_file(self.path, "config.json", f"{self.path}: config")
-        self.config = read_json(cfg_path, what="config")
+        self.config = load_json_object(cfg_path, "config", "fix it or re-copy the model directory")
         self.spec = ModelSpec.from_hf_config(self.config, source=str(cfg_path))
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
         self.key_file = self._index()
@@ -107,13 +126,7 @@ class HFSource(SourceBase):
 
     def _weight_map(self, idx: Path) -> dict[str, str]:
         """An index's `weight_map`; every file it names must be a regular file inside the model directory."""
-        index = read_json(inside_file(self.path, idx.name, f"{self.path}: index"))
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise MConvertError(f"{idx}: no 'weight_map' object; re-export the model or remove the index")
-        for k, f in weight_map.items():
-            if not isinstance(f, str):
-                raise MConvertError(f"{idx}: weight_map[{k!r}] is {type(f).__name__}, not a file name")
+        weight_map = read_weight_map(inside_file(self.path, idx.name, f"{self.path}: index"))
         for f in sorted(set(weight_map.values())):
             path = contained(self.path, f, f"{idx}: weight_map file")
             if not os.path.lexists(path):
@@ -444,17 +457,17 @@ def _special_ids_from_json(tok_dir: Path) -> tuple[int | None, int | None] | Non
     the bench VM, issue 7). Answers only when unambiguous: a `*Fast` tokenizer_class, both tokens named in
     tokenizer_config.json (so no class default applies), special_tokens_map.json agreeing, and each token one
     of tokenizer.json's added tokens (tokenizer_config's added_tokens_decoder agreeing). Else None."""
-    def load(name: str) -> Any:
-        return read_json(inside_file(tok_dir, name, f"{tok_dir}: tokenizer file {name}"), "tokenizer")
+    fix = "re-save the tokenizer (or pass --tokenizer DIR)"
+    if not (tok_dir / "tokenizer_config.json").is_file() or not (tok_dir / "tokenizer.json").is_file():
+        return None
 
-    try:
-        cfg = load("tokenizer_config.json")
-        tj = load("tokenizer.json")
-        smap = load("special_tokens_map.json") if (tok_dir / "special_tokens_map.json").is_file() else {}
-    except MConvertError:
-        return None
-    if not isinstance(cfg, dict) or not isinstance(tj, dict) or not isinstance(smap, dict):
-        return None
+    def load(name: str) -> dict[str, Any]:
+        path = inside_file(tok_dir, name, f"{tok_dir}: tokenizer file {name}")
+        return load_json_object(path, "tokenizer file", fix, kind="tokenizer")
+
+    cfg = load("tokenizer_config.json")
+    tj = load("tokenizer.json")
+    smap = load("special_tokens_map.json") if (tok_dir / "special_tokens_map.json").is_file() else {}
     if not str(cfg.get("tokenizer_class") or "").endswith("Fast"):
         return None
 
@@ -491,9 +504,9 @@ def _tokenizer_special_ids(tok_dir: Path) -> tuple[int | None, int | None]:
     if fast is not None:
         return fast
     try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        tok = load_tokenizer(Path(tok_dir))
         return tok.bos_token_id, tok.eos_token_id
-    except Exception:  # noqa: BLE001 - optional information only
+    except TokenizerCodeRefused:
+        raise
+    except MConvertError:  # optional information only (e.g. a sentencepiece model without sentencepiece)
         return None, None

@@ -8,6 +8,7 @@ from typing import Any
 
 from mconvert.convert.layout import stage_layers
 from mconvert.convert.sources import open_source
+from mconvert.errors import rich_safe
 from mconvert.mappings.transforms import split_dim
 from mconvert.spec import SPLIT_COLLECTIVE, _template
 
@@ -75,7 +76,7 @@ def render_inspect(info: dict[str, Any]) -> Any:
     from rich.table import Table
 
     s = info["spec"]
-    head = Table(title=f"{info['path']}: {info['format']}", show_header=False)
+    head = Table(title=f"{rich_safe(info['path'])}: {info['format']}", show_header=False)
     head.add_column("field")
     head.add_column("value")
     head.add_row("parallel", f"TP={info['tp']} PP={info['pp']}" + (f" VPP={info['vpp']}" if info["vpp"] else ""))
@@ -88,7 +89,7 @@ def render_inspect(info: dict[str, Any]) -> Any:
         head.add_row(k, str(s[k]))
     head.add_row("padded vocab", str(info["padded_vocab_size"]))
     head.add_row("stage layers", "  ".join(f"pp{p}: {r}" for p, r in info["stage_layers"].items()))
-    head.add_row("tokenizer", str(info["tokenizer"]))
+    head.add_row("tokenizer", rich_safe(info["tokenizer"]))
     t = Table(title="parameters (layer index *; shapes per TP rank)")
     for c in ("parameter", "split", "full shape", "shard shape × TP", "stages", "run-time collective"):
         t.add_column(c)

@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import threading
-import types
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,8 @@ from mconvert.convert.layout import (
 )
 from mconvert.convert.paths import inside_file
 from mconvert.convert.safeload import all_finite, safe_load
-from mconvert.convert.sources import SourceBase, megatron_spec, resolve_iteration_dir
-from mconvert.errors import MConvertError
+from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.errors import MConvertError, type_name
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.transforms import merge, merge_transposed, pad_vocab, split
 from mconvert.spec import ModelSpec
@@ -42,14 +41,6 @@ RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 # megatron-core local-spec modules whose state_dict carries `<module>._extra_state` (None): strict loading
 # into megatron-core's GPTModel and the trainer expects them.
 EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
-
-
-def _args_dict(args: Any) -> dict[str, Any]:
-    if isinstance(args, dict):
-        return dict(args)
-    if isinstance(args, (argparse.Namespace, types.SimpleNamespace)):
-        return dict(vars(args))
-    raise MConvertError(f"checkpoint args have an unexpected type {type(args).__name__}")
 
 
 def _checkpoint_version(state: dict, file: Path) -> float:
@@ -85,11 +76,11 @@ class MegatronSource(SourceBase):
         if (0, 0) not in self.files:
             self._check_holes()
         first_file = self.files[(0, 0)]
-        first = safe_load(first_file)
+        first = checkpoint_dict(safe_load(first_file), first_file)
         if "args" not in first:
             raise MConvertError(f"{first_file}: no 'args' entry; not a Megatron-LM checkpoint (or written without args)")
         self.args = first["args"]
-        self._check_layout(_args_dict(self.args))  # safety: extra rank dirs are named against the args
+        self._check_layout(args_dict(self.args, first_file))  # safety: extra rank dirs are named against the args
         self._check_holes()
         self.checkpoint_version = _checkpoint_version(first, first_file)
         if self.iteration != "release" and first.get("iteration") is not None:
@@ -99,7 +90,7 @@ class MegatronSource(SourceBase):
         self.vpp = len(chunks) if chunks else None
         if "model" not in first and not chunks:
             raise MConvertError(f"{first_file}: no 'model' (or 'model0'...) entry; nothing to convert")
-        a = _args_dict(self.args)
+        a = args_dict(self.args, first_file)
         spec, self.tokenizer_dir, self.vocab_known = megatron_spec(a, str(first_file), tokenizer, self.root, self.path)
         if a.get("bos_token_id") is not None or a.get("eos_token_id") is not None:
             spec = spec.replace(bos_token_id=a.get("bos_token_id"), eos_token_id=a.get("eos_token_id"))
@@ -110,7 +101,7 @@ class MegatronSource(SourceBase):
         self._keymaps: dict[tuple[int, int], dict[str, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}  # canonical name -> shape on TP rank 0 (as stored)
         for p in range(self.pp):  # validate every key of every stage before any work is done
-            st = safe_load(self.files[(0, p)])
+            st = checkpoint_dict(safe_load(self.files[(0, p)]), self.files[(0, p)])
             for c in range(self.vpp or 1):
                 self._keymaps[(p, c)] = self._keymap(st, p, c, self.files[(0, p)])
             self._remember(0, p, st)
@@ -162,13 +153,13 @@ class MegatronSource(SourceBase):
         for (t, p), f in sorted(self.files.items()):
             if t == 0 and p == 0:
                 continue
-            st = safe_load(f)
+            st = checkpoint_dict(safe_load(f), f)
             if _checkpoint_version(st, f) != self.checkpoint_version:  # it decides the legacy QKV layout
                 raise MConvertError(f"{f}: checkpoint_version {_checkpoint_version(st, f)} but "
                                     f"{self.files[(0, 0)]} has {self.checkpoint_version}; the rank files come from "
                                     "different runs or one is corrupt — re-copy the checkpoint")
             if "args" in st:
-                a = _args_dict(st["args"])
+                a = args_dict(st["args"], f)
                 spec = ModelSpec.from_megatron_args(a, source=str(f)).to_dict()
                 diff = [(k, spec[k], spec0[k]) for k in spec0 if spec[k] != spec0[k]]
                 diff += [(k, a.get(k), args0.get(k)) for k in fields if a.get(k) != args0.get(k)]
@@ -227,6 +218,9 @@ class MegatronSource(SourceBase):
         key = "model" if self.vpp is None else f"model{chunk}"
         if key not in state:
             raise MConvertError(f"{file}: no {key!r} entry (other rank files have it); the checkpoint is inconsistent")
+        if not isinstance(state[key], dict):
+            raise MConvertError(f"{file}: {key!r} is {type_name(state[key])}, not the dict of named tensors "
+                                "Megatron saves; the file is damaged — re-copy it")
         return flatten(state[key])
 
     def _keymap(self, state: dict, pp_rank: int, chunk: int, file: Path) -> dict[str, str]:
@@ -281,7 +275,7 @@ class MegatronSource(SourceBase):
             with _INDEX_LOCK:  # the readers' threads: one load per file
                 if (t, p) not in cache:
                     f = self.files[(t, p)]
-                    st = safe_load(f)
+                    st = checkpoint_dict(safe_load(f), f)
                     self._remember(t, p, st)
                     del st
         entry = cache.get((t, p))
@@ -401,6 +395,7 @@ class MegatronSource(SourceBase):
                         s = opt_by_name.get(f"model0.{raw}") or opt_by_name.get(f"module.{raw}")
                     if s is None:
                         raise MConvertError(f"{f}: optimizer has no state for parameter {key!r}")
+                    optim.check_finite(s, key, str(f))
                     ostates[name].append(s)
             del st, model
         out = {name: direct[name] if name in direct else
@@ -438,7 +433,7 @@ class MegatronSource(SourceBase):
         known = self.__dict__.get("_top_level", {}).get((tp_rank, pp_rank))
         if known is not None:
             return dict(known)
-        st = safe_load(self.files[(tp_rank, pp_rank)])
+        st = checkpoint_dict(safe_load(self.files[(tp_rank, pp_rank)]), self.files[(tp_rank, pp_rank)])
         return {k: v for k, v in st.items() if not k.startswith("model") and k != "optimizer"}
 
 
@@ -482,7 +477,7 @@ class MegatronWriter:
         if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
             return self.spec.to_megatron_args(self.tp, self.pp, self.vpp, bos_token_id=self.spec.bos_token_id,
                                               eos_token_id=self.spec.eos_token_id)
-        ns = argparse.Namespace(**_interned(_args_dict(args)))
+        ns = argparse.Namespace(**_interned(args_dict(args, "the source checkpoint")))
         ns.tensor_model_parallel_size = self.tp
         ns.pipeline_model_parallel_size = self.pp
         ns.virtual_pipeline_model_parallel_size = self.vpp

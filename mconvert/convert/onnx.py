@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert.convert.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
 
 DEFAULT_RTOL = 1e-4
@@ -62,6 +63,7 @@ def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
 def _hf_dir_for(src: Path, iteration: str | None) -> Any:
     """Yield an HF dir for `src`: itself, or a temporary fp32 export of a Megatron checkpoint."""
     if _is_hf_dir(src, iteration):
+        load_json_object(inside_file(src, "config.json", f"{src}: config"), "config", "fix it or re-copy the model directory")  # before optimum
         yield src
         return
     from mconvert.convert.driver import megatron_to_hf
@@ -107,7 +109,7 @@ def _export_optimum(hf_dir: Path, out: Path, with_past: bool, opset: int | None)
     task = "text-generation-with-past" if with_past else "text-generation"
     try:
         main_export(str(hf_dir), output=out, task=task, opset=opset, device="cpu", do_validation=False,
-                    local_files_only=True, library_name="transformers")
+                    local_files_only=True, library_name="transformers", trust_remote_code=False)
     except Exception as e:  # optimum raises ValueError/KeyError/RuntimeError for unsupported models
         raise MConvertError(f"optimum could not export {hf_dir} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
 
@@ -134,7 +136,8 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
 
     from mconvert.convert.paths import copy_contained
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
+                                                 trust_remote_code=False, local_files_only=True)
     model.eval()
     ids = torch.zeros(1, 8, dtype=torch.long)
     torch.onnx.export(
@@ -157,7 +160,8 @@ def check_onnx_against_hf(onnx_dir: Path, hf_dir: Path, rtol: float = DEFAULT_RT
 
     from mconvert.validators.onnx_runner import _past_inputs, onnx_session, onnx_step
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, trust_remote_code=False,
+                                                 local_files_only=True).eval()
     cfg = model.config
     seq = min(seq, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", seq))
     g = torch.Generator().manual_seed(0)

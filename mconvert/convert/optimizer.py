@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, expect
 
 STATE_TENSORS = ("exp_avg", "exp_avg_sq")
 _CHUNK_RE = re.compile(r"^model(\d+)\.(.*)$")
@@ -43,18 +43,34 @@ def index_states(opt: dict, source: str) -> tuple[dict[str, dict[str, Any]], lis
     if not has_states(opt):
         raise MConvertError(f"{source}: no optimizer state to re-shard (optimizer is missing or empty); "
                             "drop --with-optimizer")
+    fix = "the file is damaged — re-copy it or drop --with-optimizer"
     by_name: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
+    states = expect(opt["state"], dict, f"{source}: optimizer state", fix)
     for g, group in enumerate(opt["param_groups"]):
+        expect(group, dict, f"{source}: optimizer param_groups[{g}]", fix)
         names = group.get("param_names")
-        if names is None or len(names) != len(group.get("params", [])):
+        if not isinstance(names, list) or len(names) != len(expect(group.get("params", []), list,
+                                                                   f"{source}: optimizer param_groups[{g}].params", fix)):
             raise MConvertError(f"{source}: optimizer param_groups[{g}] has no param_names; build the optimizer "
                                 "from model.named_parameters() so states can be tied to parameters")
         groups.append(dict(group))  # key order kept; params / param_names are rebuilt per target rank
         for pid, name in zip(group["params"], names):
-            st = opt["state"].get(pid, {})
+            st = expect(states.get(pid, {}), dict, f"{source}: optimizer state of parameter {name!r}", fix)
             by_name[name] = {"group": g, **st}
     return by_name, groups
+
+
+def check_finite(state: dict[str, Any], param: str, source: str) -> None:
+    """Refuse one parameter's optimizer state when any of its floating-point tensors (exp_avg, exp_avg_sq,
+    max_exp_avg_sq, a master copy, ...) holds NaN or Inf: resuming from it would train on garbage."""
+    from mconvert.convert.safeload import all_finite
+
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not all_finite(value):
+            raise MConvertError(f"{source}: optimizer state {key!r} of parameter {param!r} holds NaN or Inf values; "
+                                "the run diverged or the file is corrupt — convert an earlier iteration "
+                                "(--iteration N) or drop --with-optimizer")
 
 
 def build_state_dict(params: list[tuple[str, dict[str, Any]]], groups: list[dict[str, Any]]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, type_name
 
 # The most bytes each kind of small metadata file may hold; anything larger is not one mconvert reads whole.
 LIMITS: dict[str, int] = {
@@ -117,9 +117,29 @@ def read_json(path: str | Path, kind: str = "json", what: str = "JSON file") -> 
     """A small JSON file, size-checked first; undecodable JSON is one line naming the file (`what` it is)."""
     try:
         return json.loads(read_small(path, kind))
+    except RecursionError:
+        raise MConvertError(f"{path}: unreadable {what} (JSON nested too deeply); re-copy or re-export it") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise MConvertError(f"{path}: unreadable {what}, not valid JSON ({str(e)[:120]}); re-copy or re-export "
                             "it") from None
+
+
+def load_json_object(path: str | Path, what: str, fix: str = "fix or re-create it", kind: str = "json") -> dict[str, Any]:
+    """The small JSON file `path` (a regular file, size-checked before reading) whose top level must be an object;
+    a missing, unreadable, invalid or wrong-shaped file is one MConvertError naming the file and `what` it is."""
+    p = Path(path)
+    data = read_small(p, kind)
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise MConvertError(f"{p}: unreadable {what} (not UTF-8 text: {e.reason} at byte {e.start}); {fix}") from None
+    except RecursionError:
+        raise MConvertError(f"{p}: unreadable {what} (JSON nested too deeply); {fix}") from None
+    except ValueError as e:
+        raise MConvertError(f"{p}: unreadable {what} (not valid JSON: {e}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise MConvertError(f"{p}: unreadable {what} (expected a JSON object, found {type_name(obj)}); {fix}")
+    return obj
 
 
 def copy_contained(src_dir: Path, name: str, dst_dir: Path, kind: str = "tokenizer") -> Path:

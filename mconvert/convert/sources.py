@@ -7,15 +7,18 @@ imported lazily) and HuggingFace dirs (`config.json` + safetensors or pytorch_mo
 
 from __future__ import annotations
 
+import argparse
 import os
+import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.convert.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
-from mconvert.convert.paths import contained
-from mconvert.errors import MConvertError
+from mconvert.convert.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
+from mconvert.errors import MConvertError, escape_controls, type_name
 from mconvert.spec import ModelSpec
 
 TOKENIZER_FILES = (
@@ -58,6 +61,67 @@ class SourceBase:
         return f"{self.format} checkpoint {self.path} ({self.spec.family}, {par})"
 
 
+def checkpoint_dict(state: Any, file: str | Path) -> dict[str, Any]:
+    """The top level of a Megatron rank file or `common.pt`, which must be a dict; anything else is one
+    MConvertError naming the file."""
+    if not isinstance(state, dict):
+        raise MConvertError(f"{file}: top level is {type_name(state)}, not the dict Megatron saves (args, model, "
+                            "...); not a Megatron checkpoint file, or a damaged one — re-copy it")
+    return state
+
+
+def args_dict(args: Any, file: str | Path) -> dict[str, Any]:
+    """Megatron `args` (argparse.Namespace, SimpleNamespace or dict) as a dict; missing or of another type is
+    one MConvertError naming the file and the key."""
+    if isinstance(args, dict):
+        return dict(args)
+    if isinstance(args, (argparse.Namespace, types.SimpleNamespace)):
+        return dict(vars(args))
+    what = "missing" if args is None else f"{type_name(args)}, not an argparse.Namespace"
+    raise MConvertError(f"{file}: 'args' is {what}; cannot tell the model's shape — re-copy the checkpoint "
+                        "(Megatron-LM saves its args in every rank file)")
+
+
+# Small tokenizer files whose top level is a JSON object (tokenizer.json is checked where it is parsed).
+_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+_TOKENIZER_FIX = "re-save the tokenizer (or pass --tokenizer DIR)"
+
+
+def check_tokenizer_files(tok_dir: Path) -> None:
+    """Refuse, naming the file, a tokenizer dir whose small JSON files are not JSON objects."""
+    for name in _TOKENIZER_JSON:
+        if (tok_dir / name).is_file():
+            path = inside_file(tok_dir, name, f"{tok_dir}: tokenizer file {name}")
+            load_json_object(path, "tokenizer file", _TOKENIZER_FIX, kind="tokenizer")
+
+
+class TokenizerCodeRefused(MConvertError):
+    """A tokenizer that only the code shipped in its directory can build: refused, never run."""
+
+
+def load_tokenizer(tok_dir: Path) -> Any:
+    """transformers' tokenizer of `tok_dir`, never running code shipped in it: `trust_remote_code=False` and
+    local files only, so no `[y/N]` prompt either. A tokenizer that only its own code can build (`auto_map`
+    without a class transformers has) is refused by name; any other failure is one MConvertError."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    check_tokenizer_dir(tok_dir)
+    check_tokenizer_files(tok_dir)
+    try:
+        if (tok_dir / "tokenizer_config.json").is_file() or (tok_dir / "vocab.json").is_file():
+            return AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False, local_files_only=True)
+        return PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer dir
+        if "trust_remote_code" in str(e):
+            raise TokenizerCodeRefused(
+                f"{tok_dir}: the tokenizer names its own code (auto_map) and no class transformers has; mconvert "
+                "never runs code from a checkpoint — remove auto_map or pass --tokenizer DIR with a standard tokenizer"
+            ) from None
+        text = escape_controls(str(e).split("\n", 1)[0])[:200]
+        raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({type(e).__name__}: {text}); "
+                            f"{_TOKENIZER_FIX}") from None
+
+
 # Files transformers may open when it loads a tokenizer directory: each must be a regular file inside it.
 TOKENIZER_READ_FILES = TOKENIZER_FILES + ("chat_template.jinja", "chat_template.json", "spiece.model")
 
@@ -65,8 +129,6 @@ TOKENIZER_READ_FILES = TOKENIZER_FILES + ("chat_template.jinja", "chat_template.
 def check_tokenizer_dir(d: Path) -> Path:
     """Refuse a tokenizer directory whose files (`TOKENIZER_READ_FILES`) are symlinks leading outside it, FIFOs,
     devices or larger than a tokenizer file holds: transformers and the copy into OUT would follow them."""
-    from mconvert.convert.paths import LIMITS, inside_file
-
     for f in TOKENIZER_READ_FILES:
         if os.path.lexists(d / f):
             st = inside_file(d, f, f"{d}: tokenizer file {f}").stat()
@@ -81,14 +143,14 @@ def find_tokenizer_dir(*candidates: Path | None) -> Path | None:
     for d in candidates:
         if d is not None and d.is_dir() and any(os.path.lexists(d / f)
                                                 for f in TOKENIZER_FILES[:2] + ("tokenizer.model",)):
-            return check_tokenizer_dir(d)
+            check_tokenizer_dir(d)
+            check_tokenizer_files(d)
+            return d
     return None
 
 
 def copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
     """Copy the tokenizer files of `src_dir` into `out` (each a regular file inside `src_dir`); their names."""
-    from mconvert.convert.paths import copy_contained
-
     copied = []
     if src_dir is not None:
         check_tokenizer_dir(src_dir)
@@ -184,12 +246,7 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
 
 def tokenizer_length(tok_dir: Path) -> int:
     """len(tokenizer) of an HF tokenizer dir (the true vocab when the args do not say)."""
-    try:
-        from transformers import AutoTokenizer
-
-        return len(AutoTokenizer.from_pretrained(str(tok_dir)))
-    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a user-facing one-liner
-        raise MConvertError(f"{tok_dir}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:120]})") from None
+    return len(load_tokenizer(tok_dir))
 
 
 def megatron_spec(args: dict, source: str, tokenizer: str | Path | None, *roots: Path) -> tuple[ModelSpec, Path | None, bool]:

@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from mconvert.convert.base import Unit
-from mconvert.convert.paths import check_regular, contained, inside_file, read_json
+from mconvert.convert.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.safeload import safe_load, safe_load_dcp_metadata
-from mconvert.convert.sources import SourceBase, megatron_spec, resolve_iteration_dir
-from mconvert.errors import MConvertError
+from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.errors import MConvertError, expect
 from mconvert.mappings.keys import canonical_key, unit_of
 
 STACKED_PREFIX = "decoder.layers."
@@ -63,14 +63,15 @@ class TorchDistSource(SourceBase):
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
                                 "re-save with --ckpt-format torch_dist or torch")
         common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
-        common = safe_load(common_file, "common.pt")
-        if not isinstance(common, dict) or "args" not in common:
+        common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
+        if "args" not in common:
             raise MConvertError(f"{common_file}: no 'args' entry; cannot tell the model's shape")
         self.args = common["args"]
-        self.checkpoint_version = float(common.get("checkpoint_version", 0) or 0)
+        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
+                                               f"{common_file}: checkpoint_version", "re-copy the checkpoint"))
         if self.iteration != "release" and common.get("iteration") is not None:
             self.iteration = common["iteration"]
-        a = dict(vars(self.args)) if not isinstance(self.args, dict) else dict(self.args)
+        a = args_dict(self.args, common_file)
         del common
         if not os.path.lexists(d / ".metadata"):
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
@@ -96,10 +97,10 @@ class TorchDistSource(SourceBase):
     def _backend(path: Path) -> str:
         if not os.path.lexists(path):
             return "torch_dist"  # older saves: .metadata alone
-        meta = read_json(inside_file(path.parent, path.name, f"{path.parent}: torch_dist metadata"))
-        if not isinstance(meta, dict):
-            raise MConvertError(f"{path}: expected a JSON object, found {type(meta).__name__}; re-copy the checkpoint")
-        return str(meta.get("sharded_backend", "torch_dist"))
+        meta = load_json_object(inside_file(path.parent, path.name, f"{path.parent}: torch_dist metadata"),
+                                "torch_dist metadata", "re-copy the checkpoint")
+        return str(expect(meta.get("sharded_backend", "torch_dist"), str, f"{path}: sharded_backend",
+                          "re-copy the checkpoint"))
 
     def _check_storage(self, md_file: Path) -> None:
         """Every data file `.metadata` names (`relative_path`) must be a regular file inside the iteration

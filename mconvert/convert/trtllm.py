@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
-from mconvert.convert.paths import inside_file, read_json
-from mconvert.errors import MConvertError
+from mconvert.convert.paths import inside_file, load_json_object
+from mconvert.errors import MConvertError, expect
 from mconvert.spec import ModelSpec
 
 TRT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -91,10 +91,20 @@ class StreamingSafetensors:
         self._todo.discard(name)
 
     def close(self) -> None:
+        """Flush and close; a tensor never written is an error (a bug in the writer, not in the input)."""
         if not self._f.closed:
             self._f.close()
             if self._todo:
-                raise MConvertError(f"{self.path.name}: never written: {sorted(self._todo)[:3]}")
+                raise MConvertError(f"internal: {self.path.name}: tensors never written: {sorted(self._todo)[:3]}")
+
+    def abort(self) -> None:
+        """Close after a failure without judging the file: the failure in flight (disk full, a refusal) is the
+        one to report, and the file is about to be removed with the rest of the output."""
+        if not self._f.closed:
+            try:
+                self._f.close()
+            except OSError:  # the buffered tail cannot be written either (the disk is still full)
+                pass
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -274,8 +284,10 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     embed = None
     units = source.units()
     with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
-        writers = [StreamingSafetensors(tmp / f"rank{r}.safetensors", layout, tdt) for r in range(tp)]
+        writers: list[StreamingSafetensors] = []
         try:
+            for r in range(tp):
+                writers.append(StreamingSafetensors(tmp / f"rank{r}.safetensors", layout, tdt))
             for unit in units:
                 hf = source.read_hf(unit)
                 if unit == "embedding" and spec.tie_embeddings:
@@ -284,9 +296,12 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
                     for k, v in part.items():
                         w.write(k, v)
                 step()
-        finally:
+        except BaseException:
             for w in writers:
-                w.close()
+                w.abort()
+            raise
+        for w in writers:
+            w.close()
         (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
         problems = check_trtllm_dir(tmp)
         if problems:
@@ -345,6 +360,37 @@ def expected_trtllm_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_TRT_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+_TRT_OPTIONAL_INTS = ("num_key_value_heads", "head_size", "max_position_embeddings", "rotary_embedding_dim")
+
+
+def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
+    """A TensorRT-LLM `config.json` with every field the checker and runner use checked for presence and type;
+    anything else is one MConvertError naming the file and the key."""
+    fix = "re-export it with `mconvert megatron-to-trtllm`"
+    cfg = load_json_object(inside_file(cfg_path.parent, cfg_path.name, f"{cfg_path.parent}: TensorRT-LLM config"),
+                           "TensorRT-LLM config", fix)
+    need = ("architecture", "dtype", *_TRT_INTS, "norm_epsilon", "position_embedding_type", "mapping")
+    missing = [k for k in need if k not in cfg]
+    if missing:
+        raise MConvertError(f"{cfg_path}: lacks {', '.join(missing)}; {fix}")
+    expect(cfg["architecture"], str, f"{cfg_path}: architecture", fix)
+    expect(cfg["dtype"], str, f"{cfg_path}: dtype", fix)
+    expect(cfg["norm_epsilon"], (int, float), f"{cfg_path}: norm_epsilon", fix)
+    for k in _TRT_INTS + tuple(k for k in _TRT_OPTIONAL_INTS if cfg.get(k) is not None):
+        if expect(cfg[k], int, f"{cfg_path}: {k}", fix) <= 0:
+            raise MConvertError(f"{cfg_path}: {k} = {cfg[k]} must be positive; {fix}")
+    mapping = expect(cfg["mapping"], dict, f"{cfg_path}: mapping", fix)
+    for k in ("tp_size", "pp_size", "world_size"):
+        if k in mapping and expect(mapping[k], int, f"{cfg_path}: mapping.{k}", fix) <= 0:
+            raise MConvertError(f"{cfg_path}: mapping.{k} = {mapping[k]} must be positive; {fix}")
+    if "tp_size" not in mapping:
+        raise MConvertError(f"{cfg_path}: lacks mapping.tp_size; {fix}")
+    if cfg.get("rotary_base") is not None:
+        expect(cfg["rotary_base"], (int, float), f"{cfg_path}: rotary_base", fix)
+    return cfg
+
+
 def check_trtllm_dir(path: str | Path) -> list[str]:
     """Problems with a TensorRT-LLM checkpoint dir (empty list: every rank holds exactly the expected tensors)."""
     from safetensors import safe_open
@@ -352,16 +398,9 @@ def check_trtllm_dir(path: str | Path) -> list[str]:
     d = Path(path)
     cfg_path = d / "config.json"
     try:
-        cfg = read_json(inside_file(d, "config.json", f"{d}: TensorRT-LLM config"))
+        cfg = read_trtllm_config(cfg_path)
     except MConvertError as e:
         return [str(e)]
-    if not isinstance(cfg, dict):
-        return [f"{cfg_path}: expected a JSON object, found {type(cfg).__name__}"]
-    need = ("architecture", "dtype", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-            "intermediate_size", "norm_epsilon", "position_embedding_type", "mapping")
-    missing = [k for k in need if k not in cfg]
-    if missing:
-        return [f"{cfg_path}: lacks {', '.join(missing)}"]
     try:
         shapes = expected_trtllm_shapes(cfg)
     except (MConvertError, KeyError, ValueError, TypeError) as e:
@@ -416,7 +455,7 @@ def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -
     problems = check_trtllm_dir(d)
     if problems:
         raise MConvertError(f"not a valid TensorRT-LLM checkpoint: {problems[0]}")
-    cfg = read_json(inside_file(d, "config.json", f"{d}: TensorRT-LLM config"))
+    cfg = read_trtllm_config(d / "config.json")
     t = int(cfg["mapping"]["tp_size"])
     ranks = [{k: v.float().to(device) for k, v in load_file(str(d / f"rank{r}.safetensors")).items()}
              for r in range(t)]

@@ -5,13 +5,12 @@ Detection looks only at file names and small text files, so it is instant and ne
 
 from __future__ import annotations
 
-import configparser
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mconvert.convert.layout import RANK_FILE, TRACKER, parse_rank_dir
-from mconvert.convert.paths import inside_file, read_json
+from mconvert.convert.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
 
 FORMATS = ("megatron", "megatron-torch_dist", "hf", "ft", "onnx", "trtllm")
@@ -48,9 +47,7 @@ def detect_format(path: str | Path) -> str:
     if (p / "model.onnx").is_file() or any(p.glob("*.onnx")):
         return "onnx"
     if (p / "config.json").is_file():
-        cfg = read_json(inside_file(p, "config.json", f"{p}: config"), what="config")
-        if not isinstance(cfg, dict):
-            raise MConvertError(f"{p / 'config.json'}: expected a JSON object, found {type(cfg).__name__}")
+        cfg = _read_json(p / "config.json")
         if any(p.glob("rank*.safetensors")) and "architecture" in cfg and "architectures" not in cfg:
             return "trtllm"
         return "hf"
@@ -93,26 +90,28 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
     elif fmt == "megatron-torch_dist":
         info.tokenizer_dir = p if _has_tokenizer(p) else None
     elif fmt == "ft":
+        from mconvert.convert.fastertransformer import ft_number, read_ft_config
+
         ini = _ft_config(p)
-        cp = configparser.ConfigParser()
-        cp.read(ini)
-        sec = cp[cp.sections()[0]] if cp.sections() else {}
+        _, sec = read_ft_config(ini.parent)
         wdt = sec.get("weight_data_type", "fp32")
         info.dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(wdt, "float32")
-        info.vocab_size = int(sec["vocab_size"]) if "vocab_size" in sec else None
+        info.vocab_size = ft_number(sec, "vocab_size", ini) if "vocab_size" in sec else None
         if "max_pos_seq_len" in sec:
-            info.max_positions = int(sec["max_pos_seq_len"])
-        info.layout = {"infer_tp": int(sec.get("tensor_para_size", ini.parent.name.split("-")[0] or 1))}
+            info.max_positions = ft_number(sec, "max_pos_seq_len", ini)
+        info.layout = {"infer_tp": ft_number(sec, "tensor_para_size", ini) if "tensor_para_size" in sec else 1}
         for cand in (p, ini.parent, p.parent):
             if _has_tokenizer(cand):
                 info.tokenizer_dir = cand
                 break
     elif fmt == "trtllm":
-        cfg = _read_json(p / "config.json")
-        info.dtype = _norm_dtype(cfg.get("dtype", "float32"))
-        info.vocab_size = cfg.get("vocab_size")
+        from mconvert.convert.trtllm import read_trtllm_config
+
+        cfg = read_trtllm_config(p / "config.json")
+        info.dtype = _norm_dtype(cfg["dtype"])
+        info.vocab_size = cfg["vocab_size"]
         info.max_positions = cfg.get("max_position_embeddings")
-        info.layout = {"tp": int(cfg.get("mapping", {}).get("tp_size", 1))}
+        info.layout = {"tp": cfg["mapping"]["tp_size"]}
         for cand in (p, p.parent):
             if _has_tokenizer(cand):
                 info.tokenizer_dir = cand
@@ -131,6 +130,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
 def _describe_megatron(info: ModelInfo) -> None:
     from mconvert.convert.layout import iteration_dir_name, read_latest
     from mconvert.convert.safeload import safe_load
+    from mconvert.convert.sources import args_dict, checkpoint_dict
 
     p = info.path
     try:
@@ -145,7 +145,8 @@ def _describe_megatron(info: ModelInfo) -> None:
     ranks = [r for r in ranks if r is not None]
     if not ranks and (d / "common.pt").is_file():  # torch_dist: global tensors, no TP/PP layout to run at
         info.format = "megatron-torch_dist"
-        a = _args_dict(safe_load(d / "common.pt", "common.pt").get("args"))
+        common = checkpoint_dict(safe_load(d / "common.pt", "common.pt"), d / "common.pt")
+        a = args_dict(common.get("args"), d / "common.pt")
         info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
         info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
         info.max_positions = a.get("max_position_embeddings")
@@ -158,7 +159,7 @@ def _describe_megatron(info: ModelInfo) -> None:
     pp = max((r[1] or 0) for r in ranks) + 1
     first = d / ("mp_rank_00" if pp == 1 else "mp_rank_00_000") / RANK_FILE
     state = safe_load(first)
-    a = _args_dict(state.get("args") if isinstance(state, dict) else None)
+    a = args_dict(checkpoint_dict(state, first).get("args"), first)
     info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
     info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
     info.max_positions = a.get("max_position_embeddings")
@@ -167,10 +168,6 @@ def _describe_megatron(info: ModelInfo) -> None:
         if _has_tokenizer(cand):
             info.tokenizer_dir = cand
             break
-
-
-def _args_dict(args: Any) -> dict[str, Any]:
-    return vars(args) if args is not None and not isinstance(args, dict) else dict(args or {})
 
 
 def _onnx_dtype(path: Path) -> str:
@@ -193,7 +190,8 @@ def _has_tokenizer(p: Path) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return read_json(inside_file(path.parent, path.name, f"{path.parent}: model file"))
+    return load_json_object(inside_file(path.parent, path.name, f"{path.parent}: model file"), "JSON",
+                            "re-export the model")
 
 
 def _norm_dtype(d: Any) -> str:

@@ -95,7 +95,8 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", local_files_only=True,
+                                                     trust_remote_code=False)
     except Exception as e:  # a broken dir: missing shard, bad config ... -> one line
         raise MConvertError(f"{path}: transformers cannot load this dir ({_first_line(e)})") from None
     finally:

@@ -22,15 +22,10 @@ BUILTIN_TEXT = (
 
 
 def load_tokenizer(tok_dir: Path):
-    """A transformers tokenizer from a directory (tokenizer.json alone is enough)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """A transformers tokenizer from a directory (tokenizer.json alone is enough); never runs code from it."""
+    from mconvert.convert.sources import load_tokenizer as load
 
-    try:
-        if (tok_dir / "tokenizer_config.json").is_file() or (tok_dir / "vocab.json").is_file():
-            return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-        return PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
-    except Exception as e:  # transformers raises many types for a broken tokenizer dir
-        raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({e}); re-save the tokenizer") from None
+    return load(tok_dir)
 
 
 def make_batch(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, rich_safe
 from mconvert.validators.compare import (
     TOLERANCES,
     compare_logits,
@@ -182,11 +182,11 @@ def render(report: ValidateReport, console) -> None:
     from rich.table import Table
 
     t = Table(title=f"validate on {report.device}: {report.tokens['batch']}×{report.tokens['seq_len']} tokens "
-              f"({report.tokens['source']})", title_justify="left")
+              f"({rich_safe(report.tokens['source'])})", title_justify="left")
     for col in ("model", "format", "dtype", "max abs (limit)", "mean abs", "KL(ref‖x)", "top-1", "ppl", "verdict"):
         t.add_column(col, overflow="fold")
     r = report.reference
-    t.add_row(Path(r.path).name, _fmt_layout(r), _short_dtype(r.dtype), "—", "—", "—", "—",
+    t.add_row(rich_safe(Path(r.path).name), rich_safe(_fmt_layout(r)), _short_dtype(r.dtype), "—", "—", "—", "—",
               f"{r.perplexity:.4g}", "[cyan]REF[/]")
     used = set()
     for x in report.results:
@@ -195,7 +195,7 @@ def render(report: ValidateReport, console) -> None:
             used.add(x.tolerance["dtype"])
         verdict = "[green]PASS[/]" if x.passed else "[bold red]FAIL[/]"
         t.add_row(
-            Path(x.path).name, _fmt_layout(x), _short_dtype(x.dtype),
+            rich_safe(Path(x.path).name), rich_safe(_fmt_layout(x)), _short_dtype(x.dtype),
             f"{m['max_abs']:.2e} ({m['max_abs_limit']:.1e})" if m else "—", f"{m['mean_abs']:.2e}" if m else "—",
             f"{m['kl']:.1e}" if m else "—", f"{m['top1']:.3f}" if m else "—",
             f"{x.perplexity:.4g}" if x.perplexity is not None else "—", verdict,
@@ -207,7 +207,8 @@ def render(report: ValidateReport, console) -> None:
                       f"mean abs ≤ {tol.mean_abs:g}, KL ≤ {tol.kl:g}, top-1 ≥ {tol.top1:g}", highlight=False)
     for x in report.results:
         if not x.passed:
-            console.print(f"  [red]✗[/] {x.path}: {'; '.join(x.failures)}", highlight=False, soft_wrap=True)
+            console.print(f"  [red]✗[/] {rich_safe(x.path)}: {rich_safe('; '.join(x.failures))}", highlight=False,
+                          soft_wrap=True)
     n_bad = sum(not x.passed for x in report.results)
     if n_bad:
         console.print(f"[bold red]FAIL[/]: {n_bad} of {len(report.results)} model(s) differ from the reference")

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.paths import contained, inside_file, read_json
+from mconvert.convert.hf import read_weight_map
+from mconvert.convert.paths import contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
+from mconvert.errors import rich_safe as _plain
 
 SCHEMA = "mconvert.verify/1"
 VLLM_ARCHS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -118,12 +120,9 @@ def _config(d: Path, rep: VerifyReport) -> dict[str, Any] | None:
         rep.add("config", "error", f"{p}: missing; an HF dir needs config.json")
         return None
     try:
-        cfg = read_json(inside_file(d, "config.json", f"{d}: config"), what="config")
+        cfg = load_json_object(inside_file(d, "config.json", f"{d}: config"), "config", "re-export the model")
     except MConvertError as e:
         rep.add("config", "error", str(e))
-        return None
-    if not isinstance(cfg, dict):
-        rep.add("config", "error", f"{p}: expected a JSON object, found {type(cfg).__name__}")
         return None
     rep.add("config", "ok", f"{p.name}: model_type={cfg.get('model_type')}")
     return cfg
@@ -195,16 +194,11 @@ def _weight_files(d: Path, rep: VerifyReport) -> tuple[list[Path], dict[str, str
     st = sorted(d.glob("*.safetensors"))
     if index.is_file():
         try:
-            wmap = read_json(inside_file(d, index.name, f"{d}: index"), what="index")["weight_map"]
-            if not isinstance(wmap, dict) or not all(isinstance(f, str) for f in wmap.values()):
-                raise MConvertError(f"{index}: 'weight_map' is not an object of file names")
+            wmap = read_weight_map(inside_file(d, index.name, f"{d}: index"))
             for f in set(wmap.values()):  # a name leading outside the directory is never opened
                 contained(d, f, f"{index}: weight_map file")
                 if os.path.lexists(d / f):
                     inside_file(d, f, f"{index}: weight_map file")
-        except (KeyError, TypeError) as e:
-            rep.add("weight-files", "error", f"{index}: unreadable index ({e}); re-export")
-            return [], None
         except MConvertError as e:
             rep.add("weight-files", "error", str(e))
             return [], None
@@ -420,7 +414,8 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
         rep.add("generation-config", "error", f"{p}: missing; vLLM reads eos/bos ids from it")
         return
     try:
-        g = read_json(inside_file(d, p.name, f"{d}: generation config"), what="generation config")
+        g = load_json_object(inside_file(d, p.name, f"{d}: generation config"), "generation config",
+                             "re-export the model")
     except MConvertError as e:
         rep.add("generation-config", "error", str(e))
         return
@@ -481,7 +476,8 @@ def reference_spec(info) -> Any:
 
     try:
         if info.format == "hf":
-            return ModelSpec.from_hf_config(read_json(inside_file(info.path, "config.json", f"{info.path}: config")))
+            return ModelSpec.from_hf_config(load_json_object(inside_file(info.path, "config.json",
+                                                                         f"{info.path}: config"), "config"))
         if info.format == "megatron":
             from mconvert.convert.layout import RANK_FILE, iteration_dir_name
             from mconvert.convert.safeload import safe_load
@@ -595,11 +591,11 @@ def render_verify(rep: VerifyReport, console) -> None:
     t.add_column("detail", overflow="fold")
     style = {"ok": "[green]ok[/]", "warn": "[yellow]warn[/]", "error": "[bold red]ERROR[/]"}
     for c in rep.checks:
-        t.add_row(c.name, style.get(c.status, c.status), c.message)
+        t.add_row(c.name, style.get(c.status, c.status), _plain(c.message))
     console.print(t)
     errs = rep.errors()
     for c in errs:
-        console.print(f"  [red]✗[/] {c.name}: {c.message}", highlight=False, soft_wrap=True)
+        console.print(f"  [red]✗[/] {c.name}: {_plain(c.message)}", highlight=False, soft_wrap=True)
     if errs:
         console.print(f"[bold red]NOT READY[/]: {len(errs)} error(s): {', '.join(c.name for c in errs)}")
     else:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mconvert.convert.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
 
 SERVE_SCRIPT = Path(__file__).with_name("vllm_serve.py")
@@ -60,7 +61,8 @@ def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True,
+                                                     trust_remote_code=False).eval()
     finally:
         hf_logging.set_verbosity(v)
         if bars:
@@ -100,7 +102,7 @@ def vllm_compare_many(
 
     jobs = []
     for d in dirs:
-        cfg = json.loads((d / "config.json").read_text())
+        cfg = load_json_object(inside_file(d, "config.json", f"{d}: config"), "config", "re-export the model")
         max_pos = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 128)
         max_len = min(128, max_pos)
         plen = min(prompt_len, max_len // 2)

@@ -38,6 +38,7 @@ def main() -> None:
             max_model_len=int(req["max_model_len"]),
             skip_tokenizer_init=bool(req.get("skip_tokenizer_init", False)),
             seed=0,
+            trust_remote_code=False,
             distributed_executor_backend="uni",
         )
         start_s = time.time() - t1
