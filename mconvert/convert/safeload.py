@@ -127,7 +127,7 @@ def _allow_list() -> dict[str, Any]:
 
 ALLOW_LIST = _allow_list()
 MAX_DEPTH = 64  # nesting levels in one loaded object (Megatron files nest about 6 deep)
-MAX_OBJECTS = 4_000_000  # entries of one loaded object, counted along every path (shared ones each time)
+MAX_OBJECTS = 1_000_000  # entries of one loaded object, counted along every path (shared ones each time)
 _LOCK = threading.Lock()
 
 
@@ -345,9 +345,11 @@ def check_tree(source: str | Path, obj: Any, max_depth: int = MAX_DEPTH, max_obj
     count = 0
     on_path: set[int] = set()
     tensors: set[int] = set()
-    todo: list[tuple[Any, int, str]] = [(obj, 1, "")]
+    leaf = _LEAF_TYPES
+    todo: list[tuple[Any, int, Any]] = [(obj, 1, None)]  # (object, depth, key chain (parent chain, key))
+    pop, push = todo.pop, todo.append
     while todo:
-        o, depth, key = todo.pop()
+        o, depth, key = pop()
         if o is _LEAVE:
             on_path.discard(depth)
             continue
@@ -356,53 +358,62 @@ def check_tree(source: str | Path, obj: Any, max_depth: int = MAX_DEPTH, max_obj
                 tensors.add(id(o))
                 if _overlaps(o):
                     raise MConvertError(
-                        f"{source}: tensor {key or '(top level)'} has shape {tuple(o.shape)} but strides "
-                        f"{o.stride()} that make its elements overlap; the file is corrupt — re-copy it"
+                        f"{source}: tensor {_key(key)} has shape {tuple(o.shape)} but strides {o.stride()} "
+                        "that make its elements overlap; the file is corrupt — re-copy it"
                     )
             continue
-        children = _children(o)
-        if children is None:
+        items = _items(o)
+        if items is None:
             continue
         if id(o) in on_path:
-            raise MConvertError(f"{source}: {key or 'the top-level object'} contains itself (a cycle); "
-                                "no checkpoint does — the file is crafted or corrupt, re-copy it")
+            raise MConvertError(f"{source}: {_key(key)} contains itself (a cycle); no checkpoint does — "
+                                "the file is crafted or corrupt, re-copy it")
         if depth > max_depth:
-            raise MConvertError(f"{source}: nesting deeper than {max_depth} levels at {key}; "
-                                "no checkpoint does — the file is crafted or corrupt, re-copy it")
+            raise MConvertError(f"{source}: nesting deeper than {max_depth} levels at {_key(key)}; no checkpoint "
+                                "does — the file is crafted or corrupt, re-copy it")
         on_path.add(id(o))
-        todo.append((_LEAVE, id(o), ""))
-        for k, c in children:
-            count += 1
-            if count > max_objects:
-                raise MConvertError(
-                    f"{source}: more than {max_objects} objects (shared ones counted each time they are "
-                    "reached); no checkpoint has that many — the file is crafted or corrupt, re-copy it")
-            if isinstance(c, torch.Tensor) or type(c) not in _LEAF_TYPES:
-                todo.append((c, depth + 1, f"{key}.{k}" if key else str(k)))
+        push((_LEAVE, id(o), None))
+        depth += 1
+        n = len(todo)
+        for k, c in items:
+            if type(c) not in leaf:
+                push((c, depth, (key, k)))
+        count += len(o) if type(o) in (dict, list, tuple) else len(todo) - n
+        if count > max_objects:
+            raise MConvertError(
+                f"{source}: more than {max_objects} objects (shared ones counted each time they are reached); "
+                "no checkpoint has that many — the file is crafted or corrupt, re-copy it")
     return obj
 
 
 _LEAF_TYPES = frozenset({str, bytes, int, float, bool, type(None), complex, torch.dtype, torch.device})
 
 
-def _children(o: Any) -> list[tuple[Any, Any]] | None:
-    """(key, child) pairs of a container or data object, None for a leaf."""
-    if isinstance(o, dict):
-        out = [(k, v) for k, v in o.items()]
-        out += [(f"<key {i}>", k) for i, k in enumerate(o) if type(k) not in _LEAF_TYPES]
-        if type(o) is not dict and getattr(o, "__dict__", None):
-            out += [(k, v) for k, v in vars(o).items()]
-        return out
-    if isinstance(o, (list, tuple)):
-        return [(f"[{i}]", v) for i, v in enumerate(o)]
-    if isinstance(o, (set, frozenset)):
-        return [(f"<item {i}>", v) for i, v in enumerate(o)]
+def _key(chain: Any) -> str:
+    """`a.b[3]` from check_tree's (parent chain, key) pairs."""
+    parts: list[str] = []
+    while chain is not None:
+        chain, k = chain
+        parts.append(f"[{k}]" if type(k) is int else f".{k}")
+    return "".join(reversed(parts)).lstrip(".") or "the top-level object"
+
+
+def _items(o: Any) -> Any:
+    """(key, child) pairs of a container or data object (dict keys that are not plain values included), or
+    None for a leaf."""
+    t = type(o)
+    if t is dict:
+        return [*o.items(), *((f"<key {i}>", k) for i, k in enumerate(o) if type(k) not in _LEAF_TYPES)]
+    if t is list or t is tuple:
+        return enumerate(o)
+    if isinstance(o, dict):  # OrderedDict, Counter: items and attributes (OrderedDict `_metadata`)
+        return [*o.items(), *((f"<key {i}>", k) for i, k in enumerate(o)), *getattr(o, "__dict__", {}).items()]
+    if isinstance(o, (list, tuple, set, frozenset)):
+        return enumerate(o)
     if isinstance(o, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
         return None
     d = getattr(o, "__dict__", None)
-    if isinstance(d, dict) and d:
-        return [(k, v) for k, v in d.items()]
-    return None
+    return d.items() if isinstance(d, dict) and d else None
 
 
 def _overlaps(t: torch.Tensor) -> bool:
