@@ -74,18 +74,17 @@ ATTACKS = {
 }
 
 
-def _watched() -> dict[str, dict]:
-    """The namespaces of process-wide objects an attack would change (live dicts, not copies)."""
+def _watched() -> dict[str, object]:
+    """Process-wide objects an attack would change, by name."""
     from torch.distributed.checkpoint import metadata as dcp_md
 
-    out = {c.__qualname__: c for c in (pathlib.PosixPath, pathlib.PurePath, pathlib.Path, argparse.Namespace,
-                                       types.SimpleNamespace, OrderedDict, safeload.StandIn)}
-    out.update({n: getattr(dcp_md, n) for n in ("Metadata", "TensorStorageMetadata", "MetadataIndex",
-                                               "TensorProperties", "ChunkStorageMetadata")})
-    spaces: dict[str, dict] = {k: vars(v) for k, v in out.items()}
-    spaces.update({"builtins": vars(builtins), "copyreg": vars(copyreg)})
-    spaces.update({f"signal.{m.name}": vars(m) for m in signal.Signals})
-    return spaces
+    out: dict[str, object] = {c.__qualname__: c for c in (
+        pathlib.PosixPath, pathlib.PurePath, pathlib.Path, argparse.Namespace, types.SimpleNamespace, OrderedDict,
+        safeload.StandIn, dcp_md.Metadata, dcp_md.TensorStorageMetadata, dcp_md.MetadataIndex,
+        dcp_md.TensorProperties, dcp_md.ChunkStorageMetadata)}
+    out.update({"builtins": builtins, "copyreg": copyreg})
+    out.update({f"signal.{m.name}": m for m in signal.Signals})
+    return out
 
 
 def _f4() -> tuple:
@@ -97,19 +96,18 @@ def _f4() -> tuple:
 def unchanged():
     """Fail when a process-wide object changed during the test, after repairing it: a rebound PosixPath would
     otherwise make pytest's own clean-up remove the working directory."""
-    spaces = _watched()
-    before = {k: dict(v) for k, v in spaces.items()}
+    owners = _watched()
+    before = {k: dict(vars(o)) for k, o in owners.items()}
     f4 = _f4()
     yield
-    changed = []
-    for k, ns in spaces.items():
-        if dict(ns) != before[k]:
-            changed.append(k)
-            for name in set(ns) - set(before[k]):
-                if isinstance(ns, dict) and type(ns) is dict:
-                    del ns[name]
-                else:
-                    delattr(getattr(pathlib, k, None) or argparse.Namespace, name)
+    changed = [k for k, o in owners.items() if dict(vars(o)) != before[k]]
+    for k in changed:
+        o, now = owners[k], dict(vars(owners[k]))
+        for name in now:
+            if name not in before[k]:
+                delattr(o, name)
+            elif now[name] is not before[k][name]:
+                setattr(o, name, before[k][name])
     assert not changed, f"process-wide objects changed: {changed}"
     assert _f4() == f4 and signal.Signals.SIGINT.name == "SIGINT"
 
@@ -137,6 +135,12 @@ def _rewrite_zip(path: Path, edit) -> None:
     w.write_record("data.pkl", pkl, len(pkl))
     w.write_record("byteorder", b"little", 6)
     w.write_end_of_file()
+
+
+def _save_over(obj, path: Path) -> None:
+    """torch.save onto a file `obj` was memory-mapped from: a new inode, so the mapped pages stay valid."""
+    torch.save(obj, path.with_suffix(".new"))
+    os.replace(path.with_suffix(".new"), path)
 
 
 # ---- fixtures: a torch_dist checkpoint, an HF .bin ----------------------------------------------------------
@@ -346,7 +350,7 @@ def test_torch_dist_common_pt_with_a_walk_that_never_ends_is_refused(torch_dist_
     c = safe_load(common)
     make, what = HANGS[kind]
     c["args"].blend = make()
-    torch.save(c, common)
+    _save_over(c, common)
     code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "out"], capsys)
     assert_one_line_error(code, err, str(common), what)
     assert code == 1
@@ -360,7 +364,7 @@ def test_hf_bin_with_a_walk_that_never_ends_is_refused(hf_bin, tmp_path, capsys,
     sd = dict(safe_load(hf / "pytorch_model.bin"))
     make, what = HANGS[kind]
     sd["extra"] = make()
-    torch.save(sd, hf / "pytorch_model.bin")
+    _save_over(sd, hf / "pytorch_model.bin")
     code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "out"], capsys)
     assert_one_line_error(code, err, str(hf / "pytorch_model.bin"), what)
     assert code == 1
