@@ -4,6 +4,12 @@
 ones Megatron-LM checkpoints carry (args Namespace, enums, numpy RNG state, io.BytesIO in TE extra
 state) and stands in for classes whose modules are not installed. Anything else is refused by name.
 Never `weights_only=False`.
+
+An allow-list of globals alone does not stop a pickle from changing the process: BUILD on a shared object
+(the `signal.SIGINT` member an allowed constructor returns, an allowed class itself) rebinds it for
+everyone. So every pickle is first run by `_RestrictedUnpickler`: state reaches only objects this load
+created and nothing else holds, calls reach only allow-listed constructors with the arguments a real save
+writes, and sizes are bounded; `check_tree` then bounds what was loaded, so every later walk over it ends.
 """
 
 from __future__ import annotations
@@ -979,8 +985,8 @@ _torch_check_policy = functools.lru_cache(maxsize=1)(_torch_check_policy)
 
 # ---- torch.distributed.checkpoint `.metadata` ------------------------------------------------------------
 # torch's FileSystemReader.read_metadata() is a bare pickle.load: a torch_dist checkpoint's `.metadata` could
-# run code. It is read here instead, with find_class limited to DCP's own dataclasses, torch.Size and dtypes
-# (megatron's planner classes get data-only stand-ins).
+# run code. It is read by the restricted unpickler instead, with globals limited to DCP's own dataclasses,
+# torch.Size and dtypes (megatron's planner classes get data-only stand-ins).
 _DCP_ALLOWED: dict[str, set[str]] = {
     "torch": {"Size"} | {n for n, v in vars(torch).items() if isinstance(v, torch.dtype)},
     "torch.distributed.checkpoint.metadata": {
