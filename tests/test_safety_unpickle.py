@@ -423,6 +423,12 @@ SNIPPETS = [v[0] for v in ATTACKS.values()] + [
     _g("torch._utils", "_rebuild_parameter") + b"(" + _g("signal", "Signals") + b"\x89}tR",
     _g("argparse", "Namespace") + b")R" + _attrs(x="y") + b"b" + _attrs(z="w") + b"b",  # a second BUILD
 ]
+BENIGN = [  # what real saves write: fresh objects given state once
+    _g("argparse", "Namespace") + b")\x81" + _attrs(x="y") + b"b",
+    _g("collections", "OrderedDict") + b")R(" + _s("k") + _s("v") + b"u",
+    _g("numpy", "dtype") + _s("f4") + b"\x89\x88\x87R" + b"(K\x03" + _s("<")
+    + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb",
+]
 
 
 def _valid_pickles() -> list[tuple[str, bytes]]:
@@ -476,7 +482,7 @@ def test_opcode_fuzz_never_mutates_and_only_refuses_in_one_line(torch_dist_ckpt,
         n += 1
         cuts = [pos for _, _, pos in pickletools.genops(data)]
         pos = rng.choice(cuts[1:])
-        snippet = rng.choice(SNIPPETS) + (b"0" if rng.random() < 0.5 else b"")
+        snippet = rng.choice(SNIPPETS if rng.random() < 0.8 else BENIGN) + (b"0" if rng.random() < 0.5 else b"")
         mutated = data[:pos] + snippet + data[pos:]
         try:
             if mode == "dcp":
@@ -493,4 +499,4 @@ def test_opcode_fuzz_never_mutates_and_only_refuses_in_one_line(torch_dist_ckpt,
             accepted += 1
         assert signal.Signals.SIGINT.name == "SIGINT" and "_str" not in vars(pathlib.PosixPath), (name, pos, snippet)
         assert _f4() == f4 and "parse_args" not in vars(argparse.Namespace), (name, pos, snippet)
-    assert refused > 100, (refused, accepted)
+    assert refused > 100 and accepted > 10, (refused, accepted)
