@@ -677,6 +677,7 @@ def _tensor_stubs() -> dict[str, _Global]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def _torch_check_policy() -> dict[str, _Global]:
     """The globals the check pass of a torch file accepts: ALLOW_LIST plus torch's own defaults, with tensor
     rebuilding replaced by stubs. Broader than what a weights-only load allows is impossible: torch then
@@ -980,7 +981,6 @@ def _build_dispatch() -> dict[int, Any]:
 
 
 _RestrictedUnpickler.dispatch = _build_dispatch()
-_torch_check_policy = functools.lru_cache(maxsize=1)(_torch_check_policy)
 
 
 # ---- torch.distributed.checkpoint `.metadata` ------------------------------------------------------------
