@@ -9,7 +9,16 @@ import os as _os
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from mconvert.errors import MConvertError  # noqa: E402
-from mconvert.spec import PRESETS, ModelSpec, preset  # noqa: E402
+from mconvert.spec import ModelSpec  # noqa: E402
 
 __all__ = ["MConvertError", "ModelSpec", "PRESETS", "preset"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`PRESETS` and `preset` come from the family registry, loaded on first use (it imports torch)."""
+    if name in ("PRESETS", "preset"):
+        from mconvert.mappings import families
+
+        return getattr(families, name)
+    raise AttributeError(name)

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from mconvert.convert.fastertransformer import (
-    FT_BASE_ROTARY,
     check_ft_dir,
     ft_expected_files,
     load_ft_tensor,
@@ -25,6 +24,7 @@ from mconvert.convert.fastertransformer import (
     resolve_ft_dir,
 )
 from mconvert.errors import MConvertError
+from mconvert.mappings.family import FT_BASE_ROTARY
 
 
 # ---- primitives shared with the TensorRT-LLM runner ----------------------------------------------------
