@@ -142,7 +142,7 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     check_numbers(cfg, HF_NUMBERS, (), source)
     try:
         return _from_hf_config(cfg, source)
-    except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as e:
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError, IndexError) as e:
         raise MConvertError(f"{source}: malformed config ({type(e).__name__}: {e}); fix or re-export it") from None
 
 
@@ -158,16 +158,16 @@ def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         )
     check(cfg, hf_table(fam.model_type), source, "config field")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
-    common = dict(
-        family=fam.name,
-        vocab_size=int(cfg["vocab_size"]),
-        params_dtype=dtype if dtype in DTYPES else "float32",
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=cfg.get("eos_token_id")
-        if not isinstance(cfg.get("eos_token_id"), list)
-        else cfg["eos_token_id"][0],
-    )
     try:
+        common = dict(
+            family=fam.name,
+            vocab_size=int(cfg["vocab_size"]),
+            params_dtype=dtype if dtype in DTYPES else "float32",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id")
+            if not isinstance(cfg.get("eos_token_id"), list)
+            else cfg["eos_token_id"][0],
+        )
         return fam.from_hf(cfg, common, source)
     except KeyError as e:
         raise MConvertError(f"{source}: missing field {e.args[0]!r}") from None
