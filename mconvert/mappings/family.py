@@ -54,6 +54,25 @@ class FTFile:
 
 
 @dataclass(frozen=True)
+class FTKernels:
+    """What FT's kernels compute for a section, and the files they read (the reference runner follows it).
+
+    Pre-norm decoder layers; `norm` LayerNorm reads `.weight` and `.bias`, RMSNorm only `.weight`; every
+    linear has a bias when `biases`; positions are learned (`positions` file) or GPT-NeoX rotary over the
+    `rotary_dim` config field's dims; the MLP is tanh-GeLU over `mlp = (in, out)` files or SiLU-gated over
+    `mlp = (gate, up, down)`; the head is `head`, or `embedding` when `head` is optional and absent."""
+
+    embedding: str
+    positions: str | None
+    norm: str  # LayerNorm | RMSNorm
+    biases: bool
+    mlp: tuple[str, ...]  # (in, out): GeLU; (gate, up, down): SiLU-gated
+    rotary_dim: str | None = None  # config.ini field with the rotary dims (rotary models)
+    head: str = "model.lm_head.weight.bin"
+    head_optional: bool = False
+
+
+@dataclass(frozen=True)
 class FTLayout:
     """One FasterTransformer model section (`[gpt]`, `[llama]`): what it holds, its files and its config.
 
@@ -70,6 +89,7 @@ class FTLayout:
     layer_files: Callable[[Tensors, int, ModelSpec, int], Tensors]
     final_files: Callable[[Tensors, torch.Tensor | None, ModelSpec], Tensors]
     config_fields: Callable[[ModelSpec], dict[str, Any]]  # section fields beyond the common ones
+    kernels: FTKernels
     check_config: Callable[[dict[str, str], dict[str, int]], list[str]] = lambda cfg, ints: []
     model_name: str | None = None  # config.ini model_name; None: the family's name (FT's converters do so)
     always_reads_head: bool = False  # the loader reads lm_head even when tied: a tied model gets a copy

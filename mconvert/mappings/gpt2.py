@@ -14,6 +14,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings.family import (
     Family,
     FTFile,
+    FTKernels,
     FTLayout,
     Plugin,
     Rule,
@@ -271,6 +272,8 @@ FT = FTLayout(
     final_files=_ft_final_files,
     config_fields=lambda spec: dict(max_pos_seq_len=spec.max_position_embeddings, has_adapters=False,
                                     adapter_inter_size=0),
+    kernels=FTKernels(embedding="model.wte.bin", positions="model.wpe.bin", norm="LayerNorm", biases=True,
+                      mlp=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"), head_optional=True),
     model_name="gpt",
 )
 
