@@ -46,6 +46,7 @@ def all_families() -> list[Family]:
 
 
 def names() -> list[str]:
+    """Every family's name, in module-name order."""
     return list(_registry())
 
 
@@ -63,10 +64,12 @@ def of(spec: ModelSpec) -> Family:
 
 
 def by_architecture(arch: str) -> Family | None:
+    """The family whose HF causal-LM class is `arch`, or None."""
     return next((f for f in _registry().values() if f.architecture == arch), None)
 
 
 def by_model_type(model_type: Any) -> Family | None:
+    """The family of an HF `model_type`, or None."""
     return next((f for f in _registry().values() if f.model_type == model_type), None)
 
 
@@ -79,7 +82,10 @@ def default_family() -> Family:
 def recognise(fields: Mapping[str, Any]) -> Family:
     """The family of Megatron-parsed ModelSpec fields without `model_family`: the first whose rule matches."""
     order = sorted((f for f in _registry().values() if f.recognise is not None), key=lambda f: f.recognise_order)
-    return next(f for f in order if f.recognise(dict(fields)))  # type: ignore[misc]
+    found = next((f for f in order if f.recognise(dict(fields))), None)  # type: ignore[misc]
+    if found is None:
+        raise MConvertError("Megatron args name no model_family and no family recognises them; set model_family")
+    return found
 
 
 # ---- presets -------------------------------------------------------------------------------------------

@@ -143,6 +143,7 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
 
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
+    """A LlamaConfig dict -> ModelSpec; attention and MLP biases must agree (one ModelSpec switch)."""
     attn_bias = bool(cfg.get("attention_bias", False))
     if attn_bias != bool(cfg.get("mlp_bias", False)):
         raise MConvertError(f"{source}: attention_bias != mlp_bias is not supported")

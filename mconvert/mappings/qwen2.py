@@ -40,6 +40,7 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
 
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
+    """A Qwen2Config dict -> ModelSpec (qkv bias only)."""
     return llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=True)
 
 
