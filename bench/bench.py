@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from procmon import Measurement, dir_bytes, files_under, resident_bytes, run_measured  # noqa: E402
 
 from mconvert.convert.estimate import bandwidth_file, estimate, unit_bytes  # noqa: E402
-from mconvert.spec import preset as get_preset  # noqa: E402
+from mconvert.mappings.families import preset as get_preset  # noqa: E402
 
 console = Console(stderr=True)
 GB = 10**9

@@ -115,7 +115,7 @@ def train_cmd(
 # ==== conversion verbs (convert/, mappings/) ========================================================
 @app.command("plan")
 def plan_cmd(
-    preset_name: Annotated[str, typer.Option("--preset", help="Model preset (mconvert.spec.PRESETS), e.g. llama3-405b.")],
+    preset_name: Annotated[str, typer.Option("--preset", help="Model preset (mconvert.mappings.families.PRESETS), e.g. llama3-405b.")],
     to: Annotated[str, typer.Option("--to", help="hf | ft (from Megatron at --tp/--pp) | megatron (from HF, or reshard).")],
     tp: Annotated[int, typer.Option("--tp", help="Megatron TP of the source (hf/ft) or of the output (megatron).")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Megatron PP, as --tp.")] = 1,
@@ -139,7 +139,7 @@ def plan_cmd(
     import json as _json
 
     from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate
-    from mconvert.spec import preset
+    from mconvert.mappings.families import preset
 
     est = estimate(
         preset(preset_name), to, tp=tp, pp=pp, target_tp=target_tp, target_pp=target_pp, dtype=dtype,

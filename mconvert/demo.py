@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def demo_one(preset: str, out: Path, steps: int, vllm_python: str | None) -> None:
     """Train one preset at TP=2 PP=2 and take it through every format, then prove the results."""
-    from mconvert.spec import preset as get_preset
+    from mconvert.mappings.families import preset as get_preset
 
     spec = get_preset(preset)
     out.mkdir(parents=True)

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from mconvert.mappings.families import hf_config
+
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
@@ -14,7 +16,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def make_hf(spec, path: Path, seed: int = 0) -> Path:
     """A random transformers model of `spec` (norm weights/biases perturbed so their layout matters)."""
-    cfg = spec.to_hf_config()
+    cfg = hf_config(spec)
     config = AutoConfig.for_model(cfg.pop("model_type"), **{k: v for k, v in cfg.items() if k != "torch_dtype"})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()

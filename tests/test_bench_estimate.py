@@ -13,7 +13,7 @@ import torch
 
 from mconvert.convert.estimate import ITEMSIZE, estimate, load_bandwidth, stage_layer_counts
 from mconvert.errors import MConvertError
-from mconvert.spec import preset
+from mconvert.mappings.families import hf_config, preset
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 BW = {"copy_bytes_per_s": 1e9, "ratio_to_cp": {"megatron-to-hf": 2.0, "hf-to-megatron": 2.0, "reshard": 2.5,
@@ -60,7 +60,7 @@ def test_hf_bytes_equal_transformers_parameter_bytes(name: str) -> None:
     import transformers
 
     spec = preset(name)
-    cfg = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    cfg = transformers.AutoConfig.for_model(**hf_config(spec))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     sd = model.state_dict()
@@ -80,7 +80,7 @@ def test_405b_layer_bytes_equal_transformers_layer() -> None:
     import transformers
 
     spec = preset("llama3-405b").replace(num_layers=2)
-    cfg = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    cfg = transformers.AutoConfig.for_model(**hf_config(spec))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     nbytes = sum(t.numel() for t in model.state_dict().values()) * 2

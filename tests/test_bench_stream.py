@@ -18,7 +18,7 @@ from mconvert.convert.safeload import safe_load
 from mconvert.convert.stream import SafetensorsStream, Spool, TensorIndex, save_spooled
 from mconvert.mappings.keys import flatten, unit_of
 from mconvert.mappings.transforms import merge
-from mconvert.spec import preset
+from mconvert.mappings.families import preset
 
 
 def _sha(root: Path) -> dict[str, str]:

@@ -22,7 +22,7 @@ from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
 from mconvert.convert.fastertransformer import check_ft_dir, megatron_to_ft
 from mconvert.convert.trtllm import check_trtllm_dir, megatron_to_trtllm, trtllm_logits
 from mconvert.errors import MConvertError
-from mconvert.spec import preset
+from mconvert.mappings.families import preset
 from mconvert.validators.ft_runner import ft_logits
 from deploy_common import make_hf, rel
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from mconvert.convert.driver import hf_to_megatron
 from mconvert.convert.onnx import to_onnx
 from mconvert.errors import MConvertError
-from mconvert.spec import preset
+from mconvert.mappings.families import preset
 from mconvert.validators.onnx_runner import onnx_logits, onnx_session
 from deploy_common import make_hf, rel
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mconvert.mappings.families import spec_from_hf_config
 from mconvert.cli import main as cli_main
 from mconvert.convert.safeload import safe_load
-from mconvert.spec import ModelSpec
 
 STANDIN = Path(__file__).parent / "megatron_standin"
 SCRIPT = "transformers.models.megatron_gpt2.checkpoint_reshaping_and_interoperability"
@@ -87,8 +87,8 @@ def test_transformers_script_checkpoint_round_trips_to_the_original(tmp_path: Pa
     # the architecture is equivalent; token ids are not in a Megatron checkpoint (GPT2Config's 50256 is
     # outside this vocab anyway)
     no_ids = {"bos_token_id": None, "eos_token_id": None}
-    assert ModelSpec.from_hf_config(cfg).replace(**no_ids) == \
-        ModelSpec.from_hf_config(original.config.to_dict()).replace(**no_ids)
+    assert spec_from_hf_config(cfg).replace(**no_ids) == \
+        spec_from_hf_config(original.config.to_dict()).replace(**no_ids)
     reloaded = AutoModelForCausalLM.from_pretrained(back, torch_dtype=torch.float32).eval()
     tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
 from mconvert.convert.layout import rank_file, save_rank_file, write_latest
-from mconvert.spec import ModelSpec, preset
+from mconvert.mappings.families import preset
+from mconvert.spec import ModelSpec
 
 ITERATION = 10
 TOKENS = torch.Generator().manual_seed(7)

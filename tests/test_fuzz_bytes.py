@@ -31,8 +31,8 @@ import pytest
 import torch
 from safety_common import assert_one_line_error, base, copy_of, hf_tensors, run_cli
 
+from mconvert.mappings.families import spec_from_megatron_args
 from mconvert.convert.safeload import safe_load
-from mconvert.spec import ModelSpec
 
 RANK_FILES = [f"release/mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt" for t in range(2) for p in range(2)]
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -107,7 +107,7 @@ def _tensor_regions(path: Path) -> list[tuple[int, int]]:
 def _megatron_equal(out: Path, ref: Path) -> bool:
     for rel in RANK_FILES:
         a, b = safe_load(out / rel), safe_load(ref / rel)
-        if ModelSpec.from_megatron_args(a["args"]) != ModelSpec.from_megatron_args(b["args"]):
+        if spec_from_megatron_args(a["args"]) != spec_from_megatron_args(b["args"]):
             return False
         ma, mb = a["model"], b["model"]
         if ma.keys() != mb.keys() or not all(

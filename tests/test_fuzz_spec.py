@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from mconvert.errors import MConvertError
 from mconvert.mappings import to_hf
 from mconvert.mappings.transforms import merge, split
-from mconvert.spec import ModelSpec, preset
+from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, spec_from_megatron_args
+from mconvert.spec import ModelSpec
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 
@@ -114,13 +115,13 @@ def test_any_spec_is_refused_cleanly_or_maps_onto_transformers(fields, tp, pp):
             assert len({s.shape for s in shards}) == 1
             assert torch.equal(merge(shards, d.kind, d.name), full)
     try:
-        cfg = spec.to_hf_config()
+        cfg = hf_config(spec)
     except MConvertError as e:
         assert "\n" not in str(e)
         event("no HF form (refused)")
         return
-    assert ModelSpec.from_hf_config(cfg) == spec.replace(make_vocab_size_divisible_by=128)
-    assert ModelSpec.from_megatron_args(spec.to_megatron_args(tp, pp)) == spec
+    assert spec_from_hf_config(cfg) == spec.replace(make_vocab_size_divisible_by=128)
+    assert spec_from_megatron_args(spec.to_megatron_args(tp, pp)) == spec
     if spec.vocab_size < 2 or spec.max_position_embeddings < 2:
         return
     assert _our_hf_shapes(spec) == _hf_model_shapes(cfg)
@@ -128,7 +129,7 @@ def test_any_spec_is_refused_cleanly_or_maps_onto_transformers(fields, tp, pp):
 
 
 def _mutations():
-    base = preset("tiny-llama").to_hf_config()
+    base = hf_config(preset("tiny-llama"))
     keys = sorted(base)
     values = st.one_of(st.none(), st.integers(-3, 300), st.floats(allow_nan=True), st.text(max_size=4),
                        st.lists(st.integers(0, 3), max_size=2), st.booleans(), st.dictionaries(st.text(max_size=2),
@@ -151,7 +152,7 @@ def _apply(cfg: dict, edits) -> dict:
 def test_a_malformed_config_json_is_one_clean_error(cfg):
     """Deleted keys, wrong types (None, text, lists, NaN), bad values: never a TypeError/ValueError traceback."""
     try:
-        spec = ModelSpec.from_hf_config(cfg, source="x/config.json")
+        spec = spec_from_hf_config(cfg, source="x/config.json")
     except MConvertError as e:
         assert "\n" not in str(e)
         return
@@ -167,7 +168,7 @@ def test_malformed_megatron_args_are_one_clean_error(edits):
     for k, v in edits:
         args[k] = v
     try:
-        spec = ModelSpec.from_megatron_args(argparse.Namespace(**args), source="x/model_optim_rng.pt")
+        spec = spec_from_megatron_args(argparse.Namespace(**args), source="x/model_optim_rng.pt")
     except MConvertError as e:
         assert "\n" not in str(e)
         return
@@ -177,7 +178,7 @@ def test_malformed_megatron_args_are_one_clean_error(edits):
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
 def test_presets_map_onto_transformers(name):
     spec = preset(name)
-    assert _our_hf_shapes(spec) == _hf_model_shapes(spec.to_hf_config())
+    assert _our_hf_shapes(spec) == _hf_model_shapes(hf_config(spec))
 
 
 def test_untied_gpt2_keeps_its_head_through_hf_to_megatron_and_back(tmp_path):

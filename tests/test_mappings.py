@@ -10,7 +10,7 @@ from mconvert.mappings import from_hf, hf_names, hf_unit, to_hf
 from mconvert.mappings import transforms as T
 from mconvert.mappings.keys import canonical_key, flatten
 from mconvert.mappings.registry import Registry
-from mconvert.spec import preset
+from mconvert.mappings.families import preset
 
 
 def test_qkv_separate_roundtrip_and_group_layout():

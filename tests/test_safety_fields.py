@@ -18,8 +18,8 @@ import torch
 from safety_common import assert_one_line_error, make_hf_llama, run_cli
 
 from mconvert.errors import MConvertError
-from mconvert.mappings.fields import MEGATRON_ARGS, NEUTRAL, hf_table
-from mconvert.spec import FAMILIES, ModelSpec, preset
+from mconvert.mappings.fields import MEGATRON_ARGS, NEUTRAL
+from mconvert.mappings.families import FAMILIES, hf_config, hf_table, preset, spec_from_hf_config, spec_from_megatron_args
 
 HF_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
 
@@ -73,16 +73,16 @@ def _args(**changes) -> argparse.Namespace:
 
 def test_an_unknown_megatron_arg_is_refused_by_name_unless_unset() -> None:
     with pytest.raises(MConvertError, match=r"x/model_optim_rng.pt: .*frobnicate_heads=3 is not known"):
-        ModelSpec.from_megatron_args(_args(frobnicate_heads=3), source="x/model_optim_rng.pt")
+        spec_from_megatron_args(_args(frobnicate_heads=3), source="x/model_optim_rng.pt")
     # argparse's "never given": None for a value option, False for a flag
-    assert ModelSpec.from_megatron_args(_args(frobnicate_heads=None, frobnicate=False)) == preset("tiny-llama")
+    assert spec_from_megatron_args(_args(frobnicate_heads=None, frobnicate=False)) == preset("tiny-llama")
 
 
 def test_neutral_megatron_args_pass_whatever_their_value() -> None:
     args = _args(lr=3e-4, adam_beta2=0.95, hidden_dropout=0.1, init_method_std=0.006, moe_router_topk=8,
                  attention_softmax_in_fp32=False, apply_query_key_layer_scaling=True, bias_gelu_fusion=True,
                  recompute_granularity="full", tokenizer_type="Llama2Tokenizer", data_path=["1.0", "corpus"])
-    assert ModelSpec.from_megatron_args(args) == preset("tiny-llama")
+    assert spec_from_megatron_args(args) == preset("tiny-llama")
 
 
 @pytest.mark.parametrize("name,value", [
@@ -97,7 +97,7 @@ def test_a_function_changing_megatron_arg_is_refused_by_name(name: str, value) -
     if name == "gated_linear_unit":
         args.swiglu = False  # GeGLU: gated, not SwiGLU
     with pytest.raises(MConvertError, match=f"{name}="):
-        ModelSpec.from_megatron_args(args, source="x/model_optim_rng.pt")
+        spec_from_megatron_args(args, source="x/model_optim_rng.pt")
 
 
 def test_refused_megatron_args_at_their_defaults_pass() -> None:
@@ -106,7 +106,7 @@ def test_refused_megatron_args_at_their_defaults_pass() -> None:
                  qk_layernorm=False, softmax_type="vanilla", glu_linear_offset=0.0, hybrid_attention_ratio=0.0,
                  encoder_num_layers=2, add_position_embedding=True, gated_linear_unit=True,
                  use_rotary_position_embeddings=True, rope_type="rope", num_experts=None)
-    assert ModelSpec.from_megatron_args(args) == preset("tiny-llama")
+    assert spec_from_megatron_args(args) == preset("tiny-llama")
 
 
 @pytest.mark.parametrize("name,value,expect", [
@@ -118,12 +118,12 @@ def test_refused_megatron_args_at_their_defaults_pass() -> None:
 ])
 def test_a_megatron_arg_of_the_wrong_type_is_refused_by_name(name: str, value, expect: str) -> None:
     with pytest.raises(MConvertError, match=expect):
-        ModelSpec.from_megatron_args(_args(**{name: value}), source="x/model_optim_rng.pt")
+        spec_from_megatron_args(_args(**{name: value}), source="x/model_optim_rng.pt")
 
 
 def _hf(model_type: str, **changes) -> dict:
-    cfg = preset({"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "tiny-mistral",
-                  "qwen2": "tiny-qwen2"}[model_type]).to_hf_config()
+    cfg = hf_config(preset({"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "tiny-mistral",
+                  "qwen2": "tiny-qwen2"}[model_type]))
     cfg.update(changes)
     return cfg
 
@@ -138,8 +138,8 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
     full = getattr(transformers, HF_CLASSES[model_type])(**cfg).to_dict()
     if model_type == "mistral":
         full["sliding_window"] = None
-    ours = ModelSpec.from_hf_config(_hf(model_type))
-    assert ModelSpec.from_hf_config(full).replace(bos_token_id=None, eos_token_id=None) == ours
+    ours = spec_from_hf_config(_hf(model_type))
+    assert spec_from_hf_config(full).replace(bos_token_id=None, eos_token_id=None) == ours
 
 
 @pytest.mark.parametrize("model_type,name,value", [
@@ -158,7 +158,7 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
 ])
 def test_a_function_changing_hf_field_is_refused_by_name(model_type: str, name: str, value) -> None:
     with pytest.raises(MConvertError, match=f"x/config.json: config field {name}="):
-        ModelSpec.from_hf_config(_hf(model_type, **{name: value}), source="x/config.json")
+        spec_from_hf_config(_hf(model_type, **{name: value}), source="x/config.json")
 
 
 @pytest.mark.parametrize("model_type,name,value", [
@@ -167,7 +167,7 @@ def test_a_function_changing_hf_field_is_refused_by_name(model_type: str, name: 
 ])
 def test_an_hf_field_of_the_wrong_type_is_refused_by_name(model_type: str, name: str, value) -> None:
     with pytest.raises(MConvertError, match=f"config field {name}="):
-        ModelSpec.from_hf_config(_hf(model_type, **{name: value}), source="x/config.json")
+        spec_from_hf_config(_hf(model_type, **{name: value}), source="x/config.json")
 
 
 # ---- the Llama-3.1 case: megatron-core writes use_rope_scaling / rope_scaling_factor ------------------------

@@ -293,7 +293,7 @@ def test_payload_in_torch_dist_metadata_is_refused(tmp_path, capsys, verb):
     import json
     import pickle
 
-    from mconvert.spec import preset
+    from mconvert.mappings.families import preset
 
     d = tmp_path / "ckpt" / "iter_0000001"
     d.mkdir(parents=True)

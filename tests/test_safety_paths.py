@@ -53,7 +53,7 @@ def cli_subprocess(argv: list, timeout: float, **kw) -> subprocess.CompletedProc
 
 def make_torch_dist(root: Path) -> Path:
     """A tiny-llama torch_dist checkpoint: args in common.pt, stacked global tensors saved by torch's own DCP."""
-    from mconvert.spec import preset
+    from mconvert.mappings.families import preset
 
     spec = preset("tiny-llama")
     d = root / "iter_0000001"
@@ -202,7 +202,7 @@ def test_ft_file_symlinked_outside_is_refused(tmp_path, where):
 
     from mconvert.convert.fastertransformer import check_ft_dir, megatron_to_ft
     from mconvert.errors import MConvertError
-    from mconvert.spec import preset
+    from mconvert.mappings.families import preset
     from mconvert.validators.ft_runner import ft_logits
 
     megatron_to_ft(make_hf(preset("tiny-gpt2"), tmp_path / "hf"), tmp_path / "ft", 1)

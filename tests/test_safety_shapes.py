@@ -46,7 +46,7 @@ def _made(kind: str) -> Path:
 
 def _common(**over: object) -> dict:
     """common.pt of a torch_dist iteration as megatron-core writes it (args, checkpoint_version, iteration)."""
-    from mconvert.spec import preset
+    from mconvert.mappings.families import preset
 
     return {"args": preset("tiny-llama").to_megatron_args(1, 1), "checkpoint_version": 3.0, "iteration": 1, **over}
 

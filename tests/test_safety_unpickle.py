@@ -433,7 +433,7 @@ BENIGN = [  # what real saves write: fresh objects given state once
 
 def _valid_pickles() -> list[tuple[str, bytes]]:
     """Pickles we produce: args Namespace (protocol 2, as torch.save), a rank-file-like dict (protocol 2 and 4)."""
-    from mconvert.spec import preset
+    from mconvert.mappings.families import preset
 
     args = preset("tiny-llama").to_megatron_args(1, 1)
     rank = {"args": args, "model": OrderedDict(w=1.0), "iteration": 3,

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from mconvert.errors import MConvertError
-from mconvert.spec import PRESETS, ModelSpec, preset
+from mconvert.mappings.families import PRESETS, hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
 
@@ -22,7 +22,7 @@ def test_every_preset_has_a_vllm_cpu_head_dim(name):
 def test_param_count_equals_transformers_model(name):
     """Our declared full shapes add up to exactly the parameters transformers builds from our config."""
     spec = PRESETS[name]
-    cfg = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    cfg = transformers.AutoConfig.for_model(**hf_config(spec))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     theirs = {n: tuple(p.shape) for n, p in model.named_parameters()}  # tied head listed once
@@ -33,17 +33,17 @@ def test_param_count_equals_transformers_model(name):
 @pytest.mark.parametrize("name", TINY)
 def test_hf_config_round_trip_through_transformers(name):
     spec = PRESETS[name]
-    cfg = transformers.AutoConfig.for_model(**spec.to_hf_config())
+    cfg = transformers.AutoConfig.for_model(**hf_config(spec))
     assert type(cfg).__name__.lower().startswith(spec.family)
-    back = ModelSpec.from_hf_config(cfg.to_dict())
+    back = spec_from_hf_config(cfg.to_dict())
     assert back == spec.replace(bos_token_id=back.bos_token_id, eos_token_id=back.eos_token_id)
 
 
 def test_hf_config_always_writes_eps_and_rope():
-    cfg = preset("tiny-llama").to_hf_config()
+    cfg = hf_config(preset("tiny-llama"))
     assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 10000.0
     assert cfg["num_key_value_heads"] == 2 and cfg["head_dim"] == 32
-    assert preset("tiny-gpt2").to_hf_config()["layer_norm_epsilon"] == 1e-5
+    assert hf_config(preset("tiny-gpt2"))["layer_norm_epsilon"] == 1e-5
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -51,13 +51,13 @@ def test_megatron_args_round_trip(name):
     spec = PRESETS[name]
     args = spec.to_megatron_args(tp=2, pp=2)
     assert isinstance(args, argparse.Namespace)
-    assert ModelSpec.from_megatron_args(args) == spec
+    assert spec_from_megatron_args(args) == spec
 
 
 def test_megatron_mha_keeps_one_query_group_like_megatron():
     args = preset("tiny-gpt2").to_megatron_args()
     assert args.group_query_attention is False and args.num_query_groups == 1
-    assert ModelSpec.from_megatron_args(args).num_groups == args.num_attention_heads
+    assert spec_from_megatron_args(args).num_groups == args.num_attention_heads
 
 
 def test_transformers_script_style_args():
@@ -72,7 +72,7 @@ def test_transformers_script_style_args():
         openai_gelu=True,
         tokenizer_type="GPT2BPETokenizer",
     )
-    spec = ModelSpec.from_megatron_args(ns)
+    spec = spec_from_megatron_args(ns)
     assert spec.family == "gpt2" and spec.ffn_hidden_size == 256 and spec.activation == "gelu_new"
 
 
@@ -105,4 +105,4 @@ def test_split_declarations():
 
 def test_unsupported_architecture_is_one_line():
     with pytest.raises(MConvertError, match="unsupported architecture"):
-        ModelSpec.from_hf_config({"architectures": ["BertModel"], "model_type": "bert", "vocab_size": 10})
+        spec_from_hf_config({"architectures": ["BertModel"], "model_type": "bert", "vocab_size": 10})

@@ -11,7 +11,7 @@ import torch
 from mconvert.convert.layout import stage_layers
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import shard
-from mconvert.spec import preset
+from mconvert.mappings.families import preset
 from mconvert.trainer.comm import COLLECTIVES, render_report
 from mconvert.trainer.model import GPTModel, full_init
 from mconvert.trainer.parallel import ParallelState, coords, global_rank, group_ranks

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mconvert.mappings.families import spec_from_megatron_args
 from mconvert.convert.layout import rank_file, read_latest
 from mconvert.convert.safeload import safe_load
 from mconvert.mappings.transforms import merge
@@ -204,7 +205,7 @@ def test_resume_equals_straight_run_and_loads_into_mcore_at_tp1(tmp_path):
             assert (v is None and sb["model"][k] is None) or torch.equal(v, sb["model"][k]), k
         assert torch.equal(sa["optimizer"]["state"][0]["exp_avg_sq"], sb["optimizer"]["state"][0]["exp_avg_sq"])
     assert (a / "tokenizer.json").is_file() and (a / "tokenizer_config.json").is_file()
-    spec = ModelSpec.from_megatron_args(safe_load(rank_file(b, 20, 0, 0, 2))["args"])
+    spec = spec_from_megatron_args(safe_load(rank_file(b, 20, 0, 0, 2))["args"])
     _check_against_mcore(b, spec, _cfg(tp=1, pp=2), 20)
 
 

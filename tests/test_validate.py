@@ -152,7 +152,7 @@ def test_any_source_runs_through_the_transformers_class(family):
 
 def test_torch_dist_checkpoint_is_described_without_a_tp_pp_layout(tmp_path):
     # names only (the torch_dist reader itself is tested by the conversion tests): common.pt args are read
-    from mconvert.spec import preset
+    from mconvert.mappings.families import preset
     from mconvert.validators.formats import describe
 
     d = tmp_path / "iter_0000007"

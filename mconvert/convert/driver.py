@@ -22,6 +22,7 @@ from mconvert.convert.safeload import crc_in_background, skip_crc_checks, wait_c
 from mconvert.convert.sources import open_source
 from mconvert.convert.stream import bound_heap
 from mconvert.errors import MConvertError
+from mconvert.mappings import families
 
 DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -96,9 +97,9 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     if not getattr(src, "vocab_known", True):
         warnings.append(f"vocab size unknown (args have no vocab_size and no tokenizer was found): exporting all "
                         f"{src.spec.vocab_size} padded rows; pass --tokenizer DIR to strip them")
-    if src.spec.family == "gpt2" and not src.spec.tie_embeddings:
-        warnings.append("UNTIED GPT-2: vLLM always ties GPT-2's lm_head to wte, so this model will NOT be served "
-                        "correctly by vLLM (transformers reads lm_head.weight)")
+    untied_warning = families.of(src.spec).vllm.untied_export_warning
+    if untied_warning and not src.spec.tie_embeddings:
+        warnings.append(untied_warning)
     spec = src.spec
     if target is not None:
         spec = spec.replace(params_dtype=_DTYPE_NAME[target])
@@ -250,8 +251,9 @@ def _preview(src: Any) -> Any:
 
 
 def _window_by_default(src: Any) -> bool:
-    """Mistral applies `sliding_window` whenever it is set; Qwen2 only with `use_sliding_window`."""
-    return src.spec.family == "mistral"
+    """Whether the family's HF class applies `sliding_window` whenever it is set (else only with
+    `use_sliding_window`)."""
+    return families.of(src.spec).sliding_window_by_default
 
 
 def _rng_source_ranks(src: Any, tp: int, pp: int, vpp: int | None) -> dict[tuple[int, int], tuple[int, int]]:

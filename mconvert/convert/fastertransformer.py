@@ -36,33 +36,28 @@ from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.paths import contained, inside_file, read_small
 from mconvert.convert.safeload import crc_in_background, wait_crc_checks
 from mconvert.errors import MConvertError
+from mconvert.mappings import families
+from mconvert.mappings.family import FTFile, FTLayout
 from mconvert.spec import ModelSpec
 
 FT_DTYPES = {"fp32": (np.dtype("<f4"), torch.float32), "fp16": (np.dtype("<f2"), torch.float16)}
-FT_BASE_ROTARY = 10000.0  # FT's rotary kernels take no base: it is fixed
-
-# Config fields FT's examples / Triton backend read, per section (GetInteger without default = required);
-# has_adapters defaults to false in FT. tensor_para_size, when absent (FT's LLaMA converter omits it), is
-# taken from the `<t>-gpu` directory name; layernorm_eps is required although FT falls back to 1e-6.
-REQUIRED_FIELDS = {
-    "gpt": (
-        "model_name", "head_num", "size_per_head", "inter_size", "num_layer", "max_pos_seq_len", "vocab_size",
-        "layernorm_eps", "start_id", "end_id", "weight_data_type", "tensor_para_size",
-    ),
-    "llama": (
-        "model_name", "head_num", "size_per_head", "inter_size", "num_layer", "rotary_embedding", "vocab_size",
-        "layernorm_eps", "start_id", "end_id", "weight_data_type", "tensor_para_size",
-    ),
-}
 
 
-@dataclass(frozen=True)
-class FTFile:
-    """One file FT's loader opens: name relative to `<t>-gpu/`, and the shape it reads."""
+def ft_layouts() -> dict[str, FTLayout]:
+    """Every FT section a family declares, by section name (families may share one)."""
+    out: dict[str, FTLayout] = {}
+    for fam in families.all_families():
+        if fam.ft is not None:
+            out.setdefault(fam.ft.section, fam.ft)
+    return out
 
-    name: str
-    shape: tuple[int, ...]
-    optional: bool = False  # only model.lm_head.weight.bin for [gpt]
+
+def section_layout(section: str) -> FTLayout:
+    """The layout of a config.ini section; one MConvertError for a section no family declares."""
+    layout = ft_layouts().get(section)
+    if layout is None:
+        raise MConvertError(f"unknown FasterTransformer section [{section}]")
+    return layout
 
 
 @dataclass
@@ -86,8 +81,8 @@ class FTResult:
 
 
 # ---- what FT can hold --------------------------------------------------------------------------------
-def ft_section(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) -> str:
-    """`gpt` or `llama` for a model FT can represent exactly at `infer_tp`; one-line refusal otherwise."""
+def ft_layout(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) -> FTLayout:
+    """The FT section of a model FT can represent exactly at `infer_tp`; one-line refusal otherwise."""
     nh, hd, H = spec.num_attention_heads, spec.head_dim, spec.hidden_size
     if infer_tp < 1:
         raise MConvertError(f"--infer-tp must be >= 1 (got {infer_tp})")
@@ -99,100 +94,25 @@ def ft_section(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) 
         raise MConvertError(f"--infer-tp {infer_tp} does not divide num_attention_heads={nh}; pick a divisor")
     if spec.ffn_hidden_size % infer_tp:
         raise MConvertError(f"--infer-tp {infer_tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
-    learned = spec.position_embedding_type == "learned_absolute"
-    if spec.normalization == "LayerNorm" and not spec.gated and learned:
-        if not spec.add_bias_linear:
-            raise MConvertError(
-                "FasterTransformer's GPT loader reads every linear bias; this model has add_bias_linear=False"
-            )
-        if spec.num_groups != nh:
-            raise MConvertError("FasterTransformer's GPT layout is MHA only; this model uses grouped-query attention")
-        if spec.activation == "gelu" and not allow_approx_gelu:
-            raise MConvertError(
-                "FasterTransformer's GPT computes only the tanh GeLU (HF gelu_new), this model uses the exact "
-                "erf GeLU (Megatron without --openai-gelu); pass --allow-approx-gelu to write it anyway"
-            )
-        return "gpt"
-    if spec.normalization == "RMSNorm" and spec.gated and spec.position_embedding_type == "rope":
-        if spec.num_groups != nh:
-            raise MConvertError(
-                f"FasterTransformer's LLaMA loader has no grouped-query attention (num_query_groups="
-                f"{spec.num_groups} < heads={nh}); use megatron-to-trtllm (TensorRT-LLM supports GQA)"
-            )
-        if spec.has_qkv_bias or spec.add_bias_linear:
-            raise MConvertError(
-                "FasterTransformer's LLaMA loader zero-fills every bias; this model has linear biases"
-            )
-        if spec.rotary_base != FT_BASE_ROTARY:
-            raise MConvertError(
-                f"FasterTransformer's LLaMA rotary base is fixed at 10000; this model uses {spec.rotary_base:g}"
-            )
-        if spec.rotary_percent != 1.0:
-            raise MConvertError(f"rotary_percent={spec.rotary_percent} is not supported for the FT LLaMA layout")
-        return "llama"
-    raise MConvertError(
-        f"FasterTransformer has no layout for {spec.normalization} + {spec.activation} + "
-        f"{spec.position_embedding_type} positions ({spec.family}); supported: GPT-2 style and LLaMA style"
-    )
+    layout = families.of(spec).ft
+    if layout is None or not layout.holds(spec):
+        raise MConvertError(
+            f"FasterTransformer has no layout for {spec.normalization} + {spec.activation} + "
+            f"{spec.position_embedding_type} positions ({spec.family}); supported: GPT-2 style and LLaMA style"
+        )
+    layout.refuse(spec, infer_tp, allow_approx_gelu)
+    return layout
+
+
+def ft_section(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) -> str:
+    """The FT section name (`gpt`, `llama`, ...) for the model; one-line refusal otherwise."""
+    return ft_layout(spec, infer_tp, allow_approx_gelu).section
 
 
 # ---- the files FT's loader opens ---------------------------------------------------------------------
 def ft_expected_files(section: str, cfg: dict[str, Any]) -> list[FTFile]:
     """Every file FT's C++ loader opens for a config (int8_mode 0, no prompt tables), with its shape."""
-    nh, hd = int(cfg["head_num"]), int(cfg["size_per_head"])
-    H, F, L, V = nh * hd, int(cfg["inter_size"]), int(cfg["num_layer"]), int(cfg["vocab_size"])
-    t = int(cfg["tensor_para_size"])
-    files: list[FTFile] = []
-    if section == "gpt":
-        files += [
-            FTFile("model.wpe.bin", (int(cfg["max_pos_seq_len"]), H)),
-            FTFile("model.wte.bin", (V, H)),
-            FTFile("model.final_layernorm.bias.bin", (H,)),
-            FTFile("model.final_layernorm.weight.bin", (H,)),
-            FTFile("model.lm_head.weight.bin", (V, H), optional=True),
-        ]
-        for i in range(L):
-            p = f"model.layers.{i}."
-            files += [
-                FTFile(p + "input_layernorm.bias.bin", (H,)),
-                FTFile(p + "input_layernorm.weight.bin", (H,)),
-                FTFile(p + "attention.dense.bias.bin", (H,)),
-                FTFile(p + "post_attention_layernorm.bias.bin", (H,)),
-                FTFile(p + "post_attention_layernorm.weight.bin", (H,)),
-                FTFile(p + "mlp.dense_4h_to_h.bias.bin", (H,)),
-            ]
-            for r in range(t):
-                files += [
-                    FTFile(p + f"attention.query_key_value.bias.{r}.bin", (3, H // t)),
-                    FTFile(p + f"mlp.dense_h_to_4h.bias.{r}.bin", (F // t,)),
-                    FTFile(p + f"attention.query_key_value.weight.{r}.bin", (H, 3, H // t)),
-                    FTFile(p + f"attention.dense.weight.{r}.bin", (H // t, H)),
-                    FTFile(p + f"mlp.dense_h_to_4h.weight.{r}.bin", (H, F // t)),
-                    FTFile(p + f"mlp.dense_4h_to_h.weight.{r}.bin", (F // t, H)),
-                ]
-    elif section == "llama":
-        files += [
-            FTFile("model.wte.weight.bin", (V, H)),
-            FTFile("model.final_layernorm.weight.bin", (H,)),
-            FTFile("model.lm_head.weight.bin", (V, H)),
-        ]
-        for i in range(L):
-            p = f"model.layers.{i}."
-            files += [
-                FTFile(p + "input_layernorm.weight.bin", (H,)),
-                FTFile(p + "post_attention_layernorm.weight.bin", (H,)),
-            ]
-            for r in range(t):
-                files += [
-                    FTFile(p + f"attention.query_key_value.weight.{r}.bin", (H, 3, H // t)),
-                    FTFile(p + f"attention.dense.weight.{r}.bin", (H // t, H)),
-                    FTFile(p + f"mlp.gate_proj.weight.{r}.bin", (H, F // t)),
-                    FTFile(p + f"mlp.up_proj.weight.{r}.bin", (H, F // t)),
-                    FTFile(p + f"mlp.down_proj.weight.{r}.bin", (F // t, H)),
-                ]
-    else:
-        raise MConvertError(f"unknown FasterTransformer section [{section}]")
-    return files
+    return section_layout(section).expected_files(cfg)
 
 
 # ---- reading an FT dir (shared by the check and the reference runner) ---------------------------------
@@ -210,16 +130,19 @@ def resolve_ft_dir(path: str | Path) -> Path:
 
 
 def read_ft_config(ft_dir: Path) -> tuple[str, dict[str, str]]:
-    """(section, fields) of `config.ini`; the section is `gpt` or `llama`."""
+    """(section, fields) of `config.ini`; the section is one a family declares (`gpt`, `llama`)."""
     cp = configparser.ConfigParser()
     ini = inside_file(ft_dir, "config.ini", f"{ft_dir}: FT config")
     try:
         cp.read_string(read_small(ini, "ini").decode("utf-8", errors="replace"), str(ini))
     except configparser.Error as e:
         raise MConvertError(f"{ft_dir / 'config.ini'}: unreadable ({str(e).splitlines()[0]})") from None
-    sections = [s for s in ("gpt", "llama") if cp.has_section(s)]
+    known = list(ft_layouts())
+    sections = [s for s in known if cp.has_section(s)]
     if len(sections) != 1:
-        raise MConvertError(f"{ft_dir / 'config.ini'}: needs exactly one of the sections [gpt] or [llama]")
+        raise MConvertError(
+            f"{ft_dir / 'config.ini'}: needs exactly one of the sections {' or '.join(f'[{s}]' for s in known)}"
+        )
     fields = dict(cp[sections[0]])
     m = re.fullmatch(r"(\d+)-gpu", ft_dir.name)
     if "tensor_para_size" not in fields and m:
@@ -263,15 +186,16 @@ def check_ft_dir(path: str | Path) -> list[str]:
     except MConvertError as e:
         return [str(e)]
     ini = ft_dir / "config.ini"
-    problems = [f"{ini}: [{section}] lacks {k}" for k in REQUIRED_FIELDS[section] if k not in cfg]
+    layout = section_layout(section)
+    problems = [f"{ini}: [{section}] lacks {k}" for k in layout.required_fields if k not in cfg]
     if problems:
         return problems
     try:
         ints = {k: ft_number(cfg, k, ini) for k in ("head_num", "size_per_head", "inter_size", "num_layer",
                                                     "vocab_size", "tensor_para_size")}
         ft_number(cfg, "layernorm_eps", ini, float)
-        if section == "llama":
-            ft_number(cfg, "rotary_embedding", ini)
+        if layout.kernels.rotary_dim:
+            ft_number(cfg, layout.kernels.rotary_dim, ini)
         if "max_pos_seq_len" in cfg:
             ft_number(cfg, "max_pos_seq_len", ini)
     except MConvertError as e:
@@ -288,8 +212,7 @@ def check_ft_dir(path: str | Path) -> list[str]:
     if ints["head_num"] % t or ints["inter_size"] % t:
         problems.append(f"{ini}: tensor_para_size={t} does not divide head_num / inter_size")
         return problems
-    if section == "llama" and int(cfg["rotary_embedding"]) > ints["size_per_head"]:
-        problems.append(f"{ini}: rotary_embedding > size_per_head")
+    problems += [f"{ini}: {p}" for p in layout.check_config(cfg, ints)]
     itemsize = FT_DTYPES[dtype][0].itemsize
     expected = ft_expected_files(section, cfg)
     for f in expected:
@@ -316,108 +239,15 @@ def check_ft_dir(path: str | Path) -> list[str]:
 
 
 # ---- writing -----------------------------------------------------------------------------------------
-def _cols(x: torch.Tensor, t: int) -> list[torch.Tensor]:
-    """Split the last axis into `t` contiguous parts (column-parallel in FT's [in, out] storage)."""
-    return list(x.chunk(t, dim=-1))
-
-
-def _rows(x: torch.Tensor, t: int) -> list[torch.Tensor]:
-    """Split axis 0 into `t` parts (row-parallel: the input features of an [in, out] weight)."""
-    return list(x.chunk(t, dim=0))
-
-
-def gpt_embedding_files(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF GPT-2 embedding unit -> FT files."""
-    return {"model.wte.bin": hf["transformer.wte.weight"], "model.wpe.bin": hf["transformer.wpe.weight"]}
-
-
-def gpt_layer_files(hf: dict[str, torch.Tensor], i: int, spec: ModelSpec, t: int) -> dict[str, torch.Tensor]:
-    """HF GPT-2 layer `i` (Conv1D weights are already [in, out]) -> FT files for `t` ranks."""
-    H = spec.hidden_size
-    s, p = f"transformer.h.{i}.", f"model.layers.{i}."
-    out = {
-        p + "input_layernorm.weight.bin": hf[s + "ln_1.weight"],
-        p + "input_layernorm.bias.bin": hf[s + "ln_1.bias"],
-        p + "attention.dense.bias.bin": hf[s + "attn.c_proj.bias"],
-        p + "post_attention_layernorm.weight.bin": hf[s + "ln_2.weight"],
-        p + "post_attention_layernorm.bias.bin": hf[s + "ln_2.bias"],
-        p + "mlp.dense_4h_to_h.bias.bin": hf[s + "mlp.c_proj.bias"],
-    }
-    qkv_w = hf[s + "attn.c_attn.weight"].reshape(H, 3, H)  # [in, (q|k|v) × heads × hd]
-    qkv_b = hf[s + "attn.c_attn.bias"].reshape(3, H)
-    per_rank = {
-        "attention.query_key_value.weight": _cols(qkv_w, t),
-        "attention.query_key_value.bias": _cols(qkv_b, t),
-        "attention.dense.weight": _rows(hf[s + "attn.c_proj.weight"], t),
-        "mlp.dense_h_to_4h.weight": _cols(hf[s + "mlp.c_fc.weight"], t),
-        "mlp.dense_h_to_4h.bias": _cols(hf[s + "mlp.c_fc.bias"], t),
-        "mlp.dense_4h_to_h.weight": _rows(hf[s + "mlp.c_proj.weight"], t),
-    }
-    for name, shards in per_rank.items():
-        for r, x in enumerate(shards):
-            out[f"{p}{name}.{r}.bin"] = x
-    return out
-
-
-def gpt_final_files(hf: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
-    out = {
-        "model.final_layernorm.weight.bin": hf["transformer.ln_f.weight"],
-        "model.final_layernorm.bias.bin": hf["transformer.ln_f.bias"],
-    }
-    if not spec.tie_embeddings:  # FT's GPT loader: a present lm_head file unties the head
-        out["model.lm_head.weight.bin"] = _need(hf, "lm_head.weight", "untied head")
-    return out
-
-
-def llama_embedding_files(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"model.wte.weight.bin": hf["model.embed_tokens.weight"]}
-
-
-def llama_layer_files(hf: dict[str, torch.Tensor], i: int, spec: ModelSpec, t: int) -> dict[str, torch.Tensor]:
-    """HF LLaMA layer `i` ([out, in] Linear weights) -> FT files: QKV `[H, 3, H/t]`, MLP `[in, out]`."""
-    s, p = f"model.layers.{i}.", f"model.layers.{i}."
-    out = {
-        p + "input_layernorm.weight.bin": hf[s + "input_layernorm.weight"],
-        p + "post_attention_layernorm.weight.bin": hf[s + "post_attention_layernorm.weight"],
-    }
-    qkv = torch.stack([hf[s + f"self_attn.{n}_proj.weight"] for n in "qkv"])  # [3, out, in]
-    per_rank = {
-        "attention.query_key_value.weight": _cols(qkv.permute(2, 0, 1), t),  # [in, 3, out]
-        "attention.dense.weight": _rows(hf[s + "self_attn.o_proj.weight"].t(), t),
-        "mlp.gate_proj.weight": _cols(hf[s + "mlp.gate_proj.weight"].t(), t),
-        "mlp.up_proj.weight": _cols(hf[s + "mlp.up_proj.weight"].t(), t),
-        "mlp.down_proj.weight": _rows(hf[s + "mlp.down_proj.weight"].t(), t),
-    }
-    for name, shards in per_rank.items():
-        for r, x in enumerate(shards):
-            out[f"{p}{name}.{r}.bin"] = x
-    return out
-
-
-def llama_final_files(hf: dict[str, torch.Tensor], embed: torch.Tensor | None, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """Final norm and head; FT's LLaMA loader always reads lm_head, so a tied model gets a copy of wte."""
-    head = hf.get("lm_head.weight")
-    if head is None:
-        if not spec.tie_embeddings:
-            raise MConvertError("untied LLaMA-style model but the source yields no lm_head.weight")
-        head = embed
-    return {"model.final_layernorm.weight.bin": hf["model.norm.weight"], "model.lm_head.weight.bin": head}
-
-
-def _need(d: dict[str, torch.Tensor], key: str, what: str) -> torch.Tensor:
-    if key not in d:
-        raise MConvertError(f"the source yields no {key} ({what}); cannot write it")
-    return d[key]
-
-
 def ft_config(spec: ModelSpec, section: str, infer_tp: int, dtype: str, source: str) -> configparser.ConfigParser:
     """config.ini: FT's fields for the section (layernorm_eps always) plus an informational [mconvert] section."""
+    layout = section_layout(section)
     def token(tid: int | None) -> int:  # unknown or outside the vocab (GPT-2 config defaults): last id
         return tid if tid is not None and 0 <= tid < spec.vocab_size else spec.vocab_size - 1
 
     start, end = token(spec.bos_token_id), token(spec.eos_token_id)
     common = {
-        "model_name": "gpt" if section == "gpt" else spec.family,  # FT's converters: "gpt" / the model's name
+        "model_name": layout.model_name or spec.family,  # FT's converters: "gpt" / the model's name
         "head_num": spec.num_attention_heads,
         "size_per_head": spec.head_dim,
         "inter_size": spec.ffn_hidden_size,
@@ -429,11 +259,7 @@ def ft_config(spec: ModelSpec, section: str, infer_tp: int, dtype: str, source: 
         "weight_data_type": dtype,
         "tensor_para_size": infer_tp,
     }
-    if section == "gpt":
-        fields = dict(common, max_pos_seq_len=spec.max_position_embeddings, has_adapters=False,
-                      adapter_inter_size=0)
-    else:
-        fields = dict(common, rotary_embedding=spec.head_dim)
+    fields = dict(common, **layout.config_fields(spec))
     cp = configparser.ConfigParser()
     cp[section] = {k: str(v) for k, v in fields.items()}
     cp["mconvert"] = {  # FT ignores unknown sections; kept for provenance
@@ -488,7 +314,7 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
     if dtype not in FT_DTYPES:
         raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
     spec: ModelSpec = source.spec
-    section = ft_section(spec, infer_tp, allow_approx_gelu)
+    layout = ft_layout(spec, infer_tp, allow_approx_gelu)
     nfiles = nbytes = 0
     embed: torch.Tensor | None = None
     raw = _RawFiles()
@@ -496,22 +322,18 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
         for unit in source.units():
             hf = source.read_hf(unit)
             if unit == "embedding":
-                if section == "gpt":
-                    files = gpt_embedding_files(hf)
-                else:
-                    files = llama_embedding_files(hf)
-                    if spec.tie_embeddings:
-                        embed = hf["model.embed_tokens.weight"]
+                files = layout.embedding_files(hf)
+                if spec.tie_embeddings and layout.always_reads_head:
+                    embed = hf[families.of(spec).plugin.hf_embedding]
                 wte = next(iter(files.values()))
                 if wte.shape[0] != spec.vocab_size:
                     raise MConvertError(
                         f"{source.path}: embedding has {wte.shape[0]} rows, spec vocab_size={spec.vocab_size}"
                     )
             elif unit == "final":
-                files = gpt_final_files(hf, spec) if section == "gpt" else llama_final_files(hf, embed, spec)
+                files = layout.final_files(hf, embed, spec)
             else:
-                layer = gpt_layer_files if section == "gpt" else llama_layer_files
-                files = layer(hf, int(unit), spec, infer_tp)
+                files = layout.layer_files(hf, int(unit), spec, infer_tp)
             for name, x in files.items():
                 nbytes += raw.write(ft_dir / name, x, dtype)
                 nfiles += 1
@@ -522,8 +344,8 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
         raw.abort()
         raise
     with open(ft_dir / "config.ini", "w") as fh:
-        ft_config(spec, section, infer_tp, dtype, str(source.path)).write(fh)
-    return section, nfiles + 1, nbytes
+        ft_config(spec, layout.section, infer_tp, dtype, str(source.path)).write(fh)
+    return layout.section, nfiles + 1, nbytes
 
 
 def open_any_source(src: str | Path, iteration: str | None = None) -> Any:
@@ -544,7 +366,7 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
 
     bound_heap()  # RSS = live tensors (bench/, issue 7)
     source = open_any_source(src, iteration)
-    ft_section(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
+    layout = ft_layout(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
     units = source.units()
     with _progress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         ft_dir = tmp / f"{infer_tp}-gpu"
@@ -557,8 +379,8 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     notes = []
     if source.spec.activation == "gelu":
         notes.append("exact-erf GeLU model written for FT's tanh GeLU (--allow-approx-gelu): logits will differ")
-    if section == "llama" and source.spec.tie_embeddings:
-        notes.append("tied head: model.lm_head.weight.bin is a copy of model.wte.weight.bin (FT's LLaMA reads both)")
+    if layout.tied_head_note and source.spec.tie_embeddings:
+        notes.append(layout.tied_head_note)
     return FTResult(Path(out), Path(out) / f"{infer_tp}-gpu", section, infer_tp, dtype, nfiles, nbytes, notes)
 
 

@@ -2,7 +2,7 @@
 writer that streams units into safetensors shards of at most `max_shard_size` bytes.
 
 Writer output: `model.safetensors` (or `model-0000X-of-0000N.safetensors` + `model.safetensors.index.json`),
-`config.json` from `spec.to_hf_config()`, `generation_config.json` with bos/eos ids, tokenizer files.
+`config.json` from `families.hf_config(spec)`, `generation_config.json` with bos/eos ids, tokenizer files.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mconvert.convert.sources import (
     load_tokenizer,
 )
 from mconvert.errors import MConvertError, expect
-from mconvert.mappings import from_hf, hf_unit
+from mconvert.mappings import families, from_hf, hf_unit
 from mconvert.spec import ModelSpec
 
 INDEX = "model.safetensors.index.json"
@@ -71,7 +71,7 @@ class HFSource(SourceBase):
         self.path = Path(path)
         cfg_path = inside_file(self.path, "config.json", f"{self.path}: config")
         self.config = load_json_object(cfg_path, "config", "fix it or re-copy the model directory")
-        self.spec = ModelSpec.from_hf_config(self.config, source=str(cfg_path))
+        self.spec = families.spec_from_hf_config(self.config, source=str(cfg_path))
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
         self.key_file = self._index()
         self.unit_keys: dict[Unit, list[str]] = {}
@@ -86,10 +86,9 @@ class HFSource(SourceBase):
         """config.json's sizes against the tensors present (safetensors headers) and the memory available,
         before any per-layer loop or allocation."""
         from mconvert.convert import bounds
-        from mconvert.mappings.fields import hf_table, key_names
-        from mconvert.spec import FAMILIES
+        from mconvert.mappings.fields import key_names
 
-        names = key_names(hf_table(FAMILIES[self.spec.family][1]))
+        names = key_names(families.hf_table(families.of(self.spec).model_type))
         bounds.check_layer_count(self.spec, {u for u in self.unit_keys if isinstance(u, int)}, source, names)
         if not self.can_preview():
             return  # pytorch_model*.bin has no header: its shapes are checked as each unit is read
@@ -350,7 +349,7 @@ class HFWriter:
                 tokenizer_dir)
             bos = bos if bos is not None else tb
             eos = eos if eos is not None else te
-        cfg = spec.replace(bos_token_id=bos, eos_token_id=eos).to_hf_config()
+        cfg = families.hf_config(spec.replace(bos_token_id=bos, eos_token_id=eos))
         (self.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         gen: dict = {"_from_model_config": True}
         if bos is not None:

@@ -33,6 +33,7 @@ from mconvert.convert.paths import inside_file
 from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError, type_name
+from mconvert.mappings import families
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.transforms import merge, merge_transposed, pad_vocab, split
 from mconvert.spec import ModelSpec
@@ -149,7 +150,7 @@ class MegatronSource(SourceBase):
     def _check_ranks(self, args0: dict[str, Any]) -> None:
         """Every rank file must carry rank 0's model args and, per stage, exactly TP rank 0's keys and shapes."""
         fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
-        spec0 = ModelSpec.from_megatron_args(args0).to_dict()
+        spec0 = families.spec_from_megatron_args(args0).to_dict()
         for (t, p), f in sorted(self.files.items()):
             if t == 0 and p == 0:
                 continue
@@ -160,7 +161,7 @@ class MegatronSource(SourceBase):
                                     "different runs or one is corrupt — re-copy the checkpoint")
             if "args" in st:
                 a = args_dict(st["args"], f)
-                spec = ModelSpec.from_megatron_args(a, source=str(f)).to_dict()
+                spec = families.spec_from_megatron_args(a, source=str(f)).to_dict()
                 diff = [(k, spec[k], spec0[k]) for k in spec0 if spec[k] != spec0[k]]
                 diff += [(k, a.get(k), args0.get(k)) for k in fields if a.get(k) != args0.get(k)]
                 if diff:

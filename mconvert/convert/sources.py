@@ -19,6 +19,7 @@ from mconvert.convert.base import Unit, units_of
 from mconvert.convert.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
 from mconvert.convert.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError, escape_controls, type_name
+from mconvert.mappings import families
 from mconvert.spec import ModelSpec
 
 TOKENIZER_FILES = (
@@ -260,7 +261,7 @@ def megatron_spec(args: dict, source: str, tokenizer: str | Path | None, *roots:
     known = vocab is not None
     if vocab is None and tok_dir is not None:
         vocab, known = tokenizer_length(tok_dir), True
-    spec = ModelSpec.from_megatron_args(args, source=source)
+    spec = families.spec_from_megatron_args(args, source=source)
     if vocab is not None:
         spec = spec.replace(vocab_size=int(vocab))
     return spec, tok_dir, known

@@ -29,6 +29,8 @@ import torch
 from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError, expect
+from mconvert.mappings import families
+from mconvert.mappings.family import TrtllmLayout
 from mconvert.spec import ModelSpec
 
 TRT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -107,32 +109,11 @@ class StreamingSafetensors:
                 pass
 
 
-def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero rows appended up to a multiple (TensorRT-LLM's `pad_vocab_size`)."""
-    pad = -x.shape[0] % multiple
-    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
-
-
-def _kv_dup(x: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
-    """Repeat each KV head tp/nkv times along dim 0 when there are fewer KV heads than ranks."""
-    if nkv >= tp:
-        return x
-    if tp % nkv:
-        raise MConvertError(f"--tp {tp} and {nkv} KV heads: one must divide the other")
-    return x.reshape(nkv, -1, *x.shape[1:]).repeat_interleave(tp // nkv, dim=0).reshape(-1, *x.shape[1:])
-
-
-def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int, tp: int) -> list[torch.Tensor]:
-    """Per rank cat(q_r, k_r, v_r) along dim 0 (weights [out, in] or biases [out])."""
-    k, v = _kv_dup(k, nkv, tp), _kv_dup(v, nkv, tp)
-    return [torch.cat(parts) for parts in zip(q.chunk(tp), k.chunk(tp), v.chunk(tp))]
-
-
 def trtllm_config(spec: ModelSpec, tp: int, dtype: str) -> dict[str, Any]:
-    """config.json as PretrainedConfig.to_dict writes it, with the GPT / LLaMA fields."""
-    gpt = spec.family == "gpt2"
+    """config.json as PretrainedConfig.to_dict writes it, with the model class's own fields."""
+    layout = _layout(spec)
     cfg: dict[str, Any] = {
-        "architecture": "GPT2LMHeadModel" if gpt else "LlamaForCausalLM",
+        "architecture": layout.architecture,
         "dtype": dtype,
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
@@ -141,10 +122,10 @@ def trtllm_config(spec: ModelSpec, tp: int, dtype: str) -> dict[str, Any]:
         "num_key_value_heads": spec.num_groups,
         "head_size": spec.head_dim,
         "intermediate_size": spec.ffn_hidden_size,
-        "hidden_act": spec.activation if gpt else "silu",
+        "hidden_act": layout.hidden_act(spec),
         "logits_dtype": "float32",
         "norm_epsilon": spec.norm_epsilon,
-        "position_embedding_type": "learned_absolute" if gpt else "rope_gpt_neox",
+        "position_embedding_type": layout.position_embedding_type,
         "max_position_embeddings": spec.max_position_embeddings,
         "rotary_embedding_dim": int(spec.head_dim * spec.rotary_percent),
         "use_parallel_embedding": False,
@@ -157,13 +138,7 @@ def trtllm_config(spec: ModelSpec, tp: int, dtype: str) -> dict[str, Any]:
                          "smoothquant_val": 0.5, "clamp_val": None, "has_zero_point": False,
                          "pre_quant_scale": False, "exclude_modules": None},
     }
-    if gpt:
-        cfg.update(gpt_variant="gpt2", bias=True, q_scaling=1.0, embedding_scale=None,
-                   apply_query_key_layer_scaling=False, rotary_pct=1.0, rotary_base=10000.0, rotary_scaling=None)
-    else:
-        cfg.update(mlp_bias=spec.add_bias_linear, attn_bias=spec.has_qkv_bias, rotary_base=spec.rotary_base,
-                   rotary_scaling=None, residual_mlp=False, disable_weight_only_quant_plugin=False,
-                   moe={"num_experts": 0, "top_k": 0, "normalization_mode": None})
+    cfg.update(layout.config_fields(spec))
     return cfg
 
 
@@ -175,93 +150,20 @@ def trtllm_refusal(spec: ModelSpec, tp: int) -> None:
         raise MConvertError(f"--tp {tp} and num_query_groups={spec.num_groups}: one must divide the other")
     if spec.ffn_hidden_size % tp:
         raise MConvertError(f"--tp {tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
-    if spec.family == "gpt2":
-        if spec.activation != "gelu_new":
-            raise MConvertError(
-                "TensorRT-LLM's GPT computes the tanh GeLU; this model uses the exact erf GeLU (no --openai-gelu)"
-            )
-        if spec.num_groups != spec.num_attention_heads or not spec.add_bias_linear:
-            raise MConvertError("GPT-2 style export needs MHA with linear biases")
-        if spec.head_dim * spec.num_attention_heads != spec.hidden_size:
-            raise MConvertError("TensorRT-LLM's GPT needs head_size = hidden/heads")
-    elif spec.family in ("llama", "mistral"):
-        if spec.rotary_percent != 1.0:
-            raise MConvertError(f"rotary_percent={spec.rotary_percent} is not supported for the LLaMA layout")
-        if spec.add_qkv_bias and not spec.add_bias_linear:
-            raise MConvertError("a qkv-only bias (Qwen2 style) is not part of TensorRT-LLM's LLaMA layout")
-    else:
-        raise MConvertError(f"megatron-to-trtllm supports GPT-2 and LLaMA/Mistral style models, not {spec.family}")
+    _layout(spec).refuse(spec)
 
 
 def rank_tensors(unit: Any, hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int,
                  embed: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
-    """One unit's HF tensors -> per-rank TensorRT-LLM tensors."""
-    gpt = spec.family == "gpt2"
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    """One unit's HF tensors -> per-rank TensorRT-LLM tensors (the family's TensorRT-LLM layout)."""
+    return _layout(spec).rank_tensors(unit, hf, spec, tp, embed)
 
-    def every(name: str, x: torch.Tensor) -> None:
-        for d in out:
-            d[name] = x
 
-    def each(name: str, xs: list[torch.Tensor]) -> None:
-        for d, x in zip(out, xs):
-            d[name] = x
-
-    nkv, H = spec.num_groups, spec.hidden_size
-    if unit == "embedding":
-        every("transformer.vocab_embedding.weight", hf["transformer.wte.weight" if gpt else "model.embed_tokens.weight"])
-        if gpt:
-            every("transformer.position_embedding.weight", hf["transformer.wpe.weight"])
-        return out
-    if unit == "final":
-        if gpt:
-            every("transformer.ln_f.weight", hf["transformer.ln_f.weight"])
-            every("transformer.ln_f.bias", hf["transformer.ln_f.bias"])
-        else:
-            every("transformer.ln_f.weight", hf["model.norm.weight"])
-        head = hf.get("lm_head.weight")
-        if head is None:
-            if not spec.tie_embeddings:
-                raise MConvertError("untied model but the source yields no lm_head.weight")
-            head = embed
-        each("lm_head.weight", list(pad_rows(head, tp).chunk(tp)))
-        return out
-    i = int(unit)
-    t = f"transformer.layers.{i}."
-    if gpt:
-        s = f"transformer.h.{i}."
-        w = hf[s + "attn.c_attn.weight"].t()  # Conv1D [in, out] -> [out, in]; rows q|k|v
-        b = hf[s + "attn.c_attn.bias"]
-        each(t + "attention.qkv.weight", split_qkv(*w.split(H), nkv, tp))
-        each(t + "attention.qkv.bias", split_qkv(*b.split(H), nkv, tp))
-        each(t + "attention.dense.weight", list(hf[s + "attn.c_proj.weight"].t().chunk(tp, 1)))
-        every(t + "attention.dense.bias", hf[s + "attn.c_proj.bias"])
-        each(t + "mlp.fc.weight", list(hf[s + "mlp.c_fc.weight"].t().chunk(tp, 0)))
-        each(t + "mlp.fc.bias", list(hf[s + "mlp.c_fc.bias"].chunk(tp)))
-        each(t + "mlp.proj.weight", list(hf[s + "mlp.c_proj.weight"].t().chunk(tp, 1)))
-        every(t + "mlp.proj.bias", hf[s + "mlp.c_proj.bias"])
-        for a, b_ in (("ln_1", "input_layernorm"), ("ln_2", "post_layernorm")):
-            every(t + f"{b_}.weight", hf[s + f"{a}.weight"])
-            every(t + f"{b_}.bias", hf[s + f"{a}.bias"])
-        return out
-    s = f"model.layers.{i}."
-    qkv = [hf[s + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-    each(t + "attention.qkv.weight", split_qkv(*qkv, nkv, tp))
-    if s + "self_attn.q_proj.bias" in hf:
-        each(t + "attention.qkv.bias", split_qkv(*[hf[s + f"self_attn.{n}_proj.bias"] for n in "qkv"], nkv, tp))
-    each(t + "attention.dense.weight", list(hf[s + "self_attn.o_proj.weight"].chunk(tp, 1)))
-    if s + "self_attn.o_proj.bias" in hf:
-        every(t + "attention.dense.bias", hf[s + "self_attn.o_proj.bias"])
-    for trt, name in (("mlp.fc", "gate_proj"), ("mlp.gate", "up_proj")):
-        each(t + f"{trt}.weight", list(hf[s + f"mlp.{name}.weight"].chunk(tp, 0)))
-        if s + f"mlp.{name}.bias" in hf:
-            each(t + f"{trt}.bias", list(hf[s + f"mlp.{name}.bias"].chunk(tp)))
-    each(t + "mlp.proj.weight", list(hf[s + "mlp.down_proj.weight"].chunk(tp, 1)))
-    if s + "mlp.down_proj.bias" in hf:
-        every(t + "mlp.proj.bias", hf[s + "mlp.down_proj.bias"])
-    every(t + "input_layernorm.weight", hf[s + "input_layernorm.weight"])
-    every(t + "post_layernorm.weight", hf[s + "post_attention_layernorm.weight"])
-    return out
+def _layout(spec: ModelSpec) -> TrtllmLayout:
+    layout = families.of(spec).trtllm
+    if layout is None:
+        raise MConvertError(f"megatron-to-trtllm supports GPT-2 and LLaMA/Mistral style models, not {spec.family}")
+    return layout
 
 
 def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str = "auto", force: bool = False,
@@ -291,7 +193,7 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
             for unit in units:
                 hf = source.read_hf(unit)
                 if unit == "embedding" and spec.tie_embeddings:
-                    embed = hf["transformer.wte.weight" if spec.family == "gpt2" else "model.embed_tokens.weight"]
+                    embed = hf[families.of(spec).plugin.hf_embedding]
                 for w, part in zip(writers, rank_tensors(unit, hf, spec, tp, embed)):
                     for k, v in part.items():
                         w.write(k, v)

@@ -1,4 +1,4 @@
-"""Layout transforms (pure shard math) and one plugin table per model family."""
+"""Layout transforms (pure shard math), the family registry and one module per model family."""
 
 from mconvert.mappings.plugin import from_hf, hf_names, hf_unit, plugin_for, to_hf
 

@@ -6,13 +6,14 @@ mapped onto a ModelSpec field (with its expected type, so a wrong type is refuse
 holds its default. A name in no table passes only when it is None or False (what argparse stores for an
 option never given); anything else is refused by name, so a new upstream option cannot slip through unread.
 
-The HF tables are per `model_type` (common `PretrainedConfig` attributes + the family's own fields) so that
-each family's table can live in its family module.
+The HF table here holds the common `PretrainedConfig` attributes; each family module holds its own fields
+(`Family.hf_fields`) and `families.hf_table(model_type)` joins the two.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import math
 from typing import Any, Callable, Mapping
 
 from mconvert.errors import MConvertError
@@ -115,14 +116,6 @@ def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
     check(args, MEGATRON_ARGS, source, "Megatron arg")
 
 
-def hf_table(model_type: str) -> dict[str, Field]:
-    """The classification of every config.json field of one HF family (common attributes included)."""
-    try:
-        return {**HF_COMMON, **HF_FAMILY[model_type]}
-    except KeyError:
-        raise MConvertError(f"no config field table for model_type {model_type!r}") from None
-
-
 def key_names(table: Mapping[str, Field]) -> dict[str, str]:
     """ModelSpec field -> the key a source spells it with (the first mapped entry of the table)."""
     out: dict[str, str] = {}
@@ -130,11 +123,6 @@ def key_names(table: Mapping[str, Field]) -> dict[str, str]:
         if f.kind == MAPPED:
             out.setdefault(f.to, k)
     return out
-
-
-def check_hf_config(cfg: Mapping[str, Any], model_type: str, source: str) -> None:
-    """Refuse config.json fields that change the function and are not mapped (one line naming the field)."""
-    check(cfg, hf_table(model_type), source, "config field")
 
 
 # ---- Megatron args -----------------------------------------------------------------------------------
@@ -490,19 +478,9 @@ def _int_or_ints(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
 
 
-def _window_covers_context(v: Any, cfg: Mapping[str, Any]) -> bool:
-    # a window at least as long as the context never masks anything
-    mpe = cfg.get("max_position_embeddings")
-    return isinstance(v, int) and not isinstance(v, bool) and isinstance(mpe, int) and v >= mpe
-
-
 def _rope_parameters_plain(v: Any, cfg: Mapping[str, Any]) -> bool:
     return (isinstance(v, dict) and v.get("rope_type", "default") == "default"
             and v.get("rope_theta", cfg.get("rope_theta")) == cfg.get("rope_theta"))
-
-
-def _all_full_attention(v: Any, _: Mapping[str, Any]) -> bool:
-    return isinstance(v, list) and all(t == "full_attention" for t in v)
 
 
 HF_COMMON: dict[str, Field] = {
@@ -538,55 +516,30 @@ HF_COMMON: dict[str, Field] = {
     "rope_parameters": refused("rope scaling is not mapped yet", None, _rope_parameters_plain),
 }
 
-_ROPE_FAMILY: dict[str, Field] = {
-    "hidden_size": mapped("hidden_size", INT),
-    "intermediate_size": mapped("ffn_hidden_size", INT),
-    "num_hidden_layers": mapped("num_layers", INT),
-    "num_attention_heads": mapped("num_attention_heads", INT),
-    "num_key_value_heads": mapped("num_query_groups", INT),
-    "head_dim": mapped("kv_channels", INT),
-    "max_position_embeddings": mapped("max_position_embeddings", INT),
-    "rms_norm_eps": mapped("norm_epsilon", NUM),
-    "rope_theta": mapped("rotary_base", NUM),
-    "hidden_act": mapped("activation", STR, "silu", ("silu",)),
-    "partial_rotary_factor": refused("partial rotary embeddings are not mapped", 1.0),
-}
 
-HF_FAMILY: dict[str, dict[str, Field]] = {
-    "gpt2": {
-        "n_embd": mapped("hidden_size", INT),
-        "n_layer": mapped("num_layers", INT),
-        "n_head": mapped("num_attention_heads", INT),
-        "n_inner": mapped("ffn_hidden_size", INT),
-        "n_positions": mapped("max_position_embeddings", INT),
-        "layer_norm_epsilon": mapped("norm_epsilon", NUM),
-        "activation_function": mapped("activation", STR, "gelu_new", ("gelu", "gelu_new")),
-        **neutral(
-            "training only, or the sequence-classification head (not part of GPT2LMHeadModel)",
-            "n_ctx", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj",
-            "summary_activation", "summary_first_dropout", "summary_proj_to_labels",
-        ),
-        "scale_attn_weights": refused("unscaled attention scores are not mapped", True),
-        "scale_attn_by_inverse_layer_idx": refused("per-layer attention scaling is not mapped", False),
-        "reorder_and_upcast_attn": refused("reordered attention is not mapped", False),
-    },
-    "llama": {
-        **_ROPE_FAMILY,
-        "attention_bias": mapped("add_bias_linear", BOOL),
-        "mlp_bias": mapped("add_bias_linear", BOOL),
-        "pretraining_tp": Field(NEUTRAL, "a slicing of the same matmuls: the same function"),
-    },
-    "mistral": {
-        **_ROPE_FAMILY,
-        "sliding_window": refused("sliding-window attention shorter than the context is not mapped", None,
-                                  _window_covers_context),
-    },
-    "qwen2": {
-        **_ROPE_FAMILY,
-        "use_sliding_window": refused("sliding-window attention is not mapped", False),
-        "sliding_window": Field(NEUTRAL, "read only with use_sliding_window, which is refused"),
-        "max_window_layers": Field(NEUTRAL, "read only with use_sliding_window, which is refused"),
-        "layer_types": refused("attention layers other than full attention are not mapped", None,
-                               _all_full_attention),
-    },
-}
+# ---- numeric fields ------------------------------------------------------------------------------------
+# Checked for type before parsing so a malformed file is refused by field name.
+ARGS_NUMBERS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
+    "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
+)
+HF_NUMBERS = (
+    "vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "layer_norm_epsilon",
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_theta",
+)
+
+
+def check_numbers(d: Mapping[str, Any], keys: tuple[str, ...], required: tuple[str, ...], source: str) -> None:
+    """Refuse a non-numeric, non-finite or (for sizes) non-positive value, naming the field."""
+    for k in keys:
+        if k not in d or (d[k] is None and k not in required):
+            continue
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise MConvertError(f"{source}: field {k!r} = {v!r} is not a finite number; fix it")
+        if v <= 0 and not k.endswith(("epsilon", "eps", "percent", "theta", "base")):
+            raise MConvertError(f"{source}: field {k!r} = {v!r} must be positive; fix it")
+        if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base")) and v != int(v):
+            raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")

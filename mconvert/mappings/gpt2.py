@@ -1,11 +1,43 @@
-"""GPT-2 plugin: canonical mcore names ⇄ HF GPT2LMHeadModel names (Conv1D weights are stored [in, out])."""
+"""The GPT-2 family: HF `GPT2LMHeadModel` ⇄ Megatron, and its FasterTransformer `[gpt]` and TensorRT-LLM GPT forms.
 
-from mconvert.mappings.plugin import Plugin, Rule
+HF GPT-2 stores its linear weights as Conv1D `[in, out]`; its head is tied to `transformer.wte` (vLLM always
+ties it, whatever the config says).
+"""
 
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.mappings.family import (
+    Family,
+    FTFile,
+    FTKernels,
+    FTLayout,
+    Plugin,
+    Rule,
+    Tensors,
+    TiedHeadMessages,
+    TrtllmLayout,
+    VllmFacts,
+    cols,
+    need,
+    pad_rows,
+    per_rank,
+    head_or_tied,
+    rows,
+    split_qkv,
+)
+from mconvert.mappings.fields import INT, NUM, STR, Field, mapped, neutral, refused
+from mconvert.spec import ModelSpec
+
+NAME = "gpt2"
 L, H = "decoder.layers.*.", "transformer.h.*."
 
 PLUGIN = Plugin(
-    family="gpt2",
+    family=NAME,
     table={
         "embedding.word_embeddings.weight": Rule(("transformer.wte.weight",), "vocab"),
         "embedding.position_embeddings.weight": Rule(("transformer.wpe.weight",)),
@@ -30,4 +62,307 @@ PLUGIN = Plugin(
         H + "attn.bias": None,  # causal-mask buffer
         H + "attn.masked_bias": None,
     },
+)
+
+# config.json fields of transformers 4.57's GPT2Config
+HF_FIELDS: dict[str, Field] = {
+    "n_embd": mapped("hidden_size", INT),
+    "n_layer": mapped("num_layers", INT),
+    "n_head": mapped("num_attention_heads", INT),
+    "n_inner": mapped("ffn_hidden_size", INT),
+    "n_positions": mapped("max_position_embeddings", INT),
+    "layer_norm_epsilon": mapped("norm_epsilon", NUM),
+    "activation_function": mapped("activation", STR, "gelu_new", ("gelu", "gelu_new")),
+    **neutral(
+        "training only, or the sequence-classification head (not part of GPT2LMHeadModel)",
+        "n_ctx", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj",
+        "summary_activation", "summary_first_dropout", "summary_proj_to_labels",
+    ),
+    "scale_attn_weights": refused("unscaled attention scores are not mapped", True),
+    "scale_attn_by_inverse_layer_idx": refused("per-layer attention scaling is not mapped", False),
+    "reorder_and_upcast_attn": refused("reordered attention is not mapped", False),
+}
+
+
+# ---- HF config ⇄ ModelSpec ---------------------------------------------------------------------------
+def to_hf(spec: ModelSpec) -> dict[str, Any]:
+    """GPT2Config fields; refuses what GPT2LMHeadModel cannot compute."""
+    if spec.normalization != "LayerNorm" or spec.gated or spec.position_embedding_type != "learned_absolute":
+        raise MConvertError("a gpt2-family model needs LayerNorm, GeLU and learned absolute positions")
+    if not spec.add_bias_linear:
+        raise MConvertError("HF GPT-2 always has linear biases; this model has add_bias_linear=False")
+    if spec.head_dim * spec.num_attention_heads != spec.hidden_size or spec.num_groups != spec.num_attention_heads:
+        raise MConvertError("HF GPT-2 needs MHA with head_dim = hidden/heads")
+    return dict(
+        n_embd=spec.hidden_size,
+        n_layer=spec.num_layers,
+        n_head=spec.num_attention_heads,
+        n_inner=spec.ffn_hidden_size,
+        n_positions=spec.max_position_embeddings,
+        n_ctx=spec.max_position_embeddings,
+        vocab_size=spec.vocab_size,
+        layer_norm_epsilon=spec.norm_epsilon,
+        activation_function=spec.activation,
+        tie_word_embeddings=spec.tie_embeddings,
+        scale_attn_weights=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+
+
+def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
+    """A GPT2Config dict -> ModelSpec (`common`: the fields every family reads the same way)."""
+    hidden = int(cfg["n_embd"])
+    return ModelSpec(
+        num_layers=int(cfg["n_layer"]),
+        hidden_size=hidden,
+        num_attention_heads=int(cfg["n_head"]),
+        ffn_hidden_size=int(cfg.get("n_inner") or 4 * hidden),
+        max_position_embeddings=int(cfg["n_positions"]),
+        normalization="LayerNorm",
+        norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        activation=cfg.get("activation_function") or "gelu_new",  # its values are checked by the field table
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+        # transformers' GPT2Config default is tied; an untied one keeps its own lm_head
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        **common,
+    )
+
+
+def recognise(fields: dict[str, Any]) -> bool:
+    """Megatron args without model_family: LayerNorm, no SwiGLU and learned positions are GPT-2."""
+    return (fields["activation"] != "swiglu" and fields["normalization"] == "LayerNorm"
+            and fields["position_embedding_type"] != "rope")
+
+
+# ---- vLLM -----------------------------------------------------------------------------------------------
+def _config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
+    problems = []
+    if cfg.get("tie_word_embeddings") is False:
+        problems.append("tie_word_embeddings=false: vLLM always ties GPT-2's head to wte (untied GPT-2 head)")
+    return problems, []
+
+
+VLLM = VllmFacts(
+    required={"n_positions": "max positions", "layer_norm_epsilon": "LayerNorm eps", "n_embd": "hidden",
+              "n_head": "heads", "n_layer": "layers", "vocab_size": "vocab"},
+    eps_key="layer_norm_epsilon",
+    head_dim=lambda cfg: int(cfg.get("n_embd", 0)) // max(int(cfg.get("n_head", 1)), 1),
+    config_checks=_config_checks,
+    rope=False,
+    always_ties_head=TiedHeadMessages(
+        differs="untied GPT-2 head: lm_head.weight differs from transformer.wte.weight, but vLLM always ties "
+                "GPT-2's head to wte — it would serve a different model",
+        untied="untied GPT-2 head: tie_word_embeddings=false, but vLLM always ties GPT-2's head to wte",
+        ok="GPT-2 head tied to wte (as vLLM serves it)",
+    ),
+    untied_export_warning="UNTIED GPT-2: vLLM always ties GPT-2's lm_head to wte, so this model will NOT be "
+                          "served correctly by vLLM (transformers reads lm_head.weight)",
+)
+
+
+# ---- FasterTransformer [gpt] ----------------------------------------------------------------------------
+def _ft_holds(spec: ModelSpec) -> bool:
+    return (spec.normalization == "LayerNorm" and not spec.gated
+            and spec.position_embedding_type == "learned_absolute")
+
+
+def _ft_refuse(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool) -> None:
+    if not spec.add_bias_linear:
+        raise MConvertError(
+            "FasterTransformer's GPT loader reads every linear bias; this model has add_bias_linear=False"
+        )
+    if spec.num_groups != spec.num_attention_heads:
+        raise MConvertError("FasterTransformer's GPT layout is MHA only; this model uses grouped-query attention")
+    if spec.activation == "gelu" and not allow_approx_gelu:
+        raise MConvertError(
+            "FasterTransformer's GPT computes only the tanh GeLU (HF gelu_new), this model uses the exact "
+            "erf GeLU (Megatron without --openai-gelu); pass --allow-approx-gelu to write it anyway"
+        )
+
+
+def _ft_expected_files(cfg: dict[str, Any]) -> list[FTFile]:
+    nh, hd = int(cfg["head_num"]), int(cfg["size_per_head"])
+    H, F, L, V = nh * hd, int(cfg["inter_size"]), int(cfg["num_layer"]), int(cfg["vocab_size"])
+    t = int(cfg["tensor_para_size"])
+    files = [
+        FTFile("model.wpe.bin", (int(cfg["max_pos_seq_len"]), H)),
+        FTFile("model.wte.bin", (V, H)),
+        FTFile("model.final_layernorm.bias.bin", (H,)),
+        FTFile("model.final_layernorm.weight.bin", (H,)),
+        FTFile("model.lm_head.weight.bin", (V, H), optional=True),
+    ]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        files += [
+            FTFile(p + "input_layernorm.bias.bin", (H,)),
+            FTFile(p + "input_layernorm.weight.bin", (H,)),
+            FTFile(p + "attention.dense.bias.bin", (H,)),
+            FTFile(p + "post_attention_layernorm.bias.bin", (H,)),
+            FTFile(p + "post_attention_layernorm.weight.bin", (H,)),
+            FTFile(p + "mlp.dense_4h_to_h.bias.bin", (H,)),
+        ]
+        for r in range(t):
+            files += [
+                FTFile(p + f"attention.query_key_value.bias.{r}.bin", (3, H // t)),
+                FTFile(p + f"mlp.dense_h_to_4h.bias.{r}.bin", (F // t,)),
+                FTFile(p + f"attention.query_key_value.weight.{r}.bin", (H, 3, H // t)),
+                FTFile(p + f"attention.dense.weight.{r}.bin", (H // t, H)),
+                FTFile(p + f"mlp.dense_h_to_4h.weight.{r}.bin", (H, F // t)),
+                FTFile(p + f"mlp.dense_4h_to_h.weight.{r}.bin", (F // t, H)),
+            ]
+    return files
+
+
+def _ft_embedding_files(hf: Tensors) -> Tensors:
+    return {"model.wte.bin": hf["transformer.wte.weight"], "model.wpe.bin": hf["transformer.wpe.weight"]}
+
+
+def _ft_layer_files(hf: Tensors, i: int, spec: ModelSpec, t: int) -> Tensors:
+    """HF GPT-2 layer `i` (Conv1D weights are already [in, out]) -> FT files for `t` ranks."""
+    H = spec.hidden_size
+    s, p = f"transformer.h.{i}.", f"model.layers.{i}."
+    out = {
+        p + "input_layernorm.weight.bin": hf[s + "ln_1.weight"],
+        p + "input_layernorm.bias.bin": hf[s + "ln_1.bias"],
+        p + "attention.dense.bias.bin": hf[s + "attn.c_proj.bias"],
+        p + "post_attention_layernorm.weight.bin": hf[s + "ln_2.weight"],
+        p + "post_attention_layernorm.bias.bin": hf[s + "ln_2.bias"],
+        p + "mlp.dense_4h_to_h.bias.bin": hf[s + "mlp.c_proj.bias"],
+    }
+    qkv_w = hf[s + "attn.c_attn.weight"].reshape(H, 3, H)  # [in, (q|k|v) × heads × hd]
+    qkv_b = hf[s + "attn.c_attn.bias"].reshape(3, H)
+    shards = {
+        "attention.query_key_value.weight": cols(qkv_w, t),
+        "attention.query_key_value.bias": cols(qkv_b, t),
+        "attention.dense.weight": rows(hf[s + "attn.c_proj.weight"], t),
+        "mlp.dense_h_to_4h.weight": cols(hf[s + "mlp.c_fc.weight"], t),
+        "mlp.dense_h_to_4h.bias": cols(hf[s + "mlp.c_fc.bias"], t),
+        "mlp.dense_4h_to_h.weight": rows(hf[s + "mlp.c_proj.weight"], t),
+    }
+    for name, xs in shards.items():
+        for r, x in enumerate(xs):
+            out[f"{p}{name}.{r}.bin"] = x
+    return out
+
+
+def _ft_final_files(hf: Tensors, embed: torch.Tensor | None, spec: ModelSpec) -> Tensors:
+    out = {
+        "model.final_layernorm.weight.bin": hf["transformer.ln_f.weight"],
+        "model.final_layernorm.bias.bin": hf["transformer.ln_f.bias"],
+    }
+    if not spec.tie_embeddings:  # FT's GPT loader: a present lm_head file unties the head
+        out["model.lm_head.weight.bin"] = need(hf, "lm_head.weight", "untied head")
+    return out
+
+
+FT = FTLayout(
+    section="gpt",
+    required_fields=(
+        "model_name", "head_num", "size_per_head", "inter_size", "num_layer", "max_pos_seq_len", "vocab_size",
+        "layernorm_eps", "start_id", "end_id", "weight_data_type", "tensor_para_size",
+    ),
+    holds=_ft_holds,
+    refuse=_ft_refuse,
+    expected_files=_ft_expected_files,
+    embedding_files=_ft_embedding_files,
+    layer_files=_ft_layer_files,
+    final_files=_ft_final_files,
+    config_fields=lambda spec: dict(max_pos_seq_len=spec.max_position_embeddings, has_adapters=False,
+                                    adapter_inter_size=0),
+    kernels=FTKernels(embedding="model.wte.bin", positions="model.wpe.bin", norm="LayerNorm", biases=True,
+                      mlp=("mlp.dense_h_to_4h", "mlp.dense_4h_to_h"), head_optional=True),
+    model_name="gpt",
+)
+
+
+# ---- TensorRT-LLM GPT -----------------------------------------------------------------------------------
+def _trt_refuse(spec: ModelSpec) -> None:
+    if spec.activation != "gelu_new":
+        raise MConvertError(
+            "TensorRT-LLM's GPT computes the tanh GeLU; this model uses the exact erf GeLU (no --openai-gelu)"
+        )
+    if spec.num_groups != spec.num_attention_heads or not spec.add_bias_linear:
+        raise MConvertError("GPT-2 style export needs MHA with linear biases")
+    if spec.head_dim * spec.num_attention_heads != spec.hidden_size:
+        raise MConvertError("TensorRT-LLM's GPT needs head_size = hidden/heads")
+
+
+def _trt_rank_tensors(unit: Any, hf: Tensors, spec: ModelSpec, tp: int, embed: torch.Tensor | None) -> list[Tensors]:
+    """One unit's HF GPT-2 tensors -> per-rank TensorRT-LLM GPT tensors (Linear [out, in])."""
+    out, every, each = per_rank(tp)
+    nkv, H = spec.num_groups, spec.hidden_size
+    if unit == "embedding":
+        every("transformer.vocab_embedding.weight", hf["transformer.wte.weight"])
+        every("transformer.position_embedding.weight", hf["transformer.wpe.weight"])
+        return out
+    if unit == "final":
+        every("transformer.ln_f.weight", hf["transformer.ln_f.weight"])
+        every("transformer.ln_f.bias", hf["transformer.ln_f.bias"])
+        head = head_or_tied(hf, embed, spec, "untied model")
+        each("lm_head.weight", list(pad_rows(head, tp).chunk(tp)))
+        return out
+    i = int(unit)
+    t, s = f"transformer.layers.{i}.", f"transformer.h.{i}."
+    w = hf[s + "attn.c_attn.weight"].t()  # Conv1D [in, out] -> [out, in]; rows q|k|v
+    b = hf[s + "attn.c_attn.bias"]
+    each(t + "attention.qkv.weight", split_qkv(*w.split(H), nkv, tp))
+    each(t + "attention.qkv.bias", split_qkv(*b.split(H), nkv, tp))
+    each(t + "attention.dense.weight", list(hf[s + "attn.c_proj.weight"].t().chunk(tp, 1)))
+    every(t + "attention.dense.bias", hf[s + "attn.c_proj.bias"])
+    each(t + "mlp.fc.weight", list(hf[s + "mlp.c_fc.weight"].t().chunk(tp, 0)))
+    each(t + "mlp.fc.bias", list(hf[s + "mlp.c_fc.bias"].chunk(tp)))
+    each(t + "mlp.proj.weight", list(hf[s + "mlp.c_proj.weight"].t().chunk(tp, 1)))
+    every(t + "mlp.proj.bias", hf[s + "mlp.c_proj.bias"])
+    for a, b_ in (("ln_1", "input_layernorm"), ("ln_2", "post_layernorm")):
+        every(t + f"{b_}.weight", hf[s + f"{a}.weight"])
+        every(t + f"{b_}.bias", hf[s + f"{a}.bias"])
+    return out
+
+
+TRTLLM = TrtllmLayout(
+    architecture="GPT2LMHeadModel",
+    hidden_act=lambda spec: spec.activation,
+    position_embedding_type="learned_absolute",
+    config_fields=lambda spec: dict(gpt_variant="gpt2", bias=True, q_scaling=1.0, embedding_scale=None,
+                                    apply_query_key_layer_scaling=False, rotary_pct=1.0, rotary_base=10000.0,
+                                    rotary_scaling=None),
+    refuse=_trt_refuse,
+    rank_tensors=_trt_rank_tensors,
+)
+
+
+# ---- presets --------------------------------------------------------------------------------------------
+def _gpt2(**kw: Any) -> ModelSpec:
+    return ModelSpec(family=NAME, activation="gelu_new", **kw)
+
+
+PRESETS = {
+    "tiny-gpt2": _gpt2(num_layers=2, hidden_size=64, num_attention_heads=2, ffn_hidden_size=256, vocab_size=1000,
+                       max_position_embeddings=128),
+    # ~100M parameters, for quick benchmarks
+    "gpt2-100m": _gpt2(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072,
+                       vocab_size=50257, max_position_embeddings=1024),
+    # ~1B parameters (~4 GB fp32), the `make bench` model; same shapes as GPT-2 XL's width
+    "gpt2-1b": _gpt2(num_layers=16, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
+                     vocab_size=50257, max_position_embeddings=1024),
+}
+
+FAMILY = Family(
+    name=NAME,
+    architecture="GPT2LMHeadModel",
+    model_type="gpt2",
+    base_architecture="GPT2Model",
+    plugin=PLUGIN,
+    hf_fields=HF_FIELDS,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    vllm=VLLM,
+    presets=PRESETS,
+    recognise=recognise,
+    recognise_order=0,
+    ft=FT,
+    trtllm=TRTLLM,
 )

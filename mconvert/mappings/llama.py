@@ -1,13 +1,44 @@
-"""LLaMA plugin (shared by mistral and qwen2): canonical mcore names ⇄ HF Llama/Mistral/Qwen2 names."""
+"""The LLaMA family: HF `LlamaForCausalLM` ⇄ Megatron, and its FasterTransformer `[llama]` and TensorRT-LLM forms.
 
-from mconvert.mappings.plugin import Plugin, Rule
+Its name table, config fields and deployment layouts are shared by the other RMSNorm + SwiGLU + RoPE families
+(mistral, qwen2), which import them from here and add their own identity and refusals.
+"""
 
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.mappings.family import (
+    FT_BASE_ROTARY,
+    Family,
+    FTFile,
+    FTKernels,
+    FTLayout,
+    Plugin,
+    Rule,
+    Tensors,
+    TrtllmLayout,
+    VllmFacts,
+    cols,
+    head_or_tied,
+    pad_rows,
+    per_rank,
+    rows,
+    split_qkv,
+)
+from mconvert.mappings.fields import BOOL, INT, NEUTRAL, NUM, STR, Field, mapped, refused
+from mconvert.spec import ModelSpec
+
+NAME = "llama"
 L, H = "decoder.layers.*.", "model.layers.*."
 QKV = (H + "self_attn.q_proj", H + "self_attn.k_proj", H + "self_attn.v_proj")
 FC1 = (H + "mlp.gate_proj", H + "mlp.up_proj")
 
-PLUGIN = Plugin(
-    family="llama",
+TABLE = Plugin(
+    family=NAME,
     table={
         "embedding.word_embeddings.weight": Rule(("model.embed_tokens.weight",), "vocab"),
         L + "input_layernorm.weight": Rule((H + "input_layernorm.weight",)),
@@ -26,4 +57,315 @@ PLUGIN = Plugin(
     hf_drops={
         H + "self_attn.rotary_emb.inv_freq": None,  # rotary buffer in older transformers saves
     },
+)
+PLUGIN = TABLE
+
+# config.json fields every RMSNorm + SwiGLU + RoPE family of transformers 4.57 shares
+ROPE_FIELDS: dict[str, Field] = {
+    "hidden_size": mapped("hidden_size", INT),
+    "intermediate_size": mapped("ffn_hidden_size", INT),
+    "num_hidden_layers": mapped("num_layers", INT),
+    "num_attention_heads": mapped("num_attention_heads", INT),
+    "num_key_value_heads": mapped("num_query_groups", INT),
+    "head_dim": mapped("kv_channels", INT),
+    "max_position_embeddings": mapped("max_position_embeddings", INT),
+    "rms_norm_eps": mapped("norm_epsilon", NUM),
+    "rope_theta": mapped("rotary_base", NUM),
+    "hidden_act": mapped("activation", STR, "silu", ("silu",)),
+    "partial_rotary_factor": refused("partial rotary embeddings are not mapped", 1.0),
+}
+
+HF_FIELDS: dict[str, Field] = {
+    **ROPE_FIELDS,
+    "attention_bias": mapped("add_bias_linear", BOOL),
+    "mlp_bias": mapped("add_bias_linear", BOOL),
+    "pretraining_tp": Field(NEUTRAL, "a slicing of the same matmuls: the same function"),
+}
+
+
+# ---- HF config ⇄ ModelSpec (shared by the RoPE families) ----------------------------------------------
+def check_rope_style(spec: ModelSpec, architecture: str) -> None:
+    """Refuse a model that an RMSNorm + SwiGLU + RoPE HF class cannot compute."""
+    if spec.normalization != "RMSNorm" or not spec.gated or spec.position_embedding_type != "rope":
+        raise MConvertError(f"a {spec.family}-family model needs RMSNorm, SwiGLU and RoPE")
+    if spec.rotary_percent != 1.0:
+        raise MConvertError(f"HF {architecture} cannot express rotary_percent={spec.rotary_percent}")
+
+
+def rope_fields(spec: ModelSpec) -> dict[str, Any]:
+    """The config.json fields every RoPE family writes (eps and rope always explicit)."""
+    return dict(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.ffn_hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_groups,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        vocab_size=spec.vocab_size,
+        rms_norm_eps=spec.norm_epsilon,
+        rope_theta=spec.rotary_base,
+        hidden_act="silu",
+        tie_word_embeddings=spec.tie_embeddings,
+        attention_dropout=0.0,
+    )
+
+
+def rope_spec(cfg: dict[str, Any], common: dict[str, Any], add_bias_linear: bool, add_qkv_bias: bool) -> ModelSpec:
+    """A RoPE-family config dict -> ModelSpec, with the family's linear biases."""
+    nh = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    kvh = int(cfg.get("num_key_value_heads") or nh)
+    return ModelSpec(
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=nh,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        num_query_groups=kvh if kvh != nh else None,
+        kv_channels=int(cfg.get("head_dim") or hidden // nh),
+        normalization="RMSNorm",
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=float(cfg.get("rope_theta", 10000.0)),
+        add_bias_linear=add_bias_linear,
+        add_qkv_bias=add_qkv_bias,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        **common,
+    )
+
+
+def to_hf(spec: ModelSpec) -> dict[str, Any]:
+    """LlamaConfig fields; attention and MLP biases are one switch (add_bias_linear)."""
+    check_rope_style(spec, FAMILY.architecture)
+    return {**rope_fields(spec), "attention_bias": spec.add_bias_linear, "mlp_bias": spec.add_bias_linear}
+
+
+def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
+    """A LlamaConfig dict -> ModelSpec; attention and MLP biases must agree (one ModelSpec switch)."""
+    attn_bias = bool(cfg.get("attention_bias", False))
+    if attn_bias != bool(cfg.get("mlp_bias", False)):
+        raise MConvertError(f"{source}: attention_bias != mlp_bias is not supported")
+    return rope_spec(cfg, common, add_bias_linear=attn_bias, add_qkv_bias=False)
+
+
+# ---- vLLM -----------------------------------------------------------------------------------------------
+def rope_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """verify's config.json checks for a RoPE family: (problems, notes)."""
+    problems, notes = [], []
+    if "tie_word_embeddings" not in cfg:
+        notes.append("tie_word_embeddings not set (transformers' default applies)")
+    nh = int(cfg.get("num_attention_heads", 1))
+    kvh = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1))
+    if nh % kvh:
+        problems.append(f"num_attention_heads {nh} is not divisible by num_key_value_heads {kvh}")
+    if cfg.get("rope_scaling"):
+        notes.append(f"rope_scaling={cfg['rope_scaling']}")
+    return problems, notes
+
+
+ROPE_VLLM = VllmFacts(
+    required={"max_position_embeddings": "max positions", "rms_norm_eps": "RMSNorm eps (HF default 1e-6 differs "
+              "from Megatron's 1e-5)", "rope_theta": "RoPE base", "hidden_size": "hidden",
+              "num_attention_heads": "heads", "num_hidden_layers": "layers", "intermediate_size": "ffn",
+              "vocab_size": "vocab", "num_key_value_heads": "KV heads"},
+    eps_key="rms_norm_eps",
+    head_dim=lambda cfg: int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // int(cfg.get("num_attention_heads", 1))),
+    config_checks=rope_config_checks,
+    rope=True,
+)
+
+
+# ---- FasterTransformer [llama] --------------------------------------------------------------------------
+def _ft_holds(spec: ModelSpec) -> bool:
+    return spec.normalization == "RMSNorm" and spec.gated and spec.position_embedding_type == "rope"
+
+
+def _ft_refuse(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool) -> None:
+    nh = spec.num_attention_heads
+    if spec.num_groups != nh:
+        raise MConvertError(
+            f"FasterTransformer's LLaMA loader has no grouped-query attention (num_query_groups="
+            f"{spec.num_groups} < heads={nh}); use megatron-to-trtllm (TensorRT-LLM supports GQA)"
+        )
+    if spec.has_qkv_bias or spec.add_bias_linear:
+        raise MConvertError("FasterTransformer's LLaMA loader zero-fills every bias; this model has linear biases")
+    if spec.rotary_base != FT_BASE_ROTARY:
+        raise MConvertError(
+            f"FasterTransformer's LLaMA rotary base is fixed at 10000; this model uses {spec.rotary_base:g}"
+        )
+    if spec.rotary_percent != 1.0:
+        raise MConvertError(f"rotary_percent={spec.rotary_percent} is not supported for the FT LLaMA layout")
+
+
+def _ft_expected_files(cfg: dict[str, Any]) -> list[FTFile]:
+    nh, hd = int(cfg["head_num"]), int(cfg["size_per_head"])
+    H, F, L, V = nh * hd, int(cfg["inter_size"]), int(cfg["num_layer"]), int(cfg["vocab_size"])
+    t = int(cfg["tensor_para_size"])
+    files = [
+        FTFile("model.wte.weight.bin", (V, H)),
+        FTFile("model.final_layernorm.weight.bin", (H,)),
+        FTFile("model.lm_head.weight.bin", (V, H)),
+    ]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        files += [
+            FTFile(p + "input_layernorm.weight.bin", (H,)),
+            FTFile(p + "post_attention_layernorm.weight.bin", (H,)),
+        ]
+        for r in range(t):
+            files += [
+                FTFile(p + f"attention.query_key_value.weight.{r}.bin", (H, 3, H // t)),
+                FTFile(p + f"attention.dense.weight.{r}.bin", (H // t, H)),
+                FTFile(p + f"mlp.gate_proj.weight.{r}.bin", (H, F // t)),
+                FTFile(p + f"mlp.up_proj.weight.{r}.bin", (H, F // t)),
+                FTFile(p + f"mlp.down_proj.weight.{r}.bin", (F // t, H)),
+            ]
+    return files
+
+
+def _ft_layer_files(hf: Tensors, i: int, spec: ModelSpec, t: int) -> Tensors:
+    """HF LLaMA layer `i` ([out, in] Linear weights) -> FT files: QKV `[H, 3, H/t]`, MLP `[in, out]`."""
+    s, p = f"model.layers.{i}.", f"model.layers.{i}."
+    out = {
+        p + "input_layernorm.weight.bin": hf[s + "input_layernorm.weight"],
+        p + "post_attention_layernorm.weight.bin": hf[s + "post_attention_layernorm.weight"],
+    }
+    qkv = torch.stack([hf[s + f"self_attn.{n}_proj.weight"] for n in "qkv"])  # [3, out, in]
+    shards = {
+        "attention.query_key_value.weight": cols(qkv.permute(2, 0, 1), t),  # [in, 3, out]
+        "attention.dense.weight": rows(hf[s + "self_attn.o_proj.weight"].t(), t),
+        "mlp.gate_proj.weight": cols(hf[s + "mlp.gate_proj.weight"].t(), t),
+        "mlp.up_proj.weight": cols(hf[s + "mlp.up_proj.weight"].t(), t),
+        "mlp.down_proj.weight": rows(hf[s + "mlp.down_proj.weight"].t(), t),
+    }
+    for name, xs in shards.items():
+        for r, x in enumerate(xs):
+            out[f"{p}{name}.{r}.bin"] = x
+    return out
+
+
+def _ft_final_files(hf: Tensors, embed: torch.Tensor | None, spec: ModelSpec) -> Tensors:
+    """Final norm and head; FT's LLaMA loader always reads lm_head, so a tied model gets a copy of wte."""
+    head = head_or_tied(hf, embed, spec, "untied LLaMA-style model")
+    return {"model.final_layernorm.weight.bin": hf["model.norm.weight"], "model.lm_head.weight.bin": head}
+
+
+def _ft_check_config(cfg: dict[str, str], ints: dict[str, int]) -> list[str]:
+    if int(cfg["rotary_embedding"]) > ints["size_per_head"]:
+        return ["rotary_embedding > size_per_head"]
+    return []
+
+
+FT = FTLayout(
+    section="llama",
+    required_fields=(
+        "model_name", "head_num", "size_per_head", "inter_size", "num_layer", "rotary_embedding", "vocab_size",
+        "layernorm_eps", "start_id", "end_id", "weight_data_type", "tensor_para_size",
+    ),
+    holds=_ft_holds,
+    refuse=_ft_refuse,
+    expected_files=_ft_expected_files,
+    embedding_files=lambda hf: {"model.wte.weight.bin": hf["model.embed_tokens.weight"]},
+    layer_files=_ft_layer_files,
+    final_files=_ft_final_files,
+    config_fields=lambda spec: dict(rotary_embedding=spec.head_dim),
+    kernels=FTKernels(embedding="model.wte.weight.bin", positions=None, norm="RMSNorm", biases=False,
+                      mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), rotary_dim="rotary_embedding"),
+    check_config=_ft_check_config,
+    always_reads_head=True,
+    tied_head_note="tied head: model.lm_head.weight.bin is a copy of model.wte.weight.bin (FT's LLaMA reads both)",
+)
+
+
+# ---- TensorRT-LLM LLaMA ---------------------------------------------------------------------------------
+def _trt_refuse(spec: ModelSpec) -> None:
+    if spec.rotary_percent != 1.0:
+        raise MConvertError(f"rotary_percent={spec.rotary_percent} is not supported for the LLaMA layout")
+    if spec.add_qkv_bias and not spec.add_bias_linear:
+        raise MConvertError("a qkv-only bias (Qwen2 style) is not part of TensorRT-LLM's LLaMA layout")
+
+
+def _trt_rank_tensors(unit: Any, hf: Tensors, spec: ModelSpec, tp: int, embed: torch.Tensor | None) -> list[Tensors]:
+    """One unit's HF LLaMA tensors -> per-rank TensorRT-LLM LLaMA tensors (`mlp.fc` = gate, `mlp.gate` = up)."""
+    out, every, each = per_rank(tp)
+    nkv = spec.num_groups
+    if unit == "embedding":
+        every("transformer.vocab_embedding.weight", hf["model.embed_tokens.weight"])
+        return out
+    if unit == "final":
+        every("transformer.ln_f.weight", hf["model.norm.weight"])
+        head = head_or_tied(hf, embed, spec, "untied model")
+        each("lm_head.weight", list(pad_rows(head, tp).chunk(tp)))
+        return out
+    i = int(unit)
+    t, s = f"transformer.layers.{i}.", f"model.layers.{i}."
+    qkv = [hf[s + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+    each(t + "attention.qkv.weight", split_qkv(*qkv, nkv, tp))
+    if s + "self_attn.q_proj.bias" in hf:
+        each(t + "attention.qkv.bias", split_qkv(*[hf[s + f"self_attn.{n}_proj.bias"] for n in "qkv"], nkv, tp))
+    each(t + "attention.dense.weight", list(hf[s + "self_attn.o_proj.weight"].chunk(tp, 1)))
+    if s + "self_attn.o_proj.bias" in hf:
+        every(t + "attention.dense.bias", hf[s + "self_attn.o_proj.bias"])
+    for trt, name in (("mlp.fc", "gate_proj"), ("mlp.gate", "up_proj")):
+        each(t + f"{trt}.weight", list(hf[s + f"mlp.{name}.weight"].chunk(tp, 0)))
+        if s + f"mlp.{name}.bias" in hf:
+            each(t + f"{trt}.bias", list(hf[s + f"mlp.{name}.bias"].chunk(tp)))
+    each(t + "mlp.proj.weight", list(hf[s + "mlp.down_proj.weight"].chunk(tp, 1)))
+    if s + "mlp.down_proj.bias" in hf:
+        every(t + "mlp.proj.bias", hf[s + "mlp.down_proj.bias"])
+    every(t + "input_layernorm.weight", hf[s + "input_layernorm.weight"])
+    every(t + "post_layernorm.weight", hf[s + "post_attention_layernorm.weight"])
+    return out
+
+
+TRTLLM = TrtllmLayout(
+    architecture="LlamaForCausalLM",
+    hidden_act=lambda spec: "silu",
+    position_embedding_type="rope_gpt_neox",
+    config_fields=lambda spec: dict(mlp_bias=spec.add_bias_linear, attn_bias=spec.has_qkv_bias,
+                                    rotary_base=spec.rotary_base, rotary_scaling=None, residual_mlp=False,
+                                    disable_weight_only_quant_plugin=False,
+                                    moe={"num_experts": 0, "top_k": 0, "normalization_mode": None}),
+    refuse=_trt_refuse,
+    rank_tensors=_trt_rank_tensors,
+)
+
+
+# ---- presets --------------------------------------------------------------------------------------------
+def rope_preset(family: str, **kw: Any) -> ModelSpec:
+    """A RoPE-family preset: RMSNorm, SwiGLU, RoPE, no linear bias, untied head unless `kw` says otherwise."""
+    base: dict[str, Any] = dict(normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+                                add_bias_linear=False, tie_embeddings=False)
+    return ModelSpec(family=family, **{**base, **kw})
+
+
+PRESETS = {
+    "tiny-llama": rope_preset(NAME, num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                              ffn_hidden_size=256, vocab_size=1000, max_position_embeddings=128),
+    # ~100M parameters, for quick benchmarks
+    "llama-100m": rope_preset(NAME, num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4,
+                              ffn_hidden_size=2048, vocab_size=32000, max_position_embeddings=1024),
+    # Llama-3-405B shapes: only for `--dry-run` estimates from shapes alone (126 layers: PP=16 is uneven)
+    "llama3-405b": rope_preset(NAME, num_layers=126, hidden_size=16384, num_attention_heads=128,
+                               num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256,
+                               max_position_embeddings=131072, rotary_base=500000.0, params_dtype="bfloat16"),
+}
+
+FAMILY = Family(
+    name=NAME,
+    architecture="LlamaForCausalLM",
+    model_type="llama",
+    base_architecture="LlamaModel",
+    plugin=TABLE,
+    hf_fields=HF_FIELDS,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    vllm=ROPE_VLLM,
+    presets=PRESETS,
+    recognise=lambda fields: True,  # the default when nothing else matches
+    recognise_order=100,
+    ft=FT,
+    trtllm=TRTLLM,
 )

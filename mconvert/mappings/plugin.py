@@ -7,51 +7,32 @@ table of HF names that are explicit drops (`None`). `op` names one layout transf
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.mappings import families
 from mconvert.mappings import transforms as T
+from mconvert.mappings.family import Plugin, Rule
 from mconvert.mappings.registry import Registry, fill
 from mconvert.spec import ModelSpec
 
 Unit = str | int
 
 
-@dataclass(frozen=True)
-class Rule:
-    """How one canonical mcore parameter becomes one or more HF tensors."""
-
-    hf: tuple[str, ...]
-    op: str = "identity"  # identity | vocab | qkv | qkv_conv1d | gated | transpose
-
-
-@dataclass(frozen=True)
-class Plugin:
-    family: str
-    table: dict[str, Rule]  # canonical mcore template -> Rule
-    hf_drops: dict[str, None]  # HF names (templates) dropped on import
-
-    def registry(self) -> Registry[Rule]:
-        return _registry(self)
-
-    def hf_registry(self) -> Registry[tuple[str, int] | None]:
-        return _hf_registry(self)
-
-
 _REG_CACHE: dict[str, Registry] = {}
 
 
-def _registry(p: Plugin) -> Registry[Rule]:
+def registry(p: Plugin) -> Registry[Rule]:
+    """The compiled canonical-name templates of a plugin table (compiled once per table)."""
     key = f"mc:{p.family}"
     if key not in _REG_CACHE:
         _REG_CACHE[key] = Registry(p.table)
     return _REG_CACHE[key]
 
 
-def _hf_registry(p: Plugin) -> Registry:
+def hf_registry(p: Plugin) -> Registry:
     """HF template -> (mcore template, position in the rule's hf tuple), or None for a drop."""
     key = f"hf:{p.family}"
     if key not in _REG_CACHE:
@@ -96,15 +77,13 @@ OPS: dict[str, tuple[Callable[..., list[torch.Tensor]], Callable[..., torch.Tens
 
 def transposed_in_hf(spec: ModelSpec, name: str) -> bool:
     """Whether HF stores canonical parameter `name` as its transpose (GPT-2's Conv1D weights)."""
-    m = plugin_for(spec).registry().match(name)
+    m = registry(plugin_for(spec)).match(name)
     return m is not None and m[1].op == "transpose"
 
 
 def plugin_for(spec: ModelSpec) -> Plugin:
-    """The family's plugin table (mistral and qwen2 share llama's)."""
-    from mconvert.mappings import gpt2, llama
-
-    return {"gpt2": gpt2.PLUGIN, "llama": llama.PLUGIN, "mistral": llama.PLUGIN, "qwen2": llama.PLUGIN}[spec.family]
+    """The HF⇄Megatron name table of the spec's family."""
+    return families.of(spec).plugin
 
 
 def _expected_mcore(spec: ModelSpec, unit: Unit) -> list[str]:
@@ -119,7 +98,7 @@ def to_hf(spec: ModelSpec, unit: Unit, mcore: dict[str, torch.Tensor], source: s
     """Full tensors of one unit under canonical mcore names -> HF names (vocab stripped to the true vocab).
 
     A tied `output_layer.weight` (the last stage's copy) is dropped: HF ties the head to the embedding."""
-    reg = plugin_for(spec).registry()
+    reg = registry(plugin_for(spec))
     out: dict[str, torch.Tensor] = {}
     check_complete(spec, unit, mcore, source)
     for name in hf_order(spec, unit, mcore):
@@ -140,7 +119,7 @@ def hf_order(spec: ModelSpec, unit: Unit, names: Any) -> list[str]:
 def to_hf_one(spec: ModelSpec, name: str, t: torch.Tensor, source: str = "checkpoint",
               reg: Registry | None = None) -> dict[str, torch.Tensor]:
     """One full canonical parameter -> its HF tensor(s) (what `to_hf` does for each name)."""
-    m = (reg or plugin_for(spec).registry()).match(name)
+    m = (reg or registry(plugin_for(spec))).match(name)
     if m is None:
         raise MConvertError(f"{source}: no {spec.family} mapping for parameter {name!r}")
     _, rule, layer = m
@@ -164,8 +143,8 @@ def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: st
     Every HF key is consumed by a rule or an explicit drop; anything else is an error naming the key.
     `pmap` (a map over a thread pool): the parameters are built several at once (torch's ops release the GIL)."""
     plugin = plugin_for(spec)
-    reg = plugin.registry()
-    hreg = plugin.hf_registry()
+    reg = registry(plugin)
+    hreg = hf_registry(plugin)
     for k in hf:
         m = hreg.match(k)
         if m is None:
@@ -183,7 +162,7 @@ def _serial_map(fn: Any, items: Any) -> list[Any]:
 def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source: str = "checkpoint",
                 reg: Registry | None = None) -> torch.Tensor:
     """One canonical parameter from the HF tensors it is made of (what `from_hf` does for each name)."""
-    m = (reg or plugin_for(spec).registry()).match(name)
+    m = (reg or registry(plugin_for(spec))).match(name)
     if m is None:
         raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
     _, rule, layer = m
@@ -196,7 +175,7 @@ def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source:
 
 def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit | None:
     """Which unit an HF tensor belongs to (None: an explicit drop). Unknown names are an error."""
-    m = plugin_for(spec).hf_registry().match(hf_name)
+    m = hf_registry(plugin_for(spec)).match(hf_name)
     if m is None:
         raise MConvertError(f"{source}: unmapped tensor {hf_name!r} for a {spec.family} model; "
                             "this key is neither converted nor a known buffer")
@@ -212,7 +191,7 @@ def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit |
 
 def hf_names(spec: ModelSpec, unit: Unit) -> list[str]:
     """The HF tensor names one unit produces (what an HF writer will receive)."""
-    reg = plugin_for(spec).registry()
+    reg = registry(plugin_for(spec))
     out: list[str] = []
     for name in _expected_mcore(spec, unit):
         if name == "output_layer.weight" and spec.tie_embeddings:

@@ -16,6 +16,7 @@ from mconvert.convert.layout import rank_file, read_latest
 from mconvert.convert.paths import inside_file
 from mconvert.convert.safeload import safe_load
 from mconvert.errors import MConvertError
+from mconvert.mappings import families
 from mconvert.spec import ModelSpec
 from mconvert.trainer.model import GPTModel
 from mconvert.trainer.parallel import ParallelState, coords, init_distributed
@@ -124,7 +125,7 @@ def megatron_logits(ckpt_dir: str | Path, tokens: torch.LongTensor, iteration: i
     from mconvert.trainer.train import launch
 
     args, it = read_checkpoint_args(ckpt_dir, iteration)
-    spec = ModelSpec.from_megatron_args(args, source=str(ckpt_dir))
+    spec = families.spec_from_megatron_args(args, source=str(ckpt_dir))
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     if getattr(args, "virtual_pipeline_model_parallel_size", None):

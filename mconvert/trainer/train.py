@@ -26,7 +26,9 @@ import torch
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.convert.safeload import safe_load
 from mconvert.errors import MConvertError
-from mconvert.spec import ModelSpec, preset
+from mconvert.mappings import families
+from mconvert.mappings.families import preset
+from mconvert.spec import ModelSpec
 from mconvert.trainer import comm, procs
 from mconvert.trainer.model import GPTModel, check_trainable
 from mconvert.trainer.parallel import ParallelState, global_rank, init_distributed
@@ -276,7 +278,7 @@ def load_rank_checkpoint(root: str | Path, iteration: int | str, st: ParallelSta
 
 def check_resume_args(args: Any, spec: ModelSpec, cfg: TrainConfig, path: str) -> None:
     """Refuse to resume into a different model or layout, naming the first differing field."""
-    theirs = ModelSpec.from_megatron_args(args, family=spec.family, source=path)
+    theirs = families.spec_from_megatron_args(args, family=spec.family, source=path)
     for f in ("num_layers", "hidden_size", "num_attention_heads", "num_groups", "ffn_hidden_size", "vocab_size",
               "normalization", "activation", "position_embedding_type", "tie_embeddings", "params_dtype"):
         if getattr(theirs, f) != getattr(spec, f):

@@ -4,9 +4,10 @@ It reads the per-rank `.R.bin` files exactly as FT's loader does (shapes from co
 the way FT's tensor-parallel kernels do: column-parallel GEMMs (QKV, h→4h / gate / up) run per rank on
 the rank's head/feature slice, row-parallel GEMMs (attention dense, 4h→h / down) produce per-rank partial
 sums that are all-reduced (summed), and the head is computed per rank on FT's padded vocab slice and
-all-gathered. Config semantics are FT's: `[gpt]` = pre-LayerNorm, tanh GeLU (`GeluActivation`), learned
-positions, head = `model.lm_head.weight.bin` if present else `model.wte.bin`; `[llama]` = RMSNorm, SiLU-gated
-MLP, GPT-NeoX rotary over `rotary_embedding` dims with base 10000; eps from `layernorm_eps`.
+all-gathered. Config semantics are FT's, per section as its family layout declares them (`FTKernels`):
+`[gpt]` = pre-LayerNorm, tanh GeLU (`GeluActivation`), learned positions, head = `model.lm_head.weight.bin` if
+present else `model.wte.bin`; `[llama]` = RMSNorm, SiLU-gated MLP, GPT-NeoX rotary over `rotary_embedding`
+dims with base 10000; eps from `layernorm_eps`.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from pathlib import Path
 import torch
 
 from mconvert.convert.fastertransformer import (
-    FT_BASE_ROTARY,
     check_ft_dir,
     ft_expected_files,
     load_ft_tensor,
     read_ft_config,
     resolve_ft_dir,
+    section_layout,
 )
 from mconvert.errors import MConvertError
+from mconvert.mappings.family import FT_BASE_ROTARY
 
 
 # ---- primitives shared with the TensorRT-LLM runner ----------------------------------------------------
@@ -103,48 +105,45 @@ def ft_logits(ft_dir: str | Path, tokens: torch.Tensor, device: str = "cpu") -> 
     if int(tokens.max()) >= V or int(tokens.min()) < 0:
         raise MConvertError(f"token ids must lie in [0, {V})")
     S = tokens.shape[1]
-    gpt = section == "gpt"
-    if gpt:
+    k = section_layout(section).kernels
+    rot = int(cfg[k.rotary_dim]) if k.rotary_dim else 0
+    wte = w(k.embedding)
+    x = wte[tokens]
+    if k.positions is not None:
         if S > int(cfg["max_pos_seq_len"]):
             raise MConvertError(f"sequence length {S} > max_pos_seq_len {cfg['max_pos_seq_len']}")
-        wte = w("model.wte.bin")
-        x = wte[tokens] + w("model.wpe.bin")[:S]
-    else:
-        wte = w("model.wte.weight.bin")
-        x = wte[tokens]
-        rot = int(cfg["rotary_embedding"])
+        x = x + w(k.positions)[:S]
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        if k.norm == "LayerNorm":
+            return layer_norm(x, w(name + ".weight.bin"), w(name + ".bias.bin"), eps)
+        return rms_norm(x, w(name + ".weight.bin"), eps)
+
     for i in range(L):
         p = f"model.layers.{i}."
-        h = (layer_norm(x, w(p + "input_layernorm.weight.bin"), w(p + "input_layernorm.bias.bin"), eps) if gpt
-             else rms_norm(x, w(p + "input_layernorm.weight.bin"), eps))
+        h = norm(x, p + "input_layernorm")
         attn = torch.zeros_like(x)
         for r in range(t):  # column-parallel QKV on the rank's heads, row-parallel dense: partial sums
             qkv = h @ w(p + f"attention.query_key_value.weight.{r}.bin").reshape(H, 3 * H // t)
-            if gpt:
+            if k.biases:
                 qkv = qkv + w(p + f"attention.query_key_value.bias.{r}.bin").reshape(-1)
-            q, k, v = (split_heads(z, nh // t) for z in qkv.chunk(3, -1))
-            if not gpt:
-                q, k = rope_neox(q, rot, FT_BASE_ROTARY), rope_neox(k, rot, FT_BASE_ROTARY)
-            attn += causal_attention(q, k, v) @ w(p + f"attention.dense.weight.{r}.bin")
-        x = x + attn + (w(p + "attention.dense.bias.bin") if gpt else 0)
-        if gpt:
-            h = layer_norm(x, w(p + "post_attention_layernorm.weight.bin"),
-                           w(p + "post_attention_layernorm.bias.bin"), eps)
-        else:
-            h = rms_norm(x, w(p + "post_attention_layernorm.weight.bin"), eps)
+            q, kk, v = (split_heads(z, nh // t) for z in qkv.chunk(3, -1))
+            if k.rotary_dim:
+                q, kk = rope_neox(q, rot, FT_BASE_ROTARY), rope_neox(kk, rot, FT_BASE_ROTARY)
+            attn += causal_attention(q, kk, v) @ w(p + f"attention.dense.weight.{r}.bin")
+        x = x + attn + (w(p + "attention.dense.bias.bin") if k.biases else 0)
+        h = norm(x, p + "post_attention_layernorm")
         mlp = torch.zeros_like(x)
         for r in range(t):
-            if gpt:
-                inter = gelu_tanh(h @ w(p + f"mlp.dense_h_to_4h.weight.{r}.bin") + w(p + f"mlp.dense_h_to_4h.bias.{r}.bin"))
-                mlp += inter @ w(p + f"mlp.dense_4h_to_h.weight.{r}.bin")
-            else:
-                gate = torch.nn.functional.silu(h @ w(p + f"mlp.gate_proj.weight.{r}.bin"))
-                mlp += (gate * (h @ w(p + f"mlp.up_proj.weight.{r}.bin"))) @ w(p + f"mlp.down_proj.weight.{r}.bin")
-        x = x + mlp + (w(p + "mlp.dense_4h_to_h.bias.bin") if gpt else 0)
-    if gpt:
-        x = layer_norm(x, w("model.final_layernorm.weight.bin"), w("model.final_layernorm.bias.bin"), eps)
-        head = w("model.lm_head.weight.bin") if (d / "model.lm_head.weight.bin").is_file() else wte
-    else:
-        x = rms_norm(x, w("model.final_layernorm.weight.bin"), eps)
-        head = w("model.lm_head.weight.bin")
+            if len(k.mlp) == 2:  # GeLU: in, out
+                inter = h @ w(p + f"{k.mlp[0]}.weight.{r}.bin")
+                if k.biases:
+                    inter = inter + w(p + f"{k.mlp[0]}.bias.{r}.bin")
+                mlp += gelu_tanh(inter) @ w(p + f"{k.mlp[1]}.weight.{r}.bin")
+            else:  # SiLU-gated: gate, up, down
+                gate = torch.nn.functional.silu(h @ w(p + f"{k.mlp[0]}.weight.{r}.bin"))
+                mlp += (gate * (h @ w(p + f"{k.mlp[1]}.weight.{r}.bin"))) @ w(p + f"{k.mlp[2]}.weight.{r}.bin")
+        x = x + mlp + (w(p + f"{k.mlp[-1]}.bias.bin") if k.biases else 0)
+    x = norm(x, "model.final_layernorm")
+    head = w(k.head) if (not k.head_optional or (d / k.head).is_file()) else wte
     return vocab_parallel_head(x, head, t, V).float()

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.mappings.families import hf_config
 from mconvert.spec import torch_dtype
 from mconvert.validators.formats import ModelInfo
 
@@ -145,7 +146,7 @@ def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor
     from transformers.modeling_utils import no_init_weights
 
     src = open_source(path)
-    cfg_dict = src.spec.to_hf_config()
+    cfg_dict = hf_config(src.spec)
     model_type = cfg_dict.pop("model_type")
     cfg_dict.pop("architectures", None)
     cfg = AutoConfig.for_model(model_type, **cfg_dict)

@@ -21,15 +21,18 @@ from mconvert.convert.hf import read_weight_map
 from mconvert.convert.paths import contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as _plain
+from mconvert.mappings import families
+from mconvert.mappings.family import Family
 
 SCHEMA = "mconvert.verify/1"
-VLLM_ARCHS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-BASE_MODEL_ARCHS = {"LlamaModel", "GPT2Model", "MistralModel", "Qwen2Model"}
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # Buffers that transformers and vLLM skip when present in a checkpoint (never weights).
 _IGNORABLE = (r"\.attn\.bias$", r"\.attn\.masked_bias$", r"rotary_emb\.inv_freq$")
-_MODEL_TYPE_ARCH = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen2": "Qwen2ForCausalLM"}
+
+
+def _family(cfg: dict[str, Any]) -> Family:
+    """The family whose vLLM facts apply to a config.json: by model_type, else the default family."""
+    return families.by_model_type(cfg.get("model_type")) or families.default_family()
 
 
 @dataclass
@@ -131,17 +134,20 @@ def _config(d: Path, rep: VerifyReport) -> dict[str, Any] | None:
 def _architecture(cfg: dict[str, Any], rep: VerifyReport) -> None:
     archs = cfg.get("architectures") or []
     mt = cfg.get("model_type")
-    want = _MODEL_TYPE_ARCH.get(mt)
+    fam = families.by_model_type(mt)
+    want = fam.architecture if fam else None
+    vllm_archs = [f.architecture for f in families.all_families()]
     if not archs:
-        rep.add("architecture", "error", f"config.json has no 'architectures'; set it to [{want or VLLM_ARCHS[1]!r}]")
+        rep.add("architecture", "error",
+                f"config.json has no 'architectures'; set it to [{want or families.default_family().architecture!r}]")
     elif len(archs) != 1:
         rep.add("architecture", "error", f"config.json lists {len(archs)} architectures {archs}; give exactly one")
-    elif archs[0] in BASE_MODEL_ARCHS:
+    elif archs[0] in {f.base_architecture for f in families.all_families()}:
         rep.add("architecture", "error",
                 f"architectures={archs}: a base model without LM head; vLLM needs {want or 'a *ForCausalLM'} "
                 "(some vLLM versions treat it as an embedding model) — re-export with the causal-LM class")
-    elif archs[0] not in VLLM_ARCHS:
-        rep.add("architecture", "error", f"architectures={archs}: not one mconvert checks for vLLM ({', '.join(VLLM_ARCHS)})")
+    elif archs[0] not in vllm_archs:
+        rep.add("architecture", "error", f"architectures={archs}: not one mconvert checks for vLLM ({', '.join(vllm_archs)})")
     elif want and archs[0] != want:
         rep.add("architecture", "error", f"architectures={archs} does not match model_type={mt!r} ({want})")
     else:
@@ -149,28 +155,10 @@ def _architecture(cfg: dict[str, Any], rep: VerifyReport) -> None:
 
 
 def _config_fields(cfg: dict[str, Any], rep: VerifyReport) -> None:
-    mt = cfg.get("model_type")
-    problems, notes = [], []
-    if mt == "gpt2":
-        need = {"n_positions": "max positions", "layer_norm_epsilon": "LayerNorm eps", "n_embd": "hidden",
-                "n_head": "heads", "n_layer": "layers", "vocab_size": "vocab"}
-        if cfg.get("tie_word_embeddings") is False:
-            problems.append("tie_word_embeddings=false: vLLM always ties GPT-2's head to wte (untied GPT-2 head)")
-        hd = int(cfg.get("n_embd", 0)) // max(int(cfg.get("n_head", 1)), 1)
-    else:
-        need = {"max_position_embeddings": "max positions", "rms_norm_eps": "RMSNorm eps (HF default 1e-6 differs "
-                "from Megatron's 1e-5)", "rope_theta": "RoPE base", "hidden_size": "hidden",
-                "num_attention_heads": "heads", "num_hidden_layers": "layers", "intermediate_size": "ffn",
-                "vocab_size": "vocab", "num_key_value_heads": "KV heads"}
-        if "tie_word_embeddings" not in cfg:
-            notes.append("tie_word_embeddings not set (transformers' default applies)")
-        nh, kvh = int(cfg.get("num_attention_heads", 1)), int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1))
-        if nh % kvh:
-            problems.append(f"num_attention_heads {nh} is not divisible by num_key_value_heads {kvh}")
-        hd = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 0)) // nh)
-        if cfg.get("rope_scaling"):
-            notes.append(f"rope_scaling={cfg['rope_scaling']}")
-    for k, what in need.items():
+    facts = _family(cfg).vllm
+    problems, notes = facts.config_checks(cfg)
+    hd = facts.head_dim(cfg)
+    for k, what in facts.required.items():
         if cfg.get(k) is None:
             problems.append(f"{k} ({what}) missing")
     if not (cfg.get("torch_dtype") or cfg.get("dtype")):
@@ -178,7 +166,7 @@ def _config_fields(cfg: dict[str, Any], rep: VerifyReport) -> None:
     if problems:
         rep.add("config-fields", "error", "config.json: " + "; ".join(problems))
     else:
-        rep.add("config-fields", "ok", "positions, eps" + (", rope" if mt != "gpt2" else "") + " present"
+        rep.add("config-fields", "ok", "positions, eps" + (", rope" if facts.rope else "") + " present"
                 + (f" ({'; '.join(notes)})" if notes else ""))
     if hd and hd not in VLLM_CPU_HEAD_DIMS:
         rep.add("head-dim", "warn", f"head_dim={hd}: vLLM's CPU attention supports {VLLM_CPU_HEAD_DIMS} only "
@@ -268,8 +256,9 @@ def _meta_model(cfg: dict[str, Any]):
 
     c = dict(cfg)
     mt = c.pop("model_type", None)
-    if mt not in _MODEL_TYPE_ARCH:
-        raise MConvertError(f"config.json: model_type {mt!r} is not one mconvert verifies ({', '.join(_MODEL_TYPE_ARCH)})")
+    if families.by_model_type(mt) is None:
+        known = ", ".join(f.model_type for f in families.all_families())
+        raise MConvertError(f"config.json: model_type {mt!r} is not one mconvert verifies ({known})")
     for k in ("architectures", "transformers_version", "_name_or_path"):
         c.pop(k, None)
     v = hf_logging.get_verbosity()
@@ -292,7 +281,8 @@ def _strict(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
         rep.add("weights-strict", "error", f"config.json: transformers cannot build the model ({str(e)[:200]})")
         return
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tied = bool(getattr(conf, "tie_word_embeddings", False)) or cfg.get("model_type") == "gpt2"
+    always_tied = _family(cfg).vllm.always_ties_head is not None
+    tied = bool(getattr(conf, "tie_word_embeddings", False)) or always_tied
     missing = [k for k in expected if k not in header and not (tied and k == "lm_head.weight")]
     unexpected = [k for k in header if k not in expected and not any(re.search(p, k) for p in _IGNORABLE)]
     bad_shape = [(k, header[k][0], expected[k]) for k in expected if k in header and header[k][0] != expected[k]]
@@ -332,8 +322,8 @@ def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> No
 
     from mconvert.convert.safeload import all_finite
 
-    mt = cfg.get("model_type")
-    emb_key = "transformer.wte.weight" if mt == "gpt2" else "model.embed_tokens.weight"
+    fam = _family(cfg)
+    emb_key = fam.plugin.hf_embedding
     bad: list[str] = []
     emb = head = None
     by_file: dict[Path, list[str]] = {}
@@ -357,17 +347,16 @@ def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> No
         rep.add("finite", "ok", f"no NaN/Inf in {len(header)} tensors")
 
     tie = cfg.get("tie_word_embeddings")
-    tie = True if (tie is None and mt == "gpt2") else bool(tie)
+    always = fam.vllm.always_ties_head
+    tie = True if (tie is None and always) else bool(tie)
     same = head is not None and emb is not None and head.shape == emb.shape and torch.equal(head, emb)
-    if mt == "gpt2":
+    if always:
         if head is not None and not same:
-            rep.add("tied-head", "error", "untied GPT-2 head: lm_head.weight differs from transformer.wte.weight, "
-                    "but vLLM always ties GPT-2's head to wte — it would serve a different model")
+            rep.add("tied-head", "error", always.differs)
         elif not tie:
-            rep.add("tied-head", "error", "untied GPT-2 head: tie_word_embeddings=false, but vLLM always ties "
-                    "GPT-2's head to wte")
+            rep.add("tied-head", "error", always.untied)
         else:
-            rep.add("tied-head", "ok", "GPT-2 head tied to wte (as vLLM serves it)")
+            rep.add("tied-head", "ok", always.ok)
     elif tie:
         if head is not None and not same:
             rep.add("tied-head", "error", "tie_word_embeddings=true beside a different lm_head.weight: vLLM loads the "
@@ -472,11 +461,9 @@ def _against(d: Path, cfg: dict[str, Any], ckpt: Path, rep: VerifyReport, device
 
 def reference_spec(info) -> Any:
     """The ModelSpec of a reference model (Megatron args or HF config), or None when unknown."""
-    from mconvert.spec import ModelSpec
-
     try:
         if info.format == "hf":
-            return ModelSpec.from_hf_config(load_json_object(inside_file(info.path, "config.json",
+            return families.spec_from_hf_config(load_json_object(inside_file(info.path, "config.json",
                                                                          f"{info.path}: config"), "config"))
         if info.format == "megatron":
             from mconvert.convert.layout import RANK_FILE, iteration_dir_name
@@ -485,17 +472,15 @@ def reference_spec(info) -> Any:
             lay = info.layout
             rank = "mp_rank_00" if lay["pp"] == 1 else "mp_rank_00_000"
             st = safe_load(info.path / iteration_dir_name(lay["iteration"]) / rank / RANK_FILE)
-            return ModelSpec.from_megatron_args(st["args"])
+            return families.spec_from_megatron_args(st["args"])
     except (MConvertError, OSError, ValueError, KeyError):
         return None
     return None
 
 
 def _config_vs_spec(cfg: dict[str, Any], ref, rep: VerifyReport) -> None:
-    from mconvert.spec import ModelSpec
-
     try:
-        mine = ModelSpec.from_hf_config(cfg)
+        mine = families.spec_from_hf_config(cfg)
     except MConvertError as e:
         rep.add("config-vs-checkpoint", "error", str(e))
         return
@@ -504,7 +489,7 @@ def _config_vs_spec(cfg: dict[str, Any], ref, rep: VerifyReport) -> None:
         pad = any(mine.vocab_size == ref.padded_vocab_size(tp) for tp in (1, 2, 4, 8, 16))
         diffs.append(f"vocab_size {mine.vocab_size} != checkpoint's true vocab {ref.vocab_size}"
                      + (" (vocab padding left in)" if pad or mine.vocab_size > ref.vocab_size else ""))
-    eps_key = "layer_norm_epsilon" if mine.family == "gpt2" else "rms_norm_eps"
+    eps_key = families.of(mine).vllm.eps_key
     if not _close(mine.norm_epsilon, ref.norm_epsilon):
         diffs.append(f"{eps_key} {mine.norm_epsilon:g} != checkpoint's {ref.norm_epsilon:g}")
     if mine.position_embedding_type == "rope" and not _close(mine.rotary_base, ref.rotary_base):

@@ -1,0 +1,246 @@
+"""The family registry: discovers the family modules of `mconvert.mappings` and parses configs with them.
+
+Every module of this package that declares `FAMILY` is a family. Lookups go by name, HF architecture,
+`model_type` or Megatron args; the HF config ⇄ ModelSpec and Megatron args -> ModelSpec entry points live here
+(not in `spec.py`, which knows no family), and so do the presets each family declares.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from typing import Any
+
+import mconvert.mappings as _package
+from mconvert.errors import MConvertError
+from mconvert.mappings.family import Family
+from mconvert.mappings.fields import (
+    ARGS_NUMBERS,
+    HF_COMMON,
+    HF_NUMBERS,
+    Field,
+    check,
+    check_megatron_args,
+    check_numbers,
+)
+from mconvert.spec import DTYPES, ModelSpec
+
+
+@functools.cache
+def _registry() -> dict[str, Family]:
+    found: dict[str, Family] = {}
+    for info in sorted(pkgutil.iter_modules(_package.__path__), key=lambda m: m.name):
+        fam = getattr(importlib.import_module(f"{_package.__name__}.{info.name}"), "FAMILY", None)
+        if isinstance(fam, Family):
+            if fam.name in found:
+                raise RuntimeError(f"two family modules declare the family {fam.name!r}")
+            found[fam.name] = fam
+    return found
+
+
+def all_families() -> list[Family]:
+    """Every family, in module-name order."""
+    return list(_registry().values())
+
+
+def names() -> list[str]:
+    """Every family's name, in module-name order."""
+    return list(_registry())
+
+
+def by_name(name: str) -> Family:
+    """The family called `name`; one MConvertError listing the known ones otherwise."""
+    fam = _registry().get(name)
+    if fam is None:
+        raise MConvertError(f"unsupported model family {name!r}; supported: {', '.join(_registry())}")
+    return fam
+
+
+def of(spec: ModelSpec) -> Family:
+    """The family of a ModelSpec."""
+    return by_name(spec.family)
+
+
+def by_architecture(arch: str) -> Family | None:
+    """The family whose HF causal-LM class is `arch`, or None."""
+    return next((f for f in _registry().values() if f.architecture == arch), None)
+
+
+def by_model_type(model_type: Any) -> Family | None:
+    """The family of an HF `model_type`, or None."""
+    return next((f for f in _registry().values() if f.model_type == model_type), None)
+
+
+def default_family() -> Family:
+    """The family Megatron args fall back to when no other recognises them."""
+    order = sorted((f for f in _registry().values() if f.recognise is not None), key=lambda f: f.recognise_order)
+    return order[-1]
+
+
+def recognise(fields: Mapping[str, Any]) -> Family:
+    """The family of Megatron-parsed ModelSpec fields without `model_family`: the first whose rule matches."""
+    order = sorted((f for f in _registry().values() if f.recognise is not None), key=lambda f: f.recognise_order)
+    found = next((f for f in order if f.recognise(dict(fields))), None)  # type: ignore[misc]
+    if found is None:
+        raise MConvertError("Megatron args name no model_family and no family recognises them; set model_family")
+    return found
+
+
+# ---- presets -------------------------------------------------------------------------------------------
+@functools.cache
+def _presets() -> dict[str, ModelSpec]:
+    out: dict[str, ModelSpec] = {}
+    for fam in _registry().values():
+        out.update(fam.presets)
+    return out
+
+
+def presets() -> dict[str, ModelSpec]:
+    """Every family's named presets (`tiny-*` for tests, `*-100m`, `gpt2-1b` for bench, `llama3-405b` shapes)."""
+    return dict(_presets())
+
+
+def preset(name: str) -> ModelSpec:
+    """A named ModelSpec; one MConvertError listing the presets otherwise."""
+    try:
+        return _presets()[name]
+    except KeyError:
+        raise MConvertError(f"unknown preset {name!r}; choose one of: {', '.join(_presets())}") from None
+
+
+def __getattr__(name: str) -> Any:
+    """`PRESETS` (name -> ModelSpec) and `FAMILIES` (name -> Family), built on first use."""
+    if name == "PRESETS":
+        return presets()
+    if name == "FAMILIES":
+        return dict(_registry())
+    raise AttributeError(name)
+
+
+# ---- HF config.json ------------------------------------------------------------------------------------
+def hf_table(model_type: str) -> dict[str, Field]:
+    """The classification of every config.json field of one HF family (common attributes included)."""
+    fam = by_model_type(model_type)
+    if fam is None:
+        raise MConvertError(f"no config field table for model_type {model_type!r}")
+    return {**HF_COMMON, **fam.hf_fields}
+
+
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """config.json content for transformers / vLLM. Every eps and rope setting is written explicitly."""
+    fam = of(spec)
+    cfg: dict[str, Any] = {"architectures": [fam.architecture], "model_type": fam.model_type}
+    cfg.update(fam.to_hf(spec))
+    cfg["torch_dtype"] = spec.params_dtype
+    if spec.bos_token_id is not None:
+        cfg["bos_token_id"] = spec.bos_token_id
+    if spec.eos_token_id is not None:
+        cfg["eos_token_id"] = spec.eos_token_id
+    return cfg
+
+
+def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """Parse an HF config.json dict. A field of the wrong type is one MConvertError naming it."""
+    if not isinstance(cfg, dict):
+        raise MConvertError(f"{source}: expected a JSON object, found {type(cfg).__name__}; fix or re-export it")
+    check_numbers(cfg, HF_NUMBERS, (), source)
+    try:
+        return _from_hf_config(cfg, source)
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError, IndexError) as e:
+        raise MConvertError(f"{source}: malformed config ({type(e).__name__}: {e}); fix or re-export it") from None
+
+
+def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
+    archs = cfg.get("architectures") or []
+    fam = next((f for f in map(by_architecture, archs) if f is not None), None)
+    if fam is None:
+        fam = by_model_type(cfg.get("model_type", ""))
+    if fam is None:
+        raise MConvertError(
+            f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"supported: {', '.join(f.architecture for f in all_families())}"
+        )
+    check(cfg, hf_table(fam.model_type), source, "config field")
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
+    try:
+        common = dict(
+            family=fam.name,
+            vocab_size=int(cfg["vocab_size"]),
+            params_dtype=dtype if dtype in DTYPES else "float32",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id")
+            if not isinstance(cfg.get("eos_token_id"), list)
+            else cfg["eos_token_id"][0],
+        )
+        return fam.from_hf(cfg, common, source)
+    except KeyError as e:
+        raise MConvertError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+# ---- Megatron args -------------------------------------------------------------------------------------
+def spec_from_megatron_args(args: Any, family: str | None = None, source: str = "args") -> ModelSpec:
+    """Parse a Megatron args Namespace (or SimpleNamespace / dict) — tolerant of older names.
+
+    A field of the wrong type (None, text, NaN where a size belongs) is one MConvertError naming it."""
+    try:
+        a = vars(args) if not isinstance(args, dict) else dict(args)
+    except TypeError:
+        raise MConvertError(f"{source}: args is a {type(args).__name__}, not a Namespace or dict") from None
+    check_numbers(a, ARGS_NUMBERS, ("hidden_size", "num_attention_heads", "num_layers"), source)
+    check_megatron_args(a, source)
+    try:
+        return _from_megatron_args(a, family, source)
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as e:
+        raise MConvertError(f"{source}: malformed Megatron args ({type(e).__name__}: {e})") from None
+
+
+def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> ModelSpec:
+    def get(name: str, default: Any = None) -> Any:
+        v = a.get(name, default)
+        return default if v is None else v
+
+    try:
+        H = int(a["hidden_size"])
+        nh = int(a["num_attention_heads"])
+        L = int(a["num_layers"])
+    except KeyError as e:
+        raise MConvertError(f"{source}: Megatron args lack {e.args[0]!r}; is this a Megatron checkpoint?") from None
+    swiglu = bool(get("swiglu", False))
+    gqa = bool(get("group_query_attention", False))
+    groups = int(get("num_query_groups", nh)) if gqa else None
+    ffn = get("ffn_hidden_size", None) or 4 * H
+    eps = get("norm_epsilon", None) or get("layernorm_epsilon", 1e-5)
+    padded = get("padded_vocab_size", None)
+    vocab = get("vocab_size", None) or get("true_vocab_size", None) or padded
+    if vocab is None:
+        raise MConvertError(f"{source}: Megatron args have neither vocab_size nor padded_vocab_size")
+    dtype = "bfloat16" if get("bf16", False) else "float16" if get("fp16", False) else "float32"
+    rope = get("position_embedding_type", "learned_absolute") == "rope"
+    fields: dict[str, Any] = dict(
+        num_layers=L,
+        hidden_size=H,
+        num_attention_heads=nh,
+        ffn_hidden_size=int(ffn),
+        vocab_size=int(vocab),
+        max_position_embeddings=int(get("max_position_embeddings", get("seq_length", 2048))),
+        num_query_groups=groups if groups and groups != nh else None,
+        kv_channels=int(get("kv_channels", H // nh)),
+        normalization=get("normalization", "LayerNorm"),
+        norm_epsilon=float(eps),
+        activation="swiglu" if swiglu else ("gelu_new" if get("openai_gelu", False) else "gelu"),
+        position_embedding_type="rope" if rope else "learned_absolute",
+        rotary_base=float(get("rotary_base", 10000)),
+        rotary_percent=float(get("rotary_percent", 1.0)),
+        rotary_interleaved=bool(get("rotary_interleaved", False)),
+        add_bias_linear=bool(get("add_bias_linear", True)),
+        add_qkv_bias=bool(get("add_qkv_bias", False)),
+        tie_embeddings=not bool(get("untie_embeddings_and_output_weights", False)),
+        make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
+        params_dtype=dtype,
+    )
+    if family is None:
+        family = get("model_family", None)
+    name = by_name(family).name if family is not None else recognise(fields).name
+    return ModelSpec(family=name, **fields)

@@ -1,0 +1,220 @@
+"""What a model family is: one frozen `Family` record per family module, holding every fact of that family.
+
+A family module (`gpt2.py`, `llama.py`, ...) declares `FAMILY = Family(...)`; `families.py` discovers them.
+Everything outside `mappings/` reads a family's facts from its record and never branches on a family's name.
+The records here are data plus small pure functions; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.mappings.fields import Field
+from mconvert.spec import ModelSpec
+
+Tensors = dict[str, torch.Tensor]
+FT_BASE_ROTARY = 10000.0  # FasterTransformer's rotary kernels take no base: it is fixed
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one canonical mcore parameter becomes one or more HF tensors."""
+
+    hf: tuple[str, ...]
+    op: str = "identity"  # identity | vocab | qkv | qkv_conv1d | gated | transpose
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """The HF⇄Megatron name table: canonical mcore template -> Rule, plus HF names dropped on import."""
+
+    family: str
+    table: dict[str, Rule]  # canonical mcore template -> Rule
+    hf_drops: dict[str, None]  # HF names (templates) dropped on import
+
+    @property
+    def hf_embedding(self) -> str:
+        """The HF name of the word embedding (what a tied head copies)."""
+        return self.table["embedding.word_embeddings.weight"].hf[0]
+
+
+# ---- FasterTransformer ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FTFile:
+    """One file FT's loader opens: name relative to `<t>-gpu/`, and the shape it reads."""
+
+    name: str
+    shape: tuple[int, ...]
+    optional: bool = False  # only model.lm_head.weight.bin for [gpt]
+
+
+@dataclass(frozen=True)
+class FTKernels:
+    """What FT's kernels compute for a section, and the files they read (the reference runner follows it).
+
+    Pre-norm decoder layers; `norm` LayerNorm reads `.weight` and `.bias`, RMSNorm only `.weight`; every
+    linear has a bias when `biases`; positions are learned (`positions` file) or GPT-NeoX rotary over the
+    `rotary_dim` config field's dims; the MLP is tanh-GeLU over `mlp = (in, out)` files or SiLU-gated over
+    `mlp = (gate, up, down)`; the head is `head`, or `embedding` when `head` is optional and absent."""
+
+    embedding: str
+    positions: str | None
+    norm: str  # LayerNorm | RMSNorm
+    biases: bool
+    mlp: tuple[str, ...]  # (in, out): GeLU; (gate, up, down): SiLU-gated
+    rotary_dim: str | None = None  # config.ini field with the rotary dims (rotary models)
+    head: str = "model.lm_head.weight.bin"
+    head_optional: bool = False
+
+
+@dataclass(frozen=True)
+class FTLayout:
+    """One FasterTransformer model section (`[gpt]`, `[llama]`): what it holds, its files and its config.
+
+    `holds(spec)`: the section's architecture style matches the model; `refuse(spec, infer_tp,
+    allow_approx_gelu)`: one MConvertError for what the section's loader cannot hold. The `*_files` functions
+    turn one unit's HF tensors into FT files (every 2-D weight `[in, out]`, split over `t` ranks)."""
+
+    section: str
+    required_fields: tuple[str, ...]
+    holds: Callable[[ModelSpec], bool]
+    refuse: Callable[[ModelSpec, int, bool], None]
+    expected_files: Callable[[dict[str, Any]], list[FTFile]]
+    embedding_files: Callable[[Tensors], Tensors]
+    layer_files: Callable[[Tensors, int, ModelSpec, int], Tensors]
+    final_files: Callable[[Tensors, torch.Tensor | None, ModelSpec], Tensors]
+    config_fields: Callable[[ModelSpec], dict[str, Any]]  # section fields beyond the common ones
+    kernels: FTKernels
+    check_config: Callable[[dict[str, str], dict[str, int]], list[str]] = lambda cfg, ints: []
+    model_name: str | None = None  # config.ini model_name; None: the family's name (FT's converters do so)
+    always_reads_head: bool = False  # the loader reads lm_head even when tied: a tied model gets a copy
+    tied_head_note: str | None = None  # report note when a tied head is written as that copy
+
+
+# ---- TensorRT-LLM -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrtllmLayout:
+    """One TensorRT-LLM model class: its config fields, its refusals and its per-rank tensors."""
+
+    architecture: str
+    hidden_act: Callable[[ModelSpec], str]
+    position_embedding_type: str
+    config_fields: Callable[[ModelSpec], dict[str, Any]]  # appended after the common PretrainedConfig fields
+    refuse: Callable[[ModelSpec], None]
+    rank_tensors: Callable[[Any, Tensors, ModelSpec, int, torch.Tensor | None], list[Tensors]]
+
+
+# ---- vLLM ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TiedHeadMessages:
+    """What `verify` says about a family whose head vLLM always ties to the embedding."""
+
+    differs: str
+    untied: str
+    ok: str
+
+
+@dataclass(frozen=True)
+class VllmFacts:
+    """What vLLM needs of this family's config.json and weights."""
+
+    required: dict[str, str]  # config key -> what it is (missing = an error)
+    eps_key: str
+    head_dim: Callable[[dict[str, Any]], int]
+    config_checks: Callable[[dict[str, Any]], tuple[list[str], list[str]]]  # (problems, notes)
+    rope: bool
+    always_ties_head: TiedHeadMessages | None = None  # vLLM ignores tie_word_embeddings=false for it
+    untied_export_warning: str | None = None  # megatron-to-hf warning for an untied model
+
+
+@dataclass(frozen=True)
+class Family:
+    """Every fact of one model family (see the module docstring)."""
+
+    name: str
+    architecture: str  # the HF causal-LM class (registered in vLLM)
+    model_type: str
+    base_architecture: str  # HF's model without LM head (vLLM refuses or misreads it)
+    plugin: Plugin
+    hf_fields: dict[str, Field]  # this family's own config.json fields (common ones live in fields.py)
+    to_hf: Callable[[ModelSpec], dict[str, Any]]  # family fields of config.json; refuses what HF cannot hold
+    from_hf: Callable[[dict[str, Any], dict[str, Any], str], ModelSpec]  # (cfg, common fields, source)
+    vllm: VllmFacts
+    presets: dict[str, ModelSpec] = field(default_factory=dict)
+    # Megatron args without `model_family`: families are tried by `recognise_order` (ascending); `recognise`
+    # gets the parsed ModelSpec fields; None: never inferred (only named).
+    recognise: Callable[[dict[str, Any]], bool] | None = None
+    recognise_order: int = 0
+    ft: FTLayout | None = None
+    trtllm: TrtllmLayout | None = None
+    sliding_window_by_default: bool = False  # HF applies `sliding_window` without `use_sliding_window`
+
+
+# ---- shard helpers shared by the deployment layouts -----------------------------------------------------
+def cols(x: torch.Tensor, t: int) -> list[torch.Tensor]:
+    """Split the last axis into `t` contiguous parts (column-parallel in FT's [in, out] storage)."""
+    return list(x.chunk(t, dim=-1))
+
+
+def rows(x: torch.Tensor, t: int) -> list[torch.Tensor]:
+    """Split axis 0 into `t` parts (row-parallel: the input features of an [in, out] weight)."""
+    return list(x.chunk(t, dim=0))
+
+
+def need(d: Tensors, key: str, what: str) -> torch.Tensor:
+    """`d[key]`, or one MConvertError naming the missing tensor."""
+    if key not in d:
+        raise MConvertError(f"the source yields no {key} ({what}); cannot write it")
+    return d[key]
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero rows appended up to a multiple (TensorRT-LLM's `pad_vocab_size`)."""
+    pad = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+
+
+def kv_dup(x: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
+    """Repeat each KV head tp/nkv times along dim 0 when there are fewer KV heads than ranks."""
+    if nkv >= tp:
+        return x
+    if tp % nkv:
+        raise MConvertError(f"--tp {tp} and {nkv} KV heads: one must divide the other")
+    return x.reshape(nkv, -1, *x.shape[1:]).repeat_interleave(tp // nkv, dim=0).reshape(-1, *x.shape[1:])
+
+
+def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int, tp: int) -> list[torch.Tensor]:
+    """Per rank cat(q_r, k_r, v_r) along dim 0 (weights [out, in] or biases [out])."""
+    k, v = kv_dup(k, nkv, tp), kv_dup(v, nkv, tp)
+    return [torch.cat(parts) for parts in zip(q.chunk(tp), k.chunk(tp), v.chunk(tp))]
+
+
+def per_rank(tp: int) -> tuple[list[Tensors], Callable[[str, torch.Tensor], None],
+                                Callable[[str, list[torch.Tensor]], None]]:
+    """(out, every, each): `tp` empty rank dicts, a setter of one tensor on every rank, and of one per rank."""
+    out: list[Tensors] = [{} for _ in range(tp)]
+
+    def every(name: str, x: torch.Tensor) -> None:
+        for d in out:
+            d[name] = x
+
+    def each(name: str, xs: list[torch.Tensor]) -> None:
+        for d, x in zip(out, xs):
+            d[name] = x
+
+    return out, every, each
+
+
+def head_or_tied(hf: Tensors, embed: torch.Tensor | None, spec: ModelSpec, what: str) -> torch.Tensor:
+    """The untied `lm_head.weight`, or the embedding for a tied model (formats that always store a head)."""
+    head = hf.get("lm_head.weight")
+    if head is None:
+        if not spec.tie_embeddings:
+            raise MConvertError(f"{what} but the source yields no lm_head.weight")
+        head = embed
+    return head  # type: ignore[return-value]

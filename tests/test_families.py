@@ -1,0 +1,98 @@
+"""The family registry: one module per family, found by discovery, checked against transformers' own tables."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+import mconvert
+from mconvert.errors import MConvertError
+from mconvert.mappings import families
+from mconvert.mappings.families import hf_config, spec_from_hf_config, spec_from_megatron_args
+
+PACKAGE = Path(mconvert.__file__).parent
+MAPPINGS = PACKAGE / "mappings"
+FAMILY_NAMES = families.names()
+QUOTED = re.compile(r"""["'](%s)["']""" % "|".join(map(re.escape, FAMILY_NAMES)))  # a family name as a literal
+
+
+def test_every_module_declaring_a_family_is_discovered():
+    """Discovery finds exactly the files of mappings/ that declare `FAMILY = Family(...)` (read as text here)."""
+    declared = {p.stem for p in MAPPINGS.glob("*.py") if re.search(r"^FAMILY = Family\(", p.read_text(), re.M)}
+    assert declared == {"gpt2", "llama", "mistral", "qwen2"}
+    assert {f.name for f in families.all_families()} == declared
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_a_family_is_found_by_name_architecture_and_model_type(name):
+    fam = families.by_name(name)
+    assert families.by_architecture(fam.architecture) is fam
+    assert families.by_model_type(fam.model_type) is fam
+    # transformers' own auto tables: the causal-LM class and the base model of the model_type
+    assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[fam.model_type] == fam.architecture
+    assert MODEL_MAPPING_NAMES[fam.model_type] == fam.base_architecture
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_each_family_has_presets_of_its_own(name):
+    fam = families.by_name(name)
+    assert fam.presets and all(s.family == name for s in fam.presets.values())
+    assert all(families.preset(p) == s for p, s in fam.presets.items())
+
+
+def _family_presets():
+    return [(f.name, p) for f in families.all_families() for p in f.presets]
+
+
+@pytest.mark.parametrize("name,preset_name", _family_presets())
+def test_hf_config_round_trips_through_transformers_config_class(name, preset_name):
+    """Our config.json -> transformers' config class (its defaults filled in) -> our parser -> the same spec."""
+    spec = families.preset(preset_name)
+    cfg = hf_config(spec)
+    theirs = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    assert theirs.model_type == families.by_name(name).model_type
+    back = spec_from_hf_config(theirs.to_dict(), source="x/config.json")
+    assert back == spec.replace(bos_token_id=back.bos_token_id, eos_token_id=back.eos_token_id)
+
+
+@pytest.mark.parametrize("name,preset_name", _family_presets())
+def test_megatron_args_without_model_family_are_recognised(name, preset_name):
+    """Args written by Megatron-LM itself carry no model_family: a family with a recognition rule is found from
+    the architecture switches; a family without one reads as the default family with the same function."""
+    spec = families.preset(preset_name)
+    args = vars(spec.to_megatron_args(1, 1))
+    del args["model_family"]
+    got = spec_from_megatron_args(argparse.Namespace(**args))
+    want = name if families.by_name(name).recognise is not None else families.default_family().name
+    assert got == spec.replace(family=want)
+
+
+def test_an_unknown_family_is_one_line_naming_the_known_ones():
+    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: gpt2, llama, mistral, qwen2$"):
+        families.by_name("bert")
+    args = vars(families.preset("tiny-llama").to_megatron_args(1, 1))
+    with pytest.raises(MConvertError, match="unsupported model family 'bert'"):
+        spec_from_megatron_args(dict(args, model_family="bert"))
+
+
+def test_no_family_name_is_quoted_outside_mappings():
+    """Behaviour differences between families are data in their modules, never `if family == ...` elsewhere."""
+    hits = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if MAPPINGS in path.parents:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if QUOTED.search(line):
+                hits.append(f"{path.relative_to(PACKAGE.parent)}:{i}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_grep_rule_catches_a_quoted_family_name():
+    """The rule above is not vacuous: the same pattern finds the branch it forbids."""
+    assert QUOTED.search('if spec.family == "gpt2":') and QUOTED.search("x = {'qwen2': 1}")
+    assert not QUOTED.search('preset = "tiny-llama"')
