@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+import transformers
 
 from mconvert.cli import main
 from mconvert.convert.safeload import safe_load
-
-transformers = pytest.importorskip("transformers")
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+import transformers
 
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
 from mconvert.convert.safeload import safe_load
 from mconvert.errors import MConvertError
-
-transformers = pytest.importorskip("transformers")
 TOKENS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 35, 89, 79]])
 
 

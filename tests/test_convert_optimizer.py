@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from mconvert.convert.driver import hf_to_megatron, reshard
 from mconvert.convert.safeload import safe_load
 from mconvert.errors import MConvertError
-
-transformers = pytest.importorskip("transformers")
 
 
 def _add_optimizer(root: Path) -> None:

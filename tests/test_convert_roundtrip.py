@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+import transformers
 
 from mconvert.mappings.families import spec_from_hf_config
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-
-transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=64, vocab_size=100,

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
+import mconvert.trainer.train as train_mod
 from mconvert.convert.driver import megatron_to_hf, reshard
 from mconvert.convert.safeload import safe_load
 
 pytestmark = pytest.mark.slow
-train_mod = pytest.importorskip("mconvert.trainer.train")
-transformers = pytest.importorskip("transformers")
 
 RUN = dict(micro_batch_size=2, global_batch_size=4, seq_length=32, quiet=True, seed=7)
 MODELS = {

@@ -133,7 +133,7 @@ def test_unmapped_hf_key_is_an_error_naming_it():
 def test_rotary_interleaved_q_k_reordered_for_hf(monkeypatch):
     """Megatron rotary_interleaved=True, applied by megatron-core's own RoPE, gives the attention scores
     transformers' rotate_half RoPE gives on the converted q/k rows (and the unconverted rows do not)."""
-    mcore_rope = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+    from megatron.core.models.common.embeddings import rope_utils as mcore_rope
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb

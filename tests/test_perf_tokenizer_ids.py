@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+import transformers
 
 from mconvert.convert.hf import _special_ids_from_json, _tokenizer_special_ids
 from mconvert.data import EOS, build_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,6 @@ def test_megatron_lm_objects_load_with_the_allow_list_only(tmp_path):
     """A rank file carrying megatron-core's own classes (args enums, OptimizerConfig, rerun state), numpy and
     python RNG state, TE io.BytesIO extra state, PosixPath and signal args loads — and the answer does not
     depend on megatron-core having registered its classes process-wide (it does, on import)."""
-    pytest.importorskip("megatron.core")
     from megatron.core.enums import ModelType
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -269,8 +269,3 @@ def _rng_source_ranks(src: Any, tp: int, pp: int, vpp: int | None) -> dict[tuple
             out[(t, p)] = (t % src.tp, sp)
     return out
 
-
-def iter_units(src: Any, units: Iterable[Unit] | None = None) -> Iterator[tuple[Unit, dict[str, torch.Tensor]]]:
-    """(unit, HF tensors) one unit at a time — the streaming interface other writers (FT, ONNX) consume."""
-    for u in units if units is not None else src.units():
-        yield u, src.read_hf(u)

@@ -263,9 +263,6 @@ class MegatronSource(SourceBase):
         return p, c
 
     # ---- reading ------------------------------------------------------------------------------------
-    def _unit_of_global(self, name: str) -> Unit:
-        return unit_of(name)
-
     def _lazy_model(self, t: int, p: int, c: int) -> Any:
         """Rank file (t, p)'s chunk c read tensor by tensor with pread at indexed offsets (built from one safe,
         weights-only load per file): no unpickling per unit, no mmap pages left in RSS. None: use safe_load."""

@@ -8,7 +8,6 @@ sharded shape and follow its split kind; `step` is replicated.
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import Any
 
@@ -17,22 +16,11 @@ import torch
 from mconvert.errors import MConvertError, expect
 
 STATE_TENSORS = ("exp_avg", "exp_avg_sq")
-_CHUNK_RE = re.compile(r"^model(\d+)\.(.*)$")
 
 
 def has_states(opt: Any) -> bool:
     """True when `opt` is a torch optimizer state_dict with per-parameter state (not an empty placeholder)."""
     return isinstance(opt, dict) and bool(opt.get("state")) and isinstance(opt.get("param_groups"), list)
-
-
-def split_chunk(name: str) -> tuple[int, str]:
-    """`model1.decoder.layers.0.x` -> (1, 'decoder.layers.0.x'); unprefixed names are chunk 0."""
-    m = _CHUNK_RE.match(name)
-    if m:
-        return int(m.group(1)), m.group(2)
-    if name.startswith("module."):
-        return 0, name[len("module."):]
-    return 0, name
 
 
 def index_states(opt: dict, source: str) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:

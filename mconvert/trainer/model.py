@@ -268,11 +268,6 @@ class GPTModel(nn.Module):
         self.hidden_states: list[torch.Tensor] | None = None  # filled when record_hidden is on
         self.record_hidden = False
 
-    @property
-    def tied_copy(self) -> bool:
-        """True on the last stage of a tied model with PP > 1 (its output_layer is the embedding's copy)."""
-        return self.post_process and not self.pre_process and self.spec.tie_embeddings
-
     def sequence_parallel_params(self) -> list[nn.Parameter]:
         """Replicated parameters that see only this rank's sequence chunk under sequence parallelism (norms,
         row-parallel biases, position embeddings): their gradients are summed over TP, as Megatron does."""

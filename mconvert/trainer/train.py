@@ -557,13 +557,3 @@ def _run_training(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> di
         out.update(results[r] or {})
     return out
 
-
-def config_from_dict(d: dict[str, Any]) -> TrainConfig:
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = set(d) - names
-    if unknown:
-        raise MConvertError(f"unknown training option(s): {', '.join(sorted(unknown))}")
-    return TrainConfig(**d)
-
-
-

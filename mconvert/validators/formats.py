@@ -13,8 +13,6 @@ from mconvert.convert.layout import RANK_FILE, TRACKER, parse_rank_dir
 from mconvert.convert.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
 
-FORMATS = ("megatron", "megatron-torch_dist", "hf", "ft", "onnx", "trtllm")
-
 
 @dataclass
 class ModelInfo:
