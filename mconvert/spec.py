@@ -93,6 +93,12 @@ class ModelSpec:
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    qk_layernorm: bool = False  # per-head norm (kind = normalization) of q and k before RoPE (Qwen3)
+    rope_scaling: str | None = None  # None | "llama3" (Llama-3.1 frequency scaling) | "linear" (positions / factor)
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_position_embeddings: int = 8192  # llama3 only
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived -------------------------------------------------------------------------------
@@ -108,6 +114,12 @@ class ModelSpec:
             object.__setattr__(self, "rotary_base", 10000.0)
             object.__setattr__(self, "rotary_percent", 1.0)
             object.__setattr__(self, "rotary_interleaved", False)
+            object.__setattr__(self, "rope_scaling", None)
+        if self.rope_scaling is None:
+            object.__setattr__(self, "rope_scaling_factor", 1.0)
+        if self.rope_scaling != "llama3":  # the llama3 band constants mean nothing to other scalings
+            for name, default in _LLAMA3_BAND_DEFAULTS.items():
+                object.__setattr__(self, name, default)
         self.validate()
 
     def validate(self) -> None:
@@ -131,6 +143,7 @@ class ModelSpec:
             raise MConvertError(f"norm_epsilon must be a small positive number, got {self.norm_epsilon}")
         if not 0 < self.rotary_percent <= 1:
             raise MConvertError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        self._validate_rope_scaling()
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -141,6 +154,41 @@ class ModelSpec:
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {self.num_groups}"
             )
+
+    def _validate_rope_scaling(self) -> None:
+        """Refuse an unknown scaling type or a factor that is not a finite number of the right range."""
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise MConvertError(
+                f"unsupported rope_scaling {self.rope_scaling!r} (supported: {', '.join(map(str, ROPE_SCALINGS))})"
+            )
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise MConvertError(f"{name} must be a finite positive number, got {v!r}")
+        if self.rope_scaling is not None and self.rope_scaling_factor < 1:
+            raise MConvertError(f"rope_scaling_factor must be >= 1 (it stretches positions), got "
+                                f"{self.rope_scaling_factor}")
+        if self.rope_scaling == "llama3":
+            if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                raise MConvertError(
+                    f"rope_high_freq_factor {self.rope_high_freq_factor} must exceed rope_low_freq_factor "
+                    f"{self.rope_low_freq_factor} (the llama3 band between them is interpolated)"
+                )
+            if self.rope_original_max_position_embeddings != int(self.rope_original_max_position_embeddings):
+                raise MConvertError(f"rope_original_max_position_embeddings must be a whole number, got "
+                                    f"{self.rope_original_max_position_embeddings}")
+
+    def refuse_unmapped(self, target: str) -> None:
+        """Refuse, naming the field, the features `target` (an export format) cannot state yet."""
+        if self.rope_scaling is not None:
+            raise MConvertError(
+                f"rope_scaling={self.rope_scaling!r} (factor {self.rope_scaling_factor:g}) is not mapped to "
+                f"{target} yet ({_megatron_scaling_args(self)}); conversion refused"
+            )
+        if self.qk_layernorm:
+            raise MConvertError(f"qk_layernorm=True (per-head q/k norm) is not mapped to {target} yet; "
+                                "conversion refused")
 
     @property
     def head_dim(self) -> int:
@@ -219,6 +267,11 @@ class ModelSpec:
         add("self_attention.linear_qkv.weight", "qkv", self.qkv_rows, H)
         if self.has_qkv_bias:
             add("self_attention.linear_qkv.bias", "qkv", self.qkv_rows)
+        if self.qk_layernorm:  # one [head_dim] norm shared by every head, so every TP rank holds all of it
+            for qk in ("q_layernorm", "k_layernorm"):
+                add(f"self_attention.{qk}.weight", "replicated", hd)
+                if ln_bias:
+                    add(f"self_attention.{qk}.bias", "replicated", hd)
         add("self_attention.linear_proj.weight", "row", H, nh * hd)
         if self.add_bias_linear:
             add("self_attention.linear_proj.bias", "replicated", H)
@@ -325,9 +378,29 @@ class ModelSpec:
             ckpt_format="torch",
             model_family=self.family,  # mconvert's own hint; Megatron ignores unknown args
         )
+        # written only when used, so the args of a model without them stay as they are
+        for k, v in self._rope_and_qk_megatron_args().items():
+            setattr(ns, k, v)
         for k, v in extra.items():
             setattr(ns, k, v)
         return ns
+
+    def _rope_and_qk_megatron_args(self) -> dict[str, Any]:
+        """megatron-core's own args for qk-norm and rope scaling (empty when the model uses neither)."""
+        out: dict[str, Any] = {}
+        if self.qk_layernorm:
+            out["qk_layernorm"] = True
+        if self.rope_scaling == "llama3":
+            bands = {name: getattr(self, name) for name in _LLAMA3_BAND_DEFAULTS}
+            if bands != _LLAMA3_BAND_DEFAULTS:  # megatron-core hard-codes these three constants
+                raise MConvertError(
+                    "megatron-core's Llama-3 rope scaling fixes low_freq_factor 1, high_freq_factor 4 and "
+                    f"original_max_position_embeddings 8192; this model has {bands}; Megatron cannot hold it"
+                )
+            out.update(use_rope_scaling=True, rope_scaling_factor=float(self.rope_scaling_factor))
+        elif self.rope_scaling == "linear":
+            out["rotary_seq_len_interpolation_factor"] = float(self.rope_scaling_factor)
+        return out
 
     @classmethod
     def from_megatron_args(cls, args: Any, family: str | None = None, source: str = "args") -> "ModelSpec":
@@ -408,11 +481,13 @@ class ModelSpec:
             tie_embeddings=not untie,
             make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
             params_dtype=dtype,
+            **rope_and_qk_from_megatron_args(a, source),
         )
 
     # ---- HF config -----------------------------------------------------------------------------
     def to_hf_config(self) -> dict[str, Any]:
         """config.json content for transformers / vLLM. Every eps and rope setting is written explicitly."""
+        self.refuse_unmapped("HF")
         arch, model_type = FAMILIES[self.family]
         cfg: dict[str, Any] = {"architectures": [arch], "model_type": model_type}
         if self.family == "gpt2":
@@ -572,9 +647,50 @@ class ModelSpec:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict; qk-norm and rope-scaling fields only when the model uses them."""
         d = dataclasses.asdict(self)
         d.pop("extra")
+        for name, default in _OPTIONAL_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
         return d
+
+
+ROPE_SCALINGS = (None, "llama3", "linear")
+_LLAMA3_BAND_DEFAULTS: dict[str, Any] = {
+    "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position_embeddings": 8192,
+}
+_OPTIONAL_DEFAULTS: dict[str, Any] = {
+    "qk_layernorm": False, "rope_scaling": None, "rope_scaling_factor": 1.0, **_LLAMA3_BAND_DEFAULTS,
+}
+
+
+def _megatron_scaling_args(spec: ModelSpec) -> str:
+    """How Megatron spells the spec's rope scaling, for messages."""
+    if spec.rope_scaling == "llama3":
+        return f"Megatron use_rope_scaling=True, rope_scaling_factor={spec.rope_scaling_factor:g}"
+    return f"Megatron rotary_seq_len_interpolation_factor={spec.rope_scaling_factor:g}"
+
+
+def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict[str, Any]:
+    """ModelSpec kwargs for qk-norm and rope scaling from megatron-core's args (`qk_layernorm`,
+    `use_rope_scaling` + `rope_scaling_factor` with its hard-coded llama3 bands, and
+    `rotary_seq_len_interpolation_factor`); both scalings at once is refused (HF states one)."""
+    out: dict[str, Any] = {"qk_layernorm": bool(a.get("qk_layernorm") or False)}
+    llama3 = bool(a.get("use_rope_scaling") or False)
+    linear = a.get("rotary_seq_len_interpolation_factor")
+    if llama3 and linear is not None:
+        raise MConvertError(
+            f"{source}: use_rope_scaling=True together with rotary_seq_len_interpolation_factor={linear!r} is "
+            "not mapped (HF states one rope scaling); conversion refused"
+        )
+    if llama3:
+        factor = a.get("rope_scaling_factor")
+        out.update(rope_scaling="llama3", rope_scaling_factor=float(8.0 if factor is None else factor),
+                   **_LLAMA3_BAND_DEFAULTS)
+    elif linear is not None:
+        out.update(rope_scaling="linear", rope_scaling_factor=float(linear))
+    return out
 
 
 def _template(name: str) -> str:
@@ -587,7 +703,8 @@ def _template(name: str) -> str:
 _ARGS_NUMBERS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
-    "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
+    "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor",
 )
 _HF_NUMBERS = (
     "vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "layer_norm_epsilon",
@@ -604,9 +721,9 @@ def _check_numbers(d: dict[str, Any], keys: tuple[str, ...], required: tuple[str
         v = d[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} is not a finite number; fix it")
-        if v <= 0 and not k.endswith(("epsilon", "eps", "percent", "theta", "base")):
+        if v <= 0 and not k.endswith(("epsilon", "eps", "percent", "theta", "base", "factor")):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be positive; fix it")
-        if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base")) and v != int(v):
+        if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base", "factor")) and v != int(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")
 
 
@@ -737,6 +854,51 @@ PRESETS: dict[str, ModelSpec] = {
         params_dtype="bfloat16",
     ),
 }
+
+# Llama-3.x rope scaling and Qwen3 qk-norm. megatron-core fixes the llama3 bands at original 8192 positions;
+# with rotary_base 500000 and head_dim 64 the pairs with wavelengths above 2048 are still rescaled, so the
+# scaling changes positions below 128.
+PRESETS_MODERN: dict[str, ModelSpec] = {
+    "tiny-llama3": ModelSpec(
+        family="llama",
+        num_layers=2,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=512,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=500000.0,
+        add_bias_linear=False,
+        tie_embeddings=False,
+        rope_scaling="llama3",
+        rope_scaling_factor=8.0,
+    ),
+    # Qwen3 has no qkv bias; until a qwen3 family exists it is the qwen2 family (its closest kin) with qk-norm
+    "tiny-qwen3": ModelSpec(
+        family="qwen2",
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=8,
+        num_query_groups=2,
+        kv_channels=32,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        normalization="RMSNorm",
+        norm_epsilon=1e-6,
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=1000000.0,
+        add_bias_linear=False,
+        tie_embeddings=True,
+        qk_layernorm=True,
+    ),
+}
+PRESETS.update(PRESETS_MODERN)
 
 
 def preset(name: str) -> ModelSpec:

@@ -152,10 +152,6 @@ def _learned_positions_off_ok(v: Any, a: Mapping[str, Any]) -> bool:
     return a.get("position_embedding_type") == "rope"
 
 
-def _scaling_unused(_: Any, a: Mapping[str, Any]) -> bool:
-    return not a.get("use_rope_scaling")
-
-
 _MEGATRON_MAPPED: dict[str, Field] = {
     "num_layers": mapped("num_layers", INT),
     "hidden_size": mapped("hidden_size", INT),
@@ -191,13 +187,15 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "model_family": mapped("family", STR),
     "bos_token_id": mapped("bos_token_id", INT),
     "eos_token_id": mapped("eos_token_id", INT),
+    # megatron-core's Llama-3.1 scaling (bands fixed in its code) and linear position interpolation
+    "use_rope_scaling": mapped("rope_scaling", BOOL, False),
+    "rope_scaling_factor": mapped("rope_scaling_factor", NUM, 8.0),
+    "rotary_seq_len_interpolation_factor": mapped("rope_scaling_factor", NUM),
+    "qk_layernorm": mapped("qk_layernorm", BOOL, False),
 }
 
 _MEGATRON_REFUSED: dict[str, Field] = {
     # rope variants
-    "use_rope_scaling": refused("Llama-3.1 rope scaling is not mapped yet", False),
-    "rope_scaling_factor": refused("Llama-3.1 rope scaling is not mapped yet", 8.0, _scaling_unused),
-    "rotary_seq_len_interpolation_factor": refused("rotary position interpolation is not mapped", None),
     "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0),
     "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope"),
     "mscale": refused("YaRN mscale is not mapped", 1.0),
@@ -209,7 +207,6 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     "add_position_embedding": refused("a model without learned positions needs position_embedding_type='rope'",
                                       True, _learned_positions_off_ok),
     # attention variants
-    "qk_layernorm": refused("QK layernorm is not mapped", False),
     "qk_l2_norm": refused("QK L2 norm is not mapped", False),
     "multi_latent_attention": refused("multi-latent attention is not mapped", False),
     "softmax_scale": refused("a custom attention softmax scale is not mapped", None),
