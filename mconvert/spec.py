@@ -650,18 +650,19 @@ class ModelSpec:
         """The fields as a dict; qk-norm and rope-scaling fields only when the model uses them."""
         d = dataclasses.asdict(self)
         d.pop("extra")
-        for name, default in _OPTIONAL_DEFAULTS.items():
-            if d[name] == default:
-                del d[name]
+        unused = [] if self.qk_layernorm else ["qk_layernorm"]
+        if self.rope_scaling is None:
+            unused += ["rope_scaling", "rope_scaling_factor"]
+        if self.rope_scaling != "llama3":
+            unused += list(_LLAMA3_BAND_DEFAULTS)
+        for name in unused:
+            del d[name]
         return d
 
 
 ROPE_SCALINGS = (None, "llama3", "linear")
 _LLAMA3_BAND_DEFAULTS: dict[str, Any] = {
     "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position_embeddings": 8192,
-}
-_OPTIONAL_DEFAULTS: dict[str, Any] = {
-    "qk_layernorm": False, "rope_scaling": None, "rope_scaling_factor": 1.0, **_LLAMA3_BAND_DEFAULTS,
 }
 
 
