@@ -179,16 +179,18 @@ class ModelSpec:
                 raise MConvertError(f"rope_original_max_position_embeddings must be a whole number, got "
                                     f"{self.rope_original_max_position_embeddings}")
 
-    def refuse_unmapped(self, target: str) -> None:
-        """Refuse, naming the field, the features `target` (an export format) cannot state yet."""
+    def refuse_unmapped(self, target: str, source: str = "") -> None:
+        """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state yet."""
+        where = f"{source}: " if source else ""
+        what = ""
         if self.rope_scaling is not None:
-            raise MConvertError(
-                f"rope_scaling={self.rope_scaling!r} (factor {self.rope_scaling_factor:g}) is not mapped to "
-                f"{target} yet ({_megatron_scaling_args(self)}); conversion refused"
-            )
-        if self.qk_layernorm:
-            raise MConvertError(f"qk_layernorm=True (per-head q/k norm) is not mapped to {target} yet; "
-                                "conversion refused")
+            what = (f"rope_scaling={self.rope_scaling!r} (factor {self.rope_scaling_factor:g}; "
+                    f"{_megatron_scaling_args(self)})")
+        elif self.qk_layernorm:
+            what = "qk_layernorm=True (per-head q/k norm)"
+        if what:
+            raise MConvertError(f"{where}{what} is not mapped to {target} yet; conversion refused (reshard and "
+                                "validate handle the Megatron checkpoint)")
 
     @property
     def head_dim(self) -> int:

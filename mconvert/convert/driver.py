@@ -100,7 +100,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         warnings.append("UNTIED GPT-2: vLLM always ties GPT-2's lm_head to wte, so this model will NOT be served "
                         "correctly by vLLM (transformers reads lm_head.weight)")
     spec = src.spec
-    spec.refuse_unmapped("HF")  # before any tensor is read: config.json could not state these
+    spec.refuse_unmapped("HF", str(ckpt))  # before any tensor is read: config.json could not state these
     if target is not None:
         spec = spec.replace(params_dtype=_DTYPE_NAME[target])
     if dry_run:
