@@ -142,11 +142,14 @@ def test_linear_interpolation_and_layernorm_qk_norm_match_mcore(variant: str) ->
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama3"])
-def test_tp2_pp2_equals_tp1_logits_and_grads(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name,sp", [("tiny-qwen3", False), ("tiny-llama3", False), ("tiny-qwen3", True)],
+                         ids=["tiny-qwen3", "tiny-llama3", "tiny-qwen3-sp"])
+def test_tp2_pp2_equals_tp1_logits_and_grads(tmp_path: Path, name: str, sp: bool) -> None:
     """The sharded init's logits and one step's synced gradients equal the TP=1 PP=1 model's; the q/k-norm
-    grads, partial per TP rank, are summed over TP so both ranks hold the full gradient."""
-    cfg = parallel_tests._cfg(preset=name, tp=2, pp=2, dp=1, steps=1, save=str(tmp_path / "ckpt"))
+    grads, partial per TP rank, are summed over TP (once, also under sequence parallelism) so both ranks hold
+    the full gradient."""
+    cfg = parallel_tests._cfg(preset=name, tp=2, pp=2, dp=1, steps=1, save=str(tmp_path / "ckpt"),
+                              sequence_parallel=sp)
     tokens, vocab = prepare_tokens(None, write=False)
     spec = build_spec(cfg, vocab)
     launch(parallel_tests._probe_then_train, (cfg, spec, tokens, str(tmp_path)), cfg.world)
@@ -174,7 +177,7 @@ def test_tp2_pp2_equals_tp1_logits_and_grads(tmp_path: Path, name: str) -> None:
     assert worst <= TOL, worst
     norms = [k for k in shards if "q_layernorm" in k or "k_layernorm" in k]
     assert bool(norms) == spec.qk_layernorm
-    print(f"[figures] {name} TP=2 PP=2 vs TP=1: logits max|Δ| {logit_diff:.2e}, grads max|Δ| {worst:.2e}")
+    print(f"[figures] {name}{' SP' if sp else ''} TP=2 PP=2 vs TP=1: logits max|Δ| {logit_diff:.2e}, grads max|Δ| {worst:.2e}")
 
 
 def test_rope_scaling_and_qk_fields_validate_and_round_trip_megatron_args() -> None:
