@@ -83,6 +83,12 @@ class ModelSpec:
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    qk_layernorm: bool = False  # per-head norm (kind = normalization) of q and k before RoPE (Qwen3)
+    rope_scaling: str | None = None  # None | "llama3" (Llama-3.1 frequency scaling) | "linear" (positions / factor)
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3 only
+    rope_high_freq_factor: float = 4.0  # llama3 only
+    rope_original_max_position_embeddings: int = 8192  # llama3 only
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived -------------------------------------------------------------------------------
@@ -98,6 +104,12 @@ class ModelSpec:
             object.__setattr__(self, "rotary_base", 10000.0)
             object.__setattr__(self, "rotary_percent", 1.0)
             object.__setattr__(self, "rotary_interleaved", False)
+            object.__setattr__(self, "rope_scaling", None)
+        if self.rope_scaling is None:
+            object.__setattr__(self, "rope_scaling_factor", 1.0)
+        if self.rope_scaling != "llama3":  # the llama3 band constants mean nothing to other scalings
+            for name, default in _LLAMA3_BAND_DEFAULTS.items():
+                object.__setattr__(self, name, default)
         self.validate()
 
     def validate(self) -> None:
@@ -119,6 +131,7 @@ class ModelSpec:
             raise MConvertError(f"norm_epsilon must be a small positive number, got {self.norm_epsilon}")
         if not 0 < self.rotary_percent <= 1:
             raise MConvertError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        self._validate_rope_scaling()
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -129,6 +142,43 @@ class ModelSpec:
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {self.num_groups}"
             )
+
+    def _validate_rope_scaling(self) -> None:
+        """Refuse an unknown scaling type or a factor that is not a finite number of the right range."""
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise MConvertError(
+                f"unsupported rope_scaling {self.rope_scaling!r} (supported: {', '.join(map(str, ROPE_SCALINGS))})"
+            )
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise MConvertError(f"{name} must be a finite positive number, got {v!r}")
+        if self.rope_scaling is not None and self.rope_scaling_factor < 1:
+            raise MConvertError(f"rope_scaling_factor must be >= 1 (it stretches positions), got "
+                                f"{self.rope_scaling_factor}")
+        if self.rope_scaling == "llama3":
+            if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                raise MConvertError(
+                    f"rope_high_freq_factor {self.rope_high_freq_factor} must exceed rope_low_freq_factor "
+                    f"{self.rope_low_freq_factor} (the llama3 band between them is interpolated)"
+                )
+            if self.rope_original_max_position_embeddings != int(self.rope_original_max_position_embeddings):
+                raise MConvertError(f"rope_original_max_position_embeddings must be a whole number, got "
+                                    f"{self.rope_original_max_position_embeddings}")
+
+    def refuse_unmapped(self, target: str, source: str = "") -> None:
+        """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state yet."""
+        where = f"{source}: " if source else ""
+        what = ""
+        if self.rope_scaling is not None:
+            what = (f"rope_scaling={self.rope_scaling!r} (factor {self.rope_scaling_factor:g}; "
+                    f"{_megatron_scaling_args(self)})")
+        elif self.qk_layernorm:
+            what = "qk_layernorm=True (per-head q/k norm)"
+        if what:
+            raise MConvertError(f"{where}{what} is not mapped to {target} yet; conversion refused (reshard and "
+                                "validate handle the Megatron checkpoint)")
 
     @property
     def head_dim(self) -> int:
@@ -207,6 +257,11 @@ class ModelSpec:
         add("self_attention.linear_qkv.weight", "qkv", self.qkv_rows, H)
         if self.has_qkv_bias:
             add("self_attention.linear_qkv.bias", "qkv", self.qkv_rows)
+        if self.qk_layernorm:  # one [head_dim] norm shared by every head, so every TP rank holds all of it
+            for qk in ("q_layernorm", "k_layernorm"):
+                add(f"self_attention.{qk}.weight", "replicated", hd)
+                if ln_bias:
+                    add(f"self_attention.{qk}.bias", "replicated", hd)
         add("self_attention.linear_proj.weight", "row", H, nh * hd)
         if self.add_bias_linear:
             add("self_attention.linear_proj.bias", "replicated", H)
@@ -313,17 +368,79 @@ class ModelSpec:
             ckpt_format="torch",
             model_family=self.family,  # mconvert's own hint; Megatron ignores unknown args
         )
+        # written only when used, so the args of a model without them stay as they are
+        for k, v in self._rope_and_qk_megatron_args().items():
+            setattr(ns, k, v)
         for k, v in extra.items():
             setattr(ns, k, v)
         return ns
+
+    def _rope_and_qk_megatron_args(self) -> dict[str, Any]:
+        """megatron-core's own args for qk-norm and rope scaling (empty when the model uses neither)."""
+        out: dict[str, Any] = {}
+        if self.qk_layernorm:
+            out["qk_layernorm"] = True
+        if self.rope_scaling == "llama3":
+            bands = {name: getattr(self, name) for name in _LLAMA3_BAND_DEFAULTS}
+            if bands != _LLAMA3_BAND_DEFAULTS:  # megatron-core hard-codes these three constants
+                raise MConvertError(
+                    "megatron-core's Llama-3 rope scaling fixes low_freq_factor 1, high_freq_factor 4 and "
+                    f"original_max_position_embeddings 8192; this model has {bands}; Megatron cannot hold it"
+                )
+            out.update(use_rope_scaling=True, rope_scaling_factor=float(self.rope_scaling_factor))
+        elif self.rope_scaling == "linear":
+            out["rotary_seq_len_interpolation_factor"] = float(self.rope_scaling_factor)
+        return out
 
     def replace(self, **changes: Any) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict; qk-norm and rope-scaling fields only when the model uses them."""
         d = dataclasses.asdict(self)
         d.pop("extra")
+        unused = [] if self.qk_layernorm else ["qk_layernorm"]
+        if self.rope_scaling is None:
+            unused += ["rope_scaling", "rope_scaling_factor"]
+        if self.rope_scaling != "llama3":
+            unused += list(_LLAMA3_BAND_DEFAULTS)
+        for name in unused:
+            del d[name]
         return d
+
+
+ROPE_SCALINGS = (None, "llama3", "linear")
+_LLAMA3_BAND_DEFAULTS: dict[str, Any] = {
+    "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position_embeddings": 8192,
+}
+
+
+def _megatron_scaling_args(spec: ModelSpec) -> str:
+    """How Megatron spells the spec's rope scaling, for messages."""
+    if spec.rope_scaling == "llama3":
+        return f"Megatron use_rope_scaling=True, rope_scaling_factor={spec.rope_scaling_factor:g}"
+    return f"Megatron rotary_seq_len_interpolation_factor={spec.rope_scaling_factor:g}"
+
+
+def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict[str, Any]:
+    """ModelSpec kwargs for qk-norm and rope scaling from megatron-core's args (`qk_layernorm`,
+    `use_rope_scaling` + `rope_scaling_factor` with its hard-coded llama3 bands, and
+    `rotary_seq_len_interpolation_factor`); both scalings at once is refused (HF states one)."""
+    out: dict[str, Any] = {"qk_layernorm": bool(a.get("qk_layernorm") or False)}
+    llama3 = bool(a.get("use_rope_scaling") or False)
+    linear = a.get("rotary_seq_len_interpolation_factor")
+    if llama3 and linear is not None:
+        raise MConvertError(
+            f"{source}: use_rope_scaling=True together with rotary_seq_len_interpolation_factor={linear!r} is "
+            "not mapped (HF states one rope scaling); conversion refused"
+        )
+    if llama3:
+        factor = a.get("rope_scaling_factor")
+        out.update(rope_scaling="llama3", rope_scaling_factor=float(8.0 if factor is None else factor),
+                   **_LLAMA3_BAND_DEFAULTS)
+    elif linear is not None:
+        out.update(rope_scaling="linear", rope_scaling_factor=float(linear))
+    return out
 
 
 def _template(name: str) -> str:

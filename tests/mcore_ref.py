@@ -28,7 +28,8 @@ Rank layout is megatron-core's default order (tp fastest): global rank = pp_rank
 `ctx.logits(tokens)` runs a full forward (with PP > 1 it passes activations stage to stage over gloo
 point-to-point) and returns the vocab logits gathered across TP on the last stage, padded rows included
 (`[b, s, spec.padded_vocab_size(tp)]`). Results travel back as pickles through a temporary directory.
-The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`. Children fork from a parent that
+The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`; `spec.qk_layernorm` and
+`spec.rope_scaling` ("llama3": `rope_scaling=True`; "linear": `seq_len_interpolation_factor`) are passed on. Children fork from a parent that
 has imported megatron-core once (~10 s); each run after that costs ~1-3 s.
 """
 
@@ -83,6 +84,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         rotary_interleaved=spec.rotary_interleaved,
+        qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -105,9 +107,12 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(spec, tp, pp, vpp)
+    if spec.rope_scaling == "llama3" and (spec.rope_low_freq_factor, spec.rope_high_freq_factor,
+                                          spec.rope_original_max_position_embeddings) != (1.0, 4.0, 8192):
+        raise ValueError("megatron-core's llama3 rope scaling fixes low 1, high 4, original 8192")
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization=spec.normalization),
+        get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
@@ -116,6 +121,9 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
         position_embedding_type=spec.position_embedding_type,
         rotary_percent=spec.rotary_percent,
         rotary_base=int(spec.rotary_base),
+        rope_scaling=spec.rope_scaling == "llama3",
+        rope_scaling_factor=spec.rope_scaling_factor if spec.rope_scaling == "llama3" else 8.0,
+        seq_len_interpolation_factor=spec.rope_scaling_factor if spec.rope_scaling == "linear" else None,
         vp_stage=vp_stage,
     ).eval()
 

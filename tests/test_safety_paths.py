@@ -338,8 +338,11 @@ def test_sigterm_and_sighup_mid_run_leave_neither_output_nor_temporary(tmp_path,
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MCONVERT_DEBUG", None)
+    # a run started under nohup inherits SIGHUP ignored (and mconvert keeps an ignored signal ignored): the child
+    # starts with the default disposition, as from a terminal
     proc = subprocess.Popen([PY, "-m", "mconvert.cli", "hf-to-megatron", str(slow_hf), str(out), "--tp", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     tmp = tmp_path / f".out.mconvert-tmp-{proc.pid}"
     deadline = time.monotonic() + 120
     while not tmp.is_dir() and proc.poll() is None and time.monotonic() < deadline:

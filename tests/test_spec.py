@@ -11,6 +11,8 @@ from mconvert.errors import MConvertError
 from mconvert.mappings.families import PRESETS, hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
+# presets whose config.json mconvert renders (rope scaling and qk-norm are refused on the HF side for now)
+TINY_HF = [n for n in TINY if PRESETS[n].rope_scaling is None and not PRESETS[n].qk_layernorm]
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -18,7 +20,7 @@ def test_every_preset_has_a_vllm_cpu_head_dim(name):
     assert PRESETS[name].head_dim in (32, 64, 128)
 
 
-@pytest.mark.parametrize("name", TINY + ["gpt2-100m", "llama-100m"])
+@pytest.mark.parametrize("name", TINY_HF + ["gpt2-100m", "llama-100m"])
 def test_param_count_equals_transformers_model(name):
     """Our declared full shapes add up to exactly the parameters transformers builds from our config."""
     spec = PRESETS[name]
@@ -30,7 +32,7 @@ def test_param_count_equals_transformers_model(name):
     assert sum(torch.Size(s).numel() for s in theirs.values()) == ours
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", TINY_HF)
 def test_hf_config_round_trip_through_transformers(name):
     spec = PRESETS[name]
     cfg = transformers.AutoConfig.for_model(**hf_config(spec))

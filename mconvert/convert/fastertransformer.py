@@ -83,6 +83,7 @@ class FTResult:
 # ---- what FT can hold --------------------------------------------------------------------------------
 def ft_layout(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) -> FTLayout:
     """The FT section of a model FT can represent exactly at `infer_tp`; one-line refusal otherwise."""
+    spec.refuse_unmapped("FasterTransformer")
     nh, hd, H = spec.num_attention_heads, spec.head_dim, spec.hidden_size
     if infer_tp < 1:
         raise MConvertError(f"--infer-tp must be >= 1 (got {infer_tp})")

@@ -87,6 +87,10 @@ def render_inspect(info: dict[str, Any]) -> Any:
               "ffn_hidden_size", "vocab_size", "max_position_embeddings", "normalization", "norm_epsilon",
               "activation", "position_embedding_type", "rotary_base", "tie_embeddings", "params_dtype"):
         head.add_row(k, str(s[k]))
+    for k in ("qk_layernorm", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+              "rope_original_max_position_embeddings"):
+        if k in s:  # present only when the model uses them
+            head.add_row(k, str(s[k]))
     head.add_row("padded vocab", str(info["padded_vocab_size"]))
     head.add_row("stage layers", "  ".join(f"pp{p}: {r}" for p, r in info["stage_layers"].items()))
     head.add_row("tokenizer", rich_safe(info["tokenizer"]))

@@ -144,6 +144,7 @@ def trtllm_config(spec: ModelSpec, tp: int, dtype: str) -> dict[str, Any]:
 
 def trtllm_refusal(spec: ModelSpec, tp: int) -> None:
     """One-line refusal for what this writer / TensorRT-LLM's GPT and LLaMA classes cannot hold."""
+    spec.refuse_unmapped("TensorRT-LLM")
     if tp < 1 or spec.num_attention_heads % tp:
         raise MConvertError(f"--tp {tp} does not divide num_attention_heads={spec.num_attention_heads}")
     if spec.num_groups % tp and tp % spec.num_groups:

@@ -25,7 +25,7 @@ from mconvert.mappings.fields import (
     check_megatron_args,
     check_numbers,
 )
-from mconvert.spec import DTYPES, ModelSpec
+from mconvert.spec import DTYPES, ModelSpec, rope_and_qk_from_megatron_args
 
 
 @functools.cache
@@ -130,6 +130,7 @@ def hf_table(model_type: str) -> dict[str, Field]:
 
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
     """config.json content for transformers / vLLM. Every eps and rope setting is written explicitly."""
+    spec.refuse_unmapped("HF")
     fam = of(spec)
     cfg: dict[str, Any] = {"architectures": [fam.architecture], "model_type": fam.model_type}
     cfg.update(fam.to_hf(spec))
@@ -239,6 +240,7 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         tie_embeddings=not bool(get("untie_embeddings_and_output_weights", False)),
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
         params_dtype=dtype,
+        **rope_and_qk_from_megatron_args(a, source),
     )
     if family is None:
         family = get("model_family", None)

@@ -140,10 +140,6 @@ def _learned_positions_off_ok(v: Any, a: Mapping[str, Any]) -> bool:
     return a.get("position_embedding_type") == "rope"
 
 
-def _scaling_unused(_: Any, a: Mapping[str, Any]) -> bool:
-    return not a.get("use_rope_scaling")
-
-
 _MEGATRON_MAPPED: dict[str, Field] = {
     "num_layers": mapped("num_layers", INT),
     "hidden_size": mapped("hidden_size", INT),
@@ -179,13 +175,15 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "model_family": mapped("family", STR),
     "bos_token_id": mapped("bos_token_id", INT),
     "eos_token_id": mapped("eos_token_id", INT),
+    # megatron-core's Llama-3.1 scaling (bands fixed in its code) and linear position interpolation
+    "use_rope_scaling": mapped("rope_scaling", BOOL, False),
+    "rope_scaling_factor": mapped("rope_scaling_factor", NUM, 8.0),
+    "rotary_seq_len_interpolation_factor": mapped("rope_scaling_factor", NUM),
+    "qk_layernorm": mapped("qk_layernorm", BOOL, False),
 }
 
 _MEGATRON_REFUSED: dict[str, Field] = {
     # rope variants
-    "use_rope_scaling": refused("Llama-3.1 rope scaling is not mapped yet", False),
-    "rope_scaling_factor": refused("Llama-3.1 rope scaling is not mapped yet", 8.0, _scaling_unused),
-    "rotary_seq_len_interpolation_factor": refused("rotary position interpolation is not mapped", None),
     "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0),
     "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope"),
     "mscale": refused("YaRN mscale is not mapped", 1.0),
@@ -197,7 +195,6 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     "add_position_embedding": refused("a model without learned positions needs position_embedding_type='rope'",
                                       True, _learned_positions_off_ok),
     # attention variants
-    "qk_layernorm": refused("QK layernorm is not mapped", False),
     "qk_l2_norm": refused("QK L2 norm is not mapped", False),
     "multi_latent_attention": refused("multi-latent attention is not mapped", False),
     "softmax_scale": refused("a custom attention softmax scale is not mapped", None),
@@ -522,7 +519,8 @@ HF_COMMON: dict[str, Field] = {
 ARGS_NUMBERS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
-    "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent",
+    "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor",
 )
 HF_NUMBERS = (
     "vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "layer_norm_epsilon",
@@ -539,7 +537,7 @@ def check_numbers(d: Mapping[str, Any], keys: tuple[str, ...], required: tuple[s
         v = d[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} is not a finite number; fix it")
-        if v <= 0 and not k.endswith(("epsilon", "eps", "percent", "theta", "base")):
+        if v <= 0 and not k.endswith(("epsilon", "eps", "percent", "theta", "base", "factor")):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be positive; fix it")
-        if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base")) and v != int(v):
+        if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base", "factor")) and v != int(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")

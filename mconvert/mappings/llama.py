@@ -351,6 +351,12 @@ PRESETS = {
     "llama3-405b": rope_preset(NAME, num_layers=126, hidden_size=16384, num_attention_heads=128,
                                num_query_groups=8, ffn_hidden_size=53248, vocab_size=128256,
                                max_position_embeddings=131072, rotary_base=500000.0, params_dtype="bfloat16"),
+    # Llama-3.x rope scaling. megatron-core fixes the llama3 bands at 8192 original positions; with
+    # rotary_base 500000 and head_dim 64 the pairs with wavelengths above 2048 are still rescaled, so the
+    # scaling changes positions below 128.
+    "tiny-llama3": rope_preset(NAME, num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=512, vocab_size=1000, max_position_embeddings=128,
+                               rotary_base=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0),
 }
 
 FAMILY = Family(

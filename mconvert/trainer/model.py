@@ -111,11 +111,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def llama3_inv_freq(inv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Llama-3.1 frequency scaling: wavelengths above original/low_freq are divided by the factor, those below
+    original/high_freq kept, the band between interpolated smoothly (megatron-core's `_apply_scaling`)."""
+    factor, low, high = spec.rope_scaling_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    old = spec.rope_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rope_tables(spec: ModelSpec, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [S, rot_dim] in megatron-core's non-interleaved layout (freqs repeated, rotate_half)."""
+    """cos/sin [S, rot_dim] in megatron-core's non-interleaved layout (freqs repeated, rotate_half), with the
+    spec's rope scaling: llama3 rescales the frequencies, linear divides the positions by the factor."""
     dim = int(spec.head_dim * spec.rotary_percent)
     inv = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    freqs = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv)
+    if spec.rope_scaling == "llama3":
+        inv = llama3_inv_freq(inv, spec)
+    pos = torch.arange(seq, dtype=torch.float32, device=device)
+    if spec.rope_scaling == "linear":
+        pos = pos * (1 / spec.rope_scaling_factor)
+    freqs = torch.outer(pos, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -140,6 +159,11 @@ class SelfAttention(nn.Module):
         self.linear_proj = _linear(w.kind, make(w), make(b), st)
         self.groups = spec.num_groups // st.tp
         self.per_group = spec.num_attention_heads // spec.num_groups
+        if spec.qk_layernorm:  # per head over head_dim, the kind of the model's other norms
+            self.q_layernorm = Norm(spec, make(decls["q_layernorm.weight"]), make(decls.get("q_layernorm.bias")))
+            self.k_layernorm = Norm(spec, make(decls["k_layernorm.weight"]), make(decls.get("k_layernorm.bias")))
+        else:
+            self.q_layernorm = self.k_layernorm = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         hd = self.spec.head_dim
@@ -148,6 +172,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(B, S, self.groups, self.per_group + 2, hd)
         q = qkv[:, :, :, : self.per_group].reshape(B, S, self.groups * self.per_group, hd)
         k, v = qkv[:, :, :, self.per_group], qkv[:, :, :, self.per_group + 1]
+        if self.q_layernorm is not None:  # after the projection, before RoPE (megatron-core's order)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k = k.repeat_interleave(self.per_group, dim=2)
@@ -255,7 +281,7 @@ class GPTModel(nn.Module):
         self.spec, self.st = spec, st
         make = _Maker(spec, st, seed, dtype)
         self.pre_process, self.post_process = st.is_first_stage, st.is_last_stage
-        self.global_layers = stage_layers(spec.num_layers, st.pp, st.pp_rank)[0]
+        self.global_layers = list(stage_layers(spec.num_layers, st.pp, st.pp_rank)[0])
         if self.pre_process:
             self.embedding = Embedding(spec, make, st)
         self.decoder = Decoder(spec, self.global_layers, make, st, self.post_process)
@@ -274,6 +300,18 @@ class GPTModel(nn.Module):
         if not self.st.sequence_parallel:
             return []
         return [p for p in self.parameters() if getattr(p, "split_kind", None) == "replicated"]
+
+    def tp_summed_params(self) -> list[nn.Parameter]:
+        """Replicated parameters whose gradient on each TP rank is a partial sum that Megatron adds up over TP:
+        the sequence-parallel ones, and the q/k norms (each rank normalises only its own heads)."""
+        out = self.sequence_parallel_params()
+        seen = {id(p) for p in out}
+        for layer in self.decoder.layers:
+            attn = layer.self_attention
+            for norm in (attn.q_layernorm, attn.k_layernorm):
+                if norm is not None:
+                    out += [p for p in norm.parameters() if id(p) not in seen]
+        return out
 
     def shared_embedding_weight(self) -> nn.Parameter | None:
         """The parameter the embedding group all-reduces (word embeddings on stage 0, its copy on the last)."""

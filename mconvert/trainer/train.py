@@ -170,9 +170,9 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group: Any, name: str, scale: 
 
 
 def sync_gradients(model: GPTModel, st: ParallelState) -> None:
-    """TP sum of sequence-parallel replicated grads, DP mean of every gradient (one flat all-reduce each), then
+    """TP sum of the replicated grads that are partial per rank (sequence parallel, q/k norms), DP mean of every gradient (one flat all-reduce each), then
     the tied-embedding sum over the embedding group."""
-    _flat_all_reduce([p.grad for p in model.sequence_parallel_params() if p.grad is not None], st.tp_group, "TP")
+    _flat_all_reduce([p.grad for p in model.tp_summed_params() if p.grad is not None], st.tp_group, "TP")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     _flat_all_reduce(grads, st.dp_group, "DP", 1.0 / st.dp)
     shared = model.shared_embedding_weight()
