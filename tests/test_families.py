@@ -46,7 +46,9 @@ def test_each_family_has_presets_of_its_own(name):
 
 
 def _family_presets():
-    return [(f.name, p) for f in families.all_families() for p in f.presets]
+    """Presets HF can state today (rope scaling and qk-norm are not mapped to HF yet, and refused)."""
+    return [(f.name, p) for f in families.all_families() for p, s in f.presets.items()
+            if s.rope_scaling is None and not s.qk_layernorm]
 
 
 @pytest.mark.parametrize("name,preset_name", _family_presets())
