@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from mconvert.cli import main
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.safeload import safe_load
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mconvert.convert.driver import hf_to_megatron, reshard
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 
 transformers = pytest.importorskip("transformers")

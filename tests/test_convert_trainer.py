@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mconvert.convert.driver import megatron_to_hf, reshard
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.safeload import safe_load
 
 pytestmark = pytest.mark.slow
 train_mod = pytest.importorskip("mconvert.trainer.train")

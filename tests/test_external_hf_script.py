@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.safeload import safe_load
 from mconvert.spec import ModelSpec
 
 STANDIN = Path(__file__).parent / "megatron_standin"

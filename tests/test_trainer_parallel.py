@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mconvert.convert.layout import rank_file, read_latest
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.safeload import safe_load
 from mconvert.mappings.transforms import merge
 from mconvert.spec import ModelSpec
 from mconvert.trainer.infer import megatron_logits, pipeline_logits

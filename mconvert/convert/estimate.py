@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.paths import load_json_object
+from mconvert.convert.io.paths import load_json_object
 from mconvert.errors import MConvertError, expect
 from mconvert.spec import ModelSpec, ParamDecl
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.hf import read_weight_map
-from mconvert.convert.paths import contained, inside_file, load_json_object
+from mconvert.convert.io.paths import contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as _plain
 
@@ -330,7 +330,7 @@ def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> No
     """Stream every tensor once: NaN/Inf scan, and the embedding vs lm_head comparison."""
     from safetensors import safe_open
 
-    from mconvert.convert.safeload import all_finite
+    from mconvert.convert.io.safeload import all_finite
 
     mt = cfg.get("model_type")
     emb_key = "transformer.wte.weight" if mt == "gpt2" else "model.embed_tokens.weight"
@@ -430,7 +430,7 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
 
 
 def _manifest(d: Path, rep: VerifyReport) -> None:
-    from mconvert.convert.atomic import MANIFEST, check_manifest
+    from mconvert.convert.io.atomic import MANIFEST, check_manifest
 
     if not (d / MANIFEST).is_file():
         rep.add("manifest", "warn", f"no {MANIFEST} (not written by mconvert, or copied without it)")
@@ -480,7 +480,7 @@ def reference_spec(info) -> Any:
                                                                          f"{info.path}: config"), "config"))
         if info.format == "megatron":
             from mconvert.convert.layout import RANK_FILE, iteration_dir_name
-            from mconvert.convert.safeload import safe_load
+            from mconvert.convert.io.safeload import safe_load
 
             lay = info.layout
             rank = "mp_rank_00" if lay["pp"] == 1 else "mp_rank_00_000"
