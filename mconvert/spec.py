@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mconvert import dtypes
 from mconvert.errors import MConvertError
 
 # How a parameter is cut across tensor-parallel ranks.
@@ -318,7 +319,7 @@ class ModelSpec:
             add_qkv_bias=self.add_qkv_bias,
             bf16=dtype == "bfloat16",
             fp16=dtype == "float16",
-            params_dtype=_DTYPES[dtype],
+            params_dtype=str(torch_dtype(dtype)),
             apply_query_key_layer_scaling=False,
             attention_softmax_in_fp32=True,
             transformer_impl="local",
@@ -515,7 +516,7 @@ class ModelSpec:
         common = dict(
             family=family,
             vocab_size=int(cfg["vocab_size"]),
-            params_dtype=dtype if dtype in _DTYPES else "float32",
+            params_dtype=dtype if dtype in dtypes.PARAM_DTYPES else "float32",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id")
             if not isinstance(cfg.get("eos_token_id"), list)
@@ -610,14 +611,11 @@ def _check_numbers(d: dict[str, Any], keys: tuple[str, ...], required: tuple[str
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")
 
 
-_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
-
-
 def torch_dtype(name: str):
     """`"bfloat16"` -> torch.bfloat16 (imported lazily so spec stays light)."""
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if name not in dtypes.PARAM_DTYPES:
+        raise KeyError(name)
+    return dtypes.lookup(name).torch
 
 
 # ---- presets ---------------------------------------------------------------------------------------

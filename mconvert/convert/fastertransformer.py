@@ -32,13 +32,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from mconvert import dtypes
 from mconvert.convert.io.atomic import atomic_output_dir, check_output
 from mconvert.convert.io.paths import contained, inside_file, read_small
 from mconvert.convert.io.safeload import crc_in_background, wait_crc_checks
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 
-FT_DTYPES = {"fp32": (np.dtype("<f4"), torch.float32), "fp16": (np.dtype("<f2"), torch.float16)}
+# FT's weight_data_type names -> (numpy dtype of the raw files, torch dtype)
+FT_DTYPES = {row.aliases[0]: (row.np, row.torch) for row in map(dtypes.lookup, ("float32", "float16"))}
 FT_BASE_ROTARY = 10000.0  # FT's rotary kernels take no base: it is fixed
 
 # Config fields FT's examples / Triton backend read, per section (GetInteger without default = required);

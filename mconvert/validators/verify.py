@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mconvert import dtypes
 from mconvert.convert.hf import read_weight_map
 from mconvert.convert.io.paths import contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
@@ -258,9 +259,6 @@ def _headers(d: Path, files: list[Path], wmap: dict[str, str] | None, rep: Verif
     return out
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-
-
 def _meta_model(cfg: dict[str, Any]):
     """The transformers class vLLM's architecture maps to, built on the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -315,7 +313,8 @@ def _dtypes(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
     want = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").replace("torch.", "")
     found: dict[str, int] = {}
     for _, (_, dt, _) in header.items():
-        name = _ST_DTYPES.get(dt, dt)
+        row = dtypes.of_safetensors(dt)
+        name = row.name if row else dt
         found[name] = found.get(name, 0) + 1
     floats = {k: v for k, v in found.items() if k in ("float32", "float16", "bfloat16", "float64")}
     if want and set(floats) - {want}:

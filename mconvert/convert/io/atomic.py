@@ -385,7 +385,7 @@ def verify_input(path: str | Path) -> None:
     Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked.
 
     Inside a conversion (`safeload.deferred_crc_checks()`) the sha256 pass runs on a background thread while
-    the conversion proceeds, and is waited for before the output is committed (issue 7); a failure then wins
+    the conversion proceeds, and is waited for before the output is committed; a failure then wins
     over any error the changed bytes caused."""
     from mconvert.convert.io.safeload import deferred
 
