@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from mconvert.convert.io import tuning
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as plain
 
@@ -207,6 +208,7 @@ def megatron_to_hf_cmd(
     from mconvert.convert.driver import megatron_to_hf
 
     _workers(workers)
+    tuning.apply()
     _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
                                  max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run), json_out)
 
@@ -233,6 +235,7 @@ def hf_to_megatron_cmd(
     from mconvert.convert.driver import hf_to_megatron
 
     _workers(workers)
+    tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
                                  dry_run=dry_run), json_out)
 
@@ -261,6 +264,7 @@ def reshard_cmd(
     from mconvert.convert.driver import reshard
 
     _workers(workers)
+    tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
                           force=force, progress=True, dry_run=dry_run), json_out)
 
@@ -332,6 +336,7 @@ def megatron_to_ft_cmd(
     from mconvert.convert.fastertransformer import describe, megatron_to_ft
 
     _workers(workers)
+    tuning.apply()
     res = megatron_to_ft(src, out, infer_tp, dtype, force, allow_approx_gelu, iteration)
     _deploy_report("FasterTransformer", list(describe(res)), res.to_dict(), as_json)
 
@@ -493,6 +498,7 @@ def _os_error_message(e: OSError) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: every failure ends in one `error:` line and exit 1 (MCONVERT_DEBUG=1 re-raises)."""
     debug = bool(os.environ.get("MCONVERT_DEBUG"))
+    tuning.huge_pages()  # before the first tensor: torch reads it once
     try:
         rc = app(args=argv, standalone_mode=False)
         if isinstance(rc, int) and rc:  # click returns a verb's typer.Exit code instead of raising it

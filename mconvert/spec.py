@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from mconvert import dtypes
 from mconvert.errors import MConvertError
 
 # How a parameter is cut across tensor-parallel ranks.
@@ -361,7 +362,7 @@ class ModelSpec:
             add_qkv_bias=self.add_qkv_bias,
             bf16=dtype == "bfloat16",
             fp16=dtype == "float16",
-            params_dtype=DTYPES[dtype],
+            params_dtype=str(torch_dtype(dtype)),
             apply_query_key_layer_scaling=False,
             attention_softmax_in_fp32=True,
             transformer_impl="local",
@@ -449,11 +450,136 @@ def _template(name: str) -> str:
     return ".".join("*" if p.isdigit() else p for p in parts)
 
 
-DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 
 
 def torch_dtype(name: str):
     """`"bfloat16"` -> torch.bfloat16 (imported lazily so spec stays light)."""
-    import torch
+    if name not in dtypes.PARAM_DTYPES:
+        raise KeyError(name)
+    return dtypes.lookup(name).torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+# ---- presets ---------------------------------------------------------------------------------------
+# Every preset has head_dim 32, 64 or 128: vLLM's CPU attention rejects 16.
+PRESETS: dict[str, ModelSpec] = {
+    "tiny-gpt2": ModelSpec(
+        family="gpt2",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=2,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        activation="gelu_new",
+    ),
+    "tiny-llama": ModelSpec(
+        family="llama",
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        tie_embeddings=False,
+    ),
+    "tiny-qwen2": ModelSpec(
+        family="qwen2",
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        normalization="RMSNorm",
+        norm_epsilon=1e-6,
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=1000000.0,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        tie_embeddings=False,
+    ),
+    "tiny-mistral": ModelSpec(
+        family="mistral",
+        num_layers=2,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=1,
+        ffn_hidden_size=256,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        tie_embeddings=False,
+    ),
+    # ~100M parameters, for quick benchmarks
+    "llama-100m": ModelSpec(
+        family="llama",
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        num_query_groups=4,
+        ffn_hidden_size=2048,
+        vocab_size=32000,
+        max_position_embeddings=1024,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        tie_embeddings=False,
+    ),
+    "gpt2-100m": ModelSpec(
+        family="gpt2",
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        ffn_hidden_size=3072,
+        vocab_size=50257,
+        max_position_embeddings=1024,
+        activation="gelu_new",
+    ),
+    # ~1B parameters (~4 GB fp32), the `make bench` model; same shapes as GPT-2 XL's width
+    "gpt2-1b": ModelSpec(
+        family="gpt2",
+        num_layers=16,
+        hidden_size=2048,
+        num_attention_heads=16,
+        ffn_hidden_size=8192,
+        vocab_size=50257,
+        max_position_embeddings=1024,
+        activation="gelu_new",
+    ),
+    # Llama-3-405B shapes: only for `--dry-run` estimates from shapes alone (126 layers: PP=16 is uneven)
+    "llama3-405b": ModelSpec(
+        family="llama",
+        num_layers=126,
+        hidden_size=16384,
+        num_attention_heads=128,
+        num_query_groups=8,
+        ffn_hidden_size=53248,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=500000.0,
+        add_bias_linear=False,
+        tie_embeddings=False,
+        params_dtype="bfloat16",
+    ),
+}
+
+
+def preset(name: str) -> ModelSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise MConvertError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None

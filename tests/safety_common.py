@@ -64,7 +64,7 @@ def rank_file(ckpt: Path, tp: int, pp: int) -> Path:
 
 
 def load_rank(path: Path) -> dict:
-    from mconvert.convert.safeload import safe_load
+    from mconvert.convert.io.safeload import safe_load
 
     state = safe_load(path)
     # materialize: the file is memory-mapped and about to be rewritten

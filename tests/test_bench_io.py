@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from mconvert.convert import stream
-from mconvert.convert.safeload import deferred_crc_checks, safe_load, wait_crc_checks
-from mconvert.convert.stream import HashingFile
+from mconvert.convert.io import hashing
+from mconvert.convert.io.safeload import deferred_crc_checks, safe_load, wait_crc_checks
+from mconvert.convert.io.hashing import HashingFile
 from mconvert.errors import MConvertError
 
 
@@ -22,7 +22,7 @@ def _pieces(seed: int) -> list[bytes | torch.Tensor]:
     """Writes of awkward sizes: a few bytes, exact and off-by-one chunk sizes, tensors large enough for the
     GIL-free copy, read-only bytes, and an odd tail so the last O_DIRECT block is padded then cut."""
     g = torch.Generator().manual_seed(seed)
-    chunk = stream._CHUNK
+    chunk = hashing.CHUNK
     sizes = [7, 4096, chunk - 7 - 4096, 1, chunk, (3 << 20) + 3, 2 * chunk + 12345, 333]
     out: list[bytes | torch.Tensor] = []
     for i, n in enumerate(sizes):
@@ -105,7 +105,7 @@ def test_hashing_file_reports_a_write_error_as_os_error(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(os, "write", full)
     f = HashingFile(tmp_path / "v.bin", direct=True)
-    f.write(bytes(stream._CHUNK + 1))
+    f.write(bytes(hashing.CHUNK + 1))
     with pytest.raises(OSError, match="No space left"):
         f.close()
 
@@ -159,7 +159,7 @@ def test_megatron_to_hf_refuses_a_flipped_bit_and_leaves_no_output(tmp_path: Pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
 
 
-# ---- rank files streamed from the source's preview (stream.TorchSaveStream) --------------------------------
+# ---- rank files streamed from the source's preview (io.torchsave.TorchSaveStream) --------------------------------
 def _sha_tree(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != "mconvert-manifest.json"}

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.convert.hf import HFWriter
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.base import units_of
 from mconvert.mappings import to_hf
 from mconvert.spec import ModelSpec

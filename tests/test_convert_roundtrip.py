@@ -90,7 +90,7 @@ def test_hf_megatron_hf_is_identical(hf_models, tmp_path, name, tp, pp):
 
 def test_megatron_files_have_the_declared_layout(hf_models, tmp_path):
     """TP=4 over a single KV group: every rank holds a contiguous quarter of the fused qkv rows."""
-    from mconvert.convert.safeload import safe_load
+    from mconvert.convert.io.safeload import safe_load
 
     model, src = hf_models["llama-g1"]
     hf_to_megatron(src, tmp_path / "mg", tp=4, pp=2)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safety_common import _WORK, PY, ROOT
 
-from mconvert.convert.atomic import MANIFEST, check_manifest
+from mconvert.convert.io.atomic import MANIFEST, check_manifest
 
 pytestmark = pytest.mark.slow
 

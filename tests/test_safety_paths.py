@@ -249,7 +249,7 @@ def test_huge_tracker_file_is_refused_before_reading(tmp_path, capsys):
 
 
 def test_open_regular_never_blocks_on_a_fifo(tmp_path):
-    from mconvert.convert.paths import read_json
+    from mconvert.convert.io.paths import read_json
     from mconvert.errors import MConvertError
 
     os.mkfifo(tmp_path / "config.json")
@@ -281,7 +281,7 @@ def test_output_overlapping_an_input_is_refused_even_with_force(tmp_path, capsys
 
 @pytest.mark.parametrize("syscall", ["renameat2", "fallback"])
 def test_output_appearing_during_the_run_is_left_intact(tmp_path, capsys, monkeypatch, syscall):
-    import mconvert.convert.atomic as atomic
+    import mconvert.convert.io.atomic as atomic
 
     out = tmp_path / "out"
     real = atomic.write_manifest
@@ -302,7 +302,7 @@ def test_output_appearing_during_the_run_is_left_intact(tmp_path, capsys, monkey
 
 
 def test_output_absent_at_commit_is_written_by_the_fallback_rename(tmp_path, capsys, monkeypatch):
-    import mconvert.convert.atomic as atomic
+    import mconvert.convert.io.atomic as atomic
 
     monkeypatch.setattr(atomic, "_renameat2", lambda a, b, flags: False)
     code, _, err = run_cli(["megatron-to-hf", base()["ckpt"], tmp_path / "out"], capsys)

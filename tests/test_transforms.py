@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mconvert.errors import MConvertError
-from mconvert.mappings.transforms import merge, split
+from mconvert.mappings.transforms import merge, merge_rows, split
 
 
 @pytest.mark.parametrize("kind", ["column", "row", "vocab", "qkv", "gated", "replicated"])
@@ -40,3 +40,22 @@ def test_mismatched_shard_shapes_are_refused():
 def test_indivisible_split_is_refused():
     with pytest.raises(MConvertError, match="not divisible"):
         split(torch.zeros(6, 2), "column", 4)
+
+
+@pytest.mark.parametrize("kind", ["column", "qkv", "vocab", "gated"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_merge_rows_places_shards_as_merge_does(kind, tp):
+    """Rows copied where `merge_rows` says reproduce `merge` (the readers that pread shards in place use it)."""
+    shards = [torch.randn(6, 3) for _ in range(tp)]
+    full = torch.full((6 * tp, 3), float("nan"))
+    for shard, pieces in zip(shards, merge_rows(kind, tp, 6)):
+        for at, start, n in pieces:
+            full[at:at + n] = shard[start:start + n]
+    assert torch.equal(full, merge(shards, kind))
+
+
+def test_merge_rows_refuses_odd_gated_and_row_kinds():
+    with pytest.raises(MConvertError, match="odd row count 5"):
+        merge_rows("gated", 2, 5)
+    with pytest.raises(MConvertError, match="not split on dim 0"):
+        merge_rows("row", 2, 4)

@@ -123,7 +123,7 @@ def _edit_config(d: Path, **changes) -> None:
 
 
 def _remanifest(d: Path) -> Path:
-    from mconvert.convert.atomic import write_manifest
+    from mconvert.convert.io.atomic import write_manifest
 
     write_manifest(d)
     return d

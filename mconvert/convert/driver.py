@@ -15,28 +15,24 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert import dtypes
+from mconvert.convert.io.atomic import atomic_output_dir, check_output
 from mconvert.convert.base import Unit
 from mconvert.convert.plan import plan_for_source
-from mconvert.convert.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
+from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
-from mconvert.convert.stream import bound_heap
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 
-DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-}
-_DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
 def parse_dtype(name: str) -> torch.dtype | None:
     """'auto' -> None (keep the source dtype); 'bf16' -> torch.bfloat16; anything else is an error."""
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise MConvertError(f"--dtype {name!r}: choose auto, fp32, bf16 or fp16") from None
+    key = name.lower()
+    if key == "auto":
+        return None
+    row = dtypes.lookup(key) if not key.startswith("torch.") else None
+    if row is None or row.name not in dtypes.PARAM_DTYPES:
+        raise MConvertError(f"--dtype {name!r}: choose auto, fp32, bf16 or fp16")
+    return row.torch
 
 
 def _progress(units: list[Unit], desc: str, enabled: bool) -> Iterator[Unit]:
@@ -85,7 +81,6 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict."""
     from mconvert.convert.hf import HFWriter, parse_size
 
-    bound_heap()  # RSS = live tensors (bench/, issue 7)
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
     size = parse_size(max_shard_size)
@@ -103,7 +98,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     spec = src.spec
     spec.refuse_unmapped("HF", str(ckpt))  # before any tensor is read: config.json could not state these
     if target is not None:
-        spec = spec.replace(params_dtype=_DTYPE_NAME[target])
+        spec = spec.replace(params_dtype=dtypes.of_torch(target).name)
     if dry_run:
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("megatron-to-hf", src, dtype=spec.params_dtype, max_shard_size=size),
@@ -132,7 +127,6 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)."""
     from mconvert.convert.megatron import MegatronWriter
 
-    bound_heap()  # RSS = live tensors (bench/, issue 7)
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
     check_output(out, force, (hf_dir,))
@@ -145,7 +139,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         raise MConvertError(f"{Path(hf_dir) / 'config.json'}: sliding_window={window} attention cannot be expressed in "
                             "the Megatron args mconvert writes; converting would silently change attention beyond "
                             f"{window} tokens")
-    spec = src.spec if target is None else src.spec.replace(params_dtype=_DTYPE_NAME[target])
+    spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     spec.check_parallel(tp, pp, vpp)
     if dry_run:
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
@@ -178,9 +172,8 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     their parameters' layouts so training resumes at the new layout; without it, no optimizer is written."""
     from mconvert.convert.megatron import MegatronSource, MegatronWriter
     from mconvert.convert.optimizer import index_states
-    from mconvert.convert.safeload import safe_load
+    from mconvert.convert.io.safeload import safe_load
 
-    bound_heap()  # RSS = live tensors (bench/, issue 7)
     t0 = time.perf_counter()
     check_output(out, force, (ckpt,))
     src = open_source(ckpt, iteration=iteration)

@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.paths import load_json_object
+from mconvert import dtypes
+from mconvert.convert.io.paths import load_json_object
 from mconvert.errors import MConvertError, expect
 from mconvert.spec import ModelSpec, ParamDecl
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": None}
+ITEMSIZE = {name: dtypes.lookup(name).itemsize for name in dtypes.PARAM_DTYPES}
+DTYPE_ALIASES = {**{dtypes.lookup(name).aliases[0]: name for name in dtypes.PARAM_DTYPES}, "auto": None}
 HF_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
 GB = 10**9
 

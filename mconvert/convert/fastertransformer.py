@@ -32,15 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from mconvert.convert.atomic import atomic_output_dir, check_output
-from mconvert.convert.paths import contained, inside_file, read_small
-from mconvert.convert.safeload import crc_in_background, wait_crc_checks
+from mconvert import dtypes
+from mconvert.convert.io.atomic import atomic_output_dir, check_output
+from mconvert.convert.io.paths import contained, inside_file, read_small
+from mconvert.convert.io.safeload import crc_in_background, wait_crc_checks
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings.family import FTFile, FTLayout
 from mconvert.spec import ModelSpec
 
-FT_DTYPES = {"fp32": (np.dtype("<f4"), torch.float32), "fp16": (np.dtype("<f2"), torch.float16)}
+# FT's weight_data_type names -> (numpy dtype of the raw files, torch dtype)
+FT_DTYPES = {row.aliases[0]: (row.np, row.torch) for row in map(dtypes.lookup, ("float32", "float16"))}
 
 
 def ft_layouts() -> dict[str, FTLayout]:
@@ -273,10 +275,10 @@ def ft_config(spec: ModelSpec, section: str, infer_tp: int, dtype: str, source: 
 
 
 class _RawFiles:
-    """FT weight files (raw little-endian values), each written through `stream.HashingFile` — O_DIRECT from
-    1 MiB up, sha256 on the way and handed to the manifest — instead of a buffered `tofile` that the manifest
-    then read back to hash (issue 7). Up to `window` files are in flight, so converting the next tensor
-    overlaps writing the previous ones; `finish()` waits for the rest."""
+    """FT weight files (raw little-endian values), each written through `io.hashing.HashingFile` — O_DIRECT
+    from 1 MiB up, sha256 on the way and handed to the manifest, so the manifest never reads them back. Up to
+    `window` files are in flight, so converting the next tensor overlaps writing the previous ones; `finish()`
+    waits for the rest."""
 
     def __init__(self, window: int = 1) -> None:
         from collections import deque
@@ -285,7 +287,7 @@ class _RawFiles:
         self._window = window
 
     def write(self, path: Path, x: torch.Tensor, dtype: str) -> int:
-        from mconvert.convert.stream import HashingFile
+        from mconvert.convert.io.hashing import HashingFile
 
         arr = x.detach().to(torch.float32).contiguous().numpy().astype(FT_DTYPES[dtype][0], copy=False)
         f = HashingFile(path, direct=arr.nbytes >= (1 << 20), chunk=4 << 20)  # one chunk size: a small pool
@@ -296,7 +298,7 @@ class _RawFiles:
         return arr.nbytes
 
     def _close(self, f: Any) -> None:
-        from mconvert.convert.atomic import record_digest
+        from mconvert.convert.io.atomic import record_digest
 
         record_digest(f.path, f.close())
 
@@ -350,7 +352,7 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
 
 
 def open_any_source(src: str | Path, iteration: str | None = None) -> Any:
-    """Helper B's `open_source` (Megatron torch / torch_dist / HF dir)."""
+    """The source at `src`, whatever its format (Megatron torch / torch_dist / HF dir)."""
     from mconvert.convert.sources import open_source
 
     return open_source(src, iteration=iteration)
@@ -363,9 +365,6 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     if dtype not in FT_DTYPES:
         raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
     check_output(out, force, (src,))
-    from mconvert.convert.stream import bound_heap
-
-    bound_heap()  # RSS = live tensors (bench/, issue 7)
     source = open_any_source(src, iteration)
     layout = ft_layout(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
     units = source.units()

@@ -17,8 +17,12 @@ from typing import Any
 import torch
 
 from mconvert.convert.base import Unit, pmap
-from mconvert.convert.safeload import all_finite, safe_load
-from mconvert.convert.paths import contained, inside_file, load_json_object, open_regular
+from mconvert.convert.io.atomic import record_digest
+from mconvert.convert.io.hashing import numel
+from mconvert.convert.io.paths import contained, inside_file, load_json_object, open_regular
+from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.convert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
+from mconvert.convert.io.torchsave import LazyModel, TensorIndex
 from mconvert.convert.sources import (
     SourceBase,
     TokenizerCodeRefused,
@@ -138,11 +142,11 @@ class HFSource(SourceBase):
             return self._st(f).keys()
         return list(safe_load(self.path / f, "weights"))
 
-    def _st(self, f: str) -> _SafetensorsFile:
+    def _st(self, f: str) -> SafetensorsReader:
         """The opened (header-checked) safetensors file `f`, kept open for the source's life."""
         cache = self.__dict__.setdefault("_st_files", {})
         if f not in cache:
-            cache[f] = _SafetensorsFile(self.path / f)
+            cache[f] = SafetensorsReader(self.path / f)
         return cache[f]
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -218,7 +222,7 @@ class HFWriter:
         self._tmp_files: list[tuple[Path, list[str]]] = []
         self.total_size = 0
         self.peak_buffer_bytes = 0
-        # Streaming (issue 7): shards planned from the spec on the first add, each tensor written as it
+        # Streaming: shards planned from the spec on the first add, each tensor written as it
         # arrives (memory: one unit, not one 5 GB shard); the buffered path below stays for other callers.
         self._shards: list | None = None  # planned shards, or [] when the arrivals do not follow the plan
         self._stream: Any = None
@@ -229,7 +233,6 @@ class HFWriter:
         """Every tensor this model will produce, in arrival order (units of the spec through the plugin on
         the meta device), cut into shards; [] when `first` is not the start of that sequence."""
         from mconvert.convert.base import units_of
-        from mconvert.convert.stream import plan_shards
         from mconvert.mappings import to_hf
 
         spec = self.spec
@@ -248,7 +251,7 @@ class HFWriter:
 
     def prefetch_tokenizer(self, tokenizer_dir: Path | None) -> None:
         """Start reading the tokenizer's bos/eos ids now, on a thread: importing transformers costs seconds of
-        CPU that then overlap the conversion instead of following it (bench/, issue 7). Same answer."""
+        CPU that then overlap the conversion instead of following it. Same answer."""
         if tokenizer_dir is None:
             return
         from concurrent.futures import ThreadPoolExecutor
@@ -259,8 +262,6 @@ class HFWriter:
         ex.shutdown(wait=False)
 
     def _add_streamed(self, name: str, t: torch.Tensor) -> None:
-        from mconvert.convert.stream import SafetensorsStream
-
         if self._stream is None:
             if not self._shards:
                 raise MConvertError(f"{self.out}: tensor {name!r} arrived after every planned tensor was written")
@@ -318,10 +319,8 @@ class HFWriter:
 
     def close(self, tokenizer_dir: Path | None = None) -> list[Path]:
         """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer."""
-        from mconvert.convert.atomic import record_digest
-
         if self._streaming and (self._stream is not None or self._shards):
-            missing = self._stream.entries[self._stream._next][0] if self._stream else self._shards[0][0][0]
+            missing = self._stream.next_name if self._stream else self._shards[0][0][0]
             if self._stream is not None:
                 self._stream.abort()
             raise MConvertError(f"internal: HF writer closed before all tensors arrived (e.g. {missing!r})")
@@ -361,87 +360,23 @@ class HFWriter:
         return files
 
 
-class _SafetensorsFile:
-    """One safetensors file read tensor by tensor with pread into fresh memory — not through a mapping of the
-    whole file, whose touched pages count in the resident set until unmapped (issue 7: hf-to-megatron of the
-    1B bench model at 8 layers had 0.5 GB of mapped file pages at its peak). The header gets the checks
-    safetensors' own loader makes: known dtypes, sizes that match the shapes, offsets that tile the data."""
-
-    def __init__(self, path: Path) -> None:
-        import struct
-
-        from mconvert.convert.stream import ST_DTYPES
-
-        self.path = path
-        self.fd = open_regular(path)
-        size = os.fstat(self.fd).st_size
-        try:
-            (n,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
-            if n > min(size - 8, 100 << 20):
-                raise ValueError(f"header length {n} exceeds the file")
-            head = json.loads(os.pread(self.fd, n, 8))
-            if not isinstance(head, dict):
-                raise ValueError("header is not a JSON object")
-            by_name = {v: k for k, v in ST_DTYPES.items()}
-            self.start = 8 + n
-            self.entries: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
-            spans = []
-            for k, v in head.items():
-                if k == "__metadata__":
-                    continue
-                dtype = by_name.get(v.get("dtype")) if isinstance(v, dict) else None
-                if dtype is None:
-                    raise ValueError(f"tensor {k!r}: unknown dtype {v.get('dtype') if isinstance(v, dict) else v!r}")
-                shape, (a, b) = tuple(int(x) for x in v["shape"]), (int(x) for x in v["data_offsets"])
-                numel = 1
-                for d in shape:
-                    if d < 0:
-                        raise ValueError(f"tensor {k!r}: negative dimension")
-                    numel *= d
-                if b - a != numel * torch.empty((), dtype=dtype).element_size() or a < 0:
-                    raise ValueError(f"tensor {k!r}: {b - a} bytes for shape {list(shape)} {v['dtype']}")
-                self.entries[k] = (a, dtype, shape)
-                spans.append((a, b))
-            pos = 0
-            for a, b in sorted(spans):
-                if a != pos:
-                    raise ValueError("tensor data offsets do not tile the data section")
-                pos = b
-            if self.start + pos != size:
-                raise ValueError(f"data section holds {size - self.start} bytes, the header describes {pos}")
-        except (ValueError, KeyError, TypeError, struct.error) as e:
-            os.close(self.fd)
-            raise MConvertError(f"{path}: unreadable safetensors file ({str(e)[:120]}); it is truncated or corrupt "
-                                "— re-copy it") from None
-
-    def keys(self) -> list[str]:
-        return list(self.entries)
-
-    def meta(self, key: str) -> torch.Tensor:
-        _, dtype, shape = self.entries[key]
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    def get(self, key: str) -> torch.Tensor:
-        a, dtype, shape = self.entries[key]
-        t = torch.empty(shape, dtype=dtype)
-        mv = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-        got = 0
-        while got < len(mv):
-            k = os.preadv(self.fd, [mv[got:]], self.start + a + got)
-            if k <= 0:
-                raise MConvertError(f"{self.path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
-            got += k
-        return t
-
-    def close(self) -> None:
-        os.close(self.fd)
+def plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:
+    """Greedy shards in arrival order: a new shard when the next tensor would pass `max_shard_size`."""
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        n = numel(e[2]) * torch.empty((), dtype=e[1]).element_size()
+        if shards[-1] and size + n > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += n
+    return [s for s in shards if s]
 
 
 def _bin_reader(path: Path) -> Any:
     """A pytorch_model*.bin as a mapping read tensor by tensor with pread (one safe, weights-only load builds
-    the offset index): its pages do not stay resident as a whole mmap'd file would (bench/, issue 7)."""
-    from mconvert.convert.stream import LazyModel, TensorIndex
-
+    the offset index): its pages do not stay resident as a whole mmap'd file would."""
     st = safe_load(path, "weights")
     if not isinstance(st, dict):
         return st
@@ -452,8 +387,8 @@ def _bin_reader(path: Path) -> Any:
 
 
 def _special_ids_from_json(tok_dir: Path) -> tuple[int | None, int | None] | None:
-    """bos/eos ids read from a fast tokenizer's own JSON files, without importing transformers (~6 s of CPU on
-    the bench VM, issue 7). Answers only when unambiguous: a `*Fast` tokenizer_class, both tokens named in
+    """bos/eos ids read from a fast tokenizer's own JSON files, without importing transformers (seconds of
+    CPU). Answers only when unambiguous: a `*Fast` tokenizer_class, both tokens named in
     tokenizer_config.json (so no class default applies), special_tokens_map.json agreeing, and each token one
     of tokenizer.json's added tokens (tokenizer_config's added_tokens_decoder agreeing). Else None."""
     fix = "re-save the tokenizer (or pass --tokenizer DIR)"

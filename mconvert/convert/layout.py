@@ -45,7 +45,7 @@ def parse_rank_dir(name: str) -> tuple[int, int | None] | None:
 
 def read_latest(root: str | Path) -> int | str:
     """The iteration named by the tracker file: an int or 'release'. One-line error when unreadable."""
-    from mconvert.convert.paths import inside_file, read_small
+    from mconvert.convert.io.paths import inside_file, read_small
 
     path = Path(root) / TRACKER
     if not os.path.lexists(path):

@@ -29,13 +29,15 @@ from mconvert.convert.layout import (
     stage_layers,
     write_latest,
 )
-from mconvert.convert.paths import inside_file
-from mconvert.convert.safeload import all_finite, safe_load
+from mconvert.convert.io.atomic import record_digest, sha256_file
+from mconvert.convert.io.paths import inside_file
+from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
 from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError, type_name
 from mconvert.mappings import families
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
-from mconvert.mappings.transforms import merge, merge_transposed, pad_vocab, split
+from mconvert.mappings.transforms import merge, merge_rows, merge_transposed, pad_vocab, split
 from mconvert.spec import ModelSpec
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -266,8 +268,6 @@ class MegatronSource(SourceBase):
     def _lazy_model(self, t: int, p: int, c: int) -> Any:
         """Rank file (t, p)'s chunk c read tensor by tensor with pread at indexed offsets (built from one safe,
         weights-only load per file): no unpickling per unit, no mmap pages left in RSS. None: use safe_load."""
-        from mconvert.convert.stream import LazyModel
-
         cache = self.__dict__.setdefault("_tensor_index", {})
         if (t, p) not in cache:
             with _INDEX_LOCK:  # the readers' threads: one load per file
@@ -281,9 +281,7 @@ class MegatronSource(SourceBase):
 
     def _remember(self, t: int, p: int, st: dict) -> None:
         """While rank file (t, p) is loaded anyway (opening checks): build its offset index and keep its small
-        top-level entries, so reading units and `top_level` need no second unpickling of it (issue 7)."""
-        from mconvert.convert.stream import TensorIndex
-
+        top-level entries, so reading units and `top_level` need no second unpickling of it."""
         cache = self.__dict__.setdefault("_tensor_index", {})
         tops = self.__dict__.setdefault("_top_level", {})
         f = self.files[(t, p)]
@@ -301,8 +299,6 @@ class MegatronSource(SourceBase):
         """Dim-0 split parameters (column / qkv / vocab / gated) of one unit, each rank's shard pread straight
         into the merged tensor (= `merge`, without shard copies and torch.cat); each rank's rows are checked
         finite as the shard loop would. Parameters it cannot read in place are left to that loop."""
-        from mconvert.convert.stream import merge_dim0_into
-
         if self.tp == 1 or self.checkpoint_version < 2:
             return {}
         lazies = [self._lazy_model(t, p, c) for t in range(self.tp)]
@@ -332,8 +328,8 @@ class MegatronSource(SourceBase):
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
         """`SourceBase.read_hf` (= `to_hf` over `read_mcore`), one parameter per task on a small thread pool:
-        pread and torch's ops release the GIL, so two parameters are read, merged and re-laid at once (issue 7:
-        the main thread was the bottleneck, one core of two idle), and only the parameters in progress hold
+        pread and torch's ops release the GIL, so two parameters are read, merged and re-laid at once (the
+        main thread alone would leave a core idle), and only the parameters in progress hold
         their merged form. Parameters HF stores transposed are merged column-major, so the plugin's
         transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`."""
         from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
@@ -366,7 +362,7 @@ class MegatronSource(SourceBase):
         direct = {} if with_optimizer else self._read_dim0_direct(p, c, wanted)
         for t in range(self.tp):
             f = self.files[(t, p)]
-            lazy = None if with_optimizer else self._lazy_model(t, p, c)  # pread by offset (bench/, issue 7)
+            lazy = None if with_optimizer else self._lazy_model(t, p, c)  # pread by offset
             st = {} if lazy is not None else safe_load(f)
             model = lazy if lazy is not None else self._model_dict(st, c, f)
             opt_by_name = None
@@ -462,9 +458,9 @@ class MegatronWriter:
         self._spools: dict[tuple[int, int], Any] = {}
         self._hasher: Any = None
         self._hashes: list[tuple[Path, tuple[int, int], Any]] = []
-        # Streaming (issue 7): with the source's `preview` (each unit's tensors as meta tensors: names, shapes,
+        # Streaming: with the source's `preview` (each unit's tensors as meta tensors: names, shapes,
         # dtypes, in the order `read_mcore` returns them) a stage's rank files are laid out when its first
-        # unit arrives and written front to back as the shards come (`stream.TorchSaveStream`): no spool,
+        # unit arrives and written front to back as the shards come (`io.torchsave.TorchSaveStream`): no spool,
         # O_DIRECT, sha256 on the way. Without it (or with optimizer states, or VPP, whose stages interleave)
         # the spool path below is used.
         self.preview = preview if optimizer_groups is None and vpp is None else None
@@ -559,7 +555,7 @@ class MegatronWriter:
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
             if (real and self.preview is None and self.optimizer_groups is None and ost is None and full.dim() > 0
                     and full.numel()):
-                shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]  # issue 7: no stage in RAM
+                shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]  # no stage in RAM
             entries.append((local_name, shards, ost))
         if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
@@ -568,8 +564,6 @@ class MegatronWriter:
     def _open_stage(self, p: int) -> None:
         """Lay out stage p's rank files from the source's preview and open their streams: each planned shard
         gets a placeholder (untouched memory) that the real shard's bytes replace as they arrive."""
-        from mconvert.convert.stream import TorchSaveStream
-
         saved = self._embedding
         chunks: dict[int, list] = {}
         for unit in self._stage_units[p]:
@@ -617,8 +611,6 @@ class MegatronWriter:
         self._spools.clear()
 
     def _close_stage(self, p: int) -> None:
-        from mconvert.convert.atomic import record_digest
-
         for t, stream in sorted(self._streams.pop(p).items()):
             digest = stream.close()
             path = rank_file(self.out, self.iteration, t, p, self.pp)
@@ -671,8 +663,6 @@ class MegatronWriter:
             if spool is None:
                 save_rank_file(path, state)
             else:  # byte-identical to save_rank_file, the parked shard bytes copied in by the kernel
-                from mconvert.convert.stream import save_spooled
-
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_name(path.name + ".tmp")
                 save_spooled(state, tmp, spool)
@@ -683,11 +673,9 @@ class MegatronWriter:
         del chunks
 
     def _hash_in_background(self, path: Path) -> None:
-        """sha256 of a finished rank file on a thread, overlapping the next stage's reads (issue 7); `close`
+        """sha256 of a finished rank file on a thread, overlapping the next stage's reads; `close`
         hands it to the manifest (`atomic.record_digest`), which uses it only if the file is unchanged since."""
         from concurrent.futures import ThreadPoolExecutor
-
-        from mconvert.convert.atomic import sha256_file
 
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hash-rank-files")
@@ -696,8 +684,6 @@ class MegatronWriter:
 
     def _spool(self, p: int, t: int) -> Any:
         """The spool of rank file (t, p): shard bytes wait there, not in memory, until the stage is complete."""
-        from mconvert.convert.stream import Spool
-
         if (p, t) not in self._spools:
             self.out.mkdir(parents=True, exist_ok=True)
             self._spools[(p, t)] = Spool(self.out / f".spool-{p:03d}-{t:02d}")
@@ -709,8 +695,6 @@ class MegatronWriter:
         if missing:
             raise MConvertError(f"internal: pipeline stages {missing} did not receive all their units")
         write_latest(self.out, self.iteration)
-        from mconvert.convert.atomic import record_digest
-
         for path, (size, mtime), fut in self._hashes:
             try:
                 digest = fut.result()
@@ -746,3 +730,27 @@ def _interned(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {_interned(k): _interned(v) for k, v in obj.items()}
     return obj
+
+
+def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: tuple[int, ...]
+                    ) -> tuple[torch.Tensor, list[list[torch.Tensor]]] | None:
+    """Merge the TP shards of a dim-0 split parameter (column / qkv / vocab / gated) by reading each rank's
+    rows straight into the full tensor where `transforms.merge_rows` places them — what `transforms.merge`
+    computes, without the shard copies and the concatenation. Returns (full, each rank's slices of it) or None
+    when a shard cannot be read in place (the caller then merges the loaded shards)."""
+    try:
+        pieces = merge_rows(kind, len(lazies), shard_shape[0], raw)
+    except MConvertError:
+        return None  # the shard loop's `merge` reports it
+    full = torch.empty((shard_shape[0] * len(lazies), *shard_shape[1:]), dtype=lazies[0].dtype(raw))
+    row_bytes = full[0].numel() * full.element_size() if full.dim() > 1 else full.element_size()
+    parts: list[list[torch.Tensor]] = []
+    for lz, mine in zip(lazies, pieces):
+        got = []
+        for at, start, n in mine:
+            dst = full[at:at + n]
+            if not lz.read_into(raw, dst, start=start * row_bytes):
+                return None
+            got.append(dst)
+        parts.append(got)
+    return full, parts

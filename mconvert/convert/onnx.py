@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.atomic import atomic_output_dir, check_output
-from mconvert.convert.paths import inside_file, load_json_object
+from mconvert.convert.io.atomic import atomic_output_dir, check_output
+from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
 
 DEFAULT_RTOL = 1e-4
@@ -134,7 +134,7 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
     """Fallback: `torch.onnx.export` (TorchScript exporter) of the logits-only graph; copies config.json."""
     from transformers import AutoModelForCausalLM
 
-    from mconvert.convert.paths import copy_contained
+    from mconvert.convert.io.paths import copy_contained
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
                                                  trust_remote_code=False, local_files_only=True)

@@ -52,7 +52,7 @@ def index_states(opt: dict, source: str) -> tuple[dict[str, dict[str, Any]], lis
 def check_finite(state: dict[str, Any], param: str, source: str) -> None:
     """Refuse one parameter's optimizer state when any of its floating-point tensors (exp_avg, exp_avg_sq,
     max_exp_avg_sq, a master copy, ...) holds NaN or Inf: resuming from it would train on garbage."""
-    from mconvert.convert.safeload import all_finite
+    from mconvert.convert.io.safeload import all_finite
 
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point() and not all_finite(value):

@@ -36,7 +36,7 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp))
         write = hf_files(spec, out_item, max_shard_size)
         unit_in, unit_out = unit_bytes(spec, src_tp, src_item), unit_bytes(spec, 1, out_item)
-        # streamed: stream.HashingFile's queue + its O_DIRECT staging chunks
+        # streamed: io.hashing.HashingFile's queue + its O_DIRECT staging chunks
         buffer = min(64 << 20, max_shard_size, max(f["bytes"] for f in write)) + 3 * (16 << 20)
     elif verb in ("hf-to-megatron", "reshard"):
         if verb == "hf-to-megatron":
@@ -51,7 +51,7 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         for f in write:
             stage = f["path"].split("/")[0][11:] or "0"
             stage_bytes[stage] = stage_bytes.get(stage, 0) + f["bytes"]
-        buffer = tp * 4 * (4 << 20)  # streamed rank files (stream.TorchSaveStream): queue + staging per TP file
+        buffer = tp * 4 * (4 << 20)  # streamed rank files (io.torchsave.TorchSaveStream): queue + staging per TP file
         if with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
             scale = 1 + 2 * 4 / out_item
             buffer = int(max(stage_bytes.values()) * scale)  # with Adam states the stage is still buffered

@@ -17,7 +17,7 @@ import torch
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.convert.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
-from mconvert.convert.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
+from mconvert.convert.io.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError, escape_controls, type_name
 from mconvert.mappings import families
 from mconvert.spec import ModelSpec
@@ -226,7 +226,7 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
 
     `verify`: an input mconvert wrote is first checked against its manifest (sha256 of every file)."""
     if verify:  # before anything is read, the tracker file included
-        from mconvert.convert.atomic import verify_input
+        from mconvert.convert.io.atomic import verify_input
 
         verify_input(path)
     fmt = detect_format(path, iteration)

@@ -26,15 +26,16 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.atomic import atomic_output_dir, check_output
-from mconvert.convert.paths import inside_file, load_json_object
+from mconvert import dtypes
+from mconvert.convert.io.atomic import atomic_output_dir, check_output
+from mconvert.convert.io.paths import inside_file, load_json_object
+from mconvert.convert.io.safetensors import SafetensorsRandomWriter
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families
 from mconvert.mappings.family import TrtllmLayout
 from mconvert.spec import ModelSpec
 
-TRT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+TRT_DTYPES = dtypes.PARAM_DTYPES  # what TensorRT-LLM's `dtype` config field takes
 
 
 @dataclass
@@ -51,62 +52,6 @@ class TrtllmResult:
         return dict(self.__dict__)
 
 
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-class StreamingSafetensors:
-    """A safetensors file whose header is written first (all names/shapes known), tensors then in any order.
-
-    Lets a rank file be filled unit by unit without holding the model in memory; `close` refuses a file
-    with a tensor never written (it would read as garbage)."""
-
-    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> None:
-        self.path, self.dtype = path, dtype
-        item = torch.empty((), dtype=dtype).element_size()
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        self._spans: dict[str, tuple[int, tuple[int, ...]]] = {}
-        off = 0
-        for name in sorted(shapes):
-            n = 1
-            for dim in shapes[name]:
-                n *= dim
-            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shapes[name]), "data_offsets": [off, off + n * item]}
-            self._spans[name] = (off, tuple(shapes[name]))
-            off += n * item
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self._base = 8 + len(blob)
-        self._f = open(path, "wb")
-        self._f.write(len(blob).to_bytes(8, "little") + blob)
-        self._f.truncate(self._base + off)
-        self._todo = set(shapes)
-
-    def write(self, name: str, x: torch.Tensor) -> None:
-        if name not in self._spans:
-            raise MConvertError(f"{self.path.name}: tensor {name} is not in the TensorRT-LLM layout")
-        off, shape = self._spans[name]
-        if tuple(x.shape) != shape:
-            raise MConvertError(f"{self.path.name}: {name} has shape {list(x.shape)}, layout says {list(shape)}")
-        data = x.detach().to(self.dtype).contiguous().cpu()
-        self._f.seek(self._base + off)
-        self._f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"")  # no copy
-        self._todo.discard(name)
-
-    def close(self) -> None:
-        """Flush and close; a tensor never written is an error (a bug in the writer, not in the input)."""
-        if not self._f.closed:
-            self._f.close()
-            if self._todo:
-                raise MConvertError(f"internal: {self.path.name}: tensors never written: {sorted(self._todo)[:3]}")
-
-    def abort(self) -> None:
-        """Close after a failure without judging the file: the failure in flight (disk full, a refusal) is the
-        one to report, and the file is about to be removed with the rest of the output."""
-        if not self._f.closed:
-            try:
-                self._f.close()
-            except OSError:  # the buffered tail cannot be written either (the disk is still full)
-                pass
 
 
 def trtllm_config(spec: ModelSpec, tp: int, dtype: str) -> dict[str, Any]:
@@ -176,21 +121,22 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     source = open_any_source(src, iteration)
     spec: ModelSpec = source.spec
     trtllm_refusal(spec, tp)
-    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    dtype = dtypes.canonical(dtype)
     if dtype == "auto":
         dtype = spec.params_dtype
     if dtype not in TRT_DTYPES:
         raise MConvertError(f"--dtype {dtype!r}: choose auto, fp32, fp16 or bf16")
-    tdt = TRT_DTYPES[dtype]
+    tdt = dtypes.lookup(dtype).torch
     cfg = trtllm_config(spec, tp, dtype)
     layout = expected_trtllm_shapes(cfg)  # names and shapes known up front: rank files are streamed
     embed = None
     units = source.units()
     with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
-        writers: list[StreamingSafetensors] = []
+        writers: list[SafetensorsRandomWriter] = []
         try:
             for r in range(tp):
-                writers.append(StreamingSafetensors(tmp / f"rank{r}.safetensors", layout, tdt))
+                writers.append(SafetensorsRandomWriter(tmp / f"rank{r}.safetensors", [(n, tdt, layout[n]) for n in sorted(layout)],
+                                                       {"format": "pt"}, layout="TensorRT-LLM layout"))
             for unit in units:
                 hf = source.read_hf(unit)
                 if unit == "embedding" and spec.tie_embeddings:
@@ -311,7 +257,7 @@ def check_trtllm_dir(path: str | Path) -> list[str]:
     t = int(cfg["mapping"]["tp_size"])
     if int(cfg["mapping"].get("world_size", t)) != t * int(cfg["mapping"].get("pp_size", 1)):
         return [f"{cfg_path}: mapping world_size != tp_size·pp_size"]
-    want_dtype = TRT_DTYPES.get(cfg["dtype"])
+    want_dtype = dtypes.lookup(cfg["dtype"]) if cfg["dtype"] in TRT_DTYPES else None
     if want_dtype is None:
         return [f"{cfg_path}: dtype {cfg['dtype']!r} unknown"]
     problems: list[str] = []
@@ -339,7 +285,7 @@ def check_trtllm_dir(path: str | Path) -> list[str]:
                 if shape != shapes[name]:
                     problems.append(f"{f}: {name} has shape {list(shape)}, expected {list(shapes[name])}")
                 dt = h.get_slice(name).get_dtype()
-                if dt != {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[want_dtype]:
+                if dt != want_dtype.safetensors:
                     problems.append(f"{f}: {name} is {dt}, config dtype is {cfg['dtype']}")
     stray = sorted(p.name for p in d.glob("rank*.safetensors") if p.name not in {f"rank{r}.safetensors" for r in range(t)})
     problems += [f"{d / n}: rank file beyond mapping.tp_size={t}" for n in stray]

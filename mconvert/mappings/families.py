@@ -25,7 +25,8 @@ from mconvert.mappings.fields import (
     check_megatron_args,
     check_numbers,
 )
-from mconvert.spec import DTYPES, ModelSpec, rope_and_qk_from_megatron_args
+from mconvert import dtypes
+from mconvert.spec import ModelSpec, rope_and_qk_from_megatron_args
 
 
 @functools.cache
@@ -169,7 +170,7 @@ def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         common = dict(
             family=fam.name,
             vocab_size=int(cfg["vocab_size"]),
-            params_dtype=dtype if dtype in DTYPES else "float32",
+            params_dtype=dtype if dtype in dtypes.PARAM_DTYPES else "float32",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id")
             if not isinstance(cfg.get("eos_token_id"), list)

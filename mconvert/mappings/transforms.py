@@ -214,3 +214,19 @@ def half_to_interleaved(t: torch.Tensor, heads: int, hd: int, name: str = "q/k")
         raise MConvertError(f"{name}: shape {tuple(t.shape)} does not fit heads={heads}, head_dim={hd}")
     rest = tuple(t.shape[1:])
     return t.reshape(heads, 2, hd // 2, *rest).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def merge_rows(kind: str, tp: int, shard_rows: int, name: str = "tensor") -> list[list[tuple[int, int, int]]]:
+    """Where `merge` puts each rank's rows of a dim-0 split parameter (column / qkv / vocab / gated): for each TP
+    rank, (row in the merged tensor, row in the shard, row count) pieces. Lets a reader place every shard's
+    rows straight into the merged tensor with the same layout rule as `merge` (gated: `[gate_r; up_r]` per
+    rank, all gates first)."""
+    _check_kind(kind)
+    if SPLIT_DIM[kind] != 0:
+        raise MConvertError(f"{name}: split kind {kind!r} is not split on dim 0")
+    if kind == "gated":
+        if shard_rows % 2:
+            raise MConvertError(f"{name}: gated shard has an odd row count {shard_rows}")
+        half = shard_rows // 2
+        return [[(r * half, 0, half), (tp * half + r * half, half, half)] for r in range(tp)]
+    return [[(r * shard_rows, 0, shard_rows)] for r in range(tp)]

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from mconvert.convert.layout import rank_file, read_latest
-from mconvert.convert.paths import inside_file
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.paths import inside_file
+from mconvert.convert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.spec import ModelSpec

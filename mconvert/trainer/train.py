@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
-from mconvert.convert.safeload import safe_load
+from mconvert.convert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings.families import preset
@@ -541,7 +541,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     spec = build_spec(cfg, vocab)  # refuse a bad layout before anything is written
     prepare_save_dir(cfg)
     if _replaces_checkpoint(cfg):  # a run that dies leaves the old checkpoint whole
-        from mconvert.convert.atomic import atomic_output_dir
+        from mconvert.convert.io.atomic import atomic_output_dir
 
         with atomic_output_dir(cfg.save, force=True, manifest=False) as tmp:
             return _run_training(dataclasses.replace(cfg, save=str(tmp), save_as=cfg.save), spec, tokens)

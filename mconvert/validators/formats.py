@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.convert.layout import RANK_FILE, TRACKER, parse_rank_dir
-from mconvert.convert.paths import inside_file, load_json_object
+from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
 
 
@@ -127,7 +127,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
 
 def _describe_megatron(info: ModelInfo) -> None:
     from mconvert.convert.layout import iteration_dir_name, read_latest
-    from mconvert.convert.safeload import safe_load
+    from mconvert.convert.io.safeload import safe_load
     from mconvert.convert.sources import args_dict, checkpoint_dict
 
     p = info.path

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
+from mconvert import dtypes
 from mconvert.convert.hf import read_weight_map
-from mconvert.convert.paths import contained, inside_file, load_json_object
+from mconvert.convert.io.paths import contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as _plain
 from mconvert.mappings import families
@@ -246,9 +247,6 @@ def _headers(d: Path, files: list[Path], wmap: dict[str, str] | None, rep: Verif
     return out
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-
-
 def _meta_model(cfg: dict[str, Any]):
     """The transformers class vLLM's architecture maps to, built on the meta device (no memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -305,7 +303,8 @@ def _dtypes(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
     want = str(cfg.get("torch_dtype") or cfg.get("dtype") or "").replace("torch.", "")
     found: dict[str, int] = {}
     for _, (_, dt, _) in header.items():
-        name = _ST_DTYPES.get(dt, dt)
+        row = dtypes.of_safetensors(dt)
+        name = row.name if row else dt
         found[name] = found.get(name, 0) + 1
     floats = {k: v for k, v in found.items() if k in ("float32", "float16", "bfloat16", "float64")}
     if want and set(floats) - {want}:
@@ -320,7 +319,7 @@ def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> No
     """Stream every tensor once: NaN/Inf scan, and the embedding vs lm_head comparison."""
     from safetensors import safe_open
 
-    from mconvert.convert.safeload import all_finite
+    from mconvert.convert.io.safeload import all_finite
 
     fam = _family(cfg)
     emb_key = fam.plugin.hf_embedding
@@ -419,7 +418,7 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
 
 
 def _manifest(d: Path, rep: VerifyReport) -> None:
-    from mconvert.convert.atomic import MANIFEST, check_manifest
+    from mconvert.convert.io.atomic import MANIFEST, check_manifest
 
     if not (d / MANIFEST).is_file():
         rep.add("manifest", "warn", f"no {MANIFEST} (not written by mconvert, or copied without it)")
@@ -467,7 +466,7 @@ def reference_spec(info) -> Any:
                                                                          f"{info.path}: config"), "config"))
         if info.format == "megatron":
             from mconvert.convert.layout import RANK_FILE, iteration_dir_name
-            from mconvert.convert.safeload import safe_load
+            from mconvert.convert.io.safeload import safe_load
 
             lay = info.layout
             rank = "mp_rank_00" if lay["pp"] == 1 else "mp_rank_00_000"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.paths import inside_file, load_json_object
+from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
 
 SERVE_SCRIPT = Path(__file__).with_name("vllm_serve.py")

@@ -196,8 +196,7 @@ _CRC_CHECKED: set[tuple[str, int, int]] = set()
 
 class DeferredCRC:
     """While active (`deferred_crc_checks()`), `verify_zip_crc` runs on one background thread instead of the
-    caller's: a conversion reads and converts while the CRC-32 pass over its input runs on the other core
-    (issue 7: ~0.65 s of the main thread's 5.6 s for megatron-to-hf of the 1B bench model at 8 layers).
+    caller's: a conversion reads and converts while the CRC-32 pass over its input runs on another core.
     `wait()` — called before the output is committed — raises the first failure; a conversion that failed
     meanwhile reports the CRC failure instead of its own error, since corrupt bytes explain the rest."""
 
@@ -307,7 +306,7 @@ def _verify_zip_crc_now(path: str | Path) -> None:
     try:
         with open(path, "rb") as f:
             # read through one 8 MiB buffer, not a mapping of the whole file: mapped pages stay resident
-            # until unmapped, and a rank file can be larger than one layer (bench/, issue 7: RSS flat in depth)
+            # until unmapped, and a rank file can be larger than one layer (RSS stays flat in depth)
             fd, size = f.fileno(), os.fstat(f.fileno()).st_size
             chunk = memoryview(bytearray(8 << 20))
             for info in zipfile.ZipFile(f).infolist():
@@ -493,8 +492,8 @@ def _short(e: BaseException) -> str:
 
 def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     """No NaN/Inf in `t`. One reduction pass, no temporary mask: min and max are both finite exactly when
-    every element is (a NaN propagates into both, +Inf is the max, -Inf the min); ~20x faster than
-    `isfinite().all()` (bench/, issue 7). `chunk` is kept for callers that pass it."""
+    every element is (a NaN propagates into both, +Inf is the max, -Inf the min), without the temporary
+    boolean tensor of `isfinite().all()`. `chunk` is kept for callers that pass it."""
     if t.numel() == 0:
         return True
     if not t.is_floating_point():  # integers are finite; complex keeps the elementwise check

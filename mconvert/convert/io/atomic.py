@@ -35,7 +35,7 @@ def check_output(out: str | Path, force: bool, inputs: tuple[str | Path | None, 
     """Refuse an OUT that is, contains or lies inside one of `inputs` (with or without --force: the rename or
     the removal of the old OUT would destroy the input), an existing OUT without --force and an unwritable
     parent, before any work is done."""
-    from mconvert.convert.paths import overlap
+    from mconvert.convert.io.paths import overlap
 
     out = Path(out)
     for inp in inputs:
@@ -304,7 +304,7 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
     return h.hexdigest()
 
 
-# Digests computed by writers while writing (mconvert.convert.stream): path -> (size, mtime_ns, sha256).
+# Digests computed by writers while writing (io.hashing.HashingFile): path -> (size, mtime_ns, sha256).
 _KNOWN_DIGESTS: dict[str, tuple[int, int, str]] = {}
 
 
@@ -345,7 +345,7 @@ def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) ->
     path = root / MANIFEST
     if not path.is_file():
         return [f"{root}: no {MANIFEST} (not written by mconvert, or copied without it)"]
-    from mconvert.convert.paths import read_small
+    from mconvert.convert.io.paths import read_small
 
     try:
         entries = json.loads(read_small(path, "json"))["files"]
@@ -385,9 +385,9 @@ def verify_input(path: str | Path) -> None:
     Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked.
 
     Inside a conversion (`safeload.deferred_crc_checks()`) the sha256 pass runs on a background thread while
-    the conversion proceeds, and is waited for before the output is committed (issue 7); a failure then wins
+    the conversion proceeds, and is waited for before the output is committed; a failure then wins
     over any error the changed bytes caused."""
-    from mconvert.convert.safeload import deferred
+    from mconvert.convert.io.safeload import deferred
 
     if not deferred(path, _verify_input_now):
         _verify_input_now(path)

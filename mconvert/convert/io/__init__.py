@@ -1,0 +1,7 @@
+"""Bytes: everything mconvert writes or reads at the level of files and bytes, below the format adapters.
+
+`hashing` (the aligned hashing file writer), `safetensors` (one header codec, its reader and writers),
+`torchsave` (the torch.save zip stream and offset-indexed reading of `.pt` files), `safeload` (the only way a
+pickle is opened), `paths` (containment of names read from inputs), `atomic` (atomic output directories and
+the integrity manifest) and `tuning` (process-wide settings, applied by the CLI only).
+"""

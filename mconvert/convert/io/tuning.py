@@ -1,0 +1,71 @@
+"""Process-wide tuning for a conversion run: huge pages, a heap that returns freed buffers, a core left to the
+writer thread, a quiet cyclic collector.
+
+These change the whole process, so the library never applies them itself: importing mconvert or calling a
+library function leaves threads, the heap, the collector and the environment as they were. The CLI entry
+point (`cli.main` and its conversion verbs) and `bench/` (through the CLI) apply them; an embedding program
+may call `apply()` when it wants the same behaviour.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+
+import torch
+
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def huge_pages() -> None:
+    """Have torch place tensors of 2 MB and more on transparent huge pages: a conversion allocates and frees
+    buffers of the size of a layer's shards, and with 4 KiB pages every fresh buffer costs a page fault per
+    4 KiB (on a VM a host-side fault too). torch reads the variable at its first allocation, so this runs
+    before any tensor is made; a user's own setting wins."""
+    os.environ.setdefault(THP_ENV, "1")
+
+
+def bound_heap(threshold: int = 128 << 10) -> None:
+    """Have glibc serve every allocation above `threshold` with its own mmap and give it back on free, so the
+    resident set follows the live tensors (one unit) instead of the heap's high-water mark (glibc's adaptive
+    threshold keeps freed blocks up to 32 MB in the heap). No-op off glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, int(threshold))
+    except (OSError, AttributeError):
+        pass
+
+
+def reserve_writer_core() -> None:
+    """Leave one core to the writer/hash thread: torch's intra-op pool at (cores - 1), at least 1. With as many
+    OpenMP threads as cores, every parallel op (aminmax, cat, transposes) stalls at its barrier while the
+    writer thread holds a core."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    want = max(1, cores - 1)
+    if torch.get_num_threads() > want:
+        torch.set_num_threads(want)
+
+
+def quiet_gc() -> None:
+    """Move everything alive now (imported modules, torch's objects) out of the cyclic collector's reach and
+    collect young objects less often: a conversion creates few cycles but many objects (unpickled args, key
+    maps), and each full collection would re-walk the whole import graph. Memory is unaffected: reference
+    counting frees tensors as before."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 50, 1000)
+
+
+def apply() -> None:
+    """Everything a conversion verb wants: called once, after the verb's modules are imported (so `quiet_gc`
+    freezes them too) and before its first tensor."""
+    huge_pages()
+    bound_heap()
+    reserve_writer_core()
+    quiet_gc()

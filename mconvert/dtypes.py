@@ -1,0 +1,86 @@
+"""The one dtype table of mconvert: every element type a checkpoint may hold, under every name a format uses.
+
+A row ties together the canonical name (torch's attribute name, what `ModelSpec.params_dtype` and HF's
+`torch_dtype` say), the short names users type (`bf16`), the safetensors code, the numpy dtype (little-endian;
+none for bfloat16, which numpy lacks) and the size of one element. Every reader and writer looks names up here,
+so two formats cannot disagree about what `F16` or `fp16` means. torch is imported only when a torch dtype is
+asked for, so `spec.py` and the validators can use the table without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy
+    import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    """One element type: canonical name, the aliases users type, safetensors code, numpy code, bytes per element."""
+
+    name: str
+    aliases: tuple[str, ...]
+    safetensors: str
+    numpy: str | None
+    itemsize: int
+    floating: bool
+
+    @property
+    def torch(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.name)
+
+    @property
+    def np(self) -> numpy.dtype:
+        """The numpy dtype (little-endian); a `KeyError` for types numpy cannot hold (bfloat16)."""
+        import numpy
+
+        if self.numpy is None:
+            raise KeyError(f"{self.name} has no numpy dtype")
+        return numpy.dtype(self.numpy)
+
+
+TABLE: tuple[DType, ...] = (
+    DType("float32", ("fp32",), "F32", "<f4", 4, True),
+    DType("float16", ("fp16",), "F16", "<f2", 2, True),
+    DType("bfloat16", ("bf16",), "BF16", None, 2, True),
+    DType("float64", ("fp64",), "F64", "<f8", 8, True),
+    DType("int64", ("i64",), "I64", "<i8", 8, False),
+    DType("int32", ("i32",), "I32", "<i4", 4, False),
+    DType("int16", ("i16",), "I16", "<i2", 2, False),
+    DType("int8", ("i8",), "I8", "|i1", 1, False),
+    DType("uint8", ("u8",), "U8", "|u1", 1, False),
+    DType("bool", (), "BOOL", "|b1", 1, False),
+)
+
+# The dtypes a model's weights may be converted to and computed in (`--dtype`, `params_dtype`).
+PARAM_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+_BY_NAME = {d.name: d for d in TABLE}
+_BY_ALIAS = {**{a: d for d in TABLE for a in d.aliases}, **_BY_NAME}
+_BY_CODE = {d.safetensors: d for d in TABLE}
+
+
+def lookup(name: str) -> DType | None:
+    """The row for a canonical name, an alias (`bf16`) or a torch spelling (`torch.bfloat16`); None if unknown."""
+    return _BY_ALIAS.get(name.removeprefix("torch."))
+
+
+def of_torch(dtype: torch.dtype) -> DType | None:
+    """The row of a torch dtype; None for types no format here stores (complex, float8, ...)."""
+    return _BY_NAME.get(str(dtype).removeprefix("torch."))
+
+
+def of_safetensors(code: str) -> DType | None:
+    """The row of a safetensors dtype code (`"BF16"`); None if mconvert does not read that code."""
+    return _BY_CODE.get(code) if isinstance(code, str) else None
+
+
+def canonical(name: str) -> str:
+    """`"bf16"` -> `"bfloat16"`; an unknown name comes back unchanged (callers refuse it in their own words)."""
+    row = lookup(name)
+    return row.name if row else name
