@@ -213,3 +213,91 @@ def test_round_trips_are_byte_identical(hf_models, tmp_path, name) -> None:
     reshard(mg, tmp_path / "tp1", tp=1, pp=1)
     reshard(tmp_path / "tp1", tmp_path / "tp2", tp=2, pp=1)
     assert _sha(tmp_path / "tp2", "*.pt") == _sha(mg, "*.pt")
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,verb,named", [
+    ("qwen3", "megatron-to-ft", "qk_layernorm=True (per-head q/k norm) is not mapped to FasterTransformer"),
+    ("llama3", "megatron-to-ft", "use_rope_scaling=True, rope_scaling_factor=8) is not mapped to FasterTransformer"),
+    ("qwen3", "megatron-to-trtllm", "qk_layernorm=True (per-head q/k norm) is not mapped to TensorRT-LLM"),
+    ("llama3", "megatron-to-trtllm", "rope_scaling='llama3' (factor 8; Megatron use_rope_scaling=True"),
+])
+def test_deployment_formats_without_the_feature_refuse_it_by_name(mcore_exports, tmp_path, capsys, name, verb,
+                                                                   named) -> None:
+    from safety_common import assert_one_line_error, run_cli
+
+    mg = mcore_exports[name][2].parent / "mg"
+    code, _, err = run_cli([verb, mg, tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, named)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+def test_a_family_whose_hf_class_has_no_qk_norm_refuses_it(preset_name) -> None:
+    from mconvert.errors import MConvertError
+    from mconvert.mappings.families import hf_config
+
+    spec = preset(preset_name).replace(qk_layernorm=True)
+    with pytest.raises(MConvertError, match=r"has no per-head q/k norm .*qk_layernorm=True; conversion refused"):
+        hf_config(spec)
+
+
+@pytest.mark.timeout(120)
+def test_megatron_to_hf_refuses_qk_norm_for_a_llama_before_writing(hf_models, tmp_path, capsys) -> None:
+    """A llama-family checkpoint with q/k norm (no HF class computes it) is refused, naming the checkpoint."""
+    from safety_common import assert_one_line_error, run_cli
+
+    _, _, mg = hf_models["llama3"]
+    src = tmp_path / "mg"
+    shutil.copytree(mg, src)
+    (src / "mconvert-manifest.json").unlink()  # the rank files are edited below, as a foreign writer would
+    for t in range(2):
+        f = src / "release" / f"mp_rank_{t:02d}" / "model_optim_rng.pt"
+        st = safe_load(f)
+        st["args"].qk_layernorm = True
+        st["args"].model_family = "llama"
+        for i in range(2):
+            for qk in ("q_layernorm", "k_layernorm"):
+                st["model"][f"decoder.layers.{i}.self_attention.{qk}.weight"] = torch.ones(64)
+        torch.save(st, f.with_suffix(".new"))  # a new file: the loaded one stays mapped
+        f.with_suffix(".new").replace(f)
+    code, _, err = run_cli(["megatron-to-hf", src, tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, "LlamaForCausalLM has no per-head q/k norm", str(src))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mg"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("change,named", [
+    (lambda c: c.pop("head_dim"), "must state head_dim"),
+    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not mapped"),
+    (lambda c: c.update(attention_bias=True), "config field attention_bias=True is not supported"),
+    (lambda c: c.update(use_sliding_window=True), "config field use_sliding_window=True is not supported"),
+])
+def test_a_qwen3_config_hf_to_megatron_cannot_honour_is_refused_by_name(hf_models, tmp_path, capsys, change,
+                                                                        named) -> None:
+    from safety_common import assert_one_line_error, run_cli
+
+    _, hf, _ = hf_models["qwen3"]
+    shutil.copytree(hf, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    change(cfg)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(["hf-to-megatron", tmp_path / "hf", tmp_path / "mg"], capsys)
+    assert_one_line_error(code, err, named, "config.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.timeout(120)
+def test_llama3_bands_megatron_core_cannot_hold_are_refused_by_hf_to_megatron(hf_models, tmp_path, capsys) -> None:
+    """megatron-core fixes the llama3 bands (1, 4, 8192): a Llama 3 config with other bands has no Megatron form."""
+    from safety_common import assert_one_line_error, run_cli
+
+    _, hf, _ = hf_models["llama3"]
+    shutil.copytree(hf, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["rope_scaling"]["original_max_position_embeddings"] = 4096
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(["hf-to-megatron", tmp_path / "hf", tmp_path / "mg"], capsys)
+    assert_one_line_error(code, err, "megatron-core's Llama-3 rope scaling fixes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
