@@ -301,3 +301,19 @@ def test_llama3_bands_megatron_core_cannot_hold_are_refused_by_hf_to_megatron(hf
     code, _, err = run_cli(["hf-to-megatron", tmp_path / "hf", tmp_path / "mg"], capsys)
     assert_one_line_error(code, err, "megatron-core's Llama-3 rope scaling fixes")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(MCORE_SPECS))
+def test_verify_passes_the_export_against_the_megatron_core_checkpoint(mcore_exports, name) -> None:
+    """`verify` reads the new config fields (head_dim, rope_scaling) and its native runner (q/k norm, scaled
+    rope) agrees with transformers on the export; only what a bare megatron-core save lacks (a tokenizer and
+    its eos id) is reported."""
+    from mconvert.validators.verify import verify
+
+    hf = mcore_exports[name][2]
+    rep = verify(hf, against=hf.parent / "mg", device="cpu")
+    status = {c.name: c.status for c in rep.checks}
+    assert {n for n, s in status.items() if s == "error"} == {"tokenizer", "generation-config"}, rep.checks
+    for n in ("architecture", "config", "weights-strict", "config-vs-checkpoint", "logits"):
+        assert status[n] == "ok", (n, rep.checks)
