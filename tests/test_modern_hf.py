@@ -233,7 +233,7 @@ def test_deployment_formats_without_the_feature_refuse_it_by_name(mcore_exports,
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("preset_name", ["tiny-llama", "tiny-mistral", "tiny-qwen2"])
+@pytest.mark.parametrize("preset_name", ["tiny-gpt2", "tiny-llama", "tiny-mistral", "tiny-qwen2"])
 def test_a_family_whose_hf_class_has_no_qk_norm_refuses_it(preset_name) -> None:
     from mconvert.errors import MConvertError
     from mconvert.mappings.families import hf_config

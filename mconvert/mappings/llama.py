@@ -22,6 +22,7 @@ from mconvert.mappings.family import (
     Tensors,
     TrtllmLayout,
     VllmFacts,
+    check_qk_norm,
     cols,
     head_or_tied,
     pad_rows,
@@ -102,9 +103,7 @@ def check_rope_style(spec: ModelSpec, architecture: str, qk_norm: bool = False) 
         raise MConvertError(f"a {spec.family}-family model needs RMSNorm, SwiGLU and RoPE")
     if spec.rotary_percent != 1.0:
         raise MConvertError(f"HF {architecture} cannot express rotary_percent={spec.rotary_percent}")
-    if spec.qk_layernorm != qk_norm:
-        raise MConvertError(f"HF {architecture} {'needs' if qk_norm else 'has no'} per-head q/k norm and this "
-                            f"{spec.family}-family model has qk_layernorm={spec.qk_layernorm}; conversion refused")
+    check_qk_norm(spec, architecture, qk_norm)
 
 
 def rope_scaling_to_hf(spec: ModelSpec) -> dict[str, Any] | None:
