@@ -44,6 +44,14 @@ SPLIT_COLLECTIVE: dict[str, str] = {
     "vocab": "embedding: all-reduce fwd; head: vocab-parallel cross-entropy (all-reduce of max/sum)",
 }
 
+# The output formats that can state each optional feature (`ModelSpec.refuse_unmapped` refuses the others):
+# FasterTransformer has neither; TensorRT-LLM's field names for them are not confirmed here.
+FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
+    "rope_scaling": ("HF",),
+    "qk_layernorm": ("HF",),
+}
+
+
 @dataclass(frozen=True)
 class ParamDecl:
     """One parameter of the full (unsharded) model: canonical name, split kind and full shape."""
@@ -169,17 +177,21 @@ class ModelSpec:
                                     f"{self.rope_original_max_position_embeddings}")
 
     def refuse_unmapped(self, target: str, source: str = "") -> None:
-        """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state yet."""
+        """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state.
+
+        `FEATURE_TARGETS` says which targets state each feature; the target's family writer still refuses
+        what its own class cannot compute (a llama with qk-norm for HF, say)."""
         where = f"{source}: " if source else ""
-        what = ""
-        if self.rope_scaling is not None:
-            what = (f"rope_scaling={self.rope_scaling!r} (factor {self.rope_scaling_factor:g}; "
-                    f"{_megatron_scaling_args(self)})")
-        elif self.qk_layernorm:
-            what = "qk_layernorm=True (per-head q/k norm)"
-        if what:
-            raise MConvertError(f"{where}{what} is not mapped to {target} yet; conversion refused (reshard and "
-                                "validate handle the Megatron checkpoint)")
+        present = {
+            "rope_scaling": self.rope_scaling is not None and (
+                f"rope_scaling={self.rope_scaling!r} (factor {self.rope_scaling_factor:g}; "
+                f"{_megatron_scaling_args(self)})"),
+            "qk_layernorm": self.qk_layernorm and "qk_layernorm=True (per-head q/k norm)",
+        }
+        for feature, what in present.items():
+            if what and target not in FEATURE_TARGETS[feature]:
+                raise MConvertError(f"{where}{what} is not mapped to {target}; conversion refused (reshard and "
+                                    "validate handle the Megatron checkpoint)")
 
     @property
     def head_dim(self) -> int:

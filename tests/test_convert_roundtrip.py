@@ -32,6 +32,18 @@ CONFIGS = {
     "llama-bias": lambda: transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
                                                    max_position_embeddings=32, attention_bias=True, mlp_bias=True),
+    # per-head q/k RMSNorm, head_dim 16 != hidden 32 / 4 heads, untied
+    "qwen3": lambda: transformers.Qwen3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                              vocab_size=100, max_position_embeddings=32,
+                                              tie_word_embeddings=False),
+    # Llama-3.1 rope scaling with megatron-core's bands
+    "llama3": lambda: transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                               max_position_embeddings=32, rope_theta=500000.0,
+                                               rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 8192}),
     "mistral": lambda: transformers.MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=1, vocab_size=100,
                                                   max_position_embeddings=32, sliding_window=None),

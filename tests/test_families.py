@@ -24,7 +24,7 @@ QUOTED = re.compile(r"""["'](%s)["']""" % "|".join(map(re.escape, FAMILY_NAMES))
 def test_every_module_declaring_a_family_is_discovered():
     """Discovery finds exactly the files of mappings/ that declare `FAMILY = Family(...)` (read as text here)."""
     declared = {p.stem for p in MAPPINGS.glob("*.py") if re.search(r"^FAMILY = Family\(", p.read_text(), re.M)}
-    assert declared == {"gpt2", "llama", "mistral", "qwen2"}
+    assert declared == {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
     assert {f.name for f in families.all_families()} == declared
 
 
@@ -46,9 +46,8 @@ def test_each_family_has_presets_of_its_own(name):
 
 
 def _family_presets():
-    """Presets HF can state today (rope scaling and qk-norm are not mapped to HF yet, and refused)."""
-    return [(f.name, p) for f in families.all_families() for p, s in f.presets.items()
-            if s.rope_scaling is None and not s.qk_layernorm]
+    """Every family's presets (each has an HF form)."""
+    return [(f.name, p) for f in families.all_families() for p in f.presets]
 
 
 @pytest.mark.parametrize("name,preset_name", _family_presets())
@@ -75,7 +74,7 @@ def test_megatron_args_without_model_family_are_recognised(name, preset_name):
 
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones():
-    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: gpt2, llama, mistral, qwen2$"):
+    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: gpt2, llama, mistral, qwen2, qwen3$"):
         families.by_name("bert")
     args = vars(families.preset("tiny-llama").to_megatron_args(1, 1))
     with pytest.raises(MConvertError, match="unsupported model family 'bert'"):

@@ -28,6 +28,7 @@ INVALID = {  # one field at a time is set to a value no format can hold (or a co
     "norm_epsilon": [0.0, -1.0, float("nan"), float("inf")], "activation": ["relu", "swiglu", "gelu"],
     "position_embedding_type": ["alibi", "rope", "learned_absolute"], "rotary_percent": [0.5, 0.0, 2.0, -1.0],
     "add_bias_linear": [True], "add_qkv_bias": [True, False], "make_vocab_size_divisible_by": [0, -8],
+    "qk_layernorm": [True, False], "rope_scaling": ["yarn", None, "llama3"], "rope_scaling_factor": [0.5, 1.0],
 }
 
 
@@ -35,7 +36,7 @@ INVALID = {  # one field at a time is set to a value no format can hold (or a co
 def spec_fields(draw) -> dict:
     """A consistent spec of a random family and shape; half the time one field is then set to a value from
     INVALID (zero/negative sizes, indivisible heads or groups, a combination the family's HF class lacks)."""
-    family = draw(st.sampled_from(["gpt2", "llama", "mistral", "qwen2"]))
+    family = draw(st.sampled_from(["gpt2", "llama", "mistral", "qwen2", "qwen3"]))
     heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
     groups = heads if family == "gpt2" else draw(st.sampled_from([g for g in (1, 2, 3, 4, 6, 8) if heads % g == 0]))
     hd = draw(st.sampled_from([2, 4, 8, 16]))
@@ -57,6 +58,9 @@ def spec_fields(draw) -> dict:
         rotary_base=draw(st.sampled_from([10000.0, 1e6])) if gated else 10000.0,
         add_bias_linear=family == "gpt2" or (family == "llama" and draw(st.booleans())),
         add_qkv_bias=family == "qwen2",
+        qk_layernorm=family == "qwen3",
+        rope_scaling=draw(st.sampled_from([None, "llama3", "linear"])) if gated else None,
+        rope_scaling_factor=draw(st.sampled_from([2.0, 8.0])),
         tie_embeddings=draw(st.booleans()),
         make_vocab_size_divisible_by=draw(st.sampled_from([1, 8, 128])),
     )

@@ -207,8 +207,13 @@ def test_rope_scaling_and_qk_fields_validate_and_round_trip_megatron_args() -> N
     args = base.to_megatron_args()
     args.use_rope_scaling = True
     assert spec_from_megatron_args(args).rope_scaling_factor == 8.0
-    # the HF side refuses both, naming them, until it is mapped
-    with pytest.raises(MConvertError, match="qk_layernorm=True .* not mapped to HF yet"):
-        hf_config(preset("tiny-qwen3"))
-    with pytest.raises(MConvertError, match=r"rope_scaling='llama3'.*use_rope_scaling=True.*not mapped to HF yet"):
-        hf_config(preset("tiny-llama3"))
+    # HF states both (Qwen3's q_norm / k_norm, Llama's rope_scaling); a family whose HF class has no q/k norm
+    # refuses it by name, and FasterTransformer refuses both
+    assert hf_config(preset("tiny-qwen3"))["architectures"] == ["Qwen3ForCausalLM"]
+    assert hf_config(preset("tiny-llama3"))["rope_scaling"]["rope_type"] == "llama3"
+    with pytest.raises(MConvertError, match="LlamaForCausalLM has no per-head q/k norm .*qk_layernorm=True"):
+        hf_config(preset("tiny-llama").replace(qk_layernorm=True))
+    with pytest.raises(MConvertError, match="qk_layernorm=True .* not mapped to FasterTransformer"):
+        preset("tiny-qwen3").refuse_unmapped("FasterTransformer")
+    with pytest.raises(MConvertError, match=r"rope_scaling='llama3'.*use_rope_scaling=True.*not mapped to Faster"):
+        preset("tiny-llama3").refuse_unmapped("FasterTransformer")

@@ -21,7 +21,8 @@ from mconvert.errors import MConvertError
 from mconvert.mappings.fields import MEGATRON_ARGS, NEUTRAL
 from mconvert.mappings.families import FAMILIES, hf_config, hf_table, preset, spec_from_hf_config, spec_from_megatron_args
 
-HF_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+HF_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+              "qwen3": "Qwen3Config"}
 
 
 def _transformer_config_fields() -> list[str]:
@@ -57,9 +58,9 @@ def test_the_function_changing_examples_are_not_neutral() -> None:
         assert MEGATRON_ARGS[name].kind != NEUTRAL, name
     for name in ("rope_scaling", "sliding_window", "attention_bias", "mlp_bias", "head_dim",
                  "partial_rotary_factor"):
-        for model_type in ("llama", "mistral", "qwen2"):
+        for model_type in ("llama", "mistral", "qwen2", "qwen3"):
             f = hf_table(model_type).get(name)
-            if f is not None and not (model_type == "qwen2" and name == "sliding_window"):
+            if f is not None and not (model_type in ("qwen2", "qwen3") and name == "sliding_window"):
                 assert f.kind != NEUTRAL, (model_type, name)
     assert hf_table("gpt2")["scale_attn_by_inverse_layer_idx"].kind != NEUTRAL
 
@@ -134,7 +135,7 @@ def test_a_megatron_arg_of_the_wrong_type_is_refused_by_name(name: str, value, e
 
 def _hf(model_type: str, **changes) -> dict:
     cfg = hf_config(preset({"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "tiny-mistral",
-                  "qwen2": "tiny-qwen2"}[model_type]))
+                  "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3"}[model_type]))
     cfg.update(changes)
     return cfg
 
@@ -154,9 +155,13 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type,name,value", [
-    ("llama", "rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    ("qwen2", "rope_scaling", {"type": "linear", "factor": 2.0}),
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    ("qwen2", "rope_scaling", {"type": "dynamic", "factor": 2.0}),
+    ("mistral", "rope_scaling", {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}),
+    ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}),
+    ("qwen3", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("qwen3", "attention_bias", True),
+    ("qwen3", "use_sliding_window", True),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),
     ("gpt2", "scale_attn_weights", False),
     ("llama", "partial_rotary_factor", 0.5),
@@ -200,24 +205,35 @@ def _save_llama31(ctx, root: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_megatron_core_llama31_checkpoint_is_refused_naming_use_rope_scaling(tmp_path: Path, capsys) -> None:
+def test_a_megatron_core_llama31_checkpoint_states_its_scaling_for_hf_and_is_refused_for_ft(tmp_path: Path,
+                                                                                            capsys) -> None:
     from mcore_ref import run_mcore
 
     run_mcore(preset("tiny-llama"), 1, _save_llama31, (str(tmp_path / "mg"),))
-    code, _, err = run_cli(["megatron-to-hf", tmp_path / "mg", tmp_path / "out"], capsys)
-    # the args are read (rope scaling is mapped in ModelSpec); the HF side refuses it, naming the checkpoint
-    assert_one_line_error(code, err, "use_rope_scaling=True", "not mapped to HF yet", str(tmp_path / "mg"))
-    assert not (tmp_path / "out").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mg"]  # no hidden partial output either
+    code, _, err = run_cli(["megatron-to-hf", tmp_path / "mg", tmp_path / "hf"], capsys)
+    assert code == 0, err
+    # megatron-core's llama3 bands (low 1, high 4, 8192 original positions) are written out, every key explicit
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_scaling"] == {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    # FasterTransformer has no rope scaling: refused naming Megatron's arg, nothing written
+    code, _, err = run_cli(["megatron-to-ft", tmp_path / "mg", tmp_path / "ft"], capsys)
+    assert_one_line_error(code, err, "use_rope_scaling=True", "not mapped to FasterTransformer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mg"]  # no hidden partial output either
 
 
 @pytest.mark.timeout(120)
-def test_an_hf_config_with_rope_scaling_is_refused_naming_it(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("rope_scaling,named", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "'yarn' is not mapped"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+     "'original_max_position_embeddings' must be a number"),
+])
+def test_an_hf_config_with_an_unmapped_rope_scaling_is_refused_naming_it(tmp_path: Path, capsys, rope_scaling,
+                                                                         named) -> None:
     hf = make_hf_llama(tmp_path / "hf")
     cfg = json.loads((hf / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 8192}
+    cfg["rope_scaling"] = rope_scaling
     (hf / "config.json").write_text(json.dumps(cfg))
     code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "mg"], capsys)
-    assert_one_line_error(code, err, "rope_scaling=", "config.json")
+    assert_one_line_error(code, err, "rope_scaling=", named, "config.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -11,8 +11,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings.families import PRESETS, hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 
 TINY = [n for n in PRESETS if n.startswith("tiny-")]
-# presets whose config.json mconvert renders (rope scaling and qk-norm are refused on the HF side for now)
-TINY_HF = [n for n in TINY if PRESETS[n].rope_scaling is None and not PRESETS[n].qk_layernorm]
+TINY_HF = TINY  # every tiny preset has an HF form
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

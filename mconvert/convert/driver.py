@@ -96,7 +96,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     if untied_warning and not src.spec.tie_embeddings:
         warnings.append(untied_warning)
     spec = src.spec
-    spec.refuse_unmapped("HF", str(ckpt))  # before any tensor is read: config.json could not state these
+    families.refuse_for_hf(spec, str(ckpt))  # before any tensor is read
     if target is not None:
         spec = spec.replace(params_dtype=dtypes.of_torch(target).name)
     if dry_run:

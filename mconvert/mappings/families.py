@@ -143,6 +143,15 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     return cfg
 
 
+def refuse_for_hf(spec: ModelSpec, source: str) -> None:
+    """Refuse, before any tensor is read, a model whose HF config.json cannot state it (naming `source`)."""
+    spec.refuse_unmapped("HF", source)
+    try:
+        of(spec).to_hf(spec)
+    except MConvertError as e:
+        raise MConvertError(f"{source}: {e}") from None
+
+
 def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
     """Parse an HF config.json dict. A field of the wrong type is one MConvertError naming it."""
     if not isinstance(cfg, dict):

@@ -210,6 +210,13 @@ def per_rank(tp: int) -> tuple[list[Tensors], Callable[[str, torch.Tensor], None
     return out, every, each
 
 
+def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:
+    """Refuse a model whose per-head q/k norm the HF class `architecture` lacks (or needs and it lacks)."""
+    if spec.qk_layernorm != has_qk_norm:
+        raise MConvertError(f"HF {architecture} {'needs' if has_qk_norm else 'has no'} per-head q/k norm and this "
+                            f"{spec.family}-family model has qk_layernorm={spec.qk_layernorm}; conversion refused")
+
+
 def head_or_tied(hf: Tensors, embed: torch.Tensor | None, spec: ModelSpec, what: str) -> torch.Tensor:
     """The untied `lm_head.weight`, or the embedding for a tied model (formats that always store a head)."""
     head = hf.get("lm_head.weight")

@@ -13,6 +13,7 @@ import torch
 from mconvert.errors import MConvertError
 from mconvert.mappings.family import (
     Family,
+    check_qk_norm,
     FTFile,
     FTKernels,
     FTLayout,
@@ -93,6 +94,7 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
         raise MConvertError("HF GPT-2 always has linear biases; this model has add_bias_linear=False")
     if spec.head_dim * spec.num_attention_heads != spec.hidden_size or spec.num_groups != spec.num_attention_heads:
         raise MConvertError("HF GPT-2 needs MHA with head_dim = hidden/heads")
+    check_qk_norm(spec, FAMILY.architecture, False)
     return dict(
         n_embd=spec.hidden_size,
         n_layer=spec.num_layers,

@@ -22,6 +22,7 @@ from mconvert.mappings.family import (
     Tensors,
     TrtllmLayout,
     VllmFacts,
+    check_qk_norm,
     cols,
     head_or_tied,
     pad_rows,
@@ -29,7 +30,7 @@ from mconvert.mappings.family import (
     rows,
     split_qkv,
 )
-from mconvert.mappings.fields import BOOL, INT, NEUTRAL, NUM, STR, Field, mapped, refused
+from mconvert.mappings.fields import BOOL, INT, MAPPED, NEUTRAL, NUM, STR, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
 NAME = "llama"
@@ -73,6 +74,17 @@ ROPE_FIELDS: dict[str, Field] = {
     "rope_theta": mapped("rotary_base", NUM),
     "hidden_act": mapped("activation", STR, "silu", ("silu",)),
     "partial_rotary_factor": refused("partial rotary embeddings are not mapped", 1.0),
+    "rope_scaling": Field(MAPPED, "read into ModelSpec.rope_scaling and its factors (llama3, linear; other "
+                          "rope types are refused by name)", None, (dict,), "rope_scaling"),
+}
+
+# HF `rope_scaling` (transformers' modeling_rope_utils) ⇄ ModelSpec: rope type -> the dict keys it reads
+# besides `rope_type` / `type`, each with its ModelSpec field. A type not listed is refused by name.
+ROPE_SCALING_KEYS: dict[str, dict[str, str]] = {
+    "linear": {"factor": "rope_scaling_factor"},
+    "llama3": {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+               "high_freq_factor": "rope_high_freq_factor",
+               "original_max_position_embeddings": "rope_original_max_position_embeddings"},
 }
 
 HF_FIELDS: dict[str, Field] = {
@@ -84,12 +96,57 @@ HF_FIELDS: dict[str, Field] = {
 
 
 # ---- HF config ⇄ ModelSpec (shared by the RoPE families) ----------------------------------------------
-def check_rope_style(spec: ModelSpec, architecture: str) -> None:
-    """Refuse a model that an RMSNorm + SwiGLU + RoPE HF class cannot compute."""
+def check_rope_style(spec: ModelSpec, architecture: str, qk_norm: bool = False) -> None:
+    """Refuse a model that an RMSNorm + SwiGLU + RoPE HF class cannot compute (`qk_norm`: the class has
+    per-head RMSNorm on q and k, and the model must have it too)."""
     if spec.normalization != "RMSNorm" or not spec.gated or spec.position_embedding_type != "rope":
         raise MConvertError(f"a {spec.family}-family model needs RMSNorm, SwiGLU and RoPE")
     if spec.rotary_percent != 1.0:
         raise MConvertError(f"HF {architecture} cannot express rotary_percent={spec.rotary_percent}")
+    check_qk_norm(spec, architecture, qk_norm)
+
+
+def rope_scaling_to_hf(spec: ModelSpec) -> dict[str, Any] | None:
+    """ModelSpec rope scaling -> HF `rope_scaling`, every key of its type explicit (None: no scaling)."""
+    if spec.rope_scaling is None:
+        return None
+    keys = ROPE_SCALING_KEYS[spec.rope_scaling]
+    out: dict[str, Any] = {"rope_type": spec.rope_scaling}
+    for key, field_name in keys.items():
+        v = getattr(spec, field_name)
+        out[key] = int(v) if key == "original_max_position_embeddings" else float(v)
+    return out
+
+
+def rope_scaling_from_hf(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """HF `rope_scaling` -> ModelSpec kwargs; an unmapped type, a missing key or an unknown key is refused."""
+    rs = cfg.get("rope_scaling")
+    if rs is None:
+        return {}
+    shown = repr(rs) if len(repr(rs)) <= 80 else repr(rs)[:77] + "..."
+    where = f"{source}: config field rope_scaling={shown}"
+    if not isinstance(rs, dict):
+        raise MConvertError(f"{where} must be an object; fix it")
+    kind = rs.get("rope_type", rs.get("type"))
+    if "rope_type" in rs and "type" in rs and rs["type"] != rs["rope_type"]:
+        raise MConvertError(f"{where} states two rope types; keep one")
+    if kind == "default" and set(rs) <= {"rope_type", "type"}:
+        return {}
+    if kind not in ROPE_SCALING_KEYS:
+        raise MConvertError(f"{where} is not supported: rope type {kind!r} is not mapped (mapped: "
+                            f"{', '.join(ROPE_SCALING_KEYS)}); conversion refused")
+    keys = ROPE_SCALING_KEYS[kind]
+    unknown = sorted(set(rs) - set(keys) - {"rope_type", "type"})
+    if unknown:
+        raise MConvertError(f"{where} is not supported: {', '.join(unknown)} not mapped for rope type "
+                            f"{kind!r}; conversion refused")
+    out: dict[str, Any] = {"rope_scaling": kind}
+    for key, field_name in keys.items():
+        v = rs.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise MConvertError(f"{where}: {key!r} must be a number for rope type {kind!r}; fix it")
+        out[field_name] = v
+    return out
 
 
 def rope_fields(spec: ModelSpec) -> dict[str, Any]:
@@ -108,11 +165,12 @@ def rope_fields(spec: ModelSpec) -> dict[str, Any]:
         hidden_act="silu",
         tie_word_embeddings=spec.tie_embeddings,
         attention_dropout=0.0,
-    )
+    ) | ({"rope_scaling": rope_scaling_to_hf(spec)} if spec.rope_scaling is not None else {})
 
 
-def rope_spec(cfg: dict[str, Any], common: dict[str, Any], add_bias_linear: bool, add_qkv_bias: bool) -> ModelSpec:
-    """A RoPE-family config dict -> ModelSpec, with the family's linear biases."""
+def rope_spec(cfg: dict[str, Any], common: dict[str, Any], add_bias_linear: bool, add_qkv_bias: bool,
+              qk_layernorm: bool = False, source: str = "config.json") -> ModelSpec:
+    """A RoPE-family config dict -> ModelSpec, with the family's linear biases, q/k norm and rope scaling."""
     nh = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     kvh = int(cfg.get("num_key_value_heads") or nh)
@@ -132,6 +190,8 @@ def rope_spec(cfg: dict[str, Any], common: dict[str, Any], add_bias_linear: bool
         add_bias_linear=add_bias_linear,
         add_qkv_bias=add_qkv_bias,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_layernorm=qk_layernorm,
+        **rope_scaling_from_hf(cfg, source),
         **common,
     )
 
@@ -147,7 +207,7 @@ def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSp
     attn_bias = bool(cfg.get("attention_bias", False))
     if attn_bias != bool(cfg.get("mlp_bias", False)):
         raise MConvertError(f"{source}: attention_bias != mlp_bias is not supported")
-    return rope_spec(cfg, common, add_bias_linear=attn_bias, add_qkv_bias=False)
+    return rope_spec(cfg, common, add_bias_linear=attn_bias, add_qkv_bias=False, source=source)
 
 
 # ---- vLLM -----------------------------------------------------------------------------------------------

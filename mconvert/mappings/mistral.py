@@ -39,7 +39,7 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
     """A MistralConfig dict -> ModelSpec (no linear bias)."""
-    return llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=False)
+    return llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=False, source=source)
 
 
 PRESETS = {

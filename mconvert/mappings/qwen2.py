@@ -41,7 +41,7 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
     """A Qwen2Config dict -> ModelSpec (qkv bias only)."""
-    return llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=True)
+    return llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=True, source=source)
 
 
 def recognise(fields: dict[str, Any]) -> bool:
@@ -54,11 +54,6 @@ PRESETS = {
                                     num_query_groups=2, ffn_hidden_size=256, vocab_size=1000,
                                     max_position_embeddings=128, norm_epsilon=1e-6, rotary_base=1000000.0,
                                     add_qkv_bias=True),
-    # Qwen3 has no qkv bias; until a qwen3 family exists it is the qwen2 family (its closest kin) with qk-norm
-    "tiny-qwen3": llama.rope_preset(NAME, num_layers=2, hidden_size=128, num_attention_heads=8,
-                                    num_query_groups=2, kv_channels=32, ffn_hidden_size=256, vocab_size=1000,
-                                    max_position_embeddings=128, norm_epsilon=1e-6, rotary_base=1000000.0,
-                                    tie_embeddings=True, qk_layernorm=True),
 }
 
 FAMILY = Family(
