@@ -15,6 +15,7 @@ from typing import Any, Protocol, Union
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.mappings import to_hf
 from mconvert.spec import ModelSpec
 
 Unit = Union[str, int]  # "embedding", 0 .. num_layers-1, "final"
@@ -35,6 +36,37 @@ class Source(Protocol):
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]: ...
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]: ...
+
+
+class SourceBase:
+    """What every Source shares: `units()` and `read_hf` = the family plugin over `read_mcore`."""
+
+    path: Path
+    format: str
+    spec: ModelSpec
+    tokenizer_dir: Path | None = None
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    iteration: int | str | None = None
+
+    # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
+    # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead (issue 7)
+    preview = None
+
+    def units(self) -> list[Unit]:
+        return units_of(self.spec)
+
+    def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Full tensors under HF names, vocab stripped to the true vocab."""
+        return to_hf(self.spec, unit, self.read_mcore(unit), source=str(self.path))
+
+    def describe(self) -> str:
+        par = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")
+        return f"{self.format} checkpoint {self.path} ({self.spec.family}, {par})"
 
 
 # ---- the readers' thread pool: a unit's parameters read and re-laid several at once (issue 7) ----------------

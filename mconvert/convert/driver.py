@@ -68,7 +68,7 @@ def peak_rss_bytes() -> int:
 
 
 def _copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
-    from mconvert.convert.sources import copy_tokenizer
+    from mconvert.convert.tokenizer import copy_tokenizer
 
     return copy_tokenizer(src_dir, out)
 

@@ -19,13 +19,8 @@ import torch
 from mconvert.convert.base import Unit, pmap
 from mconvert.convert.safeload import all_finite, safe_load
 from mconvert.convert.paths import contained, inside_file, load_json_object, open_regular
-from mconvert.convert.sources import (
-    SourceBase,
-    TokenizerCodeRefused,
-    copy_tokenizer,
-    find_tokenizer_dir,
-    load_tokenizer,
-)
+from mconvert.convert.base import SourceBase
+from mconvert.convert.tokenizer import TokenizerCodeRefused, copy_tokenizer, find_tokenizer_dir, load_tokenizer
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families, from_hf, hf_unit
 from mconvert.spec import ModelSpec

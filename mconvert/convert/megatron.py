@@ -31,7 +31,8 @@ from mconvert.convert.layout import (
 )
 from mconvert.convert.paths import inside_file
 from mconvert.convert.safeload import all_finite, safe_load
-from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.base import SourceBase
+from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError, type_name
 from mconvert.mappings import families
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer

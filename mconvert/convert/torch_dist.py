@@ -18,7 +18,8 @@ import torch
 from mconvert.convert.base import Unit
 from mconvert.convert.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.safeload import safe_load, safe_load_dcp_metadata
-from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.base import SourceBase
+from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings.keys import canonical_key, unit_of
 

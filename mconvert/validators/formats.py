@@ -128,7 +128,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
 def _describe_megatron(info: ModelInfo) -> None:
     from mconvert.convert.layout import iteration_dir_name, read_latest
     from mconvert.convert.safeload import safe_load
-    from mconvert.convert.sources import args_dict, checkpoint_dict
+    from mconvert.convert.checkpoint import args_dict, checkpoint_dict
 
     p = info.path
     try:
