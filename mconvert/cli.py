@@ -388,8 +388,9 @@ def to_onnx_cmd(
       mconvert to-onnx ckpt/ onnx/ --no-past --opset 17 --force
     """
     from mconvert.convert.onnx import to_onnx
+    from mconvert.validators.onnx_runner import check_onnx_against_hf
 
-    res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration)
+    res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration, check=check_onnx_against_hf)
     rows = [("out", res.out), ("task", res.task), ("exporter", res.exporter),
             ("prefill rel diff", f"{res.prefill_rel_diff:.3g} (≤ {res.rtol:g})")]
     if res.decode_rel_diff is not None:

@@ -34,7 +34,9 @@ import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.paths import contained, inside_file, read_small
+from mconvert.convert.progress import UnitProgress
 from mconvert.convert.safeload import crc_in_background, wait_crc_checks
+from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings.family import FTFile, FTLayout
@@ -349,13 +351,6 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
     return layout.section, nfiles + 1, nbytes
 
 
-def open_any_source(src: str | Path, iteration: str | None = None) -> Any:
-    """Helper B's `open_source` (Megatron torch / torch_dist / HF dir)."""
-    from mconvert.convert.sources import open_source
-
-    return open_source(src, iteration=iteration)
-
-
 @crc_in_background
 def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str = "fp32", force: bool = False,
                    allow_approx_gelu: bool = False, iteration: str | None = None) -> FTResult:
@@ -366,10 +361,10 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     from mconvert.convert.stream import bound_heap
 
     bound_heap()  # RSS = live tensors (bench/, issue 7)
-    source = open_any_source(src, iteration)
+    source = open_source(src, iteration=iteration)
     layout = ft_layout(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
     units = source.units()
-    with _progress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
+    with UnitProgress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         ft_dir = tmp / f"{infer_tp}-gpu"
         ft_dir.mkdir()
         section, nfiles, nbytes = write_ft_dir(source, ft_dir, infer_tp, dtype, allow_approx_gelu, step)
@@ -383,24 +378,6 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     if layout.tied_head_note and source.spec.tie_embeddings:
         notes.append(layout.tied_head_note)
     return FTResult(Path(out), Path(out) / f"{infer_tp}-gpu", section, infer_tp, dtype, nfiles, nbytes, notes)
-
-
-class _progress:
-    """A rich progress bar on stderr, advanced once per unit."""
-
-    def __init__(self, what: str, total: int) -> None:
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self._p = Progress(console=Console(stderr=True), transient=True)
-        self._task = self._p.add_task(what, total=total)
-
-    def __enter__(self) -> Any:
-        self._p.start()
-        return lambda: self._p.advance(self._task)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._p.stop()
 
 
 def describe(result: FTResult) -> Iterator[tuple[str, str]]:

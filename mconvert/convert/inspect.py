@@ -10,7 +10,7 @@ from mconvert.convert.layout import stage_layers
 from mconvert.convert.sources import open_source
 from mconvert.errors import rich_safe
 from mconvert.mappings.transforms import split_dim
-from mconvert.spec import SPLIT_COLLECTIVE, _template
+from mconvert.spec import SPLIT_COLLECTIVE, name_template
 
 
 def _ranges(layers: list[int]) -> str:
@@ -40,7 +40,7 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
     if spec.tie_embeddings and "output_layer.weight" in stored:
         decls.append(type(decls[0])("output_layer.weight", "vocab", decls[0].shape))
     for d in decls:
-        tpl = _template(d.name)
+        tpl = name_template(d.name)
         full = list(d.shape)
         if d.kind == "vocab" and src.format == "hf":
             full[0] = spec.vocab_size  # HF stores the true vocab; Megatron pads it

@@ -16,6 +16,7 @@ import logging
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,9 @@ from mconvert.convert.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
 
 DEFAULT_RTOL = 1e-4
+
+# (ONNX dir, HF dir) -> (prefill relative logits difference, cached-decode one or None)
+OnnxCheck = Callable[[Path, Path], tuple[float, "float | None"]]
 
 
 @dataclass
@@ -45,12 +49,6 @@ class OnnxResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |a - ref| / max |ref| (the tolerance measure used throughout mconvert)."""
-    a, ref = a.float(), ref.float()
-    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
 def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
@@ -152,35 +150,12 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
             copy_contained(hf_dir, name, out, "json")
 
 
-@torch.no_grad()
-def check_onnx_against_hf(onnx_dir: Path, hf_dir: Path, rtol: float = DEFAULT_RTOL,
-                          batch: int = 2, seq: int = 16) -> tuple[float, float | None]:
-    """Run onnxruntime and transformers on the same random tokens; (prefill diff, cached-decode diff or None)."""
-    from transformers import AutoModelForCausalLM
-
-    from mconvert.validators.onnx_runner import _past_inputs, onnx_session, onnx_step
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, trust_remote_code=False,
-                                                 local_files_only=True).eval()
-    cfg = model.config
-    seq = min(seq, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", seq))
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    ref = model(input_ids=tokens, use_cache=False).logits
-    sess = onnx_session(onnx_dir)
-    if not _past_inputs(sess):
-        logits, _ = onnx_step(sess, tokens)
-        return rel_diff(logits, ref), None
-    pre, past = onnx_step(sess, tokens[:, :-1])
-    prefill = rel_diff(pre, ref[:, :-1])
-    step, _ = onnx_step(sess, tokens[:, -1:], past=past, past_len=seq - 1)
-    return prefill, rel_diff(step, ref[:, -1:])
-
-
 def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
             force: bool = False, rtol: float = DEFAULT_RTOL, exporter: str = "optimum",
-            iteration: str | None = None) -> OnnxResult:
-    """`mconvert to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers."""
+            iteration: str | None = None, *, check: OnnxCheck) -> OnnxResult:
+    """`mconvert to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers.
+
+    `check(onnx_dir, hf_dir)` runs both on the same tokens (the validators' `check_onnx_against_hf`)."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if exporter not in ("optimum", "torch"):
@@ -198,7 +173,7 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
                 _export_optimum(hf_dir, tmp, with_past, opset)
             else:
                 _export_torch(hf_dir, tmp, opset)
-            prefill, decode = check_onnx_against_hf(tmp, hf_dir, rtol)
+            prefill, decode = check(tmp, hf_dir)
         worst = max(prefill, decode or 0.0)
         if not worst <= rtol:  # also catches NaN
             raise MConvertError(

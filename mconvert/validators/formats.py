@@ -82,11 +82,11 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
         info.dtype = _norm_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         info.vocab_size = cfg.get("vocab_size")
         info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
-        info.tokenizer_dir = p if _has_tokenizer(p) else None
+        info.tokenizer_dir = p if has_tokenizer(p) else None
     elif fmt == "megatron":
         _describe_megatron(info)
     elif fmt == "megatron-torch_dist":
-        info.tokenizer_dir = p if _has_tokenizer(p) else None
+        info.tokenizer_dir = p if has_tokenizer(p) else None
     elif fmt == "ft":
         from mconvert.convert.fastertransformer import ft_number, read_ft_config
 
@@ -99,7 +99,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
             info.max_positions = ft_number(sec, "max_pos_seq_len", ini)
         info.layout = {"infer_tp": ft_number(sec, "tensor_para_size", ini) if "tensor_para_size" in sec else 1}
         for cand in (p, ini.parent, p.parent):
-            if _has_tokenizer(cand):
+            if has_tokenizer(cand):
                 info.tokenizer_dir = cand
                 break
     elif fmt == "trtllm":
@@ -111,7 +111,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
         info.max_positions = cfg.get("max_position_embeddings")
         info.layout = {"tp": cfg["mapping"]["tp_size"]}
         for cand in (p, p.parent):
-            if _has_tokenizer(cand):
+            if has_tokenizer(cand):
                 info.tokenizer_dir = cand
                 break
     elif fmt == "onnx":
@@ -121,7 +121,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
             info.vocab_size = cfg.get("vocab_size")
             info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         info.dtype = _onnx_dtype(p if p.is_file() else (d / "model.onnx"))
-        info.tokenizer_dir = d if _has_tokenizer(d) else None
+        info.tokenizer_dir = d if has_tokenizer(d) else None
     return info
 
 
@@ -149,7 +149,7 @@ def _describe_megatron(info: ModelInfo) -> None:
         info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
         info.max_positions = a.get("max_position_embeddings")
         info.layout = {"iteration": it}
-        info.tokenizer_dir = next((c for c in (p, p / "tokenizer", p.parent) if _has_tokenizer(c)), None)
+        info.tokenizer_dir = next((c for c in (p, p / "tokenizer", p.parent) if has_tokenizer(c)), None)
         return
     if not ranks:
         raise MConvertError(f"{d}: no mp_rank_* directories; is iteration {it} in this checkpoint?")
@@ -163,7 +163,7 @@ def _describe_megatron(info: ModelInfo) -> None:
     info.max_positions = a.get("max_position_embeddings")
     info.layout = {"tp": tp, "pp": pp, "iteration": it}
     for cand in (p, p / "tokenizer", p.parent):
-        if _has_tokenizer(cand):
+        if has_tokenizer(cand):
             info.tokenizer_dir = cand
             break
 
@@ -183,7 +183,7 @@ def _onnx_dtype(path: Path) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def _has_tokenizer(p: Path) -> bool:
+def has_tokenizer(p: Path) -> bool:
     return p.is_dir() and any((p / f).is_file() for f in TOKENIZER_FILES)
 
 

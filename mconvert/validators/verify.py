@@ -373,11 +373,11 @@ def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> No
 
 # ---- tokenizer, generation config, manifest -------------------------------------------------------
 def _tokenizer(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
-    from mconvert.validators.formats import _has_tokenizer
+    from mconvert.validators.formats import has_tokenizer
     from mconvert.validators.tokens import load_tokenizer
 
     vocab = int(cfg.get("vocab_size") or 0)
-    if not _has_tokenizer(d):
+    if not has_tokenizer(d):
         rep.add("tokenizer", "error", f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json); vLLM "
                 "needs one to serve text — export with --tokenizer DIR")
         return

@@ -45,10 +45,10 @@ def ensure_vllm_env(venv: Path | None = None, timeout: float = 1800) -> Path:
 
 
 def _prompts(d: Path, vocab: int, n_prompts: int, length: int) -> list[list[int]]:
-    from mconvert.validators.formats import _has_tokenizer
+    from mconvert.validators.formats import has_tokenizer
     from mconvert.validators.tokens import make_batch
 
-    t, _ = make_batch(vocab, length, n_prompts, None, d if _has_tokenizer(d) else None)
+    t, _ = make_batch(vocab, length, n_prompts, None, d if has_tokenizer(d) else None)
     return t.tolist()
 
 
@@ -98,7 +98,7 @@ def vllm_compare_many(
     """Serve each dir in turn in one vLLM process (one import), compare each with transformers."""
     if not Path(vllm_python).exists():
         raise MConvertError(f"--vllm-python {vllm_python}: no such interpreter; build one with `make vllm-env`")
-    from mconvert.validators.formats import _has_tokenizer
+    from mconvert.validators.formats import has_tokenizer
 
     jobs = []
     for d in dirs:
@@ -108,7 +108,7 @@ def vllm_compare_many(
         plen = min(prompt_len, max_len // 2)
         jobs.append({"model": str(d.absolute()), "prompts": _prompts(d, int(cfg["vocab_size"]), n_prompts, plen),
                      "max_tokens": min(max_tokens, max_len - plen), "max_model_len": max_len,
-                     "skip_tokenizer_init": not _has_tokenizer(d)})
+                     "skip_tokenizer_init": not has_tokenizer(d)})
     with tempfile.TemporaryDirectory(prefix="mconvert-vllm-") as tmp:
         rq, rs = Path(tmp) / "request.json", Path(tmp) / "result.json"
         rq.write_text(json.dumps({"jobs": jobs}))
