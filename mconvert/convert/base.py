@@ -9,6 +9,8 @@ Writers consume units one by one, so peak memory is one unit's shards plus the o
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, Union
 
@@ -92,8 +94,6 @@ def _pool() -> Any:
     if _WORKERS == 1:
         return None
     if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
         try:
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
@@ -105,8 +105,6 @@ def _pool() -> Any:
 def pmap(fn: Any, items: Any) -> list[Any]:
     """`list(map(fn, items))` on the readers' pool — serially when already on it (a nested map on a full
     pool would wait for itself). Exceptions surface in item order, as with map."""
-    import threading
-
     pool = _pool()
     if pool is None or threading.current_thread().name.startswith("read-param"):
         return [fn(x) for x in items]

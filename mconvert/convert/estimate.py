@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from mconvert.convert.paths import load_json_object
 from mconvert.errors import MConvertError, expect
 from mconvert.spec import ModelSpec, ParamDecl
@@ -335,8 +337,6 @@ def _gb(n: float) -> str:
 
 def render_estimate(est: Estimate) -> Any:
     """A rich table of one estimate (the CLI prints it to stderr)."""
-    from rich.table import Table
-
     t = Table(title=f"{est.operation}: {est.model} ({est.parameters / 1e9:,.1f} B params, {est.dtype})")
     t.add_column("quantity")
     t.add_column("estimate")

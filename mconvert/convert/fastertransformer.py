@@ -24,6 +24,7 @@ from __future__ import annotations
 import configparser
 import os
 import re
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,11 +33,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from mconvert.convert.atomic import atomic_output_dir, check_output
+from mconvert.convert.atomic import atomic_output_dir, check_output, record_digest
 from mconvert.convert.paths import contained, inside_file, read_small
 from mconvert.convert.progress import UnitProgress
 from mconvert.convert.safeload import crc_in_background, wait_crc_checks
 from mconvert.convert.sources import open_source
+from mconvert.convert.stream import HashingFile
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings.family import FTFile, FTLayout
@@ -281,14 +283,10 @@ class _RawFiles:
     overlaps writing the previous ones; `finish()` waits for the rest."""
 
     def __init__(self, window: int = 1) -> None:
-        from collections import deque
-
         self._open: Any = deque()
         self._window = window
 
     def write(self, path: Path, x: torch.Tensor, dtype: str) -> int:
-        from mconvert.convert.stream import HashingFile
-
         arr = x.detach().to(torch.float32).contiguous().numpy().astype(FT_DTYPES[dtype][0], copy=False)
         f = HashingFile(path, direct=arr.nbytes >= (1 << 20), chunk=4 << 20)  # one chunk size: a small pool
         self._open.append(f)
@@ -298,8 +296,6 @@ class _RawFiles:
         return arr.nbytes
 
     def _close(self, f: Any) -> None:
-        from mconvert.convert.atomic import record_digest
-
         record_digest(f.path, f.close())
 
     def finish(self) -> None:

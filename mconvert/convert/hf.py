@@ -11,18 +11,29 @@ import json
 import math
 import os
 import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
-from mconvert.convert.base import Unit, pmap
-from mconvert.convert.safeload import all_finite, safe_load
+from mconvert.convert import bounds
+from mconvert.convert.atomic import record_digest
+from mconvert.convert.base import SourceBase, Unit, pmap, units_of
 from mconvert.convert.paths import contained, inside_file, load_json_object, open_regular
-from mconvert.convert.base import SourceBase
-from mconvert.convert.tokenizer import TokenizerCodeRefused, copy_tokenizer, find_tokenizer_dir, load_tokenizer
+from mconvert.convert.safeload import all_finite, safe_load
+from mconvert.convert.stream import ST_DTYPES, LazyModel, SafetensorsStream, TensorIndex, plan_shards
+from mconvert.convert.tokenizer import (
+    TokenizerCodeRefused,
+    copy_tokenizer,
+    find_tokenizer_dir,
+    load_tokenizer,
+)
 from mconvert.errors import MConvertError, expect
-from mconvert.mappings import families, from_hf, hf_unit
+from mconvert.mappings import families, from_hf, hf_unit, to_hf
+from mconvert.mappings.fields import key_names
 from mconvert.spec import ModelSpec
 
 INDEX = "model.safetensors.index.json"
@@ -80,9 +91,6 @@ class HFSource(SourceBase):
     def _check_sizes(self, source: str) -> None:
         """config.json's sizes against the tensors present (safetensors headers) and the memory available,
         before any per-layer loop or allocation."""
-        from mconvert.convert import bounds
-        from mconvert.mappings.fields import key_names
-
         names = key_names(families.hf_table(families.of(self.spec).model_type))
         bounds.check_layer_count(self.spec, {u for u in self.unit_keys if isinstance(u, int)}, source, names)
         if not self.can_preview():
@@ -223,10 +231,6 @@ class HFWriter:
     def _plan(self, first: dict[str, torch.Tensor]) -> list:
         """Every tensor this model will produce, in arrival order (units of the spec through the plugin on
         the meta device), cut into shards; [] when `first` is not the start of that sequence."""
-        from mconvert.convert.base import units_of
-        from mconvert.convert.stream import plan_shards
-        from mconvert.mappings import to_hf
-
         spec = self.spec
         dtype = self.dtype or next(iter(first.values())).dtype
         entries = []
@@ -246,7 +250,6 @@ class HFWriter:
         CPU that then overlap the conversion instead of following it (bench/, issue 7). Same answer."""
         if tokenizer_dir is None:
             return
-        from concurrent.futures import ThreadPoolExecutor
 
         ex = ThreadPoolExecutor(1)
         self._special_ids = ex.submit(_tokenizer_special_ids, tokenizer_dir)
@@ -254,8 +257,6 @@ class HFWriter:
         ex.shutdown(wait=False)
 
     def _add_streamed(self, name: str, t: torch.Tensor) -> None:
-        from mconvert.convert.stream import SafetensorsStream
-
         if self._stream is None:
             if not self._shards:
                 raise MConvertError(f"{self.out}: tensor {name!r} arrived after every planned tensor was written")
@@ -296,8 +297,6 @@ class HFWriter:
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buf_bytes)
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self._buf:
             return
         path = self.out / f".shard-{len(self._tmp_files):05d}.safetensors"
@@ -313,8 +312,6 @@ class HFWriter:
 
     def close(self, tokenizer_dir: Path | None = None) -> list[Path]:
         """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer."""
-        from mconvert.convert.atomic import record_digest
-
         if self._streaming and (self._stream is not None or self._shards):
             missing = self._stream.entries[self._stream._next][0] if self._stream else self._shards[0][0][0]
             if self._stream is not None:
@@ -363,10 +360,6 @@ class _SafetensorsFile:
     safetensors' own loader makes: known dtypes, sizes that match the shapes, offsets that tile the data."""
 
     def __init__(self, path: Path) -> None:
-        import struct
-
-        from mconvert.convert.stream import ST_DTYPES
-
         self.path = path
         self.fd = open_regular(path)
         size = os.fstat(self.fd).st_size
@@ -435,8 +428,6 @@ class _SafetensorsFile:
 def _bin_reader(path: Path) -> Any:
     """A pytorch_model*.bin as a mapping read tensor by tensor with pread (one safe, weights-only load builds
     the offset index): its pages do not stay resident as a whole mmap'd file would (bench/, issue 7)."""
-    from mconvert.convert.stream import LazyModel, TensorIndex
-
     st = safe_load(path, "weights")
     if not isinstance(st, dict):
         return st

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group
+from rich.table import Table
+
 from mconvert.convert.layout import stage_layers
 from mconvert.convert.sources import open_source
 from mconvert.errors import rich_safe
@@ -72,9 +75,6 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
 
 def render_inspect(info: dict[str, Any]) -> Any:
     """Rich renderables: a summary table and the per-parameter table."""
-    from rich.console import Group
-    from rich.table import Table
-
     s = info["spec"]
     head = Table(title=f"{rich_safe(info['path'])}: {info['format']}", show_header=False)
     head.add_column("field")

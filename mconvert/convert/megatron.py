@@ -13,13 +13,17 @@ import math
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
-from mconvert.convert.base import Unit, pmap
+from mconvert.convert.atomic import record_digest, sha256_file
+from mconvert.convert.base import SourceBase, Unit, pmap
+from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.layout import (
     CHECKPOINT_VERSION,
     layer_location,
@@ -31,12 +35,20 @@ from mconvert.convert.layout import (
 )
 from mconvert.convert.paths import inside_file
 from mconvert.convert.safeload import all_finite, safe_load
-from mconvert.convert.base import SourceBase
-from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.stream import (
+    LazyModel,
+    Spool,
+    TensorIndex,
+    TorchSaveStream,
+    merge_dim0_into,
+    save_spooled,
+)
 from mconvert.errors import MConvertError, type_name
 from mconvert.mappings import families
+from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
-from mconvert.mappings.transforms import merge, merge_transposed, pad_vocab, split
+from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
+from mconvert.mappings.transforms import merge, merge_transposed, pad_vocab, split, split_dim
 from mconvert.spec import ModelSpec
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -114,9 +126,6 @@ class MegatronSource(SourceBase):
     def _check_sizes(self, args: dict[str, Any], source: str) -> None:
         """The args' sizes against the tensors of the TP-rank-0 files and the memory available, before any
         per-layer loop or allocation."""
-        from mconvert.convert import bounds
-        from mconvert.mappings.fields import MEGATRON_ARGS, key_names
-
         names = key_names(MEGATRON_ARGS)
         bounds.check_layer_count(self.spec, {u for u in map(unit_of, self.shapes) if isinstance(u, int)}, source,
                                  names)
@@ -267,8 +276,6 @@ class MegatronSource(SourceBase):
     def _lazy_model(self, t: int, p: int, c: int) -> Any:
         """Rank file (t, p)'s chunk c read tensor by tensor with pread at indexed offsets (built from one safe,
         weights-only load per file): no unpickling per unit, no mmap pages left in RSS. None: use safe_load."""
-        from mconvert.convert.stream import LazyModel
-
         cache = self.__dict__.setdefault("_tensor_index", {})
         if (t, p) not in cache:
             with _INDEX_LOCK:  # the readers' threads: one load per file
@@ -283,8 +290,6 @@ class MegatronSource(SourceBase):
     def _remember(self, t: int, p: int, st: dict) -> None:
         """While rank file (t, p) is loaded anyway (opening checks): build its offset index and keep its small
         top-level entries, so reading units and `top_level` need no second unpickling of it (issue 7)."""
-        from mconvert.convert.stream import TensorIndex
-
         cache = self.__dict__.setdefault("_tensor_index", {})
         tops = self.__dict__.setdefault("_top_level", {})
         f = self.files[(t, p)]
@@ -302,8 +307,6 @@ class MegatronSource(SourceBase):
         """Dim-0 split parameters (column / qkv / vocab / gated) of one unit, each rank's shard pread straight
         into the merged tensor (= `merge`, without shard copies and torch.cat); each rank's rows are checked
         finite as the shard loop would. Parameters it cannot read in place are left to that loop."""
-        from mconvert.convert.stream import merge_dim0_into
-
         if self.tp == 1 or self.checkpoint_version < 2:
             return {}
         lazies = [self._lazy_model(t, p, c) for t in range(self.tp)]
@@ -337,8 +340,6 @@ class MegatronSource(SourceBase):
         the main thread was the bottleneck, one core of two idle), and only the parameters in progress hold
         their merged form. Parameters HF stores transposed are merged column-major, so the plugin's
         transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`."""
-        from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
-
         names = self._unit_names(unit)
         check_complete(self.spec, unit, names, str(self.path))
 
@@ -416,8 +417,6 @@ class MegatronSource(SourceBase):
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """What `read_mcore(unit)` returns, as meta tensors (names in its order, full shapes, dtypes): from the
         key maps of the opening checks, no tensor data read. Writers lay out their files from it."""
-        from mconvert.mappings.transforms import split_dim
-
         out: dict[str, torch.Tensor] = {}
         for name in self._unit_names(unit):
             shape = list(self.shapes[name])
@@ -569,8 +568,6 @@ class MegatronWriter:
     def _open_stage(self, p: int) -> None:
         """Lay out stage p's rank files from the source's preview and open their streams: each planned shard
         gets a placeholder (untouched memory) that the real shard's bytes replace as they arrive."""
-        from mconvert.convert.stream import TorchSaveStream
-
         saved = self._embedding
         chunks: dict[int, list] = {}
         for unit in self._stage_units[p]:
@@ -618,8 +615,6 @@ class MegatronWriter:
         self._spools.clear()
 
     def _close_stage(self, p: int) -> None:
-        from mconvert.convert.atomic import record_digest
-
         for t, stream in sorted(self._streams.pop(p).items()):
             digest = stream.close()
             path = rank_file(self.out, self.iteration, t, p, self.pp)
@@ -672,8 +667,6 @@ class MegatronWriter:
             if spool is None:
                 save_rank_file(path, state)
             else:  # byte-identical to save_rank_file, the parked shard bytes copied in by the kernel
-                from mconvert.convert.stream import save_spooled
-
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_name(path.name + ".tmp")
                 save_spooled(state, tmp, spool)
@@ -686,10 +679,6 @@ class MegatronWriter:
     def _hash_in_background(self, path: Path) -> None:
         """sha256 of a finished rank file on a thread, overlapping the next stage's reads (issue 7); `close`
         hands it to the manifest (`atomic.record_digest`), which uses it only if the file is unchanged since."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        from mconvert.convert.atomic import sha256_file
-
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hash-rank-files")
         st = os.stat(path)
@@ -697,8 +686,6 @@ class MegatronWriter:
 
     def _spool(self, p: int, t: int) -> Any:
         """The spool of rank file (t, p): shard bytes wait there, not in memory, until the stage is complete."""
-        from mconvert.convert.stream import Spool
-
         if (p, t) not in self._spools:
             self.out.mkdir(parents=True, exist_ok=True)
             self._spools[(p, t)] = Spool(self.out / f".spool-{p:03d}-{t:02d}")
@@ -710,7 +697,6 @@ class MegatronWriter:
         if missing:
             raise MConvertError(f"internal: pipeline stages {missing} did not receive all their units")
         write_latest(self.out, self.iteration)
-        from mconvert.convert.atomic import record_digest
 
         for path, (size, mtime), fut in self._hashes:
             try:

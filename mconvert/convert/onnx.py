@@ -15,15 +15,18 @@ import contextlib
 import logging
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+import warnings
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
-from mconvert.convert.paths import inside_file, load_json_object
+from mconvert.convert.driver import megatron_to_hf
+from mconvert.convert.paths import copy_contained, inside_file, load_json_object
+from mconvert.convert.sources import detect_format
 from mconvert.errors import MConvertError
 
 DEFAULT_RTOL = 1e-4
@@ -52,8 +55,6 @@ class OnnxResult:
 
 
 def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
-    from mconvert.convert.sources import detect_format
-
     return detect_format(p, iteration) == "hf"
 
 
@@ -64,7 +65,6 @@ def _hf_dir_for(src: Path, iteration: str | None) -> Any:
         load_json_object(inside_file(src, "config.json", f"{src}: config"), "config", "fix it or re-copy the model directory")  # before optimum
         yield src
         return
-    from mconvert.convert.driver import megatron_to_hf
 
     with tempfile.TemporaryDirectory(prefix="mconvert-onnx-hf-") as tmp:
         hf = Path(tmp) / "hf"
@@ -75,8 +75,7 @@ def _hf_dir_for(src: Path, iteration: str | None) -> Any:
 @contextlib.contextmanager
 def _quiet() -> Any:
     """Silence transformers/optimum/torch.onnx chatter during export (our report says what matters)."""
-    import warnings
-
+    # heavy optional import: transformers loads only when a model is run
     from transformers.utils import logging as hf_logging
 
     with contextlib.suppress(ImportError):  # importing optimum configures its loggers: do it before muting
@@ -100,7 +99,7 @@ def _quiet() -> Any:
 
 
 def _export_optimum(hf_dir: Path, out: Path, with_past: bool, opset: int | None) -> None:
-    try:
+    try:  # optional at run time: without optimum-onnx the torch exporter still works
         from optimum.exporters.onnx import main_export
     except ImportError as e:
         raise MConvertError(f"optimum-onnx is not installed ({e}); pip install optimum-onnx, or --exporter torch") from None
@@ -130,9 +129,8 @@ class _LogitsOnly(torch.nn.Module):
 
 def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
     """Fallback: `torch.onnx.export` (TorchScript exporter) of the logits-only graph; copies config.json."""
+    # heavy optional import: transformers loads only when a model is run
     from transformers import AutoModelForCausalLM
-
-    from mconvert.convert.paths import copy_contained
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
                                                  trust_remote_code=False, local_files_only=True)

@@ -36,7 +36,8 @@ def load_tokenizer(tok_dir: Path) -> Any:
     """transformers' tokenizer of `tok_dir`, never running code shipped in it: `trust_remote_code=False` and
     local files only, so no `[y/N]` prompt either. A tokenizer that only its own code can build (`auto_map`
     without a class transformers has) is refused by name; any other failure is one MConvertError."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy optional import, only when a tokenizer is read
+    # heavy optional import: transformers loads only when a tokenizer is read
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     check_tokenizer_dir(tok_dir)
     check_tokenizer_files(tok_dir)

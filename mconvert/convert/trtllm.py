@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from mconvert.convert.atomic import atomic_output_dir, check_output
 from mconvert.convert.paths import inside_file, load_json_object
@@ -296,8 +297,6 @@ def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
 
 def check_trtllm_dir(path: str | Path) -> list[str]:
     """Problems with a TensorRT-LLM checkpoint dir (empty list: every rank holds exactly the expected tensors)."""
-    from safetensors import safe_open
-
     d = Path(path)
     cfg_path = d / "config.json"
     try:

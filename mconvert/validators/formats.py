@@ -9,8 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.layout import RANK_FILE, TRACKER, parse_rank_dir
+from mconvert.convert.checkpoint import args_dict, checkpoint_dict
+from mconvert.convert.fastertransformer import ft_number, read_ft_config
+from mconvert.convert.layout import RANK_FILE, TRACKER, iteration_dir_name, parse_rank_dir, read_latest
 from mconvert.convert.paths import inside_file, load_json_object
+from mconvert.convert.safeload import safe_load
+from mconvert.convert.trtllm import read_trtllm_config
 from mconvert.errors import MConvertError
 
 
@@ -88,8 +92,6 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
     elif fmt == "megatron-torch_dist":
         info.tokenizer_dir = p if has_tokenizer(p) else None
     elif fmt == "ft":
-        from mconvert.convert.fastertransformer import ft_number, read_ft_config
-
         ini = _ft_config(p)
         _, sec = read_ft_config(ini.parent)
         wdt = sec.get("weight_data_type", "fp32")
@@ -103,8 +105,6 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
                 info.tokenizer_dir = cand
                 break
     elif fmt == "trtllm":
-        from mconvert.convert.trtllm import read_trtllm_config
-
         cfg = read_trtllm_config(p / "config.json")
         info.dtype = _norm_dtype(cfg["dtype"])
         info.vocab_size = cfg["vocab_size"]
@@ -126,10 +126,6 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
 
 
 def _describe_megatron(info: ModelInfo) -> None:
-    from mconvert.convert.layout import iteration_dir_name, read_latest
-    from mconvert.convert.safeload import safe_load
-    from mconvert.convert.checkpoint import args_dict, checkpoint_dict
-
     p = info.path
     try:
         it = read_latest(p)
@@ -170,7 +166,7 @@ def _describe_megatron(info: ModelInfo) -> None:
 
 def _onnx_dtype(path: Path) -> str:
     try:
-        import onnx
+        import onnx  # heavy optional import: onnx loads only when an ONNX file is inspected
 
         m = onnx.load(str(path), load_external_data=False)
         out = next((o for o in m.graph.output if o.name == "logits"), m.graph.output[0])

@@ -34,6 +34,7 @@ def resolve_onnx_file(path: str | Path) -> Path:
 
 def onnx_session(path: str | Path, device: str = "cpu") -> Any:
     """An onnxruntime InferenceSession on CPU, or CUDA (falling back to CPU only if CUDA is unavailable)."""
+    # heavy optional import: onnxruntime loads only when an ONNX model is run
     import onnxruntime as ort
 
     f = resolve_onnx_file(path)

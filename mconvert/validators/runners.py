@@ -80,6 +80,7 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
 
     Hidden states are captured by hooks as the Megatron runner records them: the first layer's input
     (the embedding output), then every layer's output before the final norm."""
+    # heavy optional import: transformers loads only when a model is run
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -132,8 +133,10 @@ def _decoder_layers(model) -> list | None:
 
 def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor:
     """Logits of any Source (e.g. torch_dist) via its HF-named tensors loaded into the transformers class."""
+    # heavy optional import: transformers loads only when a model is run
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # heavy optional import: transformers loads only when a model is run
     from transformers.modeling_utils import no_init_weights
 
     src = open_source(path)
