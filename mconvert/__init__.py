@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     """`PRESETS` and `preset` come from the family registry, loaded on first use (it imports torch)."""
     if name in ("PRESETS", "preset"):
-        from mconvert.mappings import families
+        from mconvert.mappings import families  # the registry imports torch: `import mconvert` stays light
 
         return getattr(families, name)
     raise AttributeError(name)

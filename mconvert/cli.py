@@ -9,6 +9,7 @@ Library code never imports typer.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.table import Table
 
 from mconvert.convert.io import tuning
 from mconvert.errors import MConvertError
@@ -47,6 +49,7 @@ Workers = Annotated[int, typer.Option("--workers", help="Parameters read and re-
 
 
 def _workers(n: int) -> None:
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.base import set_workers
 
     set_workers(n)
@@ -89,8 +92,7 @@ def train_cmd(
     json_out: Json = False,
 ) -> None:
     """Train a GPT on the shipped corpus with TP×PP×DP processes; write Megatron checkpoints."""
-    import json
-
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.trainer.comm import render_report
     from mconvert.trainer.train import TrainConfig, train
 
@@ -137,8 +139,7 @@ def plan_cmd(
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to megatron --target-tp 8 --target-pp 8 --json
     """
-    import json as _json
-
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate
     from mconvert.mappings.families import preset
 
@@ -148,7 +149,7 @@ def plan_cmd(
         model=preset_name,
     )
     if json_out:
-        print(_json.dumps(est.to_dict(with_files=files), indent=1))
+        print(json.dumps(est.to_dict(with_files=files), indent=1))
     else:
         console.print(render_estimate(est))
 
@@ -160,12 +161,8 @@ Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline chun
 
 def _print_report(report: dict, json_out: bool) -> None:
     """A conversion report: JSON on stdout, or a rich table of files plus a summary on stderr."""
-    import json as _json
-
-    from rich.table import Table
-
     if json_out:
-        print(_json.dumps(report, indent=1, default=str))
+        print(json.dumps(report, indent=1, default=str))
         return
     title = ("DRY RUN (nothing written): " if report.get("dry_run") else "") + f"{report['verb']} → {report['output']}"
     t = Table(title=plain(title))
@@ -205,6 +202,7 @@ def megatron_to_hf_cmd(
       mconvert megatron-to-hf ckpt/ hf-out/ --iteration 2000 --dtype bf16 --tokenizer tok/ --max-shard-size 2GB
       mconvert megatron-to-hf ckpt/ hf-out/ --dry-run
     """
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import megatron_to_hf
 
     _workers(workers)
@@ -232,6 +230,7 @@ def hf_to_megatron_cmd(
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 2 --pp 2
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 4 --pp 2 --vpp 2 --dtype bf16 --force
     """
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import hf_to_megatron
 
     _workers(workers)
@@ -261,6 +260,7 @@ def reshard_cmd(
       mconvert reshard ckpt/ ckpt-tp4/ --tp 4 --pp 1
       mconvert reshard ckpt/ ckpt-tp2pp2/ --tp 2 --pp 2 --with-optimizer
     """
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import reshard
 
     _workers(workers)
@@ -281,13 +281,12 @@ def inspect_cmd(
       mconvert inspect ckpt/
       mconvert inspect ckpt/ --iteration 100 --json
     """
-    import json as _json
-
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.inspect import inspect_checkpoint, render_inspect
 
     info = inspect_checkpoint(ckpt, iteration=iteration)
     if json_out:
-        print(_json.dumps(info, indent=1, default=str))
+        print(json.dumps(info, indent=1, default=str))
     else:
         Console().print(render_inspect(info))
 
@@ -298,11 +297,8 @@ def inspect_cmd(
 def _deploy_report(title: str, rows: list[tuple[str, str]], data: dict, as_json: bool) -> None:
     """Print a deployment verb's result as a rich table (stderr) or JSON (stdout)."""
     if as_json:
-        import json as _json
-
-        print(_json.dumps(data, indent=1))
+        print(json.dumps(data, indent=1))
         return
-    from rich.table import Table
 
     table = Table(title=title, show_header=False)
     for k, v in rows:
@@ -333,6 +329,7 @@ def megatron_to_ft_cmd(
       mconvert megatron-to-ft ckpt/ ft/ --infer-tp 2
       mconvert megatron-to-ft hf-gpt2/ ft/ --infer-tp 4 --dtype fp16 --force
     """
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.fastertransformer import describe, megatron_to_ft
 
     _workers(workers)
@@ -359,6 +356,7 @@ def megatron_to_trtllm_cmd(
       mconvert megatron-to-trtllm ckpt/ trtllm/ --tp 2
       mconvert megatron-to-trtllm hf-llama/ trtllm/ --tp 4 --dtype fp16 --force
     """
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.trtllm import megatron_to_trtllm
 
     res = megatron_to_trtllm(src, out, tp, dtype, force, iteration)
@@ -392,9 +390,11 @@ def to_onnx_cmd(
       mconvert to-onnx hf-model/ onnx/
       mconvert to-onnx ckpt/ onnx/ --no-past --opset 17 --force
     """
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.onnx import to_onnx
+    from mconvert.validators.onnx_runner import check_onnx_against_hf
 
-    res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration)
+    res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration, check=check_onnx_against_hf)
     rows = [("out", res.out), ("task", res.task), ("exporter", res.exporter),
             ("prefill rel diff", f"{res.prefill_rel_diff:.3g} (≤ {res.rtol:g})")]
     if res.decode_rel_diff is not None:
@@ -431,13 +431,12 @@ def validate_cmd(
       mconvert validate ckpt/ ckpt-tp1pp2/ --device cpu --tokens 64 --plot err.png
       mconvert validate hf/ onnx/ --text prompt.txt --json
     """
-    import json as _json
-
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.validators.validate import render, validate
 
     report = validate(ref, list(others), device=device, n_tokens=tokens, text_file=text, plot=plot)
     if json_out:
-        print(_json.dumps(report.to_json(), indent=1))
+        print(json.dumps(report.to_json(), indent=1))
     else:
         render(report, console)
         if plot:
@@ -467,13 +466,12 @@ def verify_cmd(
       mconvert verify hf/ --against ckpt/ --json
       mconvert verify hf/ --against ckpt/ --vllm-python ~/.cache/mconvert/vllm-venv/bin/python
     """
-    import json as _json
-
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.validators.verify import render_verify, verify
 
     report = verify(hf_dir, against=against, vllm_python=vllm_python, device=device)
     if json_out:
-        print(_json.dumps(report.to_json(), indent=1))
+        print(json.dumps(report.to_json(), indent=1))
     else:
         render_verify(report, console)
     if not report.passed:

@@ -19,6 +19,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.rule import Rule
 
+from mconvert.mappings.families import preset as get_preset
+
 console = Console(width=int(os.environ.get("COLUMNS", "120")))
 
 
@@ -67,8 +69,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def demo_one(preset: str, out: Path, steps: int, vllm_python: str | None) -> None:
     """Train one preset at TP=2 PP=2 and take it through every format, then prove the results."""
-    from mconvert.mappings.families import preset as get_preset
-
     spec = get_preset(preset)
     out.mkdir(parents=True)
     ckpt, hf, resharded = out / "ckpt", out / "hf", out / "ckpt-tp1pp2"

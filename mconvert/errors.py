@@ -9,6 +9,8 @@ from __future__ import annotations
 import unicodedata
 from typing import Any
 
+from rich.markup import escape
+
 
 class MConvertError(Exception):
     """A user-facing error. The CLI prints `error: <message>` and exits 1 (MCONVERT_DEBUG=1 shows a traceback)."""
@@ -37,8 +39,6 @@ def rich_safe(text: object) -> str:
     """`text` ready to embed in rich markup: control characters escaped (above) and markup brackets escaped, so
     a path `[v2]` prints as itself and `[/x]` cannot crash the printer. Every report line that shows a file
     name, a key or an exception's text passes through here."""
-    from rich.markup import escape
-
     return escape(escape_controls(str(text)))
 
 

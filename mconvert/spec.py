@@ -328,7 +328,7 @@ class ModelSpec:
     def split_kind(self, name: str) -> str:
         """Split kind of a canonical parameter name (any layer index)."""
         for decl in self._decls_by_template():
-            if _template(name) == decl[0]:
+            if name_template(name) == decl[0]:
                 return decl[1]
         raise MConvertError(f"no split declaration for parameter {name!r}")
 
@@ -336,7 +336,7 @@ class ModelSpec:
         decls = self.embedding_params() + self.layer_params(0) + self.final_params()
         if self.tie_embeddings:  # the last stage's copy of the embedding, when PP > 1
             decls.append(ParamDecl("output_layer.weight", "vocab", ()))
-        return [(_template(d.name), d.kind) for d in decls]
+        return [(name_template(d.name), d.kind) for d in decls]
 
     # ---- Megatron args -------------------------------------------------------------------------
     def to_megatron_args(
@@ -456,7 +456,7 @@ def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> d
     return out
 
 
-def _template(name: str) -> str:
+def name_template(name: str) -> str:
     """`decoder.layers.7.mlp...` -> `decoder.layers.*.mlp...`."""
     parts = name.split(".")
     return ".".join("*" if p.isdigit() else p for p in parts)

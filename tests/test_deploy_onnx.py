@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from mconvert.convert.driver import hf_to_megatron
 from mconvert.convert.onnx import to_onnx
+from mconvert.validators.onnx_runner import check_onnx_against_hf
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 from mconvert.validators.onnx_runner import onnx_logits, onnx_session
@@ -37,7 +38,7 @@ def test_onnx_with_past_logits_and_greedy_generation(models, family):
 
     src, hf = models[family]
     out = models["dir"] / f"{family}_past"
-    res = to_onnx(src, out, with_past=True)
+    res = to_onnx(src, out, with_past=True, check=check_onnx_against_hf)
     assert res.prefill_rel_diff <= 1e-4 and res.decode_rel_diff is not None and res.decode_rel_diff <= 1e-4
     assert (out / "model.onnx").is_file()
     sess = onnx_session(out)
@@ -61,7 +62,7 @@ def test_onnx_no_past(models, family, monkeypatch):
     out = models["dir"] / f"{family}_nopast"
     if family == "gpt":  # the >2 GB path (weights in model.onnx_data), forced on a tiny model
         monkeypatch.setenv("FORCE_ONNX_EXTERNAL_DATA", "1")
-    res = to_onnx(src, out, with_past=False)
+    res = to_onnx(src, out, with_past=False, check=check_onnx_against_hf)
     assert res.decode_rel_diff is None and res.prefill_rel_diff <= 1e-4
     assert ("model.onnx_data" in res.files) == (family == "gpt")
     assert not [i for i in onnx_session(out).get_inputs() if i.name.startswith("past_key_values")]
@@ -75,9 +76,9 @@ def test_onnx_tolerance_is_enforced_and_torch_fallback(models):
     _, hf = models["gpt"]
     out = models["dir"] / "refused"
     with pytest.raises(MConvertError, match="does not match transformers") as e:
-        to_onnx(hf, out, with_past=False, rtol=1e-12)  # float32 export differs by ~1e-7: must be refused
+        to_onnx(hf, out, with_past=False, rtol=1e-12, check=check_onnx_against_hf)  # float32 export differs by ~1e-7: must be refused
     assert "\n" not in str(e.value) and not out.exists()
     with pytest.raises(MConvertError, match="--no-past"):
-        to_onnx(hf, out, with_past=True, exporter="torch")
-    res = to_onnx(hf, out, with_past=False, exporter="torch")
+        to_onnx(hf, out, with_past=True, exporter="torch", check=check_onnx_against_hf)
+    res = to_onnx(hf, out, with_past=False, exporter="torch", check=check_onnx_against_hf)
     assert res.exporter == "torch" and res.prefill_rel_diff <= 1e-4

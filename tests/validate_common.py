@@ -57,9 +57,10 @@ def resharded(family: str, tp: int, pp: int) -> Path:
 @lru_cache(maxsize=None)
 def onnx_export(family: str) -> Path:
     from mconvert.convert.onnx import to_onnx
+    from mconvert.validators.onnx_runner import check_onnx_against_hf
 
     out = WORK / f"onnx-{family}"
-    to_onnx(hf_export(family), out, with_past=False)
+    to_onnx(hf_export(family), out, with_past=False, check=check_onnx_against_hf)
     return out
 
 

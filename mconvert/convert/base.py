@@ -9,12 +9,15 @@ Writers consume units one by one, so peak memory is one unit's shards plus the o
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, Union
 
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.mappings import to_hf
 from mconvert.spec import ModelSpec
 
 Unit = Union[str, int]  # "embedding", 0 .. num_layers-1, "final"
@@ -35,6 +38,37 @@ class Source(Protocol):
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]: ...
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]: ...
+
+
+class SourceBase:
+    """What every Source shares: `units()` and `read_hf` = the family plugin over `read_mcore`."""
+
+    path: Path
+    format: str
+    spec: ModelSpec
+    tokenizer_dir: Path | None = None
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    iteration: int | str | None = None
+
+    # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
+    # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead (issue 7)
+    preview = None
+
+    def units(self) -> list[Unit]:
+        return units_of(self.spec)
+
+    def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Full tensors under HF names, vocab stripped to the true vocab."""
+        return to_hf(self.spec, unit, self.read_mcore(unit), source=str(self.path))
+
+    def describe(self) -> str:
+        par = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")
+        return f"{self.format} checkpoint {self.path} ({self.spec.family}, {par})"
 
 
 # ---- the readers' thread pool: a unit's parameters read and re-laid several at once (issue 7) ----------------
@@ -60,8 +94,6 @@ def _pool() -> Any:
     if _WORKERS == 1:
         return None
     if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
         try:
             cores = len(os.sched_getaffinity(0))
         except (AttributeError, OSError):
@@ -73,8 +105,6 @@ def _pool() -> Any:
 def pmap(fn: Any, items: Any) -> list[Any]:
     """`list(map(fn, items))` on the readers' pool — serially when already on it (a nested map on a full
     pool would wait for itself). Exceptions surface in item order, as with map."""
-    import threading
-
     pool = _pool()
     if pool is None or threading.current_thread().name.startswith("read-param"):
         return [fn(x) for x in items]

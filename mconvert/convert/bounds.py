@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import psutil
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.mappings import to_hf
 from mconvert.spec import SPLIT_DIM, ModelSpec
 
 ExpectedOf = Callable[[ModelSpec], Mapping[str, tuple[int, ...]]]
@@ -84,8 +86,6 @@ def check_shapes(spec: ModelSpec, expected_of: ExpectedOf, actual: Mapping[str, 
 
 def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """HF tensor shapes the spec implies (layer index `*`), from the plugin on the meta device (no memory)."""
-    from mconvert.mappings import to_hf
-
     out: dict[str, tuple[int, ...]] = {}
     for unit in ("embedding", 0, "final"):
         decls = (spec.embedding_params() if unit == "embedding" else
@@ -118,8 +118,6 @@ def check_memory(unit_sizes: Mapping[Any, int], source: str, available: int | No
     if not unit_sizes:
         return
     if available is None:
-        import psutil
-
         available = psutil.virtual_memory().available
     unit, size = max(unit_sizes.items(), key=lambda kv: kv[1])
     if 3 * size > available:

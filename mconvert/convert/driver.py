@@ -14,13 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mconvert import dtypes
 from mconvert.convert.io.atomic import atomic_output_dir, check_output
 from mconvert.convert.base import Unit
+from mconvert.convert.hf import HFWriter, parse_size
+from mconvert.convert.layout import layer_location, stage_layers
+from mconvert.convert.megatron import MegatronSource, MegatronWriter
+from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
+from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.tokenizer import copy_tokenizer
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 
@@ -39,8 +47,6 @@ def _progress(units: list[Unit], desc: str, enabled: bool) -> Iterator[Unit]:
     if not enabled:
         yield from units
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[u]}"),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
@@ -63,12 +69,6 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
-    from mconvert.convert.sources import copy_tokenizer
-
-    return copy_tokenizer(src_dir, out)
-
-
 def _files_report(root: Path) -> list[dict[str, Any]]:
     return [{"path": str(p.relative_to(root)), "bytes": p.stat().st_size}
             for p in sorted(root.rglob("*")) if p.is_file()]
@@ -79,7 +79,6 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
                    tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
                    progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
     """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict."""
-    from mconvert.convert.hf import HFWriter, parse_size
 
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
@@ -125,7 +124,6 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                    dtype: str = "auto", force: bool = False, progress: bool = False,
                    dry_run: bool = False) -> dict[str, Any]:
     """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)."""
-    from mconvert.convert.megatron import MegatronWriter
 
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
@@ -152,7 +150,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                 writer.add(unit, src.read_mcore(unit))
             writer.close()
         wait_crc_checks()  # the input's manifest, checked in the background, before the output is committed
-        tok = _copy_tokenizer(src.tokenizer_dir, tmp)
+        tok = copy_tokenizer(src.tokenizer_dir, tmp)
         files = _files_report(tmp)
     return {
         "verb": "hf-to-megatron", "source": src.describe(), "output": str(out), "family": spec.family,
@@ -170,9 +168,6 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
     their parameters' layouts so training resumes at the new layout; without it, no optimizer is written."""
-    from mconvert.convert.megatron import MegatronSource, MegatronWriter
-    from mconvert.convert.optimizer import index_states
-    from mconvert.convert.io.safeload import safe_load
 
     t0 = time.perf_counter()
     check_output(out, force, (ckpt,))
@@ -215,7 +210,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                 writer.add(unit, tensors, states if with_optimizer else None)
             writer.close()
         wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
-        tok = _copy_tokenizer(src.tokenizer_dir, tmp)
+        tok = copy_tokenizer(src.tokenizer_dir, tmp)
         files = _files_report(tmp)
     return {
         "verb": "reshard", "source": src.describe(), "output": str(out), "family": src.spec.family,
@@ -253,8 +248,6 @@ def _window_by_default(src: Any) -> bool:
 def _rng_source_ranks(src: Any, tp: int, pp: int, vpp: int | None) -> dict[tuple[int, int], tuple[int, int]]:
     """Target (tp_rank, pp_rank) -> the source (tp_rank, pp_rank) whose rng_state it keeps: the same rank when
     the layout is unchanged, else TP rank modulo the source TP and the stage holding the target's first layer."""
-    from mconvert.convert.layout import layer_location, stage_layers
-
     out = {}
     for p in range(pp):
         first = stage_layers(src.spec.num_layers, pp, p, vpp)[0][0]

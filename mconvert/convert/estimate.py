@@ -19,6 +19,8 @@ from typing import Any
 
 from mconvert import dtypes
 from mconvert.convert.io.paths import load_json_object
+from rich.table import Table
+
 from mconvert.errors import MConvertError, expect
 from mconvert.spec import ModelSpec, ParamDecl
 
@@ -336,8 +338,6 @@ def _gb(n: float) -> str:
 
 def render_estimate(est: Estimate) -> Any:
     """A rich table of one estimate (the CLI prints it to stderr)."""
-    from rich.table import Table
-
     t = Table(title=f"{est.operation}: {est.model} ({est.parameters / 1e9:,.1f} B params, {est.dtype})")
     t.add_column("quantity")
     t.add_column("estimate")

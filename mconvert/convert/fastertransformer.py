@@ -24,6 +24,7 @@ from __future__ import annotations
 import configparser
 import os
 import re
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +34,12 @@ import numpy as np
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.io.atomic import atomic_output_dir, check_output
+from mconvert.convert.io.atomic import atomic_output_dir, check_output, record_digest
+from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.io.paths import contained, inside_file, read_small
 from mconvert.convert.io.safeload import crc_in_background, wait_crc_checks
+from mconvert.convert.progress import UnitProgress
+from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings.family import FTFile, FTLayout
@@ -281,14 +285,10 @@ class _RawFiles:
     waits for the rest."""
 
     def __init__(self, window: int = 1) -> None:
-        from collections import deque
-
         self._open: Any = deque()
         self._window = window
 
     def write(self, path: Path, x: torch.Tensor, dtype: str) -> int:
-        from mconvert.convert.io.hashing import HashingFile
-
         arr = x.detach().to(torch.float32).contiguous().numpy().astype(FT_DTYPES[dtype][0], copy=False)
         f = HashingFile(path, direct=arr.nbytes >= (1 << 20), chunk=4 << 20)  # one chunk size: a small pool
         self._open.append(f)
@@ -298,8 +298,6 @@ class _RawFiles:
         return arr.nbytes
 
     def _close(self, f: Any) -> None:
-        from mconvert.convert.io.atomic import record_digest
-
         record_digest(f.path, f.close())
 
     def finish(self) -> None:
@@ -351,13 +349,6 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
     return layout.section, nfiles + 1, nbytes
 
 
-def open_any_source(src: str | Path, iteration: str | None = None) -> Any:
-    """The source at `src`, whatever its format (Megatron torch / torch_dist / HF dir)."""
-    from mconvert.convert.sources import open_source
-
-    return open_source(src, iteration=iteration)
-
-
 @crc_in_background
 def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str = "fp32", force: bool = False,
                    allow_approx_gelu: bool = False, iteration: str | None = None) -> FTResult:
@@ -365,10 +356,10 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     if dtype not in FT_DTYPES:
         raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
     check_output(out, force, (src,))
-    source = open_any_source(src, iteration)
+    source = open_source(src, iteration=iteration)
     layout = ft_layout(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
     units = source.units()
-    with _progress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
+    with UnitProgress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         ft_dir = tmp / f"{infer_tp}-gpu"
         ft_dir.mkdir()
         section, nfiles, nbytes = write_ft_dir(source, ft_dir, infer_tp, dtype, allow_approx_gelu, step)
@@ -382,24 +373,6 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     if layout.tied_head_note and source.spec.tie_embeddings:
         notes.append(layout.tied_head_note)
     return FTResult(Path(out), Path(out) / f"{infer_tp}-gpu", section, infer_tp, dtype, nfiles, nbytes, notes)
-
-
-class _progress:
-    """A rich progress bar on stderr, advanced once per unit."""
-
-    def __init__(self, what: str, total: int) -> None:
-        from rich.console import Console
-        from rich.progress import Progress
-
-        self._p = Progress(console=Console(stderr=True), transient=True)
-        self._task = self._p.add_task(what, total=total)
-
-    def __enter__(self) -> Any:
-        self._p.start()
-        return lambda: self._p.advance(self._task)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._p.stop()
 
 
 def describe(result: FTResult) -> Iterator[tuple[str, str]]:

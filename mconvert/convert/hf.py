@@ -11,27 +11,30 @@ import json
 import math
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
-from mconvert.convert.base import Unit, pmap
+from mconvert.convert import bounds
+from mconvert.convert.base import SourceBase, Unit, pmap, units_of
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
 from mconvert.convert.io.paths import contained, inside_file, load_json_object, open_regular
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
 from mconvert.convert.io.torchsave import LazyModel, TensorIndex
-from mconvert.convert.sources import (
-    SourceBase,
+from mconvert.convert.tokenizer import (
     TokenizerCodeRefused,
     copy_tokenizer,
     find_tokenizer_dir,
     load_tokenizer,
 )
 from mconvert.errors import MConvertError, expect
-from mconvert.mappings import families, from_hf, hf_unit
+from mconvert.mappings import families, from_hf, hf_unit, to_hf
+from mconvert.mappings.fields import key_names
 from mconvert.spec import ModelSpec
 
 INDEX = "model.safetensors.index.json"
@@ -89,9 +92,6 @@ class HFSource(SourceBase):
     def _check_sizes(self, source: str) -> None:
         """config.json's sizes against the tensors present (safetensors headers) and the memory available,
         before any per-layer loop or allocation."""
-        from mconvert.convert import bounds
-        from mconvert.mappings.fields import key_names
-
         names = key_names(families.hf_table(families.of(self.spec).model_type))
         bounds.check_layer_count(self.spec, {u for u in self.unit_keys if isinstance(u, int)}, source, names)
         if not self.can_preview():
@@ -232,9 +232,6 @@ class HFWriter:
     def _plan(self, first: dict[str, torch.Tensor]) -> list:
         """Every tensor this model will produce, in arrival order (units of the spec through the plugin on
         the meta device), cut into shards; [] when `first` is not the start of that sequence."""
-        from mconvert.convert.base import units_of
-        from mconvert.mappings import to_hf
-
         spec = self.spec
         dtype = self.dtype or next(iter(first.values())).dtype
         entries = []
@@ -254,7 +251,6 @@ class HFWriter:
         CPU that then overlap the conversion instead of following it. Same answer."""
         if tokenizer_dir is None:
             return
-        from concurrent.futures import ThreadPoolExecutor
 
         ex = ThreadPoolExecutor(1)
         self._special_ids = ex.submit(_tokenizer_special_ids, tokenizer_dir)
@@ -302,8 +298,6 @@ class HFWriter:
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buf_bytes)
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self._buf:
             return
         path = self.out / f".shard-{len(self._tmp_files):05d}.safetensors"

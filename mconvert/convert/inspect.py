@@ -6,11 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group
+from rich.table import Table
+
 from mconvert.convert.layout import stage_layers
 from mconvert.convert.sources import open_source
 from mconvert.errors import rich_safe
 from mconvert.mappings.transforms import split_dim
-from mconvert.spec import SPLIT_COLLECTIVE, _template
+from mconvert.spec import SPLIT_COLLECTIVE, name_template
 
 
 def _ranges(layers: list[int]) -> str:
@@ -40,7 +43,7 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
     if spec.tie_embeddings and "output_layer.weight" in stored:
         decls.append(type(decls[0])("output_layer.weight", "vocab", decls[0].shape))
     for d in decls:
-        tpl = _template(d.name)
+        tpl = name_template(d.name)
         full = list(d.shape)
         if d.kind == "vocab" and src.format == "hf":
             full[0] = spec.vocab_size  # HF stores the true vocab; Megatron pads it
@@ -72,9 +75,6 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
 
 def render_inspect(info: dict[str, Any]) -> Any:
     """Rich renderables: a summary table and the per-parameter table."""
-    from rich.console import Group
-    from rich.table import Table
-
     s = info["spec"]
     head = Table(title=f"{rich_safe(info['path'])}: {info['format']}", show_header=False)
     head.add_column("field")

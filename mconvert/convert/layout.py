@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mconvert.convert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -45,8 +46,6 @@ def parse_rank_dir(name: str) -> tuple[int, int | None] | None:
 
 def read_latest(root: str | Path) -> int | str:
     """The iteration named by the tracker file: an int or 'release'. One-line error when unreadable."""
-    from mconvert.convert.io.paths import inside_file, read_small
-
     path = Path(root) / TRACKER
     if not os.path.lexists(path):
         raise MConvertError(

@@ -13,13 +13,20 @@ import math
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
-from mconvert.convert.base import Unit, pmap
+from mconvert.convert.base import SourceBase, Unit, pmap
+from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.io.atomic import record_digest, sha256_file
+from mconvert.convert.io.paths import inside_file
+from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
 from mconvert.convert.layout import (
     CHECKPOINT_VERSION,
     layer_location,
@@ -29,15 +36,12 @@ from mconvert.convert.layout import (
     stage_layers,
     write_latest,
 )
-from mconvert.convert.io.atomic import record_digest, sha256_file
-from mconvert.convert.io.paths import inside_file
-from mconvert.convert.io.safeload import all_finite, safe_load
-from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
-from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError, type_name
 from mconvert.mappings import families
+from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
-from mconvert.mappings.transforms import merge, merge_rows, merge_transposed, pad_vocab, split
+from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
+from mconvert.mappings.transforms import merge, merge_rows, merge_transposed, pad_vocab, split, split_dim
 from mconvert.spec import ModelSpec
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -115,9 +119,6 @@ class MegatronSource(SourceBase):
     def _check_sizes(self, args: dict[str, Any], source: str) -> None:
         """The args' sizes against the tensors of the TP-rank-0 files and the memory available, before any
         per-layer loop or allocation."""
-        from mconvert.convert import bounds
-        from mconvert.mappings.fields import MEGATRON_ARGS, key_names
-
         names = key_names(MEGATRON_ARGS)
         bounds.check_layer_count(self.spec, {u for u in map(unit_of, self.shapes) if isinstance(u, int)}, source,
                                  names)
@@ -332,8 +333,6 @@ class MegatronSource(SourceBase):
         main thread alone would leave a core idle), and only the parameters in progress hold
         their merged form. Parameters HF stores transposed are merged column-major, so the plugin's
         transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`."""
-        from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
-
         names = self._unit_names(unit)
         check_complete(self.spec, unit, names, str(self.path))
 
@@ -411,8 +410,6 @@ class MegatronSource(SourceBase):
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """What `read_mcore(unit)` returns, as meta tensors (names in its order, full shapes, dtypes): from the
         key maps of the opening checks, no tensor data read. Writers lay out their files from it."""
-        from mconvert.mappings.transforms import split_dim
-
         out: dict[str, torch.Tensor] = {}
         for name in self._unit_names(unit):
             shape = list(self.shapes[name])
@@ -675,8 +672,6 @@ class MegatronWriter:
     def _hash_in_background(self, path: Path) -> None:
         """sha256 of a finished rank file on a thread, overlapping the next stage's reads; `close`
         hands it to the manifest (`atomic.record_digest`), which uses it only if the file is unchanged since."""
-        from concurrent.futures import ThreadPoolExecutor
-
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hash-rank-files")
         st = os.stat(path)

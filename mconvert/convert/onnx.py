@@ -15,6 +15,8 @@ import contextlib
 import logging
 import tempfile
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,15 @@ import torch
 
 from mconvert.convert.io.atomic import atomic_output_dir, check_output
 from mconvert.convert.io.paths import inside_file, load_json_object
+from mconvert.convert.driver import megatron_to_hf
+from mconvert.convert.io.paths import copy_contained
+from mconvert.convert.sources import detect_format
 from mconvert.errors import MConvertError
 
 DEFAULT_RTOL = 1e-4
+
+# (ONNX dir, HF dir) -> (prefill relative logits difference, cached-decode one or None)
+OnnxCheck = Callable[[Path, Path], tuple[float, "float | None"]]
 
 
 @dataclass
@@ -47,15 +55,7 @@ class OnnxResult:
         return asdict(self)
 
 
-def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |a - ref| / max |ref| (the tolerance measure used throughout mconvert)."""
-    a, ref = a.float(), ref.float()
-    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
 def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
-    from mconvert.convert.sources import detect_format
-
     return detect_format(p, iteration) == "hf"
 
 
@@ -66,7 +66,6 @@ def _hf_dir_for(src: Path, iteration: str | None) -> Any:
         load_json_object(inside_file(src, "config.json", f"{src}: config"), "config", "fix it or re-copy the model directory")  # before optimum
         yield src
         return
-    from mconvert.convert.driver import megatron_to_hf
 
     with tempfile.TemporaryDirectory(prefix="mconvert-onnx-hf-") as tmp:
         hf = Path(tmp) / "hf"
@@ -77,8 +76,7 @@ def _hf_dir_for(src: Path, iteration: str | None) -> Any:
 @contextlib.contextmanager
 def _quiet() -> Any:
     """Silence transformers/optimum/torch.onnx chatter during export (our report says what matters)."""
-    import warnings
-
+    # heavy optional import: transformers loads only when a model is run
     from transformers.utils import logging as hf_logging
 
     with contextlib.suppress(ImportError):  # importing optimum configures its loggers: do it before muting
@@ -102,7 +100,7 @@ def _quiet() -> Any:
 
 
 def _export_optimum(hf_dir: Path, out: Path, with_past: bool, opset: int | None) -> None:
-    try:
+    try:  # optional at run time: without optimum-onnx the torch exporter still works
         from optimum.exporters.onnx import main_export
     except ImportError as e:
         raise MConvertError(f"optimum-onnx is not installed ({e}); pip install optimum-onnx, or --exporter torch") from None
@@ -132,9 +130,8 @@ class _LogitsOnly(torch.nn.Module):
 
 def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
     """Fallback: `torch.onnx.export` (TorchScript exporter) of the logits-only graph; copies config.json."""
+    # heavy optional import: transformers loads only when a model is run
     from transformers import AutoModelForCausalLM
-
-    from mconvert.convert.io.paths import copy_contained
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager",
                                                  trust_remote_code=False, local_files_only=True)
@@ -152,35 +149,12 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
             copy_contained(hf_dir, name, out, "json")
 
 
-@torch.no_grad()
-def check_onnx_against_hf(onnx_dir: Path, hf_dir: Path, rtol: float = DEFAULT_RTOL,
-                          batch: int = 2, seq: int = 16) -> tuple[float, float | None]:
-    """Run onnxruntime and transformers on the same random tokens; (prefill diff, cached-decode diff or None)."""
-    from transformers import AutoModelForCausalLM
-
-    from mconvert.validators.onnx_runner import _past_inputs, onnx_session, onnx_step
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, trust_remote_code=False,
-                                                 local_files_only=True).eval()
-    cfg = model.config
-    seq = min(seq, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", seq))
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    ref = model(input_ids=tokens, use_cache=False).logits
-    sess = onnx_session(onnx_dir)
-    if not _past_inputs(sess):
-        logits, _ = onnx_step(sess, tokens)
-        return rel_diff(logits, ref), None
-    pre, past = onnx_step(sess, tokens[:, :-1])
-    prefill = rel_diff(pre, ref[:, :-1])
-    step, _ = onnx_step(sess, tokens[:, -1:], past=past, past_len=seq - 1)
-    return prefill, rel_diff(step, ref[:, -1:])
-
-
 def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
             force: bool = False, rtol: float = DEFAULT_RTOL, exporter: str = "optimum",
-            iteration: str | None = None) -> OnnxResult:
-    """`mconvert to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers."""
+            iteration: str | None = None, *, check: OnnxCheck) -> OnnxResult:
+    """`mconvert to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers.
+
+    `check(onnx_dir, hf_dir)` runs both on the same tokens (the validators' `check_onnx_against_hf`)."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if exporter not in ("optimum", "torch"):
@@ -198,7 +172,7 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
                 _export_optimum(hf_dir, tmp, with_past, opset)
             else:
                 _export_torch(hf_dir, tmp, opset)
-            prefill, decode = check_onnx_against_hf(tmp, hf_dir, rtol)
+            prefill, decode = check(tmp, hf_dir)
         worst = max(prefill, decode or 0.0)
         if not worst <= rtol:  # also catches NaN
             raise MConvertError(

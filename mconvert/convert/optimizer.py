@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from mconvert.convert.io.safeload import all_finite
 from mconvert.errors import MConvertError, expect
+from mconvert.mappings.transforms import merge, split
 
 STATE_TENSORS = ("exp_avg", "exp_avg_sq")
 
@@ -52,8 +54,6 @@ def index_states(opt: dict, source: str) -> tuple[dict[str, dict[str, Any]], lis
 def check_finite(state: dict[str, Any], param: str, source: str) -> None:
     """Refuse one parameter's optimizer state when any of its floating-point tensors (exp_avg, exp_avg_sq,
     max_exp_avg_sq, a master copy, ...) holds NaN or Inf: resuming from it would train on garbage."""
-    from mconvert.convert.io.safeload import all_finite
-
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.is_floating_point() and not all_finite(value):
             raise MConvertError(f"{source}: optimizer state {key!r} of parameter {param!r} holds NaN or Inf values; "
@@ -88,8 +88,6 @@ def build_state_dict(params: list[tuple[str, dict[str, Any]]], groups: list[dict
 
 def merge_states(per_rank: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     """One parameter's states from every TP rank -> full-shape states (same split kind as the parameter)."""
-    from mconvert.mappings.transforms import merge
-
     out: dict[str, Any] = {"group": per_rank[0]["group"]}
     if "step" in per_rank[0]:
         out["step"] = per_rank[0]["step"]
@@ -109,8 +107,6 @@ def merge_states(per_rank: list[dict[str, Any]], kind: str, name: str) -> dict[s
 
 def split_states(full: dict[str, Any], kind: str, tp: int, name: str) -> list[dict[str, Any]]:
     """Full-shape states -> one dict per target TP rank."""
-    from mconvert.mappings.transforms import split
-
     outs: list[dict[str, Any]] = [{} for _ in range(tp)]
     for k, v in full.items():
         if isinstance(v, torch.Tensor) and v.dim() > 0 and k != "step":

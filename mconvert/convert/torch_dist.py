@@ -14,11 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mconvert.convert.base import Unit
+from mconvert.convert.base import SourceBase, Unit
+from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.io.safeload import safe_load, safe_load_dcp_metadata
-from mconvert.convert.sources import SourceBase, args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings.keys import canonical_key, unit_of
 
@@ -52,8 +56,6 @@ class TorchDistSource(SourceBase):
     format = "megatron-torch_dist"
 
     def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.path = Path(path)
         self.iter_dir, self.iteration = resolve_iteration_dir(self.path, iteration)
         self.root = self.iter_dir.parent if self.iter_dir != self.path else self.path.parent
@@ -123,8 +125,6 @@ class TorchDistSource(SourceBase):
 
     def _index(self) -> None:
         """Map every DCP key to a canonical name (or an explicit drop); unknown keys are an error."""
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         md_file = self.iter_dir / ".metadata"
         L = self.spec.num_layers
         decls = self.spec.embedding_params(self.tp) + self.spec.layer_params(0) + self.spec.final_params(self.tp)
@@ -175,10 +175,6 @@ class TorchDistSource(SourceBase):
     # ---- reading --------------------------------------------------------------------------------------
     def read_slice(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """The box [offsets, offsets+sizes) of DCP tensor `key`, reading only the chunks that overlap it."""
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         md = self.metadata.state_dict_metadata[key]
         dest = torch.empty(sizes, dtype=md.properties.dtype)
         box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))

@@ -13,7 +13,7 @@ Names, shapes and splits as TensorRT-LLM's own converters write them (NVIDIA/Ten
   (+ replicated `.bias`), GPT `mlp.fc` [F/t, H] / `mlp.proj` [H, F/t]; LLaMA `mlp.fc` = gate_proj,
   `mlp.gate` = up_proj (TensorRT-LLM's naming), `mlp.proj` = down_proj. Weights are Linear [out, in].
 `check_trtllm_dir` derives every expected name and shape from config.json alone (independently of the writer),
-and `trtllm_logits` runs the rank files with torch as TensorRT-LLM's TP layers combine them.
+and `mconvert.validators.trtllm_runner.trtllm_logits` runs the rank files as TensorRT-LLM's TP layers combine them.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from mconvert import dtypes
 from mconvert.convert.io.atomic import atomic_output_dir, check_output
 from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.convert.io.safetensors import SafetensorsRandomWriter
+from mconvert.convert.progress import UnitProgress
+from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families
 from mconvert.mappings.family import TrtllmLayout
@@ -115,10 +118,8 @@ def _layout(spec: ModelSpec) -> TrtllmLayout:
 def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str = "auto", force: bool = False,
                        iteration: str | None = None) -> TrtllmResult:
     """Write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on the result."""
-    from mconvert.convert.fastertransformer import _progress, open_any_source
-
     check_output(out, force, (src,))
-    source = open_any_source(src, iteration)
+    source = open_source(src, iteration=iteration)
     spec: ModelSpec = source.spec
     trtllm_refusal(spec, tp)
     dtype = dtypes.canonical(dtype)
@@ -131,7 +132,7 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     layout = expected_trtllm_shapes(cfg)  # names and shapes known up front: rank files are streamed
     embed = None
     units = source.units()
-    with _progress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
+    with UnitProgress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         writers: list[SafetensorsRandomWriter] = []
         try:
             for r in range(tp):
@@ -242,8 +243,6 @@ def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
 
 def check_trtllm_dir(path: str | Path) -> list[str]:
     """Problems with a TensorRT-LLM checkpoint dir (empty list: every rank holds exactly the expected tensors)."""
-    from safetensors import safe_open
-
     d = Path(path)
     cfg_path = d / "config.json"
     try:
@@ -290,69 +289,3 @@ def check_trtllm_dir(path: str | Path) -> list[str]:
     stray = sorted(p.name for p in d.glob("rank*.safetensors") if p.name not in {f"rank{r}.safetensors" for r in range(t)})
     problems += [f"{d / n}: rank file beyond mapping.tp_size={t}" for n in stray]
     return problems
-
-
-# ---- a torch runner over the rank files ---------------------------------------------------------------
-@torch.no_grad()
-def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -> torch.Tensor:
-    """Logits [B, S, V] from the rank files, combined as TensorRT-LLM's ColumnLinear / RowLinear do."""
-    from safetensors.torch import load_file
-
-    from mconvert.validators.ft_runner import causal_attention, gelu_tanh, layer_norm, rms_norm, rope_neox, split_heads
-
-    d = Path(path)
-    problems = check_trtllm_dir(d)
-    if problems:
-        raise MConvertError(f"not a valid TensorRT-LLM checkpoint: {problems[0]}")
-    cfg = read_trtllm_config(d / "config.json")
-    t = int(cfg["mapping"]["tp_size"])
-    ranks = [{k: v.float().to(device) for k, v in load_file(str(d / f"rank{r}.safetensors")).items()}
-             for r in range(t)]
-    gpt = cfg["architecture"] in ("GPT2LMHeadModel", "GPTForCausalLM")
-    H, L, V, eps = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"], cfg["norm_epsilon"]
-    nh = cfg["num_attention_heads"]
-    nkv = cfg.get("num_key_value_heads") or nh
-    hd = cfg.get("head_size") or H // nh
-    nq_l, nkv_l = nh // t, max(nkv, t) // t
-    tokens = tokens.to(device)
-    S = tokens.shape[1]
-    r0 = ranks[0]
-    x = r0["transformer.vocab_embedding.weight"][tokens]
-    if gpt:
-        x = x + r0["transformer.position_embedding.weight"][:S]
-
-    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
-        return layer_norm(x, r0[name + ".weight"], r0[name + ".bias"], eps) if gpt else rms_norm(x, r0[name + ".weight"], eps)
-
-    for i in range(L):
-        p = f"transformer.layers.{i}."
-        h = norm(x, p + "input_layernorm")
-        attn = torch.zeros_like(x)
-        for w in ranks:
-            qkv = h @ w[p + "attention.qkv.weight"].t()
-            if p + "attention.qkv.bias" in w:
-                qkv = qkv + w[p + "attention.qkv.bias"]
-            q, k, v = qkv.split([nq_l * hd, nkv_l * hd, nkv_l * hd], -1)
-            q, k, v = split_heads(q, nq_l), split_heads(k, nkv_l), split_heads(v, nkv_l)
-            if not gpt:
-                rot = int(cfg.get("rotary_embedding_dim") or hd)
-                q, k = rope_neox(q, rot, float(cfg["rotary_base"])), rope_neox(k, rot, float(cfg["rotary_base"]))
-            k, v = k.repeat_interleave(nq_l // nkv_l, 1), v.repeat_interleave(nq_l // nkv_l, 1)
-            attn += causal_attention(q, k, v) @ w[p + "attention.dense.weight"].t()
-        x = x + attn + r0.get(p + "attention.dense.bias", 0)
-        h = norm(x, p + "post_layernorm")
-        mlp = torch.zeros_like(x)
-        for w in ranks:
-            fc = h @ w[p + "mlp.fc.weight"].t() + w.get(p + "mlp.fc.bias", 0)
-            if gpt:
-                inter = gelu_tanh(fc)
-            else:
-                inter = torch.nn.functional.silu(fc) * (h @ w[p + "mlp.gate.weight"].t() + w.get(p + "mlp.gate.bias", 0))
-            mlp += inter @ w[p + "mlp.proj.weight"].t()
-        x = x + mlp + r0.get(p + "mlp.proj.bias", 0)
-    x = norm(x, "transformer.ln_f")
-    if "lm_head.weight" in r0:
-        logits = torch.cat([x @ w["lm_head.weight"].t() for w in ranks], -1)
-    else:
-        logits = x @ r0["transformer.vocab_embedding.weight"].t()
-    return logits[..., :V].float()

@@ -6,6 +6,7 @@ the `tokenizers` library; the trainer saves it as HF tokenizer files in the chec
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -20,9 +21,8 @@ def corpus_text() -> str:
 
 def build_tokenizer(vocab_size: int = 1000):
     """ByteLevel BPE trained on the corpus: same merges on every run (single-threaded trainer, fixed input)."""
-    import os
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # after TOKENIZERS_PARALLELISM is set: tokenizers reads it on import
     from tokenizers import ByteLevelBPETokenizer
 
     tok = ByteLevelBPETokenizer()
@@ -33,6 +33,7 @@ def build_tokenizer(vocab_size: int = 1000):
 
 def save_hf_tokenizer(tok, out_dir: str | Path) -> None:
     """tokenizer.json + tokenizer_config.json + special_tokens_map.json (PreTrainedTokenizerFast), eos = bos."""
+    # heavy optional import: transformers loads only when a model is run
     from transformers import PreTrainedTokenizerFast
 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer if hasattr(tok, "_tokenizer") else tok,

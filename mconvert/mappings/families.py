@@ -11,9 +11,9 @@ import functools
 import importlib
 import pkgutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-import mconvert.mappings as _package
 from mconvert.errors import MConvertError
 from mconvert.mappings.family import Family
 from mconvert.mappings.fields import (
@@ -32,8 +32,10 @@ from mconvert.spec import ModelSpec, rope_and_qk_from_megatron_args
 @functools.cache
 def _registry() -> dict[str, Family]:
     found: dict[str, Family] = {}
-    for info in sorted(pkgutil.iter_modules(_package.__path__), key=lambda m: m.name):
-        fam = getattr(importlib.import_module(f"{_package.__name__}.{info.name}"), "FAMILY", None)
+    # the package's directory, read without importing the package (its __init__ imports this module's users)
+    package = __name__.rpartition(".")[0]
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+        fam = getattr(importlib.import_module(f"{package}.{info.name}"), "FAMILY", None)
         if isinstance(fam, Family):
             if fam.name in found:
                 raise RuntimeError(f"two family modules declare the family {fam.name!r}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rich.table import Table
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "send/recv", "broadcast")
 GROUPS = ("TP", "PP", "DP", "embedding")
@@ -141,8 +142,6 @@ def gather_report(stats: CommStats | None = None) -> list[tuple[str, str, int, i
 
 def render_report(rows: list[tuple[str, str, int, int, float, int]], title: str = "communication") -> Any:
     """A rich Table: one row per (collective, group) with calls, bytes and seconds summed over ranks."""
-    from rich.table import Table
-
     table = Table(title=title)
     for col, just in (("collective", "left"), ("group", "left"), ("ranks", "right"), ("calls", "right"),
                       ("bytes", "right"), ("seconds", "right")):

@@ -7,21 +7,24 @@ all-gathers its vocab shards and strips the padded rows. This is what the valida
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mconvert.convert.layout import rank_file, read_latest
 from mconvert.convert.io.paths import inside_file
 from mconvert.convert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
+from mconvert.mappings.keys import canonical_key, flatten
 from mconvert.spec import ModelSpec
 from mconvert.trainer.model import GPTModel
 from mconvert.trainer.parallel import ParallelState, coords, init_distributed
 from mconvert.trainer.schedule import P2P
-from mconvert.trainer.train import threads_per_rank
+from mconvert.trainer.train import launch, threads_per_rank
 
 
 def pipeline_logits(model: GPTModel, st: ParallelState, tokens: torch.Tensor,
@@ -64,8 +67,6 @@ def read_checkpoint_args(ckpt_dir: str | Path, iteration: int | str | None = Non
 def _local_spec_weights(state: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
     """This rank's tensors under megatron-core local-spec names, whatever spelling the file uses
     (TE spec, legacy `language_model.*` flat or nested); still this rank's shards, never merged."""
-    from mconvert.mappings.keys import canonical_key, flatten
-
     if "model" not in state:
         raise MConvertError(f"{path}: no 'model' entry (virtual-pipeline files hold model0, model1, ...); "
                             "the native runner needs one model per rank — reshard without --vpp first")
@@ -87,10 +88,6 @@ def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: in
                   device: str, return_hidden: bool) -> dict[str, Any]:
     """One rank: load and check its own file before joining the group (a bad file fails this rank before any
     collective), then run its stage. A failure leaves at once: no barrier on the way out."""
-    import os
-
-    import torch.distributed as dist
-
     torch.set_num_threads(threads_per_rank(tp * pp))
     tp_rank, _, pp_rank = coords(int(os.environ.get("RANK", "0")), tp, 1, pp)
     path = _contained(ckpt_dir, rank_file(ckpt_dir, it, tp_rank, pp_rank, pp))
@@ -122,8 +119,6 @@ def megatron_logits(ckpt_dir: str | Path, tokens: torch.LongTensor, iteration: i
 
     With `return_hidden=True` returns (logits, hidden) where hidden is a list of num_layers + 1 tensors
     [B, S, H]: the embedding output, then each layer's output (before the final norm)."""
-    from mconvert.trainer.train import launch
-
     args, it = read_checkpoint_args(ckpt_dir, iteration)
     spec = families.spec_from_megatron_args(args, source=str(ckpt_dir))
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)

@@ -16,9 +16,12 @@ import os
 import sys
 import typing
 
+from rich.console import Console
+
 from mconvert.errors import MConvertError
+from mconvert.trainer.comm import render_report
 from mconvert.trainer.procs import set_parent_death_signal
-from mconvert.trainer.train import TrainConfig, prepare_save_dir, prepare_tokens, build_spec, train_worker
+from mconvert.trainer.train import TrainConfig, build_spec, prepare_save_dir, prepare_tokens, train_worker
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,10 +63,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     if result.get("comm"):
-        from rich.console import Console
-
-        from mconvert.trainer.comm import render_report
-
         Console().print(render_report(result["comm"]))
 
 

@@ -11,8 +11,11 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import multiprocessing
 import os
 import random
+import signal
+import socket
 import sys
 import time
 import uuid
@@ -22,9 +25,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from mconvert.convert.io.atomic import atomic_output_dir
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.convert.io.safeload import safe_load
+from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings.families import preset
@@ -221,8 +231,6 @@ def flops_per_iteration(spec: ModelSpec, cfg: TrainConfig) -> float:
 def save_checkpoint(cfg: TrainConfig, spec: ModelSpec, st: ParallelState, model: GPTModel,
                     opt: torch.optim.Optimizer, iteration: int, consumed: int) -> None:
     """Every DP-rank-0 process writes its mp_rank file; after a barrier global rank 0 writes the tracker."""
-    import torch.distributed as dist
-
     if st.dp_rank == 0:
         state = {
             "args": megatron_args(cfg, spec, iteration, consumed),
@@ -302,7 +310,6 @@ def _dtype(cfg: TrainConfig) -> torch.dtype:
 def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
     """One rank's whole run. Returns {'losses': [...]} on the logging rank, comm rows on rank 0, else {}."""
     torch.set_num_threads(threads_per_rank(cfg.world))
-    import torch.distributed as dist
 
     # this rank's checkpoint is read and checked before the first collective: a bad file fails the rank alone
     ckpt = load_resume(cfg, spec, int(os.environ.get("RANK", "0"))) if cfg.resume else None
@@ -330,8 +337,6 @@ def load_resume(cfg: TrainConfig, spec: ModelSpec, rank: int) -> dict[str, Any]:
 
 def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: ParallelState,
            ckpt: dict[str, Any] | None = None) -> dict[str, Any]:
-    import torch.distributed as dist
-
     comm.STATS.reset()
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -408,8 +413,6 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
 # ---- launcher ---------------------------------------------------------------------------------------
 def prepare_tokens(save: str | None, write: bool) -> tuple[torch.Tensor, int]:
     """Build the tokenizer (deterministic), save it as HF files into `save` when asked, tokenize the corpus."""
-    from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
-
     tok = build_tokenizer()
     if save and write:
         Path(save).mkdir(parents=True, exist_ok=True)
@@ -442,8 +445,6 @@ def _replaces_checkpoint(cfg: TrainConfig) -> bool:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -455,11 +456,6 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
     CPU runs fork from a forkserver with one thread per rank (see _start_method); CUDA runs spawn. Every rank
     runs inside procs.run_rank: the first failing rank ends the launch at once, and no rank outlives it.
     Returns {global rank: return value}. A failing rank raises MConvertError naming it and its error."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     method = _start_method(device)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
@@ -504,8 +500,6 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
 
 def _exit_reason(code: int) -> str:
     if code < 0:
-        import signal
-
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"
@@ -528,8 +522,6 @@ def _start_method(device: str | None) -> str:
     default = "spawn" if cuda or sys.platform != "linux" else "forkserver"
     method = os.environ.get("MCONVERT_START_METHOD", default)
     if method == "forkserver":
-        import multiprocessing
-
         multiprocessing.set_forkserver_preload(["torch", "mconvert.trainer.train", "mconvert.trainer.forkserver_init"])
     return method
 
@@ -541,8 +533,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     spec = build_spec(cfg, vocab)  # refuse a bad layout before anything is written
     prepare_save_dir(cfg)
     if _replaces_checkpoint(cfg):  # a run that dies leaves the old checkpoint whole
-        from mconvert.convert.io.atomic import atomic_output_dir
-
         with atomic_output_dir(cfg.save, force=True, manifest=False) as tmp:
             return _run_training(dataclasses.replace(cfg, save=str(tmp), save_as=cfg.save), spec, tokens)
     return _run_training(cfg, spec, tokens)

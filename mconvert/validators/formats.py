@@ -11,6 +11,11 @@ from typing import Any
 
 from mconvert.convert.layout import RANK_FILE, TRACKER, parse_rank_dir
 from mconvert.convert.io.paths import inside_file, load_json_object
+from mconvert.convert.checkpoint import args_dict, checkpoint_dict
+from mconvert.convert.fastertransformer import ft_number, read_ft_config
+from mconvert.convert.layout import iteration_dir_name, read_latest
+from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.trtllm import read_trtllm_config
 from mconvert.errors import MConvertError
 
 
@@ -82,14 +87,12 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
         info.dtype = _norm_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         info.vocab_size = cfg.get("vocab_size")
         info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
-        info.tokenizer_dir = p if _has_tokenizer(p) else None
+        info.tokenizer_dir = p if has_tokenizer(p) else None
     elif fmt == "megatron":
         _describe_megatron(info)
     elif fmt == "megatron-torch_dist":
-        info.tokenizer_dir = p if _has_tokenizer(p) else None
+        info.tokenizer_dir = p if has_tokenizer(p) else None
     elif fmt == "ft":
-        from mconvert.convert.fastertransformer import ft_number, read_ft_config
-
         ini = _ft_config(p)
         _, sec = read_ft_config(ini.parent)
         wdt = sec.get("weight_data_type", "fp32")
@@ -99,19 +102,17 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
             info.max_positions = ft_number(sec, "max_pos_seq_len", ini)
         info.layout = {"infer_tp": ft_number(sec, "tensor_para_size", ini) if "tensor_para_size" in sec else 1}
         for cand in (p, ini.parent, p.parent):
-            if _has_tokenizer(cand):
+            if has_tokenizer(cand):
                 info.tokenizer_dir = cand
                 break
     elif fmt == "trtllm":
-        from mconvert.convert.trtllm import read_trtllm_config
-
         cfg = read_trtllm_config(p / "config.json")
         info.dtype = _norm_dtype(cfg["dtype"])
         info.vocab_size = cfg["vocab_size"]
         info.max_positions = cfg.get("max_position_embeddings")
         info.layout = {"tp": cfg["mapping"]["tp_size"]}
         for cand in (p, p.parent):
-            if _has_tokenizer(cand):
+            if has_tokenizer(cand):
                 info.tokenizer_dir = cand
                 break
     elif fmt == "onnx":
@@ -121,15 +122,11 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
             info.vocab_size = cfg.get("vocab_size")
             info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         info.dtype = _onnx_dtype(p if p.is_file() else (d / "model.onnx"))
-        info.tokenizer_dir = d if _has_tokenizer(d) else None
+        info.tokenizer_dir = d if has_tokenizer(d) else None
     return info
 
 
 def _describe_megatron(info: ModelInfo) -> None:
-    from mconvert.convert.layout import iteration_dir_name, read_latest
-    from mconvert.convert.io.safeload import safe_load
-    from mconvert.convert.sources import args_dict, checkpoint_dict
-
     p = info.path
     try:
         it = read_latest(p)
@@ -149,7 +146,7 @@ def _describe_megatron(info: ModelInfo) -> None:
         info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
         info.max_positions = a.get("max_position_embeddings")
         info.layout = {"iteration": it}
-        info.tokenizer_dir = next((c for c in (p, p / "tokenizer", p.parent) if _has_tokenizer(c)), None)
+        info.tokenizer_dir = next((c for c in (p, p / "tokenizer", p.parent) if has_tokenizer(c)), None)
         return
     if not ranks:
         raise MConvertError(f"{d}: no mp_rank_* directories; is iteration {it} in this checkpoint?")
@@ -163,14 +160,14 @@ def _describe_megatron(info: ModelInfo) -> None:
     info.max_positions = a.get("max_position_embeddings")
     info.layout = {"tp": tp, "pp": pp, "iteration": it}
     for cand in (p, p / "tokenizer", p.parent):
-        if _has_tokenizer(cand):
+        if has_tokenizer(cand):
             info.tokenizer_dir = cand
             break
 
 
 def _onnx_dtype(path: Path) -> str:
     try:
-        import onnx
+        import onnx  # heavy optional import: onnx loads only when an ONNX file is inspected
 
         m = onnx.load(str(path), load_external_data=False)
         out = next((o for o in m.graph.output if o.name == "logits"), m.graph.output[0])
@@ -183,7 +180,7 @@ def _onnx_dtype(path: Path) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-def _has_tokenizer(p: Path) -> bool:
+def has_tokenizer(p: Path) -> bool:
     return p.is_dir() and any((p / f).is_file() for f in TOKENIZER_FILES)
 
 

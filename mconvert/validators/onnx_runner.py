@@ -34,6 +34,7 @@ def resolve_onnx_file(path: str | Path) -> Path:
 
 def onnx_session(path: str | Path, device: str = "cpu") -> Any:
     """An onnxruntime InferenceSession on CPU, or CUDA (falling back to CPU only if CUDA is unavailable)."""
+    # heavy optional import: onnxruntime loads only when an ONNX model is run
     import onnxruntime as ort
 
     f = resolve_onnx_file(path)
@@ -50,14 +51,15 @@ def onnx_session(path: str | Path, device: str = "cpu") -> Any:
         raise MConvertError(f"{f}: onnxruntime cannot load it ({str(e).splitlines()[0]})") from None
 
 
-def _past_inputs(sess: Any) -> list[Any]:
+def past_inputs(sess: Any) -> list[Any]:
+    """The `past_key_values.*` inputs of a session (none for an export without the KV cache)."""
     return [i for i in sess.get_inputs() if i.name.startswith("past_key_values.")]
 
 
 def empty_past(sess: Any, batch: int) -> dict[str, np.ndarray]:
     """Zero-length cache tensors for every `past_key_values.*` input: [B, kv_heads, 0, head_dim]."""
     out = {}
-    for i in _past_inputs(sess):
+    for i in past_inputs(sess):
         dims = [d if isinstance(d, int) else None for d in i.shape]
         if len(dims) != 4 or dims[1] is None or dims[3] is None:
             raise MConvertError(f"past input {i.name} has shape {i.shape}; expected [batch, heads, past, head_dim]")
@@ -76,7 +78,7 @@ def onnx_step(sess: Any, tokens: torch.Tensor, past: dict[str, np.ndarray] | Non
         feed["attention_mask"] = np.ones((B, past_len + S), dtype=np.int64)
     if "position_ids" in names:
         feed["position_ids"] = np.broadcast_to(np.arange(past_len, past_len + S, dtype=np.int64), (B, S)).copy()
-    if _past_inputs(sess):
+    if past_inputs(sess):
         feed.update(past if past is not None else empty_past(sess, B))
     unknown = names - set(feed)
     if unknown:
@@ -97,3 +99,31 @@ def onnx_logits(onnx_dir: str | Path, tokens: torch.Tensor, device: str = "cpu")
     sess = onnx_session(onnx_dir, device)
     logits, _ = onnx_step(sess, tokens)
     return logits
+
+
+def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| (the tolerance measure used throughout mconvert)."""
+    a, ref = a.float(), ref.float()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+@torch.no_grad()
+def check_onnx_against_hf(onnx_dir: Path, hf_dir: Path, batch: int = 2, seq: int = 16) -> tuple[float, float | None]:
+    """Run onnxruntime and transformers on the same random tokens; (prefill diff, cached-decode diff or None)."""
+    from transformers import AutoModelForCausalLM  # heavy optional import, only when an export is checked
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, trust_remote_code=False,
+                                                 local_files_only=True).eval()
+    cfg = model.config
+    seq = min(seq, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", seq))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    ref = model(input_ids=tokens, use_cache=False).logits
+    sess = onnx_session(onnx_dir)
+    if not past_inputs(sess):
+        logits, _ = onnx_step(sess, tokens)
+        return rel_diff(logits, ref), None
+    pre, past = onnx_step(sess, tokens[:, :-1])
+    prefill = rel_diff(pre, ref[:, :-1])
+    step, _ = onnx_step(sess, tokens[:, -1:], past=past, past_len=seq - 1)
+    return prefill, rel_diff(step, ref[:, -1:])

@@ -11,9 +11,11 @@ def plot_errors(
     path: Path, per_position: dict[str, list[float]], per_layer: dict[str, list[float]], title: str
 ) -> Path:
     """Write the PNG (matplotlib, Agg backend: no display needed). Log scale; zeros drawn at 1e-12."""
+    # heavy optional import, only when a plot is asked for
     import matplotlib
 
     matplotlib.use("Agg")
+    # heavy optional import, only when a plot is asked for
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 

@@ -7,17 +7,21 @@ through transformers, FT dirs through the FT reference runner, ONNX through onnx
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config
 from mconvert.spec import torch_dtype
+from mconvert.trainer.infer import megatron_logits
 from mconvert.validators.formats import ModelInfo
+from mconvert.validators.ft_runner import ft_logits
+from mconvert.validators.onnx_runner import onnx_logits
+from mconvert.validators.trtllm_runner import trtllm_logits
 
 
 @dataclass
@@ -39,14 +43,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _optional(module: str, attr: str, who: str):
-    """A function another part of mconvert provides; a clear error when it is not installed yet."""
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError):
-        raise MConvertError(f"{who} is not available in this install ({module}.{attr} missing)") from None
-
-
 def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
     """Logits of `info`'s model on `tokens`, computed by that format's own engine."""
     t0 = time.perf_counter()
@@ -54,21 +50,17 @@ def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
     if info.format == "hf":
         logits, hidden = hf_logits(info.path, tokens, device)
     elif info.format == "megatron":
-        fn = _optional("mconvert.trainer.infer", "megatron_logits", "the native Megatron runner")
         it = info.layout.get("iteration")
-        logits, hidden = fn(info.path, tokens, iteration=it, device=device, return_hidden=True)
+        logits, hidden = megatron_logits(info.path, tokens, iteration=it, device=device, return_hidden=True)
     elif info.format == "megatron-torch_dist":
         logits = source_logits(info.path, tokens, device)
     elif info.format == "ft":
-        fn = _optional("mconvert.validators.ft_runner", "ft_logits", "the FasterTransformer reference runner")
-        logits = fn(info.path, tokens, device)
+        logits = ft_logits(info.path, tokens, device)
     elif info.format == "onnx":
-        fn = _optional("mconvert.validators.onnx_runner", "onnx_logits", "the ONNX runner")
-        logits = fn(info.path, tokens, device)
+        logits = onnx_logits(info.path, tokens, device)
     elif info.format == "trtllm":
         # the rank files combined as TensorRT-LLM's ColumnLinear / RowLinear do (the engine itself needs a GPU build)
-        fn = _optional("mconvert.convert.trtllm", "trtllm_logits", "the TensorRT-LLM reference runner")
-        logits = fn(info.path, tokens, device)
+        logits = trtllm_logits(info.path, tokens, device)
     else:
         raise MConvertError(f"{info.path}: format {info.format!r} cannot be run")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
@@ -88,6 +80,7 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
 
     Hidden states are captured by hooks as the Megatron runner records them: the first layer's input
     (the embedding output), then every layer's output before the final norm."""
+    # heavy optional import: transformers loads only when a model is run
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -140,9 +133,10 @@ def _decoder_layers(model) -> list | None:
 
 def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor:
     """Logits of any Source (e.g. torch_dist) via its HF-named tensors loaded into the transformers class."""
-    open_source = _optional("mconvert.convert.sources", "open_source", "the conversion engine's reader")
+    # heavy optional import: transformers loads only when a model is run
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # heavy optional import: transformers loads only when a model is run
     from transformers.modeling_utils import no_init_weights
 
     src = open_source(path)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from mconvert.convert.tokenizer import load_tokenizer as load
 from mconvert.errors import MConvertError
 
 BUILTIN_TEXT = (
@@ -23,8 +24,6 @@ BUILTIN_TEXT = (
 
 def load_tokenizer(tok_dir: Path):
     """A transformers tokenizer from a directory (tokenizer.json alone is enough); never runs code from it."""
-    from mconvert.convert.sources import load_tokenizer as load
-
     return load(tok_dir)
 
 

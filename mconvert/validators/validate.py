@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.table import Table
 
 from mconvert.errors import MConvertError, rich_safe
 from mconvert.validators.compare import (
@@ -21,6 +22,7 @@ from mconvert.validators.compare import (
     tolerance_for,
 )
 from mconvert.validators.formats import ModelInfo, describe
+from mconvert.validators.plot import plot_errors
 from mconvert.validators.runners import RunOutput, resolve_device, run_model
 from mconvert.validators.tokens import make_batch
 
@@ -122,8 +124,6 @@ def validate(
         seconds=time.perf_counter() - t0,
     )
     if plot:
-        from mconvert.validators.plot import plot_errors
-
         plot_errors(Path(plot), per_pos, per_layer, title=f"logit error vs {_label(ref_info)}")
     return report
 
@@ -179,8 +179,6 @@ def _label(info: ModelInfo) -> str:
 
 def render(report: ValidateReport, console) -> None:
     """The rich table: one row per model, its metrics against the limits applied, and the verdict."""
-    from rich.table import Table
-
     t = Table(title=f"validate on {report.device}: {report.tokens['batch']}×{report.tokens['seq_len']} tokens "
               f"({rich_safe(report.tokens['source'])})", title_justify="left")
     for col in ("model", "format", "dtype", "max abs (limit)", "mean abs", "KL(ref‖x)", "top-1", "ppl", "verdict"):

@@ -16,14 +16,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.table import Table
+from safetensors import safe_open
 
 from mconvert import dtypes
 from mconvert.convert.hf import read_weight_map
 from mconvert.convert.io.paths import contained, inside_file, load_json_object
+from mconvert.convert.io.atomic import MANIFEST, check_manifest
+from mconvert.convert.layout import RANK_FILE, iteration_dir_name
+from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as _plain
 from mconvert.mappings import families
 from mconvert.mappings.family import Family
+from mconvert.validators.formats import describe, has_tokenizer
+from mconvert.validators.tokens import load_tokenizer
+from mconvert.validators.validate import validate
+from mconvert.validators.vllm_check import vllm_compare
 
 SCHEMA = "mconvert.verify/1"
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -105,8 +115,6 @@ def verify(
     if against is not None:
         _against(d, cfg, Path(against), rep, device, n_tokens)
     if vllm_python is not None:
-        from mconvert.validators.vllm_check import vllm_compare
-
         if rep.errors():
             rep.add("vllm", "error", f"not served: fix {', '.join(c.name for c in rep.errors())} first")
         else:
@@ -228,8 +236,6 @@ def _weight_files(d: Path, rep: VerifyReport) -> tuple[list[Path], dict[str, str
 def _headers(d: Path, files: list[Path], wmap: dict[str, str] | None, rep: VerifyReport
              ) -> dict[str, tuple[tuple[int, ...], str, Path]]:
     """Name -> (shape, dtype, file) from the safetensors headers (no tensor read); index entries checked."""
-    from safetensors import safe_open
-
     out: dict[str, tuple[tuple[int, ...], str, Path]] = {}
     for f in files:
         try:
@@ -249,6 +255,7 @@ def _headers(d: Path, files: list[Path], wmap: dict[str, str] | None, rep: Verif
 
 def _meta_model(cfg: dict[str, Any]):
     """The transformers class vLLM's architecture maps to, built on the meta device (no memory)."""
+    # heavy optional import: transformers loads only when a model is run
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -317,10 +324,6 @@ def _dtypes(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
 
 def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
     """Stream every tensor once: NaN/Inf scan, and the embedding vs lm_head comparison."""
-    from safetensors import safe_open
-
-    from mconvert.convert.io.safeload import all_finite
-
     fam = _family(cfg)
     emb_key = fam.plugin.hf_embedding
     bad: list[str] = []
@@ -372,11 +375,8 @@ def _finite_and_tied(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> No
 
 # ---- tokenizer, generation config, manifest -------------------------------------------------------
 def _tokenizer(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
-    from mconvert.validators.formats import _has_tokenizer
-    from mconvert.validators.tokens import load_tokenizer
-
     vocab = int(cfg.get("vocab_size") or 0)
-    if not _has_tokenizer(d):
+    if not has_tokenizer(d):
         rep.add("tokenizer", "error", f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json); vLLM "
                 "needs one to serve text — export with --tokenizer DIR")
         return
@@ -418,8 +418,6 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
 
 
 def _manifest(d: Path, rep: VerifyReport) -> None:
-    from mconvert.convert.io.atomic import MANIFEST, check_manifest
-
     if not (d / MANIFEST).is_file():
         rep.add("manifest", "warn", f"no {MANIFEST} (not written by mconvert, or copied without it)")
         return
@@ -433,9 +431,6 @@ def _manifest(d: Path, rep: VerifyReport) -> None:
 # ---- against a checkpoint ------------------------------------------------------------------------
 def _against(d: Path, cfg: dict[str, Any], ckpt: Path, rep: VerifyReport, device: str, n_tokens: int) -> None:
     """Config vs the checkpoint's spec (named differences), then the logits check of `validate`."""
-    from mconvert.validators.formats import describe
-    from mconvert.validators.validate import validate
-
     info = describe(ckpt)
     ref_spec = reference_spec(info)
     if ref_spec is not None:
@@ -465,9 +460,6 @@ def reference_spec(info) -> Any:
             return families.spec_from_hf_config(load_json_object(inside_file(info.path, "config.json",
                                                                          f"{info.path}: config"), "config"))
         if info.format == "megatron":
-            from mconvert.convert.layout import RANK_FILE, iteration_dir_name
-            from mconvert.convert.io.safeload import safe_load
-
             lay = info.layout
             rank = "mp_rank_00" if lay["pp"] == 1 else "mp_rank_00_000"
             st = safe_load(info.path / iteration_dir_name(lay["iteration"]) / rank / RANK_FILE)
@@ -510,12 +502,6 @@ def _close(a: float, b: float) -> bool:
 
 def diagnose_weights(d: Path, ckpt: Path) -> str | None:
     """Name the first HF tensor that differs from the checkpoint's, and how (permuted rows, mixed halves)."""
-    try:
-        from mconvert.convert.sources import open_source
-    except ImportError:
-        return None
-    from safetensors import safe_open
-
     try:
         src = open_source(ckpt)
         keys: dict[str, Path] = {}
@@ -567,8 +553,6 @@ def classify_difference(name: str, got: torch.Tensor, want: torch.Tensor, unit: 
 
 def render_verify(rep: VerifyReport, console) -> None:
     """The rich table of checks, then the verdict line."""
-    from rich.table import Table
-
     t = Table(title=f"verify {rep.path} (vLLM readiness)", title_justify="left")
     t.add_column("check")
     t.add_column("status")

@@ -19,6 +19,8 @@ import torch
 
 from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
+from mconvert.validators.formats import has_tokenizer
+from mconvert.validators.tokens import make_batch
 
 SERVE_SCRIPT = Path(__file__).with_name("vllm_serve.py")
 ENV_SCRIPT = Path(__file__).with_name("vllm_env.sh")
@@ -45,14 +47,12 @@ def ensure_vllm_env(venv: Path | None = None, timeout: float = 1800) -> Path:
 
 
 def _prompts(d: Path, vocab: int, n_prompts: int, length: int) -> list[list[int]]:
-    from mconvert.validators.formats import _has_tokenizer
-    from mconvert.validators.tokens import make_batch
-
-    t, _ = make_batch(vocab, length, n_prompts, None, d if _has_tokenizer(d) else None)
+    t, _ = make_batch(vocab, length, n_prompts, None, d if has_tokenizer(d) else None)
     return t.tolist()
 
 
 def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    # heavy optional import: transformers loads only when a model is run
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -98,7 +98,6 @@ def vllm_compare_many(
     """Serve each dir in turn in one vLLM process (one import), compare each with transformers."""
     if not Path(vllm_python).exists():
         raise MConvertError(f"--vllm-python {vllm_python}: no such interpreter; build one with `make vllm-env`")
-    from mconvert.validators.formats import _has_tokenizer
 
     jobs = []
     for d in dirs:
@@ -108,7 +107,7 @@ def vllm_compare_many(
         plen = min(prompt_len, max_len // 2)
         jobs.append({"model": str(d.absolute()), "prompts": _prompts(d, int(cfg["vocab_size"]), n_prompts, plen),
                      "max_tokens": min(max_tokens, max_len - plen), "max_model_len": max_len,
-                     "skip_tokenizer_init": not _has_tokenizer(d)})
+                     "skip_tokenizer_init": not has_tokenizer(d)})
     with tempfile.TemporaryDirectory(prefix="mconvert-vllm-") as tmp:
         rq, rs = Path(tmp) / "request.json", Path(tmp) / "result.json"
         rq.write_text(json.dumps({"jobs": jobs}))

@@ -23,8 +23,11 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # else vLLM reserves most of the RAM for KV cache
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: one import, not three
     t0 = time.time()
+    # optional: vLLM lives in its own venv, never in mconvert's
     import vllm
     from vllm import LLM, SamplingParams
+
+    # optional: vLLM lives in its own venv, never in mconvert's
     from vllm.inputs import TokensPrompt
 
     import_s = time.time() - t0
