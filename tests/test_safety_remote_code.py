@@ -61,9 +61,10 @@ def _run(argv: list, on_tty: bool, timeout: float = 240) -> tuple[int, str]:
     p = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
     os.close(slave)
     out, t0 = b"", time.monotonic()
+    poller = select.poll()  # not select.select: a long test session may hold descriptors above FD_SETSIZE
+    poller.register(master, select.POLLIN)
     while True:
-        ready, _, _ = select.select([master], [], [], 1.0)
-        if ready:
+        if poller.poll(1000):
             try:
                 chunk = os.read(master, 65536)
             except OSError:  # EIO: the child closed the terminal
