@@ -97,3 +97,14 @@ def test_the_grep_rule_catches_a_quoted_family_name():
     """The rule above is not vacuous: the same pattern finds the branch it forbids."""
     assert QUOTED.search('if spec.family == "gpt2":') and QUOTED.search("x = {'qwen2': 1}")
     assert not QUOTED.search('preset = "tiny-llama"')
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda c: c.update(eos_token_id=[]), "eos_token_id is an empty list"),
+    (lambda c: c.pop("vocab_size"), "missing field 'vocab_size'"),
+])
+def test_config_without_a_vocab_or_with_an_empty_eos_list_is_refused_by_name(edit, words):
+    cfg = families.hf_config(families.preset("tiny-llama"))
+    edit(cfg)
+    with pytest.raises(MConvertError, match=words):
+        families.spec_from_hf_config(cfg, "x/config.json")

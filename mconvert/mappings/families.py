@@ -177,6 +177,8 @@ def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         )
     check(cfg, hf_table(fam.model_type), source, "config field")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
+    if cfg.get("eos_token_id") == []:
+        raise MConvertError(f"{source}: eos_token_id is an empty list; give the end-of-text id (or a list of them)")
     try:
         common = dict(
             family=fam.name,
