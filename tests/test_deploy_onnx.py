@@ -29,10 +29,13 @@ def models(tmp_path_factory) -> dict:
     ckpt = d / "gpt_ckpt"
     hf_to_megatron(gpt_hf, ckpt, tp=2)
     llama_hf = make_hf(preset("tiny-llama"), d / "llama_hf", seed=1)  # GQA 4/2, untied
-    return {"dir": d, "gpt": (ckpt, gpt_hf), "llama": (llama_hf, llama_hf)}
+    llama3_hf = make_hf(preset("tiny-llama3"), d / "llama3_hf", seed=2)  # llama3 rope scaling
+    qwen3_hf = make_hf(preset("tiny-qwen3"), d / "qwen3_hf", seed=3)  # q/k norm, head_dim 32 != hidden/heads
+    return {"dir": d, "gpt": (ckpt, gpt_hf), "llama": (llama_hf, llama_hf), "llama3": (llama3_hf, llama3_hf),
+            "qwen3": (qwen3_hf, qwen3_hf)}
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", ["gpt", "llama", "llama3", "qwen3"])
 def test_onnx_with_past_logits_and_greedy_generation(models, family):
     from optimum.onnxruntime import ORTModelForCausalLM
 
@@ -48,6 +51,11 @@ def test_onnx_with_past_logits_and_greedy_generation(models, family):
     tokens = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         assert rel(onnx_logits(out, tokens), ref_model(tokens).logits) <= 1e-4
+    spec = preset(f"tiny-{family}" if family != "gpt" else "tiny-gpt2")
+    if spec.head_dim * spec.num_attention_heads != spec.hidden_size:
+        # optimum's ORTModelForCausalLM sizes its cache as hidden/heads; to_onnx's own check above already
+        # ran prefill and cached decode through onnxruntime with the graph's real head_dim
+        return
     prompt = tokens[:, :6]
     kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=20, min_new_tokens=20, do_sample=False,
               pad_token_id=0)
