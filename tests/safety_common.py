@@ -37,6 +37,28 @@ def make_hf_llama(out: Path, layers: int = 2, hidden: int = 64, ffn: int = 128, 
     return out
 
 
+def big_llama_hf() -> Path:
+    """A ~7M-parameter (29 MB) Llama HF dir, long enough to convert to be signalled mid-run: config by
+    transformers, shapes from its meta-device model, random data. Built once per session, read-only."""
+    import transformers
+    from safetensors.torch import save_file
+
+    out = _WORK / "big-hf"
+    if out.exists():
+        return out
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=2000, max_position_embeddings=128,
+                                   tie_word_embeddings=False, head_dim=64)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    out.mkdir()
+    save_file({k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg.save_pretrained(out)
+    return out
+
+
 @lru_cache(maxsize=None)
 def base() -> dict[str, Path]:
     """{'hf': tiny HF llama, 'ckpt': its Megatron TP=2 PP=2 checkpoint, 'ref': ckpt converted back to HF}."""

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from safety_common import _WORK, PY, ROOT
+from safety_common import big_llama_hf, PY, ROOT
 
 from mconvert.convert.io.atomic import MANIFEST, check_manifest
 
@@ -87,23 +86,7 @@ def server():
 @pytest.fixture(scope="module")
 def big_hf() -> Path:
     """A ~7M-parameter (29 MB) Llama HF dir (config by transformers, shapes from its meta-device model, random data)."""
-    import transformers
-    from safetensors.torch import save_file
-
-    out = _WORK / "big-hf"
-    if out.exists():
-        return out
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=2000, max_position_embeddings=128,
-                                   tie_word_embeddings=False, head_dim=64)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
-    g = torch.Generator().manual_seed(0)
-    out.mkdir()
-    save_file({k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    cfg.save_pretrained(out)
-    return out
+    return big_llama_hf()
 
 
 def _tmp_dirs(out: Path) -> list[Path]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safety_common import _WORK, PY, ROOT, assert_one_line_error, base, copy_of, rank_file, run_cli
+from safety_common import big_llama_hf, PY, ROOT, assert_one_line_error, base, copy_of, rank_file, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -313,23 +313,7 @@ def test_output_absent_at_commit_is_written_by_the_fallback_rename(tmp_path, cap
 @pytest.fixture(scope="module")
 def slow_hf() -> Path:
     """A ~30 MB Llama HF dir: converting it takes long enough to be signalled mid-run."""
-    import transformers
-    from safetensors.torch import save_file
-
-    out = _WORK / "paths-slow-hf"
-    if out.exists():
-        return out
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=2000, max_position_embeddings=128,
-                                   tie_word_embeddings=False, head_dim=64)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
-    g = torch.Generator().manual_seed(0)
-    out.mkdir()
-    save_file({k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    cfg.save_pretrained(out)
-    return out
+    return big_llama_hf()
 
 
 @pytest.mark.slow
