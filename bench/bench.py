@@ -5,7 +5,7 @@ then measure, each `--repeats` times (median): `cp -r` of it (the copy limit; wa
 cache is left as it is and its residency reported), `megatron-to-hf`, `reshard` to TP=2 PP=1,
 `megatron-to-ft`; then transformers' `checkpoint_reshaping_and_interoperability.py` HF → Megatron against
 our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers. Wall time and peak RSS of
-every command's process tree; ratios to `cp` and to the peer; targets of issue 7 marked pass/fail.
+every command's process tree; ratios to `cp` and to the peer; the targets marked pass/fail.
 Prints a rich table (stderr) and `--json` (stdout); leaves the measured bandwidth where `mconvert plan`
 reads it. Work dirs under bench/work/ are deleted at the end (`--keep` keeps them).
 
@@ -408,7 +408,7 @@ def print_report(report: dict[str, Any]) -> None:
                       f"{d['reshard']['wall_s']:.2f}", f"{d['reshard']['wall_s'] / gbs:.2f}",
                       f"{d['reshard']['peak_rss'] / GB:.2f}")
         console.print(t)
-    t = Table(title="issue 7 targets")
+    t = Table(title="targets")
     for c in ("target", "measured", "limit", ""):
         t.add_column(c)
     for x in report["targets"]:
@@ -453,7 +453,7 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {d['layers']} | {gbs:.2f} | {h['wall_s']:.2f} | {h['wall_s'] / gbs:.2f} | "
                          f"{h['peak_rss'] / GB:.2f} | {r['wall_s']:.2f} | {r['wall_s'] / gbs:.2f} | "
                          f"{r['peak_rss'] / GB:.2f} |")
-    lines += ["", "| target (issue 7) | measured | limit | |", "|---|---:|---:|---|"]
+    lines += ["", "| target | measured | limit | |", "|---|---:|---:|---|"]
     for x in report["targets"]:
         lines.append(f"| {x['target']} | {x['value']:.2f} {x['unit']} | {x['limit']:.2f} | "
                      f"{'pass' if x['pass'] else '**FAIL**'} |")

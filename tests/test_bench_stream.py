@@ -1,4 +1,4 @@
-"""The streaming I/O behind issue 7's figures (mconvert/convert/io/): each proven against torch.save,
+"""The streaming I/O (mconvert/convert/io/): each proven against torch.save,
 safetensors' own loader or transforms.merge — the formats' and the pure shard math's own answers."""
 
 from __future__ import annotations

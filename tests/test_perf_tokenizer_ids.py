@@ -1,4 +1,4 @@
-"""bos/eos ids read from a tokenizer's JSON files (no transformers import, issue 7) equal what
+"""bos/eos ids read from a tokenizer's JSON files (no transformers import) equal what
 transformers' AutoTokenizer reports for the same directory — and anything ambiguous falls back to it."""
 
 from __future__ import annotations

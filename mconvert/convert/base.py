@@ -53,7 +53,7 @@ class SourceBase:
     iteration: int | str | None = None
 
     # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
-    # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead (issue 7)
+    # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead
     preview = None
 
     def units(self) -> list[Unit]:
@@ -71,7 +71,7 @@ class SourceBase:
         return f"{self.format} checkpoint {self.path} ({self.spec.family}, {par})"
 
 
-# ---- the readers' thread pool: a unit's parameters read and re-laid several at once (issue 7) ----------------
+# ---- the readers' thread pool: a unit's parameters read and re-laid several at once ---------------------------
 _POOL: Any = None
 _WORKERS = 0  # 0: one per core (at least 2, at most 8)
 
