@@ -41,7 +41,7 @@ from mconvert.convert.io.safeload import crc_in_background, wait_crc_checks
 from mconvert.convert.progress import UnitProgress
 from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError
-from mconvert.mappings import families
+from mconvert.mappings import deploy, families
 from mconvert.mappings.family import FTFile, FTLayout
 from mconvert.spec import ModelSpec
 
@@ -321,20 +321,11 @@ def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
     raw = _RawFiles()
     try:
         for unit in source.units():
-            hf = source.read_hf(unit)
-            if unit == "embedding":
-                files = layout.embedding_files(hf)
-                if spec.tie_embeddings and layout.always_reads_head:
-                    embed = hf[families.of(spec).plugin.hf_embedding]
-                wte = next(iter(files.values()))
-                if wte.shape[0] != spec.vocab_size:
-                    raise MConvertError(
-                        f"{source.path}: embedding has {wte.shape[0]} rows, spec vocab_size={spec.vocab_size}"
-                    )
-            elif unit == "final":
-                files = layout.final_files(hf, embed, spec)
-            else:
-                files = layout.layer_files(hf, int(unit), spec, infer_tp)
+            mcore = source.read_mcore(unit)
+            if unit == "embedding" and spec.tie_embeddings and layout.always_reads_head:
+                embed = mcore[deploy.EMBEDDING]
+            files = deploy.files(deploy.rank_tensors(spec, layout.files, unit, mcore, infer_tp,
+                                                     "FasterTransformer", embed, str(source.path)))
             for name, x in files.items():
                 nbytes += raw.write(ft_dir / name, x, dtype)
                 nfiles += 1

@@ -34,7 +34,7 @@ from mconvert.convert.io.safetensors import SafetensorsRandomWriter
 from mconvert.convert.progress import UnitProgress
 from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError, expect
-from mconvert.mappings import families
+from mconvert.mappings import deploy, families
 from mconvert.mappings.family import TrtllmLayout
 from mconvert.spec import ModelSpec
 
@@ -102,10 +102,10 @@ def trtllm_refusal(spec: ModelSpec, tp: int) -> None:
     _layout(spec).refuse(spec)
 
 
-def rank_tensors(unit: Any, hf: dict[str, torch.Tensor], spec: ModelSpec, tp: int,
-                 embed: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
-    """One unit's HF tensors -> per-rank TensorRT-LLM tensors (the family's TensorRT-LLM layout)."""
-    return _layout(spec).rank_tensors(unit, hf, spec, tp, embed)
+def rank_tensors(unit: Any, mcore: dict[str, torch.Tensor], spec: ModelSpec, tp: int,
+                 embed: torch.Tensor | None, source: str = "checkpoint") -> list[dict[str, torch.Tensor]]:
+    """One unit's full tensors -> per-rank TensorRT-LLM tensors (the family's TensorRT-LLM table)."""
+    return deploy.rank_tensors(spec, _layout(spec).tensors, unit, mcore, tp, "TensorRT-LLM", embed, source)
 
 
 def _layout(spec: ModelSpec) -> TrtllmLayout:
@@ -139,10 +139,10 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
                 writers.append(SafetensorsRandomWriter(tmp / f"rank{r}.safetensors", [(n, tdt, layout[n]) for n in sorted(layout)],
                                                        {"format": "pt"}, layout="TensorRT-LLM layout"))
             for unit in units:
-                hf = source.read_hf(unit)
+                mcore = source.read_mcore(unit)
                 if unit == "embedding" and spec.tie_embeddings:
-                    embed = hf[families.of(spec).plugin.hf_embedding]
-                for w, part in zip(writers, rank_tensors(unit, hf, spec, tp, embed)):
+                    embed = mcore[deploy.EMBEDDING]
+                for w, part in zip(writers, rank_tensors(unit, mcore, spec, tp, embed, str(source.path))):
                     for k, v in part.items():
                         w.write(k, v)
                 step()

@@ -43,6 +43,17 @@ class Plugin:
         return self.table["embedding.word_embeddings.weight"].hf[0]
 
 
+# ---- deployment formats ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeployRule:
+    """Where one canonical mcore parameter goes in a deployment format: the target name(s) (`*` = layer index,
+    `{r}` = TP rank) and the `form` the engine stores a rank's shard in (`mappings.deploy.FORMS`). The split
+    itself follows the parameter's split kind in ModelSpec."""
+
+    names: tuple[str, ...]
+    form: str = "whole"
+
+
 # ---- FasterTransformer ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FTFile:
@@ -85,9 +96,7 @@ class FTLayout:
     holds: Callable[[ModelSpec], bool]
     refuse: Callable[[ModelSpec, int, bool], None]
     expected_files: Callable[[dict[str, Any]], list[FTFile]]
-    embedding_files: Callable[[Tensors], Tensors]
-    layer_files: Callable[[Tensors, int, ModelSpec, int], Tensors]
-    final_files: Callable[[Tensors, torch.Tensor | None, ModelSpec], Tensors]
+    files: dict[str, DeployRule | None]
     config_fields: Callable[[ModelSpec], dict[str, Any]]  # section fields beyond the common ones
     kernels: FTKernels
     check_config: Callable[[dict[str, str], dict[str, int]], list[str]] = lambda cfg, ints: []
@@ -99,14 +108,15 @@ class FTLayout:
 # ---- TensorRT-LLM -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TrtllmLayout:
-    """One TensorRT-LLM model class: its config fields, its refusals and its per-rank tensors."""
+    """One TensorRT-LLM model class: its config fields, its refusals and where each canonical parameter goes in
+    the rank files (`tensors`; the head is always written, a tied model's as a copy of the embedding)."""
 
     architecture: str
     hidden_act: Callable[[ModelSpec], str]
     position_embedding_type: str
     config_fields: Callable[[ModelSpec], dict[str, Any]]  # appended after the common PretrainedConfig fields
     refuse: Callable[[ModelSpec], None]
-    rank_tensors: Callable[[Any, Tensors, ModelSpec, int, torch.Tensor | None], list[Tensors]]
+    tensors: dict[str, DeployRule | None]
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------------
@@ -155,73 +165,8 @@ class Family:
     sliding_window_by_default: bool = False  # HF applies `sliding_window` without `use_sliding_window`
 
 
-# ---- shard helpers shared by the deployment layouts -----------------------------------------------------
-def cols(x: torch.Tensor, t: int) -> list[torch.Tensor]:
-    """Split the last axis into `t` contiguous parts (column-parallel in FT's [in, out] storage)."""
-    return list(x.chunk(t, dim=-1))
-
-
-def rows(x: torch.Tensor, t: int) -> list[torch.Tensor]:
-    """Split axis 0 into `t` parts (row-parallel: the input features of an [in, out] weight)."""
-    return list(x.chunk(t, dim=0))
-
-
-def need(d: Tensors, key: str, what: str) -> torch.Tensor:
-    """`d[key]`, or one MConvertError naming the missing tensor."""
-    if key not in d:
-        raise MConvertError(f"the source yields no {key} ({what}); cannot write it")
-    return d[key]
-
-
-def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Zero rows appended up to a multiple (TensorRT-LLM's `pad_vocab_size`)."""
-    pad = -x.shape[0] % multiple
-    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
-
-
-def kv_dup(x: torch.Tensor, nkv: int, tp: int) -> torch.Tensor:
-    """Repeat each KV head tp/nkv times along dim 0 when there are fewer KV heads than ranks."""
-    if nkv >= tp:
-        return x
-    if tp % nkv:
-        raise MConvertError(f"--tp {tp} and {nkv} KV heads: one must divide the other")
-    return x.reshape(nkv, -1, *x.shape[1:]).repeat_interleave(tp // nkv, dim=0).reshape(-1, *x.shape[1:])
-
-
-def split_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int, tp: int) -> list[torch.Tensor]:
-    """Per rank cat(q_r, k_r, v_r) along dim 0 (weights [out, in] or biases [out])."""
-    k, v = kv_dup(k, nkv, tp), kv_dup(v, nkv, tp)
-    return [torch.cat(parts) for parts in zip(q.chunk(tp), k.chunk(tp), v.chunk(tp))]
-
-
-def per_rank(tp: int) -> tuple[list[Tensors], Callable[[str, torch.Tensor], None],
-                                Callable[[str, list[torch.Tensor]], None]]:
-    """(out, every, each): `tp` empty rank dicts, a setter of one tensor on every rank, and of one per rank."""
-    out: list[Tensors] = [{} for _ in range(tp)]
-
-    def every(name: str, x: torch.Tensor) -> None:
-        for d in out:
-            d[name] = x
-
-    def each(name: str, xs: list[torch.Tensor]) -> None:
-        for d, x in zip(out, xs):
-            d[name] = x
-
-    return out, every, each
-
-
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:
     """Refuse a model whose per-head q/k norm the HF class `architecture` lacks (or needs and it lacks)."""
     if spec.qk_layernorm != has_qk_norm:
         raise MConvertError(f"HF {architecture} {'needs' if has_qk_norm else 'has no'} per-head q/k norm and this "
                             f"{spec.family}-family model has qk_layernorm={spec.qk_layernorm}; conversion refused")
-
-
-def head_or_tied(hf: Tensors, embed: torch.Tensor | None, spec: ModelSpec, what: str) -> torch.Tensor:
-    """The untied `lm_head.weight`, or the embedding for a tied model (formats that always store a head)."""
-    head = hf.get("lm_head.weight")
-    if head is None:
-        if not spec.tie_embeddings:
-            raise MConvertError(f"{what} but the source yields no lm_head.weight")
-        head = embed
-    return head  # type: ignore[return-value]

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from mconvert.errors import MConvertError
 from mconvert.mappings.family import (
+    DeployRule,
     Family,
     check_qk_norm,
     FTFile,
@@ -19,17 +19,9 @@ from mconvert.mappings.family import (
     FTLayout,
     Plugin,
     Rule,
-    Tensors,
     TiedHeadMessages,
     TrtllmLayout,
     VllmFacts,
-    cols,
-    need,
-    pad_rows,
-    per_rank,
-    head_or_tied,
-    rows,
-    split_qkv,
 )
 from mconvert.mappings.fields import INT, NUM, STR, Field, mapped, neutral, refused
 from mconvert.spec import ModelSpec
@@ -218,46 +210,29 @@ def _ft_expected_files(cfg: dict[str, Any]) -> list[FTFile]:
     return files
 
 
-def _ft_embedding_files(hf: Tensors) -> Tensors:
-    return {"model.wte.bin": hf["transformer.wte.weight"], "model.wpe.bin": hf["transformer.wpe.weight"]}
-
-
-def _ft_layer_files(hf: Tensors, i: int, spec: ModelSpec, t: int) -> Tensors:
-    """HF GPT-2 layer `i` (Conv1D weights are already [in, out]) -> FT files for `t` ranks."""
-    H = spec.hidden_size
-    s, p = f"transformer.h.{i}.", f"model.layers.{i}."
-    out = {
-        p + "input_layernorm.weight.bin": hf[s + "ln_1.weight"],
-        p + "input_layernorm.bias.bin": hf[s + "ln_1.bias"],
-        p + "attention.dense.bias.bin": hf[s + "attn.c_proj.bias"],
-        p + "post_attention_layernorm.weight.bin": hf[s + "ln_2.weight"],
-        p + "post_attention_layernorm.bias.bin": hf[s + "ln_2.bias"],
-        p + "mlp.dense_4h_to_h.bias.bin": hf[s + "mlp.c_proj.bias"],
-    }
-    qkv_w = hf[s + "attn.c_attn.weight"].reshape(H, 3, H)  # [in, (q|k|v) × heads × hd]
-    qkv_b = hf[s + "attn.c_attn.bias"].reshape(3, H)
-    shards = {
-        "attention.query_key_value.weight": cols(qkv_w, t),
-        "attention.query_key_value.bias": cols(qkv_b, t),
-        "attention.dense.weight": rows(hf[s + "attn.c_proj.weight"], t),
-        "mlp.dense_h_to_4h.weight": cols(hf[s + "mlp.c_fc.weight"], t),
-        "mlp.dense_h_to_4h.bias": cols(hf[s + "mlp.c_fc.bias"], t),
-        "mlp.dense_4h_to_h.weight": rows(hf[s + "mlp.c_proj.weight"], t),
-    }
-    for name, xs in shards.items():
-        for r, x in enumerate(xs):
-            out[f"{p}{name}.{r}.bin"] = x
-    return out
-
-
-def _ft_final_files(hf: Tensors, embed: torch.Tensor | None, spec: ModelSpec) -> Tensors:
-    out = {
-        "model.final_layernorm.weight.bin": hf["transformer.ln_f.weight"],
-        "model.final_layernorm.bias.bin": hf["transformer.ln_f.bias"],
-    }
-    if not spec.tie_embeddings:  # FT's GPT loader: a present lm_head file unties the head
-        out["model.lm_head.weight.bin"] = need(hf, "lm_head.weight", "untied head")
-    return out
+_FT_L = "model.layers.*."
+FT_FILES: dict[str, DeployRule | None] = {  # FT's converters: every 2-D weight `[in, out]`, QKV `[H, 3, H/t]`
+    "embedding.word_embeddings.weight": DeployRule(("model.wte.bin",)),
+    "embedding.position_embeddings.weight": DeployRule(("model.wpe.bin",)),
+    L + "input_layernorm.weight": DeployRule((_FT_L + "input_layernorm.weight.bin",)),
+    L + "input_layernorm.bias": DeployRule((_FT_L + "input_layernorm.bias.bin",)),
+    L + "self_attention.linear_qkv.weight": DeployRule((_FT_L + "attention.query_key_value.weight.{r}.bin",),
+                                                       "qkv_stack_t"),
+    L + "self_attention.linear_qkv.bias": DeployRule((_FT_L + "attention.query_key_value.bias.{r}.bin",),
+                                                     "qkv_stack_t"),
+    L + "self_attention.linear_proj.weight": DeployRule((_FT_L + "attention.dense.weight.{r}.bin",), "split_t"),
+    L + "self_attention.linear_proj.bias": DeployRule((_FT_L + "attention.dense.bias.bin",)),
+    L + "pre_mlp_layernorm.weight": DeployRule((_FT_L + "post_attention_layernorm.weight.bin",)),
+    L + "pre_mlp_layernorm.bias": DeployRule((_FT_L + "post_attention_layernorm.bias.bin",)),
+    L + "mlp.linear_fc1.weight": DeployRule((_FT_L + "mlp.dense_h_to_4h.weight.{r}.bin",), "split_t"),
+    L + "mlp.linear_fc1.bias": DeployRule((_FT_L + "mlp.dense_h_to_4h.bias.{r}.bin",), "split_t"),
+    L + "mlp.linear_fc2.weight": DeployRule((_FT_L + "mlp.dense_4h_to_h.weight.{r}.bin",), "split_t"),
+    L + "mlp.linear_fc2.bias": DeployRule((_FT_L + "mlp.dense_4h_to_h.bias.bin",)),
+    "decoder.final_layernorm.weight": DeployRule(("model.final_layernorm.weight.bin",)),
+    "decoder.final_layernorm.bias": DeployRule(("model.final_layernorm.bias.bin",)),
+    # FT's GPT loader: a present lm_head file unties the head (a tied model declares no head, so none is written)
+    "output_layer.weight": DeployRule(("model.lm_head.weight.bin",)),
+}
 
 
 FT = FTLayout(
@@ -269,9 +244,7 @@ FT = FTLayout(
     holds=_ft_holds,
     refuse=_ft_refuse,
     expected_files=_ft_expected_files,
-    embedding_files=_ft_embedding_files,
-    layer_files=_ft_layer_files,
-    final_files=_ft_final_files,
+    files=FT_FILES,
     config_fields=lambda spec: dict(max_pos_seq_len=spec.max_position_embeddings, has_adapters=False,
                                     adapter_inter_size=0),
     kernels=FTKernels(embedding="model.wte.bin", positions="model.wpe.bin", norm="LayerNorm", biases=True,
@@ -292,36 +265,26 @@ def _trt_refuse(spec: ModelSpec) -> None:
         raise MConvertError("TensorRT-LLM's GPT needs head_size = hidden/heads")
 
 
-def _trt_rank_tensors(unit: Any, hf: Tensors, spec: ModelSpec, tp: int, embed: torch.Tensor | None) -> list[Tensors]:
-    """One unit's HF GPT-2 tensors -> per-rank TensorRT-LLM GPT tensors (Linear [out, in])."""
-    out, every, each = per_rank(tp)
-    nkv, H = spec.num_groups, spec.hidden_size
-    if unit == "embedding":
-        every("transformer.vocab_embedding.weight", hf["transformer.wte.weight"])
-        every("transformer.position_embedding.weight", hf["transformer.wpe.weight"])
-        return out
-    if unit == "final":
-        every("transformer.ln_f.weight", hf["transformer.ln_f.weight"])
-        every("transformer.ln_f.bias", hf["transformer.ln_f.bias"])
-        head = head_or_tied(hf, embed, spec, "untied model")
-        each("lm_head.weight", list(pad_rows(head, tp).chunk(tp)))
-        return out
-    i = int(unit)
-    t, s = f"transformer.layers.{i}.", f"transformer.h.{i}."
-    w = hf[s + "attn.c_attn.weight"].t()  # Conv1D [in, out] -> [out, in]; rows q|k|v
-    b = hf[s + "attn.c_attn.bias"]
-    each(t + "attention.qkv.weight", split_qkv(*w.split(H), nkv, tp))
-    each(t + "attention.qkv.bias", split_qkv(*b.split(H), nkv, tp))
-    each(t + "attention.dense.weight", list(hf[s + "attn.c_proj.weight"].t().chunk(tp, 1)))
-    every(t + "attention.dense.bias", hf[s + "attn.c_proj.bias"])
-    each(t + "mlp.fc.weight", list(hf[s + "mlp.c_fc.weight"].t().chunk(tp, 0)))
-    each(t + "mlp.fc.bias", list(hf[s + "mlp.c_fc.bias"].chunk(tp)))
-    each(t + "mlp.proj.weight", list(hf[s + "mlp.c_proj.weight"].t().chunk(tp, 1)))
-    every(t + "mlp.proj.bias", hf[s + "mlp.c_proj.bias"])
-    for a, b_ in (("ln_1", "input_layernorm"), ("ln_2", "post_layernorm")):
-        every(t + f"{b_}.weight", hf[s + f"{a}.weight"])
-        every(t + f"{b_}.bias", hf[s + f"{a}.bias"])
-    return out
+_T = "transformer.layers.*."
+TRT_TENSORS: dict[str, DeployRule | None] = {  # TensorRT-LLM's GPT: Linear `[out, in]`
+    "embedding.word_embeddings.weight": DeployRule(("transformer.vocab_embedding.weight",)),
+    "embedding.position_embeddings.weight": DeployRule(("transformer.position_embedding.weight",)),
+    L + "input_layernorm.weight": DeployRule((_T + "input_layernorm.weight",)),
+    L + "input_layernorm.bias": DeployRule((_T + "input_layernorm.bias",)),
+    L + "self_attention.linear_qkv.weight": DeployRule((_T + "attention.qkv.weight",), "qkv_cat"),
+    L + "self_attention.linear_qkv.bias": DeployRule((_T + "attention.qkv.bias",), "qkv_cat"),
+    L + "self_attention.linear_proj.weight": DeployRule((_T + "attention.dense.weight",), "split"),
+    L + "self_attention.linear_proj.bias": DeployRule((_T + "attention.dense.bias",)),
+    L + "pre_mlp_layernorm.weight": DeployRule((_T + "post_layernorm.weight",)),
+    L + "pre_mlp_layernorm.bias": DeployRule((_T + "post_layernorm.bias",)),
+    L + "mlp.linear_fc1.weight": DeployRule((_T + "mlp.fc.weight",), "split"),
+    L + "mlp.linear_fc1.bias": DeployRule((_T + "mlp.fc.bias",), "split"),
+    L + "mlp.linear_fc2.weight": DeployRule((_T + "mlp.proj.weight",), "split"),
+    L + "mlp.linear_fc2.bias": DeployRule((_T + "mlp.proj.bias",)),
+    "decoder.final_layernorm.weight": DeployRule(("transformer.ln_f.weight",)),
+    "decoder.final_layernorm.bias": DeployRule(("transformer.ln_f.bias",)),
+    "output_layer.weight": DeployRule(("lm_head.weight",), "vocab_padded"),
+}
 
 
 TRTLLM = TrtllmLayout(
@@ -332,7 +295,7 @@ TRTLLM = TrtllmLayout(
                                     apply_query_key_layer_scaling=False, rotary_pct=1.0, rotary_base=10000.0,
                                     rotary_scaling=None),
     refuse=_trt_refuse,
-    rank_tensors=_trt_rank_tensors,
+    tensors=TRT_TENSORS,
 )
 
 

@@ -8,27 +8,20 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 
 from mconvert.errors import MConvertError
 from mconvert.mappings.family import (
     FT_BASE_ROTARY,
+    DeployRule,
     Family,
     FTFile,
     FTKernels,
     FTLayout,
     Plugin,
     Rule,
-    Tensors,
     TrtllmLayout,
     VllmFacts,
     check_qk_norm,
-    cols,
-    head_or_tied,
-    pad_rows,
-    per_rank,
-    rows,
-    split_qkv,
 )
 from mconvert.mappings.fields import BOOL, INT, MAPPED, NEUTRAL, NUM, STR, Field, mapped, refused
 from mconvert.spec import ModelSpec
@@ -285,31 +278,20 @@ def _ft_expected_files(cfg: dict[str, Any]) -> list[FTFile]:
     return files
 
 
-def _ft_layer_files(hf: Tensors, i: int, spec: ModelSpec, t: int) -> Tensors:
-    """HF LLaMA layer `i` ([out, in] Linear weights) -> FT files: QKV `[H, 3, H/t]`, MLP `[in, out]`."""
-    s, p = f"model.layers.{i}.", f"model.layers.{i}."
-    out = {
-        p + "input_layernorm.weight.bin": hf[s + "input_layernorm.weight"],
-        p + "post_attention_layernorm.weight.bin": hf[s + "post_attention_layernorm.weight"],
-    }
-    qkv = torch.stack([hf[s + f"self_attn.{n}_proj.weight"] for n in "qkv"])  # [3, out, in]
-    shards = {
-        "attention.query_key_value.weight": cols(qkv.permute(2, 0, 1), t),  # [in, 3, out]
-        "attention.dense.weight": rows(hf[s + "self_attn.o_proj.weight"].t(), t),
-        "mlp.gate_proj.weight": cols(hf[s + "mlp.gate_proj.weight"].t(), t),
-        "mlp.up_proj.weight": cols(hf[s + "mlp.up_proj.weight"].t(), t),
-        "mlp.down_proj.weight": rows(hf[s + "mlp.down_proj.weight"].t(), t),
-    }
-    for name, xs in shards.items():
-        for r, x in enumerate(xs):
-            out[f"{p}{name}.{r}.bin"] = x
-    return out
-
-
-def _ft_final_files(hf: Tensors, embed: torch.Tensor | None, spec: ModelSpec) -> Tensors:
-    """Final norm and head; FT's LLaMA loader always reads lm_head, so a tied model gets a copy of wte."""
-    head = head_or_tied(hf, embed, spec, "untied LLaMA-style model")
-    return {"model.final_layernorm.weight.bin": hf["model.norm.weight"], "model.lm_head.weight.bin": head}
+_FT_L = "model.layers.*."
+FT_FILES: dict[str, DeployRule | None] = {  # FT's LLaMA: every 2-D weight `[in, out]`, QKV `[H, 3, H/t]`
+    "embedding.word_embeddings.weight": DeployRule(("model.wte.weight.bin",)),
+    L + "input_layernorm.weight": DeployRule((_FT_L + "input_layernorm.weight.bin",)),
+    L + "self_attention.linear_qkv.weight": DeployRule((_FT_L + "attention.query_key_value.weight.{r}.bin",),
+                                                       "qkv_stack_t"),
+    L + "self_attention.linear_proj.weight": DeployRule((_FT_L + "attention.dense.weight.{r}.bin",), "split_t"),
+    L + "pre_mlp_layernorm.weight": DeployRule((_FT_L + "post_attention_layernorm.weight.bin",)),
+    L + "mlp.linear_fc1.weight": DeployRule((_FT_L + "mlp.gate_proj.weight.{r}.bin",
+                                             _FT_L + "mlp.up_proj.weight.{r}.bin"), "gated_t"),
+    L + "mlp.linear_fc2.weight": DeployRule((_FT_L + "mlp.down_proj.weight.{r}.bin",), "split_t"),
+    "decoder.final_layernorm.weight": DeployRule(("model.final_layernorm.weight.bin",)),
+    "output_layer.weight": DeployRule(("model.lm_head.weight.bin",)),  # always read: a tied model gets a copy
+}
 
 
 def _ft_check_config(cfg: dict[str, str], ints: dict[str, int]) -> list[str]:
@@ -327,9 +309,7 @@ FT = FTLayout(
     holds=_ft_holds,
     refuse=_ft_refuse,
     expected_files=_ft_expected_files,
-    embedding_files=lambda hf: {"model.wte.weight.bin": hf["model.embed_tokens.weight"]},
-    layer_files=_ft_layer_files,
-    final_files=_ft_final_files,
+    files=FT_FILES,
     config_fields=lambda spec: dict(rotary_embedding=spec.head_dim),
     kernels=FTKernels(embedding="model.wte.weight.bin", positions=None, norm="RMSNorm", biases=False,
                       mlp=("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"), rotary_dim="rotary_embedding"),
@@ -347,37 +327,22 @@ def _trt_refuse(spec: ModelSpec) -> None:
         raise MConvertError("a qkv-only bias (Qwen2 style) is not part of TensorRT-LLM's LLaMA layout")
 
 
-def _trt_rank_tensors(unit: Any, hf: Tensors, spec: ModelSpec, tp: int, embed: torch.Tensor | None) -> list[Tensors]:
-    """One unit's HF LLaMA tensors -> per-rank TensorRT-LLM LLaMA tensors (`mlp.fc` = gate, `mlp.gate` = up)."""
-    out, every, each = per_rank(tp)
-    nkv = spec.num_groups
-    if unit == "embedding":
-        every("transformer.vocab_embedding.weight", hf["model.embed_tokens.weight"])
-        return out
-    if unit == "final":
-        every("transformer.ln_f.weight", hf["model.norm.weight"])
-        head = head_or_tied(hf, embed, spec, "untied model")
-        each("lm_head.weight", list(pad_rows(head, tp).chunk(tp)))
-        return out
-    i = int(unit)
-    t, s = f"transformer.layers.{i}.", f"model.layers.{i}."
-    qkv = [hf[s + f"self_attn.{n}_proj.weight"] for n in "qkv"]
-    each(t + "attention.qkv.weight", split_qkv(*qkv, nkv, tp))
-    if s + "self_attn.q_proj.bias" in hf:
-        each(t + "attention.qkv.bias", split_qkv(*[hf[s + f"self_attn.{n}_proj.bias"] for n in "qkv"], nkv, tp))
-    each(t + "attention.dense.weight", list(hf[s + "self_attn.o_proj.weight"].chunk(tp, 1)))
-    if s + "self_attn.o_proj.bias" in hf:
-        every(t + "attention.dense.bias", hf[s + "self_attn.o_proj.bias"])
-    for trt, name in (("mlp.fc", "gate_proj"), ("mlp.gate", "up_proj")):
-        each(t + f"{trt}.weight", list(hf[s + f"mlp.{name}.weight"].chunk(tp, 0)))
-        if s + f"mlp.{name}.bias" in hf:
-            each(t + f"{trt}.bias", list(hf[s + f"mlp.{name}.bias"].chunk(tp)))
-    each(t + "mlp.proj.weight", list(hf[s + "mlp.down_proj.weight"].chunk(tp, 1)))
-    if s + "mlp.down_proj.bias" in hf:
-        every(t + "mlp.proj.bias", hf[s + "mlp.down_proj.bias"])
-    every(t + "input_layernorm.weight", hf[s + "input_layernorm.weight"])
-    every(t + "post_layernorm.weight", hf[s + "post_attention_layernorm.weight"])
-    return out
+_T = "transformer.layers.*."
+TRT_TENSORS: dict[str, DeployRule | None] = {  # TensorRT-LLM's LLaMA: Linear `[out, in]`; mlp.fc = gate, mlp.gate = up
+    "embedding.word_embeddings.weight": DeployRule(("transformer.vocab_embedding.weight",)),
+    L + "input_layernorm.weight": DeployRule((_T + "input_layernorm.weight",)),
+    L + "self_attention.linear_qkv.weight": DeployRule((_T + "attention.qkv.weight",), "qkv_cat"),
+    L + "self_attention.linear_qkv.bias": DeployRule((_T + "attention.qkv.bias",), "qkv_cat"),
+    L + "self_attention.linear_proj.weight": DeployRule((_T + "attention.dense.weight",), "split"),
+    L + "self_attention.linear_proj.bias": DeployRule((_T + "attention.dense.bias",)),
+    L + "pre_mlp_layernorm.weight": DeployRule((_T + "post_layernorm.weight",)),
+    L + "mlp.linear_fc1.weight": DeployRule((_T + "mlp.fc.weight", _T + "mlp.gate.weight"), "gated"),
+    L + "mlp.linear_fc1.bias": DeployRule((_T + "mlp.fc.bias", _T + "mlp.gate.bias"), "gated"),
+    L + "mlp.linear_fc2.weight": DeployRule((_T + "mlp.proj.weight",), "split"),
+    L + "mlp.linear_fc2.bias": DeployRule((_T + "mlp.proj.bias",)),
+    "decoder.final_layernorm.weight": DeployRule(("transformer.ln_f.weight",)),
+    "output_layer.weight": DeployRule(("lm_head.weight",), "vocab_padded"),
+}
 
 
 TRTLLM = TrtllmLayout(
@@ -389,7 +354,7 @@ TRTLLM = TrtllmLayout(
                                     disable_weight_only_quant_plugin=False,
                                     moe={"num_experts": 0, "top_k": 0, "normalization_mode": None}),
     refuse=_trt_refuse,
-    rank_tensors=_trt_rank_tensors,
+    tensors=TRT_TENSORS,
 )
 
 

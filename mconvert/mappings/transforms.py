@@ -230,3 +230,41 @@ def merge_rows(kind: str, tp: int, shard_rows: int, name: str = "tensor") -> lis
         half = shard_rows // 2
         return [[(r * half, 0, half), (tp * half + r * half, half, half)] for r in range(tp)]
     return [[(r * shard_rows, 0, shard_rows)] for r in range(tp)]
+
+
+# ---- deployment layouts: per-rank tensors of the inference engines (FasterTransformer, TensorRT-LLM) -------
+# The engines cut the same split kinds as Megatron, but store some weights transposed (`[in, out]`), keep q, k
+# and v of a rank side by side, and repeat KV heads when there are more ranks than KV heads.
+
+
+def split_transposed(full: torch.Tensor, kind: str, tp: int, name: str = "tensor") -> list[torch.Tensor]:
+    """`split(full, kind, tp)` with every 2-D shard transposed: the rank shards of an engine that stores Linear
+    weights `[in, out]`, so a column split cuts its last axis and a row split its first. 1-D tensors pass as split."""
+    return [s.t() if s.dim() == 2 else s for s in split(full, kind, tp, name)]
+
+
+def kv_dup(x: torch.Tensor, heads: int, tp: int, name: str = "k/v") -> torch.Tensor:
+    """K or V rows of `heads` heads `[heads·hd, ...]` with each head repeated tp/heads times when there are fewer
+    heads than ranks, so each rank's contiguous slice holds the one head it attends with."""
+    if heads >= tp:
+        return x
+    if tp % heads or x.shape[0] % heads:
+        raise MConvertError(f"{name}: TP={tp} and {heads} KV heads: one must divide the other")
+    return x.reshape(heads, -1, *x.shape[1:]).repeat_interleave(tp // heads, dim=0).reshape(-1, *x.shape[1:])
+
+
+def qkv_rank_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int, tp: int,
+                    name: str = "q/k/v") -> list[list[torch.Tensor]]:
+    """Per rank `[q_r, k_r, v_r]`: the rank's query heads and its KV heads (duplicated when `nkv < tp`)."""
+    if q.shape[0] % tp:
+        raise MConvertError(f"{name}: {q.shape[0]} query rows are not divisible by TP={tp}")
+    k, v = kv_dup(k, nkv, tp, name), kv_dup(v, nkv, tp, name)
+    if k.shape[0] % tp:
+        raise MConvertError(f"{name}: {k.shape[0]} key rows are not divisible by TP={tp}")
+    return [list(parts) for parts in zip(q.chunk(tp), k.chunk(tp), v.chunk(tp))]
+
+
+def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero rows appended up to a multiple of `multiple` (an engine that pads the vocab itself per rank)."""
+    pad = -x.shape[0] % multiple
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x

@@ -1,0 +1,149 @@
+"""Per-rank tensors of a deployment format from full Megatron tensors: split kinds + layout forms.
+
+A family's FT or TensorRT-LLM layout is a table: canonical mcore template -> `DeployRule(names, form)`. The split
+comes from the split kind `ModelSpec` declares for the parameter; the `form` says only how the engine stores the
+rank's shard (see `FORMS`); the cutting itself is `transforms`. No family name or HF name appears here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.mappings import transforms as T
+from mconvert.mappings.family import DeployRule, Tensors
+from mconvert.mappings.registry import Registry, fill
+from mconvert.spec import ModelSpec, ParamDecl
+
+HEAD = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def unit_params(spec: ModelSpec, unit: str | int) -> list[ParamDecl]:
+    """The parameters ModelSpec declares for one unit (a tied model declares no head)."""
+    if unit == "embedding":
+        return spec.embedding_params()
+    if unit == "final":
+        return spec.final_params()
+    return spec.layer_params(int(unit))
+
+
+def _qkv(spec: ModelSpec, full: torch.Tensor, name: str) -> list[torch.Tensor]:
+    """[q, k, v] of the fused Megatron tensor, rotary pairs in rotate_half order (what the engines compute)."""
+    nq, ng, hd = spec.num_attention_heads, spec.num_groups, spec.head_dim
+    q, k, v = T.qkv_to_separate(full, nq, ng, hd, name)
+    if spec.rotary_interleaved:
+        q, k = T.interleaved_to_half(q, nq, hd, name), T.interleaved_to_half(k, ng, hd, name)
+    return [q, k, v]
+
+
+def _whole(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+    x = T.strip_vocab(full, spec.vocab_size, name) if kind == "vocab" else full
+    return [[x]] * tp
+
+
+def _split(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+    if kind == "vocab":
+        full = T.strip_vocab(full, spec.vocab_size, name)
+    return [[x] for x in T.split(full, kind, tp, name)]
+
+
+def _split_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+    return [[x] for x in T.split_transposed(full, kind, tp, name)]
+
+
+def _vocab_padded(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+    return [[x] for x in T.split(T.pad_rows(T.strip_vocab(full, spec.vocab_size, name), tp), "vocab", tp, name)]
+
+
+def _qkv_cat(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+    return [[torch.cat(b)] for b in T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name)]
+
+
+def _qkv_stack_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+    out = []
+    for b in T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name):
+        s = torch.stack(b)  # [3, out/t, in] or [3, out/t]
+        out.append([s.permute(2, 0, 1) if s.dim() == 3 else s])
+    return out
+
+
+def _gated(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+    return [list(s.chunk(2, dim=0)) for s in T.split(full, "gated", tp, name)]
+
+
+def _gated_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+    return [[p.t() if p.dim() == 2 else p for p in parts] for parts in _gated(spec, full, kind, tp, name)]
+
+
+# form -> per rank, one tensor per name of the rule
+FORMS: dict[str, Callable[[ModelSpec, torch.Tensor, str, int, str], list[list[torch.Tensor]]]] = {
+    "whole": _whole,  # the full tensor on every rank (vocab rows: the true vocab)
+    "split": _split,  # the split kind's shard, Linear `[out, in]`
+    "split_t": _split_t,  # the split kind's shard, stored `[in, out]`
+    "vocab_padded": _vocab_padded,  # true vocab, zero rows up to a multiple of TP, split on rows
+    "qkv_cat": _qkv_cat,  # cat(q_r, k_r, v_r) along rows, KV heads duplicated when fewer than ranks
+    "qkv_stack_t": _qkv_stack_t,  # `[in, 3, out/t]` (weights) / `[3, out/t]` (biases)
+    "gated": _gated,  # gate_r and up_r of the gated fc1, two names, `[out, in]`
+    "gated_t": _gated_t,  # gate_r and up_r, stored `[in, out]`
+}
+
+
+def check_table(table: dict[str, DeployRule], what: str) -> None:
+    """A layout table names only known forms and one name per produced tensor (checked at import)."""
+    for tpl, rule in table.items():
+        if rule is None:
+            continue
+        if rule.form not in FORMS:
+            raise ValueError(f"{what}: {tpl}: unknown deployment form {rule.form!r}")
+        if len(rule.names) != (2 if rule.form.startswith("gated") else 1):
+            raise ValueError(f"{what}: {tpl}: form {rule.form!r} with {len(rule.names)} names")
+
+
+_REGS: dict[int, Registry] = {}
+
+
+def _registry(table: dict[str, DeployRule | None]) -> Registry:
+    key = id(table)
+    if key not in _REGS:
+        _REGS[key] = Registry(table)
+    return _REGS[key]
+
+
+def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, mcore: Tensors, tp: int,
+                 what: str, tied_head: torch.Tensor | None = None, source: str = "checkpoint") -> list[Tensors]:
+    """One unit's full tensors -> per-rank target tensors under the table's names (`{r}`: the rank).
+
+    Every parameter ModelSpec declares for the unit goes through its rule (a `None` rule drops it); `tied_head`
+    (the embedding of a tied model) goes through the head's rule when the table writes a head."""
+    reg = _registry(table)
+    out: list[Tensors] = [{} for _ in range(tp)]
+    decls = [(d.name, d.kind) for d in unit_params(spec, unit)]
+    if unit == "final" and tied_head is not None and HEAD in table and table[HEAD] is not None:
+        decls.append((HEAD, "vocab"))
+    for name, kind in decls:
+        full = tied_head if name == HEAD and spec.tie_embeddings else mcore.get(name)
+        if full is None:
+            raise MConvertError(f"{source}: parameter {name!r} is missing (unit {unit!r}); cannot write {what}")
+        m = reg.match(name)
+        if m is None:
+            raise MConvertError(f"{what} has no place for parameter {name!r} of this {spec.family} model")
+        _, rule, layer = m
+        if rule is None:
+            continue
+        for r, parts in enumerate(FORMS[rule.form](spec, full, kind, tp, name)):
+            for tpl, x in zip(rule.names, parts, strict=True):
+                out[r][fill(tpl, layer).replace("{r}", str(r))] = x
+    return out
+
+
+def files(per_rank: list[Tensors]) -> Tensors:
+    """Per-rank tensors -> one dict of files (an engine with one file per tensor and rank): names repeated on
+    every rank (the replicated tensors) are written once."""
+    out: Tensors = {}
+    for d in per_rank:
+        for k, v in d.items():
+            out.setdefault(k, v)
+    return out
