@@ -108,3 +108,28 @@ def test_config_without_a_vocab_or_with_an_empty_eos_list_is_refused_by_name(edi
     edit(cfg)
     with pytest.raises(MConvertError, match=words):
         families.spec_from_hf_config(cfg, "x/config.json")
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_deployment_tables_place_every_parameter_of_the_models_they_accept(name):
+    """FT and TensorRT-LLM tables name known storage forms only, and every parameter ModelSpec declares for a
+    preset the layout accepts has a place (the split itself comes from the parameter's split kind)."""
+    from mconvert.mappings import deploy
+    from mconvert.mappings.registry import Registry
+
+    fam = families.by_name(name)
+    for what, layout, table in (("FT", fam.ft, fam.ft and fam.ft.files),
+                                ("TensorRT-LLM", fam.trtllm, fam.trtllm and fam.trtllm.tensors)):
+        if layout is None:
+            continue
+        deploy.check_table(table, f"{name} {what}")
+        reg = Registry(table)
+        for spec in fam.presets.values():
+            try:
+                spec.refuse_unmapped(what)
+                layout.refuse(spec, 1, True) if what == "FT" else layout.refuse(spec)
+            except MConvertError:
+                continue
+            missing = [d.name for d in spec.params() if reg.match(d.name) is None]
+            assert not missing, f"{name} {what}: no place for {missing}"
+            assert reg.match(deploy.HEAD) is not None  # a tied model's head copy and an untied head

@@ -59,3 +59,82 @@ def test_merge_rows_refuses_odd_gated_and_row_kinds():
         merge_rows("gated", 2, 5)
     with pytest.raises(MConvertError, match="not split on dim 0"):
         merge_rows("row", 2, 4)
+
+
+# ---- deployment transforms ----------------------------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from mconvert.mappings.transforms import kv_dup, pad_rows, qkv_rank_blocks, split_transposed  # noqa: E402
+
+
+def _trtllm_dup_kv_weight(v, num_head, tp_size):
+    """TensorRT-LLM's own `dup_kv_weight` (tensorrt_llm/models/llama/convert.py), copied as the reference."""
+    reps = tp_size // num_head
+    head_size = v.shape[0] // num_head
+    v = v.reshape(num_head, head_size, -1)[:, None, :, :].expand(num_head, reps, head_size, v.shape[1])
+    return v.reshape(num_head * reps * head_size, -1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(heads=st.sampled_from([1, 2, 4]), mult=st.sampled_from([1, 2, 4]), hd=st.integers(1, 4), cols=st.integers(1, 3))
+def test_kv_dup_repeats_heads_as_tensorrt_llm_does(heads, mult, hd, cols):
+    tp = heads * mult
+    k = torch.randn(heads * hd, cols)
+    got = kv_dup(k, heads, tp)
+    assert torch.equal(got, _trtllm_dup_kv_weight(k, heads, tp))
+    for j in range(max(heads, tp)):  # by index: slot j holds head j // (tp / heads)
+        src = j // (tp // heads) if tp > heads else j
+        assert torch.equal(got[j * hd:(j + 1) * hd], k[src * hd:(src + 1) * hd])
+
+
+def test_kv_dup_refuses_heads_that_do_not_divide_ranks():
+    with pytest.raises(MConvertError, match="one must divide the other"):
+        kv_dup(torch.zeros(3 * 2, 4), 3, 4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ng=st.sampled_from([1, 2, 4]), per_group=st.sampled_from([1, 2]), tp=st.sampled_from([1, 2, 4]),
+       hd=st.integers(1, 3))
+def test_qkv_rank_blocks_then_merge_is_identity(ng, per_group, tp, hd):
+    """Rank r holds query heads [r·nq/tp, (r+1)·nq/tp) and KV head r·ng/tp (duplicated below TP); taking the
+    ranks' q back in order and each distinct KV head once gives q, k, v again."""
+    nq = ng * per_group
+    if nq % tp:
+        return
+    q, k, v = (torch.randn(n * hd, 5) for n in (nq, ng, ng))
+    blocks = qkv_rank_blocks(q, k, v, ng, tp)
+    assert torch.equal(torch.cat([b[0] for b in blocks]), q)
+    step = max(tp // ng, 1)
+    assert torch.equal(torch.cat([b[1] for b in blocks[::step]]), k)
+    assert torch.equal(torch.cat([b[2] for b in blocks[::step]]), v)
+    for r, (qr, kr, vr) in enumerate(blocks):
+        kv_heads = max(ng // tp, 1)
+        first = r * ng // tp if ng >= tp else r // step
+        assert torch.equal(kr, k[first * hd:(first + kv_heads) * hd])
+
+
+@pytest.mark.parametrize("kind", ["column", "row", "gated", "replicated"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_split_transposed_cuts_the_stored_axis_and_merges_back(kind, tp):
+    """`[in, out]` storage: a column split cuts the last axis, a row split the first; transposing back and
+    merging gives the full tensor."""
+    full = torch.randn(16, 8)
+    shards = split_transposed(full, kind, tp)
+    if kind == "column":
+        assert all(torch.equal(s, c) for s, c in zip(shards, full.t().chunk(tp, dim=-1)))
+    if kind == "row":
+        assert all(torch.equal(s, c) for s, c in zip(shards, full.t().chunk(tp, dim=0)))
+    assert torch.equal(merge([s.t() for s in shards], kind), full)
+
+
+def test_split_transposed_leaves_biases_1d():
+    b = torch.randn(8)
+    assert [tuple(s.shape) for s in split_transposed(b, "column", 2)] == [(4,), (4,)]
+
+
+@pytest.mark.parametrize("rows, multiple, want", [(10, 4, 12), (12, 4, 12), (1, 3, 3)])
+def test_pad_rows_appends_zero_rows(rows, multiple, want):
+    x = torch.randn(rows, 2)
+    y = pad_rows(x, multiple)
+    assert y.shape == (want, 2) and torch.equal(y[:rows], x) and not y[rows:].any()
