@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from mconvert import dtypes
 from mconvert.convert.io import tuning
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as plain
@@ -42,7 +43,17 @@ def error_line(message: object) -> None:
 Force = Annotated[bool, typer.Option("--force", help="Replace OUT if it exists (only at the final rename).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print files, sizes and peak memory; write nothing.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto keeps the source dtype).")]
+
+
+def dtype_option(allowed: tuple[str, ...] = dtypes.PARAM_DTYPES, auto: bool = True, what: str = "") -> object:
+    """THE `--dtype` option type: its help lists the verb's choices from `dtypes.choices`; the library parses
+    the word with `dtypes.choose`, which refuses the dtypes a verb does not write by name."""
+    words = "|".join(dtypes.choices(allowed, auto))
+    more = " (auto keeps the source dtype)" if auto else ""
+    return Annotated[str, typer.Option("--dtype", help=f"{words}{more}{'; ' + what if what else ''}.")]
+
+
+Dtype = dtype_option()
 Iteration = Annotated[Optional[str], typer.Option("--iteration", help="Iteration number or 'release' (default: latest).")]
 Workers = Annotated[int, typer.Option("--workers", help="Parameters read and re-laid at once, on threads "
                                       "(0: one per core; 1: one after another).")]
@@ -78,7 +89,7 @@ def train_cmd(
     micro_batch_size: Annotated[int, typer.Option("--micro-batch-size")] = 4,
     global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="Multiple of micro-batch × DP.")] = 16,
     seq_length: Annotated[int, typer.Option("--seq-length")] = 64,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32 | bf16 (bf16: every saved tensor bf16, fp32 Adam).")] = "fp32",
+    dtype: dtype_option(("float32", "bfloat16"), auto=False, what="bf16: every saved tensor bf16, fp32 Adam") = "fp32",  # type: ignore[valid-type]
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Megatron sequence parallelism (TP > 1).")] = False,
     comm_report: Annotated[bool, typer.Option("--comm-report", help="Table of collectives per group.")] = False,
     device: Annotated[Optional[str], typer.Option("--device", help="cpu | cuda (default: cuda if available).")] = None,
@@ -160,7 +171,8 @@ Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline chun
 
 
 def _print_report(report: dict, json_out: bool) -> None:
-    """A conversion report: JSON on stdout, or a rich table of files plus a summary on stderr."""
+    """A writing verb's report (`convert/writer.py`: the same keys for every verb): JSON on stdout, or a rich
+    table of files plus every other key on stderr."""
     if json_out:
         print(json.dumps(report, indent=1, default=str))
         return
@@ -169,14 +181,14 @@ def _print_report(report: dict, json_out: bool) -> None:
     t.add_column("file")
     t.add_column("bytes", justify="right")
     for f in report["files"]:
-        t.add_row(plain(f["path"]), f"{f['bytes']:,}")
+        t.add_row(plain(f["path"]), "?" if f["bytes"] is None else f"{f['bytes']:,}")
     console.print(t)
-    for k in ("source", "family", "dtype", "tp", "pp", "vpp", "iteration", "optimizer", "tokenizer",
-              "tokenizer_files", "read_bytes", "write_bytes", "largest_unit", "peak_memory_bytes", "peak_rss_bytes",
-              "seconds", "note"):
-        if report.get(k) not in (None, [], ""):
-            v = report[k]
-            console.print(f"  {k}: {v:,}" if isinstance(v, int) and "bytes" in k else f"  {k}: {plain(v)}", highlight=False)
+    for k, v in report.items():
+        if k in ("verb", "output", "files", "warnings", "notes", "dry_run") or v in (None, [], ""):
+            continue
+        console.print(f"  {k}: {v:,}" if isinstance(v, int) and "bytes" in k else f"  {k}: {plain(v)}", highlight=False)
+    for n in report.get("notes", []):
+        console.print(f"  note: {plain(n)}", highlight=False, soft_wrap=True)
     for w in report.get("warnings", []):
         console.print(f"[bold yellow]WARNING:[/] {plain(w)}", highlight=False, soft_wrap=True)
 
@@ -294,29 +306,20 @@ def inspect_cmd(
 # ==== end conversion verbs ===========================================================================
 
 # ==== deployment verbs (FT, TensorRT-LLM, ONNX) ======================================================
-def _deploy_report(title: str, rows: list[tuple[str, str]], data: dict, as_json: bool) -> None:
-    """Print a deployment verb's result as a rich table (stderr) or JSON (stdout)."""
-    if as_json:
-        print(json.dumps(data, indent=1))
-        return
-
-    table = Table(title=title, show_header=False)
-    for k, v in rows:
-        table.add_row(plain(k), plain(v))
-    console.print(table)
-
-
 @app.command("megatron-to-ft")
 def megatron_to_ft_cmd(
     src: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist) or HF model dir.")],
     out: Annotated[Path, typer.Argument(help="Output dir; the FT layout goes to OUT/<N>-gpu/.")],
-    infer_tp: Annotated[int, typer.Option("--infer-tp", help="Inference tensor parallelism (divides the heads).")] = 1,
-    dtype: Annotated[str, typer.Option("--dtype", help="fp32|fp16 (FT's weight_data_type).")] = "fp32",
+    tp: Annotated[int, typer.Option("--tp", "--infer-tp", help="Inference tensor parallelism (divides the heads); "
+                                    "--infer-tp is the same option.")] = 1,
+    # FT's weight_data_type choices (`fastertransformer.FT_PARAM_DTYPES`; the CLI does not import the engine)
+    dtype: dtype_option(("float32", "float16"), auto=False, what="FT's weight_data_type") = "fp32",  # type: ignore[valid-type]
     allow_approx_gelu: Annotated[
         bool, typer.Option("--allow-approx-gelu", help="Write an exact-GeLU model for FT's tanh GeLU anyway.")
     ] = False,
     iteration: Iteration = None,
     force: Force = False,
+    dry_run: DryRun = False,
     workers: Workers = 0,
     as_json: Json = False,
 ) -> None:
@@ -326,16 +329,17 @@ def megatron_to_ft_cmd(
     represent (GQA in its LLaMA loader, erf GeLU, biases in LLaMA, a rotary base other than 10000) is refused.
 
     Examples:
-      mconvert megatron-to-ft ckpt/ ft/ --infer-tp 2
-      mconvert megatron-to-ft hf-gpt2/ ft/ --infer-tp 4 --dtype fp16 --force
+      mconvert megatron-to-ft ckpt/ ft/ --tp 2
+      mconvert megatron-to-ft ckpt/ ft/ --infer-tp 2 --dry-run
+      mconvert megatron-to-ft hf-gpt2/ ft/ --tp 4 --dtype fp16 --force --json
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.fastertransformer import describe, megatron_to_ft
+    from mconvert.convert.fastertransformer import megatron_to_ft
 
     _workers(workers)
     tuning.apply()
-    res = megatron_to_ft(src, out, infer_tp, dtype, force, allow_approx_gelu, iteration)
-    _deploy_report("FasterTransformer", list(describe(res)), res.to_dict(), as_json)
+    _print_report(megatron_to_ft(src, out, tp, dtype, force, allow_approx_gelu, iteration, progress=True,
+                                 dry_run=dry_run), as_json)
 
 
 @app.command("megatron-to-trtllm")
@@ -343,9 +347,11 @@ def megatron_to_trtllm_cmd(
     src: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist) or HF model dir.")],
     out: Annotated[Path, typer.Argument(help="Output dir: config.json + rank{i}.safetensors.")],
     tp: Annotated[int, typer.Option("--tp", help="TensorRT-LLM tensor parallelism (rank files).")] = 1,
-    dtype: Annotated[str, typer.Option("--dtype", help="auto|fp32|fp16|bf16 (auto keeps the source dtype).")] = "auto",
+    dtype: Dtype = "auto",
     iteration: Iteration = None,
     force: Force = False,
+    dry_run: DryRun = False,
+    workers: Workers = 0,
     as_json: Json = False,
 ) -> None:
     """Write a TensorRT-LLM checkpoint (names/shapes as its gpt/llama converters), then check every rank file.
@@ -354,16 +360,16 @@ def megatron_to_trtllm_cmd(
 
     Examples:
       mconvert megatron-to-trtllm ckpt/ trtllm/ --tp 2
+      mconvert megatron-to-trtllm ckpt/ trtllm/ --tp 2 --dry-run
       mconvert megatron-to-trtllm hf-llama/ trtllm/ --tp 4 --dtype fp16 --force
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.trtllm import megatron_to_trtllm
 
-    res = megatron_to_trtllm(src, out, tp, dtype, force, iteration)
-    rows = [("out", res.out), ("architecture", res.architecture), ("tp", str(res.tp)), ("dtype", res.dtype),
-            ("tensors per rank", str(res.tensors_per_rank))]
-    rows += [(name, f"{size:,} B") for name, size in res.files.items()] + [("note", n) for n in res.notes]
-    _deploy_report("TensorRT-LLM checkpoint", rows, res.to_dict(), as_json)
+    _workers(workers)
+    tuning.apply()
+    _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run),
+                  as_json)
 
 
 @app.command("to-onnx")
@@ -380,6 +386,7 @@ def to_onnx_cmd(
     ] = "optimum",
     iteration: Iteration = None,
     force: Force = False,
+    dry_run: DryRun = False,
     as_json: Json = False,
 ) -> None:
     """Export to ONNX with optimum, then refuse unless onnxruntime's logits match transformers' within --rtol.
@@ -389,19 +396,15 @@ def to_onnx_cmd(
     Examples:
       mconvert to-onnx hf-model/ onnx/
       mconvert to-onnx ckpt/ onnx/ --no-past --opset 17 --force
+      mconvert to-onnx hf-model/ onnx/ --dry-run --json
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
-    res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration, check=check_onnx_against_hf)
-    rows = [("out", res.out), ("task", res.task), ("exporter", res.exporter),
-            ("prefill rel diff", f"{res.prefill_rel_diff:.3g} (≤ {res.rtol:g})")]
-    if res.decode_rel_diff is not None:
-        rows.append(("cached decode rel diff", f"{res.decode_rel_diff:.3g} (≤ {res.rtol:g})"))
-    rows += [(name, f"{size:,} B") for name, size in res.files.items()] + [("note", n) for n in res.notes]
-    rows.append(("seconds", str(res.seconds)))
-    _deploy_report("ONNX export", rows, res.to_dict(), as_json)
+    res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration, check=check_onnx_against_hf,
+                  dry_run=dry_run)
+    _print_report(res if dry_run else res.report(), as_json)
 
 
 # ==== end deployment verbs ===========================================================================

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mconvert.errors import MConvertError
+
 if TYPE_CHECKING:
     import numpy
     import torch
@@ -84,3 +86,28 @@ def canonical(name: str) -> str:
     """`"bf16"` -> `"bfloat16"`; an unknown name comes back unchanged (callers refuse it in their own words)."""
     row = lookup(name)
     return row.name if row else name
+
+
+def short_name(name: str) -> str:
+    """`"bfloat16"` -> `"bf16"`: the name users type (the canonical name when there is no alias)."""
+    row = lookup(name)
+    return row.aliases[0] if row and row.aliases else name
+
+
+def choices(allowed: tuple[str, ...] = PARAM_DTYPES, auto: bool = True) -> list[str]:
+    """The `--dtype` words of a verb writing the `allowed` dtypes: `auto` (keep the source's) first when it may."""
+    return (["auto"] if auto else []) + [short_name(n) for n in allowed]
+
+
+def choose(name: str, allowed: tuple[str, ...] = PARAM_DTYPES, auto: bool = True, why: str = "") -> str:
+    """The canonical dtype of `--dtype NAME` (or `"auto"`) for a verb that writes the `allowed` dtypes; anything
+    else is one MConvertError listing the verb's choices (and `why` it has no more)."""
+    key = name.lower()
+    if auto and key == "auto":
+        return "auto"
+    row = _BY_ALIAS.get(key)  # torch spellings are not --dtype words
+    if row is None or row.name not in allowed:
+        words = choices(allowed, auto)
+        listed = ", ".join(words[:-1]) + f" or {words[-1]}" if len(words) > 1 else words[0]
+        raise MConvertError(f"--dtype {name!r}: choose {listed}" + (f" ({why})" if why else ""))
+    return row.name

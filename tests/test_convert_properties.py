@@ -48,7 +48,7 @@ def _write_hf(spec: ModelSpec, out: Path, seed: int) -> None:
     w = HFWriter(out, spec, max_shard_size=2000)  # tiny shards: the index path is exercised too
     for unit in units_of(spec):
         decls = {"embedding": spec.embedding_params(), "final": spec.final_params()}.get(unit) or spec.layer_params(unit)
-        w.add(to_hf(spec, unit, {d.name: torch.randn(d.shape, generator=g) for d in decls}))
+        w.add(unit, to_hf(spec, unit, {d.name: torch.randn(d.shape, generator=g) for d in decls}))
     w.close()
 
 

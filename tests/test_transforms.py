@@ -108,7 +108,7 @@ def test_qkv_rank_blocks_then_merge_is_identity(ng, per_group, tp, hd):
     step = max(tp // ng, 1)
     assert torch.equal(torch.cat([b[1] for b in blocks[::step]]), k)
     assert torch.equal(torch.cat([b[2] for b in blocks[::step]]), v)
-    for r, (qr, kr, vr) in enumerate(blocks):
+    for r, (_qr, kr, _vr) in enumerate(blocks):
         kv_heads = max(ng // tp, 1)
         first = r * ng // tp if ng >= tp else r // step
         assert torch.equal(kr, k[first * hd:(first + kv_heads) * hd])

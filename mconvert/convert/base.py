@@ -39,6 +39,8 @@ class Source(Protocol):
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]: ...
 
+    def close(self) -> None: ...
+
 
 class SourceBase:
     """What every Source shares: `units()` and `read_hf` = the family plugin over `read_mcore`."""
@@ -65,6 +67,15 @@ class SourceBase:
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Full tensors under HF names, vocab stripped to the true vocab."""
         return to_hf(self.spec, unit, self.read_mcore(unit), source=str(self.path))
+
+    def close(self) -> None:
+        """Release what the source keeps open (files, descriptors); a source holding nothing open does nothing."""
+
+    def __enter__(self) -> "SourceBase":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def describe(self) -> str:
         par = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")

@@ -8,53 +8,33 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mconvert import dtypes
 from mconvert.convert.io.atomic import atomic_output_dir, check_output
-from mconvert.convert.base import Unit
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
 from mconvert.convert.megatron import MegatronSource, MegatronWriter
 from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
+from mconvert.convert.progress import unit_progress
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.tokenizer import copy_tokenizer
+from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 
 def parse_dtype(name: str) -> torch.dtype | None:
     """'auto' -> None (keep the source dtype); 'bf16' -> torch.bfloat16; anything else is an error."""
-    key = name.lower()
-    if key == "auto":
-        return None
-    row = dtypes.lookup(key) if not key.startswith("torch.") else None
-    if row is None or row.name not in dtypes.PARAM_DTYPES:
-        raise MConvertError(f"--dtype {name!r}: choose auto, fp32, bf16 or fp16")
-    return row.torch
-
-
-def _progress(units: list[Unit], desc: str, enabled: bool) -> Iterator[Unit]:
-    if not enabled:
-        yield from units
-        return
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[u]}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(desc, total=len(units), u="")
-        for u in units:
-            bar.update(task, u=f"unit {u}")
-            yield u
-            bar.advance(task)
+    key = dtypes.choose(name)
+    return None if key == "auto" else dtypes.lookup(key).torch  # type: ignore[union-attr]
 
 
 def peak_rss_bytes() -> int:
@@ -69,9 +49,53 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _files_report(root: Path) -> list[dict[str, Any]]:
-    return [{"path": str(p.relative_to(root)), "bytes": p.stat().st_size}
-            for p in sorted(root.rglob("*")) if p.is_file()]
+def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> list[Path]:
+    """THE loop: every unit of `src`, read the way the writer `reads`, into the writer; then close it. On any
+    error the writer is aborted (threads, staging memory, open files) before the caller's output is removed.
+    A writer that `takes_states` (Megatron with optimizer states) gets each parameter's optimizer states too."""
+    with _aborting(writer):
+        for unit in unit_progress(src.units(), what, progress):
+            if getattr(writer, "takes_states", False):
+                tensors, states = src.read_unit(unit, True)
+                writer.add(unit, tensors, states)  # type: ignore[call-arg]
+            else:
+                writer.add(unit, src.read_hf(unit) if writer.reads == "hf" else src.read_mcore(unit))
+        return writer.close()
+
+
+def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Path], Writer], *, force: bool,
+                 inputs: tuple[Any, ...], layout: str, dtype: str, t0: float, warnings: list[str] | None = None,
+                 progress: bool = False, finish: Callable[[Path], dict[str, Any]] | None = None,
+                 **extras: Any) -> Report:
+    """One writing verb's output: the writer, constructed on the atomic temporary directory, driven over every
+    unit; the input's background CRC checks awaited; `finish(tmp)` (side files, checks of what was written:
+    returns more report keys) run before the directory is committed; the source closed; the report built."""
+    try:
+        with atomic_output_dir(out, force, inputs=inputs) as tmp:
+            drive(src, make_writer(tmp), verb, progress)
+            wait_crc_checks()  # the input's CRC-32 / manifest, checked in the background, before the commit
+            more = finish(tmp) if finish is not None else {}
+            files = files_report(tmp)
+    finally:
+        src.close()
+    return make_report(verb, src.describe(), out, src.spec.family, layout, dtype, files, warnings or [],
+                       peak_rss_bytes(), time.perf_counter() - t0, **extras, **more)
+
+
+def dry_run_report(verb: str, src: Any, out: str | Path, plan: dict[str, Any], layout: str, t0: float,
+                   warnings: list[str] | None = None, **extras: Any) -> Report:
+    """The report of `--dry-run`: the plan's files, sizes and memory estimate in the common report shape."""
+    skip_crc_checks()  # nothing is written: the dry run reads no tensor data
+    src.close()
+    plan = {k: v for k, v in plan.items() if k not in ("verb", "source", "output")}
+    dtype, files = plan.pop("dtype"), plan.pop("files")
+    return make_report(verb, src.describe(), out, src.spec.family, layout, dtype, files, warnings or [], None,
+                       time.perf_counter() - t0, dry_run=True, **plan, **extras)
+
+
+def parallel_layout(tp: int, pp: int = 1, vpp: int | None = None) -> str:
+    """`TP=2 PP=2` (`VPP=2` when set): the layout of a Megatron output."""
+    return f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp else "")
 
 
 @crc_in_background
@@ -99,24 +123,19 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     if target is not None:
         spec = spec.replace(params_dtype=dtypes.of_torch(target).name)
     if dry_run:
-        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
-        return {**plan_for_source("megatron-to-hf", src, dtype=spec.params_dtype, max_shard_size=size),
-                "output": str(out), "dry_run": True, "warnings": warnings}
-    with atomic_output_dir(out, force, inputs=(ckpt, tokenizer, src.tokenizer_dir)) as tmp:
-        writer = HFWriter(tmp, spec, size, target)
-        writer.prefetch_tokenizer(src.tokenizer_dir)
-        with _aborting(writer):
-            for unit in _progress(src.units(), "megatron-to-hf", progress):
-                writer.add(src.read_hf(unit))
-            writer.close(src.tokenizer_dir)
-        wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
-        files = _files_report(tmp)
-    return {
-        "verb": "megatron-to-hf", "source": src.describe(), "output": str(out), "family": spec.family,
-        "dtype": spec.params_dtype, "files": files, "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
-        "peak_rss_bytes": peak_rss_bytes(), "hf_buffer_peak_bytes": writer.peak_buffer_bytes,
-        "seconds": round(time.perf_counter() - t0, 3), "warnings": warnings,
-    }
+        return dry_run_report("megatron-to-hf", src, out, plan_for_source("megatron-to-hf", src,
+                              dtype=spec.params_dtype, max_shard_size=size), "hf", t0, warnings)
+    writers: list[HFWriter] = []
+
+    def hf_writer(tmp: Path) -> HFWriter:
+        writers.append(HFWriter(tmp, spec, size, target, tokenizer_dir=src.tokenizer_dir))
+        return writers[0]
+
+    return write_output("megatron-to-hf", src, out, hf_writer, force=force,
+                        inputs=(ckpt, tokenizer, src.tokenizer_dir), layout="hf", dtype=spec.params_dtype, t0=t0,
+                        warnings=warnings, progress=progress,
+                        finish=lambda tmp: {"hf_buffer_peak_bytes": writers[0].peak_buffer_bytes},
+                        tokenizer=str(src.tokenizer_dir) if src.tokenizer_dir else None)
 
 
 @crc_in_background
@@ -139,25 +158,16 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                             f"{window} tokens")
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     spec.check_parallel(tp, pp, vpp)
+    layout = parallel_layout(tp, pp, vpp)
     if dry_run:
-        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
-        return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
-                "output": str(out), "dry_run": True, "warnings": []}
-    with atomic_output_dir(out, force, inputs=(hf_dir, src.tokenizer_dir)) as tmp:
-        writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
-        with _aborting(writer):
-            for unit in _progress(src.units(), "hf-to-megatron", progress):
-                writer.add(unit, src.read_mcore(unit))
-            writer.close()
-        wait_crc_checks()  # the input's manifest, checked in the background, before the output is committed
-        tok = copy_tokenizer(src.tokenizer_dir, tmp)
-        files = _files_report(tmp)
-    return {
-        "verb": "hf-to-megatron", "source": src.describe(), "output": str(out), "family": spec.family,
-        "tp": tp, "pp": pp, "vpp": vpp, "dtype": spec.params_dtype, "files": files, "tokenizer_files": tok,
-        "optimizer": "none (HF checkpoints carry no optimizer state)",
-        "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
-    }
+        return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp,
+                              dtype=spec.params_dtype), layout, t0, tp=tp, pp=pp, vpp=vpp)
+    return write_output(
+        "hf-to-megatron", src, out,
+        lambda tmp: MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src)),
+        force=force, inputs=(hf_dir, src.tokenizer_dir), layout=layout, dtype=spec.params_dtype, t0=t0,
+        progress=progress, finish=lambda tmp: {"tokenizer_files": copy_tokenizer(src.tokenizer_dir, tmp)},
+        tp=tp, pp=pp, vpp=vpp, optimizer="none (HF checkpoints carry no optimizer state)")
 
 
 @crc_in_background
@@ -175,10 +185,10 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     if src.format == "hf":
         raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
     src.spec.check_parallel(tp, pp, vpp)
+    layout = parallel_layout(tp, pp, vpp)
     if dry_run:
-        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
-        return {**plan_for_source("reshard", src, tp=tp, pp=pp, with_optimizer=with_optimizer),
-                "output": str(out), "dry_run": True, "warnings": []}
+        return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp,
+                              with_optimizer=with_optimizer), layout, t0, tp=tp, pp=pp, vpp=vpp)
     groups = None
     top: dict[str, Any] = {}
     rank_top = None
@@ -197,28 +207,16 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     elif with_optimizer:
         raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
     iteration_out = src.iteration if src.iteration is not None else "release"
-    with atomic_output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
-        writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
-                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
-        with _aborting(writer):
-            for unit in _progress(src.units(), "reshard", progress):
-                if isinstance(src, MegatronSource) and with_optimizer:
-                    tensors, states = src.read_unit(unit, with_optimizer)
-                else:
-                    tensors, states = src.read_mcore(unit), {}
-                writer.add(unit, tensors, states if with_optimizer else None)
-            writer.close()
-        wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
-        tok = copy_tokenizer(src.tokenizer_dir, tmp)
-        files = _files_report(tmp)
-    return {
-        "verb": "reshard", "source": src.describe(), "output": str(out), "family": src.spec.family,
-        "tp": tp, "pp": pp, "vpp": vpp, "iteration": iteration_out, "files": files, "tokenizer_files": tok,
-        "optimizer": "re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
-        else "not written (pass --with-optimizer to re-shard the Adam states)",
-        "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
-    }
+    return write_output(
+        "reshard", src, out,
+        lambda tmp: MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
+                                   args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
+                                   rank_top_level=rank_top, preview=_preview(src)),  # unused with optimizer states
+        force=force, inputs=(ckpt, src.tokenizer_dir), layout=layout, dtype=src.spec.params_dtype, t0=t0,
+        progress=progress, finish=lambda tmp: {"tokenizer_files": copy_tokenizer(src.tokenizer_dir, tmp)},
+        tp=tp, pp=pp, vpp=vpp, iteration=iteration_out,
+        optimizer="re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
+        else "not written (pass --with-optimizer to re-shard the Adam states)")
 
 
 @contextmanager

@@ -22,11 +22,11 @@ The loader only warns on a missing or short file (and runs on garbage): `check_f
 from __future__ import annotations
 
 import configparser
+import io
 import os
 import re
+import time
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +34,21 @@ import numpy as np
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.io.atomic import atomic_output_dir, check_output, record_digest
+from mconvert.convert.io.atomic import check_output, record_digest
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.io.paths import contained, inside_file, read_small
-from mconvert.convert.io.safeload import crc_in_background, wait_crc_checks
-from mconvert.convert.progress import UnitProgress
+from mconvert.convert.driver import dry_run_report, write_output
+from mconvert.convert.io.safeload import crc_in_background
 from mconvert.convert.sources import open_source
+from mconvert.convert.writer import Report
 from mconvert.errors import MConvertError
 from mconvert.mappings import deploy, families
 from mconvert.mappings.family import FTFile, FTLayout
 from mconvert.spec import ModelSpec
 
 # FT's weight_data_type names -> (numpy dtype of the raw files, torch dtype)
-FT_DTYPES = {row.aliases[0]: (row.np, row.torch) for row in map(dtypes.lookup, ("float32", "float16"))}
+FT_PARAM_DTYPES = ("float32", "float16")
+FT_DTYPES = {row.aliases[0]: (row.np, row.torch) for row in map(dtypes.lookup, FT_PARAM_DTYPES)}
 
 
 def ft_layouts() -> dict[str, FTLayout]:
@@ -64,26 +66,6 @@ def section_layout(section: str) -> FTLayout:
     if layout is None:
         raise MConvertError(f"unknown FasterTransformer section [{section}]")
     return layout
-
-
-@dataclass
-class FTResult:
-    """What `megatron_to_ft` wrote (for the CLI report)."""
-
-    out: Path
-    ft_dir: Path
-    section: str
-    infer_tp: int
-    dtype: str
-    files: int
-    bytes: int
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "out": str(self.out), "ft_dir": str(self.ft_dir), "section": self.section, "infer_tp": self.infer_tp,
-            "dtype": self.dtype, "files": self.files, "bytes": self.bytes, "notes": self.notes,
-        }
 
 
 # ---- what FT can hold --------------------------------------------------------------------------------
@@ -309,68 +291,95 @@ class _RawFiles:
             self._open.popleft().abort()
 
 
-def write_ft_dir(source: Any, ft_dir: Path, infer_tp: int, dtype: str = "fp32",
-                 allow_approx_gelu: bool = False, progress: Any = None) -> tuple[str, int, int]:
-    """Stream `source` unit by unit into `ft_dir` (already created). Returns (section, files, bytes)."""
-    if dtype not in FT_DTYPES:
-        raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
-    spec: ModelSpec = source.spec
+class FTWriter:
+    """FasterTransformer's `<infer_tp>-gpu/` directory as a `Writer` (`convert/writer.py`): each unit's full
+    tensors cut by the family's FT table (`mappings.deploy`) into raw files; `close()` writes config.ini and
+    runs `check_ft_dir` on what was written."""
+
+    reads = "mcore"
+
+    def __init__(self, out: Path, spec: ModelSpec, infer_tp: int, dtype: str = "fp32",
+                 allow_approx_gelu: bool = False, source: str = "checkpoint") -> None:
+        self.spec, self.infer_tp, self.dtype, self.source = spec, infer_tp, ft_dtype(dtype), source
+        self.layout = ft_layout(spec, infer_tp, allow_approx_gelu)
+        self.ft_dir = Path(out) / f"{infer_tp}-gpu"
+        self.ft_dir.mkdir()
+        self.nfiles = self.nbytes = 0
+        self._embed: torch.Tensor | None = None
+        self._raw = _RawFiles()
+
+    def add(self, unit: Any, tensors: dict[str, torch.Tensor]) -> None:
+        """One unit's files (replicated tensors once, split ones per rank)."""
+        if unit == "embedding" and self.spec.tie_embeddings and self.layout.always_reads_head:
+            self._embed = tensors[deploy.EMBEDDING]
+        per_rank = deploy.rank_tensors(self.spec, self.layout.files, unit, tensors, self.infer_tp,
+                                       "FasterTransformer", self._embed, self.source)
+        for name, x in deploy.files(per_rank).items():
+            self.nbytes += self._raw.write(self.ft_dir / name, x, self.dtype)
+            self.nfiles += 1
+
+    def close(self) -> list[Path]:
+        """Finish the files, write config.ini, and refuse what FT's loader would not read as written."""
+        self._raw.finish()
+        with open(self.ft_dir / "config.ini", "w") as fh:
+            ft_config(self.spec, self.layout.section, self.infer_tp, self.dtype, self.source).write(fh)
+        problems = check_ft_dir(self.ft_dir)
+        if problems:  # our own writer disagreeing with FT's loader is a bug: never leave the dir behind
+            raise MConvertError(f"FT layout check failed on what was written: {problems[0]}")
+        return sorted(self.ft_dir.iterdir())
+
+    def abort(self) -> None:
+        self._raw.abort()
+
+
+def ft_dtype(name: str) -> str:
+    """FT's `weight_data_type` word (`fp32` / `fp16`) for `--dtype NAME`; other dtypes refused by name."""
+    return dtypes.short_name(dtypes.choose(name, FT_PARAM_DTYPES, auto=False,
+                                           why="FasterTransformer weights are fp32 or fp16"))
+
+
+def ft_plan(spec: ModelSpec, infer_tp: int, dtype: str, allow_approx_gelu: bool = False,
+            source: str = "checkpoint") -> list[dict[str, Any]]:
+    """`--dry-run`: every file of `<infer_tp>-gpu/` with its bytes, from FT's own file list (no tensor read)."""
     layout = ft_layout(spec, infer_tp, allow_approx_gelu)
-    nfiles = nbytes = 0
-    embed: torch.Tensor | None = None
-    raw = _RawFiles()
-    try:
-        for unit in source.units():
-            mcore = source.read_mcore(unit)
-            if unit == "embedding" and spec.tie_embeddings and layout.always_reads_head:
-                embed = mcore[deploy.EMBEDDING]
-            files = deploy.files(deploy.rank_tensors(spec, layout.files, unit, mcore, infer_tp,
-                                                     "FasterTransformer", embed, str(source.path)))
-            for name, x in files.items():
-                nbytes += raw.write(ft_dir / name, x, dtype)
-                nfiles += 1
-            if progress is not None:
-                progress()
-        raw.finish()
-    except BaseException:
-        raw.abort()
-        raise
-    with open(ft_dir / "config.ini", "w") as fh:
-        ft_config(spec, layout.section, infer_tp, dtype, str(source.path)).write(fh)
-    return layout.section, nfiles + 1, nbytes
+    cfg = ft_config(spec, layout.section, infer_tp, dtype, source)
+    text = io.StringIO()
+    cfg.write(text)
+    itemsize = FT_DTYPES[dtype][0].itemsize
+    head = not spec.tie_embeddings
+    files = [{"path": f"{infer_tp}-gpu/{f.name}", "bytes": int(np.prod(f.shape)) * itemsize}
+             for f in ft_expected_files(layout.section, dict(cfg[layout.section])) if head or not f.optional]
+    files.append({"path": f"{infer_tp}-gpu/config.ini", "bytes": len(text.getvalue().encode())})
+    return sorted(files, key=lambda f: f["path"])
 
 
 @crc_in_background
 def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str = "fp32", force: bool = False,
-                   allow_approx_gelu: bool = False, iteration: str | None = None) -> FTResult:
+                   allow_approx_gelu: bool = False, iteration: str | None = None, progress: bool = False,
+                   dry_run: bool = False) -> Report:
     """`mconvert megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it."""
-    if dtype not in FT_DTYPES:
-        raise MConvertError(f"--dtype {dtype!r}: FasterTransformer weights are fp32 or fp16")
+    t0 = time.perf_counter()
+    dtype = ft_dtype(dtype)
     check_output(out, force, (src,))
     source = open_source(src, iteration=iteration)
-    layout = ft_layout(source.spec, infer_tp, allow_approx_gelu)  # refuse before any work
-    units = source.units()
-    with UnitProgress(f"FT {infer_tp}-gpu", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
-        ft_dir = tmp / f"{infer_tp}-gpu"
-        ft_dir.mkdir()
-        section, nfiles, nbytes = write_ft_dir(source, ft_dir, infer_tp, dtype, allow_approx_gelu, step)
-        problems = check_ft_dir(ft_dir)
-        if problems:  # our own writer disagreeing with FT's loader is a bug: never leave the dir behind
-            raise MConvertError(f"FT layout check failed on what was written: {problems[0]}")
-        wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
+    spec = source.spec
+    try:
+        layout = ft_layout(spec, infer_tp, allow_approx_gelu)  # refuse before any work
+    except BaseException:
+        source.close()
+        raise
     notes = []
-    if source.spec.activation == "gelu":
+    if spec.activation == "gelu":
         notes.append("exact-erf GeLU model written for FT's tanh GeLU (--allow-approx-gelu): logits will differ")
-    if layout.tied_head_note and source.spec.tie_embeddings:
+    if layout.tied_head_note and spec.tie_embeddings:
         notes.append(layout.tied_head_note)
-    return FTResult(Path(out), Path(out) / f"{infer_tp}-gpu", section, infer_tp, dtype, nfiles, nbytes, notes)
-
-
-def describe(result: FTResult) -> Iterator[tuple[str, str]]:
-    """Rows for the CLI report."""
-    d = result.to_dict()
-    for k in ("ft_dir", "section", "infer_tp", "dtype", "files", "bytes"):
-        yield k, str(d[k])
-    for n in d["notes"]:
-        yield "note", n
-
+    where = f"[{layout.section}] TP={infer_tp}"
+    extras = dict(section=layout.section, infer_tp=infer_tp, ft_dir=str(Path(out) / f"{infer_tp}-gpu"), notes=notes)
+    if dry_run:
+        plan = {"dtype": dtypes.canonical(dtype), "files": ft_plan(spec, infer_tp, dtype, allow_approx_gelu, str(source.path)),
+                "note": "tensor bytes only; nothing was written"}
+        return dry_run_report("megatron-to-ft", source, out, plan, where, t0, **extras)
+    return write_output("megatron-to-ft", source, out,
+                        lambda tmp: FTWriter(tmp, spec, infer_tp, dtype, allow_approx_gelu, str(source.path)),
+                        force=force, inputs=(src,), layout=where, dtype=dtypes.canonical(dtype), t0=t0,
+                        progress=progress, **extras)

@@ -22,7 +22,7 @@ from mconvert.convert import bounds
 from mconvert.convert.base import SourceBase, Unit, pmap, units_of
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
-from mconvert.convert.io.paths import contained, inside_file, load_json_object, open_regular
+from mconvert.convert.io.paths import contained, inside_file, load_json_object, open_regular, owned_fd
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
 from mconvert.convert.io.torchsave import LazyModel, TensorIndex
@@ -149,6 +149,12 @@ class HFSource(SourceBase):
             cache[f] = SafetensorsReader(self.path / f)
         return cache[f]
 
+    def close(self) -> None:
+        """Close the safetensors files kept open for reading (the source reads nothing after this)."""
+        for st in self.__dict__.pop("_st_files", {}).values():
+            st.close()
+        self._bin_cache = None
+
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
         """HF tensors of one unit, as stored (true vocab)."""
         by_file: dict[str, list[str]] = {}
@@ -212,11 +218,16 @@ class HFSource(SourceBase):
 
 
 class HFWriter:
-    """Streams HF tensors into safetensors shards of at most `max_shard_size` bytes, then writes the configs."""
+    """Streams HF tensors into safetensors shards of at most `max_shard_size` bytes, then writes the configs and
+    the tokenizer of `tokenizer_dir`. A `Writer` (`convert/writer.py`) reading `read_hf`."""
+
+    reads = "hf"
 
     def __init__(self, out: Path, spec: ModelSpec, max_shard_size: int = 5 * 10**9,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, tokenizer_dir: Path | None = None) -> None:
         self.out, self.spec, self.max_shard_size, self.dtype = Path(out), spec, max_shard_size, dtype
+        self.tokenizer_dir = tokenizer_dir
+        self.prefetch_tokenizer(tokenizer_dir)
         self._buf: dict[str, torch.Tensor] = {}
         self._buf_bytes = 0
         self._tmp_files: list[tuple[Path, list[str]]] = []
@@ -271,7 +282,8 @@ class HFWriter:
             self._digests[self._stream.path] = self._stream.close()
             self._stream = None
 
-    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
+        """One unit's tensors under HF names, written as they arrive (shards planned from the spec)."""
         if self.dtype is not None:
             tensors = {n: t.to(self.dtype) if t.dtype != self.dtype else t for n, t in tensors.items()}
         if self._shards is None and tensors:
@@ -311,8 +323,9 @@ class HFWriter:
             self._stream.abort()
             self._stream = None
 
-    def close(self, tokenizer_dir: Path | None = None) -> list[Path]:
+    def close(self) -> list[Path]:
         """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer."""
+        tokenizer_dir = self.tokenizer_dir
         if self._streaming and (self._stream is not None or self._shards):
             missing = self._stream.next_name if self._stream else self._shards[0][0][0]
             if self._stream is not None:
@@ -377,7 +390,9 @@ def _bin_reader(path: Path) -> Any:
     idx = TensorIndex.build(path, st, {k: v for k, v in st.items() if isinstance(v, torch.Tensor)})
     if idx is None:
         return st
-    return LazyModel(idx, open_regular(path), "")
+    lazy = LazyModel(idx, open_regular(path), "")
+    owned_fd(lazy, lazy.fd)
+    return lazy
 
 
 def _special_ids_from_json(tok_dir: Path) -> tuple[int | None, int | None] | None:

@@ -24,7 +24,7 @@ from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit, pmap
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io.atomic import record_digest, sha256_file
-from mconvert.convert.io.paths import inside_file
+from mconvert.convert.io.paths import inside_file, owned_fd
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
 from mconvert.convert.layout import (
@@ -293,7 +293,12 @@ class MegatronSource(SourceBase):
             except MConvertError:
                 return  # reported by the caller's own checks / at read time
             idx = TensorIndex.build(f, st, tensors)
-            cache[(t, p)] = None if idx is None else (idx, os.open(f, os.O_RDONLY))
+            if idx is None:
+                cache[(t, p)] = None
+            else:
+                fd = os.open(f, os.O_RDONLY)
+                self.__dict__.setdefault("_fd_closers", []).append(owned_fd(self, fd))
+                cache[(t, p)] = (idx, fd)
         tops[(t, p)] = {k: v for k, v in st.items() if not k.startswith("model") and k != "optimizer"}
 
     def _read_dim0_direct(self, p: int, c: int, wanted: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
@@ -419,6 +424,12 @@ class MegatronSource(SourceBase):
             out[name] = torch.empty(shape, dtype=self.__dict__["_dtypes"][name], device="meta")
         return out
 
+    def close(self) -> None:
+        """Close the rank files kept open for reading (the source reads nothing after this)."""
+        self.__dict__.pop("_tensor_index", None)
+        for close in self.__dict__.pop("_fd_closers", []):
+            close()
+
     def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
         """Top-level entries other than the model and optimizer (args, iteration, scheduler, rng, ...)."""
         known = self.__dict__.get("_top_level", {}).get((tp_rank, pp_rank))
@@ -431,7 +442,11 @@ class MegatronSource(SourceBase):
 class MegatronWriter:
     """Writes full tensors, unit by unit, as a Megatron torch-format checkpoint at a target TP/PP(/VPP).
 
-    Buffers one pipeline stage's shards (all TP ranks) and writes its rank files as soon as it is complete."""
+    Buffers one pipeline stage's shards (all TP ranks) and writes its rank files as soon as it is complete.
+    A `Writer` (`convert/writer.py`) reading `read_mcore`; with `optimizer_groups` it `takes_states` (each
+    parameter's Adam states come with it)."""
+
+    reads = "mcore"
 
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
@@ -444,6 +459,7 @@ class MegatronWriter:
         self.args = self._target_args(args)
         self.top_level = dict(top_level or {})
         self.optimizer_groups = optimizer_groups
+        self.takes_states = optimizer_groups is not None
         self.rank_top_level = rank_top_level  # (tp_rank, pp_rank) -> per-rank top-level entries (rng_state)
         self.extra_state = extra_state
         self.rows = spec.padded_vocab_size(tp)

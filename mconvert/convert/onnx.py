@@ -25,9 +25,11 @@ import torch
 
 from mconvert.convert.io.atomic import atomic_output_dir, check_output
 from mconvert.convert.io.paths import inside_file, load_json_object
-from mconvert.convert.driver import megatron_to_hf
+from mconvert import dtypes
+from mconvert.convert.driver import megatron_to_hf, peak_rss_bytes
 from mconvert.convert.io.paths import copy_contained
-from mconvert.convert.sources import detect_format
+from mconvert.convert.sources import detect_format, open_source
+from mconvert.convert.writer import Report, make_report
 from mconvert.errors import MConvertError
 
 DEFAULT_RTOL = 1e-4
@@ -50,9 +52,21 @@ class OnnxResult:
     rtol: float
     seconds: float
     notes: list[str] = field(default_factory=list)
+    source: str = ""
+    family: str = ""
+    dtype: str = ""
+    peak_rss_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def report(self) -> Report:
+        """The common report shape of the writing verbs (`convert/writer.py`)."""
+        files = [{"path": name, "bytes": size} for name, size in self.files.items()]
+        return make_report("to-onnx", self.source, self.out, self.family, self.task, self.dtype, files, [],
+                           self.peak_rss_bytes, self.seconds, exporter=self.exporter, opset=self.opset,
+                           prefill_rel_diff=self.prefill_rel_diff, decode_rel_diff=self.decode_rel_diff,
+                           rtol=self.rtol, notes=self.notes)
 
 
 def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
@@ -149,12 +163,28 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
             copy_contained(hf_dir, name, out, "json")
 
 
+def _describe(src: Path, iteration: str | None, open_it: bool) -> tuple[str, str, str, Any]:
+    """(family, dtype of the export, source description, ModelSpec or None) for the report. An HF dir is
+    described from its config.json unless `open_it` (optimum, not mconvert, reads its weights); a Megatron
+    checkpoint is opened (not verified: its export to HF verifies it)."""
+    if open_it:
+        with open_source(src, iteration=iteration, verify=False) as source:
+            hf = source.format == "hf"
+            return (source.spec.family, source.spec.params_dtype if hf else "float32", source.describe(),
+                    source.spec)
+    cfg = load_json_object(inside_file(src, "config.json", f"{src}: config"), "config",
+                           "fix it or re-copy the model directory")
+    return (str(cfg.get("model_type", "")), dtypes.canonical(str(cfg.get("torch_dtype") or "float32")),
+            f"hf checkpoint {src}", None)
+
+
 def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
             force: bool = False, rtol: float = DEFAULT_RTOL, exporter: str = "optimum",
-            iteration: str | None = None, *, check: OnnxCheck) -> OnnxResult:
+            iteration: str | None = None, *, check: OnnxCheck, dry_run: bool = False) -> OnnxResult | Report:
     """`mconvert to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers.
 
-    `check(onnx_dir, hf_dir)` runs both on the same tokens (the validators' `check_onnx_against_hf`)."""
+    `check(onnx_dir, hf_dir)` runs both on the same tokens (the validators' `check_onnx_against_hf`).
+    `dry_run`: the source is opened and refused as it would be; the report names what would be written."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if exporter not in ("optimum", "torch"):
@@ -163,6 +193,15 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
         raise MConvertError("the torch.onnx fallback exports no KV cache; pass --no-past with --exporter torch")
     check_output(out, force, (src,))
     from_megatron = not _is_hf_dir(src, iteration)  # also the one-line error for a non-checkpoint
+    task = "text-generation-with-past" if with_past else "text-generation"
+    family, dtype, described, spec = _describe(src, iteration, from_megatron or dry_run)
+    if dry_run:
+        weights = spec.num_parameters() * dtypes.lookup(dtype).itemsize  # type: ignore[union-attr]
+        return make_report("to-onnx", described, out, family, task, dtype,
+                           [{"path": "model.onnx", "bytes": None}], [], None, time.perf_counter() - t0,
+                           dry_run=True, exporter=exporter, opset=opset, rtol=rtol, weight_bytes=weights,
+                           note="optimum writes model.onnx and, for large graphs (or as it chooses), the weights "
+                                "as model.onnx_data; weight_bytes is their size from the parameter count")
     notes: list[str] = []
     with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         if from_megatron:
@@ -184,6 +223,5 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
     if "model.onnx_data" in files:
         notes.append("weights stored as external data in model.onnx_data (graph > 2 GB protobuf limit)")
-    task = "text-generation-with-past" if with_past else "text-generation"
     return OnnxResult(str(out), task, exporter, opset, files, prefill, decode, rtol,
-                      round(time.perf_counter() - t0, 2), notes)
+                      round(time.perf_counter() - t0, 2), notes, described, family, dtype, peak_rss_bytes())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,33 +28,19 @@ import torch
 from safetensors import safe_open
 
 from mconvert import dtypes
-from mconvert.convert.io.atomic import atomic_output_dir, check_output
+from mconvert.convert.driver import dry_run_report, write_output
+from mconvert.convert.io.atomic import check_output
+from mconvert.convert.io.safeload import crc_in_background
 from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.convert.io.safetensors import SafetensorsRandomWriter
-from mconvert.convert.progress import UnitProgress
 from mconvert.convert.sources import open_source
+from mconvert.convert.writer import Report
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import deploy, families
 from mconvert.mappings.family import TrtllmLayout
 from mconvert.spec import ModelSpec
 
 TRT_DTYPES = dtypes.PARAM_DTYPES  # what TensorRT-LLM's `dtype` config field takes
-
-
-@dataclass
-class TrtllmResult:
-    out: str
-    architecture: str
-    tp: int
-    dtype: str
-    files: dict[str, int]
-    tensors_per_rank: int
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
 
 
 def trtllm_config(spec: ModelSpec, tp: int, dtype: str) -> dict[str, Any]:
@@ -115,52 +101,94 @@ def _layout(spec: ModelSpec) -> TrtllmLayout:
     return layout
 
 
+class TrtllmWriter:
+    """A TensorRT-LLM checkpoint as a `Writer` (`convert/writer.py`): `rank{r}.safetensors` laid out up front from
+    the config (names and shapes known before any tensor), each unit's full tensors cut by the family's
+    TensorRT-LLM table (`mappings.deploy`); `close()` writes config.json and runs `check_trtllm_dir`."""
+
+    reads = "mcore"
+
+    def __init__(self, out: Path, spec: ModelSpec, tp: int, dtype: str, source: str = "checkpoint") -> None:
+        trtllm_refusal(spec, tp)
+        self.out, self.spec, self.tp, self.source = Path(out), spec, tp, source
+        self.config = trtllm_config(spec, tp, dtype)
+        self.shapes = expected_trtllm_shapes(self.config)
+        tdt = dtypes.lookup(dtype).torch  # type: ignore[union-attr]
+        self._embed: torch.Tensor | None = None
+        self._writers: list[SafetensorsRandomWriter] = []
+        try:
+            for r in range(tp):
+                self._writers.append(SafetensorsRandomWriter(
+                    self.out / f"rank{r}.safetensors", [(n, tdt, self.shapes[n]) for n in sorted(self.shapes)],
+                    {"format": "pt"}, layout="TensorRT-LLM layout"))
+        except BaseException:
+            self.abort()
+            raise
+
+    def add(self, unit: Any, tensors: dict[str, torch.Tensor]) -> None:
+        """One unit's tensors into every rank file."""
+        if unit == "embedding" and self.spec.tie_embeddings:
+            self._embed = tensors[deploy.EMBEDDING]
+        for w, part in zip(self._writers, rank_tensors(unit, tensors, self.spec, self.tp, self._embed, self.source)):
+            for k, v in part.items():
+                w.write(k, v)
+
+    def close(self) -> list[Path]:
+        """Finish the rank files, write config.json, and refuse a checkpoint the checker finds wrong."""
+        for w in self._writers:
+            w.close()
+        (self.out / "config.json").write_text(json.dumps(self.config, indent=4) + "\n")
+        problems = check_trtllm_dir(self.out)
+        if problems:
+            raise MConvertError(f"TensorRT-LLM layout check failed on what was written: {problems[0]}")
+        return [self.out / f"rank{r}.safetensors" for r in range(self.tp)] + [self.out / "config.json"]
+
+    def abort(self) -> None:
+        for w in self._writers:
+            w.abort()
+
+
+def trtllm_dtype(name: str, spec: ModelSpec) -> str:
+    """The canonical dtype of `--dtype NAME` (`auto`: the model's own)."""
+    dtype = dtypes.choose(name, TRT_DTYPES)
+    return spec.params_dtype if dtype == "auto" else dtype
+
+
+@crc_in_background
 def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str = "auto", force: bool = False,
-                       iteration: str | None = None) -> TrtllmResult:
+                       iteration: str | None = None, progress: bool = False, dry_run: bool = False) -> Report:
     """Write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on the result."""
+    t0 = time.perf_counter()
+    dtypes.choose(dtype, TRT_DTYPES)  # a wrong --dtype is refused before the source is opened
     check_output(out, force, (src,))
     source = open_source(src, iteration=iteration)
     spec: ModelSpec = source.spec
-    trtllm_refusal(spec, tp)
-    dtype = dtypes.canonical(dtype)
-    if dtype == "auto":
-        dtype = spec.params_dtype
-    if dtype not in TRT_DTYPES:
-        raise MConvertError(f"--dtype {dtype!r}: choose auto, fp32, fp16 or bf16")
-    tdt = dtypes.lookup(dtype).torch
+    try:
+        trtllm_refusal(spec, tp)
+        dtype = trtllm_dtype(dtype, spec)
+        if dtype not in TRT_DTYPES:
+            raise MConvertError(f"{src}: stored dtype {dtype} is not one TensorRT-LLM takes; pass --dtype")
+    except BaseException:
+        source.close()
+        raise
     cfg = trtllm_config(spec, tp, dtype)
-    layout = expected_trtllm_shapes(cfg)  # names and shapes known up front: rank files are streamed
-    embed = None
-    units = source.units()
-    with UnitProgress(f"TensorRT-LLM tp={tp}", len(units)) as step, atomic_output_dir(out, force, inputs=(src,)) as tmp:
-        writers: list[SafetensorsRandomWriter] = []
-        try:
-            for r in range(tp):
-                writers.append(SafetensorsRandomWriter(tmp / f"rank{r}.safetensors", [(n, tdt, layout[n]) for n in sorted(layout)],
-                                                       {"format": "pt"}, layout="TensorRT-LLM layout"))
-            for unit in units:
-                mcore = source.read_mcore(unit)
-                if unit == "embedding" and spec.tie_embeddings:
-                    embed = mcore[deploy.EMBEDDING]
-                for w, part in zip(writers, rank_tensors(unit, mcore, spec, tp, embed, str(source.path))):
-                    for k, v in part.items():
-                        w.write(k, v)
-                step()
-        except BaseException:
-            for w in writers:
-                w.abort()
-            raise
-        for w in writers:
-            w.close()
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=4) + "\n")
-        problems = check_trtllm_dir(tmp)
-        if problems:
-            raise MConvertError(f"TensorRT-LLM layout check failed on what was written: {problems[0]}")
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    shapes = expected_trtllm_shapes(cfg)
     notes = ["rank files hold the whole model (no pipeline split: mapping.pp_size=1)"]
     if spec.num_groups < tp:
         notes.append(f"{spec.num_groups} KV heads duplicated to {tp} ranks (TensorRT-LLM's dup_kv_weight)")
-    return TrtllmResult(str(out), cfg["architecture"], tp, dtype, files, len(layout), notes)
+    where = f"{cfg['architecture']} TP={tp}"
+    extras = dict(architecture=cfg["architecture"], tp=tp, tensors_per_rank=len(shapes), notes=notes)
+    if dry_run:
+        item = dtypes.lookup(dtype).itemsize  # type: ignore[union-attr]
+        rank_bytes = sum(int(torch.Size(s).numel()) for s in shapes.values()) * item
+        files = [{"path": f"rank{r}.safetensors", "bytes": rank_bytes} for r in range(tp)]
+        files.append({"path": "config.json", "bytes": len((json.dumps(cfg, indent=4) + "\n").encode())})
+        plan = {"dtype": dtype, "files": sorted(files, key=lambda f: f["path"]),
+                "note": "rank files: tensor bytes only (the safetensors header is not counted); nothing was written"}
+        return dry_run_report("megatron-to-trtllm", source, out, plan, where, t0, **extras)
+    return write_output("megatron-to-trtllm", source, out,
+                        lambda tmp: TrtllmWriter(tmp, spec, tp, dtype, str(source.path)),
+                        force=force, inputs=(src,), layout=where, dtype=dtype, t0=t0, progress=progress, **extras)
 
 
 # ---- the checker: names and shapes derived from config.json alone --------------------------------------

@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import stat
+import weakref
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -69,6 +71,12 @@ def inside_file(root: str | Path, relative: Any, what: str) -> Path:
     path = contained(root, relative, what)
     check_regular(path, what)
     return path
+
+
+def owned_fd(owner: object, fd: int) -> Callable[[], Any]:
+    """Tie `fd` to `owner`: closed when `owner` is garbage-collected, or earlier by calling the returned
+    function (which closes it once, however often it is called). A reader left unclosed holds no descriptor."""
+    return weakref.finalize(owner, os.close, fd)
 
 
 def open_regular(path: str | Path, max_size: int | None = None, kind: str = "") -> int:

@@ -22,7 +22,7 @@ import torch
 
 from mconvert import dtypes
 from mconvert.convert.io.hashing import DIRECT_MIN_BYTES, HashingFile, numel, tensor_bytes
-from mconvert.convert.io.paths import open_regular
+from mconvert.convert.io.paths import open_regular, owned_fd
 from mconvert.errors import MConvertError
 
 Entry = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one planned tensor
@@ -102,12 +102,13 @@ class SafetensorsReader:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd = open_regular(path)
+        self._close = owned_fd(self, self.fd)
         size = os.fstat(self.fd).st_size
         try:
             self.start, self.entries, self.metadata = decode_header(
                 os.pread(self.fd, 8, 0), lambda n: os.pread(self.fd, n, 8), size)
         except (ValueError, KeyError, TypeError, struct.error) as e:
-            os.close(self.fd)
+            self._close()
             raise MConvertError(f"{path}: unreadable safetensors file ({str(e)[:120]}); it is truncated or corrupt "
                                 "— re-copy it") from None
 
@@ -133,7 +134,7 @@ class SafetensorsReader:
         return t
 
     def close(self) -> None:
-        os.close(self.fd)
+        self._close()
 
 
 class SafetensorsStream:

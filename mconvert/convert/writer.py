@@ -1,0 +1,66 @@
+"""The one Writer protocol every output format implements, and the one report every writing verb returns.
+
+A writer is constructed on the atomic temporary output directory (`io.atomic.atomic_output_dir`) with
+everything it needs to know up front (ModelSpec, layout, dtype); `driver.drive` then feeds it one unit at a
+time from the Source method `reads` names, and calls `close()` once (or `abort()` on any error, before the
+temporary directory is removed). HF (`hf.HFWriter`), Megatron (`megatron.MegatronWriter`), FasterTransformer
+(`fastertransformer.FTWriter`) and TensorRT-LLM (`trtllm.TrtllmWriter`) implement it. ONNX does not: optimum
+and torch.onnx export a whole HF model in one call (no unit stream to feed), so `to_onnx` keeps its own flow and
+returns the same report shape.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+
+from mconvert.convert.base import Unit
+
+# Keys of every writing verb's report, in print order; a verb adds its own after these.
+REPORT_KEYS = ("verb", "source", "output", "family", "layout", "dtype", "files", "warnings", "peak_rss_bytes",
+               "seconds")
+
+
+class Writer(Protocol):
+    """One output format, written unit by unit into a directory it was constructed on."""
+
+    reads: Literal["hf", "mcore"]  # which Source read the driver calls: read_hf (HF names) or read_mcore
+
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
+        """Take one unit's full tensors (embedding, layer i, final, in the Source's unit order)."""
+
+    def close(self) -> list[Path]:
+        """Finish every file (configs, indexes, checks of what was written); the files written."""
+
+    def abort(self) -> None:
+        """Stop streams, threads and open files after an error; the driver then removes the directory."""
+
+
+class Report(dict):
+    """A writing verb's report: a dict with `REPORT_KEYS` first (JSON as is), whose keys read as attributes too."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+def files_report(root: Path) -> list[dict[str, Any]]:
+    """Every file under `root` with its size, sorted by relative path (the report's `files`)."""
+    return [{"path": str(p.relative_to(root)), "bytes": p.stat().st_size}
+            for p in sorted(root.rglob("*")) if p.is_file()]
+
+
+def make_report(verb: str, source: str, output: str | Path, family: str, layout: str, dtype: str,
+                files: list[dict[str, Any]], warnings: list[str], peak_rss_bytes: int | None, seconds: float,
+                **extras: Any) -> Report:
+    """The report of one writing verb: the common keys, then the verb's own (`extras`)."""
+    common = dict(verb=verb, source=source, output=str(output), family=family, layout=layout, dtype=dtype,
+                  files=files, warnings=list(warnings), peak_rss_bytes=peak_rss_bytes, seconds=round(seconds, 3))
+    clash = set(common) & set(extras)
+    if clash:
+        raise ValueError(f"report extras repeat common keys: {sorted(clash)}")
+    return Report(common, **extras)
