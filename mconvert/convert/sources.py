@@ -11,27 +11,15 @@ from pathlib import Path
 
 from mconvert.convert.io.atomic import verify_input
 from mconvert.convert.base import SourceBase
-from mconvert.convert.checkpoint import DIST_MARKERS, resolve_iteration_dir
+from mconvert.convert import detect
 from mconvert.convert.hf import HFSource
 from mconvert.convert.megatron import MegatronSource
 from mconvert.convert.torch_dist import TorchDistSource
-from mconvert.errors import MConvertError
 
 
 def detect_format(path: str | Path, iteration: int | str | None = None) -> str:
-    """'hf', 'megatron' or 'megatron-torch_dist' (one-line error when it is none of them)."""
-    p = Path(path)
-    if not p.exists():
-        raise MConvertError(f"{p}: no such file or directory")
-    if not p.is_dir():
-        raise MConvertError(f"{p}: expected a checkpoint directory, got a file")
-    if (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))
-                                          or (p / "model.safetensors.index.json").is_file()):
-        return "hf"
-    d, _ = resolve_iteration_dir(p, iteration)
-    if any((d / m).exists() for m in DIST_MARKERS):
-        return "megatron-torch_dist"
-    return "megatron"
+    """'hf', 'megatron' or 'megatron-torch_dist' (`convert.detect`; one-line error when it is none of them)."""
+    return detect.detect_format(path, iteration, detect.CHECKPOINTS)
 
 
 def open_source(path: str | Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.layout import RANK_FILE, TRACKER, parse_rank_dir
+from mconvert.convert.layout import RANK_FILE, parse_rank_dir
 from mconvert.convert.io.paths import inside_file, load_json_object
-from mconvert.convert.checkpoint import args_dict, checkpoint_dict
+from mconvert.convert import detect
+from mconvert.convert.checkpoint import args_dict, checkpoint_dict, is_iteration_dir
 from mconvert.convert.fastertransformer import ft_number, read_ft_config
 from mconvert.convert.layout import iteration_dir_name, read_latest
 from mconvert.convert.io.safeload import safe_load
@@ -33,31 +34,8 @@ class ModelInfo:
 
 
 def detect_format(path: str | Path) -> str:
-    """Name the format held at `path`; one-line error when it is none we can run."""
-    p = Path(path)
-    if not p.exists():
-        raise MConvertError(f"{p}: no such file or directory")
-    if p.is_file():
-        if p.suffix == ".onnx":
-            return "onnx"
-        raise MConvertError(f"{p}: a file, not a model directory; pass the directory that holds the model")
-    if (p / TRACKER).is_file() or _megatron_iter_dirs(p):
-        return "megatron"
-    if (p / "metadata.json").is_file() and (p / "common.pt").is_file():
-        return "megatron-torch_dist"
-    if _ft_config(p) is not None:
-        return "ft"
-    if (p / "model.onnx").is_file() or any(p.glob("*.onnx")):
-        return "onnx"
-    if (p / "config.json").is_file():
-        cfg = _read_json(p / "config.json")
-        if any(p.glob("rank*.safetensors")) and "architecture" in cfg and "architectures" not in cfg:
-            return "trtllm"
-        return "hf"
-    raise MConvertError(
-        f"{p}: not a Megatron checkpoint, HF dir, FasterTransformer dir or ONNX dir "
-        f"(no {TRACKER}, config.json, config.ini or model.onnx)"
-    )
+    """Name the format held at `path` (`convert.detect`, every format); one-line error when it is none we run."""
+    return detect.detect_format(path, accept=detect.FORMATS)
 
 
 def _megatron_iter_dirs(p: Path) -> list[Path]:
@@ -88,8 +66,8 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
         info.vocab_size = cfg.get("vocab_size")
         info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         info.tokenizer_dir = p if has_tokenizer(p) else None
-    elif fmt == "megatron":
-        _describe_megatron(info)
+    elif fmt == "megatron" or (fmt == "megatron-torch_dist" and not is_iteration_dir(p)):
+        _describe_megatron(info)  # a checkpoint root: its tracker names the iteration (torch or torch_dist)
     elif fmt == "megatron-torch_dist":
         info.tokenizer_dir = p if has_tokenizer(p) else None
     elif fmt == "ft":
