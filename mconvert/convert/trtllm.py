@@ -94,6 +94,15 @@ def rank_tensors(unit: Any, mcore: dict[str, torch.Tensor], spec: ModelSpec, tp:
     return deploy.rank_tensors(spec, _layout(spec).tensors, unit, mcore, tp, "TensorRT-LLM", embed, source)
 
 
+def trtllm_layout_of(architecture: str) -> TrtllmLayout:
+    """The TensorRT-LLM layout a family declares for config.json's `architecture` (or one of its aliases)."""
+    for fam in families.all_families():
+        layout = fam.trtllm
+        if layout is not None and architecture in (layout.architecture, *layout.aliases):
+            return layout
+    raise MConvertError(f"config.json: architecture {architecture!r} is not one mconvert checks")
+
+
 def _layout(spec: ModelSpec) -> TrtllmLayout:
     layout = families.of(spec).trtllm
     if layout is None:
@@ -194,10 +203,7 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
 # ---- the checker: names and shapes derived from config.json alone --------------------------------------
 def expected_trtllm_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor (name -> per-rank shape) a rank file must hold for this config.json."""
-    arch = cfg["architecture"]
-    gpt = arch in ("GPT2LMHeadModel", "GPTForCausalLM")
-    if not gpt and arch not in ("LlamaForCausalLM", "MistralForCausalLM"):
-        raise MConvertError(f"config.json: architecture {arch!r} is not one mconvert checks")
+    layout = trtllm_layout_of(cfg["architecture"])
     t = int(cfg["mapping"]["tp_size"])
     H, L, V = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
     nh = int(cfg["num_attention_heads"])
@@ -205,14 +211,15 @@ def expected_trtllm_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     hd = int(cfg.get("head_size") or H // nh)
     F = int(cfg["intermediate_size"])
     kv_local = max(nkv, t) // t  # KV heads per rank after duplication
+    norm_bias = layout.norm == "LayerNorm"
     shapes: dict[str, tuple[int, ...]] = {"transformer.vocab_embedding.weight": (V, H),
                                           "transformer.ln_f.weight": (H,),
                                           "lm_head.weight": (-(-V // t), H)}
-    if gpt:
+    if layout.position_embedding_type == "learned_absolute":
         shapes["transformer.position_embedding.weight"] = (int(cfg["max_position_embeddings"]), H)
+    if norm_bias:
         shapes["transformer.ln_f.bias"] = (H,)
-    bias = bool(cfg.get("bias", True)) if gpt else bool(cfg.get("attn_bias", False))
-    mlp_bias = bool(cfg.get("bias", True)) if gpt else bool(cfg.get("mlp_bias", False))
+    bias, mlp_bias = (bool(cfg.get(k, layout.bias_default)) for k in layout.bias_keys)
     qkv_rows = (nh // t + 2 * kv_local) * hd
     for i in range(L):
         p = f"transformer.layers.{i}."
@@ -222,9 +229,9 @@ def expected_trtllm_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes[p + "attention.dense.weight"] = (H, nh * hd // t)
         shapes[p + "mlp.fc.weight"] = (F // t, H)
         shapes[p + "mlp.proj.weight"] = (H, F // t)
-        if not gpt:
+        if layout.gated:
             shapes[p + "mlp.gate.weight"] = (F // t, H)
-        if gpt:
+        if norm_bias:
             shapes[p + "input_layernorm.bias"] = (H,)
             shapes[p + "post_layernorm.bias"] = (H,)
         if bias:
@@ -233,7 +240,7 @@ def expected_trtllm_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         if mlp_bias:
             shapes[p + "mlp.fc.bias"] = (F // t,)
             shapes[p + "mlp.proj.bias"] = (H,)
-            if not gpt:
+            if layout.gated:
                 shapes[p + "mlp.gate.bias"] = (F // t,)
     return shapes
 

@@ -117,6 +117,12 @@ class TrtllmLayout:
     config_fields: Callable[[ModelSpec], dict[str, Any]]  # appended after the common PretrainedConfig fields
     refuse: Callable[[ModelSpec], None]
     tensors: dict[str, DeployRule | None]
+    # what the checker and the reference runner read from config.json alone (no class names there):
+    aliases: tuple[str, ...] = ()  # other `architecture` names TensorRT-LLM gives this class
+    norm: str = "RMSNorm"  # LayerNorm: `.weight` and `.bias`
+    gated: bool = True  # SiLU(mlp.fc) · mlp.gate; else tanh-GeLU(mlp.fc)
+    bias_keys: tuple[str, str] = ("attn_bias", "mlp_bias")  # config fields of the attention / MLP linear biases
+    bias_default: bool = False  # their value when config.json omits them
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------------

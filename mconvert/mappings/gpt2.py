@@ -296,6 +296,11 @@ TRTLLM = TrtllmLayout(
                                     rotary_scaling=None),
     refuse=_trt_refuse,
     tensors=TRT_TENSORS,
+    aliases=("GPTForCausalLM",),
+    norm="LayerNorm",
+    gated=False,
+    bias_keys=("bias", "bias"),
+    bias_default=True,
 )
 
 

@@ -355,6 +355,7 @@ TRTLLM = TrtllmLayout(
                                     moe={"num_experts": 0, "top_k": 0, "normalization_mode": None}),
     refuse=_trt_refuse,
     tensors=TRT_TENSORS,
+    aliases=("MistralForCausalLM",),
 )
 
 
