@@ -29,6 +29,7 @@ class DType:
     numpy: str | None
     itemsize: int
     floating: bool
+    onnx: str  # ONNX TensorProto element type name; onnxruntime spells it `tensor(<lower-case>)`
 
     @property
     def torch(self) -> torch.dtype:
@@ -47,16 +48,16 @@ class DType:
 
 
 TABLE: tuple[DType, ...] = (
-    DType("float32", ("fp32",), "F32", "<f4", 4, True),
-    DType("float16", ("fp16",), "F16", "<f2", 2, True),
-    DType("bfloat16", ("bf16",), "BF16", None, 2, True),
-    DType("float64", ("fp64",), "F64", "<f8", 8, True),
-    DType("int64", ("i64",), "I64", "<i8", 8, False),
-    DType("int32", ("i32",), "I32", "<i4", 4, False),
-    DType("int16", ("i16",), "I16", "<i2", 2, False),
-    DType("int8", ("i8",), "I8", "|i1", 1, False),
-    DType("uint8", ("u8",), "U8", "|u1", 1, False),
-    DType("bool", (), "BOOL", "|b1", 1, False),
+    DType("float32", ("fp32",), "F32", "<f4", 4, True, "FLOAT"),
+    DType("float16", ("fp16",), "F16", "<f2", 2, True, "FLOAT16"),
+    DType("bfloat16", ("bf16",), "BF16", None, 2, True, "BFLOAT16"),
+    DType("float64", ("fp64",), "F64", "<f8", 8, True, "DOUBLE"),
+    DType("int64", ("i64",), "I64", "<i8", 8, False, "INT64"),
+    DType("int32", ("i32",), "I32", "<i4", 4, False, "INT32"),
+    DType("int16", ("i16",), "I16", "<i2", 2, False, "INT16"),
+    DType("int8", ("i8",), "I8", "|i1", 1, False, "INT8"),
+    DType("uint8", ("u8",), "U8", "|u1", 1, False, "UINT8"),
+    DType("bool", (), "BOOL", "|b1", 1, False, "BOOL"),
 )
 
 # The dtypes a model's weights may be converted to and computed in (`--dtype`, `params_dtype`).
@@ -65,6 +66,7 @@ PARAM_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 _BY_NAME = {d.name: d for d in TABLE}
 _BY_ALIAS = {**{a: d for d in TABLE for a in d.aliases}, **_BY_NAME}
 _BY_CODE = {d.safetensors: d for d in TABLE}
+_BY_ONNX = {d.onnx: d for d in TABLE}
 
 
 def lookup(name: str) -> DType | None:
@@ -80,6 +82,13 @@ def of_torch(dtype: torch.dtype) -> DType | None:
 def of_safetensors(code: str) -> DType | None:
     """The row of a safetensors dtype code (`"BF16"`); None if mconvert does not read that code."""
     return _BY_CODE.get(code) if isinstance(code, str) else None
+
+
+def of_onnx(elem_type: str) -> DType | None:
+    """The row of an ONNX element type: a TensorProto name (`"FLOAT16"`) or onnxruntime's `"tensor(float16)"`."""
+    if elem_type.startswith("tensor(") and elem_type.endswith(")"):
+        elem_type = elem_type[7:-1].upper()
+    return _BY_ONNX.get(elem_type)
 
 
 def canonical(name: str) -> str:

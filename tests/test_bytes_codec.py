@@ -27,6 +27,41 @@ def test_dtype_row_agrees_with_torch_numpy_and_safetensors(row):
     assert dtypes.of_torch(row.torch) is row and dtypes.of_safetensors(row.safetensors) is row
 
 
+@pytest.mark.parametrize("row", dtypes.TABLE, ids=lambda r: r.name)
+def test_dtype_row_agrees_with_onnx_and_onnxruntime(row):
+    """The ONNX element type of each row is onnx's own, for the same numpy type; onnxruntime's spelling of an
+    input of that type (read from a one-node graph) finds the same row."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    code = TensorProto.DataType.Value(row.onnx)
+    if row.numpy is not None:
+        assert helper.tensor_dtype_to_np_dtype(code) == row.np
+    assert dtypes.of_onnx(row.onnx) is row
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", code, [1])],
+                              [helper.make_tensor_value_info("y", code, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - a type onnxruntime's CPU Identity lacks: its spelling is still tensor(x)
+        return
+    assert dtypes.of_onnx(sess.get_inputs()[0].type) is row
+    assert onnx.checker.check_model(model) is None
+
+
+def test_dtype_choices_refuse_what_a_verb_does_not_write_by_name():
+    assert dtypes.choose("bf16") == "bfloat16" and dtypes.choose("AUTO") == "auto"
+    assert dtypes.choose("fp16", ("float32", "float16"), auto=False) == "float16"
+    assert dtypes.choices() == ["auto", "fp32", "bf16", "fp16"]
+    with pytest.raises(MConvertError, match=r"^--dtype 'bf16': choose fp32 or fp16 \(FT\)$"):
+        dtypes.choose("bf16", ("float32", "float16"), auto=False, why="FT")
+    with pytest.raises(MConvertError, match=r"^--dtype 'torch.float32': choose auto, fp32, bf16 or fp16$"):
+        dtypes.choose("torch.float32")
+
+
 def test_unknown_dtypes_have_no_row():
     assert dtypes.lookup("fp8") is None and dtypes.of_safetensors("F8_E4M3") is None
     assert dtypes.of_torch(torch.complex64) is None and dtypes.canonical("fp8") == "fp8"

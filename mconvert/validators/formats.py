@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from mconvert import dtypes
 from mconvert.convert.layout import RANK_FILE, parse_rank_dir
 from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.convert import detect
@@ -74,7 +77,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
         ini = _ft_config(p)
         _, sec = read_ft_config(ini.parent)
         wdt = sec.get("weight_data_type", "fp32")
-        info.dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(wdt, "float32")
+        info.dtype = _norm_dtype(wdt)
         info.vocab_size = ft_number(sec, "vocab_size", ini) if "vocab_size" in sec else None
         if "max_pos_seq_len" in sec:
             info.max_positions = ft_number(sec, "max_pos_seq_len", ini)
@@ -149,8 +152,8 @@ def _onnx_dtype(path: Path) -> str:
 
         m = onnx.load(str(path), load_external_data=False)
         out = next((o for o in m.graph.output if o.name == "logits"), m.graph.output[0])
-        et = out.type.tensor_type.elem_type
-        return {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.BFLOAT16: "bfloat16"}.get(et, "float32")
+        row = dtypes.of_onnx(onnx.TensorProto.DataType.Name(out.type.tensor_type.elem_type))
+        return row.name if row is not None and row.floating else "float32"
     except Exception:
         return "float32"
 
@@ -168,5 +171,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _norm_dtype(d: Any) -> str:
-    d = str(d).replace("torch.", "")
-    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "half": "float16", "float": "float32"}.get(d, d)
+    """A dtype as configs spell it (`bfloat16`, `bf16`, `torch.float16`, torch's `half` / `float`) -> its canonical
+    name (`mconvert.dtypes`); float32 for what names no float type."""
+    name = str(d).removeprefix("torch.")
+    row = dtypes.lookup(name)
+    if row is None and isinstance(getattr(torch, name, None), torch.dtype):  # torch's own spellings: half, float
+        row = dtypes.of_torch(getattr(torch, name))
+    return row.name if row is not None and row.floating else "float32"

@@ -14,9 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from mconvert import dtypes
 from mconvert.errors import MConvertError
 
-_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
+def _np_dtype(ort_type: str) -> Any:
+    """numpy dtype of an onnxruntime input type (`tensor(float16)`), float32 for what numpy cannot hold."""
+    row = dtypes.of_onnx(ort_type)
+    return row.np if row is not None and row.numpy is not None else np.float32
 
 
 def resolve_onnx_file(path: str | Path) -> Path:
@@ -63,7 +69,7 @@ def empty_past(sess: Any, batch: int) -> dict[str, np.ndarray]:
         dims = [d if isinstance(d, int) else None for d in i.shape]
         if len(dims) != 4 or dims[1] is None or dims[3] is None:
             raise MConvertError(f"past input {i.name} has shape {i.shape}; expected [batch, heads, past, head_dim]")
-        out[i.name] = np.zeros((batch, dims[1], 0, dims[3]), dtype=_NP.get(i.type, np.float32))
+        out[i.name] = np.zeros((batch, dims[1], 0, dims[3]), dtype=_np_dtype(i.type))
     return out
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from mconvert import dtypes
 from mconvert.errors import MConvertError, rich_safe
 from mconvert.validators.compare import (
     TOLERANCES,
@@ -215,7 +216,7 @@ def render(report: ValidateReport, console) -> None:
 
 
 def _short_dtype(d: str) -> str:
-    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(d, d)
+    return dtypes.short_name(d)
 
 
 def _fmt_layout(x: ModelResult) -> str:
