@@ -385,6 +385,15 @@ PRESETS = {
                                rotary_base=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0),
 }
 
+def rope_family(name: str, stem: str, **differs: Any) -> dict[str, Any]:
+    """The fields of an RMSNorm + SwiGLU + RoPE family's `Family` record: LLaMA's name table, vLLM facts and
+    deployment layouts; HF classes `<stem>ForCausalLM` / `<stem>Model`, `model_type` = `name`; a family
+    states only what differs (`differs` replaces any of these)."""
+    base: dict[str, Any] = dict(name=name, architecture=f"{stem}ForCausalLM", model_type=name,
+                                base_architecture=f"{stem}Model", plugin=TABLE, vllm=ROPE_VLLM, ft=FT, trtllm=TRTLLM)
+    return {**base, **differs}
+
+
 FAMILY = Family(
     name=NAME,
     architecture="LlamaForCausalLM",

@@ -48,19 +48,8 @@ PRESETS = {
                                       max_position_embeddings=128),
 }
 
-FAMILY = Family(
-    name=NAME,
-    architecture="MistralForCausalLM",
-    model_type="mistral",
-    base_architecture="MistralModel",
-    plugin=llama.TABLE,
-    hf_fields=HF_FIELDS,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    vllm=llama.ROPE_VLLM,
-    presets=PRESETS,
+FAMILY = Family(**llama.rope_family(
+    NAME, "Mistral", hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
     recognise=None,  # Megatron args look like LLaMA's: only an explicit model_family names it
-    ft=llama.FT,
-    trtllm=llama.TRTLLM,
     sliding_window_by_default=True,
-)
+))

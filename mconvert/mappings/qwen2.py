@@ -56,19 +56,8 @@ PRESETS = {
                                     add_qkv_bias=True),
 }
 
-FAMILY = Family(
-    name=NAME,
-    architecture="Qwen2ForCausalLM",
-    model_type="qwen2",
-    base_architecture="Qwen2Model",
-    plugin=llama.TABLE,
-    hf_fields=HF_FIELDS,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    vllm=llama.ROPE_VLLM,
-    presets=PRESETS,
-    recognise=recognise,
+FAMILY = Family(**llama.rope_family(
+    NAME, "Qwen2", hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS, recognise=recognise,
     recognise_order=10,
-    ft=llama.FT,
     trtllm=None,  # TensorRT-LLM's LLaMA class has no qkv-only bias
-)
+))

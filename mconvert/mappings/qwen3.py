@@ -72,19 +72,9 @@ PRESETS = {
                                     tie_embeddings=True, qk_layernorm=True),
 }
 
-FAMILY = Family(
-    name=NAME,
-    architecture="Qwen3ForCausalLM",
-    model_type="qwen3",
-    base_architecture="Qwen3Model",
-    plugin=TABLE,
-    hf_fields=HF_FIELDS,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    vllm=llama.ROPE_VLLM,
-    presets=PRESETS,
-    recognise=recognise,
-    recognise_order=20,
+FAMILY = Family(**llama.rope_family(
+    NAME, "Qwen3", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
+    recognise=recognise, recognise_order=20,
     ft=None,  # FasterTransformer has no q/k norm
     trtllm=None,  # no confirmed TensorRT-LLM Qwen3 layout
-)
+))
