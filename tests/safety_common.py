@@ -7,8 +7,10 @@ Everything built here is cached per test process (the base checkpoint is built o
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from functools import lru_cache
@@ -137,3 +139,18 @@ def assert_one_line_error(code: int, err: str, *must_contain: str) -> str:
 
 def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def mount_tmpfs(d: Path, opts: str) -> bool:
+    """Mount a tmpfs with `opts` (`size=64k`, `ro,size=64k`) on `d` (created); False when not root or no mount."""
+    d.mkdir(parents=True, exist_ok=True)
+    if not is_root() or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True).returncode == 0
+
+
+def umount(d: Path) -> None:
+    """Unmount `d` (lazily when still busy)."""
+    gc.collect()  # a failed writer's file object may still hold the mount busy
+    if subprocess.run(["umount", str(d)], capture_output=True).returncode:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

@@ -6,11 +6,9 @@ traceback, and no OUT directory.
 
 from __future__ import annotations
 
-import gc
 import json
 import resource
 import shutil
-import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -27,9 +25,11 @@ from safety_common import (
     is_root,
     load_rank,
     make_hf_llama,
+    mount_tmpfs,
     rank_file,
     run_cli,
     save_rank,
+    umount,
 )
 
 ACTIONS = ("pass ", "re-copy", "remove", "pick", "choose", "fix", "free", "raise", "convert an earlier", "use ",
@@ -369,22 +369,9 @@ def test_force_replaces_an_existing_output(tmp_path, capsys):
 
 
 # ---- output not writable, disk full -----------------------------------------------------------------
-def _mount_tmpfs(d: Path, opts: str) -> bool:
-    d.mkdir(parents=True, exist_ok=True)
-    if not is_root() or shutil.which("mount") is None:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True).returncode == 0
-
-
-def _umount(d: Path) -> None:
-    gc.collect()  # a failed writer's file object may still hold the mount busy
-    if subprocess.run(["umount", str(d)], capture_output=True).returncode:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
-
-
 def test_output_not_writable(tmp_path, capsys):
     ro = tmp_path / "ro"
-    mounted = _mount_tmpfs(ro, "ro,size=64k")
+    mounted = mount_tmpfs(ro, "ro,size=64k")
     if not mounted:
         if is_root():
             pytest.skip("root without mount: permissions cannot stop root")
@@ -394,21 +381,21 @@ def test_output_not_writable(tmp_path, capsys):
         assert_one_line_error(code, err, f"{ro}/out", "cannot write", "choose another output path")
         assert not (ro / "out").exists()
     finally:
-        _umount(ro) if mounted else ro.chmod(0o755)
+        umount(ro) if mounted else ro.chmod(0o755)
 
 
 def test_disk_full_on_a_tiny_filesystem(tmp_path, capsys):
     """A 64 KiB tmpfs: the safetensors write hits ENOSPC mid-file; one line, and the partial output is gone."""
     small = tmp_path / "small"
     base()
-    if not _mount_tmpfs(small, "size=64k"):
+    if not mount_tmpfs(small, "size=64k"):
         pytest.skip("needs root and mount to make a tiny tmpfs (the file-size-limit test covers the write path)")
     try:
         code, _, err = run_cli(["megatron-to-hf", base()["ckpt"], small / "out"], capsys)
         assert_one_line_error(code, err, f"{small}/out", "disk full", "free space")
         assert not (small / "out").exists() and not list(small.iterdir()), list(small.iterdir())
     finally:
-        _umount(small)
+        umount(small)
 
 
 @pytest.mark.parametrize("verb", ["megatron-to-hf", "hf-to-megatron"])

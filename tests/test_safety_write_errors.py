@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import builtins
 import errno
-import gc
 import os
-import shutil
-import subprocess
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
-from safety_common import _WORK, assert_one_line_error, base, is_root, make_hf_llama, run_cli
+from safety_common import _WORK, assert_one_line_error, base, make_hf_llama, mount_tmpfs, run_cli, umount
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,19 +35,6 @@ def _argv(verb: str, out: Path) -> list:
 
 
 VERBS = ("megatron-to-hf", "hf-to-megatron", "reshard", "megatron-to-trtllm", "megatron-to-ft")
-
-
-def _mount_tmpfs(d: Path, opts: str) -> bool:
-    d.mkdir(parents=True, exist_ok=True)
-    if not is_root() or shutil.which("mount") is None:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True).returncode == 0
-
-
-def _umount(d: Path) -> None:
-    gc.collect()  # a failed writer's file object may still hold the mount busy
-    if subprocess.run(["umount", str(d)], capture_output=True).returncode:
-        subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
 def _failing_open(monkeypatch, under: Path, code: int, after_bytes: int = 0) -> None:
@@ -102,7 +86,7 @@ def test_disk_full_keeps_its_cause(verb, tmp_path, capsys, monkeypatch):
     base()
     _argv(verb, tmp_path)  # fixtures built before the disk is "full"
     small = tmp_path / "small"
-    mounted = _mount_tmpfs(small, "size=64k")
+    mounted = mount_tmpfs(small, "size=64k")
     try:
         if not mounted:
             _failing_open(monkeypatch, small / "out", errno.ENOSPC, after_bytes=32 << 10)
@@ -112,7 +96,7 @@ def test_disk_full_keeps_its_cause(verb, tmp_path, capsys, monkeypatch):
         assert not (small / "out").exists() and not list(small.iterdir()), list(small.iterdir())
     finally:
         if mounted:
-            _umount(small)
+            umount(small)
 
 
 @pytest.mark.parametrize("verb", VERBS)
@@ -129,10 +113,10 @@ def test_permission_refused_keeps_its_cause(verb, tmp_path, capsys, monkeypatch)
 
 def test_read_only_filesystem_keeps_its_cause(tmp_path, capsys):
     ro = tmp_path / "ro"
-    if not _mount_tmpfs(ro, "ro,size=64k"):
+    if not mount_tmpfs(ro, "ro,size=64k"):
         pytest.skip("needs root and mount for a read-only filesystem")
     try:
         code, _, err = run_cli(_argv("megatron-to-trtllm", ro / "out"), capsys)
         assert_one_line_error(code, err, f"{ro}/out", "read-only file system", "choose another output path")
     finally:
-        _umount(ro)
+        umount(ro)
