@@ -31,6 +31,7 @@ def _ranges(layers: list[int]) -> str:
 def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> dict[str, Any]:
     """Describe a checkpoint (Megatron torch / torch_dist / HF) without reading any tensor data."""
     src = open_source(path, iteration=iteration, verify=False)  # no tensor data read: no hashing either
+    src.close()  # what follows reads only what opening it learned (spec, layout, shapes)
     spec, tp, pp, vpp = src.spec, src.tp, src.pp, src.vpp
     stored: dict[str, tuple[int, ...]] = getattr(src, "shapes", {})
     stages: dict[str, list[int]] = {}

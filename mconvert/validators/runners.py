@@ -147,8 +147,9 @@ def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor
     with no_init_weights():  # buffers (rotary inv_freq, causal masks) built for real; weights come from the source
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch_dtype(src.spec.params_dtype))
     state = {}
-    for unit in src.units():
-        state.update(src.read_hf(unit))
+    with src:  # its rank / safetensors files close once the weights are read
+        for unit in src.units():
+            state.update(src.read_hf(unit))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and src.spec.tie_embeddings)]
     if missing or unexpected:

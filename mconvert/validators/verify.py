@@ -503,21 +503,21 @@ def _close(a: float, b: float) -> bool:
 def diagnose_weights(d: Path, ckpt: Path) -> str | None:
     """Name the first HF tensor that differs from the checkpoint's, and how (permuted rows, mixed halves)."""
     try:
-        src = open_source(ckpt)
-        keys: dict[str, Path] = {}
-        for f in sorted(d.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                keys.update({k: f for k in h.keys()})
-        for unit in src.units():
-            want = src.read_hf(unit)
-            for name, w in want.items():
-                if name not in keys:
-                    continue
-                with safe_open(str(keys[name]), framework="pt") as h:
-                    got = h.get_tensor(name)
-                verdict = classify_difference(name, got, w, want)
-                if verdict:
-                    return verdict
+        with open_source(ckpt) as src:  # its files close whichever way this returns
+            keys: dict[str, Path] = {}
+            for f in sorted(d.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as h:
+                    keys.update({k: f for k in h.keys()})
+            for unit in src.units():
+                want = src.read_hf(unit)
+                for name, w in want.items():
+                    if name not in keys:
+                        continue
+                    with safe_open(str(keys[name]), framework="pt") as h:
+                        got = h.get_tensor(name)
+                    verdict = classify_difference(name, got, w, want)
+                    if verdict:
+                        return verdict
     except Exception as e:  # diagnosis is best effort; the logits verdict stands either way
         return f"(weight diagnosis unavailable: {str(e)[:120]})"
     return None
