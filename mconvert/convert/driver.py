@@ -1,4 +1,6 @@
-"""The streaming driver: move one unit (embedding, layer i, final) at a time from a Source to a writer.
+"""The streaming driver: THE loop every writing verb runs (`write_output` -> `drive`), moving one unit
+(embedding, layer i, final) at a time from a Source to a `Writer` (`convert/writer.py`), and the conversion verbs
+megatron-to-hf, hf-to-megatron and reshard (the deployment verbs live beside their writers and run the same loop).
 
 Peak memory = one unit's source shards (all TP ranks, memory-mapped) + the merged/mapped unit + the writer's
 buffer (one safetensors shard for HF; one pipeline stage for Megatron, whose rank files hold a whole stage).
