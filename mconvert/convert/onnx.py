@@ -163,19 +163,11 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
             copy_contained(hf_dir, name, out, "json")
 
 
-def _describe(src: Path, iteration: str | None, open_it: bool) -> tuple[str, str, str, Any]:
-    """(family, dtype of the export, source description, ModelSpec or None) for the report. An HF dir is
-    described from its config.json unless `open_it` (optimum, not mconvert, reads its weights); a Megatron
-    checkpoint is opened (not verified: its export to HF verifies it)."""
-    if open_it:
-        with open_source(src, iteration=iteration, verify=False) as source:
-            hf = source.format == "hf"
-            return (source.spec.family, source.spec.params_dtype if hf else "float32", source.describe(),
-                    source.spec)
-    cfg = load_json_object(inside_file(src, "config.json", f"{src}: config"), "config",
+def _describe_hf(hf_dir: Path) -> tuple[str, str]:
+    """(family, dtype) of the HF directory optimum exports, from its config.json (for the report)."""
+    cfg = load_json_object(inside_file(hf_dir, "config.json", f"{hf_dir}: config"), "config",
                            "fix it or re-copy the model directory")
-    return (str(cfg.get("model_type", "")), dtypes.canonical(str(cfg.get("torch_dtype") or "float32")),
-            f"hf checkpoint {src}", None)
+    return str(cfg.get("model_type", "")), dtypes.canonical(str(cfg.get("torch_dtype") or "float32"))
 
 
 def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
@@ -194,8 +186,11 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
     check_output(out, force, (src,))
     from_megatron = not _is_hf_dir(src, iteration)  # also the one-line error for a non-checkpoint
     task = "text-generation-with-past" if with_past else "text-generation"
-    family, dtype, described, spec = _describe(src, iteration, from_megatron or dry_run)
+    described = f"{'megatron' if from_megatron else 'hf'} checkpoint {src}"
     if dry_run:
+        with open_source(src, iteration=iteration, verify=False) as source:  # refused as a real run would be
+            spec, described = source.spec, source.describe()
+        family, dtype = spec.family, "float32" if from_megatron else spec.params_dtype
         weights = spec.num_parameters() * dtypes.lookup(dtype).itemsize  # type: ignore[union-attr]
         return make_report("to-onnx", described, out, family, task, dtype,
                            [{"path": "model.onnx", "bytes": None}], [], None, time.perf_counter() - t0,
@@ -204,6 +199,7 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
                                 "as model.onnx_data; weight_bytes is their size from the parameter count")
     notes: list[str] = []
     with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force, inputs=(src,)) as tmp:
+        family, dtype = _describe_hf(hf_dir)
         if from_megatron:
             notes.append("Megatron source exported to a temporary fp32 HF dir first")
         with _quiet():
