@@ -202,3 +202,21 @@ def test_sources_release_their_descriptors_on_close_and_when_dropped(models, whi
     gc.collect()
     assert _fds() == before  # an unclosed source's descriptors go with it
     torch.zeros(1)  # keep torch imported for the fixture's tensors
+
+
+@pytest.mark.parametrize("cls", ["HFWriter", "MegatronWriter", "FTWriter", "TrtllmWriter"])
+def test_every_writer_implements_the_protocol(cls):
+    """`reads` names a Source read the driver knows, and add / close / abort take what the driver passes."""
+    import inspect
+    import typing
+
+    from mconvert.convert import fastertransformer, hf, megatron, trtllm
+    from mconvert.convert.writer import Writer
+
+    writer = next(getattr(m, cls) for m in (hf, megatron, fastertransformer, trtllm) if hasattr(m, cls))
+    assert writer.reads in typing.get_args(typing.get_type_hints(Writer)["reads"])
+    assert list(inspect.signature(writer.add).parameters)[1:3] == ["unit", "tensors"]
+    for name in ("close", "abort"):
+        required = [p for p in list(inspect.signature(getattr(writer, name)).parameters.values())[1:]
+                    if p.default is inspect.Parameter.empty]
+        assert not required, f"{cls}.{name} needs {required}"
