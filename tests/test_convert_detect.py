@@ -57,7 +57,7 @@ def test_an_empty_directory_is_not_a_checkpoint_for_both(tmp_path):
 def test_a_deployment_dir_is_named_by_the_validators_and_refused_by_name_by_the_converters(tmp_path, make, fmt, what):
     make(tmp_path)
     assert validator_format(tmp_path) == fmt
-    with pytest.raises(MConvertError, match=f"{what} .{fmt}.; this reads a Megatron checkpoint, a HuggingFace"):
+    with pytest.raises(MConvertError, match=f"{what} .{fmt}.; this reads a Megatron checkpoint or a HuggingFace directory$"):
         source_format(tmp_path)
 
 

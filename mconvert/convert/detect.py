@@ -101,8 +101,9 @@ def detect_format(path: str | Path, iteration: int | str | None = None,
         if fmt is None:
             continue
         if fmt not in accept:
-            takes = ", ".join(r.what for r in RULES if set(r.formats) & set(accept))
-            raise MConvertError(f"{p}: {rule.what} ({fmt}); this reads {takes}")
+            takes = [r.what for r in RULES if set(r.formats) & set(accept)]
+            listed = ", ".join(takes[:-1]) + f" or {takes[-1]}" if len(takes) > 1 else takes[0]
+            raise MConvertError(f"{p}: {rule.what} ({fmt}); this reads {listed}")
         return fmt
     if "hf" in accept and (p / "config.json").is_file():
         raise MConvertError(f"{p}: config.json but no weights (*.safetensors, pytorch_model*.bin); re-copy the "
