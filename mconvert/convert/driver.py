@@ -28,7 +28,7 @@ from mconvert.convert.plan import plan_for_source
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.tokenizer import copy_tokenizer
+from mconvert.convert.tokenizer import carry_to_megatron, find_carried_dir
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 
@@ -108,9 +108,10 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         with _aborting(writer):
             for unit in _progress(src.units(), "megatron-to-hf", progress):
                 writer.add(src.read_hf(unit))
-            writer.close(src.tokenizer_dir)
+            writer.close(src.tokenizer_dir, carried=_carried_dir(src))
         wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
         files = _files_report(tmp)
+    warnings += writer.warnings
     return {
         "verb": "megatron-to-hf", "source": src.describe(), "output": str(out), "family": spec.family,
         "dtype": spec.params_dtype, "files": files, "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
@@ -150,7 +151,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                 writer.add(unit, src.read_mcore(unit))
             writer.close()
         wait_crc_checks()  # the input's manifest, checked in the background, before the output is committed
-        tok = copy_tokenizer(src.tokenizer_dir, tmp)
+        tok = carry_to_megatron(src.tokenizer_dir, src.path, tmp, config=cfg)
         files = _files_report(tmp)
     return {
         "verb": "hf-to-megatron", "source": src.describe(), "output": str(out), "family": spec.family,
@@ -210,7 +211,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                 writer.add(unit, tensors, states if with_optimizer else None)
             writer.close()
         wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
-        tok = copy_tokenizer(src.tokenizer_dir, tmp)
+        tok = carry_to_megatron(src.tokenizer_dir, _carried_dir(src), tmp)
         files = _files_report(tmp)
     return {
         "verb": "reshard", "source": src.describe(), "output": str(out), "family": src.spec.family,
@@ -230,6 +231,11 @@ def _aborting(writer: Any) -> Iterator[None]:
     except BaseException:
         writer.abort()
         raise
+
+
+def _carried_dir(src: Any) -> Path | None:
+    """Where a Megatron source keeps the HF metadata carried through it (its root, else the given path)."""
+    return find_carried_dir(getattr(src, "root", None), getattr(src, "path", None))
 
 
 def _preview(src: Any) -> Any:
