@@ -159,3 +159,56 @@ def test_kept_ids_the_args_contradict_give_way_to_the_args_with_a_warning(tmp_pa
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["eos_token_id"] == 0 and cfg["pad_token_id"] == 5  # the args' eos (the source's first) wins
     assert any("eos_token_id [7, 8] differs from the args' 0" in w for w in json.loads(out)["warnings"])
+
+
+# ---- verify ------------------------------------------------------------------------------------------
+def _export_copy(tmp_path: Path) -> Path:
+    d = tmp_path / "export"
+    shutil.copytree(chain()["out"], d)
+    (d / "mconvert-manifest.json").unlink()  # edited by hand below: only the targeted check may speak
+    return d
+
+
+def _status(rep) -> dict[str, tuple[str, str]]:
+    return {c.name: (c.status, c.message) for c in rep.checks}
+
+
+@pytest.mark.timeout(600)
+def test_verify_reports_an_export_that_lost_the_sources_chat_template(tmp_path):
+    from mconvert.validators.verify import verify
+
+    d = _export_copy(tmp_path)
+    st = _status(verify(d, against=chain()["mg"], device="cpu"))
+    assert st["chat-template"][0] == "ok" and st["logits"][0] == "ok", st
+    (d / "chat_template.jinja").unlink()
+    shutil.rmtree(d / "additional_chat_templates")
+    rep = verify(d, against=chain()["mg"], device="cpu")
+    st = _status(rep)
+    assert st["chat-template"][0] == "error" and "no chat template" in st["chat-template"][1], st
+    assert rep.errors() and [c.name for c in rep.errors()] == ["chat-template"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where,field,value,check", [
+    ("config.json", "pad_token_id", "vocab", "token-ids"),
+    ("config.json", "eos_token_id", "list", "token-ids"),
+    ("config.json", "bos_token_id", -1, "token-ids"),
+    ("generation_config.json", "eos_token_id", "list", "generation-config"),
+    ("generation_config.json", "pad_token_id", "vocab", "generation-config"),
+])
+def test_verify_reports_special_token_ids_outside_the_vocab(tmp_path, where, field, value, check):
+    from mconvert.validators.verify import verify
+
+    d = _export_copy(tmp_path)
+    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+    value = {"vocab": vocab, "list": [0, vocab + 5]}.get(value, value) if isinstance(value, str) else value
+    obj = json.loads((d / where).read_text())
+    obj[field] = value
+    (d / where).write_text(json.dumps(obj))
+    rep = verify(d)
+    st = _status(rep)
+    # transformers itself refuses a padding_idx beyond the embedding: the strict-load check names that too
+    also = ["weights-strict"] if (where, field) == ("config.json", "pad_token_id") else []
+    assert [c.name for c in rep.errors()] == also + [check], st
+    assert all("cannot build the model" in st[a][1] for a in also)
+    assert f"{field} {value}" in st[check][1] and f"outside vocab_size {vocab}" in st[check][1]
