@@ -8,30 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.convert.tokenizer import TOKEN_IDS_FILE, TOKENIZER_FILES, tokenizer_files
 from safety_common import assert_one_line_error, run_cli
-from tokenizer_common import MESSAGES, WORK, instruct_hf, tokenizer_file_names
+from tokenizer_common import MESSAGES, chain, instruct_hf, tokenizer_file_names
 
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-@lru_cache(maxsize=None)
-def chain() -> dict[str, Path]:
-    """HF (transformers) -> Megatron TP2 PP2 -> HF, and the same checkpoint resharded to TP1 PP1 -> HF."""
-    hf = instruct_hf()
-    mg, mg1 = WORK / "mg-tp2pp2", WORK / "mg-tp1pp1"
-    hf_to_megatron(hf, mg, tp=2, pp=2)
-    reshard(mg, mg1, tp=1, pp=1)
-    out, out1 = WORK / "hf-back", WORK / "hf-back-resharded"
-    megatron_to_hf(mg, out)
-    megatron_to_hf(mg1, out1)
-    return {"hf": hf, "mg": mg, "mg1": mg1, "out": out, "out1": out1}
 
 
 @pytest.mark.timeout(600)

@@ -56,6 +56,21 @@ def instruct_hf() -> Path:
     return out
 
 
+@lru_cache(maxsize=None)
+def chain() -> dict[str, Path]:
+    """HF (transformers) -> Megatron TP2 PP2 -> HF, and the same checkpoint resharded to TP1 PP1 -> HF."""
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+
+    hf = instruct_hf()
+    mg, mg1 = WORK / "mg-tp2pp2", WORK / "mg-tp1pp1"
+    hf_to_megatron(hf, mg, tp=2, pp=2)
+    reshard(mg, mg1, tp=1, pp=1)
+    out, out1 = WORK / "hf-back", WORK / "hf-back-resharded"
+    megatron_to_hf(mg, out)
+    megatron_to_hf(mg1, out1)
+    return {"hf": hf, "mg": mg, "mg1": mg1, "out": out, "out1": out1}
+
+
 def tokenizer_file_names(d: Path) -> set[str]:
     """Every file of `d` that is not a model file (relative names, folders walked)."""
     return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()} - MODEL_FILES
