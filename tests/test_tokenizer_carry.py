@@ -110,6 +110,18 @@ def test_a_symlink_out_of_the_source_is_refused_and_nothing_is_written(tmp_path,
 
 
 @pytest.mark.timeout(120)
+def test_more_tokenizer_files_than_a_tokenizer_has_are_refused_before_anything_is_written(tmp_path, capsys):
+    from mconvert.convert.tokenizer import MAX_TOKENIZER_FILES
+
+    hf = _copy_hf(tmp_path)
+    for i in range(MAX_TOKENIZER_FILES + 1):
+        (hf / "additional_chat_templates" / f"t{i:03d}.jinja").write_text("{{ 1 }}")
+    code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, str(hf), f"more than {MAX_TOKENIZER_FILES} tokenizer files")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
 def test_a_symlink_inside_the_source_is_copied_as_the_file_it_names(tmp_path, capsys):
     hf = _copy_hf(tmp_path)
     (hf / "chat_template.jinja").rename(hf / "template-store.jinja")
