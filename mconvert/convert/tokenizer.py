@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.io.paths import LIMITS, copy_contained, inside_file, load_json_object
+from mconvert.convert.io.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError, escape_controls
 
+# Every file transformers' `save_pretrained` writes for a tokenizer, of any class: the names in its tokenizer
+# classes' `vocab_files_names`, the shared files and both chat-template forms. A table, so that a model's own
+# files (config.json, weights) never travel as tokenizer files; pickled vocabularies (vocab.pkl, vocab.bin) are
+# left out because loading them runs code.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "tokenizer.model", "added_tokens.json", "vocab.txt",
+    "tokenizer.model", "added_tokens.json", "vocab.txt", "chat_template.jinja", "chat_template.json",
+    "spiece.model", "sentencepiece.bpe.model", "sentencepiece.model", "spm.model", "bpe.codes",
+    "normalizer.json", "emoji.json", "byte_maps.json", "entity_vocab.json", "vocab-src.json", "vocab-tgt.json",
+    "word_shape.json", "word_pronunciation.json", "prophetnet.tokenizer",
 )
+# Patterns (one directory level at most): versioned fast tokenizers named by `fast_tokenizer_files`, and the
+# named chat templates transformers keeps beside chat_template.jinja.
+TOKENIZER_PATTERNS = ("tokenizer.*.json", "additional_chat_templates/*.jinja")
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# A tokenizer is a handful of files; more than this many, or more bytes in all, is not one.
+MAX_TOKENIZER_FILES = 64
+MAX_TOKENIZER_BYTES = 1 << 30
+# The HF generation config travels beside the tokenizer, byte for byte, through a Megatron checkpoint root.
+GENERATION_CONFIG = "generation_config.json"
+# config.json's special-token ids (Megatron args hold bos/eos as single ints and no pad id at all), kept in the
+# Megatron root so that megatron-to-hf writes them back exactly, lists included.
+TOKEN_IDS_FILE = "hf_token_ids.json"
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 # Small tokenizer files whose top level is a JSON object (tokenizer.json is checked where it is parsed).
@@ -56,19 +78,47 @@ def load_tokenizer(tok_dir: Path) -> Any:
                             f"{_TOKENIZER_FIX}") from None
 
 
-# Files transformers may open when it loads a tokenizer directory: each must be a regular file inside it.
-TOKENIZER_READ_FILES = TOKENIZER_FILES + ("chat_template.jinja", "chat_template.json", "spiece.model")
+def tokenizer_files(d: Path) -> list[str]:
+    """The tokenizer files of `d` by the table (`TOKENIZER_FILES`, `TOKENIZER_PATTERNS`): names relative to `d`,
+    in a stable order, whatever kind of file each is (`check_tokenizer_dir` decides whether it may be read)."""
+    names = [f for f in TOKENIZER_FILES if os.path.lexists(d / f)]
+    for pattern in TOKENIZER_PATTERNS:
+        folder, _, leaf = pattern.rpartition("/")
+        base = d / folder if folder else d
+        if folder and not base.is_dir():
+            continue
+        try:
+            with os.scandir(base) as it:
+                found = []
+                for e in it:
+                    if fnmatch.fnmatchcase(e.name, leaf) and e.name not in TOKENIZER_FILES:
+                        found.append(f"{folder}/{e.name}" if folder else e.name)
+                        if len(names) + len(found) > MAX_TOKENIZER_FILES:
+                            break
+        except OSError:
+            continue
+        names += sorted(found)
+    return names
 
 
 def check_tokenizer_dir(d: Path) -> Path:
-    """Refuse a tokenizer directory whose files (`TOKENIZER_READ_FILES`) are symlinks leading outside it, FIFOs,
-    devices or larger than a tokenizer file holds: transformers and the copy into OUT would follow them."""
-    for f in TOKENIZER_READ_FILES:
-        if os.path.lexists(d / f):
-            st = inside_file(d, f, f"{d}: tokenizer file {f}").stat()
-            if st.st_size > LIMITS["tokenizer"]:
-                raise MConvertError(f"{d / f}: {st.st_size:,} bytes, more than a tokenizer file holds "
-                                    f"(limit {LIMITS['tokenizer']:,}); check the tokenizer directory")
+    """Refuse a tokenizer directory whose files (`tokenizer_files`) are symlinks leading outside it, FIFOs,
+    devices, larger than a tokenizer file holds, or more in number or bytes than a tokenizer has: transformers
+    and the copy into OUT would follow them."""
+    names = tokenizer_files(d)
+    if len(names) > MAX_TOKENIZER_FILES:
+        raise MConvertError(f"{d}: more than {MAX_TOKENIZER_FILES} tokenizer files ({names[-1]} ...); a tokenizer "
+                            "has a handful — check the tokenizer directory")
+    total = 0
+    for f in names:
+        st = inside_file(d, f, f"{d}: tokenizer file {f}").stat()
+        if st.st_size > LIMITS["tokenizer"]:
+            raise MConvertError(f"{d / f}: {st.st_size:,} bytes, more than a tokenizer file holds "
+                                f"(limit {LIMITS['tokenizer']:,}); check the tokenizer directory")
+        total += st.st_size
+    if total > MAX_TOKENIZER_BYTES:
+        raise MConvertError(f"{d}: tokenizer files hold {total:,} bytes, more than a tokenizer does (limit "
+                            f"{MAX_TOKENIZER_BYTES:,}); check the tokenizer directory")
     return d
 
 
@@ -84,15 +134,89 @@ def find_tokenizer_dir(*candidates: Path | None) -> Path | None:
 
 
 def copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
-    """Copy the tokenizer files of `src_dir` into `out` (each a regular file inside `src_dir`); their names."""
-    copied = []
+    """Copy every tokenizer file of `src_dir` (the table's; each a regular file inside `src_dir`, bounded in
+    size) into `out` under the same relative name; their names."""
+    copied: list[str] = []
     if src_dir is not None:
         check_tokenizer_dir(src_dir)
-        for f in TOKENIZER_FILES:
-            if (src_dir / f).is_file():
-                copy_contained(src_dir, f, out)
-                copied.append(f)
+        for f in tokenizer_files(src_dir):
+            folder, _, leaf = f.rpartition("/")
+            if folder:  # a named chat template: the folder itself may not lead outside either
+                contained(src_dir, f, f"{src_dir}: tokenizer file {f}")
+                (out / folder).mkdir(exist_ok=True)
+            copy_contained(src_dir / folder, leaf, out / folder, kind="tokenizer")
+            copied.append(f)
     return copied
+
+
+def has_chat_template(d: Path) -> bool:
+    """Whether the tokenizer in `d` carries a chat template (chat_template.jinja / .json, a named template, or
+    a `chat_template` key in tokenizer_config.json)."""
+    if any((d / f).is_file() for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    if any(f.startswith(CHAT_TEMPLATE_DIR + "/") for f in tokenizer_files(d)):
+        return True
+    if (d / "tokenizer_config.json").is_file():
+        path = inside_file(d, "tokenizer_config.json", f"{d}: tokenizer file tokenizer_config.json")
+        return bool(load_json_object(path, "tokenizer file", _TOKENIZER_FIX, kind="tokenizer").get("chat_template"))
+    return False
+
+
+# ---- HF metadata carried through a Megatron checkpoint root ---------------------------------------------
+def find_carried_dir(*candidates: Path | None) -> Path | None:
+    """The first directory holding HF metadata carried beside a checkpoint (generation config, token ids)."""
+    for d in candidates:
+        if d is not None and any(os.path.lexists(d / f) for f in (GENERATION_CONFIG, TOKEN_IDS_FILE)):
+            return d
+    return None
+
+
+def _check_id(value: Any, where: str, fix: str) -> Any:
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0) or (
+        isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                  for i in value))
+    if not ok:
+        raise MConvertError(f"{where}: {value!r} is not a token id (an id >= 0, a non-empty list of them, or "
+                            f"null); {fix}")
+    return value
+
+
+def token_ids_of(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json's special-token id fields that are present (values as stored: int, list or null)."""
+    return {k: config[k] for k in TOKEN_ID_KEYS if k in config}
+
+
+def read_token_ids(d: Path | None) -> dict[str, Any] | None:
+    """The ids kept in `d`'s `hf_token_ids.json` (checked: known keys, token-id values), or None without one."""
+    if d is None or not os.path.lexists(d / TOKEN_IDS_FILE):
+        return None
+    fix = f"fix it or delete {TOKEN_IDS_FILE} (config.json then takes the ids from the args and tokenizer)"
+    obj = load_json_object(inside_file(d, TOKEN_IDS_FILE, f"{d}: token ids"), "token-id file", fix)
+    for k, v in obj.items():
+        if k not in TOKEN_ID_KEYS:
+            raise MConvertError(f"{d / TOKEN_IDS_FILE}: unknown key {escape_controls(k)[:60]!r} (expected "
+                                f"{', '.join(TOKEN_ID_KEYS)}); {fix}")
+        _check_id(v, f"{d / TOKEN_IDS_FILE}: {k}", fix)
+    return obj
+
+
+def carry_to_megatron(tok_dir: Path | None, meta_dir: Path | None, out: Path,
+                      config: dict[str, Any] | None = None) -> list[str]:
+    """Write into a Megatron root `out` what an HF export needs back: the tokenizer files, the generation config
+    (bytes as they are) and the special-token ids (from `config` when given, else those kept in `meta_dir`)."""
+    names = copy_tokenizer(tok_dir, out)
+    if meta_dir is not None and os.path.lexists(meta_dir / GENERATION_CONFIG):
+        path = inside_file(meta_dir, GENERATION_CONFIG, f"{meta_dir}: generation config")
+        load_json_object(path, "generation config", "fix or delete it")
+        copy_contained(meta_dir, GENERATION_CONFIG, out, kind="json")
+        names.append(GENERATION_CONFIG)
+    ids = token_ids_of(config) if config is not None else read_token_ids(meta_dir)
+    if ids:
+        for k, v in ids.items():
+            _check_id(v, f"config.json: {k}", "fix config.json")
+        (out / TOKEN_IDS_FILE).write_text(json.dumps(ids, indent=2) + "\n")
+        names.append(TOKEN_IDS_FILE)
+    return names
 
 
 def tokenizer_length(tok_dir: Path) -> int:

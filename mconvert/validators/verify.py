@@ -26,6 +26,7 @@ from mconvert.convert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.layout import RANK_FILE, iteration_dir_name
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.sources import open_source
+from mconvert.convert.tokenizer import has_chat_template
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as _plain
 from mconvert.mappings import families
@@ -110,6 +111,7 @@ def verify(
         _dtypes(cfg, header, rep)
         _finite_and_tied(cfg, header, rep)
     _tokenizer(d, cfg, rep)
+    _config_ids(cfg, rep)
     _generation_config(d, cfg, rep)
     _manifest(d, rep)
     if against is not None:
@@ -409,12 +411,60 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
         return
     eos = g.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    outside = _ids_outside(g, vocab)
     if not eos_ids:
         rep.add("generation-config", "error", f"{p.name}: no eos_token_id; generation would never stop on EOS")
+    elif outside:
+        rep.add("generation-config", "error", f"{p.name}: {'; '.join(outside)} outside vocab_size {vocab}")
     elif any(not isinstance(i, int) or not 0 <= i < vocab for i in eos_ids):
         rep.add("generation-config", "error", f"{p.name}: eos_token_id {eos} outside vocab_size {vocab}")
     else:
         rep.add("generation-config", "ok", f"eos_token_id {eos}")
+
+
+# The special-token id fields of config.json and generation_config.json: an int, a list of ints (eos) or null.
+_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _ids_outside(obj: dict[str, Any], vocab: int) -> list[str]:
+    """'field value' for each special-token id field of `obj` naming an id outside [0, vocab) (or not an id)."""
+    bad = []
+    for k in _ID_FIELDS:
+        v = obj.get(k)
+        ids = v if isinstance(v, list) else [] if v is None else [v]
+        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab for i in ids) or v == []:
+            bad.append(f"{k} {v}")
+    return bad
+
+
+def _config_ids(cfg: dict[str, Any], rep: VerifyReport) -> None:
+    """config.json's bos/eos/pad ids (lists included) against its vocab_size: transformers and vLLM index the
+    embedding with them."""
+    vocab = int(cfg.get("vocab_size") or 0)
+    outside = _ids_outside(cfg, vocab)
+    if outside:
+        rep.add("token-ids", "error", f"config.json: {'; '.join(outside)} outside vocab_size {vocab}")
+    else:
+        held = {k: cfg[k] for k in _ID_FIELDS if cfg.get(k) is not None}
+        rep.add("token-ids", "ok", ", ".join(f"{k} {v}" for k, v in held.items()) or "no special-token ids")
+
+
+def _chat_template(d: Path, ckpt: Path, info: Any, rep: VerifyReport) -> None:
+    """An instruct-style source (its tokenizer has a chat template) whose export has none: chat endpoints then
+    refuse the model or fall back to a template nobody trained with."""
+    src = getattr(info, "tokenizer_dir", None)
+    try:
+        if src is None or not has_chat_template(Path(src)):
+            return
+        if has_tokenizer(d) and has_chat_template(d):
+            rep.add("chat-template", "ok", f"present, as in {ckpt.name}'s tokenizer")
+            return
+    except MConvertError as e:
+        rep.add("chat-template", "error", str(e))
+        return
+    rep.add("chat-template", "error", f"{d}: no chat template, but the source's tokenizer ({src}) has one: chat "
+            "requests would be refused (vLLM) or formatted differently — re-export with mconvert, or copy "
+            "chat_template.jinja (and additional_chat_templates/) from the source")
 
 
 def _manifest(d: Path, rep: VerifyReport) -> None:
@@ -432,6 +482,7 @@ def _manifest(d: Path, rep: VerifyReport) -> None:
 def _against(d: Path, cfg: dict[str, Any], ckpt: Path, rep: VerifyReport, device: str, n_tokens: int) -> None:
     """Config vs the checkpoint's spec (named differences), then the logits check of `validate`."""
     info = describe(ckpt)
+    _chat_template(d, ckpt, info, rep)
     ref_spec = reference_spec(info)
     if ref_spec is not None:
         _config_vs_spec(cfg, ref_spec, rep)

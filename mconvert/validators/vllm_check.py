@@ -19,6 +19,7 @@ import torch
 
 from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.errors import MConvertError
+from mconvert.convert.tokenizer import has_chat_template, load_tokenizer
 from mconvert.validators.formats import has_tokenizer
 from mconvert.validators.tokens import make_batch
 
@@ -26,6 +27,9 @@ SERVE_SCRIPT = Path(__file__).with_name("vllm_serve.py")
 ENV_SCRIPT = Path(__file__).with_name("vllm_env.sh")
 LOGPROB_TOL = 1e-4  # fp32 engine vs fp32 transformers; measured ~5e-7 on tiny models
 TIE_MARGIN = 1e-4  # a greedy divergence where transformers' top-2 logits are closer than this is a tie
+# The conversation served through `LLM.chat` when the export has a chat template (vLLM renders it itself).
+CHAT = [{"role": "system", "content": "You tell short stories."},
+        {"role": "user", "content": "Tell me about the fox and the river."}]
 
 
 def default_vllm_venv() -> Path:
@@ -49,6 +53,14 @@ def ensure_vllm_env(venv: Path | None = None, timeout: float = 1800) -> Path:
 def _prompts(d: Path, vocab: int, n_prompts: int, length: int) -> list[list[int]]:
     t, _ = make_batch(vocab, length, n_prompts, None, d if has_tokenizer(d) else None)
     return t.tolist()
+
+
+def _chat_ids(d: Path) -> list[list[int]]:
+    """transformers' prompt ids of `CHAT` through the export's own chat template ([] without a template)."""
+    if not has_tokenizer(d) or not has_chat_template(d):
+        return []
+    ids = load_tokenizer(d).apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    return [list(ids["input_ids"] if isinstance(ids, dict) else ids)]
 
 
 def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
@@ -105,12 +117,17 @@ def vllm_compare_many(
         max_pos = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 128)
         max_len = min(128, max_pos)
         plen = min(prompt_len, max_len // 2)
+        chat = _chat_ids(d)
+        chat_len = max((len(c) for c in chat), default=0)
+        if chat_len + max_tokens > max_len:
+            chat = []  # the model's positions cannot hold the rendered conversation: token prompts only
         jobs.append({"model": str(d.absolute()), "prompts": _prompts(d, int(cfg["vocab_size"]), n_prompts, plen),
-                     "max_tokens": min(max_tokens, max_len - plen), "max_model_len": max_len,
-                     "skip_tokenizer_init": not has_tokenizer(d)})
+                     "max_tokens": min(max_tokens, max_len - max(plen, chat_len if chat else 0)),
+                     "max_model_len": max_len, "skip_tokenizer_init": not has_tokenizer(d),
+                     "chats": [CHAT] * len(chat), "chat_ids": chat})
     with tempfile.TemporaryDirectory(prefix="mconvert-vllm-") as tmp:
         rq, rs = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        rq.write_text(json.dumps({"jobs": jobs}))
+        rq.write_text(json.dumps({"jobs": [{k: v for k, v in j.items() if k != "chat_ids"} for j in jobs]}))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    TOKENIZERS_PARALLELISM="false")
@@ -131,7 +148,10 @@ def vllm_compare_many(
         got = json.loads(rs.read_text())
     out = []
     for d, job, g in zip(dirs, jobs, got["jobs"]):
-        ref = _transformers_reference(d, job["prompts"], job["max_tokens"])
+        prompts = job["prompts"] + job["chat_ids"]
+        ref = _transformers_reference(d, prompts, job["max_tokens"])
+        for r, p in zip(ref, prompts):
+            r["prompt_ids"] = p
         g.update(vllm_version=got["vllm_version"], import_seconds=got["import_seconds"])
         out.append(_judge(g, ref, wall))
     return out
@@ -139,9 +159,9 @@ def vllm_compare_many(
 
 def _judge(got: dict[str, Any], ref: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     per = []
-    passed = True
     max_lp = 0.0
     total, agree = 0, 0
+    passed = len(got["results"]) == len(ref)  # a prompt vLLM dropped is a failure, never skipped
     for g, r in zip(got["results"], ref):
         diffs = [abs(a - b) for a, b in zip(g["prompt_logprobs"], r["prompt_logprobs"]) if a is not None]
         lp = max(diffs) if diffs and all(math.isfinite(x) for x in diffs) else float("inf")  # NaN: fail
@@ -153,18 +173,26 @@ def _judge(got: dict[str, Any], ref: list[dict[str, Any]], wall: float) -> dict[
         total += n
         agree += upto
         tie = first is not None and r["margins"][first] < TIE_MARGIN
-        ok = (same or tie) and lp <= LOGPROB_TOL
+        # a chat prompt is rendered by each side from the export's template: the ids must agree first
+        same_prompt = g.get("prompt_ids", r["prompt_ids"]) == r["prompt_ids"]
+        ok = (same or tie) and lp <= LOGPROB_TOL and same_prompt
         passed &= ok
         per.append({"vllm_tokens": g["tokens"], "transformers_tokens": r["tokens"], "first_divergence": first,
-                    "divergence_is_tie": tie, "prompt_logprob_max_abs": _finite(lp), "passed": ok})
+                    "divergence_is_tie": tie, "prompt_logprob_max_abs": _finite(lp), "passed": ok,
+                    "chat": g.get("chat", False), "prompt_ids_equal": same_prompt,
+                    "prompt_ids": r["prompt_ids"] if g.get("chat") else None})
     lp_txt = f"within {max_lp:.1e}" if math.isfinite(max_lp) else "not finite (NaN/Inf)"
-    summary = (f"vLLM {got['vllm_version']}: greedy tokens {agree}/{total} equal to transformers', prompt logprobs "
+    chats = sum(1 for x in per if x["chat"])
+    chat_txt = f" ({chats} of them a chat through LLM.chat, prompt ids equal)" if chats and all(
+        x["prompt_ids_equal"] for x in per) else f" ({chats} chat prompt(s) rendered differently)" if chats else ""
+    summary = (f"vLLM {got['vllm_version']}: greedy tokens {agree}/{total} equal to transformers'{chat_txt}, prompt logprobs "
                f"{lp_txt} (limit {LOGPROB_TOL:g}); engine start {got['start_seconds']:.1f} s "
                f"(+{got['import_seconds']:.1f} s import)")
     return {"passed": passed, "summary": summary, "vllm_version": got["vllm_version"],
             "import_seconds": got["import_seconds"],
             "start_seconds": got["start_seconds"], "generate_seconds": got["generate_seconds"], "wall_seconds": wall,
-            "token_agreement": agree / max(total, 1), "prompt_logprob_max_abs": _finite(max_lp), "prompts": per}
+            "token_agreement": agree / max(total, 1), "prompt_logprob_max_abs": _finite(max_lp), "prompts": per,
+            "chat_prompts": chats}
 
 
 def _finite(x: float) -> float | None:

@@ -4,7 +4,9 @@ Run by the vLLM venv's interpreter (not ours: vLLM pins transformers 5.x), as a 
     VLLM_CPU_KVCACHE_SPACE=1 $VLLM_PY vllm_serve.py REQUEST.json OUT.json
 It imports nothing from mconvert. The engine spawns worker processes, hence the __main__ guard.
 REQUEST: {"jobs": [{"model": DIR, "prompts": [[ids]], "max_tokens": N, "max_model_len": L,
-           "skip_tokenizer_init": bool}]} — several models share one import of vLLM (~15 s).
+           "skip_tokenizer_init": bool, "chats": [[{"role", "content"}]]}]} — several models share one import of
+vLLM (~15 s). "chats" (optional) go through `LLM.chat`: vLLM renders the model's own chat template; each result
+then also gives the prompt ids vLLM made of it.
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, "uni" executor): spawning the engine
 core and a worker re-imports vLLM twice more and triples the start time on a small machine.
 """
@@ -55,16 +57,20 @@ def main() -> None:
         )
         t2 = time.time()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
+        if req.get("chats"):
+            outs = list(outs) + list(llm.chat(req["chats"], params, use_tqdm=False, add_generation_prompt=True))
         gen_s = time.time() - t2
         results = []
-        for prompt, o in zip(req["prompts"], outs):
+        for i, o in enumerate(outs):
+            prompt = list(o.prompt_token_ids)
             plp = []
             for pos, d in enumerate(o.prompt_logprobs or []):
                 if d is None:  # the first prompt token has no logprob
                     continue
                 lp = d.get(prompt[pos])
                 plp.append(None if lp is None else float(lp.logprob))
-            results.append({"tokens": list(o.outputs[0].token_ids), "prompt_logprobs": plp})
+            results.append({"tokens": list(o.outputs[0].token_ids), "prompt_logprobs": plp, "prompt_ids": prompt,
+                            "chat": i >= len(req["prompts"])})
         out["jobs"].append({"model": req["model"], "start_seconds": start_s, "generate_seconds": gen_s,
                             "results": results})
         del llm
