@@ -29,6 +29,7 @@ from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wai
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.tokenizer import copy_tokenizer
+from mconvert.convert.torch_dist_writer import TorchDistWriter
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 
@@ -122,10 +123,12 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
 @crc_in_background
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str = "auto", force: bool = False, progress: bool = False,
-                   dry_run: bool = False) -> dict[str, Any]:
-    """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)."""
+                   dry_run: bool = False, format: str = "torch") -> dict[str, Any]:
+    """HF directory -> Megatron checkpoint (release/, mcore local-spec names) at TP/PP(/VPP), in the torch
+    (rank files) or torch_dist (megatron-core dist_checkpointing) format."""
 
     t0 = time.perf_counter()
+    check_format(format)
     target = parse_dtype(dtype)
     check_output(out, force, (hf_dir,))
     src = open_source(hf_dir)
@@ -141,10 +144,13 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     spec.check_parallel(tp, pp, vpp)
     if dry_run:
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
-        return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
+        return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype, format=format),
                 "output": str(out), "dry_run": True, "warnings": []}
     with atomic_output_dir(out, force, inputs=(hf_dir, src.tokenizer_dir)) as tmp:
-        writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
+        if format == "torch_dist":
+            writer: Any = TorchDistWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target)
+        else:
+            writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
         with _aborting(writer):
             for unit in _progress(src.units(), "hf-to-megatron", progress):
                 writer.add(unit, src.read_mcore(unit))
@@ -153,8 +159,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         tok = copy_tokenizer(src.tokenizer_dir, tmp)
         files = _files_report(tmp)
     return {
-        "verb": "hf-to-megatron", "source": src.describe(), "output": str(out), "family": spec.family,
-        "tp": tp, "pp": pp, "vpp": vpp, "dtype": spec.params_dtype, "files": files, "tokenizer_files": tok,
+        "verb": "hf-to-megatron", "source": src.describe(), "output": str(out), "format": format,
+        "family": spec.family, "tp": tp, "pp": pp, "vpp": vpp, "dtype": spec.params_dtype, "files": files, "tokenizer_files": tok,
         "optimizer": "none (HF checkpoints carry no optimizer state)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
     }
@@ -163,21 +169,29 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 @crc_in_background
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
-            progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
+            progress: bool = False, dry_run: bool = False, format: str | None = None) -> dict[str, Any]:
     """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP): merge to full tensors, split again.
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
-    their parameters' layouts so training resumes at the new layout; without it, no optimizer is written."""
+    their parameters' layouts so training resumes at the new layout; without it, no optimizer is written.
+    `format`: torch or torch_dist output (default: the source's format)."""
 
     t0 = time.perf_counter()
+    if format is not None:
+        check_format(format)
     check_output(out, force, (ckpt,))
     src = open_source(ckpt, iteration=iteration)
     if src.format == "hf":
         raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
+    if format is None:
+        format = "torch_dist" if src.format == "megatron-torch_dist" else "torch"
+    if with_optimizer and format == "torch_dist":
+        raise MConvertError(f"{out}: --with-optimizer cannot write a torch_dist checkpoint yet (its distributed "
+                            "optimizer layout is not written); use --format torch or drop --with-optimizer")
     src.spec.check_parallel(tp, pp, vpp)
     if dry_run:
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
-        return {**plan_for_source("reshard", src, tp=tp, pp=pp, with_optimizer=with_optimizer),
+        return {**plan_for_source("reshard", src, tp=tp, pp=pp, with_optimizer=with_optimizer, format=format),
                 "output": str(out), "dry_run": True, "warnings": []}
     groups = None
     top: dict[str, Any] = {}
@@ -196,11 +210,18 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
             del first
     elif with_optimizer:
         raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
+    else:
+        top = {k: v for k, v in src.top_level().items()
+               if k not in ("args", "checkpoint_version", "iteration", "optimizer")}
     iteration_out = src.iteration if src.iteration is not None else "release"
     with atomic_output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
-        writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
-                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
+        if format == "torch_dist":
+            writer: Any = TorchDistWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
+                                          args=getattr(src, "args", None), top_level=top)
+        else:
+            writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
+                                    args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
+                                    rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
         with _aborting(writer):
             for unit in _progress(src.units(), "reshard", progress):
                 if isinstance(src, MegatronSource) and with_optimizer:
@@ -213,12 +234,23 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         tok = copy_tokenizer(src.tokenizer_dir, tmp)
         files = _files_report(tmp)
     return {
-        "verb": "reshard", "source": src.describe(), "output": str(out), "family": src.spec.family,
+        "verb": "reshard", "source": src.describe(), "output": str(out), "format": format,
+        "family": src.spec.family,
         "tp": tp, "pp": pp, "vpp": vpp, "iteration": iteration_out, "files": files, "tokenizer_files": tok,
         "optimizer": "re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
         else "not written (pass --with-optimizer to re-shard the Adam states)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
     }
+
+
+OUTPUT_FORMATS = ("torch", "torch_dist")
+
+
+def check_format(format: str) -> None:
+    """`--format`: the Megatron checkpoint formats mconvert writes."""
+    if format not in OUTPUT_FORMATS:
+        raise MConvertError(f"--format {format!r}: choose torch (mp_rank_* rank files) or torch_dist "
+                            "(megatron-core dist_checkpointing)")
 
 
 @contextmanager

@@ -155,6 +155,23 @@ def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: lis
     return files
 
 
+def torch_dist_files(spec: ModelSpec, tp: int, itemsize: int) -> list[dict[str, Any]]:
+    """The torch_dist data file `__0_0.distcp`: every full tensor once (vocab padded for `tp`, a tied head not
+    repeated), in chunks of one layer and one TP rank's shard (per-chunk torch.save framing not counted)."""
+    numel, chunks = 0, 0
+    params = spec.embedding_params(tp) + spec.final_params(tp)
+    if spec.tie_embeddings:
+        params = [d for d in params if d.name != "output_layer.weight"]
+    for d in params:
+        numel += _numel(d.shape)
+        chunks += 1 if d.kind == "replicated" or d.shape[0] == 0 else tp
+    for d in spec.layer_params(0):
+        numel += _numel(d.shape) * spec.num_layers
+        per_layer = 1 if d.kind == "replicated" or (d.kind == "row" and len(d.shape) == 1) else tp
+        chunks += per_layer * (2 if d.kind == "gated" else 1) * spec.num_layers
+    return [{"path": "__0_0.distcp", "bytes": numel * itemsize, "tensors": chunks}]
+
+
 def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES) -> list[dict[str, Any]]:
     """safetensors shards packed greedily in parameter order at `max_shard` bytes (true vocab rows)."""
     sizes = []

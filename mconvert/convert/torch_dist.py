@@ -74,6 +74,7 @@ class TorchDistSource(SourceBase):
         if self.iteration != "release" and common.get("iteration") is not None:
             self.iteration = common["iteration"]
         a = args_dict(self.args, common_file)
+        self._common = dict(common)  # small: args, scheduler, counters (tensors live in the DCP files)
         del common
         if not os.path.lexists(d / ".metadata"):
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
@@ -171,6 +172,11 @@ class TorchDistSource(SourceBase):
         if not ok:
             raise MConvertError(f"{md_file}: {key!r} has shape {list(shape)} but common.pt args declare "
                                 f"{list(want)}; the args and the weights disagree")
+
+    def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
+        """The entries of `common.pt` (args, checkpoint_version, iteration, scheduler, ...): what every rank
+        shares, so the same for any (pp_rank, tp_rank)."""
+        return dict(self._common)
 
     # ---- reading --------------------------------------------------------------------------------------
     def read_slice(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""torch_dist as an output format, proven against megatron-core 0.16.1 itself (CPU, gloo, local spec).
+
+- our torch_dist output loads with megatron-core's own `dist_checkpointing.load` into its GPTModel at a TP/PP
+  other than the one written, and reproduces transformers' logits (1e-4 relative);
+- re-sharding megatron-core's own legacy checkpoint into torch_dist gives the `.metadata` megatron-core's
+  `dist_checkpointing.save` writes for the same model (keys, global shapes, dtypes, chunk boxes) and the same
+  values and `_extra_state` bytes;
+- torch -> torch_dist -> torch is byte-identical; `--dry-run` sizes the data file; bad options are one line.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from deploy_common import make_hf, rel
+from mcore_ref import McoreContext, run_mcore
+from test_external_mcore import ITERATION, SPECS, _saved
+
+from mconvert.cli import main as cli_main
+from mconvert.convert.driver import hf_to_megatron, reshard
+from mconvert.convert.io.safeload import safe_load_dcp_metadata
+from mconvert.mappings.families import preset
+
+TOKENS = torch.Generator().manual_seed(3)
+
+
+def _dcp_read_all(d: Path) -> dict[str, object]:
+    """Every entry of a DCP checkpoint read by torch's own reader (full tensors; bytes entries as bytes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    sd: dict[str, object] = {}
+    _load_state_dict(sd, storage_reader=FileSystemReader(str(d)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return {k: (v.getvalue() if isinstance(v, io.BytesIO) else v) for k, v in sd.items()}
+
+
+def _summary(d: Path) -> dict[str, object]:
+    """`.metadata` as data: key -> (global shape, dtype, chunk boxes) or 'bytes'."""
+    md = safe_load_dcp_metadata(d / ".metadata")
+    out: dict[str, object] = {}
+    for k, v in md.state_dict_metadata.items():
+        if hasattr(v, "chunks"):
+            out[k] = (tuple(v.size), v.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
+        else:
+            out[k] = "bytes"
+    return out
+
+
+def _load_dist(ctx: McoreContext, ckpt_dir: str, tokens: torch.Tensor) -> torch.Tensor | None:
+    """What Megatron-LM's `load_checkpoint` does for torch_dist: sharded_state_dict -> dist_checkpointing.load
+    -> load_state_dict(strict); then the harness's forward."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(ctx.model.sharded_state_dict(), ckpt_dir)
+    ctx.model.load_state_dict(loaded, strict=True)
+    return ctx.logits(tokens)
+
+
+def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+CASES = {
+    # GQA, SwiGLU (gate/up chunks), untied head; written at TP=1 PP=1, loaded at TP=2 PP=2
+    "llama": (SPECS["llama"], (1, 1), (2, 2)),
+    # LayerNorm + biases, learned positions, tied head; written at TP=2, loaded at TP=1 PP=2 (the last stage
+    # finds its head under the embedding's key)
+    "gpt2": (preset("tiny-gpt2"), (2, 1), (1, 2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torch_dist_output_loads_in_megatron_core_at_another_layout(case: str, tmp_path: Path) -> None:
+    spec, (tp_w, pp_w), (tp_l, pp_l) = CASES[case]
+    hf = make_hf(spec, tmp_path / "hf")
+    out = tmp_path / "dist"
+    cli_main(["hf-to-megatron", str(hf), str(out), "--tp", str(tp_w), "--pp", str(pp_w), "--format", "torch_dist"])
+    assert sorted(p.name for p in (out / "release").iterdir()) == [".metadata", "__0_0.distcp", "common.pt",
+                                                                  "metadata.json"]
+    tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=TOKENS)
+    res = run_mcore(spec, tp_l, _load_dist, (str(out / "release"), tokens), pp=pp_l)
+    got = res[-1][..., : spec.vocab_size]
+    want = _hf_logits(hf, tokens)
+    err = rel(got, want)
+    print(f"{case}: written TP={tp_w} PP={pp_w}, loaded TP={tp_l} PP={pp_l}: rel err {err:.2e}")
+    assert err <= 1e-4, f"{case}: megatron-core's logits differ from transformers' by {err:.2e} relative"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torch_dist_written_from_mcore_torch_matches_mcore_dist_save(tmp_path: Path,
+                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    """megatron-core wrote the same model twice (legacy torch and dist_checkpointing.save, TP=2): our
+    torch -> torch_dist reshard at TP=2 has its `.metadata` structure, its tensors and its extra-state bytes."""
+    spec, _, _, torch_root, dist_root = _saved("llama", 1, tmp_path_factory)
+    out = tmp_path / "ours"
+    report = reshard(torch_root, out, tp=2, pp=1, format="torch_dist")
+    assert report["format"] == "torch_dist"
+    ours_dir, ref_dir = out / f"iter_{ITERATION:07d}", dist_root / f"iter_{ITERATION:07d}"
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == str(ITERATION)
+    assert (ours_dir / "metadata.json").read_text() == (ref_dir / "metadata.json").read_text()
+    assert _summary(ours_dir) == _summary(ref_dir)
+    ours, ref = _dcp_read_all(ours_dir), _dcp_read_all(ref_dir)
+    assert ours.keys() == ref.keys()
+    for k in ref:
+        if isinstance(ref[k], torch.Tensor):
+            assert torch.equal(ours[k], ref[k]), k
+        else:
+            assert ours[k] == ref[k], k
+    common = torch.load(ours_dir / "common.pt", weights_only=False)  # our own file, written a moment ago
+    ref_common = torch.load(ref_dir / "common.pt", weights_only=False)  # megatron-core's, from this test session
+    assert common["iteration"] == ref_common["iteration"] == ITERATION
+    assert common["checkpoint_version"] == ref_common["checkpoint_version"]
+    for field in ("num_layers", "hidden_size", "tensor_model_parallel_size", "padded_vocab_size", "swiglu"):
+        assert getattr(common["args"], field) == getattr(ref_common["args"], field), field
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", [(1, 1, 2, 1), (2, 2, 1, 2)])
+def test_torch_to_torch_dist_to_torch_is_byte_identical(layout: tuple[int, int, int, int], tmp_path: Path) -> None:
+    tp, pp, dist_tp, dist_pp = layout
+    spec = preset("tiny-llama").replace(num_layers=4)
+    hf = make_hf(spec, tmp_path / "hf")
+    first = tmp_path / "torch"
+    hf_to_megatron(hf, first, tp=tp, pp=pp)
+    reshard(first, tmp_path / "dist", tp=dist_tp, pp=dist_pp, format="torch_dist")
+    back = tmp_path / "back"
+    reshard(tmp_path / "dist", back, tp=tp, pp=pp, format="torch")
+    cmp = filecmp.dircmp(first, back)
+    assert not cmp.left_only and not cmp.right_only
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert any(f.name == "model_optim_rng.pt" for f in files)
+    for f in files:
+        assert (first / f).read_bytes() == (back / f).read_bytes(), f
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_sizes_the_torch_dist_data_file(tmp_path: Path) -> None:
+    spec = preset("tiny-llama")
+    hf = make_hf(spec, tmp_path / "hf")
+    plan = hf_to_megatron(hf, tmp_path / "dist", tp=2, format="torch_dist", dry_run=True)
+    assert plan["format"] == "torch_dist" and not (tmp_path / "dist").exists()
+    [entry] = plan["files"]
+    hf_to_megatron(hf, tmp_path / "dist", tp=2, format="torch_dist")
+    size = (tmp_path / "dist" / "release" / entry["path"]).stat().st_size
+    md = safe_load_dcp_metadata(tmp_path / "dist" / "release" / ".metadata")
+    tensor_items = [k for k in md.storage_data if k.offset is not None]
+    assert entry["tensors"] == len(tensor_items)
+    # tensor bytes exactly; each chunk adds torch.save's zip framing (< 4 KiB), each extra state its blob
+    framing = size - entry["bytes"]
+    assert 0 < framing < 4096 * len(md.storage_data), (size, entry["bytes"])
+
+
+@pytest.mark.timeout(120)
+def test_bad_format_and_optimizer_into_torch_dist_are_one_line_refusals(tmp_path: Path) -> None:
+    spec = preset("tiny-llama")
+    hf = make_hf(spec, tmp_path / "hf")
+    ckpt = tmp_path / "ckpt"
+    hf_to_megatron(hf, ckpt)
+    runs = {
+        "zarr": (["hf-to-megatron", str(hf), str(tmp_path / "o1"), "--format", "zarr"], "--format 'zarr'"),
+        "optimizer": (["reshard", str(ckpt), str(tmp_path / "o2"), "--format", "torch_dist", "--with-optimizer"],
+                      "--with-optimizer"),
+    }
+    for name, (argv, needle) in runs.items():
+        p = subprocess.run([sys.executable, "-m", "mconvert.cli", *argv], capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0, name
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, (name, p.stderr)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
