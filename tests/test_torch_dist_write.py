@@ -24,6 +24,7 @@ from test_external_mcore import ITERATION, SPECS, _saved
 
 from mconvert.cli import main as cli_main
 from mconvert.convert.driver import hf_to_megatron, reshard
+from mconvert.convert.inspect import inspect_checkpoint
 from mconvert.convert.io.safeload import safe_load_dcp_metadata
 from mconvert.mappings.families import preset
 
@@ -168,7 +169,7 @@ def test_torch_to_torch_dist_to_torch_is_byte_identical(layout: tuple[int, int, 
 
 
 @pytest.mark.timeout(120)
-def test_dry_run_sizes_the_torch_dist_data_file(tmp_path: Path) -> None:
+def test_dry_run_and_inspect_size_the_torch_dist_data_file(tmp_path: Path) -> None:
     spec = preset("tiny-llama")
     hf = make_hf(spec, tmp_path / "hf")
     plan = hf_to_megatron(hf, tmp_path / "dist", tp=2, format="torch_dist", dry_run=True)
@@ -182,6 +183,10 @@ def test_dry_run_sizes_the_torch_dist_data_file(tmp_path: Path) -> None:
     # tensor bytes exactly; each chunk adds torch.save's zip framing (< 4 KiB), each extra state its blob
     framing = size - entry["bytes"]
     assert 0 < framing < 4096 * len(md.storage_data), (size, entry["bytes"])
+    info = inspect_checkpoint(tmp_path / "dist")
+    assert info["format"] == "megatron-torch_dist" and info["tp"] == 2
+    assert info["files"][0] == {"path": "__0_0.distcp", "bytes": size, "entries": len(md.storage_data)}
+    assert {f["path"] for f in info["files"]} == {p.name for p in (tmp_path / "dist" / "release").iterdir()}
 
 
 @pytest.mark.timeout(120)

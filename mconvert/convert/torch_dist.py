@@ -173,6 +173,19 @@ class TorchDistSource(SourceBase):
             raise MConvertError(f"{md_file}: {key!r} has shape {list(shape)} but common.pt args declare "
                                 f"{list(want)}; the args and the weights disagree")
 
+    def files(self) -> list[dict[str, Any]]:
+        """The iteration dir's files: each DCP data file with its bytes and entry count, then `.metadata`,
+        `common.pt` and `metadata.json` (sizes from the opening checks' stat calls and the file system)."""
+        counts: dict[str, int] = {}
+        for info in self.metadata.storage_data.values():
+            counts[info.relative_path] = counts.get(info.relative_path, 0) + 1
+        out = [{"path": rel, "bytes": os.stat(self.iter_dir / rel).st_size, "entries": n}
+               for rel, n in sorted(counts.items())]
+        for name in (".metadata", "common.pt", "metadata.json"):
+            if os.path.isfile(self.iter_dir / name):
+                out.append({"path": name, "bytes": os.stat(self.iter_dir / name).st_size})
+        return out
+
     def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
         """The entries of `common.pt` (args, checkpoint_version, iteration, scheduler, ...): what every rank
         shares, so the same for any (pp_rank, tp_rank)."""
