@@ -127,6 +127,8 @@ def plan_cmd(
     first: Annotated[Optional[int], typer.Option("--first-stage-layers", help="Uneven PP: layers of stage 0.")] = None,
     last: Annotated[Optional[int], typer.Option("--last-stage-layers", help="Uneven PP: layers of the last stage.")] = None,
     dtype: Dtype = "auto",
+    format: Annotated[str, typer.Option("--format", help="Megatron output format (--to megatron): torch or "
+                                        "torch_dist.")] = "torch",
     bandwidth_file: Annotated[
         Optional[Path], typer.Option("--bandwidth-file", help="Measured bandwidth JSON (default: `make bench`'s).")
     ] = None,
@@ -138,6 +140,7 @@ def plan_cmd(
     Examples:
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to megatron --target-tp 8 --target-pp 8 --json
+      mconvert plan --preset llama3-405b --tp 8 --to megatron --format torch_dist
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate
@@ -146,7 +149,7 @@ def plan_cmd(
     est = estimate(
         preset(preset_name), to, tp=tp, pp=pp, target_tp=target_tp, target_pp=target_pp, dtype=dtype,
         first_stage_layers=first, last_stage_layers=last, bandwidth=load_bandwidth(bandwidth_file),
-        model=preset_name,
+        model=preset_name, format=format,
     )
     if json_out:
         print(json.dumps(est.to_dict(with_files=files), indent=1))

@@ -3,7 +3,8 @@ megatron-core and without a process group.
 
 The iteration dir is what megatron-core 0.16.1's `dist_checkpointing.save` (torch_dist strategy) writes:
 `metadata.json` (the backends), `common.pt` (args, checkpoint_version, iteration and the other non-sharded
-entries), `__0_0.distcp` (each chunk a `torch.save` blob, as DCP's FileSystemWriter writes them) and
+entries), `__0_<i>.distcp` data files (each chunk a `torch.save` blob, as DCP's FileSystemWriter writes
+them; a new file starts when the next chunk would take a file past `MAX_FILE_BYTES` of tensor data) and
 `.metadata` (pickled `torch.distributed.checkpoint.metadata.Metadata` built from DCP's own classes). Keys are
 global: layers stacked (`decoder.layers.<name>` is `[num_layers, ...]`), norms under the names megatron-core's
 layer spec maps them to (`linear_qkv.layer_norm_weight`), one chunk per layer and target TP rank laid out as
@@ -44,7 +45,7 @@ from mconvert.mappings.transforms import pad_vocab, split_dim
 from mconvert.spec import ModelSpec
 
 STACKED_PREFIX = "decoder.layers."
-DATA_FILE = "__0_0.distcp"
+MAX_FILE_BYTES = 5 * 10**9  # tensor bytes per data file before the next one starts (as HF's default shard size)
 # metadata.json exactly as megatron-core's `save_config` writes it for the torch_dist strategy
 BACKENDS = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
             "common_backend_version": 1}
@@ -95,11 +96,16 @@ def chunk_boxes(kind: str, shape: tuple[int, ...], tp: int) -> list[tuple[tuple[
     return boxes
 
 
-def _blob(obj: Any) -> bytes:
+def data_file_name(i: int) -> str:
+    """The i-th data file, named as DCP names rank 0's files."""
+    return f"__0_{i}.distcp"
+
+
+def _blob(obj: Any) -> memoryview:
     """What DCP's FileSystemWriter writes for one item: `torch.save(obj)` into the data file."""
     buf = io.BytesIO()
     torch.save(obj, buf)
-    return buf.getvalue()
+    return buf.getbuffer()
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +129,7 @@ class TorchDistWriter:
 
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, max_file_bytes: int = MAX_FILE_BYTES) -> None:
         spec.check_parallel(tp, pp, vpp)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
@@ -133,8 +139,10 @@ class TorchDistWriter:
         self.rows = spec.padded_vocab_size(tp)
         self.dir = self.out / iteration_dir_name(iteration)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._file = HashingFile(self.dir / DATA_FILE, direct=True)
-        self._pos = 0
+        self.max_file_bytes = max_file_bytes
+        self._names: list[str] = []
+        self._file: Any = None
+        self._open_next()
         self._tensors: dict[str, TensorStorageMetadata] = {}
         self._md: dict[str, Any] = {}  # key -> storage metadata, in the order keys first appear
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -142,10 +150,23 @@ class TorchDistWriter:
         self.files: list[Path] = []
 
     # ---- writing ------------------------------------------------------------------------------------------
-    def _append(self, data: bytes, index: MetadataIndex) -> None:
+    def _open_next(self) -> None:
+        """Finish the current data file (its sha256 to the manifest) and start the next one."""
+        if self._file is not None:
+            record_digest(self.dir / self._names[-1], self._file.close())
+            self._file = None
+        self._names.append(data_file_name(len(self._names)))
+        self._file = HashingFile(self.dir / self._names[-1], direct=True)
+        self._pos = 0
+        self._tensor_bytes = 0
+
+    def _append(self, data: memoryview, index: MetadataIndex, tensor_bytes: int = 0) -> None:
+        if self._tensor_bytes and self._tensor_bytes + tensor_bytes > self.max_file_bytes:
+            self._open_next()
         self._file.write(data, keep=data)
-        self._storage[index] = _StorageInfo(DATA_FILE, self._pos, len(data))
+        self._storage[index] = _StorageInfo(self._names[-1], self._pos, len(data))
         self._pos += len(data)
+        self._tensor_bytes += tensor_bytes
 
     def _add_tensor(self, name: str, full: torch.Tensor) -> None:
         key, layer = dist_key(name)
@@ -175,7 +196,7 @@ class TorchDistWriter:
             if layer is not None:
                 part, off, size = part.unsqueeze(0), (layer, *off), (1, *size)
             md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))
-            self._append(_blob(_owned(part)), MetadataIndex(key, torch.Size(off)))
+            self._append(_blob(_owned(part)), MetadataIndex(key, torch.Size(off)), part.numel() * part.element_size())
 
     def _add_extra_state(self, module: str, layer: int) -> None:
         key = f"{STACKED_PREFIX}{module}._extra_state/shard_{layer}_{self.spec.num_layers}"
@@ -208,8 +229,8 @@ class TorchDistWriter:
         """Finish the data file, write `.metadata`, `common.pt`, `metadata.json` and the tracker file."""
         if self._pending:
             raise MConvertError(f"internal: units {self._pending[:3]} never arrived")
-        data = self.dir / DATA_FILE
-        record_digest(data, self._file.close())
+        record_digest(self.dir / self._names[-1], self._file.close())
+        self._file = None
         metadata = Metadata(state_dict_metadata=self._md, planner_data=None, storage_data=self._storage,
                             storage_meta=StorageMeta(), version=DCP_VERSION)
         with open(self.dir / ".metadata", "wb") as f:
@@ -219,9 +240,11 @@ class TorchDistWriter:
         torch.save(common, self.dir / "common.pt")
         (self.dir / "metadata.json").write_text(json.dumps(BACKENDS))
         write_latest(self.out, self.iteration)
-        self.files = [self.dir / n for n in (".metadata", DATA_FILE, "common.pt", "metadata.json")]
+        self.files = [self.dir / n for n in (".metadata", *self._names, "common.pt", "metadata.json")]
         return self.files
 
     def abort(self) -> None:
         """Stop the data file's writer thread; the caller removes the output directory."""
-        self._file.abort()
+        if self._file is not None:
+            self._file.abort()
+            self._file = None
