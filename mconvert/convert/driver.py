@@ -185,9 +185,14 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
     if format is None:
         format = "torch_dist" if src.format == "megatron-torch_dist" else "torch"
-    if with_optimizer and format == "torch_dist":
-        raise MConvertError(f"{out}: --with-optimizer cannot write a torch_dist checkpoint yet (its distributed "
-                            "optimizer layout is not written); use --format torch or drop --with-optimizer")
+    dist_source = src.format == "megatron-torch_dist"
+    if with_optimizer and dist_source != (format == "torch_dist"):
+        raise MConvertError(f"{out}: --with-optimizer re-shards optimizer states within one format (torch: the "
+                            "trainer's Adam states; torch_dist: megatron-core's distributed optimizer); converting "
+                            f"them from {src.format} to {format} is not supported — drop --with-optimizer or keep "
+                            "the source's --format")
+    if with_optimizer and dist_source:
+        src.check_optimizer()
     src.spec.check_parallel(tp, pp, vpp)
     if dry_run:
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
@@ -208,11 +213,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
             first = safe_load(src.files[(0, 0)])
             _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
             del first
-    elif with_optimizer:
-        raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
-    else:
-        top = {k: v for k, v in src.top_level().items()
-               if k not in ("args", "checkpoint_version", "iteration", "optimizer")}
+    else:  # torch_dist: common.pt's entries; the optimizer's param groups only with its states
+        top = {k: v for k, v in src.top_level().items() if k not in ("args", "checkpoint_version", "iteration")
+               and (with_optimizer or k != "optimizer")}
     iteration_out = src.iteration if src.iteration is not None else "release"
     with atomic_output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
         if format == "torch_dist":
@@ -224,7 +227,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                                     rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
         with _aborting(writer):
             for unit in _progress(src.units(), "reshard", progress):
-                if isinstance(src, MegatronSource) and with_optimizer:
+                if with_optimizer:
                     tensors, states = src.read_unit(unit, with_optimizer)
                 else:
                     tensors, states = src.read_mcore(unit), {}

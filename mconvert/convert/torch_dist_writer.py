@@ -39,6 +39,7 @@ from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
 from mconvert.convert.megatron import target_args
+from mconvert.convert.torch_dist import OPTIMIZER_STATE_PREFIX
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import unit_of
 from mconvert.mappings.transforms import pad_vocab, split_dim
@@ -134,8 +135,9 @@ class TorchDistWriter:
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
         self.args = target_args(spec, args, tp, pp, vpp)
+        # `optimizer` (the distributed optimizer's param groups) is kept when the caller passes it: with states
         self.top_level = {k: v for k, v in (top_level or {}).items()
-                          if k not in ("args", "checkpoint_version", "iteration", "model", "optimizer", "rng_state")}
+                          if k not in ("args", "checkpoint_version", "iteration", "model", "rng_state")}
         self.rows = spec.padded_vocab_size(tp)
         self.dir = self.out / iteration_dir_name(iteration)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -168,12 +170,15 @@ class TorchDistWriter:
         self._pos += len(data)
         self._tensor_bytes += tensor_bytes
 
-    def _add_tensor(self, name: str, full: torch.Tensor) -> None:
+    def _add_tensor(self, name: str, full: torch.Tensor, state: str | None = None) -> None:
+        """One full tensor, or with `state` one of its optimizer states (same chunks, its own dtype)."""
         key, layer = dist_key(name)
         kind = self.spec.split_kind(name)
         if kind == "vocab":
             full = pad_vocab(full, self.rows, self.spec.vocab_size, name)
-        if self.dtype is not None and full.dtype != self.dtype:
+        if state is not None:
+            key = f"{OPTIMIZER_STATE_PREFIX}{state}.{key}"
+        elif self.dtype is not None and full.dtype != self.dtype:
             full = full.to(self.dtype)
         shape = tuple(full.shape)
         stacked = (self.spec.num_layers, *shape) if layer is not None else shape
@@ -204,10 +209,9 @@ class TorchDistWriter:
         self._append(extra_state_blob(), MetadataIndex(key))
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
-        """Append one unit's full tensors (canonical global names) to the data file."""
-        if states:
-            raise MConvertError("optimizer states cannot be written to a torch_dist checkpoint yet; "
-                                "drop --with-optimizer or write --format torch")
+        """Append one unit's full tensors (canonical global names) to the data file, and with `states` each
+        parameter's distributed-optimizer states ({name: {'param', 'exp_avg', 'exp_avg_sq'}}, full shapes)
+        in megatron-core's `fully_reshardable` layout."""
         if unit not in self._pending:
             raise MConvertError(f"internal: unit {unit!r} arrived twice or is not a unit of this model")
         self._pending.remove(unit)
@@ -218,6 +222,9 @@ class TorchDistWriter:
             if name == "output_layer.weight" and self.spec.tie_embeddings:
                 continue  # megatron-core saves a tied head under the embedding's key only
             self._add_tensor(name, full)
+            for state, value in (states or {}).get(name, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    self._add_tensor(name, value, state)
             if isinstance(unit, int):
                 module = name[len(STACKED_PREFIX):].split(".", 1)[1].rsplit(".", 1)[0]
                 if module in EXTRA_STATE_MODULES and module not in modules:
