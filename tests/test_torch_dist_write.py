@@ -391,3 +391,29 @@ def test_megatron_core_distributed_optimizer_reshards_and_resumes(tmp_path: Path
     fresh = tmp_path / "no_opt"
     reshard(root, fresh, tp=1, pp=1)
     assert "optimizer" not in torch.load(fresh / "iter_0000002" / "common.pt", weights_only=False)  # our own file
+
+
+@pytest.mark.timeout(120)
+def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> None:
+    """A source chunk that cannot be read after earlier units were written: one line naming the input, no OUT,
+    no temporary directory left beside it."""
+    from mconvert.convert.io.atomic import MANIFEST
+
+    spec = preset("tiny-llama").replace(num_layers=4)
+    hf = make_hf(spec, tmp_path / "hf")
+    src = tmp_path / "src"
+    hf_to_megatron(hf, src, format="torch_dist")
+    (src / MANIFEST).unlink()  # the manifest would refuse the damage before any unit: reach the read instead
+    md = safe_load_dcp_metadata(src / "release" / ".metadata")
+    index = next(i for i in md.storage_data if i.fqn == "decoder.layers.mlp.linear_fc2.weight" and i.offset[0] == 2)
+    info = md.storage_data[index]
+    with open(src / "release" / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(b"XXXX")  # layer 2's chunk is no longer a torch.save zip; layers 0 and 1 read fine
+    before = sorted(p.name for p in tmp_path.iterdir())
+    p = subprocess.run([sys.executable, "-m", "mconvert.cli", "reshard", str(src), str(tmp_path / "out"), "--tp", "2",
+                        "--format", "torch_dist"], capture_output=True, text=True, timeout=100)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode != 0 and len(lines) == 1, p.stderr
+    assert "linear_fc2.weight" in lines[0] and "Traceback" not in p.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no leftover temporary directory
