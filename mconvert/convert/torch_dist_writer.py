@@ -117,7 +117,7 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1)
-def extra_state_blob() -> bytes:
+def extra_state_blob() -> memoryview:
     """The bytes megatron-core saves for a local-spec module's `_extra_state` shard: `torch.save([None])`."""
     return _blob([None])
 
