@@ -66,7 +66,12 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         buffer = tp * 4 * (4 << 20)  # streamed rank files (io.torchsave.TorchSaveStream): queue + staging per TP file
         if format == "torch_dist":  # io.hashing.HashingFile's queue and staging chunks, one chunk's blob
             buffer = (64 << 20) + 3 * (16 << 20) + max(unit_out.values())
-        if with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
+        if with_optimizer and format == "torch_dist":  # fp32 param + exp_avg + exp_avg_sq, streamed with it
+            states = 3 * 4
+            unit_in = {k: int(v * (1 + states / src_item)) for k, v in unit_in.items()}
+            unit_out = {k: int(v * (1 + states / out_item)) for k, v in unit_out.items()}
+            write = torch_dist_files(spec, tp, out_item + states)
+        elif with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
             scale = 1 + 2 * 4 / out_item
             buffer = int(max(stage_bytes.values()) * scale)  # with Adam states the stage is still buffered
             unit_in = {k: int(v * (1 + 2 * 4 / src_item)) for k, v in unit_in.items()}
