@@ -417,3 +417,28 @@ def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> Non
     assert p.returncode != 0 and len(lines) == 1, p.stderr
     assert "linear_fc2.weight" in lines[0] and "Traceback" not in p.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no leftover temporary directory
+
+
+@pytest.mark.timeout(120)
+def test_torch_dist_optimizer_refusals_name_the_layout(tmp_path: Path) -> None:
+    """--with-optimizer on a torch_dist checkpoint without states, or with a layout bound to the writer's DP
+    buckets, is one MConvertError naming common.pt; nothing is written."""
+    from mconvert.convert.io.atomic import MANIFEST
+    from mconvert.convert.io.safeload import safe_load
+    from mconvert.errors import MConvertError
+
+    hf = make_hf(preset("tiny-llama"), tmp_path / "hf")
+    plain = tmp_path / "plain"
+    hf_to_megatron(hf, plain, format="torch_dist")
+    with pytest.raises(MConvertError, match=r"common\.pt: no optimizer state"):
+        reshard(plain, tmp_path / "o1", tp=2, pp=1, with_optimizer=True)
+    bucketed = tmp_path / "bucketed"
+    hf_to_megatron(hf, bucketed, format="torch_dist")
+    (bucketed / MANIFEST).unlink()
+    common = safe_load(bucketed / "release" / "common.pt")
+    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", "optimizer": {"param_groups": []}}
+    torch.save(common, bucketed / "release" / "common.tmp")
+    (bucketed / "release" / "common.tmp").replace(bucketed / "release" / "common.pt")
+    with pytest.raises(MConvertError, match=r"common\.pt: distributed optimizer states are saved as 'dp_reshardable'"):
+        reshard(bucketed, tmp_path / "o2", tp=2, pp=1, with_optimizer=True)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
