@@ -138,6 +138,8 @@ def plan_cmd(
     first: Annotated[Optional[int], typer.Option("--first-stage-layers", help="Uneven PP: layers of stage 0.")] = None,
     last: Annotated[Optional[int], typer.Option("--last-stage-layers", help="Uneven PP: layers of the last stage.")] = None,
     dtype: Dtype = "auto",
+    format: Annotated[str, typer.Option("--format", help="Megatron output format (--to megatron): torch or "
+                                        "torch_dist.")] = "torch",
     bandwidth_file: Annotated[
         Optional[Path], typer.Option("--bandwidth-file", help="Measured bandwidth JSON (default: `make bench`'s).")
     ] = None,
@@ -149,6 +151,7 @@ def plan_cmd(
     Examples:
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to megatron --target-tp 8 --target-pp 8 --json
+      mconvert plan --preset llama3-405b --tp 8 --to megatron --format torch_dist
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate
@@ -157,7 +160,7 @@ def plan_cmd(
     est = estimate(
         preset(preset_name), to, tp=tp, pp=pp, target_tp=target_tp, target_pp=target_pp, dtype=dtype,
         first_stage_layers=first, last_stage_layers=last, bandwidth=load_bandwidth(bandwidth_file),
-        model=preset_name,
+        model=preset_name, format=format,
     )
     if json_out:
         print(json.dumps(est.to_dict(with_files=files), indent=1))
@@ -231,16 +234,19 @@ def hf_to_megatron_cmd(
     pp: Pp = 1,
     vpp: Vpp = None,
     dtype: Dtype = "auto",
+    format: Annotated[str, typer.Option("--format", help="torch (mp_rank_* rank files) or torch_dist "
+                                        "(megatron-core dist_checkpointing, Megatron-LM's default).")] = "torch",
     force: Force = False,
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
-    """Convert a HuggingFace model to a Megatron torch-format checkpoint at TP/PP (vocab padded with zeros).
+    """Convert a HuggingFace model to a Megatron checkpoint (torch or torch_dist) at TP/PP (vocab padded with zeros).
 
     Examples:
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 2 --pp 2
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 4 --pp 2 --vpp 2 --dtype bf16 --force
+      mconvert hf-to-megatron hf-model/ ckpt-dist/ --tp 2 --format torch_dist
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import hf_to_megatron
@@ -248,7 +254,7 @@ def hf_to_megatron_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
-                                 dry_run=dry_run), json_out)
+                                 dry_run=dry_run, format=format), json_out)
 
 
 @app.command("reshard")
@@ -261,16 +267,20 @@ def reshard_cmd(
     with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="Re-shard the Adam states too, so "
                                                  "`mconvert train --resume` continues at the new layout.")] = False,
     iteration: Iteration = None,
+    format: Annotated[Optional[str], typer.Option("--format", help="Output format: torch or torch_dist "
+                                                  "(default: the source's).")] = None,
     force: Force = False,
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
-    """Re-shard a Megatron checkpoint to a new TP/PP (merge to full tensors, split again; no HF detour).
+    """Re-shard a Megatron checkpoint to a new TP/PP (merge to full tensors, split again; no HF detour),
+    optionally into the other Megatron format (torch <-> torch_dist).
 
     Examples:
       mconvert reshard ckpt/ ckpt-tp4/ --tp 4 --pp 1
       mconvert reshard ckpt/ ckpt-tp2pp2/ --tp 2 --pp 2 --with-optimizer
+      mconvert reshard ckpt/ ckpt-dist/ --tp 2 --pp 1 --format torch_dist
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import reshard
@@ -278,7 +288,7 @@ def reshard_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
-                          force=force, progress=True, dry_run=dry_run), json_out)
+                          force=force, progress=True, dry_run=dry_run, format=format), json_out)
 
 
 @app.command("inspect")

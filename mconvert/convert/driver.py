@@ -29,6 +29,7 @@ from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wai
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.tokenizer import carry_to_megatron, find_carried_dir
+from mconvert.convert.torch_dist_writer import TorchDistWriter
 from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
@@ -146,10 +147,12 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
 @crc_in_background
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str = "auto", force: bool = False, progress: bool = False,
-                   dry_run: bool = False) -> dict[str, Any]:
-    """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)."""
+                   dry_run: bool = False, format: str = "torch") -> dict[str, Any]:
+    """HF directory -> Megatron checkpoint (release/, mcore local-spec names) at TP/PP(/VPP), in the torch
+    (rank files) or torch_dist (megatron-core dist_checkpointing) format."""
 
     t0 = time.perf_counter()
+    check_format(format)
     target = parse_dtype(dtype)
     check_output(out, force, (hf_dir,))
     src = open_source(hf_dir)
@@ -166,35 +169,55 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     layout = parallel_layout(tp, pp, vpp)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp,
-                              dtype=spec.params_dtype), layout, t0, tp=tp, pp=pp, vpp=vpp)
+                              dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
+                              format=format)
+
+    def writer(tmp: Path) -> Writer:
+        if format == "torch_dist":
+            return TorchDistWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target)
+        return MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
+
     return write_output(
-        "hf-to-megatron", src, out,
-        lambda tmp: MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src)),
+        "hf-to-megatron", src, out, writer,
         force=force, inputs=(hf_dir, src.tokenizer_dir), layout=layout, dtype=spec.params_dtype, t0=t0,
         progress=progress,
         finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, src.path, tmp, config=cfg)},
-        tp=tp, pp=pp, vpp=vpp, optimizer="none (HF checkpoints carry no optimizer state)")
+        tp=tp, pp=pp, vpp=vpp, format=format, optimizer="none (HF checkpoints carry no optimizer state)")
 
 
 @crc_in_background
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
-            progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
+            progress: bool = False, dry_run: bool = False, format: str | None = None) -> dict[str, Any]:
     """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP): merge to full tensors, split again.
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
-    their parameters' layouts so training resumes at the new layout; without it, no optimizer is written."""
+    their parameters' layouts so training resumes at the new layout; without it, no optimizer is written.
+    `format`: torch or torch_dist output (default: the source's format)."""
 
     t0 = time.perf_counter()
+    if format is not None:
+        check_format(format)
     check_output(out, force, (ckpt,))
     src = open_source(ckpt, iteration=iteration)
     if src.format == "hf":
         raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
+    if format is None:
+        format = "torch_dist" if src.format == "megatron-torch_dist" else "torch"
+    dist_source = src.format == "megatron-torch_dist"
+    if with_optimizer and dist_source != (format == "torch_dist"):
+        raise MConvertError(f"{out}: --with-optimizer re-shards optimizer states within one format (torch: the "
+                            "trainer's Adam states; torch_dist: megatron-core's distributed optimizer); converting "
+                            f"them from {src.format} to {format} is not supported — drop --with-optimizer or keep "
+                            "the source's --format")
+    if with_optimizer and dist_source:
+        src.check_optimizer()
     src.spec.check_parallel(tp, pp, vpp)
     layout = parallel_layout(tp, pp, vpp)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp,
-                              with_optimizer=with_optimizer), layout, t0, tp=tp, pp=pp, vpp=vpp)
+                              with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
+                              format=format)
     groups = None
     top: dict[str, Any] = {}
     rank_top = None
@@ -210,19 +233,37 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
             first = safe_load(src.files[(0, 0)])
             _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
             del first
-    elif with_optimizer:
-        raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
+    else:  # torch_dist: common.pt's entries; the optimizer's param groups only with its states
+        top = {k: v for k, v in src.top_level().items() if k not in ("args", "checkpoint_version", "iteration")
+               and (with_optimizer or k != "optimizer")}
     iteration_out = src.iteration if src.iteration is not None else "release"
+
+    def writer(tmp: Path) -> Writer:
+        if format == "torch_dist":
+            return TorchDistWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
+                                   args=getattr(src, "args", None), top_level=top, with_states=with_optimizer)
+        return MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
+                              args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
+                              rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
+
     return write_output(
-        "reshard", src, out,
-        lambda tmp: MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                                   args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
-                                   rank_top_level=rank_top, preview=_preview(src)),  # unused with optimizer states
+        "reshard", src, out, writer,
         force=force, inputs=(ckpt, src.tokenizer_dir), layout=layout, dtype=src.spec.params_dtype, t0=t0,
-        progress=progress, finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, _carried_dir(src), tmp)},
-        tp=tp, pp=pp, vpp=vpp, iteration=iteration_out,
+        progress=progress,
+        finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, _carried_dir(src), tmp)},
+        tp=tp, pp=pp, vpp=vpp, iteration=iteration_out, format=format,
         optimizer="re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
         else "not written (pass --with-optimizer to re-shard the Adam states)")
+
+
+OUTPUT_FORMATS = ("torch", "torch_dist")
+
+
+def check_format(format: str) -> None:
+    """`--format`: the Megatron checkpoint formats mconvert writes."""
+    if format not in OUTPUT_FORMATS:
+        raise MConvertError(f"--format {format!r}: choose torch (mp_rank_* rank files) or torch_dist "
+                            "(megatron-core dist_checkpointing)")
 
 
 @contextmanager

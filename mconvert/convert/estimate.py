@@ -155,6 +155,30 @@ def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: lis
     return files
 
 
+def torch_dist_files(spec: ModelSpec, tp: int, itemsize: int, max_file_bytes: int = 5 * 10**9
+                     ) -> list[dict[str, Any]]:
+    """The torch_dist data files `__0_<i>.distcp`: every full tensor once (vocab padded for `tp`, a tied head
+    not repeated) in chunks of one layer and one TP rank's shard, unit by unit in ModelSpec order, a new file
+    when a chunk would take one past `max_file_bytes` (the writer's rule); per-chunk torch.save framing is
+    not counted."""
+    files: list[dict[str, Any]] = []
+
+    def put(nbytes: int) -> None:
+        if not files or (files[-1]["bytes"] and files[-1]["bytes"] + nbytes > max_file_bytes):
+            files.append({"path": f"__0_{len(files)}.distcp", "bytes": 0, "tensors": 0})
+        files[-1]["bytes"] += nbytes
+        files[-1]["tensors"] += 1
+
+    for d in spec.params(tp=tp):
+        if spec.tie_embeddings and d.name == "output_layer.weight":
+            continue
+        split = d.kind != "replicated" and not (d.kind == "row" and len(d.shape) == 1)
+        n = 2 * tp if d.kind == "gated" else tp if split else 1
+        for _ in range(n):
+            put(_numel(d.shape) * itemsize // n)
+    return files
+
+
 def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES) -> list[dict[str, Any]]:
     """safetensors shards packed greedily in parameter order at `max_shard` bytes (true vocab rows)."""
     sizes = []
@@ -233,13 +257,18 @@ def estimate(
     last_stage_layers: int | None = None,
     bandwidth: dict[str, Any] | None = None,
     model: str = "model",
+    format: str = "torch",
 ) -> Estimate:
     """Estimate one conversion of `spec`.
 
     `to`: `hf` or `ft` (source: Megatron at tp/pp), `megatron` (source: HF; written at tp/pp, or a
-    reshard from tp/pp to target_tp/target_pp when those are given)."""
+    reshard from tp/pp to target_tp/target_pp when those are given) in `format` (torch or torch_dist)."""
     if to not in ("hf", "ft", "megatron"):
         raise MConvertError(f"--to must be hf, ft or megatron (got {to!r})")
+    if format not in ("torch", "torch_dist"):
+        raise MConvertError(f"--format {format!r}: choose torch or torch_dist (the Megatron output format)")
+    if format == "torch_dist" and to != "megatron":
+        raise MConvertError(f"--format torch_dist describes a Megatron output; it needs --to megatron (got {to!r})")
     dtype = DTYPE_ALIASES.get(dtype, dtype) if dtype else None
     dtype = dtype or spec.params_dtype
     if dtype not in ITEMSIZE:
@@ -273,6 +302,8 @@ def estimate(
         write = megatron_files(spec, tp, pp, out_item, counts)
         units_in, units_out = unit_bytes(spec, 1, src_item), unit_bytes(spec, tp, out_item)
         source, target = "hf", f"megatron TP={tp} PP={pp}"
+        if format == "torch_dist":
+            write, target = torch_dist_files(spec, tp, out_item), f"megatron torch_dist TP={tp} PP={pp}"
     elif to == "megatron":
         operation = "reshard"
         ttp, tpp = target_tp or tp, target_pp or pp
@@ -282,6 +313,8 @@ def estimate(
         write = megatron_files(spec, ttp, tpp, out_item, counts)
         units_in, units_out = unit_bytes(spec, tp, src_item), unit_bytes(spec, ttp, out_item)
         source, target = f"megatron TP={tp} PP={pp}", f"megatron TP={ttp} PP={tpp}"
+        if format == "torch_dist":
+            write, target = torch_dist_files(spec, ttp, out_item), f"megatron torch_dist TP={ttp} PP={tpp}"
     else:
         operation = "megatron-to-hf" if to == "hf" else "megatron-to-ft"
         counts, margs = layout(tp, pp)

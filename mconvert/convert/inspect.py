@@ -65,12 +65,13 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
             "rank_shapes": {str(t): shard for t in range(tp)}, "stages": where,
             "collective": SPLIT_COLLECTIVE[d.kind] if tp > 1 or d.kind != "replicated" else "none",
         })
+    files = src.files() if hasattr(src, "files") and callable(src.files) else None
     return {
         "path": str(path), "format": src.format, "iteration": getattr(src, "iteration", None),
         "tp": tp, "pp": pp, "vpp": vpp, "spec": spec.to_dict(),
         "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
         "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
-        "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params,
+        "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params, "files": files,
     }
 
 
@@ -95,6 +96,8 @@ def render_inspect(info: dict[str, Any]) -> Any:
     head.add_row("padded vocab", str(info["padded_vocab_size"]))
     head.add_row("stage layers", "  ".join(f"pp{p}: {r}" for p, r in info["stage_layers"].items()))
     head.add_row("tokenizer", rich_safe(info["tokenizer"]))
+    if info.get("files"):  # torch_dist: the DCP data files and the small ones beside them
+        head.add_row("files", "  ".join(f"{rich_safe(f['path'])} {f['bytes']:,} B" for f in info["files"]))
     t = Table(title="parameters (layer index *; shapes per TP rank)")
     for c in ("parameter", "split", "full shape", "shard shape × TP", "stages", "run-time collective"):
         t.add_column(c)

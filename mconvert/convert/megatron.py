@@ -481,17 +481,7 @@ class MegatronWriter:
         self._placeholders: dict[tuple[int, int, int, str], torch.Tensor] = {}  # (p, t, chunk, local name)
 
     def _target_args(self, args: Any) -> argparse.Namespace:
-        if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
-            return self.spec.to_megatron_args(self.tp, self.pp, self.vpp, bos_token_id=self.spec.bos_token_id,
-                                              eos_token_id=self.spec.eos_token_id)
-        ns = argparse.Namespace(**_interned(args_dict(args, "the source checkpoint")))
-        ns.tensor_model_parallel_size = self.tp
-        ns.pipeline_model_parallel_size = self.pp
-        ns.virtual_pipeline_model_parallel_size = self.vpp
-        ns.padded_vocab_size = self.spec.padded_vocab_size(self.tp)
-        if getattr(ns, "vocab_size", None) is None:
-            ns.vocab_size = self.spec.vocab_size
-        return ns
+        return target_args(self.spec, args, self.tp, self.pp, self.vpp)
 
     def _units_of_stage(self, p: int) -> list[Unit]:
         units: list[Unit] = ["embedding"] if p == 0 else []
@@ -719,6 +709,21 @@ class MegatronWriter:
             self._hasher.shutdown()
             self._hasher = None
         return self.files
+
+
+def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None) -> argparse.Namespace:
+    """The args a written checkpoint carries: the source's (or, without them, the spec's) with the target
+    TP/PP/VPP and padded vocab; shared by the torch and torch_dist writers so both say the same."""
+    if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
+        return spec.to_megatron_args(tp, pp, vpp, bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id)
+    ns = argparse.Namespace(**_interned(args_dict(args, "the source checkpoint")))
+    ns.tensor_model_parallel_size = tp
+    ns.pipeline_model_parallel_size = pp
+    ns.virtual_pipeline_model_parallel_size = vpp
+    ns.padded_vocab_size = spec.padded_vocab_size(tp)
+    if getattr(ns, "vocab_size", None) is None:
+        ns.vocab_size = spec.vocab_size
+    return ns
 
 
 _INDEX_LOCK = threading.Lock()  # the readers' threads: one index load per rank file

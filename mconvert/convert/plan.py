@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from mconvert.convert.estimate import HF_MAX_SHARD_BYTES, ITEMSIZE, hf_files, load_bandwidth, megatron_files, unit_bytes
+from mconvert.convert.estimate import (
+    HF_MAX_SHARD_BYTES,
+    ITEMSIZE,
+    hf_files,
+    load_bandwidth,
+    megatron_files,
+    torch_dist_files,
+    unit_bytes,
+)
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 
@@ -23,8 +31,9 @@ def _stage_counts(spec: ModelSpec, pp: int) -> list[int]:
 
 def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int = 1, pp: int = 1,
          dtype: str | None = None, max_shard_size: int = HF_MAX_SHARD_BYTES, with_optimizer: bool = False,
-         base_rss: int | None = None) -> dict[str, Any]:
-    """Files to write (path, bytes), bytes read, and the peak memory estimate of `verb` on `spec`."""
+         base_rss: int | None = None, format: str = "torch") -> dict[str, Any]:
+    """Files to write (path, bytes), bytes read, and the peak memory estimate of `verb` on `spec`;
+    `format`: the Megatron output format (torch rank files or one torch_dist data file)."""
     src_item = ITEMSIZE[spec.params_dtype]
     out_dtype = dtype or spec.params_dtype
     if out_dtype not in ITEMSIZE:
@@ -47,12 +56,22 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
             unit_in = unit_bytes(spec, src_tp, src_item)
         write = megatron_files(spec, tp, pp, out_item, _stage_counts(spec, pp))
         unit_out = unit_bytes(spec, tp, out_item)
+        if format == "torch_dist":  # one data file; one unit's chunks pass through torch.save blobs
+            write = torch_dist_files(spec, tp, out_item)
+            unit_out = unit_bytes(spec, 1, out_item)
         stage_bytes: dict[str, int] = {}
         for f in write:
             stage = f["path"].split("/")[0][11:] or "0"
             stage_bytes[stage] = stage_bytes.get(stage, 0) + f["bytes"]
         buffer = tp * 4 * (4 << 20)  # streamed rank files (io.torchsave.TorchSaveStream): queue + staging per TP file
-        if with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
+        if format == "torch_dist":  # io.hashing.HashingFile's queue and staging chunks, one chunk's blob
+            buffer = (64 << 20) + 3 * (16 << 20) + max(unit_out.values())
+        if with_optimizer and format == "torch_dist":  # fp32 param + exp_avg + exp_avg_sq, streamed with it
+            states = 3 * 4
+            unit_in = {k: int(v * (1 + states / src_item)) for k, v in unit_in.items()}
+            unit_out = {k: int(v * (1 + states / out_item)) for k, v in unit_out.items()}
+            write = torch_dist_files(spec, tp, out_item + states)
+        elif with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
             scale = 1 + 2 * 4 / out_item
             buffer = int(max(stage_bytes.values()) * scale)  # with Adam states the stage is still buffered
             unit_in = {k: int(v * (1 + 2 * 4 / src_item)) for k, v in unit_in.items()}
@@ -63,7 +82,8 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
     unit_total = {k: unit_in[k] + unit_out[k] for k in unit_in}
     largest = max(unit_total, key=lambda k: unit_total[k])
     return {
-        "verb": verb, "dtype": out_dtype, "files": write, "write_bytes": sum(f["bytes"] for f in write),
+        "verb": verb, "format": format if verb != "megatron-to-hf" else "hf", "dtype": out_dtype, "files": write,
+        "write_bytes": sum(f["bytes"] for f in write),
         "read_files": len(read), "read_bytes": sum(f["bytes"] for f in read),
         "largest_unit": largest, "largest_unit_bytes": unit_total[largest], "writer_buffer_bytes": buffer,
         "base_rss_bytes": base_rss, "peak_memory_bytes": unit_total[largest] + buffer + base_rss,

@@ -5,6 +5,8 @@ PyTorch DCP checkpoint (`.metadata` + `*.distcp`). Keys are global and unsharded
 layers are stacked (`decoder.layers.<name>` has shape `[num_layers, ...]`), norms carry TE names, SwiGLU fc1 is
 in TP=1 order (`[gate; up]`), `_extra_state/shard_*` entries are bytes. `torch.distributed.checkpoint` is used
 only as a file reader (no process group): a unit reads just its own layer's slice of every stacked tensor.
+With `read_unit(unit, with_optimizer=True)` the distributed optimizer's `fully_reshardable` states of each
+parameter come along, read the same way. The writer is `torch_dist_writer.py`.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
-from mconvert.convert.io.safeload import safe_load, safe_load_dcp_metadata
+from mconvert.convert.io.safeload import all_finite, safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings.keys import canonical_key, unit_of
 
 STACKED_PREFIX = "decoder.layers."
 # Explicit drops: top-level entries of a Megatron-LM save that are not model weights.
 DROP_PREFIXES: dict[str, None] = {"optimizer.": None, "rng_state": None, "rerun_state_machine_state": None}
+# megatron-core's distributed optimizer, `fully_reshardable` layout: one tensor per parameter and state
+# (`param` = fp32 main copy, `exp_avg`, `exp_avg_sq`) with the parameter's global shape and chunks, under
+# `optimizer.state.<state>.<parameter key>`; the param groups (with `step`) live in common.pt's `optimizer`.
+OPTIMIZER_STATE_PREFIX = "optimizer.state."
+RESHARDABLE_OPTIMIZER = "fully_reshardable"
 
 
 class _SlicePlanner:
@@ -74,6 +81,7 @@ class TorchDistSource(SourceBase):
         if self.iteration != "release" and common.get("iteration") is not None:
             self.iteration = common["iteration"]
         a = args_dict(self.args, common_file)
+        self._common = dict(common)  # small: args, scheduler, counters (tensors live in the DCP files)
         del common
         if not os.path.lexists(d / ".metadata"):
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
@@ -92,6 +100,8 @@ class TorchDistSource(SourceBase):
         self.padded_vocab = a.get("padded_vocab_size")
         # canonical template (layer '*') or canonical name -> (DCP key, stacked?)
         self.keys: dict[str, tuple[str, bool]] = {}
+        # canonical template -> {optimizer state name: DCP key} (fully_reshardable distributed optimizer)
+        self.state_keys: dict[str, dict[str, str]] = {}
         self.global_shapes: dict[str, tuple[int, ...]] = {}  # full shapes (no per-rank files in torch_dist)
         self._index()
 
@@ -133,7 +143,10 @@ class TorchDistSource(SourceBase):
         for key, md in self.metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata) or "_extra_state" in key:
                 continue  # bytes: TE extra state, rng state, other pickled objects
-            if any(key.startswith(p) for p in DROP_PREFIXES):
+            state = None
+            if key.startswith(OPTIMIZER_STATE_PREFIX) and "." in key[len(OPTIMIZER_STATE_PREFIX):]:
+                state, key = key[len(OPTIMIZER_STATE_PREFIX):].split(".", 1)
+            elif any(key.startswith(p) for p in DROP_PREFIXES):
                 continue
             stacked = key.startswith(STACKED_PREFIX) and not key[len(STACKED_PREFIX):].split(".")[0].isdigit()
             raw = f"{STACKED_PREFIX}0.{key[len(STACKED_PREFIX):]}" if stacked else key
@@ -158,6 +171,9 @@ class TorchDistSource(SourceBase):
                 raise MConvertError(f"{md_file}: key {key!r} is a per-layer key outside the stacked layout; "
                                     "not a megatron-core torch_dist save this reader knows")
             self._check_shape(key, name, shape, md_file)
+            if state is not None:
+                self.state_keys.setdefault(name, {})[state] = f"{OPTIMIZER_STATE_PREFIX}{state}.{key}"
+                continue
             self.keys[name] = (key, stacked)
             self.global_shapes[name] = shape
 
@@ -171,6 +187,67 @@ class TorchDistSource(SourceBase):
         if not ok:
             raise MConvertError(f"{md_file}: {key!r} has shape {list(shape)} but common.pt args declare "
                                 f"{list(want)}; the args and the weights disagree")
+
+    def check_optimizer(self) -> None:
+        """Refuse `--with-optimizer` unless the checkpoint holds megatron-core distributed-optimizer states in
+        the `fully_reshardable` layout for every parameter (the other layouts depend on the writer's DP/TP
+        buffers and cannot be re-sharded from the files alone)."""
+        opt = self._common.get("optimizer")
+        kind = opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
+        where = self.iter_dir / "common.pt"
+        if kind is None:
+            raise MConvertError(f"{where}: no optimizer state in this torch_dist checkpoint; drop --with-optimizer")
+        if kind != RESHARDABLE_OPTIMIZER:
+            raise MConvertError(f"{where}: distributed optimizer states are saved as {kind!r}; only "
+                                f"{RESHARDABLE_OPTIMIZER!r} can be re-sharded — re-save with that distributed-optimizer "
+                                "sharding type (metadata distrib_optim_sharding_type), or drop --with-optimizer")
+        missing = [n for n in self.keys if n not in self.state_keys]
+        if missing:
+            raise MConvertError(f"{self.iter_dir / '.metadata'}: no optimizer state for {missing[0]!r}; the "
+                                "checkpoint is incomplete — drop --with-optimizer")
+
+    def read_unit(self, unit: Unit, with_optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """`read_mcore(unit)` and, when asked, each parameter's optimizer states as full tensors (the
+        `fully_reshardable` states: `param`, `exp_avg`, `exp_avg_sq`)."""
+        tensors = self.read_mcore(unit)
+        if not with_optimizer:
+            return tensors, {}
+        states: dict[str, dict] = {}
+        for name in tensors:
+            tpl = name if not isinstance(unit, int) else name.replace(f"{STACKED_PREFIX}{unit}.", f"{STACKED_PREFIX}*.", 1)
+            out = {}
+            for state, key in self.state_keys.get(tpl, {}).items():
+                out[state] = self._read_one(key, tpl, unit)
+                if not all_finite(out[state]):
+                    raise MConvertError(f"{self.iter_dir}: optimizer state {state!r} of {name!r} holds NaN or Inf "
+                                        "values; the run diverged or the file is corrupt — drop --with-optimizer")
+            states[name] = out
+        return tensors, states
+
+    def _read_one(self, key: str, tpl: str, unit: Unit) -> torch.Tensor:
+        """The full tensor of `key` for one unit: its layer's slice when stacked."""
+        shape = self.global_shapes[tpl]
+        if isinstance(unit, int) and tpl.startswith(STACKED_PREFIX):
+            return self.read_slice(key, (unit,) + (0,) * len(shape), (1, *shape))[0]
+        return self.read_slice(key, (0,) * len(shape), shape)
+
+    def files(self) -> list[dict[str, Any]]:
+        """The iteration dir's files: each DCP data file with its bytes and entry count, then `.metadata`,
+        `common.pt` and `metadata.json` (sizes from the opening checks' stat calls and the file system)."""
+        counts: dict[str, int] = {}
+        for info in self.metadata.storage_data.values():
+            counts[info.relative_path] = counts.get(info.relative_path, 0) + 1
+        out = [{"path": rel, "bytes": os.stat(self.iter_dir / rel).st_size, "entries": n}
+               for rel, n in sorted(counts.items())]
+        for name in (".metadata", "common.pt", "metadata.json"):
+            if os.path.isfile(self.iter_dir / name):
+                out.append({"path": name, "bytes": os.stat(self.iter_dir / name).st_size})
+        return out
+
+    def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
+        """The entries of `common.pt` (args, checkpoint_version, iteration, scheduler, ...): what every rank
+        shares, so the same for any (pp_rank, tp_rank)."""
+        return dict(self._common)
 
     # ---- reading --------------------------------------------------------------------------------------
     def read_slice(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

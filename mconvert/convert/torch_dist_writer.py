@@ -1,0 +1,259 @@
+"""Writes megatron-core `dist_checkpointing` "torch_dist" checkpoints from full tensors, on CPU, without
+megatron-core and without a process group.
+
+The iteration dir is what megatron-core 0.16.1's `dist_checkpointing.save` (torch_dist strategy) writes:
+`metadata.json` (the backends), `common.pt` (args, checkpoint_version, iteration and the other non-sharded
+entries), `__0_<i>.distcp` data files (each chunk a `torch.save` blob, as DCP's FileSystemWriter writes
+them; a new file starts when the next chunk would take a file past `MAX_FILE_BYTES` of tensor data) and
+`.metadata` (pickled `torch.distributed.checkpoint.metadata.Metadata` built from DCP's own classes). Keys are
+global: layers stacked (`decoder.layers.<name>` is `[num_layers, ...]`), norms under the names megatron-core's
+layer spec maps them to (`linear_qkv.layer_norm_weight`), one chunk per layer and target TP rank laid out as
+megatron-core lays out that rank's shard (SwiGLU fc1: the rank's gate rows and its up rows are two chunks),
+and one `_extra_state/shard_<layer>_<num_layers>` bytes entry per linear module and layer. Units stream: each
+arrives, its chunks are appended to the data file, only the metadata stays in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from mconvert.convert.base import Unit, units_of
+from mconvert.convert.io.atomic import record_digest
+from mconvert.convert.io.hashing import HashingFile
+from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
+from mconvert.convert.megatron import target_args
+from mconvert.convert.torch_dist import OPTIMIZER_STATE_PREFIX
+from mconvert.errors import MConvertError
+from mconvert.mappings.keys import unit_of
+from mconvert.mappings.transforms import pad_vocab, split_dim
+from mconvert.spec import ModelSpec
+
+STACKED_PREFIX = "decoder.layers."
+MAX_FILE_BYTES = 5 * 10**9  # tensor bytes per data file before the next one starts (as HF's default shard size)
+# metadata.json exactly as megatron-core's `save_config` writes it for the torch_dist strategy
+BACKENDS = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+            "common_backend_version": 1}
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint's metadata version
+# megatron-core local layer spec's `sharded_state_dict_keys_map`: norms saved under the TE spec's names
+KEY_MAP: dict[str, str] = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+# modules whose `_extra_state` megatron-core saves as a per-layer ShardedObject (the output layer's is dropped)
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def dist_key(name: str) -> tuple[str, int | None]:
+    """Canonical name (global layer index) -> (torch_dist key, layer index or None when not stacked)."""
+    if not name.startswith(STACKED_PREFIX):
+        return name, None
+    layer, rest = name[len(STACKED_PREFIX):].split(".", 1)
+    for old, new in KEY_MAP.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return STACKED_PREFIX + rest, int(layer)
+
+
+def chunk_boxes(kind: str, shape: tuple[int, ...], tp: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, sizes) of the chunks megatron-core writes for one full tensor at `tp`, TP rank by rank:
+    the rank's shard along the split dim; SwiGLU fc1 (`gated`) as the rank's gate rows then its up rows."""
+    d = split_dim(kind, len(shape))
+    if d is None:
+        return [((0,) * len(shape), tuple(shape))]
+    if shape[d] % (2 * tp if kind == "gated" else tp):
+        raise MConvertError(f"dim {d} of shape {list(shape)} does not divide into TP={tp} shards")
+    zeros = [0] * len(shape)
+    boxes = []
+    if kind == "gated":
+        half = shape[0] // 2
+        n = half // tp
+        for r in range(tp):
+            for base in (0, half):
+                boxes.append((tuple([base + r * n, *zeros[1:]]), (n, *shape[1:])))
+        return boxes
+    n = shape[d] // tp
+    for r in range(tp):
+        off, size = list(zeros), list(shape)
+        off[d], size[d] = r * n, n
+        boxes.append((tuple(off), tuple(size)))
+    return boxes
+
+
+def data_file_name(i: int) -> str:
+    """The i-th data file, named as DCP names rank 0's files."""
+    return f"__0_{i}.distcp"
+
+
+def _blob(obj: Any) -> memoryview:
+    """What DCP's FileSystemWriter writes for one item: `torch.save(obj)` into the data file."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getbuffer()
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that owns exactly its bytes (torch.save of a view saves its whole storage)."""
+    if t.is_contiguous() and not t.storage_offset() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@functools.lru_cache(maxsize=1)
+def extra_state_blob() -> memoryview:
+    """The bytes megatron-core saves for a local-spec module's `_extra_state` shard: `torch.save([None])`."""
+    return _blob([None])
+
+
+class TorchDistWriter:
+    """Full tensors, unit by unit -> a torch_dist checkpoint for a target TP/PP(/VPP) (args and vocab padding
+    follow the target; the keys are global, so any TP/PP loads it)."""
+
+    reads = "mcore"
+
+    def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
+                 iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
+                 dtype: torch.dtype | None = None, max_file_bytes: int = MAX_FILE_BYTES,
+                 with_states: bool = False) -> None:
+        spec.check_parallel(tp, pp, vpp)
+        self.takes_states = with_states  # the driver then hands each parameter's optimizer states to `add`
+        self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
+        self.iteration, self.dtype = iteration, dtype
+        self.args = target_args(spec, args, tp, pp, vpp)
+        # `optimizer` (the distributed optimizer's param groups) is kept when the caller passes it: with states
+        self.top_level = {k: v for k, v in (top_level or {}).items()
+                          if k not in ("args", "checkpoint_version", "iteration", "model", "rng_state")}
+        self.rows = spec.padded_vocab_size(tp)
+        self.dir = self.out / iteration_dir_name(iteration)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_file_bytes = max_file_bytes
+        self._names: list[str] = []
+        self._file: Any = None
+        self._open_next()
+        self._tensors: dict[str, TensorStorageMetadata] = {}
+        self._md: dict[str, Any] = {}  # key -> storage metadata, in the order keys first appear
+        self._storage: dict[MetadataIndex, _StorageInfo] = {}
+        self._pending: list[Unit] = list(units_of(spec))
+        self.files: list[Path] = []
+
+    # ---- writing ------------------------------------------------------------------------------------------
+    def _open_next(self) -> None:
+        """Finish the current data file (its sha256 to the manifest) and start the next one."""
+        if self._file is not None:
+            record_digest(self.dir / self._names[-1], self._file.close())
+            self._file = None
+        self._names.append(data_file_name(len(self._names)))
+        self._file = HashingFile(self.dir / self._names[-1], direct=True)
+        self._pos = 0
+        self._tensor_bytes = 0
+
+    def _append(self, data: memoryview, index: MetadataIndex, tensor_bytes: int = 0) -> None:
+        if self._tensor_bytes and self._tensor_bytes + tensor_bytes > self.max_file_bytes:
+            self._open_next()
+        self._file.write(data, keep=data)
+        self._storage[index] = _StorageInfo(self._names[-1], self._pos, len(data))
+        self._pos += len(data)
+        self._tensor_bytes += tensor_bytes
+
+    def _add_tensor(self, name: str, full: torch.Tensor, state: str | None = None) -> None:
+        """One full tensor, or with `state` one of its optimizer states (same chunks, its own dtype)."""
+        key, layer = dist_key(name)
+        kind = self.spec.split_kind(name)
+        if kind == "vocab":
+            full = pad_vocab(full, self.rows, self.spec.vocab_size, name)
+        if state is not None:
+            key = f"{OPTIMIZER_STATE_PREFIX}{state}.{key}"
+        elif self.dtype is not None and full.dtype != self.dtype:
+            full = full.to(self.dtype)
+        shape = tuple(full.shape)
+        stacked = (self.spec.num_layers, *shape) if layer is not None else shape
+        md = self._tensors.get(key)
+        if md is None:
+            md = TensorStorageMetadata(properties=TensorProperties(dtype=full.dtype), size=torch.Size(stacked),
+                                       chunks=[])
+            self._tensors[key] = self._md[key] = md
+        elif tuple(md.size) != stacked or md.properties.dtype != full.dtype:
+            raise MConvertError(f"internal: {name} is {list(shape)} {full.dtype}, earlier layers were "
+                                f"{list(md.size)[1:]} {md.properties.dtype}")
+        try:
+            boxes = chunk_boxes(kind, shape, self.tp)
+        except MConvertError as e:
+            raise MConvertError(f"{name}: {e}") from None
+        for off, size in boxes:
+            part = full
+            for dim, (o, n) in enumerate(zip(off, size)):
+                part = part.narrow(dim, o, n)
+            if layer is not None:
+                part, off, size = part.unsqueeze(0), (layer, *off), (1, *size)
+            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))
+            self._append(_blob(_owned(part)), MetadataIndex(key, torch.Size(off)), part.numel() * part.element_size())
+
+    def _add_extra_state(self, module: str, layer: int) -> None:
+        key = f"{STACKED_PREFIX}{module}._extra_state/shard_{layer}_{self.spec.num_layers}"
+        self._md[key] = BytesStorageMetadata()
+        self._append(extra_state_blob(), MetadataIndex(key))
+
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
+        """Append one unit's full tensors (canonical global names) to the data file, and with `states` each
+        parameter's distributed-optimizer states ({name: {'param', 'exp_avg', 'exp_avg_sq'}}, full shapes)
+        in megatron-core's `fully_reshardable` layout."""
+        if unit not in self._pending:
+            raise MConvertError(f"internal: unit {unit!r} arrived twice or is not a unit of this model")
+        self._pending.remove(unit)
+        modules: list[str] = []
+        for name, full in tensors.items():
+            if unit_of(name) != unit:
+                raise MConvertError(f"internal: {name} arrived with unit {unit!r}")
+            if name == "output_layer.weight" and self.spec.tie_embeddings:
+                continue  # megatron-core saves a tied head under the embedding's key only
+            self._add_tensor(name, full)
+            for state, value in (states or {}).get(name, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    self._add_tensor(name, value, state)
+            if isinstance(unit, int):
+                module = name[len(STACKED_PREFIX):].split(".", 1)[1].rsplit(".", 1)[0]
+                if module in EXTRA_STATE_MODULES and module not in modules:
+                    modules.append(module)
+        for module in modules:
+            self._add_extra_state(module, int(unit))
+
+    def close(self) -> list[Path]:
+        """Finish the data file, write `.metadata`, `common.pt`, `metadata.json` and the tracker file."""
+        if self._pending:
+            raise MConvertError(f"internal: units {self._pending[:3]} never arrived")
+        record_digest(self.dir / self._names[-1], self._file.close())
+        self._file = None
+        metadata = Metadata(state_dict_metadata=self._md, planner_data=None, storage_data=self._storage,
+                            storage_meta=StorageMeta(), version=DCP_VERSION)
+        with open(self.dir / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)  # as DCP's FileSystemWriter.finish does
+        common = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
+                  "iteration": 0 if self.iteration == "release" else int(self.iteration), **self.top_level}
+        torch.save(common, self.dir / "common.pt")
+        (self.dir / "metadata.json").write_text(json.dumps(BACKENDS))
+        write_latest(self.out, self.iteration)
+        self.files = [self.dir / n for n in (".metadata", *self._names, "common.pt", "metadata.json")]
+        return self.files
+
+    def abort(self) -> None:
+        """Stop the data file's writer thread; the caller removes the output directory."""
+        if self._file is not None:
+            self._file.abort()
+            self._file = None
