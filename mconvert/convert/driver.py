@@ -169,8 +169,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     layout = parallel_layout(tp, pp, vpp)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp,
-                              dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
-                              format=format)
+                              dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp)
 
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
@@ -216,8 +215,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     layout = parallel_layout(tp, pp, vpp)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp,
-                              with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
-                              format=format)
+                              with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp)
     groups = None
     top: dict[str, Any] = {}
     rank_top = None
