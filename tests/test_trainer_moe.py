@@ -241,3 +241,18 @@ def test_bad_moe_layouts_are_refused_by_name(kw: dict, message: str) -> None:
     with pytest.raises(MConvertError, match=re.escape(message)):
         cfg.validate()
         build_spec(cfg, 1000)
+
+
+@pytest.mark.timeout(300)
+def test_moe_resume_continues_the_same_run_and_refuses_another_ep(tmp_path: Path) -> None:
+    """EP=2 checkpoint at step 2, resumed to 4: the same losses as one run to 4 (experts, router and their Adam
+    state come back per EP rank); resuming it at EP=1 is refused before training."""
+    layout = dict(preset="tiny-mixtral", dp=2, ep=2)
+    straight = train(_cfg(steps=4, **layout))["losses"]
+    ckpt = tmp_path / "ckpt"
+    train(_cfg(steps=2, save=str(ckpt), **layout))
+    resumed = train(_cfg(steps=4, save=str(ckpt), resume=True, **layout))["losses"]
+    assert len(resumed) == 2
+    assert max(abs(a - b) for a, b in zip(resumed, straight[2:], strict=True)) <= TOL
+    with pytest.raises(MConvertError, match=r"EP=1"):
+        train(_cfg(steps=6, save=str(ckpt), resume=True, preset="tiny-mixtral", dp=2, ep=1))
