@@ -67,7 +67,7 @@ def _probe_then_train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, o
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, ep=cfg.ep)
+    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel)
     model = GPTModel(spec, st, seed=cfg.seed)
     logits, _ = pipeline_logits(model, st, PROBE)
     model.set_aux_loss(cfg.moe_aux_loss_coeff, 1.0 / cfg.num_micro_batches)
@@ -96,11 +96,13 @@ def _reference(spec: ModelSpec, cfg: TrainConfig, tokens: torch.Tensor):
     return logits, {n: p.grad for n, p in model.named_parameters()}
 
 
-LAYOUTS = [("tiny-mixtral", dict(tp=2, pp=1, dp=2, ep=2)), ("tiny-qwen3-moe", dict(tp=1, pp=2, dp=2, ep=2))]
+LAYOUTS = [("tiny-mixtral", dict(tp=2, pp=1, dp=2, ep=2)), ("tiny-qwen3-moe", dict(tp=1, pp=2, dp=2, ep=2)),
+           ("tiny-mixtral", dict(tp=2, pp=1, dp=2, ep=2, sequence_parallel=True))]  # how Megatron trains TP + EP
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,layout", LAYOUTS, ids=[f"{n}-tp{d['tp']}pp{d['pp']}ep{d['ep']}" for n, d in LAYOUTS])
+@pytest.mark.parametrize("name,layout", LAYOUTS, ids=[
+    f"{n}-tp{d['tp']}pp{d['pp']}ep{d['ep']}{'-sp' if d.get('sequence_parallel') else ''}" for n, d in LAYOUTS])
 def test_ep2_run_equals_single_rank_and_ep1_losses(tmp_path: Path, name: str, layout: dict) -> None:
     steps = 4
     cfg = _cfg(preset=name, steps=steps, save=str(tmp_path / "ckpt"), comm_report=True, **layout)
@@ -140,6 +142,7 @@ def test_ep2_run_equals_single_rank_and_ep1_losses(tmp_path: Path, name: str, la
     # the comm report has the EP dispatch (all-gather) and combine (reduce-scatter) of every MoE layer
     comm = {(r[0], r[1]): r for r in results[0]["comm"]}
     assert comm[("all-gather", "EP")][2] > 0 and comm[("reduce-scatter", "EP")][2] > 0
+    assert (("all-gather", "TP") in comm) == bool(layout.get("sequence_parallel"))  # SP gathers the sequence
     print(f"[figures] {name} {layout}: logits max|Δ| {logit_diff:.2e}, grads max|Δ| {worst:.2e}, "
           f"EP2 vs EP1 losses max|Δ| {loss_diff:.2e}")
 
