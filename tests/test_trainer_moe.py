@@ -263,3 +263,28 @@ def test_moe_resume_continues_the_same_run_and_refuses_another_ep(tmp_path: Path
     assert max(abs(a - b) for a, b in zip(resumed, straight[2:], strict=True)) <= TOL
     with pytest.raises(MConvertError, match=r"EP=1"):
         train(_cfg(steps=6, save=str(ckpt), resume=True, preset="tiny-mixtral", dp=2, ep=1))
+
+
+def test_flops_count_the_k_experts_a_token_meets() -> None:
+    """`num_floating_point_operations_so_far` counts k of E experts per token, as Megatron's MoE formula does."""
+    from mconvert.mappings.families import preset
+    from mconvert.trainer.train import active_parameters
+
+    spec = preset("tiny-mixtral")
+    H, F, L, E, k = spec.hidden_size, spec.expert_ffn_hidden_size, spec.num_layers, spec.num_experts, spec.moe_router_topk
+    assert active_parameters(spec) == spec.num_parameters() - L * (E - k) * 3 * H * F  # SwiGLU: gate, up, down
+    dense = preset("tiny-llama")
+    assert active_parameters(dense) == dense.num_parameters()
+
+
+@pytest.mark.timeout(120)
+def test_cli_refuses_an_ep_that_does_not_divide_dp_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "never"
+    r = subprocess.run([sys.executable, "-m", "mconvert.cli", "train", "--preset", "tiny-mixtral", "--dp", "2",
+                        "--ep", "4", "--steps", "1", "--save", str(out)],
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--ep 4 must divide DP=2" in r.stderr and not out.exists()

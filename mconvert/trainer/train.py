@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -247,11 +248,20 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
     )
 
 
+def active_parameters(spec: ModelSpec) -> int:
+    """Parameters one token meets: all of a dense model; an MoE model's router and k of its E experts."""
+    if not spec.is_moe:
+        return spec.num_parameters()
+    per_expert = sum(math.prod(d.shape) for d in spec.layer_params(0) if d.expert == 0)
+    return spec.num_parameters() - spec.num_layers * (spec.num_experts - spec.moe_router_topk) * per_expert
+
+
 def flops_per_iteration(spec: ModelSpec, cfg: TrainConfig) -> float:
-    """6·N·tokens for the matmuls plus the attention score/context products (fwd+bwd)."""
+    """6·N·tokens for the matmuls (N: the parameters a token meets) plus the attention score/context
+    products (fwd+bwd)."""
     tokens = cfg.global_batch_size * cfg.seq_length
     attn = 12 * spec.num_layers * spec.hidden_size * cfg.seq_length * tokens
-    return 6.0 * spec.num_parameters() * tokens + attn
+    return 6.0 * active_parameters(spec) * tokens + attn
 
 
 def save_checkpoint(cfg: TrainConfig, spec: ModelSpec, st: ParallelState, model: GPTModel,
