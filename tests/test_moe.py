@@ -100,7 +100,8 @@ def _saved(family: str, tp: int, ep: int, tmp_path_factory: pytest.TempPathFacto
         root = tmp_path_factory.mktemp(f"mcore_{family}_tp{tp}_ep{ep}") / "ckpt"
         tokens = _tokens(spec)
         results = run_mcore(spec, tp, _save_legacy, (str(root), tokens), ep=ep)
-        assert all(torch.equal(r, results[0]) for r in results)  # every rank gathered the same logits
+        # every rank computed the same logits (the EP ranks sum their experts' outputs in their own order)
+        assert all(torch.allclose(r, results[0], rtol=0, atol=1e-5 * results[0].abs().max()) for r in results)
         _SAVED[(family, tp, ep)] = (spec, tokens, results[0][..., : spec.vocab_size], root)
     return _SAVED[(family, tp, ep)]
 
@@ -191,7 +192,7 @@ def test_te_grouped_gemm_expert_spelling_reads_as_the_local_one(tmp_path: Path,
             if ".local_experts." in k:
                 head, rest = k.split(".local_experts.")
                 i, lin, kind = rest.split(".")
-                k = f"{head}.{lin}.{kind}{i}"
+                k = f"{head}.{lin}.{kind}" if kind == "_extra_state" else f"{head}.{lin}.{kind}{i}"
             model[k] = v
         state["model"] = model
         save_rank_file(f, state)
