@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import zlib
@@ -345,15 +346,35 @@ def test_ep_on_a_dense_model_is_refused(tmp_path: Path) -> None:
         preset("tiny-llama").check_parallel(1, 1, None, 2)
 
 
-@pytest.mark.parametrize("verb", ["megatron-to-ft", "megatron-to-trtllm"])
-def test_deployment_formats_without_a_moe_layout_refuse_by_name(verb: str, tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("verb,source,expect", [
+    ("megatron-to-ft", "mg", "num_experts=4 (mixture of experts) is not mapped to FasterTransformer"),
+    ("megatron-to-trtllm", "mg", "num_experts=4 (mixture of experts) is not mapped to TensorRT-LLM"),
+    ("to-onnx", "hf", "MixtralForCausalLM (mixture of experts) is not mapped to ONNX"),
+    ("to-onnx", "mg", "MixtralForCausalLM (mixture of experts) is not mapped to ONNX"),
+])
+def test_deployment_formats_without_a_moe_layout_refuse_by_name(verb: str, source: str, expect: str,
+                                                                tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     hf = _random_hf("mixtral", tmp_path / "hf")
     _convert("hf-to-megatron", str(hf), str(tmp_path / "mg"), "--ep", "2")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        cli_main([verb, str(tmp_path / "mg"), str(tmp_path / "out")])
+        cli_main([verb, str(tmp_path / source), str(tmp_path / "out")])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
-    assert "num_experts=4 (mixture of experts) is not mapped" in err and "Traceback" not in err
+    assert expect in " ".join(err.split()) and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_estimates_a_671b_moe_from_shapes() -> None:
+    """`moe-671b`: DeepSeek-V3's routed sizes in Mixtral's layout, estimated from shapes alone (no weights)."""
+    from mconvert.convert.estimate import estimate
+
+    spec = preset("moe-671b")
+    assert 660e9 < spec.num_parameters() < 680e9
+    est = estimate(spec, "hf", tp=8, pp=2, dtype="bf16").to_dict()
+    assert (est["operation"], est["read_files"]) == ("megatron-to-hf", 16)
+    assert est["write_bytes"] == 2 * spec.num_parameters()  # bf16 safetensors: every parameter once
+    layer = sum(math.prod(d.shape) for d in spec.layer_params(0)) * 2
+    # one layer's shards in and its tensors out (the replicated norms and router once per TP rank): every
+    # expert of the layer, each its own tensor
+    assert est["largest_unit"] == "layer" and 2 * layer < est["largest_unit_bytes"] < 2.001 * layer
