@@ -377,4 +377,4 @@ def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     layer = sum(math.prod(d.shape) for d in spec.layer_params(0)) * 2
     # one layer's shards in and its tensors out (the replicated norms and router once per TP rank): every
     # expert of the layer, each its own tensor
-    assert est["largest_unit"] == "layer" and 2 * layer < est["largest_unit_bytes"] < 2.001 * layer
+    assert est["largest_unit"] == "layer" and 2 * layer < est["largest_unit_bytes"] < 2.01 * layer
