@@ -27,6 +27,7 @@ from mcore_ref import McoreContext, run_mcore
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
+from mconvert.convert.io.atomic import MANIFEST
 from mconvert.convert.layout import rank_file, save_rank_file, write_latest
 from mconvert.convert.megatron import MegatronSource
 from mconvert.convert.io.safeload import safe_load
@@ -378,3 +379,44 @@ def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     # one layer's shards in and its tensors out (the replicated norms and router once per TP rank): every
     # expert of the layer, each its own tensor
     assert est["largest_unit"] == "layer" and 2 * layer < est["largest_unit_bytes"] < 2.01 * layer
+
+
+def _add_adam_states(root: Path) -> None:
+    """An Adam state in every rank file whose moments are functions of the parameter itself (exp_avg = p / 2,
+    exp_avg_sq = p²): wherever a re-shard puts a parameter, its moments must come along unchanged."""
+    for f in sorted((root / "release").glob("mp_rank_*/model_optim_rng.pt")):
+        state = safe_load(f)
+        names = [k for k, v in state["model"].items() if isinstance(v, torch.Tensor)]
+        state["optimizer"] = {
+            "state": {i: {"step": torch.tensor(7.0), "exp_avg": state["model"][n] / 2,
+                          "exp_avg_sq": state["model"][n] ** 2} for i, n in enumerate(names)},
+            "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0,
+                              "params": list(range(len(names))), "param_names": names}],
+        }
+        save_rank_file(f, state)
+    (root / MANIFEST).unlink()  # the files are ours to change now
+
+
+def test_reshard_with_optimizer_moves_adam_states_with_their_experts(tmp_path: Path) -> None:
+    hf = _random_hf("mixtral", tmp_path / "hf")
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    _convert("hf-to-megatron", str(hf), str(a), "--tp", "2", "--ep", "2")
+    _add_adam_states(a)
+    _convert("reshard", str(a), str(b), "--tp", "1", "--ep", "1", "--with-optimizer")
+    _convert("reshard", str(b), str(c), "--tp", "2", "--ep", "2", "--with-optimizer")
+    for root, files in ((b, 1), (c, 4)):
+        got = sorted((root / "release").glob("mp_rank_*/model_optim_rng.pt"))
+        assert len(got) == files
+        for f in got:
+            state = safe_load(f)
+            opt = state["optimizer"]
+            names = opt["param_groups"][0]["param_names"]
+            assert sorted(names) == sorted(k for k, v in state["model"].items() if isinstance(v, torch.Tensor))
+            for pid, name in zip(opt["param_groups"][0]["params"], names):
+                p = state["model"][name]
+                assert torch.equal(opt["state"][pid]["exp_avg"], p / 2), (f, name)
+                assert torch.equal(opt["state"][pid]["exp_avg_sq"], p ** 2), (f, name)
+    for e, t in ((0, 0), (1, 1)):  # and the round trip gives the first files' parameters and states back
+        x, y = safe_load(rank_file(a, "release", t, 0, 1, e, 2)), safe_load(rank_file(c, "release", t, 0, 1, e, 2))
+        assert x["model"].keys() == y["model"].keys()
+        assert all(v is None and y["model"][k] is None or torch.equal(v, y["model"][k]) for k, v in x["model"].items())
