@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -420,3 +421,24 @@ def test_reshard_with_optimizer_moves_adam_states_with_their_experts(tmp_path: P
         x, y = safe_load(rank_file(a, "release", t, 0, 1, e, 2)), safe_load(rank_file(c, "release", t, 0, 1, e, 2))
         assert x["model"].keys() == y["model"].keys()
         assert all(v is None and y["model"][k] is None or torch.equal(v, y["model"][k]) for k, v in x["model"].items())
+
+
+@pytest.mark.parametrize("name,value,expect", [
+    ("num_experts", 8, "num_experts=8 does not match the weights: tensor 'decoder.layers.0.mlp.router.weight' is "
+                       "[4, 128], the config implies [8, 128]"),
+    ("moe_ffn_hidden_size", 64, "moe_ffn_hidden_size=64 does not match the weights: tensor 'decoder.layers.0.mlp."
+                                "experts.local_experts.0.linear_fc1.weight' is [256, 128]"),
+    ("expert_model_parallel_size", 1, "unexpected rank directories mp_rank_00_001"),
+])
+def test_args_that_misdescribe_the_experts_are_refused_by_name(name: str, value, expect: str,
+                                                               tmp_path: Path) -> None:
+    hf = _random_hf("mixtral", tmp_path / "hf")
+    _convert("hf-to-megatron", str(hf), str(tmp_path / "mg"), "--ep", "2")
+    for e in range(2):
+        f = rank_file(tmp_path / "mg", "release", 0, 0, 1, e, 2)
+        state = safe_load(f)
+        setattr(state["args"], name, value)
+        save_rank_file(f, state)
+    (tmp_path / "mg" / MANIFEST).unlink()
+    with pytest.raises(MConvertError, match=re.escape(expect)):
+        MegatronSource(tmp_path / "mg")

@@ -40,8 +40,7 @@ TABLE = Plugin(
 # sliding window) and the routing fields.
 MOE_NEUTRAL = Field(NEUTRAL, "training only (router loss, router logits output, jitter noise applied in training)")
 HF_FIELDS: dict[str, Field] = {
-    **mistral.HF_FIELDS,
-    "intermediate_size": mapped("moe_ffn_hidden_size", INT),
+    **mistral.HF_FIELDS,  # intermediate_size: the experts' width, read as ffn_hidden_size (no other MLP)
     "num_local_experts": mapped("num_experts", INT),
     "num_experts_per_tok": mapped("moe_router_topk", INT),
     "router_aux_loss_coef": MOE_NEUTRAL,
