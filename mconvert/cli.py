@@ -165,6 +165,8 @@ def plan_cmd(
 Tp = Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")]
 Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
 Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline chunks per stage (model0, model1, ...).")]
+Ep = Annotated[int, typer.Option("--ep", help="Target expert-parallel size (MoE models: divides the experts; "
+                                 "rank dirs get the _EEE suffix when > 1).")]
 
 
 def _print_report(report: dict, json_out: bool) -> None:
@@ -226,17 +228,19 @@ def hf_to_megatron_cmd(
     tp: Tp = 1,
     pp: Pp = 1,
     vpp: Vpp = None,
+    ep: Ep = 1,
     dtype: Dtype = "auto",
     force: Force = False,
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
-    """Convert a HuggingFace model to a Megatron torch-format checkpoint at TP/PP (vocab padded with zeros).
+    """Convert a HuggingFace model to a Megatron torch-format checkpoint at TP/PP/EP (vocab padded with zeros).
 
     Examples:
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 2 --pp 2
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 4 --pp 2 --vpp 2 --dtype bf16 --force
+      mconvert hf-to-megatron mixtral-hf/ ckpt/ --tp 2 --ep 4
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import hf_to_megatron
@@ -244,7 +248,7 @@ def hf_to_megatron_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
-                                 dry_run=dry_run), json_out)
+                                 dry_run=dry_run, ep=ep), json_out)
 
 
 @app.command("reshard")
@@ -254,6 +258,7 @@ def reshard_cmd(
     tp: Tp = 1,
     pp: Pp = 1,
     vpp: Vpp = None,
+    ep: Ep = 1,
     with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="Re-shard the Adam states too, so "
                                                  "`mconvert train --resume` continues at the new layout.")] = False,
     iteration: Iteration = None,
@@ -262,11 +267,12 @@ def reshard_cmd(
     workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
-    """Re-shard a Megatron checkpoint to a new TP/PP (merge to full tensors, split again; no HF detour).
+    """Re-shard a Megatron checkpoint to a new TP/PP/EP (merge to full tensors, split again; no HF detour).
 
     Examples:
       mconvert reshard ckpt/ ckpt-tp4/ --tp 4 --pp 1
       mconvert reshard ckpt/ ckpt-tp2pp2/ --tp 2 --pp 2 --with-optimizer
+      mconvert reshard moe-ckpt/ moe-ep4/ --tp 1 --ep 4
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import reshard
@@ -274,7 +280,7 @@ def reshard_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
-                          force=force, progress=True, dry_run=dry_run), json_out)
+                          force=force, progress=True, dry_run=dry_run, ep=ep), json_out)
 
 
 @app.command("inspect")

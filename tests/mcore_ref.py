@@ -28,9 +28,6 @@ Rank layout is megatron-core's default order (tp fastest): global rank = pp_rank
 `ctx.logits(tokens)` runs a full forward (with PP > 1 it passes activations stage to stage over gloo
 point-to-point) and returns the vocab logits gathered across TP on the last stage, padded rows included
 (`[b, s, spec.padded_vocab_size(tp)]`). Results travel back as pickles through a temporary directory.
-With `ep=E` (an MoE spec) the world is tp·pp·E (data-parallel size E): megatron-core's SequentialMLP experts with
-the allgather dispatcher (`te_general_gemm` defined as None, which its router needs on CPU), global rank
-`tp_rank + tp·(ep_rank + E·pp_rank)`; every rank gets the same tokens.
 The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`; `spec.qk_layernorm` and
 `spec.rope_scaling` ("llama3": `rope_scaling=True`; "linear": `seq_len_interpolation_factor`) are passed on. Children fork from a parent that
 has imported megatron-core once (~10 s); each run after that costs ~1-3 s.
@@ -62,6 +59,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def moe_config(spec: ModelSpec, ep: int = 1) -> dict[str, Any]:
+    """megatron-core's MoE `TransformerConfig` fields for `spec` (empty when dense): SequentialMLP experts, the
+    allgather dispatcher (the alltoall one needs CUDA streams), the default softmax top-k router, no aux loss."""
+    if not spec.is_moe:
+        return {}
+    return dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
+                moe_router_topk=spec.moe_router_topk, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep)
+
+
 def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 1):
     """megatron-core `TransformerConfig` equivalent to `spec` (fp32, no dropout, CPU init)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -73,13 +80,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         act, glu = openai_gelu, False
     else:
         act, glu = F.gelu, False
-    moe = {}
-    if spec.is_moe:
-        moe = dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
-                   moe_router_topk=spec.moe_router_topk, moe_token_dispatcher_type="allgather",
-                   expert_model_parallel_size=ep)
     return TransformerConfig(
-        **moe,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -104,6 +105,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         use_cpu_initialization=True,
         apply_query_key_layer_scaling=False,
         attention_softmax_in_fp32=True,
+        **moe_config(spec, ep),
     )
 
 
@@ -152,7 +154,7 @@ class McoreContext:
     vpp: int | None = None
     models: list[Any] | None = None  # every virtual chunk of this rank (chunk c = model chunk c·pp + pp_rank)
     ep: int = 1
-    ep_rank: int = 0
+    ep_rank: int = 0  # expert-parallel rank (with EP > 1 the data-parallel ranks hold the expert shards)
 
     @property
     def is_last_stage(self) -> bool:
@@ -198,12 +200,12 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int,
     try:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import random as mrandom
-        from megatron.core.transformer.moe import moe_utils
 
-        if not hasattr(moe_utils, "te_general_gemm"):  # imported from TE only; the router reads it (None = torch)
-            moe_utils.te_general_gemm = None
         parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
                                                  expert_model_parallel_size=ep)
+        if spec.is_moe:  # megatron-core's MoE names TE's GEMM even without TE (DESIGN.md)
+            import megatron.core.transformer.moe.moe_utils as moe_utils
+            moe_utils.te_general_gemm = None
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         mrandom.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
@@ -212,7 +214,8 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int,
             spec=spec, model=models[0], tp=tp, pp=pp, rank=rank,
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            vpp=vpp, models=models, ep=ep, ep_rank=parallel_state.get_expert_model_parallel_rank(),
+            vpp=vpp, models=models, ep=ep,
+            ep_rank=parallel_state.get_expert_model_parallel_rank() if spec.is_moe else 0,
         )
         result = fn(ctx, *args)
         Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -233,7 +236,9 @@ def run_mcore(spec: ModelSpec, tp: int, fn: Callable[..., Any], args: tuple = ()
               seed: int = 1234, vpp: int | None = None, ep: int = 1) -> list[Any]:
     """Run `fn(ctx, *args)` on every rank of a TP×PP(×EP) megatron-core GPTModel; return results by global rank.
 
-    `fn` must be picklable (a module-level function); its result must be picklable (tensors are fine)."""
+    With `ep` > 1 the world is tp·pp·ep: the EP ranks are megatron-core's data-parallel ranks (expert TP = TP),
+    each of which runs the same tokens. `fn` must be picklable (a module-level function); its result must be
+    picklable (tensors are fine)."""
     world = tp * pp * ep
     if world > MAX_PROCS:
         raise ValueError(f"tp*pp*ep={world} > {MAX_PROCS}: keep the reference runs small")

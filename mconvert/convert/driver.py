@@ -22,7 +22,7 @@ from mconvert.convert.io.atomic import atomic_output_dir, check_output
 from mconvert.convert.base import Unit
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
-from mconvert.convert.megatron import MegatronSource, MegatronWriter
+from mconvert.convert.megatron import MegatronSource, megatron_writer
 from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
@@ -122,8 +122,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
 @crc_in_background
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str = "auto", force: bool = False, progress: bool = False,
-                   dry_run: bool = False) -> dict[str, Any]:
-    """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)."""
+                   dry_run: bool = False, ep: int = 1) -> dict[str, Any]:
+    """HF directory -> Megatron torch checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)/EP."""
 
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
@@ -138,13 +138,14 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                             "the Megatron args mconvert writes; converting would silently change attention beyond "
                             f"{window} tokens")
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
-    spec.check_parallel(tp, pp, vpp)
+    spec.check_parallel(tp, pp, vpp, ep)
     if dry_run:
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
                 "output": str(out), "dry_run": True, "warnings": []}
     with atomic_output_dir(out, force, inputs=(hf_dir, src.tokenizer_dir)) as tmp:
-        writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
+        writer = megatron_writer(tmp, spec, tp, pp, vpp, ep, iteration="release", dtype=target,
+                                 preview=_preview(src))
         with _aborting(writer):
             for unit in _progress(src.units(), "hf-to-megatron", progress):
                 writer.add(unit, src.read_mcore(unit))
@@ -154,8 +155,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         files = _files_report(tmp)
     return {
         "verb": "hf-to-megatron", "source": src.describe(), "output": str(out), "family": spec.family,
-        "tp": tp, "pp": pp, "vpp": vpp, "dtype": spec.params_dtype, "files": files, "tokenizer_files": tok,
-        "optimizer": "none (HF checkpoints carry no optimizer state)",
+        "tp": tp, "pp": pp, "vpp": vpp, **({"ep": ep} if spec.is_moe else {}), "dtype": spec.params_dtype,
+        "files": files, "tokenizer_files": tok, "optimizer": "none (HF checkpoints carry no optimizer state)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
     }
 
@@ -163,8 +164,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 @crc_in_background
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
-            progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
-    """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP): merge to full tensors, split again.
+            progress: bool = False, dry_run: bool = False, ep: int = 1) -> dict[str, Any]:
+    """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP)/EP: merge to full tensors, split again.
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
     their parameters' layouts so training resumes at the new layout; without it, no optimizer is written."""
@@ -174,7 +175,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     src = open_source(ckpt, iteration=iteration)
     if src.format == "hf":
         raise MConvertError(f"{ckpt}: a HuggingFace directory has no TP/PP layout; use hf-to-megatron")
-    src.spec.check_parallel(tp, pp, vpp)
+    src.spec.check_parallel(tp, pp, vpp, ep)
     if dry_run:
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("reshard", src, tp=tp, pp=pp, with_optimizer=with_optimizer),
@@ -198,9 +199,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
     iteration_out = src.iteration if src.iteration is not None else "release"
     with atomic_output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
-        writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
-                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
+        writer = megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
+                                 args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
+                                 rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
         with _aborting(writer):
             for unit in _progress(src.units(), "reshard", progress):
                 if isinstance(src, MegatronSource) and with_optimizer:
@@ -214,7 +215,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         files = _files_report(tmp)
     return {
         "verb": "reshard", "source": src.describe(), "output": str(out), "family": src.spec.family,
-        "tp": tp, "pp": pp, "vpp": vpp, "iteration": iteration_out, "files": files, "tokenizer_files": tok,
+        "tp": tp, "pp": pp, "vpp": vpp, **({"ep": ep} if src.spec.is_moe else {}), "iteration": iteration_out, "files": files, "tokenizer_files": tok,
         "optimizer": "re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
         else "not written (pass --with-optimizer to re-shard the Adam states)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],

@@ -275,5 +275,14 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
     )
     if family is None:
         family = get("model_family", None)
-    name = by_name(family).name if family is not None else recognise(fields).name
-    return ModelSpec(family=name, **fields)
+    fam = by_name(family) if family is not None else recognise(fields)
+    n = fields.get("num_experts")
+    if (n is not None) != fam.moe:
+        moe = ", ".join(f.name for f in all_families() if f.moe)
+        raise MConvertError(
+            f"{source}: Megatron arg num_experts={n!r} is not supported for the "
+            + (f"dense family {fam.name!r} (MoE families: {moe})" if n is not None else
+               f"MoE family {fam.name!r}, which needs num_experts")
+            + "; conversion refused"
+        )
+    return ModelSpec(family=fam.name, **fields)

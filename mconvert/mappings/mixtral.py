@@ -40,8 +40,7 @@ TABLE = Plugin(
 # sliding window) and the routing fields.
 MOE_NEUTRAL = Field(NEUTRAL, "training only (router loss, router logits output, jitter noise applied in training)")
 HF_FIELDS: dict[str, Field] = {
-    **mistral.HF_FIELDS,
-    "intermediate_size": mapped("moe_ffn_hidden_size", INT),
+    **mistral.HF_FIELDS,  # intermediate_size: the experts' width, read as ffn_hidden_size (no other MLP)
     "num_local_experts": mapped("num_experts", INT),
     "num_experts_per_tok": mapped("moe_router_topk", INT),
     "router_aux_loss_coef": MOE_NEUTRAL,
@@ -88,6 +87,13 @@ PRESETS = {
     "tiny-mixtral": llama.rope_preset(NAME, num_layers=2, hidden_size=128, num_attention_heads=4,
                                       num_query_groups=2, ffn_hidden_size=128, vocab_size=1000,
                                       max_position_embeddings=128, num_experts=4, moe_router_topk=2),
+    # DeepSeek-V3's routed sizes (its 58 MoE layers, 256 experts of width 2048, top-8, hidden 7168, vocab
+    # 129280) in this family's layout: ~670 B parameters, for `plan` estimates from shapes only. DeepSeek-V3
+    # itself (MLA, sigmoid router with expert bias, shared experts, dense first layers) is refused by name.
+    "moe-671b": llama.rope_preset(NAME, num_layers=58, hidden_size=7168, num_attention_heads=128,
+                                  num_query_groups=8, kv_channels=128, ffn_hidden_size=2048, vocab_size=129280,
+                                  max_position_embeddings=4096, rotary_base=10000.0, params_dtype="bfloat16",
+                                  num_experts=256, moe_router_topk=8),
 }
 
 FAMILY = Family(
