@@ -3,8 +3,8 @@
 - megatron-core 0.16.1's own MoE `GPTModel` (SequentialMLP experts, allgather dispatcher) at the run's TP×EP
   (TP=2 EP=2, and PP=2 EP=2) strict-loads each of our `mp_rank_TT[_PPP]_EEE` files as its rank's state dict
   and its logits equal our single-rank model's on the same weights (EP and TP merged by the converter's
-  `transforms.merge` and the local → global expert rule) and our native runner's at TP×PP×EP, so the layout,
-  the router and the experts are megatron-core's.
+  `transforms.merge` and the local → global expert rule), our native runner's at TP×PP×EP and transformers'
+  on the converter's HF export, so the layout, the router and the experts are megatron-core's.
 - The sharded run (EP=2 inside DP=2, with TP=2 or PP=2) equals one process: init logits and one step's synced
   gradients (load-balancing loss included, at a coefficient large enough to show a mis-scaled aux gradient),
   and its losses equal the EP=1 run's at the same layout for several steps.
@@ -210,6 +210,17 @@ def test_moe_checkpoint_loads_strict_per_rank_into_mcore_and_logits_match(tmp_pa
     native = megatron_logits(ckpt, PROBE)  # the runner `validate` uses, at the checkpoint's own TP×PP×EP
     native_diff = (native - ref).abs().max().item()
     assert native_diff <= TOL, native_diff
+    # and the converter takes the trainer's EP files to HF, whose transformers model gives the same logits
+    from transformers import AutoModelForCausalLM
+
+    from mconvert.convert.driver import megatron_to_hf
+
+    megatron_to_hf(ckpt, tmp_path / "hf")
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf = hf_model(PROBE).logits
+    hf_diff = (hf - ref).abs().max().item()
+    assert hf_diff <= TOL, hf_diff
 
     if swap:  # the expert index matters: the last stage's two EP files exchanged (experts get the other offset)
         swapped = dict(files)
@@ -219,7 +230,7 @@ def test_moe_checkpoint_loads_strict_per_rank_into_mcore_and_logits_match(tmp_pa
         off_diff = (next(r for r in reversed(off) if r is not None)[..., : spec.vocab_size] - ref).abs().max().item()
         assert off_diff > 1e3 * TOL
     print(f"[figures] {name} TP={tp} PP={pp} EP={ep}: megatron-core vs ours (merged) max|Δ| {diff:.2e}, "
-          f"vs native runner {native_diff:.2e}")
+          f"vs native runner {native_diff:.2e}, vs transformers {type(hf_model).__name__} {hf_diff:.2e}")
 
 
 def test_expert_groups_follow_megatron_core_order() -> None:
