@@ -135,9 +135,12 @@ def test_ep2_run_equals_single_rank_and_ep1_losses(tmp_path: Path, name: str, la
     assert router > 1e2 * TOL  # the routers learn (their gradient is not vanishing), so the comparison bites
 
     losses_ep2 = results[next(r for r in results if "losses" in (results[r] or {}))]["losses"]
-    ep1 = train(_cfg(preset=name, steps=steps, **{**layout, "ep": 1}))["losses"]
-    loss_diff = max(abs(a - b) for a, b in zip(losses_ep2, ep1, strict=True))
-    assert loss_diff <= TOL and losses_ep2[-1] < losses_ep2[0]
+    assert losses_ep2[-1] < losses_ep2[0]
+    loss_diff = 0.0
+    if not layout.get("sequence_parallel"):  # the SP case's grads above already equal one process's
+        ep1 = train(_cfg(preset=name, steps=steps, **{**layout, "ep": 1}))["losses"]
+        loss_diff = max(abs(a - b) for a, b in zip(losses_ep2, ep1, strict=True))
+        assert loss_diff <= TOL
 
     # the comm report has the EP dispatch (all-gather) and combine (reduce-scatter) of every MoE layer
     comm = {(r[0], r[1]): r for r in results[0]["comm"]}
@@ -251,6 +254,7 @@ def test_expert_groups_follow_megatron_core_order() -> None:
     (dict(preset="tiny-mixtral", dp=2, ep=4), "--ep 4 must divide DP=2"),
     (dict(preset="tiny-mixtral", dp=3, ep=3, global_batch_size=6), "EP=3 does not divide num_experts=4"),
     (dict(preset="tiny-llama", dp=2, ep=2), "needs a mixture-of-experts model"),
+    (dict(preset="tiny-llama", num_experts=4), "preset tiny-llama is of the dense family 'llama'"),
     (dict(preset="tiny-mixtral", moe_topk=1), "--moe-topk 1"),
     (dict(preset="tiny-mixtral", moe_aux_loss_coeff=-1.0), "--moe-aux-loss-coeff must be >= 0"),
 ])

@@ -141,6 +141,10 @@ def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
         raise MConvertError(
             f"--seq-length {cfg.seq_length} > max_position_embeddings {spec.max_position_embeddings}; lower it"
         )
+    if spec.is_moe and not families.of(spec).moe:  # its HF class has no experts: no converter could export it
+        moe_presets = [name for f in families.all_families() if f.moe for name in f.presets]
+        raise MConvertError(f"--num-experts: preset {cfg.preset} is of the dense family {spec.family!r}; "
+                            f"train experts from an MoE preset ({', '.join(moe_presets)})")
     check_trainable(spec, cfg.tp, cfg.pp, cfg.ep)
     return spec
 
