@@ -73,12 +73,14 @@ TrainInt = Optional[int]
   mconvert train --preset tiny-llama --tp 2 --pp 2 --dp 1 --steps 50 --save ckpt/\n
   mconvert train --preset tiny-llama --tp 2 --pp 2 --steps 100 --save ckpt/ --resume\n
   mconvert train --preset gpt2-1b --tp 4 --pp 2 --steps 0 --save big/   (initialised model only)\n
-  mconvert train --preset tiny-gpt2 --tp 2 --dp 2 --steps 20 --comm-report --json""")
+  mconvert train --preset tiny-gpt2 --tp 2 --dp 2 --steps 20 --comm-report --json\n
+  mconvert train --preset tiny-mixtral --tp 2 --dp 2 --ep 2 --steps 20 --save moe/ --comm-report""")
 def train_cmd(
     preset_name: Annotated[str, typer.Option("--preset", help="Model preset (tiny-llama, tiny-gpt2, ...).")] = "tiny-llama",
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel size.")] = 1,
     dp: Annotated[int, typer.Option("--dp", help="Data-parallel size.")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="Expert-parallel size (MoE): experts split over EP data-parallel ranks; divides --dp.")] = 1,
     steps: Annotated[int, typer.Option("--steps", help="Iteration to train to (Megatron train_iters); 0 = save the init.")] = 50,
     save: Annotated[Optional[Path], typer.Option("--save", help="Checkpoint directory (Megatron legacy torch format).")] = None,
     save_interval: Annotated[TrainInt, typer.Option("--save-interval", help="Also save every N iterations.")] = None,
@@ -100,20 +102,26 @@ def train_cmd(
     ffn_hidden_size: Annotated[TrainInt, typer.Option("--ffn-hidden-size")] = None,
     max_position_embeddings: Annotated[TrainInt, typer.Option("--max-position-embeddings")] = None,
     kv_channels: Annotated[TrainInt, typer.Option("--kv-channels")] = None,
+    num_experts: Annotated[TrainInt, typer.Option("--num-experts", help="MoE: experts per layer (overrides the preset).")] = None,
+    moe_topk: Annotated[TrainInt, typer.Option("--moe-topk", help="MoE: experts each token is routed to (>= 2).")] = None,
+    moe_ffn_hidden_size: Annotated[TrainInt, typer.Option("--moe-ffn-hidden-size", help="MoE: each expert's ffn width.")] = None,
+    moe_aux_loss_coeff: Annotated[float, typer.Option("--moe-aux-loss-coeff", help="MoE: load-balancing loss coefficient.")] = 1e-2,
     json_out: Json = False,
 ) -> None:
-    """Train a GPT on the shipped corpus with TP×PP×DP processes; write Megatron checkpoints."""
+    """Train a GPT (dense or MoE) on the shipped corpus with TP×PP×DP processes (EP inside DP); write Megatron checkpoints."""
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.trainer.comm import render_report
     from mconvert.trainer.train import TrainConfig, train
 
     cfg = TrainConfig(
-        preset=preset_name, tp=tp, pp=pp, dp=dp, steps=steps, save=str(save) if save else None,
+        preset=preset_name, tp=tp, pp=pp, dp=dp, ep=ep, steps=steps, save=str(save) if save else None,
         save_interval=save_interval, resume=resume, force=force, seed=seed, lr=lr,
         micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length,
         dtype=dtype, sequence_parallel=sequence_parallel, comm_report=comm_report, device=device, log_stderr=json_out, num_layers=num_layers,
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
         ffn_hidden_size=ffn_hidden_size, max_position_embeddings=max_position_embeddings, kv_channels=kv_channels,
+        num_experts=num_experts, moe_topk=moe_topk, moe_ffn_hidden_size=moe_ffn_hidden_size,
+        moe_aux_loss_coeff=moe_aux_loss_coeff,
     )
     result = train(cfg)
     if json_out:
@@ -171,6 +179,8 @@ def plan_cmd(
 Tp = Annotated[int, typer.Option("--tp", help="Target tensor-parallel size.")]
 Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
 Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline chunks per stage (model0, model1, ...).")]
+Ep = Annotated[int, typer.Option("--ep", help="Target expert-parallel size (MoE models: divides the experts; "
+                                 "rank dirs get the _EEE suffix when > 1).")]
 
 
 def _print_report(report: dict, json_out: bool) -> None:
@@ -233,6 +243,7 @@ def hf_to_megatron_cmd(
     tp: Tp = 1,
     pp: Pp = 1,
     vpp: Vpp = None,
+    ep: Ep = 1,
     dtype: Dtype = "auto",
     format: Annotated[str, typer.Option("--format", help="torch (mp_rank_* rank files) or torch_dist "
                                         "(megatron-core dist_checkpointing, Megatron-LM's default).")] = "torch",
@@ -241,12 +252,13 @@ def hf_to_megatron_cmd(
     workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
-    """Convert a HuggingFace model to a Megatron checkpoint (torch or torch_dist) at TP/PP (vocab padded with zeros).
+    """Convert a HuggingFace model to a Megatron checkpoint (torch or torch_dist) at TP/PP/EP (vocab padded with zeros).
 
     Examples:
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 2 --pp 2
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 4 --pp 2 --vpp 2 --dtype bf16 --force
       mconvert hf-to-megatron hf-model/ ckpt-dist/ --tp 2 --format torch_dist
+      mconvert hf-to-megatron mixtral-hf/ ckpt/ --tp 2 --ep 4
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import hf_to_megatron
@@ -254,7 +266,7 @@ def hf_to_megatron_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
-                                 dry_run=dry_run, format=format), json_out)
+                                 dry_run=dry_run, format=format, ep=ep), json_out)
 
 
 @app.command("reshard")
@@ -264,6 +276,7 @@ def reshard_cmd(
     tp: Tp = 1,
     pp: Pp = 1,
     vpp: Vpp = None,
+    ep: Ep = 1,
     with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="Re-shard the Adam states too, so "
                                                  "`mconvert train --resume` continues at the new layout.")] = False,
     iteration: Iteration = None,
@@ -274,13 +287,14 @@ def reshard_cmd(
     workers: Workers = 0,
     json_out: Json = False,
 ) -> None:
-    """Re-shard a Megatron checkpoint to a new TP/PP (merge to full tensors, split again; no HF detour),
+    """Re-shard a Megatron checkpoint to a new TP/PP/EP (merge to full tensors, split again; no HF detour),
     optionally into the other Megatron format (torch <-> torch_dist).
 
     Examples:
       mconvert reshard ckpt/ ckpt-tp4/ --tp 4 --pp 1
       mconvert reshard ckpt/ ckpt-tp2pp2/ --tp 2 --pp 2 --with-optimizer
       mconvert reshard ckpt/ ckpt-dist/ --tp 2 --pp 1 --format torch_dist
+      mconvert reshard moe-ckpt/ moe-ep4/ --tp 1 --ep 4
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import reshard
@@ -288,7 +302,7 @@ def reshard_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
-                          force=force, progress=True, dry_run=dry_run, format=format), json_out)
+                          force=force, progress=True, dry_run=dry_run, format=format, ep=ep), json_out)
 
 
 @app.command("inspect")

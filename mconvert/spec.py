@@ -49,6 +49,7 @@ SPLIT_COLLECTIVE: dict[str, str] = {
 FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
     "rope_scaling": ("HF",),
     "qk_layernorm": ("HF",),
+    "moe": ("HF",),
 }
 
 
@@ -60,6 +61,7 @@ class ParamDecl:
     kind: str
     shape: tuple[int, ...]
     layer: int | None = None  # global layer index; None for embedding / final params
+    expert: int | None = None  # global expert index of a routed expert's weight; None for every other param
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,12 @@ class ModelSpec:
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
     rope_original_max_position_embeddings: int = 8192  # llama3 only
+    # Mixture of experts (every layer's MLP is routed; None = a dense model). Megatron's router: top-k over the
+    # logits, softmax over the k chosen (= HF Mixtral / Qwen3-MoE with norm_topk_prob). Expert parallelism is a
+    # layout (like TP / PP), not a field: see `check_parallel`.
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # each expert's width; None = ffn_hidden_size (Megatron's default)
+    moe_router_topk: int = 2  # experts per token
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived -------------------------------------------------------------------------------
@@ -119,6 +127,11 @@ class ModelSpec:
         if self.rope_scaling != "llama3":  # the llama3 band constants mean nothing to other scalings
             for name, default in _LLAMA3_BAND_DEFAULTS.items():
                 object.__setattr__(self, name, default)
+        if self.num_experts is None:  # the MoE fields mean nothing to a dense model
+            object.__setattr__(self, "moe_ffn_hidden_size", None)
+            object.__setattr__(self, "moe_router_topk", 2)
+        elif self.moe_ffn_hidden_size == self.ffn_hidden_size:
+            object.__setattr__(self, "moe_ffn_hidden_size", None)
         self.validate()
 
     def validate(self) -> None:
@@ -141,6 +154,7 @@ class ModelSpec:
         if not 0 < self.rotary_percent <= 1:
             raise MConvertError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         self._validate_rope_scaling()
+        self._validate_moe()
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -151,6 +165,17 @@ class ModelSpec:
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
                 f"num_query_groups {self.num_groups}"
             )
+
+    def _validate_moe(self) -> None:
+        """Refuse an expert count, width or top-k that is not a positive whole number, or a top-k above the count."""
+        if self.num_experts is None:
+            return
+        for name in ("num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise MConvertError(f"{name} must be a positive whole number, got {v!r}")
+        if self.moe_router_topk > self.num_experts:
+            raise MConvertError(f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}")
 
     def _validate_rope_scaling(self) -> None:
         """Refuse an unknown scaling type or a factor that is not a finite number of the right range."""
@@ -187,6 +212,7 @@ class ModelSpec:
                 f"rope_scaling={self.rope_scaling!r} (factor {self.rope_scaling_factor:g}; "
                 f"{_megatron_scaling_args(self)})"),
             "qk_layernorm": self.qk_layernorm and "qk_layernorm=True (per-head q/k norm)",
+            "moe": self.is_moe and f"num_experts={self.num_experts} (mixture of experts)",
         }
         for feature, what in present.items():
             if what and target not in FEATURE_TARGETS[feature]:
@@ -201,6 +227,15 @@ class ModelSpec:
     def num_groups(self) -> int:
         """Query groups (KV heads); equals the head count for MHA."""
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """One expert's MLP width (Megatron's moe_ffn_hidden_size, defaulting to ffn_hidden_size)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     @property
     def gated(self) -> bool:
@@ -225,10 +260,17 @@ class ModelSpec:
         rest = self.embedding_params(1) + self.final_params(1)
         return sum(math.prod(p.shape) for p in rest) + self.num_layers * per_layer
 
-    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
-        """Refuse a TP/PP that does not divide heads, groups, ffn or layers."""
-        if tp < 1 or pp < 1:
-            raise MConvertError(f"--tp and --pp must be >= 1 (got tp={tp}, pp={pp})")
+    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
+        """Refuse a TP/PP/EP that does not divide heads, groups, ffn, layers or experts."""
+        if tp < 1 or pp < 1 or ep < 1:
+            raise MConvertError(f"--tp, --pp and --ep must be >= 1 (got tp={tp}, pp={pp}, ep={ep})")
+        if ep > 1 and not self.is_moe:
+            raise MConvertError(f"EP={ep} needs a mixture-of-experts model; this {self.family} model is dense: use --ep 1")
+        if self.is_moe and self.num_experts % ep:  # type: ignore[operator]
+            raise MConvertError(f"EP={ep} does not divide num_experts={self.num_experts}; pick an EP that does")
+        if self.is_moe and self.expert_ffn_hidden_size % tp:
+            raise MConvertError(f"TP={tp} does not divide moe_ffn_hidden_size={self.expert_ffn_hidden_size}; "
+                                "pick a TP that does")
         if self.num_attention_heads % tp:
             raise MConvertError(
                 f"TP={tp} does not divide num_attention_heads={self.num_attention_heads}; pick a TP that does"
@@ -282,6 +324,19 @@ class ModelSpec:
         if ln_bias:
             add("pre_mlp_layernorm.bias", "replicated", H)
         fc1_kind = "gated" if self.gated else "column"
+        if self.is_moe:  # router (every rank holds it), then each expert's MLP split over TP like a dense one
+            add("mlp.router.weight", "replicated", self.num_experts, H)  # type: ignore[arg-type]
+            F = self.expert_ffn_hidden_size
+            for e in range(self.num_experts):  # type: ignore[arg-type]
+                fc1_rows = 2 * F if self.gated else F
+                x = f"mlp.experts.local_experts.{e}."
+                out.append(ParamDecl(p + x + "linear_fc1.weight", fc1_kind, (fc1_rows, H), layer, e))
+                if self.add_bias_linear:
+                    out.append(ParamDecl(p + x + "linear_fc1.bias", fc1_kind, (fc1_rows,), layer, e))
+                out.append(ParamDecl(p + x + "linear_fc2.weight", "row", (H, F), layer, e))
+                if self.add_bias_linear:
+                    out.append(ParamDecl(p + x + "linear_fc2.bias", "replicated", (H,), layer, e))
+            return out
         fc1_rows = 2 * F if self.gated else F
         add("mlp.linear_fc1.weight", fc1_kind, fc1_rows, H)
         if self.add_bias_linear:
@@ -333,14 +388,17 @@ class ModelSpec:
         raise MConvertError(f"no split declaration for parameter {name!r}")
 
     def _decls_by_template(self) -> list[tuple[str, str]]:
-        decls = self.embedding_params() + self.layer_params(0) + self.final_params()
+        layer0 = self.layer_params(0)
+        if self.is_moe:  # every expert has expert 0's template and kind
+            layer0 = [d for d in layer0 if d.expert in (None, 0)]
+        decls = self.embedding_params() + layer0 + self.final_params()
         if self.tie_embeddings:  # the last stage's copy of the embedding, when PP > 1
             decls.append(ParamDecl("output_layer.weight", "vocab", ()))
         return [(name_template(d.name), d.kind) for d in decls]
 
     # ---- Megatron args -------------------------------------------------------------------------
     def to_megatron_args(
-        self, tp: int = 1, pp: int = 1, vpp: int | None = None, **extra: Any
+        self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, **extra: Any
     ) -> argparse.Namespace:
         """A Namespace with Megatron-LM's own argument names (as stored in `model_optim_rng.pt['args']`)."""
         gqa = self.num_groups != self.num_attention_heads
@@ -384,6 +442,14 @@ class ModelSpec:
         # written only when used, so the args of a model without them stay as they are
         for k, v in self._rope_and_qk_megatron_args().items():
             setattr(ns, k, v)
+        if self.is_moe:
+            ns.num_experts = self.num_experts
+            ns.moe_ffn_hidden_size = self.expert_ffn_hidden_size
+            ns.moe_router_topk = self.moe_router_topk
+            ns.expert_model_parallel_size = ep
+            ns.expert_tensor_parallel_size = tp
+            ns.moe_token_dispatcher_type = "allgather"
+            ns.moe_grouped_gemm = False
         for k, v in extra.items():
             setattr(ns, k, v)
         return ns
@@ -417,6 +483,8 @@ class ModelSpec:
             unused += ["rope_scaling", "rope_scaling_factor"]
         if self.rope_scaling != "llama3":
             unused += list(_LLAMA3_BAND_DEFAULTS)
+        if not self.is_moe:
+            unused += ["num_experts", "moe_ffn_hidden_size", "moe_router_topk"]
         for name in unused:
             del d[name]
         return d
@@ -454,6 +522,34 @@ def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> d
     elif linear is not None:
         out.update(rope_scaling="linear", rope_scaling_factor=float(linear))
     return out
+
+
+def moe_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec kwargs for MoE from Megatron-LM's `num_experts` (megatron-core: `num_moe_experts`),
+    `moe_ffn_hidden_size` and `moe_router_topk` (empty for a dense model)."""
+    n = a.get("num_experts") if a.get("num_experts") is not None else a.get("num_moe_experts")
+    if n is None:
+        return {}
+    topk = a.get("moe_router_topk")
+    return {"num_experts": int(n), "moe_ffn_hidden_size": a.get("moe_ffn_hidden_size"),
+            "moe_router_topk": 2 if topk is None else int(topk)}
+
+
+def expert_of(name: str) -> int | None:
+    """The global expert index in a canonical routed-expert name (`...mlp.experts.local_experts.3...` -> 3)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part == "local_experts" and parts[i + 1].isdigit():
+            return int(parts[i + 1])
+    return None
+
+
+def with_expert(name: str, expert: int) -> str:
+    """`...local_experts.3.linear_fc1.weight` -> the same name with expert index `expert`."""
+    parts = name.split(".")
+    i = parts.index("local_experts")
+    parts[i + 1] = str(expert)
+    return ".".join(parts)
 
 
 def name_template(name: str) -> str:

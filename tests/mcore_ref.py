@@ -59,7 +59,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None):
+def moe_config(spec: ModelSpec, ep: int = 1) -> dict[str, Any]:
+    """megatron-core's MoE `TransformerConfig` fields for `spec` (empty when dense): SequentialMLP experts, the
+    allgather dispatcher (the alltoall one needs CUDA streams), the default softmax top-k router, no aux loss."""
+    if not spec.is_moe:
+        return {}
+    return dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
+                moe_router_topk=spec.moe_router_topk, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep)
+
+
+def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 1):
     """megatron-core `TransformerConfig` equivalent to `spec` (fp32, no dropout, CPU init)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
@@ -95,24 +105,26 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         use_cpu_initialization=True,
         apply_query_key_layer_scaling=False,
         attention_softmax_in_fp32=True,
+        **moe_config(spec, ep),
     )
 
 
 def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None,
-                    vp_stage: int | None = None):
+                    vp_stage: int | None = None, ep: int = 1):
     """A megatron-core GPTModel (local layer spec) for this rank's stage (virtual chunk `vp_stage` when VPP);
     parallel_state must be initialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    config = transformer_config(spec, tp, pp, vpp)
+    config = transformer_config(spec, tp, pp, vpp, ep)
     if spec.rope_scaling == "llama3" and (spec.rope_low_freq_factor, spec.rope_high_freq_factor,
                                           spec.rope_original_max_position_embeddings) != (1.0, 4.0, 8192):
         raise ValueError("megatron-core's llama3 rope scaling fixes low 1, high 4, original 8192")
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm),
+        get_gpt_layer_local_spec(num_experts=spec.num_experts, normalization=spec.normalization,
+                                 qk_layernorm=spec.qk_layernorm),
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
@@ -141,6 +153,8 @@ class McoreContext:
     pp_rank: int
     vpp: int | None = None
     models: list[Any] | None = None  # every virtual chunk of this rank (chunk c = model chunk c·pp + pp_rank)
+    ep: int = 1
+    ep_rank: int = 0  # expert-parallel rank (with EP > 1 the data-parallel ranks hold the expert shards)
 
     @property
     def is_last_stage(self) -> bool:
@@ -175,7 +189,7 @@ def _pipeline_forward(ctx: McoreContext, tokens: torch.Tensor) -> torch.Tensor |
 
 
 def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int, vpp: int | None, seed: int,
-            fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+            fn: Callable[..., Any], args: tuple, out_dir: str, ep: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -187,16 +201,21 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int,
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import random as mrandom
 
-        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp,
+                                                 expert_model_parallel_size=ep)
+        if spec.is_moe:  # megatron-core's MoE names TE's GEMM even without TE (DESIGN.md)
+            import megatron.core.transformer.moe.moe_utils as moe_utils
+            moe_utils.te_general_gemm = None
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         mrandom.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
-        models = [build_gpt_model(spec, tp, pp, vpp, c if vpp else None) for c in range(vpp or 1)]
+        models = [build_gpt_model(spec, tp, pp, vpp, c if vpp else None, ep) for c in range(vpp or 1)]
         ctx = McoreContext(
             spec=spec, model=models[0], tp=tp, pp=pp, rank=rank,
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            vpp=vpp, models=models,
+            vpp=vpp, models=models, ep=ep,
+            ep_rank=parallel_state.get_expert_model_parallel_rank() if spec.is_moe else 0,
         )
         result = fn(ctx, *args)
         Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -214,17 +233,19 @@ def _preload() -> None:
 
 
 def run_mcore(spec: ModelSpec, tp: int, fn: Callable[..., Any], args: tuple = (), pp: int = 1,
-              seed: int = 1234, vpp: int | None = None) -> list[Any]:
-    """Run `fn(ctx, *args)` on every rank of a TP×PP megatron-core GPTModel; return results by global rank.
+              seed: int = 1234, vpp: int | None = None, ep: int = 1) -> list[Any]:
+    """Run `fn(ctx, *args)` on every rank of a TP×PP(×EP) megatron-core GPTModel; return results by global rank.
 
-    `fn` must be picklable (a module-level function); its result must be picklable (tensors are fine)."""
-    world = tp * pp
+    With `ep` > 1 the world is tp·pp·ep: the EP ranks are megatron-core's data-parallel ranks (expert TP = TP),
+    each of which runs the same tokens. `fn` must be picklable (a module-level function); its result must be
+    picklable (tensors are fine)."""
+    world = tp * pp * ep
     if world > MAX_PROCS:
-        raise ValueError(f"tp*pp={world} > {MAX_PROCS}: keep the reference runs small")
-    spec.check_parallel(tp, pp, vpp)
+        raise ValueError(f"tp*pp*ep={world} > {MAX_PROCS}: keep the reference runs small")
+    spec.check_parallel(tp, pp, vpp, ep)
     with tempfile.TemporaryDirectory(prefix="mcore_ref_") as tmp:
         _preload()  # children fork with megatron already imported: ~10 s less per run than spawn
-        mp.start_processes(_worker, args=(world, _free_port(), spec, tp, pp, vpp, seed, fn, tuple(args), tmp),
+        mp.start_processes(_worker, args=(world, _free_port(), spec, tp, pp, vpp, seed, fn, tuple(args), tmp, ep),
                            nprocs=world, start_method="fork")
         # our own pickles, written a moment ago by the children above
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world)]
@@ -241,8 +262,8 @@ def _load_and_forward(ctx: McoreContext, state_dicts: list[Any] | None,
 
 
 def mcore_forward_logits(spec: ModelSpec, tp: int, tokens: torch.Tensor, state_dicts: list[Any] | None = None,
-                         pp: int = 1, seed: int = 1234, vpp: int | None = None) -> torch.Tensor:
+                         pp: int = 1, seed: int = 1234, vpp: int | None = None, ep: int = 1) -> torch.Tensor:
     """Load `state_dicts[global_rank]` (strict; a list of chunk dicts with VPP; None = the seeded random init)
     and return the last stage's TP-gathered logits `[b, s, V_pad]`."""
-    res = run_mcore(spec, tp, _load_and_forward, (state_dicts, tokens), pp=pp, seed=seed, vpp=vpp)
+    res = run_mcore(spec, tp, _load_and_forward, (state_dicts, tokens), pp=pp, seed=seed, vpp=vpp, ep=ep)
     return next(r for r in reversed(res) if r is not None)

@@ -22,7 +22,7 @@ from mconvert.mappings.fields import MEGATRON_ARGS, NEUTRAL
 from mconvert.mappings.families import FAMILIES, hf_config, hf_table, preset, spec_from_hf_config, spec_from_megatron_args
 
 HF_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-              "qwen3": "Qwen3Config"}
+              "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
 
 
 def _transformer_config_fields() -> list[str]:
@@ -135,7 +135,8 @@ def test_a_megatron_arg_of_the_wrong_type_is_refused_by_name(name: str, value, e
 
 def _hf(model_type: str, **changes) -> dict:
     cfg = hf_config(preset({"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "tiny-mistral",
-                  "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3"}[model_type]))
+                  "qwen2": "tiny-qwen2", "qwen3": "tiny-qwen3", "mixtral": "tiny-mixtral",
+                  "qwen3_moe": "tiny-qwen3-moe"}[model_type]))
     cfg.update(changes)
     return cfg
 
@@ -148,7 +149,7 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
     cfg = _hf(model_type)
     cfg.pop("sliding_window", None)  # mistral's class default (4096) is longer than this context
     full = getattr(transformers, HF_CLASSES[model_type])(**cfg).to_dict()
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         full["sliding_window"] = None
     ours = spec_from_hf_config(_hf(model_type))
     assert spec_from_hf_config(full).replace(bos_token_id=None, eos_token_id=None) == ours

@@ -52,6 +52,7 @@ class SourceBase:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    ep: int = 1  # expert-parallel size (Megatron MoE checkpoints)
     iteration: int | str | None = None
 
     # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
@@ -78,7 +79,8 @@ class SourceBase:
         self.close()
 
     def describe(self) -> str:
-        par = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "")
+        par = f"TP={self.tp} PP={self.pp}" + (f" VPP={self.vpp}" if self.vpp else "") + (
+            f" EP={self.ep}" if self.ep > 1 else "")
         return f"{self.format} checkpoint {self.path} ({self.spec.family}, {par})"
 
 

@@ -22,7 +22,7 @@ ExpectedOf = Callable[[ModelSpec], Mapping[str, tuple[int, ...]]]
 
 # The spec fields a wrong tensor shape is blamed on, tried in this order (the first that explains it is named).
 _SIZES = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_query_groups", "num_attention_heads", "kv_channels",
-          "max_position_embeddings")
+          "max_position_embeddings", "moe_ffn_hidden_size", "num_experts")
 
 
 def template(name: str) -> str:
@@ -36,7 +36,8 @@ def layer_of(name: str) -> int | None:
 
 
 def _current(spec: ModelSpec, field: str) -> int:
-    return {"num_query_groups": spec.num_groups, "kv_channels": spec.head_dim}.get(field) or getattr(spec, field)
+    return {"num_query_groups": spec.num_groups, "kv_channels": spec.head_dim,
+            "moe_ffn_hidden_size": spec.expert_ffn_hidden_size if spec.is_moe else None}.get(field) or getattr(spec, field)
 
 
 def _blame(spec: ModelSpec, key: str, got: tuple[int, ...], expected_of: ExpectedOf,

@@ -21,7 +21,7 @@ from mconvert import dtypes
 from mconvert.convert.io.atomic import atomic_output_dir, check_output
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
-from mconvert.convert.megatron import MegatronSource, MegatronWriter
+from mconvert.convert.megatron import MegatronSource, megatron_writer
 from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
@@ -96,9 +96,9 @@ def dry_run_report(verb: str, src: Any, out: str | Path, plan: dict[str, Any], l
                        time.perf_counter() - t0, dry_run=True, **plan, **extras)
 
 
-def parallel_layout(tp: int, pp: int = 1, vpp: int | None = None) -> str:
-    """`TP=2 PP=2` (`VPP=2` when set): the layout of a Megatron output."""
-    return f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp else "")
+def parallel_layout(tp: int, pp: int = 1, vpp: int | None = None, ep: int | None = None) -> str:
+    """`TP=2 PP=2` (`VPP=2`, `EP=2` when set): the layout of a Megatron output."""
+    return f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp else "") + (f" EP={ep}" if ep else "")
 
 
 @crc_in_background
@@ -147,8 +147,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
 @crc_in_background
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str = "auto", force: bool = False, progress: bool = False,
-                   dry_run: bool = False, format: str = "torch") -> dict[str, Any]:
-    """HF directory -> Megatron checkpoint (release/, mcore local-spec names) at TP/PP(/VPP), in the torch
+                   dry_run: bool = False, format: str = "torch", ep: int = 1) -> dict[str, Any]:
+    """HF directory -> Megatron checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)/EP, in the torch
     (rank files) or torch_dist (megatron-core dist_checkpointing) format."""
 
     t0 = time.perf_counter()
@@ -165,30 +165,34 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                             "the Megatron args mconvert writes; converting would silently change attention beyond "
                             f"{window} tokens")
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
-    spec.check_parallel(tp, pp, vpp)
-    layout = parallel_layout(tp, pp, vpp)
+    spec.check_parallel(tp, pp, vpp, ep)
+    _refuse_dist_moe(spec, format, hf_dir)
+    layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp,
-                              dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp)
+                              dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
+                              **({"ep": ep} if spec.is_moe else {}))
 
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
             return TorchDistWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target)
-        return MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
+        return megatron_writer(tmp, spec, tp, pp, vpp, ep, iteration="release", dtype=target, preview=_preview(src))
 
     return write_output(
         "hf-to-megatron", src, out, writer,
         force=force, inputs=(hf_dir, src.tokenizer_dir), layout=layout, dtype=spec.params_dtype, t0=t0,
         progress=progress,
         finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, src.path, tmp, config=cfg)},
-        tp=tp, pp=pp, vpp=vpp, format=format, optimizer="none (HF checkpoints carry no optimizer state)")
+        tp=tp, pp=pp, vpp=vpp, **({"ep": ep} if spec.is_moe else {}), format=format,
+        optimizer="none (HF checkpoints carry no optimizer state)")
 
 
 @crc_in_background
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
-            progress: bool = False, dry_run: bool = False, format: str | None = None) -> dict[str, Any]:
-    """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP): merge to full tensors, split again.
+            progress: bool = False, dry_run: bool = False, format: str | None = None,
+            ep: int = 1) -> dict[str, Any]:
+    """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP)/EP: merge to full tensors, split again.
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
     their parameters' layouts so training resumes at the new layout; without it, no optimizer is written.
@@ -211,8 +215,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                             "the source's --format")
     if with_optimizer and dist_source:
         src.check_optimizer()
-    src.spec.check_parallel(tp, pp, vpp)
-    layout = parallel_layout(tp, pp, vpp)
+    src.spec.check_parallel(tp, pp, vpp, ep)
+    _refuse_dist_moe(src.spec, format, ckpt)
+    layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp,
                               with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp)
@@ -240,16 +245,16 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         if format == "torch_dist":
             return TorchDistWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
                                    args=getattr(src, "args", None), top_level=top, with_states=with_optimizer)
-        return MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                              args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
-                              rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
+        return megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
+                               args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
+                               rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
 
     return write_output(
         "reshard", src, out, writer,
         force=force, inputs=(ckpt, src.tokenizer_dir), layout=layout, dtype=src.spec.params_dtype, t0=t0,
         progress=progress,
         finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, _carried_dir(src), tmp)},
-        tp=tp, pp=pp, vpp=vpp, iteration=iteration_out, format=format,
+        tp=tp, pp=pp, vpp=vpp, **({"ep": ep} if src.spec.is_moe else {}), iteration=iteration_out, format=format,
         optimizer="re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
         else "not written (pass --with-optimizer to re-shard the Adam states)")
 
@@ -262,6 +267,13 @@ def check_format(format: str) -> None:
     if format not in OUTPUT_FORMATS:
         raise MConvertError(f"--format {format!r}: choose torch (mp_rank_* rank files) or torch_dist "
                             "(megatron-core dist_checkpointing)")
+
+
+def _refuse_dist_moe(spec: Any, format: str, source: str | Path) -> None:
+    """torch_dist output stacks experts in a layout this writer does not produce yet: refused by name."""
+    if format == "torch_dist" and spec.is_moe:
+        raise MConvertError(f"{source}: --format torch_dist for a mixture-of-experts model ({spec.family}, "
+                            f"{spec.num_experts} experts) is not written yet; use --format torch")
 
 
 @contextmanager

@@ -2,7 +2,9 @@
 
 Pure path and index arithmetic plus the two small file writes every writer shares (rank file, tracker).
     CKPT/latest_checkpointed_iteration.txt          "10" or "release"
-    CKPT/iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
+    CKPT/iter_0000010/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+(`_PPP` only when PP > 1, `_EEE` only when expert parallel EP > 1: `mp_rank_00_001` is a PP rank or an EP rank
+depending on the args.)
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ def iteration_dir_name(iteration: int | str) -> str:
     return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """`mp_rank_TT` when PP == 1, else `mp_rank_TT_PPP` (Megatron's get_checkpoint_name)."""
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """`mp_rank_TT`, + `_PPP` when PP > 1, + `_EEE` when EP > 1 (Megatron-LM's get_checkpoint_name)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep_size == 1 else f"{name}_{ep_rank:03d}"
 
 
-def rank_file(root: str | Path, iteration: int | str, tp_rank: int, pp_rank: int, pp_size: int) -> Path:
-    return Path(root) / iteration_dir_name(iteration) / rank_dir_name(tp_rank, pp_rank, pp_size) / RANK_FILE
+def rank_file(root: str | Path, iteration: int | str, tp_rank: int, pp_rank: int, pp_size: int,
+              ep_rank: int = 0, ep_size: int = 1) -> Path:
+    return (Path(root) / iteration_dir_name(iteration) / rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size)
+            / RANK_FILE)
 
 
 def parse_rank_dir(name: str) -> tuple[int, int | None] | None:
@@ -42,6 +47,23 @@ def parse_rank_dir(name: str) -> tuple[int, int | None] | None:
     if not m:
         return None
     return int(m.group(1)), (int(m.group(2)) if m.group(2) is not None else None)
+
+
+def rank_dir_parts(name: str) -> tuple[int, ...] | None:
+    """`mp_rank_01_002_001` -> (1, 2, 1); `mp_rank_01` -> (1,); anything else -> None."""
+    m = _RANK_RE.match(name)
+    return None if m is None else tuple(int(g) for g in m.groups() if g is not None)
+
+
+def rank_of_parts(parts: tuple[int, ...], pp_size: int, ep_size: int) -> tuple[int, int, int] | None:
+    """A rank dir's numbers -> (tp_rank, pp_rank, ep_rank), read with the run's PP and EP sizes (the second
+    number is the PP rank unless PP == 1 and EP > 1); None when the name has more numbers than the sizes allow.
+    `mp_rank_TT_000` at PP == 1 (transformers' conversion script writes it) is PP rank 0."""
+    if len(parts) == 3:
+        return (parts[0], parts[1], parts[2]) if ep_size > 1 else None
+    if len(parts) == 2:
+        return (parts[0], 0, parts[1]) if ep_size > 1 and pp_size == 1 else (parts[0], parts[1], 0)
+    return parts[0], 0, 0
 
 
 def read_latest(root: str | Path) -> int | str:

@@ -9,6 +9,7 @@ Writer: splits full tensors for the target TP, buffers one pipeline stage, write
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import sys
@@ -30,8 +31,9 @@ from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSa
 from mconvert.convert.layout import (
     CHECKPOINT_VERSION,
     layer_location,
-    parse_rank_dir,
+    rank_dir_parts,
     rank_file,
+    rank_of_parts,
     save_rank_file,
     stage_layers,
     write_latest,
@@ -42,7 +44,7 @@ from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
 from mconvert.mappings.transforms import merge, merge_rows, merge_transposed, pad_vocab, split, split_dim
-from mconvert.spec import ModelSpec
+from mconvert.spec import ModelSpec, expert_of, with_expert
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 # megatron-core local-spec modules whose state_dict carries `<module>._extra_state` (None): strict loading
@@ -59,6 +61,12 @@ def _checkpoint_version(state: dict, file: Path) -> float:
     return float(v)
 
 
+def _size(args: dict[str, Any], key: str) -> int:
+    """A parallel size from the args (1 when absent or not a positive whole number: the other checks name it)."""
+    v = args.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else 1
+
+
 def _fix_legacy_qkv(t: torch.Tensor, version: float, nh: int, hd: int) -> torch.Tensor:
     """checkpoint_version 0 ([3, np, hn]) and 1 ([np, hn, 3]) -> the >= 2 layout [np, 3, hn] (one TP shard)."""
     rest = tuple(t.shape[1:])
@@ -73,17 +81,27 @@ class MegatronSource(SourceBase):
 
     format = "megatron"
 
-    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None) -> None:
+    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,
+                 ep_rank: int | None = None) -> None:
+        """Open and check every rank file. With expert parallelism (args `expert_model_parallel_size` > 1) the
+        source reads every EP rank's files, each through its own source (`ep_rank`: that EP rank only)."""
         self.path = Path(path)
         self.iter_dir, self.iteration = resolve_iteration_dir(self.path, iteration)
         self.root = self.iter_dir.parent if self.iter_dir != self.path else self.path.parent
-        self.files = self._rank_files()
+        dirs = self._rank_dirs()
+        zero = next((f for parts, f in dirs.items() if not any(parts)), None)
+        first = checkpoint_dict(safe_load(zero), zero) if zero is not None else None
+        sizes = args_dict(first["args"], zero) if first is not None and "args" in first else {}
+        self.ep, self.ep_rank = _size(sizes, "expert_model_parallel_size"), ep_rank or 0
+        self._subs: list[MegatronSource] | None = None
+        self.files = self._rank_files(dirs, _size(sizes, "pipeline_model_parallel_size"))
         self.tp = 1 + max(t for t, _ in self.files)
         self.pp = 1 + max(p for _, p in self.files)
         if (0, 0) not in self.files:
             self._check_holes()
         first_file = self.files[(0, 0)]
-        first = checkpoint_dict(safe_load(first_file), first_file)
+        if first is None or first_file != zero:
+            first = checkpoint_dict(safe_load(first_file), first_file)
         if "args" not in first:
             raise MConvertError(f"{first_file}: no 'args' entry; not a Megatron-LM checkpoint (or written without args)")
         self.args = first["args"]
@@ -115,6 +133,28 @@ class MegatronSource(SourceBase):
             del st
         self._check_sizes(a, str(first_file))
         self._check_ranks(a)  # safety: every other rank file agrees with TP rank 0 (args, keys, shapes)
+        if self.ep > 1 and ep_rank is None:
+            self._open_expert_ranks(iteration, tokenizer)
+
+    def _open_expert_ranks(self, iteration: int | str | None, tokenizer: str | Path | None) -> None:
+        """Open EP ranks 1.. as sources of their own (this one reads EP rank 0) and check that they hold one
+        model: the same args, the same dense weights' keys and shapes, and every expert exactly once."""
+        sub0 = copy.copy(self)
+        self._subs = [sub0] + [MegatronSource(self.path, iteration, tokenizer, ep_rank=e) for e in range(1, self.ep)]
+        self.shapes, self._dtypes = {}, {}
+        for sub in self._subs:
+            if sub.spec != sub0.spec or (sub.tp, sub.pp, sub.vpp) != (sub0.tp, sub0.pp, sub0.vpp):
+                raise MConvertError(f"{sub.files[(0, 0)]}: args or layout differ from {sub0.files[(0, 0)]}; the EP "
+                                    "rank files come from different runs — re-copy the checkpoint")
+            for name, shape in sub.shapes.items():
+                if expert_of(name) is None and sub0.shapes.get(name) != shape:
+                    raise MConvertError(f"{sub.files[(0, 0)]}: dense weight {name!r} is "
+                                        f"{list(shape)} but {sub0.files[(0, 0)]} has {sub0.shapes.get(name)}; every "
+                                        "EP rank holds the same dense weights — re-copy the checkpoint")
+                self.shapes[name] = shape
+                self._dtypes[name] = sub.__dict__["_dtypes"][name]
+        for unit in self.units():
+            check_complete(self.spec, unit, self._unit_names(unit), str(self.path))
 
     def _check_sizes(self, args: dict[str, Any], source: str) -> None:
         """The args' sizes against the tensors of the TP-rank-0 files and the memory available, before any
@@ -143,12 +183,17 @@ class MegatronSource(SourceBase):
     def _check_layout(self, args: dict[str, Any]) -> None:
         """Rank dirs beyond the args' TP/PP are named (a stray copy must not be merged in or silently skipped)."""
         want_tp, want_pp = args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
+        ep = f", EP={self.ep}" if self.ep > 1 else ""
         if not want_tp or not want_pp:
+            if self._unfit:
+                raise MConvertError(f"{self.iter_dir}: unexpected rank directories {', '.join(sorted(self._unfit))} "
+                                    "(the args state no TP/PP sizes); remove them — a stray copy from another run?")
             return
         extra = sorted(self.files[k].parent.name for k in self.files if k[0] >= want_tp or k[1] >= want_pp)
+        extra = sorted(extra + self._unfit)
         if extra:
             raise MConvertError(f"{self.iter_dir}: unexpected rank directories {', '.join(extra)} (the args say "
-                                f"TP={want_tp}, PP={want_pp}); remove them — a stray copy from another run?")
+                                f"TP={want_tp}, PP={want_pp}{ep}); remove them — a stray copy from another run?")
 
     def _check_ranks(self, args0: dict[str, Any]) -> None:
         """Every rank file must carry rank 0's model args and, per stage, exactly TP rank 0's keys and shapes."""
@@ -199,23 +244,41 @@ class MegatronSource(SourceBase):
             self._remember(t, p, st)
             del st
 
-    def _rank_files(self) -> dict[tuple[int, int], Path]:
-        files: dict[tuple[int, int], Path] = {}
+    def _rank_dirs(self) -> dict[tuple[int, ...], Path]:
+        """Every `mp_rank_*` directory's numbers -> its rank file."""
+        found: dict[tuple[int, ...], Path] = {}
         for d in sorted(self.iter_dir.iterdir()):
-            parsed = parse_rank_dir(d.name) if d.is_dir() else None
-            if parsed is None:
+            parts = rank_dir_parts(d.name) if d.is_dir() else None
+            if parts is None:
                 continue
             name = next((n for n in RANK_FILES if os.path.lexists(d / n)), None)
             if name is None:
                 raise MConvertError(f"{d}: no {RANK_FILES[0]} inside; the checkpoint is incomplete")
-            f = inside_file(self.iter_dir, f"{d.name}/{name}", f"{self.iter_dir}: rank file")
-            key = (parsed[0], parsed[1] or 0)
-            if key in files:  # mp_rank_01 beside mp_rank_01_000
-                raise MConvertError(f"{d}: same TP/PP rank as {files[key].parent.name}; a checkpoint uses either "
-                                    "mp_rank_TT or mp_rank_TT_PPP directories — remove the stray one")
-            files[key] = f
-        if not files:
+            found[parts] = inside_file(self.iter_dir, f"{d.name}/{name}", f"{self.iter_dir}: rank file")
+        if not found:
             raise MConvertError(f"{self.iter_dir}: no mp_rank_* directories; not a Megatron torch checkpoint")
+        return found
+
+    def _rank_files(self, dirs: dict[tuple[int, ...], Path], pp_size: int) -> dict[tuple[int, int], Path]:
+        """(TP rank, PP rank) -> rank file of this source's EP rank; the dir names are read with the args' PP and
+        EP sizes. Names that fit no rank of those sizes are kept for `_check_layout` to name."""
+        files: dict[tuple[int, int], Path] = {}
+        self._unfit: list[str] = []
+        for parts, f in dirs.items():
+            rank = rank_of_parts(parts, pp_size, self.ep)
+            if rank is None or rank[2] >= self.ep:
+                self._unfit.append(f.parent.name)
+                continue
+            t, p, e = rank
+            if e != self.ep_rank:
+                continue
+            if (t, p) in files:  # mp_rank_01 beside mp_rank_01_000
+                raise MConvertError(f"{f.parent}: same TP/PP rank as {files[(t, p)].parent.name}; a checkpoint uses "
+                                    "either mp_rank_TT or mp_rank_TT_PPP directories — remove the stray one")
+            files[(t, p)] = f
+        if not files:
+            raise MConvertError(f"{self.iter_dir}: no mp_rank_* directories of EP rank {self.ep_rank}; the checkpoint "
+                                "is incomplete")
         return files
 
     def _model_dict(self, state: dict, chunk: int, file: Path) -> dict[str, Any]:
@@ -251,10 +314,24 @@ class MegatronSource(SourceBase):
             except MConvertError:
                 raise MConvertError(f"{file}: unmapped key {raw!r} (read as {name!r}) for a {self.spec.family} "
                                     "model; it is neither converted nor a known buffer") from None
+            name = self._global_expert(name, raw, file)
             out[raw] = name
             self.shapes[name] = tuple(val.shape)
             self.__dict__.setdefault("_dtypes", {})[name] = val.dtype
         return out
+
+    def _global_expert(self, name: str, raw: str, file: Path) -> str:
+        """A routed expert's name with its global index: EP rank r holds experts r·E/EP .. (r+1)·E/EP - 1 as
+        local indices 0 .. E/EP - 1."""
+        local = expert_of(name)
+        if local is None:
+            return name
+        per = self.spec.num_experts // self.ep  # type: ignore[operator]
+        if local >= per:
+            raise MConvertError(f"{file}: key {raw!r} is local expert {local} but each of the EP={self.ep} ranks "
+                                f"holds {per} of the {self.spec.num_experts} experts; the args do not describe "
+                                "these files — fix num_experts / expert_model_parallel_size")
+        return with_expert(name, self.ep_rank * per + local)
 
     def location(self, unit: Unit) -> tuple[int, int]:
         """(pp_rank, chunk) of the stage that holds `unit`."""
@@ -328,7 +405,13 @@ class MegatronSource(SourceBase):
         return out
 
     def _unit_names(self, unit: Unit) -> list[str]:
-        """The canonical names of one unit, in the order its stage's rank files hold them."""
+        """The canonical names of one unit, in the order its stage's rank files hold them (with expert
+        parallelism: EP rank 0's, then each other EP rank's experts)."""
+        if self._subs is not None:
+            names = self._subs[0]._unit_names(unit)
+            for sub in self._subs[1:]:
+                names += [n for n in sub._unit_names(unit) if expert_of(n) is not None]
+            return names
         p, c = self.location(unit)
         return [n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit]
 
@@ -357,6 +440,8 @@ class MegatronSource(SourceBase):
 
         `only`: just these parameters. Names in `transposed` may come back column-major (same values; see
         `transforms.merge_transposed`)."""
+        if self._subs is not None:
+            return self._read_expert_ranks(unit, with_optimizer, transposed, only)
         p, c = self.location(unit)
         keymap = self._keymaps[(p, c)]
         wanted = [(raw, name) for raw, name in keymap.items()
@@ -403,6 +488,31 @@ class MegatronSource(SourceBase):
         if with_optimizer:
             states = {n: optim.merge_states(s, self.spec.split_kind(n), n) for n, s in ostates.items()}
         return out, states
+
+    def _read_expert_ranks(self, unit: Unit, with_optimizer: bool, transposed: set[str] | frozenset[str],
+                           only: set[str] | None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """`read_unit` over every EP rank: the experts from the rank that holds each, the dense weights from EP
+        rank 0 — and from every other EP rank, which must hold the same values (else a refusal naming both)."""
+        assert self._subs is not None
+        sub0 = self._subs[0]
+        p, _ = self.location(unit)
+        out, states = sub0.read_unit(unit, with_optimizer, transposed, only)
+        for sub in self._subs[1:]:
+            mine = {n for n in sub._unit_names(unit) if only is None or n in only}
+            if not mine:
+                continue
+            got, st = sub.read_unit(unit, with_optimizer, transposed, mine)
+            for name, t in got.items():
+                if expert_of(name) is not None:
+                    out[name] = t
+                    if name in st:
+                        states[name] = st[name]
+                elif not torch.equal(t, out[name]):
+                    raise MConvertError(f"{sub.files[(0, p)]}: dense weight {name!r} differs from "
+                                        f"{sub0.files[(0, p)]}; every EP rank holds the same copy — the rank files "
+                                        "come from different runs or one is corrupt; re-copy the checkpoint")
+        order = self._unit_names(unit)
+        return {n: out[n] for n in order if n in out}, states
 
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Full tensors of one unit under canonical global names; vocab rows as stored (padded). One parameter
@@ -452,9 +562,10 @@ class MegatronWriter:
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
                  optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None,
                  rank_top_level: Any = None, extra_state: bool = True,
-                 preview: Any = None) -> None:
-        spec.check_parallel(tp, pp, vpp)
+                 preview: Any = None, ep: int = 1, ep_rank: int = 0) -> None:
+        spec.check_parallel(tp, pp, vpp, ep)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
+        self.ep, self.ep_rank = ep, ep_rank  # this writer's EP rank: its experts and every dense weight
         self.iteration, self.dtype = iteration, dtype
         self.args = self._target_args(args)
         self.top_level = dict(top_level or {})
@@ -481,7 +592,7 @@ class MegatronWriter:
         self._placeholders: dict[tuple[int, int, int, str], torch.Tensor] = {}  # (p, t, chunk, local name)
 
     def _target_args(self, args: Any) -> argparse.Namespace:
-        return target_args(self.spec, args, self.tp, self.pp, self.vpp)
+        return target_args(self.spec, args, self.tp, self.pp, self.vpp, self.ep)
 
     def _units_of_stage(self, p: int) -> list[Unit]:
         units: list[Unit] = ["embedding"] if p == 0 else []
@@ -497,6 +608,25 @@ class MegatronWriter:
         if unit == "final":
             return self.pp - 1, (self.vpp or 1) - 1, None
         return layer_location(self.spec.num_layers, self.pp, int(unit), self.vpp)
+
+    def _rank_file(self, t: int, p: int) -> Path:
+        return rank_file(self.out, self.iteration, t, p, self.pp, self.ep_rank, self.ep)
+
+    def _mine(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """The entries this EP rank's files hold: every dense one, and its own experts renamed to their local
+        index (global expert g = ep_rank · E/EP + local)."""
+        if self.ep == 1:
+            return tensors
+        per = self.spec.num_experts // self.ep  # type: ignore[operator]
+        first = self.ep_rank * per
+        out: dict[str, Any] = {}
+        for name, t in tensors.items():
+            g = expert_of(name)
+            if g is None:
+                out[name] = t
+            elif first <= g < first + per:
+                out[with_expert(name, g - first)] = t
+        return out
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
         """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states."""
@@ -525,8 +655,8 @@ class MegatronWriter:
                  real: bool) -> list[tuple[str, Any, Any]]:
         """(local name, TP shards or None, Adam state shards) of one unit — on meta tensors when planning."""
         p, c, local = self._where(unit)
-        tensors = dict(tensors)
-        states = dict(states or {})
+        tensors = dict(self._mine(tensors))
+        states = dict(self._mine(states or {}))
         tied = self.spec.tie_embeddings
         if unit == "embedding" and tied and self.pp > 1:
             name = "embedding.word_embeddings.weight"
@@ -593,7 +723,7 @@ class MegatronWriter:
                         mine.append(ph)
                         placed[c].append((local_name, [ph] * self.tp, ost))
                 state = self._state(t, p, placed)
-                path = rank_file(self.out, self.iteration, t, p, self.pp)
+                path = self._rank_file(t, p)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 streams[t] = TorchSaveStream(state, path.with_name(path.name + ".tmp"), mine)
         except BaseException:
@@ -616,7 +746,7 @@ class MegatronWriter:
     def _close_stage(self, p: int) -> None:
         for t, stream in sorted(self._streams.pop(p).items()):
             digest = stream.close()
-            path = rank_file(self.out, self.iteration, t, p, self.pp)
+            path = self._rank_file(t, p)
             os.replace(stream.path, path)
             record_digest(path, digest)
             self.files.append(path)
@@ -661,7 +791,7 @@ class MegatronWriter:
         chunks = self._buffer.pop(p, {})
         for t in range(self.tp):
             state = self._state(t, p, chunks)
-            path = rank_file(self.out, self.iteration, t, p, self.pp)
+            path = self._rank_file(t, p)
             spool = self._spools.pop((p, t), None)
             if spool is None:
                 save_rank_file(path, state)
@@ -687,7 +817,7 @@ class MegatronWriter:
         """The spool of rank file (t, p): shard bytes wait there, not in memory, until the stage is complete."""
         if (p, t) not in self._spools:
             self.out.mkdir(parents=True, exist_ok=True)
-            self._spools[(p, t)] = Spool(self.out / f".spool-{p:03d}-{t:02d}")
+            self._spools[(p, t)] = Spool(self.out / f".spool-{p:03d}-{t:02d}-{self.ep_rank:03d}")
         return self._spools[(p, t)]
 
     def close(self) -> list[Path]:
@@ -711,19 +841,55 @@ class MegatronWriter:
         return self.files
 
 
-def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None) -> argparse.Namespace:
+def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, ep: int = 1) -> argparse.Namespace:
     """The args a written checkpoint carries: the source's (or, without them, the spec's) with the target
-    TP/PP/VPP and padded vocab; shared by the torch and torch_dist writers so both say the same."""
+    TP/PP/VPP/EP and padded vocab; shared by the torch and torch_dist writers so both say the same."""
     if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
-        return spec.to_megatron_args(tp, pp, vpp, bos_token_id=spec.bos_token_id, eos_token_id=spec.eos_token_id)
+        return spec.to_megatron_args(tp, pp, vpp, ep=ep, bos_token_id=spec.bos_token_id,
+                                     eos_token_id=spec.eos_token_id)
     ns = argparse.Namespace(**_interned(args_dict(args, "the source checkpoint")))
     ns.tensor_model_parallel_size = tp
     ns.pipeline_model_parallel_size = pp
     ns.virtual_pipeline_model_parallel_size = vpp
     ns.padded_vocab_size = spec.padded_vocab_size(tp)
+    if spec.is_moe:
+        ns.expert_model_parallel_size = ep
+        if getattr(ns, "expert_tensor_parallel_size", None) is not None:  # expert TP follows TP
+            ns.expert_tensor_parallel_size = tp
     if getattr(ns, "vocab_size", None) is None:
         ns.vocab_size = spec.vocab_size
     return ns
+
+
+class ExpertParallelWriter:
+    """A Megatron checkpoint at EP > 1: one `MegatronWriter` per EP rank, each given every unit (it keeps the
+    dense weights and its own experts), all writing into one output directory."""
+
+    reads = "mcore"
+
+    def __init__(self, writers: list[MegatronWriter]) -> None:
+        self.writers = writers
+        self.takes_states = writers[0].takes_states
+
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
+        for w in self.writers:
+            w.add(unit, tensors, states)
+
+    def abort(self) -> None:
+        for w in self.writers:
+            w.abort()
+
+    def close(self) -> list[Path]:
+        return [f for w in self.writers for f in w.close()]
+
+
+def megatron_writer(out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None, ep: int = 1,
+                    **kw: Any) -> MegatronWriter | ExpertParallelWriter:
+    """The writer of a Megatron checkpoint at TP/PP(/VPP)/EP (`kw`: `MegatronWriter`'s options)."""
+    spec.check_parallel(tp, pp, vpp, ep)
+    if ep == 1:
+        return MegatronWriter(out, spec, tp, pp, vpp, **kw)
+    return ExpertParallelWriter([MegatronWriter(out, spec, tp, pp, vpp, ep=ep, ep_rank=e, **kw) for e in range(ep)])
 
 
 _INDEX_LOCK = threading.Lock()  # the readers' threads: one index load per rank file

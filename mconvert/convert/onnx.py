@@ -30,6 +30,7 @@ from mconvert.convert.driver import megatron_to_hf, peak_rss_bytes
 from mconvert.convert.io.paths import copy_contained
 from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, make_report
+from mconvert.mappings import families
 from mconvert.errors import MConvertError
 
 DEFAULT_RTOL = 1e-4
@@ -73,17 +74,31 @@ def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
     return detect_format(p, iteration) == "hf"
 
 
+def refuse_moe(cfg: dict[str, Any], source: str) -> None:
+    """Refuse a mixture-of-experts family (its `Family.moe`) before any export: the ONNX graph of a routed MLP
+    is not validated here."""
+    archs = cfg.get("architectures") or []
+    fam = next((f for f in map(families.by_architecture, archs if isinstance(archs, list) else []) if f), None)
+    fam = fam or families.by_model_type(cfg.get("model_type"))
+    if fam is not None and fam.moe:
+        raise MConvertError(f"{source}: {fam.architecture} (mixture of experts) is not mapped to ONNX (the routed "
+                            "MLP's export is not validated); conversion refused — serve the HF export with "
+                            "transformers or vLLM")
+
+
 @contextlib.contextmanager
 def _hf_dir_for(src: Path, iteration: str | None) -> Any:
     """Yield an HF dir for `src`: itself, or a temporary fp32 export of a Megatron checkpoint."""
     if _is_hf_dir(src, iteration):
-        load_json_object(inside_file(src, "config.json", f"{src}: config"), "config", "fix it or re-copy the model directory")  # before optimum
+        cfg = load_json_object(inside_file(src, "config.json", f"{src}: config"), "config", "fix it or re-copy the model directory")  # before optimum
+        refuse_moe(cfg, str(src))
         yield src
         return
 
     with tempfile.TemporaryDirectory(prefix="mconvert-onnx-hf-") as tmp:
         hf = Path(tmp) / "hf"
         megatron_to_hf(src, hf, iteration=iteration, dtype="fp32")
+        refuse_moe(load_json_object(hf / "config.json", "config", "re-run the conversion"), str(src))
         yield hf
 
 

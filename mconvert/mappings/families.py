@@ -26,7 +26,7 @@ from mconvert.mappings.fields import (
     check_numbers,
 )
 from mconvert import dtypes
-from mconvert.spec import ModelSpec, rope_and_qk_from_megatron_args
+from mconvert.spec import ModelSpec, moe_from_megatron_args, rope_and_qk_from_megatron_args
 
 
 @functools.cache
@@ -83,8 +83,11 @@ def default_family() -> Family:
 
 
 def recognise(fields: Mapping[str, Any]) -> Family:
-    """The family of Megatron-parsed ModelSpec fields without `model_family`: the first whose rule matches."""
-    order = sorted((f for f in _registry().values() if f.recognise is not None), key=lambda f: f.recognise_order)
+    """The family of Megatron-parsed ModelSpec fields without `model_family`: the first whose rule matches
+    (among the MoE families for a model with experts, the dense ones otherwise)."""
+    moe = fields.get("num_experts") is not None
+    order = sorted((f for f in _registry().values() if f.recognise is not None and f.moe == moe),
+                   key=lambda f: f.recognise_order)
     found = next((f for f in order if f.recognise(dict(fields))), None)  # type: ignore[misc]
     if found is None:
         raise MConvertError("Megatron args name no model_family and no family recognises them; set model_family")
@@ -131,9 +134,21 @@ def hf_table(model_type: str) -> dict[str, Field]:
     return {**HF_COMMON, **fam.hf_fields}
 
 
+def check_moe_class(spec: ModelSpec) -> None:
+    """Refuse a MoE model for a dense family's HF class and a dense model for a MoE class."""
+    fam = of(spec)
+    if spec.is_moe != fam.moe:
+        what = "mixture-of-experts" if spec.is_moe else "dense"
+        moe = [f.name for f in all_families() if f.moe]
+        raise MConvertError(f"a {what} model cannot be written as HF {fam.architecture} (family {fam.name}); "
+                            + (f"MoE families: {', '.join(moe)}" if spec.is_moe else "it has no num_experts")
+                            + "; conversion refused")
+
+
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
     """config.json content for transformers / vLLM. Every eps and rope setting is written explicitly."""
     spec.refuse_unmapped("HF")
+    check_moe_class(spec)
     fam = of(spec)
     cfg: dict[str, Any] = {"architectures": [fam.architecture], "model_type": fam.model_type}
     cfg.update(fam.to_hf(spec))
@@ -149,6 +164,7 @@ def refuse_for_hf(spec: ModelSpec, source: str) -> None:
     """Refuse, before any tensor is read, a model whose HF config.json cannot state it (naming `source`)."""
     spec.refuse_unmapped("HF", source)
     try:
+        check_moe_class(spec)
         of(spec).to_hf(spec)
     except MConvertError as e:
         raise MConvertError(f"{source}: {e}") from None
@@ -255,8 +271,18 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
         params_dtype=dtype,
         **rope_and_qk_from_megatron_args(a, source),
+        **moe_from_megatron_args(a),
     )
     if family is None:
         family = get("model_family", None)
-    name = by_name(family).name if family is not None else recognise(fields).name
-    return ModelSpec(family=name, **fields)
+    fam = by_name(family) if family is not None else recognise(fields)
+    n = fields.get("num_experts")
+    if (n is not None) != fam.moe:
+        moe = ", ".join(f.name for f in all_families() if f.moe)
+        raise MConvertError(
+            f"{source}: Megatron arg num_experts={n!r} is not supported for the "
+            + (f"dense family {fam.name!r} (MoE families: {moe})" if n is not None else
+               f"MoE family {fam.name!r}, which needs num_experts")
+            + "; conversion refused"
+        )
+    return ModelSpec(family=fam.name, **fields)

@@ -169,6 +169,7 @@ class Family:
     ft: FTLayout | None = None
     trtllm: TrtllmLayout | None = None
     sliding_window_by_default: bool = False  # HF applies `sliding_window` without `use_sliding_window`
+    moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

@@ -180,6 +180,11 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "rope_scaling_factor": mapped("rope_scaling_factor", NUM, 8.0),
     "rotary_seq_len_interpolation_factor": mapped("rope_scaling_factor", NUM),
     "qk_layernorm": mapped("qk_layernorm", BOOL, False),
+    # mixture of experts: Megatron-LM's argparse name and megatron-core's config name for the count
+    "num_experts": mapped("num_experts", INT),
+    "num_moe_experts": mapped("num_experts", INT),
+    "moe_ffn_hidden_size": mapped("moe_ffn_hidden_size", INT),
+    "moe_router_topk": mapped("moe_router_topk", INT, 2),
 }
 
 _MEGATRON_REFUSED: dict[str, Field] = {
@@ -215,8 +220,33 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     "activation_func": refused("a stored activation callable is not read (Megatron-LM selects it by swiglu / "
                                "openai_gelu)", None),
     # other architectures and layer layouts
-    "num_experts": refused("mixture-of-experts is not mapped", None),
-    "num_moe_experts": refused("mixture-of-experts is not mapped", None),
+    # MoE variants that change the routed function (the mapped router: top-k of the logits, softmax over the k)
+    "moe_router_score_function": refused("only the softmax router score is mapped (sigmoid is DeepSeek-V3's)",
+                                         "softmax"),
+    "moe_router_pre_softmax": refused("a softmax over all experts before top-k (no renormalisation) is not mapped",
+                                      False),
+    "moe_router_enable_expert_bias": refused("a router expert bias (DeepSeek-V3's aux-loss-free balancing) is not "
+                                             "mapped", False),
+    "moe_router_num_groups": refused("group-limited routing is not mapped", None),
+    "moe_router_group_topk": refused("group-limited routing is not mapped", None),
+    "moe_router_topk_limited_devices": refused("device-limited routing is not mapped", None),
+    "moe_router_topk_scaling_factor": refused("a scaled routing weight is not mapped", None,
+                                              lambda v, a: v == 1 or v == 1.0),
+    "moe_router_load_balancing_type": refused("sinkhorn routing changes the inference router (sigmoid / softmax "
+                                              "before top-k); only the softmax top-k router is mapped", "aux_loss",
+                                              lambda v, a: v in ("aux_loss", "seq_aux_loss", "global_aux_loss",
+                                                                 "none")
+                                              or (isinstance(v, list) and "sinkhorn" not in v)),
+    "moe_router_force_load_balancing": refused("forced (random) routing is not mapped", False),
+    "moe_shared_expert_intermediate_size": refused("shared experts are not mapped", None),
+    "moe_shared_expert_gate": refused("shared experts are not mapped", False),
+    "moe_layer_freq": refused("dense layers between MoE layers (moe_layer_freq != 1) are not mapped", 1,
+                              lambda v, a: isinstance(v, list) and all(x == 1 for x in v)),
+    "moe_expert_capacity_factor": refused("expert capacity (token dropping) changes the function; not mapped", None),
+    "moe_pad_expert_input_to_capacity": refused("expert capacity padding is not mapped", False),
+    "moe_token_dropping": refused("token dropping changes the function; not mapped", False),
+    "moe_apply_probs_on_input": refused("routing probabilities applied to the expert input are not mapped", False),
+    "moe_latent_size": refused("latent MoE projections are not mapped", None),
     "mtp_num_layers": refused("multi-token-prediction layers are not mapped", None),
     "is_hybrid_model": refused("hybrid Mamba models are not mapped", False),
     "hybrid_attention_ratio": refused("hybrid Mamba models are not mapped", 0.0),
@@ -443,20 +473,16 @@ _MEGATRON_TRAINING = _training_only(
 
 
 def _moe_only(names: list[str]) -> dict[str, Field]:
-    return neutral("only with num_experts / num_moe_experts, which are refused", *names)
+    return neutral("MoE training, kernel or dispatch choice: the same routed function at inference", *names)
 
 
+# The MoE args that cannot change the function at inference (the ones that can are mapped or refused above).
 _MOE_FIELDS = """
-    moe_shared_expert_intermediate_size moe_shared_expert_gate moe_shared_expert_overlap moe_layer_freq
-    moe_ffn_hidden_size moe_router_load_balancing_type moe_router_topk moe_enable_routing_replay
-    moe_router_topk_limited_devices moe_router_padding_for_quantization moe_router_padding_for_fp8
-    moe_router_num_groups moe_router_group_topk moe_router_pre_softmax moe_router_topk_scaling_factor
-    moe_router_score_function moe_router_dtype moe_router_enable_expert_bias moe_router_bias_update_rate
-    moe_router_force_load_balancing moe_grouped_gemm moe_use_legacy_grouped_gemm moe_aux_loss_coeff
-    moe_z_loss_coeff moe_input_jitter_eps moe_token_dropping moe_token_dispatcher_type moe_enable_deepep
-    moe_flex_dispatcher_backend moe_per_layer_logging moe_expert_capacity_factor moe_pad_expert_input_to_capacity
-    moe_token_drop_policy moe_layer_recompute moe_permute_fusion moe_router_fusion moe_apply_probs_on_input
-    moe_latent_size moe_deepep_num_sms moe_hybridep_num_sms
+    moe_shared_expert_overlap moe_enable_routing_replay moe_router_padding_for_quantization
+    moe_router_padding_for_fp8 moe_router_dtype moe_router_bias_update_rate moe_grouped_gemm
+    moe_use_legacy_grouped_gemm moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps moe_token_dispatcher_type
+    moe_enable_deepep moe_flex_dispatcher_backend moe_per_layer_logging moe_token_drop_policy moe_layer_recompute
+    moe_permute_fusion moe_router_fusion moe_deepep_num_sms moe_hybridep_num_sms
 """.split()
 
 MEGATRON_ARGS: dict[str, Field] = {
@@ -520,7 +546,7 @@ ARGS_NUMBERS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "max_position_embeddings", "seq_length", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
     "norm_epsilon", "layernorm_epsilon", "rotary_base", "rotary_percent", "rope_scaling_factor",
-    "rotary_seq_len_interpolation_factor",
+    "rotary_seq_len_interpolation_factor", "num_experts", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk",
 )
 HF_NUMBERS = (
     "vocab_size", "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "layer_norm_epsilon",

@@ -71,10 +71,24 @@ def is_dropped(key: str) -> bool:
     return any(key.endswith(s) for s in DROP_SUFFIXES)
 
 
+def grouped_expert_key(name: str) -> str:
+    """TE grouped-GEMM expert spelling -> the SequentialMLP one: `mlp.experts.linear_fc1.weight3` ->
+    `mlp.experts.local_experts.3.linear_fc1.weight` (3 = the local expert index); other names pass through."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[-3] != "experts" or parts[-2] not in ("linear_fc1", "linear_fc2"):
+        return name
+    last = parts[-1]
+    for kind in ("weight", "bias"):
+        if last.startswith(kind) and last[len(kind):].isdigit():
+            return ".".join(parts[:-2] + ["local_experts", last[len(kind):], parts[-2], kind])
+    return name
+
+
 def canonical_key(key: str) -> str | None:
     """Any Megatron spelling -> canonical mcore local name (stage-local index), or None for an explicit drop."""
     if is_dropped(key):
         return None
+    key = grouped_expert_key(key)
     name = key
     for old, new in PREFIXES.items():
         if name.startswith(old):

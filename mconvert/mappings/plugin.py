@@ -15,7 +15,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings import transforms as T
 from mconvert.mappings.family import Plugin, Rule
-from mconvert.mappings.registry import Registry, fill
+from mconvert.mappings.registry import Registry, fill, layer_of
 from mconvert.spec import ModelSpec
 
 Unit = str | int
@@ -185,7 +185,7 @@ def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit |
             return "final"
         return None
     if layer is not None:
-        return layer
+        return layer_of(layer)
     return "embedding" if val[0].startswith("embedding.") else "final"
 
 

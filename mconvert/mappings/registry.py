@@ -1,6 +1,8 @@
-"""Wildcard registry: plugin templates use `*` for the layer index; this module compiles them once.
+"""Wildcard registry: plugin templates use `*` for the layer index (and a second `*` for a routed expert's
+index); this module compiles them once.
 
-No plugin ever writes a regex. `Registry.match(name)` returns the template's value and the layer index.
+No plugin ever writes a regex. `Registry.match(name)` returns the template's value and the layer index (the
+(layer, expert) pair for a template with two wildcards).
 """
 
 from __future__ import annotations
@@ -17,9 +19,24 @@ def compile_template(template: str) -> re.Pattern[str]:
     return re.compile("^" + r"(\d+)".join(re.escape(p) for p in template.split("*")) + "$")
 
 
-def fill(template: str, layer: int | None) -> str:
-    """Put a layer index into a template (templates without `*` pass through)."""
-    return template if layer is None else template.replace("*", str(layer))
+Index = int | tuple[int, ...] | None
+
+
+def fill(template: str, layer: Index) -> str:
+    """Put a layer index (or the (layer, expert) pair) into a template's wildcards, in order (templates without
+    `*` pass through)."""
+    if layer is None:
+        return template
+    idx = layer if isinstance(layer, tuple) else (layer,) * template.count("*")
+    parts = template.split("*")
+    if len(idx) != len(parts) - 1:
+        raise ValueError(f"template {template!r} has {len(parts) - 1} wildcards, given {len(idx)} indices")
+    return parts[0] + "".join(str(i) + rest for i, rest in zip(idx, parts[1:]))
+
+
+def layer_of(index: Index) -> int | None:
+    """The layer index of a match (the first wildcard)."""
+    return index[0] if isinstance(index, tuple) else index
 
 
 class Registry(Generic[V]):
@@ -30,14 +47,16 @@ class Registry(Generic[V]):
         self._exact = {k: v for k, v in table.items() if "*" not in k}
         self._wild = [(compile_template(k), k, v) for k, v in table.items() if "*" in k]
 
-    def match(self, name: str) -> tuple[str, V, int | None] | None:
-        """(template, value, layer index or None) for `name`, or None when no template matches."""
+    def match(self, name: str) -> tuple[str, V, Index] | None:
+        """(template, value, layer index — or (layer, expert) for two wildcards — or None) for `name`, or None
+        when no template matches."""
         if name in self._exact:
             return name, self._exact[name], None
         for pat, tpl, val in self._wild:
             m = pat.match(name)
             if m:
-                return tpl, val, int(m.group(1))
+                groups = tuple(int(g) for g in m.groups())
+                return tpl, val, groups[0] if len(groups) == 1 else groups
         return None
 
     def __iter__(self) -> Iterator[str]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from rich.table import Table
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "send/recv", "broadcast")
-GROUPS = ("TP", "PP", "DP", "embedding")
+GROUPS = ("TP", "PP", "DP", "embedding", "EP", "EDP")
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""Run a Megatron checkpoint natively at its own TP/PP (no merging) and return its logits.
+"""Run a Megatron checkpoint natively at its own TP/PP/EP (no merging) and return its logits.
 
-`megatron_logits(ckpt, tokens)` starts TP·PP processes (gloo on CPU, NCCL on CUDA), each loads its own
-`mp_rank_TT[_PPP]` file into the trainer's GPT stage, activations flow stage to stage, the last stage
-all-gathers its vocab shards and strips the padded rows. This is what the validator compares formats against.
+`megatron_logits(ckpt, tokens)` starts TP·PP·EP processes (gloo on CPU, NCCL on CUDA; the EP ranks are the
+data-parallel ranks, every one fed the same tokens), each loads its own `mp_rank_TT[_PPP][_EEE]` file into the
+trainer's GPT stage, activations flow stage to stage, the last stage all-gathers its vocab shards and strips
+the padded rows. This is what the validator compares formats against.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def read_checkpoint_args(ckpt_dir: str | Path, iteration: int | str | None = Non
     it = read_latest(ckpt_dir) if iteration is None else iteration
     if isinstance(it, str) and it != "release":
         it = int(it)
-    for pp_size in (2, 1):  # PP > 1 names mp_rank_00_000; PP == 1 names mp_rank_00
-        path = rank_file(ckpt_dir, it, 0, 0, pp_size)
+    # PP > 1 and EP > 1 name mp_rank_00_000_000; one of them mp_rank_00_000; neither mp_rank_00
+    for pp_size, ep_size in ((2, 2), (2, 1), (1, 1)):
+        path = rank_file(ckpt_dir, it, 0, 0, pp_size, 0, ep_size)
         if path.exists():
             return safe_load(_contained(ckpt_dir, path))["args"], it
     raise MConvertError(f"{ckpt_dir}: no {rank_file(ckpt_dir, it, 0, 0, 2).parent.name} or mp_rank_00 in "
@@ -85,14 +87,14 @@ def _local_spec_weights(state: dict[str, Any], path: Path) -> dict[str, torch.Te
 
 
 def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: int, tokens: torch.Tensor,
-                  device: str, return_hidden: bool) -> dict[str, Any]:
+                  device: str, return_hidden: bool, ep: int = 1) -> dict[str, Any]:
     """One rank: load and check its own file before joining the group (a bad file fails this rank before any
     collective), then run its stage. A failure leaves at once: no barrier on the way out."""
-    torch.set_num_threads(threads_per_rank(tp * pp))
-    tp_rank, _, pp_rank = coords(int(os.environ.get("RANK", "0")), tp, 1, pp)
-    path = _contained(ckpt_dir, rank_file(ckpt_dir, it, tp_rank, pp_rank, pp))
+    torch.set_num_threads(threads_per_rank(tp * pp * ep))
+    tp_rank, ep_rank, pp_rank = coords(int(os.environ.get("RANK", "0")), tp, ep, pp)  # DP = EP
+    path = _contained(ckpt_dir, rank_file(ckpt_dir, it, tp_rank, pp_rank, pp, ep_rank, ep))
     weights = _local_spec_weights(safe_load(path), path)
-    st = init_distributed(tp, pp, 1, device)
+    st = init_distributed(tp, pp, ep, device, ep=ep)
     dtype = next(iter(weights.values())).dtype
     model = GPTModel(spec, st, seed=None, dtype=dtype)
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -104,7 +106,7 @@ def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: in
     del weights
     logits, hidden = pipeline_logits(model, st, tokens, return_hidden)
     out: dict[str, Any] = {}
-    if st.tp_rank == 0:
+    if st.tp_rank == 0 and st.ep_rank == 0:  # the other EP ranks ran the same tokens
         out["hidden"] = (st.pp_rank, hidden)
         if logits is not None:
             out["logits"] = logits
@@ -115,7 +117,7 @@ def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: in
 
 def megatron_logits(ckpt_dir: str | Path, tokens: torch.LongTensor, iteration: int | str | None = None,
                     device: str = "cpu", return_hidden: bool = False) -> Any:
-    """Logits [B, S, vocab_size] (fp32, padding stripped) of the checkpoint run at its own TP/PP.
+    """Logits [B, S, vocab_size] (fp32, padding stripped) of the checkpoint run at its own TP/PP/EP.
 
     With `return_hidden=True` returns (logits, hidden) where hidden is a list of num_layers + 1 tensors
     [B, S, H]: the embedding output, then each layer's output (before the final norm)."""
@@ -123,6 +125,11 @@ def megatron_logits(ckpt_dir: str | Path, tokens: torch.LongTensor, iteration: i
     spec = families.spec_from_megatron_args(args, source=str(ckpt_dir))
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    if etp != tp:
+        raise MConvertError(f"{ckpt_dir}: expert_tensor_parallel_size={etp} differs from TP={tp}; the native runner "
+                            "splits experts like the dense MLP: reshard it to expert TP = TP first")
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         raise MConvertError(f"{ckpt_dir}: virtual pipeline checkpoints are not supported by the native runner")
     tokens = torch.as_tensor(tokens, dtype=torch.long)
@@ -130,8 +137,8 @@ def megatron_logits(ckpt_dir: str | Path, tokens: torch.LongTensor, iteration: i
         raise MConvertError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
     if int(tokens.max()) >= spec.vocab_size or int(tokens.min()) < 0:
         raise MConvertError(f"token ids must lie in [0, {spec.vocab_size}) for {ckpt_dir}")
-    results = launch(_infer_worker, (str(ckpt_dir), it, spec, tp, pp, tokens, device, return_hidden), tp * pp,
-                     device)
+    results = launch(_infer_worker, (str(ckpt_dir), it, spec, tp, pp, tokens, device, return_hidden, ep),
+                     tp * pp * ep, device)
     logits = next(r["logits"] for r in results.values() if r and "logits" in r)
     if not return_hidden:
         return logits

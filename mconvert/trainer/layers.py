@@ -4,6 +4,8 @@ Each layer pairs a forward collective with its conjugate in backward through an 
   copy-to-TP:      identity fwd, all-reduce bwd   (input of a column-parallel linear)
   reduce-from-TP:  all-reduce fwd, identity bwd   (output of a row-parallel linear / the embedding)
   gather-from-TP:  all-gather fwd, split bwd      (only where full logits are asked for: inference)
+  gather-tokens:   all-gather fwd, reduce-scatter bwd over EP (MoE dispatch: every token to every expert rank)
+  scatter-tokens:  reduce-scatter fwd, all-gather bwd over EP (MoE combine: each rank gets its tokens' sums)
 The parameters arrive already sharded (the model cuts full tensors with `transforms.shard`).
 """
 
@@ -77,6 +79,42 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return comm.all_gather(g.contiguous(), ctx.group, "TP", dim=1), None
 
 
+class _GatherTokens(torch.autograd.Function):
+    """All-gather along dim 0 over `group` fwd (rank order), reduce-scatter of the gradient bwd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, name: str) -> torch.Tensor:
+        ctx.group, ctx.name = group, name
+        return comm.all_gather(x, group, name, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return comm.reduce_scatter(g.contiguous(), ctx.group, ctx.name, dim=0), None, None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Reduce-scatter along dim 0 over `group` fwd, all-gather of the gradient bwd."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, name: str) -> torch.Tensor:
+        ctx.group, ctx.name = group, name
+        return comm.reduce_scatter(x.contiguous(), group, name, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return comm.all_gather(g.contiguous(), ctx.group, ctx.name, dim=0), None, None
+
+
+def gather_tokens(x: torch.Tensor, group: Any, name: str = "EP") -> torch.Tensor:
+    """[N, ...] on each rank -> [N·ranks, ...] in group rank order; gradients reduce-scattered back."""
+    return x if group is None else _GatherTokens.apply(x, group, name)
+
+
+def scatter_tokens(x: torch.Tensor, group: Any, name: str = "EP") -> torch.Tensor:
+    """[N·ranks, ...] partial sums on each rank -> this rank's [N, ...] summed over the group."""
+    return x if group is None else _ScatterTokens.apply(x, group, name)
+
+
 def copy_to_tp(x: torch.Tensor, st: ParallelState) -> torch.Tensor:
     return x if st.tp_group is None else _CopyToTP.apply(x, st.tp_group)
 
@@ -117,6 +155,14 @@ class _LinearBase(nn.Module):
 
     def set_extra_state(self, state: Any) -> None:
         pass
+
+
+class LocalLinear(_LinearBase):
+    """Y = X W^T (+ b) on this rank's shard, no collective: an MoE expert, whose layer runs the TP and EP
+    collectives once around all its experts."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_LinearBase):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,9 +22,16 @@ from mconvert.mappings.transforms import shard
 from mconvert.spec import ModelSpec, ParamDecl
 from mconvert.trainer.layers import (
     ColumnParallelLinear,
+    LocalLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_to_tp,
+    gather_from_sp,
     gather_from_tp,
+    gather_tokens,
+    reduce_from_tp,
+    reduce_scatter_to_sp,
+    scatter_tokens,
     vocab_parallel_cross_entropy,
 )
 from mconvert.trainer.parallel import ParallelState
@@ -79,6 +88,7 @@ class _Maker:
             t = t.to(dtype=self.dtype, device=self.st.device).clone()
         p = nn.Parameter(t)
         p.split_kind = decl.kind  # type: ignore[attr-defined]  (read by sequence_parallel_params)
+        p.expert = decl.expert is not None  # type: ignore[attr-defined]  (grads summed over expert-DP ranks)
         return p
 
 
@@ -198,15 +208,121 @@ class MLP(nn.Module):
         self.linear_fc2 = _linear(w.kind, make(w), make(b), st)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.activation == "gelu_new":  # Megatron openai_gelu
-            h = 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * h * (1.0 + 0.044715 * h * h)))
-        else:
-            h = F.gelu(h)
-        return self.linear_fc2(h)
+        return self.linear_fc2(activate(self.linear_fc1(x), self.activation))
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The MLP activation on fc1's output (swiglu: this rank's [gate_r; up_r] halves)."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "gelu_new":  # Megatron openai_gelu
+        return 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * h * (1.0 + 0.044715 * h * h)))
+    return F.gelu(h)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `x`; in backward also sends `scale` as the gradient of `aux` (megatron-core's
+    MoEAuxLossAutoScaler): the load-balancing loss joins the backward pass without changing the output."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (aux,) = ctx.saved_tensors
+        return g, torch.full_like(aux, ctx.scale), None
+
+
+def load_balancing_loss(logits: torch.Tensor, top: torch.Tensor, num_experts: int, topk: int,
+                        coeff: float) -> torch.Tensor:
+    """megatron-core's switch load-balancing loss of one micro-batch's N tokens:
+    coeff · E / (k · N²) · Σ_e (Σ_tokens softmax(logits)_e) · (tokens routed to e)."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    counts = torch.zeros(num_experts, device=logits.device).index_add_(
+        0, top.reshape(-1), torch.ones(top.numel(), device=logits.device))
+    n = logits.shape[0]
+    return (scores.sum(dim=0) * counts).sum() * (num_experts * coeff / (topk * n * n))
+
+
+class MoE(nn.Module):
+    """Router [E, H] (top-k on logits, softmax over the k: megatron-core's default), then this EP rank's
+    E/EP experts (SwiGLU, TP-split like the dense MLP) over the tokens of its whole EP group.
+
+    Collectives, once per layer around all experts: copy-to-TP (all-reduce bwd) or, under sequence
+    parallelism, all-gather of the sequence; all-gather of tokens, probabilities and choices over EP
+    (reduce-scatter bwd); reduce-scatter of the weighted expert outputs over EP (all-gather bwd); all-reduce
+    (or reduce-scatter of the sequence) of the TP partial sums. Dropless: every token reaches its k experts."""
+
+    def __init__(self, spec: ModelSpec, decls: dict[str, ParamDecl], make: _Maker, st: ParallelState) -> None:
+        super().__init__()
+        self.spec, self.st = spec, st
+        self.num_experts, self.topk = spec.num_experts, spec.moe_router_topk
+        self.router = _Router(make(decls["router.weight"]))
+        per_rank = self.num_experts // st.ep
+        self.first = st.ep_rank * per_rank
+        experts = []
+        for i in range(per_rank):
+            pre = f"experts.local_experts.{self.first + i}."  # canonical names carry the global expert index
+            experts.append(Expert(spec, {k[len(pre):]: d for k, d in decls.items() if k.startswith(pre)}, make, st))
+        self.experts = _LocalExperts(experts)
+        self.aux_loss_coeff = 0.0  # set by the trainer; 0 = no load-balancing loss (inference)
+        self.aux_loss_scale = 1.0  # gradient of the aux loss per micro-batch: 1/M, and 1/TP (TP sums it)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        st = self.st
+        x = gather_from_sp(x, st) if st.sequence_parallel else copy_to_tp(x, st)
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        logits = F.linear(h, self.router.weight.to(h.dtype))
+        top_logits, top = logits.topk(self.topk, dim=-1)
+        probs = torch.softmax(top_logits.float(), dim=-1).to(h.dtype)
+        if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            aux = load_balancing_loss(logits, top, self.num_experts, self.topk, self.aux_loss_coeff)
+            probs = _AttachAuxLoss.apply(probs, aux, self.aux_loss_scale / st.tp)
+        tokens = gather_tokens(h, st.ep_group)
+        probs = gather_tokens(probs, st.ep_group)
+        top = gather_tokens(top, st.ep_group)
+        out = torch.zeros_like(tokens)
+        for i, expert in enumerate(self.experts.local_experts):
+            rows, slot = (top == self.first + i).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, expert(tokens[rows]) * probs[rows, slot].unsqueeze(-1))
+        y = scatter_tokens(out, st.ep_group).view(shape)
+        return reduce_scatter_to_sp(y, st) if st.sequence_parallel else reduce_from_tp(y, st)
+
+
+class _Router(nn.Module):
+    """Holds `router.weight` [E, H] (replicated over TP and EP); no `_extra_state`, as megatron-core's router."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+
+class _LocalExperts(nn.Module):
+    """`experts.local_experts.{i}`: megatron-core SequentialMLP's names, i local to this EP rank."""
+
+    def __init__(self, experts: list[nn.Module]) -> None:
+        super().__init__()
+        self.local_experts = nn.ModuleList(experts)
+
+
+class Expert(nn.Module):
+    """One expert's TP shard: fc1 (each rank [gate_r; up_r]) → SwiGLU → fc2 (rows of its inputs); no
+    collective (the MoE layer reduces the partial sums of all experts at once)."""
+
+    def __init__(self, spec: ModelSpec, decls: dict[str, ParamDecl], make: _Maker, st: ParallelState) -> None:
+        super().__init__()
+        self.activation = spec.activation
+        self.linear_fc1 = LocalLinear(make(decls["linear_fc1.weight"]), None, st)
+        self.linear_fc2 = LocalLinear(make(decls["linear_fc2.weight"]), None, st)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(activate(self.linear_fc1(x), self.activation))
 
 
 class TransformerLayer(nn.Module):
@@ -219,7 +335,8 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(spec, attn, make, st)
         self.pre_mlp_layernorm = Norm(spec, make(decls["pre_mlp_layernorm.weight"]),
                                       make(decls.get("pre_mlp_layernorm.bias")))
-        self.mlp = MLP(spec, {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("mlp.")}, make, st)
+        mlp = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("mlp.")}
+        self.mlp = MoE(spec, mlp, make, st) if "router.weight" in mlp else MLP(spec, mlp, make, st)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         x = x + self.self_attention(self.input_layernorm(x), rope)
@@ -277,7 +394,7 @@ class GPTModel(nn.Module):
     def __init__(self, spec: ModelSpec, st: ParallelState, seed: int | None = 1234,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        check_trainable(spec, st.tp, st.pp)
+        check_trainable(spec, st.tp, st.pp, st.ep)
         self.spec, self.st = spec, st
         make = _Maker(spec, st, seed, dtype)
         self.pre_process, self.post_process = st.is_first_stage, st.is_last_stage
@@ -311,7 +428,21 @@ class GPTModel(nn.Module):
             for norm in (attn.q_layernorm, attn.k_layernorm):
                 if norm is not None:
                     out += [p for p in norm.parameters() if id(p) not in seen]
+            if isinstance(layer.mlp, MoE) and self.st.tp > 1 and id(layer.mlp.router.weight) not in seen:
+                out.append(layer.mlp.router.weight)  # it multiplies the TP partial sums of the experts
         return out
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.decoder.layers if isinstance(layer.mlp, MoE)]
+
+    def expert_params(self) -> list[nn.Parameter]:
+        """This EP rank's expert weights: their gradients are summed over expert-data-parallel replicas only."""
+        return [p for p in self.parameters() if getattr(p, "expert", False)]
+
+    def set_aux_loss(self, coeff: float, scale: float) -> None:
+        """Load-balancing loss coefficient, and its gradient per micro-batch (1/M, as the LM loss's)."""
+        for moe in self.moe_layers():
+            moe.aux_loss_coeff, moe.aux_loss_scale = coeff, scale
 
     def shared_embedding_weight(self) -> nn.Parameter | None:
         """The parameter the embedding group all-reduces (word embeddings on stage 0, its copy on the last)."""
@@ -348,9 +479,21 @@ class GPTModel(nn.Module):
         return gather_from_tp(logits.float(), self.st)[..., : self.spec.vocab_size]
 
 
-def check_trainable(spec: ModelSpec, tp: int, pp: int) -> None:
-    """What our layers (and megatron-core) need: TP divides heads, query groups and ffn; PP divides layers."""
-    spec.check_parallel(tp, pp)
+def check_trainable(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
+    """What our layers (and megatron-core) need: TP divides heads, query groups and ffn; PP divides layers;
+    EP divides the experts; MoE experts are bias-free SwiGLU with top-k ≥ 2 (softmax over one choice is 1)."""
+    spec.check_parallel(tp, pp, ep=ep)
+    if spec.is_moe:
+        if spec.activation != "swiglu" or spec.add_bias_linear:
+            raise MConvertError(
+                f"MoE experts here are bias-free SwiGLU; this model has activation={spec.activation!r}, "
+                f"add_bias_linear={spec.add_bias_linear}; use a Mixtral / Qwen3-MoE style preset"
+            )
+        if spec.moe_router_topk < 2:
+            raise MConvertError(
+                f"--moe-topk {spec.moe_router_topk}: pick 2..{spec.num_experts} (softmax over the top-k is 1 for k = 1, "
+                "megatron-core asks for --moe-router-pre-softmax then, which is not this router)"
+            )
     if spec.num_groups % tp:
         raise MConvertError(
             f"TP={tp} does not divide num_query_groups={spec.num_groups}; megatron-core needs it to (pick a smaller TP)"

@@ -1,8 +1,9 @@
 """The training loop (one process per rank) and the launcher that starts TP·PP·DP processes on this node.
 
 `train(cfg)` builds the tokenizer, then starts the ranks through torch's elastic launcher (what torchrun
-uses); every rank runs `train_worker`: process groups, the GPT stage, Adam, the 1F1B schedule, DP and
-embedding-group gradient all-reduces, and Megatron legacy-torch checkpoints (only DP rank 0 writes).
+uses); every rank runs `train_worker`: process groups, the GPT stage, Adam, the 1F1B schedule, DP,
+expert-data-parallel and embedding-group gradient all-reduces, and Megatron legacy-torch checkpoints
+(one file per TP × PP × EP rank, written by its expert-data-parallel rank 0).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -41,12 +43,13 @@ from mconvert.mappings.families import preset
 from mconvert.spec import ModelSpec
 from mconvert.trainer import comm, procs
 from mconvert.trainer.model import GPTModel, check_trainable
-from mconvert.trainer.parallel import ParallelState, global_rank, init_distributed
+from mconvert.trainer.parallel import ParallelState, check_expert_layout, global_rank, init_distributed
 from mconvert.trainer.schedule import forward_backward_1f1b
 
 # Model-size fields a flag may override on top of the preset.
 SPEC_OVERRIDES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                  "max_position_embeddings", "kv_channels", "rotary_base", "norm_epsilon")
+                  "max_position_embeddings", "kv_channels", "rotary_base", "norm_epsilon", "num_experts",
+                  "moe_ffn_hidden_size")
 ADAM = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
@@ -58,6 +61,7 @@ class TrainConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert-parallel size: experts split over groups of EP data-parallel ranks (divides dp)
     steps: int = 50  # Megatron's train_iters: the iteration to stop at (also with --resume)
     save: str | None = None
     save_interval: int | None = None  # default: only at the end
@@ -84,6 +88,10 @@ class TrainConfig:
     kv_channels: int | None = None
     rotary_base: float | None = None
     norm_epsilon: float | None = None
+    num_experts: int | None = None  # MoE: experts per layer (Megatron --num-experts)
+    moe_ffn_hidden_size: int | None = None  # MoE: each expert's ffn width
+    moe_topk: int | None = None  # MoE: experts per token (Megatron --moe-router-topk)
+    moe_aux_loss_coeff: float = 1e-2  # MoE: load-balancing loss coefficient (Megatron --moe-aux-loss-coeff)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -99,8 +107,11 @@ class TrainConfig:
             raise MConvertError(f"--dtype {self.dtype!r}: choose fp32 or bf16")
         if self.steps < 0:
             raise MConvertError(f"--steps must be >= 0, got {self.steps}")
-        if min(self.tp, self.pp, self.dp) < 1:
-            raise MConvertError(f"--tp/--pp/--dp must be >= 1 (got {self.tp}/{self.pp}/{self.dp})")
+        if min(self.tp, self.pp, self.dp, self.ep) < 1:
+            raise MConvertError(f"--tp/--pp/--dp/--ep must be >= 1 (got {self.tp}/{self.pp}/{self.dp}/{self.ep})")
+        check_expert_layout(self.dp, self.ep)
+        if self.moe_aux_loss_coeff < 0:
+            raise MConvertError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         if self.global_batch_size % (self.micro_batch_size * self.dp):
             raise MConvertError(
                 f"--global-batch-size {self.global_batch_size} is not a multiple of micro_batch_size × DP = "
@@ -117,6 +128,8 @@ class TrainConfig:
 def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
     """The preset, overridden by any model-size flag; vocab follows the tokenizer; dtype follows --dtype."""
     changes: dict[str, Any] = {k: getattr(cfg, k) for k in SPEC_OVERRIDES if getattr(cfg, k) is not None}
+    if cfg.moe_topk is not None:
+        changes["moe_router_topk"] = cfg.moe_topk
     base = preset(cfg.preset)
     if "max_position_embeddings" not in changes and cfg.seq_length > base.max_position_embeddings:
         changes["max_position_embeddings"] = cfg.seq_length
@@ -128,7 +141,11 @@ def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
         raise MConvertError(
             f"--seq-length {cfg.seq_length} > max_position_embeddings {spec.max_position_embeddings}; lower it"
         )
-    check_trainable(spec, cfg.tp, cfg.pp)
+    if spec.is_moe and not families.of(spec).moe:  # its HF class has no experts: no converter could export it
+        moe_presets = [name for f in families.all_families() if f.moe for name in f.presets]
+        raise MConvertError(f"--num-experts: preset {cfg.preset} is of the dense family {spec.family!r}; "
+                            f"train experts from an MoE preset ({', '.join(moe_presets)})")
+    check_trainable(spec, cfg.tp, cfg.pp, cfg.ep)
     return spec
 
 
@@ -180,11 +197,20 @@ def _flat_all_reduce(tensors: list[torch.Tensor], group: Any, name: str, scale: 
 
 
 def sync_gradients(model: GPTModel, st: ParallelState) -> None:
-    """TP sum of the replicated grads that are partial per rank (sequence parallel, q/k norms), DP mean of every gradient (one flat all-reduce each), then
-    the tied-embedding sum over the embedding group."""
+    """TP sum of the replicated grads that are partial per rank (sequence parallel, q/k norms, MoE routers);
+    DP mean of every dense gradient; expert gradients summed over their expert-data-parallel replicas and
+    divided by DP (each already holds the tokens of its whole EP group, as megatron-core scales them);
+    then the tied-embedding sum over the embedding group. One flat all-reduce each."""
     _flat_all_reduce([p.grad for p in model.tp_summed_params() if p.grad is not None], st.tp_group, "TP")
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    experts = {id(p) for p in model.expert_params()}
+    grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
     _flat_all_reduce(grads, st.dp_group, "DP", 1.0 / st.dp)
+    expert_grads = [p.grad for p in model.expert_params() if p.grad is not None]
+    if st.edp_group is None:
+        for g in expert_grads:
+            g.mul_(1.0 / st.dp)
+    else:
+        _flat_all_reduce(expert_grads, st.edp_group, "EDP", 1.0 / st.dp)
     shared = model.shared_embedding_weight()
     if shared is not None and shared.grad is not None:
         _flat_all_reduce([shared.grad], st.embedding_group, "embedding")
@@ -207,8 +233,13 @@ def rng_state(seed: int, st: ParallelState) -> list[dict[str, Any]]:
 
 def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: int) -> Any:
     """Megatron's args Namespace: the model's (spec.to_megatron_args) plus the training run's own names."""
+    moe: dict[str, Any] = {}
+    if spec.is_moe:  # megatron-core's names for this trainer's router and its load-balancing loss
+        moe = dict(moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss",
+                   moe_router_pre_softmax=False, moe_router_score_function="softmax",
+                   moe_expert_capacity_factor=None)
     return spec.to_megatron_args(
-        cfg.tp, cfg.pp,
+        cfg.tp, cfg.pp, ep=cfg.ep,
         seq_length=cfg.seq_length, seed=cfg.seed, lr=cfg.lr, min_lr=cfg.lr, lr_decay_style="constant",
         lr_warmup_iters=0, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.steps, iteration=iteration, consumed_train_samples=consumed,
@@ -217,21 +248,31 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
         init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0, save=cfg.save_as or cfg.save, load=cfg.save_as or cfg.save,
         save_interval=cfg.save_interval, use_distributed_optimizer=False, data_parallel_random_init=False,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=cfg.save_as or cfg.save, use_checkpoint_args=False,
-        sequence_parallel=cfg.sequence_parallel and cfg.tp > 1,
+        sequence_parallel=cfg.sequence_parallel and cfg.tp > 1, **moe,
     )
 
 
+def active_parameters(spec: ModelSpec) -> int:
+    """Parameters one token meets: all of a dense model; an MoE model's router and k of its E experts."""
+    if not spec.is_moe:
+        return spec.num_parameters()
+    per_expert = sum(math.prod(d.shape) for d in spec.layer_params(0) if d.expert == 0)
+    return spec.num_parameters() - spec.num_layers * (spec.num_experts - spec.moe_router_topk) * per_expert
+
+
 def flops_per_iteration(spec: ModelSpec, cfg: TrainConfig) -> float:
-    """6·N·tokens for the matmuls plus the attention score/context products (fwd+bwd)."""
+    """6·N·tokens for the matmuls (N: the parameters a token meets) plus the attention score/context
+    products (fwd+bwd)."""
     tokens = cfg.global_batch_size * cfg.seq_length
     attn = 12 * spec.num_layers * spec.hidden_size * cfg.seq_length * tokens
-    return 6.0 * spec.num_parameters() * tokens + attn
+    return 6.0 * active_parameters(spec) * tokens + attn
 
 
 def save_checkpoint(cfg: TrainConfig, spec: ModelSpec, st: ParallelState, model: GPTModel,
                     opt: torch.optim.Optimizer, iteration: int, consumed: int) -> None:
-    """Every DP-rank-0 process writes its mp_rank file; after a barrier global rank 0 writes the tracker."""
-    if st.dp_rank == 0:
+    """Every expert-data-parallel-rank-0 process (DP rank 0 without experts) writes its mp_rank file, one per
+    (TP, PP, EP) rank; after a barrier global rank 0 writes the tracker."""
+    if st.edp_rank == 0:
         state = {
             "args": megatron_args(cfg, spec, iteration, consumed),
             "checkpoint_version": 3.0,
@@ -247,7 +288,7 @@ def save_checkpoint(cfg: TrainConfig, spec: ModelSpec, st: ParallelState, model:
             "rng_state": rng_state(cfg.seed, st),
             "num_floating_point_operations_so_far": flops_per_iteration(spec, cfg) * iteration,
         }
-        save_rank_file(rank_file(cfg.save, iteration, st.tp_rank, st.pp_rank, st.pp), state)
+        save_rank_file(rank_file(cfg.save, iteration, st.tp_rank, st.pp_rank, st.pp, st.ep_rank, st.ep), state)
     if dist.is_initialized():
         dist.barrier()
     if st.rank == 0:
@@ -278,9 +319,9 @@ def _clone(obj: Any, device: torch.device) -> Any:
 
 def load_rank_checkpoint(root: str | Path, iteration: int | str, st: ParallelState) -> dict[str, Any]:
     """This rank's model_optim_rng.pt (safe_load only)."""
-    path = rank_file(root, iteration, st.tp_rank, st.pp_rank, st.pp)
+    path = rank_file(root, iteration, st.tp_rank, st.pp_rank, st.pp, st.ep_rank, st.ep)
     if not path.is_file():
-        raise MConvertError(f"{path}: missing; the checkpoint does not have TP={st.tp} PP={st.pp} shards")
+        raise MConvertError(f"{path}: missing; the checkpoint does not have TP={st.tp} PP={st.pp} EP={st.ep} shards")
     return safe_load(path)
 
 
@@ -288,14 +329,16 @@ def check_resume_args(args: Any, spec: ModelSpec, cfg: TrainConfig, path: str) -
     """Refuse to resume into a different model or layout, naming the first differing field."""
     theirs = families.spec_from_megatron_args(args, family=spec.family, source=path)
     for f in ("num_layers", "hidden_size", "num_attention_heads", "num_groups", "ffn_hidden_size", "vocab_size",
-              "normalization", "activation", "position_embedding_type", "tie_embeddings", "params_dtype"):
+              "normalization", "activation", "position_embedding_type", "tie_embeddings", "params_dtype",
+              "num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
         if getattr(theirs, f) != getattr(spec, f):
             raise MConvertError(
                 f"{path}: checkpoint has {f}={getattr(theirs, f)!r} but this run asks for {getattr(spec, f)!r}; "
                 "repeat the original flags to resume"
             )
-    for f, mine in (("tensor_model_parallel_size", cfg.tp), ("pipeline_model_parallel_size", cfg.pp)):
-        if getattr(args, f, None) != mine:
+    for f, mine in (("tensor_model_parallel_size", cfg.tp), ("pipeline_model_parallel_size", cfg.pp),
+                    ("expert_model_parallel_size", cfg.ep)):
+        if getattr(args, f, 1 if f == "expert_model_parallel_size" else None) != mine:
             raise MConvertError(
                 f"{path}: checkpoint has {f}={getattr(args, f, None)} but this run uses {mine}; "
                 "reshard it first (mconvert reshard) or resume at its layout"
@@ -313,7 +356,7 @@ def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dic
 
     # this rank's checkpoint is read and checked before the first collective: a bad file fails the rank alone
     ckpt = load_resume(cfg, spec, int(os.environ.get("RANK", "0"))) if cfg.resume else None
-    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device, sequence_parallel=cfg.sequence_parallel)
+    st = init_distributed(cfg.tp, cfg.pp, cfg.dp, cfg.device, sequence_parallel=cfg.sequence_parallel, ep=cfg.ep)
     out = _train(cfg, spec, tokens, st, ckpt)  # a failure leaves at once; its peers are ended by the launcher
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -329,9 +372,10 @@ def load_resume(cfg: TrainConfig, spec: ModelSpec, rank: int) -> dict[str, Any]:
     latest = read_latest(cfg.save)
     if latest == "release":
         raise MConvertError(f"{cfg.save}/{TRACKER}: 'release' has no iteration to resume from")
-    st = ParallelState(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=rank)
+    st = ParallelState(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=rank, ep=cfg.ep)
     ckpt = load_rank_checkpoint(cfg.save, latest, st)
-    check_resume_args(ckpt["args"], spec, cfg, str(rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp)))
+    path = rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp, st.ep_rank, st.ep)
+    check_resume_args(ckpt["args"], spec, cfg, str(path))
     return ckpt
 
 
@@ -349,6 +393,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     model = GPTModel(spec, st, seed=None if ckpt else cfg.seed, dtype=dtype)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"], strict=True)
+    model.set_aux_loss(cfg.moe_aux_loss_coeff, 1.0 / cfg.num_micro_batches)
     # fp32 master copies for bf16 (Megatron's mixed precision); Adam names each parameter by its state_dict key
     if dtype == torch.float32:
         named = list(model.named_parameters())

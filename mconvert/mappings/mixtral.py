@@ -1,0 +1,116 @@
+"""The Mixtral family: HF `MixtralForCausalLM`, Mistral's attention with a routed SwiGLU MLP in every layer.
+
+HF Mixtral's `block_sparse_moe` routes each token to `num_experts_per_tok` of `num_local_experts` experts: softmax
+over the router logits, top-k, renormalised over the k — the function of megatron-core's default router (top-k
+of the logits, softmax over the k). `intermediate_size` is each expert's width (Megatron's
+`moe_ffn_hidden_size`). Expert weights are per expert: `experts.{e}.w1` (gate), `w3` (up), `w2` (down).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mconvert.errors import MConvertError
+from mconvert.mappings import llama, mistral
+from mconvert.mappings.family import Family, Plugin, Rule
+from mconvert.mappings.fields import INT, NEUTRAL, Field, mapped
+from mconvert.spec import ModelSpec
+
+NAME = "mixtral"
+L, H = llama.L, llama.H
+X, HX = L + "mlp.experts.local_experts.*.", H + "block_sparse_moe.experts.*."
+
+# LLaMA's attention and norms; the dense MLP rows are replaced by the router and the per-expert MLPs
+# (the second `*` is the global expert index).
+DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+ATTENTION_TABLE = {k: v for k, v in llama.TABLE.table.items() if k.removeprefix(L) not in DENSE_MLP}
+
+TABLE = Plugin(
+    family=NAME,
+    table={
+        **ATTENTION_TABLE,
+        L + "mlp.router.weight": Rule((H + "block_sparse_moe.gate.weight",)),
+        X + "linear_fc1.weight": Rule((HX + "w1.weight", HX + "w3.weight"), "gated"),
+        X + "linear_fc2.weight": Rule((HX + "w2.weight",)),
+    },
+    hf_drops=llama.TABLE.hf_drops,
+)
+
+# Every field of transformers 4.57's MixtralConfig beyond the common ones: Mistral's (RoPE fields, the
+# sliding window) and the routing fields.
+MOE_NEUTRAL = Field(NEUTRAL, "training only (router loss, router logits output, jitter noise applied in training)")
+HF_FIELDS: dict[str, Field] = {
+    **mistral.HF_FIELDS,  # intermediate_size: the experts' width, read as ffn_hidden_size (no other MLP)
+    "num_local_experts": mapped("num_experts", INT),
+    "num_experts_per_tok": mapped("moe_router_topk", INT),
+    "router_aux_loss_coef": MOE_NEUTRAL,
+    "output_router_logits": MOE_NEUTRAL,
+    "router_jitter_noise": MOE_NEUTRAL,
+}
+
+
+def check_moe_style(spec: ModelSpec, architecture: str) -> None:
+    """Refuse what an HF MoE class of this kind cannot compute: no experts, linear biases, rope variants."""
+    llama.check_rope_style(spec, architecture, qk_norm=spec.qk_layernorm)
+    if not spec.is_moe:
+        raise MConvertError(f"HF {architecture} routes every layer's MLP over experts; this {spec.family}-family "
+                            "model has no num_experts")
+    if spec.has_qkv_bias or spec.add_bias_linear:
+        raise MConvertError(f"HF {architecture} has no linear biases; this model has them; conversion refused")
+
+
+def to_hf(spec: ModelSpec) -> dict[str, Any]:
+    """MixtralConfig fields: expert count, top-k and expert width; no sliding window, no q/k norm."""
+    check_moe_style(spec, FAMILY.architecture)
+    if spec.qk_layernorm:
+        raise MConvertError(f"HF {FAMILY.architecture} has no per-head q/k norm and this model has "
+                            "qk_layernorm=True; use the qwen3_moe family; conversion refused")
+    return {**llama.rope_fields(spec), "intermediate_size": spec.expert_ffn_hidden_size, "sliding_window": None,
+            "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.moe_router_topk,
+            "router_jitter_noise": 0.0}
+
+
+def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
+    """A MixtralConfig dict -> ModelSpec (no bias; every layer routed)."""
+    base = llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=False, source=source)
+    return base.replace(num_experts=int(cfg.get("num_local_experts", 8)),
+                        moe_router_topk=int(cfg.get("num_experts_per_tok", 2)))
+
+
+def recognise(fields: dict[str, Any]) -> bool:
+    """Megatron args without model_family: experts without q/k norm are Mixtral-style."""
+    return fields.get("num_experts") is not None and not fields["qk_layernorm"]
+
+
+PRESETS = {
+    # 4 experts, top-2, expert width 128 (HF Mixtral holds no other MLP width): EP 2 and 4 both divide them
+    "tiny-mixtral": llama.rope_preset(NAME, num_layers=2, hidden_size=128, num_attention_heads=4,
+                                      num_query_groups=2, ffn_hidden_size=128, vocab_size=1000,
+                                      max_position_embeddings=128, num_experts=4, moe_router_topk=2),
+    # DeepSeek-V3's routed sizes (its 58 MoE layers, 256 experts of width 2048, top-8, hidden 7168, vocab
+    # 129280) in this family's layout: ~670 B parameters, for `plan` estimates from shapes only. DeepSeek-V3
+    # itself (MLA, sigmoid router with expert bias, shared experts, dense first layers) is refused by name.
+    "moe-671b": llama.rope_preset(NAME, num_layers=58, hidden_size=7168, num_attention_heads=128,
+                                  num_query_groups=8, kv_channels=128, ffn_hidden_size=2048, vocab_size=129280,
+                                  max_position_embeddings=4096, rotary_base=10000.0, params_dtype="bfloat16",
+                                  num_experts=256, moe_router_topk=8),
+}
+
+FAMILY = Family(
+    name=NAME,
+    architecture="MixtralForCausalLM",
+    model_type="mixtral",
+    base_architecture="MixtralModel",
+    plugin=TABLE,
+    hf_fields=HF_FIELDS,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    vllm=llama.ROPE_VLLM,
+    presets=PRESETS,
+    recognise=recognise,
+    recognise_order=6,
+    ft=None,  # FasterTransformer has no MoE form here
+    trtllm=None,  # no confirmed TensorRT-LLM MoE layout
+    sliding_window_by_default=True,
+    moe=True,
+)

@@ -1,0 +1,105 @@
+"""The Qwen3-MoE family: HF `Qwen3MoeForCausalLM`, Qwen3's attention (per-head q/k RMSNorm) with routed experts.
+
+HF routes with softmax over all router logits, top-k, then renormalises the k only when `norm_topk_prob` is
+true — megatron-core's default router (softmax over the top-k logits) is that case, so a config without it
+is refused. `moe_intermediate_size` is each expert's width (Megatron's `moe_ffn_hidden_size`);
+`intermediate_size` is the dense MLP of `mlp_only_layers` / `decoder_sparse_step` layers, which must not exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mconvert.errors import MConvertError
+from mconvert.mappings import llama, mixtral, qwen3
+from mconvert.mappings.family import Family, Plugin, Rule
+from mconvert.mappings.fields import BOOL, INT, Field, mapped, refused
+from mconvert.spec import ModelSpec
+
+NAME = "qwen3_moe"
+L, H = llama.L, llama.H
+X, HX = L + "mlp.experts.local_experts.*.", H + "mlp.experts.*."
+
+TABLE = Plugin(
+    family=NAME,
+    table={
+        **mixtral.ATTENTION_TABLE,
+        L + "self_attention.q_layernorm.weight": qwen3.TABLE.table[L + "self_attention.q_layernorm.weight"],
+        L + "self_attention.k_layernorm.weight": qwen3.TABLE.table[L + "self_attention.k_layernorm.weight"],
+        L + "mlp.router.weight": Rule((H + "mlp.gate.weight",)),
+        X + "linear_fc1.weight": Rule((HX + "gate_proj.weight", HX + "up_proj.weight"), "gated"),
+        X + "linear_fc2.weight": Rule((HX + "down_proj.weight",)),
+    },
+    hf_drops=llama.TABLE.hf_drops,
+)
+
+# Every field of transformers 4.57's Qwen3MoeConfig beyond the common ones.
+HF_FIELDS: dict[str, Field] = {
+    **qwen3.HF_FIELDS,
+    "moe_intermediate_size": mapped("moe_ffn_hidden_size", INT),
+    "num_experts": mapped("num_experts", INT),
+    "num_experts_per_tok": mapped("moe_router_topk", INT),
+    "norm_topk_prob": mapped("moe_router_topk", BOOL),  # must be true: checked in from_hf, absent included
+    "decoder_sparse_step": refused("dense layers between MoE layers (decoder_sparse_step != 1) are not mapped", 1),
+    "mlp_only_layers": refused("dense-MLP layers (mlp_only_layers) are not mapped", None, lambda v, _: v == []),
+    "router_aux_loss_coef": mixtral.MOE_NEUTRAL,
+    "output_router_logits": mixtral.MOE_NEUTRAL,
+}
+
+
+def to_hf(spec: ModelSpec) -> dict[str, Any]:
+    """Qwen3MoeConfig fields: Qwen3's, plus experts with renormalised top-k and every layer sparse."""
+    mixtral.check_moe_style(spec, FAMILY.architecture)
+    if not spec.qk_layernorm:
+        raise MConvertError(f"HF {FAMILY.architecture} needs per-head q/k norm and this model has "
+                            "qk_layernorm=False; use the mixtral family; conversion refused")
+    fields = qwen3.to_hf(spec.replace(num_experts=None))
+    return {**fields, "moe_intermediate_size": spec.expert_ffn_hidden_size, "num_experts": spec.num_experts,
+            "num_experts_per_tok": spec.moe_router_topk, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
+
+
+def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
+    """A Qwen3MoeConfig dict -> ModelSpec; `norm_topk_prob` must be true (HF's default is false)."""
+    if cfg.get("norm_topk_prob") is not True:
+        raise MConvertError(f"{source}: config field norm_topk_prob={cfg.get('norm_topk_prob')!r} is not supported: "
+                            "only renormalised top-k routing (norm_topk_prob=true, megatron-core's router) is "
+                            "mapped; conversion refused")
+    base = qwen3.from_hf(cfg, common, source)
+    return base.replace(num_experts=int(cfg.get("num_experts", 128)),
+                        moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size", 768)),
+                        moe_router_topk=int(cfg.get("num_experts_per_tok", 8)))
+
+
+def recognise(fields: dict[str, Any]) -> bool:
+    """Megatron args without model_family: experts with q/k norm and no linear bias are Qwen3-MoE."""
+    return (fields.get("num_experts") is not None and bool(fields["qk_layernorm"])
+            and not fields["add_qkv_bias"] and not fields["add_bias_linear"])
+
+
+PRESETS = {
+    # head_dim 32 (hidden 128, 8 heads) as in tiny-qwen3; 4 experts of width 64, top-2
+    "tiny-qwen3-moe": llama.rope_preset(NAME, num_layers=2, hidden_size=128, num_attention_heads=8,
+                                        num_query_groups=2, kv_channels=32, ffn_hidden_size=256, vocab_size=1000,
+                                        max_position_embeddings=128, norm_epsilon=1e-6, rotary_base=1000000.0,
+                                        tie_embeddings=True, qk_layernorm=True, num_experts=4,
+                                        moe_ffn_hidden_size=64, moe_router_topk=2),
+}
+
+FAMILY = Family(
+    name=NAME,
+    architecture="Qwen3MoeForCausalLM",
+    model_type="qwen3_moe",
+    base_architecture="Qwen3MoeModel",
+    plugin=TABLE,
+    hf_fields=HF_FIELDS,
+    to_hf=to_hf,
+    from_hf=from_hf,
+    vllm=llama.ROPE_VLLM,
+    presets=PRESETS,
+    recognise=recognise,
+    recognise_order=5,
+    ft=None,  # FasterTransformer has no MoE form here
+    trtllm=None,  # no confirmed TensorRT-LLM MoE layout
+    moe=True,
+)
