@@ -62,5 +62,6 @@ FAMILY = Family(
     recognise=None,  # Megatron args look like LLaMA's: only an explicit model_family names it
     ft=llama.FT,
     trtllm=llama.TRTLLM,
+    gguf=llama.GGUF,  # convert_hf_to_gguf.py registers MistralForCausalLM as its LlamaModel
     sliding_window_by_default=True,
 )
