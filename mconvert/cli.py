@@ -531,8 +531,12 @@ def verify_cmd(
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.validators.verify import render_verify, verify
+    from mconvert.validators.verify_gguf import verify_gguf
 
-    report = verify(hf_dir, against=against, vllm_python=vllm_python, device=device)
+    if hf_dir.suffix == ".gguf" and hf_dir.is_file():  # llama.cpp's checks (--vllm-python does not apply)
+        report = verify_gguf(hf_dir, against=against, device=device)
+    else:
+        report = verify(hf_dir, against=against, vllm_python=vllm_python, device=device)
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:

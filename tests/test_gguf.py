@@ -26,7 +26,7 @@ from mconvert.convert.io.atomic import file_manifest_path
 from mconvert.errors import MConvertError
 from mconvert.validators.gguf_runner import ENV_SCRIPT, read_gguf_metadata, run_llama_cpp
 from mconvert.validators.validate import validate
-from mconvert.validators.verify import verify
+from mconvert.validators.verify_gguf import verify_gguf as verify
 
 G = WORK / "gguf"
 G.mkdir(parents=True, exist_ok=True)
