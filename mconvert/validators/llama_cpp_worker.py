@@ -27,8 +27,10 @@ def main(request_path: str, out_dir: str) -> None:
     # f32 KV cache: the default f16 cache alone moves logits by ~1e-3 relative, far above the f32 file's error
     llm = Llama(model_path=req["model"], n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                 type_k=0, type_v=0, n_threads=int(req.get("threads", 2)), verbose=False, seed=0)
-    result: dict = {"n_vocab": llm.n_vocab(), "n_ctx_train": llm.n_ctx_train(), "n_embd": llm.n_embd(),
-                    "metadata": {k: v for k, v in llm.metadata.items() if not k.startswith("tokenizer.ggml.")}}
+    meta = {k: v for k, v in llm.metadata.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture", "")
+    result: dict = {"n_vocab": llm.n_vocab(), "n_ctx_train": int(meta.get(f"{arch}.context_length", 0)),
+                    "n_embd": llm.n_embd(), "metadata": meta}
     for i, ids in enumerate(seqs):
         llm.reset()
         llm.eval(ids)
