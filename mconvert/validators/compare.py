@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-_RANK = {"float32": 0, "float16": 1, "bfloat16": 2, "q8_0": 3}
+_RANK = {"float32": 0, "float16": 1, "q8_0": 2, "bfloat16": 3}  # ascending looseness of the rows
 
 
 @dataclass(frozen=True)
