@@ -21,7 +21,8 @@ import transformers
 from validate_common import WORK, hf_export, trained_ckpt
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.gguf import PRE_TOKENIZERS, to_gguf
+from mconvert.convert.gguf import to_gguf
+from mconvert.mappings.gguf_vocab import PRE_TOKENIZERS
 from mconvert.convert.io.atomic import file_manifest_path
 from mconvert.errors import MConvertError
 from mconvert.validators.gguf_runner import ENV_SCRIPT, read_gguf_metadata, run_llama_cpp

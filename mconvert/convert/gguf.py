@@ -35,6 +35,7 @@ from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer
 from mconvert.errors import MConvertError
 from mconvert.mappings import families, to_hf
 from mconvert.mappings.family import GgufLayout
+from mconvert.mappings.gguf_vocab import BPE_MODEL, BYTE_LEVEL_REGEX, PRE_TOKENIZERS
 from mconvert.spec import ModelSpec
 
 # --outtype -> (the type of 2-D weights, general.file_type), as convert_hf_to_gguf.py's --outtype
@@ -184,19 +185,6 @@ def rope_freqs(spec: ModelSpec) -> torch.Tensor:
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------------
-# A byte-level BPE pre-tokenizer's split regex -> llama.cpp's `tokenizer.ggml.pre` name for it (llama.cpp
-# `llama-vocab.cpp` holds the same regexes under these names). A regex not listed is refused by name.
-PRE_TOKENIZERS: dict[str, str] = {
-    # GPT-2's, which `ByteLevel(use_regex=True)` applies itself
-    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+": "gpt-2",
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "llama-bpe",
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": "qwen2",
-}
-_GPT2_REGEX = next(k for k, v in PRE_TOKENIZERS.items() if v == "gpt-2")
-
-
 def tokenizer_pre(tok_json: dict[str, Any], where: str) -> str:
     """The llama.cpp pre-tokenizer name of a byte-level BPE `tokenizer.json`; any other tokenizer is refused."""
     model = (tok_json.get("model") or {}).get("type")
@@ -214,7 +202,7 @@ def tokenizer_pre(tok_json: dict[str, Any], where: str) -> str:
                 raise MConvertError(f"{where}: ByteLevel add_prefix_space=true has no llama.cpp pre-tokenizer; "
                                     "conversion refused")
             if s.get("use_regex", True) and regex is None:
-                regex = _GPT2_REGEX
+                regex = BYTE_LEVEL_REGEX
         elif kind == "Split" and regex is None and isinstance(s.get("pattern"), dict) and "Regex" in s["pattern"]:
             if s.get("behavior") != "Isolated" or s.get("invert"):
                 raise MConvertError(f"{where}: Split pre-tokenizer behaviour {s.get('behavior')!r} has no llama.cpp "
@@ -322,7 +310,7 @@ class GgufWriter:
             w.add_rope_scaling_factor(float(s.rope_scaling_factor))
         w.add_file_type(outtype_types(self.outtype)[1])
         w.add_quantization_version(g.GGML_QUANT_VERSION)
-        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_model(BPE_MODEL)
         w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
         w.add_token_types(types)

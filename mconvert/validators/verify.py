@@ -94,10 +94,6 @@ def verify(
     """Run every readiness check on `hf_dir`; errors are collected, never raised, so all show at once."""
     t0 = time.perf_counter()
     d = Path(hf_dir)
-    if d.suffix == ".gguf" and d.is_file():
-        from mconvert.validators.verify_gguf import verify_gguf
-
-        return verify_gguf(d, against=against, device=device, n_tokens=n_tokens)
     if not d.is_dir():
         raise MConvertError(f"{d}: not a directory; pass the HF export directory")
     rep = VerifyReport(path=str(d))
