@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test docs bench vllm-env lint clean
+.PHONY: venv demo test test-gguf docs bench vllm-env gguf-env lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,8 +17,8 @@ venv: $(STAMP)
 demo: $(STAMP) vllm-env
 	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m mconvert.demo
 
-test: $(STAMP) docs
-	$(BIN)/python -m pytest -q --durations=25 tests
+test: $(STAMP) docs gguf-env
+	GGUF_VENV=$(GGUF_VENV) $(BIN)/python -m pytest -q --durations=25 tests
 
 # The user docs (mkdocs.yml, docs/); --strict fails on a broken link, anchor or nav entry.
 docs: $(STAMP)
@@ -31,6 +31,15 @@ bench: $(STAMP)
 VLLM_VENV ?= $(HOME)/.cache/mconvert/vllm-venv
 vllm-env:
 	PY=$(PY) bash mconvert/validators/vllm_env.sh $(VLLM_VENV)
+
+# llama.cpp (llama-cpp-python, built from source) gets its own venv too (outside the repo; reused when present).
+GGUF_VENV ?= $(HOME)/.cache/mconvert/gguf-venv
+gguf-env:
+	PY=$(PY) bash mconvert/validators/gguf_env.sh $(GGUF_VENV)
+
+# The GGUF tests run the files in llama.cpp itself: the env is built first when absent.
+test-gguf: $(STAMP) gguf-env
+	GGUF_VENV=$(GGUF_VENV) $(BIN)/python -m pytest -q -m gguf tests/test_gguf.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check mconvert tests bench

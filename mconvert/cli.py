@@ -396,6 +396,63 @@ def megatron_to_trtllm_cmd(
                   as_json)
 
 
+OutType = Annotated[str, typer.Option("--outtype", help="f32|f16|bf16|q8_0: the type of the 2-D weights "
+                                       "(norms and biases stay f32, as llama.cpp's converter writes them).")]
+GgufTokenizer = Annotated[Optional[Path], typer.Option("--tokenizer", help="HF tokenizer dir to embed (default: "
+                                                       "the tokenizer files beside the model).")]
+
+
+@app.command("megatron-to-gguf")
+def megatron_to_gguf_cmd(
+    ckpt: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist, any TP/PP).")],
+    out: Annotated[Path, typer.Argument(help="Output file, e.g. model.gguf (its manifest goes beside it).")],
+    outtype: OutType = "f16",
+    tokenizer: GgufTokenizer = None,
+    iteration: Iteration = None,
+    force: Force = False,
+    dry_run: DryRun = False,
+    json_out: Json = False,
+) -> None:
+    """Write one GGUF file for llama.cpp straight from a Megatron checkpoint, one layer at a time.
+
+    Examples:
+      mconvert megatron-to-gguf ckpt/ model.gguf
+      mconvert megatron-to-gguf ckpt/ model-q8.gguf --outtype q8_0 --iteration 2000 --tokenizer tok/
+      mconvert megatron-to-gguf ckpt/ model.gguf --dry-run
+    """
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
+    from mconvert.convert.gguf import to_gguf
+
+    tuning.apply()
+    _print_report(to_gguf(ckpt, out, outtype, tokenizer, iteration, force, verb="megatron-to-gguf", progress=True,
+                          dry_run=dry_run), json_out)
+
+
+@app.command("hf-to-gguf")
+def hf_to_gguf_cmd(
+    hf_dir: Annotated[Path, typer.Argument(help="HF model dir (safetensors or pytorch_model.bin).")],
+    out: Annotated[Path, typer.Argument(help="Output file, e.g. model.gguf (its manifest goes beside it).")],
+    outtype: OutType = "f16",
+    tokenizer: GgufTokenizer = None,
+    force: Force = False,
+    dry_run: DryRun = False,
+    json_out: Json = False,
+) -> None:
+    """Write one GGUF file for llama.cpp from a HuggingFace directory, one layer at a time.
+
+    Examples:
+      mconvert hf-to-gguf hf/ model.gguf --outtype f32
+      mconvert hf-to-gguf hf/ model-bf16.gguf --outtype bf16 --force --json
+      mconvert hf-to-gguf hf/ model.gguf --dry-run
+    """
+    # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
+    from mconvert.convert.gguf import to_gguf
+
+    tuning.apply()
+    _print_report(to_gguf(hf_dir, out, outtype, tokenizer, None, force, verb="hf-to-gguf", progress=True,
+                          dry_run=dry_run), json_out)
+
+
 @app.command("to-onnx")
 def to_onnx_cmd(
     src: Annotated[Path, typer.Argument(help="HF model dir or Megatron checkpoint (exported to HF first).")],
@@ -440,7 +497,7 @@ Tokens = Annotated[int, typer.Option("--tokens", help="Tokens per sequence (batc
 
 @app.command("validate")
 def validate_cmd(
-    ref: Annotated[Path, typer.Argument(help="Reference model: Megatron checkpoint, HF dir, FT dir or ONNX dir.")],
+    ref: Annotated[Path, typer.Argument(help="Reference model: Megatron checkpoint, HF dir, FT dir, ONNX dir or .gguf.")],
     others: Annotated[list[Path], typer.Argument(help="Models to compare with REF (any of the same formats).")],
     device: Device = "auto",
     tokens: Tokens = 32,
@@ -457,6 +514,7 @@ def validate_cmd(
       mconvert validate ckpt/ hf/ onnx/ ft/x
       mconvert validate ckpt/ ckpt-tp1pp2/ --device cpu --tokens 64 --plot err.png
       mconvert validate hf/ onnx/ --text prompt.txt --json
+      mconvert validate hf/ model.gguf model-q8.gguf
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.validators.validate import render, validate
@@ -474,7 +532,8 @@ def validate_cmd(
 
 @app.command("verify")
 def verify_cmd(
-    hf_dir: Annotated[Path, typer.Argument(help="HF export dir to check before serving it with vLLM.")],
+    hf_dir: Annotated[Path, typer.Argument(help="HF export dir to check before serving it with vLLM, or a .gguf "
+                                           "file to check in llama.cpp.")],
     against: Annotated[
         Optional[Path], typer.Option("--against", help="Checkpoint it came from: adds the logits check.")
     ] = None,
@@ -492,11 +551,16 @@ def verify_cmd(
       mconvert verify hf/
       mconvert verify hf/ --against ckpt/ --json
       mconvert verify hf/ --against ckpt/ --vllm-python ~/.cache/mconvert/vllm-venv/bin/python
+      mconvert verify model.gguf --against ckpt/
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.validators.verify import render_verify, verify
+    from mconvert.validators.verify_gguf import verify_gguf
 
-    report = verify(hf_dir, against=against, vllm_python=vllm_python, device=device)
+    if hf_dir.suffix == ".gguf" and hf_dir.is_file():  # llama.cpp's checks (--vllm-python does not apply)
+        report = verify_gguf(hf_dir, against=against, device=device)
+    else:
+        report = verify(hf_dir, against=against, vllm_python=vllm_python, device=device)
     if json_out:
         print(json.dumps(report.to_json(), indent=1))
     else:

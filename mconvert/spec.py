@@ -47,8 +47,8 @@ SPLIT_COLLECTIVE: dict[str, str] = {
 # The output formats that can state each optional feature (`ModelSpec.refuse_unmapped` refuses the others):
 # FasterTransformer has neither; TensorRT-LLM's field names for them are not confirmed here.
 FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
-    "rope_scaling": ("HF",),
-    "qk_layernorm": ("HF",),
+    "rope_scaling": ("HF", "GGUF"),
+    "qk_layernorm": ("HF", "GGUF"),
     "moe": ("HF",),
 }
 

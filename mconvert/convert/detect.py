@@ -82,7 +82,8 @@ RULES: tuple[Rule, ...] = (
     Rule(_when(_hf, "hf"), ("hf",), "a HuggingFace directory", "config.json"),
 )
 CHECKPOINTS = ("hf", "megatron", "megatron-torch_dist")  # what the conversion verbs read
-FORMATS = ("megatron", "megatron-torch_dist", "hf", "ft", "onnx", "trtllm")  # what the validators run
+FORMATS = ("megatron", "megatron-torch_dist", "hf", "ft", "onnx", "trtllm", "gguf")  # what the validators run
+FILE_FORMATS = {".onnx": "onnx", ".gguf": "gguf"}  # single-file formats, by suffix
 
 
 def detect_format(path: str | Path, iteration: int | str | None = None,
@@ -93,9 +94,11 @@ def detect_format(path: str | Path, iteration: int | str | None = None,
     if not p.exists():
         raise MConvertError(f"{p}: no such file or directory")
     if not p.is_dir():
-        if p.suffix == ".onnx" and "onnx" in accept:
-            return "onnx"
-        raise MConvertError(f"{p}: a file, not a model directory; pass the directory that holds the model")
+        fmt = FILE_FORMATS.get(p.suffix)
+        if fmt is not None and fmt in accept:
+            return fmt
+        raise MConvertError(f"{p}: a file, not a model directory; pass the directory that holds the model"
+                            + (" (or a .gguf / .onnx file)" if "gguf" in accept else ""))
     for rule in RULES:
         fmt = rule.kind(p, iteration)
         if fmt is None:

@@ -125,6 +125,22 @@ class TrtllmLayout:
     bias_default: bool = False  # their value when config.json omits them
 
 
+# ---- GGUF (llama.cpp) -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GgufLayout:
+    """How llama.cpp's `convert_hf_to_gguf.py` writes this family: its llama.cpp architecture (the
+    `general.architecture` value and metadata key prefix), HF name template -> GGUF name template (layer `*`
+    -> block `*`; an HF name missing here is refused), whether q/k rows are permuted for llama.cpp's rope
+    (`LlamaModel.permute`: llama.cpp's LLAMA rope pairs dims (2i, 2i+1), HF's pairs (i, i + d/2)), and the
+    refusals of what llama.cpp's architecture cannot compute."""
+
+    arch: str
+    tensors: dict[str, str]
+    permute_qk: bool
+    refuse: Callable[[ModelSpec], None] = lambda spec: None
+    rope_freqs: bool = False  # the architecture reads a `rope_freqs.weight` factor tensor (llama3 rope scaling)
+
+
 # ---- vLLM ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class TiedHeadMessages:
@@ -168,6 +184,7 @@ class Family:
     recognise_order: int = 0
     ft: FTLayout | None = None
     trtllm: TrtllmLayout | None = None
+    gguf: GgufLayout | None = None
     sliding_window_by_default: bool = False  # HF applies `sliding_window` without `use_sliding_window`
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
 

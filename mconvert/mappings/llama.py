@@ -17,6 +17,7 @@ from mconvert.mappings.family import (
     FTFile,
     FTKernels,
     FTLayout,
+    GgufLayout,
     Plugin,
     Rule,
     TrtllmLayout,
@@ -359,6 +360,34 @@ TRTLLM = TrtllmLayout(
 )
 
 
+# ---- GGUF (llama.cpp) -----------------------------------------------------------------------------------
+# HF name -> GGUF name as llama.cpp's gguf-py `TensorNameMap` maps the LLaMA-style names (biases follow their
+# weights: llama.cpp's LLAMA, QWEN2 and QWEN3 loaders read each one when present).
+GGUF_TENSORS: dict[str, str] = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    H + "input_layernorm.weight": "blk.*.attn_norm.weight",
+    H + "post_attention_layernorm.weight": "blk.*.ffn_norm.weight",
+    **{H + f"self_attn.{hf}.{kind}": f"blk.*.{gg}.{kind}" for hf, gg in (
+        ("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"))
+       for kind in ("weight", "bias")},
+    **{H + f"mlp.{hf}.{kind}": f"blk.*.{gg}.{kind}" for hf, gg in (
+        ("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")) for kind in ("weight", "bias")},
+}
+
+
+def gguf_refuse_rope_freqs(spec: ModelSpec) -> None:
+    """Refuse llama3 rope scaling for an architecture whose llama.cpp loader reads no `rope_freqs` tensor."""
+    if spec.rope_scaling == "llama3":
+        raise MConvertError(f"rope scaling llama3 of this {spec.family}-family model has no GGUF form: llama.cpp's "
+                            f"{spec.family} architecture reads no rope_freqs tensor; conversion refused")
+
+
+# llama.cpp's LLAMA architecture: `convert_hf_to_gguf.py`'s LlamaModel (Mistral's HF class maps to it too).
+GGUF = GgufLayout(arch="llama", tensors=GGUF_TENSORS, permute_qk=True, rope_freqs=True)
+
+
 # ---- presets --------------------------------------------------------------------------------------------
 def rope_preset(family: str, **kw: Any) -> ModelSpec:
     """A RoPE-family preset: RMSNorm, SwiGLU, RoPE, no linear bias, untied head unless `kw` says otherwise."""
@@ -409,4 +438,5 @@ FAMILY = Family(
     recognise_order=100,
     ft=FT,
     trtllm=TRTLLM,
+    gguf=GGUF,
 )

@@ -51,5 +51,6 @@ PRESETS = {
 FAMILY = Family(**llama.rope_family(
     NAME, "Mistral", hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
     recognise=None,  # Megatron args look like LLaMA's: only an explicit model_family names it
+    gguf=llama.GGUF,  # convert_hf_to_gguf.py registers MistralForCausalLM as its LlamaModel
     sliding_window_by_default=True,
 ))

@@ -10,7 +10,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama
-from mconvert.mappings.family import Family
+from mconvert.mappings.family import Family, GgufLayout
 from mconvert.mappings.fields import NEUTRAL, Field, refused
 from mconvert.spec import ModelSpec
 
@@ -56,8 +56,12 @@ PRESETS = {
                                     add_qkv_bias=True),
 }
 
+# llama.cpp's QWEN2 architecture ropes in NeoX order, as HF does: q and k are written unpermuted.
+GGUF = GgufLayout(arch="qwen2", tensors=llama.GGUF_TENSORS, permute_qk=False, refuse=llama.gguf_refuse_rope_freqs)
+
 FAMILY = Family(**llama.rope_family(
     NAME, "Qwen2", hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS, recognise=recognise,
     recognise_order=10,
     trtllm=None,  # TensorRT-LLM's LLaMA class has no qkv-only bias
+    gguf=GGUF,
 ))

@@ -12,7 +12,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, qwen2
-from mconvert.mappings.family import Family, Plugin, Rule
+from mconvert.mappings.family import Family, GgufLayout, Plugin, Rule
 from mconvert.mappings.fields import REFUSED, Field
 from mconvert.spec import ModelSpec
 
@@ -72,9 +72,19 @@ PRESETS = {
                                     tie_embeddings=True, qk_layernorm=True),
 }
 
+# llama.cpp's QWEN3 architecture: NeoX-order rope (no q/k permutation) and the per-head q/k norms.
+GGUF = GgufLayout(
+    arch="qwen3",
+    tensors={**llama.GGUF_TENSORS, H + "self_attn.q_norm.weight": "blk.*.attn_q_norm.weight",
+             H + "self_attn.k_norm.weight": "blk.*.attn_k_norm.weight"},
+    permute_qk=False,
+    refuse=llama.gguf_refuse_rope_freqs,
+)
+
 FAMILY = Family(**llama.rope_family(
     NAME, "Qwen3", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
     recognise=recognise, recognise_order=20,
     ft=None,  # FasterTransformer has no q/k norm
     trtllm=None,  # no confirmed TensorRT-LLM Qwen3 layout
+    gguf=GGUF,
 ))

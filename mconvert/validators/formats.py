@@ -96,6 +96,16 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
             if has_tokenizer(cand):
                 info.tokenizer_dir = cand
                 break
+    elif fmt == "gguf":
+        from mconvert.validators.gguf_runner import FILE_TYPE_DTYPES, read_gguf_metadata
+
+        meta = read_gguf_metadata(p)
+        arch = meta.get("general.architecture")
+        info.dtype = FILE_TYPE_DTYPES.get(meta.get("file_type_name", ""), "float32")
+        info.vocab_size = meta.get("n_vocab")
+        info.max_positions = meta.get(f"{arch}.context_length")
+        info.layout = {"arch": arch, "file_type": meta.get("file_type_name")}
+        info.tokenizer_dir = p.parent if has_tokenizer(p.parent) else None
     elif fmt == "onnx":
         d = p if p.is_dir() else p.parent
         if (d / "config.json").is_file():

@@ -20,6 +20,7 @@ from mconvert.spec import torch_dtype
 from mconvert.trainer.infer import megatron_logits
 from mconvert.validators.formats import ModelInfo
 from mconvert.validators.ft_runner import ft_logits
+from mconvert.validators.gguf_runner import gguf_logits
 from mconvert.validators.onnx_runner import onnx_logits
 from mconvert.validators.trtllm_runner import trtllm_logits
 
@@ -58,6 +59,8 @@ def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
         logits = ft_logits(info.path, tokens, device)
     elif info.format == "onnx":
         logits = onnx_logits(info.path, tokens, device)
+    elif info.format == "gguf":
+        logits = gguf_logits(info.path, tokens)  # llama.cpp itself, in its own venv (make gguf-env)
     elif info.format == "trtllm":
         # the rank files combined as TensorRT-LLM's ColumnLinear / RowLinear do (the engine itself needs a GPU build)
         logits = trtllm_logits(info.path, tokens, device)
@@ -133,6 +136,14 @@ def _decoder_layers(model) -> list | None:
 
 def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor:
     """Logits of any Source (e.g. torch_dist) via its HF-named tensors loaded into the transformers class."""
+    model = source_model(path, device)
+    with torch.inference_mode():
+        return model(input_ids=tokens.to(device), use_cache=False).logits.float().cpu()
+
+
+def source_model(path: Path, device: str = "cpu"):
+    """The transformers model of any Source (Megatron torch or torch_dist, HF), its weights read through the
+    family's HF mapping."""
     # heavy optional import: transformers loads only when a model is run
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -156,9 +167,7 @@ def source_logits(path: Path, tokens: torch.Tensor, device: str) -> torch.Tensor
         raise MConvertError(f"{path}: tensors do not match the transformers class (missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]})")
     model.tie_weights()
-    model.eval().to(device)
-    with torch.inference_mode():
-        return model(input_ids=tokens.to(device), use_cache=False).logits.float().cpu()
+    return model.eval().to(device)
 
 
 def _first_line(e: BaseException) -> str:

@@ -406,3 +406,70 @@ def _verify_input_now(path: str | Path) -> None:
                     f"(or delete {root / MANIFEST} to convert it as it is)"
                 )
             return
+
+
+def file_manifest_path(out: str | Path) -> Path:
+    """Where the manifest of a single-file output (`OUT.gguf`) lives: `OUT.gguf.mconvert-manifest.json`."""
+    out = Path(out)
+    return out.with_name(f"{out.name}.{MANIFEST}")
+
+
+@contextmanager
+def atomic_output_file(out: str | Path, force: bool = False, manifest: bool = True,
+                       inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
+    """Yield a path to write the single file `out` to; on success rename it to `out`, then put its manifest
+    beside it (`file_manifest_path`). The file is written inside a temporary sibling directory, so a killed
+    run leaves no OUT and the next run removes the leftover, exactly as `atomic_output_dir` does."""
+    out = check_output(out, force, inputs)
+    if out.is_dir():
+        raise MConvertError(f"{out}: is a directory; the output is one file — choose a file name (e.g. model.gguf)")
+    parent = out.absolute().parent
+    with _terminating():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            _clean_stale(parent, out.name)
+            tmp = parent / tmp_name(out.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise _os_error(e, out) from None
+        try:
+            yield tmp / out.name
+            if manifest:
+                write_manifest(tmp)
+            if force:
+                _replace(tmp / out.name, out.absolute())
+            else:
+                rename_noreplace(tmp / out.name, out.absolute())
+            if manifest:
+                os.replace(tmp / MANIFEST, file_manifest_path(out.absolute()))
+        except BaseException as e:
+            mapped = write_failure(e, out, parent, tmp)
+            if mapped is not None:
+                raise mapped from None
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_file_manifest(path: str | Path) -> list[str]:
+    """Problems found comparing a single-file output with the manifest beside it (`file_manifest_path`);
+    a missing manifest is one problem."""
+    path = Path(path)
+    side = file_manifest_path(path)
+    if not side.is_file():
+        return [f"{path}: no {side.name} beside it (not written by mconvert, or copied without it)"]
+    from mconvert.convert.io.paths import read_small
+
+    try:
+        entry = json.loads(read_small(side, "json"))["files"][path.name]
+        size, digest = int(entry["bytes"]), str(entry["sha256"])
+    except MConvertError as e:
+        return [str(e)]
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        return [f"{side}: unreadable manifest or no entry for {path.name} ({type(e).__name__}); re-run the conversion"]
+    if path.stat().st_size != size:
+        return [f"{path}: size {path.stat().st_size} != manifest {size}"]
+    if sha256_file(path) != digest:
+        return [f"{path}: sha256 differs from the manifest (file changed or corrupt)"]
+    return []

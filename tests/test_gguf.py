@@ -1,0 +1,378 @@
+"""GGUF export proven in llama.cpp itself (llama-cpp-python built from source in its own venv, `make gguf-env`).
+
+The truth here is llama.cpp: a trainer checkpoint at TP=2 PP=2 goes through `megatron-to-gguf`, llama.cpp runs
+the file, and its logits at every position are compared with transformers' on the `megatron-to-hf` export;
+a file written without the q/k rope permutation must fail that comparison. Random transformers models of the
+other families (Qwen3: qk-norm, tied head, head_dim != hidden/heads; Qwen2: qkv bias; Llama-3.x rope scaling)
+go through `hf-to-gguf` the same way. The refusals and the streaming run without llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from validate_common import WORK, hf_export, trained_ckpt
+
+from mconvert.cli import main as cli_main
+from mconvert.convert.gguf import to_gguf
+from mconvert.mappings.gguf_vocab import PRE_TOKENIZERS
+from mconvert.convert.io.atomic import file_manifest_path
+from mconvert.errors import MConvertError
+from mconvert.validators.gguf_runner import ENV_SCRIPT, read_gguf_metadata, run_llama_cpp
+from mconvert.validators.validate import validate
+from mconvert.validators.verify_gguf import verify_gguf as verify
+
+G = WORK / "gguf"
+G.mkdir(parents=True, exist_ok=True)
+REL_F32 = 1e-4  # llama.cpp f32 logits vs transformers', relative to the largest logit
+
+
+# ---- builders -------------------------------------------------------------------------------------------
+def _tokenizer_dir() -> Path:
+    """The trainer's byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json, ...)."""
+    from mconvert.data import build_tokenizer, save_hf_tokenizer
+
+    d = G / "tok"
+    if not (d / "tokenizer.json").is_file():
+        save_hf_tokenizer(build_tokenizer(), d)
+    return d
+
+
+def _hf_model(name: str, cfg: transformers.PretrainedConfig) -> Path:
+    """A random transformers model saved by `save_pretrained`, with the trainer's tokenizer beside it."""
+    d = G / f"hf-{name}"
+    if not (d / "config.json").is_file():
+        torch.manual_seed(5)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():  # weights larger than the default init, so logits spread and errors show
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.normal_(0, 0.08)
+        model.save_pretrained(d, safe_serialization=True)
+        for f in _tokenizer_dir().iterdir():
+            shutil.copy(f, d / f.name)
+    return d
+
+
+HF_CONFIGS = {
+    "qwen3": lambda: transformers.Qwen3Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32, vocab_size=1000, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1000, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False),
+    "llama3": lambda: transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, vocab_size=1000, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}, tie_word_embeddings=False),
+}
+
+
+def _gguf(src: Path, name: str, outtype: str, **kw) -> Path:
+    out = G / f"{name}-{outtype}.gguf"
+    if not out.is_file():
+        to_gguf(src, out, outtype, verb="hf-to-gguf" if (src / "config.json").is_file() else "megatron-to-gguf", **kw)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_cpp() -> None:
+    """The llama.cpp venv, built when absent (a source build: ~10+ min on a loaded 2-core machine)."""
+    r = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, f"make gguf-env failed: {r.stderr[-2000:]}"
+    os.environ.setdefault("MCONVERT_GGUF_PYTHON", r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[Path, Path]:
+    """(TP=2 PP=2 trainer checkpoint, its megatron-to-hf export)."""
+    return trained_ckpt("llama"), hf_export("llama")
+
+
+def _rel(report, i: int = 0) -> float:
+    m = report.results[i].metrics
+    return m["max_abs"] / m["ref_scale"]
+
+
+# ---- llama.cpp runs the files ----------------------------------------------------------------------------
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_trained_tp2_pp2_checkpoint_f32_gguf_matches_transformers_in_llama_cpp(llama_cpp, trained):
+    ckpt, hf = trained
+    f32 = _gguf(ckpt, "llama", "f32")
+    rep = validate(hf, [f32], device="cpu", n_tokens=32)
+    assert rep.passed, rep.results[0].failures
+    assert _rel(rep) < REL_F32, rep.results[0].metrics
+    assert rep.results[0].metrics["top1"] == 1.0
+    # the Megatron checkpoint itself (run at its own TP=2 PP=2) as the reference agrees too
+    rep2 = validate(ckpt, [f32], device="cpu", n_tokens=32)
+    assert rep2.passed and _rel(rep2) < REL_F32, rep2.results[0].metrics
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_f16_bf16_and_q8_0_ggufs_meet_their_documented_tolerances(llama_cpp, trained):
+    ckpt, hf = trained
+    files = [_gguf(ckpt, "llama", t) for t in ("f16", "bf16", "q8_0")]
+    assert [read_gguf_metadata(f)["file_type_name"] for f in files] == ["MOSTLY_F16", "MOSTLY_BF16", "MOSTLY_Q8_0"]
+    rep = validate(hf, files, device="cpu", n_tokens=32)
+    got = {r.path.rsplit("-", 1)[-1]: (r.tolerance["dtype"], r.metrics) for r in rep.results}
+    print(json.dumps({k: {"row": v[0], "rel": v[1]["max_abs"] / v[1]["ref_scale"], "mean_abs": v[1]["mean_abs"],
+                          "kl": v[1]["kl"], "top1": v[1]["top1"]} for k, v in got.items()}, indent=1))
+    assert [r.tolerance["dtype"] for r in rep.results] == ["float16", "bfloat16", "q8_0"]
+    assert rep.passed, [r.failures for r in rep.results]
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_gguf_without_the_qk_permutation_fails_the_comparison(llama_cpp, trained):
+    ckpt, hf = trained
+    bad = _gguf(ckpt, "llama-noperm", "f32", permute=False)
+    rep = validate(hf, [bad], device="cpu", n_tokens=32)
+    assert not rep.passed
+    assert any(f.startswith("max abs") for f in rep.results[0].failures), rep.results[0].failures
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_verify_gguf_loads_round_trips_the_tokenizer_and_greedy_tokens_equal(llama_cpp, trained, capsys):
+    ckpt, hf = trained
+    f32 = _gguf(ckpt, "llama", "f32")
+    rep = verify(f32, against=hf, device="cpu")
+    by = {c.name: c for c in rep.checks}
+    assert rep.passed, [(c.name, c.message) for c in rep.errors()]
+    for name in ("manifest", "metadata", "tensors", "load", "tokenizer", "greedy", "logits"):
+        assert by[name].status == "ok", (name, by[name].message)
+    # the CLI: exit 0 and the JSON report
+    try:
+        cli_main(["verify", str(f32), "--against", str(hf), "--device", "cpu", "--json"])
+    except SystemExit as e:
+        assert e.code in (0, None)
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_verify_names_a_gguf_whose_bytes_changed_after_export(llama_cpp, trained):
+    ckpt, _ = trained
+    f32 = _gguf(ckpt, "llama", "f32")
+    bad = G / "changed.gguf"
+    shutil.copy(f32, bad)
+    shutil.copy(file_manifest_path(f32), file_manifest_path(bad).with_name(f"{bad.name}.mconvert-manifest.json"))
+    m = json.loads(file_manifest_path(bad).read_text())
+    m["files"] = {bad.name: m["files"][f32.name]}
+    file_manifest_path(bad).write_text(json.dumps(m))
+    with open(bad, "r+b") as f:  # one byte inside the last tensor's data
+        f.seek(-100, 2)
+        b = f.read(1)
+        f.seek(-100, 2)
+        f.write(bytes([b[0] ^ 0x40]))
+    rep = verify(bad)
+    assert [c.name for c in rep.errors()] == ["manifest"], [(c.name, c.message) for c in rep.checks]
+    assert "sha256 differs" in rep.errors()[0].message
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("family", sorted(HF_CONFIGS))
+def test_hf_to_gguf_other_families_match_transformers_in_llama_cpp(llama_cpp, family):
+    hf = _hf_model(family, HF_CONFIGS[family]())
+    f32 = _gguf(hf, family, "f32")
+    meta = read_gguf_metadata(f32)
+    arch = {"qwen3": "qwen3", "qwen2": "qwen2", "llama3": "llama"}[family]
+    assert meta["general.architecture"] == arch
+    assert ("rope_freqs.weight" in meta["tensors"]) == (family == "llama3")
+    assert ("output.weight" in meta["tensors"]) == (family != "qwen3")  # tied: llama.cpp reuses token_embd
+    rep = validate(hf, [f32], device="cpu", n_tokens=96 if family == "llama3" else 32)
+    assert rep.passed, rep.results[0].failures
+    assert _rel(rep) < REL_F32, rep.results[0].metrics
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_llama3_gguf_without_rope_freqs_differs_so_the_scaling_is_probed(llama_cpp):
+    """The control of the llama3 case above: the same weights without the scaling differ in llama.cpp."""
+    hf = _hf_model("llama3", HF_CONFIGS["llama3"]())
+    plain = G / "hf-llama3-unscaled"
+    if not plain.exists():
+        shutil.copytree(hf, plain)
+        cfg = json.loads((plain / "config.json").read_text())
+        cfg.pop("rope_scaling")
+        (plain / "config.json").write_text(json.dumps(cfg))
+    f32 = _gguf(plain, "llama3-unscaled", "f32")
+    rep = validate(hf, [f32], device="cpu", n_tokens=96)
+    assert not rep.passed
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_split_regex_pretokenizers_tokenize_in_llama_cpp_as_in_transformers(llama_cpp, pre):
+    """Each regex of the pre-tokenizer table, in a BPE trained with it, tokenizes in llama.cpp as in
+    transformers: the table's names are the regexes llama.cpp applies."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mconvert.data import EOS, corpus_text
+    from mconvert.validators.verify_gguf import ROUND_TRIP_TEXTS
+
+    regex = next(k for k, v in PRE_TOKENIZERS.items() if v == pre)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus_text().split("\n\n"), trainers.BpeTrainer(
+        vocab_size=1000, min_frequency=2, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    hf = G / f"hf-pre-{pre}"
+    if not hf.exists():
+        src = _hf_model("qwen3", HF_CONFIGS["qwen3"]())
+        shutil.copytree(src, hf)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (hf / f).unlink(missing_ok=True)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS).save_pretrained(hf)
+    f = _gguf(hf, f"pre-{pre}", "f32")
+    assert read_gguf_metadata(f)["tokenizer.ggml.pre"] == pre
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf / "tokenizer.json"))
+    result, _ = run_llama_cpp(f, {"tokenize": list(ROUND_TRIP_TEXTS)})
+    assert result["tokenize"] == [fast(t, add_special_tokens=False)["input_ids"] for t in ROUND_TRIP_TEXTS]
+
+
+# ---- without llama.cpp: refusals, atomic output, streaming ---------------------------------------------------
+def _refused(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def _no_output(out: Path) -> None:
+    assert not out.exists() and not file_manifest_path(out).exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.mconvert-tmp-")]
+
+
+@pytest.mark.timeout(300)
+def test_gpt2_family_is_refused_by_name_and_nothing_is_written(capsys):
+    hf = _hf_model("gpt2", transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=64))
+    out = G / "refused-gpt2.gguf"
+    err = _refused(capsys, ["hf-to-gguf", str(hf), str(out)])
+    assert "gpt2 family has no GGUF form" in err
+    _no_output(out)
+
+
+@pytest.mark.timeout(300)
+def test_qwen2_with_llama3_rope_scaling_is_refused_by_name(capsys):
+    cfg = HF_CONFIGS["qwen2"]()
+    cfg.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 8192}
+    hf = _hf_model("qwen2-llama3", cfg)
+    out = G / "refused-qwen2.gguf"
+    err = _refused(capsys, ["hf-to-gguf", str(hf), str(out), "--outtype", "f32"])
+    assert "rope scaling llama3" in err and "qwen2" in err and "rope_freqs" in err
+    _no_output(out)
+
+
+def _tokenizer_variant(name: str, edit) -> Path:
+    d = G / f"hf-tok-{name}"
+    if not d.exists():
+        shutil.copytree(_hf_model("qwen3", HF_CONFIGS["qwen3"]()), d)
+        tj = json.loads((d / "tokenizer.json").read_text())
+        edit(tj)
+        (d / "tokenizer.json").write_text(json.dumps(tj))
+    return d
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,edit,words", [
+    ("metaspace", lambda tj: tj.update(pre_tokenizer={"type": "Metaspace", "replacement": "▁",
+                                                      "prepend_scheme": "always", "split": True}),
+     "pre-tokenizer step 'Metaspace' has no llama.cpp form"),
+    ("unknown-regex", lambda tj: tj.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{L}+|\\s+"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}),
+     "pre-tokenizer regex '\\\\p{L}+|\\\\s+' matches none llama.cpp names"),
+    ("prefix-space", lambda tj: tj["pre_tokenizer"].update(add_prefix_space=True),
+     "add_prefix_space=true has no llama.cpp pre-tokenizer"),
+])
+def test_tokenizers_llama_cpp_cannot_reproduce_are_refused_by_name(capsys, kind, edit, words):
+    hf = _tokenizer_variant(kind, edit)
+    out = G / f"refused-{kind}.gguf"
+    err = _refused(capsys, ["hf-to-gguf", str(hf), str(out)])
+    assert words in err and "tokenizer.json" in err, err
+    _no_output(out)
+
+
+@pytest.mark.timeout(300)
+def test_outtype_and_existing_output_are_refused_before_work(capsys):
+    hf = _hf_model("qwen3", HF_CONFIGS["qwen3"]())
+    out = G / "bad-outtype.gguf"
+    assert "--outtype 'q4_0': choose f32, f16, bf16, q8_0" in _refused(capsys, ["hf-to-gguf", str(hf), str(out),
+                                                                               "--outtype", "q4_0"])
+    _no_output(out)
+    there = G / "there.gguf"
+    there.write_bytes(b"keep me")
+    assert "output already exists; pass --force" in _refused(capsys, ["hf-to-gguf", str(hf), str(there)])
+    assert there.read_bytes() == b"keep me"
+
+
+@pytest.mark.timeout(300)
+def test_writer_streams_each_unit_to_disk_before_the_next_is_read(monkeypatch):
+    """The header is written first and every unit's tensors are on disk when the next unit is read: the
+    writer never holds more than the unit in hand."""
+    from mconvert.convert import gguf as gguf_mod
+
+    hf = _hf_model("qwen3", HF_CONFIGS["qwen3"]())
+    sizes: list[tuple[object, int]] = []
+    real_add = gguf_mod.GgufWriter.add
+
+    def add(self, unit, tensors):
+        real_add(self, unit, tensors)
+        self._w.fout[0].flush()
+        sizes.append((unit, self.path.stat().st_size))
+
+    monkeypatch.setattr(gguf_mod.GgufWriter, "add", add)
+    out = G / "streamed.gguf"
+    out.unlink(missing_ok=True)
+    to_gguf(hf, out, "f32", verb="hf-to-gguf", force=True)
+    assert [u for u, _ in sizes] == ["embedding", 0, 1, "final"]
+    grown = [b - a for (_, a), (_, b) in zip(sizes, sizes[1:])]
+    layer = 4 * sum(n for n in (128 * 256, 64 * 128, 64 * 128, 256 * 128, 3 * 256 * 128))  # q, k, v, o, mlp
+    assert all(g >= layer * 0.99 for g in grown[:2]), (grown, layer)  # each layer's bytes land with its unit
+    assert sizes[-1][1] == out.stat().st_size
+
+
+@pytest.mark.timeout(300)
+def test_metadata_states_the_model_as_its_config_does():
+    hf = _hf_model("llama3", HF_CONFIGS["llama3"]())
+    meta = read_gguf_metadata(_gguf(hf, "llama3", "f32"))
+    cfg = json.loads((hf / "config.json").read_text())
+    want = {"llama.context_length": cfg["max_position_embeddings"], "llama.embedding_length": cfg["hidden_size"],
+            "llama.block_count": cfg["num_hidden_layers"], "llama.feed_forward_length": cfg["intermediate_size"],
+            "llama.attention.head_count": cfg["num_attention_heads"],
+            "llama.attention.head_count_kv": cfg["num_key_value_heads"], "llama.rope.dimension_count": cfg["head_dim"],
+            "llama.vocab_size": cfg["vocab_size"], "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2"}
+    assert {k: meta.get(k) for k in want} == want
+    assert meta["llama.rope.freq_base"] == pytest.approx(cfg["rope_theta"])
+    assert meta["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg["rms_norm_eps"])
+    assert meta["n_vocab"] == cfg["vocab_size"] and meta["tokenizer.ggml.eos_token_id"] == 0
+
+
+def test_a_gguf_without_its_tokenizer_is_refused(tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(_hf_model("qwen3", HF_CONFIGS["qwen3"]()), hf)
+    for f in hf.glob("*token*"):
+        f.unlink()
+    with pytest.raises(MConvertError, match="GGUF embeds one — pass --tokenizer DIR"):
+        to_gguf(hf, tmp_path / "x.gguf", "f32", verb="hf-to-gguf")
+    _no_output(tmp_path / "x.gguf")
