@@ -442,3 +442,17 @@ def test_args_that_misdescribe_the_experts_are_refused_by_name(name: str, value,
     (tmp_path / "mg" / MANIFEST).unlink()
     with pytest.raises(MConvertError, match=re.escape(expect)):
         MegatronSource(tmp_path / "mg")
+
+
+def test_inspect_shows_the_expert_layout(tmp_path: Path) -> None:
+    from mconvert.convert.inspect import inspect_checkpoint
+
+    hf = _random_hf("qwen3_moe", tmp_path / "hf")
+    _convert("hf-to-megatron", str(hf), str(tmp_path / "mg"), "--tp", "2", "--ep", "2")
+    info = inspect_checkpoint(tmp_path / "mg")
+    assert (info["tp"], info["ep"], info["spec"]["num_experts"], info["spec"]["moe_ffn_hidden_size"]) == (2, 2, 4, 64)
+    rows = {p["name"]: p for p in info["params"]}
+    fc1 = rows["decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight"]
+    assert (fc1["kind"], fc1["full_shape"], fc1["rank_shapes"]["0"]) == ("gated", [128, 128], [64, 128])
+    assert rows["decoder.layers.*.mlp.router.weight"]["kind"] == "replicated"
+    assert len(info["params"]) == len(rows)  # one row per template, not one per expert
