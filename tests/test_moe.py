@@ -481,3 +481,20 @@ def test_inspect_shows_the_expert_layout(tmp_path: Path) -> None:
     assert (fc1["kind"], fc1["full_shape"], fc1["rank_shapes"]["0"]) == ("gated", [128, 128], [64, 128])
     assert rows["decoder.layers.*.mlp.router.weight"]["kind"] == "replicated"
     assert len(info["params"]) == len(rows)  # one row per template, not one per expert
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("drop", "no mp_rank_* directories of EP rank 1; the checkpoint is incomplete"),
+    ("extra", "unexpected rank directories mp_rank_00_002 (the args say TP=1, PP=1, EP=2)"),
+])
+def test_a_missing_or_stray_ep_rank_dir_is_refused_by_name(damage: str, expect: str, tmp_path: Path) -> None:
+    hf = _random_hf("mixtral", tmp_path / "hf")
+    _convert("hf-to-megatron", str(hf), str(tmp_path / "mg"), "--ep", "2")
+    rel = tmp_path / "mg" / "release"
+    if damage == "drop":
+        shutil.rmtree(rel / "mp_rank_00_001")
+    else:
+        shutil.copytree(rel / "mp_rank_00_001", rel / "mp_rank_00_002")
+    (tmp_path / "mg" / MANIFEST).unlink()
+    with pytest.raises(MConvertError, match=re.escape(expect)):
+        MegatronSource(tmp_path / "mg")
