@@ -56,7 +56,10 @@ def _perturb(ctx: McoreContext) -> None:
 
 
 def _save_legacy(ctx: McoreContext, root: str, tokens: torch.Tensor) -> torch.Tensor:
-    """Per rank: perturb, save the legacy torch rank file as Megatron-LM names it, return the logits."""
+    """Per rank: perturb, save the legacy torch rank file as Megatron-LM names it and megatron-core's own
+    torch_dist checkpoint (`dist_checkpointing.save` of `sharded_state_dict()`) beside it; return the logits."""
+    from megatron.core import dist_checkpointing
+
     _perturb(ctx)
     args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep)
     args.params_dtype = torch.float32
@@ -65,8 +68,16 @@ def _save_legacy(ctx: McoreContext, root: str, tokens: torch.Tensor) -> torch.Te
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
              "model": ctx.model.state_dict_for_save_checkpoint()}
     save_rank_file(rank_file(root, ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank, ctx.ep), state)
+    dist = Path(root + "_dist") / f"iter_{ITERATION:07d}"
+    dist.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dargs = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep, ckpt_format="torch_dist")
+    del dargs.model_family
+    dist_checkpointing.save({"model": ctx.model.sharded_state_dict(), "args": dargs, "checkpoint_version": 3.0,
+                             "iteration": ITERATION}, str(dist))
     if ctx.rank == 0:
         write_latest(root, ITERATION)
+        write_latest(root + "_dist", ITERATION)
     return ctx.logits(tokens)
 
 
@@ -131,6 +142,20 @@ def test_megatron_core_moe_checkpoints_convert_to_matching_hf(family: str, tp: i
     assert cfg.family == family and cfg.num_experts == spec.num_experts
     got = _hf_logits(tmp_path / "hf", tokens)
     assert _close(got, ref), f"max abs {(got - ref).abs().max():.3g} vs max |logit| {ref.abs().max():.3g}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tp,ep", RUNS)
+def test_megatron_core_torch_dist_moe_checkpoints_convert_to_the_same_hf(
+        family: str, tp: int, ep: int, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """megatron-core's torch_dist save stacks the experts as [layers, experts, ...] in global order; read one
+    expert's box at a time, it gives the legacy checkpoint's HF tensors and megatron-core's logits."""
+    spec, tokens, ref, root = _saved(family, tp, ep, tmp_path_factory)
+    _convert("megatron-to-hf", str(root), str(tmp_path / "legacy"))
+    _convert("megatron-to-hf", str(root) + "_dist", str(tmp_path / "dist"))
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("legacy", "dist"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _close(_hf_logits(tmp_path / "dist", tokens), ref)
 
 
 @pytest.mark.slow
@@ -439,6 +464,37 @@ def test_args_that_misdescribe_the_experts_are_refused_by_name(name: str, value,
         state = safe_load(f)
         setattr(state["args"], name, value)
         save_rank_file(f, state)
+    (tmp_path / "mg" / MANIFEST).unlink()
+    with pytest.raises(MConvertError, match=re.escape(expect)):
+        MegatronSource(tmp_path / "mg")
+
+
+def test_inspect_shows_the_expert_layout(tmp_path: Path) -> None:
+    from mconvert.convert.inspect import inspect_checkpoint
+
+    hf = _random_hf("qwen3_moe", tmp_path / "hf")
+    _convert("hf-to-megatron", str(hf), str(tmp_path / "mg"), "--tp", "2", "--ep", "2")
+    info = inspect_checkpoint(tmp_path / "mg")
+    assert (info["tp"], info["ep"], info["spec"]["num_experts"], info["spec"]["moe_ffn_hidden_size"]) == (2, 2, 4, 64)
+    rows = {p["name"]: p for p in info["params"]}
+    fc1 = rows["decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight"]
+    assert (fc1["kind"], fc1["full_shape"], fc1["rank_shapes"]["0"]) == ("gated", [128, 128], [64, 128])
+    assert rows["decoder.layers.*.mlp.router.weight"]["kind"] == "replicated"
+    assert len(info["params"]) == len(rows)  # one row per template, not one per expert
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("drop", "no mp_rank_* directories of EP rank 1; the checkpoint is incomplete"),
+    ("extra", "unexpected rank directories mp_rank_00_002 (the args say TP=1, PP=1, EP=2)"),
+])
+def test_a_missing_or_stray_ep_rank_dir_is_refused_by_name(damage: str, expect: str, tmp_path: Path) -> None:
+    hf = _random_hf("mixtral", tmp_path / "hf")
+    _convert("hf-to-megatron", str(hf), str(tmp_path / "mg"), "--ep", "2")
+    rel = tmp_path / "mg" / "release"
+    if damage == "drop":
+        shutil.rmtree(rel / "mp_rank_00_001")
+    else:
+        shutil.copytree(rel / "mp_rank_00_001", rel / "mp_rank_00_002")
     (tmp_path / "mg" / MANIFEST).unlink()
     with pytest.raises(MConvertError, match=re.escape(expect)):
         MegatronSource(tmp_path / "mg")

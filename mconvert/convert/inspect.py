@@ -40,7 +40,8 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
             for layer in chunk:
                 stages.setdefault(str(p), []).append(layer)
     params = []
-    decls = spec.embedding_params(tp) + spec.layer_params(0) + spec.final_params(tp)
+    layer0 = [d for d in spec.layer_params(0) if d.expert in (None, 0)]  # one row per expert template
+    decls = spec.embedding_params(tp) + layer0 + spec.final_params(tp)
     if spec.tie_embeddings and "output_layer.weight" in stored:
         decls.append(type(decls[0])("output_layer.weight", "vocab", decls[0].shape))
     for d in decls:
@@ -68,7 +69,7 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
     files = src.files() if hasattr(src, "files") and callable(src.files) else None
     return {
         "path": str(path), "format": src.format, "iteration": getattr(src, "iteration", None),
-        "tp": tp, "pp": pp, "vpp": vpp, "spec": spec.to_dict(),
+        "tp": tp, "pp": pp, "vpp": vpp, "ep": getattr(src, "ep", 1), "spec": spec.to_dict(),
         "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
         "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
         "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params, "files": files,
@@ -81,7 +82,8 @@ def render_inspect(info: dict[str, Any]) -> Any:
     head = Table(title=f"{rich_safe(info['path'])}: {info['format']}", show_header=False)
     head.add_column("field")
     head.add_column("value")
-    head.add_row("parallel", f"TP={info['tp']} PP={info['pp']}" + (f" VPP={info['vpp']}" if info["vpp"] else ""))
+    head.add_row("parallel", f"TP={info['tp']} PP={info['pp']}" + (f" VPP={info['vpp']}" if info["vpp"] else "")
+                 + (f" EP={info['ep']}" if info.get("ep", 1) > 1 else ""))
     head.add_row("iteration", str(info["iteration"]))
     head.add_row("family", s["family"])
     head.add_row("parameters", f"{info['parameters']:,}")
@@ -90,7 +92,7 @@ def render_inspect(info: dict[str, Any]) -> Any:
               "activation", "position_embedding_type", "rotary_base", "tie_embeddings", "params_dtype"):
         head.add_row(k, str(s[k]))
     for k in ("qk_layernorm", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_position_embeddings"):
+              "rope_original_max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
         if k in s:  # present only when the model uses them
             head.add_row(k, str(s[k]))
     head.add_row("padded vocab", str(info["padded_vocab_size"]))

@@ -29,6 +29,9 @@ from mconvert.errors import MConvertError, expect
 from mconvert.mappings.keys import canonical_key, unit_of
 
 STACKED_PREFIX = "decoder.layers."
+# Routed experts are stacked twice: `decoder.layers.mlp.experts.experts.<linear>` is [num_layers, num_experts, ...]
+# (global expert order); read as `decoder.layers.*.mlp.experts.local_experts.*.<linear>`.
+STACKED_EXPERTS, EXPERT_TEMPLATE = ".mlp.experts.experts.", ".mlp.experts.local_experts.*."
 # Explicit drops: top-level entries of a Megatron-LM save that are not model weights.
 DROP_PREFIXES: dict[str, None] = {"optimizer.": None, "rng_state": None, "rerun_state_machine_state": None}
 # megatron-core's distributed optimizer, `fully_reshardable` layout: one tensor per parameter and state
@@ -36,6 +39,11 @@ DROP_PREFIXES: dict[str, None] = {"optimizer.": None, "rng_state": None, "rerun_
 # `optimizer.state.<state>.<parameter key>`; the param groups (with `step`) live in common.pt's `optimizer`.
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
 RESHARDABLE_OPTIMIZER = "fully_reshardable"
+
+
+def _expert_template(name: str) -> str:
+    """`...local_experts.0.linear_fc1.weight` -> `...local_experts.*.linear_fc1.weight` (other names pass)."""
+    return name.replace(EXPERT_TEMPLATE.replace("*", "0"), EXPERT_TEMPLATE, 1)
 
 
 class _SlicePlanner:
@@ -138,7 +146,8 @@ class TorchDistSource(SourceBase):
         md_file = self.iter_dir / ".metadata"
         L = self.spec.num_layers
         decls = self.spec.embedding_params(self.tp) + self.spec.layer_params(0) + self.spec.final_params(self.tp)
-        self._declared = {d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1): d.shape for d in decls}
+        self._declared = {_expert_template(d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1)): d.shape
+                          for d in decls if d.expert in (None, 0)}
         self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])
         for key, md in self.metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata) or "_extra_state" in key:
@@ -150,6 +159,9 @@ class TorchDistSource(SourceBase):
                 continue
             stacked = key.startswith(STACKED_PREFIX) and not key[len(STACKED_PREFIX):].split(".")[0].isdigit()
             raw = f"{STACKED_PREFIX}0.{key[len(STACKED_PREFIX):]}" if stacked else key
+            experts = stacked and STACKED_EXPERTS in raw
+            if experts:
+                raw = raw.replace(STACKED_EXPERTS, EXPERT_TEMPLATE.replace("*", "0"), 1)
             name = canonical_key(raw)
             if name is None:
                 continue
@@ -167,6 +179,12 @@ class TorchDistSource(SourceBase):
                                         f"[{L}, ...] for num_layers={L}; args and weights disagree")
                 name = name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1)
                 shape = shape[1:]
+                if experts:
+                    if not shape or shape[0] != self.spec.num_experts:
+                        raise MConvertError(f"{md_file}: stacked expert key {key!r} has {list(shape[:1])} experts, "
+                                            f"expected num_experts={self.spec.num_experts}; args and weights "
+                                            "disagree")
+                    name, shape = _expert_template(name), shape[1:]
             elif unit_of(name) not in ("embedding", "final"):
                 raise MConvertError(f"{md_file}: key {key!r} is a per-layer key outside the stacked layout; "
                                     "not a megatron-core torch_dist save this reader knows")
@@ -280,7 +298,12 @@ class TorchDistSource(SourceBase):
                 continue
             key, stacked = self.keys[name]
             shape = self.global_shapes[name]
-            if stacked:
+            if stacked and EXPERT_TEMPLATE in name:
+                if isinstance(unit, int):  # one expert's box at a time: never the layer's fused experts
+                    for e in range(self.spec.num_experts or 0):
+                        t = self.read_slice(key, (unit, e) + (0,) * len(shape), (1, 1, *shape))[0, 0]
+                        out[name.replace("*", str(unit), 1).replace("*", str(e), 1)] = t
+            elif stacked:
                 if isinstance(unit, int):
                     t = self.read_slice(key, (unit,) + (0,) * len(shape), (1, *shape))[0]
                     out[name.replace("*", str(unit), 1)] = t
