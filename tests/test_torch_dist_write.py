@@ -149,7 +149,7 @@ def test_torch_dist_written_from_mcore_torch_matches_mcore_dist_save(tmp_path: P
         assert getattr(common["args"], field) == getattr(ref_common["args"], field), field
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [(1, 1, 2, 1), (2, 2, 1, 2)])
 def test_torch_to_torch_dist_to_torch_is_byte_identical(layout: tuple[int, int, int, int], tmp_path: Path) -> None:
     tp, pp, dist_tp, dist_pp = layout
@@ -168,7 +168,7 @@ def test_torch_to_torch_dist_to_torch_is_byte_identical(layout: tuple[int, int, 
         assert (first / f).read_bytes() == (back / f).read_bytes(), f
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_dry_run_and_inspect_size_the_torch_dist_data_file(tmp_path: Path) -> None:
     spec = preset("tiny-llama")
     hf = make_hf(spec, tmp_path / "hf")
@@ -189,7 +189,7 @@ def test_dry_run_and_inspect_size_the_torch_dist_data_file(tmp_path: Path) -> No
     assert {f["path"] for f in info["files"]} == {p.name for p in (tmp_path / "dist" / "release").iterdir()}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
 def test_bad_format_and_optimizer_into_torch_dist_are_one_line_refusals(tmp_path: Path) -> None:
     spec = preset("tiny-llama")
     hf = make_hf(spec, tmp_path / "hf")
@@ -201,14 +201,14 @@ def test_bad_format_and_optimizer_into_torch_dist_are_one_line_refusals(tmp_path
                       "--with-optimizer"),
     }
     for name, (argv, needle) in runs.items():
-        p = subprocess.run([sys.executable, "-m", "mconvert.cli", *argv], capture_output=True, text=True, timeout=60)
+        p = subprocess.run([sys.executable, "-m", "mconvert.cli", *argv], capture_output=True, text=True, timeout=150)
         assert p.returncode != 0, name
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr, (name, p.stderr)
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_data_files_split_at_the_size_limit_as_planned_and_read_back(tmp_path: Path) -> None:
     """A new `__0_<i>.distcp` starts where the next chunk would pass the limit; `plan` names the same files
     with the same tensor bytes, and the reader gets every tensor back from them."""
@@ -393,7 +393,7 @@ def test_megatron_core_distributed_optimizer_reshards_and_resumes(tmp_path: Path
     assert "optimizer" not in torch.load(fresh / "iter_0000002" / "common.pt", weights_only=False)  # our own file
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> None:
     """A source chunk that cannot be read after earlier units were written: one line naming the input, no OUT,
     no temporary directory left beside it."""
@@ -412,14 +412,14 @@ def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> Non
         f.write(b"XXXX")  # layer 2's chunk is no longer a torch.save zip; layers 0 and 1 read fine
     before = sorted(p.name for p in tmp_path.iterdir())
     p = subprocess.run([sys.executable, "-m", "mconvert.cli", "reshard", str(src), str(tmp_path / "out"), "--tp", "2",
-                        "--format", "torch_dist"], capture_output=True, text=True, timeout=100)
+                        "--format", "torch_dist"], capture_output=True, text=True, timeout=200)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode != 0 and len(lines) == 1, p.stderr
     assert "linear_fc2.weight" in lines[0] and "Traceback" not in p.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no OUT, no leftover temporary directory
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_torch_dist_optimizer_refusals_name_the_layout(tmp_path: Path) -> None:
     """--with-optimizer on a torch_dist checkpoint without states, or with a layout bound to the writer's DP
     buckets, is one MConvertError naming common.pt; nothing is written."""
