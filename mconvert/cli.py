@@ -48,6 +48,16 @@ Workers = Annotated[int, typer.Option("--workers", help="Parameters read and re-
                                       "(0: one per core; 1: one after another).")]
 
 
+ManifestHash = Annotated[str, typer.Option("--manifest-hash", help="Digest in OUT's manifest: blake3 (fast, "
+                                          "multi-threaded) or sha256 (what sha256sum and the Hub's LFS ids show).")]
+
+
+def _manifest_hash(name: str) -> None:
+    from mconvert.convert.io.hashing import set_manifest_hash
+
+    set_manifest_hash(name)
+
+
 def _workers(n: int) -> None:
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.base import set_workers
@@ -191,6 +201,7 @@ def megatron_to_hf_cmd(
                                                       "tokenizer files beside the checkpoint).")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
@@ -205,6 +216,7 @@ def megatron_to_hf_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import megatron_to_hf
 
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
@@ -220,6 +232,7 @@ def hf_to_megatron_cmd(
     vpp: Vpp = None,
     dtype: Dtype = "auto",
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
@@ -233,6 +246,7 @@ def hf_to_megatron_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import hf_to_megatron
 
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
@@ -250,6 +264,7 @@ def reshard_cmd(
                                                  "`mconvert train --resume` continues at the new layout.")] = False,
     iteration: Iteration = None,
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
@@ -263,6 +278,7 @@ def reshard_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import reshard
 
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
@@ -317,6 +333,7 @@ def megatron_to_ft_cmd(
     ] = False,
     iteration: Iteration = None,
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     workers: Workers = 0,
     as_json: Json = False,
 ) -> None:
@@ -332,6 +349,7 @@ def megatron_to_ft_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.fastertransformer import describe, megatron_to_ft
 
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     res = megatron_to_ft(src, out, infer_tp, dtype, force, allow_approx_gelu, iteration)
@@ -346,6 +364,7 @@ def megatron_to_trtllm_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="auto|fp32|fp16|bf16 (auto keeps the source dtype).")] = "auto",
     iteration: Iteration = None,
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     as_json: Json = False,
 ) -> None:
     """Write a TensorRT-LLM checkpoint (names/shapes as its gpt/llama converters), then check every rank file.
@@ -359,6 +378,7 @@ def megatron_to_trtllm_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.trtllm import megatron_to_trtllm
 
+    _manifest_hash(manifest_hash)
     res = megatron_to_trtllm(src, out, tp, dtype, force, iteration)
     rows = [("out", res.out), ("architecture", res.architecture), ("tp", str(res.tp)), ("dtype", res.dtype),
             ("tensors per rank", str(res.tensors_per_rank))]
@@ -380,6 +400,7 @@ def to_onnx_cmd(
     ] = "optimum",
     iteration: Iteration = None,
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     as_json: Json = False,
 ) -> None:
     """Export to ONNX with optimum, then refuse unless onnxruntime's logits match transformers' within --rtol.
@@ -394,6 +415,7 @@ def to_onnx_cmd(
     from mconvert.convert.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
+    _manifest_hash(manifest_hash)
     res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration, check=check_onnx_against_hf)
     rows = [("out", res.out), ("task", res.task), ("exporter", res.exporter),
             ("prefill rel diff", f"{res.prefill_rel_diff:.3g} (≤ {res.rtol:g})")]

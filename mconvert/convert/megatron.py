@@ -23,7 +23,8 @@ from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit, pmap
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
-from mconvert.convert.io.atomic import record_digest, sha256_file
+from mconvert.convert.io.atomic import record_digest
+from mconvert.convert.io.hashing import hash_file, manifest_hash
 from mconvert.convert.io.paths import inside_file
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
@@ -454,11 +455,11 @@ class MegatronWriter:
         self.files: list[Path] = []
         self._spools: dict[tuple[int, int], Any] = {}
         self._hasher: Any = None
-        self._hashes: list[tuple[Path, tuple[int, int], Any]] = []
+        self._hashes: list[tuple[Path, tuple[int, int], str, Any]] = []
         # Streaming: with the source's `preview` (each unit's tensors as meta tensors: names, shapes,
         # dtypes, in the order `read_mcore` returns them) a stage's rank files are laid out when its first
         # unit arrives and written front to back as the shards come (`io.torchsave.TorchSaveStream`): no spool,
-        # O_DIRECT, sha256 on the way. Without it (or with optimizer states, or VPP, whose stages interleave)
+        # O_DIRECT, the manifest hash on the way. Without it (or with optimizer states, or VPP, whose stages interleave)
         # the spool path below is used.
         self.preview = preview if optimizer_groups is None and vpp is None else None
         self._streams: dict[int, dict[int, Any]] = {}  # pp rank -> tp rank -> TorchSaveStream
@@ -670,12 +671,14 @@ class MegatronWriter:
         del chunks
 
     def _hash_in_background(self, path: Path) -> None:
-        """sha256 of a finished rank file on a thread, overlapping the next stage's reads; `close`
+        """The manifest's hash of a finished rank file on a thread, overlapping the next stage's reads; `close`
         hands it to the manifest (`atomic.record_digest`), which uses it only if the file is unchanged since."""
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hash-rank-files")
         st = os.stat(path)
-        self._hashes.append((path, (st.st_size, st.st_mtime_ns), self._hasher.submit(sha256_file, path)))
+        algorithm = manifest_hash()
+        self._hashes.append((path, (st.st_size, st.st_mtime_ns), algorithm,
+                             self._hasher.submit(hash_file, path, algorithm)))
 
     def _spool(self, p: int, t: int) -> Any:
         """The spool of rank file (t, p): shard bytes wait there, not in memory, until the stage is complete."""
@@ -690,14 +693,14 @@ class MegatronWriter:
         if missing:
             raise MConvertError(f"internal: pipeline stages {missing} did not receive all their units")
         write_latest(self.out, self.iteration)
-        for path, (size, mtime), fut in self._hashes:
+        for path, (size, mtime), algorithm, fut in self._hashes:
             try:
                 digest = fut.result()
                 st = os.stat(path)
             except OSError:  # the manifest then hashes the file itself
                 continue
             if (st.st_size, st.st_mtime_ns) == (size, mtime):
-                record_digest(path, digest)
+                record_digest(path, digest, algorithm)
         self._hashes.clear()
         if self._hasher is not None:
             self._hasher.shutdown()

@@ -29,7 +29,6 @@ import threading
 import types
 import warnings
 import zipfile
-import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from mconvert.convert.io.hashing import crc32
 from mconvert.errors import MConvertError
 
 
@@ -325,7 +325,7 @@ def _verify_zip_crc_now(path: str | Path) -> None:
                     k = os.preadv(fd, [chunk[: min(left, len(chunk))]], pos)
                     if k <= 0:
                         raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
-                    crc = zlib.crc32(chunk[:k], crc)
+                    crc = crc32(chunk[:k], crc)
                     pos, left = pos + k, left - k
                 if crc != info.CRC:
                     raise MConvertError(
