@@ -18,13 +18,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mconvert import dtypes
-from mconvert.convert.io.atomic import atomic_output_dir, check_output
+from mconvert.convert.io.atomic import check_output
 from mconvert.convert.base import Unit
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
 from mconvert.convert.megatron import MegatronSource, MegatronWriter
 from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
+from mconvert.convert.scaleout import output_dir, world
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
@@ -102,12 +103,15 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("megatron-to-hf", src, dtype=spec.params_dtype, max_shard_size=size),
                 "output": str(out), "dry_run": True, "warnings": warnings}
-    with atomic_output_dir(out, force, inputs=(ckpt, tokenizer, src.tokenizer_dir)) as tmp:
+    with output_dir(out, force, inputs=(ckpt, tokenizer, src.tokenizer_dir)) as tmp:
         writer = HFWriter(tmp, spec, size, target)
-        writer.prefetch_tokenizer(src.tokenizer_dir)
+        if world().size > 1:
+            writer.plan_ahead(_source_dtype(src))
+        if world().primary:
+            writer.prefetch_tokenizer(src.tokenizer_dir)
         with _aborting(writer):
             for unit in _progress(src.units(), "megatron-to-hf", progress):
-                writer.add(src.read_hf(unit))
+                _move(writer, unit, lambda u: (src.read_hf(u),))
             writer.close(src.tokenizer_dir)
         wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
         files = _files_report(tmp)
@@ -143,14 +147,14 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
                 "output": str(out), "dry_run": True, "warnings": []}
-    with atomic_output_dir(out, force, inputs=(hf_dir, src.tokenizer_dir)) as tmp:
+    with output_dir(out, force, inputs=(hf_dir, src.tokenizer_dir)) as tmp:
         writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
         with _aborting(writer):
             for unit in _progress(src.units(), "hf-to-megatron", progress):
-                writer.add(unit, src.read_mcore(unit))
+                _move(writer, unit, lambda u: (u, src.read_mcore(u)))
             writer.close()
         wait_crc_checks()  # the input's manifest, checked in the background, before the output is committed
-        tok = copy_tokenizer(src.tokenizer_dir, tmp)
+        tok = copy_tokenizer(src.tokenizer_dir, tmp) if world().primary else []
         files = _files_report(tmp)
     return {
         "verb": "hf-to-megatron", "source": src.describe(), "output": str(out), "family": spec.family,
@@ -197,12 +201,15 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     elif with_optimizer:
         raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
     iteration_out = src.iteration if src.iteration is not None else "release"
-    with atomic_output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
+    with output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
         writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
                                 args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                 rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
         with _aborting(writer):
             for unit in _progress(src.units(), "reshard", progress):
+                if not writer.needs(unit):  # another torchrun rank writes its stage
+                    writer.skip(unit)
+                    continue
                 if isinstance(src, MegatronSource) and with_optimizer:
                     tensors, states = src.read_unit(unit, with_optimizer)
                 else:
@@ -210,7 +217,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                 writer.add(unit, tensors, states if with_optimizer else None)
             writer.close()
         wait_crc_checks()  # the input's CRC-32, checked in the background, before the output is committed
-        tok = copy_tokenizer(src.tokenizer_dir, tmp)
+        tok = copy_tokenizer(src.tokenizer_dir, tmp) if world().primary else []
         files = _files_report(tmp)
     return {
         "verb": "reshard", "source": src.describe(), "output": str(out), "family": src.spec.family,
@@ -219,6 +226,23 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         else "not written (pass --with-optimizer to re-shard the Adam states)",
         "peak_rss_bytes": peak_rss_bytes(), "seconds": round(time.perf_counter() - t0, 3), "warnings": [],
     }
+
+
+def _move(writer: Any, unit: Unit, read: Any) -> None:
+    """writer.add(*read(unit)), or writer.skip(unit) when another torchrun rank writes what `unit` feeds."""
+    if writer.needs(unit):
+        writer.add(*read(unit))
+    else:
+        writer.skip(unit)
+
+
+def _source_dtype(src: Any) -> torch.dtype:
+    """The dtype of the source's tensors, from its preview (no data read) or else its spec."""
+    if src.preview is not None and getattr(src, "can_preview", lambda: True)():
+        first = src.preview(src.units()[0])
+        if first:
+            return next(iter(first.values())).dtype
+    return dtypes.lookup(src.spec.params_dtype).torch
 
 
 @contextmanager

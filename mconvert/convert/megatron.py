@@ -28,6 +28,7 @@ from mconvert.convert.io.hashing import hash_file, manifest_hash
 from mconvert.convert.io.paths import inside_file
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
+from mconvert.convert.scaleout import world
 from mconvert.convert.layout import (
     CHECKPOINT_VERSION,
     layer_location,
@@ -464,6 +465,8 @@ class MegatronWriter:
         self.preview = preview if optimizer_groups is None and vpp is None else None
         self._streams: dict[int, dict[int, Any]] = {}  # pp rank -> tp rank -> TorchSaveStream
         self._placeholders: dict[tuple[int, int, int, str], torch.Tensor] = {}  # (p, t, chunk, local name)
+        # Under torchrun (`scaleout`) each rank writes the rank files of the pipeline stages it owns.
+        self.world = world()
 
     def _target_args(self, args: Any) -> argparse.Namespace:
         if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
@@ -493,9 +496,29 @@ class MegatronWriter:
             return self.pp - 1, (self.vpp or 1) - 1, None
         return layer_location(self.spec.num_layers, self.pp, int(unit), self.vpp)
 
+    def _tied_copy_needed(self, unit: Unit) -> bool:
+        """Whether `unit` is the embedding whose tensor the last stage repeats as its output layer."""
+        return unit == "embedding" and self.spec.tie_embeddings and self.pp > 1
+
+    def needs(self, unit: Unit) -> bool:
+        """Whether this rank must read `unit`: it belongs to a stage this rank writes (or is the embedding the
+        last stage, written here, repeats); always, in one process."""
+        return (self.world.owns(self._where(unit)[0])
+                or (self._tied_copy_needed(unit) and self.world.owns(self.pp - 1)))
+
+    def skip(self, unit: Unit) -> None:
+        """Pass `unit` by unread (`needs` is False): another rank writes its stage."""
+        self._received[self._where(unit)[0]].add(unit)
+
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
         """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states."""
         p, c, local = self._where(unit)
+        if not self.world.owns(p):  # read only for the tied output layer of the last stage
+            if self._tied_copy_needed(unit):
+                name = "embedding.word_embeddings.weight"
+                self._embedding = (tensors[name], (states or {}).get(name))
+            self._received[p].add(unit)
+            return
         if self.preview is not None and p not in self._streams:
             self._open_stage(p)
         new = self._entries(unit, tensors, states, real=True)
@@ -692,7 +715,8 @@ class MegatronWriter:
         missing = [p for p in range(self.pp) if len(self._received[p]) != len(self._stage_units[p])]
         if missing:
             raise MConvertError(f"internal: pipeline stages {missing} did not receive all their units")
-        write_latest(self.out, self.iteration)
+        if self.world.primary:
+            write_latest(self.out, self.iteration)
         for path, (size, mtime), algorithm, fut in self._hashes:
             try:
                 digest = fut.result()

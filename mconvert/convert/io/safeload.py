@@ -279,9 +279,14 @@ def crc_in_background(fn: Any) -> Any:
 
 def deferred(path: str | Path, check: Any) -> bool:
     """Inside `deferred_crc_checks()` (and on the main thread): queue `check(path)` on its background thread
-    and return True; else False (the caller checks now)."""
+    and return True; else False (the caller checks now). Under torchrun only the rank that `owns_path` runs
+    it: a failure there fails the whole job before anything is committed."""
     if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
-        _DEFERRED.submit(Path(path), check)
+        from mconvert.convert.scaleout import world_from_env
+
+        w = world_from_env()
+        if w.size == 1 or w.owns_path(path):  # under torchrun each input file is checked by one rank
+            _DEFERRED.submit(Path(path), check)
         return True
     return False
 
