@@ -141,6 +141,12 @@ def plan_cmd(
         Optional[Path], typer.Option("--bandwidth-file", help="Measured bandwidth JSON (default: `make bench`'s).")
     ] = None,
     files: Annotated[bool, typer.Option("--files", help="With --json: list every file and its bytes.")] = False,
+    nodes: Annotated[Optional[int], typer.Option("--nodes", help="Also estimate on torchrun: machines.")] = None,
+    procs_per_node: Annotated[int, typer.Option("--procs-per-node", help="torchrun processes per machine.")] = 1,
+    disk_gb: Annotated[Optional[float], typer.Option("--disk-gb-per-s", help="Disk bandwidth per machine, GB/s "
+                                                     "(default: the measured copy bandwidth).")] = None,
+    net_gb: Annotated[Optional[float], typer.Option("--network-gb-per-s", help="Each machine's link to the "
+                                                    "shared file system, GB/s (default: no limit).")] = None,
     json_out: Json = False,
 ) -> None:
     """Estimate a conversion from shapes alone: files, bytes, peak memory, time at the measured bandwidth.
@@ -148,9 +154,10 @@ def plan_cmd(
     Examples:
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to megatron --target-tp 8 --target-pp 8 --json
+      mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf --nodes 4 --procs-per-node 8 --network-gb-per-s 3
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate
+    from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate, scaleout_estimate
     from mconvert.mappings.families import preset
 
     est = estimate(
@@ -158,6 +165,8 @@ def plan_cmd(
         first_stage_layers=first, last_stage_layers=last, bandwidth=load_bandwidth(bandwidth_file),
         model=preset_name,
     )
+    if nodes is not None:
+        est = scaleout_estimate(est, nodes, procs_per_node, disk_gb and disk_gb * 1e9, net_gb and net_gb * 1e9)
     if json_out:
         print(json.dumps(est.to_dict(with_files=files), indent=1))
     else:

@@ -144,3 +144,26 @@ def test_world_from_env() -> None:
             world_from_env(bad)
     w = World(0, 3)
     assert [w.owner(i) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_plan_on_nodes_shares_out_the_file_groups() -> None:
+    """The torchrun estimate: file groups = shards (HF) or target stages (Megatron); more machines never
+    take longer; one process is the one-process estimate plus the start."""
+    from mconvert.convert.estimate import estimate, hf_files, scaleout_estimate
+    from mconvert.mappings.families import preset
+
+    spec = preset("llama3-405b")
+    bw = {"copy_bytes_per_s": 1e9, "ratio_to_cp": {"megatron-to-hf": 2.0, "reshard": 2.5}, "base_rss_bytes": 0}
+    one = scaleout_estimate(estimate(spec, "hf", tp=8, pp=16, bandwidth=bw), 1, 1, start_seconds=0)
+    assert one.scaleout["file_groups"] == len(hf_files(spec, 2))
+    assert one.scaleout["expected_seconds"] == pytest.approx(one.expected_seconds)
+    times = [scaleout_estimate(estimate(spec, "hf", tp=8, pp=16, bandwidth=bw), n, 8)
+             .scaleout["expected_seconds"] for n in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True) and times[-1] < times[0] / 2
+    rs = scaleout_estimate(estimate(spec, "megatron", tp=8, pp=16, target_tp=8, target_pp=8, bandwidth=bw), 4, 4)
+    assert rs.scaleout["file_groups"] == 8 and rs.scaleout["busy_processes"] == 8
+    assert any("only 8 of 16 processes" in n for n in rs.notes)
+    net = scaleout_estimate(estimate(spec, "hf", tp=8, pp=16, bandwidth=bw), 4, 8, network_bytes_per_s=1e8)
+    assert net.scaleout["bottleneck"] == "network"
+    with pytest.raises(MConvertError, match="--nodes 0"):
+        scaleout_estimate(estimate(spec, "hf", tp=8, pp=16, bandwidth=bw), 0, 1)
