@@ -167,3 +167,16 @@ def test_plan_on_nodes_shares_out_the_file_groups() -> None:
     assert net.scaleout["bottleneck"] == "network"
     with pytest.raises(MConvertError, match="--nodes 0"):
         scaleout_estimate(estimate(spec, "hf", tp=8, pp=16, bandwidth=bw), 0, 1)
+
+
+def test_processes_of_one_machine_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's LOCAL_WORLD_SIZE processes split the cores the machine lets this process use."""
+    from mconvert.convert.io.tuning import process_cores
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert process_cores() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert process_cores() == max(1, cores // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
+    assert process_cores() == 1
