@@ -25,7 +25,7 @@ from mconvert.convert.layout import layer_location, stage_layers
 from mconvert.convert.megatron import MegatronSource, MegatronWriter
 from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
-from mconvert.convert.scaleout import output_dir, world
+from mconvert.convert.scaleout import shared_atomic_output_dir, world
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
@@ -103,7 +103,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("megatron-to-hf", src, dtype=spec.params_dtype, max_shard_size=size),
                 "output": str(out), "dry_run": True, "warnings": warnings}
-    with output_dir(out, force, inputs=(ckpt, tokenizer, src.tokenizer_dir)) as tmp:
+    with shared_atomic_output_dir(out, force, inputs=(ckpt, tokenizer, src.tokenizer_dir)) as tmp:
         writer = HFWriter(tmp, spec, size, target)
         if world().size > 1:
             writer.plan_ahead(_source_dtype(src))
@@ -147,7 +147,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         return {**plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, dtype=spec.params_dtype),
                 "output": str(out), "dry_run": True, "warnings": []}
-    with output_dir(out, force, inputs=(hf_dir, src.tokenizer_dir)) as tmp:
+    with shared_atomic_output_dir(out, force, inputs=(hf_dir, src.tokenizer_dir)) as tmp:
         writer = MegatronWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, preview=_preview(src))
         with _aborting(writer):
             for unit in _progress(src.units(), "hf-to-megatron", progress):
@@ -201,7 +201,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     elif with_optimizer:
         raise MConvertError(f"{ckpt}: --with-optimizer is supported for Megatron torch-format checkpoints only")
     iteration_out = src.iteration if src.iteration is not None else "release"
-    with output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
+    with shared_atomic_output_dir(out, force, inputs=(ckpt, src.tokenizer_dir)) as tmp:
         writer = MegatronWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
                                 args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                 rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states

@@ -78,7 +78,7 @@ _WORLD: World = World()
 
 
 def world() -> World:
-    """The World of the conversion in progress (World() outside `output_dir`)."""
+    """The World of the conversion in progress (World() outside `shared_atomic_output_dir`)."""
     return _WORLD
 
 
@@ -138,7 +138,8 @@ def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> None:
 
 
 @contextmanager
-def output_dir(out: str | Path, force: bool = False, inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
+def shared_atomic_output_dir(out: str | Path, force: bool = False,
+                             inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
     """`atomic.atomic_output_dir` for one process, or shared by every torchrun process of the job: yields the
     temporary directory all ranks write into; only rank 0 commits it, after every rank reported success."""
     from mconvert.convert.io.atomic import atomic_output_dir
