@@ -104,17 +104,9 @@ def _write_status(tmp: Path, rank: int, status: dict[str, Any]) -> None:
     os.replace(part, path)  # rank 0 never reads half a status
 
 
-def _digests_under(tmp: Path) -> dict[str, list]:
-    """The digests this process computed while writing files under `tmp` (atomic.record_digest)."""
-    from mconvert.convert.io import atomic
-
-    top = str(tmp.resolve()) + os.sep
-    return {p: list(v) for p, v in atomic._KNOWN_DIGESTS.items() if p.startswith(top)}
-
-
 def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> None:
     """Poll until every other rank left its status; raise the first failure; take their digests."""
-    from mconvert.convert.io import atomic
+    from mconvert.convert.io.atomic import adopt_digests
 
     deadline = time.monotonic() + timeout
     pending = set(range(1, w.size))
@@ -126,8 +118,7 @@ def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> None:
             status = json.loads(p.read_text())
             if not status.get("ok"):
                 raise MConvertError(f"torchrun rank {r} failed: {status.get('error', 'no reason given')}")
-            for path, (size, mtime, algorithm, digest) in status.get("digests", {}).items():
-                atomic._KNOWN_DIGESTS[path] = (int(size), int(mtime), str(algorithm), str(digest))
+            adopt_digests(status.get("digests", {}))
             p.unlink()
             pending.discard(r)
         if pending:
@@ -195,4 +186,6 @@ def _secondary(w: World, dist: Any) -> Iterator[Path]:
         except OSError:  # rank 0 already removed the directory (it failed first)
             pass
         raise
-    _write_status(tmp, w.rank, {"ok": True, "digests": _digests_under(tmp)})
+    from mconvert.convert.io.atomic import digests_under
+
+    _write_status(tmp, w.rank, {"ok": True, "digests": digests_under(tmp)})

@@ -314,6 +314,20 @@ def record_digest(path: str | Path, digest: str, algorithm: str | None = None) -
     _KNOWN_DIGESTS[str(Path(path).resolve())] = (st.st_size, st.st_mtime_ns, algorithm or manifest_hash(), digest)
 
 
+def digests_under(root: Path) -> dict[str, tuple[int, int, str, str]]:
+    """The digests recorded for files under `root` (path -> size, mtime_ns, algorithm, digest): what one
+    torchrun process hands to the process that writes the manifest."""
+    top = str(Path(root).resolve()) + os.sep
+    return {p: v for p, v in _KNOWN_DIGESTS.items() if p.startswith(top)}
+
+
+def adopt_digests(entries: dict[str, Any]) -> None:
+    """Take digests another process recorded (`digests_under`); each is used only while its file keeps the
+    recorded size and mtime."""
+    for path, (size, mtime, algorithm, digest) in entries.items():
+        _KNOWN_DIGESTS[str(path)] = (int(size), int(mtime), check_hash_name(str(algorithm)), str(digest))
+
+
 def _digest(path: Path, algorithm: str) -> str:
     known = _KNOWN_DIGESTS.pop(str(path.resolve()), None)
     if known is not None:
