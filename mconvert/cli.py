@@ -52,10 +52,15 @@ ManifestHash = Annotated[str, typer.Option("--manifest-hash", help="Digest in OU
                                           "multi-threaded) or sha256 (what sha256sum and the Hub's LFS ids show).")]
 
 
-def _manifest_hash(name: str) -> None:
+def _manifest_hash(name: str, one_process: str | None = None) -> None:
+    """Set the manifest's hash; `one_process`: the verb, refused under torchrun (it cannot share its work)."""
     from mconvert.convert.io.hashing import set_manifest_hash
 
     set_manifest_hash(name)
+    if one_process is not None:
+        from mconvert.convert.scaleout import refuse_torchrun
+
+        refuse_torchrun(one_process)
 
 
 def _workers(n: int) -> None:
@@ -358,7 +363,7 @@ def megatron_to_ft_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.fastertransformer import describe, megatron_to_ft
 
-    _manifest_hash(manifest_hash)
+    _manifest_hash(manifest_hash, one_process="megatron-to-ft")
     _workers(workers)
     tuning.apply()
     res = megatron_to_ft(src, out, infer_tp, dtype, force, allow_approx_gelu, iteration)
@@ -387,7 +392,7 @@ def megatron_to_trtllm_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.trtllm import megatron_to_trtllm
 
-    _manifest_hash(manifest_hash)
+    _manifest_hash(manifest_hash, one_process="megatron-to-trtllm")
     res = megatron_to_trtllm(src, out, tp, dtype, force, iteration)
     rows = [("out", res.out), ("architecture", res.architecture), ("tp", str(res.tp)), ("dtype", res.dtype),
             ("tensors per rank", str(res.tensors_per_rank))]
@@ -424,7 +429,7 @@ def to_onnx_cmd(
     from mconvert.convert.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
-    _manifest_hash(manifest_hash)
+    _manifest_hash(manifest_hash, one_process="to-onnx")
     res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration, check=check_onnx_against_hf)
     rows = [("out", res.out), ("task", res.task), ("exporter", res.exporter),
             ("prefill rel diff", f"{res.prefill_rel_diff:.3g} (≤ {res.rtol:g})")]

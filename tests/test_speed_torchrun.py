@@ -180,3 +180,34 @@ def test_processes_of_one_machine_share_its_cores(monkeypatch: pytest.MonkeyPatc
     assert process_cores() == max(1, cores // 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cores))
     assert process_cores() == 1
+
+
+@pytest.mark.parametrize("argv", [["megatron-to-ft", "{ckpt}", "{out}"], ["megatron-to-trtllm", "{ckpt}", "{out}"],
+                                  ["to-onnx", "{ref}", "{out}"]])
+def test_one_process_verbs_are_refused_under_torchrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture, argv: list[str]) -> None:
+    """A verb that cannot share its work is refused under torchrun before anything is written (else every
+    process would write the whole output and all but one would fail at the commit)."""
+    from tests.safety_common import assert_one_line_error, run_cli
+
+    args = [a.format(ckpt=base()["ckpt"], ref=base()["ref"], out=tmp_path / "out") for a in argv]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    code, _, err = run_cli(args, capsys)
+    assert_one_line_error(code, err, f"{argv[0]} runs in one process", "torchrun")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(120)
+def test_world_size_without_torchrun_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    from tests.safety_common import assert_one_line_error, run_cli
+
+    ckpt = base()["ckpt"]
+    for k in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, "WORLD_SIZE=2", "start the job with torchrun")
+    assert os.listdir(tmp_path) == []

@@ -77,6 +77,15 @@ def world_from_env(env: Any = None) -> World:
 _WORLD: World = World()
 
 
+def refuse_torchrun(verb: str) -> None:
+    """Refuse `verb` under torchrun when it cannot share its work: every process would write the whole output
+    and all but one would find it taken at the commit."""
+    if world_from_env().size > 1:
+        raise MConvertError(f"{verb} runs in one process and does not share its work over torchrun "
+                            "(WORLD_SIZE > 1); run it without torchrun (megatron-to-hf, hf-to-megatron and "
+                            "reshard run on torchrun)")
+
+
 def world() -> World:
     """The World of the conversion in progress (World() outside `shared_atomic_output_dir`)."""
     return _WORLD
@@ -89,7 +98,12 @@ def _init_group() -> Any:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        try:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        except (ValueError, RuntimeError) as e:  # WORLD_SIZE set by hand, without torchrun's other variables
+            raise MConvertError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}: the processes could not meet "
+                                f"({str(e).splitlines()[0][:160]}); start the job with torchrun, or unset "
+                                "WORLD_SIZE and RANK") from None
     return dist
 
 
