@@ -367,7 +367,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     limit = 2 * model["largest_unit_bytes"] + 0.5 * GB
     strict = 2 * model["largest_layer_bytes"] + 0.5 * GB
-    conv = {k: v for k, v in ops.items() if not k.startswith("cp")}
+    # a torchrun row's RSS is its process tree (the agent and every worker): the per-process limits do not apply
+    conv = {k: v for k, v in ops.items() if not k.startswith("cp") and "torchrun" not in k}
     if "peer" in report:
         conv["hf-to-megatron"] = report["peer"]["hf-to-megatron"]
     for k, v in conv.items():
