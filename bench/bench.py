@@ -52,6 +52,7 @@ GB = 10**9
 COLD_S = 6.0
 PEER_SCRIPT = "transformers/models/megatron_gpt2/checkpoint_reshaping_and_interoperability.py"
 SRC_TP, SRC_PP = 4, 2
+TORCHRUN_SHARD = "1GB"
 
 
 def mconvert_cmd() -> list[str]:
@@ -74,11 +75,22 @@ def peer_script() -> Path:
 
 # ---- the commands measured --------------------------------------------------------------------------
 def op_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
+    """The command line of one measured operation, ended by `sync -f OUT`: every row pays for getting its
+    bytes to the disk (cp's sit dirty in the page cache when cp exits; ours go out with O_DIRECT)."""
+    return ["sh", "-c", '"$@" && sync -f "$0"', str(out), *_bare_command(op, src, out, workers)]
+
+
+def _bare_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
     """The command line of one measured operation (our verbs take SRC OUT positionally)."""
     mc = mconvert_cmd()
     w = ["--workers", str(workers)] if workers else []
     if op in ("cp", "cp-cold"):
         return ["cp", "-r", str(src), str(out)]
+    if op == "megatron-to-hf-shards":  # 1 GB shards: the file groups the torchrun row shares out
+        return [*mc, "megatron-to-hf", str(src), str(out), "--max-shard-size", TORCHRUN_SHARD, *w]
+    if op == "megatron-to-hf-torchrun2":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "mconvert.cli", "megatron-to-hf", str(src), str(out), "--max-shard-size", TORCHRUN_SHARD, *w]
     if op == "megatron-to-hf":
         return [*mc, "megatron-to-hf", str(src), str(out), *w]
     if op == "megatron-to-hf-w1":  # one parameter at a time: what the readers' threads buy
@@ -214,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
     ap.add_argument("--depth", default="8,32", help="layer counts for the depth-scaling runs")
     ap.add_argument("--depth-repeats", type=int, default=2, help="runs per depth-scaling measurement (median)")
-    ap.add_argument("--skip", default="", help="comma list of: ft, workers, peer, depth")
+    ap.add_argument("--skip", default="", help="comma list of: ft, workers, peer, depth, torchrun")
     ap.add_argument("--workers", type=int, default=0, help="pass --workers N to our verbs (0: their default)")
     ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-100m at 4 layers, 1 repeat, depth 2,4")
     ap.add_argument("--work", type=Path, default=HERE / "work", help="scratch dir (deleted at the end)")
@@ -273,6 +285,9 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         jobs.append(("megatron-to-ft", "megatron-to-ft", ckpt))
     if "workers" not in skip:
         jobs.append(("megatron-to-hf --workers 1", "megatron-to-hf-w1", ckpt))
+    if "torchrun" not in skip:
+        jobs += [(f"megatron-to-hf {TORCHRUN_SHARD} shards", "megatron-to-hf-shards", ckpt),
+                 (f"megatron-to-hf {TORCHRUN_SHARD} shards, torchrun 2 processes", "megatron-to-hf-torchrun2", ckpt)]
     ops = measure_rounds(jobs, work, a.repeats, a.workers, keep=("megatron-to-hf",))
     cp, cp_cpu = ops["cp"]["wall_s"], ops["cp"]["cpu_s"]
     for r in ops.values():
@@ -280,6 +295,7 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         r["ratio_to_cp_cold"] = r["wall_s"] / ops["cp-cold"]["wall_s"]
         r["cpu_ratio_to_cp"] = r["cpu_s"] / cp_cpu if cp_cpu else float("nan")
         r["rss_ratio_to_cp"] = r["peak_rss"] / ops["cp"]["peak_rss"]
+        r["cpu_s_per_gb"] = r["cpu_s"] / (ckpt_bytes / GB)
     report["ops"] = ops
     report["copy_bytes_per_s"] = ckpt_bytes / cp
 
@@ -317,15 +333,28 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
             d_ckpt = work / f"ckpt-{n}"
             b = build_checkpoint(a.preset, n, d_ckpt)
             d = measure_rounds([("megatron-to-hf", "megatron-to-hf", d_ckpt), ("reshard", "reshard", d_ckpt)],
-                               work, a.depth_repeats, a.workers)
+                               work, a.depth_repeats, a.workers, keep=("megatron-to-hf",))
+            d_hf = work / f"hf-{n}"
+            shutil.rmtree(d_hf, ignore_errors=True)
+            shutil.copytree(work / "out-megatron-to-hf", d_hf, ignore=shutil.ignore_patterns("mconvert-manifest.json"))
+            shutil.rmtree(work / "out-megatron-to-hf", ignore_errors=True)
+            d.update(measure_rounds([("hf-to-megatron", "hf-to-megatron", d_hf)], work, a.depth_repeats, a.workers))
             depth[str(n)] = {"layers": n, "bytes": b["bytes"], "megatron-to-hf": d["megatron-to-hf"],
-                             "reshard": d["reshard"]}
+                             "reshard": d["reshard"], "hf-to-megatron": d["hf-to-megatron"]}
             shutil.rmtree(d_ckpt, ignore_errors=True)
-        base_layers = report["model"]["layers"]
-        depth[str(base_layers)] = {"layers": base_layers, "bytes": ckpt_bytes,
-                                   "megatron-to-hf": ops["megatron-to-hf"], "reshard": ops["reshard"]}
+            shutil.rmtree(d_hf, ignore_errors=True)
         report["depth"] = dict(sorted(depth.items(), key=lambda kv: kv[1]["layers"]))
+        report["marginal_s_per_gb"] = marginal(report["depth"])
     report["targets"] = targets(report)
+
+
+def marginal(depth: dict[str, Any]) -> dict[str, float]:
+    """Seconds per extra GB of checkpoint, from the smallest and largest depth (the start-up cost cancels)."""
+    rows = list(depth.values())
+    lo, hi = rows[0], rows[-1]
+    extra = (hi["bytes"] - lo["bytes"]) / GB
+    return {op: (hi[op]["wall_s"] - lo[op]["wall_s"]) / extra
+            for op in ("megatron-to-hf", "reshard", "hf-to-megatron") if op in lo and op in hi and extra > 0}
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -338,7 +367,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     limit = 2 * model["largest_unit_bytes"] + 0.5 * GB
     strict = 2 * model["largest_layer_bytes"] + 0.5 * GB
-    conv = {k: v for k, v in ops.items() if not k.startswith("cp")}
+    # a torchrun row's RSS is its process tree (the agent and every worker): the per-process limits do not apply
+    conv = {k: v for k, v in ops.items() if not k.startswith("cp") and "torchrun" not in k}
     if "peer" in report:
         conv["hf-to-megatron"] = report["peer"]["hf-to-megatron"]
     for k, v in conv.items():
@@ -357,6 +387,14 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             lin = (hi[op]["wall_s"] / lo[op]["wall_s"]) / (hi["bytes"] / lo["bytes"])
             out.append(target(f"{op} time at most linear in depth (time ratio {hi['layers']}/{lo['layers']} layers "
                               "÷ bytes ratio ≤ 1.3)", lin, 1.3, lin <= 1.3, "×"))
+    for op, v in report.get("marginal_s_per_gb", {}).items():
+        if op != "reshard":
+            out.append(target(f"{op} marginal cost ≤ 1.0 s/GB", v, 1.0, v <= 1.0, "s/GB"))
+    one, two = (ops.get(f"megatron-to-hf {TORCHRUN_SHARD} shards"),
+                ops.get(f"megatron-to-hf {TORCHRUN_SHARD} shards, torchrun 2 processes"))
+    if one and two:
+        out.append(target("torchrun with 2 processes no slower than 1 process", two["wall_s"] / one["wall_s"], 1.0,
+                          two["wall_s"] <= one["wall_s"], "× 1 process"))
     if "peer" in report:
         p = report["peer"]
         out.append(target("hf-to-megatron ≥ 5 × faster than transformers' script", p["speedup"], 5.0,
@@ -374,11 +412,11 @@ def print_report(report: dict[str, Any]) -> None:
     t = Table(title=f"{report['preset']} ({m['parameters'] / 1e9:.2f} B params, {m['layers']} layers, fp32) "
                     f"TP={SRC_TP} PP={SRC_PP}: {report['build']['bytes'] / GB:.2f} GB, median of {report['repeats']}"
                     f"; page cache {'warm' if report['cache']['warm'] else 'NOT warm'}")
-    for c in ("operation", "wall s", "× cp", "× cp-cold", "CPU s", "CPU × cp", "peak RSS GB", "anon GB"):
+    for c in ("operation", "wall s", "× cp", "× cp-cold", "CPU s", "CPU s/GB", "CPU × cp", "peak RSS GB", "anon GB"):
         t.add_column(c, justify="left" if c == "operation" else "right")
     for op, r in report["ops"].items():
         t.add_row(op, f"{r['wall_s']:.2f}", f"{r['ratio_to_cp']:.2f}", f"{r.get('ratio_to_cp_cold', float('nan')):.2f}",
-                  f"{r['cpu_s']:.2f}",
+                  f"{r['cpu_s']:.2f}", f"{r.get('cpu_s_per_gb', float('nan')):.2f}",
                   f"{r['cpu_ratio_to_cp']:.1f}", f"{r['peak_rss'] / GB:.2f}", f"{r['peak_anon'] / GB:.2f}")
     console.print(t)
     if "peer" in report:
@@ -397,6 +435,9 @@ def print_report(report: dict[str, Any]) -> None:
                   f"{p['rss_fraction']:.2f}× the RSS", "")
         console.print(t)
     if "depth" in report:
+        if report.get("marginal_s_per_gb"):
+            console.print("marginal cost: " + ", ".join(f"{op} {v:.2f} s/GB"
+                                                          for op, v in report["marginal_s_per_gb"].items()))
         t = Table(title="depth scaling (same width)")
         for c in ("layers", "ckpt GB", "m2h s", "m2h s/GB", "m2h RSS GB", "reshard s", "reshard s/GB", "reshard RSS GB"):
             t.add_column(c, justify="right")
@@ -425,11 +466,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"median of {report['repeats']} interleaved rounds; page cache "
              f"{'warm' if report['cache']['warm'] else 'NOT warm'}; {report['machine']['cpus']} CPUs; "
              f"{report['machine']['date']}.", "",
-             "| operation | wall s | × cp | × cp-cold | CPU s | CPU × cp | peak RSS GB |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "Every row ends with `sync -f` on its output (cp's bytes are on disk only then).", "",
+             "| operation | wall s | × cp | × cp-cold | CPU s | CPU s/GB | CPU × cp | peak RSS GB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for op, r in ops.items():
         lines.append(f"| {op} | {r['wall_s']:.2f} | {r['ratio_to_cp']:.2f} | "
                      f"{r.get('ratio_to_cp_cold', float('nan')):.2f} | {r['cpu_s']:.2f} | "
+                     f"{r.get('cpu_s_per_gb', float('nan')):.2f} | "
                      f"{r['cpu_ratio_to_cp']:.1f} | {r['peak_rss'] / GB:.2f} |")
     if "peer" in report:
         p = report["peer"]
@@ -453,6 +496,9 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {d['layers']} | {gbs:.2f} | {h['wall_s']:.2f} | {h['wall_s'] / gbs:.2f} | "
                          f"{h['peak_rss'] / GB:.2f} | {r['wall_s']:.2f} | {r['wall_s'] / gbs:.2f} | "
                          f"{r['peak_rss'] / GB:.2f} |")
+    if report.get("marginal_s_per_gb"):
+        lines += ["", "Marginal cost (seconds per extra GB, smallest to largest depth): " + ", ".join(
+            f"{op} {v:.2f} s/GB" for op, v in report["marginal_s_per_gb"].items()) + "."]
     lines += ["", "| target | measured | limit | |", "|---|---:|---:|---|"]
     for x in report["targets"]:
         lines.append(f"| {x['target']} | {x['value']:.2f} {x['unit']} | {x['limit']:.2f} | "

@@ -59,6 +59,21 @@ Workers = Annotated[int, typer.Option("--workers", help="Parameters read and re-
                                       "(0: one per core; 1: one after another).")]
 
 
+ManifestHash = Annotated[str, typer.Option("--manifest-hash", help="Digest in OUT's manifest: blake3 (fast, "
+                                          "multi-threaded) or sha256 (what sha256sum and the Hub's LFS ids show).")]
+
+
+def _manifest_hash(name: str, one_process: str | None = None) -> None:
+    """Set the manifest's hash; `one_process`: the verb, refused under torchrun (it cannot share its work)."""
+    from mconvert.convert.io.hashing import set_manifest_hash
+
+    set_manifest_hash(name)
+    if one_process is not None:
+        from mconvert.convert.scaleout import refuse_torchrun
+
+        refuse_torchrun(one_process)
+
+
 def _workers(n: int) -> None:
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.base import set_workers
@@ -152,6 +167,12 @@ def plan_cmd(
         Optional[Path], typer.Option("--bandwidth-file", help="Measured bandwidth JSON (default: `make bench`'s).")
     ] = None,
     files: Annotated[bool, typer.Option("--files", help="With --json: list every file and its bytes.")] = False,
+    nodes: Annotated[Optional[int], typer.Option("--nodes", help="Also estimate on torchrun: machines.")] = None,
+    procs_per_node: Annotated[int, typer.Option("--procs-per-node", help="torchrun processes per machine.")] = 1,
+    disk_gb: Annotated[Optional[float], typer.Option("--disk-gb-per-s", help="Disk bandwidth per machine, GB/s "
+                                                     "(default: the measured copy bandwidth).")] = None,
+    net_gb: Annotated[Optional[float], typer.Option("--network-gb-per-s", help="Each machine's link to the "
+                                                    "shared file system, GB/s (default: no limit).")] = None,
     json_out: Json = False,
 ) -> None:
     """Estimate a conversion from shapes alone: files, bytes, peak memory, time at the measured bandwidth.
@@ -160,9 +181,10 @@ def plan_cmd(
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to megatron --target-tp 8 --target-pp 8 --json
       mconvert plan --preset llama3-405b --tp 8 --to megatron --format torch_dist
+      mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf --nodes 4 --procs-per-node 8 --network-gb-per-s 3
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate
+    from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate, scaleout_estimate
     from mconvert.mappings.families import preset
 
     est = estimate(
@@ -170,6 +192,8 @@ def plan_cmd(
         first_stage_layers=first, last_stage_layers=last, bandwidth=load_bandwidth(bandwidth_file),
         model=preset_name, format=format,
     )
+    if nodes is not None:
+        est = scaleout_estimate(est, nodes, procs_per_node, disk_gb and disk_gb * 1e9, net_gb and net_gb * 1e9)
     if json_out:
         print(json.dumps(est.to_dict(with_files=files), indent=1))
     else:
@@ -216,6 +240,7 @@ def megatron_to_hf_cmd(
                                                       "tokenizer files beside the checkpoint).")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
@@ -230,6 +255,7 @@ def megatron_to_hf_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import megatron_to_hf
 
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
@@ -248,6 +274,7 @@ def hf_to_megatron_cmd(
     format: Annotated[str, typer.Option("--format", help="torch (mp_rank_* rank files) or torch_dist "
                                         "(megatron-core dist_checkpointing, Megatron-LM's default).")] = "torch",
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
@@ -263,6 +290,7 @@ def hf_to_megatron_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import hf_to_megatron
 
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
@@ -283,6 +311,7 @@ def reshard_cmd(
     format: Annotated[Optional[str], typer.Option("--format", help="Output format: torch or torch_dist "
                                                   "(default: the source's).")] = None,
     force: Force = False,
+    manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
     workers: Workers = 0,
     json_out: Json = False,
@@ -299,6 +328,7 @@ def reshard_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import reshard
 
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
@@ -344,6 +374,7 @@ def megatron_to_ft_cmd(
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
+    manifest_hash: ManifestHash = "blake3",
     workers: Workers = 0,
     as_json: Json = False,
 ) -> None:
@@ -360,6 +391,7 @@ def megatron_to_ft_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.fastertransformer import megatron_to_ft
 
+    _manifest_hash(manifest_hash, one_process="megatron-to-ft")
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_ft(src, out, tp, dtype, force, allow_approx_gelu, iteration, progress=True,
@@ -375,6 +407,7 @@ def megatron_to_trtllm_cmd(
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
+    manifest_hash: ManifestHash = "blake3",
     workers: Workers = 0,
     as_json: Json = False,
 ) -> None:
@@ -390,6 +423,7 @@ def megatron_to_trtllm_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.trtllm import megatron_to_trtllm
 
+    _manifest_hash(manifest_hash, one_process="megatron-to-trtllm")
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run),
@@ -411,6 +445,7 @@ def megatron_to_gguf_cmd(
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
+    manifest_hash: ManifestHash = "blake3",
     json_out: Json = False,
 ) -> None:
     """Write one GGUF file for llama.cpp straight from a Megatron checkpoint, one layer at a time.
@@ -423,6 +458,7 @@ def megatron_to_gguf_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.gguf import to_gguf
 
+    _manifest_hash(manifest_hash, one_process="megatron-to-gguf")
     tuning.apply()
     _print_report(to_gguf(ckpt, out, outtype, tokenizer, iteration, force, verb="megatron-to-gguf", progress=True,
                           dry_run=dry_run), json_out)
@@ -436,6 +472,7 @@ def hf_to_gguf_cmd(
     tokenizer: GgufTokenizer = None,
     force: Force = False,
     dry_run: DryRun = False,
+    manifest_hash: ManifestHash = "blake3",
     json_out: Json = False,
 ) -> None:
     """Write one GGUF file for llama.cpp from a HuggingFace directory, one layer at a time.
@@ -448,6 +485,7 @@ def hf_to_gguf_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.gguf import to_gguf
 
+    _manifest_hash(manifest_hash, one_process="hf-to-gguf")
     tuning.apply()
     _print_report(to_gguf(hf_dir, out, outtype, tokenizer, None, force, verb="hf-to-gguf", progress=True,
                           dry_run=dry_run), json_out)
@@ -468,6 +506,7 @@ def to_onnx_cmd(
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
+    manifest_hash: ManifestHash = "blake3",
     as_json: Json = False,
 ) -> None:
     """Export to ONNX with optimum, then refuse unless onnxruntime's logits match transformers' within --rtol.
@@ -483,6 +522,7 @@ def to_onnx_cmd(
     from mconvert.convert.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
+    _manifest_hash(manifest_hash, one_process="to-onnx")
     res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration, check=check_onnx_against_hf,
                   dry_run=dry_run)
     _print_report(res if dry_run else res.report(), as_json)

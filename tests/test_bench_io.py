@@ -9,6 +9,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 import torch
 
@@ -50,7 +51,7 @@ def _write_and_check(path: Path, seed: int, direct: bool = True, as_bytes: bool 
     got = path.read_bytes()
     assert len(got) == len(want)  # the O_DIRECT tail padding was cut off
     assert got == want
-    assert digest == hashlib.sha256(want).hexdigest()
+    assert digest == blake3.blake3(want).hexdigest()  # the manifest's default hash
     return f
 
 
@@ -259,13 +260,13 @@ def test_changed_input_with_a_manifest_is_refused_though_checked_in_the_backgrou
     data = bytearray(st.read_bytes())
     data[-5] ^= 0x40  # a bit inside the last tensor: safetensors has no checksum of its own
     st.write_bytes(bytes(data))
-    with pytest.raises(MConvertError, match="sha256 differs from the manifest"):
+    with pytest.raises(MConvertError, match="blake3 differs from the manifest"):
         hf_to_megatron(tmp_path / "hf", tmp_path / "mg", tp=1, pp=1)
     assert not (tmp_path / "mg").exists()
     reshard(trained["tiny-llama"], tmp_path / "r", tp=1, pp=1)
     rank = sorted((tmp_path / "r").rglob("model_optim_rng.pt"))[0]
     _flip_tensor_byte(rank)
-    with pytest.raises(MConvertError, match="sha256 differs from the manifest|CRC-32"):
+    with pytest.raises(MConvertError, match="blake3 differs from the manifest|CRC-32"):
         megatron_to_hf(tmp_path / "r", tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
 

@@ -330,7 +330,7 @@ CATALOGUE: dict[str, Case] = {
     "not a checkpoint": Case(not_a_checkpoint, ("{tmp}/empty", "not a checkpoint"), action=False),
     "unreadable config.json": Case(unreadable_config_json, ("{tmp}/hf/config.json", "unreadable config")),
     "input changed after mconvert wrote it": Case(
-        input_changed_since_mconvert_wrote_it, ("mp_rank_01_001/model_optim_rng.pt", "sha256 differs")),
+        input_changed_since_mconvert_wrote_it, ("mp_rank_01_001/model_optim_rng.pt", "blake3 differs")),
 }
 
 

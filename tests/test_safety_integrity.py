@@ -129,7 +129,7 @@ def test_flipped_byte_is_detected(hf_copy):
     data[len(data) // 2] ^= 0x01  # one bit inside a tensor: same size, still a valid file
     f.write_bytes(bytes(data))
     problems = check_manifest(hf_copy)
-    assert len(problems) == 1 and "sha256 differs" in problems[0] and str(f) in problems[0]
+    assert len(problems) == 1 and "blake3 differs" in problems[0] and str(f) in problems[0]
 
 
 def test_missing_file_is_detected(hf_copy):
@@ -172,4 +172,4 @@ def test_verify_reports_a_corrupted_file(hf_copy, capsys):
     f.write_bytes(bytes(data))
     code, out, err = run_cli(["verify", hf_copy, "--json"], capsys)
     assert code != 0
-    assert "sha256 differs" in out + err
+    assert "blake3 differs" in out + err

@@ -8,7 +8,6 @@ Writers consume units one by one, so peak memory is one unit's shards plus the o
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -86,7 +85,7 @@ class SourceBase:
 
 # ---- the readers' thread pool: a unit's parameters read and re-laid several at once ---------------------------
 _POOL: Any = None
-_WORKERS = 0  # 0: one per core (at least 2, at most 8)
+_WORKERS = 0  # 0: one per core of this process (at least 2, at most 8)
 
 
 def set_workers(n: int) -> None:
@@ -107,11 +106,9 @@ def _pool() -> Any:
     if _WORKERS == 1:
         return None
     if _POOL is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 2
-        _POOL = ThreadPoolExecutor(_WORKERS or max(2, min(cores, 8)), thread_name_prefix="read-param")
+        from mconvert.convert.io.tuning import process_cores
+
+        _POOL = ThreadPoolExecutor(_WORKERS or max(2, min(process_cores(), 8)), thread_name_prefix="read-param")
     return _POOL
 
 

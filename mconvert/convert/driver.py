@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.io.atomic import atomic_output_dir, check_output
+from mconvert.convert.io.atomic import check_output
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
 from mconvert.convert.megatron import MegatronSource, megatron_writer
 from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
+from mconvert.convert.scaleout import shared_atomic_output_dir, world
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
@@ -56,8 +57,14 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
     """THE loop: every unit of `src`, read the way the writer `reads`, into the writer; then close it. On any
     error the writer is aborted (threads, staging memory, open files) before the caller's output is removed.
     A writer that `takes_states` (Megatron with optimizer states) gets each parameter's optimizer states too."""
+    if world().size > 1 and not hasattr(writer, "needs"):
+        raise MConvertError(f"{what}: this output runs in one process and does not share its work over torchrun; "
+                            "run it without torchrun")
     with _aborting(writer):
         for unit in unit_progress(src.units(), what, progress):
+            if hasattr(writer, "needs") and not writer.needs(unit):  # another torchrun rank writes what it feeds
+                writer.skip(unit)
+                continue
             if getattr(writer, "takes_states", False):
                 tensors, states = src.read_unit(unit, True)
                 writer.add(unit, tensors, states)  # type: ignore[call-arg]
@@ -74,7 +81,7 @@ def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Pa
     unit; the input's background CRC checks awaited; `finish(tmp)` (side files, checks of what was written:
     returns more report keys) run before the directory is committed; the source closed; the report built."""
     try:
-        with atomic_output_dir(out, force, inputs=inputs) as tmp:
+        with shared_atomic_output_dir(out, force, inputs=inputs) as tmp:
             drive(src, make_writer(tmp), verb, progress)
             wait_crc_checks()  # the input's CRC-32 / manifest, checked in the background, before the commit
             more = finish(tmp) if finish is not None else {}
@@ -131,7 +138,11 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     writers: list[HFWriter] = []
 
     def hf_writer(tmp: Path) -> HFWriter:
-        writers.append(HFWriter(tmp, spec, size, target, tokenizer_dir=src.tokenizer_dir, carried=_carried_dir(src)))
+        primary = world().primary  # under torchrun rank 0 alone writes the configs and the tokenizer
+        writers.append(HFWriter(tmp, spec, size, target, tokenizer_dir=src.tokenizer_dir if primary else None,
+                                carried=_carried_dir(src)))
+        if world().size > 1:
+            writers[0].plan_ahead(_source_dtype(src))
         return writers[0]
 
     def finish(tmp: Path) -> dict[str, Any]:
@@ -182,7 +193,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         "hf-to-megatron", src, out, writer,
         force=force, inputs=(hf_dir, src.tokenizer_dir), layout=layout, dtype=spec.params_dtype, t0=t0,
         progress=progress,
-        finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, src.path, tmp, config=cfg)},
+        finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, src.path, tmp, config=cfg)
+                            if world().primary else []},
         tp=tp, pp=pp, vpp=vpp, **({"ep": ep} if spec.is_moe else {}), format=format,
         optimizer="none (HF checkpoints carry no optimizer state)")
 
@@ -253,7 +265,8 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         "reshard", src, out, writer,
         force=force, inputs=(ckpt, src.tokenizer_dir), layout=layout, dtype=src.spec.params_dtype, t0=t0,
         progress=progress,
-        finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, _carried_dir(src), tmp)},
+        finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, _carried_dir(src), tmp)
+                            if world().primary else []},
         tp=tp, pp=pp, vpp=vpp, **({"ep": ep} if src.spec.is_moe else {}), iteration=iteration_out, format=format,
         optimizer="re-sharded (Adam exp_avg/exp_avg_sq follow their parameters)" if with_optimizer
         else "not written (pass --with-optimizer to re-shard the Adam states)")
@@ -274,6 +287,15 @@ def _refuse_dist_moe(spec: Any, format: str, source: str | Path) -> None:
     if format == "torch_dist" and spec.is_moe:
         raise MConvertError(f"{source}: --format torch_dist for a mixture-of-experts model ({spec.family}, "
                             f"{spec.num_experts} experts) is not written yet; use --format torch")
+
+
+def _source_dtype(src: Any) -> torch.dtype:
+    """The dtype of the source's tensors, from its preview (no data read) or else its spec."""
+    if src.preview is not None and getattr(src, "can_preview", lambda: True)():
+        first = src.preview(src.units()[0])
+        if first:
+            return next(iter(first.values())).dtype
+    return dtypes.lookup(src.spec.params_dtype).torch
 
 
 @contextmanager

@@ -237,6 +237,7 @@ class Estimate:
     megatron_args: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    scaleout: dict[str, Any] | None = None  # set by `scaleout_estimate` (torchrun over nodes)
 
     def to_dict(self, with_files: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -365,6 +366,74 @@ def estimate(
     )
 
 
+def _output_groups(est: Estimate) -> list[int]:
+    """Bytes of each output file group a torchrun rank writes as a whole (`convert.scaleout`): a safetensors
+    shard for HF output, a pipeline stage's rank files for Megatron output."""
+    write = est.files["write"]
+    if est.operation == "megatron-to-hf":
+        return [f["bytes"] for f in write]
+    stages: dict[str, int] = {}
+    for f in write:
+        rank_dir = f["path"].split("/")[0]
+        stage = rank_dir.split("_")[3] if rank_dir.count("_") == 3 else "000"
+        stages[stage] = stages.get(stage, 0) + f["bytes"]
+    return [stages[k] for k in sorted(stages)]
+
+
+def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes_per_s: float | None = None,
+                      network_bytes_per_s: float | None = None, start_seconds: float = 30.0) -> Estimate:
+    """`est` run under torchrun on `nodes` × `procs_per_node` processes over a shared file system.
+
+    Output file groups go round robin to the ranks (rank = node × procs_per_node + local rank), as the
+    conversion assigns them; a rank reads the input its groups need (taken in proportion to the bytes it
+    writes). Per node the time is the longest of: its bytes read + written at `disk_bytes_per_s` (default: the
+    measured copy bandwidth), the same bytes at `network_bytes_per_s` (the node's link to the shared file
+    system; None: no such limit), and its busiest process at the one-process converter rate. Plus the start
+    of the processes (`start_seconds`)."""
+    if nodes < 1 or procs_per_node < 1:
+        raise MConvertError(f"--nodes {nodes} --procs-per-node {procs_per_node}: both must be >= 1")
+    if est.operation == "megatron-to-ft":
+        raise MConvertError("megatron-to-ft runs in one process; --nodes applies to --to hf and --to megatron")
+    for name, v in (("--disk-gb-per-s", disk_bytes_per_s), ("--network-gb-per-s", network_bytes_per_s)):
+        if v is not None and not v > 0:
+            raise MConvertError(f"{name} must be positive")
+    ranks = nodes * procs_per_node
+    groups = _output_groups(est)
+    total_out = sum(groups) or 1
+    per_rank = [0] * ranks
+    for i, b in enumerate(groups):
+        per_rank[i % ranks] += b
+    read_share = [est.read_bytes * b / total_out for b in per_rank]
+    disk = disk_bytes_per_s or est.copy_bytes_per_s
+    proc_rate = est.copy_bytes_per_s / est.ratio_to_cp  # bytes of max(read, write) per second, one process
+    worst, bottleneck, node_bytes_max = 0.0, "cpu", 0.0
+    for n in range(nodes):
+        mine = range(n * procs_per_node, (n + 1) * procs_per_node)
+        io = sum(per_rank[r] + read_share[r] for r in mine)
+        node_bytes_max = max(node_bytes_max, io)
+        limits = {"disk": io / disk, "cpu": max(max(per_rank[r], read_share[r]) / proc_rate for r in mine)}
+        if network_bytes_per_s:
+            limits["network"] = io / network_bytes_per_s
+        kind = max(limits, key=lambda k: limits[k])
+        if limits[kind] > worst:
+            worst, bottleneck = limits[kind], kind
+    busy = sum(1 for b in per_rank if b)
+    notes = list(est.notes)
+    if busy < ranks:
+        notes.append(f"only {busy} of {ranks} processes have output to write ({len(groups)} file groups: "
+                     + ("safetensors shards; a smaller --max-shard-size makes more" if est.operation == "megatron-to-hf"
+                        else "pipeline stages of the target; a larger PP makes more") + ")")
+    est.scaleout = {
+        "nodes": nodes, "procs_per_node": procs_per_node, "processes": ranks, "busy_processes": busy,
+        "file_groups": len(groups), "largest_rank_write_bytes": max(per_rank), "largest_node_io_bytes": int(node_bytes_max),
+        "disk_bytes_per_s_per_node": disk, "network_bytes_per_s_per_node": network_bytes_per_s,
+        "bottleneck": bottleneck, "expected_seconds": worst + start_seconds,
+        "speedup_vs_one_process": est.expected_seconds / (worst + start_seconds),
+    }
+    est.notes = notes
+    return est
+
+
 def _gb(n: float) -> str:
     return f"{n / GB:,.2f} GB"
 
@@ -383,6 +452,13 @@ def render_estimate(est: Estimate) -> Any:
     t.add_row("copy bandwidth", f"{est.copy_bytes_per_s / GB:,.2f} GB/s ({est.bandwidth_source})")
     t.add_row("time at copy speed", f"{est.seconds_at_copy_speed / 60:,.1f} min")
     t.add_row("expected time", f"{est.expected_seconds / 60:,.1f} min (× {est.ratio_to_cp:.2f} cp)")
+    so = est.scaleout
+    if so:
+        t.add_row("torchrun", f"{so['nodes']} node(s) × {so['procs_per_node']} processes "
+                              f"({so['busy_processes']} with output; {so['file_groups']} file groups)")
+        t.add_row("busiest node reads + writes", _gb(so["largest_node_io_bytes"]))
+        t.add_row("expected time on torchrun", f"{so['expected_seconds'] / 60:,.1f} min (bound by {so['bottleneck']}; "
+                                               f"× {so['speedup_vs_one_process']:.1f} vs one process)")
     for n in est.notes:
         t.add_row("note", n)
     return t

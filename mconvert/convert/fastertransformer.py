@@ -262,7 +262,7 @@ def ft_config(spec: ModelSpec, section: str, infer_tp: int, dtype: str, source: 
 
 class _RawFiles:
     """FT weight files (raw little-endian values), each written through `io.hashing.HashingFile` — O_DIRECT
-    from 1 MiB up, sha256 on the way and handed to the manifest, so the manifest never reads them back. Up to
+    from 1 MiB up, hashed on the way and handed to the manifest, so the manifest never reads them back. Up to
     `window` files are in flight, so converting the next tensor overlaps writing the previous ones; `finish()`
     waits for the rest."""
 
@@ -280,7 +280,7 @@ class _RawFiles:
         return arr.nbytes
 
     def _close(self, f: Any) -> None:
-        record_digest(f.path, f.close())
+        record_digest(f.path, f.close(), f.algorithm)
 
     def finish(self) -> None:
         while self._open:

@@ -26,6 +26,7 @@ from mconvert.convert.io.paths import contained, copy_contained, inside_file, lo
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
 from mconvert.convert.io.torchsave import LazyModel, TensorIndex
+from mconvert.convert.scaleout import world
 from mconvert.convert.tokenizer import (
     GENERATION_CONFIG,
     TOKEN_IDS_FILE,
@@ -245,23 +246,62 @@ class HFWriter:
         self._stream: Any = None
         self._digests: dict[Path, str] = {}
         self._streaming = False
+        # Under torchrun (`scaleout`) each rank writes the shards it owns; the others pass through as names
+        # and sizes only, so the index, the shard names and the bytes are those of one process.
+        self.world = world()
+        self._unit_entries: dict[Unit, list[Entry]] = {}
+        self._shard_of: dict[str, int] = {}
+        self._owned = True  # False: this rank writes nothing (no plan to share out: rank 0 writes it all)
 
-    def _plan(self, first: dict[str, torch.Tensor]) -> list:
-        """Every tensor this model will produce, in arrival order (units of the spec through the plugin on
-        the meta device), cut into shards; [] when `first` is not the start of that sequence."""
+    def _entries_of(self, dtype: torch.dtype) -> dict[Unit, list[Entry]]:
+        """Every tensor this model will produce, unit by unit in arrival order (units of the spec through the
+        plugin on the meta device); {} when the plugin cannot say."""
         spec = self.spec
-        dtype = self.dtype or next(iter(first.values())).dtype
-        entries = []
+        out: dict[Unit, list[Entry]] = {}
         try:
             for unit in units_of(spec):
                 decls = (spec.embedding_params() if unit == "embedding" else
                          spec.final_params() if unit == "final" else spec.layer_params(int(unit)))
                 meta = {d.name: torch.empty(d.shape, dtype=dtype, device="meta") for d in decls}
-                entries += [(n, dtype, tuple(t.shape)) for n, t in to_hf(spec, unit, meta).items()]
+                out[unit] = [(n, dtype, tuple(t.shape)) for n, t in to_hf(spec, unit, meta).items()]
         except Exception:  # noqa: BLE001 - no plan: fall back to buffering
-            return []
+            return {}
+        return out
+
+    def _plan(self, first: dict[str, torch.Tensor]) -> list:
+        """Every tensor this model will produce, in arrival order, cut into shards; [] when `first` is not the
+        start of that sequence."""
+        dtype = self.dtype or next(iter(first.values())).dtype
+        entries = [e for es in self._entries_of(dtype).values() for e in es]
         head = [(n, t.dtype, tuple(t.shape)) for n, t in first.items()]
-        return plan_shards(entries, self.max_shard_size) if entries[: len(head)] == head else []
+        return plan_shards(entries, self.max_shard_size) if entries and entries[: len(head)] == head else []
+
+    def plan_ahead(self, dtype: torch.dtype) -> None:
+        """Plan the shards before any tensor arrives (tensors of `dtype` unless the writer converts), so that
+        `needs` can say which units this torchrun rank must read. Without a plan rank 0 writes everything."""
+        per_unit = self._entries_of(self.dtype or dtype)
+        if not per_unit:
+            self._owned = self.world.primary
+            return
+        self._unit_entries = per_unit
+        self._shards = plan_shards([e for es in per_unit.values() for e in es], self.max_shard_size)
+        self._streaming = True
+        self._shard_of = {e[0]: i for i, shard in enumerate(self._shards) for e in shard}
+
+    def needs(self, unit: Unit) -> bool:
+        """Whether this rank must read `unit` (it feeds a shard this rank writes); always, in one process."""
+        if self.world.size == 1:
+            return True
+        if not self._unit_entries:
+            return self._owned
+        return any(self.world.owns(self._shard_of[e[0]]) for e in self._unit_entries[unit])
+
+    def skip(self, unit: Unit) -> None:
+        """Pass `unit` by unread (`needs` is False): its planned names and sizes go to the shards of other ranks."""
+        if not self._unit_entries:
+            return
+        self.add(unit, {n: torch.empty(shape, dtype=dtype, device="meta")
+                        for n, dtype, shape in self._unit_entries[unit]})
 
     def prefetch_tokenizer(self, tokenizer_dir: Path | None) -> None:
         """Start reading the tokenizer's bos/eos ids now, on a thread: importing transformers costs seconds of
@@ -279,19 +319,27 @@ class HFWriter:
             if not self._shards:
                 raise MConvertError(f"{self.out}: tensor {name!r} arrived after every planned tensor was written")
             entries = self._shards.pop(0)
-            path = self.out / f".shard-{len(self._tmp_files):05d}.safetensors"
-            self._stream = SafetensorsStream(path, entries, {"format": "pt"})
+            index = len(self._tmp_files)
+            path = self.out / f".shard-{index:05d}.safetensors"
+            if self.world.owns(index):
+                self._stream = SafetensorsStream(path, entries, {"format": "pt"})
+            else:
+                self._stream = _OtherRanksShard(path, entries)
             self._tmp_files.append((path, [e[0] for e in entries]))
         self._stream.add(name, t)
         self.total_size += t.numel() * t.element_size()
         if self._stream.complete:
-            self._digests[self._stream.path] = self._stream.close()
+            digest = self._stream.close()
+            if digest is not None:
+                self._digests[self._stream.path] = digest
             self._stream = None
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
         """One unit's tensors under HF names, written as they arrive (shards planned from the spec)."""
         if self.dtype is not None:
             tensors = {n: t.to(self.dtype) if t.dtype != self.dtype else t for n, t in tensors.items()}
+        if not self._owned:
+            return
         if self._shards is None and tensors:
             self._shards = self._plan(tensors)
             self._streaming = bool(self._shards)
@@ -330,7 +378,10 @@ class HFWriter:
             self._stream = None
 
     def close(self) -> list[Path]:
-        """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer."""
+        """Name the shards, write the index (when > 1 shard), config.json, generation_config.json, tokenizer.
+        Under torchrun a rank names only its own shards, and rank 0 alone writes the rest."""
+        if not self._owned:
+            return []
         tokenizer_dir, carried = self.tokenizer_dir, self.carried
         if self._streaming and (self._stream is not None or self._shards):
             missing = self._stream.next_name if self._stream else self._shards[0][0][0]
@@ -343,11 +394,15 @@ class HFWriter:
         weight_map: dict[str, str] = {}
         for i, (tmp, names) in enumerate(self._tmp_files):
             final = self.out / ("model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors")
+            weight_map.update({k: final.name for k in names})
+            if not self.world.owns(i):
+                continue
             os.replace(tmp, final)
             if tmp in self._digests:  # hashed while written: the manifest need not read it back
                 record_digest(final, self._digests[tmp])
             files.append(final)
-            weight_map.update({k: final.name for k in names})
+        if not self.world.primary:
+            return files
         if n > 1:
             idx = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
             (self.out / INDEX).write_text(json.dumps(idx, indent=2) + "\n")
@@ -392,6 +447,32 @@ class HFWriter:
                 self.warnings.append(f"{carried / TOKEN_IDS_FILE}: {k} {v} differs from the args' {held}; "
                                      f"config.json takes the args' {held}")
         return out
+
+
+class _OtherRanksShard:
+    """A shard another torchrun rank writes: the planned tensors pass by in order (names checked), no bytes."""
+
+    def __init__(self, path: Path, entries: list[Entry]) -> None:
+        self.path, self.names, self._next = path, [e[0] for e in entries], 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if self._next >= len(self.names) or name != self.names[self._next]:
+            raise MConvertError(f"internal: {self.path}: {name!r} arrived out of the planned order")
+        self._next += 1
+
+    @property
+    def next_name(self) -> str | None:
+        return self.names[self._next] if self._next < len(self.names) else None
+
+    @property
+    def complete(self) -> bool:
+        return self._next == len(self.names)
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None
 
 
 def plan_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:

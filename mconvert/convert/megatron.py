@@ -24,10 +24,12 @@ from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit, pmap
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
-from mconvert.convert.io.atomic import record_digest, sha256_file
+from mconvert.convert.io.atomic import record_digest
+from mconvert.convert.io.hashing import hash_file, manifest_hash
 from mconvert.convert.io.paths import inside_file, owned_fd
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
+from mconvert.convert.scaleout import world
 from mconvert.convert.layout import (
     CHECKPOINT_VERSION,
     layer_location,
@@ -581,15 +583,17 @@ class MegatronWriter:
         self.files: list[Path] = []
         self._spools: dict[tuple[int, int], Any] = {}
         self._hasher: Any = None
-        self._hashes: list[tuple[Path, tuple[int, int], Any]] = []
+        self._hashes: list[tuple[Path, tuple[int, int], str, Any]] = []
         # Streaming: with the source's `preview` (each unit's tensors as meta tensors: names, shapes,
         # dtypes, in the order `read_mcore` returns them) a stage's rank files are laid out when its first
         # unit arrives and written front to back as the shards come (`io.torchsave.TorchSaveStream`): no spool,
-        # O_DIRECT, sha256 on the way. Without it (or with optimizer states, or VPP, whose stages interleave)
+        # O_DIRECT, the manifest hash on the way. Without it (or with optimizer states, or VPP, whose stages interleave)
         # the spool path below is used.
         self.preview = preview if optimizer_groups is None and vpp is None else None
         self._streams: dict[int, dict[int, Any]] = {}  # pp rank -> tp rank -> TorchSaveStream
         self._placeholders: dict[tuple[int, int, int, str], torch.Tensor] = {}  # (p, t, chunk, local name)
+        # Under torchrun (`scaleout`) each rank writes the rank files of the pipeline stages it owns.
+        self.world = world()
 
     def _target_args(self, args: Any) -> argparse.Namespace:
         return target_args(self.spec, args, self.tp, self.pp, self.vpp, self.ep)
@@ -628,9 +632,29 @@ class MegatronWriter:
                 out[with_expert(name, g - first)] = t
         return out
 
+    def _tied_copy_needed(self, unit: Unit) -> bool:
+        """Whether `unit` is the embedding whose tensor the last stage repeats as its output layer."""
+        return unit == "embedding" and self.spec.tie_embeddings and self.pp > 1
+
+    def needs(self, unit: Unit) -> bool:
+        """Whether this rank must read `unit`: it belongs to a stage this rank writes (or is the embedding the
+        last stage, written here, repeats); always, in one process."""
+        return (self.world.owns(self._where(unit)[0])
+                or (self._tied_copy_needed(unit) and self.world.owns(self.pp - 1)))
+
+    def skip(self, unit: Unit) -> None:
+        """Pass `unit` by unread (`needs` is False): another rank writes its stage."""
+        self._received[self._where(unit)[0]].add(unit)
+
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
         """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states."""
         p, c, local = self._where(unit)
+        if not self.world.owns(p):  # read only for the tied output layer of the last stage
+            if self._tied_copy_needed(unit):
+                name = "embedding.word_embeddings.weight"
+                self._embedding = (tensors[name], (states or {}).get(name))
+            self._received[p].add(unit)
+            return
         if self.preview is not None and p not in self._streams:
             self._open_stage(p)
         new = self._entries(unit, tensors, states, real=True)
@@ -806,12 +830,14 @@ class MegatronWriter:
         del chunks
 
     def _hash_in_background(self, path: Path) -> None:
-        """sha256 of a finished rank file on a thread, overlapping the next stage's reads; `close`
+        """The manifest's hash of a finished rank file on a thread, overlapping the next stage's reads; `close`
         hands it to the manifest (`atomic.record_digest`), which uses it only if the file is unchanged since."""
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hash-rank-files")
         st = os.stat(path)
-        self._hashes.append((path, (st.st_size, st.st_mtime_ns), self._hasher.submit(sha256_file, path)))
+        algorithm = manifest_hash()
+        self._hashes.append((path, (st.st_size, st.st_mtime_ns), algorithm,
+                             self._hasher.submit(hash_file, path, algorithm)))
 
     def _spool(self, p: int, t: int) -> Any:
         """The spool of rank file (t, p): shard bytes wait there, not in memory, until the stage is complete."""
@@ -825,15 +851,16 @@ class MegatronWriter:
         missing = [p for p in range(self.pp) if len(self._received[p]) != len(self._stage_units[p])]
         if missing:
             raise MConvertError(f"internal: pipeline stages {missing} did not receive all their units")
-        write_latest(self.out, self.iteration)
-        for path, (size, mtime), fut in self._hashes:
+        if self.world.primary:
+            write_latest(self.out, self.iteration)
+        for path, (size, mtime), algorithm, fut in self._hashes:
             try:
                 digest = fut.result()
                 st = os.stat(path)
             except OSError:  # the manifest then hashes the file itself
                 continue
             if (st.st_size, st.st_mtime_ns) == (size, mtime):
-                record_digest(path, digest)
+                record_digest(path, digest, algorithm)
         self._hashes.clear()
         if self._hasher is not None:
             self._hasher.shutdown()
@@ -874,6 +901,14 @@ class ExpertParallelWriter:
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
         for w in self.writers:
             w.add(unit, tensors, states)
+
+    def needs(self, unit: Unit) -> bool:
+        """Whether this torchrun rank reads `unit` (the EP ranks' writers own the same pipeline stages)."""
+        return any(w.needs(unit) for w in self.writers)
+
+    def skip(self, unit: Unit) -> None:
+        for w in self.writers:
+            w.skip(unit)
 
     def abort(self) -> None:
         for w in self.writers:

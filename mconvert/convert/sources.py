@@ -26,7 +26,7 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
                 verify: bool = True) -> SourceBase:
     """Open any supported checkpoint as a Source: units of full tensors, read one unit at a time.
 
-    `verify`: an input mconvert wrote is first checked against its manifest (sha256 of every file)."""
+    `verify`: an input mconvert wrote is first checked against its manifest (the digest of every file)."""
     if verify:  # before anything is read, the tracker file included
         verify_input(path)
     fmt = detect_format(path, iteration)

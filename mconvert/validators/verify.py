@@ -475,7 +475,7 @@ def _manifest(d: Path, rep: VerifyReport) -> None:
     if problems:
         rep.add("manifest", "error", f"{len(problems)} file(s) differ from the manifest: {problems[0]}")
     else:
-        rep.add("manifest", "ok", "every file matches its sha256")
+        rep.add("manifest", "ok", "every file matches its digest in the manifest")
 
 
 # ---- against a checkpoint ------------------------------------------------------------------------

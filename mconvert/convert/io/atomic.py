@@ -4,14 +4,14 @@ Every verb writes into a hidden temporary sibling of OUT and renames it into pla
 so a run killed at any point (SIGKILL included) leaves no OUT, and `--force` replaces an existing OUT
 only at that final rename; without `--force` that rename never replaces anything (RENAME_NOREPLACE).
 SIGTERM and SIGHUP remove the temporary directory as SIGINT does. An OUT that is, contains or lies inside
-an input is refused before anything is read. The manifest lists the sha256 of every file written.
+an input is refused before anything is read. The manifest lists the digest of every file written
+(BLAKE3 by default, sha256 with --manifest-hash sha256) and names its algorithm.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import json
 import os
 import re
@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from mconvert.convert.io.hashing import MANIFEST_HASHES, check_hash_name, hash_file, manifest_hash
 from mconvert.errors import MConvertError
 
 MANIFEST = "mconvert-manifest.json"
@@ -297,50 +298,78 @@ def _os_error(e: OSError, out: Path) -> MConvertError:
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    """The sha256 hex digest of the file at `path`."""
+    return hash_file(path, "sha256", chunk)
 
 
-# Digests computed by writers while writing (io.hashing.HashingFile): path -> (size, mtime_ns, sha256).
-_KNOWN_DIGESTS: dict[str, tuple[int, int, str]] = {}
+# Digests computed by writers while writing (io.hashing.HashingFile): path -> (size, mtime_ns, algorithm, digest).
+_KNOWN_DIGESTS: dict[str, tuple[int, int, str, str]] = {}
 
 
-def record_digest(path: str | Path, sha256_hex: str) -> None:
-    """Register the sha256 a writer computed over the bytes it wrote, so the manifest need not read the file
-    back; it is used only while the file keeps the size and mtime it has now."""
+def record_digest(path: str | Path, digest: str, algorithm: str | None = None) -> None:
+    """Register the digest (of `algorithm`, default the manifest's) a writer computed over the bytes it wrote,
+    so the manifest need not read the file back; it is used only while the file keeps the size and mtime it
+    has now, and only by a manifest of the same algorithm."""
     st = os.stat(path)
-    _KNOWN_DIGESTS[str(Path(path).resolve())] = (st.st_size, st.st_mtime_ns, sha256_hex)
+    _KNOWN_DIGESTS[str(Path(path).resolve())] = (st.st_size, st.st_mtime_ns, algorithm or manifest_hash(), digest)
 
 
-def _digest(path: Path) -> str:
+def digests_under(root: Path) -> dict[str, tuple[int, int, str, str]]:
+    """The digests recorded for files under `root` (path -> size, mtime_ns, algorithm, digest): what one
+    torchrun process hands to the process that writes the manifest."""
+    top = str(Path(root).resolve()) + os.sep
+    return {p: v for p, v in _KNOWN_DIGESTS.items() if p.startswith(top)}
+
+
+def adopt_digests(entries: dict[str, Any]) -> None:
+    """Take digests another process recorded (`digests_under`); each is used only while its file keeps the
+    recorded size and mtime."""
+    for path, (size, mtime, algorithm, digest) in entries.items():
+        _KNOWN_DIGESTS[str(path)] = (int(size), int(mtime), check_hash_name(str(algorithm)), str(digest))
+
+
+def _digest(path: Path, algorithm: str) -> str:
     known = _KNOWN_DIGESTS.pop(str(path.resolve()), None)
     if known is not None:
         st = path.stat()
-        if (st.st_size, st.st_mtime_ns) == known[:2]:
-            return known[2]
-    return sha256_file(path)
+        if (st.st_size, st.st_mtime_ns, algorithm) == known[:3]:
+            return known[3]
+    return hash_file(path, algorithm)
 
 
-def write_manifest(root: Path, workers: int = 4) -> Path:
-    """Write MANIFEST with {relative path: {sha256, bytes}} of every file under `root`."""
+def write_manifest(root: Path, workers: int = 4, algorithm: str | None = None) -> Path:
+    """Write MANIFEST with {relative path: {ALGORITHM: digest, bytes}} of every file under `root`; the manifest
+    names its algorithm in `hash`. A sha256 manifest keeps version 1 (readers before BLAKE3 accept it), a BLAKE3
+    one is version 2, which such readers refuse as unreadable rather than misreading it."""
+    algorithm = check_hash_name(algorithm or manifest_hash())
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-    with ThreadPoolExecutor(workers) as ex:  # hashlib releases the GIL
-        digests = list(ex.map(_digest, files))
+    with ThreadPoolExecutor(workers) as ex:  # both hashes release the GIL
+        digests = list(ex.map(_digest, files, [algorithm] * len(files)))
     entries = {
-        str(p.relative_to(root)): {"sha256": d, "bytes": p.stat().st_size} for p, d in zip(files, digests)
+        str(p.relative_to(root)): {algorithm: d, "bytes": p.stat().st_size} for p, d in zip(files, digests)
     }
+    version = 1 if algorithm == "sha256" else 2
     path = root / MANIFEST
-    path.write_text(json.dumps({"version": 1, "files": entries}, indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps({"version": version, "hash": algorithm, "files": entries}, indent=1,
+                               sort_keys=True) + "\n")
     return path
+
+
+def manifest_entries(raw: bytes | str) -> tuple[str, dict[str, tuple[int, Any]]]:
+    """(algorithm, {relative path: (bytes, digest or None)}) of a manifest's text; a manifest without `hash` is
+    a sha256 one (as every manifest before BLAKE3). A ValueError/KeyError/TypeError for a malformed one."""
+    doc = json.loads(raw)
+    algorithm = doc.get("hash", "sha256")
+    if algorithm not in MANIFEST_HASHES:
+        raise ValueError(f"unknown hash {str(algorithm)[:40]!r} (this mconvert knows {', '.join(MANIFEST_HASHES)})")
+    listed = {str(rel): (int(meta["bytes"]), meta.get(algorithm)) for rel, meta in doc["files"].items()}
+    return algorithm, listed
 
 
 def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) -> list[str]:
     """Problems found comparing `root` with its manifest (empty list: intact): a missing, resized, changed or
     (with `unlisted`) unlisted file — a stray `*.safetensors` would be loaded by vLLM. A missing manifest is
-    one problem."""
+    one problem. Either algorithm the manifest names (`hash`: blake3 or sha256) is checked."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
@@ -348,8 +377,7 @@ def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) ->
     from mconvert.convert.io.paths import read_small
 
     try:
-        entries = json.loads(read_small(path, "json"))["files"]
-        listed = {rel: (int(meta["bytes"]), str(meta["sha256"])) for rel, meta in entries.items()}
+        algorithm, listed = manifest_entries(read_small(path, "json"))
     except MConvertError as e:
         return [str(e)]
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
@@ -361,17 +389,19 @@ def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) ->
         p = root / rel
         if top not in p.resolve().parents:
             problems.append(f"{path}: entry {rel!r} points outside {root}; the manifest was tampered with")
+        elif not isinstance(digest, str):
+            problems.append(f"{path}: entry {rel!r} has no {algorithm} digest; the manifest was tampered with")
         elif not p.is_file():
             problems.append(f"{p}: listed in the manifest but missing")
         elif p.stat().st_size != size:
             problems.append(f"{p}: size {p.stat().st_size} != manifest {size}")
         else:
             to_hash.append((p, digest))
-    with ThreadPoolExecutor(workers) as ex:  # hashlib releases the GIL
-        digests = list(ex.map(sha256_file, [p for p, _ in to_hash]))
+    with ThreadPoolExecutor(workers) as ex:  # both hashes release the GIL
+        digests = list(ex.map(hash_file, [p for p, _ in to_hash], [algorithm] * len(to_hash)))
     for (p, want), got in zip(to_hash, digests):
         if got != want:
-            problems.append(f"{p}: sha256 differs from the manifest (file changed or corrupt)")
+            problems.append(f"{p}: {algorithm} differs from the manifest (file changed or corrupt)")
     if unlisted:
         for p in sorted(root.rglob("*")):
             if p.is_file() and p.name != MANIFEST and str(p.relative_to(root)) not in listed:
@@ -384,7 +414,7 @@ def verify_input(path: str | Path) -> None:
     a flipped bit inside a tensor is undetectable (neither torch nor safetensors files carry checksums).
     Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked.
 
-    Inside a conversion (`safeload.deferred_crc_checks()`) the sha256 pass runs on a background thread while
+    Inside a conversion (`safeload.deferred_crc_checks()`) the hash pass runs on a background thread while
     the conversion proceeds, and is waited for before the output is committed; a failure then wins
     over any error the changed bytes caused."""
     from mconvert.convert.io.safeload import deferred

@@ -29,7 +29,6 @@ import threading
 import types
 import warnings
 import zipfile
-import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from mconvert.convert.io.hashing import crc32
 from mconvert.errors import MConvertError
 
 
@@ -279,9 +279,14 @@ def crc_in_background(fn: Any) -> Any:
 
 def deferred(path: str | Path, check: Any) -> bool:
     """Inside `deferred_crc_checks()` (and on the main thread): queue `check(path)` on its background thread
-    and return True; else False (the caller checks now)."""
+    and return True; else False (the caller checks now). Under torchrun only the rank that `owns_path` runs
+    it: a failure there fails the whole job before anything is committed."""
     if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
-        _DEFERRED.submit(Path(path), check)
+        from mconvert.convert.scaleout import world_from_env
+
+        w = world_from_env()
+        if w.size == 1 or w.owns_path(path):  # under torchrun each input file is checked by one rank
+            _DEFERRED.submit(Path(path), check)
         return True
     return False
 
@@ -325,7 +330,7 @@ def _verify_zip_crc_now(path: str | Path) -> None:
                     k = os.preadv(fd, [chunk[: min(left, len(chunk))]], pos)
                     if k <= 0:
                         raise zipfile.BadZipFile(f"{info.filename} runs past the end of the file")
-                    crc = zlib.crc32(chunk[:k], crc)
+                    crc = crc32(chunk[:k], crc)
                     pos, left = pos + k, left - k
                 if crc != info.CRC:
                     raise MConvertError(

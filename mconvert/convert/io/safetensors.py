@@ -176,7 +176,7 @@ class SafetensorsStream:
         return self._next == len(self.entries)
 
     def close(self) -> str:
-        """Close and return the file's sha256; every planned tensor must have been written."""
+        """Close and return the file's digest (the manifest's hash); every planned tensor must have been written."""
         digest = self._f.close()
         if not self.complete:
             raise MConvertError(f"internal: {self.path} closed after {self._next} of {len(self.entries)} tensors")

@@ -16,13 +16,12 @@ import os
 import pickle
 import struct
 import zipfile
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mconvert.convert.io.hashing import Checksum, HashingFile, numel, tensor_bytes
+from mconvert.convert.io.hashing import Checksum, HashingFile, crc32, numel, tensor_bytes
 from mconvert.errors import MConvertError
 
 
@@ -166,7 +165,7 @@ class Spool:
         # never touched (torch.empty could reuse heap pages that count in RSS)
         storage = torch.UntypedStorage.from_file(str(self.path), False, n)
         ph = torch.empty(0, dtype=t.dtype).set_(storage, 0, tuple(t.shape), contiguous_strides(tuple(t.shape)))
-        self.where[ph.untyped_storage()._cdata] = (self.size, n, zlib.crc32(mv))
+        self.where[ph.untyped_storage()._cdata] = (self.size, n, crc32(mv))
         self.size += n
         return ph
 
@@ -259,7 +258,7 @@ def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
             else:  # a real tensor of the state (rng state, ...): its whole storage, as torch.save writes it
                 raw = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
                 mv = memoryview(raw.numpy()) if s.nbytes() else memoryview(b"")
-                n, crc = len(mv), zlib.crc32(mv)
+                n, crc = len(mv), crc32(mv)
                 done = 0
                 while done < n:
                     done += os.pwrite(fd, mv[done:], off + done)
@@ -276,7 +275,7 @@ def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
             soff = reader.get_record_offset(".data/serialization_id")
             sid = _serialization_id(infos, sid_name, crcs.__getitem__, os.pread(fd, 40, soff))
             os.pwrite(fd, sid, soff)
-            crcs[sid_name] = zlib.crc32(sid)
+            crcs[sid_name] = crc32(sid)
             if os.pread(fd, 4, soff + 40) != b"PK\x07\x08":
                 raise MConvertError(f"internal: {path}: no data descriptor after the serialization id")
             os.pwrite(fd, struct.pack("<I", crcs[sid_name]), soff + 44)
@@ -290,7 +289,7 @@ def save_spooled(state: Any, path: str | Path, spool: Spool) -> None:
 
 class TorchSaveStream:
     """The file `torch.save(state)` writes, written front to back while the bytes of its placeholder tensors
-    arrive — no spool, no second copy, the sha256 on the way.
+    arrive — no spool, no second copy, hashed on the way.
 
     `state` holds placeholders (tensors of the right shape and dtype whose memory is never touched) for the
     data still to come, and real tensors (rng states) for the rest. The file's layout comes from torch's own
@@ -419,7 +418,7 @@ class TorchSaveStream:
         if getattr(self, "_sid", None) is None:
             sid_name = self._prefix + ".data/serialization_id"
             self._sid = _serialization_id(self._infos, sid_name, self._crc, os.pread(self._skel_fd, 40, self._sid_off))
-            self._crcs[sid_name] = zlib.crc32(self._sid)
+            self._crcs[sid_name] = crc32(self._sid)
         return self._sid
 
     @property
@@ -427,7 +426,7 @@ class TorchSaveStream:
         return self._next == len(self._records)
 
     def close(self) -> str:
-        """Write the rest (every record must have arrived) and return the file's sha256."""
+        """Write the rest (every record must have arrived) and return the file's digest (the manifest's hash)."""
         if not self.complete:
             missing = [k for k in range(self._next, len(self._records)) if k not in self._early]
             raise MConvertError(f"internal: {self.path}: records {missing[:3]} never arrived")

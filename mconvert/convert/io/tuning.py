@@ -39,15 +39,25 @@ def bound_heap(threshold: int = 128 << 10) -> None:
         pass
 
 
-def reserve_writer_core() -> None:
-    """Leave one core to the writer/hash thread: torch's intra-op pool at (cores - 1), at least 1. With as many
-    OpenMP threads as cores, every parallel op (aminmax, cat, transposes) stalls at its barrier while the
-    writer thread holds a core."""
+def process_cores() -> int:
+    """The cores this process may use: those it is allowed to run on, shared evenly among the processes of
+    one torchrun job on this machine (LOCAL_WORLD_SIZE), at least 1."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    want = max(1, cores - 1)
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, cores // local)
+
+
+def reserve_writer_core() -> None:
+    """Leave one core to the writer/hash thread: torch's intra-op pool at (cores - 1), at least 1. With as many
+    OpenMP threads as cores, every parallel op (aminmax, cat, transposes) stalls at its barrier while the
+    writer thread holds a core."""
+    want = max(1, process_cores() - 1)
     if torch.get_num_threads() > want:
         torch.set_num_threads(want)
 

@@ -1,0 +1,205 @@
+"""Conversion on torchrun: each process converts a disjoint set of output files into one shared temporary
+directory; rank 0 writes the shared files (index, config, tracker, tokenizer, manifest) and commits.
+
+Under `torchrun` (WORLD_SIZE > 1 in the environment) the conversion verbs split their work by output file:
+`owner(i)` is the rank that writes file group `i` (a pipeline stage's rank files for Megatron output, a
+safetensors shard for HF output); a rank reads only the units its files need. Outputs are byte-identical to a
+one-process run because every rank lays its files out from the same plan, and only the process that owns a
+file writes it.
+
+Protocol (shared file system, gloo only to meet and to learn the temporary directory):
+1. rank 0 checks OUT and creates the temporary directory (`atomic.atomic_output_dir`), then broadcasts its
+   path (or its refusal, which every rank then raises);
+2. every rank converts its part into it and leaves a status file there (`.rank-R.status`: ok + the digests it
+   computed, or its error line); a failing rank exits non-zero at once, so torchrun stops the others;
+3. rank 0 waits for every status (polling, so SIGTERM from torchrun still removes the directory), takes the
+   digests into the manifest, writes the shared files and renames the directory to OUT. Any failure leaves
+   no OUT. The waits poll with sleeps, never block in a collective: a signal must interrupt them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mconvert.errors import MConvertError
+
+_STATUS = ".rank-{}.status"
+WAIT_SECONDS = float(os.environ.get("MCONVERT_RANK_WAIT", "86400"))  # the longest a rank's part may take
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the torchrun processes of one conversion (size 1: not under torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def primary(self) -> bool:
+        """Whether this process writes the shared files and commits."""
+        return self.rank == 0
+
+    def owner(self, index: int) -> int:
+        """The rank that writes file group `index` (round robin: neighbouring groups on different ranks)."""
+        return index % self.size
+
+    def owns(self, index: int) -> bool:
+        return self.owner(index) == self.rank
+
+    def owns_path(self, path: str | Path) -> bool:
+        """Whether this rank runs the background check of input file `path` (a stable spread over the ranks)."""
+        return zlib.crc32(str(Path(path).resolve()).encode()) % self.size == self.rank
+
+
+def world_from_env(env: Any = None) -> World:
+    """The World that torchrun's environment (WORLD_SIZE, RANK) describes; World() outside torchrun."""
+    env = os.environ if env is None else env
+    try:
+        size = int(env.get("WORLD_SIZE", "1") or 1)
+        rank = int(env.get("RANK", "0") or 0)
+    except ValueError:
+        raise MConvertError(f"WORLD_SIZE={env.get('WORLD_SIZE')!r} RANK={env.get('RANK')!r}: not integers; run "
+                            "under torchrun, or unset them") from None
+    if size < 1 or not 0 <= rank < size:
+        raise MConvertError(f"RANK={rank} WORLD_SIZE={size}: RANK must lie in [0, WORLD_SIZE); run under torchrun, "
+                            "or unset them")
+    return World(rank, size)
+
+
+_WORLD: World = World()
+
+
+def refuse_torchrun(verb: str) -> None:
+    """Refuse `verb` under torchrun when it cannot share its work: every process would write the whole output
+    and all but one would find it taken at the commit."""
+    if world_from_env().size > 1:
+        raise MConvertError(f"{verb} runs in one process and does not share its work over torchrun "
+                            "(WORLD_SIZE > 1); run it without torchrun (megatron-to-hf, hf-to-megatron and "
+                            "reshard run on torchrun)")
+
+
+def world() -> World:
+    """The World of the conversion in progress (World() outside `shared_atomic_output_dir`)."""
+    return _WORLD
+
+
+def _init_group() -> Any:
+    """The gloo process group of this torchrun job (created once; MASTER_ADDR/PORT come from torchrun)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        except (ValueError, RuntimeError) as e:  # WORLD_SIZE set by hand, without torchrun's other variables
+            raise MConvertError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}: the processes could not meet "
+                                f"({str(e).splitlines()[0][:160]}); start the job with torchrun, or unset "
+                                "WORLD_SIZE and RANK") from None
+    return dist
+
+
+def _status_path(tmp: Path, rank: int) -> Path:
+    return tmp / _STATUS.format(rank)
+
+
+def _write_status(tmp: Path, rank: int, status: dict[str, Any]) -> None:
+    path = _status_path(tmp, rank)
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(status))
+    os.replace(part, path)  # rank 0 never reads half a status
+
+
+def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> None:
+    """Poll until every other rank left its status; raise the first failure; take their digests."""
+    from mconvert.convert.io.atomic import adopt_digests
+
+    deadline = time.monotonic() + timeout
+    pending = set(range(1, w.size))
+    while pending:
+        for r in sorted(pending):
+            p = _status_path(tmp, r)
+            if not p.is_file():
+                continue
+            status = json.loads(p.read_text())
+            if not status.get("ok"):
+                raise MConvertError(f"torchrun rank {r} failed: {status.get('error', 'no reason given')}")
+            adopt_digests(status.get("digests", {}))
+            p.unlink()
+            pending.discard(r)
+        if pending:
+            if time.monotonic() > deadline:
+                raise MConvertError(f"torchrun ranks {sorted(pending)} did not finish within {timeout:.0f} s; "
+                                    "nothing was written (raise MCONVERT_RANK_WAIT for longer parts)")
+            time.sleep(0.05)
+
+
+@contextmanager
+def shared_atomic_output_dir(out: str | Path, force: bool = False,
+                             inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
+    """`atomic.atomic_output_dir` for one process, or shared by every torchrun process of the job: yields the
+    temporary directory all ranks write into; only rank 0 commits it, after every rank reported success."""
+    from mconvert.convert.io.atomic import atomic_output_dir
+
+    global _WORLD
+    w = world_from_env()
+    if w.size == 1:
+        with atomic_output_dir(out, force, inputs=inputs) as tmp:
+            yield tmp
+        return
+    dist = _init_group()
+    outer, _WORLD = _WORLD, w
+    try:
+        if w.primary:
+            yield from _primary(out, force, inputs, w, dist)
+        else:
+            yield from _secondary(w, dist)
+    finally:
+        _WORLD = outer
+
+
+def _primary(out: str | Path, force: bool, inputs: tuple, w: World, dist: Any) -> Iterator[Path]:
+    from mconvert.convert.io.atomic import atomic_output_dir
+
+    try:
+        ctx = atomic_output_dir(out, force, inputs=inputs)
+        tmp = ctx.__enter__()
+    except BaseException as e:
+        dist.broadcast_object_list([str(e) or type(e).__name__, False])
+        raise
+    dist.broadcast_object_list([str(tmp), True])
+    try:
+        yield tmp
+        _wait_for_ranks(tmp, w, WAIT_SECONDS)
+    except BaseException as e:
+        if not ctx.__exit__(type(e), e, e.__traceback__):
+            raise
+    else:
+        ctx.__exit__(None, None, None)
+
+
+def _secondary(w: World, dist: Any) -> Iterator[Path]:
+    got: list[Any] = [None, None]
+    dist.broadcast_object_list(got)
+    if not got[1]:
+        raise MConvertError(f"rank 0 refused the output: {got[0]}")
+    tmp = Path(got[0])
+    try:
+        yield tmp
+    except BaseException as e:
+        try:
+            _write_status(tmp, w.rank, {"ok": False, "error": str(e) or type(e).__name__})
+        except OSError:  # rank 0 already removed the directory (it failed first)
+            pass
+        raise
+    from mconvert.convert.io.atomic import digests_under
+
+    _write_status(tmp, w.rank, {"ok": True, "digests": digests_under(tmp)})

@@ -1,0 +1,176 @@
+"""Manifest hashes and CRC-32, against answers we did not compute: the `blake3` package's and hashlib's digests
+of the files as read back, zlib's CRC-32 of the same bytes, and a manifest laid out exactly as mconvert wrote
+it before BLAKE3 (version 1, sha256, no `hash` field)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import zlib
+from pathlib import Path
+
+import blake3
+import pytest
+
+from mconvert.convert.io.atomic import MANIFEST, check_manifest
+from mconvert.convert.io.hashing import HashingFile, crc32, set_manifest_hash
+from mconvert.errors import MConvertError
+from tests.safety_common import assert_one_line_error, base, copy_of, run_cli
+
+
+@pytest.fixture(autouse=True)
+def _default_hash():
+    yield
+    set_manifest_hash("blake3")  # the CLI sets it process-wide; each test starts from the default
+
+
+# ---- CRC-32 ------------------------------------------------------------------------------------------------
+def test_crc32_is_isal_and_equals_zlib_on_random_data() -> None:
+    assert "isal" in (crc32.__module__ or "")  # the fast CRC is the one in use, not a silent zlib fallback
+    rng = random.Random(7)
+    for n in (0, 1, 3, 7, 8, 15, 63, 64, 65, 4095, 4096, 4097, (1 << 20) + 13, 9 << 20):
+        data = rng.randbytes(n)
+        assert crc32(data) == zlib.crc32(data), n
+        assert crc32(memoryview(data)) == zlib.crc32(data), n
+
+
+def test_crc32_chained_over_blocks_equals_zlib_of_the_whole() -> None:
+    """The input check reads a record through a fixed buffer and chains the CRC block by block."""
+    rng = random.Random(11)
+    data = rng.randbytes((3 << 20) + 4099)
+    for block in (1, 4096, 65536, 1 << 20, 8 << 20):
+        crc = 0
+        for i in range(0, len(data), block if block > 1 else 997):
+            crc = crc32(memoryview(data)[i:i + (block if block > 1 else 997)], crc)
+        assert crc == zlib.crc32(data), block
+    start = zlib.crc32(b"seed bytes")
+    assert crc32(data, start) == zlib.crc32(data, start)
+
+
+def test_torch_save_records_get_the_crc_zlib_computes(tmp_path: Path) -> None:
+    """The zip stream's CRC fields (written through the fast CRC) are what zipfile's own zlib check expects."""
+    import zipfile
+
+    ckpt = base()["ckpt"]
+    for f in sorted(ckpt.rglob("model_optim_rng.pt")):
+        with zipfile.ZipFile(f) as z:
+            assert z.testzip() is None
+
+
+# ---- HashingFile ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_hashing_file_digest_is_the_reference_digest(tmp_path: Path, algorithm: str, direct: bool) -> None:
+    rng = random.Random(3)
+    pieces = [rng.randbytes(n) for n in (10, 4096, (2 << 20) + 5, 0, 77)]
+    f = HashingFile(tmp_path / "x", direct=direct, algorithm=algorithm, chunk=1 << 20)
+    for p in pieces:
+        f.write(p)
+    digest = f.close()
+    want = b"".join(pieces)
+    assert (tmp_path / "x").read_bytes() == want
+    ref = blake3.blake3(want) if algorithm == "blake3" else hashlib.sha256(want)
+    assert digest == ref.hexdigest()
+
+
+# ---- manifests -----------------------------------------------------------------------------------------------
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def test_default_manifest_is_blake3_of_every_file() -> None:
+    for which in ("ckpt", "ref"):
+        root = base()[which]
+        doc = json.loads((root / MANIFEST).read_text())
+        assert doc["hash"] == "blake3" and doc["version"] == 2
+        listed = doc["files"]
+        assert sorted(listed) == [str(p.relative_to(root)) for p in _files(root)]
+        for p in _files(root):
+            entry = listed[str(p.relative_to(root))]
+            assert entry == {"blake3": blake3.blake3(p.read_bytes()).hexdigest(), "bytes": p.stat().st_size}
+        assert check_manifest(root) == []
+
+
+def test_blake3_manifest_catches_a_flipped_bit(tmp_path: Path) -> None:
+    out = copy_of("ref", tmp_path / "hf", manifest=True)
+    f = out / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 3] ^= 0x04
+    f.write_bytes(bytes(data))
+    problems = check_manifest(out)
+    assert len(problems) == 1 and "blake3 differs" in problems[0] and str(f) in problems[0]
+
+
+@pytest.mark.timeout(300)
+def test_manifest_hash_sha256_on_each_writing_verb(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--manifest-hash sha256: hashlib's sha256 of every file, version 1 (readable by mconvert before BLAKE3)."""
+    ckpt, ref = base()["ckpt"], base()["ref"]
+    runs = {
+        "hf": ["megatron-to-hf", ckpt, tmp_path / "hf"],
+        "mg": ["hf-to-megatron", ref, tmp_path / "mg", "--tp", "2"],
+        "rs": ["reshard", ckpt, tmp_path / "rs", "--tp", "1", "--pp", "1"],
+        "trt": ["megatron-to-trtllm", ckpt, tmp_path / "trt", "--tp", "2"],
+    }
+    for name, argv in runs.items():
+        code, out, err = run_cli([*argv, "--manifest-hash", "sha256"], capsys)
+        assert code == 0, (name, err)
+        root = tmp_path / name
+        doc = json.loads((root / MANIFEST).read_text())
+        assert doc["hash"] == "sha256" and doc["version"] == 1, name
+        for p in _files(root):
+            assert doc["files"][str(p.relative_to(root))]["sha256"] == hashlib.sha256(p.read_bytes()).hexdigest()
+        assert check_manifest(root) == []
+        set_manifest_hash("blake3")
+
+
+def _old_manifest(root: Path) -> None:
+    """The manifest exactly as mconvert wrote it before BLAKE3 (atomic.write_manifest of that version)."""
+    entries = {str(p.relative_to(root)): {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+                                          "bytes": p.stat().st_size} for p in _files(root)}
+    (root / MANIFEST).write_text(json.dumps({"version": 1, "files": entries}, indent=1, sort_keys=True) + "\n")
+
+
+def test_old_sha256_manifest_stays_valid(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = copy_of("ref", tmp_path / "hf")
+    _old_manifest(out)
+    assert check_manifest(out) == []
+    code, stdout, err = run_cli(["verify", out, "--json"], capsys)
+    assert '"manifest"' in stdout and "differ" not in stdout
+    # as an input: intact it converts, changed it is refused by its sha256
+    from mconvert.convert.driver import hf_to_megatron
+
+    hf_to_megatron(out, tmp_path / "mg", tp=1, pp=1)
+    f = out / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-7] ^= 0x10
+    f.write_bytes(bytes(data))
+    with pytest.raises(MConvertError, match="sha256 differs from the manifest"):
+        hf_to_megatron(out, tmp_path / "mg2", tp=1, pp=1)
+    assert not (tmp_path / "mg2").exists()
+
+
+def test_manifest_naming_an_unknown_hash_is_unreadable(tmp_path: Path) -> None:
+    out = copy_of("ref", tmp_path / "hf", manifest=True)
+    doc = json.loads((out / MANIFEST).read_text())
+    doc["hash"] = "md5"
+    (out / MANIFEST).write_text(json.dumps(doc))
+    problems = check_manifest(out)
+    assert len(problems) == 1 and "unreadable manifest" in problems[0] and "md5" in problems[0]
+
+
+def test_entry_without_the_named_digest_is_tampering(tmp_path: Path) -> None:
+    out = copy_of("ref", tmp_path / "hf", manifest=True)
+    doc = json.loads((out / MANIFEST).read_text())
+    doc["files"]["config.json"] = {"sha256": "0" * 64, "bytes": (out / "config.json").stat().st_size}
+    (out / MANIFEST).write_text(json.dumps(doc))
+    problems = check_manifest(out)
+    assert len(problems) == 1 and "'config.json' has no blake3 digest" in problems[0]
+
+
+@pytest.mark.timeout(120)
+def test_unknown_manifest_hash_option_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_cli(["megatron-to-hf", base()["ckpt"], tmp_path / "hf", "--manifest-hash", "md5"], capsys)
+    assert_one_line_error(code, err, "unknown manifest hash 'md5'", "blake3, sha256")
+    assert not (tmp_path / "hf").exists() and os.listdir(tmp_path) == []
