@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mconvert.convert import scaleout
+from mconvert.convert.io import world as world_state
 from mconvert.convert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World, world_from_env
 from mconvert.errors import MConvertError
@@ -81,7 +81,7 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], tmp_p
     rank 0 alone writes index, config, tracker and tokenizer."""
     from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
 
-    monkeypatch.setattr(scaleout, "_WORLD", World(rank, 2))
+    monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))
     megatron_to_hf(base()["ckpt"], tmp_path / "hf", max_shard_size=SHARD)
     want = _tree(one_process["hf"])
     shards = sorted(k for k in want if k.endswith(".safetensors"))

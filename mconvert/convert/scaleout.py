@@ -22,73 +22,19 @@ from __future__ import annotations
 import json
 import os
 import time
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mconvert.convert.io.atomic import adopt_digests, atomic_output_dir, digests_under
+from mconvert.convert.io.world import World, active_world, refuse_torchrun, world, world_from_env
 from mconvert.errors import MConvertError
+
+__all__ = ["World", "refuse_torchrun", "shared_atomic_output_dir", "world", "world_from_env"]
 
 _STATUS = ".rank-{}.status"
 WAIT_SECONDS = float(os.environ.get("MCONVERT_RANK_WAIT", "86400"))  # the longest a rank's part may take
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place among the torchrun processes of one conversion (size 1: not under torchrun)."""
-
-    rank: int = 0
-    size: int = 1
-
-    @property
-    def primary(self) -> bool:
-        """Whether this process writes the shared files and commits."""
-        return self.rank == 0
-
-    def owner(self, index: int) -> int:
-        """The rank that writes file group `index` (round robin: neighbouring groups on different ranks)."""
-        return index % self.size
-
-    def owns(self, index: int) -> bool:
-        return self.owner(index) == self.rank
-
-    def owns_path(self, path: str | Path) -> bool:
-        """Whether this rank runs the background check of input file `path` (a stable spread over the ranks)."""
-        return zlib.crc32(str(Path(path).resolve()).encode()) % self.size == self.rank
-
-
-def world_from_env(env: Any = None) -> World:
-    """The World that torchrun's environment (WORLD_SIZE, RANK) describes; World() outside torchrun."""
-    env = os.environ if env is None else env
-    try:
-        size = int(env.get("WORLD_SIZE", "1") or 1)
-        rank = int(env.get("RANK", "0") or 0)
-    except ValueError:
-        raise MConvertError(f"WORLD_SIZE={env.get('WORLD_SIZE')!r} RANK={env.get('RANK')!r}: not integers; run "
-                            "under torchrun, or unset them") from None
-    if size < 1 or not 0 <= rank < size:
-        raise MConvertError(f"RANK={rank} WORLD_SIZE={size}: RANK must lie in [0, WORLD_SIZE); run under torchrun, "
-                            "or unset them")
-    return World(rank, size)
-
-
-_WORLD: World = World()
-
-
-def refuse_torchrun(verb: str) -> None:
-    """Refuse `verb` under torchrun when it cannot share its work: every process would write the whole output
-    and all but one would find it taken at the commit."""
-    if world_from_env().size > 1:
-        raise MConvertError(f"{verb} runs in one process and does not share its work over torchrun "
-                            "(WORLD_SIZE > 1); run it without torchrun (megatron-to-hf, hf-to-megatron and "
-                            "reshard run on torchrun)")
-
-
-def world() -> World:
-    """The World of the conversion in progress (World() outside `shared_atomic_output_dir`)."""
-    return _WORLD
 
 
 def _init_group() -> Any:
@@ -120,8 +66,6 @@ def _write_status(tmp: Path, rank: int, status: dict[str, Any]) -> None:
 
 def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> None:
     """Poll until every other rank left its status; raise the first failure; take their digests."""
-    from mconvert.convert.io.atomic import adopt_digests
-
     deadline = time.monotonic() + timeout
     pending = set(range(1, w.size))
     while pending:
@@ -147,28 +91,20 @@ def shared_atomic_output_dir(out: str | Path, force: bool = False,
                              inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
     """`atomic.atomic_output_dir` for one process, or shared by every torchrun process of the job: yields the
     temporary directory all ranks write into; only rank 0 commits it, after every rank reported success."""
-    from mconvert.convert.io.atomic import atomic_output_dir
-
-    global _WORLD
     w = world_from_env()
     if w.size == 1:
         with atomic_output_dir(out, force, inputs=inputs) as tmp:
             yield tmp
         return
     dist = _init_group()
-    outer, _WORLD = _WORLD, w
-    try:
+    with active_world(w):
         if w.primary:
             yield from _primary(out, force, inputs, w, dist)
         else:
             yield from _secondary(w, dist)
-    finally:
-        _WORLD = outer
 
 
 def _primary(out: str | Path, force: bool, inputs: tuple, w: World, dist: Any) -> Iterator[Path]:
-    from mconvert.convert.io.atomic import atomic_output_dir
-
     try:
         ctx = atomic_output_dir(out, force, inputs=inputs)
         tmp = ctx.__enter__()
@@ -200,6 +136,4 @@ def _secondary(w: World, dist: Any) -> Iterator[Path]:
         except OSError:  # rank 0 already removed the directory (it failed first)
             pass
         raise
-    from mconvert.convert.io.atomic import digests_under
-
     _write_status(tmp, w.rank, {"ok": True, "digests": digests_under(tmp)})

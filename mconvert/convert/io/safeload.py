@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from mconvert.convert.io.hashing import crc32
+from mconvert.convert.io.world import world_from_env
 from mconvert.errors import MConvertError
 
 
@@ -282,8 +283,6 @@ def deferred(path: str | Path, check: Any) -> bool:
     and return True; else False (the caller checks now). Under torchrun only the rank that `owns_path` runs
     it: a failure there fails the whole job before anything is committed."""
     if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
-        from mconvert.convert.scaleout import world_from_env
-
         w = world_from_env()
         if w.size == 1 or w.owns_path(path):  # under torchrun each input file is checked by one rank
             _DEFERRED.submit(Path(path), check)
