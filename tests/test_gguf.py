@@ -179,7 +179,7 @@ def test_verify_names_a_gguf_whose_bytes_changed_after_export(llama_cpp, trained
         f.write(bytes([b[0] ^ 0x40]))
     rep = verify(bad)
     assert [c.name for c in rep.errors()] == ["manifest"], [(c.name, c.message) for c in rep.checks]
-    assert "sha256 differs" in rep.errors()[0].message
+    assert "blake3 differs" in rep.errors()[0].message
 
 
 @pytest.mark.gguf

@@ -1,7 +1,7 @@
 """`mconvert verify MODEL.gguf`: does llama.cpp load it, tokenize like transformers, and (with `--against`)
 compute what the checkpoint computes?
 
-Checks, each by name: `manifest` (the sha256 beside the file), `metadata` (architecture, tokenizer keys, the
+Checks, each by name: `manifest` (the digest in the manifest beside the file), `metadata` (architecture, tokenizer keys, the
 token list as long as `token_embd`'s rows), `tensors` (with `--against`: every name and shape the reference's
 spec plans), `load` (llama.cpp itself opens it), `tokenizer` (llama.cpp's tokens of a set of texts equal
 transformers' and detokenize back to the text), `greedy` (llama.cpp's greedy tokens equal transformers' on
@@ -44,7 +44,7 @@ def verify_gguf(path: str | Path, against: str | Path | None = None, device: str
     rep = VerifyReport(path=str(p))
     problems = check_file_manifest(p)
     if not problems:
-        rep.add("manifest", "ok", "sha256 matches the manifest beside the file")
+        rep.add("manifest", "ok", "the digest matches the manifest beside the file")
     elif "no " in problems[0] and "beside it" in problems[0]:
         rep.add("manifest", "warn", problems[0])
     else:

@@ -492,14 +492,16 @@ def check_file_manifest(path: str | Path) -> list[str]:
     from mconvert.convert.io.paths import read_small
 
     try:
-        entry = json.loads(read_small(side, "json"))["files"][path.name]
-        size, digest = int(entry["bytes"]), str(entry["sha256"])
+        algorithm, listed = manifest_entries(read_small(side, "json"))
+        size, digest = listed[path.name]
     except MConvertError as e:
         return [str(e)]
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         return [f"{side}: unreadable manifest or no entry for {path.name} ({type(e).__name__}); re-run the conversion"]
+    if not isinstance(digest, str):
+        return [f"{side}: entry {path.name!r} has no {algorithm} digest; the manifest was tampered with"]
     if path.stat().st_size != size:
         return [f"{path}: size {path.stat().st_size} != manifest {size}"]
-    if sha256_file(path) != digest:
-        return [f"{path}: sha256 differs from the manifest (file changed or corrupt)"]
+    if hash_file(path, algorithm) != digest:
+        return [f"{path}: {algorithm} differs from the manifest (file changed or corrupt)"]
     return []
