@@ -158,6 +158,8 @@ def plan_cmd(
     pp: Annotated[int, typer.Option("--pp", help="Megatron PP, as --tp.")] = 1,
     target_tp: Annotated[Optional[int], typer.Option("--target-tp", help="Reshard (--to megatron) / FT TP.")] = None,
     target_pp: Annotated[Optional[int], typer.Option("--target-pp", help="Reshard target PP (--to megatron).")] = None,
+    ep: Annotated[int, typer.Option("--ep", help="Megatron expert-parallel size, as --tp (MoE presets).")] = 1,
+    target_ep: Annotated[Optional[int], typer.Option("--target-ep", help="Reshard target EP (--to megatron).")] = None,
     first: Annotated[Optional[int], typer.Option("--first-stage-layers", help="Uneven PP: layers of stage 0.")] = None,
     last: Annotated[Optional[int], typer.Option("--last-stage-layers", help="Uneven PP: layers of the last stage.")] = None,
     dtype: Dtype = "auto",
@@ -182,6 +184,7 @@ def plan_cmd(
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to megatron --target-tp 8 --target-pp 8 --json
       mconvert plan --preset llama3-405b --tp 8 --to megatron --format torch_dist
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf --nodes 4 --procs-per-node 8 --network-gb-per-s 3
+      mconvert plan --preset moe-671b --tp 8 --ep 8 --to megatron --target-ep 16
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate, scaleout_estimate
@@ -190,7 +193,7 @@ def plan_cmd(
     est = estimate(
         preset(preset_name), to, tp=tp, pp=pp, target_tp=target_tp, target_pp=target_pp, dtype=dtype,
         first_stage_layers=first, last_stage_layers=last, bandwidth=load_bandwidth(bandwidth_file),
-        model=preset_name, format=format,
+        model=preset_name, format=format, ep=ep, target_ep=target_ep,
     )
     if nodes is not None:
         est = scaleout_estimate(est, nodes, procs_per_node, disk_gb and disk_gb * 1e9, net_gb and net_gb * 1e9)

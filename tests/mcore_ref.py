@@ -40,6 +40,7 @@ import pickle
 import socket
 import tempfile
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -249,6 +250,35 @@ def run_mcore(spec: ModelSpec, tp: int, fn: Callable[..., Any], args: tuple = ()
                            nprocs=world, start_method="fork")
         # our own pickles, written a moment ago by the children above
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def perturb(ctx: McoreContext) -> None:
+    """Every parameter off its init (norms off 1), replicated ones equal on every rank, split ones per TP rank,
+    experts per EP rank: a wrong layout or a wrong expert index cannot hide."""
+    for name, p in ctx.model.named_parameters():
+        split = bool(getattr(p, "tensor_model_parallel", False))
+        expert = ".experts." in name
+        key = f"{name}:{ctx.ep_rank if expert else ''}:{ctx.tp_rank if split else ''}"
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        noise = torch.randn(p.shape, generator=g)
+        with torch.no_grad():
+            p.copy_(1.0 + 0.2 * noise if name.endswith("layernorm.weight") else 0.1 * noise)
+
+
+def greedy(ctx: McoreContext, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """megatron-core's greedy tokens (argmax over the true vocab, full forward per step) for each prompt; rank 0's
+    choice is broadcast so that every rank extends the same sequence (PP = 1)."""
+    out = []
+    for prompt in prompts:
+        cur = torch.tensor([prompt])
+        toks: list[int] = []
+        for _ in range(max_tokens):
+            nxt = ctx.logits(cur)[0, -1, : ctx.spec.vocab_size].argmax().reshape(1)
+            torch.distributed.broadcast(nxt, src=0)
+            toks.append(int(nxt))
+            cur = torch.cat([cur, nxt[None]], dim=1)
+        out.append(toks)
+    return out
 
 
 def _load_and_forward(ctx: McoreContext, state_dicts: list[Any] | None,

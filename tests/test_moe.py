@@ -19,12 +19,12 @@ import math
 import os
 import re
 import shutil
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 from mcore_ref import McoreContext, run_mcore
+from mcore_ref import perturb as _perturb
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
@@ -40,19 +40,6 @@ ITERATION = 10
 SPECS = {"mixtral": preset("tiny-mixtral"), "qwen3_moe": preset("tiny-qwen3-moe")}
 # (family, TP, EP) runs of megatron-core: EP alone, and TP with EP
 RUNS = [("mixtral", 1, 2), ("qwen3_moe", 2, 2)]
-
-
-def _perturb(ctx: McoreContext) -> None:
-    """Every parameter off its init (norms off 1), replicated ones equal on every rank, split ones per TP rank,
-    experts per EP rank: a wrong layout or a wrong expert index cannot hide."""
-    for name, p in ctx.model.named_parameters():
-        split = bool(getattr(p, "tensor_model_parallel", False))
-        expert = ".experts." in name
-        key = f"{name}:{ctx.ep_rank if expert else ''}:{ctx.tp_rank if split else ''}"
-        g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-        noise = torch.randn(p.shape, generator=g)
-        with torch.no_grad():
-            p.copy_(1.0 + 0.2 * noise if name.endswith("layernorm.weight") else 0.1 * noise)
 
 
 def _save_legacy(ctx: McoreContext, root: str, tokens: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from mconvert.cli import main
 from mconvert.validators.verify import SCHEMA, verify
-from validate_common import BROKEN, WORK, _remanifest, broken, hf_export, trained_ckpt
+from validate_common import BROKEN, WORK, _remanifest, broken, hf_export, mcore_moe_ckpt, mcore_moe_export, trained_ckpt
 
 
 def _cli_json(capsys, *args) -> tuple[int, dict]:
@@ -129,3 +129,34 @@ def test_not_a_directory_is_one_line(capsys, tmp_path):
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert "not a directory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_export_of_megatron_cores_checkpoint_verifies_against_it(family, capsys):
+    """The architecture comes from the family records; the logits are megatron-core's rank files run natively at
+    their TP × EP. megatron-core's checkpoint carries no tokenizer, so only the tokenizer checks fail."""
+    rc, rep = _cli_json(capsys, "verify", mcore_moe_export(family), "--against", mcore_moe_ckpt(family),
+                        "--device", "cpu")
+    assert rc == 1 and set(rep["errors"]) == {"tokenizer", "generation-config"}, rep["checks"]
+    names = {c["name"]: c["status"] for c in rep["checks"]}
+    for n in ("architecture", "config-fields", "head-dim", "weights-strict", "dtypes", "finite", "manifest",
+              "config-vs-checkpoint", "logits"):
+        assert names[n] == "ok", (n, rep["checks"])
+    m = rep["logits"]["results"][0]["metrics"]
+    assert m["max_abs"] <= 1e-4 and m["top1"] == 1.0
+
+
+def test_moe_export_with_two_experts_swapped_fails_the_logits_check(capsys):
+    d = WORK / "broken" / "mixtral-experts-swapped"
+    if d.exists():
+        shutil.rmtree(d)
+    shutil.copytree(mcore_moe_export("mixtral"), d)
+    f = d / "model.safetensors"
+    t = load_file(str(f))
+    for w in ("w1", "w2", "w3"):  # experts 1 and 2 of layer 0 trade places; the router keeps its rows
+        a, b = (f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (1, 2))
+        t[a], t[b] = t[b], t[a]
+    save_file(t, str(f), metadata={"format": "pt"})
+    _remanifest(d)
+    rc, rep = _cli_json(capsys, "verify", d, "--against", mcore_moe_ckpt("mixtral"), "--device", "cpu")
+    assert rc == 1 and "logits" in rep["errors"] and "manifest" not in rep["errors"], rep["errors"]

@@ -3,7 +3,8 @@ the HF exports of trained tiny models of both families; its greedy tokens equal 
 logprobs agree. vLLM loading a broken export without complaint is shown too: outputs must be compared.
 An instruct export (transformers-saved tokenizer with a chat template, through Megatron TP2 PP2 and back) serves
 through `LLM.chat`, vLLM rendering the carried template itself; the Llama-3.x rope-scaled and Qwen3 (qk-norm)
-presets trained at TP2 PP2 serve with transformers' greedy tokens."""
+presets trained at TP2 PP2 serve with transformers' greedy tokens. Mixtral and Qwen3-MoE checkpoints written by
+megatron-core's own MoE GPTModel (EP=2, TP=2 EP=2) serve after `megatron-to-hf` with megatron-core's greedy tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from mconvert.validators.vllm_check import CHAT, LOGPROB_TOL, ensure_vllm_env, vllm_compare_many
 from mconvert.cli import main
 from tokenizer_common import chain
-from validate_common import broken, hf_export, trained_ckpt
+from validate_common import MCORE_MOE, broken, hf_export, mcore_moe_export, mcore_moe_greedy, trained_ckpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -37,9 +38,10 @@ def served(vllm_python):
 
 @pytest.fixture(scope="module")
 def served_modern(vllm_python):
-    """One vLLM process serves the instruct export and the two modern presets' exports in turn."""
-    dirs = [chain()["out"], hf_export("llama3"), hf_export("qwen3")]
-    return dict(zip(("instruct", "llama3", "qwen3"), vllm_compare_many(dirs, vllm_python)))
+    """One vLLM process serves the instruct export, the two modern presets' exports and the two MoE exports in
+    turn."""
+    dirs = [chain()["out"], hf_export("llama3"), hf_export("qwen3"), *map(mcore_moe_export, MCORE_MOE)]
+    return dict(zip(("instruct", "llama3", "qwen3", *MCORE_MOE), vllm_compare_many(dirs, vllm_python)))
 
 
 def test_instruct_export_serves_through_llm_chat_with_the_source_template_and_transformers_greedy_tokens(
@@ -64,6 +66,17 @@ def test_rope_scaled_llama3_and_qwen3_exports_serve_in_vllm_with_transformers_gr
     else:
         assert cfg["model_type"] == "qwen3" and cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
     _check_served(served_modern[family])
+
+
+@pytest.mark.parametrize("family,arch", [("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_megatron_core_moe_exports_serve_in_vllm_with_megatron_cores_greedy_tokens(served_modern, family, arch):
+    cfg = json.loads((mcore_moe_export(family) / "config.json").read_text())
+    assert cfg["architectures"] == [arch] and cfg.get("num_local_experts", cfg.get("num_experts")) == 4
+    r = served_modern[family]
+    _check_served(r)  # vLLM's greedy tokens and prompt logprobs are transformers'
+    prompts = [p["prompt_ids"] for p in r["prompts"]]
+    ref = mcore_moe_greedy(family, prompts, len(r["prompts"][0]["vllm_tokens"]))
+    assert [p["vllm_tokens"] for p in r["prompts"]] == ref  # and megatron-core's, from the rank files it wrote
 
 
 def test_verify_cli_serves_the_trained_llama_export_in_vllm(vllm_python, capsys):

@@ -83,6 +83,75 @@ def trtllm_export(family: str, tp: int) -> Path:
     return out
 
 
+# ---- mixture of experts, written by megatron-core itself ----------------------------------------------
+# family -> (preset, TP, EP) of megatron-core's MoE GPTModel run (SequentialMLP experts, allgather dispatcher)
+MCORE_MOE = {"mixtral": ("tiny-mixtral", 1, 2), "qwen3_moe": ("tiny-qwen3-moe", 2, 2)}
+MOE_ITERATION = 1
+
+
+def _mcore_save(ctx, root: str) -> None:
+    """Per rank: perturb megatron-core's model, save its own state dict as Megatron-LM names the rank file."""
+    from mcore_ref import perturb
+
+    from mconvert.convert.layout import rank_file, save_rank_file, write_latest
+
+    perturb(ctx)
+    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep)
+    args.params_dtype = torch.float32
+    args.iteration = MOE_ITERATION
+    del args.model_family  # recognised from the args, as a checkpoint of Megatron-LM would be
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": MOE_ITERATION,
+             "model": ctx.model.state_dict_for_save_checkpoint()}
+    save_rank_file(rank_file(root, MOE_ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank, ctx.ep), state)
+    if ctx.rank == 0:
+        write_latest(root, MOE_ITERATION)
+
+
+def _mcore_greedy(ctx, root: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Per rank: strict-load this rank's file of the checkpoint, then megatron-core's greedy tokens."""
+    from mcore_ref import greedy
+
+    from mconvert.convert.io.safeload import safe_load
+    from mconvert.convert.layout import rank_file
+
+    ctx.model.load_state_dict(safe_load(rank_file(root, MOE_ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank,
+                                                  ctx.ep))["model"], strict=True)
+    return greedy(ctx, prompts, max_tokens)
+
+
+@lru_cache(maxsize=None)
+def mcore_moe_ckpt(family: str) -> Path:
+    """A MoE checkpoint written by megatron-core's own GPTModel at TP × EP (legacy rank files `mp_rank_TT_EEE`)."""
+    from mcore_ref import run_mcore
+
+    from mconvert.mappings.families import preset
+
+    name, tp, ep = MCORE_MOE[family]
+    out = WORK / f"mcore-{family}"
+    run_mcore(preset(name), tp, _mcore_save, (str(out),), ep=ep)
+    return out
+
+
+def mcore_moe_greedy(family: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """megatron-core's greedy tokens for `prompts`, from the rank files of `mcore_moe_ckpt(family)`."""
+    from mcore_ref import run_mcore
+
+    from mconvert.mappings.families import preset
+
+    name, tp, ep = MCORE_MOE[family]
+    return run_mcore(preset(name), tp, _mcore_greedy, (str(mcore_moe_ckpt(family)), prompts, max_tokens), ep=ep)[0]
+
+
+@lru_cache(maxsize=None)
+def mcore_moe_export(family: str) -> Path:
+    """megatron-core's MoE checkpoint converted by `megatron-to-hf`."""
+    from mconvert.convert.driver import megatron_to_hf
+
+    out = WORK / f"hf-mcore-{family}"
+    megatron_to_hf(mcore_moe_ckpt(family), out)
+    return out
+
+
 # ---- broken exports ------------------------------------------------------------------------------
 def _copy(src: Path, name: str) -> Path:
     dst = WORK / "broken" / name

@@ -180,7 +180,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     _refuse_dist_moe(spec, format, hf_dir)
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None)
     if dry_run:
-        return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp,
+        return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, ep=ep,
                               dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
                               **({"ep": ep} if spec.is_moe else {}))
 
@@ -231,8 +231,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     _refuse_dist_moe(src.spec, format, ckpt)
     layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None)
     if dry_run:
-        return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp,
-                              with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp)
+        return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp, ep=ep,
+                              with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
+                              **({"ep": ep} if src.spec.is_moe else {}))
     groups = None
     top: dict[str, Any] = {}
     rank_top = None

@@ -19,6 +19,7 @@ from typing import Any
 
 from mconvert import dtypes
 from mconvert.convert.io.paths import load_json_object
+from mconvert.convert.layout import RANK_FILE, rank_dir_name
 from rich.table import Table
 
 from mconvert.errors import MConvertError, expect
@@ -138,20 +139,27 @@ def unit_bytes(spec: ModelSpec, tp: int, itemsize: int) -> dict[str, int]:
     return {"embedding": emb * itemsize, "layer": layer * itemsize, "final": final * itemsize}
 
 
-def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: list[int]) -> list[dict[str, Any]]:
-    """One entry per `mp_rank_TT[_PPP]/model_optim_rng.pt`: tensor bytes and tensor count (pickle overhead not counted)."""
-    layer_numel = [_shard_numel(d, tp) for d in spec.layer_params(0)]
+def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: list[int], ep: int = 1
+                   ) -> list[dict[str, Any]]:
+    """One entry per `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`: tensor bytes and tensor count (pickle overhead
+    not counted). At EP > 1 each (TP, PP) rank has EP files: each holds its E/EP experts and a copy of every dense
+    weight and the router."""
+    layer = spec.layer_params(0)
+    per_ep = (spec.num_experts or ep) // ep
+    dense = [_shard_numel(d, tp) for d in layer if d.expert is None]
+    experts = [[_shard_numel(d, tp) for d in layer if d.expert is not None and d.expert // per_ep == e]
+               for e in range(ep)]
     emb = [_shard_numel(d, tp) for d in spec.embedding_params(tp)]
     fin = [_shard_numel(d, tp) for d in spec.final_params(tp)]
     if spec.tie_embeddings and pp > 1:  # the last stage's copy of the word embedding
         fin.append(_shard_numel(spec.embedding_params(tp)[0], tp))
     files = []
     for p, n_layers in enumerate(counts):
-        numels = layer_numel * n_layers + (emb if p == 0 else []) + (fin if p == pp - 1 else [])
         for t in range(tp):
-            name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
-            files.append({"path": f"{name}/model_optim_rng.pt", "bytes": sum(numels) * itemsize,
-                          "tensors": len(numels), "layers": n_layers})
+            for e in range(ep):
+                numels = (dense + experts[e]) * n_layers + (emb if p == 0 else []) + (fin if p == pp - 1 else [])
+                files.append({"path": f"{rank_dir_name(t, p, pp, e, ep)}/{RANK_FILE}", "bytes": sum(numels) * itemsize,
+                              "tensors": len(numels), "layers": n_layers})
     return files
 
 
@@ -259,11 +267,14 @@ def estimate(
     bandwidth: dict[str, Any] | None = None,
     model: str = "model",
     format: str = "torch",
+    ep: int = 1,
+    target_ep: int | None = None,
 ) -> Estimate:
     """Estimate one conversion of `spec`.
 
-    `to`: `hf` or `ft` (source: Megatron at tp/pp), `megatron` (source: HF; written at tp/pp, or a
-    reshard from tp/pp to target_tp/target_pp when those are given) in `format` (torch or torch_dist)."""
+    `to`: `hf` or `ft` (source: Megatron at tp/pp/ep), `megatron` (source: HF; written at tp/pp/ep, or a
+    reshard from tp/pp/ep to target_tp/target_pp/target_ep when those are given) in `format` (torch or
+    torch_dist)."""
     if to not in ("hf", "ft", "megatron"):
         raise MConvertError(f"--to must be hf, ft or megatron (got {to!r})")
     if format not in ("torch", "torch_dist"):
@@ -279,11 +290,11 @@ def estimate(
     bw = bandwidth or load_bandwidth()
     notes: list[str] = []
 
-    def layout(t: int, p: int) -> tuple[list[int], dict[str, Any]]:
-        for name, value in (("TP", t), ("PP", p)):
+    def layout(t: int, p: int, e: int = 1) -> tuple[list[int], dict[str, Any]]:
+        for name, value in (("TP", t), ("PP", p), ("EP", e)):
             if value < 1:
                 raise MConvertError(f"{name} must be >= 1 (got {value})")
-        spec.check_parallel(tp=t, pp=1)  # heads / groups / ffn; layers are checked below
+        spec.check_parallel(tp=t, pp=1, ep=e)  # heads / groups / ffn / experts; layers are checked below
         counts = stage_layer_counts(spec.num_layers, p, first_stage_layers, last_stage_layers)
         margs: dict[str, Any] = {}
         if len(set(counts)) > 1:
@@ -296,30 +307,33 @@ def estimate(
             )
         return counts, margs
 
-    if to == "megatron" and target_tp is None and target_pp is None:
+    def at(t: int, p: int, e: int) -> str:
+        return f"TP={t} PP={p}" + (f" EP={e}" if spec.is_moe else "")
+
+    if to == "megatron" and target_tp is None and target_pp is None and target_ep is None:
         operation = "hf-to-megatron"
-        counts, margs = layout(tp, pp)
+        counts, margs = layout(tp, pp, ep)
         read = hf_files(spec, src_item)
-        write = megatron_files(spec, tp, pp, out_item, counts)
+        write = megatron_files(spec, tp, pp, out_item, counts, ep)
         units_in, units_out = unit_bytes(spec, 1, src_item), unit_bytes(spec, tp, out_item)
-        source, target = "hf", f"megatron TP={tp} PP={pp}"
+        source, target = "hf", f"megatron {at(tp, pp, ep)}"
         if format == "torch_dist":
             write, target = torch_dist_files(spec, tp, out_item), f"megatron torch_dist TP={tp} PP={pp}"
     elif to == "megatron":
         operation = "reshard"
-        ttp, tpp = target_tp or tp, target_pp or pp
-        counts_in, _ = layout(tp, pp)
-        counts, margs = layout(ttp, tpp)
-        read = megatron_files(spec, tp, pp, src_item, counts_in)
-        write = megatron_files(spec, ttp, tpp, out_item, counts)
+        ttp, tpp, tep = target_tp or tp, target_pp or pp, target_ep or ep
+        counts_in, _ = layout(tp, pp, ep)
+        counts, margs = layout(ttp, tpp, tep)
+        read = megatron_files(spec, tp, pp, src_item, counts_in, ep)
+        write = megatron_files(spec, ttp, tpp, out_item, counts, tep)
         units_in, units_out = unit_bytes(spec, tp, src_item), unit_bytes(spec, ttp, out_item)
-        source, target = f"megatron TP={tp} PP={pp}", f"megatron TP={ttp} PP={tpp}"
+        source, target = f"megatron {at(tp, pp, ep)}", f"megatron {at(ttp, tpp, tep)}"
         if format == "torch_dist":
             write, target = torch_dist_files(spec, ttp, out_item), f"megatron torch_dist TP={ttp} PP={tpp}"
     else:
         operation = "megatron-to-hf" if to == "hf" else "megatron-to-ft"
-        counts, margs = layout(tp, pp)
-        read = megatron_files(spec, tp, pp, src_item, counts)
+        counts, margs = layout(tp, pp, ep)
+        read = megatron_files(spec, tp, pp, src_item, counts, ep)
         ft_tp = target_tp or 1
         if to == "ft":
             if out_item == 2 and dtype == "bfloat16":
@@ -328,7 +342,7 @@ def estimate(
         else:
             write = hf_files(spec, out_item)
         units_in, units_out = unit_bytes(spec, tp, src_item), unit_bytes(spec, 1, out_item)
-        source, target = f"megatron TP={tp} PP={pp}", ("hf" if to == "hf" else f"ft TP={ft_tp}")
+        source, target = f"megatron {at(tp, pp, ep)}", ("hf" if to == "hf" else f"ft TP={ft_tp}")
 
     # Peak: one unit's input shards (all TP ranks) plus that unit's output, plus the interpreter.
     unit_total = {k: units_in[k] + units_out[k] for k in units_in}

@@ -31,9 +31,10 @@ def _stage_counts(spec: ModelSpec, pp: int) -> list[int]:
 
 def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int = 1, pp: int = 1,
          dtype: str | None = None, max_shard_size: int = HF_MAX_SHARD_BYTES, with_optimizer: bool = False,
-         base_rss: int | None = None, format: str = "torch") -> dict[str, Any]:
+         base_rss: int | None = None, format: str = "torch", src_ep: int = 1, ep: int = 1) -> dict[str, Any]:
     """Files to write (path, bytes), bytes read, and the peak memory estimate of `verb` on `spec`;
-    `format`: the Megatron output format (torch rank files or one torch_dist data file)."""
+    `format`: the Megatron output format (torch rank files or one torch_dist data file); `src_ep` / `ep`: the
+    expert-parallel size of the Megatron source / output (one rank file per TP × PP × EP rank)."""
     src_item = ITEMSIZE[spec.params_dtype]
     out_dtype = dtype or spec.params_dtype
     if out_dtype not in ITEMSIZE:
@@ -42,7 +43,7 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
     if base_rss is None:
         base_rss = int(load_bandwidth()["base_rss_bytes"])
     if verb == "megatron-to-hf":
-        read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp))
+        read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp), src_ep)
         write = hf_files(spec, out_item, max_shard_size)
         unit_in, unit_out = unit_bytes(spec, src_tp, src_item), unit_bytes(spec, 1, out_item)
         # streamed: io.hashing.HashingFile's queue + its O_DIRECT staging chunks
@@ -52,18 +53,18 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
             read = hf_files(spec, src_item)
             unit_in = unit_bytes(spec, 1, src_item)
         else:
-            read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp))
+            read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp), src_ep)
             unit_in = unit_bytes(spec, src_tp, src_item)
-        write = megatron_files(spec, tp, pp, out_item, _stage_counts(spec, pp))
+        write = megatron_files(spec, tp, pp, out_item, _stage_counts(spec, pp), ep)
         unit_out = unit_bytes(spec, tp, out_item)
         if format == "torch_dist":  # one data file; one unit's chunks pass through torch.save blobs
             write = torch_dist_files(spec, tp, out_item)
             unit_out = unit_bytes(spec, 1, out_item)
-        stage_bytes: dict[str, int] = {}
-        for f in write:
-            stage = f["path"].split("/")[0][11:] or "0"
-            stage_bytes[stage] = stage_bytes.get(stage, 0) + f["bytes"]
-        buffer = tp * 4 * (4 << 20)  # streamed rank files (io.torchsave.TorchSaveStream): queue + staging per TP file
+        stage_bytes: dict[int, int] = {}
+        for i, f in enumerate(write):  # megatron_files lists stage by stage, tp · ep files each
+            stage_bytes[i // (tp * ep)] = stage_bytes.get(i // (tp * ep), 0) + f["bytes"]
+        # streamed rank files (io.torchsave.TorchSaveStream): queue + staging per open (TP, EP) file
+        buffer = tp * ep * 4 * (4 << 20)
         if format == "torch_dist":  # io.hashing.HashingFile's queue and staging chunks, one chunk's blob
             buffer = (64 << 20) + 3 * (16 << 20) + max(unit_out.values())
         if with_optimizer and format == "torch_dist":  # fp32 param + exp_avg + exp_avg_sq, streamed with it
@@ -92,7 +93,7 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
 
 
 def plan_for_source(verb: str, src: Any, **kw: Any) -> dict[str, Any]:
-    """`plan` for an opened Source (its spec, TP and PP)."""
-    out = plan(verb, src.spec, src_tp=src.tp, src_pp=src.pp, **kw)
+    """`plan` for an opened Source (its spec, TP, PP and EP)."""
+    out = plan(verb, src.spec, src_tp=src.tp, src_pp=src.pp, src_ep=getattr(src, "ep", 1), **kw)
     out["source"] = src.describe()
     return out

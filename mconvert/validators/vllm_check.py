@@ -180,7 +180,7 @@ def _judge(got: dict[str, Any], ref: list[dict[str, Any]], wall: float) -> dict[
         per.append({"vllm_tokens": g["tokens"], "transformers_tokens": r["tokens"], "first_divergence": first,
                     "divergence_is_tie": tie, "prompt_logprob_max_abs": _finite(lp), "passed": ok,
                     "chat": g.get("chat", False), "prompt_ids_equal": same_prompt,
-                    "prompt_ids": r["prompt_ids"] if g.get("chat") else None})
+                    "prompt_ids": r["prompt_ids"]})
     lp_txt = f"within {max_lp:.1e}" if math.isfinite(max_lp) else "not finite (NaN/Inf)"
     chats = sum(1 for x in per if x["chat"])
     chat_txt = f" ({chats} of them a chat through LLM.chat, prompt ids equal)" if chats and all(
