@@ -103,22 +103,6 @@ def test_torch_dist_output_loads_in_megatron_core_at_another_layout(case: str, t
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def _without_enum_args(src: Path, dst: Path) -> Path:
-    """A copy of megatron-core's legacy checkpoint whose args drop `attention_backend`: mconvert reads that enum
-    through a stand-in class, which cannot be pickled again (a limitation of the torch writer too)."""
-    import shutil
-
-    from mconvert.convert.io.safeload import safe_load
-    from mconvert.convert.layout import save_rank_file
-
-    shutil.copytree(src, dst)
-    for f in dst.rglob("model_optim_rng.pt"):
-        state = safe_load(f)  # memory-mapped: the new file goes to another inode (save_rank_file renames)
-        del state["args"].attention_backend
-        save_rank_file(f, state)
-    return dst
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torch_dist_written_from_mcore_torch_matches_mcore_dist_save(tmp_path: Path,
@@ -126,7 +110,7 @@ def test_torch_dist_written_from_mcore_torch_matches_mcore_dist_save(tmp_path: P
     """megatron-core wrote the same model twice (legacy torch and dist_checkpointing.save, TP=2): our
     torch -> torch_dist reshard at TP=2 has its `.metadata` structure, its tensors and its extra-state bytes."""
     spec, _, _, mcore_torch, dist_root = _saved("llama", 1, tmp_path_factory)
-    torch_root = _without_enum_args(mcore_torch, tmp_path / "mcore_torch")
+    torch_root = mcore_torch  # its args hold megatron enums (attention_backend): written back as they were read
     out = tmp_path / "ours"
     report = reshard(torch_root, out, tp=2, pp=1, format="torch_dist")
     assert report["format"] == "torch_dist"

@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
 
+from mconvert.convert.io import repickle
 from mconvert.convert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError
 
@@ -101,7 +101,7 @@ def save_rank_file(path: str | Path, state: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    repickle.save(state, tmp)
     os.replace(tmp, path)
 
 

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from mconvert.convert.base import Unit, units_of
+from mconvert.convert.io import repickle
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
@@ -246,7 +247,7 @@ class TorchDistWriter:
             pickle.dump(metadata, f)  # as DCP's FileSystemWriter.finish does
         common = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                   "iteration": 0 if self.iteration == "release" else int(self.iteration), **self.top_level}
-        torch.save(common, self.dir / "common.pt")
+        repickle.save(common, self.dir / "common.pt")  # args as read: enums under their own names
         (self.dir / "metadata.json").write_text(json.dumps(BACKENDS))
         write_latest(self.out, self.iteration)
         self.files = [self.dir / n for n in (".metadata", *self._names, "common.pt", "metadata.json")]

@@ -15,6 +15,7 @@ writes, and sizes are bounded; `check_tree` then bounds what was loaded, so ever
 from __future__ import annotations
 
 import argparse
+import copyreg
 import dataclasses
 import functools
 import io
@@ -47,9 +48,20 @@ class StandIn:
     """Stand-in for a class from a module that is not installed (Megatron's enums, configs): keeps the data.
 
     An enum member `E.x` pickles as `E(value)`: `.value` gives it back. A dataclass pickles as its
-    `__dict__`: the fields become attributes."""
+    `__dict__`: the fields become attributes. It remembers how the pickle made it (a call or `__new__`, with
+    which arguments, and the state it was given), so `__reduce_ex__` gives the same back and
+    `io.repickle` writes it under the original class name: a re-saved checkpoint holds what it held."""
+
+    # slots, not attributes: pickled state (which only ever updates `__dict__`) cannot forge them
+    __slots__ = ("__dict__", "_made", "_state")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "StandIn":
+        obj = super().__new__(cls)
+        obj._made = ("new", args)  # NEWOBJ: `cls.__new__(cls, *args)`, no `__init__`
+        return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._made = ("call", args)  # REDUCE: `cls(*args)`
         self.args = args
         self.kwargs = kwargs
 
@@ -66,6 +78,16 @@ class StandIn:
             self.__dict__.update(state)
         else:
             self.state = state
+        self._state = state
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """How the original object pickled: `cls(*args)` (an enum member) or `cls.__new__(cls, *args)` and
+        then its state (a plain object, a dataclass)."""
+        how, args = getattr(self, "_made", ("new", ()))
+        cls = type(self)
+        rv: tuple = (cls, args) if how == "call" else (copyreg.__newobj__, (cls, *args))
+        state = getattr(self, "_state", None)
+        return rv if state is None else (*rv, state)
 
     def __repr__(self) -> str:
         if "args" in self.__dict__:
@@ -73,8 +95,13 @@ class StandIn:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
 
 
-def _stand_in(qualname: str) -> tuple[type, str]:
-    cls = type(qualname.rsplit(".", 1)[1], (StandIn,), {"__module__": qualname.rsplit(".", 1)[0]})
+def _stand_in(qualname: str, module: str | None = None, name: str | None = None) -> tuple[type, str]:
+    """A StandIn subclass for the global `module`.`name` (default: `qualname` split at its last dot), named
+    exactly so: `io.repickle` writes its instances back under that name."""
+    if module is None or name is None:
+        module, name = qualname.rsplit(".", 1)
+    cls = type(name.rsplit(".", 1)[-1], (StandIn,), {"__module__": module, "__qualname__": name,
+                                                     "__slots__": ()})
     return (cls, qualname)
 
 
@@ -801,7 +828,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         g = self._policy.get(qual)
         if g is None and self._stand_ins and module.startswith(self._stand_ins) \
                 and all(p.isidentifier() for p in qual.split(".")):
-            cls = _stand_in(qual)[0]
+            cls = _stand_in(qual, module, name)[0]
             g = self._policy[qual] = _Global(cls, cls)
             self._by_id[id(cls)] = g
         if g is None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 import struct
 import zipfile
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mconvert.convert.io import repickle
 from mconvert.convert.io.hashing import Checksum, HashingFile, crc32, numel, tensor_bytes
 from mconvert.errors import MConvertError
 
@@ -192,7 +192,7 @@ def _save_skeleton(state: Any, path: Path) -> list[torch.Tensor]:
     order: list[torch.Tensor] = []
     seen: set[int] = set()
 
-    class _Pickler(pickle.Pickler):
+    class _Pickler(repickle.Pickler):  # writes the stand-ins of safely loaded args back as they were read
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 cd = obj.untyped_storage()._cdata
@@ -203,6 +203,7 @@ def _save_skeleton(state: Any, path: Path) -> list[torch.Tensor]:
 
     class _PickleModule:
         Pickler = _Pickler
+        dump = repickle.dump
 
     with torch.serialization.skip_data():
         torch.save(state, path, pickle_module=_PickleModule)
