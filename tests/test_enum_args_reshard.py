@@ -36,7 +36,7 @@ class AttnBackend(enum.Enum):
 class CudaGraphScope(enum.Enum):
     full_iteration = 1; attn = 2; mlp = 3
 class ModelType(enum.Enum):
-    encoder_or_decoder = 1
+    encoder_or_decoder = 1; encoder_and_decoder = 2
 @dataclasses.dataclass
 class OptimizerConfig:
     lr: float = 1e-3
@@ -168,3 +168,39 @@ def test_reshard_keeps_megatron_enum_args(inputs: dict[str, Path], tmp_path: Pat
         assert got[str(f)] == {**want, "tp": 1, "pp": 2}, f
         st = safe_load(f)
         assert isinstance(st["args"].attention_backend, StandIn) and st["args"].attention_backend.value == 5
+
+
+SET_MODEL_TYPE = FAKE_MEGATRON + '''
+import torch
+from mconvert.convert.io.safeload import safe_load
+from pathlib import Path
+for f in sorted(Path(sys.argv[1]).rglob("model_optim_rng.pt")):
+    st = dict(safe_load(f))
+    st["model"] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st["model"].items()}
+    st["args"].model_type = ModelType[sys.argv[2]]
+    f.unlink()
+    torch.save(st, f)
+'''
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("member", ["encoder_or_decoder", "encoder_and_decoder"])
+def test_model_type_arg_of_megatron_lms_training_loop(tmp_path: Path, member: str) -> None:
+    """Megatron-LM's `get_model` stores `args.model_type = ModelType.encoder_or_decoder` in every GPT checkpoint:
+    such a checkpoint converts; an encoder-decoder one is refused naming the arg, with nothing written."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(base()["ckpt"], ckpt)
+    (ckpt / "mconvert-manifest.json").unlink(missing_ok=True)
+    _run(SET_MODEL_TYPE, ckpt, member)
+    out = tmp_path / "hf"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([PY, "-m", "mconvert.cli", "megatron-to-hf", str(ckpt), str(out)], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=ROOT)
+    if member == "encoder_or_decoder":
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert (out / "config.json").is_file()
+    else:
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+        assert "model_type" in lines[0] and "encoder_or_decoder" in lines[0] and "conversion refused" in lines[0]
+        assert not out.exists()

@@ -187,7 +187,17 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "moe_router_topk": mapped("moe_router_topk", INT, 2),
 }
 
+def _decoder_only(v: Any, args: Mapping[str, Any]) -> bool:
+    """Megatron-LM's training loop stores `args.model_type = ModelType.encoder_or_decoder` (value 1) for GPT: read
+    as a stand-in enum member (`.value`), a plain int or its name; encoder-decoder and retro models differ."""
+    value = getattr(v, "value", v)
+    return value == 1 or value == "encoder_or_decoder" or getattr(v, "name", None) == "encoder_or_decoder"
+
+
 _MEGATRON_REFUSED: dict[str, Field] = {
+    # the model class Megatron-LM's training loop built (not an argparse option)
+    "model_type": refused("only a decoder-only model (ModelType.encoder_or_decoder) is mapped", None,
+                          _decoder_only),
     # rope variants
     "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0),
     "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope"),
