@@ -43,23 +43,40 @@ def _name(node: ast.AST) -> str:
     return node.id if isinstance(node, ast.Name) else "?"
 
 
-def _uses_atomic(module: str, func: str, depth: int = 2) -> bool:
-    path = ROOT / (module.replace(".", "/") + ".py")
-    tree = ast.parse(path.read_text())
-    fns = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
-    todo, seen = [func], set()
+def _uses_atomic(module: str, func: str, depth: int = 3) -> bool:
+    """Whether `module.func` reaches an atomic output (`*atomic_output_dir`, or `atomic_output_file` for one-file
+    formats) within `depth` calls, following names imported from other mconvert modules (the driver loop)."""
+    trees: dict[str, tuple[dict, dict]] = {}
+
+    def parsed(mod: str) -> tuple[dict, dict]:
+        if mod not in trees:
+            path = ROOT / (mod.replace(".", "/") + ".py")
+            tree = ast.parse(path.read_text()) if path.is_file() else ast.parse("")
+            fns = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+            imported = {a.asname or a.name: node.module for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mconvert.")
+                        for a in node.names}
+            trees[mod] = (fns, imported)
+        return trees[mod]
+
+    todo, seen = [(module, func)], set()
     for _ in range(depth + 1):
         nxt = []
-        for name in todo:
-            if name in seen or name not in fns:
+        for mod, name in todo:
+            fns, imported = parsed(mod)
+            if (mod, name) in seen:
                 continue
-            seen.add(name)
+            seen.add((mod, name))
+            if name not in fns:
+                if name in imported:
+                    nxt.append((imported[name], name))
+                continue
             for c in ast.walk(fns[name]):
                 if isinstance(c, ast.Call):
                     n = _name(c.func)
-                    if n.endswith("atomic_output_dir"):
+                    if n.endswith(("atomic_output_dir", "atomic_output_file")):
                         return True
-                    nxt.append(n.split(".")[-1])
+                    nxt.append((mod, n.split(".")[-1]))
         todo = nxt
     return False
 
@@ -67,7 +84,8 @@ def _uses_atomic(module: str, func: str, depth: int = 2) -> bool:
 def test_every_verb_that_writes_an_output_uses_atomic_output_dir():
     verbs = _verbs_with_force()
     verbs.pop("train")  # a training run commits through the tracker file instead (next test)
-    expected = {"megatron-to-hf", "hf-to-megatron", "reshard", "megatron-to-ft", "megatron-to-trtllm", "to-onnx"}
+    expected = {"megatron-to-hf", "hf-to-megatron", "reshard", "megatron-to-ft", "megatron-to-trtllm", "to-onnx",
+                "megatron-to-gguf", "hf-to-gguf"}
     missing = expected - set(verbs)
     assert not missing, f"verbs not found with --force: {missing}"
     bad = [f"{v}: {m}.{f}" for v, (m, f) in sorted(verbs.items()) if not _uses_atomic(m, f)]
