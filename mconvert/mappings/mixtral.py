@@ -96,21 +96,11 @@ PRESETS = {
                                   num_experts=256, moe_router_topk=8),
 }
 
-FAMILY = Family(
-    name=NAME,
-    architecture="MixtralForCausalLM",
-    model_type="mixtral",
-    base_architecture="MixtralModel",
-    plugin=TABLE,
-    hf_fields=HF_FIELDS,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    vllm=llama.ROPE_VLLM,
-    presets=PRESETS,
-    recognise=recognise,
-    recognise_order=6,
+FAMILY = Family(**llama.rope_family(
+    NAME, "Mixtral", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
+    recognise=recognise, recognise_order=6,
     ft=None,  # FasterTransformer has no MoE form here
     trtllm=None,  # no confirmed TensorRT-LLM MoE layout
     sliding_window_by_default=True,
     moe=True,
-)
+))

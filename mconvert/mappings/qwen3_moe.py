@@ -86,20 +86,10 @@ PRESETS = {
                                         moe_ffn_hidden_size=64, moe_router_topk=2),
 }
 
-FAMILY = Family(
-    name=NAME,
-    architecture="Qwen3MoeForCausalLM",
-    model_type="qwen3_moe",
-    base_architecture="Qwen3MoeModel",
-    plugin=TABLE,
-    hf_fields=HF_FIELDS,
-    to_hf=to_hf,
-    from_hf=from_hf,
-    vllm=llama.ROPE_VLLM,
-    presets=PRESETS,
-    recognise=recognise,
-    recognise_order=5,
+FAMILY = Family(**llama.rope_family(
+    NAME, "Qwen3Moe", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
+    recognise=recognise, recognise_order=5,
     ft=None,  # FasterTransformer has no MoE form here
     trtllm=None,  # no confirmed TensorRT-LLM MoE layout
     moe=True,
-)
+))
