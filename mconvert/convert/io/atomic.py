@@ -212,17 +212,23 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
     `force` an OUT that appears meanwhile is never replaced. Write failures (disk full, file-size limit,
     read-only or permission) become one MConvertError line."""
     out = check_output(out, force, inputs)
-    parent = out.absolute().parent
     with _terminating():
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-            _clean_stale(parent, out.name)
-            tmp = parent / tmp_name(out.name)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        except OSError as e:
-            raise _os_error(e, out) from None
+        parent, tmp = _fresh_tmp(out)
         yield from _commit(tmp, out, parent, force, manifest)
+
+
+def _fresh_tmp(out: Path) -> tuple[Path, Path]:
+    """OUT's parent and its empty temporary sibling directory (a SIGKILLed earlier run's leftovers removed)."""
+    parent = out.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale(parent, out.name)
+        tmp = parent / tmp_name(out.name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise _os_error(e, out) from None
+    return parent, tmp
 
 
 def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool) -> Iterator[Path]:
@@ -453,16 +459,8 @@ def atomic_output_file(out: str | Path, force: bool = False, manifest: bool = Tr
     out = check_output(out, force, inputs)
     if out.is_dir():
         raise MConvertError(f"{out}: is a directory; the output is one file — choose a file name (e.g. model.gguf)")
-    parent = out.absolute().parent
     with _terminating():
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-            _clean_stale(parent, out.name)
-            tmp = parent / tmp_name(out.name)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        except OSError as e:
-            raise _os_error(e, out) from None
+        parent, tmp = _fresh_tmp(out)
         try:
             yield tmp / out.name
             if manifest:
