@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from deploy_common import make_hf
-from mconvert.cli import main
 from mconvert.convert.driver import drive, hf_to_megatron, megatron_to_hf, reshard, write_output
 from mconvert.convert.fastertransformer import megatron_to_ft
 from mconvert.convert.onnx import to_onnx
@@ -23,6 +22,7 @@ from mconvert.convert.trtllm import megatron_to_trtllm
 from mconvert.convert.writer import REPORT_KEYS
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
+from safety_common import run_cli
 
 
 def _no_check(onnx_dir: Path, hf_dir: Path) -> tuple[float, float | None]:
@@ -147,21 +147,11 @@ def test_drive_feeds_each_unit_the_read_the_writer_names(models):
     assert seen["hf"][0] == "transformer.wpe.weight" and seen["mcore"][0] == "embedding.position_embeddings.weight"
 
 
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 @pytest.mark.timeout(300)
 def test_tp_and_infer_tp_are_one_option_of_megatron_to_ft(models, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
-    assert _run(capsys, "megatron-to-ft", str(models["mg"]), str(a), "--tp", "2", "--json")[0] == 0
-    code, out, _ = _run(capsys, "megatron-to-ft", str(models["mg"]), str(b), "--infer-tp", "2", "--json")
+    assert run_cli(["megatron-to-ft", models["mg"], a, "--tp", "2", "--json"], capsys)[0] == 0
+    code, out, _ = run_cli(["megatron-to-ft", models["mg"], b, "--infer-tp", "2", "--json"], capsys)
     assert code == 0 and json.loads(out)["infer_tp"] == 2 and json.loads(out)["layout"] == "[gpt] TP=2"
     files = sorted(p.relative_to(a) for p in a.rglob("*.bin"))
     assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.bin"))
@@ -176,7 +166,7 @@ def test_tp_and_infer_tp_are_one_option_of_megatron_to_ft(models, tmp_path, caps
     (("reshard", "--dtype", "bf16"), "No such option: --dtype"),  # reshard keeps the stored dtype
 ])
 def test_one_dtype_option_refuses_what_a_verb_does_not_write_by_name(models, tmp_path, capsys, argv, words):
-    code, out, err = _run(capsys, argv[0], str(models["mg"]), str(tmp_path / "o"), *argv[1:])
+    code, out, err = run_cli([argv[0], models["mg"], tmp_path / "o", *argv[1:]], capsys)
     assert code != 0 and words in err and "Traceback" not in err and out == ""
     assert not (tmp_path / "o").exists()
 
