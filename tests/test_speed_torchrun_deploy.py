@@ -134,7 +134,7 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], mha_c
     monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))
     src = _Recording(open_source(mha_ckpt))
     (tmp_path / "ft").mkdir()
-    drive(src, FTWriter(tmp_path / "ft", src.spec, 2, "fp32", source=str(mha_ckpt)))
+    drive(src, FTWriter(tmp_path / "ft", src.spec, 2, "fp32", source=str(src.path)))
     src.close()
     want = {k: v for k, v in _tree(one_process["ft"]).items() if k != MANIFEST}
     got = _tree(tmp_path / "ft")
@@ -147,7 +147,7 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], mha_c
     for name, tp in (("trt", 4), ("trt1", 1)):
         src = _Recording(open_source(base()["ckpt"]))
         (tmp_path / name).mkdir()
-        drive(src, TrtllmWriter(tmp_path / name, src.spec, tp, src.spec.params_dtype, str(base()["ckpt"])))
+        drive(src, TrtllmWriter(tmp_path / name, src.spec, tp, src.spec.params_dtype, str(src.path)))
         src.close()
         want = {k: v for k, v in _tree(one_process[name]).items() if k != MANIFEST}
         got = _tree(tmp_path / name)

@@ -145,6 +145,6 @@ def test_validate_refuses_a_rotary_scaling_it_does_not_compute(exports, tmp_path
     (bad / "config.json").write_text(text)
     with pytest.raises(MConvertError, match="rotary_scaling"):
         trtllm_logits(bad, PROBE)
-    code, _, err = run_cli(["validate", hf, bad], capsys)
+    code, _, err = run_cli(["validate", bad, hf], capsys)  # as the reference: its refusal ends the run
     assert_one_line_error(code, err, named)
     assert (bad / "config.json").read_text() == text

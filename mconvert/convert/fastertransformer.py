@@ -310,7 +310,8 @@ class FTWriter:
         self.layout = ft_layout(spec, infer_tp, allow_approx_gelu)
         self.ft_dir = Path(out) / f"{infer_tp}-gpu"
         self.ft_dir.mkdir(exist_ok=True)  # every torchrun rank writes into the one directory
-        self.nfiles = self.nbytes = 0
+        self.nbytes = 0
+        self._written: list[Path] = []
         self._embed: torch.Tensor | None = None
         self._raw = _RawFiles()
         self.world = world()
@@ -342,7 +343,7 @@ class FTWriter:
                                        "FasterTransformer", self._embed, self.source)
         for name, x in deploy.files(per_rank).items():
             self.nbytes += self._raw.write(self.ft_dir / name, x, self.dtype)
-            self.nfiles += 1
+            self._written.append(self.ft_dir / name)
 
     def close(self) -> list[Path]:
         """Finish the files and (rank 0) write config.ini; the files this process wrote."""
@@ -350,7 +351,8 @@ class FTWriter:
         if self.world.primary:
             with open(self.ft_dir / "config.ini", "w") as fh:
                 ft_config(self.spec, self.layout.section, self.infer_tp, self.dtype, self.source).write(fh)
-        return sorted(self.ft_dir.iterdir())
+            self._written.append(self.ft_dir / "config.ini")
+        return sorted(self._written)
 
     def abort(self) -> None:
         self._raw.abort()
