@@ -181,7 +181,7 @@ def test_a_failing_rank_leaves_no_output(mha_ckpt: Path, tmp_path: Path, verb: s
 
 def test_plan_on_nodes_shares_out_ft_units() -> None:
     """The torchrun estimate of FT output: one file group per unit (embedding, each layer, final), holding all
-    of the written bytes; more processes never take longer."""
+    of the written bytes; more machines never take longer."""
     from mconvert.convert.estimate import estimate, scaleout_estimate
     from mconvert.mappings.families import preset
 
@@ -193,6 +193,6 @@ def test_plan_on_nodes_shares_out_ft_units() -> None:
     layer = sum(int(torch.Size(d.shape).numel()) for d in spec.layer_params(0)) * 4  # fp32 bytes of one layer
     assert est.scaleout["largest_rank_write_bytes"] < one.write_bytes / 2
     assert est.scaleout["largest_rank_write_bytes"] >= 4 * layer  # 18 units over 4 processes: 4 or 5 layers each
-    times = [scaleout_estimate(estimate(spec, "ft", tp=2, target_tp=2, bandwidth=bw), 1, n, start_seconds=0)
+    times = [scaleout_estimate(estimate(spec, "ft", tp=2, target_tp=2, bandwidth=bw), n, 1, start_seconds=0)
              .scaleout["expected_seconds"] for n in (1, 2, 4, 8)]
     assert times == sorted(times, reverse=True) and times[-1] < times[0] / 2
