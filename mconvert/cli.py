@@ -394,7 +394,7 @@ def megatron_to_ft_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.fastertransformer import megatron_to_ft
 
-    _manifest_hash(manifest_hash, one_process="megatron-to-ft")
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_ft(src, out, tp, dtype, force, allow_approx_gelu, iteration, progress=True,
@@ -426,7 +426,7 @@ def megatron_to_trtllm_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.trtllm import megatron_to_trtllm
 
-    _manifest_hash(manifest_hash, one_process="megatron-to-trtllm")
+    _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run),

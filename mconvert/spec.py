@@ -45,9 +45,10 @@ SPLIT_COLLECTIVE: dict[str, str] = {
 }
 
 # The output formats that can state each optional feature (`ModelSpec.refuse_unmapped` refuses the others):
-# FasterTransformer has neither; TensorRT-LLM's field names for them are not confirmed here.
+# FasterTransformer has neither; TensorRT-LLM states rope scaling (LLaMAConfig's `rotary_scaling`; its layout
+# refuses the types it does not state) and has no confirmed field for qk-norm or MoE here.
 FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
-    "rope_scaling": ("HF", "GGUF"),
+    "rope_scaling": ("HF", "GGUF", "TensorRT-LLM"),
     "qk_layernorm": ("HF", "GGUF"),
     "moe": ("HF",),
 }

@@ -145,6 +145,19 @@ def test_without_rope_scaling_the_logits_differ_measurably(mcore_exports, tmp_pa
     assert torch.allclose(got[:, 0], want[:, 0], rtol=0, atol=REL_TOL * scale)  # position 0 has no rotation
 
 
+@pytest.mark.timeout(120)
+def test_megatron_core_llama3_converts_to_trtllm_with_its_logits(mcore_exports, tmp_path) -> None:
+    """megatron-core's llama3 checkpoint (TP=2) -> megatron-to-trtllm --tp 2: the rank files, combined as
+    TensorRT-LLM's layers do, give megatron-core's logits; config.json states the scaling as the HF export does."""
+    from mconvert.convert.trtllm import megatron_to_trtllm
+    from mconvert.validators.trtllm_runner import trtllm_logits
+
+    _, want, hf = mcore_exports["llama3"]
+    megatron_to_trtllm(hf.parent / "mg", tmp_path / "trt", tp=2)
+    assert json.loads((tmp_path / "trt" / "config.json").read_text())["rotary_scaling"] == LLAMA3_SCALING
+    _close(trtllm_logits(tmp_path / "trt", PROBE), want, "megatron-core llama3 TP=2 -> TensorRT-LLM TP=2")
+
+
 # ---- models written by transformers ---------------------------------------------------------------------
 def _randomize(model: torch.nn.Module) -> None:
     """Random values everywhere (q_norm / k_norm too), so a swapped or dropped tensor cannot hide."""
@@ -221,7 +234,6 @@ def test_round_trips_are_byte_identical(hf_models, tmp_path, name) -> None:
     ("qwen3", "megatron-to-ft", "qk_layernorm=True (per-head q/k norm) is not mapped to FasterTransformer"),
     ("llama3", "megatron-to-ft", "use_rope_scaling=True, rope_scaling_factor=8) is not mapped to FasterTransformer"),
     ("qwen3", "megatron-to-trtllm", "qk_layernorm=True (per-head q/k norm) is not mapped to TensorRT-LLM"),
-    ("llama3", "megatron-to-trtllm", "rope_scaling='llama3' (factor 8; Megatron use_rope_scaling=True"),
 ])
 def test_deployment_formats_without_the_feature_refuse_it_by_name(mcore_exports, tmp_path, capsys, name, verb,
                                                                    named) -> None:

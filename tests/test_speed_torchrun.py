@@ -182,7 +182,7 @@ def test_processes_of_one_machine_share_its_cores(monkeypatch: pytest.MonkeyPatc
     assert process_cores() == 1
 
 
-@pytest.mark.parametrize("argv", [["megatron-to-ft", "{ckpt}", "{out}"], ["megatron-to-trtllm", "{ckpt}", "{out}"],
+@pytest.mark.parametrize("argv", [["megatron-to-gguf", "{ckpt}", "{out}"], ["hf-to-gguf", "{ref}", "{out}"],
                                   ["to-onnx", "{ref}", "{out}"]])
 def test_one_process_verbs_are_refused_under_torchrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture, argv: list[str]) -> None:

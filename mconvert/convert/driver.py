@@ -76,12 +76,13 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
 def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Path], Writer], *, force: bool,
                  inputs: tuple[Any, ...], layout: str, dtype: str, t0: float, warnings: list[str] | None = None,
                  progress: bool = False, finish: Callable[[Path], dict[str, Any]] | None = None,
-                 **extras: Any) -> Report:
+                 check: Callable[[Path], None] | None = None, **extras: Any) -> Report:
     """One writing verb's output: the writer, constructed on the atomic temporary directory, driven over every
     unit; the input's background CRC checks awaited; `finish(tmp)` (side files, checks of what was written:
-    returns more report keys) run before the directory is committed; the source closed; the report built."""
+    returns more report keys) run before the directory is committed; `check(tmp)` run on the whole output by the
+    committing process once every torchrun rank wrote its part; the source closed; the report built."""
     try:
-        with shared_atomic_output_dir(out, force, inputs=inputs) as tmp:
+        with shared_atomic_output_dir(out, force, inputs=inputs, check=check) as tmp:
             drive(src, make_writer(tmp), verb, progress)
             wait_crc_checks()  # the input's CRC-32 / manifest, checked in the background, before the commit
             more = finish(tmp) if finish is not None else {}

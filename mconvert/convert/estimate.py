@@ -206,16 +206,22 @@ def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES
 
 
 def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]:
-    """FasterTransformer `<t>-gpu/*.bin`: replicated tensors once, split tensors once per rank (true vocab)."""
+    """FasterTransformer `<t>-gpu/*.bin`: replicated tensors once, split tensors once per rank (true vocab);
+    `unit` is the unit (embedding, layer index, final) whose tensors the file holds."""
+    units: list[tuple[Any, list[ParamDecl]]] = [("embedding", spec.embedding_params())]
+    units += [(i, spec.layer_params(i)) for i in range(spec.num_layers)]
+    units.append(("final", spec.final_params()))
     files = []
-    for d in spec.params(tp=1):
-        shape = (spec.vocab_size, *d.shape[1:]) if d.kind == "vocab" else d.shape
-        n = _numel(shape)
-        if d.layer is None or d.kind == "replicated":
-            files.append({"path": f"{ft_tp}-gpu/{d.name}.bin", "bytes": n * itemsize, "tensors": 1})
-        else:
-            for r in range(ft_tp):
-                files.append({"path": f"{ft_tp}-gpu/{d.name}.{r}.bin", "bytes": n // ft_tp * itemsize, "tensors": 1})
+    for unit, decls in units:
+        for d in decls:
+            shape = (spec.vocab_size, *d.shape[1:]) if d.kind == "vocab" else d.shape
+            n = _numel(shape)
+            if d.layer is None or d.kind == "replicated":
+                files.append({"path": f"{ft_tp}-gpu/{d.name}.bin", "bytes": n * itemsize, "tensors": 1, "unit": unit})
+            else:
+                for r in range(ft_tp):
+                    files.append({"path": f"{ft_tp}-gpu/{d.name}.{r}.bin", "bytes": n // ft_tp * itemsize,
+                                  "tensors": 1, "unit": unit})
     return files
 
 
@@ -382,16 +388,29 @@ def estimate(
 
 def _output_groups(est: Estimate) -> list[int]:
     """Bytes of each output file group a torchrun rank writes as a whole (`convert.scaleout`): a safetensors
-    shard for HF output, a pipeline stage's rank files for Megatron output."""
+    shard for HF output, a unit's files (embedding, a layer, final) for FT output, a pipeline stage's rank files
+    for Megatron output."""
     write = est.files["write"]
     if est.operation == "megatron-to-hf":
         return [f["bytes"] for f in write]
+    if est.operation == "megatron-to-ft":
+        units: dict[Any, int] = {}
+        for f in write:  # in unit order: the order the conversion deals them out in
+            units[f["unit"]] = units.get(f["unit"], 0) + f["bytes"]
+        return list(units.values())
     stages: dict[str, int] = {}
     for f in write:
         rank_dir = f["path"].split("/")[0]
         stage = rank_dir.split("_")[3] if rank_dir.count("_") == 3 else "000"
         stages[stage] = stages.get(stage, 0) + f["bytes"]
     return [stages[k] for k in sorted(stages)]
+
+
+# what one output file group is, and how to get more of them, per operation (else: Megatron output's stages)
+_GROUPS_NOTE = {
+    "megatron-to-hf": "safetensors shards; a smaller --max-shard-size makes more",
+    "megatron-to-ft": "units of the model: the embedding, each layer, the final norm and head",
+}
 
 
 def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes_per_s: float | None = None,
@@ -406,8 +425,6 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
     of the processes (`start_seconds`)."""
     if nodes < 1 or procs_per_node < 1:
         raise MConvertError(f"--nodes {nodes} --procs-per-node {procs_per_node}: both must be >= 1")
-    if est.operation == "megatron-to-ft":
-        raise MConvertError("megatron-to-ft runs in one process; --nodes applies to --to hf and --to megatron")
     for name, v in (("--disk-gb-per-s", disk_bytes_per_s), ("--network-gb-per-s", network_bytes_per_s)):
         if v is not None and not v > 0:
             raise MConvertError(f"{name} must be positive")
@@ -435,8 +452,8 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
     notes = list(est.notes)
     if busy < ranks:
         notes.append(f"only {busy} of {ranks} processes have output to write ({len(groups)} file groups: "
-                     + ("safetensors shards; a smaller --max-shard-size makes more" if est.operation == "megatron-to-hf"
-                        else "pipeline stages of the target; a larger PP makes more") + ")")
+                     + _GROUPS_NOTE.get(est.operation, "pipeline stages of the target; a larger PP makes more")
+                     + ")")
     est.scaleout = {
         "nodes": nodes, "procs_per_node": procs_per_node, "processes": ranks, "busy_processes": busy,
         "file_groups": len(groups), "largest_rank_write_bytes": max(per_rank), "largest_node_io_bytes": int(node_bytes_max),

@@ -34,11 +34,13 @@ import numpy as np
 import torch
 
 from mconvert import dtypes
+from mconvert.convert.base import units_of
 from mconvert.convert.io.atomic import check_output, record_digest
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.io.paths import contained, inside_file, read_small
 from mconvert.convert.driver import dry_run_report, write_output
 from mconvert.convert.io.safeload import crc_in_background
+from mconvert.convert.scaleout import world
 from mconvert.convert.sources import open_source
 from mconvert.convert.writer import Report
 from mconvert.errors import MConvertError
@@ -293,8 +295,12 @@ class _RawFiles:
 
 class FTWriter:
     """FasterTransformer's `<infer_tp>-gpu/` directory as a `Writer` (`convert/writer.py`): each unit's full
-    tensors cut by the family's FT table (`mappings.deploy`) into raw files; `close()` writes config.ini and
-    runs `check_ft_dir` on what was written."""
+    tensors cut by the family's FT table (`mappings.deploy`) into raw files; `close()` writes config.ini. The verb
+    then runs `refuse_written` on the whole output (under torchrun: once every rank wrote its part).
+
+    Under torchrun (`scaleout`) the units go round robin to the ranks in the order `units_of` gives (embedding,
+    layers, final): a rank writes every file of the units it owns, reads the embedding too when it owns the final
+    unit of a tied model whose head FT reads as a copy, and rank 0 writes config.ini."""
 
     reads = "mcore"
 
@@ -303,33 +309,60 @@ class FTWriter:
         self.spec, self.infer_tp, self.dtype, self.source = spec, infer_tp, ft_dtype(dtype), source
         self.layout = ft_layout(spec, infer_tp, allow_approx_gelu)
         self.ft_dir = Path(out) / f"{infer_tp}-gpu"
-        self.ft_dir.mkdir()
-        self.nfiles = self.nbytes = 0
+        self.ft_dir.mkdir(exist_ok=True)  # every torchrun rank writes into the one directory
+        self.nbytes = 0
+        self._written: list[Path] = []
         self._embed: torch.Tensor | None = None
         self._raw = _RawFiles()
+        self.world = world()
+        self._plan = {unit: i for i, unit in enumerate(units_of(spec))}
+
+    def _owns(self, unit: Any) -> bool:
+        if unit not in self._plan:
+            raise MConvertError(f"internal: unit {unit!r} is not one of the model's units")
+        return self.world.owns(self._plan[unit])
+
+    def _keeps_embedding(self, unit: Any) -> bool:
+        """Whether `unit` is the embedding the head file of a tied model repeats (FT reads the head always)."""
+        return unit == "embedding" and self.spec.tie_embeddings and self.layout.always_reads_head
+
+    def needs(self, unit: Any) -> bool:
+        """Whether this rank must read `unit`: it owns it, or it is the embedding a tied head here copies."""
+        return self._owns(unit) or (self._keeps_embedding(unit) and self._owns("final"))
+
+    def skip(self, unit: Any) -> None:
+        """Pass `unit` by unread (`needs` is False): another rank writes its files."""
 
     def add(self, unit: Any, tensors: dict[str, torch.Tensor]) -> None:
         """One unit's files (replicated tensors once, split ones per rank)."""
-        if unit == "embedding" and self.spec.tie_embeddings and self.layout.always_reads_head:
+        if self._keeps_embedding(unit):
             self._embed = tensors[deploy.EMBEDDING]
+        if not self._owns(unit):
+            return
         per_rank = deploy.rank_tensors(self.spec, self.layout.files, unit, tensors, self.infer_tp,
                                        "FasterTransformer", self._embed, self.source)
         for name, x in deploy.files(per_rank).items():
             self.nbytes += self._raw.write(self.ft_dir / name, x, self.dtype)
-            self.nfiles += 1
+            self._written.append(self.ft_dir / name)
 
     def close(self) -> list[Path]:
-        """Finish the files, write config.ini, and refuse what FT's loader would not read as written."""
+        """Finish the files and (rank 0) write config.ini; the files this process wrote."""
         self._raw.finish()
-        with open(self.ft_dir / "config.ini", "w") as fh:
-            ft_config(self.spec, self.layout.section, self.infer_tp, self.dtype, self.source).write(fh)
-        problems = check_ft_dir(self.ft_dir)
-        if problems:  # our own writer disagreeing with FT's loader is a bug: never leave the dir behind
-            raise MConvertError(f"FT layout check failed on what was written: {problems[0]}")
-        return sorted(self.ft_dir.iterdir())
+        if self.world.primary:
+            with open(self.ft_dir / "config.ini", "w") as fh:
+                ft_config(self.spec, self.layout.section, self.infer_tp, self.dtype, self.source).write(fh)
+            self._written.append(self.ft_dir / "config.ini")
+        return sorted(self._written)
 
     def abort(self) -> None:
         self._raw.abort()
+
+
+def refuse_written(ft_dir: Path) -> None:
+    """Refuse an FT directory mconvert wrote that FT's loader would not read as written (`check_ft_dir`)."""
+    problems = check_ft_dir(ft_dir)
+    if problems:  # our own writer disagreeing with FT's loader is a bug: never leave the dir behind
+        raise MConvertError(f"FT layout check failed on what was written: {problems[0]}")
 
 
 def ft_dtype(name: str) -> str:
@@ -382,4 +415,4 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
     return write_output("megatron-to-ft", source, out,
                         lambda tmp: FTWriter(tmp, spec, infer_tp, dtype, allow_approx_gelu, str(source.path)),
                         force=force, inputs=(src,), layout=where, dtype=dtypes.canonical(dtype), t0=t0,
-                        progress=progress, **extras)
+                        progress=progress, check=lambda tmp: refuse_written(tmp / f"{infer_tp}-gpu"), **extras)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -88,23 +88,29 @@ def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> None:
 
 @contextmanager
 def shared_atomic_output_dir(out: str | Path, force: bool = False,
-                             inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
+                             inputs: tuple[str | Path | None, ...] = (),
+                             check: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """`atomic.atomic_output_dir` for one process, or shared by every torchrun process of the job: yields the
-    temporary directory all ranks write into; only rank 0 commits it, after every rank reported success."""
+    temporary directory all ranks write into; only rank 0 commits it, after every rank reported success.
+    `check(tmp)`: run by the committing process on the whole output once every part is written, before the
+    commit (a check of what was written that needs every rank's files); raising it leaves no output."""
     w = world_from_env()
     if w.size == 1:
         with atomic_output_dir(out, force, inputs=inputs) as tmp:
             yield tmp
+            if check is not None:
+                check(tmp)
         return
     dist = _init_group()
     with active_world(w):
         if w.primary:
-            yield from _primary(out, force, inputs, w, dist)
+            yield from _primary(out, force, inputs, w, dist, check)
         else:
             yield from _secondary(w, dist)
 
 
-def _primary(out: str | Path, force: bool, inputs: tuple, w: World, dist: Any) -> Iterator[Path]:
+def _primary(out: str | Path, force: bool, inputs: tuple, w: World, dist: Any,
+             check: Callable[[Path], None] | None = None) -> Iterator[Path]:
     try:
         ctx = atomic_output_dir(out, force, inputs=inputs)
         tmp = ctx.__enter__()
@@ -115,6 +121,8 @@ def _primary(out: str | Path, force: bool, inputs: tuple, w: World, dist: Any) -
     try:
         yield tmp
         _wait_for_ranks(tmp, w, WAIT_SECONDS)
+        if check is not None:
+            check(tmp)
     except BaseException as e:
         if not ctx.__exit__(type(e), e, e.__traceback__):
             raise

@@ -33,6 +33,7 @@ from mconvert.convert.io.atomic import check_output
 from mconvert.convert.io.safeload import crc_in_background
 from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.convert.io.safetensors import SafetensorsRandomWriter
+from mconvert.convert.scaleout import world
 from mconvert.convert.sources import open_source
 from mconvert.convert.writer import Report
 from mconvert.errors import MConvertError, expect
@@ -85,7 +86,12 @@ def trtllm_refusal(spec: ModelSpec, tp: int) -> None:
         raise MConvertError(f"--tp {tp} and num_query_groups={spec.num_groups}: one must divide the other")
     if spec.ffn_hidden_size % tp:
         raise MConvertError(f"--tp {tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
-    _layout(spec).refuse(spec)
+    layout = _layout(spec)
+    if spec.rope_scaling is not None and spec.rope_scaling not in layout.rope_scalings:
+        raise MConvertError(f"rope_scaling={spec.rope_scaling!r} has no rotary_scaling form in TensorRT-LLM's "
+                            f"{layout.architecture} layout (states: {', '.join(layout.rope_scalings) or 'none'}); "
+                            "conversion refused")
+    layout.refuse(spec)
 
 
 def rank_tensors(unit: Any, mcore: dict[str, torch.Tensor], spec: ModelSpec, tp: int,
@@ -113,7 +119,11 @@ def _layout(spec: ModelSpec) -> TrtllmLayout:
 class TrtllmWriter:
     """A TensorRT-LLM checkpoint as a `Writer` (`convert/writer.py`): `rank{r}.safetensors` laid out up front from
     the config (names and shapes known before any tensor), each unit's full tensors cut by the family's
-    TensorRT-LLM table (`mappings.deploy`); `close()` writes config.json and runs `check_trtllm_dir`."""
+    TensorRT-LLM table (`mappings.deploy`); `close()` writes config.json. The verb then runs `refuse_written` on
+    the whole output (under torchrun: once every rank wrote its part).
+
+    Under torchrun (`scaleout`) process `i mod N` writes `rank{i}.safetensors` (every unit feeds every rank file,
+    so a process with a rank file reads every unit, one without reads none) and rank 0 writes config.json."""
 
     reads = "mcore"
 
@@ -122,39 +132,56 @@ class TrtllmWriter:
         self.out, self.spec, self.tp, self.source = Path(out), spec, tp, source
         self.config = trtllm_config(spec, tp, dtype)
         self.shapes = expected_trtllm_shapes(self.config)
+        self.world = world()
         tdt = dtypes.lookup(dtype).torch  # type: ignore[union-attr]
         self._embed: torch.Tensor | None = None
-        self._writers: list[SafetensorsRandomWriter] = []
+        self._writers: dict[int, SafetensorsRandomWriter] = {}
         try:
             for r in range(tp):
-                self._writers.append(SafetensorsRandomWriter(
-                    self.out / f"rank{r}.safetensors", [(n, tdt, self.shapes[n]) for n in sorted(self.shapes)],
-                    {"format": "pt"}, layout="TensorRT-LLM layout"))
+                if self.world.owns(r):
+                    self._writers[r] = SafetensorsRandomWriter(
+                        self.out / f"rank{r}.safetensors", [(n, tdt, self.shapes[n]) for n in sorted(self.shapes)],
+                        {"format": "pt"}, layout="TensorRT-LLM layout")
         except BaseException:
             self.abort()
             raise
 
+    def needs(self, unit: Any) -> bool:
+        """Whether this process reads `unit`: every unit feeds every rank file, so whenever it writes one."""
+        return bool(self._writers)
+
+    def skip(self, unit: Any) -> None:
+        """Pass `unit` by unread (`needs` is False): this process writes no rank file."""
+
     def add(self, unit: Any, tensors: dict[str, torch.Tensor]) -> None:
-        """One unit's tensors into every rank file."""
+        """One unit's tensors into every rank file this process writes."""
         if unit == "embedding" and self.spec.tie_embeddings:
             self._embed = tensors[deploy.EMBEDDING]
-        for w, part in zip(self._writers, rank_tensors(unit, tensors, self.spec, self.tp, self._embed, self.source)):
-            for k, v in part.items():
+        parts = rank_tensors(unit, tensors, self.spec, self.tp, self._embed, self.source)
+        for r, w in self._writers.items():
+            for k, v in parts[r].items():
                 w.write(k, v)
 
     def close(self) -> list[Path]:
-        """Finish the rank files, write config.json, and refuse a checkpoint the checker finds wrong."""
-        for w in self._writers:
+        """Finish the rank files and (rank 0) write config.json; the files this process wrote."""
+        for w in self._writers.values():
             w.close()
-        (self.out / "config.json").write_text(json.dumps(self.config, indent=4) + "\n")
-        problems = check_trtllm_dir(self.out)
-        if problems:
-            raise MConvertError(f"TensorRT-LLM layout check failed on what was written: {problems[0]}")
-        return [self.out / f"rank{r}.safetensors" for r in range(self.tp)] + [self.out / "config.json"]
+        files = [self.out / f"rank{r}.safetensors" for r in self._writers]
+        if self.world.primary:
+            (self.out / "config.json").write_text(json.dumps(self.config, indent=4) + "\n")
+            files.append(self.out / "config.json")
+        return files
 
     def abort(self) -> None:
-        for w in self._writers:
+        for w in self._writers.values():
             w.abort()
+
+
+def refuse_written(out: Path) -> None:
+    """Refuse a TensorRT-LLM checkpoint mconvert wrote that the checker finds wrong (`check_trtllm_dir`)."""
+    problems = check_trtllm_dir(out)
+    if problems:
+        raise MConvertError(f"TensorRT-LLM layout check failed on what was written: {problems[0]}")
 
 
 def trtllm_dtype(name: str, spec: ModelSpec) -> str:
@@ -197,7 +224,8 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
         return dry_run_report("megatron-to-trtllm", source, out, plan, where, t0, **extras)
     return write_output("megatron-to-trtllm", source, out,
                         lambda tmp: TrtllmWriter(tmp, spec, tp, dtype, str(source.path)),
-                        force=force, inputs=(src,), layout=where, dtype=dtype, t0=t0, progress=progress, **extras)
+                        force=force, inputs=(src,), layout=where, dtype=dtype, t0=t0, progress=progress,
+                        check=refuse_written, **extras)
 
 
 # ---- the checker: names and shapes derived from config.json alone --------------------------------------
@@ -273,6 +301,11 @@ def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
         raise MConvertError(f"{cfg_path}: lacks mapping.tp_size; {fix}")
     if cfg.get("rotary_base") is not None:
         expect(cfg["rotary_base"], (int, float), f"{cfg_path}: rotary_base", fix)
+    if cfg.get("rotary_scaling") is not None:
+        scaling = expect(cfg["rotary_scaling"], dict, f"{cfg_path}: rotary_scaling", fix)
+        for k in ("type", "rope_type"):
+            if scaling.get(k) is not None:
+                expect(scaling[k], str, f"{cfg_path}: rotary_scaling.{k}", fix)
     return cfg
 
 

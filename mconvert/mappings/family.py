@@ -123,6 +123,9 @@ class TrtllmLayout:
     gated: bool = True  # SiLU(mlp.fc) · mlp.gate; else tanh-GeLU(mlp.fc)
     bias_keys: tuple[str, str] = ("attn_bias", "mlp_bias")  # config fields of the attention / MLP linear biases
     bias_default: bool = False  # their value when config.json omits them
+    # rope scaling types (ModelSpec.rope_scaling) the class states in config.json's `rotary_scaling`; another
+    # is refused by name
+    rope_scalings: tuple[str, ...] = ()
 
 
 # ---- GGUF (llama.cpp) -----------------------------------------------------------------------------------

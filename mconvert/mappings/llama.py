@@ -346,17 +346,23 @@ TRT_TENSORS: dict[str, DeployRule | None] = {  # TensorRT-LLM's LLaMA: Linear `[
 }
 
 
+def _trt_config_fields(spec: ModelSpec) -> dict[str, Any]:
+    """LLaMAConfig's own fields. `rotary_scaling` is what `LLaMAConfig.from_hugging_face` stores: the HF config's
+    `rope_scaling` dict verbatim (here every key of its type explicit), or None."""
+    return dict(mlp_bias=spec.add_bias_linear, attn_bias=spec.has_qkv_bias, rotary_base=spec.rotary_base,
+                rotary_scaling=rope_scaling_to_hf(spec), residual_mlp=False, disable_weight_only_quant_plugin=False,
+                moe={"num_experts": 0, "top_k": 0, "normalization_mode": None})
+
+
 TRTLLM = TrtllmLayout(
     architecture="LlamaForCausalLM",
     hidden_act=lambda spec: "silu",
     position_embedding_type="rope_gpt_neox",
-    config_fields=lambda spec: dict(mlp_bias=spec.add_bias_linear, attn_bias=spec.has_qkv_bias,
-                                    rotary_base=spec.rotary_base, rotary_scaling=None, residual_mlp=False,
-                                    disable_weight_only_quant_plugin=False,
-                                    moe={"num_experts": 0, "top_k": 0, "normalization_mode": None}),
+    config_fields=_trt_config_fields,
     refuse=_trt_refuse,
     tensors=TRT_TENSORS,
     aliases=("MistralForCausalLM",),
+    rope_scalings=("llama3", "linear"),  # TensorRT-LLM's RotaryScalingType llama3 and linear
 )
 
 

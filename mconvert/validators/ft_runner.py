@@ -46,10 +46,16 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
-def rope_neox(x: torch.Tensor, rotary_dim: int, base: float) -> torch.Tensor:
-    """GPT-NeoX / HF rotate_half rotary on the first `rotary_dim` dims of each head. x: [B, nh, S, hd]."""
+def rope_inv_freq(rotary_dim: int, base: float, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The unscaled rotary inverse frequencies base^(-2i/rotary_dim), one per rotary pair."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+
+def rope_neox(x: torch.Tensor, rotary_dim: int, base: float = 10000.0, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
+    """GPT-NeoX / HF rotate_half rotary on the first `rotary_dim` dims of each head. x: [B, nh, S, hd].
+    `inv_freq`: the (scaled) inverse frequencies to rotate by; None: the unscaled ones of `base`."""
     S = x.shape[-2]
-    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=x.device) / rotary_dim))
+    inv = rope_inv_freq(rotary_dim, base, x.device) if inv_freq is None else inv_freq.to(x.device)
     ang = torch.outer(torch.arange(S, dtype=torch.float32, device=x.device), inv)
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     r, rest = x[..., :rotary_dim], x[..., rotary_dim:]

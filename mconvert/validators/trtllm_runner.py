@@ -3,14 +3,78 @@ as TensorRT-LLM's ColumnLinear / RowLinear do (the engine itself needs a GPU bui
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
 from mconvert.convert.trtllm import check_trtllm_dir, read_trtllm_config, trtllm_layout_of
 from mconvert.errors import MConvertError
-from mconvert.validators.ft_runner import causal_attention, gelu_tanh, layer_norm, rms_norm, rope_neox, split_heads
+from mconvert.validators.ft_runner import (
+    causal_attention,
+    gelu_tanh,
+    layer_norm,
+    rms_norm,
+    rope_inv_freq,
+    rope_neox,
+    split_heads,
+)
+
+# TensorRT-LLM's rotary scaling types (`functional.RotaryScalingType`), named by `rotary_scaling`'s "type" (else
+# its "rope_type"); "default" is HF's name for none
+TRT_ROTARY_SCALING_TYPES = ("none", "linear", "dynamic", "longrope", "llama3", "yarn", "mrope")
+
+
+def _number(scaling: dict[str, Any], key: str, default: float, where: str) -> float:
+    v = scaling.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise MConvertError(f"{where}: rotary_scaling.{key} = {v!r} must be a positive number; re-export it with "
+                            "`mconvert megatron-to-trtllm`")
+    return float(v)
+
+
+def _linear(inv: torch.Tensor, scaling: dict[str, Any], where: str) -> torch.Tensor:
+    """Positions divided by `factor` (its absence: 1), as the attention plugin's sinusoid table scales them."""
+    return inv / _number(scaling, "factor", 1.0, where)
+
+
+def _llama3(inv: torch.Tensor, scaling: dict[str, Any], where: str) -> torch.Tensor:
+    """Llama-3.1 bands (TensorRT-LLM's `apply_llama3_scaling`, with its values for absent keys): wavelengths above
+    original/low_freq_factor divided by `factor`, those below original/high_freq_factor kept, the band between
+    interpolated."""
+    factor = _number(scaling, "factor", 8.0, where)
+    low = _number(scaling, "low_freq_factor", 1.0, where)
+    high = _number(scaling, "high_freq_factor", 4.0, where)
+    original = _number(scaling, "original_max_position_embeddings", 8192, where)
+    if high <= low:
+        raise MConvertError(f"{where}: rotary_scaling high_freq_factor {high:g} must exceed low_freq_factor {low:g}")
+    wavelen = 2 * math.pi / inv
+    smooth = (original / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv / factor + smooth * inv
+    return torch.where(wavelen < original / high, inv, torch.where(wavelen > original / low, inv / factor, mid))
+
+
+# the types this runner computes -> inverse frequencies from the unscaled ones; another known type is refused
+ROTARY_SCALINGS = {"none": lambda inv, scaling, where: inv, "linear": _linear, "llama3": _llama3}
+
+
+def rotary_inv_freq(cfg: dict[str, Any], rotary_dim: int, where: str = "config.json") -> torch.Tensor:
+    """The inverse frequencies TensorRT-LLM's attention rotates by for this config.json: `rotary_base` scaled as
+    `rotary_scaling` says (none, linear, llama3); a type it does not compute or does not know is refused."""
+    inv = rope_inv_freq(rotary_dim, float(cfg.get("rotary_base") or 10000.0))
+    scaling = cfg.get("rotary_scaling") or {}
+    kind = scaling.get("type", scaling.get("rope_type")) if scaling else "none"
+    kind = "none" if kind in (None, "default") else kind
+    if kind not in TRT_ROTARY_SCALING_TYPES:
+        raise MConvertError(f"{where}: rotary_scaling type {kind!r} is not a TensorRT-LLM rotary scaling type "
+                            f"({', '.join(TRT_ROTARY_SCALING_TYPES)})")
+    if kind not in ROTARY_SCALINGS:
+        raise MConvertError(f"{where}: rotary_scaling type {kind!r} is not computed by mconvert's TensorRT-LLM "
+                            f"reference runner (computes: {', '.join(ROTARY_SCALINGS)}); validation refused")
+    return ROTARY_SCALINGS[kind](inv, scaling, where)
 
 
 @torch.no_grad()
@@ -42,6 +106,11 @@ def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -
             return layer_norm(x, r0[name + ".weight"], r0[name + ".bias"], eps)
         return rms_norm(x, r0[name + ".weight"], eps)
 
+    inv = None
+    if layout.position_embedding_type.startswith("rope"):
+        rot = int(cfg.get("rotary_embedding_dim") or hd)
+        inv = rotary_inv_freq(cfg, rot, str(d / "config.json"))
+
     for i in range(L):
         p = f"transformer.layers.{i}."
         h = norm(x, p + "input_layernorm")
@@ -52,9 +121,8 @@ def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -
                 qkv = qkv + w[p + "attention.qkv.bias"]
             q, k, v = qkv.split([nq_l * hd, nkv_l * hd, nkv_l * hd], -1)
             q, k, v = split_heads(q, nq_l), split_heads(k, nkv_l), split_heads(v, nkv_l)
-            if layout.position_embedding_type.startswith("rope"):
-                rot = int(cfg.get("rotary_embedding_dim") or hd)
-                q, k = rope_neox(q, rot, float(cfg["rotary_base"])), rope_neox(k, rot, float(cfg["rotary_base"]))
+            if inv is not None:
+                q, k = rope_neox(q, rot, inv_freq=inv), rope_neox(k, rot, inv_freq=inv)
             k, v = k.repeat_interleave(nq_l // nkv_l, 1), v.repeat_interleave(nq_l // nkv_l, 1)
             attn += causal_attention(q, k, v) @ w[p + "attention.dense.weight"].t()
         x = x + attn + r0.get(p + "attention.dense.bias", 0)

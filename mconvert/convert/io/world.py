@@ -72,8 +72,8 @@ def refuse_torchrun(verb: str) -> None:
     and all but one would find it taken at the commit."""
     if world_from_env().size > 1:
         raise MConvertError(f"{verb} runs in one process and does not share its work over torchrun "
-                            "(WORLD_SIZE > 1); run it without torchrun (megatron-to-hf, hf-to-megatron and "
-                            "reshard run on torchrun)")
+                            "(WORLD_SIZE > 1); run it without torchrun (megatron-to-hf, hf-to-megatron, reshard, "
+                            "megatron-to-ft and megatron-to-trtllm run on torchrun)")
 
 
 def world() -> World:
