@@ -49,7 +49,7 @@ SPLIT_COLLECTIVE: dict[str, str] = {
 FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
     "rope_scaling": ("HF", "GGUF"),
     "qk_layernorm": ("HF", "GGUF"),
-    "moe": ("HF",),
+    "moe": ("HF", "GGUF"),
 }
 
 
