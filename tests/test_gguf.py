@@ -510,6 +510,7 @@ def test_megatron_core_moe_checkpoint_gguf_matches_transformers_in_llama_cpp(lla
     assert meta["tensors"]["blk.1.ffn_down_exps.weight"][0] == (experts, cfg["hidden_size"], width)
     assert meta["tensors"]["blk.1.ffn_gate_inp.weight"] == ((experts, cfg["hidden_size"]), "F32")
     rep = validate(hf, [f32], device="cpu", n_tokens=32)
+    print(json.dumps({f"{family}_rel": _rel(rep)}))
     assert rep.passed, rep.results[0].failures
     assert _rel(rep) < REL_F32 and rep.results[0].metrics["top1"] == 1.0, rep.results[0].metrics
     prompt = [5, 17, 300, 42, 7, 99, 250, 3]
@@ -533,8 +534,9 @@ class _GgmlGelu(torch.nn.Module):
 @pytest.mark.timeout(1800)
 def test_gpt2_checkpoint_gguf_matches_transformers_in_llama_cpp(llama_cpp):
     """The trained GPT-2 (TP=2) -> GGUF f32: Conv1D weights transposed, learned positions, LayerNorm biases.
-    llama.cpp's logits equal transformers' within 1e-4 once transformers' GeLU is the one ggml-cpu computes
-    (an f16 table); `verify` then passes every check, the logits judged by the f16 row that this GeLU earns."""
+    llama.cpp's logits are within 1e-4 of transformers', and closer still once transformers' GeLU is the one
+    ggml-cpu computes (an f16 table); `verify` passes every check, the logits judged by the f16 row that this
+    GeLU earns on larger models."""
     from mconvert.validators.gguf_runner import gguf_logits
     from mconvert.validators.runners import source_model
 
@@ -554,7 +556,8 @@ def test_gpt2_checkpoint_gguf_matches_transformers_in_llama_cpp(llama_cpp):
     scale = emulated.abs().max()
     rel, rel_plain = float((got - emulated).abs().max() / scale), float((got - plain).abs().max() / scale)
     print(json.dumps({"gpt2_rel_vs_ggml_gelu": rel, "gpt2_rel_vs_transformers": rel_plain}))
-    assert rel < REL_F32 < rel_plain  # the GeLU table is the whole difference, and it is visible
+    assert rel_plain < REL_F32
+    assert rel < rel_plain / 2  # the f16 GeLU table is a visible part of the difference, not noise
     rep = verify(f32, against=hf, device="cpu")
     by = {c.name: c for c in rep.checks}
     for name in ("metadata", "tensors", "load", "tokenizer", "greedy", "logits"):
