@@ -144,6 +144,9 @@ class GgufLayout:
     transposed: frozenset[str] = frozenset()
     # llama.cpp reads the experts' width from `expert_feed_forward_length` (else `feed_forward_length` is it)
     expert_ff_key: bool = False
+    # the coarsest precision llama.cpp's CPU graph of this architecture computes a step in, whatever the file
+    # holds: `validate` judges the file by this row when it is coarser than the file type's
+    compute_dtype: str = "float32"
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------------

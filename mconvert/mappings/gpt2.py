@@ -344,9 +344,12 @@ def _gguf_refuse(spec: ModelSpec) -> None:
                             "tanh-approximated GeLU (gelu_new) only; conversion refused")
 
 
+# ggml-cpu's f32 GeLU rounds its input to f16 and reads its value from a table of f16 values
+# (GGML_GELU_FP16), so even an f32 GPT-2 file computes at f16 precision in llama.cpp.
 GGUF = GgufLayout(arch="gpt2", tensors=GGUF_TENSORS, permute_qk=False, refuse=_gguf_refuse,
                   transposed=frozenset(H + f"{m}.weight" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
-                                                                   "mlp.c_proj")))
+                                                                   "mlp.c_proj")),
+                  compute_dtype="float16")
 
 
 FAMILY = Family(

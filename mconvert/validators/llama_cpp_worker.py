@@ -39,10 +39,9 @@ def main(request_path: str, out_dir: str) -> None:
     result["tokenize"] = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in req.get("tokenize", [])]
     result["tokenize_special"] = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)
                                   for t in req.get("tokenize_special", [])]
-    # llama.cpp's own detokenizer (llama_detokenize) drops the space a SentencePiece vocabulary's add_space_prefix
-    # put before the first piece; the binding's per-token join keeps it, so the first piece is stripped here
-    strip_first = llm.metadata.get("tokenizer.ggml.add_space_prefix", "false") == "true" and \
-        llm.metadata.get("tokenizer.ggml.model") == "llama"
+    # llama.cpp's own detokenizer (llama_detokenize) drops the space a vocabulary's add_space_prefix put before
+    # the first piece; the binding's per-token join keeps it, so the first piece is stripped here
+    strip_first = llm.metadata.get("tokenizer.ggml.add_space_prefix", "false") == "true"
     result["detokenize"] = [_detokenize(llm, ids, strip_first).decode("utf-8", errors="replace")
                             for ids in req.get("detokenize", [])]
     if gen:
