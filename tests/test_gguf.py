@@ -513,12 +513,43 @@ def test_megatron_core_moe_checkpoint_gguf_matches_transformers_in_llama_cpp(lla
     print(json.dumps({f"{family}_rel": _rel(rep)}))
     assert rep.passed, rep.results[0].failures
     assert _rel(rep) < REL_F32 and rep.results[0].metrics["top1"] == 1.0, rep.results[0].metrics
+    # q8_0: every tensor, the 3-D expert stacks included, dequantizes (gguf-py) to the f32 file's values within
+    # one 8-bit step of its largest value
+    import gguf
+    import numpy as np
+
+    q8 = _gguf(ckpt, f"moe-{family}", "q8_0", tokenizer=_tokenizer_dir())
+    exact = {t.name: np.asarray(t.data, dtype=np.float32) for t in gguf.GGUFReader(str(f32)).tensors}
+    for t in gguf.GGUFReader(str(q8)).tensors:
+        x = exact[t.name]
+        y = gguf.quants.dequantize(t.data, t.tensor_type).reshape(x.shape)
+        assert np.abs(x - y).max() <= np.abs(x).max() / 127, t.name
+        assert t.tensor_type.name == ("F32" if t.name.endswith(("_norm.weight", "ffn_gate_inp.weight")) else "Q8_0")
     prompt = [5, 17, 300, 42, 7, 99, 250, 3]
     got, _ = run_llama_cpp(f32, {"generate": {"prompt": prompt, "max_tokens": 12}})
     model, ids = source_model(hf, "cpu"), torch.tensor([prompt])
     with torch.inference_mode():
         want = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, len(prompt):].tolist()
     assert got["generate"] == want
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_moe_gguf_with_the_experts_stacked_out_of_order_fails_the_comparison(llama_cpp, monkeypatch):
+    """The control of the MoE case: the same file with each layer's experts stacked in reverse order (the
+    router unchanged) differs in llama.cpp, so the comparison above probes the stacking order."""
+    from mconvert.convert import gguf as gguf_mod
+
+    real = gguf_mod.plan_tensors
+
+    def reversed_experts(*a, **kw):
+        return [t if len(t.hf) < 2 else gguf_mod.GgufTensor(t.name, t.hf[::-1], t.unit, t.shape, t.qtype)
+                for t in real(*a, **kw)]
+
+    monkeypatch.setattr(gguf_mod, "plan_tensors", reversed_experts)
+    bad = _gguf(mcore_moe_ckpt("mixtral"), "moe-mixtral-reversed", "f32", tokenizer=_tokenizer_dir())
+    rep = validate(mcore_moe_export("mixtral"), [bad], device="cpu", n_tokens=32)
+    assert not rep.passed and any(f.startswith("max abs") for f in rep.results[0].failures), rep.results[0].metrics
 
 
 class _GgmlGelu(torch.nn.Module):
