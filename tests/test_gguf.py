@@ -384,9 +384,11 @@ def test_a_gguf_without_its_tokenizer_is_refused(tmp_path):
 SPM_VOCAB = 800  # pieces in the SentencePiece model; one added special token follows, then padding rows
 SPM_ROWS = 816
 SPM_SPECIAL = "<|im_end|>"
+SPM_USER = "<tool>"  # a user-defined piece of the SentencePiece model: matched whole in any text
 # plain texts: leading / repeated spaces, digits, characters outside the pieces (byte fallback), newlines
 SPM_TEXTS = ("The otter sat down near Max.", "   three leading spaces,  two inside and trailing  ",
-             "digits 12345 and 3.14159", "naïve café — 日本語 🙂", "line one\nline two\n\n  indented", "x")
+             "digits 12345 and 3.14159", "naïve café — 日本語 🙂", "line one\nline two\n\n  indented", "x",
+             f"call {SPM_USER} now,{SPM_USER}twice")
 # texts with special tokens, parsed as such by both sides
 SPM_SPECIAL_TEXTS = (f"Hello{SPM_SPECIAL} world", f"<s> start and end </s>{SPM_SPECIAL}")
 
@@ -408,7 +410,7 @@ def _spm_tokenizer_dir() -> Path:
         sentence_iterator=iter(corpus_text().splitlines()), model_prefix=str(raw / "sp"), model_type="bpe",
         vocab_size=SPM_VOCAB, byte_fallback=True, normalization_rule_name="identity",
         remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2, user_defined_symbols=[SPM_USER])
     slow = transformers.LlamaTokenizer(vocab_file=str(raw / "sp.model"), legacy=True)
     slow.add_special_tokens({"additional_special_tokens": [SPM_SPECIAL]})
     slow.save_pretrained(raw / "slow")
@@ -478,6 +480,8 @@ def _spm_variant(name: str, edit) -> Path:
     ("no-bytes", lambda m: [setattr(m.trainer_spec, "byte_fallback", False)] + [
         setattr(p, "type", 4) for p in m.pieces if p.type == 6],  # byte pieces become plain user-defined ones
      "SentencePiece model without byte_fallback has no GGUF form"),
+    ("marked-user-piece", lambda m: setattr(next(p for p in m.pieces if p.piece == "\u2581Max"), "type", 4),
+     "user-defined SentencePiece piece '\u2581Max' holds the word-boundary mark"),
     ("squeeze", lambda m: setattr(m.normalizer_spec, "remove_extra_whitespaces", True),
      "SentencePiece remove_extra_whitespaces=true has no GGUF form (llama.cpp keeps runs of spaces)"),
 ])

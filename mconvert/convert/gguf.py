@@ -359,6 +359,12 @@ def read_sentencepiece(path: Path) -> Any:
     if norm.precompiled_charsmap:
         raise MConvertError(f"{path}: SentencePiece normalizer {norm.name or 'custom'!r} has no GGUF form "
                             "(llama.cpp normalizes nothing; an identity normalizer is needed); conversion refused")
+    marked = next((p.piece for p in proto.pieces if p.type == pb.ModelProto.SentencePiece.USER_DEFINED
+                   and "\u2581" in p.piece), None)
+    if marked is not None:
+        raise MConvertError(f"{path}: user-defined SentencePiece piece {escape_controls(marked)[:40]!r} holds the "
+                            "word-boundary mark \u2581, which llama.cpp and transformers' tokenizers each read "
+                            "differently; conversion refused")
     for key, (want, why) in SPM_SETTINGS.items():
         part, field = key.split(".")
         have = getattr(getattr(proto, part), field)
