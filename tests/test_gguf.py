@@ -486,7 +486,6 @@ def _spm_variant(name: str, edit) -> Path:
      "SentencePiece remove_extra_whitespaces=true has no GGUF form (llama.cpp keeps runs of spaces)"),
 ])
 def test_sentencepiece_models_llama_cpp_cannot_reproduce_are_refused_by_name(capsys, name, edit, words):
-    pytest.importorskip("sentencepiece")
     hf = _spm_variant(name, edit)
     out = G / f"refused-spm-{name}.gguf"
     err = _refused(capsys, ["hf-to-gguf", str(hf), str(out)])
