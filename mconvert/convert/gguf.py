@@ -2,12 +2,15 @@
 `GGUFWriter`, llama.cpp's own writer.
 
 What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp): tensor names from the family's
-`GgufLayout` (gguf-py's `TensorNameMap` names), q/k rows permuted where the family's llama.cpp architecture ropes
-adjacent pairs (`LlamaModel.permute`), llama3 rope scaling as a `rope_freqs.weight` factor tensor
-(`LlamaModel.generate_extra_tensors`), 1-D tensors and norms in F32 whatever the outtype, a q8_0 tensor whose
-rows are not whole 32-blocks in F16 (its QuantError fallback); the metadata keys of `TextModel` /
-`LlamaModel.set_gguf_parameters`; the tokenizer as `_set_vocab_gpt2` writes it (tokens, token types, the
-pre-tokenizer name, then gguf-py's `SpecialVocab`: merges, special ids, add-bos/eos, chat template).
+`GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
+`LlamaModel` / `Qwen2MoeModel.modify_tensors` stack them; GPT-2's Conv1D weights transposed), q/k rows permuted
+where the family's llama.cpp architecture ropes adjacent pairs (`LlamaModel.permute`), llama3 rope scaling as a
+`rope_freqs.weight` factor tensor (`LlamaModel.generate_extra_tensors`), 1-D tensors, norms, the router and
+learned positions in F32 whatever the outtype, a q8_0 tensor whose rows are not whole 32-blocks in F16 (its
+QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_parameters`; the tokenizer as
+`_set_vocab_gpt2` (byte-level BPE: tokens, token types, the pre-tokenizer name) or
+`_create_vocab_sentencepiece` (a `tokenizer.model`: pieces, scores, types) writes it, then gguf-py's
+`SpecialVocab` (merges for BPE, special ids, add-bos/eos, chat template).
 
 Streaming: every tensor's name, shape and type follows from the ModelSpec alone (a meta-tensor pass through the
 family's HF mapping), so the header is written first and each unit's tensors are appended as they arrive
