@@ -50,7 +50,7 @@ SPLIT_COLLECTIVE: dict[str, str] = {
 FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
     "rope_scaling": ("HF", "GGUF", "TensorRT-LLM"),
     "qk_layernorm": ("HF", "GGUF"),
-    "moe": ("HF",),
+    "moe": ("HF", "GGUF"),
 }
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from validate_common import WORK, hf_export, trained_ckpt
+from validate_common import WORK, hf_export, mcore_moe_ckpt, mcore_moe_export, trained_ckpt
 
 from mconvert.cli import main as cli_main
 from mconvert.convert.gguf import to_gguf
@@ -45,8 +45,9 @@ def _tokenizer_dir() -> Path:
     return d
 
 
-def _hf_model(name: str, cfg: transformers.PretrainedConfig) -> Path:
-    """A random transformers model saved by `save_pretrained`, with the trainer's tokenizer beside it."""
+def _hf_model(name: str, cfg: transformers.PretrainedConfig, tok_dir: Path | None = None) -> Path:
+    """A random transformers model saved by `save_pretrained`, with the trainer's tokenizer (or `tok_dir`'s)
+    beside it."""
     d = G / f"hf-{name}"
     if not (d / "config.json").is_file():
         torch.manual_seed(5)
@@ -56,7 +57,7 @@ def _hf_model(name: str, cfg: transformers.PretrainedConfig) -> Path:
                 if p.dim() == 2:
                     p.normal_(0, 0.08)
         model.save_pretrained(d, safe_serialization=True)
-        for f in _tokenizer_dir().iterdir():
+        for f in (tok_dir or _tokenizer_dir()).iterdir():
             shutil.copy(f, d / f.name)
     return d
 
@@ -263,11 +264,12 @@ def _no_output(out: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_gpt2_family_is_refused_by_name_and_nothing_is_written(capsys):
-    hf = _hf_model("gpt2", transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=64))
+def test_gpt2_with_erf_gelu_is_refused_by_name_and_nothing_is_written(capsys):
+    hf = _hf_model("gpt2-erf", transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000,
+                                                       n_positions=64, activation_function="gelu"))
     out = G / "refused-gpt2.gguf"
     err = _refused(capsys, ["hf-to-gguf", str(hf), str(out)])
-    assert "gpt2 family has no GGUF form" in err
+    assert "activation 'gelu' has no GGUF form: llama.cpp's gpt2 architecture applies tanh-approximated" in err
     _no_output(out)
 
 
@@ -376,3 +378,222 @@ def test_a_gguf_without_its_tokenizer_is_refused(tmp_path):
     with pytest.raises(MConvertError, match="GGUF embeds one — pass --tokenizer DIR"):
         to_gguf(hf, tmp_path / "x.gguf", "f32", verb="hf-to-gguf")
     _no_output(tmp_path / "x.gguf")
+
+
+# ---- SentencePiece tokenizers ------------------------------------------------------------------------------
+SPM_VOCAB = 800  # pieces in the SentencePiece model; one added special token follows, then padding rows
+SPM_ROWS = 816
+SPM_SPECIAL = "<|im_end|>"
+SPM_USER = "<tool>"  # a user-defined piece of the SentencePiece model: matched whole in any text
+# plain texts: leading / repeated spaces, digits, characters outside the pieces (byte fallback), newlines
+SPM_TEXTS = ("The otter sat down near Max.", "   three leading spaces,  two inside and trailing  ",
+             "digits 12345 and 3.14159", "naïve café — 日本語 🙂", "line one\nline two\n\n  indented", "x",
+             f"call {SPM_USER} now,{SPM_USER}twice")
+# texts with special tokens, parsed as such by both sides
+SPM_SPECIAL_TEXTS = (f"Hello{SPM_SPECIAL} world", f"<s> start and end </s>{SPM_SPECIAL}")
+
+
+def _spm_tokenizer_dir() -> Path:
+    """A llama-2-style SentencePiece tokenizer: a BPE `tokenizer.model` trained on the corpus by sentencepiece
+    (identity normalizer, byte fallback, digits split, `<unk> <s> </s>` at 0-2) and saved by transformers'
+    LlamaTokenizer / LlamaTokenizerFast with one added special token."""
+    import sentencepiece as spm
+
+    from mconvert.data import corpus_text
+
+    d = G / "spm-tok"
+    if (d / "tokenizer.json").is_file():
+        return d
+    raw = G / "spm-raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus_text().splitlines()), model_prefix=str(raw / "sp"), model_type="bpe",
+        vocab_size=SPM_VOCAB, byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2, user_defined_symbols=[SPM_USER])
+    slow = transformers.LlamaTokenizer(vocab_file=str(raw / "sp.model"), legacy=True)
+    slow.add_special_tokens({"additional_special_tokens": [SPM_SPECIAL]})
+    slow.save_pretrained(raw / "slow")
+    transformers.LlamaTokenizerFast.from_pretrained(raw / "slow", legacy=True).save_pretrained(d)
+    return d
+
+
+def _spm_model() -> Path:
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=SPM_ROWS, max_position_embeddings=128,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    return _hf_model("spm-llama", cfg, _spm_tokenizer_dir())
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_sentencepiece_llama_tokenizes_in_llama_cpp_as_transformers_and_logits_match(llama_cpp):
+    hf = _spm_model()
+    f32 = _gguf(hf, "spm-llama", "f32")
+    meta = read_gguf_metadata(f32)
+    assert {k: meta.get(k) for k in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.bos_token_id",
+                                     "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                                     "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "n_vocab")} == {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default", "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": True, "n_vocab": SPM_ROWS}
+    fast = transformers.LlamaTokenizerFast.from_pretrained(hf)
+    slow = transformers.LlamaTokenizer.from_pretrained(hf, legacy=True)
+    want = [fast(t, add_special_tokens=False)["input_ids"] for t in SPM_TEXTS]
+    assert want == [slow(t, add_special_tokens=False)["input_ids"] for t in SPM_TEXTS]  # the truth agrees with itself
+    assert any(fast.convert_ids_to_tokens(i).startswith("<0x") for ids in want for i in ids)  # bytes fallback probed
+    want_special = [fast(t, add_special_tokens=False)["input_ids"] for t in SPM_SPECIAL_TEXTS]
+    result, _ = run_llama_cpp(f32, {"tokenize": list(SPM_TEXTS), "tokenize_special": list(SPM_SPECIAL_TEXTS),
+                                    "detokenize": want})
+    assert result["tokenize"] == want
+    assert result["tokenize_special"] == want_special
+    assert result["detokenize"] == [fast.decode(ids) for ids in want]
+    rep = validate(hf, [f32], device="cpu", n_tokens=32)
+    assert rep.passed, rep.results[0].failures
+    assert _rel(rep) < REL_F32 and rep.results[0].metrics["top1"] == 1.0, rep.results[0].metrics
+
+
+def _spm_variant(name: str, edit) -> Path:
+    """The SentencePiece model with one proto field changed (or bytes replaced), beside the same HF model."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    d = G / f"hf-spm-{name}"
+    if not d.exists():
+        shutil.copytree(_spm_model(), d)
+        data = (d / "tokenizer.model").read_bytes()
+        if callable(edit):
+            m = pb.ModelProto()
+            m.ParseFromString(data)
+            edit(m)
+            data = m.SerializeToString()
+        else:
+            data = edit
+        (d / "tokenizer.model").write_bytes(data)
+    return d
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,edit,words", [
+    ("garbage", b"\x0a\xff\xff\xff\xff\x0f not a model", "tokenizer.model: not a SentencePiece model"),
+    ("unigram", lambda m: setattr(m.trainer_spec, "model_type", 1),
+     "SentencePiece model type UNIGRAM has no GGUF form"),
+    ("no-bytes", lambda m: [setattr(m.trainer_spec, "byte_fallback", False)] + [
+        setattr(p, "type", 4) for p in m.pieces if p.type == 6],  # byte pieces become plain user-defined ones
+     "SentencePiece model without byte_fallback has no GGUF form"),
+    ("marked-user-piece", lambda m: setattr(next(p for p in m.pieces if p.piece == "\u2581Max"), "type", 4),
+     "user-defined SentencePiece piece '\u2581Max' holds the word-boundary mark"),
+    ("squeeze", lambda m: setattr(m.normalizer_spec, "remove_extra_whitespaces", True),
+     "SentencePiece remove_extra_whitespaces=true has no GGUF form (llama.cpp keeps runs of spaces)"),
+])
+def test_sentencepiece_models_llama_cpp_cannot_reproduce_are_refused_by_name(capsys, name, edit, words):
+    hf = _spm_variant(name, edit)
+    out = G / f"refused-spm-{name}.gguf"
+    err = _refused(capsys, ["hf-to-gguf", str(hf), str(out)])
+    assert words in err, err
+    _no_output(out)
+
+
+# ---- mixture of experts and GPT-2 ------------------------------------------------------------------------
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
+def test_megatron_core_moe_checkpoint_gguf_matches_transformers_in_llama_cpp(llama_cpp, family, arch):
+    """megatron-core's own MoE checkpoint (EP=2 rank files) -> GGUF f32: the experts stacked per layer, llama.cpp's
+    logits within 1e-4 of transformers' on the megatron-to-hf export and its greedy tokens equal."""
+    from mconvert.validators.runners import source_model
+
+    ckpt, hf = mcore_moe_ckpt(family), mcore_moe_export(family)
+    f32 = _gguf(ckpt, f"moe-{family}", "f32", tokenizer=_tokenizer_dir())
+    meta = read_gguf_metadata(f32)
+    cfg = json.loads((hf / "config.json").read_text())
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    width = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+    assert meta["general.architecture"] == arch
+    assert (meta[f"{arch}.expert_count"], meta[f"{arch}.expert_used_count"]) == (experts, cfg["num_experts_per_tok"])
+    assert meta["tensors"]["blk.1.ffn_down_exps.weight"][0] == (experts, cfg["hidden_size"], width)
+    assert meta["tensors"]["blk.1.ffn_gate_inp.weight"] == ((experts, cfg["hidden_size"]), "F32")
+    rep = validate(hf, [f32], device="cpu", n_tokens=32)
+    print(json.dumps({f"{family}_rel": _rel(rep)}))
+    assert rep.passed, rep.results[0].failures
+    assert _rel(rep) < REL_F32 and rep.results[0].metrics["top1"] == 1.0, rep.results[0].metrics
+    # q8_0: every tensor, the 3-D expert stacks included, dequantizes (gguf-py) to the f32 file's values within
+    # one 8-bit step of its largest value
+    import gguf
+    import numpy as np
+
+    q8 = _gguf(ckpt, f"moe-{family}", "q8_0", tokenizer=_tokenizer_dir())
+    exact = {t.name: np.asarray(t.data, dtype=np.float32) for t in gguf.GGUFReader(str(f32)).tensors}
+    for t in gguf.GGUFReader(str(q8)).tensors:
+        x = exact[t.name]
+        y = gguf.quants.dequantize(t.data, t.tensor_type).reshape(x.shape)
+        assert np.abs(x - y).max() <= np.abs(x).max() / 127, t.name
+        assert t.tensor_type.name == ("F32" if t.name.endswith(("_norm.weight", "ffn_gate_inp.weight")) else "Q8_0")
+    prompt = [5, 17, 300, 42, 7, 99, 250, 3]
+    got, _ = run_llama_cpp(f32, {"generate": {"prompt": prompt, "max_tokens": 12}})
+    model, ids = source_model(hf, "cpu"), torch.tensor([prompt])
+    with torch.inference_mode():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, len(prompt):].tolist()
+    assert got["generate"] == want
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_moe_gguf_with_the_experts_stacked_out_of_order_fails_the_comparison(llama_cpp, monkeypatch):
+    """The control of the MoE case: the same file with each layer's experts stacked in reverse order (the
+    router unchanged) differs in llama.cpp, so the comparison above probes the stacking order."""
+    from mconvert.convert import gguf as gguf_mod
+
+    real = gguf_mod.plan_tensors
+
+    def reversed_experts(*a, **kw):
+        return [t if len(t.hf) < 2 else gguf_mod.GgufTensor(t.name, t.hf[::-1], t.unit, t.shape, t.qtype)
+                for t in real(*a, **kw)]
+
+    monkeypatch.setattr(gguf_mod, "plan_tensors", reversed_experts)
+    bad = _gguf(mcore_moe_ckpt("mixtral"), "moe-mixtral-reversed", "f32", tokenizer=_tokenizer_dir())
+    rep = validate(mcore_moe_export("mixtral"), [bad], device="cpu", n_tokens=32)
+    assert not rep.passed and any(f.startswith("max abs") for f in rep.results[0].failures), rep.results[0].metrics
+
+
+class _GgmlGelu(torch.nn.Module):
+    """ggml-cpu's f32 GeLU as llama.cpp computes it: the input rounded to f16, the tanh form read from a table
+    of f16 values (GGML_GELU_FP16), 0 below -10 and the identity above 10."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+        return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_gpt2_checkpoint_gguf_matches_transformers_in_llama_cpp(llama_cpp):
+    """The trained GPT-2 (TP=2) -> GGUF f32: Conv1D weights transposed, learned positions, LayerNorm biases.
+    llama.cpp's logits are within 1e-4 of transformers', and closer still once transformers' GeLU is the one
+    ggml-cpu computes (an f16 table); `verify` passes every check, the logits judged by the f16 row that this
+    GeLU earns on larger models."""
+    from mconvert.validators.gguf_runner import gguf_logits
+    from mconvert.validators.runners import source_model
+
+    ckpt, hf = trained_ckpt("gpt2"), hf_export("gpt2")
+    f32 = _gguf(ckpt, "gpt2", "f32")
+    meta = read_gguf_metadata(f32)
+    assert meta["general.architecture"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt-2"
+    assert meta["tensors"]["position_embd.weight"][1] == "F32" and "output.weight" not in meta["tensors"]
+    tokens = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(3))
+    got = gguf_logits(f32, tokens)
+    model = source_model(hf, "cpu")
+    with torch.inference_mode():
+        plain = model(input_ids=tokens).logits.float()
+        for block in model.transformer.h:
+            block.mlp.act = _GgmlGelu()
+        emulated = model(input_ids=tokens).logits.float()
+    scale = emulated.abs().max()
+    rel, rel_plain = float((got - emulated).abs().max() / scale), float((got - plain).abs().max() / scale)
+    print(json.dumps({"gpt2_rel_vs_ggml_gelu": rel, "gpt2_rel_vs_transformers": rel_plain}))
+    assert rel_plain < REL_F32
+    assert rel < rel_plain / 2  # the f16 GeLU table is a visible part of the difference, not noise
+    rep = verify(f32, against=hf, device="cpu")
+    by = {c.name: c for c in rep.checks}
+    for name in ("metadata", "tensors", "load", "tokenizer", "greedy", "logits"):
+        assert by[name].status == "ok", (name, by[name].message)
+    assert rep.logits["results"][0]["tolerance"]["dtype"] == "float16"

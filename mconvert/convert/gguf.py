@@ -2,12 +2,15 @@
 `GGUFWriter`, llama.cpp's own writer.
 
 What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp): tensor names from the family's
-`GgufLayout` (gguf-py's `TensorNameMap` names), q/k rows permuted where the family's llama.cpp architecture ropes
-adjacent pairs (`LlamaModel.permute`), llama3 rope scaling as a `rope_freqs.weight` factor tensor
-(`LlamaModel.generate_extra_tensors`), 1-D tensors and norms in F32 whatever the outtype, a q8_0 tensor whose
-rows are not whole 32-blocks in F16 (its QuantError fallback); the metadata keys of `TextModel` /
-`LlamaModel.set_gguf_parameters`; the tokenizer as `_set_vocab_gpt2` writes it (tokens, token types, the
-pre-tokenizer name, then gguf-py's `SpecialVocab`: merges, special ids, add-bos/eos, chat template).
+`GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
+`LlamaModel` / `Qwen2MoeModel.modify_tensors` stack them; GPT-2's Conv1D weights transposed), q/k rows permuted
+where the family's llama.cpp architecture ropes adjacent pairs (`LlamaModel.permute`), llama3 rope scaling as a
+`rope_freqs.weight` factor tensor (`LlamaModel.generate_extra_tensors`), 1-D tensors, norms, the router and
+learned positions in F32 whatever the outtype, a q8_0 tensor whose rows are not whole 32-blocks in F16 (its
+QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_parameters`; the tokenizer as
+`_set_vocab_gpt2` (byte-level BPE: tokens, token types, the pre-tokenizer name) or
+`_create_vocab_sentencepiece` (a `tokenizer.model`: pieces, scores, types) writes it, then gguf-py's
+`SpecialVocab` (merges for BPE, special ids, add-bos/eos, chat template).
 
 Streaming: every tensor's name, shape and type follows from the ModelSpec alone (a meta-tensor pass through the
 family's HF mapping), so the header is written first and each unit's tensors are appended as they arrive
@@ -34,10 +37,20 @@ from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wai
 from mconvert.convert.sources import open_source
 from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer
 from mconvert.convert.writer import Report, make_report
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, escape_controls
 from mconvert.mappings import families, to_hf
 from mconvert.mappings.family import GgufLayout
-from mconvert.mappings.gguf_vocab import BPE_MODEL, BYTE_LEVEL_REGEX, PRE_TOKENIZERS
+from mconvert.mappings.gguf_vocab import (
+    ADDED_SCORE,
+    BPE_MODEL,
+    BYTE_LEVEL_REGEX,
+    PRE_TOKENIZERS,
+    SPM_FILE,
+    SPM_MODEL,
+    SPM_PRE,
+    SPM_SETTINGS,
+    UNFILLED_SCORE,
+)
 from mconvert.spec import ModelSpec
 
 # --outtype -> (the type of 2-D weights, general.file_type), as convert_hf_to_gguf.py's --outtype
@@ -66,13 +79,18 @@ def outtype_types(outtype: str) -> tuple[Any, Any]:
     return table[outtype]
 
 
+# 2-D tensors convert_hf_to_gguf.py keeps in F32 whatever the outtype (llama.cpp's quantizer skips them too):
+# the MoE router and learned positions
+F32_TENSORS = ("ffn_gate_inp.weight", "position_embd.weight")
+
+
 @dataclass(frozen=True)
 class GgufTensor:
-    """One tensor of the file: GGUF name, the HF tensor it is made from (None: generated), its shape in torch
-    order ([out, in]) and its GGML type."""
+    """One tensor of the file: GGUF name, the HF tensors it is made from (one; every expert's, stacked in
+    expert order; none: generated), its shape in torch order ([out, in]) and its GGML type."""
 
     name: str
-    hf: str | None
+    hf: tuple[str, ...]
     unit: Unit | None
     shape: tuple[int, ...]
     qtype: Any
@@ -101,23 +119,28 @@ def gguf_layout(spec: ModelSpec) -> GgufLayout:
     return layout
 
 
-def gguf_name(layout: GgufLayout, hf_name: str) -> str:
-    """The GGUF name of one HF tensor name (layer index carried to the block index); unmapped is refused."""
+def hf_template(hf_name: str) -> tuple[str, list[int]]:
+    """(the name with every index `*`, the indices in order: layer, then expert)."""
     parts = hf_name.split(".")
-    idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    template = hf_name if idx is None else ".".join(parts[:idx] + ["*"] + parts[idx + 1:])
+    return ".".join("*" if p.isdigit() else p for p in parts), [int(p) for p in parts if p.isdigit()]
+
+
+def gguf_name(layout: GgufLayout, hf_name: str) -> tuple[str, int | None]:
+    """(GGUF name, expert index or None) of one HF tensor name: the layer index becomes the block index; an
+    expert's tensor names the stacked tensor it joins. Unmapped is refused."""
+    template, idx = hf_template(hf_name)
     out = layout.tensors.get(template)
-    if out is None:
+    if out is None or len(idx) > 2:
         raise MConvertError(f"tensor {hf_name} has no GGUF name in llama.cpp's {layout.arch} layout; conversion refused")
-    return out if idx is None else out.replace("*", parts[idx], 1)
+    return (out.replace("*", str(idx[0]), 1) if idx else out), (idx[1] if len(idx) == 2 else None)
 
 
 def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> Any:
-    """convert_hf_to_gguf.py's choice: 1-D tensors, norms and non-weights stay F32; q8_0 needs rows of whole
-    32-value blocks, else F16."""
+    """convert_hf_to_gguf.py's choice: 1-D tensors, norms, non-weights, the router and learned positions stay
+    F32; q8_0 needs rows of whole 32-value blocks, else F16."""
     g = _gguf()
     want = outtype_types(outtype)[0]
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight"):
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or name.endswith(F32_TENSORS):
         return g.GGMLQuantizationType.F32
     if want == g.GGMLQuantizationType.Q8_0 and shape[-1] % g.GGML_QUANT_SIZES[want][0]:
         return g.GGMLQuantizationType.F16
@@ -134,17 +157,34 @@ def _unit_decls(spec: ModelSpec, unit: Unit) -> list[Any]:
 
 def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[GgufTensor]:
     """Every tensor of the file in write order, derived from the spec alone: each unit's parameters as meta
-    tensors through the family's HF mapping, then renamed; the rope factor tensor first when llama3 scaling."""
+    tensors through the family's HF mapping, then renamed (experts stacked where their first one stands); the
+    rope factor tensor first when llama3 scaling."""
     plan: list[GgufTensor] = []
     if spec.rope_scaling == "llama3":
         shape = (spec.head_dim // 2,)
-        plan.append(GgufTensor(ROPE_FREQS, None, None, shape, tensor_type(ROPE_FREQS, shape, outtype)))
+        plan.append(GgufTensor(ROPE_FREQS, (), None, shape, tensor_type(ROPE_FREQS, shape, outtype)))
     for unit in units_of(spec):
         meta = {d.name: torch.empty(d.shape, device="meta") for d in _unit_decls(spec, unit)}
+        parts: dict[str, dict[int | None, tuple[str, tuple[int, ...]]]] = {}
         for hf_name, x in to_hf(spec, unit, meta, source="GGUF plan").items():
-            name = gguf_name(layout, hf_name)
+            name, expert = gguf_name(layout, hf_name)
             shape = tuple(int(s) for s in x.shape)
-            plan.append(GgufTensor(name, hf_name, unit, shape, tensor_type(name, shape, outtype)))
+            if hf_template(hf_name)[0] in layout.transposed:
+                shape = shape[::-1]
+            parts.setdefault(name, {})[expert] = (hf_name, shape)
+        for name, by in parts.items():
+            if None in by:
+                hf_name, shape = by[None]
+                plan.append(GgufTensor(name, (hf_name,), unit, shape, tensor_type(name, shape, outtype)))
+                continue
+            experts = sorted(by)  # type: ignore[type-var]
+            shapes = {by[e][1] for e in experts}
+            if experts != list(range(spec.num_experts or 0)) or len(shapes) != 1:
+                raise MConvertError(f"unit {unit}: the experts of {name} are {experts} with shapes {sorted(shapes)}, "
+                                    f"not {spec.num_experts} of one shape; conversion refused")
+            shape = (len(experts), *shapes.pop())
+            plan.append(GgufTensor(name, tuple(by[e][0] for e in experts), unit, shape,
+                                   tensor_type(name, shape, outtype)))
     return plan
 
 
@@ -155,7 +195,10 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: torch.Tensor, permute: bool = True) -> torch.Tensor:
-    """One HF tensor as the GGUF stores it (q/k rows permuted where the layout says so)."""
+    """One HF tensor as the GGUF stores it (Conv1D weights transposed, q/k rows permuted where the layout says
+    so)."""
+    if hf_template(hf_name)[0] in layout.transposed:
+        x = x.t()
     if permute and layout.permute_qk:
         if ".self_attn.q_proj." in hf_name:
             return permute_qk(x, spec.num_attention_heads)
@@ -222,6 +265,30 @@ def tokenizer_pre(tok_json: dict[str, Any], where: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class GgufVocab:
+    """The tokenizer as the GGUF states it: `tokenizer.ggml.model` / `.pre`, one token, type and (SentencePiece
+    only) score per embedding row, whether gguf-py's SpecialVocab carries BPE merges, and add_space_prefix."""
+
+    model: str
+    pre: str
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: bool = True
+    add_space_prefix: bool | None = None
+
+
+def gguf_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
+    """The vocabulary of `tok_dir` for the GGUF: a SentencePiece `tokenizer.model` where there is one (as
+    convert_hf_to_gguf.py's LlamaModel prefers it), else a byte-level BPE `tokenizer.json`."""
+    check_tokenizer_dir(tok_dir)
+    if (tok_dir / SPM_FILE).exists():
+        return sentencepiece_vocab(tok_dir, n_vocab)
+    tokens, types, pre = tokenizer_vocab(tok_dir, n_vocab)
+    return GgufVocab(BPE_MODEL, pre, tokens, types)
+
+
 def tokenizer_vocab(tok_dir: Path, n_vocab: int) -> tuple[list[str], list[int], str]:
     """(tokens, token types, pre-tokenizer name) for a byte-level BPE tokenizer, as convert_hf_to_gguf.py's
     `get_vocab_base`: rows past the tokenizer are `[PADi]` UNUSED, added special tokens CONTROL, other added
@@ -230,8 +297,8 @@ def tokenizer_vocab(tok_dir: Path, n_vocab: int) -> tuple[list[str], list[int], 
     check_tokenizer_dir(tok_dir)
     path = tok_dir / "tokenizer.json"
     if not path.is_file():
-        raise MConvertError(f"{tok_dir}: no tokenizer.json (GGUF embeds a byte-level BPE tokenizer.json); "
-                            "pass --tokenizer DIR")
+        raise MConvertError(f"{tok_dir}: no tokenizer.json and no {SPM_FILE} (GGUF embeds a byte-level BPE "
+                            "tokenizer.json or a SentencePiece model); pass --tokenizer DIR")
     try:
         tok_json = json.loads(read_small(inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file"),
                                          "tokenizer"))
@@ -263,6 +330,84 @@ def tokenizer_vocab(tok_dir: Path, n_vocab: int) -> tuple[list[str], list[int], 
     return tokens, types, pre
 
 
+def read_sentencepiece(path: Path) -> Any:
+    """The model proto of a SentencePiece `tokenizer.model`, after the refusals of what llama.cpp's SPM
+    tokenizer cannot reproduce: a malformed file, a model that is not BPE, no byte fallback, a normalizer."""
+    try:
+        import sentencepiece
+        from sentencepiece import sentencepiece_model_pb2 as pb
+    except ImportError:
+        raise MConvertError(f"{path}: reading a SentencePiece model needs the sentencepiece package; "
+                            "pip install sentencepiece") from None
+    data = read_small(path, "tokenizer")
+    proto = pb.ModelProto()
+    try:
+        proto.ParseFromString(data)
+        # sentencepiece's own loader checks what the proto cannot (piece table, ids, the trainer spec)
+        sentencepiece.SentencePieceProcessor(model_proto=data)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, sentencepiece's RuntimeError
+        text = str(e).split("\n", 1)[0][:120]
+        raise MConvertError(f"{path}: not a SentencePiece model ({type(e).__name__}: {text}); re-save the "
+                            "tokenizer") from None
+    if not proto.pieces:
+        raise MConvertError(f"{path}: a SentencePiece model without pieces; re-save the tokenizer")
+    kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
+    if kind != "BPE":
+        raise MConvertError(f"{path}: SentencePiece model type {kind} has no GGUF form (llama.cpp merges pieces by "
+                            "score, which is SentencePiece BPE only); conversion refused")
+    if not proto.trainer_spec.byte_fallback:
+        raise MConvertError(f"{path}: SentencePiece model without byte_fallback has no GGUF form (llama.cpp spells "
+                            "characters outside the pieces as <0xXX> byte tokens); conversion refused")
+    norm = proto.normalizer_spec
+    if norm.precompiled_charsmap:
+        raise MConvertError(f"{path}: SentencePiece normalizer {norm.name or 'custom'!r} has no GGUF form "
+                            "(llama.cpp normalizes nothing; an identity normalizer is needed); conversion refused")
+    marked = next((p.piece for p in proto.pieces if p.type == pb.ModelProto.SentencePiece.USER_DEFINED
+                   and "\u2581" in p.piece), None)
+    if marked is not None:
+        raise MConvertError(f"{path}: user-defined SentencePiece piece {escape_controls(marked)[:40]!r} holds the "
+                            "word-boundary mark \u2581, which llama.cpp and transformers' tokenizers each read "
+                            "differently; conversion refused")
+    for key, (want, why) in SPM_SETTINGS.items():
+        part, field = key.split(".")
+        have = getattr(getattr(proto, part), field)
+        if have != want:
+            raise MConvertError(f"{path}: SentencePiece {field}={str(have).lower()} has no GGUF form ({why}); "
+                                "conversion refused")
+    return proto
+
+
+def sentencepiece_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
+    """A SentencePiece tokenizer as convert_hf_to_gguf.py's `_create_vocab_sentencepiece` writes it: every piece
+    with its score and its type from the model proto (normal, unknown, control, user-defined, byte, unused);
+    transformers' added tokens (added_tokens.json, tokenizer.json / tokenizer_config.json's added tokens) over
+    them, CONTROL when special, else USER_DEFINED with \u2581 read as a space; rows past both `[PADi]` UNUSED."""
+    g = _gguf()
+    path = inside_file(tok_dir, SPM_FILE, f"{tok_dir}: tokenizer file")
+    proto = read_sentencepiece(path)
+    if len(proto.pieces) > n_vocab:
+        raise MConvertError(f"{path}: {len(proto.pieces)} pieces, the model {n_vocab} rows; the tokenizer does not "
+                            "belong to this model")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    scores = [UNFILLED_SCORE] * n_vocab
+    types = [int(g.TokenType.UNUSED)] * n_vocab
+    for i, piece in enumerate(proto.pieces):
+        tokens[i], scores[i], types[i] = piece.piece, float(piece.score), int(piece.type)
+    tok = load_tokenizer(tok_dir)
+    for i, added in sorted(tok.added_tokens_decoder.items()):
+        if i >= n_vocab:
+            raise MConvertError(f"{tok_dir}: added token {escape_controls(added.content)[:40]!r} has id {i}, the "
+                                f"model {n_vocab} rows; the tokenizer does not belong to this model")
+        if added.special:
+            tokens[i], types[i] = added.content, int(g.TokenType.CONTROL)
+        else:
+            tokens[i], types[i] = added.content.replace("\u2581", " "), int(g.TokenType.USER_DEFINED)
+        scores[i] = ADDED_SCORE
+    prefix = tok.init_kwargs.get("add_prefix_space")
+    add_space_prefix = bool(proto.normalizer_spec.add_dummy_prefix) if prefix is None else bool(prefix)
+    return GgufVocab(SPM_MODEL, SPM_PRE, tokens, types, scores, merges=False, add_space_prefix=add_space_prefix)
+
+
 # ---- the writer -----------------------------------------------------------------------------------------
 class GgufWriter:
     """Writer of one `.gguf` (reads HF-named units): header, metadata and tensor infos at open, then each unit's
@@ -279,9 +424,9 @@ class GgufWriter:
         self.plan = plan_tensors(spec, self.layout, outtype)
         if tokenizer_dir is None:
             raise MConvertError("no tokenizer found beside the checkpoint; GGUF embeds one — pass --tokenizer DIR")
-        tokens, types, pre = tokenizer_vocab(tokenizer_dir, spec.vocab_size)
+        vocab = gguf_vocab(tokenizer_dir, spec.vocab_size)
         self._w = g.GGUFWriter(self.path, self.layout.arch)
-        self._metadata(name or self.path.stem, tokens, types, pre, tokenizer_dir)
+        self._metadata(name or self.path.stem, vocab, tokenizer_dir)
         for t in self.plan:
             self._w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
         self._w.write_header_to_file(self.path)
@@ -291,51 +436,70 @@ class GgufWriter:
         if self.plan and self.plan[0].name == ROPE_FREQS:
             self._write(self.plan[0], rope_freqs(spec))
 
-    def _metadata(self, name: str, tokens: list[str], types: list[int], pre: str, tok_dir: Path) -> None:
+    def _metadata(self, name: str, vocab: GgufVocab, tok_dir: Path) -> None:
         g, w, s = _gguf(), self._w, self.spec
         w.add_type(g.GGUFType.MODEL)
         w.add_name(name)
         w.add_context_length(s.max_position_embeddings)
         w.add_embedding_length(s.hidden_size)
         w.add_block_count(s.num_layers)
-        w.add_feed_forward_length(s.ffn_hidden_size)
+        moe_width = s.is_moe and not self.layout.expert_ff_key
+        w.add_feed_forward_length(s.expert_ffn_hidden_size if moe_width else s.ffn_hidden_size)
         w.add_head_count(s.num_attention_heads)
         w.add_head_count_kv(s.num_groups)
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
-        w.add_rope_freq_base(float(s.rotary_base))
-        w.add_rope_dimension_count(s.head_dim)
-        w.add_layer_norm_rms_eps(float(s.norm_epsilon))
+        if s.is_moe:
+            w.add_expert_count(int(s.num_experts))
+            w.add_expert_used_count(int(s.moe_router_topk))
+            if self.layout.expert_ff_key:
+                w.add_expert_feed_forward_length(s.expert_ffn_hidden_size)
+        if s.position_embedding_type == "rope":
+            w.add_rope_freq_base(float(s.rotary_base))
+            w.add_rope_dimension_count(s.head_dim)
+        if s.normalization == "LayerNorm":
+            w.add_layer_norm_eps(float(s.norm_epsilon))
+        else:
+            w.add_layer_norm_rms_eps(float(s.norm_epsilon))
         w.add_vocab_size(s.vocab_size)
         if s.rope_scaling == "linear":
             w.add_rope_scaling_type(g.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(float(s.rope_scaling_factor))
         w.add_file_type(outtype_types(self.outtype)[1])
         w.add_quantization_version(g.GGML_QUANT_VERSION)
-        w.add_tokenizer_model(BPE_MODEL)
-        w.add_tokenizer_pre(pre)
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        special = g.SpecialVocab(tok_dir, load_merges=True, n_vocab=len(tokens))
-        if not special.merges:
+        w.add_tokenizer_model(vocab.model)
+        w.add_tokenizer_pre(vocab.pre)
+        w.add_token_list(vocab.tokens)
+        if vocab.scores is not None:
+            w.add_token_scores(vocab.scores)
+        w.add_token_types(vocab.types)
+        if vocab.add_space_prefix is not None:
+            w.add_add_space_prefix(vocab.add_space_prefix)
+        special = g.SpecialVocab(tok_dir, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
+        if vocab.merges and not special.merges:
             raise MConvertError(f"{tok_dir}: tokenizer.json holds no BPE merges; re-save the tokenizer")
         special.add_to_gguf(w, quiet=True)
 
     def _write(self, t: GgufTensor, x: torch.Tensor) -> None:
         if tuple(x.shape) != t.shape:
-            raise MConvertError(f"tensor {t.hf or t.name}: shape {list(x.shape)}, the plan has {list(t.shape)}")
+            raise MConvertError(f"tensor {t.hf[0] if t.hf else t.name}: shape {list(x.shape)}, the plan has "
+                                f"{list(t.shape)}")
         data = _gguf().quants.quantize(x.detach().to(torch.float32).contiguous().numpy(), t.qtype)
         self._w.write_tensor_data(data)
         self._next += 1
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
-        """Append one unit's HF-named tensors; a tensor the plan has no place for is refused by name."""
+        """Append one unit's HF-named tensors (experts stacked); a tensor the plan has no place for is refused
+        by name."""
         todo = dict(tensors)
         while self._next < len(self.plan) and self.plan[self._next].unit == unit:
             t = self.plan[self._next]
-            if t.hf not in todo:
-                raise MConvertError(f"unit {unit}: the source yields no {t.hf}; cannot write {t.name}")
-            self._write(t, gguf_data(self.spec, self.layout, t.hf, todo.pop(t.hf), self.permute))
+            missing = next((h for h in t.hf if h not in todo), None)
+            if missing is not None:
+                raise MConvertError(f"unit {unit}: the source yields no {missing}; cannot write {t.name}")
+            data = [gguf_data(self.spec, self.layout, h, todo.pop(h), self.permute) for h in t.hf]
+            self._write(t, data[0] if len(data) == 1 else torch.stack(data))
+            del data
         if todo:
             raise MConvertError(f"unit {unit}: tensor {sorted(todo)[0]} has no place in the GGUF plan; conversion refused")
 
@@ -343,7 +507,8 @@ class GgufWriter:
         """Finish the file; refuse one that misses a planned tensor."""
         if self._next != len(self.plan):
             missing = self.plan[self._next]
-            raise MConvertError(f"GGUF incomplete: {missing.name} (from {missing.hf}) was never written")
+            raise MConvertError(f"GGUF incomplete: {missing.name} (from {', '.join(missing.hf) or 'the spec'}) was "
+                                "never written")
         self._w.close()
         return [self.path]
 

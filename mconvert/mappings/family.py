@@ -133,15 +133,23 @@ class TrtllmLayout:
 class GgufLayout:
     """How llama.cpp's `convert_hf_to_gguf.py` writes this family: its llama.cpp architecture (the
     `general.architecture` value and metadata key prefix), HF name template -> GGUF name template (layer `*`
-    -> block `*`; an HF name missing here is refused), whether q/k rows are permuted for llama.cpp's rope
-    (`LlamaModel.permute`: llama.cpp's LLAMA rope pairs dims (2i, 2i+1), HF's pairs (i, i + d/2)), and the
-    refusals of what llama.cpp's architecture cannot compute."""
+    -> block `*`; a second `*` is the expert index: every expert's tensor goes into one tensor stacked
+    [experts, ...] in expert order; an HF name missing here is refused), whether q/k rows are permuted for
+    llama.cpp's rope (`LlamaModel.permute`: llama.cpp's LLAMA rope pairs dims (2i, 2i+1), HF's pairs
+    (i, i + d/2)), and the refusals of what llama.cpp's architecture cannot compute."""
 
     arch: str
     tensors: dict[str, str]
     permute_qk: bool
     refuse: Callable[[ModelSpec], None] = lambda spec: None
     rope_freqs: bool = False  # the architecture reads a `rope_freqs.weight` factor tensor (llama3 rope scaling)
+    # HF templates stored [in, out] (GPT-2's Conv1D) that llama.cpp reads [out, in]: written transposed
+    transposed: frozenset[str] = frozenset()
+    # llama.cpp reads the experts' width from `expert_feed_forward_length` (else `feed_forward_length` is it)
+    expert_ff_key: bool = False
+    # the coarsest precision llama.cpp's CPU graph of this architecture computes a step in, whatever the file
+    # holds: `validate` judges the file by this row when it is coarser than the file type's
+    compute_dtype: str = "float32"
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------------

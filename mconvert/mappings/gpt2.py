@@ -17,6 +17,7 @@ from mconvert.mappings.family import (
     FTFile,
     FTKernels,
     FTLayout,
+    GgufLayout,
     Plugin,
     Rule,
     TiedHeadMessages,
@@ -320,6 +321,37 @@ PRESETS = {
                      vocab_size=50257, max_position_embeddings=1024),
 }
 
+# ---- GGUF (llama.cpp) -----------------------------------------------------------------------------------
+# llama.cpp's GPT2 architecture (convert_hf_to_gguf.py's GPT2Model): gguf-py's TensorNameMap names; the Conv1D
+# weights ([in, out]) are written transposed, as llama.cpp reads [out, in]; a tied head is not written
+# (llama.cpp then reads token_embd as the head).
+GGUF_TENSORS: dict[str, str] = {
+    "transformer.wte.weight": "token_embd.weight",
+    "transformer.wpe.weight": "position_embd.weight",
+    "transformer.ln_f.weight": "output_norm.weight",
+    "transformer.ln_f.bias": "output_norm.bias",
+    "lm_head.weight": "output.weight",
+    **{H + f"{hf}.{kind}": f"blk.*.{gg}.{kind}" for hf, gg in (
+        ("ln_1", "attn_norm"), ("attn.c_attn", "attn_qkv"), ("attn.c_proj", "attn_output"), ("ln_2", "ffn_norm"),
+        ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")) for kind in ("weight", "bias")},
+}
+
+
+def _gguf_refuse(spec: ModelSpec) -> None:
+    """llama.cpp's GPT2 graph applies tanh-approximated GeLU (HF's gelu_new) only."""
+    if spec.activation != "gelu_new":
+        raise MConvertError(f"activation {spec.activation!r} has no GGUF form: llama.cpp's gpt2 architecture applies "
+                            "tanh-approximated GeLU (gelu_new) only; conversion refused")
+
+
+# ggml-cpu's f32 GeLU rounds its input to f16 and reads its value from a table of f16 values
+# (GGML_GELU_FP16), so even an f32 GPT-2 file computes at f16 precision in llama.cpp.
+GGUF = GgufLayout(arch="gpt2", tensors=GGUF_TENSORS, permute_qk=False, refuse=_gguf_refuse,
+                  transposed=frozenset(H + f"{m}.weight" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                   "mlp.c_proj")),
+                  compute_dtype="float16")
+
+
 FAMILY = Family(
     name=NAME,
     architecture="GPT2LMHeadModel",
@@ -335,4 +367,5 @@ FAMILY = Family(
     recognise_order=0,
     ft=FT,
     trtllm=TRTLLM,
+    gguf=GGUF,
 )

@@ -12,7 +12,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, mistral
-from mconvert.mappings.family import Family, Plugin, Rule
+from mconvert.mappings.family import Family, GgufLayout, Plugin, Rule
 from mconvert.mappings.fields import INT, NEUTRAL, Field, mapped
 from mconvert.spec import ModelSpec
 
@@ -96,11 +96,26 @@ PRESETS = {
                                   num_experts=256, moe_router_topk=8),
 }
 
+# llama.cpp's LLAMA architecture with experts (convert_hf_to_gguf.py's LlamaModel takes MixtralForCausalLM):
+# LLaMA's attention and norm names, the router as `ffn_gate_inp`, and every expert's w1 / w3 / w2 stacked
+# [experts, out, in] into `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`; `feed_forward_length` is the
+# experts' width. llama.cpp routes as HF Mixtral does: softmax, top-k, renormalised over the k.
+DENSE_GGUF = tuple(H + f"mlp.{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj") for k in ("weight", "bias"))
+GGUF_TENSORS: dict[str, str] = {
+    **{k: v for k, v in llama.GGUF_TENSORS.items() if k not in DENSE_GGUF},
+    H + "block_sparse_moe.gate.weight": "blk.*.ffn_gate_inp.weight",
+    HX + "w1.weight": "blk.*.ffn_gate_exps.weight",
+    HX + "w3.weight": "blk.*.ffn_up_exps.weight",
+    HX + "w2.weight": "blk.*.ffn_down_exps.weight",
+}
+GGUF = GgufLayout(arch="llama", tensors=GGUF_TENSORS, permute_qk=True, rope_freqs=True)
+
 FAMILY = Family(**llama.rope_family(
     NAME, "Mixtral", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
     recognise=recognise, recognise_order=6,
     ft=None,  # FasterTransformer has no MoE form here
     trtllm=None,  # no confirmed TensorRT-LLM MoE layout
+    gguf=GGUF,
     sliding_window_by_default=True,
     moe=True,
 ))

@@ -12,7 +12,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, mixtral, qwen3
-from mconvert.mappings.family import Family, Plugin, Rule
+from mconvert.mappings.family import Family, GgufLayout, Plugin, Rule
 from mconvert.mappings.fields import BOOL, INT, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
@@ -86,10 +86,29 @@ PRESETS = {
                                         moe_ffn_hidden_size=64, moe_router_topk=2),
 }
 
+# llama.cpp's QWEN3MOE architecture (convert_hf_to_gguf.py's Qwen3MoeModel): Qwen3's attention names, the
+# router as `ffn_gate_inp`, every expert's gate / up / down stacked [experts, out, in]; the experts' width in
+# `expert_feed_forward_length`. llama.cpp always renormalises the top-k weights (norm_topk_prob=true, the
+# only routing this family admits).
+GGUF = GgufLayout(
+    arch="qwen3moe",
+    tensors={
+        **{k: v for k, v in qwen3.GGUF.tensors.items() if k not in mixtral.DENSE_GGUF},
+        H + "mlp.gate.weight": "blk.*.ffn_gate_inp.weight",
+        HX + "gate_proj.weight": "blk.*.ffn_gate_exps.weight",
+        HX + "up_proj.weight": "blk.*.ffn_up_exps.weight",
+        HX + "down_proj.weight": "blk.*.ffn_down_exps.weight",
+    },
+    permute_qk=False,
+    refuse=llama.gguf_refuse_rope_freqs,
+    expert_ff_key=True,
+)
+
 FAMILY = Family(**llama.rope_family(
     NAME, "Qwen3Moe", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
     recognise=recognise, recognise_order=5,
     ft=None,  # FasterTransformer has no MoE form here
     trtllm=None,  # no confirmed TensorRT-LLM MoE layout
+    gguf=GGUF,
     moe=True,
 ))

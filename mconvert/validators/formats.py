@@ -97,11 +97,11 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
                 info.tokenizer_dir = cand
                 break
     elif fmt == "gguf":
-        from mconvert.validators.gguf_runner import FILE_TYPE_DTYPES, read_gguf_metadata
+        from mconvert.validators.gguf_runner import gguf_dtype, read_gguf_metadata
 
         meta = read_gguf_metadata(p)
         arch = meta.get("general.architecture")
-        info.dtype = FILE_TYPE_DTYPES.get(meta.get("file_type_name", ""), "float32")
+        info.dtype = gguf_dtype(meta)
         info.vocab_size = meta.get("n_vocab")
         info.max_positions = meta.get(f"{arch}.context_length")
         info.layout = {"arch": arch, "file_type": meta.get("file_type_name")}

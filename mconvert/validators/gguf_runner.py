@@ -100,3 +100,14 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
 
 # general.file_type -> the dtype validate judges it with (its tolerance row)
 FILE_TYPE_DTYPES = {"ALL_F32": "float32", "MOSTLY_F16": "float16", "MOSTLY_BF16": "bfloat16", "MOSTLY_Q8_0": "q8_0"}
+def gguf_dtype(meta: dict[str, Any]) -> str:
+    """The dtype `validate` judges a GGUF by: its file type's, or the precision llama.cpp computes its
+    architecture in (`GgufLayout.compute_dtype`) when that is coarser."""
+    from mconvert.mappings import families
+    from mconvert.validators.compare import tolerance_for
+
+    dtype = FILE_TYPE_DTYPES.get(meta.get("file_type_name", ""), "float32")
+    for f in families.all_families():
+        if f.gguf is not None and f.gguf.arch == meta.get("general.architecture"):
+            dtype = tolerance_for(dtype, f.gguf.compute_dtype).dtype
+    return dtype

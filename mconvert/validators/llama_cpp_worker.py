@@ -3,7 +3,8 @@ REQUEST.json RESULT_DIR`. It imports only llama_cpp, numpy and the standard libr
 neither torch nor mconvert.
 
 REQUEST: {"model": path, "threads": n, "logits": [[ids...], ...], "tokenize": [text, ...],
-"detokenize": [[ids...], ...], "generate": {"prompt": [ids...], "max_tokens": n}}; every part optional.
+"tokenize_special": [text, ...] (special tokens in the text parsed as such), "detokenize": [[ids...], ...],
+"generate": {"prompt": [ids...], "max_tokens": n}}; every part optional.
 RESULT_DIR gets `logits_{i}.npy` ([S, V] float32 per sequence) and `result.json` (model facts, tokenizations,
 detokenizations, greedy tokens).
 """
@@ -36,7 +37,13 @@ def main(request_path: str, out_dir: str) -> None:
         llm.eval(ids)
         np.save(out / f"logits_{i}.npy", np.asarray(llm.scores[: len(ids)], dtype=np.float32))
     result["tokenize"] = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in req.get("tokenize", [])]
-    result["detokenize"] = [llm.detokenize(ids).decode("utf-8", errors="replace") for ids in req.get("detokenize", [])]
+    result["tokenize_special"] = [llm.tokenize(t.encode("utf-8"), add_bos=False, special=True)
+                                  for t in req.get("tokenize_special", [])]
+    # llama.cpp's own detokenizer (llama_detokenize) drops the space a vocabulary's add_space_prefix put before
+    # the first piece; the binding's per-token join keeps it, so the first piece is stripped here
+    strip_first = llm.metadata.get("tokenizer.ggml.add_space_prefix", "false") == "true"
+    result["detokenize"] = [_detokenize(llm, ids, strip_first).decode("utf-8", errors="replace")
+                            for ids in req.get("detokenize", [])]
     if gen:
         llm.reset()
         toks: list[int] = []
@@ -46,6 +53,21 @@ def main(request_path: str, out_dir: str) -> None:
                 break
         result["generate"] = toks
     (out / "result.json").write_text(json.dumps(result), encoding="utf-8")
+
+
+def _detokenize(llm, ids: list, strip_first: bool) -> bytes:
+    """The text of `ids` as llama.cpp's pieces (llama_token_to_piece), the first one left-stripped when asked."""
+    import ctypes
+
+    import llama_cpp
+
+    out, size = b"", 256
+    buf = ctypes.create_string_buffer(size)
+    for i, t in enumerate(ids):
+        n = llama_cpp.llama_token_to_piece(llm._model.vocab, llama_cpp.llama_token(t), buf, size,
+                                           1 if (strip_first and i == 0) else 0, False)
+        out += buf.raw[:max(n, 0)]
+    return out
 
 
 if __name__ == "__main__":
