@@ -37,9 +37,14 @@ def _dcp_read_all(d: Path) -> dict[str, object]:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _RawBytes(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # the saved bytes, not torch.load of them
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+
     sd: dict[str, object] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(str(d)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(sd, storage_reader=FileSystemReader(str(d)), planner=_RawBytes(), no_dist=True)
     return {k: (v.getvalue() if isinstance(v, io.BytesIO) else v) for k, v in sd.items()}
 
 
