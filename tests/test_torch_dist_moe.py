@@ -21,6 +21,7 @@ from test_moe import _saved as _moe_saved
 from test_torch_dist_write import _dcp_read_all, _hf_logits, _load_dist, _summary
 
 from mconvert.convert.driver import hf_to_megatron, reshard
+from mconvert.convert.io.safeload import safe_load_dcp_metadata
 
 
 @pytest.mark.slow
@@ -50,7 +51,13 @@ def test_moe_torch_dist_output_loads_in_megatron_core_at_another_tp_and_ep(tmp_p
     spec = SPECS["qwen3_moe"]
     hf = make_hf(spec, tmp_path / "hf")
     out = tmp_path / "dist"
+    plan = hf_to_megatron(hf, tmp_path / "plan", tp=2, pp=1, ep=1, format="torch_dist", dry_run=True)
     hf_to_megatron(hf, out, tp=2, pp=1, ep=1, format="torch_dist")
+    [entry] = plan["files"]  # the plan names the data file, its chunks and their tensor bytes
+    md = safe_load_dcp_metadata(out / "release" / ".metadata")
+    assert entry["tensors"] == len([k for k in md.storage_data if k.offset is not None])
+    framing = (out / "release" / entry["path"]).stat().st_size - entry["bytes"]
+    assert 0 < framing < 4096 * len(md.storage_data)
     tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     res = run_mcore(spec, 1, _load_dist, (str(out / "release"), tokens), ep=2)
     got, want = res[0][..., : spec.vocab_size], _hf_logits(hf, tokens)
