@@ -24,6 +24,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -132,6 +133,39 @@ def _blob(obj: Any) -> memoryview:
     return buf.getbuffer()
 
 
+class _BlobSink:
+    """`torch.save` of one chunk straight into the data file, with no serialized copy of the chunk: torch's
+    small records (zip headers, the pickle) are copied, their buffers living only during the call, and the
+    tensor's bytes, which torch writes in one call from the storage itself, are queued as that memory, kept
+    alive by the queue's reference to the tensor until written."""
+
+    def __init__(self, out: HashingFile, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.out, self.tensor, self.span = out, tensor, (storage.data_ptr(), storage.nbytes())
+        self.small = bytearray()
+        self.n = 0  # bytes written: the item's length in the data file
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        if n and n == self.span[1] and np.frombuffer(mv, np.uint8).ctypes.data == self.span[0]:
+            self.finish()
+            self.out.write(mv, keep=self.tensor)
+        else:
+            self.small += mv
+        self.n += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        """Queue the small records gathered so far."""
+        if self.small:
+            self.out.write(bytes(self.small))
+            self.small = bytearray()
+
+
 def _owned(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor that owns exactly its bytes (torch.save of a view saves its whole storage)."""
     if t.is_contiguous() and not t.storage_offset() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
@@ -204,6 +238,18 @@ class TorchDistWriter:
         self._pos += len(data)
         self._tensor_bytes += tensor_bytes
 
+    def _append_tensor(self, part: torch.Tensor, index: MetadataIndex) -> None:
+        """One chunk as DCP writes it (`torch.save(chunk)`), streamed into the data file."""
+        nbytes = part.numel() * part.element_size()
+        if self._tensor_bytes and self._tensor_bytes + nbytes > self.max_file_bytes:
+            self._open_next()
+        sink = _BlobSink(self._file, part)
+        torch.save(part, sink)
+        sink.finish()
+        self._storage[index] = _StorageInfo(self._names[-1], self._pos, sink.n)
+        self._pos += sink.n
+        self._tensor_bytes += nbytes
+
     def _add_tensor(self, name: str, full: torch.Tensor, state: str | None = None) -> None:
         """One full tensor, or with `state` one of its optimizer states (same chunks, its own dtype)."""
         key, lead = dist_place(name)
@@ -236,7 +282,8 @@ class TorchDistWriter:
                 part = part[(None,) * len(lead)]  # a view: one size-1 dim per stacked index
                 off, size = (*lead, *off), (*(1,) * len(lead), *size)
             md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))
-            self._append(_blob(_owned(part)), MetadataIndex(key, torch.Size(off)), part.numel() * part.element_size())
+            self._append_tensor(_owned(part), MetadataIndex(key, torch.Size(off)))
+            del part
 
     def _stack_dims(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         """The stacked dimensions of a key placed at `lead`: (num_layers[, num_experts])."""
