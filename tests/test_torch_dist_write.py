@@ -449,7 +449,6 @@ with tempfile.TemporaryDirectory(dir=sys.argv[1]) as d:
     w = TorchDistWriter(Path(d), preset("tiny-llama"), 2, 1)
     base = status("VmRSS:")
     w._add_tensor("decoder.layers.0.mlp.linear_fc2.weight", t)
-    w.close = None
     w._file.close()
     print(status("VmHWM:") - base)
 """
