@@ -236,3 +236,18 @@ def test_rng_state_goes_into_torch_dist_and_back(tmp_path: Path, tmp_path_factor
         assert _same_rng(back["rng_state"], orig["rng_state"]), t
         assert sorted(_tensor_names(back["model"])) == sorted(_tensor_names(orig["model"]))
         assert all(torch.equal(back["model"][k], orig["model"][k]) for k in _tensor_names(orig["model"]))
+
+
+@pytest.mark.timeout(300)
+def test_moe_trainer_states_into_torch_dist_are_refused_by_name(tmp_path: Path, capsys) -> None:
+    """megatron-core keeps a MoE model's expert parameters in a second (chained) distributed optimizer: trainer
+    Adam states of Mixtral into torch_dist are one error line naming the reason, and no OUT."""
+    from safety_common import assert_one_line_error, run_cli
+    from test_moe import _random_hf
+
+    hf_to_megatron(_random_hf("mixtral", tmp_path / "hf"), tmp_path / "a", tp=1, ep=2)
+    _add_optimizer(tmp_path / "a")
+    code, _, err = run_cli(["reshard", tmp_path / "a", tmp_path / "o", "--tp", "1", "--ep", "1", "--format",
+                            "torch_dist", "--with-optimizer"], capsys)
+    assert_one_line_error(code, err, "mp_rank_00_000", "mixture-of-experts", "chained")
+    assert not (tmp_path / "o").exists()
