@@ -251,3 +251,34 @@ def test_moe_trainer_states_into_torch_dist_are_refused_by_name(tmp_path: Path, 
                             "torch_dist", "--with-optimizer"], capsys)
     assert_one_line_error(code, err, "mp_rank_00_000", "mixture-of-experts", "chained")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.timeout(300)
+def test_rng_state_per_rank_and_an_incomplete_grid(tmp_path: Path) -> None:
+    """Each rank file's own rng_state (TP=2 PP=2) comes back to the same rank through torch_dist; a torch_dist
+    checkpoint whose rng_state misses one (pp, tp) rank is refused naming that rank, not half carried."""
+    import pickle
+
+    from mconvert.convert.io.safeload import safe_load_dcp_metadata
+    from mconvert.convert.sources import open_source
+
+    hf_to_megatron(_gpt2(tmp_path), tmp_path / "a", tp=2, pp=2)
+    files = sorted((tmp_path / "a").rglob("model_optim_rng.pt"))
+    for i, f in enumerate(files):
+        rng = [{"torch_rng_state": torch.manual_seed(i).get_state(), "rank": i}]
+        _edit(f, lambda st, rng=rng: st.__setitem__("rng_state", rng))
+    (tmp_path / "a" / MANIFEST).unlink()
+    reshard(tmp_path / "a", tmp_path / "d", tp=2, pp=2, format="torch_dist")
+    reshard(tmp_path / "d", tmp_path / "b", tp=2, pp=2, format="torch")
+    for i, f in enumerate(files):
+        back = safe_load(tmp_path / "b" / f.relative_to(tmp_path / "a"))["rng_state"]
+        assert back[0]["rank"] == i and torch.equal(back[0]["torch_rng_state"], torch.manual_seed(i).get_state())
+    md_file = tmp_path / "d" / "release" / ".metadata"
+    md = safe_load_dcp_metadata(md_file)
+    del md.state_dict_metadata["rng_state/shard_1.0_2.2"]
+    md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != "rng_state/shard_1.0_2.2"}
+    with open(md_file, "wb") as fh:
+        pickle.dump(md, fh)  # our own metadata, one entry fewer
+    (tmp_path / "d" / MANIFEST).unlink()
+    with pytest.raises(MConvertError, match=r"rng_state is saved for 3 of the 4 \(pp, tp\) ranks; rank \(1, 0\)"):
+        open_source(tmp_path / "d")

@@ -212,6 +212,10 @@ class TorchDistSource(SourceBase):
                 continue
             self.keys[name] = (key, stacked)
             self.global_shapes[name] = shape
+        if self._rng and len(self._rng) != self.pp * self.tp:
+            missing = next((p, t) for p in range(self.pp) for t in range(self.tp) if (p, t) not in self._rng)
+            raise MConvertError(f"{md_file}: rng_state is saved for {len(self._rng)} of the {self.pp * self.tp} "
+                                f"(pp, tp) ranks; rank {missing} has none — the checkpoint is incomplete")
 
     def _check_shape(self, key: str, name: str, shape: tuple[int, ...], md_file: Path) -> None:
         """The stored full shape must be the one the args declare (vocab rows: at least the true vocab)."""
