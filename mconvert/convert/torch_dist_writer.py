@@ -9,8 +9,13 @@ them; a new file starts when the next chunk would take a file past `MAX_FILE_BYT
 global: layers stacked (`decoder.layers.<name>` is `[num_layers, ...]`), norms under the names megatron-core's
 layer spec maps them to (`linear_qkv.layer_norm_weight`), one chunk per layer and target TP rank laid out as
 megatron-core lays out that rank's shard (SwiGLU fc1: the rank's gate rows and its up rows are two chunks),
-and one `_extra_state/shard_<layer>_<num_layers>` bytes entry per linear module and layer. Units stream: each
-arrives, its chunks are appended to the data file, only the metadata stays in memory.
+and one `_extra_state/shard_<layer>_<num_layers>` bytes entry per linear module and layer. Routed experts are
+stacked twice (`decoder.layers.mlp.experts.experts.<linear>` is `[num_layers, num_experts, ...]`, one chunk per
+layer, expert and TP shard, an `_extra_state/shard_<layer>.<expert>_<L>.<E>` per expert linear), as
+megatron-core's SequentialMLP saves them. With the source's `rng_state`, one `rng_state/shard_<pp>.<tp>_<PP>.<TP>`
+bytes entry per target rank; with optimizer states, megatron-core's `fully_reshardable` distributed-optimizer
+layout. Units stream: each arrives, its chunks are serialized straight into the data file, only the metadata
+stays in memory.
 """
 
 from __future__ import annotations
