@@ -3,7 +3,9 @@
 The trainer saves `optimizer` = `torch.optim.Adam(...).state_dict()` built from `named_parameters()`, so
 `param_groups[g]['param_names']` names each param id with its model state_dict key (stage-local layer index;
 with virtual pipeline chunks the name is prefixed `model<c>.`). `exp_avg` / `exp_avg_sq` have the parameter's
-sharded shape and follow its split kind; `step` is replicated.
+sharded shape and follow its split kind; `step` is replicated. Across formats, the trainer's Adam states map to
+and from megatron-core's `fully_reshardable` distributed optimizer (its param groups keyed by `wd_mult`,
+`lr_mult`, `is_expert_parallel`, `is_decoupled_lr`; one `step` for all); what does not map is refused.
 """
 
 from __future__ import annotations
