@@ -85,6 +85,7 @@ def _per_chunk(ctx: McoreContext, fn) -> dict:
 def _save_both(ctx: McoreContext, torch_root: str, dist_root: str, tokens: torch.Tensor) -> torch.Tensor | None:
     """Per rank: perturb, save legacy torch + torch_dist checkpoints as Megatron-LM would, return logits."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     _perturb(ctx)
     args = _megatron_args(ctx)
@@ -108,9 +109,11 @@ def _save_both(ctx: McoreContext, torch_root: str, dist_root: str, tokens: torch
     torch.distributed.barrier()
     dargs = _megatron_args(ctx)
     dargs.ckpt_format = "torch_dist"
+    # the same rng states, as Megatron-LM's get_rng_state hands them to a torch_dist save
+    rng = ShardedObject("rng_state", state["rng_state"], (ctx.pp, ctx.tp), (ctx.pp_rank, ctx.tp_rank), replica_id=0)
     dist_checkpointing.save(
         {**_per_chunk(ctx, lambda m: m.sharded_state_dict()), "args": dargs, "checkpoint_version": 3.0,
-         "iteration": ITERATION},
+         "iteration": ITERATION, "rng_state": rng},
         str(dist_dir),
     )
     if ctx.rank == 0:

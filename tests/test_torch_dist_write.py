@@ -37,9 +37,14 @@ def _dcp_read_all(d: Path) -> dict[str, object]:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class _RawBytes(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # the saved bytes, not torch.load of them
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+
     sd: dict[str, object] = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(str(d)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(sd, storage_reader=FileSystemReader(str(d)), planner=_RawBytes(), no_dist=True)
     return {k: (v.getvalue() if isinstance(v, io.BytesIO) else v) for k, v in sd.items()}
 
 
@@ -426,3 +431,38 @@ def test_torch_dist_optimizer_refusals_name_the_layout(tmp_path: Path) -> None:
     with pytest.raises(MConvertError, match=r"common\.pt: distributed optimizer states are saved as 'dp_reshardable'"):
         reshard(bucketed, tmp_path / "o2", tp=2, pp=1, with_optimizer=True)
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+PEAK_SCRIPT = """
+import sys, tempfile, torch
+from pathlib import Path
+from mconvert.mappings.families import preset
+from mconvert.convert.torch_dist_writer import TorchDistWriter
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+t = torch.randn(8192, 8192)  # 256 MiB; row-parallel at TP=2: each chunk a strided half of the columns
+with tempfile.TemporaryDirectory(dir=sys.argv[1]) as d:
+    w = TorchDistWriter(Path(d), preset("tiny-llama"), 2, 1)
+    base = status("VmRSS:")
+    w._add_tensor("decoder.layers.0.mlp.linear_fc2.weight", t)
+    w._file.close()
+    print(status("VmHWM:") - base)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_writer_peak_is_about_one_chunk_above_the_tensor(tmp_path: Path) -> None:
+    """A strided TP chunk is copied once (torch.save of a view would save its whole storage) and streamed from
+    that copy into the data file: the writer's peak stays well under two chunks above the full tensor, where a
+    serialized copy per chunk would add a second and a third."""
+    p = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                       timeout=100)
+    assert p.returncode == 0, p.stderr
+    chunk = 8192 * 8192 * 4 // 2
+    above = int(p.stdout.split()[-1])
+    print(f"writer peak above the tensor: {above / 2**20:.0f} MiB for {chunk / 2**20:.0f} MiB chunks")
+    assert above < 1.75 * chunk

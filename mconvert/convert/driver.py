@@ -178,7 +178,6 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                             f"{window} tokens")
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     spec.check_parallel(tp, pp, vpp, ep)
-    _refuse_dist_moe(spec, format, hf_dir)
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, ep=ep,
@@ -187,7 +186,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
-            return TorchDistWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target)
+            return TorchDistWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, ep=ep)
         return megatron_writer(tmp, spec, tp, pp, vpp, ep, iteration="release", dtype=target, preview=_preview(src))
 
     return write_output(
@@ -221,44 +220,40 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     if format is None:
         format = "torch_dist" if src.format == "megatron-torch_dist" else "torch"
     dist_source = src.format == "megatron-torch_dist"
-    if with_optimizer and dist_source != (format == "torch_dist"):
-        raise MConvertError(f"{out}: --with-optimizer re-shards optimizer states within one format (torch: the "
-                            "trainer's Adam states; torch_dist: megatron-core's distributed optimizer); converting "
-                            f"them from {src.format} to {format} is not supported — drop --with-optimizer or keep "
-                            "the source's --format")
+    groups = None
     if with_optimizer and dist_source:
         src.check_optimizer()
+        if format == "torch":  # megatron-core's distributed optimizer -> the trainer's Adam states
+            groups = src.trainer_optimizer()
     src.spec.check_parallel(tp, pp, vpp, ep)
-    _refuse_dist_moe(src.spec, format, ckpt)
     layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp, ep=ep,
                               with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
                               **({"ep": ep} if src.spec.is_moe else {}))
-    groups = None
-    top: dict[str, Any] = {}
-    rank_top = None
-    if isinstance(src, MegatronSource):
-        top = src.top_level()
-        for k in ("args", "checkpoint_version", "iteration", "optimizer"):
-            top.pop(k, None)
+    # common.pt's / rank 0's entries; megatron-core's param groups only with its states into torch_dist
+    top = {k: v for k, v in src.top_level().items() if k not in ("args", "checkpoint_version", "iteration")
+           and (with_optimizer and dist_source and format == "torch_dist" or k != "optimizer")}
+    rank_top = rng = None
+    if "rng_state" in top:  # per rank: each target rank keeps the one of the source rank it maps to
+        top.pop("rng_state")
         rng_from = _rng_source_ranks(src, tp, pp, vpp)
-        if "rng_state" in top:
-            top.pop("rng_state")
-            rank_top = lambda t, p: {"rng_state": src.top_level(*rng_from[(t, p)][::-1])["rng_state"]}  # noqa: E731
-        if with_optimizer:
-            first = safe_load(src.files[(0, 0)])
-            _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
-            del first
-    else:  # torch_dist: common.pt's entries; the optimizer's param groups only with its states
-        top = {k: v for k, v in src.top_level().items() if k not in ("args", "checkpoint_version", "iteration")
-               and (with_optimizer or k != "optimizer")}
+        rng = lambda t, p: src.top_level(*rng_from[(t, p)][::-1])["rng_state"]  # noqa: E731
+        rank_top = lambda t, p: {"rng_state": rng(t, p)}  # noqa: E731
+    if isinstance(src, MegatronSource) and with_optimizer:
+        first = safe_load(src.files[(0, 0)])
+        _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
+        del first
     iteration_out = src.iteration if src.iteration is not None else "release"
 
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
             return TorchDistWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                                   args=getattr(src, "args", None), top_level=top, with_states=with_optimizer)
+                                   args=getattr(src, "args", None), top_level=top,
+                                   with_states=with_optimizer and dist_source,
+                                   optimizer_groups=groups if not dist_source else None,
+                                   source=str(src.files[(0, 0)] if isinstance(src, MegatronSource) else ckpt),
+                                   rng_state=rng, ep=ep)
         return megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
@@ -282,13 +277,6 @@ def check_format(format: str) -> None:
     if format not in OUTPUT_FORMATS:
         raise MConvertError(f"--format {format!r}: choose torch (mp_rank_* rank files) or torch_dist "
                             "(megatron-core dist_checkpointing)")
-
-
-def _refuse_dist_moe(spec: Any, format: str, source: str | Path) -> None:
-    """torch_dist output stacks experts in a layout this writer does not produce yet: refused by name."""
-    if format == "torch_dist" and spec.is_moe:
-        raise MConvertError(f"{source}: --format torch_dist for a mixture-of-experts model ({spec.family}, "
-                            f"{spec.num_experts} experts) is not written yet; use --format torch")
 
 
 def _source_dtype(src: Any) -> torch.dtype:

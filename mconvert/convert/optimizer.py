@@ -3,7 +3,9 @@
 The trainer saves `optimizer` = `torch.optim.Adam(...).state_dict()` built from `named_parameters()`, so
 `param_groups[g]['param_names']` names each param id with its model state_dict key (stage-local layer index;
 with virtual pipeline chunks the name is prefixed `model<c>.`). `exp_avg` / `exp_avg_sq` have the parameter's
-sharded shape and follow its split kind; `step` is replicated.
+sharded shape and follow its split kind; `step` is replicated. Across formats, the trainer's Adam states map to
+and from megatron-core's `fully_reshardable` distributed optimizer (its param groups keyed by `wd_mult`,
+`lr_mult`, `is_expert_parallel`, `is_decoupled_lr`; one `step` for all); what does not map is refused.
 """
 
 from __future__ import annotations
@@ -116,3 +118,96 @@ def split_states(full: dict[str, Any], kind: str, tp: int, name: str) -> list[di
             for r in range(tp):
                 outs[r][k] = v
     return outs
+
+
+# ---- across formats: the trainer's Adam (torch rank files) <-> megatron-core's distributed optimizer ------------
+# megatron-core 0.16.1 matches a saved param group to its own by these keys (`param_group_identifier_keys`)
+MCORE_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+# what `_get_param_groups` adds to a torch Adam group, in the order its groups hold them; `step` follows the Adam
+# hyperparameters (`DistributedOptimizer.state_dict` writes the one step every parameter shares there)
+MCORE_EXTRA_KEYS = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr",
+                    "min_lr")
+# megatron-core's default groups of a dense model: weight-decayed weights, then biases and 1-d parameters
+# (norms) with wd_mult 0 (`get_standard_config_overrides`)
+MCORE_WD_MULTS = (1.0, 0.0)
+NOT_HYPER = ("params", "param_names", "step", *MCORE_EXTRA_KEYS)
+
+
+def shared_step(steps: list[Any], source: str) -> float:
+    """The Adam `step` every parameter shares (megatron-core keeps one per optimizer); differing steps are
+    refused: one of them would be wrong for some parameters."""
+    values = {float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps}
+    if len(values) != 1:
+        raise MConvertError(f"{source}: parameters are at different Adam steps {sorted(values)[:4]}; megatron-core's "
+                            "distributed optimizer keeps one step for all — drop --with-optimizer")
+    return values.pop()
+
+
+def _one_hyper(groups: list[dict[str, Any]], source: str, what: str) -> dict[str, Any]:
+    """The Adam hyperparameters all `groups` share (their own keys, without parameters, step or megatron-core's
+    group keys); groups that differ in one are refused by that key."""
+    if not groups:
+        raise MConvertError(f"{source}: the optimizer has no param groups; the file is damaged — drop --with-optimizer")
+    first = {k: v for k, v in groups[0].items() if k not in NOT_HYPER}
+    for g, group in enumerate(groups[1:], 1):
+        for k in sorted(set(first) | {k for k in group if k not in NOT_HYPER}):
+            if group.get(k) != first.get(k):
+                raise MConvertError(f"{source}: {what} param groups 0 and {g} differ in {k!r} ({first.get(k)!r} vs "
+                                    f"{group.get(k)!r}); one set of Adam hyperparameters must serve every parameter "
+                                    "in the other format — drop --with-optimizer")
+    return first
+
+
+def to_mcore_optimizer(groups: list[dict[str, Any]], step: float, source: str, is_moe: bool = False,
+                       min_lr: float | None = None) -> dict[str, Any]:
+    """The trainer's Adam param groups and shared step -> common.pt's `optimizer` entry of megatron-core's
+    `fully_reshardable` distributed optimizer: one group per megatron-core group key set (weight-decayed
+    weights; biases and norms), each with the trainer's hyperparameters, so every parameter takes the update
+    it took in the trainer."""
+    if is_moe:
+        raise MConvertError(f"{source}: megatron-core keeps a mixture-of-experts model's expert parameters in a second "
+                            "(chained) distributed optimizer, which is not written from trainer Adam states — drop "
+                            "--with-optimizer or keep --format torch")
+    hyper = _one_hyper(groups, source, "the trainer's")
+    out = []
+    for wd_mult in MCORE_WD_MULTS:
+        extra = {"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
+                 "is_decoupled_lr": False, "max_lr": hyper.get("lr"), "min_lr": min_lr}
+        out.append({**extra, **hyper, "step": step})
+    return {"optimizer": {"param_groups": out}, "param_state_sharding_type": "fully_reshardable"}
+
+
+def to_trainer_optimizer(opt: dict[str, Any], source: str) -> tuple[list[dict[str, Any]], float]:
+    """common.pt's `optimizer` entry of megatron-core's distributed optimizer -> (the trainer's one Adam param
+    group, the shared step). Groups that differ in a hyperparameter (a weight decay scheduled per `wd_mult`,
+    an lr per `lr_mult`) cannot be one torch Adam group and are refused by that key."""
+    inner = opt.get("optimizer") if isinstance(opt, dict) else None
+    groups = inner.get("param_groups") if isinstance(inner, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise MConvertError(f"{source}: the distributed optimizer has no param_groups list (optimizer.optimizer."
+                            "param_groups); a chained or damaged optimizer — drop --with-optimizer")
+    hyper = _one_hyper(groups, source, "megatron-core's")
+    if any(g.get("step") is None for g in groups):
+        raise MConvertError(f"{source}: a distributed-optimizer param group has no 'step'; saved by an Apex/TE "
+                            "optimizer that keeps it elsewhere — drop --with-optimizer")
+    step = shared_step([g["step"] for g in groups], source)
+    # key order as torch's Adam.state_dict() writes a named group: param_names, hyperparameters, params
+    return [{"param_names": None, **hyper, "params": None}], step
+
+
+def trainer_states(state: dict[str, Any], step: float) -> dict[str, Any]:
+    """One parameter's megatron-core states (`param` fp32 copy, `exp_avg`, `exp_avg_sq`) -> the trainer's
+    Adam state in group 0 with its own `step` tensor (torch's Adam adds to it in place, so never shared). The
+    fp32 copy stays behind: the trainer makes its fp32 copies from the weights when it resumes."""
+    out: dict[str, Any] = {"group": 0, "step": torch.tensor(step, dtype=torch.float32)}
+    out.update({k: v for k, v in state.items() if k != "param"})
+    return out
+
+
+def mcore_states(weight: torch.Tensor, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """One parameter's trainer Adam state (full shapes) -> megatron-core's `fully_reshardable` states: the
+    fp32 copy of the weight (`param`: the trainer's own master is its weight) and every tensor state."""
+    out = {"param": weight.float()}
+    out.update({k: v for k, v in state.items() if k not in ("group", "step") and isinstance(v, torch.Tensor)
+                and v.dim() > 0})
+    return out

@@ -12,6 +12,9 @@ parameter come along, read the same way. The writer is `torch_dist_writer.py`.
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
@@ -38,6 +42,11 @@ DROP_PREFIXES: dict[str, None] = {"optimizer.": None, "rng_state": None, "rerun_
 # (`param` = fp32 main copy, `exp_avg`, `exp_avg_sq`) with the parameter's global shape and chunks, under
 # `optimizer.state.<state>.<parameter key>`; the param groups (with `step`) live in common.pt's `optimizer`.
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
+# Megatron-LM's torch_dist rng state: one ShardedObject per (pp_rank, tp_rank), `rng_state/shard_<p>.<t>_<P>.<T>`,
+# whose bytes are `torch.save([list of per-DP-rank rng dicts])`
+RNG_STATE = "rng_state"
+RNG_SHARD = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)")
+MAX_RNG_BYTES = 64 << 20  # one rank's rng states (python, numpy, torch, cuda, tracker) are kilobytes
 RESHARDABLE_OPTIMIZER = "fully_reshardable"
 
 
@@ -111,6 +120,9 @@ class TorchDistSource(SourceBase):
         # canonical template -> {optimizer state name: DCP key} (fully_reshardable distributed optimizer)
         self.state_keys: dict[str, dict[str, str]] = {}
         self.global_shapes: dict[str, tuple[int, ...]] = {}  # full shapes (no per-rank files in torch_dist)
+        self._trainer_step: float | None = None  # set by trainer_optimizer(): states then in the trainer's form
+        self._rng: dict[tuple[int, int], str] = {}  # (pp_rank, tp_rank) -> its `rng_state` ShardedObject key
+        self._tmp: str | None = None  # ShardedObject bytes, as files for the safe loader
         self._index()
 
     @staticmethod
@@ -150,6 +162,12 @@ class TorchDistSource(SourceBase):
                           for d in decls if d.expert in (None, 0)}
         self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])
         for key, md in self.metadata.state_dict_metadata.items():
+            rng = RNG_SHARD.fullmatch(key)
+            if rng:
+                p, t, pp, tp = map(int, rng.groups())
+                if (pp, tp) == (self.pp, self.tp) and p < pp and t < tp:  # else saved by another layout: dropped
+                    self._rng[(p, t)] = key
+                continue
             if not isinstance(md, TensorStorageMetadata) or "_extra_state" in key:
                 continue  # bytes: TE extra state, rng state, other pickled objects
             state = None
@@ -194,6 +212,10 @@ class TorchDistSource(SourceBase):
                 continue
             self.keys[name] = (key, stacked)
             self.global_shapes[name] = shape
+        if self._rng and len(self._rng) != self.pp * self.tp:
+            missing = next((p, t) for p in range(self.pp) for t in range(self.tp) if (p, t) not in self._rng)
+            raise MConvertError(f"{md_file}: rng_state is saved for {len(self._rng)} of the {self.pp * self.tp} "
+                                f"(pp, tp) ranks; rank {missing} has none — the checkpoint is incomplete")
 
     def _check_shape(self, key: str, name: str, shape: tuple[int, ...], md_file: Path) -> None:
         """The stored full shape must be the one the args declare (vocab rows: at least the true vocab)."""
@@ -224,9 +246,22 @@ class TorchDistSource(SourceBase):
             raise MConvertError(f"{self.iter_dir / '.metadata'}: no optimizer state for {missing[0]!r}; the "
                                 "checkpoint is incomplete — drop --with-optimizer")
 
+    def trainer_optimizer(self) -> list[dict[str, Any]]:
+        """Switch `read_unit`'s states to the trainer's Adam form (for torch rank-file output) and return the
+        trainer's param group; refused when megatron-core's groups cannot be one (see `optimizer.py`)."""
+        self.check_optimizer()
+        if self.spec.is_moe:
+            raise MConvertError(f"{self.iter_dir / 'common.pt'}: a mixture-of-experts model's expert parameters "
+                                "have their own (chained) distributed optimizer, not carried into trainer Adam states "
+                                "— drop --with-optimizer or keep --format torch_dist")
+        groups, self._trainer_step = optim.to_trainer_optimizer(self._common.get("optimizer"),
+                                                                str(self.iter_dir / "common.pt"))
+        return groups
+
     def read_unit(self, unit: Unit, with_optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """`read_mcore(unit)` and, when asked, each parameter's optimizer states as full tensors (the
-        `fully_reshardable` states: `param`, `exp_avg`, `exp_avg_sq`)."""
+        `fully_reshardable` states: `param`, `exp_avg`, `exp_avg_sq`; after `trainer_optimizer()` the
+        trainer's Adam states)."""
         tensors = self.read_mcore(unit)
         if not with_optimizer:
             return tensors, {}
@@ -239,7 +274,7 @@ class TorchDistSource(SourceBase):
                 if not all_finite(out[state]):
                     raise MConvertError(f"{self.iter_dir}: optimizer state {state!r} of {name!r} holds NaN or Inf "
                                         "values; the run diverged or the file is corrupt — drop --with-optimizer")
-            states[name] = out
+            states[name] = out if self._trainer_step is None else optim.trainer_states(out, self._trainer_step)
         return tensors, states
 
     def _read_one(self, key: str, tpl: str, unit: Unit) -> torch.Tensor:
@@ -263,9 +298,38 @@ class TorchDistSource(SourceBase):
         return out
 
     def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
-        """The entries of `common.pt` (args, checkpoint_version, iteration, scheduler, ...): what every rank
-        shares, so the same for any (pp_rank, tp_rank)."""
-        return dict(self._common)
+        """The entries of `common.pt` (args, checkpoint_version, iteration, scheduler, ...), what every rank
+        shares, and that rank's `rng_state` when the checkpoint holds one for it."""
+        out = dict(self._common)
+        if (pp_rank, tp_rank) in self._rng:
+            out["rng_state"] = self._read_object(self._rng[(pp_rank, tp_rank)])
+        return out
+
+    def close(self) -> None:
+        """Remove the ShardedObject files `_read_object` made."""
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _read_object(self, key: str) -> Any:
+        """A ShardedObject's data: its `torch.save([data])` bytes, read from the data file and loaded by the
+        safe loader like every other pickle of the checkpoint."""
+        info = next(v for k, v in self.metadata.storage_data.items() if getattr(k, "fqn", None) == key)
+        if info.length > MAX_RNG_BYTES:
+            raise MConvertError(f"{self.iter_dir}: {key!r} claims {info.length:,} bytes; rng states are kilobytes — "
+                                "the metadata is damaged")
+        with open(self.iter_dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        if self._tmp is None:  # kept until close(): safe_load may check the zip's CRC on its background thread
+            self._tmp = tempfile.mkdtemp(prefix="mconvert-objects-")
+        path = Path(self._tmp) / f"object{len(os.listdir(self._tmp))}.pt"
+        path.write_bytes(blob)
+        data = safe_load(path, f"{key} of {self.iter_dir}")
+        if not isinstance(data, list) or len(data) != 1:
+            raise MConvertError(f"{self.iter_dir}: {key!r} is not a saved ShardedObject (a one-item list); the "
+                                "checkpoint is damaged")
+        return data[0]
 
     # ---- reading --------------------------------------------------------------------------------------
     def read_slice(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

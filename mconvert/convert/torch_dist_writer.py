@@ -9,8 +9,13 @@ them; a new file starts when the next chunk would take a file past `MAX_FILE_BYT
 global: layers stacked (`decoder.layers.<name>` is `[num_layers, ...]`), norms under the names megatron-core's
 layer spec maps them to (`linear_qkv.layer_norm_weight`), one chunk per layer and target TP rank laid out as
 megatron-core lays out that rank's shard (SwiGLU fc1: the rank's gate rows and its up rows are two chunks),
-and one `_extra_state/shard_<layer>_<num_layers>` bytes entry per linear module and layer. Units stream: each
-arrives, its chunks are appended to the data file, only the metadata stays in memory.
+and one `_extra_state/shard_<layer>_<num_layers>` bytes entry per linear module and layer. Routed experts are
+stacked twice (`decoder.layers.mlp.experts.experts.<linear>` is `[num_layers, num_experts, ...]`, one chunk per
+layer, expert and TP shard, an `_extra_state/shard_<layer>.<expert>_<L>.<E>` per expert linear), as
+megatron-core's SequentialMLP saves them. With the source's `rng_state`, one `rng_state/shard_<pp>.<tp>_<PP>.<TP>`
+bytes entry per target rank; with optimizer states, megatron-core's `fully_reshardable` distributed-optimizer
+layout. Units stream: each arrives, its chunks are serialized straight into the data file, only the metadata
+stays in memory.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ import functools
 import io
 import json
 import pickle
+import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -34,13 +42,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mconvert.convert import optimizer as optim
 from mconvert.convert.base import Unit, units_of
 from mconvert.convert.io import repickle
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
 from mconvert.convert.megatron import target_args
-from mconvert.convert.torch_dist import OPTIMIZER_STATE_PREFIX
+from mconvert.convert.torch_dist import OPTIMIZER_STATE_PREFIX, RNG_STATE, STACKED_EXPERTS
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import unit_of
 from mconvert.mappings.transforms import pad_vocab, split_dim
@@ -59,6 +68,12 @@ KEY_MAP: dict[str, str] = {
 }
 # modules whose `_extra_state` megatron-core saves as a per-layer ShardedObject (the output layer's is dropped)
 EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+# a routed expert's linears have theirs too, per layer and expert
+EXPERT_LINEAR = re.compile(r"mlp\.experts\.local_experts\.\d+\.linear_fc[12]")
+
+
+# a routed expert's key before stacking: `decoder.layers.mlp.experts.local_experts.<global expert>.<rest>`
+LOCAL_EXPERT = re.compile(re.escape(STACKED_PREFIX) + r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
 def dist_key(name: str) -> tuple[str, int | None]:
@@ -71,6 +86,19 @@ def dist_key(name: str) -> tuple[str, int | None]:
             rest = new + rest[len(old):]
             break
     return STACKED_PREFIX + rest, int(layer)
+
+
+def dist_place(name: str) -> tuple[str, tuple[int, ...]]:
+    """Canonical name -> (torch_dist key, its stacked leading indices): `(layer,)` for a layer's tensor,
+    `(layer, expert)` for a routed expert's (SequentialMLP's `mlp.experts.experts.<linear>`, global expert
+    order), `()` for embedding and final tensors."""
+    key, layer = dist_key(name)
+    if layer is None:
+        return key, ()
+    m = LOCAL_EXPERT.fullmatch(key)
+    if m:
+        return f"{STACKED_PREFIX}{STACKED_EXPERTS.strip('.')}.{m.group(2)}", (layer, int(m.group(1)))
+    return key, (layer,)
 
 
 def chunk_boxes(kind: str, shape: tuple[int, ...], tp: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -110,6 +138,39 @@ def _blob(obj: Any) -> memoryview:
     return buf.getbuffer()
 
 
+class _BlobSink:
+    """`torch.save` of one chunk straight into the data file, with no serialized copy of the chunk: torch's
+    small records (zip headers, the pickle) are copied, their buffers living only during the call, and the
+    tensor's bytes, which torch writes in one call from the storage itself, are queued as that memory, kept
+    alive by the queue's reference to the tensor until written."""
+
+    def __init__(self, out: HashingFile, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        self.out, self.tensor, self.span = out, tensor, (storage.data_ptr(), storage.nbytes())
+        self.small = bytearray()
+        self.n = 0  # bytes written: the item's length in the data file
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        if n and n == self.span[1] and np.frombuffer(mv, np.uint8).ctypes.data == self.span[0]:
+            self.finish()
+            self.out.write(mv, keep=self.tensor)
+        else:
+            self.small += mv
+        self.n += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        """Queue the small records gathered so far."""
+        if self.small:
+            self.out.write(bytes(self.small))
+            self.small = bytearray()
+
+
 def _owned(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor that owns exactly its bytes (torch.save of a view saves its whole storage)."""
     if t.is_contiguous() and not t.storage_offset() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
@@ -119,7 +180,8 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1)
 def extra_state_blob() -> memoryview:
-    """The bytes megatron-core saves for a local-spec module's `_extra_state` shard: `torch.save([None])`."""
+    """The bytes megatron-core saves for a local-spec module's `_extra_state` shard: `torch.save([None])`
+    (a ShardedObject's bytes are `torch.save` of the list of its data)."""
     return _blob([None])
 
 
@@ -132,12 +194,20 @@ class TorchDistWriter:
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
                  dtype: torch.dtype | None = None, max_file_bytes: int = MAX_FILE_BYTES,
-                 with_states: bool = False) -> None:
-        spec.check_parallel(tp, pp, vpp)
-        self.takes_states = with_states  # the driver then hands each parameter's optimizer states to `add`
+                 with_states: bool = False, optimizer_groups: list[dict[str, Any]] | None = None,
+                 source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1) -> None:
+        spec.check_parallel(tp, pp, vpp, ep)
+        # the driver then hands each parameter's optimizer states to `add`: megatron-core's own, or with
+        # `optimizer_groups` the trainer's Adam states, turned into megatron-core's here
+        self.takes_states = with_states or optimizer_groups is not None
+        self.optimizer_groups, self.source = optimizer_groups, source or str(out)
+        self._steps: set[float] = set()
+        self.rng_state = rng_state  # (tp_rank, pp_rank) -> that target rank's rng_state list, as Megatron-LM saves it
+        if optimizer_groups is not None:  # refused before anything is written when the groups cannot map
+            optim.to_mcore_optimizer(optimizer_groups, 0.0, self.source, spec.is_moe)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
-        self.args = target_args(spec, args, tp, pp, vpp)
+        self.args = target_args(spec, args, tp, pp, vpp, ep)
         # `optimizer` (the distributed optimizer's param groups) is kept when the caller passes it: with states
         self.top_level = {k: v for k, v in (top_level or {}).items()
                           if k not in ("args", "checkpoint_version", "iteration", "model", "rng_state")}
@@ -173,9 +243,21 @@ class TorchDistWriter:
         self._pos += len(data)
         self._tensor_bytes += tensor_bytes
 
+    def _append_tensor(self, part: torch.Tensor, index: MetadataIndex) -> None:
+        """One chunk as DCP writes it (`torch.save(chunk)`), streamed into the data file."""
+        nbytes = part.numel() * part.element_size()
+        if self._tensor_bytes and self._tensor_bytes + nbytes > self.max_file_bytes:
+            self._open_next()
+        sink = _BlobSink(self._file, part)
+        torch.save(part, sink)
+        sink.finish()
+        self._storage[index] = _StorageInfo(self._names[-1], self._pos, sink.n)
+        self._pos += sink.n
+        self._tensor_bytes += nbytes
+
     def _add_tensor(self, name: str, full: torch.Tensor, state: str | None = None) -> None:
         """One full tensor, or with `state` one of its optimizer states (same chunks, its own dtype)."""
-        key, layer = dist_key(name)
+        key, lead = dist_place(name)
         kind = self.spec.split_kind(name)
         if kind == "vocab":
             full = pad_vocab(full, self.rows, self.spec.vocab_size, name)
@@ -184,7 +266,7 @@ class TorchDistWriter:
         elif self.dtype is not None and full.dtype != self.dtype:
             full = full.to(self.dtype)
         shape = tuple(full.shape)
-        stacked = (self.spec.num_layers, *shape) if layer is not None else shape
+        stacked = (*self._stack_dims(lead), *shape)
         md = self._tensors.get(key)
         if md is None:
             md = TensorStorageMetadata(properties=TensorProperties(dtype=full.dtype), size=torch.Size(stacked),
@@ -192,7 +274,7 @@ class TorchDistWriter:
             self._tensors[key] = self._md[key] = md
         elif tuple(md.size) != stacked or md.properties.dtype != full.dtype:
             raise MConvertError(f"internal: {name} is {list(shape)} {full.dtype}, earlier layers were "
-                                f"{list(md.size)[1:]} {md.properties.dtype}")
+                                f"{list(md.size)[len(lead):]} {md.properties.dtype}")
         try:
             boxes = chunk_boxes(kind, shape, self.tp)
         except MConvertError as e:
@@ -201,15 +283,33 @@ class TorchDistWriter:
             part = full
             for dim, (o, n) in enumerate(zip(off, size)):
                 part = part.narrow(dim, o, n)
-            if layer is not None:
-                part, off, size = part.unsqueeze(0), (layer, *off), (1, *size)
+            if lead:
+                part = part[(None,) * len(lead)]  # a view: one size-1 dim per stacked index
+                off, size = (*lead, *off), (*(1,) * len(lead), *size)
             md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)))
-            self._append(_blob(_owned(part)), MetadataIndex(key, torch.Size(off)), part.numel() * part.element_size())
+            self._append_tensor(_owned(part), MetadataIndex(key, torch.Size(off)))
+            del part
 
-    def _add_extra_state(self, module: str, layer: int) -> None:
-        key = f"{STACKED_PREFIX}{module}._extra_state/shard_{layer}_{self.spec.num_layers}"
+    def _stack_dims(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+        """The stacked dimensions of a key placed at `lead`: (num_layers[, num_experts])."""
+        return (self.spec.num_layers, self.spec.num_experts or 0)[: len(lead)]
+
+    def _add_extra_state(self, key: str, lead: tuple[int, ...]) -> None:
+        """A linear module's `_extra_state` ShardedObject at its layer (and expert): megatron-core's
+        `shard_<offsets>_<shape>` key, offsets and shape joined by dots."""
+        dims = self._stack_dims(lead)
+        key = f"{key}._extra_state/shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, dims))}"
         self._md[key] = BytesStorageMetadata()
         self._append(extra_state_blob(), MetadataIndex(key))
+
+    def _add_rng_state(self) -> None:
+        """One `rng_state` ShardedObject per target (pp_rank, tp_rank), as Megatron-LM's `get_rng_state` makes it
+        for torch_dist (global shape (PP, TP), the rank's list of per-DP-rank states as its data)."""
+        for p in range(self.pp):
+            for t in range(self.tp):
+                key = f"{RNG_STATE}/shard_{p}.{t}_{self.pp}.{self.tp}"
+                self._md[key] = BytesStorageMetadata()
+                self._append(_blob([self.rng_state(t, p)]), MetadataIndex(key))  # type: ignore[misc]
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
         """Append one unit's full tensors (canonical global names) to the data file, and with `states` each
@@ -218,27 +318,33 @@ class TorchDistWriter:
         if unit not in self._pending:
             raise MConvertError(f"internal: unit {unit!r} arrived twice or is not a unit of this model")
         self._pending.remove(unit)
-        modules: list[str] = []
+        modules: dict[tuple[str, tuple[int, ...]], None] = {}  # (module key, stacked indices), in arrival order
         for name, full in tensors.items():
             if unit_of(name) != unit:
                 raise MConvertError(f"internal: {name} arrived with unit {unit!r}")
             if name == "output_layer.weight" and self.spec.tie_embeddings:
                 continue  # megatron-core saves a tied head under the embedding's key only
             self._add_tensor(name, full)
-            for state, value in (states or {}).get(name, {}).items():
+            st = (states or {}).get(name, {})
+            if self.optimizer_groups is not None and st:
+                self._steps.add(optim.shared_step([st.get("step", 0.0)], f"{self.source}: {name}"))
+                st = optim.mcore_states(full, st)
+            for state, value in st.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     self._add_tensor(name, value, state)
             if isinstance(unit, int):
                 module = name[len(STACKED_PREFIX):].split(".", 1)[1].rsplit(".", 1)[0]
-                if module in EXTRA_STATE_MODULES and module not in modules:
-                    modules.append(module)
-        for module in modules:
-            self._add_extra_state(module, int(unit))
+                if module in EXTRA_STATE_MODULES or EXPERT_LINEAR.fullmatch(module):
+                    modules[(dist_place(name)[0].rsplit(".", 1)[0], dist_place(name)[1])] = None
+        for key, lead in modules:
+            self._add_extra_state(key, lead)
 
     def close(self) -> list[Path]:
         """Finish the data file, write `.metadata`, `common.pt`, `metadata.json` and the tracker file."""
         if self._pending:
             raise MConvertError(f"internal: units {self._pending[:3]} never arrived")
+        if self.rng_state is not None:
+            self._add_rng_state()
         record_digest(self.dir / self._names[-1], self._file.close())
         self._file = None
         metadata = Metadata(state_dict_metadata=self._md, planner_data=None, storage_data=self._storage,
@@ -247,6 +353,12 @@ class TorchDistWriter:
             pickle.dump(metadata, f)  # as DCP's FileSystemWriter.finish does
         common = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                   "iteration": 0 if self.iteration == "release" else int(self.iteration), **self.top_level}
+        if self.optimizer_groups is not None:
+            sched = self.top_level.get("opt_param_scheduler")
+            min_lr = sched.get("min_lr") if isinstance(sched, dict) else None
+            common["optimizer"] = optim.to_mcore_optimizer(self.optimizer_groups,
+                                                           optim.shared_step(sorted(self._steps), self.source),
+                                                           self.source, self.spec.is_moe, min_lr)
         repickle.save(common, self.dir / "common.pt")  # args as read: enums under their own names
         (self.dir / "metadata.json").write_text(json.dumps(BACKENDS))
         write_latest(self.out, self.iteration)
