@@ -30,10 +30,18 @@ from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wai
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.tokenizer import carry_to_megatron, find_carried_dir
-from mconvert.convert.torch_dist_writer import TorchDistWriter
 from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
+
+
+def _torch_dist_writer(*args: Any, **kwargs: Any) -> Writer:
+    """`TorchDistWriter(...)`; torch.distributed.checkpoint costs every verb ~2 s of start-up, so it is imported
+    only when a torch_dist output is written."""
+    from mconvert.convert.torch_dist_writer import TorchDistWriter
+
+    return TorchDistWriter(*args, **kwargs)
+
 
 def parse_dtype(name: str) -> torch.dtype | None:
     """'auto' -> None (keep the source dtype); 'bf16' -> torch.bfloat16; anything else is an error."""
@@ -186,7 +194,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
-            return TorchDistWriter(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, ep=ep)
+            return _torch_dist_writer(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, ep=ep)
         return megatron_writer(tmp, spec, tp, pp, vpp, ep, iteration="release", dtype=target, preview=_preview(src))
 
     return write_output(
@@ -248,7 +256,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
 
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
-            return TorchDistWriter(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
+            return _torch_dist_writer(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
                                    args=getattr(src, "args", None), top_level=top,
                                    with_states=with_optimizer and dist_source,
                                    optimizer_groups=groups if not dist_source else None,

@@ -14,7 +14,6 @@ from mconvert.convert.base import SourceBase
 from mconvert.convert import detect
 from mconvert.convert.hf import HFSource
 from mconvert.convert.megatron import MegatronSource
-from mconvert.convert.torch_dist import TorchDistSource
 
 
 def detect_format(path: str | Path, iteration: int | str | None = None) -> str:
@@ -33,5 +32,8 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
     if fmt == "hf":
         return HFSource(Path(path), tokenizer=tokenizer)
     if fmt == "megatron-torch_dist":
+        # torch.distributed.checkpoint costs every verb ~2 s of start-up: imported only for a torch_dist source
+        from mconvert.convert.torch_dist import TorchDistSource
+
         return TorchDistSource(Path(path), iteration=iteration, tokenizer=tokenizer)
     return MegatronSource(Path(path), iteration=iteration, tokenizer=tokenizer)
