@@ -65,8 +65,14 @@ def _qkv_cat(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str)
 def _qkv_stack_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
     out = []
     for b in T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name):
-        s = torch.stack(b)  # [3, out/t, in] or [3, out/t]
-        out.append([s.permute(2, 0, 1) if s.dim() == 3 else s])
+        if b[0].dim() == 1:
+            out.append([torch.stack(b)])  # [3, out/t]
+            continue
+        # [in, 3, out/t] filled by one transposing copy per part (a stack and then a permuted copy move it twice)
+        s = b[0].new_empty(b[0].shape[1], len(b), b[0].shape[0])
+        for j, part in enumerate(b):
+            s[:, j].copy_(part.t())
+        out.append([s])
     return out
 
 
