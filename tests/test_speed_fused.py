@@ -219,3 +219,47 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
         megatron_to_hf(ck, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
+
+
+# ---- transposes (transforms.copy_transposed: OpenBLAS's somatcopy where numpy bundles it, else torch) ----------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 5000), (67, 129), (300, 4096), (4096, 3)])
+def test_copy_transposed_is_torch_transpose_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """Into a fresh matrix and into a column band of a wider one, the bits equal torch's `t().contiguous()`,
+    denormals, infinities and signed zeros included."""
+    from mconvert.mappings.transforms import copy_transposed, transposed
+
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    src = torch.randn(shape, generator=g).to(dtype)
+    flat = src.view(-1)
+    flat[::97] = 0.0
+    flat[1::97] = -0.0
+    flat[2::97] = float("inf")
+    flat[3::97] = torch.finfo(dtype).tiny / 4  # a denormal
+    want = src.t().contiguous()
+    bits = torch.int16 if dtype.itemsize == 2 else torch.int32 if dtype.itemsize == 4 else torch.int64
+    assert torch.equal(transposed(src).view(bits), want.view(bits))
+    wide = torch.zeros((shape[1], shape[0] + 9), dtype=dtype)
+    copy_transposed(wide[:, 4:4 + shape[0]], src)
+    assert torch.equal(wide[:, 4:4 + shape[0]].contiguous().view(bits), want.view(bits))
+    assert not wide[:, :4].any() and not wide[:, 4 + shape[0]:].any()  # nothing written outside the band
+    band = torch.randn((shape[0], shape[1] + 5), generator=g).to(dtype)[:, 2:2 + shape[1]]  # rows strided
+    assert torch.equal(transposed(band), band.t().contiguous())
+
+
+@pytest.mark.parametrize("nh,hd", [(4, 8), (12, 64)])
+def test_qkv_conv1d_regroup_equals_the_reshape_formula(nh: int, hd: int) -> None:
+    """GPT-2's c_attn regrouping done per head block equals the reshape/transpose formula it replaces, both
+    ways, on fp32 (the fast path) and bf16 (torch's path)."""
+    from mconvert.mappings.transforms import conv1d_to_qkv, qkv_to_conv1d
+
+    h = nh * hd
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(3 * h, h).to(dtype)
+        want = qkv.reshape(nh, 3, hd, h).transpose(0, 1).reshape(3 * h, h).t().contiguous()
+        got = qkv_to_conv1d(qkv, nh, hd)
+        assert got.is_contiguous() and torch.equal(got, want)
+        back = conv1d_to_qkv(got, nh, hd)
+        assert back.is_contiguous() and torch.equal(back, qkv)
+        bias = torch.randn(3 * h).to(dtype)
+        assert torch.equal(conv1d_to_qkv(qkv_to_conv1d(bias, nh, hd), nh, hd), bias)
