@@ -421,6 +421,13 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
         d.close()
 
 
+def start_crc_checks() -> None:
+    """The sources are open and have claimed what they read: let the background check of every other record
+    start now (a file no reader indexed, e.g. torch_dist's common.pt, would otherwise wait for the commit)."""
+    if _DEFERRED is not None:
+        _DEFERRED.release()
+
+
 def wait_crc_checks() -> None:
     """Raise the first failed background CRC-32 check (no-op outside `deferred_crc_checks()`)."""
     if _DEFERRED is not None:
