@@ -99,7 +99,7 @@ def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor"
 
 # ---- 2-D transposes: the one copy GPT-2's Conv1D layout costs per byte ---------------------------------------
 # torch copies a transposed float matrix through a scalar 60x60 block loop; OpenBLAS's `somatcopy` (bundled with
-# numpy's wheels) runs vectorised kernels at about twice the speed here. It scales by alpha = 1.0, which keeps
+# numpy's wheels) runs vectorised kernels instead. It scales by alpha = 1.0, which keeps
 # every finite value, infinity and denormal bit for bit (only a signalling NaN would come back quiet, and every
 # source refuses NaN before a transpose); a self-test at load time compares it with torch, else torch is used.
 _OMATCOPY: Any = None
