@@ -26,7 +26,7 @@ from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import shared_atomic_output_dir, world
-from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
+from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, start_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.tokenizer import carry_to_megatron, find_carried_dir
@@ -69,6 +69,7 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
         raise MConvertError(f"{what}: this output runs in one process and does not share its work over torchrun; "
                             "run it without torchrun")
     with _aborting(writer):
+        start_crc_checks()  # every reader has claimed the input records it checks on the bytes it reads
         for unit in unit_progress(src.units(), what, progress):
             if hasattr(writer, "needs") and not writer.needs(unit):  # another torchrun rank writes what it feeds
                 writer.skip(unit)

@@ -22,7 +22,7 @@ from mconvert.convert import bounds
 from mconvert.convert.base import SourceBase, Unit, pmap, units_of
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
-from mconvert.convert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular, owned_fd
+from mconvert.convert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
 from mconvert.convert.io.torchsave import LazyModel, TensorIndex
@@ -84,30 +84,30 @@ class HFSource(SourceBase):
         self.config = load_json_object(cfg_path, "config", "fix it or re-copy the model directory")
         self.spec = families.spec_from_hf_config(self.config, source=str(cfg_path))
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
+        self._bin_cache: tuple[str, Any] | None = None
         self.key_file = self._index()
         self.unit_keys: dict[Unit, list[str]] = {}
         for k, f in self.key_file.items():
             u = hf_unit(self.spec, k, source=str(self.path / f))
             if u is not None:
                 self.unit_keys.setdefault(u, []).append(k)
-        self._bin_cache: tuple[str, dict] | None = None
         self._check_sizes(str(cfg_path))
 
     def _check_sizes(self, source: str) -> None:
-        """config.json's sizes against the tensors present (safetensors headers) and the memory available,
-        before any per-layer loop or allocation."""
+        """config.json's sizes against the tensors present (safetensors headers, the offset index of .bin
+        files) and the memory available, before any per-layer loop or allocation."""
         names = key_names(families.hf_table(families.of(self.spec).model_type))
         bounds.check_layer_count(self.spec, {u for u in self.unit_keys if isinstance(u, int)}, source, names)
         if not self.can_preview():
-            return  # pytorch_model*.bin has no header: its shapes are checked as each unit is read
+            return  # a legacy-pickle .bin has no index: its shapes are checked as each unit is read
         shapes: dict[str, tuple[int, ...]] = {}
         sizes: dict[Unit, int] = {}
         for unit, keys in self.unit_keys.items():
             for k in keys:
-                entry = self._st(self.key_file[k]).entries.get(k)
-                if entry is not None:
-                    shapes[k] = entry[2]
-                    sizes[unit] = sizes.get(unit, 0) + math.prod(entry[2]) * entry[1].itemsize
+                m = self._meta(k)
+                if m is not None:
+                    shapes[k] = tuple(m.shape)
+                    sizes[unit] = sizes.get(unit, 0) + math.prod(m.shape) * m.dtype.itemsize
         bounds.check_shapes(self.spec, bounds.expected_hf_shapes, shapes, source, names)
         bounds.check_memory(sizes, source)
 
@@ -144,7 +144,32 @@ class HFSource(SourceBase):
     def _keys_of(self, f: str) -> list[str]:
         if f.endswith(".safetensors"):
             return self._st(f).keys()
-        return list(safe_load(self.path / f, "weights"))
+        reader = self._bin(f)
+        return list(reader.keys() if isinstance(reader, LazyModel) else reader)
+
+    def _bin(self, f: str) -> Any:
+        """pytorch_model*.bin `f` read by offset (a `LazyModel`, kept open for the source's life, loaded once),
+        or its loaded state when it has no offset index (a legacy pickle: only the latest such file is kept)."""
+        cache = self.__dict__.setdefault("_bin_files", {})
+        if f in cache:
+            return cache[f]
+        if self._bin_cache is not None and self._bin_cache[0] == f:
+            return self._bin_cache[1]
+        reader = _bin_reader(self.path / f)
+        if isinstance(reader, LazyModel):
+            cache[f] = reader
+        else:
+            self._bin_cache = (f, reader)
+        return reader
+
+    def _meta(self, k: str) -> torch.Tensor | None:
+        """Tensor `k` as a meta tensor (shape, dtype) from its file's header or offset index; None when the
+        file has neither (a legacy pickle .bin) or does not hold `k`."""
+        f = self.key_file[k]
+        reader = self._st(f) if f.endswith(".safetensors") else self._bin(f)
+        if isinstance(reader, SafetensorsReader):
+            return reader.meta(k) if k in reader.entries else None
+        return reader.meta(k) if isinstance(reader, LazyModel) and k in reader else None
 
     def _st(self, f: str) -> SafetensorsReader:
         """The opened (header-checked) safetensors file `f`, kept open for the source's life."""
@@ -157,6 +182,8 @@ class HFSource(SourceBase):
         """Close the safetensors files kept open for reading (the source reads nothing after this)."""
         for st in self.__dict__.pop("_st_files", {}).values():
             st.close()
+        for lazy in self.__dict__.pop("_bin_files", {}).values():
+            lazy.close()
         self._bin_cache = None
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
@@ -174,10 +201,14 @@ class HFSource(SourceBase):
                 # several tensors at once on the readers' pool: pread and the finite check release the GIL
                 out.update(zip(keys, pmap(self._checked, [(st, k) for k in keys])))
             else:
-                if self._bin_cache is None or self._bin_cache[0] != f:
-                    self._bin_cache = (f, _bin_reader(self.path / f))
+                reader = self._bin(f)
                 for k in keys:
-                    out[k] = self._bin_cache[1][k]
+                    if not isinstance(reader, (dict, LazyModel)) or k not in reader:
+                        raise MConvertError(f"{self.path / f}: tensor {k!r} is missing (the index lists it there)")
+                    out[k] = reader[k]
+                    if not isinstance(out[k], torch.Tensor):
+                        raise MConvertError(f"{self.path / f}: {k!r} holds {type(out[k]).__name__}, not a tensor; "
+                                            "the file is corrupt — re-copy it")
                     self._check(k, out[k])
         if unit == "final" and self.spec.tie_embeddings:
             out.pop("lm_head.weight", None)
@@ -204,21 +235,24 @@ class HFSource(SourceBase):
         return from_hf(self.spec, unit, self.read_hf(unit), source=str(self.path), pmap=pmap)
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """`read_mcore(unit)` as meta tensors, from the safetensors headers (no data read); `.bin` weights
-        have no header to read it from, so writers fall back to their general path (`MegatronWriter`)."""
+        """`read_mcore(unit)` as meta tensors, from the safetensors headers or the offset index of `.bin`
+        files (no data read); a legacy-pickle `.bin` has neither, so writers then take their general path."""
         meta: dict[str, torch.Tensor] = {}
         for k in self.unit_keys.get(unit, []):
-            st = self._st(self.key_file[k])
-            if k not in st.entries:
-                raise MConvertError(f"{st.path}: tensor {k!r} is missing (the index lists it there)")
-            meta[k] = st.meta(k)
+            m = self._meta(k)
+            if m is None:
+                raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is missing (the index lists it "
+                                    "there)")
+            meta[k] = m
         if unit == "final" and self.spec.tie_embeddings:
             meta.pop("lm_head.weight", None)
         return from_hf(self.spec, unit, meta, source=str(self.path))
 
     def can_preview(self) -> bool:
-        """Only safetensors files have headers to preview from."""
-        return all(f.endswith(".safetensors") for f in set(self.key_file.values()))
+        """Whether every weight file says its tensors' shapes without reading data: safetensors (the header) and
+        zip `.bin` files (the offset index); a legacy-pickle `.bin` does not."""
+        return all(f.endswith(".safetensors") or isinstance(self._bin(f), LazyModel)
+                   for f in sorted(set(self.key_file.values())))
 
 
 class HFWriter:
@@ -498,9 +532,7 @@ def _bin_reader(path: Path) -> Any:
     idx = TensorIndex.build(path, st, {k: v for k, v in st.items() if isinstance(v, torch.Tensor)})
     if idx is None:
         return st
-    lazy = LazyModel(idx, open_regular(path), "")
-    owned_fd(lazy, lazy.fd)
-    return lazy
+    return LazyModel(idx, open_regular(path), "", owns_fd=True)
 
 
 def _special_ids_from_json(tok_dir: Path) -> tuple[int | None, int | None] | None:

@@ -6,6 +6,12 @@ instead of producing a model with wrong outputs. Split kinds are declared in `mc
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
+import threading
+from typing import Any
+
 import torch
 
 from mconvert.errors import MConvertError
@@ -87,8 +93,79 @@ def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor"
                                 "the shards do not belong to one checkpoint")
     out_t = torch.empty((k * len(shards), rows), dtype=shards[0].dtype)
     for r, s in enumerate(shards):
-        out_t[r * k:(r + 1) * k].copy_(s.t())
+        copy_transposed(out_t[r * k:(r + 1) * k], s)
     return out_t.t()
+
+
+# ---- 2-D transposes: the one copy GPT-2's Conv1D layout costs per byte ---------------------------------------
+# torch copies a transposed float matrix through a scalar 60x60 block loop; OpenBLAS's `somatcopy` (bundled with
+# numpy's wheels) runs vectorised kernels instead. It scales by alpha = 1.0, which keeps
+# every finite value, infinity and denormal bit for bit (only a signalling NaN would come back quiet, and every
+# source refuses NaN before a transpose); a self-test at load time compares it with torch, else torch is used.
+_OMATCOPY: Any = None
+_OMATCOPY_LOCK = threading.Lock()
+_OMATCOPY_CANDIDATES = (  # (library file pattern under numpy's install, symbol), newest numpy first
+    ("numpy.libs/libscipy_openblas64_*.so*", "scipy_cblas_somatcopy64_"),
+    ("numpy.libs/libopenblas64_*.so*", "cblas_somatcopy64_"),
+    ("numpy.libs/libopenblas*.so*", "cblas_somatcopy"),
+)
+
+
+def _load_omatcopy() -> Any:
+    """OpenBLAS's cblas_somatcopy from numpy's bundled library, checked against torch on a small matrix with
+    denormals, infinities and signed zeros; False when absent or not bit-exact."""
+    try:
+        import numpy
+
+        root = os.path.dirname(os.path.dirname(numpy.__file__))
+    except ImportError:  # pragma: no cover - torch depends on numpy being importable here
+        return False
+    for pattern, symbol in _OMATCOPY_CANDIDATES:
+        for path in sorted(glob.glob(os.path.join(root, pattern))):
+            try:
+                fn = getattr(ctypes.CDLL(path), symbol)
+            except (OSError, AttributeError):
+                continue
+            fn.restype = None
+            fn.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)
+            probe = torch.tensor([1e-45, -0.0, float("inf"), -3.4e38, 1.5, -1e-40], dtype=torch.float32)
+            a = probe.repeat(70 * 71 // 6 + 1)[: 70 * 71].reshape(70, 71)
+            b = torch.empty(71, 70, dtype=torch.float32)
+            fn(101, 112, 70, 71, 1.0, a.data_ptr(), 71, b.data_ptr(), 70)  # row-major, transposed
+            if torch.equal(b.view(torch.int32), a.t().contiguous().view(torch.int32)):
+                return fn
+    return False
+
+
+def _omatcopy() -> Any:
+    global _OMATCOPY
+    if _OMATCOPY is None:
+        with _OMATCOPY_LOCK:
+            if _OMATCOPY is None:
+                _OMATCOPY = False if os.environ.get("MCONVERT_NO_BLAS_TRANSPOSE") else _load_omatcopy()
+    return _OMATCOPY
+
+
+def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src.t())` for 2-D `src` [R, C] and `dst` [C, R] (either may be a slice of a larger matrix,
+    rows contiguous): float32 through OpenBLAS's vectorised transpose where available, else torch."""
+    rows, cols = src.shape
+    if tuple(dst.shape) != (cols, rows):
+        raise MConvertError(f"internal: transposed copy of {tuple(src.shape)} into {tuple(dst.shape)}")
+    fn = _omatcopy() if src.dtype == torch.float32 == dst.dtype and src.numel() >= 4096 else False
+    if (fn and src.stride(1) == 1 and dst.stride(1) == 1 and src.stride(0) >= cols and dst.stride(0) >= rows
+            and src.device.type == dst.device.type == "cpu"):
+        fn(101, 112, rows, cols, 1.0, src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0))
+        return
+    dst.copy_(src.t())
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """`t.t().contiguous()` of a 2-D tensor (see `copy_transposed`)."""
+    out = torch.empty((t.shape[1], t.shape[0]), dtype=t.dtype, device=t.device)
+    copy_transposed(out, t)
+    return out
 
 
 # ---- full-tensor layout transforms (Megatron full tensor ⇄ HF tensors), both directions --------------
@@ -140,6 +217,14 @@ def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv")
     rest = tuple(qkv.shape[1:])
     if qkv.shape[0] != 3 * nh * hd:
         raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nh}, head_dim={hd}")
+    if qkv.dim() == 2 and qkv.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.is_contiguous() \
+            and _omatcopy():
+        # regroup and transpose in one pass: each head's q, k or v rows become its columns of c_attn
+        out = torch.empty((qkv.shape[1], qkv.shape[0]), dtype=qkv.dtype)
+        for j in range(3):
+            for h in range(nh):
+                copy_transposed(out[:, (j * nh + h) * hd:(j * nh + h + 1) * hd], qkv[(h * 3 + j) * hd:(h * 3 + j + 1) * hd])
+        return out
     out = qkv.reshape(nh, 3, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest)
     _check_numel(name, [qkv], out)
     return out.t().contiguous() if out.dim() == 2 else out.contiguous()
@@ -150,6 +235,14 @@ def conv1d_to_qkv(c_attn: torch.Tensor, nh: int, hd: int, name: str = "c_attn") 
     t = c_attn.t() if c_attn.dim() == 2 else c_attn
     if t.shape[0] != 3 * nh * hd:
         raise MConvertError(f"{name}: shape {tuple(c_attn.shape)} does not fit heads={nh}, head_dim={hd}")
+    if c_attn.dim() == 2 and c_attn.dtype == torch.float32 and c_attn.device.type == "cpu" \
+            and c_attn.is_contiguous() and _omatcopy():
+        # transpose and regroup in one pass: each head's columns of c_attn become its q, k or v rows
+        out = torch.empty(tuple(t.shape), dtype=t.dtype)
+        for j in range(3):
+            for h in range(nh):
+                copy_transposed(out[(h * 3 + j) * hd:(h * 3 + j + 1) * hd], c_attn[:, (j * nh + h) * hd:(j * nh + h + 1) * hd])
+        return out
     rest = tuple(t.shape[1:])
     out = t.reshape(3, nh, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest).contiguous()
     _check_numel(name, [c_attn], out)
@@ -176,7 +269,9 @@ def halves_to_gated(gate: torch.Tensor, up: torch.Tensor, name: str = "gate/up")
 
 def transpose(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     """Linear `[out, in]` ⇄ Conv1D `[in, out]` (GPT-2). 1-D tensors (biases) pass through."""
-    return t.t().contiguous() if t.dim() == 2 else t
+    if t.dim() != 2:
+        return t
+    return t.t() if t.t().is_contiguous() else transposed(t)  # laid out column-major already: no copy
 
 
 def strip_vocab(t: torch.Tensor, vocab: int, name: str = "embedding") -> torch.Tensor:

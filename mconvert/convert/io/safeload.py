@@ -222,9 +222,127 @@ def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
 _CRC_CHECKED: set[tuple[str, int, int]] = set()
 
 
+class ZipRecords:
+    """The stored entries of one input zip, each checked against the CRC-32 torch.save stored for it — on the
+    bytes the conversion reads anyway where it can, so no byte is read twice.
+
+    A reader that indexes the file (`TensorIndex`) `claim`s the records it will read whole; `saw` takes the
+    CRC-32 of each read as it lands in memory, chained over consecutive reads of one record, and compares at
+    the record's end. The background thread checks every record nobody claimed (optimizer states, rng, the
+    pickle) once the file is claimed or released; `check_claimed` checks, before the commit, the claimed
+    records the conversion did not read whole (units another torchrun rank converts, strided reads)."""
+
+    def __init__(self, path: Path, key: tuple[str, int, int], entries: dict[int, tuple[int, int, str]]) -> None:
+        self.path, self.key = path, key
+        self.entries = entries  # data offset -> (bytes, stored CRC-32, entry name)
+        self.claimed: set[int] = set()
+        self.done: set[int] = set()
+        self._next: dict[int, tuple[int, int]] = {}  # file offset a record's next read starts at -> (record, crc)
+        self._lock = threading.Lock()
+        self.released = threading.Event()
+
+    @classmethod
+    def parse(cls, path: Path) -> "ZipRecords | None":
+        """The stored, CRC-carrying entries of `path` with their data offsets; None when there is nothing to
+        check (MCONVERT_SKIP_CRC, already checked, empty) or the structure is in doubt (the whole-file check
+        then reports it, as before)."""
+        if os.environ.get("MCONVERT_SKIP_CRC"):
+            return None
+        try:
+            st = path.stat()
+            key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+            if key in _CRC_CHECKED or st.st_size == 0:
+                return None
+            entries: dict[int, tuple[int, int, str]] = {}
+            with open(path, "rb") as f:
+                fd = f.fileno()
+                for info in zipfile.ZipFile(f).infolist():
+                    if not info.CRC or info.compress_type != zipfile.ZIP_STORED:
+                        continue
+                    head = os.pread(fd, 30, info.header_offset)
+                    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                        return None
+                    n, m = struct.unpack("<HH", head[26:30])
+                    start = info.header_offset + 30 + n + m
+                    if start + info.compress_size > st.st_size or start in entries:
+                        return None
+                    entries[start] = (info.compress_size, info.CRC, info.filename)
+        except (OSError, zipfile.BadZipFile, ValueError, struct.error):
+            return None
+        return cls(path, key, entries)
+
+    def claim(self, offsets: Any) -> None:
+        """The records at these data offsets will be read whole by the conversion: their CRC-32 is taken
+        then (`saw`), not by a second pass. Releases the background check of the rest."""
+        with self._lock:
+            self.claimed.update(o for o in offsets if o in self.entries)
+        self.released.set()
+
+    def saw(self, pos: int, data: memoryview) -> None:
+        """Bytes [pos, pos + len(data)) of the file were just read: extend the CRC-32 of the record they
+        continue (or start); at its end compare with the stored one — a mismatch is the CRC refusal."""
+        with self._lock:
+            if pos in self._next:
+                start, crc = self._next.pop(pos)
+            elif pos in self.claimed and pos not in self.done:
+                start, crc = pos, 0
+            else:
+                return
+        size, want, name = self.entries[start]
+        n = min(len(data), start + size - pos)
+        crc = crc32(data[:n], crc)
+        with self._lock:
+            if pos + n < start + size:
+                self._next[pos + n] = (start, crc)
+                return
+            if crc == want:
+                self.done.add(start)
+                return
+        raise _crc_refusal(self.path, name)
+
+    def _check(self, starts: list[int]) -> None:
+        chunk = memoryview(bytearray(8 << 20))  # one buffer, not a mapping: mapped pages would stay resident
+        with open(self.path, "rb", buffering=0) as f:
+            for start in starts:
+                size, want, name = self.entries[start]
+                crc, pos, left = 0, start, size
+                while left:
+                    k = os.preadv(f.fileno(), [chunk[: min(left, len(chunk))]], pos)
+                    if k <= 0:
+                        raise MConvertError(f"{self.path}: damaged zip structure ({name} runs past the end of the "
+                                            "file); the file is corrupt — re-copy it")
+                    crc = crc32(chunk[:k], crc)
+                    pos, left = pos + k, left - k
+                if crc != want:
+                    raise _crc_refusal(self.path, name)
+                with self._lock:
+                    self.done.add(start)
+        if len(self.done) == len(self.entries):
+            _CRC_CHECKED.add(self.key)
+
+    def check_unclaimed(self, _path: Any = None) -> None:
+        """(background thread) Once the file is claimed or released, check every record nobody claimed."""
+        self.released.wait()
+        with self._lock:
+            todo = sorted(o for o in self.entries if o not in self.claimed and o not in self.done)
+        self._check(todo)
+
+    def check_claimed(self) -> None:
+        """Check the claimed records the conversion did not read whole (before the commit)."""
+        with self._lock:
+            todo = sorted(o for o in self.claimed if o not in self.done)
+        self._check(todo)
+
+
+def _crc_refusal(path: Path, name: str) -> MConvertError:
+    return MConvertError(f"{path}: entry {name} fails the CRC-32 check torch.save stored for it; the file is "
+                         "corrupt — re-copy it")
+
+
 class DeferredCRC:
     """While active (`deferred_crc_checks()`), `verify_zip_crc` runs on one background thread instead of the
-    caller's: a conversion reads and converts while the CRC-32 pass over its input runs on another core.
+    caller's: a conversion reads and converts while the CRC-32 pass over its input runs on another core, and
+    records the conversion reads anyway are checked on those bytes (`ZipRecords`).
     `wait()` — called before the output is committed — raises the first failure; a conversion that failed
     meanwhile reports the CRC failure instead of its own error, since corrupt bytes explain the rest."""
 
@@ -233,19 +351,40 @@ class DeferredCRC:
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="crc32")
         self._futures: list[Any] = []
+        self.records: dict[tuple[str, int, int], ZipRecords] = {}
 
     def submit(self, path: Path, check: Any) -> None:
         """Run `check(path)` on the background thread."""
         self._futures.append(self._pool.submit(check, path))
 
+    def add_zip(self, path: Path) -> bool:
+        """Register input zip `path` for record-wise checks (its unclaimed records on the background thread);
+        False when it cannot be (the caller then checks the whole file)."""
+        recs = ZipRecords.parse(path)
+        if recs is None:
+            return False
+        if recs.key not in self.records:
+            self.records[recs.key] = recs
+            self.submit(path, recs.check_unclaimed)
+        return True
+
+    def release(self) -> None:
+        """Let every waiting background check run (no more claims are coming)."""
+        for recs in self.records.values():
+            recs.released.set()
+
     def wait(self) -> None:
+        self.release()
         for f in self._futures:
             f.result()  # re-raises the MConvertError of a failed check
         self._futures.clear()
+        for recs in self.records.values():
+            recs.check_claimed()
 
     def cancel(self) -> None:
         """Drop the checks not started yet (nothing will be committed: a dry run, or a conversion that
         failed); raise the first failure among those that ran, since corrupt bytes explain the rest."""
+        self.release()
         for f in self._futures:
             f.cancel()
         done = [f for f in self._futures if not f.cancelled()]
@@ -254,6 +393,7 @@ class DeferredCRC:
             f.result()
 
     def close(self) -> None:
+        self.release()
         self._pool.shutdown(wait=True, cancel_futures=False)
 
 
@@ -279,6 +419,13 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
     finally:
         _DEFERRED = outer
         d.close()
+
+
+def start_crc_checks() -> None:
+    """The sources are open and have claimed what they read: let the background check of every other record
+    start now (a file no reader indexed, e.g. torch_dist's common.pt, would otherwise wait for the commit)."""
+    if _DEFERRED is not None:
+        _DEFERRED.release()
 
 
 def wait_crc_checks() -> None:
@@ -318,9 +465,29 @@ def deferred(path: str | Path, check: Any) -> bool:
 
 
 def verify_zip_crc(path: str | Path) -> None:
-    """Check the CRC-32 of every entry now, or on the background thread of `deferred_crc_checks()`."""
+    """Check the CRC-32 of every entry now or, inside `deferred_crc_checks()`, record by record: on the bytes
+    the conversion reads (`zip_records`) and on the background thread for the rest."""
+    if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
+        w = world_from_env()
+        if w.size > 1 and not w.owns_path(path):
+            return  # another torchrun rank checks this file
+        if _DEFERRED.add_zip(Path(path)):
+            return
     if not deferred(path, _verify_zip_crc_now):
         _verify_zip_crc_now(path)
+
+
+def zip_records(path: str | Path) -> ZipRecords | None:
+    """The record-wise CRC check of input zip `path` in the running conversion (None: none, or it is not
+    this process's to check)."""
+    if _DEFERRED is None or not _DEFERRED.records:
+        return None
+    try:
+        st = os.stat(path)
+        key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+    except OSError:
+        return None
+    return _DEFERRED.records.get(key)
 
 
 def _verify_zip_crc_now(path: str | Path) -> None:

@@ -22,10 +22,13 @@ import torch
 
 from mconvert.convert.io import repickle
 from mconvert.convert.io.hashing import Checksum, HashingFile, crc32, numel, tensor_bytes
+from mconvert.convert.io.paths import owned_fd
+from mconvert.convert.io.safeload import ZipRecords, zip_records
 from mconvert.errors import MConvertError
 
 
 # ---- reading: a rank file's tensors by file offset, without unpickling it again ----------------------------
+READ_BLOCK = 1 << 20  # one pread while the input's CRC-32 is taken on the way: the block is still in L2 for it
 def _all_tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -45,9 +48,10 @@ class TensorIndex:
     at the zip records' offsets, so sorting both gives the record of every storage; sizes are checked one by
     one and any doubt returns None (callers then keep reading through the loaded state)."""
 
-    def __init__(self, path: Path, entries: dict[str, tuple]) -> None:
+    def __init__(self, path: Path, entries: dict[str, tuple], crc: ZipRecords | None = None) -> None:
         self.path = path
         self.entries = entries  # key -> (record offset, dtype, shape, stride, storage offset (elements), nbytes)
+        self.crc = crc  # the input's record-wise CRC-32 check, fed with the bytes as they are read
 
     @classmethod
     def build(cls, path: str | Path, state: Any, tensors: dict[str, torch.Tensor]) -> "TensorIndex | None":
@@ -81,7 +85,10 @@ class TensorIndex:
             s = t.untyped_storage()
             entries[k] = (record_of[s.data_ptr()], t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
                           s.nbytes())
-        return cls(path, entries)
+        crc = zip_records(path)
+        if crc is not None:  # these records are read whole by the conversion: checked on those bytes
+            crc.claim(e[0] for e in entries.values())
+        return cls(path, entries, crc)
 
     def read_into(self, fd: int, key: str, dst: torch.Tensor, start: int = 0) -> bool:
         """pread bytes [start, start + dst.nbytes) of the stored (contiguous) tensor `key` straight into `dst`
@@ -97,10 +104,13 @@ class TensorIndex:
 
     def _pread(self, fd: int, key: str, mv: memoryview, pos: int) -> None:
         got, total = 0, len(mv)
+        step = total if self.crc is None else READ_BLOCK
         while got < total:
-            n = os.preadv(fd, [mv[got:]], pos + got)
+            n = os.preadv(fd, [mv[got:got + step]], pos + got)
             if n <= 0:
                 raise MConvertError(f"{self.path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
+            if self.crc is not None:
+                self.crc.saw(pos + got, mv[got:got + n])  # the record's CRC-32 while the block is in cache
             got += n
 
     def read(self, fd: int, key: str) -> torch.Tensor:
@@ -126,11 +136,27 @@ def contiguous_strides(shape: tuple[int, ...]) -> list[int]:
 class LazyModel:
     """A rank file's model dict for one chunk, read tensor by tensor through a TensorIndex."""
 
-    def __init__(self, index: TensorIndex, fd: int, prefix: str) -> None:
+    def __init__(self, index: TensorIndex, fd: int, prefix: str, owns_fd: bool = False) -> None:
         self.index, self.fd, self.prefix = index, fd, prefix
+        self._close = owned_fd(self, fd) if owns_fd else None
+
+    def close(self) -> None:
+        """Close the descriptor if this model owns it (a rank file's chunks share their source's)."""
+        if self._close is not None:
+            self._close()
 
     def __contains__(self, key: str) -> bool:
         return self.prefix + key in self.index.entries
+
+    def keys(self) -> list[str]:
+        """The keys of this chunk, in the file's order."""
+        n = len(self.prefix)
+        return [k[n:] for k in self.index.entries if k.startswith(self.prefix)]
+
+    def meta(self, key: str) -> torch.Tensor:
+        """A meta-device tensor of `key`'s shape and dtype, from the index (no data read)."""
+        _, dtype, shape, *_ = self.index.entries[self.prefix + key]
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.index.read(self.fd, self.prefix + key)
