@@ -146,6 +146,21 @@ def test_megatron_core_torch_dist_moe_checkpoints_convert_to_the_same_hf(
 
 
 @pytest.mark.slow
+def test_a_torch_dist_moe_source_is_planned_at_its_saved_ep(tmp_path: Path,
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """megatron-core's torch_dist save at EP=2: the dry run's source and read side say EP=2, as for the legacy
+    rank files of the same run (one rank file per EP rank there)."""
+    from mconvert.convert.driver import megatron_to_hf
+
+    _, _, _, root = _saved("mixtral", 1, 2, tmp_path_factory)
+    legacy = megatron_to_hf(root, tmp_path / "a", dry_run=True)
+    dist = megatron_to_hf(str(root) + "_dist", tmp_path / "b", dry_run=True)
+    assert "EP=2" in dist["source"] and "EP=2" in legacy["source"]
+    assert dist["read_files"] == legacy["read_files"] == 2
+    assert dist["largest_unit"] == legacy["largest_unit"]
+
+
+@pytest.mark.slow
 def test_swapped_ep_rank_dirs_change_the_logits(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """EP ranks 0 and 1 exchanged (their experts move to the other half of the router's columns): the
     conversion still runs — the files are well-formed — but the model is another one, and the logits say so."""
@@ -381,7 +396,7 @@ def test_deployment_formats_without_a_moe_layout_refuse_by_name(verb: str, sourc
 
 def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     """`moe-671b`: DeepSeek-V3's routed sizes in Mixtral's layout, estimated from shapes alone (no weights)."""
-    from mconvert.convert.estimate import estimate
+    from mconvert.convert.estimate import estimate, unit_bytes
 
     spec = preset("moe-671b")
     assert 660e9 < spec.num_parameters() < 680e9
@@ -389,9 +404,12 @@ def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     assert (est["operation"], est["read_files"]) == ("megatron-to-hf", 16)
     assert est["write_bytes"] == 2 * spec.num_parameters()  # bf16 safetensors: every parameter once
     layer = sum(math.prod(d.shape) for d in spec.layer_params(0)) * 2
-    # one layer's shards in and its tensors out (the replicated norms and router once per TP rank): every
-    # expert of the layer, each its own tensor
-    assert est["largest_unit"] == "layer" and 2 * layer < est["largest_unit_bytes"] < 2.01 * layer
+    expert = 3 * 7168 * 2048 * 2  # w1, w3 [2048, 7168] and w2 [7168, 2048] in bf16: 88 MB
+    emb = spec.padded_vocab_size(8) * 7168 * 2 + spec.vocab_size * 7168 * 2  # TP=8 shards in, true vocab out
+    # memory is bounded by one unit — an expert, a layer's dense part, the embedding — never a layer's 256
+    # experts (23 GB): here the largest is the embedding's shards in and its rows out
+    assert est["largest_unit"] == "embedding" and est["largest_unit_bytes"] == emb < layer / 5
+    assert unit_bytes(spec, 8, 2)["expert"] == expert and "layer" not in unit_bytes(spec, 8, 2)
 
 
 def _add_adam_states(root: Path) -> None:

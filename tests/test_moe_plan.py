@@ -94,3 +94,27 @@ def test_plan_cli_estimates_at_ep_and_refuses_an_ep_that_does_not_fit(capsys) ->
     assert_one_line_error(code, err, "EP=3 does not divide num_experts=4")
     code, _, err = run_cli(["plan", "--preset", "tiny-llama", "--ep", "2", "--to", "megatron"], capsys)
     assert_one_line_error(code, err, "EP=2 needs a mixture-of-experts model")
+
+
+def test_torch_dist_output_of_moe_is_refused_alike_by_estimate_and_the_conversion(hf_mixtral: Path,
+                                                                                 tmp_path: Path) -> None:
+    """One refusal: `plan --format torch_dist` of an MoE model says what hf-to-megatron --format torch_dist says."""
+    from mconvert.errors import MConvertError
+
+    said = "--format torch_dist for a mixture-of-experts model (mixtral, 4 experts) is not written yet; use --format torch"
+    with pytest.raises(MConvertError) as est:
+        estimate(preset("tiny-mixtral"), "megatron", format="torch_dist", model="tiny-mixtral")
+    with pytest.raises(MConvertError) as conv:
+        hf_to_megatron(hf_mixtral, tmp_path / "mg", format="torch_dist")
+    assert str(est.value) == f"tiny-mixtral: {said}" and str(conv.value) == f"{hf_mixtral}: {said}"
+    assert not (tmp_path / "mg").exists()
+
+
+def test_plan_counts_one_expert_not_a_layer_of_experts() -> None:
+    """The peak of an MoE conversion is one unit of the driver's: the embedding, a layer's dense part or one
+    expert — so 32 experts of a width plan the same peak as 8."""
+    small, big = (preset("tiny-mixtral").replace(num_experts=e, ffn_hidden_size=1024) for e in (8, 32))
+    a, b = (estimate(s, "hf", tp=2, ep=2, dtype="fp32") for s in (small, big))
+    assert (a.largest_unit, b.largest_unit) == ("expert", "expert")
+    assert a.largest_unit_bytes == b.largest_unit_bytes == 2 * 3 * 128 * 1024 * 4  # in (TP shards) and out
+    assert a.peak_memory_bytes == b.peak_memory_bytes

@@ -19,6 +19,7 @@ import torch
 
 from mconvert import dtypes
 from mconvert.convert.io.atomic import check_output
+from mconvert.convert.estimate import refuse_dist_moe
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
 from mconvert.convert.megatron import MegatronSource, megatron_writer
@@ -60,8 +61,8 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
     if world().size > 1 and not hasattr(writer, "needs"):
         raise MConvertError(f"{what}: this output runs in one process and does not share its work over torchrun; "
                             "run it without torchrun")
-    with _aborting(writer):
-        for unit in unit_progress(src.units(), what, progress):
+    with _aborting(writer):  # MoE layers one expert at a time where both sides can (memory: one expert)
+        for unit in unit_progress(src.units(getattr(writer, "splits_experts", False)), what, progress):
             if hasattr(writer, "needs") and not writer.needs(unit):  # another torchrun rank writes what it feeds
                 writer.skip(unit)
                 continue
@@ -177,7 +178,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
                             f"{window} tokens")
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     spec.check_parallel(tp, pp, vpp, ep)
-    _refuse_dist_moe(spec, format, hf_dir)
+    refuse_dist_moe(spec, format, hf_dir)
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, ep=ep,
@@ -228,7 +229,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     if with_optimizer and dist_source:
         src.check_optimizer()
     src.spec.check_parallel(tp, pp, vpp, ep)
-    _refuse_dist_moe(src.spec, format, ckpt)
+    refuse_dist_moe(src.spec, format, ckpt)
     layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp, ep=ep,
@@ -281,13 +282,6 @@ def check_format(format: str) -> None:
     if format not in OUTPUT_FORMATS:
         raise MConvertError(f"--format {format!r}: choose torch (mp_rank_* rank files) or torch_dist "
                             "(megatron-core dist_checkpointing)")
-
-
-def _refuse_dist_moe(spec: Any, format: str, source: str | Path) -> None:
-    """torch_dist output stacks experts in a layout this writer does not produce yet: refused by name."""
-    if format == "torch_dist" and spec.is_moe:
-        raise MConvertError(f"{source}: --format torch_dist for a mixture-of-experts model ({spec.family}, "
-                            f"{spec.num_experts} experts) is not written yet; use --format torch")
 
 
 def _source_dtype(src: Any) -> torch.dtype:

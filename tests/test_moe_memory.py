@@ -1,0 +1,104 @@
+"""Mixture of experts: memory is bounded by one expert, not by one layer of experts.
+
+Measured in a fresh process each: peak RSS (VmHWM) minus the RSS after imports, for one MoE layer of 8 and of
+32 experts of the same width (6.3 MB each in fp32; the 32-expert layer is 201 MB), converted megatron-to-hf
+from TP=2 EP=2 rank files, hf-to-megatron to TP=2 EP=2, and resharded TP=2 EP=2 -> TP=1 EP=4. Holding a
+layer's experts at once would cost ~150 MB more at 32 experts than at 8; one expert at a time costs the
+same. The HF writer's own accounting (the largest unit handed to it) is one expert's bytes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert.convert import driver
+from mconvert.convert.megatron import megatron_writer
+from mconvert.mappings.families import preset
+
+pytestmark = pytest.mark.slow
+H, F = 256, 2048
+EXPERT_BYTES = 3 * H * F * 4  # w1, w3 [F, H] and w2 [H, F] in fp32
+SLACK = 24 << 20  # interpreter, allocator and page-cache noise between two runs of one verb
+
+PROBE = r"""
+import json, sys, psutil
+from pathlib import Path
+from mconvert.convert import driver
+from mconvert.convert.io import tuning
+tuning.apply()  # as the mconvert command does before a conversion (heap threshold, threads, gc)
+verb, src, out, warm = sys.argv[1:5]
+def run(src, out, dry_run=False):
+    if verb == "megatron-to-hf":
+        return driver.megatron_to_hf(src, out, max_shard_size="8MB", dry_run=dry_run)
+    if verb == "hf-to-megatron":
+        return driver.hf_to_megatron(src, out, tp=2, ep=2, dry_run=dry_run)
+    return driver.reshard(src, out, tp=1, pp=1, ep=4, dry_run=dry_run)
+run(warm, out + ".warm")  # the same verb on a 4-expert model first: lazy imports, thread pools, arenas
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+base = psutil.Process().memory_info().rss
+rep = run(src, out)
+peak = driver.peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak across fork+exec
+plan = run(src, out + ".plan", dry_run=True)  # the writer's buffers as the plan states them
+print(json.dumps({"delta": peak - base, "buffer": rep.get("hf_buffer_peak_bytes"),
+                  "writer_buffer": plan["writer_buffer_bytes"]}))
+"""
+
+
+def _spec(experts: int):
+    return preset("tiny-mixtral").replace(num_layers=1, hidden_size=H, ffn_hidden_size=F, num_experts=experts,
+                                          num_attention_heads=4, num_query_groups=2, vocab_size=512)
+
+
+def _ckpt(root: Path, experts: int) -> Path:
+    """A TP=2 EP=2 Megatron checkpoint of one MoE layer, written one expert at a time."""
+    spec = _spec(experts)
+    w = megatron_writer(root, spec, tp=2, pp=1, ep=2)
+    g = torch.Generator().manual_seed(experts)
+    for unit in spec.units(split_experts=True):
+        w.add(unit, {d.name: torch.randn(d.shape, generator=g) * 0.02 for d in spec.unit_params(unit)})
+    w.close()
+    return root
+
+
+def _probe(verb: str, src: Path, out: Path, warm: Path) -> dict:
+    r = subprocess.run([sys.executable, "-c", PROBE, verb, str(src), str(out), str(warm)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(900)
+def test_peak_memory_is_one_expert_whatever_the_number_of_experts(tmp_path: Path) -> None:
+    spec32 = _spec(32)
+    dense = sum(math.prod(d.shape) for d in spec32.layer_params(0, experts=False)) * 4
+    assert sum(math.prod(d.shape) for d in spec32.expert_params(0, 0)) * 4 == EXPERT_BYTES
+    layer32 = dense + 32 * EXPERT_BYTES
+    deltas: dict[str, dict[int, int]] = {}
+    buffers: dict[str, int] = {}
+    warm_mg = _ckpt(tmp_path / "warm_mg", 4)
+    driver.megatron_to_hf(warm_mg, tmp_path / "warm_hf")
+    warm = {"megatron-to-hf": warm_mg, "hf-to-megatron": tmp_path / "warm_hf", "reshard": warm_mg}
+    for experts in (8, 32):
+        mg = _ckpt(tmp_path / f"mg{experts}", experts)
+        sources = {"megatron-to-hf": mg, "hf-to-megatron": tmp_path / f"megatron-to-hf{experts}", "reshard": mg}
+        for verb, src in sources.items():  # megatron-to-hf first: it writes hf-to-megatron's source
+            got = _probe(verb, src, tmp_path / f"{verb}{experts}", warm[verb])
+            if verb == "megatron-to-hf":
+                # the driver's own accounting: the largest unit the HF writer held was one expert, not a layer
+                assert got["buffer"] == EXPERT_BYTES, (got["buffer"], EXPERT_BYTES)
+            deltas.setdefault(verb, {})[experts] = got["delta"]
+            buffers[verb] = got["writer_buffer"]
+    print("\npeak RSS over baseline (MB), 8 vs 32 experts of 6.3 MB (32-expert layer "
+          f"{layer32 / 1e6:.0f} MB): " + ", ".join(f"{v} {d[8] / 1e6:.1f} vs {d[32] / 1e6:.1f}"
+                                                   for v, d in deltas.items()))
+    for verb, d in deltas.items():
+        # the same peak at 4x the experts: a layer held whole would add 24 experts (151 MB) here
+        assert d[32] - d[8] < EXPERT_BYTES + SLACK, (verb, d)
+        # two experts (one read, one being written), the dense part, the writer's buffers as `plan` states them
+        assert d[32] < 2 * EXPERT_BYTES + dense + buffers[verb] + SLACK, (verb, d, buffers[verb])
