@@ -405,10 +405,11 @@ def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     assert est["write_bytes"] == 2 * spec.num_parameters()  # bf16 safetensors: every parameter once
     layer = sum(math.prod(d.shape) for d in spec.layer_params(0)) * 2
     expert = 3 * 7168 * 2048 * 2  # w1, w3 [2048, 7168] and w2 [7168, 2048] in bf16: 88 MB
-    emb = spec.padded_vocab_size(8) * 7168 * 2 + spec.vocab_size * 7168 * 2  # TP=8 shards in, true vocab out
-    # memory is bounded by one unit — an expert, a layer's dense part, the embedding — never a layer's 256
-    # experts (23 GB): here the largest is the embedding's shards in and its rows out
-    assert est["largest_unit"] == "embedding" and est["largest_unit_bytes"] == emb < layer / 5
+    # the untied head: its TP=8 shards (padded vocab) and the final norm once per rank in, true vocab rows out
+    head = (spec.padded_vocab_size(8) + spec.vocab_size) * 7168 * 2 + (8 + 1) * 7168 * 2
+    # memory is bounded by one unit — an expert, a layer's dense part, the embedding, the head — never a
+    # layer's 256 experts (23 GB): here the largest is the head
+    assert est["largest_unit"] == "final" and est["largest_unit_bytes"] == head < layer / 5
     assert unit_bytes(spec, 8, 2)["expert"] == expert and "layer" not in unit_bytes(spec, 8, 2)
 
 
