@@ -136,6 +136,10 @@ def test_ep2_run_equals_single_rank_and_ep1_losses(tmp_path: Path, name: str, la
 
     losses_ep2 = results[next(r for r in results if "losses" in (results[r] or {}))]["losses"]
     assert losses_ep2[-1] < losses_ep2[0]
+    # the logged load-balancing loss, reduced over PP and DP, is megatron-core's of the same batch on one rank
+    balance = results[next(r for r in results if "losses" in (results[r] or {}))]["load_balancing_losses"]
+    want = _mcore_load_balancing_loss(spec, _cfg(preset=name, tp=1, pp=1, dp=1), tokens)
+    assert len(balance) == steps and abs(balance[0] - want) <= 1e-5 * want, (balance[0], want)
     loss_diff = 0.0
     if not layout.get("sequence_parallel"):  # the SP case's grads above already equal one process's
         ep1 = train(_cfg(preset=name, steps=steps, **{**layout, "ep": 1}))["losses"]
