@@ -232,6 +232,41 @@ def test_te_grouped_gemm_expert_spelling_reads_as_the_local_one(tmp_path: Path,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_a_grouped_gemm_ordered_source_reshards_expert_by_expert_and_strict_loads(tmp_path: Path) -> None:
+    """TE's grouped GEMM lists every expert's fc1, then every expert's fc2. Moved one expert at a time, the
+    written rank files hold each expert's fc1 and fc2 together, in megatron-core's SequentialMLP module order
+    (what hf-to-megatron writes), and megatron-core strict-loads them with transformers' logits."""
+    spec = SPECS["mixtral"]
+    hf = _random_hf("mixtral", tmp_path / "hf")
+    a, grouped, b = tmp_path / "a", tmp_path / "grouped", tmp_path / "b"
+    _convert("hf-to-megatron", str(hf), str(a), "--tp", "2", "--ep", "2")
+    shutil.copytree(a, grouped)
+    (grouped / MANIFEST).unlink()
+    for f in sorted((grouped / "release").glob("mp_rank_*/model_optim_rng.pt")):
+        state = safe_load(f)
+        dense, fc1, fc2 = {}, {}, {}
+        for k, v in state["model"].items():
+            if ".local_experts." not in k:
+                dense[k] = v
+                continue
+            head, rest = k.split(".local_experts.")
+            i, lin, kind = rest.split(".")
+            if kind != "_extra_state":  # TE keeps one per grouped linear, not one per expert
+                (fc1 if lin == "linear_fc1" else fc2)[f"{head}.{lin}.{kind}{i}"] = v
+        state["model"] = {**dense, **fc1, **fc2}
+        save_rank_file(f, state)
+    _convert("reshard", str(grouped), str(b), "--tp", "2", "--ep", "2")
+    for f in sorted((a / "release").glob("mp_rank_*/model_optim_rng.pt")):
+        want = safe_load(f)["model"]
+        got = safe_load(b / f.relative_to(a))["model"]
+        assert list(got) == list(want)  # same keys in the same order: expert by expert
+        assert all(v is None and got[k] is None or torch.equal(v, got[k]) for k, v in want.items())
+    tokens = _tokens(spec)
+    results = run_mcore(spec, 2, _load_rank_files, (str(b), tokens), ep=2)
+    assert _close(results[0][..., : spec.vocab_size], _hf_logits(hf, tokens))
+
+
 # ---- HF -> megatron-core ---------------------------------------------------------------------------------
 def _random_hf(family: str, d: Path) -> Path:
     import transformers
