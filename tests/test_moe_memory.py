@@ -1,6 +1,7 @@
 """Mixture of experts: memory is bounded by one expert, not by one layer of experts.
 
-Measured in a fresh process each: peak RSS (VmHWM) minus the RSS after imports, for one MoE layer of 8 and of
+Measured in a fresh process per model, each verb after a warm-up run of it (imports, thread pools) and a
+reset of the peak: peak RSS (VmHWM) minus the RSS before the verb, for one MoE layer of 8 and of
 32 experts of the same width (6.3 MB each in fp32; the 32-expert layer is 201 MB), converted megatron-to-hf
 from TP=2 EP=2 rank files, hf-to-megatron to TP=2 EP=2, and resharded TP=2 EP=2 -> TP=1 EP=4. Holding a
 layer's experts at once would cost ~150 MB more at 32 experts than at 8; one expert at a time costs the
@@ -17,14 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.convert import driver
 from mconvert.convert.megatron import megatron_writer
 from mconvert.mappings.families import preset
 
 pytestmark = pytest.mark.slow
 H, F = 256, 2048
-EXPERT_BYTES = 3 * H * F * 4  # w1, w3 [F, H] and w2 [H, F] in fp32
-SLACK = 24 << 20  # interpreter, allocator and page-cache noise between two runs of one verb
+EXPERT_BYTES = 3 * H * F * 4  # w1, w3 [F, H] and w2 [H, F] in fp32: 6.3 MB
+SLACK = 32 << 20  # interpreter, allocator and page-cache noise between two runs of one verb
 
 PROBE = r"""
 import json, sys, psutil
@@ -32,21 +32,26 @@ from pathlib import Path
 from mconvert.convert import driver
 from mconvert.convert.io import tuning
 tuning.apply()  # as the mconvert command does before a conversion (heap threshold, threads, gc)
-verb, src, out, warm = sys.argv[1:5]
-def run(src, out, dry_run=False):
-    if verb == "megatron-to-hf":
-        return driver.megatron_to_hf(src, out, max_shard_size="8MB", dry_run=dry_run)
-    if verb == "hf-to-megatron":
-        return driver.hf_to_megatron(src, out, tp=2, ep=2, dry_run=dry_run)
-    return driver.reshard(src, out, tp=1, pp=1, ep=4, dry_run=dry_run)
-run(warm, out + ".warm")  # the same verb on a 4-expert model first: lazy imports, thread pools, arenas
-Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
-base = psutil.Process().memory_info().rss
-rep = run(src, out)
-peak = driver.peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak across fork+exec
-plan = run(src, out + ".plan", dry_run=True)  # the writer's buffers as the plan states them
-print(json.dumps({"delta": peak - base, "buffer": rep.get("hf_buffer_peak_bytes"),
-                  "writer_buffer": plan["writer_buffer_bytes"]}))
+mg, warm, out = sys.argv[1:4]
+VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes hf-to-megatron's source
+    "megatron-to-hf": ("{mg}", lambda s, o, **kw: driver.megatron_to_hf(s, o, max_shard_size="8MB", **kw)),
+    "hf-to-megatron": ("{out}/megatron-to-hf", lambda s, o, **kw: driver.hf_to_megatron(s, o, tp=2, ep=2, **kw)),
+    "reshard": ("{mg}", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4, **kw)),
+}
+Path(out, "warm").mkdir()
+for verb, (src, call) in VERBS.items():  # first on a 4-expert model: lazy imports, thread pools, arenas
+    call(src.format(mg=warm, out=out + "/warm"), f"{out}/warm/{verb}")
+got = {}
+for verb, (src, call) in VERBS.items():
+    src = src.format(mg=mg, out=out)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+    base = psutil.Process().memory_info().rss
+    rep = call(src, f"{out}/{verb}")
+    peak = driver.peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak across fork+exec
+    plan = call(src, f"{out}/{verb}.plan", dry_run=True)  # the writer's buffers as the plan states them
+    got[verb] = {"delta": peak - base, "buffer": rep.get("hf_buffer_peak_bytes"),
+                 "writer_buffer": plan["writer_buffer_bytes"]}
+print(json.dumps(got))
 """
 
 
@@ -66,8 +71,9 @@ def _ckpt(root: Path, experts: int) -> Path:
     return root
 
 
-def _probe(verb: str, src: Path, out: Path, warm: Path) -> dict:
-    r = subprocess.run([sys.executable, "-c", PROBE, verb, str(src), str(out), str(warm)], capture_output=True,
+def _probe(mg: Path, warm: Path, out: Path) -> dict:
+    out.mkdir()
+    r = subprocess.run([sys.executable, "-c", PROBE, str(mg), str(warm), str(out)], capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -81,19 +87,14 @@ def test_peak_memory_is_one_expert_whatever_the_number_of_experts(tmp_path: Path
     layer32 = dense + 32 * EXPERT_BYTES
     deltas: dict[str, dict[int, int]] = {}
     buffers: dict[str, int] = {}
-    warm_mg = _ckpt(tmp_path / "warm_mg", 4)
-    driver.megatron_to_hf(warm_mg, tmp_path / "warm_hf")
-    warm = {"megatron-to-hf": warm_mg, "hf-to-megatron": tmp_path / "warm_hf", "reshard": warm_mg}
+    warm = _ckpt(tmp_path / "warm", 4)
     for experts in (8, 32):
-        mg = _ckpt(tmp_path / f"mg{experts}", experts)
-        sources = {"megatron-to-hf": mg, "hf-to-megatron": tmp_path / f"megatron-to-hf{experts}", "reshard": mg}
-        for verb, src in sources.items():  # megatron-to-hf first: it writes hf-to-megatron's source
-            got = _probe(verb, src, tmp_path / f"{verb}{experts}", warm[verb])
-            if verb == "megatron-to-hf":
-                # the driver's own accounting: the largest unit the HF writer held was one expert, not a layer
-                assert got["buffer"] == EXPERT_BYTES, (got["buffer"], EXPERT_BYTES)
-            deltas.setdefault(verb, {})[experts] = got["delta"]
-            buffers[verb] = got["writer_buffer"]
+        got = _probe(_ckpt(tmp_path / f"mg{experts}", experts), warm, tmp_path / f"out{experts}")
+        # the driver's own accounting: the largest unit the HF writer held was one expert, not a layer
+        assert got["megatron-to-hf"]["buffer"] == EXPERT_BYTES, (got["megatron-to-hf"], EXPERT_BYTES)
+        for verb, r in got.items():
+            deltas.setdefault(verb, {})[experts] = r["delta"]
+            buffers[verb] = r["writer_buffer"]
     print("\npeak RSS over baseline (MB), 8 vs 32 experts of 6.3 MB (32-expert layer "
           f"{layer32 / 1e6:.0f} MB): " + ", ".join(f"{v} {d[8] / 1e6:.1f} vs {d[32] / 1e6:.1f}"
                                                    for v, d in deltas.items()))
