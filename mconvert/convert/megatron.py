@@ -3,7 +3,8 @@
 Reader: one unit at a time, it opens (mmap, weights-only) only the TP files of the pipeline stage that holds
 the unit, normalizes every key spelling (mcore local / TE / legacy flat / legacy nested) to canonical names,
 makes the layer index global and merges the TP shards by the split kind ModelSpec declares.
-Writer: splits full tensors for the target TP, buffers one pipeline stage, writes its rank files.
+Writer: splits full tensors for the target TP, streams them into their stage's rank files (or spools them,
+Adam states included, until the stage is complete), writes its rank files.
 """
 
 from __future__ import annotations
@@ -596,7 +597,8 @@ class MegatronSource(SourceBase):
 class MegatronWriter:
     """Writes full tensors, unit by unit, as a Megatron torch-format checkpoint at a target TP/PP(/VPP).
 
-    Buffers one pipeline stage's shards (all TP ranks) and writes its rank files as soon as it is complete.
+    Streams (or spools) one pipeline stage's shards (all TP ranks) and writes its rank files as soon as it is
+    complete.
     A `Writer` (`convert/writer.py`) reading `read_mcore`; with `optimizer_groups` it `takes_states` (each
     parameter's Adam states come with it)."""
 
@@ -760,9 +762,11 @@ class MegatronWriter:
             local_name = name if local is None else with_layer(name, local)
             shards = split(full, kind, self.tp, name)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
-            if (real and self.preview is None and self.optimizer_groups is None and ost is None and full.dim() > 0
-                    and full.numel()):
-                shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]  # no stage in RAM
+            if real and self.preview is None and full.dim() > 0 and full.numel():  # no stage in RAM
+                shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]
+                if ost is not None:  # the Adam moments wait in the same spool as their parameter
+                    ost = [{k: self._spool(p, t).park(v) if _parkable(v) else v for k, v in o.items()}
+                           for t, o in enumerate(ost)]
             entries.append((local_name, shards, ost))
         if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
@@ -979,6 +983,11 @@ def megatron_writer(out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | Non
 
 
 _INDEX_LOCK = threading.Lock()  # the readers' threads: one index load per rank file
+
+
+def _parkable(v: Any) -> bool:
+    """Whether an optimizer state entry can wait in a spool: a tensor with data (a 0-dim `step` stays)."""
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() > 0
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
