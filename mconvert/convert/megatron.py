@@ -476,7 +476,7 @@ class MegatronSource(SourceBase):
         direct = {} if with_optimizer else self._read_dim0_direct(p, c, wanted)
         for t in range(self.tp):
             f = self.files[(t, p)]
-            lazy = None if with_optimizer else self._lazy_model(t, p, c)  # pread by offset
+            lazy = self._lazy_model(t, p, c)  # pread by offset
             opt_by_name = None
             if with_optimizer:
                 st, opt_by_name, self.optimizer_groups = self._with_states(t, p, unit)
@@ -499,11 +499,13 @@ class MegatronSource(SourceBase):
                 shards[name].append(ten)
                 if opt_by_name is not None:
                     key = raw if self.vpp is None else f"model{c}.{raw}"
-                    s = opt_by_name.get(key)
-                    if s is None and self.vpp is None:
-                        s = opt_by_name.get(f"model0.{raw}") or opt_by_name.get(f"module.{raw}")
+                    found = key
+                    if opt_by_name.get(key) is None and self.vpp is None:
+                        found = next((k for k in (f"model0.{raw}", f"module.{raw}") if opt_by_name.get(k)), key)
+                    s = opt_by_name.get(found)
                     if s is None:
                         raise MConvertError(f"{f}: optimizer has no state for parameter {key!r}")
+                    s = self._read_states(t, p, found, s)
                     optim.check_finite(s, key, str(f))
                     ostates[name].append(s)
             del st, model
@@ -516,20 +518,38 @@ class MegatronSource(SourceBase):
         return out, states
 
     def _with_states(self, t: int, p: int, unit: Unit) -> tuple[dict, dict, Any]:
-        """Rank file (t, p) loaded whole, with its optimizer states by parameter name and its param groups: kept
-        while the units of one layer are read (an MoE layer's dense part and experts would otherwise unpickle
-        the file once per expert), dropped when another layer is read."""
+        """Rank file (t, p) loaded whole, with its optimizer states by parameter name and its param groups, once
+        per file (an MoE layer's dense part and experts would otherwise unpickle it once per expert). The state
+        tensors are then read by `_read_states` with pread at indexed offsets, so the mapping's pages do not
+        stay resident; without an index the mapped file is kept for one layer's units only."""
         layer = layer_of_unit(unit)
         cache = self.__dict__.setdefault("_states_cache", {})
         held = cache.get((t, p))
-        if held is None or layer is None or held[0] != layer:
+        if held is None or (held[3] is None and (layer is None or held[0] != layer)):
             cache.pop((t, p), None)  # the previous layer's mapping goes before the next file is loaded
             f = self.files[(t, p)]
             st = safe_load(f)
-            held = (layer, st, *optim.index_states(st.get("optimizer"), str(f)))
-            if layer is not None:
+            by_name, groups = optim.index_states(st.get("optimizer"), str(f))
+            lazy = None
+            idx = TensorIndex.build(f, st, {f"{n}\0{k}": v for n, sts in by_name.items()
+                                            for k, v in sts.items() if _parkable(v)})
+            if idx is not None:
+                fd = os.open(f, os.O_RDONLY)
+                self.__dict__.setdefault("_fd_closers", []).append(owned_fd(self, fd))
+                lazy = LazyModel(idx, fd, "")
+            held = (layer, st, by_name, lazy, groups)
+            if lazy is not None or layer is not None:
                 cache[(t, p)] = held
-        return held[1], held[2], held[3]
+        return held[1], held[2], held[4]
+
+    def _read_states(self, t: int, p: int, key: str, states: dict[str, Any]) -> dict[str, Any]:
+        """Parameter `key`'s optimizer states of rank file (t, p), each tensor read into fresh memory when the
+        file is indexed (`_with_states`), in the file's order."""
+        held = self.__dict__.get("_states_cache", {}).get((t, p))
+        lazy = held[3] if held is not None else None
+        if lazy is None:
+            return states
+        return {k: lazy[f"{key}\0{k}"] if _parkable(v) and f"{key}\0{k}" in lazy else v for k, v in states.items()}
 
     def _read_expert_ranks(self, unit: Unit, with_optimizer: bool, transposed: set[str] | frozenset[str],
                            only: set[str] | None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

@@ -4,9 +4,8 @@ Shape-based (ModelSpec + parallel layout; no tensor is read), so the same number
 has on disk (see `estimate.py`, which answers from a preset). Peak memory of the streaming driver =
 one unit's source shards + its full/mapped copy + the writer's buffer (HF: the write queue, ≤ 64 MB, and
 three 16 MiB O_DIRECT staging chunks; Megatron: per open rank file a 4 MiB queue and three 4 MiB staging
-chunks — shards are streamed into their rank files, or spooled to disk until their stage is complete, Adam
-states with them; with optimizer states the source's rank files also stay mapped while the units of one layer
-are read: one source layer with its states) + the interpreter.
+chunks — shards are streamed into their rank files, or spooled to disk until their stage is complete, their Adam
+states with them) + the interpreter.
 """
 
 from __future__ import annotations
@@ -72,9 +71,6 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
             write = torch_dist_files(spec, tp, out_item + states)
         elif with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
             scale = 1 + 2 * 4 / out_item
-            src_units = unit_bytes(spec, src_tp, src_item)  # a layer: whole, or its dense part and every expert
-            src_layer = src_units.get("layer") or src_units["dense part"] + (spec.num_experts or 0) * src_units["expert"]
-            buffer += int(src_layer * (1 + 2 * 4 / src_item))  # the mapped pages of one source layer and its states
             unit_in = {k: int(v * (1 + 2 * 4 / src_item)) for k, v in unit_in.items()}
             for f in write:
                 f["bytes"] = int(f["bytes"] * scale)
