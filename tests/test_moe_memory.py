@@ -3,7 +3,8 @@
 Measured in a fresh process per model, each verb after a warm-up run of it (imports, thread pools) and a
 reset of the peak: peak RSS (VmHWM) minus the RSS before the verb, for one MoE layer of 8 and of
 32 experts of the same width (6.3 MB each in fp32; the 32-expert layer is 201 MB), converted megatron-to-hf
-from TP=2 EP=2 rank files, hf-to-megatron to TP=2 EP=2, and resharded TP=2 EP=2 -> TP=1 EP=4. Holding a
+from TP=2 EP=2 rank files, hf-to-megatron to TP=2 EP=2, and resharded TP=2 EP=2 -> TP=1 EP=4 (also with
+Adam states, `--with-optimizer`: the target's shards and states spooled, the source's read by offset). Holding a
 layer's experts at once would cost ~150 MB more at 32 experts than at 8; one expert at a time costs the
 same. The HF writer's own accounting (the largest unit handed to it) is one expert's bytes."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mconvert.convert.io.atomic import MANIFEST
+from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.layout import save_rank_file
 from mconvert.convert.megatron import megatron_writer
 from mconvert.mappings.families import preset
 
@@ -37,6 +42,8 @@ VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes hf-
     "megatron-to-hf": ("{mg}", lambda s, o, **kw: driver.megatron_to_hf(s, o, max_shard_size="8MB", **kw)),
     "hf-to-megatron": ("{out}/megatron-to-hf", lambda s, o, **kw: driver.hf_to_megatron(s, o, tp=2, ep=2, **kw)),
     "reshard": ("{mg}", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4, **kw)),
+    "reshard --with-optimizer": ("{mg}.adam", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4,
+                                                                                with_optimizer=True, **kw)),
 }
 Path(out, "warm").mkdir()
 for verb, (src, call) in VERBS.items():  # first on a 4-expert model: lazy imports, thread pools, arenas
@@ -71,6 +78,23 @@ def _ckpt(root: Path, experts: int) -> Path:
     return root
 
 
+def _with_adam_states(root: Path) -> None:
+    """A copy of `root` beside it (`.adam`) whose rank files carry Adam states for every parameter."""
+    adam = root.with_name(root.name + ".adam")
+    shutil.copytree(root, adam)
+    (adam / MANIFEST).unlink(missing_ok=True)  # the files are ours to change
+    for f in sorted((adam / "release").glob("mp_rank_*/model_optim_rng.pt")):
+        state = safe_load(f)
+        names = [k for k, v in state["model"].items() if isinstance(v, torch.Tensor)]
+        state["optimizer"] = {
+            "state": {i: {"step": torch.tensor(7.0), "exp_avg": state["model"][n] / 2,
+                          "exp_avg_sq": state["model"][n] ** 2} for i, n in enumerate(names)},
+            "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0,
+                              "params": list(range(len(names))), "param_names": names}]}
+        save_rank_file(f, state)
+        del state
+
+
 def _probe(mg: Path, warm: Path, out: Path) -> dict:
     out.mkdir()
     r = subprocess.run([sys.executable, "-c", PROBE, str(mg), str(warm), str(out)], capture_output=True,
@@ -88,8 +112,11 @@ def test_peak_memory_is_one_expert_whatever_the_number_of_experts(tmp_path: Path
     deltas: dict[str, dict[int, int]] = {}
     buffers: dict[str, int] = {}
     warm = _ckpt(tmp_path / "warm", 4)
+    _with_adam_states(warm)
     for experts in (8, 32):
-        got = _probe(_ckpt(tmp_path / f"mg{experts}", experts), warm, tmp_path / f"out{experts}")
+        mg = _ckpt(tmp_path / f"mg{experts}", experts)
+        _with_adam_states(mg)
+        got = _probe(mg, warm, tmp_path / f"out{experts}")
         # the driver's own accounting: the largest unit the HF writer held was one expert, not a layer
         assert got["megatron-to-hf"]["buffer"] == EXPERT_BYTES, (got["megatron-to-hf"], EXPERT_BYTES)
         for verb, r in got.items():
