@@ -118,3 +118,27 @@ def test_plan_counts_one_expert_not_a_layer_of_experts() -> None:
     assert (a.largest_unit, b.largest_unit) == ("expert", "expert")
     assert a.largest_unit_bytes == b.largest_unit_bytes == 2 * 3 * 128 * 1024 * 4  # in (TP shards) and out
     assert a.peak_memory_bytes == b.peak_memory_bytes
+
+
+def test_an_hf_expert_beyond_num_experts_is_refused_by_name(hf_mixtral: Path, tmp_path: Path) -> None:
+    """A tensor of expert 4 in a 4-expert model fits no unit of the layer: refused naming it, nothing written
+    (a layer read whole would pass it by unread)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mconvert.errors import MConvertError
+
+    bad = tmp_path / "hf"
+    shutil.copytree(hf_mixtral, bad)
+    weights = sorted(bad.glob("*.safetensors"))
+    assert len(weights) == 1
+    tensors = load_file(weights[0])
+    extra = "model.layers.0.block_sparse_moe.experts.4.w1.weight"
+    tensors[extra] = tensors["model.layers.0.block_sparse_moe.experts.3.w1.weight"].clone()
+    save_file(tensors, weights[0], metadata={"format": "pt"})
+    with pytest.raises(MConvertError) as err:
+        hf_to_megatron(bad, tmp_path / "mg", ep=2)
+    assert str(err.value).startswith(f"{weights[0]}: tensor {extra!r} is not a parameter of this mixtral model "
+                                     "(4 experts")
+    assert not (tmp_path / "mg").exists()
