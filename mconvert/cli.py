@@ -142,7 +142,8 @@ def train_cmd(
     if json_out:
         keys = ("collective", "group", "ranks_reporting", "calls", "bytes", "seconds")
         comm = [dict(zip(keys, (r[0], r[1], r[5], r[2], r[3], r[4]))) for r in result.get("comm", [])]
-        print(json.dumps({"losses": result.get("losses", []), "comm": comm, "save": cfg.save}))
+        moe = {"load_balancing_losses": result["load_balancing_losses"]} if "load_balancing_losses" in result else {}
+        print(json.dumps({"losses": result.get("losses", []), **moe, "comm": comm, "save": cfg.save}))
     elif comm_report:
         Console().print(render_report(result.get("comm", [])))
 

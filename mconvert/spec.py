@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Union
 
 from mconvert import dtypes
 from mconvert.errors import MConvertError
@@ -63,6 +63,21 @@ class ParamDecl:
     shape: tuple[int, ...]
     layer: int | None = None  # global layer index; None for embedding / final params
     expert: int | None = None  # global expert index of a routed expert's weight; None for every other param
+
+
+class LayerPart(NamedTuple):
+    """A conversion unit smaller than a layer: a mixture-of-experts layer's dense part (attention, norms,
+    router; `expert` None) or one routed expert (its global index), so memory is bounded by one expert."""
+
+    layer: int
+    expert: int | None
+
+    def __str__(self) -> str:
+        return f"layer {self.layer} " + ("dense part" if self.expert is None else f"expert {self.expert}")
+
+
+# A conversion unit: "embedding", a layer's global index, a `LayerPart` of an MoE layer, or "final".
+Unit = Union[str, int, LayerPart]
 
 
 @dataclass(frozen=True)
@@ -297,8 +312,9 @@ class ModelSpec:
             )
 
     # ---- the split declarations ----------------------------------------------------------------
-    def layer_params(self, layer: int) -> list[ParamDecl]:
-        """The parameters of one transformer layer (global index), full shapes."""
+    def layer_params(self, layer: int, experts: bool = True) -> list[ParamDecl]:
+        """The parameters of one transformer layer (global index), full shapes; without `experts`, an MoE
+        layer's dense part only (attention, norms, router)."""
         H, F, hd, nh = self.hidden_size, self.ffn_hidden_size, self.head_dim, self.num_attention_heads
         p = f"decoder.layers.{layer}."
         out: list[ParamDecl] = []
@@ -327,16 +343,8 @@ class ModelSpec:
         fc1_kind = "gated" if self.gated else "column"
         if self.is_moe:  # router (every rank holds it), then each expert's MLP split over TP like a dense one
             add("mlp.router.weight", "replicated", self.num_experts, H)  # type: ignore[arg-type]
-            F = self.expert_ffn_hidden_size
-            for e in range(self.num_experts):  # type: ignore[arg-type]
-                fc1_rows = 2 * F if self.gated else F
-                x = f"mlp.experts.local_experts.{e}."
-                out.append(ParamDecl(p + x + "linear_fc1.weight", fc1_kind, (fc1_rows, H), layer, e))
-                if self.add_bias_linear:
-                    out.append(ParamDecl(p + x + "linear_fc1.bias", fc1_kind, (fc1_rows,), layer, e))
-                out.append(ParamDecl(p + x + "linear_fc2.weight", "row", (H, F), layer, e))
-                if self.add_bias_linear:
-                    out.append(ParamDecl(p + x + "linear_fc2.bias", "replicated", (H,), layer, e))
+            for e in range(self.num_experts if experts else 0):  # type: ignore[arg-type]
+                out += self.expert_params(layer, e)
             return out
         fc1_rows = 2 * F if self.gated else F
         add("mlp.linear_fc1.weight", fc1_kind, fc1_rows, H)
@@ -345,6 +353,20 @@ class ModelSpec:
         add("mlp.linear_fc2.weight", "row", H, F)
         if self.add_bias_linear:
             add("mlp.linear_fc2.bias", "replicated", H)
+        return out
+
+    def expert_params(self, layer: int, expert: int) -> list[ParamDecl]:
+        """The parameters of one routed expert (global index) of an MoE layer: its MLP, split over TP like a
+        dense one."""
+        H, F = self.hidden_size, self.expert_ffn_hidden_size
+        fc1_kind, fc1_rows = ("gated", 2 * F) if self.gated else ("column", F)
+        x = f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}."
+        out = [ParamDecl(x + "linear_fc1.weight", fc1_kind, (fc1_rows, H), layer, expert)]
+        if self.add_bias_linear:
+            out.append(ParamDecl(x + "linear_fc1.bias", fc1_kind, (fc1_rows,), layer, expert))
+        out.append(ParamDecl(x + "linear_fc2.weight", "row", (H, F), layer, expert))
+        if self.add_bias_linear:
+            out.append(ParamDecl(x + "linear_fc2.bias", "replicated", (H,), layer, expert))
         return out
 
     def embedding_params(self, tp: int = 1) -> list[ParamDecl]:
@@ -372,6 +394,32 @@ class ModelSpec:
             out.append(ParamDecl("output_layer.weight", "vocab", (self.padded_vocab_size(tp), H)))
         return out
 
+    def units(self, split_experts: bool = False) -> list[Unit]:
+        """The conversion units in order: embedding, each layer, final. With `split_experts` an MoE layer is
+        its dense part, then one unit per global expert (no unit then holds more than one expert)."""
+        out: list[Unit] = ["embedding"]
+        for i in range(self.num_layers):
+            out += self.layer_units(i) if split_experts else [i]
+        return out + ["final"]
+
+    def layer_units(self, layer: int) -> list[Unit]:
+        """Layer `layer` as the units it splits into: itself when dense, else its dense part and its experts."""
+        if not self.is_moe:
+            return [layer]
+        return [LayerPart(layer, None), *(LayerPart(layer, e) for e in range(self.num_experts))]  # type: ignore[arg-type]
+
+    def unit_params(self, unit: Unit) -> list[ParamDecl]:
+        """The parameters of one unit (full shapes), in declared order."""
+        if unit == "embedding":
+            return self.embedding_params()
+        if unit == "final":
+            return self.final_params()
+        if isinstance(unit, LayerPart):
+            if unit.expert is None:
+                return self.layer_params(unit.layer, experts=False)
+            return self.expert_params(unit.layer, unit.expert)
+        return self.layer_params(int(unit))  # type: ignore[arg-type]
+
     def params(self, tp: int = 1) -> list[ParamDecl]:
         """Every parameter of the full model in order: embedding, layers, final norm (and untied head).
 
@@ -389,9 +437,9 @@ class ModelSpec:
         raise MConvertError(f"no split declaration for parameter {name!r}")
 
     def _decls_by_template(self) -> list[tuple[str, str]]:
-        layer0 = self.layer_params(0)
+        layer0 = self.layer_params(0, experts=False)
         if self.is_moe:  # every expert has expert 0's template and kind
-            layer0 = [d for d in layer0 if d.expert in (None, 0)]
+            layer0 += self.expert_params(0, 0)
         decls = self.embedding_params() + layer0 + self.final_params()
         if self.tie_embeddings:  # the last stage's copy of the embedding, when PP > 1
             decls.append(ParamDecl("output_layer.weight", "vocab", ()))
@@ -551,6 +599,13 @@ def with_expert(name: str, expert: int) -> str:
     i = parts.index("local_experts")
     parts[i + 1] = str(expert)
     return ".".join(parts)
+
+
+def layer_of_unit(unit: Unit) -> int | None:
+    """The global layer a unit belongs to (None for the embedding and the final unit)."""
+    if isinstance(unit, LayerPart):
+        return unit.layer
+    return unit if isinstance(unit, int) else None
 
 
 def name_template(name: str) -> str:

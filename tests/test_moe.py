@@ -146,6 +146,21 @@ def test_megatron_core_torch_dist_moe_checkpoints_convert_to_the_same_hf(
 
 
 @pytest.mark.slow
+def test_a_torch_dist_moe_source_is_planned_at_its_saved_ep(tmp_path: Path,
+                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """megatron-core's torch_dist save at EP=2: the dry run's source and read side say EP=2, as for the legacy
+    rank files of the same run (one rank file per EP rank there)."""
+    from mconvert.convert.driver import megatron_to_hf
+
+    _, _, _, root = _saved("mixtral", 1, 2, tmp_path_factory)
+    legacy = megatron_to_hf(root, tmp_path / "a", dry_run=True)
+    dist = megatron_to_hf(str(root) + "_dist", tmp_path / "b", dry_run=True)
+    assert "EP=2" in dist["source"] and "EP=2" in legacy["source"]
+    assert dist["read_files"] == legacy["read_files"] == 2
+    assert dist["largest_unit"] == legacy["largest_unit"]
+
+
+@pytest.mark.slow
 def test_swapped_ep_rank_dirs_change_the_logits(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """EP ranks 0 and 1 exchanged (their experts move to the other half of the router's columns): the
     conversion still runs — the files are well-formed — but the model is another one, and the logits say so."""
@@ -215,6 +230,41 @@ def test_te_grouped_gemm_expert_spelling_reads_as_the_local_one(tmp_path: Path,
     _convert("megatron-to-hf", str(te), str(tmp_path / "b"))
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_grouped_gemm_ordered_source_reshards_expert_by_expert_and_strict_loads(tmp_path: Path) -> None:
+    """TE's grouped GEMM lists every expert's fc1, then every expert's fc2. Moved one expert at a time, the
+    written rank files hold each expert's fc1 and fc2 together, in megatron-core's SequentialMLP module order
+    (what hf-to-megatron writes), and megatron-core strict-loads them with transformers' logits."""
+    spec = SPECS["mixtral"]
+    hf = _random_hf("mixtral", tmp_path / "hf")
+    a, grouped, b = tmp_path / "a", tmp_path / "grouped", tmp_path / "b"
+    _convert("hf-to-megatron", str(hf), str(a), "--tp", "2", "--ep", "2")
+    shutil.copytree(a, grouped)
+    (grouped / MANIFEST).unlink()
+    for f in sorted((grouped / "release").glob("mp_rank_*/model_optim_rng.pt")):
+        state = safe_load(f)
+        dense, fc1, fc2 = {}, {}, {}
+        for k, v in state["model"].items():
+            if ".local_experts." not in k:
+                dense[k] = v
+                continue
+            head, rest = k.split(".local_experts.")
+            i, lin, kind = rest.split(".")
+            if kind != "_extra_state":  # TE keeps one per grouped linear, not one per expert
+                (fc1 if lin == "linear_fc1" else fc2)[f"{head}.{lin}.{kind}{i}"] = v
+        state["model"] = {**dense, **fc1, **fc2}
+        save_rank_file(f, state)
+    _convert("reshard", str(grouped), str(b), "--tp", "2", "--ep", "2")
+    for f in sorted((a / "release").glob("mp_rank_*/model_optim_rng.pt")):
+        want = safe_load(f)["model"]
+        got = safe_load(b / f.relative_to(a))["model"]
+        assert list(got) == list(want)  # same keys in the same order: expert by expert
+        assert all(v is None and got[k] is None or torch.equal(v, got[k]) for k, v in want.items())
+    tokens = _tokens(spec)
+    results = run_mcore(spec, 2, _load_rank_files, (str(b), tokens), ep=2)
+    assert _close(results[0][..., : spec.vocab_size], _hf_logits(hf, tokens))
 
 
 # ---- HF -> megatron-core ---------------------------------------------------------------------------------
@@ -381,7 +431,7 @@ def test_deployment_formats_without_a_moe_layout_refuse_by_name(verb: str, sourc
 
 def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     """`moe-671b`: DeepSeek-V3's routed sizes in Mixtral's layout, estimated from shapes alone (no weights)."""
-    from mconvert.convert.estimate import estimate
+    from mconvert.convert.estimate import estimate, unit_bytes
 
     spec = preset("moe-671b")
     assert 660e9 < spec.num_parameters() < 680e9
@@ -389,9 +439,13 @@ def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     assert (est["operation"], est["read_files"]) == ("megatron-to-hf", 16)
     assert est["write_bytes"] == 2 * spec.num_parameters()  # bf16 safetensors: every parameter once
     layer = sum(math.prod(d.shape) for d in spec.layer_params(0)) * 2
-    # one layer's shards in and its tensors out (the replicated norms and router once per TP rank): every
-    # expert of the layer, each its own tensor
-    assert est["largest_unit"] == "layer" and 2 * layer < est["largest_unit_bytes"] < 2.01 * layer
+    expert = 3 * 7168 * 2048 * 2  # w1, w3 [2048, 7168] and w2 [7168, 2048] in bf16: 88 MB
+    # the untied head: its TP=8 shards (padded vocab) and the final norm once per rank in, true vocab rows out
+    head = (spec.padded_vocab_size(8) + spec.vocab_size) * 7168 * 2 + (8 + 1) * 7168 * 2
+    # memory is bounded by one unit — an expert, a layer's dense part, the embedding, the head — never a
+    # layer's 256 experts (23 GB): here the largest is the head
+    assert est["largest_unit"] == "final" and est["largest_unit_bytes"] == head < layer / 5
+    assert unit_bytes(spec, 8, 2)["expert"] == expert and "layer" not in unit_bytes(spec, 8, 2)
 
 
 def _add_adam_states(root: Path) -> None:

@@ -94,3 +94,37 @@ def test_plan_cli_estimates_at_ep_and_refuses_an_ep_that_does_not_fit(capsys) ->
     assert_one_line_error(code, err, "EP=3 does not divide num_experts=4")
     code, _, err = run_cli(["plan", "--preset", "tiny-llama", "--ep", "2", "--to", "megatron"], capsys)
     assert_one_line_error(code, err, "EP=2 needs a mixture-of-experts model")
+
+
+def test_plan_counts_one_expert_not_a_layer_of_experts() -> None:
+    """The peak of an MoE conversion is one unit of the driver's: the embedding, a layer's dense part or one
+    expert — so 32 experts of a width plan the same peak as 8."""
+    small, big = (preset("tiny-mixtral").replace(num_experts=e, ffn_hidden_size=1024) for e in (8, 32))
+    a, b = (estimate(s, "hf", tp=2, ep=2, dtype="fp32") for s in (small, big))
+    assert (a.largest_unit, b.largest_unit) == ("expert", "expert")
+    assert a.largest_unit_bytes == b.largest_unit_bytes == 2 * 3 * 128 * 1024 * 4  # in (TP shards) and out
+    assert a.peak_memory_bytes == b.peak_memory_bytes
+
+
+def test_an_hf_expert_beyond_num_experts_is_refused_by_name(hf_mixtral: Path, tmp_path: Path) -> None:
+    """A tensor of expert 4 in a 4-expert model fits no unit of the layer: refused naming it, nothing written
+    (a layer read whole would pass it by unread)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mconvert.errors import MConvertError
+
+    bad = tmp_path / "hf"
+    shutil.copytree(hf_mixtral, bad)
+    weights = sorted(bad.glob("*.safetensors"))
+    assert len(weights) == 1
+    tensors = load_file(weights[0])
+    extra = "model.layers.0.block_sparse_moe.experts.4.w1.weight"
+    tensors[extra] = tensors["model.layers.0.block_sparse_moe.experts.3.w1.weight"].clone()
+    save_file(tensors, weights[0], metadata={"format": "pt"})
+    with pytest.raises(MConvertError) as err:
+        hf_to_megatron(bad, tmp_path / "mg", ep=2)
+    assert str(err.value).startswith(f"{weights[0]}: tensor {extra!r} is not a parameter of this mixtral model "
+                                     "(4 experts")
+    assert not (tmp_path / "mg").exists()

@@ -136,6 +136,10 @@ def test_ep2_run_equals_single_rank_and_ep1_losses(tmp_path: Path, name: str, la
 
     losses_ep2 = results[next(r for r in results if "losses" in (results[r] or {}))]["losses"]
     assert losses_ep2[-1] < losses_ep2[0]
+    # the logged load-balancing loss, reduced over PP and DP, is megatron-core's of the same batch on one rank
+    balance = results[next(r for r in results if "losses" in (results[r] or {}))]["load_balancing_losses"]
+    want = _mcore_load_balancing_loss(spec, _cfg(preset=name, tp=1, pp=1, dp=1), tokens)
+    assert len(balance) == steps and abs(balance[0] - want) <= 1e-5 * want, (balance[0], want)
     loss_diff = 0.0
     if not layout.get("sequence_parallel"):  # the SP case's grads above already equal one process's
         ep1 = train(_cfg(preset=name, steps=steps, **{**layout, "ep": 1}))["losses"]
@@ -303,3 +307,55 @@ def test_cli_refuses_an_ep_that_does_not_divide_dp_in_one_line(tmp_path: Path) -
                        capture_output=True, text=True, timeout=100)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--ep 4 must divide DP=2" in r.stderr and not out.exists()
+
+
+def _mcore_load_balancing_loss(spec: ModelSpec, cfg: TrainConfig, tokens: torch.Tensor) -> float:
+    """megatron-core's `load_balancing_loss` of step 1 (`track_moe_metrics`: each layer's aux loss ÷ its
+    coefficient, mean over micro-batches and layers), from its own `switch_load_balancing_loss_func` on the
+    router logits of our single-rank model at the run's seed, fed the run's micro-batches."""
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    model = GPTModel(spec, ParallelState(), seed=cfg.seed)
+    per_layer: list[float] = []
+
+    def hook(moe: torch.nn.Module, args: tuple) -> None:
+        h = args[0].reshape(-1, spec.hidden_size)
+        logits = torch.nn.functional.linear(h, moe.router.weight).float()
+        routed = torch.zeros_like(logits).scatter_(1, logits.topk(spec.moe_router_topk, dim=-1).indices, 1.0)
+        aux = switch_load_balancing_loss_func(torch.softmax(logits, dim=-1), routed.sum(dim=0), h.shape[0],
+                                              spec.moe_router_topk, spec.num_experts, cfg.moe_aux_loss_coeff)
+        per_layer.append(float(aux) / cfg.moe_aux_loss_coeff)
+
+    for moe in model.moe_layers():
+        moe.register_forward_pre_hook(hook)
+    with torch.no_grad():
+        for mb in get_micro_batches(cfg, ParallelState(), tokens, 0, spec):
+            model(mb["tokens"], mb["labels"])
+    assert len(per_layer) == spec.num_layers * cfg.num_micro_batches
+    return sum(per_layer) / len(per_layer)
+
+
+@pytest.mark.timeout(300)
+def test_training_logs_the_load_balancing_loss_as_megatron_core_computes_it(tmp_path: Path) -> None:
+    """Each step logs megatron-core's `load_balancing_loss` beside the LM loss (and `--json` lists it)."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = _cfg(preset="tiny-mixtral", steps=1, tp=1, pp=1, dp=1)
+    tokens, vocab = prepare_tokens(None, write=False)
+    spec = build_spec(cfg, vocab)
+    got = _train(cfg, spec, tokens, ParallelState())["load_balancing_losses"]
+    want = _mcore_load_balancing_loss(spec, cfg, tokens)
+    assert len(got) == 1 and abs(got[0] - want) <= 1e-5 * want, (got, want)
+    assert 0.5 < want < 4  # about 1 for the near-uniform router at init: not a comparison of two zeros
+
+    cmd = [sys.executable, "-m", "mconvert.cli", "train", "--preset", "tiny-mixtral", "--steps", "2", "--json",
+           "--seq-length", "32", "--global-batch-size", "4", "--micro-batch-size", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(out["losses"]) == len(out["load_balancing_losses"]) == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.lstrip().startswith("iteration")]
+    assert len(lines) == 2 and all(f"load_balancing_loss {v:.6f}" in ln
+                                   for ln, v in zip(lines, out["load_balancing_losses"])), lines

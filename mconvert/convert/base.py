@@ -11,19 +11,18 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 import torch
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import to_hf
-from mconvert.spec import ModelSpec
-
-Unit = Union[str, int]  # "embedding", 0 .. num_layers-1, "final"
+from mconvert.spec import ModelSpec, Unit
 
 
-def units_of(spec: ModelSpec) -> list[Unit]:
-    return ["embedding", *range(spec.num_layers), "final"]
+def units_of(spec: ModelSpec, split_experts: bool = False) -> list[Unit]:
+    """"embedding", each layer (or, with `split_experts`, each MoE layer's dense part and experts), "final"."""
+    return spec.units(split_experts)
 
 
 class Source(Protocol):
@@ -32,7 +31,7 @@ class Source(Protocol):
     spec: ModelSpec
     tokenizer_dir: Path | None  # where tokenizer files live, when known
 
-    def units(self) -> list[Unit]: ...
+    def units(self, split_experts: bool = False) -> list[Unit]: ...
 
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]: ...
 
@@ -57,9 +56,12 @@ class SourceBase:
     # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
     # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead
     preview = None
+    # Whether `read_*` / `preview` also take a `LayerPart` (an MoE layer's dense part or one expert): the
+    # driver then moves one expert at a time to writers that take them too
+    splits_experts = False
 
-    def units(self) -> list[Unit]:
-        return units_of(self.spec)
+    def units(self, split_experts: bool = False) -> list[Unit]:
+        return units_of(self.spec, split_experts and self.splits_experts)
 
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -122,7 +122,7 @@ def check_memory(unit_sizes: Mapping[Any, int], source: str, available: int | No
         available = psutil.virtual_memory().available
     unit, size = max(unit_sizes.items(), key=lambda kv: kv[1])
     if 3 * size > available:
-        what = f"layer {unit}" if isinstance(unit, int) else f"the {unit}"
+        what = f"layer {unit}" if isinstance(unit, int) else f"the {unit}" if isinstance(unit, str) else str(unit)
         raise MConvertError(f"{source}: converting {what} needs about {3 * size / 2**30:.1f} GiB (3 × its "
                             f"{size / 2**30:.1f} GiB of weights) but {available / 2**30:.1f} GiB is available; "
                             "free memory or convert on a larger machine")

@@ -68,9 +68,9 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
     if world().size > 1 and not hasattr(writer, "needs"):
         raise MConvertError(f"{what}: this output runs in one process and does not share its work over torchrun; "
                             "run it without torchrun")
-    with _aborting(writer):
+    with _aborting(writer):  # MoE layers one expert at a time where both sides can (memory: one expert)
         start_crc_checks()  # every reader has claimed the input records it checks on the bytes it reads
-        for unit in unit_progress(src.units(), what, progress):
+        for unit in unit_progress(src.units(getattr(writer, "splits_experts", False)), what, progress):
             if hasattr(writer, "needs") and not writer.needs(unit):  # another torchrun rank writes what it feeds
                 writer.skip(unit)
                 continue

@@ -132,11 +132,17 @@ def _shard_numel(decl: ParamDecl, tp: int) -> int:
 
 
 def unit_bytes(spec: ModelSpec, tp: int, itemsize: int) -> dict[str, int]:
-    """Bytes of every unit summed over all TP shards (replicated params count once per rank)."""
-    emb = sum(_shard_numel(d, tp) * tp for d in spec.embedding_params(tp))
-    layer = sum(_shard_numel(d, tp) * tp for d in spec.layer_params(0))
-    final = sum(_shard_numel(d, tp) * tp for d in spec.final_params(tp))
-    return {"embedding": emb * itemsize, "layer": layer * itemsize, "final": final * itemsize}
+    """Bytes of every kind of unit summed over all TP shards (replicated params count once per rank): the
+    embedding, a layer, the final unit; an MoE layer moves as its dense part and one unit per expert."""
+
+    def total(decls: list[ParamDecl]) -> int:
+        return sum(_shard_numel(d, tp) * tp for d in decls) * itemsize
+
+    if spec.is_moe:
+        layer = {"dense part": total(spec.layer_params(0, experts=False)), "expert": total(spec.expert_params(0, 0))}
+    else:
+        layer = {"layer": total(spec.layer_params(0))}
+    return {"embedding": total(spec.embedding_params(tp)), **layer, "final": total(spec.final_params(tp))}
 
 
 def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: list[int], ep: int = 1
@@ -350,7 +356,8 @@ def estimate(
         units_in, units_out = unit_bytes(spec, tp, src_item), unit_bytes(spec, 1, out_item)
         source, target = f"megatron {at(tp, pp, ep)}", ("hf" if to == "hf" else f"ft TP={ft_tp}")
 
-    # Peak: one unit's input shards (all TP ranks) plus that unit's output, plus the interpreter.
+    # Peak: one unit's input shards (all TP ranks) plus that unit's output, plus the interpreter; an MoE
+    # layer's unit is its dense part or one expert, never all its experts.
     unit_total = {k: units_in[k] + units_out[k] for k in units_in}
     largest = max(unit_total, key=lambda k: unit_total[k])
     read_bytes = sum(f["bytes"] for f in read)

@@ -37,9 +37,9 @@ from mconvert.convert.tokenizer import (
     read_token_ids,
 )
 from mconvert.errors import MConvertError, expect
-from mconvert.mappings import families, from_hf, hf_unit, to_hf
+from mconvert.mappings import families, from_hf, hf_names, hf_unit, to_hf
 from mconvert.mappings.fields import key_names
-from mconvert.spec import ModelSpec
+from mconvert.spec import LayerPart, ModelSpec
 
 INDEX = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
@@ -77,6 +77,7 @@ class HFSource(SourceBase):
     """An HF model directory (config.json + safetensors / pytorch_model*.bin), read one unit at a time."""
 
     format = "hf"
+    splits_experts = True
 
     def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
         self.path = Path(path)
@@ -91,6 +92,7 @@ class HFSource(SourceBase):
             u = hf_unit(self.spec, k, source=str(self.path / f))
             if u is not None:
                 self.unit_keys.setdefault(u, []).append(k)
+        self.part_keys: dict[Unit, list[str]] = {}  # an MoE layer's keys by LayerPart (`_check_sizes` fills it)
         self._check_sizes(str(cfg_path))
 
     def _check_sizes(self, source: str) -> None:
@@ -98,18 +100,45 @@ class HFSource(SourceBase):
         files) and the memory available, before any per-layer loop or allocation."""
         names = key_names(families.hf_table(families.of(self.spec).model_type))
         bounds.check_layer_count(self.spec, {u for u in self.unit_keys if isinstance(u, int)}, source, names)
-        if not self.can_preview():
-            return  # a legacy-pickle .bin has no index: its shapes are checked as each unit is read
+        if not self.can_preview():  # a legacy-pickle .bin has no index: its shapes are checked as each unit is read
+            self.part_keys = self._part_keys(source)
+            return
         shapes: dict[str, tuple[int, ...]] = {}
-        sizes: dict[Unit, int] = {}
-        for unit, keys in self.unit_keys.items():
+        for keys in self.unit_keys.values():
             for k in keys:
                 m = self._meta(k)
                 if m is not None:
                     shapes[k] = tuple(m.shape)
-                    sizes[unit] = sizes.get(unit, 0) + math.prod(m.shape) * m.dtype.itemsize
         bounds.check_shapes(self.spec, bounds.expected_hf_shapes, shapes, source, names)
+        self.part_keys = self._part_keys(source)
+        sizes: dict[Unit, int] = {}
+        by_unit = {u: ks for u, ks in self.unit_keys.items() if not (isinstance(u, int) and self.spec.is_moe)}
+        for unit, keys in {**by_unit, **self.part_keys}.items():  # an MoE layer moves one expert at a time
+            for k in keys:
+                m = self._meta(k)
+                if m is not None:
+                    sizes[unit] = sizes.get(unit, 0) + math.prod(m.shape) * m.dtype.itemsize
         bounds.check_memory(sizes, source)
+
+    def _part_keys(self, source: str) -> dict[Unit, list[str]]:
+        """An MoE layer's keys by `LayerPart` (its dense part, each expert), in the layer's key order; {} for a
+        dense model. A layer key that no part declares (an expert beyond num_experts) is refused by name."""
+        if not self.spec.is_moe:
+            return {}
+        out: dict[Unit, list[str]] = {}
+        for layer in range(self.spec.num_layers):
+            part_of = {k: part for part in self.spec.layer_units(layer) for k in hf_names(self.spec, part)}
+            for k in self.unit_keys.get(layer, []):
+                if k not in part_of:
+                    raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is not a parameter of this "
+                                        f"{self.spec.family} model ({self.spec.num_experts} experts, {source}); "
+                                        "remove it or fix the config")
+                out.setdefault(part_of[k], []).append(k)
+        return out
+
+    def _keys(self, unit: Unit) -> list[str]:
+        """The HF keys of one unit (of an MoE layer's part when `unit` is a `LayerPart`)."""
+        return (self.part_keys if isinstance(unit, LayerPart) else self.unit_keys).get(unit, [])
 
     def _index(self) -> dict[str, str]:
         """tensor name -> file name, from the index json or by listing the weight files."""
@@ -189,7 +218,7 @@ class HFSource(SourceBase):
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
         """HF tensors of one unit, as stored (true vocab)."""
         by_file: dict[str, list[str]] = {}
-        for k in self.unit_keys.get(unit, []):
+        for k in self._keys(unit):
             by_file.setdefault(self.key_file[k], []).append(k)
         out: dict[str, torch.Tensor] = {}
         for f, keys in by_file.items():
@@ -238,7 +267,7 @@ class HFSource(SourceBase):
         """`read_mcore(unit)` as meta tensors, from the safetensors headers or the offset index of `.bin`
         files (no data read); a legacy-pickle `.bin` has neither, so writers then take their general path."""
         meta: dict[str, torch.Tensor] = {}
-        for k in self.unit_keys.get(unit, []):
+        for k in self._keys(unit):
             m = self._meta(k)
             if m is None:
                 raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is missing (the index lists it "
@@ -260,6 +289,7 @@ class HFWriter:
     the tokenizer of `tokenizer_dir`. A `Writer` (`convert/writer.py`) reading `read_hf`."""
 
     reads = "hf"
+    splits_experts = True  # takes an MoE layer as its dense part and one unit per expert
 
     def __init__(self, out: Path, spec: ModelSpec, max_shard_size: int = 5 * 10**9,
                  dtype: torch.dtype | None = None, tokenizer_dir: Path | None = None,
@@ -288,15 +318,14 @@ class HFWriter:
         self._owned = True  # False: this rank writes nothing (no plan to share out: rank 0 writes it all)
 
     def _entries_of(self, dtype: torch.dtype) -> dict[Unit, list[Entry]]:
-        """Every tensor this model will produce, unit by unit in arrival order (units of the spec through the
-        plugin on the meta device); {} when the plugin cannot say."""
+        """Every tensor this model will produce, unit by unit in arrival order (units of the spec, MoE layers
+        split into their dense part and experts, through the plugin on the meta device); {} when the plugin
+        cannot say."""
         spec = self.spec
         out: dict[Unit, list[Entry]] = {}
         try:
-            for unit in units_of(spec):
-                decls = (spec.embedding_params() if unit == "embedding" else
-                         spec.final_params() if unit == "final" else spec.layer_params(int(unit)))
-                meta = {d.name: torch.empty(d.shape, dtype=dtype, device="meta") for d in decls}
+            for unit in units_of(spec, split_experts=True):
+                meta = {d.name: torch.empty(d.shape, dtype=dtype, device="meta") for d in spec.unit_params(unit)}
                 out[unit] = [(n, dtype, tuple(t.shape)) for n, t in to_hf(spec, unit, meta).items()]
         except Exception:  # noqa: BLE001 - no plan: fall back to buffering
             return {}
@@ -328,14 +357,21 @@ class HFWriter:
             return True
         if not self._unit_entries:
             return self._owned
-        return any(self.world.owns(self._shard_of[e[0]]) for e in self._unit_entries[unit])
+        return any(self.world.owns(self._shard_of[e[0]]) for e in self._planned(unit))
+
+    def _planned(self, unit: Unit) -> list[Entry]:
+        """The planned tensors of `unit`; an MoE layer given whole (by a source that does not split it) has
+        those of its dense part and all its experts."""
+        if isinstance(unit, int):
+            return [e for u in self.spec.layer_units(unit) for e in self._unit_entries[u]]
+        return self._unit_entries[unit]
 
     def skip(self, unit: Unit) -> None:
         """Pass `unit` by unread (`needs` is False): its planned names and sizes go to the shards of other ranks."""
         if not self._unit_entries:
             return
         self.add(unit, {n: torch.empty(shape, dtype=dtype, device="meta")
-                        for n, dtype, shape in self._unit_entries[unit]})
+                        for n, dtype, shape in self._planned(unit)})
 
     def prefetch_tokenizer(self, tokenizer_dir: Path | None) -> None:
         """Start reading the tokenizer's bos/eos ids now, on a thread: importing transformers costs seconds of

@@ -3,7 +3,8 @@
 Reader: one unit at a time, it opens (mmap, weights-only) only the TP files of the pipeline stage that holds
 the unit, normalizes every key spelling (mcore local / TE / legacy flat / legacy nested) to canonical names,
 makes the layer index global and merges the TP shards by the split kind ModelSpec declares.
-Writer: splits full tensors for the target TP, buffers one pipeline stage, writes its rank files.
+Writer: splits full tensors for the target TP, streams them into their stage's rank files (or spools them,
+Adam states included, until the stage is complete), writes its rank files.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
 from mconvert.mappings.transforms import merge, merge_rows, merge_transposed, pad_vocab, split, split_dim
-from mconvert.spec import ModelSpec, expert_of, with_expert
+from mconvert.spec import LayerPart, ModelSpec, expert_of, layer_of_unit, with_expert
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 # megatron-core local-spec modules whose state_dict carries `<module>._extra_state` (None): strict loading
@@ -82,6 +83,7 @@ class MegatronSource(SourceBase):
     """A Megatron torch-format checkpoint (`iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt`) read unit by unit."""
 
     format = "megatron"
+    splits_experts = True
 
     def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,
                  ep_rank: int | None = None) -> None:
@@ -171,6 +173,8 @@ class MegatronSource(SourceBase):
         sizes: dict[Unit, int] = {}
         for name, shape in self.shapes.items():
             u = unit_of(name)
+            if isinstance(u, int) and self.spec.is_moe:  # an MoE layer moves one expert at a time
+                u = LayerPart(u, expert_of(name))
             sizes[u] = sizes.get(u, 0) + math.prod(shape) * self.__dict__["_dtypes"][name].itemsize * self.tp
         bounds.check_memory(sizes, source)
 
@@ -341,7 +345,7 @@ class MegatronSource(SourceBase):
             return 0, 0
         if unit == "final":
             return self.pp - 1, (self.vpp or 1) - 1
-        p, c, _ = layer_location(self.spec.num_layers, self.pp, int(unit), self.vpp)
+        p, c, _ = layer_location(self.spec.num_layers, self.pp, layer_of_unit(unit), self.vpp)  # type: ignore[arg-type]
         return p, c
 
     # ---- reading ------------------------------------------------------------------------------------
@@ -408,14 +412,35 @@ class MegatronSource(SourceBase):
 
     def _unit_names(self, unit: Unit) -> list[str]:
         """The canonical names of one unit, in the order its stage's rank files hold them (with expert
-        parallelism: EP rank 0's, then each other EP rank's experts)."""
+        parallelism: EP rank 0's, then each other EP rank's experts; one expert's: the EP rank holding it)."""
         if self._subs is not None:
+            if isinstance(unit, LayerPart) and unit.expert is not None:
+                return self._expert_rank(unit.expert)._unit_names(unit)
             names = self._subs[0]._unit_names(unit)
             for sub in self._subs[1:]:
                 names += [n for n in sub._unit_names(unit) if expert_of(n) is not None]
             return names
         p, c = self.location(unit)
-        return [n for n in self._keymaps[(p, c)].values() if unit_of(n) == unit]
+        return [name for _, name in self._keys_of(p, c).get(unit, [])]
+
+    def _keys_of(self, p: int, c: int) -> dict[Unit, list[tuple[str, str]]]:
+        """Stage chunk (p, c)'s (raw key, canonical name) pairs by unit — and, for an MoE layer, by `LayerPart`
+        too — in file order: a unit's keys without a walk over the whole stage."""
+        cache = self.__dict__.setdefault("_keys_by_unit", {})
+        if (p, c) not in cache:  # the readers' threads may build it twice: the same answer
+            by: dict[Unit, list[tuple[str, str]]] = {}
+            for raw, name in self._keymaps[(p, c)].items():
+                u = unit_of(name)
+                by.setdefault(u, []).append((raw, name))
+                if isinstance(u, int) and self.spec.is_moe:
+                    by.setdefault(LayerPart(u, expert_of(name)), []).append((raw, name))
+            cache[(p, c)] = by
+        return cache[(p, c)]
+
+    def _expert_rank(self, expert: int) -> "MegatronSource":
+        """The source of the EP rank whose files hold global expert `expert`."""
+        assert self._subs is not None
+        return self._subs[expert // (self.spec.num_experts // self.ep)]  # type: ignore[operator]
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
         """`SourceBase.read_hf` (= `to_hf` over `read_mcore`), one parameter per task on a small thread pool:
@@ -445,20 +470,19 @@ class MegatronSource(SourceBase):
         if self._subs is not None:
             return self._read_expert_ranks(unit, with_optimizer, transposed, only)
         p, c = self.location(unit)
-        keymap = self._keymaps[(p, c)]
-        wanted = [(raw, name) for raw, name in keymap.items()
-                  if unit_of(name) == unit and (only is None or name in only)]
+        wanted = [(raw, name) for raw, name in self._keys_of(p, c).get(unit, []) if only is None or name in only]
         shards: dict[str, list[torch.Tensor]] = {name: [] for _, name in wanted}
         ostates: dict[str, list[dict]] = {name: [] for _, name in wanted}
         direct = {} if with_optimizer else self._read_dim0_direct(p, c, wanted)
         for t in range(self.tp):
             f = self.files[(t, p)]
-            lazy = None if with_optimizer else self._lazy_model(t, p, c)  # pread by offset
-            st = {} if lazy is not None else safe_load(f)
-            model = lazy if lazy is not None else self._model_dict(st, c, f)
+            lazy = self._lazy_model(t, p, c)  # pread by offset
             opt_by_name = None
             if with_optimizer:
-                opt_by_name, self.optimizer_groups = optim.index_states(st.get("optimizer"), str(f))
+                st, opt_by_name, self.optimizer_groups = self._with_states(t, p, unit)
+            else:
+                st = {} if lazy is not None else safe_load(f)
+            model = lazy if lazy is not None else self._model_dict(st, c, f)
             for raw, name in wanted:
                 if raw not in model:
                     raise MConvertError(f"{f}: key {raw!r} is missing (TP rank 0 has it)")
@@ -475,11 +499,13 @@ class MegatronSource(SourceBase):
                 shards[name].append(ten)
                 if opt_by_name is not None:
                     key = raw if self.vpp is None else f"model{c}.{raw}"
-                    s = opt_by_name.get(key)
-                    if s is None and self.vpp is None:
-                        s = opt_by_name.get(f"model0.{raw}") or opt_by_name.get(f"module.{raw}")
+                    found = key
+                    if opt_by_name.get(key) is None and self.vpp is None:
+                        found = next((k for k in (f"model0.{raw}", f"module.{raw}") if opt_by_name.get(k)), key)
+                    s = opt_by_name.get(found)
                     if s is None:
                         raise MConvertError(f"{f}: optimizer has no state for parameter {key!r}")
+                    s = self._read_states(t, p, found, s)
                     optim.check_finite(s, key, str(f))
                     ostates[name].append(s)
             del st, model
@@ -491,11 +517,47 @@ class MegatronSource(SourceBase):
             states = {n: optim.merge_states(s, self.spec.split_kind(n), n) for n, s in ostates.items()}
         return out, states
 
+    def _with_states(self, t: int, p: int, unit: Unit) -> tuple[dict, dict, Any]:
+        """Rank file (t, p) loaded whole, with its optimizer states by parameter name and its param groups, once
+        per file (an MoE layer's dense part and experts would otherwise unpickle it once per expert). The state
+        tensors are then read by `_read_states` with pread at indexed offsets, so the mapping's pages do not
+        stay resident; without an index the mapped file is kept for one layer's units only."""
+        layer = layer_of_unit(unit)
+        cache = self.__dict__.setdefault("_states_cache", {})
+        held = cache.get((t, p))
+        if held is None or (held[3] is None and (layer is None or held[0] != layer)):
+            cache.pop((t, p), None)  # the previous layer's mapping goes before the next file is loaded
+            f = self.files[(t, p)]
+            st = safe_load(f)
+            by_name, groups = optim.index_states(st.get("optimizer"), str(f))
+            lazy = None
+            idx = TensorIndex.build(f, st, {f"{n}\0{k}": v for n, sts in by_name.items()
+                                            for k, v in sts.items() if _parkable(v)})
+            if idx is not None:
+                fd = os.open(f, os.O_RDONLY)
+                self.__dict__.setdefault("_fd_closers", []).append(owned_fd(self, fd))
+                lazy = LazyModel(idx, fd, "")
+            held = (layer, st, by_name, lazy, groups)
+            if lazy is not None or layer is not None:
+                cache[(t, p)] = held
+        return held[1], held[2], held[4]
+
+    def _read_states(self, t: int, p: int, key: str, states: dict[str, Any]) -> dict[str, Any]:
+        """Parameter `key`'s optimizer states of rank file (t, p), each tensor read into fresh memory when the
+        file is indexed (`_with_states`), in the file's order."""
+        held = self.__dict__.get("_states_cache", {}).get((t, p))
+        lazy = held[3] if held is not None else None
+        if lazy is None:
+            return states
+        return {k: lazy[f"{key}\0{k}"] if _parkable(v) and f"{key}\0{k}" in lazy else v for k, v in states.items()}
+
     def _read_expert_ranks(self, unit: Unit, with_optimizer: bool, transposed: set[str] | frozenset[str],
                            only: set[str] | None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """`read_unit` over every EP rank: the experts from the rank that holds each, the dense weights from EP
         rank 0 — and from every other EP rank, which must hold the same values (else a refusal naming both)."""
         assert self._subs is not None
+        if isinstance(unit, LayerPart) and unit.expert is not None:  # one expert: only its EP rank's files
+            return self._expert_rank(unit.expert).read_unit(unit, with_optimizer, transposed, only)
         sub0 = self._subs[0]
         p, _ = self.location(unit)
         out, states = sub0.read_unit(unit, with_optimizer, transposed, only)
@@ -539,6 +601,7 @@ class MegatronSource(SourceBase):
     def close(self) -> None:
         """Close the rank files kept open for reading (the source reads nothing after this)."""
         self.__dict__.pop("_tensor_index", None)
+        self.__dict__.pop("_states_cache", None)
         for close in self.__dict__.pop("_fd_closers", []):
             close()
 
@@ -554,11 +617,13 @@ class MegatronSource(SourceBase):
 class MegatronWriter:
     """Writes full tensors, unit by unit, as a Megatron torch-format checkpoint at a target TP/PP(/VPP).
 
-    Buffers one pipeline stage's shards (all TP ranks) and writes its rank files as soon as it is complete.
+    Streams (or spools) one pipeline stage's shards (all TP ranks) and writes its rank files as soon as it is
+    complete.
     A `Writer` (`convert/writer.py`) reading `read_mcore`; with `optimizer_groups` it `takes_states` (each
     parameter's Adam states come with it)."""
 
     reads = "mcore"
+    splits_experts = True  # takes an MoE layer as its dense part and one unit per expert
 
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
@@ -599,19 +664,26 @@ class MegatronWriter:
         return target_args(self.spec, args, self.tp, self.pp, self.vpp, self.ep)
 
     def _units_of_stage(self, p: int) -> list[Unit]:
+        """Stage p's units in arrival order, an MoE layer as its dense part and its experts."""
         units: list[Unit] = ["embedding"] if p == 0 else []
         for chunk in stage_layers(self.spec.num_layers, self.pp, p, self.vpp):
-            units += chunk
+            for layer in chunk:
+                units += self.spec.layer_units(layer)
         if p == self.pp - 1:
             units.append("final")
         return units
+
+    def _parts(self, unit: Unit) -> list[Unit]:
+        """The units of `_units_of_stage` that `unit` delivers: an MoE layer given whole (by a source that
+        does not split it) stands for its dense part and all its experts."""
+        return self.spec.layer_units(unit) if isinstance(unit, int) else [unit]
 
     def _where(self, unit: Unit) -> tuple[int, int, int | None]:
         if unit == "embedding":
             return 0, 0, None
         if unit == "final":
             return self.pp - 1, (self.vpp or 1) - 1, None
-        return layer_location(self.spec.num_layers, self.pp, int(unit), self.vpp)
+        return layer_location(self.spec.num_layers, self.pp, layer_of_unit(unit), self.vpp)  # type: ignore[arg-type]
 
     def _rank_file(self, t: int, p: int) -> Path:
         return rank_file(self.out, self.iteration, t, p, self.pp, self.ep_rank, self.ep)
@@ -644,7 +716,7 @@ class MegatronWriter:
 
     def skip(self, unit: Unit) -> None:
         """Pass `unit` by unread (`needs` is False): another rank writes its stage."""
-        self._received[self._where(unit)[0]].add(unit)
+        self._received[self._where(unit)[0]].update(self._parts(unit))
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
         """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states."""
@@ -653,7 +725,7 @@ class MegatronWriter:
             if self._tied_copy_needed(unit):
                 name = "embedding.word_embeddings.weight"
                 self._embedding = (tensors[name], (states or {}).get(name))
-            self._received[p].add(unit)
+            self._received[p].update(self._parts(unit))
             return
         if self.preview is not None and p not in self._streams:
             self._open_stage(p)
@@ -671,7 +743,7 @@ class MegatronWriter:
                     self._streams[p][t].feed(ph, x if x.is_contiguous() else x.contiguous())  # a view: no copy
         else:
             self._buffer.setdefault(p, {}).setdefault(c, []).extend(new)
-        self._received[p].add(unit)
+        self._received[p].update(self._parts(unit))
         if len(self._received[p]) == len(self._stage_units[p]):
             self._flush(p)
 
@@ -710,9 +782,11 @@ class MegatronWriter:
             local_name = name if local is None else with_layer(name, local)
             shards = split(full, kind, self.tp, name)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
-            if (real and self.preview is None and self.optimizer_groups is None and ost is None and full.dim() > 0
-                    and full.numel()):
-                shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]  # no stage in RAM
+            if real and self.preview is None and full.dim() > 0 and full.numel():  # no stage in RAM
+                shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]
+                if ost is not None:  # the Adam moments wait in the same spool as their parameter
+                    ost = [{k: self._spool(p, t).park(v) if _parkable(v) else v for k, v in o.items()}
+                           for t, o in enumerate(ost)]
             entries.append((local_name, shards, ost))
         if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
@@ -893,6 +967,7 @@ class ExpertParallelWriter:
     dense weights and its own experts), all writing into one output directory."""
 
     reads = "mcore"
+    splits_experts = True
 
     def __init__(self, writers: list[MegatronWriter]) -> None:
         self.writers = writers
@@ -928,6 +1003,11 @@ def megatron_writer(out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | Non
 
 
 _INDEX_LOCK = threading.Lock()  # the readers' threads: one index load per rank file
+
+
+def _parkable(v: Any) -> bool:
+    """Whether an optimizer state entry can wait in a spool: a tensor with data (a 0-dim `step` stays)."""
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() > 0
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:

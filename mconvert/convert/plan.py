@@ -4,8 +4,8 @@ Shape-based (ModelSpec + parallel layout; no tensor is read), so the same number
 has on disk (see `estimate.py`, which answers from a preset). Peak memory of the streaming driver =
 one unit's source shards + its full/mapped copy + the writer's buffer (HF: the write queue, ≤ 64 MB, and
 three 16 MiB O_DIRECT staging chunks; Megatron: per open rank file a 4 MiB queue and three 4 MiB staging
-chunks — shards are streamed into their rank files, or spooled to disk until their stage is complete — except
-with optimizer states, where one pipeline stage of the target is held) + the interpreter.
+chunks — shards are streamed into their rank files, or spooled to disk until their stage is complete, their Adam
+states with them) + the interpreter.
 """
 
 from __future__ import annotations
@@ -60,9 +60,6 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         if format == "torch_dist":  # one data file; one unit's chunks pass through torch.save blobs
             write = torch_dist_files(spec, tp, out_item)
             unit_out = unit_bytes(spec, 1, out_item)
-        stage_bytes: dict[int, int] = {}
-        for i, f in enumerate(write):  # megatron_files lists stage by stage, tp · ep files each
-            stage_bytes[i // (tp * ep)] = stage_bytes.get(i // (tp * ep), 0) + f["bytes"]
         # streamed rank files (io.torchsave.TorchSaveStream): queue + staging per open (TP, EP) file
         buffer = tp * ep * 4 * (4 << 20)
         if format == "torch_dist":  # io.hashing.HashingFile's queue and staging chunks, one chunk's blob
@@ -74,7 +71,6 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
             write = torch_dist_files(spec, tp, out_item + states)
         elif with_optimizer:  # fp32 exp_avg + exp_avg_sq per parameter, read and written alongside
             scale = 1 + 2 * 4 / out_item
-            buffer = int(max(stage_bytes.values()) * scale)  # with Adam states the stage is still buffered
             unit_in = {k: int(v * (1 + 2 * 4 / src_item)) for k, v in unit_in.items()}
             for f in write:
                 f["bytes"] = int(f["bytes"] * scale)

@@ -114,6 +114,7 @@ class TorchDistSource(SourceBase):
         self.tp = int(a.get("tensor_model_parallel_size") or 1)
         self.pp = int(a.get("pipeline_model_parallel_size") or 1)
         self.vpp = a.get("virtual_pipeline_model_parallel_size")
+        self.ep = int(a.get("expert_model_parallel_size") or 1)  # the layout it was saved at (plans, reports)
         self.padded_vocab = a.get("padded_vocab_size")
         # canonical template (layer '*') or canonical name -> (DCP key, stacked?)
         self.keys: dict[str, tuple[str, bool]] = {}

@@ -16,9 +16,7 @@ from mconvert.mappings import families
 from mconvert.mappings import transforms as T
 from mconvert.mappings.family import Plugin, Rule
 from mconvert.mappings.registry import Registry, fill, layer_of
-from mconvert.spec import ModelSpec
-
-Unit = str | int
+from mconvert.spec import ModelSpec, Unit
 
 
 _REG_CACHE: dict[str, Registry] = {}
@@ -87,11 +85,7 @@ def plugin_for(spec: ModelSpec) -> Plugin:
 
 
 def _expected_mcore(spec: ModelSpec, unit: Unit) -> list[str]:
-    if unit == "embedding":
-        return [d.name for d in spec.embedding_params()]
-    if unit == "final":
-        return [d.name for d in spec.final_params()]
-    return [d.name for d in spec.layer_params(int(unit))]
+    return [d.name for d in spec.unit_params(unit)]
 
 
 def to_hf(spec: ModelSpec, unit: Unit, mcore: dict[str, torch.Tensor], source: str = "checkpoint") -> dict[str, torch.Tensor]:

@@ -271,6 +271,7 @@ class MoE(nn.Module):
         self.experts = _LocalExperts(experts)
         self.aux_loss_coeff = 0.0  # set by the trainer; 0 = no load-balancing loss (inference)
         self.aux_loss_scale = 1.0  # gradient of the aux loss per micro-batch: 1/M, and 1/TP (TP sums it)
+        self.aux_loss_logged: torch.Tensor | None = None  # Σ over micro-batches of aux / coeff, for the log
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         st = self.st
@@ -283,6 +284,8 @@ class MoE(nn.Module):
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             aux = load_balancing_loss(logits, top, self.num_experts, self.topk, self.aux_loss_coeff)
             probs = _AttachAuxLoss.apply(probs, aux, self.aux_loss_scale / st.tp)
+            logged = aux.detach() / self.aux_loss_coeff  # megatron-core logs the loss without its coefficient
+            self.aux_loss_logged = logged if self.aux_loss_logged is None else self.aux_loss_logged + logged
         tokens = gather_tokens(h, st.ep_group)
         probs = gather_tokens(probs, st.ep_group)
         top = gather_tokens(top, st.ep_group)
@@ -438,6 +441,16 @@ class GPTModel(nn.Module):
     def expert_params(self) -> list[nn.Parameter]:
         """This EP rank's expert weights: their gradients are summed over expert-data-parallel replicas only."""
         return [p for p in self.parameters() if getattr(p, "expert", False)]
+
+    def pop_aux_loss(self) -> torch.Tensor:
+        """This rank's load-balancing losses (each ÷ its coefficient) since the last call, summed over its MoE
+        layers and micro-batches; the sums restart."""
+        total = torch.zeros((), device=self.st.device)
+        for moe in self.moe_layers():
+            if moe.aux_loss_logged is not None:
+                total = total + moe.aux_loss_logged
+            moe.aux_loss_logged = None
+        return total
 
     def set_aux_loss(self, coeff: float, scale: float) -> None:
         """Load-balancing loss coefficient, and its gradient per micro-batch (1/M, as the LM loss's)."""

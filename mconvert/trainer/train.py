@@ -363,6 +363,16 @@ def train_worker(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dic
     return out
 
 
+def _load_balancing_loss(model: GPTModel, st: ParallelState, spec: ModelSpec, micro_batches: int) -> float:
+    """One step's load-balancing loss as megatron-core logs it (`track_moe_metrics`): each MoE layer's aux loss
+    ÷ its coefficient, averaged over the micro-batches, summed over the stages, averaged over the layers and
+    the data-parallel replicas. Every rank takes part (collectives over PP and DP)."""
+    aux = model.pop_aux_loss().float().reshape(1) / micro_batches
+    comm.all_reduce(aux, st.pp_group, "PP")  # each stage holds its own layers
+    comm.all_reduce(aux, st.dp_group, "DP")
+    return float(aux.item()) / (st.dp * spec.num_layers)
+
+
 def _log_rank(cfg: TrainConfig) -> int:
     return global_rank(0, 0, cfg.pp - 1, cfg.tp, cfg.dp)
 
@@ -408,6 +418,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
         torch.set_rng_state(rs["torch_rng_state"])
         del ckpt
     losses: list[float] = []
+    aux_losses: list[float] = []  # megatron-core's `load_balancing_loss` per step (MoE)
     log = st.rank == _log_rank(cfg) and not cfg.quiet
     if cfg.steps == 0 or start >= cfg.steps:
         if log and start >= cfg.steps and cfg.steps:
@@ -436,8 +447,12 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
             loss /= st.dp
         loss_v = float(loss.item())
         losses.append(loss_v)
+        aux_text = ""
+        if spec.is_moe and cfg.moe_aux_loss_coeff > 0:
+            aux_losses.append(_load_balancing_loss(model, st, spec, cfg.num_micro_batches))
+            aux_text = f" | load_balancing_loss {aux_losses[-1]:.6f}"
         if log:
-            print(f"iteration {it:>6}/{cfg.steps} | loss {loss_v:.6f} | lr {cfg.lr:.2e} | "
+            print(f"iteration {it:>6}/{cfg.steps} | loss {loss_v:.6f}{aux_text} | lr {cfg.lr:.2e} | "
                   f"{time.perf_counter() - t0:.3f} s", flush=True, file=sys.stderr if cfg.log_stderr else sys.stdout)
         if cfg.save and (it == cfg.steps or (cfg.save_interval and it % cfg.save_interval == 0)):
             save_checkpoint(cfg, spec, st, model, opt, it, consumed)
@@ -447,6 +462,8 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     out: dict[str, Any] = {}
     if st.rank == _log_rank(cfg):
         out["losses"] = losses
+        if aux_losses:
+            out["load_balancing_losses"] = aux_losses
     rows = comm.gather_report() if cfg.comm_report else None
     if st.rank == 0 and rows is not None:
         out["comm"] = rows
