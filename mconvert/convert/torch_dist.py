@@ -28,7 +28,7 @@ from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
-from mconvert.convert.io.safeload import all_finite, safe_load, safe_load_dcp_metadata
+from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings.keys import canonical_key, unit_of
 
@@ -322,11 +322,12 @@ class TorchDistSource(SourceBase):
         with open(self.iter_dir / info.relative_path, "rb") as f:
             f.seek(info.offset)
             blob = f.read(info.length)
-        if self._tmp is None:  # kept until close(): safe_load may check the zip's CRC on its background thread
+        if self._tmp is None:  # removed by close()
             self._tmp = tempfile.mkdtemp(prefix="mconvert-objects-")
         path = Path(self._tmp) / f"object{len(os.listdir(self._tmp))}.pt"
         path.write_bytes(blob)
-        data = safe_load(path, f"{key} of {self.iter_dir}")
+        with crc_checks_now():  # the file is gone before a deferred check would run
+            data = safe_load(path, f"{key} of {self.iter_dir}")
         if not isinstance(data, list) or len(data) != 1:
             raise MConvertError(f"{self.iter_dir}: {key!r} is not a saved ShardedObject (a one-item list); the "
                                 "checkpoint is damaged")

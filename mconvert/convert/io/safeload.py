@@ -421,6 +421,18 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
         d.close()
 
 
+@contextmanager
+def crc_checks_now() -> Iterator[None]:
+    """Inside, `safe_load` checks a file's CRC-32 before it returns instead of deferring it: for a temporary
+    file its reader deletes before the conversion commits."""
+    global _DEFERRED
+    outer, _DEFERRED = _DEFERRED, None
+    try:
+        yield
+    finally:
+        _DEFERRED = outer
+
+
 def start_crc_checks() -> None:
     """The sources are open and have claimed what they read: let the background check of every other record
     start now (a file no reader indexed, e.g. torch_dist's common.pt, would otherwise wait for the commit)."""
