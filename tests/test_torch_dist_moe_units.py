@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+from mconvert.convert.io.atomic import MANIFEST
 from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.megatron import megatron_writer
 from mconvert.convert.torch_dist import STACKED_EXPERTS, TorchDistSource
@@ -138,22 +139,32 @@ def test_torch_dist_writer_refuses_a_part_twice_or_a_part_of_a_layer_given_whole
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_megatron_core_dist_save_reads_back_to_its_own_legacy_state_dicts(
+def test_megatron_core_dist_save_to_rank_files_strict_loads_into_megatron_core(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """megatron-core saved one Mixtral model as legacy rank files and with `dist_checkpointing.save` (EP=2):
-    its torch_dist save, read one expert at a time, gives its own legacy state dicts, keys in its order."""
-    from test_moe import ITERATION
+    its torch_dist save, read one expert at a time, gives rank files with its legacy files' keys and values,
+    each expert's fc1 and fc2 together in its SequentialMLP order, which megatron-core strict-loads and which
+    reproduce its logits."""
+    from mcore_ref import run_mcore
+    from test_moe import ITERATION, _close, _load_rank_files
     from test_moe import _saved as _moe_saved
 
-    _, _, _, root = _moe_saved("mixtral", 1, 2, tmp_path_factory)
-    reshard(Path(str(root) + "_dist"), tmp_path / "back", tp=1, pp=1, ep=2, format="torch")
+    spec, tokens, ref_logits, root = _moe_saved("mixtral", 1, 2, tmp_path_factory)
+    back = tmp_path / "back"
+    reshard(Path(str(root) + "_dist"), back, tp=1, pp=1, ep=2, format="torch")
     for ref in sorted((root / f"iter_{ITERATION:07d}").glob("mp_rank_*/model_optim_rng.pt")):
         want = safe_load(ref)["model"]
-        got = safe_load(tmp_path / "back" / ref.relative_to(root))["model"]
-        want = {k: v for k, v in want.items() if isinstance(v, torch.Tensor)}
-        got = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
-        assert list(got) == list(want), (ref, [(a, b) for a, b in zip(got, want) if a != b][:4])
-        assert all(torch.equal(got[k], want[k]) for k in want), ref
+        got = safe_load(back / ref.relative_to(root))["model"]
+        assert set(got) == set(want), ref
+        assert all(v is None and got[k] is None or torch.equal(v, got[k]) for k, v in want.items()
+                   if not k.endswith("_extra_state")), ref
+        experts = [k for k in want if ".local_experts." in k]
+        assert [k for k in got if ".local_experts." in k] == experts, ref  # expert by expert
+    (back / MANIFEST).unlink()  # _load_rank_files reads `release`
+    (back / f"iter_{ITERATION:07d}").rename(back / "release")
+    (back / "latest_checkpointed_iteration.txt").write_text("release")
+    results = run_mcore(spec, 1, _load_rank_files, (str(back), tokens), ep=2)
+    assert _close(results[0][..., : spec.vocab_size], ref_logits)
 
 
 @pytest.mark.timeout(120)
