@@ -390,9 +390,10 @@ class TorchDistSource(SourceBase):
                 continue
             name = tpl.replace("*", str(layer), 1)
             if EXPERT_TEMPLATE in tpl:
-                experts = [part] if part is not None else [] if isinstance(unit, LayerPart) \
-                    else range(self.spec.num_experts or 0)
-                names += [with_expert(name, e) for e in experts]
+                if isinstance(unit, int):  # the whole layer: every expert, parameter by parameter
+                    names += [with_expert(name, e) for e in range(self.spec.num_experts or 0)]
+                elif part is not None:
+                    names.append(with_expert(name, part))
             elif part is None:
                 names.append(name)
         return names

@@ -53,7 +53,7 @@ from mconvert.convert.torch_dist import OPTIMIZER_STATE_PREFIX, RNG_STATE, STACK
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import unit_of
 from mconvert.mappings.transforms import pad_vocab, split_dim
-from mconvert.spec import LayerPart, ModelSpec, layer_of_unit
+from mconvert.spec import LayerPart, ModelSpec, expert_of
 
 STACKED_PREFIX = "decoder.layers."
 MAX_FILE_BYTES = 5 * 10**9  # tensor bytes per data file before the next one starts (as HF's default shard size)
@@ -324,7 +324,8 @@ class TorchDistWriter:
         layer = self._arrive(unit)
         modules = self._modules.setdefault(layer, {}) if layer is not None else {}
         for name, full in tensors.items():
-            if unit_of(name) != layer_of_unit(unit) if layer is not None else unit_of(name) != unit:
+            if unit_of(name) != (unit if layer is None else layer) or \
+                    isinstance(unit, LayerPart) and expert_of(name) != unit.expert:
                 raise MConvertError(f"internal: {name} arrived with unit {unit!r}")
             if name == "output_layer.weight" and self.spec.tie_embeddings:
                 continue  # megatron-core saves a tied head under the embedding's key only
