@@ -4,7 +4,9 @@ Measured in a fresh process per model, each verb after a warm-up run of it (impo
 reset of the peak: peak RSS (VmHWM) minus the RSS before the verb, for one MoE layer of 8 and of
 32 experts of the same width (6.3 MB each in fp32; the 32-expert layer is 201 MB), converted megatron-to-hf
 from TP=2 EP=2 rank files, hf-to-megatron to TP=2 EP=2, and resharded TP=2 EP=2 -> TP=1 EP=4 (also with
-Adam states, `--with-optimizer`: the target's shards and states spooled, the source's read by offset). Holding a
+Adam states, `--with-optimizer`: the target's shards and states spooled, the source's read by offset), and with
+a torch_dist side: its TP=1 torch_dist copy converted megatron-to-hf and resharded to TP=1 EP=4 rank files (each
+expert read as its own box of the stacked experts), and the rank files resharded to torch_dist. Holding a
 layer's experts at once would cost ~150 MB more at 32 experts than at 8; one expert at a time costs the
 same. The HF writer's own accounting (the largest unit handed to it) is one expert's bytes."""
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mconvert.convert.driver import reshard
 from mconvert.convert.io.atomic import MANIFEST
 from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.layout import save_rank_file
@@ -44,6 +47,11 @@ VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes hf-
     "reshard": ("{mg}", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4, **kw)),
     "reshard --with-optimizer": ("{mg}.adam", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4,
                                                                                 with_optimizer=True, **kw)),
+    "megatron-to-hf from torch_dist": ("{mg}.dist", lambda s, o, **kw: driver.megatron_to_hf(s, o, max_shard_size="8MB",
+                                                                                           **kw)),
+    "reshard torch_dist -> torch": ("{mg}.dist", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4, **kw)),
+    "reshard torch -> torch_dist": ("{mg}", lambda s, o, **kw: driver.reshard(s, o, tp=2, pp=1, ep=1,
+                                                                             format="torch_dist", **kw)),
 }
 Path(out, "warm").mkdir()
 for verb, (src, call) in VERBS.items():  # first on a 4-expert model: lazy imports, thread pools, arenas
@@ -95,6 +103,11 @@ def _with_adam_states(root: Path) -> None:
         del state
 
 
+def _with_torch_dist(root: Path) -> None:
+    """A torch_dist copy of `root` beside it (`.dist`), at TP=1."""
+    reshard(root, root.with_name(root.name + ".dist"), tp=1, pp=1, ep=1, format="torch_dist")
+
+
 def _probe(mg: Path, warm: Path, out: Path) -> dict:
     out.mkdir()
     r = subprocess.run([sys.executable, "-c", PROBE, str(mg), str(warm), str(out)], capture_output=True,
@@ -113,12 +126,15 @@ def test_peak_memory_is_one_expert_whatever_the_number_of_experts(tmp_path: Path
     buffers: dict[str, int] = {}
     warm = _ckpt(tmp_path / "warm", 4)
     _with_adam_states(warm)
+    _with_torch_dist(warm)
     for experts in (8, 32):
         mg = _ckpt(tmp_path / f"mg{experts}", experts)
         _with_adam_states(mg)
+        _with_torch_dist(mg)
         got = _probe(mg, warm, tmp_path / f"out{experts}")
         # the driver's own accounting: the largest unit the HF writer held was one expert, not a layer
-        assert got["megatron-to-hf"]["buffer"] == EXPERT_BYTES, (got["megatron-to-hf"], EXPERT_BYTES)
+        for verb in ("megatron-to-hf", "megatron-to-hf from torch_dist"):
+            assert got[verb]["buffer"] == EXPERT_BYTES, (verb, got[verb], EXPERT_BYTES)
         for verb, r in got.items():
             deltas.setdefault(verb, {})[experts] = r["delta"]
             buffers[verb] = r["writer_buffer"]

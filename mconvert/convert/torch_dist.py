@@ -31,6 +31,7 @@ from mconvert.convert.io.paths import check_regular, contained, inside_file, loa
 from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings.keys import canonical_key, unit_of
+from mconvert.spec import LayerPart, expert_of, layer_of_unit, with_expert
 
 STACKED_PREFIX = "decoder.layers."
 # Routed experts are stacked twice: `decoder.layers.mlp.experts.experts.<linear>` is [num_layers, num_experts, ...]
@@ -78,6 +79,7 @@ class TorchDistSource(SourceBase):
     """A torch_dist checkpoint read unit by unit; `read_mcore` gives full tensors under canonical names."""
 
     format = "megatron-torch_dist"
+    splits_experts = True  # an MoE layer is read as its dense part and one unit per expert (memory: one expert)
 
     def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None) -> None:
         self.path = Path(path)
@@ -268,22 +270,35 @@ class TorchDistSource(SourceBase):
             return tensors, {}
         states: dict[str, dict] = {}
         for name in tensors:
-            tpl = name if not isinstance(unit, int) else name.replace(f"{STACKED_PREFIX}{unit}.", f"{STACKED_PREFIX}*.", 1)
+            tpl, lead = self._place(name)
             out = {}
             for state, key in self.state_keys.get(tpl, {}).items():
-                out[state] = self._read_one(key, tpl, unit)
+                out[state] = self._read_one(key, tpl, lead)
                 if not all_finite(out[state]):
                     raise MConvertError(f"{self.iter_dir}: optimizer state {state!r} of {name!r} holds NaN or Inf "
                                         "values; the run diverged or the file is corrupt — drop --with-optimizer")
             states[name] = out if self._trainer_step is None else optim.trainer_states(out, self._trainer_step)
         return tensors, states
 
-    def _read_one(self, key: str, tpl: str, unit: Unit) -> torch.Tensor:
-        """The full tensor of `key` for one unit: its layer's slice when stacked."""
+    @staticmethod
+    def _place(name: str) -> tuple[str, tuple[int, ...]]:
+        """Canonical name -> (its template in `keys` / `state_keys`, its stacked indices): `(layer,)` for a
+        layer's tensor, `(layer, expert)` for a routed expert's, `()` for embedding and final tensors."""
+        layer = unit_of(name)
+        if not isinstance(layer, int):
+            return name, ()
+        tpl = name.replace(f"{STACKED_PREFIX}{layer}.", f"{STACKED_PREFIX}*.", 1)
+        expert = expert_of(name)
+        if expert is None:
+            return tpl, (layer,)
+        return _expert_template(with_expert(tpl, 0)), (layer, expert)
+
+    def _read_one(self, key: str, tpl: str, lead: tuple[int, ...]) -> torch.Tensor:
+        """The full tensor of `key` at stacked indices `lead` (a layer, or a layer and an expert): only that
+        box of the stacked tensor is read."""
         shape = self.global_shapes[tpl]
-        if isinstance(unit, int) and tpl.startswith(STACKED_PREFIX):
-            return self.read_slice(key, (unit,) + (0,) * len(shape), (1, *shape))[0]
-        return self.read_slice(key, (0,) * len(shape), shape)
+        box = self.read_slice(key, (*lead, *(0,) * len(shape)), (*(1,) * len(lead), *shape))
+        return box[(0,) * len(lead)] if lead else box
 
     def files(self) -> list[dict[str, Any]]:
         """The iteration dir's files: each DCP data file with its bytes and entry count, then `.metadata`,
@@ -353,26 +368,42 @@ class TorchDistSource(SourceBase):
                                 "a .distcp file is missing or truncated") from None
         return dest
 
+    def _unit_names(self, unit: Unit) -> list[str]:
+        """The canonical names of one unit, in ModelSpec's declared order: a whole MoE layer's experts
+        parameter by parameter (all experts' fc1, then all fc2), a `LayerPart` only its dense part's or its
+        one expert's."""
+        layer = layer_of_unit(unit)
+        if layer is not None and not 0 <= layer < self.spec.num_layers:
+            raise MConvertError(f"{self.path}: layer {layer} out of range (num_layers={self.spec.num_layers})")
+        part = unit.expert if isinstance(unit, LayerPart) else None
+        if part is not None and not 0 <= part < (self.spec.num_experts or 0):
+            raise MConvertError(f"{self.path}: expert {part} out of range (num_experts={self.spec.num_experts})")
+        names: list[str] = []
+        for tpl in self._declared:
+            if tpl not in self.keys:
+                continue
+            if not self.keys[tpl][1]:
+                if unit_of(tpl) == unit:
+                    names.append(tpl)
+                continue
+            if layer is None:
+                continue
+            name = tpl.replace("*", str(layer), 1)
+            if EXPERT_TEMPLATE in tpl:
+                if isinstance(unit, int):  # the whole layer: every expert, parameter by parameter
+                    names += [with_expert(name, e) for e in range(self.spec.num_experts or 0)]
+                elif part is not None:
+                    names.append(with_expert(name, part))
+            elif part is None:
+                names.append(name)
+        return names
+
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Full tensors of one unit under canonical global names, in ModelSpec's declared order; vocab rows as
-        stored (padded)."""
-        if isinstance(unit, int) and not 0 <= unit < self.spec.num_layers:
-            raise MConvertError(f"{self.path}: layer {unit} out of range (num_layers={self.spec.num_layers})")
+        stored (padded). A routed expert is read as its own box of the stacked experts, never the layer's
+        whole expert stack; a `LayerPart` reads only its dense part's or its expert's boxes."""
         out: dict[str, torch.Tensor] = {}
-        for name in self._declared:
-            if name not in self.keys:
-                continue
-            key, stacked = self.keys[name]
-            shape = self.global_shapes[name]
-            if stacked and EXPERT_TEMPLATE in name:
-                if isinstance(unit, int):  # one expert's box at a time: never the layer's fused experts
-                    for e in range(self.spec.num_experts or 0):
-                        t = self.read_slice(key, (unit, e) + (0,) * len(shape), (1, 1, *shape))[0, 0]
-                        out[name.replace("*", str(unit), 1).replace("*", str(e), 1)] = t
-            elif stacked:
-                if isinstance(unit, int):
-                    t = self.read_slice(key, (unit,) + (0,) * len(shape), (1, *shape))[0]
-                    out[name.replace("*", str(unit), 1)] = t
-            elif unit_of(name) == unit:
-                out[name] = self.read_slice(key, (0,) * len(shape), shape)
+        for name in self._unit_names(unit):
+            tpl, lead = self._place(name)
+            out[name] = self._read_one(self.keys[tpl][0], tpl, lead)
         return out

@@ -53,7 +53,7 @@ from mconvert.convert.torch_dist import OPTIMIZER_STATE_PREFIX, RNG_STATE, STACK
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import unit_of
 from mconvert.mappings.transforms import pad_vocab, split_dim
-from mconvert.spec import ModelSpec
+from mconvert.spec import LayerPart, ModelSpec, expert_of
 
 STACKED_PREFIX = "decoder.layers."
 MAX_FILE_BYTES = 5 * 10**9  # tensor bytes per data file before the next one starts (as HF's default shard size)
@@ -190,6 +190,9 @@ class TorchDistWriter:
     follow the target; the keys are global, so any TP/PP loads it)."""
 
     reads = "mcore"
+    # an MoE layer may arrive as its dense part and one unit per expert: the chunks stream as they come, and
+    # only the layer's extra-state keys wait for its last part (same file bytes as the whole layer)
+    splits_experts = True
 
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
@@ -222,6 +225,9 @@ class TorchDistWriter:
         self._md: dict[str, Any] = {}  # key -> storage metadata, in the order keys first appear
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
         self._pending: list[Unit] = list(units_of(spec))
+        self._parts: dict[int, list[Unit]] = {}  # MoE layer -> its parts still to come, once one has arrived
+        # (module key, stacked indices) of a layer's linears, in arrival order, until the layer is complete
+        self._modules: dict[int, dict[tuple[str, tuple[int, ...]], None]] = {}
         self.files: list[Path] = []
 
     # ---- writing ------------------------------------------------------------------------------------------
@@ -315,12 +321,11 @@ class TorchDistWriter:
         """Append one unit's full tensors (canonical global names) to the data file, and with `states` each
         parameter's distributed-optimizer states ({name: {'param', 'exp_avg', 'exp_avg_sq'}}, full shapes)
         in megatron-core's `fully_reshardable` layout."""
-        if unit not in self._pending:
-            raise MConvertError(f"internal: unit {unit!r} arrived twice or is not a unit of this model")
-        self._pending.remove(unit)
-        modules: dict[tuple[str, tuple[int, ...]], None] = {}  # (module key, stacked indices), in arrival order
+        layer = self._arrive(unit)
+        modules = self._modules.setdefault(layer, {}) if layer is not None else {}
         for name, full in tensors.items():
-            if unit_of(name) != unit:
+            if unit_of(name) != (unit if layer is None else layer) or \
+                    isinstance(unit, LayerPart) and expert_of(name) != unit.expert:
                 raise MConvertError(f"internal: {name} arrived with unit {unit!r}")
             if name == "output_layer.weight" and self.spec.tie_embeddings:
                 continue  # megatron-core saves a tied head under the embedding's key only
@@ -332,12 +337,33 @@ class TorchDistWriter:
             for state, value in st.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     self._add_tensor(name, value, state)
-            if isinstance(unit, int):
+            if layer is not None:
                 module = name[len(STACKED_PREFIX):].split(".", 1)[1].rsplit(".", 1)[0]
                 if module in EXTRA_STATE_MODULES or EXPERT_LINEAR.fullmatch(module):
                     modules[(dist_place(name)[0].rsplit(".", 1)[0], dist_place(name)[1])] = None
-        for key, lead in modules:
-            self._add_extra_state(key, lead)
+        if layer is not None and layer not in self._parts:  # the layer is complete: its modules' extra states
+            for key, lead in self._modules.pop(layer):
+                self._add_extra_state(key, lead)
+
+    def _arrive(self, unit: Unit) -> int | None:
+        """Mark `unit` (a whole unit or a `LayerPart` of an MoE layer) arrived; its layer, None for the
+        embedding and final units. A layer leaves `_pending` when its last part has come."""
+        if isinstance(unit, LayerPart):
+            if unit.layer not in self._parts:
+                if unit.layer not in self._pending or not self.spec.is_moe:
+                    raise MConvertError(f"internal: unit {unit!r} arrived twice or is not a unit of this model")
+                self._parts[unit.layer] = list(self.spec.layer_units(unit.layer))
+            if unit not in self._parts[unit.layer]:
+                raise MConvertError(f"internal: unit {unit!r} arrived twice or is not a unit of this model")
+            self._parts[unit.layer].remove(unit)
+            if not self._parts[unit.layer]:
+                del self._parts[unit.layer]
+                self._pending.remove(unit.layer)
+            return unit.layer
+        if unit not in self._pending or unit in self._parts:
+            raise MConvertError(f"internal: unit {unit!r} arrived twice or is not a unit of this model")
+        self._pending.remove(unit)
+        return unit if isinstance(unit, int) else None
 
     def close(self) -> list[Path]:
         """Finish the data file, write `.metadata`, `common.pt`, `metadata.json` and the tracker file."""
