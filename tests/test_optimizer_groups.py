@@ -152,3 +152,52 @@ def test_megatron_core_weight_decay_groups_through_trainer_states_resume(tmp_pat
     [resumed] = run_mcore(spec, 1, _load_go_on_wd, (str(tmp_path / "dist" / ITER), batches))
     print(f"next-step loss: straight on {straight[0]:.7f}; resumed through trainer states {resumed:.7f}")
     assert abs(resumed - straight[0]) <= 1e-5 * abs(straight[0])
+
+
+def _mcore_groups(**over) -> dict:
+    """common.pt's `optimizer` entry with megatron-core's two default groups (weight decay 0.1 on wd_mult 1)."""
+    base = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "step": 2}
+    groups = [{"wd_mult": m, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+               "default_config": True, "max_lr": 1e-3, "min_lr": 1e-3, "weight_decay": WD * m, **base}
+              for m in (1.0, 0.0)]
+    for g, key, value in over.get("edits", []):
+        groups[g][key] = value
+    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+
+
+@pytest.mark.parametrize(("edits", "message"), [
+    ([(1, "lr_mult", 0.5)], r"param group 1 has lr_mult=0\.5"),
+    ([(0, "is_decoupled_lr", True)], r"param group 0 has is_decoupled_lr=True"),
+    ([(1, "is_expert_parallel", True)], r"param group 1 has is_expert_parallel=True"),
+    ([(1, "wd_mult", 0.5)], r"wd_mult \[1\.0, 0\.5\] and differ"),
+    ([(1, "step", 3)], r"different Adam steps \[2\.0, 3\.0\]"),
+])
+def test_megatron_core_groups_the_trainer_has_no_group_for_are_refused(edits: list, message: str) -> None:
+    """Groups the trainer's wd_mult groups cannot hold are one MConvertError naming common.pt and the key."""
+    from mconvert.convert.optimizer import to_trainer_optimizer
+    from mconvert.errors import MConvertError
+
+    with pytest.raises(MConvertError, match=r"^ckpt/common\.pt: .*" + message):
+        to_trainer_optimizer(_mcore_groups(edits=edits), "ckpt/common.pt")
+
+
+def test_groups_map_both_ways_by_wd_mult() -> None:
+    """megatron-core's groups -> the trainer's (wd_mult / weight_decay kept, parameters placed by megatron-core's
+    own rule) -> megatron-core's again, equal; one trainer group that decays every parameter is refused."""
+    from mconvert.convert.optimizer import to_mcore_optimizer, to_trainer_optimizer, trainer_group
+    from mconvert.errors import MConvertError
+
+    src = _mcore_groups()
+    groups, step = to_trainer_optimizer(src, "c")
+    assert step == 2.0 and [(g["wd_mult"], g["weight_decay"]) for g in groups] == [(1.0, WD), (0.0, 0.0)]
+    for name, shape in (("decoder.layers.0.self_attention.linear_qkv.weight", (6, 4)),
+                        ("decoder.layers.0.self_attention.linear_qkv.bias", (6,)),
+                        ("decoder.final_layernorm.weight", (4,)), ("embedding.word_embeddings.weight", (9, 4)),
+                        ("model0.decoder.layers.1.mlp.linear_fc1.layer_norm_weight", (4,))):
+        t = torch.zeros(shape)
+        assert groups[trainer_group(groups, name, t.dim())]["wd_mult"] == _mcore_wd_mult(name, t), name
+    back = to_mcore_optimizer(groups, step, "t", min_lr=1e-3)
+    assert back == src
+    one = [{k: v for k, v in groups[0].items() if k not in ("wd_mult", "lr_mult")}]
+    with pytest.raises(MConvertError, match=r"^t: the optimizer's one param group decays every parameter"):
+        to_mcore_optimizer(one, step, "t")
