@@ -76,12 +76,13 @@ def test_trainer_groups_are_megatron_cores_and_resume_through_torch_dist(tmp_pat
 
 @pytest.mark.timeout(600)
 def test_one_group_trainer_checkpoint_still_resumes(tmp_path: Path) -> None:
-    """A checkpoint whose Adam states sit in one group for every parameter (the trainer's earlier form) resumes
-    into the two groups with the losses of the run that went straight on."""
+    """A weight-decay run's checkpoint with its Adam states put into one group for every parameter (the form a
+    run without weight decay saves) resumes into the two groups, each state back on its parameter: the losses of
+    the run that went straight on."""
     ckpt = tmp_path / "ckpt"
-    _train(ckpt, 2, wd=0.0)
+    _train(ckpt, 2)
     shutil.copytree(ckpt, tmp_path / "same")
-    want = _train(tmp_path / "same", 4, resume=True, wd=0.0)
+    want = _train(tmp_path / "same", 4, resume=True)
     f = ckpt / ITER / "mp_rank_00" / "model_optim_rng.pt"
     st = dict(safe_load(f))
     g0, g1 = st["optimizer"]["param_groups"]
@@ -93,7 +94,7 @@ def test_one_group_trainer_checkpoint_still_resumes(tmp_path: Path) -> None:
     f.with_suffix(".tmp").replace(f)
     for m in ckpt.rglob("*manifest*"):
         m.unlink()
-    got = _train(ckpt, 4, resume=True, wd=0.0)
+    got = _train(ckpt, 4, resume=True)
     assert len(got) == 2 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
 
 

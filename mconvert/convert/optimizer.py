@@ -150,8 +150,11 @@ def wd_mult_of(name: str, ndim: int) -> float:
 
 
 def trainer_param_groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict[str, Any]]:
-    """named_parameters -> the trainer's Adam param groups as megatron-core builds them: weight-decayed weights
-    (`wd_mult` 1), then biases and 1-d parameters (`wd_mult` 0), each group's weight_decay = wd · wd_mult."""
+    """named_parameters -> the trainer's Adam param groups. With weight decay, megatron-core's groups:
+    weight-decayed weights (`wd_mult` 1), then biases and 1-d parameters (`wd_mult` 0), each group's
+    weight_decay = wd · wd_mult. Without, the two would hold the same hyperparameters: one group holds all."""
+    if not weight_decay:
+        return [{"params": [p for _, p in named], "param_names": [n for n, _ in named], "weight_decay": 0.0}]
     groups = []
     for m in MCORE_WD_MULTS:
         members = [(n, p) for n, p in named if wd_mult_of(n, p.dim()) == m]
@@ -160,10 +163,14 @@ def trainer_param_groups(named: list[tuple[str, torch.Tensor]], weight_decay: fl
     return groups
 
 
+# what the trainer sets on its groups itself when it resumes, whatever a saved group holds
+SET_ON_RESUME = ("weight_decay", "decoupled_weight_decay", "wd_mult", "lr_mult")
+
+
 def regroup(saved: dict[str, Any], target: list[dict[str, Any]], source: str) -> dict[str, Any]:
     """A saved Adam state_dict -> the same states in `target`'s groups (by parameter name), so a checkpoint of
     another grouping (one group for every parameter) loads into the trainer's groups. Each target group takes
-    the hyperparameters of the saved group its parameters come from and keeps its own `wd_mult` / `lr_mult`."""
+    the hyperparameters of the saved group its parameters come from and keeps its own `SET_ON_RESUME` keys."""
     if [g.get("param_names") for g in saved.get("param_groups", [])] == [g["param_names"] for g in target]:
         return saved
     by_name, groups = index_states(saved, source)
@@ -176,15 +183,15 @@ def regroup(saved: dict[str, Any], target: list[dict[str, Any]], source: str) ->
                 raise MConvertError(f"{source}: the optimizer has no state for parameter {name!r}; the checkpoint "
                                     "is of another model — repeat the original flags to resume")
             st = dict(by_name[name])
-            own = {k: v for k, v in groups[st["group"]].items() if k not in ("params", "param_names")}
+            own = {k: v for k, v in groups[st["group"]].items()
+                   if k not in ("params", "param_names", *SET_ON_RESUME)}
             if hyper is not None and own != hyper:
-                raise MConvertError(f"{source}: parameters of the trainer's param group {g} (wd_mult "
-                                    f"{tgroup['wd_mult']}) come from saved groups with different hyperparameters; "
+                raise MConvertError(f"{source}: parameters of the trainer's param group {g} come from saved groups with different hyperparameters; "
                                     "they cannot share one Adam group — resume with the optimizer that saved it")
             hyper = own
             params.append((name, {**st, "group": g}))
-        extra = {k: tgroup[k] for k in ("wd_mult", "lr_mult")}
-        hypers.append({"param_names": None, **extra, **(hyper or {}), **extra, "params": None})
+        extra = {k: tgroup[k] for k in SET_ON_RESUME if k in tgroup}
+        hypers.append({"param_names": None, **extra, **(hyper or {}), "params": None})
     return build_state_dict(params, hypers)
 
 

@@ -419,7 +419,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     if ckpt is not None:
         opt.load_state_dict(_clone(optim.regroup(ckpt["optimizer"], groups, cfg.save or ""), st.device))
         for group in opt.param_groups:  # as Megatron-LM's scheduler sets them each step, whatever was saved
-            group["weight_decay"] = cfg.weight_decay * group["wd_mult"]
+            group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 0.0)
             group["decoupled_weight_decay"] = True
         rs = ckpt["rng_state"][min(st.dp_rank, len(ckpt["rng_state"]) - 1)]
         random.setstate(rs["random_rng_state"])
