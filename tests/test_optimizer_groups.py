@@ -202,3 +202,14 @@ def test_groups_map_both_ways_by_wd_mult() -> None:
     one = [{k: v for k, v in groups[0].items() if k not in ("wd_mult", "lr_mult")}]
     with pytest.raises(MConvertError, match=r"^t: the optimizer's one param group decays every parameter"):
         to_mcore_optimizer(one, step, "t")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("value", ["-0.1", "nan"])
+def test_negative_or_nan_weight_decay_is_one_line(tmp_path: Path, capsys, value: str) -> None:
+    """`train --weight-decay -0.1` / `nan`: one error line naming the flag, nothing written."""
+    from safety_common import assert_one_line_error, run_cli
+
+    code, _, err = run_cli(["train", "--steps", "1", "--weight-decay", value, "--save", tmp_path / "x"], capsys)
+    assert_one_line_error(code, err, "--weight-decay must be >= 0")
+    assert not (tmp_path / "x").exists()
