@@ -184,7 +184,7 @@ def test_megatron_core_groups_the_trainer_has_no_group_for_are_refused(edits: li
 
 def test_groups_map_both_ways_by_wd_mult() -> None:
     """megatron-core's groups -> the trainer's (wd_mult / weight_decay kept, parameters placed by megatron-core's
-    own rule) -> megatron-core's again, equal; one trainer group that decays every parameter is refused."""
+    own rule) -> megatron-core's again, equal; one trainer group gives its hyperparameters to both groups."""
     from mconvert.convert.optimizer import to_mcore_optimizer, to_trainer_optimizer, trainer_group
     from mconvert.errors import MConvertError
 
@@ -200,8 +200,10 @@ def test_groups_map_both_ways_by_wd_mult() -> None:
     back = to_mcore_optimizer(groups, step, "t", min_lr=1e-3)
     assert back == src
     one = [{k: v for k, v in groups[0].items() if k not in ("wd_mult", "lr_mult")}]
-    with pytest.raises(MConvertError, match=r"^t: the optimizer's one param group decays every parameter"):
-        to_mcore_optimizer(one, step, "t")
+    both = to_mcore_optimizer(one, step, "t")["optimizer"]["param_groups"]
+    assert [(g["wd_mult"], g["weight_decay"]) for g in both] == [(1.0, WD), (0.0, WD)]
+    with pytest.raises(MConvertError, match=r"^t: the trainer's param group 1 has wd_mult 0\.5"):
+        to_mcore_optimizer([groups[0], {**groups[1], "wd_mult": 0.5}, {**groups[1], "wd_mult": 0.0}], step, "t")
 
 
 @pytest.mark.timeout(120)

@@ -216,8 +216,8 @@ def _one_hyper(groups: list[dict[str, Any]], source: str, what: str) -> dict[str
 
 def _hyper_per_wd_mult(groups: list[dict[str, Any]], source: str) -> dict[float, dict[str, Any]]:
     """The trainer's groups -> {wd_mult: Adam hyperparameters} for megatron-core's groups. Groups that record
-    `wd_mult` (the trainer's) map by it; groups without (one group for all) serve both and must not decay, since
-    megatron-core never decays biases and norms."""
+    `wd_mult` (the trainer's) map by it; groups without (one group for all) give their one set to both, as
+    megatron-core without a scheduler holds its groups (the same weight_decay on every parameter)."""
     if groups and all("wd_mult" in g for g in groups):
         out: dict[float, dict[str, Any]] = {}
         for m in MCORE_WD_MULTS:
@@ -233,10 +233,6 @@ def _hyper_per_wd_mult(groups: list[dict[str, Any]], source: str) -> dict[float,
                                     "1 or 0 and lr_mult 1 — drop --with-optimizer")
         return out
     hyper = _one_hyper(groups, source, "the trainer's")
-    if hyper.get("weight_decay", 0.0):
-        raise MConvertError(f"{source}: the optimizer's one param group decays every parameter (weight_decay "
-                            f"{hyper['weight_decay']!r}), biases and norms too; megatron-core never decays those — "
-                            "drop --with-optimizer")
     return {m: hyper for m in MCORE_WD_MULTS}
 
 
