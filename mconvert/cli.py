@@ -103,6 +103,7 @@ def train_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace a checkpoint already in --save.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Init and data-order seed.")] = 1234,
     lr: Annotated[float, typer.Option("--lr", help="Adam learning rate (constant).")] = 1e-3,
+    weight_decay: Annotated[float, typer.Option("--weight-decay", help="AdamW weight decay of the weights (biases, norms: none).")] = 0.0,
     micro_batch_size: Annotated[int, typer.Option("--micro-batch-size")] = 4,
     global_batch_size: Annotated[int, typer.Option("--global-batch-size", help="Multiple of micro-batch × DP.")] = 16,
     seq_length: Annotated[int, typer.Option("--seq-length")] = 64,
@@ -130,7 +131,7 @@ def train_cmd(
 
     cfg = TrainConfig(
         preset=preset_name, tp=tp, pp=pp, dp=dp, ep=ep, steps=steps, save=str(save) if save else None,
-        save_interval=save_interval, resume=resume, force=force, seed=seed, lr=lr,
+        save_interval=save_interval, resume=resume, force=force, seed=seed, lr=lr, weight_decay=weight_decay,
         micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, seq_length=seq_length,
         dtype=dtype, sequence_parallel=sequence_parallel, comm_report=comm_report, device=device, log_stderr=json_out, num_layers=num_layers,
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,

@@ -156,8 +156,7 @@ def _edit(path: Path, fn) -> None:
 @pytest.mark.timeout(300)
 def test_states_that_do_not_map_are_refused_by_name(tmp_path: Path) -> None:
     """Trainer states at different steps, or in groups with different hyperparameters, do not fit megatron-core's
-    one step and its groups; megatron-core groups with a weight decay scheduled per wd_mult do not fit the
-    trainer's one Adam group: each is one MConvertError naming the file and the key, and nothing is written."""
+    one step and its groups; megatron-core groups with an lr_mult have no trainer group: each is one MConvertError naming the file and the key, and nothing is written."""
     hf_to_megatron(_gpt2(tmp_path), tmp_path / "a", tp=2)
     _add_optimizer(tmp_path / "a")
     rank0 = tmp_path / "a" / "release" / "mp_rank_00" / "model_optim_rng.pt"
@@ -182,10 +181,9 @@ def test_states_that_do_not_map_are_refused_by_name(tmp_path: Path) -> None:
     reshard(tmp_path / "b", tmp_path / "d", tp=1, pp=1, format="torch_dist", with_optimizer=True)
     (tmp_path / "d" / MANIFEST).unlink()
     common = tmp_path / "d" / "release" / "common.pt"
-    _edit(common, lambda st: [g.__setitem__("weight_decay", 0.1 * g["wd_mult"])
+    _edit(common, lambda st: [g.__setitem__("lr_mult", 2.0 - g["wd_mult"])
                               for g in st["optimizer"]["optimizer"]["param_groups"]])
-    with pytest.raises(MConvertError, match=r"common\.pt: megatron-core's param groups 0 and 1 differ in "
-                                            r"'weight_decay' \(0\.1 vs 0\.0\)"):
+    with pytest.raises(MConvertError, match=r"common\.pt: megatron-core's param group 1 has lr_mult=2\.0"):
         reshard(tmp_path / "d", tmp_path / "o3", tp=2, pp=1, format="torch", with_optimizer=True)
     assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))
 

@@ -143,14 +143,70 @@ def shared_step(steps: list[Any], source: str) -> float:
     return values.pop()
 
 
+def wd_mult_of(name: str, ndim: int) -> float:
+    """megatron-core's default weight-decay multiplier of one parameter (`get_standard_config_overrides`):
+    0 for biases and 1-d parameters (norms), 1 for the rest."""
+    return 0.0 if ndim == 1 or name.endswith(".bias") else 1.0
+
+
+def trainer_param_groups(named: list[tuple[str, torch.Tensor]], weight_decay: float) -> list[dict[str, Any]]:
+    """named_parameters -> the trainer's Adam param groups. With weight decay, megatron-core's groups:
+    weight-decayed weights (`wd_mult` 1), then biases and 1-d parameters (`wd_mult` 0), each group's
+    weight_decay = wd · wd_mult. Without, the two would hold the same hyperparameters: one group holds all."""
+    if not weight_decay:
+        return [{"params": [p for _, p in named], "param_names": [n for n, _ in named], "weight_decay": 0.0}]
+    groups = []
+    for m in MCORE_WD_MULTS:
+        members = [(n, p) for n, p in named if wd_mult_of(n, p.dim()) == m]
+        groups.append({"params": [p for _, p in members], "param_names": [n for n, _ in members],
+                       "wd_mult": m, "lr_mult": 1.0, "weight_decay": weight_decay * m})
+    return groups
+
+
+# what the trainer sets on its groups itself when it resumes, whatever a saved group holds
+SET_ON_RESUME = ("weight_decay", "decoupled_weight_decay", "wd_mult", "lr_mult")
+
+
+def regroup(saved: dict[str, Any], target: list[dict[str, Any]], source: str) -> dict[str, Any]:
+    """A saved Adam state_dict -> the same states in `target`'s groups (by parameter name), so a checkpoint of
+    another grouping (one group for every parameter) loads into the trainer's groups. Each target group takes
+    the hyperparameters of the saved group its parameters come from and keeps its own `SET_ON_RESUME` keys."""
+    if [g.get("param_names") for g in saved.get("param_groups", [])] == [g["param_names"] for g in target]:
+        return saved
+    by_name, groups = index_states(saved, source)
+    params: list[tuple[str, dict[str, Any]]] = []
+    hypers: list[dict[str, Any]] = []
+    for g, tgroup in enumerate(target):
+        hyper: dict[str, Any] | None = None
+        for name in tgroup["param_names"]:
+            if name not in by_name:
+                raise MConvertError(f"{source}: the optimizer has no state for parameter {name!r}; the checkpoint "
+                                    "is of another model — repeat the original flags to resume")
+            st = dict(by_name[name])
+            own = {k: v for k, v in groups[st["group"]].items()
+                   if k not in ("params", "param_names", *SET_ON_RESUME)}
+            if hyper is not None and own != hyper:
+                raise MConvertError(f"{source}: parameters of the trainer's param group {g} come from saved groups with different hyperparameters; "
+                                    "they cannot share one Adam group — resume with the optimizer that saved it")
+            hyper = own
+            params.append((name, {**st, "group": g}))
+        extra = {k: tgroup[k] for k in SET_ON_RESUME if k in tgroup}
+        hypers.append({"param_names": None, **extra, **(hyper or {}), "params": None})
+    return build_state_dict(params, hypers)
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in NOT_HYPER}
+
+
 def _one_hyper(groups: list[dict[str, Any]], source: str, what: str) -> dict[str, Any]:
     """The Adam hyperparameters all `groups` share (their own keys, without parameters, step or megatron-core's
     group keys); groups that differ in one are refused by that key."""
     if not groups:
         raise MConvertError(f"{source}: the optimizer has no param groups; the file is damaged — drop --with-optimizer")
-    first = {k: v for k, v in groups[0].items() if k not in NOT_HYPER}
+    first = _hyper(groups[0])
     for g, group in enumerate(groups[1:], 1):
-        for k in sorted(set(first) | {k for k in group if k not in NOT_HYPER}):
+        for k in sorted(set(first) | set(_hyper(group))):
             if group.get(k) != first.get(k):
                 raise MConvertError(f"{source}: {what} param groups 0 and {g} differ in {k!r} ({first.get(k)!r} vs "
                                     f"{group.get(k)!r}); one set of Adam hyperparameters must serve every parameter "
@@ -158,19 +214,42 @@ def _one_hyper(groups: list[dict[str, Any]], source: str, what: str) -> dict[str
     return first
 
 
+def _hyper_per_wd_mult(groups: list[dict[str, Any]], source: str) -> dict[float, dict[str, Any]]:
+    """The trainer's groups -> {wd_mult: Adam hyperparameters} for megatron-core's groups. Groups that record
+    `wd_mult` (the trainer's) map by it; groups without (one group for all) give their one set to both, as
+    megatron-core without a scheduler holds its groups (the same weight_decay on every parameter)."""
+    if groups and all("wd_mult" in g for g in groups):
+        out: dict[float, dict[str, Any]] = {}
+        for m in MCORE_WD_MULTS:
+            same = [g for g in groups if float(g["wd_mult"]) == m]
+            if not same:
+                raise MConvertError(f"{source}: the trainer's optimizer has no param group with wd_mult {m}; the file "
+                                    "is damaged — drop --with-optimizer")
+            out[m] = _one_hyper(same, source, f"the trainer's wd_mult {m}")
+        for g, group in enumerate(groups):
+            if float(group["wd_mult"]) not in MCORE_WD_MULTS or float(group.get("lr_mult", 1.0)) != 1.0:
+                raise MConvertError(f"{source}: the trainer's param group {g} has wd_mult {group['wd_mult']!r} / "
+                                    f"lr_mult {group.get('lr_mult')!r}; megatron-core's default groups have wd_mult "
+                                    "1 or 0 and lr_mult 1 — drop --with-optimizer")
+        return out
+    hyper = _one_hyper(groups, source, "the trainer's")
+    return {m: hyper for m in MCORE_WD_MULTS}
+
+
 def to_mcore_optimizer(groups: list[dict[str, Any]], step: float, source: str, is_moe: bool = False,
                        min_lr: float | None = None) -> dict[str, Any]:
     """The trainer's Adam param groups and shared step -> common.pt's `optimizer` entry of megatron-core's
     `fully_reshardable` distributed optimizer: one group per megatron-core group key set (weight-decayed
-    weights; biases and norms), each with the trainer's hyperparameters, so every parameter takes the update
-    it took in the trainer."""
+    weights; biases and norms), each with the hyperparameters of the trainer's group of that `wd_mult`, so every
+    parameter takes the update it took in the trainer."""
     if is_moe:
         raise MConvertError(f"{source}: megatron-core keeps a mixture-of-experts model's expert parameters in a second "
                             "(chained) distributed optimizer, which is not written from trainer Adam states — drop "
                             "--with-optimizer or keep --format torch")
-    hyper = _one_hyper(groups, source, "the trainer's")
+    per_mult = _hyper_per_wd_mult(groups, source)
     out = []
     for wd_mult in MCORE_WD_MULTS:
+        hyper = per_mult[wd_mult]
         extra = {"is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
                  "is_decoupled_lr": False, "max_lr": hyper.get("lr"), "min_lr": min_lr}
         out.append({**extra, **hyper, "step": step})
@@ -178,28 +257,57 @@ def to_mcore_optimizer(groups: list[dict[str, Any]], step: float, source: str, i
 
 
 def to_trainer_optimizer(opt: dict[str, Any], source: str) -> tuple[list[dict[str, Any]], float]:
-    """common.pt's `optimizer` entry of megatron-core's distributed optimizer -> (the trainer's one Adam param
-    group, the shared step). Groups that differ in a hyperparameter (a weight decay scheduled per `wd_mult`,
-    an lr per `lr_mult`) cannot be one torch Adam group and are refused by that key."""
+    """common.pt's `optimizer` entry of megatron-core's distributed optimizer -> (the trainer's Adam param
+    groups, the shared step). Groups that share every hyperparameter become one group; groups that differ (the
+    weight decay Megatron-LM schedules per `wd_mult`) become the trainer's groups by `wd_mult`. What the trainer
+    has no group for (an `lr_mult`, a decoupled lr, expert-parallel groups, other wd_mults) is refused by key."""
     inner = opt.get("optimizer") if isinstance(opt, dict) else None
     groups = inner.get("param_groups") if isinstance(inner, dict) else None
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups) or not groups:
         raise MConvertError(f"{source}: the distributed optimizer has no param_groups list (optimizer.optimizer."
                             "param_groups); a chained or damaged optimizer — drop --with-optimizer")
-    hyper = _one_hyper(groups, source, "megatron-core's")
     if any(g.get("step") is None for g in groups):
         raise MConvertError(f"{source}: a distributed-optimizer param group has no 'step'; saved by an Apex/TE "
                             "optimizer that keeps it elsewhere — drop --with-optimizer")
     step = shared_step([g["step"] for g in groups], source)
-    # key order as torch's Adam.state_dict() writes a named group: param_names, hyperparameters, params
-    return [{"param_names": None, **hyper, "params": None}], step
+    for g, group in enumerate(groups):
+        for key, ok in (("lr_mult", 1.0), ("is_decoupled_lr", False), ("is_expert_parallel", False)):
+            if group.get(key, ok) != ok:
+                raise MConvertError(f"{source}: megatron-core's param group {g} has {key}={group[key]!r}; the trainer's "
+                                    f"Adam groups differ only in weight decay ({key} {ok!r}) — drop --with-optimizer")
+    hypers = [_hyper(g) for g in groups]
+    if all(h == hypers[0] for h in hypers):
+        # key order as torch's Adam.state_dict() writes a named group: param_names, hyperparameters, params
+        return [{"param_names": None, **hypers[0], "params": None}], step
+    mults = [float(g.get("wd_mult", -1.0)) for g in groups]
+    if sorted(mults) != sorted(MCORE_WD_MULTS):
+        raise MConvertError(f"{source}: megatron-core's param groups have wd_mult {mults} and differ in "
+                            "hyperparameters; the trainer groups parameters by wd_mult 1 (weights) and 0 (biases, "
+                            "norms) only — drop --with-optimizer")
+    out = []
+    for m in MCORE_WD_MULTS:
+        g = mults.index(m)
+        out.append({"param_names": None, "wd_mult": m, "lr_mult": 1.0, **hypers[g], "params": None})
+    return out, step
 
 
-def trainer_states(state: dict[str, Any], step: float) -> dict[str, Any]:
+def trainer_group(groups: list[dict[str, Any]], name: str, ndim: int) -> int:
+    """The index of the trainer group that holds parameter `name` (`ndim` dimensions): its `wd_mult` group, or
+    the one group when the groups do not record `wd_mult`."""
+    if len(groups) == 1 and "wd_mult" not in groups[0]:
+        return 0
+    m = wd_mult_of(name, ndim)
+    for g, group in enumerate(groups):
+        if float(group.get("wd_mult", -1.0)) == m:
+            return g
+    raise MConvertError(f"internal: no trainer param group with wd_mult {m} for {name}")
+
+
+def trainer_states(state: dict[str, Any], step: float, group: int = 0) -> dict[str, Any]:
     """One parameter's megatron-core states (`param` fp32 copy, `exp_avg`, `exp_avg_sq`) -> the trainer's
-    Adam state in group 0 with its own `step` tensor (torch's Adam adds to it in place, so never shared). The
+    Adam state in `group` with its own `step` tensor (torch's Adam adds to it in place, so never shared). The
     fp32 copy stays behind: the trainer makes its fp32 copies from the weights when it resumes."""
-    out: dict[str, Any] = {"group": 0, "step": torch.tensor(step, dtype=torch.float32)}
+    out: dict[str, Any] = {"group": group, "step": torch.tensor(step, dtype=torch.float32)}
     out.update({k: v for k, v in state.items() if k != "param"})
     return out
 

@@ -124,6 +124,7 @@ class TorchDistSource(SourceBase):
         self.state_keys: dict[str, dict[str, str]] = {}
         self.global_shapes: dict[str, tuple[int, ...]] = {}  # full shapes (no per-rank files in torch_dist)
         self._trainer_step: float | None = None  # set by trainer_optimizer(): states then in the trainer's form
+        self._trainer_groups: list[dict[str, Any]] = []
         self._rng: dict[tuple[int, int], str] = {}  # (pp_rank, tp_rank) -> its `rng_state` ShardedObject key
         self._tmp: str | None = None  # ShardedObject bytes, as files for the safe loader
         self._index()
@@ -251,7 +252,7 @@ class TorchDistSource(SourceBase):
 
     def trainer_optimizer(self) -> list[dict[str, Any]]:
         """Switch `read_unit`'s states to the trainer's Adam form (for torch rank-file output) and return the
-        trainer's param group; refused when megatron-core's groups cannot be one (see `optimizer.py`)."""
+        trainer's param groups (each parameter goes to its `wd_mult` group); refused when megatron-core's groups cannot be one (see `optimizer.py`)."""
         self.check_optimizer()
         if self.spec.is_moe:
             raise MConvertError(f"{self.iter_dir / 'common.pt'}: a mixture-of-experts model's expert parameters "
@@ -259,6 +260,7 @@ class TorchDistSource(SourceBase):
                                 "— drop --with-optimizer or keep --format torch_dist")
         groups, self._trainer_step = optim.to_trainer_optimizer(self._common.get("optimizer"),
                                                                 str(self.iter_dir / "common.pt"))
+        self._trainer_groups = groups
         return groups
 
     def read_unit(self, unit: Unit, with_optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -277,7 +279,8 @@ class TorchDistSource(SourceBase):
                 if not all_finite(out[state]):
                     raise MConvertError(f"{self.iter_dir}: optimizer state {state!r} of {name!r} holds NaN or Inf "
                                         "values; the run diverged or the file is corrupt — drop --with-optimizer")
-            states[name] = out if self._trainer_step is None else optim.trainer_states(out, self._trainer_step)
+            states[name] = out if self._trainer_step is None else optim.trainer_states(
+                out, self._trainer_step, optim.trainer_group(self._trainer_groups, name, tensors[name].dim()))
         return tensors, states
 
     @staticmethod

@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from mconvert.convert import optimizer as optim
 from mconvert.convert.io.atomic import atomic_output_dir
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.convert.io.safeload import safe_load
@@ -50,7 +51,8 @@ from mconvert.trainer.schedule import forward_backward_1f1b
 SPEC_OVERRIDES = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                   "max_position_embeddings", "kv_channels", "rotary_base", "norm_epsilon", "num_experts",
                   "moe_ffn_hidden_size")
-ADAM = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+# Megatron-LM's Adam is AdamW: weight decay decoupled from the gradient, scaled per group by `wd_mult`
+ADAM = dict(betas=(0.9, 0.999), eps=1e-8, decoupled_weight_decay=True)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class TrainConfig:
     save_as: str | None = None  # the path `save` is renamed to at the end (args record it); internal
     seed: int = 1234
     lr: float = 1e-3
+    weight_decay: float = 0.0  # Megatron's --weight-decay: weights only (biases and norms: wd_mult 0)
     micro_batch_size: int = 4
     global_batch_size: int = 16
     seq_length: int = 64
@@ -110,6 +113,8 @@ class TrainConfig:
         if min(self.tp, self.pp, self.dp, self.ep) < 1:
             raise MConvertError(f"--tp/--pp/--dp/--ep must be >= 1 (got {self.tp}/{self.pp}/{self.dp}/{self.ep})")
         check_expert_layout(self.dp, self.ep)
+        if not self.weight_decay >= 0:
+            raise MConvertError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.moe_aux_loss_coeff < 0:
             raise MConvertError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         if self.global_batch_size % (self.micro_batch_size * self.dp):
@@ -244,7 +249,7 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
         lr_warmup_iters=0, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.steps, iteration=iteration, consumed_train_samples=consumed,
         data_parallel_size=cfg.dp, world_size=cfg.world, optimizer="adam", adam_beta1=ADAM["betas"][0],
-        adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], weight_decay=ADAM["weight_decay"], clip_grad=0.0,
+        adam_beta2=ADAM["betas"][1], adam_eps=ADAM["eps"], weight_decay=cfg.weight_decay, clip_grad=0.0,
         init_method_std=0.02, hidden_dropout=0.0, attention_dropout=0.0, save=cfg.save_as or cfg.save, load=cfg.save_as or cfg.save,
         save_interval=cfg.save_interval, use_distributed_optimizer=False, data_parallel_random_init=False,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=cfg.save_as or cfg.save, use_checkpoint_args=False,
@@ -282,8 +287,8 @@ def save_checkpoint(cfg: TrainConfig, spec: ModelSpec, st: ParallelState, model:
             "optimizer": _to_cpu(opt.state_dict()),
             "opt_param_scheduler": {
                 "max_lr": cfg.lr, "lr_warmup_steps": 0, "num_steps": consumed, "lr_decay_style": "constant",
-                "lr_decay_steps": cfg.steps * cfg.global_batch_size, "min_lr": cfg.lr, "start_wd": 0.0,
-                "end_wd": 0.0, "wd_incr_style": "constant",
+                "lr_decay_steps": cfg.steps * cfg.global_batch_size, "min_lr": cfg.lr, "start_wd": cfg.weight_decay,
+                "end_wd": cfg.weight_decay, "wd_incr_style": "constant",
             },
             "rng_state": rng_state(cfg.seed, st),
             "num_floating_point_operations_so_far": flops_per_iteration(spec, cfg) * iteration,
@@ -409,9 +414,13 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
         named = list(model.named_parameters())
     else:
         named = [(n, torch.nn.Parameter(p.detach().float().clone())) for n, p in model.named_parameters()]
-    opt = torch.optim.Adam(named, lr=cfg.lr, **ADAM)
+    groups = optim.trainer_param_groups(named, cfg.weight_decay)
+    opt = torch.optim.Adam(groups, lr=cfg.lr, **ADAM)
     if ckpt is not None:
-        opt.load_state_dict(_clone(ckpt["optimizer"], st.device))
+        opt.load_state_dict(_clone(optim.regroup(ckpt["optimizer"], groups, cfg.save or ""), st.device))
+        for group in opt.param_groups:  # as Megatron-LM's scheduler sets them each step, whatever was saved
+            group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 0.0)
+            group["decoupled_weight_decay"] = True
         rs = ckpt["rng_state"][min(st.dp_rank, len(ckpt["rng_state"]) - 1)]
         random.setstate(rs["random_rng_state"])
         np.random.set_state(rs["np_rng_state"])
