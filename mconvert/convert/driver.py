@@ -258,11 +258,11 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
             return _torch_dist_writer(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                                   args=getattr(src, "args", None), top_level=top,
-                                   with_states=with_optimizer and dist_source,
-                                   optimizer_groups=groups if not dist_source else None,
-                                   source=str(src.files[(0, 0)] if isinstance(src, MegatronSource) else ckpt),
-                                   rng_state=rng, ep=ep)
+                                      args=getattr(src, "args", None), top_level=top,
+                                      with_states=with_optimizer and dist_source,
+                                      optimizer_groups=groups if not dist_source else None,
+                                      source=str(src.files[(0, 0)] if isinstance(src, MegatronSource) else ckpt),
+                                      rng_state=rng, ep=ep)
         return megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
