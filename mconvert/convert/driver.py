@@ -36,8 +36,8 @@ from mconvert.mappings import families
 
 
 def _torch_dist_writer(*args: Any, **kwargs: Any) -> Writer:
-    """`TorchDistWriter(...)`; torch.distributed.checkpoint costs every verb ~2 s of start-up, so it is imported
-    only when a torch_dist output is written."""
+    """`TorchDistWriter(...)`; torch.distributed.checkpoint is a heavy import every verb would pay at start-up, so
+    it is imported only when a torch_dist output is written."""
     from mconvert.convert.torch_dist_writer import TorchDistWriter
 
     return TorchDistWriter(*args, **kwargs)

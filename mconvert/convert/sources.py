@@ -32,7 +32,7 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
     if fmt == "hf":
         return HFSource(Path(path), tokenizer=tokenizer)
     if fmt == "megatron-torch_dist":
-        # torch.distributed.checkpoint costs every verb ~2 s of start-up: imported only for a torch_dist source
+        # torch.distributed.checkpoint is a heavy import: paid only by a torch_dist source, not at every start-up
         from mconvert.convert.torch_dist import TorchDistSource
 
         return TorchDistSource(Path(path), iteration=iteration, tokenizer=tokenizer)
