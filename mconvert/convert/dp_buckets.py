@@ -109,17 +109,8 @@ def chunk_params(spec: ModelSpec, tp: int, pp: int, vpp: int | None, pp_rank: in
             out.append((d.name, shape_of(d.name, d.shape), d.name == "embedding.word_embeddings.weight"
                         and tied_shared))
     for layer in range(model_chunk * per, (model_chunk + 1) * per):
-        decls = spec.layer_params(layer)
-        prefix = f"decoder.layers.{layer}."
-
-        def rank(d: Any) -> int:
-            rest = d.name[len(prefix):]
-            for i, module in enumerate(LAYER_MODULE_ORDER):
-                if rest.startswith(module):
-                    return i
-            raise MConvertError(f"{d.name}: no known place in megatron-core's layer registration order; the "
-                                "dp_reshardable buckets cannot be rebuilt — use --optimizer-layout fully_reshardable")
-        for d in sorted(decls, key=rank):  # stable: weight before bias, as each module registers them
+        # stable: weight before bias, as each module registers them
+        for d in sorted(spec.layer_params(layer), key=_registration_rank):
             out.append((d.name, shape_of(d.name, d.shape), False))
     if post:
         for d in spec.final_params(tp):
@@ -128,6 +119,16 @@ def chunk_params(spec: ModelSpec, tp: int, pp: int, vpp: int | None, pp_rank: in
             emb = spec.embedding_params(tp)[0]
             out.append(("output_layer.weight", shape_of(emb.name, emb.shape), True))
     return out
+
+
+def _registration_rank(d: Any) -> int:
+    """A layer parameter's module's place in `LAYER_MODULE_ORDER`; a module without one is refused."""
+    rest = d.name.split(".", 3)[3]
+    for i, module in enumerate(LAYER_MODULE_ORDER):
+        if rest.startswith(module):
+            return i
+    raise MConvertError(f"{d.name}: no known place in megatron-core's layer registration order; the dp_reshardable "
+                        "buckets cannot be rebuilt — use --optimizer-layout fully_reshardable")
 
 
 def buffer_buckets(params: list[tuple[str, tuple[int, ...], bool]], bucket_size: int | None, dp: int,

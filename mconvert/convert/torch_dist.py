@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from mconvert.convert import dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
@@ -31,6 +32,7 @@ from mconvert.convert.io.paths import check_regular, contained, inside_file, loa
 from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings.keys import canonical_key, unit_of
+from mconvert.mappings.transforms import merge
 from mconvert.spec import LayerPart, expert_of, layer_of_unit, with_expert
 
 STACKED_PREFIX = "decoder.layers."
@@ -49,6 +51,12 @@ RNG_STATE = "rng_state"
 RNG_SHARD = re.compile(r"rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)")
 MAX_RNG_BYTES = 64 << 20  # one rank's rng states (python, numpy, torch, cuda, tracker) are kilobytes
 RESHARDABLE_OPTIMIZER = "fully_reshardable"
+# Megatron-LM's default layout: the states in megatron-core's DDP buckets, one flat tensor per TP×PP domain,
+# buffer, bucket and state (`dp_buckets.py`), the param groups and bucket sizes as per-domain ShardedObjects
+DP_RESHARDABLE = "dp_reshardable"
+OPTIMIZER_LAYOUTS = (RESHARDABLE_OPTIMIZER, DP_RESHARDABLE)
+DP_DOMAIN = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded/shard_0_1")
+MAX_OBJECT_BYTES = 64 << 20  # param groups, bucket sizes: kilobytes
 
 
 def _expert_template(name: str) -> str:
@@ -127,6 +135,11 @@ class TorchDistSource(SourceBase):
         self._trainer_groups: list[dict[str, Any]] = []
         self._rng: dict[tuple[int, int], str] = {}  # (pp_rank, tp_rank) -> its `rng_state` ShardedObject key
         self._tmp: str | None = None  # ShardedObject bytes, as files for the safe loader
+        # the optimizer layout the checkpoint holds (set by check_optimizer) and, for dp_reshardable, each
+        # parameter's place per source TP rank: (dp_group_idx, gbuf, bucket, start, local shape)
+        self.optimizer_layout: str | None = None
+        self._dp_slots: dict[str, list[tuple[int, int, int, int, tuple[int, ...]]]] = {}
+        self._dp_dtype: Any = None
         self._index()
 
     @staticmethod
@@ -241,14 +254,97 @@ class TorchDistSource(SourceBase):
         where = self.iter_dir / "common.pt"
         if kind is None:
             raise MConvertError(f"{where}: no optimizer state in this torch_dist checkpoint; drop --with-optimizer")
-        if kind != RESHARDABLE_OPTIMIZER:
+        if kind not in OPTIMIZER_LAYOUTS:
             raise MConvertError(f"{where}: distributed optimizer states are saved as {kind!r}; only "
-                                f"{RESHARDABLE_OPTIMIZER!r} can be re-sharded — re-save with that distributed-optimizer "
-                                "sharding type (metadata distrib_optim_sharding_type), or drop --with-optimizer")
+                                f"{' and '.join(map(repr, OPTIMIZER_LAYOUTS))} can be re-sharded — re-save with "
+                                "one of those distributed-optimizer sharding types (metadata "
+                                "distrib_optim_sharding_type), or drop --with-optimizer")
+        if kind == DP_RESHARDABLE:
+            if self.optimizer_layout is None:
+                self._index_dp_optimizer(where)
+            return
+        self.optimizer_layout = kind
         missing = [n for n in self.keys if n not in self.state_keys]
         if missing:
             raise MConvertError(f"{self.iter_dir / '.metadata'}: no optimizer state for {missing[0]!r}; the "
                                 "checkpoint is incomplete — drop --with-optimizer")
+
+    def _index_dp_optimizer(self, where: Path) -> None:
+        """Place every parameter's states in the `dp_reshardable` buckets: the buckets rebuilt from the args
+        (`dp_buckets`) must have the saved sizes of every domain; the param groups of every domain must agree.
+        common.pt's `optimizer` is then held in the `fully_reshardable` form (its param groups inline), the form
+        every writer takes."""
+        if self.spec.is_moe:
+            raise MConvertError(f"{where}: a mixture-of-experts model's dp_reshardable optimizer keeps its experts in "
+                                "expert-parallel buffers, which are not carried — drop --with-optimizer")
+        md_file = self.iter_dir / ".metadata"
+        a = args_dict(self.args, where)
+        ddp = dp_buckets.ddp_settings(a)
+        emb = self.global_shapes.get("embedding.word_embeddings.weight")
+        rows = emb[0] if emb else self.spec.padded_vocab_size(self.tp)
+        try:
+            layout = dp_buckets.domain_layout(self.spec, self.tp, self.pp, self.vpp, ddp, rows)
+        except MConvertError as e:
+            raise MConvertError(f"{where}: {e}") from None
+        domains = sorted(int(m.group(1)) for k in self.metadata.state_dict_metadata
+                         if (m := DP_DOMAIN.fullmatch(k)))
+        saved: dict[int, tuple[Any, Any]] = {}
+        groups: list[Any] = []
+        for idx in domains:
+            obj = {n: self._read_object(dp_buckets.object_key(idx, n), MAX_OBJECT_BYTES)
+                   for n in ("per_bucket_numel_unpadded", "per_bucket_numel", "optimizer")}
+            saved[idx] = (obj["per_bucket_numel_unpadded"], obj["per_bucket_numel"])
+            groups.append(obj["optimizer"])
+        dp_buckets.check_saved(layout, saved, str(md_file))
+        if any(g != groups[0] for g in groups):
+            raise MConvertError(f"{md_file}: the dp_reshardable param groups differ between TP×PP domains; one set "
+                                "of groups cannot serve every parameter — drop --with-optimizer")
+        [dtype] = saved[0][0][0].keys()
+        states: set[str] | None = None
+        slots: dict[str, list[Any]] = {}
+        for idx, buffers in layout.items():
+            _, t = dp_buckets.stage_of(idx, self.tp)
+            for g, buckets in enumerate(buffers):
+                for b, bucket in enumerate(buckets):
+                    base = dp_buckets.bucket_key(idx, g, dtype, b, "")
+                    here = {k[len(base):] for k in self.metadata.state_dict_metadata if k.startswith(base)}
+                    if states is None:
+                        states = here
+                    if not here or here != states:
+                        raise MConvertError(f"{md_file}: bucket {base}* holds states {sorted(here)}, other buckets "
+                                            f"{sorted(states)}; the checkpoint is incomplete — drop --with-optimizer")
+                    for st in here:
+                        size = tuple(self.metadata.state_dict_metadata[base + st].size)
+                        if size != (bucket.numel_unpadded,):
+                            raise MConvertError(f"{md_file}: {base + st!r} has shape {list(size)}, its bucket "
+                                                f"holds {bucket.numel_unpadded} elements; the checkpoint is damaged "
+                                                "— drop --with-optimizer")
+                    for s in bucket.slots:
+                        if s.name == "output_layer.weight" and self.spec.tie_embeddings:
+                            continue  # the last stage's copy of the tied embedding: its first-stage states serve
+                        slots.setdefault(s.name, [None] * self.tp)[t] = (idx, g, b, s.start, s.shape)
+        self._dp_slots, self._dp_dtype, self._dp_states = slots, dtype, sorted(states or ())
+        opt: dict[str, Any] = {"optimizer": groups[0]}
+        scaler = dp_buckets.object_key(0, "grad_scaler")
+        if scaler in self.metadata.state_dict_metadata:  # mixed-precision runs: the loss scaler's state
+            opt["grad_scaler"] = self._read_object(scaler, MAX_OBJECT_BYTES)
+        self._common["optimizer"] = {**opt, "param_state_sharding_type": RESHARDABLE_OPTIMIZER}
+        self.optimizer_layout = DP_RESHARDABLE
+
+    def _read_dp_states(self, name: str) -> dict[str, torch.Tensor]:
+        """One parameter's states from the dp_reshardable buckets: its slice on every source TP rank, merged
+        to the full shape as the parameter's shards merge."""
+        places = self._dp_slots.get(name)
+        if places is None or any(p is None for p in places):
+            raise MConvertError(f"{self.iter_dir / '.metadata'}: no dp_reshardable optimizer state for {name!r}; "
+                                "the checkpoint is incomplete — drop --with-optimizer")
+        out = {}
+        for state in self._dp_states:
+            pieces = [self.read_slice(dp_buckets.bucket_key(idx, g, self._dp_dtype, b, state), (start,),
+                                      (int(torch.Size(shape).numel()),)).view(shape)
+                      for idx, g, b, start, shape in places]
+            out[state] = pieces[0] if len(pieces) == 1 else merge(pieces, self.spec.split_kind(name), name)
+        return out
 
     def trainer_optimizer(self) -> list[dict[str, Any]]:
         """Switch `read_unit`'s states to the trainer's Adam form (for torch rank-file output) and return the
@@ -273,9 +369,11 @@ class TorchDistSource(SourceBase):
         states: dict[str, dict] = {}
         for name in tensors:
             tpl, lead = self._place(name)
-            out = {}
-            for state, key in self.state_keys.get(tpl, {}).items():
-                out[state] = self._read_one(key, tpl, lead)
+            if self.optimizer_layout == DP_RESHARDABLE:
+                out = self._read_dp_states(name)
+            else:
+                out = {state: self._read_one(key, tpl, lead) for state, key in self.state_keys.get(tpl, {}).items()}
+            for state in out:
                 if not all_finite(out[state]):
                     raise MConvertError(f"{self.iter_dir}: optimizer state {state!r} of {name!r} holds NaN or Inf "
                                         "values; the run diverged or the file is corrupt — drop --with-optimizer")
@@ -330,13 +428,15 @@ class TorchDistSource(SourceBase):
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
-    def _read_object(self, key: str) -> Any:
+    def _read_object(self, key: str, limit: int = MAX_RNG_BYTES) -> Any:
         """A ShardedObject's data: its `torch.save([data])` bytes, read from the data file and loaded by the
         safe loader like every other pickle of the checkpoint."""
-        info = next(v for k, v in self.metadata.storage_data.items() if getattr(k, "fqn", None) == key)
-        if info.length > MAX_RNG_BYTES:
-            raise MConvertError(f"{self.iter_dir}: {key!r} claims {info.length:,} bytes; rng states are kilobytes — "
-                                "the metadata is damaged")
+        info = next((v for k, v in self.metadata.storage_data.items() if getattr(k, "fqn", None) == key), None)
+        if info is None:
+            raise MConvertError(f"{self.iter_dir / '.metadata'}: no entry {key!r}; the checkpoint is incomplete")
+        if info.length > limit:
+            raise MConvertError(f"{self.iter_dir}: {key!r} claims {info.length:,} bytes; such objects are kilobytes "
+                                "— the metadata is damaged")
         with open(self.iter_dir / info.relative_path, "rb") as f:
             f.seek(info.offset)
             blob = f.read(info.length)
