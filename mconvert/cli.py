@@ -315,6 +315,9 @@ def reshard_cmd(
     iteration: Iteration = None,
     format: Annotated[Optional[str], typer.Option("--format", help="Output format: torch or torch_dist "
                                                   "(default: the source's).")] = None,
+    optimizer_layout: Annotated[Optional[str], typer.Option(
+        "--optimizer-layout", help="torch_dist --with-optimizer: fully_reshardable or dp_reshardable (Megatron-LM's "
+        "default) distributed-optimizer states (default: the source's, else fully_reshardable).")] = None,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -329,6 +332,7 @@ def reshard_cmd(
       mconvert reshard ckpt/ ckpt-tp2pp2/ --tp 2 --pp 2 --with-optimizer
       mconvert reshard ckpt/ ckpt-dist/ --tp 2 --pp 1 --format torch_dist
       mconvert reshard moe-ckpt/ moe-ep4/ --tp 1 --ep 4
+      mconvert reshard ckpt/ ckpt-dp/ --tp 2 --format torch_dist --with-optimizer --optimizer-layout dp_reshardable
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import reshard
@@ -337,7 +341,8 @@ def reshard_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
-                          force=force, progress=True, dry_run=dry_run, format=format, ep=ep), json_out)
+                          force=force, progress=True, dry_run=dry_run, format=format, ep=ep,
+                          optimizer_layout=optimizer_layout), json_out)
 
 
 @app.command("inspect")

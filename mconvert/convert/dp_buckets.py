@@ -30,6 +30,14 @@ PARAM_ALIGN = 64  # elements: parameters start 128-byte aligned in a 16-bit buff
 BUCKET_ALIGN = 128
 BUSBW_ALIGN = 2 ** 16
 DEFAULT_MIN_BUCKET = 40_000_000  # DDP's bucket_size when overlap_grad_reduce is on and none is given
+# the distributed-optimizer layouts read and written: one tensor per parameter and state, or the DDP buckets
+OPTIMIZER_LAYOUTS = ("fully_reshardable", "dp_reshardable")
+
+
+def check_optimizer_layout(layout: str) -> None:
+    """`--optimizer-layout`: one of the layouts written."""
+    if layout not in OPTIMIZER_LAYOUTS:
+        raise MConvertError(f"--optimizer-layout {layout!r}: choose {' or '.join(OPTIMIZER_LAYOUTS)}")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
+from mconvert.convert.dp_buckets import check_optimizer_layout
 from mconvert.convert.io.atomic import check_output
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
@@ -212,12 +213,13 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
             progress: bool = False, dry_run: bool = False, format: str | None = None,
-            ep: int = 1) -> dict[str, Any]:
+            ep: int = 1, optimizer_layout: str | None = None) -> dict[str, Any]:
     """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP)/EP: merge to full tensors, split again.
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
     their parameters' layouts so training resumes at the new layout; without it, no optimizer is written.
-    `format`: torch or torch_dist output (default: the source's format)."""
+    `format`: torch or torch_dist output (default: the source's format). `optimizer_layout`: the distributed
+    optimizer's layout in torch_dist output (default: the source's, else fully_reshardable)."""
 
     t0 = time.perf_counter()
     if format is not None:
@@ -230,6 +232,11 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         format = "torch_dist" if src.format == "megatron-torch_dist" else "torch"
     dist_source = src.format == "megatron-torch_dist"
     groups = None
+    if optimizer_layout is not None:
+        check_optimizer_layout(optimizer_layout)
+    if optimizer_layout is not None and not (with_optimizer and format == "torch_dist"):
+        raise MConvertError(f"--optimizer-layout {optimizer_layout}: applies to the optimizer states of torch_dist "
+                            "output; add --with-optimizer and --format torch_dist, or drop it")
     if with_optimizer and dist_source:
         src.check_optimizer()
         if format == "torch":  # megatron-core's distributed optimizer -> the trainer's Adam states
@@ -262,7 +269,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                                       with_states=with_optimizer and dist_source,
                                       optimizer_groups=groups if not dist_source else None,
                                       source=str(src.files[(0, 0)] if isinstance(src, MegatronSource) else ckpt),
-                                      rng_state=rng, ep=ep)
+                                      rng_state=rng, ep=ep,
+                                      optimizer_layout=optimizer_layout or getattr(src, "optimizer_layout", None)
+                                      or "fully_reshardable")
         return megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states

@@ -54,7 +54,7 @@ RESHARDABLE_OPTIMIZER = "fully_reshardable"
 # Megatron-LM's default layout: the states in megatron-core's DDP buckets, one flat tensor per TP×PP domain,
 # buffer, bucket and state (`dp_buckets.py`), the param groups and bucket sizes as per-domain ShardedObjects
 DP_RESHARDABLE = "dp_reshardable"
-OPTIMIZER_LAYOUTS = (RESHARDABLE_OPTIMIZER, DP_RESHARDABLE)
+OPTIMIZER_LAYOUTS = dp_buckets.OPTIMIZER_LAYOUTS
 DP_DOMAIN = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded/shard_0_1")
 MAX_OBJECT_BYTES = 64 << 20  # param groups, bucket sizes: kilobytes
 

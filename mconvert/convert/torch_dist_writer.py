@@ -42,17 +42,25 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mconvert.convert import dp_buckets
 from mconvert.convert import optimizer as optim
+from mconvert.convert.checkpoint import args_dict
 from mconvert.convert.base import Unit, units_of
 from mconvert.convert.io import repickle
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
 from mconvert.convert.megatron import target_args
-from mconvert.convert.torch_dist import OPTIMIZER_STATE_PREFIX, RNG_STATE, STACKED_EXPERTS
+from mconvert.convert.torch_dist import (
+    DP_RESHARDABLE,
+    OPTIMIZER_STATE_PREFIX,
+    RESHARDABLE_OPTIMIZER,
+    RNG_STATE,
+    STACKED_EXPERTS,
+)
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import unit_of
-from mconvert.mappings.transforms import pad_vocab, split_dim
+from mconvert.mappings.transforms import pad_vocab, split, split_dim
 from mconvert.spec import LayerPart, ModelSpec, expert_of
 
 STACKED_PREFIX = "decoder.layers."
@@ -198,8 +206,10 @@ class TorchDistWriter:
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
                  dtype: torch.dtype | None = None, max_file_bytes: int = MAX_FILE_BYTES,
                  with_states: bool = False, optimizer_groups: list[dict[str, Any]] | None = None,
-                 source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1) -> None:
+                 source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1,
+                 optimizer_layout: str = RESHARDABLE_OPTIMIZER) -> None:
         spec.check_parallel(tp, pp, vpp, ep)
+        dp_buckets.check_optimizer_layout(optimizer_layout)
         # the driver then hands each parameter's optimizer states to `add`: megatron-core's own, or with
         # `optimizer_groups` the trainer's Adam states, turned into megatron-core's here
         self.takes_states = with_states or optimizer_groups is not None
@@ -229,6 +239,94 @@ class TorchDistWriter:
         # (module key, stacked indices) of a layer's linears, in arrival order, until the layer is complete
         self._modules: dict[int, dict[tuple[str, tuple[int, ...]], None]] = {}
         self.files: list[Path] = []
+        self.optimizer_layout = optimizer_layout
+        # dp_reshardable: canonical name -> its slots [(dp_group_idx, gbuf, bucket, tp_rank, Slot)], the buckets
+        self._dp: dict[str, list[tuple[int, int, int, int, dp_buckets.Slot]]] = {}
+        self._dp_layout: dict[int, list[list[dp_buckets.Bucket]]] = {}
+        if self.takes_states and optimizer_layout == DP_RESHARDABLE:
+            self._plan_dp_buckets()
+
+    def _plan_dp_buckets(self) -> None:
+        """The target's buckets, rebuilt from the args written (DP size, bucket size: what a run with these args
+        builds), and the (param, grad) dtype of its one buffer per chunk."""
+        a = args_dict(self.args, self.source)
+        try:
+            self._dp_layout = dp_buckets.domain_layout(self.spec, self.tp, self.pp, self.vpp,
+                                                       dp_buckets.ddp_settings(a), self.rows)
+        except MConvertError as e:
+            raise MConvertError(f"{self.source}: {e}") from None
+        param = a.get("params_dtype")
+        param = param if isinstance(param, torch.dtype) else (self.dtype or torch.float32)
+        grad = torch.float32 if a.get("accumulate_allreduce_grads_in_fp32", True) else param
+        self._dp_dtype = (param, grad)
+        for idx, buffers in self._dp_layout.items():
+            _, t = dp_buckets.stage_of(idx, self.tp)
+            for g, buckets in enumerate(buffers):
+                for b, bucket in enumerate(buckets):
+                    for s in bucket.slots:
+                        # a tied output weight at PP > 1 is the embedding's copy: the embedding's states fill it
+                        name = "embedding.word_embeddings.weight" if s.name == "output_layer.weight" \
+                            and self.spec.tie_embeddings else s.name
+                        self._dp.setdefault(name, []).append((idx, g, b, t, s))
+
+    def _add_dp_state(self, name: str, full: torch.Tensor, state: str) -> None:
+        """One state of one parameter into the dp_reshardable buckets: each TP rank's shard, flat, at its slot."""
+        kind = self.spec.split_kind(name)
+        if kind == "vocab":
+            full = pad_vocab(full, self.rows, self.spec.vocab_size, name)
+        places = self._dp.get(name)
+        if not places:
+            raise MConvertError(f"internal: {name} has no slot in the dp_reshardable buckets")
+        shards = split(full, kind, self.tp, f"{name}.{state}") if self.tp > 1 else [full]
+        for idx, g, b, t, s in places:
+            piece = shards[t]
+            if tuple(piece.shape) != s.shape:
+                raise MConvertError(f"internal: {name}.{state} shard {list(piece.shape)} vs bucket slot {list(s.shape)}")
+            self._add_flat(dp_buckets.bucket_key(idx, g, self._dp_dtype, b, state), piece.reshape(-1),
+                           s.start, self._dp_layout[idx][g][b].numel_unpadded)
+
+    def _add_flat(self, key: str, flat: torch.Tensor, start: int, size: int) -> None:
+        """One chunk [start, start + numel) of the 1-d tensor `key` of `size` elements."""
+        md = self._tensors.get(key)
+        if md is None:
+            md = TensorStorageMetadata(properties=TensorProperties(dtype=flat.dtype), size=torch.Size((size,)),
+                                       chunks=[])
+            self._tensors[key] = self._md[key] = md
+        md.chunks.append(ChunkStorageMetadata(offsets=torch.Size((start,)), sizes=torch.Size((flat.numel(),))))
+        self._append_tensor(_owned(flat), MetadataIndex(key, torch.Size((start,))))
+
+    def _finish_dp_buckets(self, opt: dict[str, Any]) -> None:
+        """Zeros in every gap of every bucket tensor (megatron-core's loader wants each tensor covered, as its own
+        padding chunks cover it), then each domain's ShardedObjects: param groups, bucket sizes."""
+        states = sorted({k.rsplit(".", 1)[1] for k in self._tensors if k.startswith("optimizer.distributed.")})
+        if not states:
+            raise MConvertError(f"{self.source}: no optimizer states arrived for the dp_reshardable layout; "
+                                "drop --with-optimizer")
+        for idx, buffers in self._dp_layout.items():
+            for g, buckets in enumerate(buffers):
+                for b, bucket in enumerate(buckets):
+                    for state in states:
+                        key = dp_buckets.bucket_key(idx, g, self._dp_dtype, b, state)
+                        md = self._tensors.get(key)
+                        got = sorted((c.offsets[0], c.sizes[0]) for c in md.chunks) if md else []
+                        if len(got) != len(bucket.slots):
+                            raise MConvertError(f"internal: {key} got {len(got)} of {len(bucket.slots)} parameters")
+                        pos = 0
+                        for off, n in [*got, (bucket.numel_unpadded, 0)]:
+                            if off > pos:
+                                self._add_flat(key, torch.zeros(off - pos, dtype=md.properties.dtype), pos,
+                                               bucket.numel_unpadded)
+                            pos = off + n
+            objects = {"optimizer": opt["optimizer"],
+                       "per_bucket_numel": [{self._dp_dtype: [bk.numel for bk in buf]} for buf in buffers],
+                       "per_bucket_numel_unpadded": [{self._dp_dtype: [bk.numel_unpadded for bk in buf]}
+                                                     for buf in buffers]}
+            if "grad_scaler" in opt:
+                objects["grad_scaler"] = opt["grad_scaler"]
+            for name, value in objects.items():
+                key = dp_buckets.object_key(idx, name)
+                self._md[key] = BytesStorageMetadata()
+                self._append(_blob([value]), MetadataIndex(key))
 
     # ---- writing ------------------------------------------------------------------------------------------
     def _open_next(self) -> None:
@@ -336,7 +434,10 @@ class TorchDistWriter:
                 st = optim.mcore_states(full, st)
             for state, value in st.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    self._add_tensor(name, value, state)
+                    if self.optimizer_layout == DP_RESHARDABLE:
+                        self._add_dp_state(name, value, state)
+                    else:
+                        self._add_tensor(name, value, state)
             if layer is not None:
                 module = name[len(STACKED_PREFIX):].split(".", 1)[1].rsplit(".", 1)[0]
                 if module in EXTRA_STATE_MODULES or EXPERT_LINEAR.fullmatch(module):
@@ -371,6 +472,10 @@ class TorchDistWriter:
             raise MConvertError(f"internal: units {self._pending[:3]} never arrived")
         if self.rng_state is not None:
             self._add_rng_state()
+        opt = self._optimizer_entry()
+        if opt is not None and self.optimizer_layout == DP_RESHARDABLE:
+            self._finish_dp_buckets(opt)
+            opt = {"param_state_sharding_type": DP_RESHARDABLE}
         record_digest(self.dir / self._names[-1], self._file.close())
         self._file = None
         metadata = Metadata(state_dict_metadata=self._md, planner_data=None, storage_data=self._storage,
@@ -379,17 +484,24 @@ class TorchDistWriter:
             pickle.dump(metadata, f)  # as DCP's FileSystemWriter.finish does
         common = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                   "iteration": 0 if self.iteration == "release" else int(self.iteration), **self.top_level}
-        if self.optimizer_groups is not None:
-            sched = self.top_level.get("opt_param_scheduler")
-            min_lr = sched.get("min_lr") if isinstance(sched, dict) else None
-            common["optimizer"] = optim.to_mcore_optimizer(self.optimizer_groups,
-                                                           optim.shared_step(sorted(self._steps), self.source),
-                                                           self.source, self.spec.is_moe, min_lr)
+        if opt is not None:
+            common["optimizer"] = opt
         repickle.save(common, self.dir / "common.pt")  # args as read: enums under their own names
         (self.dir / "metadata.json").write_text(json.dumps(BACKENDS))
         write_latest(self.out, self.iteration)
         self.files = [self.dir / n for n in (".metadata", *self._names, "common.pt", "metadata.json")]
         return self.files
+
+    def _optimizer_entry(self) -> dict[str, Any] | None:
+        """common.pt's `optimizer` in the `fully_reshardable` form (param groups inline): the source's, or made
+        from the trainer's groups; None without optimizer states."""
+        if self.optimizer_groups is not None:
+            sched = self.top_level.get("opt_param_scheduler")
+            min_lr = sched.get("min_lr") if isinstance(sched, dict) else None
+            return optim.to_mcore_optimizer(self.optimizer_groups, optim.shared_step(sorted(self._steps), self.source),
+                                            self.source, self.spec.is_moe, min_lr)
+        opt = self.top_level.get("optimizer")
+        return opt if self.takes_states and isinstance(opt, dict) else None
 
     def abort(self) -> None:
         """Stop the data file's writer thread; the caller removes the output directory."""
