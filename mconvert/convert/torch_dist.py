@@ -249,6 +249,8 @@ class TorchDistSource(SourceBase):
         """Refuse `--with-optimizer` unless the checkpoint holds megatron-core distributed-optimizer states in
         the `fully_reshardable` layout for every parameter (the other layouts depend on the writer's DP/TP
         buffers and cannot be re-sharded from the files alone)."""
+        if self.optimizer_layout == DP_RESHARDABLE:
+            return  # indexed: common.pt's `optimizer` is held in the fully_reshardable form since
         opt = self._common.get("optimizer")
         kind = opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
         where = self.iter_dir / "common.pt"
@@ -260,8 +262,7 @@ class TorchDistSource(SourceBase):
                                 "one of those distributed-optimizer sharding types (metadata "
                                 "distrib_optim_sharding_type), or drop --with-optimizer")
         if kind == DP_RESHARDABLE:
-            if self.optimizer_layout is None:
-                self._index_dp_optimizer(where)
+            self._index_dp_optimizer(where)
             return
         self.optimizer_layout = kind
         missing = [n for n in self.keys if n not in self.state_keys]
