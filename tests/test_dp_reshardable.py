@@ -277,3 +277,66 @@ def test_layouts_that_cannot_be_rebuilt_are_refused_by_name(mcore_dp: tuple, tmp
     _refused(src, tmp_path / "o3", r"dp_group_idx_1 has a buffer with 2 dtypes")
     _refused(root, tmp_path / "o4", r"--optimizer-layout dp_reshardable: applies to the optimizer states of "
              r"torch_dist output", format="torch", optimizer_layout="dp_reshardable")
+
+
+# ---- CPU round trip at PP / VPP / tied embeddings (no megatron-core) --------------------------------------------
+@pytest.mark.timeout(300)
+def test_trainer_states_through_dp_reshardable_at_pp_vpp_come_back(tmp_path: Path) -> None:
+    """GPT-2 (tied head) trainer states exp_avg = 2·p, exp_avg_sq = |p| at TP2 PP2 VPP2 -> torch_dist
+    dp_reshardable TP2 PP2 VPP2 -> torch TP2 PP2 VPP2: every rank file's model and states come back byte for
+    byte. In the buckets each parameter's slice keeps the relation to its fp32 copy (`param`), the tied head's
+    copy on the last stage holds the embedding's states, and the gaps are zeros; common.pt names the layout."""
+    from test_convert_optimizer import _add_optimizer
+    from test_torch_dist_optimizer import _gpt2
+    from test_torch_dist_write import _dcp_read_all
+
+    from mconvert.convert.driver import hf_to_megatron
+
+    hf_to_megatron(_gpt2(tmp_path), tmp_path / "a", tp=2, pp=2, vpp=2)
+    _add_optimizer(tmp_path / "a")
+    reshard(tmp_path / "a", tmp_path / "d", tp=2, pp=2, vpp=2, format="torch_dist", with_optimizer=True,
+            optimizer_layout="dp_reshardable")
+    d = tmp_path / "d" / "release"
+    assert safe_load(d / "common.pt")["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+    groups = {k: v["param_groups"] for k, v in _objects(d, "optimizer").items()}
+    assert len(groups) == 4 and all(g[0]["step"] == 3.0 and g[0]["lr"] == 1e-3 for g in groups.values())
+    dist = _dcp_read_all(d)
+    assert not any(k.startswith("optimizer.state.") for k in dist)
+    spec = preset("tiny-gpt2").replace(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=100,
+                                       ffn_hidden_size=128, max_position_embeddings=16)
+    for idx, buffers in dp_buckets.domain_layout(spec, 2, 2, 2, dp_buckets.DdpSettings()).items():
+        for g, buckets in enumerate(buffers):
+            for b, bucket in enumerate(buckets):
+                key = dp_buckets.bucket_key(idx, g, (torch.float32, torch.float32), b, "{}")
+                param, avg, sq = (dist[key.format(s)] for s in ("param", "exp_avg", "exp_avg_sq"))
+                assert param.numel() == bucket.numel_unpadded
+                used = torch.zeros(bucket.numel_unpadded, dtype=torch.bool)
+                for s in bucket.slots:
+                    assert torch.equal(avg[s.start:s.end], 2 * param[s.start:s.end]), (key, s.name)
+                    assert torch.equal(sq[s.start:s.end], param[s.start:s.end].abs()), (key, s.name)
+                    used[s.start:s.end] = True
+                assert not avg[~used].any() and not param[~used].any()
+    def slices(name: str) -> dict[int, torch.Tensor]:  # tp rank -> that rank's exp_avg slice of `name`
+        out = {}
+        for i, bufs in dp_buckets.domain_layout(spec, 2, 2, 2, dp_buckets.DdpSettings()).items():
+            for g, bks in enumerate(bufs):
+                for b, bk in enumerate(bks):
+                    for s in bk.slots:
+                        if s.name == name:
+                            key = dp_buckets.bucket_key(i, g, (torch.float32, torch.float32), b, "exp_avg")
+                            out[dp_buckets.stage_of(i, 2)[1]] = dist[key][s.start:s.end]
+        return out
+
+    head, emb = slices("output_layer.weight"), slices("embedding.word_embeddings.weight")
+    assert sorted(head) == sorted(emb) == [0, 1]  # the tied head's copy on the last stage, per TP rank
+    assert all(torch.equal(head[t], emb[t]) and emb[t].any() for t in emb)
+    reshard(tmp_path / "d", tmp_path / "b", tp=2, pp=2, vpp=2, format="torch", with_optimizer=True)
+    for f in sorted((tmp_path / "a").rglob("model_optim_rng.pt")):
+        a, c = safe_load(f), safe_load(tmp_path / "b" / f.relative_to(tmp_path / "a"))
+        ga, gc = a["optimizer"]["param_groups"][0], c["optimizer"]["param_groups"][0]
+        assert ga["param_names"] == gc["param_names"]
+        for k in ("model0", "model1"):
+            assert all(torch.equal(a[k][n], c[k][n]) for n in a[k] if isinstance(a[k][n], torch.Tensor))
+        for pa, pc in zip(ga["params"], gc["params"]):
+            sa, sc = a["optimizer"]["state"][pa], c["optimizer"]["state"][pc]
+            assert sa.keys() == sc.keys() and all(torch.equal(sa[s], sc[s]) for s in sa)

@@ -410,8 +410,8 @@ def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> Non
 
 @pytest.mark.timeout(300)
 def test_torch_dist_optimizer_refusals_name_the_layout(tmp_path: Path) -> None:
-    """--with-optimizer on a torch_dist checkpoint without states, or with a layout bound to the writer's DP
-    buckets, is one MConvertError naming common.pt; nothing is written."""
+    """--with-optimizer on a torch_dist checkpoint without states, or with a layout not carried (megatron-core's
+    deprecated fully_sharded_model_space), is one MConvertError naming common.pt; nothing is written."""
     from mconvert.convert.io.atomic import MANIFEST
     from mconvert.convert.io.safeload import safe_load
     from mconvert.errors import MConvertError
@@ -425,10 +425,13 @@ def test_torch_dist_optimizer_refusals_name_the_layout(tmp_path: Path) -> None:
     hf_to_megatron(hf, bucketed, format="torch_dist")
     (bucketed / MANIFEST).unlink()
     common = safe_load(bucketed / "release" / "common.pt")
-    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable", "optimizer": {"param_groups": []}}
+    common["optimizer"] = {"param_state_sharding_type": "fully_sharded_model_space",
+                           "optimizer": {"param_groups": []}}
     torch.save(common, bucketed / "release" / "common.tmp")
     (bucketed / "release" / "common.tmp").replace(bucketed / "release" / "common.pt")
-    with pytest.raises(MConvertError, match=r"common\.pt: distributed optimizer states are saved as 'dp_reshardable'"):
+    with pytest.raises(MConvertError, match=r"common\.pt: distributed optimizer states are saved as "
+                                            r"'fully_sharded_model_space'; only 'fully_reshardable' and "
+                                            r"'dp_reshardable' can be re-sharded"):
         reshard(bucketed, tmp_path / "o2", tp=2, pp=1, with_optimizer=True)
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
