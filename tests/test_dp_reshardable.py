@@ -329,7 +329,8 @@ def test_trainer_states_through_dp_reshardable_at_pp_vpp_come_back(tmp_path: Pat
 
     head, emb = slices("output_layer.weight"), slices("embedding.word_embeddings.weight")
     assert sorted(head) == sorted(emb) == [0, 1]  # the tied head's copy on the last stage, per TP rank
-    assert all(torch.equal(head[t], emb[t]) and emb[t].any() for t in emb)
+    # (rank 1 holds only padding rows: 100 tokens padded to 256)
+    assert all(torch.equal(head[t], emb[t]) for t in emb) and emb[0].any()
     reshard(tmp_path / "d", tmp_path / "b", tp=2, pp=2, vpp=2, format="torch", with_optimizer=True)
     for f in sorted((tmp_path / "a").rglob("model_optim_rng.pt")):
         a, c = safe_load(f), safe_load(tmp_path / "b" / f.relative_to(tmp_path / "a"))
