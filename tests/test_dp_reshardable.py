@@ -341,3 +341,21 @@ def test_trainer_states_through_dp_reshardable_at_pp_vpp_come_back(tmp_path: Pat
         for pa, pc in zip(ga["params"], gc["params"]):
             sa, sc = a["optimizer"]["state"][pa], c["optimizer"]["state"][pc]
             assert sa.keys() == sc.keys() and all(torch.equal(sa[s], sc[s]) for s in sa)
+
+
+@pytest.mark.timeout(300)
+def test_cli_optimizer_layout_refusals_are_one_line(tmp_path: Path, capsys) -> None:
+    """`--optimizer-layout` with an unknown name, or into torch output, is one `error:` line naming the option;
+    no OUT."""
+    from safety_common import assert_one_line_error, run_cli
+    from test_torch_dist_optimizer import _gpt2
+
+    from mconvert.convert.driver import hf_to_megatron
+
+    hf_to_megatron(_gpt2(tmp_path), tmp_path / "a", tp=1)
+    base = ["reshard", tmp_path / "a", tmp_path / "o", "--tp", "1", "--with-optimizer"]
+    code, _, err = run_cli([*base, "--format", "torch_dist", "--optimizer-layout", "zero"], capsys)
+    assert_one_line_error(code, err, "--optimizer-layout 'zero'", "fully_reshardable or dp_reshardable")
+    code, _, err = run_cli([*base, "--format", "torch", "--optimizer-layout", "dp_reshardable"], capsys)
+    assert_one_line_error(code, err, "--optimizer-layout dp_reshardable", "torch_dist output")
+    assert not (tmp_path / "o").exists()

@@ -70,12 +70,15 @@ class DdpSettings:
 
 def ddp_settings(args: dict[str, Any]) -> DdpSettings:
     """Megatron-LM's args -> the DDP settings it built its buffers with: `bucket_size` only with
-    `overlap_grad_reduce` (`--ddp-bucket-size`, else max(40M, 1M·DP)), as megatron-core's DDP decides."""
+    `overlap_grad_reduce` (`--ddp-bucket-size`, else max(40M, 1M·DP)), as megatron-core's DDP decides; the
+    buffers are sharded over the data- and context-parallel ranks of one distributed-optimizer instance."""
     dp = int(args.get("data_parallel_size") or 1)
+    shards = dp * int(args.get("context_parallel_size") or 1) // int(args.get("num_distributed_optimizer_instances")
+                                                                     or 1)
     bucket = None
     if args.get("overlap_grad_reduce") and not args.get("overlap_param_gather_with_optimizer_step"):
         bucket = int(args.get("ddp_bucket_size") or max(DEFAULT_MIN_BUCKET, 1_000_000 * dp))
-    return DdpSettings(dp, bucket, bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+    return DdpSettings(max(shards, 1), bucket, bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
 
 
 def _pad(n: int, divisor: int) -> int:
