@@ -359,3 +359,44 @@ def test_cli_optimizer_layout_refusals_are_one_line(tmp_path: Path, capsys) -> N
     code, _, err = run_cli([*base, "--format", "torch", "--optimizer-layout", "dp_reshardable"], capsys)
     assert_one_line_error(code, err, "--optimizer-layout dp_reshardable", "torch_dist output")
     assert not (tmp_path / "o").exists()
+
+
+# ---- data parallel: megatron-core at DP=2 ------------------------------------------------------------------------
+def _run_dp(spec, dp: int, fn, args: tuple) -> list:
+    """`run_mcore` at TP=PP=1 with `dp` data-parallel ranks (each runs the same tokens): the harness's worker with
+    a world of `dp` processes (its `ep` argument sizes the world; a dense model has no expert groups to use it)."""
+    import tempfile
+
+    import mcore_ref
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="mcore_dp_") as tmp:
+        mcore_ref._preload()
+        mp.start_processes(mcore_ref._worker, args=(dp, mcore_ref._free_port(), spec, 1, 1, None, 1234, fn, args,
+                                                     tmp, dp), nprocs=dp, start_method="fork")
+        return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(dp)]  # the children's own
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_megatron_core_dp2_save_reshards_and_resumes_at_other_dp(tmp_path: Path) -> None:
+    """megatron-core at DP=2 saves dp_reshardable (each DP rank its half of every bucket, parameters cut at the
+    half); reshard to TP=2 dp_reshardable: megatron-core resumes from it at TP=2 (DP=1) with the straight run's
+    step; back to TP=1 it resumes at DP=2 (our one chunk per parameter read as each DP rank's half)."""
+    spec = SPECS["llama"]
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, spec.vocab_size, (2, 16), generator=g) for _ in range(4)]
+    root = tmp_path / "mcore"
+    straight = _run_dp(spec, 2, _train_save_dp, (str(root), batches))
+    assert straight[0] == straight[1]
+    md = safe_load_dcp_metadata(root / ITER / ".metadata")
+    bucket = next(k for k in md.state_dict_metadata if k.endswith("bucket_idx_0.exp_avg"))
+    half = md.state_dict_metadata[bucket].size[0] // 2  # each DP rank saves its half of the bucket
+    chunks = [(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in md.state_dict_metadata[bucket].chunks]
+    assert (half, half) in [(s, s) for s, _ in chunks] and not any(s < half < e for s, e in chunks)
+    reshard(root, tmp_path / "tp2", tp=2, pp=1, with_optimizer=True)
+    tp2 = run_mcore(spec, 2, _load_go_on_dp, (str(tmp_path / "tp2" / ITER), batches))
+    reshard(tmp_path / "tp2", tmp_path / "tp1", tp=1, pp=1, with_optimizer=True)
+    dp2 = _run_dp(spec, 2, _load_go_on_dp, (str(tmp_path / "tp1" / ITER), batches))
+    print(f"next-step loss: straight (DP2) {straight[0]:.7f}; ours at TP2 {tp2[0]:.7f}; ours at TP1 DP2 {dp2[0]:.7f}")
+    assert _close(tp2[0], straight[0]) and _close(dp2[0], straight[0]) and dp2[0] == dp2[1]
