@@ -5,8 +5,9 @@ PyTorch DCP checkpoint (`.metadata` + `*.distcp`). Keys are global and unsharded
 layers are stacked (`decoder.layers.<name>` has shape `[num_layers, ...]`), norms carry TE names, SwiGLU fc1 is
 in TP=1 order (`[gate; up]`), `_extra_state/shard_*` entries are bytes. `torch.distributed.checkpoint` is used
 only as a file reader (no process group): a unit reads just its own layer's slice of every stacked tensor.
-With `read_unit(unit, with_optimizer=True)` the distributed optimizer's `fully_reshardable` states of each
-parameter come along, read the same way. The writer is `torch_dist_writer.py`.
+With `read_unit(unit, with_optimizer=True)` the distributed optimizer's states of each parameter come along:
+`fully_reshardable` ones read the same way, `dp_reshardable` ones (Megatron-LM's default) as the parameter's
+slice of each source TP rank's DDP bucket (`dp_buckets.py`), merged. The writer is `torch_dist_writer.py`.
 """
 
 from __future__ import annotations

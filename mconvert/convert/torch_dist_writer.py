@@ -14,7 +14,7 @@ stacked twice (`decoder.layers.mlp.experts.experts.<linear>` is `[num_layers, nu
 layer, expert and TP shard, an `_extra_state/shard_<layer>.<expert>_<L>.<E>` per expert linear), as
 megatron-core's SequentialMLP saves them. With the source's `rng_state`, one `rng_state/shard_<pp>.<tp>_<PP>.<TP>`
 bytes entry per target rank; with optimizer states, megatron-core's `fully_reshardable` distributed-optimizer
-layout. Units stream: each arrives, its chunks are serialized straight into the data file, only the metadata
+layout, or its `dp_reshardable` DDP buckets for the target layout (`dp_buckets.py`). Units stream: each arrives, its chunks are serialized straight into the data file, only the metadata
 stays in memory.
 """
 
