@@ -420,3 +420,24 @@ def test_gpt2_with_padded_buckets_reshards_and_resumes(tmp_path: Path) -> None:
     got = run_mcore(spec, 2, _load_go_on_dp, (str(tmp_path / "tp2" / ITER), batches))
     print(f"next-step loss: straight {straight:.7f}; ours at TP2 {got[0]:.7f}")
     assert _close(got[0], straight) and got[0] == got[1]
+
+
+@pytest.mark.timeout(300)
+def test_dp_reshardable_without_buckets_is_refused_by_name(tmp_path: Path) -> None:
+    """common.pt naming dp_reshardable with no bucket states in the files (an incomplete copy): one MConvertError
+    naming the domains the args expect; no OUT."""
+    from test_torch_dist_optimizer import _gpt2
+
+    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.io.atomic import MANIFEST
+
+    hf_to_megatron(_gpt2(tmp_path), tmp_path / "d", tp=2, format="torch_dist")
+    (tmp_path / "d" / MANIFEST).unlink()
+    path = tmp_path / "d" / "release" / "common.pt"
+    common = safe_load(path)
+    common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}
+    torch.save(common, path)
+    with pytest.raises(MConvertError, match=r"\.metadata: the dp_reshardable states are saved for dp_group_idx \[\], "
+                                            r"the args' TP×PP layout has \[0, 1\]"):
+        reshard(tmp_path / "d", tmp_path / "o", tp=1, pp=1, with_optimizer=True)
+    assert not (tmp_path / "o").exists()
