@@ -214,7 +214,10 @@ Ep = Annotated[int, typer.Option("--ep", help="Target expert-parallel size (MoE 
 
 def _print_report(report: dict, json_out: bool) -> None:
     """A writing verb's report (`convert/writer.py`: the same keys for every verb): JSON on stdout, or a rich
-    table of files plus every other key on stderr."""
+    table of files plus every other key on stderr. Under torchrun rank 0 alone prints it: its report lists
+    every rank's files (a `rank` column)."""
+    if report.get("processes") and os.environ.get("RANK", "0") != "0":
+        return
     if json_out:
         print(json.dumps(report, indent=1, default=str))
         return
@@ -222,8 +225,12 @@ def _print_report(report: dict, json_out: bool) -> None:
     t = Table(title=plain(title))
     t.add_column("file")
     t.add_column("bytes", justify="right")
+    by_rank = any("rank" in f for f in report["files"])
+    if by_rank:
+        t.add_column("rank", justify="right")
     for f in report["files"]:
-        t.add_row(plain(f["path"]), "?" if f["bytes"] is None else f"{f['bytes']:,}")
+        t.add_row(plain(f["path"]), "?" if f["bytes"] is None else f"{f['bytes']:,}",
+                  *([str(f.get("rank", ""))] if by_rank else []))
     console.print(t)
     for k, v in report.items():
         if k in ("verb", "output", "files", "warnings", "notes", "dry_run") or v in (None, [], ""):
