@@ -155,10 +155,12 @@ def train_cmd(
 @app.command("plan")
 def plan_cmd(
     preset_name: Annotated[str, typer.Option("--preset", help="Model preset (mconvert.mappings.families.PRESETS), e.g. llama3-405b.")],
-    to: Annotated[str, typer.Option("--to", help="hf | ft (from Megatron at --tp/--pp) | megatron (from HF, or reshard).")],
+    to: Annotated[str, typer.Option("--to", help="hf | ft | trtllm (from Megatron at --tp/--pp) | megatron (from "
+                                    "HF, or reshard).")],
     tp: Annotated[int, typer.Option("--tp", help="Megatron TP of the source (hf/ft) or of the output (megatron).")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Megatron PP, as --tp.")] = 1,
-    target_tp: Annotated[Optional[int], typer.Option("--target-tp", help="Reshard (--to megatron) / FT TP.")] = None,
+    target_tp: Annotated[Optional[int], typer.Option("--target-tp", help="Reshard (--to megatron) / FT / "
+                                                     "TensorRT-LLM TP.")] = None,
     target_pp: Annotated[Optional[int], typer.Option("--target-pp", help="Reshard target PP (--to megatron).")] = None,
     ep: Annotated[int, typer.Option("--ep", help="Megatron expert-parallel size, as --tp (MoE presets).")] = 1,
     target_ep: Annotated[Optional[int], typer.Option("--target-ep", help="Reshard target EP (--to megatron).")] = None,
@@ -187,6 +189,7 @@ def plan_cmd(
       mconvert plan --preset llama3-405b --tp 8 --to megatron --format torch_dist
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf --nodes 4 --procs-per-node 8 --network-gb-per-s 3
       mconvert plan --preset moe-671b --tp 8 --ep 8 --to megatron --target-ep 16
+      mconvert plan --preset llama3-405b --tp 8 --pp 16 --to trtllm --target-tp 8 --nodes 2 --procs-per-node 4
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate, scaleout_estimate

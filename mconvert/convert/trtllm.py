@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +96,11 @@ def trtllm_refusal(spec: ModelSpec, tp: int) -> None:
 
 
 def rank_tensors(unit: Any, mcore: dict[str, torch.Tensor], spec: ModelSpec, tp: int,
-                 embed: torch.Tensor | None, source: str = "checkpoint") -> list[dict[str, torch.Tensor]]:
-    """One unit's full tensors -> per-rank TensorRT-LLM tensors (the family's TensorRT-LLM table)."""
-    return deploy.rank_tensors(spec, _layout(spec).tensors, unit, mcore, tp, "TensorRT-LLM", embed, source)
+                 embed: torch.Tensor | None, source: str = "checkpoint",
+                 ranks: Collection[int] | None = None) -> list[dict[str, torch.Tensor]]:
+    """One unit's full tensors -> per-rank TensorRT-LLM tensors (the family's TensorRT-LLM table); `ranks`:
+    only these ranks' (the rank files this process writes), None: every rank."""
+    return deploy.rank_tensors(spec, _layout(spec).tensors, unit, mcore, tp, "TensorRT-LLM", embed, source, ranks)
 
 
 def trtllm_layout_of(architecture: str) -> TrtllmLayout:
@@ -123,7 +126,8 @@ class TrtllmWriter:
     the whole output (under torchrun: once every rank wrote its part).
 
     Under torchrun (`scaleout`) process `i mod N` writes `rank{i}.safetensors` (every unit feeds every rank file,
-    so a process with a rank file reads every unit, one without reads none) and rank 0 writes config.json."""
+    so a process with a rank file reads every unit, one without reads none) and cuts only its own rank files'
+    tensors; rank 0 writes config.json."""
 
     reads = "mcore"
 
@@ -157,7 +161,7 @@ class TrtllmWriter:
         """One unit's tensors into every rank file this process writes."""
         if unit == "embedding" and self.spec.tie_embeddings:
             self._embed = tensors[deploy.EMBEDDING]
-        parts = rank_tensors(unit, tensors, self.spec, self.tp, self._embed, self.source)
+        parts = rank_tensors(unit, tensors, self.spec, self.tp, self._embed, self.source, ranks=self._writers.keys())
         for r, w in self._writers.items():
             for k, v in parts[r].items():
                 w.write(k, v)

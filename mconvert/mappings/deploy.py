@@ -7,7 +7,7 @@ rank's shard (see `FORMS`); the cutting itself is `transforms`. No family name o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 
@@ -58,22 +58,22 @@ def _vocab_padded(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name:
     return [[x] for x in T.split(T.pad_rows(T.strip_vocab(full, spec.vocab_size, name), tp), "vocab", tp, name)]
 
 
-def _qkv_cat(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
-    return [[torch.cat(b)] for b in T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name)]
+# The copying forms yield rank by rank: a caller that writes some ranks only (a torchrun process) skips the
+# others' copies by not asking for them.
+def _qkv_cat(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> Iterator[list[torch.Tensor]]:
+    return ([torch.cat(b)] for b in T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name))
 
 
-def _qkv_stack_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
-    out = []
+def _qkv_stack_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> Iterator[list[torch.Tensor]]:
     for b in T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name):
         if b[0].dim() == 1:
-            out.append([torch.stack(b)])  # [3, out/t]
+            yield [torch.stack(b)]  # [3, out/t]
             continue
         # [in, 3, out/t] filled by one transposing copy per part (a stack and then a permuted copy move it twice)
         s = b[0].new_empty(b[0].shape[1], len(b), b[0].shape[0])
         for j, part in enumerate(b):
             s[:, j].copy_(part.t())
-        out.append([s])
-    return out
+        yield [s]
 
 
 def _gated(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
@@ -85,7 +85,7 @@ def _gated_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str)
 
 
 # form -> per rank, one tensor per name of the rule
-FORMS: dict[str, Callable[[ModelSpec, torch.Tensor, str, int, str], list[list[torch.Tensor]]]] = {
+FORMS: dict[str, Callable[[ModelSpec, torch.Tensor, str, int, str], Iterable[list[torch.Tensor]]]] = {
     "whole": _whole,  # the full tensor on every rank (vocab rows: the true vocab)
     "split": _split,  # the split kind's shard, Linear `[out, in]`
     "split_t": _split_t,  # the split kind's shard, stored `[in, out]`
@@ -119,11 +119,13 @@ def _registry(table: dict[str, DeployRule | None]) -> Registry:
 
 
 def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, mcore: Tensors, tp: int,
-                 what: str, tied_head: torch.Tensor | None = None, source: str = "checkpoint") -> list[Tensors]:
+                 what: str, tied_head: torch.Tensor | None = None, source: str = "checkpoint",
+                 ranks: Collection[int] | None = None) -> list[Tensors]:
     """One unit's full tensors -> per-rank target tensors under the table's names (`{r}`: the rank).
 
     Every parameter ModelSpec declares for the unit goes through its rule (a `None` rule drops it); `tied_head`
-    (the embedding of a tied model) goes through the head's rule when the table writes a head."""
+    (the embedding of a tied model) goes through the head's rule when the table writes a head. `ranks`: cut
+    only these ranks' tensors (the others' dicts stay empty); None: every rank."""
     reg = _registry(table)
     out: list[Tensors] = [{} for _ in range(tp)]
     decls = [(d.name, d.kind) for d in unit_params(spec, unit)]
@@ -140,6 +142,8 @@ def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str
         if rule is None:
             continue
         for r, parts in enumerate(FORMS[rule.form](spec, full, kind, tp, name)):
+            if ranks is not None and r not in ranks:
+                continue
             for tpl, x in zip(rule.names, parts, strict=True):
                 out[r][fill(tpl, layer).replace("{r}", str(r))] = x
     return out
