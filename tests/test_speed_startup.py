@@ -41,6 +41,7 @@ def _probe(*argv: str) -> dict:
     ("plan", "--preset", "llama3-405b", "--tp", "8", "--pp", "16", "--to", "hf", "--json"),
     ("plan", "--preset", "gpt2-1b", "--tp", "2", "--to", "ft", "--target-tp", "2", "--nodes", "1",
      "--procs-per-node", "2", "--json"),
+    ("plan", "--preset", "llama3-405b", "--tp", "8", "--pp", "16", "--to", "trtllm", "--target-tp", "8", "--json"),
     ("plan", "--preset", "no-such-model", "--to", "hf"),  # a refusal, too, is one line without torch
 ])
 def test_verbs_without_tensors_do_not_import_torch(argv: tuple[str, ...]) -> None:

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors import safe_open
 
 from mconvert.convert.io import world as world_state
@@ -51,29 +50,41 @@ def test_rank0_report_lists_every_ranks_files(one_process_report: dict, tmp_path
 
 
 def test_trtllm_process_cuts_only_its_rank_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Process 1 of 2 at --tp 4 writes rank1 and rank3: the fused-QKV cut (the form that copies) runs for those
-    two ranks only, half the copies one process makes for all four, and its files hold the one-process bytes."""
+    """Process 1 of 2 at --tp 4 writes rank1 and rank3: every cutting form is asked for those two ranks' tensors
+    only (the other ranks' copies are never made), and its files hold the one-process bytes."""
+    from collections.abc import Sequence
+
     from mconvert.convert.driver import drive
     from mconvert.convert.sources import open_source
     from mconvert.convert.trtllm import TrtllmWriter, megatron_to_trtllm
+    from mconvert.mappings import deploy
 
-    calls = {"n": 0}
-    real_cat = torch.cat
-
-    def counting_cat(*a, **k):  # the QKV form's one copy per rank
-        calls["n"] += 1
-        return real_cat(*a, **k)
-
-    monkeypatch.setattr(torch, "cat", counting_cat)
     megatron_to_trtllm(base()["ckpt"], tmp_path / "one", tp=4)
-    everyone = calls["n"]
-    calls["n"] = 0
+    asked: list[tuple[str, int]] = []
+
+    class Recording(Sequence):
+        def __init__(self, form: str, inner: Sequence) -> None:
+            self.form, self.inner = form, inner
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+        def __getitem__(self, r: int):  # type: ignore[override]
+            asked.append((self.form, r))
+            return self.inner[r]
+
+    def recording(form: str, f):
+        return lambda *a: Recording(form, f(*a))
+
+    forms = {k: recording(k, f) for k, f in deploy.FORMS.items()}
+    monkeypatch.setattr(deploy, "FORMS", forms)
     monkeypatch.setattr(world_state, "_WORLD", World(1, 2))  # process 1's part alone, its writer driven
     src = open_source(base()["ckpt"])
     (tmp_path / "r1").mkdir()
     drive(src, TrtllmWriter(tmp_path / "r1", src.spec, 4, src.spec.params_dtype, str(src.path)))
     src.close()
-    assert everyone > 0 and calls["n"] == everyone // 2
+    assert {f for f, _ in asked} >= {"qkv_cat", "split"}  # the fused QKV (a copy per rank) was cut here
+    assert sorted({r for _, r in asked}) == [1, 3]
     assert sorted(p.name for p in (tmp_path / "r1").glob("rank*")) == ["rank1.safetensors", "rank3.safetensors"]
     for name in ("rank1.safetensors", "rank3.safetensors"):
         assert (tmp_path / "r1" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()

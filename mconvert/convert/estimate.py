@@ -20,6 +20,7 @@ from typing import Any
 from mconvert import dtypes
 from mconvert.convert.io.paths import load_json_object
 from mconvert.convert.layout import RANK_FILE, rank_dir_name
+from mconvert.convert.trtllm_layout import expected_trtllm_shapes, trtllm_config, trtllm_refusal
 from rich.table import Table
 
 from mconvert.errors import MConvertError, expect
@@ -235,9 +236,6 @@ def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]
 def trtllm_files(spec: ModelSpec, trt_tp: int, dtype: str) -> list[dict[str, Any]]:
     """TensorRT-LLM `rank{r}.safetensors` (tensor bytes: the shapes the checker derives from config.json; the
     header is not counted) and `config.json`."""
-    # the TensorRT-LLM layout lives with its writer (torch): loaded for `--to trtllm` only
-    from mconvert.convert.trtllm import expected_trtllm_shapes, trtllm_config, trtllm_refusal
-
     trtllm_refusal(spec, trt_tp)
     cfg = trtllm_config(spec, trt_tp, dtype)
     shapes = expected_trtllm_shapes(cfg)
