@@ -11,10 +11,11 @@ Protocol (shared file system, gloo only to meet and to learn the temporary direc
 1. rank 0 checks OUT and creates the temporary directory (`atomic.atomic_output_dir`), then broadcasts its
    path (or its refusal, which every rank then raises);
 2. every rank converts its part into it and leaves a status file there (`.rank-R.status`: ok + the digests it
-   computed, or its error line); a failing rank exits non-zero at once, so torchrun stops the others;
-3. rank 0 waits for every status (polling, so SIGTERM from torchrun still removes the directory), takes the
-   digests into the manifest, writes the shared files and renames the directory to OUT. Any failure leaves
-   no OUT. The waits poll with sleeps, never block in a collective: a signal must interrupt them.
+   computed, the files it wrote and the input records it checked, or its error line); a failing rank exits
+   non-zero at once, so torchrun stops the others;
+3. rank 0 waits for every status (polling, so SIGTERM from torchrun still removes the directory), checks the
+   input records no rank read whole, takes the digests into the manifest, writes the shared files and
+   renames the directory to OUT. Any failure leaves no OUT. The waits poll with sleeps, never block in a collective: a signal must interrupt them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 from mconvert.convert.io.atomic import adopt_digests, atomic_output_dir, digests_under, record_digest
 from mconvert.convert.io.hashing import hash_file, manifest_hash
+from mconvert.convert.io.safeload import check_unread, crc_tally
 from mconvert.convert.io.world import World, active_world, refuse_torchrun, world, world_from_env
 from mconvert.errors import MConvertError
 
@@ -74,12 +76,13 @@ def _write_status(tmp: Path, rank: int, status: dict[str, Any]) -> None:
     os.replace(part, path)  # rank 0 never reads half a status
 
 
-def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> dict[str, int]:
+def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> tuple[dict[str, int], list[dict[str, Any]]]:
     """Poll until every other rank left its status; raise the first failure; take their digests. Returns the
-    files the other ranks wrote (path relative to `tmp` -> rank)."""
+    files the other ranks wrote (path relative to `tmp` -> rank) and their input checks (`crc_tally`)."""
     deadline = time.monotonic() + timeout
     pending = set(range(1, w.size))
     writers: dict[str, int] = {}
+    tallies: list[dict[str, Any]] = []
     while pending:
         for r in sorted(pending):
             p = _status_path(tmp, r)
@@ -90,6 +93,7 @@ def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> dict[str, int]:
                 raise MConvertError(f"torchrun rank {r} failed: {status.get('error', 'no reason given')}")
             adopt_digests(status.get("digests", {}))
             writers.update({str(f): r for f in status.get("files", [])})
+            tallies.append(status.get("crc", {}))
             p.unlink()
             pending.discard(r)
         if pending:
@@ -97,7 +101,7 @@ def _wait_for_ranks(tmp: Path, w: World, timeout: float) -> dict[str, int]:
                 raise MConvertError(f"torchrun ranks {sorted(pending)} did not finish within {timeout:.0f} s; "
                                     "nothing was written (raise MCONVERT_RANK_WAIT for longer parts)")
             time.sleep(0.05)
-    return writers
+    return writers, tallies
 
 
 @contextmanager
@@ -141,7 +145,8 @@ def _primary(out: str | Path, force: bool, inputs: tuple, w: World, dist: Any,
     try:
         yield tmp
         _CLAIMED.clear()  # rank 0's own files need no naming: every file no other rank names is its
-        ranks = _wait_for_ranks(tmp, w, WAIT_SECONDS)
+        ranks, tallies = _wait_for_ranks(tmp, w, WAIT_SECONDS)
+        check_unread([crc_tally(), *tallies])  # input records no rank read whole, before anything commits
         if check is not None:
             check(tmp)
         if written is not None:
@@ -176,4 +181,4 @@ def _secondary(w: World, dist: Any) -> Iterator[Path]:
             record_digest(p, hash_file(p, manifest_hash()))
     digests = digests_under(tmp)
     files = sorted(str(Path(p).relative_to(top)) for p in mine | set(digests))
-    _write_status(tmp, w.rank, {"ok": True, "digests": digests, "files": files})
+    _write_status(tmp, w.rank, {"ok": True, "digests": digests, "files": files, "crc": crc_tally()})
