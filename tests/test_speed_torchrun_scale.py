@@ -140,3 +140,61 @@ def test_plan_to_trtllm_on_the_command_line() -> None:
                           "--to", "trtllm", "--target-tp", "3"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines() == [bad.stderr.strip()] and "--tp 3 does not divide" in bad.stderr
+
+
+def _flip_record_byte(path: Path, suffix: str, at: int = 0) -> None:
+    """One bit inside the record whose name ends with `suffix`: same size, a valid zip, a wrong CRC-32."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little")
+    m = int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+    data[info.header_offset + 30 + n + m + at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_corrupt_record_no_reader_claims_is_refused_on_torchrun(tmp_path: Path) -> None:
+    """The records no conversion reads (here `.data/serialization_id`) are checked by the one rank that owns the
+    file: a flipped bit there still fails the job with the CRC-32 refusal naming the file, and no output."""
+    import shutil
+
+    from mconvert.convert.io.atomic import MANIFEST
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(base()["ckpt"], src)
+    (src / MANIFEST).unlink()  # only the CRC-32 guards it
+    victim = sorted(src.rglob("model_optim_rng.pt"))[-1]
+    _flip_record_byte(victim, ".data/serialization_id")
+    (tmp_path / "outs").mkdir()
+    r = _torchrun(["megatron-to-hf", src, tmp_path / "outs" / "hf", "--max-shard-size", SHARD], timeout=240)
+    assert r.returncode != 0
+    assert "CRC-32" in r.stderr and str(victim) in r.stderr and "serialization_id" in r.stderr
+    assert list((tmp_path / "outs").iterdir()) == []
+
+
+def test_rank0_checks_only_the_records_no_rank_read(tmp_path: Path) -> None:
+    """`check_unread` (rank 0, from every rank's tally): a claimed record another rank checked on its reads is
+    not read again, even when its bytes are now bad; one that no rank read whole is checked, and refused."""
+    import shutil
+    import zipfile
+
+    from mconvert.convert.io.safeload import ZipRecords, check_unread
+    from mconvert.errors import MConvertError
+
+    f = tmp_path / "model_optim_rng.pt"
+    shutil.copy(sorted(base()["ckpt"].rglob("model_optim_rng.pt"))[0], f)
+    with zipfile.ZipFile(f) as z:
+        name = next(i.filename for i in z.infolist() if i.filename.endswith("data/0"))
+    recs = ZipRecords.parse(f)
+    assert recs is not None
+    offset = next(o for o, (_, _, n) in recs.entries.items() if n == name)
+    _flip_record_byte(f, "data/0", at=16)
+    read_by_rank1 = [{str(f): {"done": [], "left": [offset]}}, {str(f): {"done": [offset], "left": []}}]
+    check_unread(read_by_rank1)  # rank 1 checked it on the bytes it converted: not read a second time
+    with pytest.raises(MConvertError, match=r"CRC-32.*re-copy") as e:
+        check_unread([{str(f): {"done": [], "left": [offset]}}, {str(f): {"done": [], "left": [offset]}}])
+    assert str(f) in str(e.value) and name in str(e.value)
