@@ -105,9 +105,9 @@ def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Pa
             if w.size > 1:
                 more["processes"] = w.size
                 if not w.primary:  # its own files: rank 0's report lists every rank's
-                    claim_files(paths)
+                    claim_files(list(paths or []))
                     listed[:] = sorted(({"path": os.path.relpath(p, tmp), "bytes": os.path.getsize(p), "rank": w.rank}
-                                        for p in paths if os.path.isfile(p)), key=lambda f: f["path"])
+                                        for p in paths or [] if os.path.isfile(p)), key=lambda f: f["path"])
     finally:
         src.close()
     return make_report(verb, src.describe(), out, src.spec.family, layout, dtype, listed, warnings or [],
