@@ -155,10 +155,12 @@ def train_cmd(
 @app.command("plan")
 def plan_cmd(
     preset_name: Annotated[str, typer.Option("--preset", help="Model preset (mconvert.mappings.families.PRESETS), e.g. llama3-405b.")],
-    to: Annotated[str, typer.Option("--to", help="hf | ft (from Megatron at --tp/--pp) | megatron (from HF, or reshard).")],
+    to: Annotated[str, typer.Option("--to", help="hf | ft | trtllm (from Megatron at --tp/--pp) | megatron (from "
+                                    "HF, or reshard).")],
     tp: Annotated[int, typer.Option("--tp", help="Megatron TP of the source (hf/ft) or of the output (megatron).")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Megatron PP, as --tp.")] = 1,
-    target_tp: Annotated[Optional[int], typer.Option("--target-tp", help="Reshard (--to megatron) / FT TP.")] = None,
+    target_tp: Annotated[Optional[int], typer.Option("--target-tp", help="Reshard (--to megatron) / FT / "
+                                                     "TensorRT-LLM TP.")] = None,
     target_pp: Annotated[Optional[int], typer.Option("--target-pp", help="Reshard target PP (--to megatron).")] = None,
     ep: Annotated[int, typer.Option("--ep", help="Megatron expert-parallel size, as --tp (MoE presets).")] = 1,
     target_ep: Annotated[Optional[int], typer.Option("--target-ep", help="Reshard target EP (--to megatron).")] = None,
@@ -187,6 +189,7 @@ def plan_cmd(
       mconvert plan --preset llama3-405b --tp 8 --to megatron --format torch_dist
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to hf --nodes 4 --procs-per-node 8 --network-gb-per-s 3
       mconvert plan --preset moe-671b --tp 8 --ep 8 --to megatron --target-ep 16
+      mconvert plan --preset llama3-405b --tp 8 --pp 16 --to trtllm --target-tp 8 --nodes 2 --procs-per-node 4
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate, scaleout_estimate
@@ -214,7 +217,10 @@ Ep = Annotated[int, typer.Option("--ep", help="Target expert-parallel size (MoE 
 
 def _print_report(report: dict, json_out: bool) -> None:
     """A writing verb's report (`convert/writer.py`: the same keys for every verb): JSON on stdout, or a rich
-    table of files plus every other key on stderr."""
+    table of files plus every other key on stderr. Under torchrun rank 0 alone prints it: its report lists
+    every rank's files (a `rank` column)."""
+    if report.get("processes") and os.environ.get("RANK", "0") != "0":
+        return
     if json_out:
         print(json.dumps(report, indent=1, default=str))
         return
@@ -222,8 +228,12 @@ def _print_report(report: dict, json_out: bool) -> None:
     t = Table(title=plain(title))
     t.add_column("file")
     t.add_column("bytes", justify="right")
+    by_rank = any("rank" in f for f in report["files"])
+    if by_rank:
+        t.add_column("rank", justify="right")
     for f in report["files"]:
-        t.add_row(plain(f["path"]), "?" if f["bytes"] is None else f"{f['bytes']:,}")
+        t.add_row(plain(f["path"]), "?" if f["bytes"] is None else f"{f['bytes']:,}",
+                  *([str(f.get("rank", ""))] if by_rank else []))
     console.print(t)
     for k, v in report.items():
         if k in ("verb", "output", "files", "warnings", "notes", "dry_run") or v in (None, [], ""):

@@ -8,6 +8,7 @@ buffer (one safetensors shard for HF; one pipeline stage for Megatron, whose ran
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from mconvert.convert.megatron import MegatronSource, megatron_writer
 from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
-from mconvert.convert.scaleout import shared_atomic_output_dir, world
+from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, start_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
@@ -91,15 +92,26 @@ def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Pa
     unit; the input's background CRC checks awaited; `finish(tmp)` (side files, checks of what was written:
     returns more report keys) run before the directory is committed; `check(tmp)` run on the whole output by the
     committing process once every torchrun rank wrote its part; the source closed; the report built."""
+    listed: list[dict[str, Any]] = []
+
+    def written(tmp: Path, ranks: dict[str, int]) -> None:  # the committing process, once every rank wrote
+        listed[:] = files_report(tmp, ranks if world().size > 1 else None)
+
     try:
-        with shared_atomic_output_dir(out, force, inputs=inputs, check=check) as tmp:
-            drive(src, make_writer(tmp), verb, progress)
+        with shared_atomic_output_dir(out, force, inputs=inputs, check=check, written=written) as tmp:
+            paths = drive(src, make_writer(tmp), verb, progress)
             wait_crc_checks()  # the input's CRC-32 / manifest, checked in the background, before the commit
             more = finish(tmp) if finish is not None else {}
-            files = files_report(tmp)
+            w = world()
+            if w.size > 1:
+                more["processes"] = w.size
+                if not w.primary:  # its own files: rank 0's report lists every rank's
+                    claim_files(list(paths or []))
+                    listed[:] = sorted(({"path": os.path.relpath(p, tmp), "bytes": os.path.getsize(p), "rank": w.rank}
+                                        for p in paths or [] if os.path.isfile(p)), key=lambda f: f["path"])
     finally:
         src.close()
-    return make_report(verb, src.describe(), out, src.spec.family, layout, dtype, files, warnings or [],
+    return make_report(verb, src.describe(), out, src.spec.family, layout, dtype, listed, warnings or [],
                        peak_rss_bytes(), time.perf_counter() - t0, **extras, **more)
 
 

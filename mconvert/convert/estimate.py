@@ -20,6 +20,7 @@ from typing import Any
 from mconvert import dtypes
 from mconvert.convert.io.paths import load_json_object
 from mconvert.convert.layout import RANK_FILE, rank_dir_name
+from mconvert.convert.trtllm_layout import expected_trtllm_shapes, trtllm_config, trtllm_refusal
 from rich.table import Table
 
 from mconvert.errors import MConvertError, expect
@@ -34,7 +35,8 @@ GB = 10**9
 # converter ratios, and Python + torch resident set.
 DEFAULT_BANDWIDTH: dict[str, Any] = {
     "copy_bytes_per_s": 0.5 * GB,
-    "ratio_to_cp": {"megatron-to-hf": 2.0, "hf-to-megatron": 2.0, "reshard": 2.5, "megatron-to-ft": 2.0},
+    "ratio_to_cp": {"megatron-to-hf": 2.0, "hf-to-megatron": 2.0, "reshard": 2.5, "megatron-to-ft": 2.0,
+                    "megatron-to-trtllm": 2.0},
     "base_rss_bytes": int(0.5 * GB),
     "source": "built-in default (run `make bench` to measure this machine)",
 }
@@ -231,6 +233,18 @@ def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]
     return files
 
 
+def trtllm_files(spec: ModelSpec, trt_tp: int, dtype: str) -> list[dict[str, Any]]:
+    """TensorRT-LLM `rank{r}.safetensors` (tensor bytes: the shapes the checker derives from config.json; the
+    header is not counted) and `config.json`."""
+    trtllm_refusal(spec, trt_tp)
+    cfg = trtllm_config(spec, trt_tp, dtype)
+    shapes = expected_trtllm_shapes(cfg)
+    per_rank = sum(_numel(s) for s in shapes.values()) * ITEMSIZE[dtype]
+    files = [{"path": f"rank{r}.safetensors", "bytes": per_rank, "tensors": len(shapes)} for r in range(trt_tp)]
+    config = json.dumps(cfg, indent=4) + "\n"
+    return files + [{"path": "config.json", "bytes": len(config.encode()), "tensors": 0}]
+
+
 @dataclass
 class Estimate:
     """What a conversion will read, write, hold and take; all from shapes."""
@@ -284,11 +298,11 @@ def estimate(
 ) -> Estimate:
     """Estimate one conversion of `spec`.
 
-    `to`: `hf` or `ft` (source: Megatron at tp/pp/ep), `megatron` (source: HF; written at tp/pp/ep, or a
-    reshard from tp/pp/ep to target_tp/target_pp/target_ep when those are given) in `format` (torch or
-    torch_dist)."""
-    if to not in ("hf", "ft", "megatron"):
-        raise MConvertError(f"--to must be hf, ft or megatron (got {to!r})")
+    `to`: `hf`, `ft` or `trtllm` (source: Megatron at tp/pp/ep; FT / TensorRT-LLM at target_tp, default 1),
+    `megatron` (source: HF; written at tp/pp/ep, or a reshard from tp/pp/ep to target_tp/target_pp/target_ep
+    when those are given) in `format` (torch or torch_dist)."""
+    if to not in ("hf", "ft", "trtllm", "megatron"):
+        raise MConvertError(f"--to must be hf, ft, trtllm or megatron (got {to!r})")
     if format not in ("torch", "torch_dist"):
         raise MConvertError(f"--format {format!r}: choose torch or torch_dist (the Megatron output format)")
     if format == "torch_dist" and to != "megatron":
@@ -343,7 +357,7 @@ def estimate(
         if format == "torch_dist":
             write, target = torch_dist_files(spec, ttp, out_item), f"megatron torch_dist TP={ttp} PP={tpp}"
     else:
-        operation = "megatron-to-hf" if to == "hf" else "megatron-to-ft"
+        operation = {"hf": "megatron-to-hf", "ft": "megatron-to-ft", "trtllm": "megatron-to-trtllm"}[to]
         counts, margs = layout(tp, pp, ep)
         read = megatron_files(spec, tp, pp, src_item, counts, ep)
         ft_tp = target_tp or 1
@@ -351,10 +365,14 @@ def estimate(
             if out_item == 2 and dtype == "bfloat16":
                 notes.append("FasterTransformer stores fp32 or fp16 weights; bf16 is written as fp16 by FT's own tools")
             write = ft_files(spec, ft_tp, out_item)
+        elif to == "trtllm":
+            write = trtllm_files(spec, ft_tp, dtype)
+            notes.append("rank files hold the whole model (no pipeline split); every process that writes one "
+                         "reads the whole input")
         else:
             write = hf_files(spec, out_item)
         units_in, units_out = unit_bytes(spec, tp, src_item), unit_bytes(spec, 1, out_item)
-        source, target = f"megatron {at(tp, pp, ep)}", ("hf" if to == "hf" else f"ft TP={ft_tp}")
+        source, target = f"megatron {at(tp, pp, ep)}", ("hf" if to == "hf" else f"{to} TP={ft_tp}")
 
     # Peak: one unit's input shards (all TP ranks) plus that unit's output, plus the interpreter; an MoE
     # layer's unit is its dense part or one expert, never all its experts.
@@ -400,6 +418,8 @@ def _output_groups(est: Estimate) -> list[int]:
     write = est.files["write"]
     if est.operation == "megatron-to-hf":
         return [f["bytes"] for f in write]
+    if est.operation == "megatron-to-trtllm":  # config.json is rank 0's shared file, not a group
+        return [f["bytes"] for f in write if f["path"].startswith("rank")]
     if est.operation == "megatron-to-ft":
         units: dict[Any, int] = {}
         for f in write:  # in unit order: the order the conversion deals them out in
@@ -417,7 +437,10 @@ def _output_groups(est: Estimate) -> list[int]:
 _GROUPS_NOTE = {
     "megatron-to-hf": "safetensors shards; a smaller --max-shard-size makes more",
     "megatron-to-ft": "units of the model: the embedding, each layer, the final norm and head",
+    "megatron-to-trtllm": "rank files, one per --target-tp rank",
 }
+# operations whose every file group needs the whole input (each TensorRT-LLM rank file takes from every unit)
+_READS_ALL = {"megatron-to-trtllm"}
 
 
 def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes_per_s: float | None = None,
@@ -428,7 +451,8 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
     conversion assigns them; a rank reads the input its groups need (taken in proportion to the bytes it
     writes). Per node the time is the longest of: its bytes read + written at `disk_bytes_per_s` (default: the
     measured copy bandwidth), the same bytes at `network_bytes_per_s` (the node's link to the shared file
-    system; None: no such limit), and its busiest process at the one-process converter rate. Plus the start
+    system; None: no such limit), and its busiest process at the one-process converter rate (TensorRT-LLM
+    output: a process with a rank file reads the whole input). Plus the start
     of the processes (`start_seconds`)."""
     if nodes < 1 or procs_per_node < 1:
         raise MConvertError(f"--nodes {nodes} --procs-per-node {procs_per_node}: both must be >= 1")
@@ -441,7 +465,10 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
     per_rank = [0] * ranks
     for i, b in enumerate(groups):
         per_rank[i % ranks] += b
-    read_share = [est.read_bytes * b / total_out for b in per_rank]
+    if est.operation in _READS_ALL:
+        read_share = [float(est.read_bytes) if b else 0.0 for b in per_rank]
+    else:
+        read_share = [est.read_bytes * b / total_out for b in per_rank]
     disk = disk_bytes_per_s or est.copy_bytes_per_s
     proc_rate = est.copy_bytes_per_s / est.ratio_to_cp  # bytes of max(read, write) per second, one process
     worst, bottleneck, node_bytes_max = 0.0, "cpu", 0.0

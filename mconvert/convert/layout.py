@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 
-from mconvert.convert.io import repickle
 from mconvert.convert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError
 
@@ -101,6 +100,8 @@ def save_rank_file(path: str | Path, state: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
+    from mconvert.convert.io import repickle  # torch: the names and paths above serve `plan` without it
+
     repickle.save(state, tmp)
     os.replace(tmp, path)
 

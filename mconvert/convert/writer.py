@@ -48,10 +48,16 @@ class Report(dict):
             raise AttributeError(key) from None
 
 
-def files_report(root: Path) -> list[dict[str, Any]]:
-    """Every file under `root` with its size, sorted by relative path (the report's `files`)."""
-    return [{"path": str(p.relative_to(root)), "bytes": p.stat().st_size}
-            for p in sorted(root.rglob("*")) if p.is_file()]
+def files_report(root: Path, ranks: dict[str, int] | None = None, default_rank: int = 0) -> list[dict[str, Any]]:
+    """Every file under `root` with its size, sorted by relative path (the report's `files`). `ranks` (under
+    torchrun): the torchrun rank that wrote each file, `default_rank` for files it does not name."""
+    out = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            rel = str(p.relative_to(root))
+            out.append({"path": rel, "bytes": p.stat().st_size,
+                        **({} if ranks is None else {"rank": ranks.get(rel, default_rank)})})
+    return out
 
 
 def make_report(verb: str, source: str, output: str | Path, family: str, layout: str, dtype: str,

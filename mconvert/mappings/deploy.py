@@ -7,7 +7,7 @@ rank's shard (see `FORMS`); the cutting itself is `transforms`. No family name o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -58,22 +58,40 @@ def _vocab_padded(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name:
     return [[x] for x in T.split(T.pad_rows(T.strip_vocab(full, spec.vocab_size, name), tp), "vocab", tp, name)]
 
 
-def _qkv_cat(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
-    return [[torch.cat(b)] for b in T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name)]
+class _PerRank(Sequence):
+    """The ranks' tensors of one form, each made when it is asked for: a caller that writes some ranks only
+    (a torchrun process) skips the other ranks' copies."""
+
+    def __init__(self, make: Callable[[int], list[torch.Tensor]], n: int) -> None:
+        self._make, self._n = make, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, r: int) -> list[torch.Tensor]:  # type: ignore[override]
+        if not 0 <= r < self._n:
+            raise IndexError(r)
+        return self._make(r)
 
 
-def _qkv_stack_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
-    out = []
-    for b in T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name):
-        if b[0].dim() == 1:
-            out.append([torch.stack(b)])  # [3, out/t]
-            continue
-        # [in, 3, out/t] filled by one transposing copy per part (a stack and then a permuted copy move it twice)
-        s = b[0].new_empty(b[0].shape[1], len(b), b[0].shape[0])
-        for j, part in enumerate(b):
-            s[:, j].copy_(part.t())
-        out.append([s])
-    return out
+def _qkv_cat(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> Sequence[list[torch.Tensor]]:
+    blocks = T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name)
+    return _PerRank(lambda r: [torch.cat(blocks[r])], len(blocks))
+
+
+def _stack_t(b: list[torch.Tensor]) -> list[torch.Tensor]:
+    if b[0].dim() == 1:
+        return [torch.stack(b)]  # [3, out/t]
+    # [in, 3, out/t] filled by one transposing copy per part (a stack and then a permuted copy move it twice)
+    s = b[0].new_empty(b[0].shape[1], len(b), b[0].shape[0])
+    for j, part in enumerate(b):
+        s[:, j].copy_(part.t())
+    return [s]
+
+
+def _qkv_stack_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> Sequence[list[torch.Tensor]]:
+    blocks = T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name)
+    return _PerRank(lambda r: _stack_t(blocks[r]), len(blocks))
 
 
 def _gated(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
@@ -85,7 +103,7 @@ def _gated_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str)
 
 
 # form -> per rank, one tensor per name of the rule
-FORMS: dict[str, Callable[[ModelSpec, torch.Tensor, str, int, str], list[list[torch.Tensor]]]] = {
+FORMS: dict[str, Callable[[ModelSpec, torch.Tensor, str, int, str], Sequence[list[torch.Tensor]]]] = {
     "whole": _whole,  # the full tensor on every rank (vocab rows: the true vocab)
     "split": _split,  # the split kind's shard, Linear `[out, in]`
     "split_t": _split_t,  # the split kind's shard, stored `[in, out]`
@@ -119,11 +137,13 @@ def _registry(table: dict[str, DeployRule | None]) -> Registry:
 
 
 def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, mcore: Tensors, tp: int,
-                 what: str, tied_head: torch.Tensor | None = None, source: str = "checkpoint") -> list[Tensors]:
+                 what: str, tied_head: torch.Tensor | None = None, source: str = "checkpoint",
+                 ranks: Collection[int] | None = None) -> list[Tensors]:
     """One unit's full tensors -> per-rank target tensors under the table's names (`{r}`: the rank).
 
     Every parameter ModelSpec declares for the unit goes through its rule (a `None` rule drops it); `tied_head`
-    (the embedding of a tied model) goes through the head's rule when the table writes a head."""
+    (the embedding of a tied model) goes through the head's rule when the table writes a head. `ranks`: cut
+    only these ranks' tensors (the others' dicts stay empty); None: every rank."""
     reg = _registry(table)
     out: list[Tensors] = [{} for _ in range(tp)]
     decls = [(d.name, d.kind) for d in unit_params(spec, unit)]
@@ -139,7 +159,11 @@ def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str
         _, rule, layer = m
         if rule is None:
             continue
-        for r, parts in enumerate(FORMS[rule.form](spec, full, kind, tp, name)):
+        per_rank = FORMS[rule.form](spec, full, kind, tp, name)
+        for r in range(len(per_rank)):
+            if ranks is not None and r not in ranks:
+                continue
+            parts = per_rank[r]
             for tpl, x in zip(rule.names, parts, strict=True):
                 out[r][fill(tpl, layer).replace("{r}", str(r))] = x
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,26 @@ from mconvert import dtypes
 from mconvert.spec import ModelSpec, moe_from_megatron_args, rope_and_qk_from_megatron_args
 
 
+_FAMILY_LINE = re.compile(r"^FAMILY\s*[:=]", re.MULTILINE)
+
+
+def _declares_family(source: Path) -> bool:
+    """Whether a module of this package assigns `FAMILY` at its top level (read as text, not imported)."""
+    try:
+        return bool(_FAMILY_LINE.search(source.read_text(encoding="utf-8")))
+    except OSError:  # a module present only as bytecode: import it to find out
+        return True
+
+
 @functools.cache
 def _registry() -> dict[str, Family]:
     found: dict[str, Family] = {}
     # the package's directory, read without importing the package (its __init__ imports this module's users)
     package = __name__.rpartition(".")[0]
-    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+    here = Path(__file__).parent
+    for info in sorted(pkgutil.iter_modules([str(here)]), key=lambda m: m.name):
+        if not _declares_family(here / f"{info.name}.py"):
+            continue  # the shared machinery (transforms, plugin, deploy: torch) loads only when a verb uses it
         fam = getattr(importlib.import_module(f"{package}.{info.name}"), "FAMILY", None)
         if isinstance(fam, Family):
             if fam.name in found:

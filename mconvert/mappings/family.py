@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings.fields import Field
 from mconvert.spec import ModelSpec
 
-Tensors = dict[str, torch.Tensor]
+if TYPE_CHECKING:  # the tables are plain data: `plan` reads them without loading torch
+    import torch
+
+Tensors = dict[str, "torch.Tensor"]
 FT_BASE_ROTARY = 10000.0  # FasterTransformer's rotary kernels take no base: it is fixed
 
 

@@ -357,15 +357,17 @@ class DeferredCRC:
         """Run `check(path)` on the background thread."""
         self._futures.append(self._pool.submit(check, path))
 
-    def add_zip(self, path: Path) -> bool:
-        """Register input zip `path` for record-wise checks (its unclaimed records on the background thread);
-        False when it cannot be (the caller then checks the whole file)."""
+    def add_zip(self, path: Path, unclaimed: bool = True) -> bool:
+        """Register input zip `path` for record-wise checks (its unclaimed records on the background thread,
+        unless `unclaimed` is False: another torchrun rank checks those); False when it cannot be (the caller
+        then checks the whole file)."""
         recs = ZipRecords.parse(path)
         if recs is None:
             return False
         if recs.key not in self.records:
             self.records[recs.key] = recs
-            self.submit(path, recs.check_unclaimed)
+            if unclaimed:
+                self.submit(path, recs.check_unclaimed)
         return True
 
     def release(self) -> None:
@@ -378,8 +380,21 @@ class DeferredCRC:
         for f in self._futures:
             f.result()  # re-raises the MConvertError of a failed check
         self._futures.clear()
+        if world_from_env().size > 1:
+            return  # the claimed records no rank read whole are checked by rank 0 (`check_unread`)
         for recs in self.records.values():
             recs.check_claimed()
+
+    def tally(self) -> dict[str, dict[str, list[int]]]:
+        """Per input zip: the claimed records this process checked on the bytes it read (`done`) and those it
+        did not read whole (`left`): what a torchrun rank hands to rank 0."""
+        out = {}
+        for recs in self.records.values():
+            with recs._lock:
+                done = sorted(recs.done & recs.claimed)
+                left = sorted(o for o in recs.claimed if o not in recs.done)
+            out[str(recs.path)] = {"done": done, "left": left}
+        return out
 
     def cancel(self) -> None:
         """Drop the checks not started yet (nothing will be committed: a dry run, or a conversion that
@@ -478,15 +493,43 @@ def deferred(path: str | Path, check: Any) -> bool:
 
 def verify_zip_crc(path: str | Path) -> None:
     """Check the CRC-32 of every entry now or, inside `deferred_crc_checks()`, record by record: on the bytes
-    the conversion reads (`zip_records`) and on the background thread for the rest."""
+    the conversion reads (`zip_records`) and on the background thread for the rest. Under torchrun every rank
+    checks the records it reads, the rank that `owns_path` the records no reader claims, and rank 0 those
+    claimed records no rank read whole (`check_unread`): each record is read for its check at most once."""
     if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
         w = world_from_env()
-        if w.size > 1 and not w.owns_path(path):
-            return  # another torchrun rank checks this file
-        if _DEFERRED.add_zip(Path(path)):
+        if _DEFERRED.add_zip(Path(path), unclaimed=w.size == 1 or w.owns_path(path)):
             return
+        if w.size > 1 and not w.owns_path(path):
+            return  # another torchrun rank checks this file whole
     if not deferred(path, _verify_zip_crc_now):
         _verify_zip_crc_now(path)
+
+
+def crc_tally() -> dict[str, dict[str, list[int]]]:
+    """The running conversion's record-wise checks (`DeferredCRC.tally`); {} outside `deferred_crc_checks()`."""
+    return _DEFERRED.tally() if _DEFERRED is not None else {}
+
+
+def check_unread(tallies: list[dict[str, dict[str, list[int]]]]) -> None:
+    """(torchrun rank 0, every rank finished) Check the claimed records of each input zip that no rank read
+    whole, from every rank's `crc_tally`: a unit's records are checked by the rank that converts it, and only
+    strided reads are left."""
+    done: dict[str, set[int]] = {}
+    left: dict[str, set[int]] = {}
+    for tally in tallies:
+        for path, t in tally.items():
+            done.setdefault(path, set()).update(int(o) for o in t.get("done", []))
+            left.setdefault(path, set()).update(int(o) for o in t.get("left", []))
+    for path, offsets in sorted(left.items()):
+        todo = offsets - done.get(path, set())
+        if not todo:
+            continue
+        recs = ZipRecords.parse(Path(path))
+        if recs is None:  # parsed by the ranks that claimed it: changed since, or MCONVERT_SKIP_CRC
+            _verify_zip_crc_now(path)
+            continue
+        recs._check(sorted(o for o in todo if o in recs.entries))
 
 
 def zip_records(path: str | Path) -> ZipRecords | None:

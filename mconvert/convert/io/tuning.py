@@ -14,8 +14,6 @@ import ctypes.util
 import gc
 import os
 
-import torch
-
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
@@ -57,6 +55,8 @@ def reserve_writer_core() -> None:
     """Leave one core to the writer/hash thread: torch's intra-op pool at (cores - 1), at least 1. With as many
     OpenMP threads as cores, every parallel op (aminmax, cat, transposes) stalls at its barrier while the
     writer thread holds a core."""
+    import torch  # the verb's engine has loaded it by now; importing the CLI does not
+
     want = max(1, process_cores() - 1)
     if torch.get_num_threads() > want:
         torch.set_num_threads(want)

@@ -1,0 +1,62 @@
+"""Start-up: the verbs that need no tensor (`--help`, a verb's `--help`, `plan`) never import torch, and a
+conversion verb freezes its imports out of the cyclic collector's reach before its first tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.safety_common import ROOT
+
+# Runs the CLI in a fresh interpreter, then reports which heavy packages it imported (Python's own record).
+_PROBE = """
+import json, sys
+from mconvert.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+heavy = ("torch", "transformers", "numpy", "safetensors", "onnx", "megatron")
+print(json.dumps({"rc": code, "loaded": sorted(m for m in heavy if m in sys.modules)}), file=sys.stderr)
+"""
+
+
+def _probe(*argv: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _PROBE, *argv], env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(r.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("argv", [
+    ("--help",),
+    ("megatron-to-hf", "--help"),
+    ("megatron-to-trtllm", "--help"),
+    ("plan", "--preset", "llama3-405b", "--tp", "8", "--pp", "16", "--to", "hf", "--json"),
+    ("plan", "--preset", "gpt2-1b", "--tp", "2", "--to", "ft", "--target-tp", "2", "--nodes", "1",
+     "--procs-per-node", "2", "--json"),
+    ("plan", "--preset", "llama3-405b", "--tp", "8", "--pp", "16", "--to", "trtllm", "--target-tp", "8", "--json"),
+    ("plan", "--preset", "no-such-model", "--to", "hf"),  # a refusal, too, is one line without torch
+])
+def test_verbs_without_tensors_do_not_import_torch(argv: tuple[str, ...]) -> None:
+    got = _probe(*argv)
+    assert got["rc"] == (1 if "no-such-model" in argv else 0), got
+    assert got["loaded"] == [], f"{argv}: imported {got['loaded']}"
+
+
+def test_a_conversion_verb_freezes_its_imports() -> None:
+    """`tuning.apply` (what every conversion verb runs before its first tensor) moves the imported objects to
+    the permanent generation and raises the young-generation threshold."""
+    code = ("import gc, json; from mconvert.convert.io import tuning; import torch; tuning.apply(); "
+            "print(json.dumps([gc.get_freeze_count(), gc.get_threshold()[0]]))")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    frozen, young = json.loads(r.stdout)
+    assert frozen > 100_000  # torch's module objects alone
+    assert young > 700  # above CPython's default of 700
