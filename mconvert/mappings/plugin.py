@@ -73,6 +73,36 @@ OPS: dict[str, tuple[Callable[..., list[torch.Tensor]], Callable[..., torch.Tens
 }
 
 
+def _qkv_rows(spec: ModelSpec, rows: int) -> tuple[list[int], list[tuple[int, int, int, int]]] | None:
+    if spec.rotary_interleaved:  # q and k rows are reordered within each head: not a block placement
+        return None
+    nq, ng, hd = spec.num_attention_heads, spec.num_groups, spec.head_dim
+    if rows != (nq + 2 * ng) * hd or nq % ng:
+        return None  # the op itself reports the mismatch
+    return [nq * hd, ng * hd, ng * hd], T.qkv_separate_rows(nq, ng, hd)
+
+
+# op -> (spec, merged rows) -> (row count of each HF part, `transforms.place_rows` plan) or None: the ops whose
+# `to_hf` only moves whole rows of the merged tensor into its parts, so a reader can place each rank's rows there
+ROW_PLANS: dict[str, Callable[[ModelSpec, int], tuple[list[int], list[tuple[int, int, int, int]]] | None]] = {
+    "qkv": _qkv_rows,
+}
+
+
+def hf_row_plan(spec: ModelSpec, name: str, rows: int) -> tuple[list[str], list[int],
+                                                                  list[tuple[int, int, int, int]]] | None:
+    """For canonical parameter `name` with `rows` merged rows: its HF names, each one's row count and where each
+    merged row goes (see `ROW_PLANS`); None when `to_hf_one` does more than place rows."""
+    m = registry(plugin_for(spec)).match(name)
+    if m is None or m[1].op not in ROW_PLANS:
+        return None
+    _, rule, layer = m
+    got = ROW_PLANS[rule.op](spec, rows)
+    if got is None:
+        return None
+    return [fill(h, layer) for h in rule.hf], got[0], got[1]
+
+
 def transposed_in_hf(spec: ModelSpec, name: str) -> bool:
     """Whether HF stores canonical parameter `name` as its transpose (GPT-2's Conv1D weights)."""
     m = registry(plugin_for(spec)).match(name)
