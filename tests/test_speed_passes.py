@@ -133,3 +133,21 @@ def test_nan_in_one_ranks_qkv_is_refused_by_file_and_key(llama_tp2: Path, tmp_pa
     with pytest.raises(MConvertError, match=rf"mp_rank_01.*'{key}' holds NaN or Inf"):
         megatron_to_hf(ck, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+# ---- the finite check: one aminmax pass, answer as torch.isfinite(t).all() -----------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_agrees_with_isfinite_on_every_special_value(dtype: torch.dtype) -> None:
+    """NaN, +Inf or -Inf anywhere (first, middle, last element) is caught; the largest finite values, signed
+    zeros and denormals pass — the same answer as `torch.isfinite(t).all()`."""
+    from mconvert.convert.io.safeload import all_finite
+
+    fi = torch.finfo(dtype)
+    base = torch.tensor([fi.max, -fi.max, 0.0, -0.0, fi.tiny / 4, -fi.tiny, 1.0] * 300, dtype=dtype)
+    assert all_finite(base) and bool(torch.isfinite(base).all())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in (0, base.numel() // 2, base.numel() - 1):
+            t = base.clone()
+            t[at] = bad
+            assert all_finite(t) is False and not bool(torch.isfinite(t).all())
+            assert all_finite(t.reshape(30, -1).t()) is False  # a strided view too
