@@ -151,3 +151,65 @@ def test_all_finite_agrees_with_isfinite_on_every_special_value(dtype: torch.dty
             t[at] = bad
             assert all_finite(t) is False and not bool(torch.isfinite(t).all())
             assert all_finite(t.reshape(30, -1).t()) is False  # a strided view too
+
+
+# ---- hf-to-megatron of a GQA Llama: q/k/v and gate/up rows placed into the merged tensors -----------------
+@pytest.fixture(scope="module")
+def llama_hf(llama_tp2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mconvert.convert.driver import megatron_to_hf
+
+    out = tmp_path_factory.mktemp("llama-hf") / "hf"
+    megatron_to_hf(llama_tp2, out)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_hf_to_megatron_places_hf_rows_and_matches_cat_then_split(llama_hf: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """q_proj/k_proj/v_proj and gate_proj/up_proj are read straight into the fused linear_qkv / linear_fc1
+    (torch.cat of `separate_to_qkv` / `halves_to_gated` never runs on data) and the rank files are
+    byte-identical to those of the cat-then-split path."""
+    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.mappings import plugin
+
+    calls: list[str] = []
+
+    def watch(fn):  # noqa: ANN001, ANN202
+        def watched(*a: object, **k: object) -> torch.Tensor:
+            if a and isinstance(a[0], torch.Tensor) and a[0].device.type != "meta":
+                calls.append(fn.__name__)
+            return fn(*a, **k)
+        return watched
+
+    for fn in (T.separate_to_qkv, T.halves_to_gated):
+        monkeypatch.setattr(T, fn.__name__, watch(fn))
+    hf_to_megatron(llama_hf, tmp_path / "placed", tp=2)
+    assert calls == []
+    monkeypatch.setattr(plugin, "ROW_PLANS", {})
+    hf_to_megatron(llama_hf, tmp_path / "cat", tp=2)
+    assert sorted(set(calls)) == ["halves_to_gated", "separate_to_qkv"]  # the watch sees that path
+    placed, cat = _sha_tree(tmp_path / "placed"), _sha_tree(tmp_path / "cat")
+    assert placed == cat and any(k.endswith("model_optim_rng.pt") for k in placed)
+
+
+@pytest.mark.timeout(300)
+def test_nan_in_an_hf_v_proj_is_refused_by_file_and_key(llama_hf: Path, tmp_path: Path) -> None:
+    """An Inf in the last row of layer 1's v_proj (the last block placed) is refused naming the safetensors
+    file and the key; no output is left."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mconvert.convert.driver import hf_to_megatron
+
+    hf = tmp_path / "hf"
+    shutil.copytree(llama_hf, hf)
+    key = "model.layers.1.self_attn.v_proj.weight"
+    f = next(p for p in hf.glob("*.safetensors") if key in load_file(p))
+    tensors = load_file(f)
+    tensors[key][-1, -1] = float("inf")
+    save_file(tensors, f, metadata={"format": "pt"})
+    (hf / "mconvert-manifest.json").unlink(missing_ok=True)  # the edit is the subject, not the manifest
+    with pytest.raises(MConvertError, match=rf"{f.name}: tensor '{key}' holds NaN or Inf"):
+        hf_to_megatron(hf, tmp_path / "mg", tp=2)
+    assert not (tmp_path / "mg").exists()

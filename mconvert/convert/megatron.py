@@ -472,7 +472,7 @@ class MegatronSource(SourceBase):
         if self._subs is not None or self.checkpoint_version < 2:
             return None
         shape = self.shapes.get(name)
-        if not shape or self.spec.split_kind(name) not in ("column", "qkv"):
+        if not shape or self.spec.split_kind(name) not in ("column", "qkv", "gated"):
             return None
         plan = hf_row_plan(self.spec, name, shape[0] * self.tp)
         if plan is None:
