@@ -222,9 +222,11 @@ def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv")
     rest = tuple(qkv.shape[1:])
     if qkv.shape[0] != 3 * nh * hd:
         raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nh}, head_dim={hd}")
-    if qkv.dim() == 2:
-        # regroup and transpose in one pass: each head's q, k or v rows become its columns of c_attn
-        out = torch.empty((qkv.shape[1], qkv.shape[0]), dtype=qkv.dtype, device=qkv.device)
+    if qkv.dim() == 2 and qkv.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.is_contiguous() \
+            and _omatcopy():
+        # regroup and transpose in one pass: each head's q, k or v rows become its columns of c_attn (torch's
+        # strided copy of a head block into a column band is no faster than regroup + transpose: fp32 only)
+        out = torch.empty((qkv.shape[1], qkv.shape[0]), dtype=qkv.dtype)
         for j in range(3):
             for h in range(nh):
                 copy_transposed(qkv[(h * 3 + j) * hd:(h * 3 + j + 1) * hd], out[:, (j * nh + h) * hd:(j * nh + h + 1) * hd])
@@ -239,9 +241,10 @@ def conv1d_to_qkv(c_attn: torch.Tensor, nh: int, hd: int, name: str = "c_attn") 
     t = c_attn.t() if c_attn.dim() == 2 else c_attn
     if t.shape[0] != 3 * nh * hd:
         raise MConvertError(f"{name}: shape {tuple(c_attn.shape)} does not fit heads={nh}, head_dim={hd}")
-    if c_attn.dim() == 2:
+    if c_attn.dim() == 2 and c_attn.dtype == torch.float32 and c_attn.device.type == "cpu" \
+            and c_attn.is_contiguous() and _omatcopy():
         # transpose and regroup in one pass: each head's columns of c_attn become its q, k or v rows
-        out = torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+        out = torch.empty(tuple(t.shape), dtype=t.dtype)
         for j in range(3):
             for h in range(nh):
                 copy_transposed(c_attn[:, (j * nh + h) * hd:(j * nh + h + 1) * hd], out[(h * 3 + j) * hd:(h * 3 + j + 1) * hd])
