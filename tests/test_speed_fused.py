@@ -240,7 +240,7 @@ def test_copy_transposed_is_torch_transpose_bit_for_bit(dtype: torch.dtype, shap
     bits = torch.int16 if dtype.itemsize == 2 else torch.int32 if dtype.itemsize == 4 else torch.int64
     assert torch.equal(transposed(src).view(bits), want.view(bits))
     wide = torch.zeros((shape[1], shape[0] + 9), dtype=dtype)
-    copy_transposed(wide[:, 4:4 + shape[0]], src)
+    copy_transposed(src, out=wide[:, 4:4 + shape[0]])
     assert torch.equal(wide[:, 4:4 + shape[0]].contiguous().view(bits), want.view(bits))
     assert not wide[:, :4].any() and not wide[:, 4 + shape[0]:].any()  # nothing written outside the band
     band = torch.randn((shape[0], shape[1] + 5), generator=g).to(dtype)[:, 2:2 + shape[1]]  # rows strided

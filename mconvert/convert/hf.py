@@ -38,6 +38,7 @@ from mconvert.convert.tokenizer import (
 )
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families, from_hf, hf_names, hf_unit, to_hf
+from mconvert.mappings.plugin import mcore_row_plan
 from mconvert.mappings.fields import key_names
 from mconvert.spec import LayerPart, ModelSpec
 
@@ -215,11 +216,12 @@ class HFSource(SourceBase):
             lazy.close()
         self._bin_cache = None
 
-    def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """HF tensors of one unit, as stored (true vocab)."""
+    def read_hf(self, unit: Unit, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """HF tensors of one unit, as stored (true vocab); `skip`: keys a caller has read already."""
         by_file: dict[str, list[str]] = {}
         for k in self._keys(unit):
-            by_file.setdefault(self.key_file[k], []).append(k)
+            if k not in skip:
+                by_file.setdefault(self.key_file[k], []).append(k)
         out: dict[str, torch.Tensor] = {}
         for f, keys in by_file.items():
             if f.endswith(".safetensors"):
@@ -261,7 +263,43 @@ class HFSource(SourceBase):
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Canonical full tensors of one unit (vocab rows = the true vocab, unpadded); the parameters are built
         several at once on the readers' pool."""
-        return from_hf(self.spec, unit, self.read_hf(unit), source=str(self.path), pmap=pmap)
+        built = self._read_placed(unit)
+        used = {k for names, _ in built.values() for k in names}
+        return from_hf(self.spec, unit, self.read_hf(unit, skip=used), source=str(self.path), pmap=pmap,
+                       built={name: full for name, (_, full) in built.items()})
+
+    def _read_placed(self, unit: Unit) -> dict[str, tuple[list[str], torch.Tensor]]:
+        """The parameters whose HF tensors are whole row blocks of them (Llama's q/k/v, gate/up), each HF
+        tensor's rows pread straight into their place in the merged tensor (`mappings.plugin.mcore_row_plan`)
+        and checked as `read_hf` checks them: name -> (its HF keys, the merged tensor). Parameters whose
+        files or shapes do not allow it are left to `from_hf`."""
+        shapes, dtypes = {}, {}
+        for k in self._keys(unit):
+            m = self._meta(k)
+            if m is not None:
+                shapes[k], dtypes[k] = tuple(m.shape), m.dtype
+
+        def one(name: str) -> tuple[list[str], torch.Tensor] | None:
+            plan = mcore_row_plan(self.spec, name, shapes)
+            if plan is None:
+                return None
+            keys, full_shape, pieces = plan
+            readers = [self._st(self.key_file[k]) if self.key_file[k].endswith(".safetensors")
+                       else self._bin(self.key_file[k]) for k in keys]
+            if len({dtypes[k] for k in keys}) != 1 or not all(isinstance(r, (SafetensorsReader, LazyModel))
+                                                               for r in readers):
+                return None
+            full = torch.empty(full_shape, dtype=dtypes[keys[0]])
+            row_bytes = full[:1].numel() * full.element_size()
+            for part, at, row, n in sorted(pieces):  # each HF tensor's bytes in file order
+                dst = full[row:row + n]
+                if not readers[part].read_into(keys[part], dst, start=at * row_bytes):
+                    return None
+                self._check(keys[part], dst)
+            return keys, full
+
+        names = [d.name for d in self.spec.unit_params(unit)]
+        return {n: got for n, got in zip(names, pmap(one, names)) if got is not None}
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """`read_mcore(unit)` as meta tensors, from the safetensors headers or the offset index of `.bin`

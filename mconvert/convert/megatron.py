@@ -45,8 +45,9 @@ from mconvert.errors import MConvertError, type_name
 from mconvert.mappings import families
 from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
-from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
-from mconvert.mappings.transforms import merge, merge_rows, merge_transposed, pad_vocab, split, split_dim
+from mconvert.mappings.plugin import check_complete, hf_order, hf_row_plan, to_hf_one, transposed_in_hf
+from mconvert.mappings.transforms import (merge, merge_rows, merge_transposed, pad_vocab, place_rows, split,
+                                          split_dim)
 from mconvert.spec import LayerPart, ModelSpec, expert_of, layer_of_unit, with_expert
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -452,6 +453,9 @@ class MegatronSource(SourceBase):
         check_complete(self.spec, unit, names, str(self.path))
 
         def one(name: str) -> dict[str, torch.Tensor]:
+            placed = self._read_placed(unit, name)
+            if placed is not None:
+                return placed
             lay = {name} if transposed_in_hf(self.spec, name) else frozenset()
             t = self.read_unit(unit, only={name}, transposed=lay)[0][name]
             return to_hf_one(self.spec, name, t, str(self.path))
@@ -460,6 +464,37 @@ class MegatronSource(SourceBase):
         for part in pmap(one, hf_order(self.spec, unit, names)):
             out.update(part)
         return out
+
+    def _read_placed(self, unit: Unit, name: str) -> dict[str, torch.Tensor] | None:
+        """`to_hf_one` of a parameter whose HF parts are whole row blocks of the merged tensor (Llama's q/k/v):
+        each rank's rows pread straight into their place in the parts (`transforms.place_rows`), each checked
+        finite as read; None when the layout or the file does not allow it (the caller merges, then maps)."""
+        if self._subs is not None or self.checkpoint_version < 2:
+            return None
+        shape = self.shapes.get(name)
+        if not shape or self.spec.split_kind(name) not in ("column", "qkv", "gated"):
+            return None
+        plan = hf_row_plan(self.spec, name, shape[0] * self.tp)
+        if plan is None:
+            return None
+        p, c = self.location(unit)
+        raw = next((r for r, n in self._keys_of(p, c).get(unit, []) if n == name), None)
+        lazies = [self._lazy_model(t, p, c) for t in range(self.tp)]
+        if raw is None or any(lz is None or raw not in lz for lz in lazies):
+            return None
+        names, part_rows, pieces = plan
+        per_rank = place_rows(merge_rows(self.spec.split_kind(name), self.tp, shape[0], raw), pieces, name)
+        parts = [torch.empty((n, *shape[1:]), dtype=lazies[0].dtype(raw)) for n in part_rows]
+        row_bytes = parts[0][:1].numel() * parts[0].element_size()
+        for t, (lz, mine) in enumerate(zip(lazies, per_rank)):
+            for part, at, start, n in mine:
+                dst = parts[part][at:at + n]
+                if not lz.read_into(raw, dst, start=start * row_bytes):
+                    return None
+                if dst.is_floating_point() and not all_finite(dst):
+                    raise MConvertError(f"{self.files[(t, p)]}: key {raw!r} holds NaN or Inf values; the run "
+                                        "diverged or the file is corrupt — convert an earlier iteration (--iteration N)")
+        return dict(zip(names, parts, strict=True))
 
     def read_unit(self, unit: Unit, with_optimizer: bool = False, transposed: set[str] | frozenset[str] = frozenset(),
                   only: set[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

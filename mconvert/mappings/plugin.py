@@ -73,6 +73,57 @@ OPS: dict[str, tuple[Callable[..., list[torch.Tensor]], Callable[..., torch.Tens
 }
 
 
+def _qkv_rows(spec: ModelSpec, rows: int) -> tuple[list[int], list[tuple[int, int, int, int]]] | None:
+    if spec.rotary_interleaved:  # q and k rows are reordered within each head: not a block placement
+        return None
+    nq, ng, hd = spec.num_attention_heads, spec.num_groups, spec.head_dim
+    if rows != (nq + 2 * ng) * hd or nq % ng:
+        return None  # the op itself reports the mismatch
+    return [nq * hd, ng * hd, ng * hd], T.qkv_separate_rows(nq, ng, hd)
+
+
+# op -> (spec, merged rows) -> (row count of each HF part, `transforms.place_rows` plan) or None: the ops whose
+# `to_hf` only moves whole rows of the merged tensor into its parts, so a reader can place each rank's rows there
+ROW_PLANS: dict[str, Callable[[ModelSpec, int], tuple[list[int], list[tuple[int, int, int, int]]] | None]] = {
+    "qkv": _qkv_rows,
+    "gated": lambda spec, rows: None if rows % 2 else ([rows // 2] * 2, [(0, 0, 0, rows // 2), (1, 0, rows // 2, rows // 2)]),
+}
+
+
+def hf_row_plan(spec: ModelSpec, name: str, rows: int) -> tuple[list[str], list[int],
+                                                                  list[tuple[int, int, int, int]]] | None:
+    """For canonical parameter `name` with `rows` merged rows: its HF names, each one's row count and where each
+    merged row goes (see `ROW_PLANS`); None when `to_hf_one` does more than place rows."""
+    m = registry(plugin_for(spec)).match(name)
+    if m is None or m[1].op not in ROW_PLANS:
+        return None
+    _, rule, layer = m
+    got = ROW_PLANS[rule.op](spec, rows)
+    if got is None:
+        return None
+    return [fill(h, layer) for h in rule.hf], got[0], got[1]
+
+
+def mcore_row_plan(spec: ModelSpec, name: str, hf_shapes: dict[str, tuple[int, ...]]
+                   ) -> tuple[list[str], tuple[int, ...], list[tuple[int, int, int, int]]] | None:
+    """`hf_row_plan` the other way: for canonical `name` built from HF tensors of shapes `hf_shapes`, its HF
+    names, the merged shape and where each HF row goes in it; None when the shapes do not fit a row plan (then
+    `from_hf_one` builds it, and reports a mismatch)."""
+    m = registry(plugin_for(spec)).match(name)
+    if m is None or m[1].op not in ROW_PLANS:
+        return None
+    _, rule, layer = m
+    names = [fill(h, layer) for h in rule.hf]
+    if any(n not in hf_shapes for n in names):
+        return None
+    shapes = [hf_shapes[n] for n in names]
+    rows = sum(s[0] for s in shapes if s)
+    got = ROW_PLANS[rule.op](spec, rows)
+    if got is None or any(len(s) < 1 or s[0] != r or s[1:] != shapes[0][1:] for s, r in zip(shapes, got[0])):
+        return None
+    return names, (rows, *shapes[0][1:]), got[1]
+
+
 def transposed_in_hf(spec: ModelSpec, name: str) -> bool:
     """Whether HF stores canonical parameter `name` as its transpose (GPT-2's Conv1D weights)."""
     m = registry(plugin_for(spec)).match(name)
@@ -131,11 +182,12 @@ def check_complete(spec: ModelSpec, unit: Unit, names: Any, source: str = "check
 
 
 def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: str = "checkpoint",
-            pmap: Any = None) -> dict[str, torch.Tensor]:
+            pmap: Any = None, built: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """HF tensors of one unit -> full tensors under canonical mcore names (vocab rows as in HF: unpadded).
 
     Every HF key is consumed by a rule or an explicit drop; anything else is an error naming the key.
-    `pmap` (a map over a thread pool): the parameters are built several at once (torch's ops release the GIL)."""
+    `pmap` (a map over a thread pool): the parameters are built several at once (torch's ops release the GIL).
+    `built`: parameters a reader already assembled from their HF tensors (`mcore_row_plan`), taken as they are."""
     plugin = plugin_for(spec)
     reg = registry(plugin)
     hreg = hf_registry(plugin)
@@ -145,7 +197,8 @@ def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: st
             raise MConvertError(f"{source}: unmapped tensor {k!r} for a {spec.family} model; "
                                 "this key is neither converted nor a known buffer")
     names = _expected_mcore(spec, unit)
-    parts = (pmap or _serial_map)(lambda n: from_hf_one(spec, n, hf, source, reg), names)
+    done = built or {}
+    parts = (pmap or _serial_map)(lambda n: done[n] if n in done else from_hf_one(spec, n, hf, source, reg), names)
     return dict(zip(names, parts, strict=True))
 
 

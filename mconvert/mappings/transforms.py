@@ -93,7 +93,7 @@ def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor"
                                 "the shards do not belong to one checkpoint")
     out_t = torch.empty((k * len(shards), rows), dtype=shards[0].dtype)
     for r, s in enumerate(shards):
-        copy_transposed(out_t[r * k:(r + 1) * k], s)
+        copy_transposed(s, out_t[r * k:(r + 1) * k])
     return out_t.t()
 
 
@@ -147,25 +147,30 @@ def _omatcopy() -> Any:
     return _OMATCOPY
 
 
-def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src.t())` for 2-D `src` [R, C] and `dst` [C, R] (either may be a slice of a larger matrix,
-    rows contiguous): float32 through OpenBLAS's vectorised transpose where available, else torch."""
+def copy_transposed(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`src.t()` of a 2-D `src` [R, C] copied into `out` [C, R] (a slice of a larger matrix or a preallocated
+    buffer, rows contiguous) or into a fresh tensor; returns it. float32 goes through OpenBLAS's vectorised
+    transpose where available, anything else through torch."""
+    if src.dim() != 2:
+        raise MConvertError(f"internal: transposed copy of a {src.dim()}-D tensor {tuple(src.shape)}")
     rows, cols = src.shape
-    if tuple(dst.shape) != (cols, rows):
-        raise MConvertError(f"internal: transposed copy of {tuple(src.shape)} into {tuple(dst.shape)}")
-    fn = _omatcopy() if src.dtype == torch.float32 == dst.dtype and src.numel() >= 4096 else False
-    if (fn and src.stride(1) == 1 and dst.stride(1) == 1 and src.stride(0) >= cols and dst.stride(0) >= rows
-            and src.device.type == dst.device.type == "cpu"):
-        fn(101, 112, rows, cols, 1.0, src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0))
-        return
-    dst.copy_(src.t())
+    if out is None:
+        out = torch.empty((cols, rows), dtype=src.dtype, device=src.device)
+    elif tuple(out.shape) != (cols, rows) or out.dtype != src.dtype:
+        raise MConvertError(f"internal: transposed copy of {tuple(src.shape)} {src.dtype} into "
+                            f"{tuple(out.shape)} {out.dtype}")
+    fn = _omatcopy() if src.dtype == torch.float32 and src.numel() >= 4096 else False
+    if (fn and src.stride(1) == 1 and out.stride(1) == 1 and src.stride(0) >= cols and out.stride(0) >= rows
+            and src.device.type == out.device.type == "cpu"):
+        fn(101, 112, rows, cols, 1.0, src.data_ptr(), src.stride(0), out.data_ptr(), out.stride(0))
+        return out
+    out.copy_(src.t())
+    return out
 
 
 def transposed(t: torch.Tensor) -> torch.Tensor:
     """`t.t().contiguous()` of a 2-D tensor (see `copy_transposed`)."""
-    out = torch.empty((t.shape[1], t.shape[0]), dtype=t.dtype, device=t.device)
-    copy_transposed(out, t)
-    return out
+    return copy_transposed(t)
 
 
 # ---- full-tensor layout transforms (Megatron full tensor ⇄ HF tensors), both directions --------------
@@ -219,11 +224,12 @@ def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv")
         raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nh}, head_dim={hd}")
     if qkv.dim() == 2 and qkv.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.is_contiguous() \
             and _omatcopy():
-        # regroup and transpose in one pass: each head's q, k or v rows become its columns of c_attn
+        # regroup and transpose in one pass: each head's q, k or v rows become its columns of c_attn (torch's
+        # strided copy of a head block into a column band is no faster than regroup + transpose: fp32 only)
         out = torch.empty((qkv.shape[1], qkv.shape[0]), dtype=qkv.dtype)
         for j in range(3):
             for h in range(nh):
-                copy_transposed(out[:, (j * nh + h) * hd:(j * nh + h + 1) * hd], qkv[(h * 3 + j) * hd:(h * 3 + j + 1) * hd])
+                copy_transposed(qkv[(h * 3 + j) * hd:(h * 3 + j + 1) * hd], out[:, (j * nh + h) * hd:(j * nh + h + 1) * hd])
         return out
     out = qkv.reshape(nh, 3, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest)
     _check_numel(name, [qkv], out)
@@ -241,7 +247,7 @@ def conv1d_to_qkv(c_attn: torch.Tensor, nh: int, hd: int, name: str = "c_attn") 
         out = torch.empty(tuple(t.shape), dtype=t.dtype)
         for j in range(3):
             for h in range(nh):
-                copy_transposed(out[(h * 3 + j) * hd:(h * 3 + j + 1) * hd], c_attn[:, (j * nh + h) * hd:(j * nh + h + 1) * hd])
+                copy_transposed(c_attn[:, (j * nh + h) * hd:(j * nh + h + 1) * hd], out[(h * 3 + j) * hd:(h * 3 + j + 1) * hd])
         return out
     rest = tuple(t.shape[1:])
     out = t.reshape(3, nh, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest).contiguous()
@@ -325,6 +331,46 @@ def merge_rows(kind: str, tp: int, shard_rows: int, name: str = "tensor") -> lis
         half = shard_rows // 2
         return [[(r * half, 0, half), (tp * half + r * half, half, half)] for r in range(tp)]
     return [[(r * shard_rows, 0, shard_rows)] for r in range(tp)]
+
+
+def qkv_separate_rows(nq: int, ng: int, hd: int) -> list[tuple[int, int, int, int]]:
+    """Where `qkv_to_separate` puts each row block of the fused tensor: (part 0/1/2 = q/k/v, row in the part,
+    row in the fused tensor, row count) pieces in fused-row order — per group its query heads, key and value."""
+    if nq % ng:
+        raise MConvertError(f"linear_qkv: heads={nq} are not divisible by groups={ng}")
+    per = nq // ng
+    pieces = []
+    for g in range(ng):
+        at = g * (per + 2) * hd
+        pieces += [(0, g * per * hd, at, per * hd), (1, g * hd, at + per * hd, hd), (2, g * hd, at + (per + 1) * hd, hd)]
+    return pieces
+
+
+def place_rows(rank_pieces: list[list[tuple[int, int, int]]], plan: list[tuple[int, int, int, int]],
+               name: str = "tensor") -> list[list[tuple[int, int, int, int]]]:
+    """Compose where each TP rank's rows go in the merged tensor (`merge_rows`) with where the merged tensor's
+    rows go in a layout's parts (e.g. `qkv_separate_rows`): per rank, (part, row in the part, row in the shard,
+    row count) pieces in shard-row order, so a reader copies every row once, straight from its rank's shard
+    into its part. Every merged row must land in exactly one part, else the layouts disagree (an error)."""
+    merged = sum(n for pieces in rank_pieces for _, _, n in pieces)
+    covered = sorted((full, n) for _, _, full, n in plan)
+    at = 0
+    for full, n in covered:
+        if full != at or n <= 0:
+            break
+        at += n
+    if at != merged or sum(n for _, n in covered) != merged:
+        raise MConvertError(f"internal: {name}: the layout's row plan does not cover the {merged} merged rows once")
+    out: list[list[tuple[int, int, int, int]]] = []
+    for pieces in rank_pieces:
+        mine = []
+        for r_at, r_start, r_n in pieces:
+            for part, p_at, full, n in plan:
+                lo, hi = max(r_at, full), min(r_at + r_n, full + n)
+                if lo < hi:
+                    mine.append((part, p_at + lo - full, r_start + lo - r_at, hi - lo))
+        out.append(sorted(mine, key=lambda x: x[2]))
+    return out
 
 
 # ---- deployment layouts: per-rank tensors of the inference engines (FasterTransformer, TensorRT-LLM) -------

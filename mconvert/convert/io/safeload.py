@@ -19,6 +19,7 @@ import copyreg
 import dataclasses
 import functools
 import io
+import math
 import os
 import pathlib
 import pickle
@@ -752,7 +753,7 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     if not t.is_floating_point():  # integers are finite; complex keeps the elementwise check
         return bool(torch.isfinite(t).all())
     lo, hi = torch.aminmax(t.reshape(-1))
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())  # two scalars: Python's test, no torch op
 
 
 # ---- restricted unpickling: state reaches only fresh instances, calls only allow-listed constructors -------

@@ -133,6 +133,22 @@ class SafetensorsReader:
             got += k
         return t
 
+    def read_into(self, key: str, dst: torch.Tensor, start: int = 0) -> bool:
+        """pread bytes [start, start + dst.nbytes) of tensor `key` straight into `dst` (contiguous, same dtype);
+        False when `dst` cannot take them (then use `get`)."""
+        a, dtype, shape = self.entries[key]
+        n = dst.numel() * dst.element_size()
+        if dtype != dst.dtype or not dst.is_contiguous() or start + n > numel(shape) * dst.element_size():
+            return False
+        mv = memoryview(dst.reshape(-1).view(torch.uint8).numpy()) if n else memoryview(b"")
+        got = 0
+        while got < n:
+            k = os.preadv(self.fd, [mv[got:]], self.start + a + start + got)
+            if k <= 0:
+                raise MConvertError(f"{self.path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
+            got += k
+        return True
+
     def close(self) -> None:
         self._close()
 
