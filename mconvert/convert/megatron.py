@@ -25,6 +25,7 @@ from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit, pmap
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import hash_file, manifest_hash
 from mconvert.convert.io.paths import inside_file, owned_fd
@@ -510,7 +511,7 @@ class MegatronSource(SourceBase):
                     ostates[name].append(s)
             del st, model
         out = {name: direct[name] if name in direct else
-               (merge_transposed if name in transposed else merge)(sh, self.spec.split_kind(name), name)
+               (_merge_transposed if name in transposed else merge)(sh, self.spec.split_kind(name), name)
                for name, sh in shards.items()}
         states = {}
         if with_optimizer:
@@ -1029,6 +1030,15 @@ def _interned(obj: Any) -> Any:
     return obj
 
 
+def _merge_transposed(shards: list[torch.Tensor], kind: str, name: str) -> torch.Tensor:
+    """`transforms.merge_transposed` into pooled memory (`buffers.empty`) where it transposes into place."""
+    if kind == "row" and len(shards) > 1 and shards[0].dim() == 2:
+        rows, k = shards[0].shape
+        out = buffers.empty((k * len(shards), rows), shards[0].dtype).t()
+        return merge_transposed(shards, kind, name, out=out)
+    return merge_transposed(shards, kind, name)
+
+
 def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: tuple[int, ...]
                     ) -> tuple[torch.Tensor, list[list[torch.Tensor]]] | None:
     """Merge the TP shards of a dim-0 split parameter (column / qkv / vocab / gated) by reading each rank's
@@ -1039,7 +1049,7 @@ def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: t
         pieces = merge_rows(kind, len(lazies), shard_shape[0], raw)
     except MConvertError:
         return None  # the shard loop's `merge` reports it
-    full = torch.empty((shard_shape[0] * len(lazies), *shard_shape[1:]), dtype=lazies[0].dtype(raw))
+    full = buffers.empty((shard_shape[0] * len(lazies), *shard_shape[1:]), lazies[0].dtype(raw))
     row_bytes = full[0].numel() * full.element_size() if full.dim() > 1 else full.element_size()
     parts: list[list[torch.Tensor]] = []
     for lz, mine in zip(lazies, pieces):

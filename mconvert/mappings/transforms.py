@@ -78,11 +78,13 @@ def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.
     return full
 
 
-def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.Tensor:
+def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor",
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """`merge(shards, kind)` for 2-D row-split shards, laid out column-major: equal values, but its `.t()` is
     contiguous — each rank's shard is transposed straight into its block of rows of the transposed tensor.
     For a consumer that transposes next (GPT-2's Conv1D), this is merge + transpose in one copy instead of
-    a concatenation and a transpose."""
+    a concatenation and a transpose. `out`: the destination (the merged shape, its `.t()` contiguous), used
+    only where the shards are transposed into place."""
     if kind != "row" or len(shards) == 1 or shards[0].dim() != 2:
         return merge(shards, kind, name)
     merge(shards[:1], kind, name)  # same shape checks as merge
@@ -91,7 +93,9 @@ def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor"
         if tuple(s.shape) != (rows, k):
             raise MConvertError(f"{name}: TP rank {r} has shape {tuple(s.shape)} but rank 0 has {(rows, k)}; "
                                 "the shards do not belong to one checkpoint")
-    out_t = torch.empty((k * len(shards), rows), dtype=shards[0].dtype)
+    out_t = torch.empty((k * len(shards), rows), dtype=shards[0].dtype) if out is None else out.t()
+    if tuple(out_t.shape) != (k * len(shards), rows) or out_t.dtype != shards[0].dtype or not out_t.is_contiguous():
+        raise MConvertError(f"internal: {name}: merge into {tuple(out_t.t().shape)} {out_t.dtype}, column-major")
     for r, s in enumerate(shards):
         copy_transposed(out_t[r * k:(r + 1) * k], s)
     return out_t.t()
