@@ -51,10 +51,7 @@ class BufferPool:
     def _take(self, n: int) -> mmap.mmap:
         size = max(_PAGE, -(-n // _PAGE) * _PAGE)
         with self._lock:
-            best = None
-            for k, s in self._idle.items():  # the smallest idle slot that fits without wasting half of it
-                if size <= len(s) < 2 * size and (best is None or len(s) < len(self._idle[best])):
-                    best = k
+            best = next((k for k, s in reversed(self._idle.items()) if len(s) == size), None)
             if best is not None:
                 slot = self._idle.pop(best)
                 self.idle -= len(slot)
@@ -69,7 +66,8 @@ class BufferPool:
                 self.idle -= len(old)
                 del old  # unmapped with its last reference (a dying view may still hold it a moment)
             self.mapped += 1
-        slot = mmap.mmap(-1, size)
+        # private: anonymous shared memory is shmem, where transparent huge pages are usually off
+        slot = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if size >= (2 << 20) and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
             try:
                 slot.madvise(mmap.MADV_HUGEPAGE)  # as torch's own large buffers under the CLI: fewer faults
