@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from mconvert.convert import bounds
 from mconvert.convert.base import SourceBase, Unit, pmap, units_of
+from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
 from mconvert.convert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular
@@ -38,6 +39,8 @@ from mconvert.convert.tokenizer import (
 )
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families, from_hf, hf_names, hf_unit, to_hf
+from mconvert.mappings.plugin import hf_registry, plugin_for, transposed_in_hf
+from mconvert.mappings.registry import fill
 from mconvert.mappings.fields import key_names
 from mconvert.spec import LayerPart, ModelSpec
 
@@ -215,8 +218,9 @@ class HFSource(SourceBase):
             lazy.close()
         self._bin_cache = None
 
-    def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """HF tensors of one unit, as stored (true vocab)."""
+    def read_hf(self, unit: Unit, column_major: bool = False) -> dict[str, torch.Tensor]:
+        """HF tensors of one unit, as stored (true vocab). `column_major`: the tensors HF stores transposed
+        come laid out column-major (same values), so `from_hf`'s transpose of them is free."""
         by_file: dict[str, list[str]] = {}
         for k in self._keys(unit):
             by_file.setdefault(self.key_file[k], []).append(k)
@@ -228,7 +232,7 @@ class HFSource(SourceBase):
                     if k not in st.entries:
                         raise MConvertError(f"{self.path / f}: tensor {k!r} is missing (the index lists it there)")
                 # several tensors at once on the readers' pool: pread and the finite check release the GIL
-                out.update(zip(keys, pmap(self._checked, [(st, k) for k in keys])))
+                out.update(zip(keys, pmap(self._checked, [(st, k, column_major) for k in keys])))
             else:
                 reader = self._bin(f)
                 for k in keys:
@@ -243,11 +247,17 @@ class HFSource(SourceBase):
             out.pop("lm_head.weight", None)
         return out
 
-    def _checked(self, st_key: tuple[Any, str]) -> torch.Tensor:
-        st, k = st_key
+    def _checked(self, st_key: tuple[Any, str, bool]) -> torch.Tensor:
+        st, k, column_major = st_key
         t = st.get(k)
         self._check(k, t)
-        return t
+        return buffers.column_major(t) if column_major and self._stored_transposed(k) else t
+
+    def _stored_transposed(self, k: str) -> bool:
+        """Whether HF tensor `k` is the transpose of its canonical parameter (GPT-2's Conv1D weights): read
+        column-major, the transpose `from_hf` makes is free."""
+        m = hf_registry(plugin_for(self.spec)).match(k)
+        return m is not None and m[1] is not None and transposed_in_hf(self.spec, fill(m[1][0], m[2]))
 
     def _check(self, k: str, t: torch.Tensor) -> None:
         """Safety: int bits would be converted as numbers; NaN/Inf refused."""
@@ -261,7 +271,7 @@ class HFSource(SourceBase):
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Canonical full tensors of one unit (vocab rows = the true vocab, unpadded); the parameters are built
         several at once on the readers' pool."""
-        return from_hf(self.spec, unit, self.read_hf(unit), source=str(self.path), pmap=pmap)
+        return from_hf(self.spec, unit, self.read_hf(unit, column_major=True), source=str(self.path), pmap=pmap)
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """`read_mcore(unit)` as meta tensors, from the safetensors headers or the offset index of `.bin`

@@ -47,7 +47,7 @@ from mconvert.mappings import families
 from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.plugin import check_complete, hf_order, to_hf_one, transposed_in_hf
-from mconvert.mappings.transforms import copy_transposed, merge, merge_rows, merge_transposed, pad_vocab, split, split_dim
+from mconvert.mappings.transforms import merge, merge_rows, merge_transposed, pad_vocab, split, split_dim
 from mconvert.spec import LayerPart, ModelSpec, expert_of, layer_of_unit, with_expert
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -514,7 +514,7 @@ class MegatronSource(SourceBase):
                (_merge_transposed if name in transposed else merge)(sh, self.spec.split_kind(name), name)
                for name, sh in shards.items()}
         for name in transposed & out.keys():
-            out[name] = column_major(out[name])
+            out[name] = buffers.column_major(out[name])
         states = {}
         if with_optimizer:
             states = {n: optim.merge_states(s, self.spec.split_kind(n), n) for n, s in ostates.items()}
@@ -1030,16 +1030,6 @@ def _interned(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {_interned(k): _interned(v) for k, v in obj.items()}
     return obj
-
-
-def column_major(t: torch.Tensor) -> torch.Tensor:
-    """`t` (2-D) with the same values laid out column-major (its `.t()` contiguous) in pooled memory, so the
-    transpose the consumer makes next is free and its bytes land in reused pages; other tensors as they are."""
-    if t.dim() != 2 or t.t().is_contiguous():
-        return t
-    dst = buffers.empty((t.shape[1], t.shape[0]), t.dtype)
-    copy_transposed(dst, t)
-    return dst.t()
 
 
 def _merge_transposed(shards: list[torch.Tensor], kind: str, name: str) -> torch.Tensor:

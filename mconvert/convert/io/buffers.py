@@ -107,3 +107,16 @@ def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -
 
 
 _DISABLED = bool(os.environ.get("MCONVERT_NO_BUFFER_POOL"))
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` (2-D) with the same values laid out column-major (its `.t()` contiguous) in pooled memory, so the
+    transpose its consumer makes next (GPT-2's Conv1D) is free and its bytes land in reused pages; any
+    other tensor as it is."""
+    from mconvert.mappings.transforms import copy_transposed
+
+    if t.dim() != 2 or t.t().is_contiguous():
+        return t
+    dst = empty((t.shape[1], t.shape[0]), t.dtype)
+    copy_transposed(dst, t)
+    return dst.t()
