@@ -144,5 +144,6 @@ def test_conversions_with_every_tensor_pooled_write_the_same_bytes(small_ckpt: P
     before = buffers.POOL.reused
     on = run("on")
     assert buffers.POOL.reused > before, "the conversions took nothing from the pool"
+    assert buffers.POOL.idle == 0, "a finished conversion left idle buffers mapped"
     for k in off:
         assert off[k].keys() == on[k].keys() and off[k] == on[k], f"{k}: pooled buffers changed the output"

@@ -87,10 +87,12 @@ class BufferPool:
                 del old  # unmapped with its last reference (a dying view may still hold it a moment)
 
     def trim(self) -> None:
-        """Unmap every idle slot (the conversion is done)."""
+        """Unmap every idle slot (the conversion is done); the next conversion's bound starts from what is lent
+        now."""
         with self._lock:
             self._idle.clear()  # each slot is unmapped with its last reference
             self.idle = 0
+            self.high = self.live
 
 
 POOL = BufferPool()

@@ -419,6 +419,10 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
     finally:
         _DEFERRED = outer
         d.close()
+        if outer is None:  # the conversion is over: its idle read buffers go back to the system
+            from mconvert.convert.io.buffers import POOL
+
+            POOL.trim()
 
 
 @contextmanager
