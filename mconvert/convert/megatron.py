@@ -511,7 +511,7 @@ class MegatronSource(SourceBase):
                     ostates[name].append(s)
             del st, model
         out = {name: direct[name] if name in direct else
-               (_merge_transposed if name in transposed else merge)(sh, self.spec.split_kind(name), name)
+               (_merge_transposed if name in transposed else _merge)(sh, self.spec.split_kind(name), name)
                for name, sh in shards.items()}
         for name in transposed & out.keys():
             out[name] = buffers.column_major(out[name])
@@ -743,7 +743,7 @@ class MegatronWriter:
                         want = "nothing" if ph is None else f"{tuple(ph.shape)} {ph.dtype}"
                         raise MConvertError(f"internal: {local_name} arrived as {tuple(x.shape)} {x.dtype} where the "
                                             f"source's preview planned {want}")
-                    self._streams[p][t].feed(ph, x if x.is_contiguous() else x.contiguous())  # a view: no copy
+                    self._streams[p][t].feed(ph, buffers.contiguous(x))  # a view: no copy
         else:
             self._buffer.setdefault(p, {}).setdefault(c, []).extend(new)
         self._received[p].update(self._parts(unit))
@@ -1030,6 +1030,16 @@ def _interned(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {_interned(k): _interned(v) for k, v in obj.items()}
     return obj
+
+
+def _merge(shards: list[torch.Tensor], kind: str, name: str) -> torch.Tensor:
+    """`transforms.merge` into pooled memory (`buffers.empty`) where it concatenates."""
+    d = split_dim(kind, shards[0].dim()) if shards else None
+    if d is None or len(shards) < 2 or any(s.shape != shards[0].shape or s.dtype != shards[0].dtype for s in shards):
+        return merge(shards, kind, name)  # nothing to concatenate, or merge's own refusal
+    shape = list(shards[0].shape)
+    shape[d] *= len(shards)
+    return merge(shards, kind, name, out=buffers.empty(shape, shards[0].dtype))
 
 
 def _merge_transposed(shards: list[torch.Tensor], kind: str, name: str) -> torch.Tensor:

@@ -52,8 +52,9 @@ def shard(full: torch.Tensor, kind: str, tp: int, rank: int, name: str = "tensor
     return split(full, kind, tp, name)[rank]
 
 
-def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.Tensor:
-    """TP shards -> full tensor. Shapes must agree across ranks; element counts are checked."""
+def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor", out: torch.Tensor | None = None) -> torch.Tensor:
+    """TP shards -> full tensor. Shapes must agree across ranks; element counts are checked. `out`: the
+    destination of the concatenation (the merged shape and dtype), where the shards are concatenated."""
     if not shards:
         raise MConvertError(f"{name}: no shards to merge")
     shape0 = tuple(shards[0].shape)
@@ -70,9 +71,9 @@ def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.
         if shape0[0] % 2:
             raise MConvertError(f"{name}: gated shard has an odd row count {shape0[0]}")
         halves = [s.chunk(2, dim=0) for s in shards]
-        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=out)
     else:
-        full = torch.cat(shards, dim=d)
+        full = torch.cat(shards, dim=d, out=out)
     total = sum(s.numel() for s in shards)
     assert full.numel() == total, f"{name}: merged {full.numel()} elements from {total}"
     return full

@@ -111,6 +111,15 @@ def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -
 _DISABLED = bool(os.environ.get("MCONVERT_NO_BUFFER_POOL"))
 
 
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t.contiguous()`, the copy (when one is needed) in pooled memory: a row-split shard a writer streams."""
+    if t.is_contiguous():
+        return t
+    out = empty(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
 def column_major(t: torch.Tensor) -> torch.Tensor:
     """`t` (2-D) with the same values laid out column-major (its `.t()` contiguous) in pooled memory, so the
     transpose its consumer makes next (GPT-2's Conv1D) is free and its bytes land in reused pages; any
