@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy
 import torch
@@ -33,6 +33,7 @@ class BufferPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: OrderedDict[int, mmap.mmap] = OrderedDict()  # id -> slot, least recently returned first
+        self._returned: deque[mmap.mmap] = deque()  # freed by a finalizer, not yet idle
         self.live = 0
         self.idle = 0
         self.high = 0  # the largest `live` so far
@@ -51,6 +52,7 @@ class BufferPool:
     def _take(self, n: int) -> mmap.mmap:
         size = max(_PAGE, -(-n // _PAGE) * _PAGE)
         with self._lock:
+            self._drain()
             best = next((k for k, s in reversed(self._idle.items()) if len(s) == size), None)
             if best is not None:
                 slot = self._idle.pop(best)
@@ -76,20 +78,29 @@ class BufferPool:
         return slot
 
     def _give(self, slot: mmap.mmap) -> None:
-        """(finalizer) The last tensor over `slot` is gone: keep it for the next tensor of its size."""
-        with self._lock:
+        """(finalizer) The last tensor over `slot` is gone: keep it for the next tensor of its size. A finalizer
+        can run inside `_take` (a garbage collection while the lock is held), so the slot is queued and
+        taken in whenever the lock is free."""
+        self._returned.append(slot)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """(lock held) Move the returned slots to the idle ones."""
+        while self._returned:
+            slot = self._returned.popleft()
             self.live -= len(slot)
             self._idle[id(slot)] = slot
             self.idle += len(slot)
-            while self._idle and self.live + self.idle > self.high:
-                _, old = self._idle.popitem(last=False)
-                self.idle -= len(old)
-                del old  # unmapped with its last reference (a dying view may still hold it a moment)
 
     def trim(self) -> None:
         """Unmap every idle slot (the conversion is done); the next conversion's bound starts from what is lent
         now."""
         with self._lock:
+            self._drain()
             self._idle.clear()  # each slot is unmapped with its last reference
             self.idle = 0
             self.high = self.live
