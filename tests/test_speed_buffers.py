@@ -147,3 +147,17 @@ def test_conversions_with_every_tensor_pooled_write_the_same_bytes(small_ckpt: P
     assert buffers.POOL.idle == 0, "a finished conversion left idle buffers mapped"
     for k in off:
         assert off[k].keys() == on[k].keys() and off[k] == on[k], f"{k}: pooled buffers changed the output"
+
+
+@pytest.mark.timeout(30)
+def test_a_slot_freed_while_the_pool_is_locked_is_taken_back_later() -> None:
+    """A tensor freed while the pool's lock is held (a garbage collection inside the pool's own bookkeeping)
+    neither deadlocks nor loses its slot: the next request of that size gets it."""
+    pool = BufferPool()
+    t = pool.empty((1 << 20,), torch.uint8)
+    ptr = t.data_ptr()
+    with pool._lock:
+        del t  # its finalizer runs here, on this thread, with the lock held
+        gc.collect()
+    again = pool.empty((1 << 20,), torch.uint8)
+    assert again.data_ptr() == ptr and pool.reused == 1 and pool.mapped == 1
