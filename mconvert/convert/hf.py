@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from mconvert.convert import bounds
 from mconvert.convert.base import SourceBase, Unit, pmap, units_of
+from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
 from mconvert.convert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular
@@ -38,7 +39,8 @@ from mconvert.convert.tokenizer import (
 )
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families, from_hf, hf_names, hf_unit, to_hf
-from mconvert.mappings.plugin import mcore_row_plan
+from mconvert.mappings.plugin import hf_registry, mcore_row_plan, plugin_for, transposed_in_hf
+from mconvert.mappings.registry import fill
 from mconvert.mappings.fields import key_names
 from mconvert.spec import LayerPart, ModelSpec
 
@@ -216,8 +218,11 @@ class HFSource(SourceBase):
             lazy.close()
         self._bin_cache = None
 
-    def read_hf(self, unit: Unit, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-        """HF tensors of one unit, as stored (true vocab); `skip`: keys a caller has read already."""
+    def read_hf(self, unit: Unit, column_major: bool = False,
+                skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """HF tensors of one unit, as stored (true vocab). `column_major`: the tensors HF stores transposed
+        come laid out column-major (same values), so `from_hf`'s transpose of them is free; `skip`: keys a
+        caller has read already."""
         by_file: dict[str, list[str]] = {}
         for k in self._keys(unit):
             if k not in skip:
@@ -230,7 +235,7 @@ class HFSource(SourceBase):
                     if k not in st.entries:
                         raise MConvertError(f"{self.path / f}: tensor {k!r} is missing (the index lists it there)")
                 # several tensors at once on the readers' pool: pread and the finite check release the GIL
-                out.update(zip(keys, pmap(self._checked, [(st, k) for k in keys])))
+                out.update(zip(keys, pmap(self._checked, [(st, k, column_major) for k in keys])))
             else:
                 reader = self._bin(f)
                 for k in keys:
@@ -245,11 +250,17 @@ class HFSource(SourceBase):
             out.pop("lm_head.weight", None)
         return out
 
-    def _checked(self, st_key: tuple[Any, str]) -> torch.Tensor:
-        st, k = st_key
+    def _checked(self, st_key: tuple[Any, str, bool]) -> torch.Tensor:
+        st, k, column_major = st_key
         t = st.get(k)
         self._check(k, t)
-        return t
+        return buffers.column_major(t) if column_major and self._stored_transposed(k) else t
+
+    def _stored_transposed(self, k: str) -> bool:
+        """Whether HF tensor `k` is the transpose of its canonical parameter (GPT-2's Conv1D weights): read
+        column-major, the transpose `from_hf` makes is free."""
+        m = hf_registry(plugin_for(self.spec)).match(k)
+        return m is not None and m[1] is not None and transposed_in_hf(self.spec, fill(m[1][0], m[2]))
 
     def _check(self, k: str, t: torch.Tensor) -> None:
         """Safety: int bits would be converted as numbers; NaN/Inf refused."""
@@ -265,7 +276,7 @@ class HFSource(SourceBase):
         several at once on the readers' pool."""
         built = self._read_placed(unit)
         used = {k for names, _ in built.values() for k in names}
-        return from_hf(self.spec, unit, self.read_hf(unit, skip=used), source=str(self.path), pmap=pmap,
+        return from_hf(self.spec, unit, self.read_hf(unit, column_major=True, skip=used), source=str(self.path), pmap=pmap,
                        built={name: full for name, (_, full) in built.items()})
 
     def _read_placed(self, unit: Unit) -> dict[str, tuple[list[str], torch.Tensor]]:
@@ -289,7 +300,7 @@ class HFSource(SourceBase):
             if len({dtypes[k] for k in keys}) != 1 or not all(isinstance(r, (SafetensorsReader, LazyModel))
                                                                for r in readers):
                 return None
-            full = torch.empty(full_shape, dtype=dtypes[keys[0]])
+            full = buffers.empty(full_shape, dtypes[keys[0]])  # every row is placed before it is read
             row_bytes = full[:1].numel() * full.element_size()
             for part, at, row, n in sorted(pieces):  # each HF tensor's bytes in file order
                 dst = full[row:row + n]

@@ -25,6 +25,7 @@ from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit, pmap
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import hash_file, manifest_hash
 from mconvert.convert.io.paths import inside_file, owned_fd
@@ -484,7 +485,8 @@ class MegatronSource(SourceBase):
             return None
         names, part_rows, pieces = plan
         per_rank = place_rows(merge_rows(self.spec.split_kind(name), self.tp, shape[0], raw), pieces, name)
-        parts = [torch.empty((n, *shape[1:]), dtype=lazies[0].dtype(raw)) for n in part_rows]
+        # `place_rows` covers every row of every part, so pooled memory is written before it is read
+        parts = [buffers.empty((n, *shape[1:]), lazies[0].dtype(raw)) for n in part_rows]
         row_bytes = parts[0][:1].numel() * parts[0].element_size()
         for t, (lz, mine) in enumerate(zip(lazies, per_rank)):
             for part, at, start, n in mine:
@@ -545,8 +547,10 @@ class MegatronSource(SourceBase):
                     ostates[name].append(s)
             del st, model
         out = {name: direct[name] if name in direct else
-               (merge_transposed if name in transposed else merge)(sh, self.spec.split_kind(name), name)
+               (_merge_transposed if name in transposed else _merge)(sh, self.spec.split_kind(name), name)
                for name, sh in shards.items()}
+        for name in transposed & out.keys():
+            out[name] = buffers.column_major(out[name])
         states = {}
         if with_optimizer:
             states = {n: optim.merge_states(s, self.spec.split_kind(n), n) for n, s in ostates.items()}
@@ -775,7 +779,7 @@ class MegatronWriter:
                         want = "nothing" if ph is None else f"{tuple(ph.shape)} {ph.dtype}"
                         raise MConvertError(f"internal: {local_name} arrived as {tuple(x.shape)} {x.dtype} where the "
                                             f"source's preview planned {want}")
-                    self._streams[p][t].feed(ph, x if x.is_contiguous() else x.contiguous())  # a view: no copy
+                    self._streams[p][t].feed(ph, buffers.contiguous(x))  # a view: no copy
         else:
             self._buffer.setdefault(p, {}).setdefault(c, []).extend(new)
         self._received[p].update(self._parts(unit))
@@ -1064,6 +1068,25 @@ def _interned(obj: Any) -> Any:
     return obj
 
 
+def _merge(shards: list[torch.Tensor], kind: str, name: str) -> torch.Tensor:
+    """`transforms.merge` into pooled memory (`buffers.empty`) where it concatenates."""
+    d = split_dim(kind, shards[0].dim()) if shards else None
+    if d is None or len(shards) < 2 or any(s.shape != shards[0].shape or s.dtype != shards[0].dtype for s in shards):
+        return merge(shards, kind, name)  # nothing to concatenate, or merge's own refusal
+    shape = list(shards[0].shape)
+    shape[d] *= len(shards)
+    return merge(shards, kind, name, out=buffers.empty(shape, shards[0].dtype))
+
+
+def _merge_transposed(shards: list[torch.Tensor], kind: str, name: str) -> torch.Tensor:
+    """`transforms.merge_transposed` into pooled memory (`buffers.empty`) where it transposes into place."""
+    if kind == "row" and len(shards) > 1 and shards[0].dim() == 2:
+        rows, k = shards[0].shape
+        out = buffers.empty((k * len(shards), rows), shards[0].dtype).t()
+        return merge_transposed(shards, kind, name, out=out)
+    return merge_transposed(shards, kind, name)
+
+
 def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: tuple[int, ...]
                     ) -> tuple[torch.Tensor, list[list[torch.Tensor]]] | None:
     """Merge the TP shards of a dim-0 split parameter (column / qkv / vocab / gated) by reading each rank's
@@ -1074,7 +1097,7 @@ def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: t
         pieces = merge_rows(kind, len(lazies), shard_shape[0], raw)
     except MConvertError:
         return None  # the shard loop's `merge` reports it
-    full = torch.empty((shard_shape[0] * len(lazies), *shard_shape[1:]), dtype=lazies[0].dtype(raw))
+    full = buffers.empty((shard_shape[0] * len(lazies), *shard_shape[1:]), lazies[0].dtype(raw))
     row_bytes = full[0].numel() * full.element_size() if full.dim() > 1 else full.element_size()
     parts: list[list[torch.Tensor]] = []
     for lz, mine in zip(lazies, pieces):

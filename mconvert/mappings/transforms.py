@@ -52,8 +52,9 @@ def shard(full: torch.Tensor, kind: str, tp: int, rank: int, name: str = "tensor
     return split(full, kind, tp, name)[rank]
 
 
-def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.Tensor:
-    """TP shards -> full tensor. Shapes must agree across ranks; element counts are checked."""
+def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor", out: torch.Tensor | None = None) -> torch.Tensor:
+    """TP shards -> full tensor. Shapes must agree across ranks; element counts are checked. `out`: the
+    destination of the concatenation (the merged shape and dtype), where the shards are concatenated."""
     if not shards:
         raise MConvertError(f"{name}: no shards to merge")
     shape0 = tuple(shards[0].shape)
@@ -70,19 +71,21 @@ def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.
         if shape0[0] % 2:
             raise MConvertError(f"{name}: gated shard has an odd row count {shape0[0]}")
         halves = [s.chunk(2, dim=0) for s in shards]
-        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=out)
     else:
-        full = torch.cat(shards, dim=d)
+        full = torch.cat(shards, dim=d, out=out)
     total = sum(s.numel() for s in shards)
     assert full.numel() == total, f"{name}: merged {full.numel()} elements from {total}"
     return full
 
 
-def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor") -> torch.Tensor:
+def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor",
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """`merge(shards, kind)` for 2-D row-split shards, laid out column-major: equal values, but its `.t()` is
     contiguous — each rank's shard is transposed straight into its block of rows of the transposed tensor.
     For a consumer that transposes next (GPT-2's Conv1D), this is merge + transpose in one copy instead of
-    a concatenation and a transpose."""
+    a concatenation and a transpose. `out`: the destination (the merged shape, its `.t()` contiguous), used
+    only where the shards are transposed into place."""
     if kind != "row" or len(shards) == 1 or shards[0].dim() != 2:
         return merge(shards, kind, name)
     merge(shards[:1], kind, name)  # same shape checks as merge
@@ -91,7 +94,9 @@ def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor"
         if tuple(s.shape) != (rows, k):
             raise MConvertError(f"{name}: TP rank {r} has shape {tuple(s.shape)} but rank 0 has {(rows, k)}; "
                                 "the shards do not belong to one checkpoint")
-    out_t = torch.empty((k * len(shards), rows), dtype=shards[0].dtype)
+    out_t = torch.empty((k * len(shards), rows), dtype=shards[0].dtype) if out is None else out.t()
+    if tuple(out_t.shape) != (k * len(shards), rows) or out_t.dtype != shards[0].dtype or not out_t.is_contiguous():
+        raise MConvertError(f"internal: {name}: merge into {tuple(out_t.t().shape)} {out_t.dtype}, column-major")
     for r, s in enumerate(shards):
         copy_transposed(s, out_t[r * k:(r + 1) * k])
     return out_t.t()

@@ -292,7 +292,10 @@ def _take_chunk(size: int) -> Any:
     """A page-aligned staging chunk: a free one of this size (its pages already resident: a new page costs a
     fault each, on a VM a host-side one too), else a new mapping."""
     free = _CHUNK_POOL.get(size)
-    return free.pop() if free else mmap.mmap(-1, size)
+    if free:
+        return free.pop()
+    # private: anonymous shared memory is shmem, where transparent huge pages are usually off
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 class Checksum:

@@ -435,6 +435,10 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
     finally:
         _DEFERRED = outer
         d.close()
+        if outer is None:  # the conversion is over: its idle read buffers go back to the system
+            from mconvert.convert.io.buffers import POOL
+
+            POOL.trim()
 
 
 @contextmanager
@@ -457,7 +461,11 @@ def start_crc_checks() -> None:
 
 
 def wait_crc_checks() -> None:
-    """Raise the first failed background CRC-32 check (no-op outside `deferred_crc_checks()`)."""
+    """Raise the first failed background CRC-32 check (no-op outside `deferred_crc_checks()`). The units are
+    converted by now: the idle read buffers go back to the system before the checks and the commit run."""
+    from mconvert.convert.io.buffers import POOL
+
+    POOL.trim()
     if _DEFERRED is not None:
         _DEFERRED.wait()
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
+from mconvert.convert.io import buffers
 from mconvert.convert.io.hashing import DIRECT_MIN_BYTES, HashingFile, numel, tensor_bytes
 from mconvert.convert.io.paths import open_regular, owned_fd
 from mconvert.errors import MConvertError
@@ -96,7 +97,7 @@ def decode_header(prefix: bytes, read: Any, size: int) -> tuple[int, dict[str, E
 
 
 class SafetensorsReader:
-    """One safetensors file read tensor by tensor with pread into fresh memory — not through a mapping of the
+    """One safetensors file read tensor by tensor with pread into reused memory — not through a mapping of the
     whole file, whose touched pages would count in the resident set until unmapped."""
 
     def __init__(self, path: Path) -> None:
@@ -121,9 +122,9 @@ class SafetensorsReader:
         return torch.empty(shape, dtype=dtype, device="meta")
 
     def get(self, key: str) -> torch.Tensor:
-        """The tensor `key`, read with pread into new memory."""
+        """The tensor `key`, read with pread into pooled memory (`buffers.empty`)."""
         a, dtype, shape = self.entries[key]
-        t = torch.empty(shape, dtype=dtype)
+        t = buffers.empty(shape, dtype)
         mv = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         got = 0
         while got < len(mv):

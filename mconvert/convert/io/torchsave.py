@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io import repickle
+from mconvert.convert.io import buffers, repickle
 from mconvert.convert.io.hashing import Checksum, HashingFile, crc32, numel, tensor_bytes
 from mconvert.convert.io.paths import owned_fd
 from mconvert.convert.io.safeload import ZipRecords, zip_records
@@ -114,9 +114,9 @@ class TensorIndex:
             got += n
 
     def read(self, fd: int, key: str) -> torch.Tensor:
-        """The tensor `key`, read with one pread into new memory (its whole storage, then the same view)."""
+        """The tensor `key`, read with one pread into pooled memory (its whole storage, then the same view)."""
         off, dtype, shape, stride, soff, nbytes = self.entries[key]
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = buffers.empty((nbytes,), torch.uint8)
         self._pread(fd, key, memoryview(buf.numpy()), off)
         typed = buf.view(dtype)
         if soff == 0 and list(stride) == contiguous_strides(shape) and typed.numel() == numel(shape):

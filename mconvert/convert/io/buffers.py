@@ -1,0 +1,144 @@
+"""Reused, resident memory for the tensors a conversion reads and re-lays: no fresh pages per tensor.
+
+A new buffer costs a page fault and a zeroed page per 4 KiB on first touch (on a VM that returns freed memory
+to its host, a host-side fault as well), and the bytes a conversion reads or merges are written exactly once
+before they are used, so the zeroing buys nothing. `empty(shape, dtype)` hands out a tensor over a slot of a
+process-wide pool of anonymous mappings; the slot goes back to the pool when the last tensor viewing it is
+freed (its numpy owner's finalizer), never before: every view, the writer's queued bytes included, holds the
+owner. The pool holds at most as many bytes as were ever live at once, so it never raises the peak
+resident set (idle slots are unmapped, least recently used first, to stay within it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+from collections import OrderedDict, deque
+
+import numpy
+import torch
+
+MIN_BYTES = 1 << 20  # smaller tensors come from the allocator: their pages are reused by malloc already
+_PAGE = mmap.PAGESIZE
+
+
+class BufferPool:
+    """Slots of anonymous memory, each reused for tensors of (about) its size.
+
+    Bytes are accounted per slot: `live` are lent out, `idle` wait in the pool; `live + idle` never exceeds
+    the largest `live` seen, which is what the process's own allocator would have held at that moment."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[int, mmap.mmap] = OrderedDict()  # id -> slot, least recently returned first
+        self._returned: deque[mmap.mmap] = deque()  # freed by a finalizer, not yet idle
+        self.live = 0
+        self.idle = 0
+        self.high = 0  # the largest `live` so far
+        self.reused = 0  # slots handed out again (tests, bench)
+        self.mapped = 0  # slots created
+
+    def empty(self, shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of `shape` and `dtype` over a pooled slot."""
+        shape = tuple(int(d) for d in shape)
+        n = torch.Size(shape).numel() * dtype.itemsize
+        slot = self._take(n)
+        owner = numpy.frombuffer(slot, dtype=numpy.uint8, count=n) if n else numpy.empty(0, numpy.uint8)
+        weakref.finalize(owner, self._give, slot)
+        return torch.from_numpy(owner).view(dtype).view(shape)
+
+    def _take(self, n: int) -> mmap.mmap:
+        size = max(_PAGE, -(-n // _PAGE) * _PAGE)
+        with self._lock:
+            self._drain()
+            best = next((k for k, s in reversed(self._idle.items()) if len(s) == size), None)
+            if best is not None:
+                slot = self._idle.pop(best)
+                self.idle -= len(slot)
+                self.live += len(slot)
+                self.reused += 1
+                self.high = max(self.high, self.live)
+                return slot
+            self.live += size
+            self.high = max(self.high, self.live)
+            while self._idle and self.live + self.idle > self.high:
+                _, old = self._idle.popitem(last=False)
+                self.idle -= len(old)
+                del old  # unmapped with its last reference (a dying view may still hold it a moment)
+            self.mapped += 1
+        # private: anonymous shared memory is shmem, where transparent huge pages are usually off
+        slot = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if size >= (2 << 20) and hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
+            try:
+                slot.madvise(mmap.MADV_HUGEPAGE)  # as torch's own large buffers under the CLI: fewer faults
+            except OSError:
+                pass
+        return slot
+
+    def _give(self, slot: mmap.mmap) -> None:
+        """(finalizer) The last tensor over `slot` is gone: keep it for the next tensor of its size. A finalizer
+        can run inside `_take` (a garbage collection while the lock is held), so the slot is queued and
+        taken in whenever the lock is free."""
+        self._returned.append(slot)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        """(lock held) Move the returned slots to the idle ones."""
+        while self._returned:
+            slot = self._returned.popleft()
+            self.live -= len(slot)
+            self._idle[id(slot)] = slot
+            self.idle += len(slot)
+
+    def trim(self) -> None:
+        """Unmap every idle slot (the conversion is done); the next conversion's bound starts from what is lent
+        now."""
+        with self._lock:
+            self._drain()
+            self._idle.clear()  # each slot is unmapped with its last reference
+            self.idle = 0
+            self.high = self.live
+
+
+POOL = BufferPool()
+
+
+def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty(shape, dtype=dtype)` for a tensor whose every byte is written before it is read: from the
+    pool when it is large (`MIN_BYTES`), else from torch's allocator. `MCONVERT_NO_BUFFER_POOL=1` turns the pool
+    off."""
+    n = torch.Size(tuple(shape)).numel() * dtype.itemsize
+    if n < MIN_BYTES or _DISABLED:
+        return torch.empty(tuple(shape), dtype=dtype)
+    return POOL.empty(shape, dtype)
+
+
+_DISABLED = bool(os.environ.get("MCONVERT_NO_BUFFER_POOL"))
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t.contiguous()`, the copy (when one is needed) in pooled memory: a row-split shard a writer streams."""
+    if t.is_contiguous():
+        return t
+    out = empty(tuple(t.shape), t.dtype)
+    out.copy_(t)
+    return out
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` (2-D) with the same values laid out column-major (its `.t()` contiguous) in pooled memory, so the
+    transpose its consumer makes next (GPT-2's Conv1D) is free and its bytes land in reused pages; any
+    other tensor as it is."""
+    from mconvert.mappings.transforms import copy_transposed
+
+    if t.dim() != 2 or t.t().is_contiguous():
+        return t
+    dst = empty((t.shape[1], t.shape[0]), t.dtype)
+    copy_transposed(dst, t)
+    return dst.t()

@@ -1,0 +1,163 @@
+"""The pool of reused read and merge buffers (`io.buffers`): a slot is never handed out again while any tensor,
+view or queued write still uses it; it is reused once free; the pool never holds more than was live at once;
+and conversions with every tensor pooled write the same bytes as with the pool off."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert.convert.io import buffers
+from mconvert.convert.io.buffers import BufferPool
+from mconvert.convert.io.hashing import HashingFile, tensor_bytes
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+def test_a_viewed_slot_is_not_recycled() -> None:
+    """After the tensor is dropped, a view of it (a row, a transpose, a numpy array, a memoryview) keeps its
+    slot: tensors taken meanwhile lie elsewhere and writing them leaves the view's bytes as they were."""
+    pool = BufferPool()
+    views = {"row": lambda x: x[7:9], "t": lambda x: x.t(), "numpy": lambda x: x.numpy(),
+             "memoryview": tensor_bytes}
+    back = {"row": lambda v: v, "t": lambda v: v.t(), "numpy": torch.from_numpy,
+            "memoryview": lambda v: torch.frombuffer(v, dtype=torch.float32).view(256, 1024)}
+    for keep in views:
+        t = pool.empty((256, 1024), torch.float32)
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(256, 1024))
+        want = t.clone()[7:9] if keep == "row" else t.clone()
+        view = views[keep](t)
+        lo, hi = _span(t)
+        del t
+        gc.collect()
+        others = [pool.empty((256, 1024), torch.float32) for _ in range(3)]
+        for o in others:
+            a, b = _span(o)
+            assert b <= lo or a >= hi, f"{keep}: a slot still viewed was handed out again"
+            o.fill_(-1.0)
+        assert torch.equal(back[keep](view), want), f"{keep}: the view's bytes changed"
+        del view, others
+        gc.collect()
+
+
+def test_a_freed_slot_is_reused_and_the_pool_stays_within_its_peak() -> None:
+    """Once no view is left, the next tensor of that size takes the same memory; live + idle bytes never
+    exceed the most bytes ever live at once (idle slots of other sizes are unmapped to stay within it)."""
+    pool = BufferPool()
+    a = pool.empty((1 << 20,), torch.uint8)
+    ptr = a.data_ptr()
+    del a
+    gc.collect()
+    b = pool.empty((1 << 20,), torch.uint8)
+    assert b.data_ptr() == ptr and pool.reused == 1 and pool.mapped == 1
+    del b
+    sizes = [3 << 20, 1 << 20, 5 << 20, 3 << 20, 8 << 20, 1 << 20, 2 << 20]
+    live: list[torch.Tensor] = []
+    for i, n in enumerate(sizes * 3):
+        live.append(pool.empty((n,), torch.uint8))
+        if i % 2:
+            live.pop(0)
+        gc.collect()
+        assert pool.live + pool.idle <= pool.high
+        assert pool.live >= sum(t.numel() for t in live)
+    del live
+    gc.collect()
+    assert pool.live == 0 and pool.idle <= pool.high
+    pool.trim()
+    assert pool.idle == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_queued_write_keeps_its_slot(tmp_path: Path) -> None:
+    """A pooled tensor queued on a HashingFile and dropped by the caller is written with its own bytes, even
+    when the writer gets to it only after new pooled tensors of the same size were taken and overwritten."""
+    pool = BufferPool()
+    go = threading.Event()
+    f = HashingFile(tmp_path / "x.bin", algorithm="sha256")
+    f.write_later(lambda: (go.wait(30), b"")[1])  # holds the writer thread until the overwrites are done
+    t = pool.empty((1 << 20,), torch.uint8)
+    t.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
+    want = bytes(tensor_bytes(t))
+    f.write(tensor_bytes(t), keep=t)
+    del t
+    gc.collect()
+    others = [pool.empty((1 << 20,), torch.uint8) for _ in range(2)]
+    for o in others:
+        o.fill_(0xAB)
+    go.set()
+    digest = f.close()
+    assert (tmp_path / "x.bin").read_bytes() == want
+    assert digest == hashlib.sha256(want).hexdigest()
+
+
+def test_empty_gives_the_asked_shape_dtype_and_memory() -> None:
+    """Pooled or not (below `MIN_BYTES`), `empty` is a contiguous CPU tensor of the asked shape and dtype whose
+    bytes are writable."""
+    for shape, dtype in [((3, 5), torch.float32), ((1024, 1024), torch.bfloat16), ((600, 700), torch.float32),
+                         ((0, 4), torch.float32), ((1 << 20,), torch.int8)]:
+        t = buffers.empty(shape, dtype)
+        assert tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+        if t.numel():
+            t.fill_(1)
+            assert bool((t == 1).all())
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mconvert.trainer.train import TrainConfig, train
+
+    ck = tmp_path_factory.mktemp("pool") / "ck"
+    train(TrainConfig(preset="tiny-gpt2", tp=2, pp=2, steps=1, save=str(ck), force=True, quiet=True, device="cpu"))
+    return ck
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.timeout(300)
+def test_conversions_with_every_tensor_pooled_write_the_same_bytes(small_ckpt: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-to-hf, hf-to-megatron and reshard with every read and merge buffer taken from the pool (and
+    reused: the small model's tensors all qualify) write the very files, manifest included, that they write
+    with the pool off."""
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+
+    def run(tag: str) -> dict[str, dict[str, bytes]]:
+        megatron_to_hf(small_ckpt, tmp_path / tag / "hf")
+        hf_to_megatron(tmp_path / tag / "hf", tmp_path / tag / "mg", tp=1, pp=2)
+        reshard(small_ckpt, tmp_path / tag / "rs", tp=1, pp=1)
+        return {k: _tree(tmp_path / tag / k) for k in ("hf", "mg", "rs")}
+
+    monkeypatch.setattr(buffers, "_DISABLED", True)
+    off = run("off")
+    monkeypatch.setattr(buffers, "_DISABLED", False)
+    monkeypatch.setattr(buffers, "MIN_BYTES", 1)
+    before = buffers.POOL.reused
+    on = run("on")
+    assert buffers.POOL.reused > before, "the conversions took nothing from the pool"
+    assert buffers.POOL.idle == 0, "a finished conversion left idle buffers mapped"
+    for k in off:
+        assert off[k].keys() == on[k].keys() and off[k] == on[k], f"{k}: pooled buffers changed the output"
+
+
+@pytest.mark.timeout(30)
+def test_a_slot_freed_while_the_pool_is_locked_is_taken_back_later() -> None:
+    """A tensor freed while the pool's lock is held (a garbage collection inside the pool's own bookkeeping)
+    neither deadlocks nor loses its slot: the next request of that size gets it."""
+    pool = BufferPool()
+    t = pool.empty((1 << 20,), torch.uint8)
+    ptr = t.data_ptr()
+    with pool._lock:
+        del t  # its finalizer runs here, on this thread, with the lock held
+        gc.collect()
+    again = pool.empty((1 << 20,), torch.uint8)
+    assert again.data_ptr() == ptr and pool.reused == 1 and pool.mapped == 1
