@@ -140,5 +140,5 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
     if t.dim() != 2 or t.t().is_contiguous():
         return t
     dst = empty((t.shape[1], t.shape[0]), t.dtype)
-    copy_transposed(dst, t)
+    copy_transposed(t, out=dst)
     return dst.t()
