@@ -21,7 +21,7 @@ import pytest
 import torch
 from mcore_ref import McoreContext, run_mcore
 from test_external_mcore import SPECS
-from test_torch_dist_write import _load_go_on, _on_cpu, _train_save_go_on
+from test_torch_dist_write import _load_go_on, _train_save_go_on, cpu_patches
 
 from mconvert.convert import dp_buckets
 from mconvert.convert.driver import reshard
@@ -33,22 +33,6 @@ ITER = "iter_0000002"
 DP = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def _cpu_patches() -> None:
-    """The test-only CPU patches of `test_torch_dist_write._dist_optimizer` (tensors asked for on 'cuda' made on
-    the CPU; `Tensor.type()` with the CUDA names the optimizer checks)."""
-    for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
-        setattr(torch, name, _on_cpu(getattr(torch, name)))
-    plain_type = torch.Tensor.type
-
-    def cuda_type(self, *a, **k):
-        r = plain_type(self, *a, **k)
-        if not a and not k and isinstance(r, str) and r.startswith("torch.") and not r.startswith("torch.cuda."):
-            return "torch.cuda." + r[len("torch."):]
-        return r
-
-    torch.Tensor.type = cuda_type
-
-
 def _mcore_buckets(ctx: McoreContext, ddp_kw: dict) -> tuple:
     """megatron-core's own buffers and distributed optimizer for this rank's chunks (DDP per chunk, bucketing
     off after the first, as Megatron-LM builds them): (dp_group_idx, per_bucket_numel_unpadded, per_bucket_numel,
@@ -56,7 +40,7 @@ def _mcore_buckets(ctx: McoreContext, ddp_kw: dict) -> tuple:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    _cpu_patches()
+    cpu_patches()
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp_kw)
     ddps = [DistributedDataParallel(m.config, cfg, m, disable_bucketing=c > 0) for c, m in enumerate(ctx.models)]
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), ddps)

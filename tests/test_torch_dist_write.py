@@ -244,13 +244,9 @@ def _on_cpu(fn):
     return wrapped
 
 
-def _dist_optimizer(ctx: McoreContext):
-    """megatron-core's DDP + DistributedOptimizer (Adam) around the rank's model, on CPU. Test-only patches in
-    the child process: tensors asked for on 'cuda' are made on the CPU, and `Tensor.type()` answers with the
-    CUDA type names the optimizer checks its parameters against."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
+def cpu_patches() -> None:
+    """Test-only patches in a megatron-core child process: tensors asked for on 'cuda' are made on the CPU, and
+    `Tensor.type()` answers with the CUDA type names the distributed optimizer checks its parameters against."""
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     plain_type = torch.Tensor.type
@@ -262,6 +258,16 @@ def _dist_optimizer(ctx: McoreContext):
         return r
 
     torch.Tensor.type = cuda_type
+
+
+def _dist_optimizer(ctx: McoreContext):
+    """megatron-core's DDP + DistributedOptimizer (Adam) around the rank's model, on CPU. Test-only patches in
+    the child process: tensors asked for on 'cuda' are made on the CPU, and `Tensor.type()` answers with the
+    CUDA type names the optimizer checks its parameters against."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cpu_patches()
     ddp = DistributedDataParallel(ctx.model.config, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                                   grad_reduce_in_fp32=True), ctx.model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [ddp])
