@@ -41,6 +41,9 @@ def _mcore_buckets(ctx: McoreContext, ddp_kw: dict) -> tuple:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     cpu_patches()
+    if "num_buckets" in ddp_kw:  # Megatron-LM's --ddp-num-buckets: this rank's parameter count over it
+        n = sum(p.numel() for m in ctx.models for p in m.parameters())
+        ddp_kw = {**{k: v for k, v in ddp_kw.items() if k != "num_buckets"}, "bucket_size": n // ddp_kw["num_buckets"]}
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True, **ddp_kw)
     ddps = [DistributedDataParallel(m.config, cfg, m, disable_bucketing=c > 0) for c, m in enumerate(ctx.models)]
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), ddps)
@@ -72,6 +75,7 @@ LAYOUTS = {
     "llama-tp2-pp2-buckets": (SPECS["llama"], 2, 2, None, {"overlap_grad_reduce": True, "bucket_size": 30000}),
     "qwen3-busbw": (preset("tiny-qwen3"), 1, 1, None, {"overlap_grad_reduce": True, "bucket_size": 50000,
                                                        "pad_buckets_for_high_nccl_busbw": True}),
+    "llama4-tp2-pp2-vpp2-num-buckets": (SPECS["llama4"], 2, 2, 2, {"overlap_grad_reduce": True, "num_buckets": 3}),
 }
 
 
@@ -83,8 +87,10 @@ def test_rebuilt_buckets_are_megatron_cores(case: str) -> None:
     each bucket, bucket sizes unpadded and padded, and the domain index its optimizer saves under."""
     spec, tp, pp, vpp, kw = LAYOUTS[case]
     got = run_mcore(spec, tp, _mcore_buckets, (kw,), pp=pp, vpp=vpp)
-    ddp = dp_buckets.DdpSettings(1, kw.get("bucket_size") if kw.get("overlap_grad_reduce") else None,
-                                 kw.get("pad_buckets_for_high_nccl_busbw", False))
+    args = {"overlap_grad_reduce": kw.get("overlap_grad_reduce"), "ddp_bucket_size": kw.get("bucket_size"),
+            "ddp_num_buckets": kw.get("num_buckets"),
+            "ddp_pad_buckets_for_high_nccl_busbw": kw.get("pad_buckets_for_high_nccl_busbw")}
+    ddp = dp_buckets.ddp_settings(args)  # from Megatron-LM's args, as a checkpoint's common.pt holds them
     layout = dp_buckets.domain_layout(spec, tp, pp, vpp, ddp)
     dtype = (torch.float32, torch.float32)
     assert sorted(r[0] for r in got) == sorted(layout)
@@ -93,7 +99,7 @@ def test_rebuilt_buckets_are_megatron_cores(case: str) -> None:
         assert unpadded == [{dtype: [b.numel_unpadded for b in buf]} for buf in mine], idx
         assert padded == [{dtype: [b.numel for b in buf]} for buf in mine], idx
         assert buffers == [[[(s.name, s.start, s.end) for s in b.slots] for b in buf] for buf in mine], idx
-    if kw.get("bucket_size"):
+    if kw.get("bucket_size") or kw.get("num_buckets"):
         assert len(layout[0][0]) > 1  # the case exercises several buckets
 
 

@@ -61,11 +61,13 @@ class Bucket:
 @dataclass(frozen=True)
 class DdpSettings:
     """The DDP settings that change the buckets: the data-parallel size (only the padded sizes), the bucket size
-    (None: one bucket per buffer) and the NCCL bus-bandwidth padding."""
+    (None: one bucket per buffer), the NCCL bus-bandwidth padding, and `--ddp-num-buckets` (the bucket size is
+    then the first stage's parameter count on one rank divided by it)."""
 
     dp: int = 1
     bucket_size: int | None = None
     pad_for_busbw: bool = False
+    num_buckets: int | None = None
 
 
 def ddp_settings(args: dict[str, Any]) -> DdpSettings:
@@ -75,10 +77,13 @@ def ddp_settings(args: dict[str, Any]) -> DdpSettings:
     dp = int(args.get("data_parallel_size") or 1)
     shards = dp * int(args.get("context_parallel_size") or 1) // int(args.get("num_distributed_optimizer_instances")
                                                                      or 1)
-    bucket = None
+    bucket = num_buckets = None
     if args.get("overlap_grad_reduce") and not args.get("overlap_param_gather_with_optimizer_step"):
-        bucket = int(args.get("ddp_bucket_size") or max(DEFAULT_MIN_BUCKET, 1_000_000 * dp))
-    return DdpSettings(max(shards, 1), bucket, bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")))
+        if args.get("ddp_num_buckets"):
+            num_buckets = int(args["ddp_num_buckets"])
+        else:
+            bucket = int(args.get("ddp_bucket_size") or max(DEFAULT_MIN_BUCKET, 1_000_000 * dp))
+    return DdpSettings(max(shards, 1), bucket, bool(args.get("ddp_pad_buckets_for_high_nccl_busbw")), num_buckets)
 
 
 def _pad(n: int, divisor: int) -> int:
@@ -179,11 +184,15 @@ def domain_layout(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ddp: DdpSe
     """{dp_group_idx: [buckets of each buffer]} for a TP×PP(×VPP) layout: one buffer per model chunk (one dtype),
     bucketed only in the first chunk of the first stage (DDP gives later stages and chunks no bucket_size)."""
     rows = vocab_rows if vocab_rows is not None else spec.padded_vocab_size(tp)
+    first = ddp.bucket_size
+    if ddp.num_buckets:  # Megatron-LM: the parameters of every chunk on one first-stage rank, divided
+        first = sum(math.prod(shape) for c in range(vpp or 1)
+                    for _, shape, _ in chunk_params(spec, tp, pp, vpp, 0, c, rows)) // ddp.num_buckets
     out: dict[int, list[list[Bucket]]] = {}
     for p in range(pp):
         buffers = []
         for c in range(vpp or 1):
-            size = ddp.bucket_size if p == 0 and c == 0 else None
+            size = first if p == 0 and c == 0 else None
             params = chunk_params(spec, tp, pp, vpp, p, c, rows)
             buffers.append(buffer_buckets(params, size, ddp.dp, ddp.pad_for_busbw))
         for t in range(tp):
