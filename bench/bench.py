@@ -74,9 +74,22 @@ def peer_script() -> Path:
 
 
 # ---- the commands measured --------------------------------------------------------------------------
+# the fixed cost every conversion process pays before its first byte: the interpreter with torch, and the
+# engine's modules on top (the CLI imports them only for a conversion verb)
+STARTUP = {"import-torch": "import torch", "import-engine": "import mconvert.convert.driver"}
+
+
+def converts(label: str) -> bool:
+    """Whether the row `label` is a conversion (not cp, not a start-up row)."""
+    return not label.startswith(("cp", "start-up"))
+
+
 def op_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
     """The command line of one measured operation, ended by `sync -f OUT`: every row pays for getting its
-    bytes to the disk (cp's sit dirty in the page cache when cp exits; ours go out with O_DIRECT)."""
+    bytes to the disk (cp's sit dirty in the page cache when cp exits; ours go out with O_DIRECT). The
+    start-up rows write nothing."""
+    if op in STARTUP:
+        return [sys.executable, "-c", STARTUP[op]]
     return ["sh", "-c", '"$@" && sync -f "$0"', str(out), *_bare_command(op, src, out, workers)]
 
 
@@ -288,6 +301,7 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
     if "torchrun" not in skip:
         jobs += [(f"megatron-to-hf {TORCHRUN_SHARD} shards", "megatron-to-hf-shards", ckpt),
                  (f"megatron-to-hf {TORCHRUN_SHARD} shards, torchrun 2 processes", "megatron-to-hf-torchrun2", ckpt)]
+    jobs += [("start-up: import torch", "import-torch", ckpt), ("start-up: import the engine", "import-engine", ckpt)]
     ops = measure_rounds(jobs, work, a.repeats, a.workers, keep=("megatron-to-hf",))
     cp, cp_cpu = ops["cp"]["wall_s"], ops["cp"]["cpu_s"]
     for r in ops.values():
@@ -332,29 +346,32 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         for n in [int(x) for x in a.depth.split(",") if x]:
             d_ckpt = work / f"ckpt-{n}"
             b = build_checkpoint(a.preset, n, d_ckpt)
-            d = measure_rounds([("megatron-to-hf", "megatron-to-hf", d_ckpt), ("reshard", "reshard", d_ckpt)],
-                               work, a.depth_repeats, a.workers, keep=("megatron-to-hf",))
+            d = measure_rounds([("cp", "cp", d_ckpt), ("megatron-to-hf", "megatron-to-hf", d_ckpt),
+                                ("reshard", "reshard", d_ckpt)], work, a.depth_repeats, a.workers,
+                               keep=("megatron-to-hf",))
             d_hf = work / f"hf-{n}"
             shutil.rmtree(d_hf, ignore_errors=True)
             shutil.copytree(work / "out-megatron-to-hf", d_hf, ignore=shutil.ignore_patterns("mconvert-manifest.json"))
             shutil.rmtree(work / "out-megatron-to-hf", ignore_errors=True)
             d.update(measure_rounds([("hf-to-megatron", "hf-to-megatron", d_hf)], work, a.depth_repeats, a.workers))
-            depth[str(n)] = {"layers": n, "bytes": b["bytes"], "megatron-to-hf": d["megatron-to-hf"],
+            depth[str(n)] = {"layers": n, "bytes": b["bytes"], "cp": d["cp"], "megatron-to-hf": d["megatron-to-hf"],
                              "reshard": d["reshard"], "hf-to-megatron": d["hf-to-megatron"]}
             shutil.rmtree(d_ckpt, ignore_errors=True)
             shutil.rmtree(d_hf, ignore_errors=True)
         report["depth"] = dict(sorted(depth.items(), key=lambda kv: kv[1]["layers"]))
         report["marginal_s_per_gb"] = marginal(report["depth"])
+        report["marginal_cpu_s_per_gb"] = marginal(report["depth"], "cpu_s")
     report["targets"] = targets(report)
 
 
-def marginal(depth: dict[str, Any]) -> dict[str, float]:
-    """Seconds per extra GB of checkpoint, from the smallest and largest depth (the start-up cost cancels)."""
+def marginal(depth: dict[str, Any], figure: str = "wall_s") -> dict[str, float]:
+    """Seconds (wall, or CPU with `figure="cpu_s"`) per extra GB of checkpoint, from the smallest and largest
+    depth: the start-up cost cancels. cp's own is what the disk takes per GB in the same run."""
     rows = list(depth.values())
     lo, hi = rows[0], rows[-1]
     extra = (hi["bytes"] - lo["bytes"]) / GB
-    return {op: (hi[op]["wall_s"] - lo[op]["wall_s"]) / extra
-            for op in ("megatron-to-hf", "reshard", "hf-to-megatron") if op in lo and op in hi and extra > 0}
+    return {op: (hi[op][figure] - lo[op][figure]) / extra
+            for op in ("cp", "megatron-to-hf", "reshard", "hf-to-megatron") if op in lo and op in hi and extra > 0}
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -368,7 +385,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     limit = 2 * model["largest_unit_bytes"] + 0.5 * GB
     strict = 2 * model["largest_layer_bytes"] + 0.5 * GB
     # a torchrun row's RSS is its process tree (the agent and every worker): the per-process limits do not apply
-    conv = {k: v for k, v in ops.items() if not k.startswith("cp") and "torchrun" not in k}
+    conv = {k: v for k, v in ops.items() if converts(k) and "torchrun" not in k}
     if "peer" in report:
         conv["hf-to-megatron"] = report["peer"]["hf-to-megatron"]
     for k, v in conv.items():
@@ -388,7 +405,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             out.append(target(f"{op} time at most linear in depth (time ratio {hi['layers']}/{lo['layers']} layers "
                               "÷ bytes ratio ≤ 1.3)", lin, 1.3, lin <= 1.3, "×"))
     for op, v in report.get("marginal_s_per_gb", {}).items():
-        if op != "reshard":
+        if op not in ("reshard", "cp"):
             out.append(target(f"{op} marginal cost ≤ 1.0 s/GB", v, 1.0, v <= 1.0, "s/GB"))
     one, two = (ops.get(f"megatron-to-hf {TORCHRUN_SHARD} shards"),
                 ops.get(f"megatron-to-hf {TORCHRUN_SHARD} shards, torchrun 2 processes"))
@@ -436,14 +453,14 @@ def print_report(report: dict[str, Any]) -> None:
         console.print(t)
     if "depth" in report:
         if report.get("marginal_s_per_gb"):
-            console.print("marginal cost: " + ", ".join(f"{op} {v:.2f} s/GB"
-                                                          for op, v in report["marginal_s_per_gb"].items()))
+            console.print(marginal_line(report))
         t = Table(title="depth scaling (same width)")
-        for c in ("layers", "ckpt GB", "m2h s", "m2h s/GB", "m2h RSS GB", "reshard s", "reshard s/GB", "reshard RSS GB"):
+        for c in ("layers", "ckpt GB", "cp s", "m2h s", "m2h s/GB", "m2h RSS GB", "reshard s", "reshard s/GB",
+                  "reshard RSS GB"):
             t.add_column(c, justify="right")
         for d in report["depth"].values():
             gbs = d["bytes"] / GB
-            t.add_row(str(d["layers"]), f"{gbs:.2f}",
+            t.add_row(str(d["layers"]), f"{gbs:.2f}", f"{d['cp']['wall_s']:.2f}" if "cp" in d else "",
                       f"{d['megatron-to-hf']['wall_s']:.2f}", f"{d['megatron-to-hf']['wall_s'] / gbs:.2f}",
                       f"{d['megatron-to-hf']['peak_rss'] / GB:.2f}",
                       f"{d['reshard']['wall_s']:.2f}", f"{d['reshard']['wall_s'] / gbs:.2f}",
@@ -456,6 +473,14 @@ def print_report(report: dict[str, Any]) -> None:
         t.add_row(x["target"], f"{x['value']:.2f} {x['unit']}", f"{x['limit']:.2f}",
                   "[green]pass[/]" if x["pass"] else "[red]FAIL[/]")
     console.print(t)
+
+
+def marginal_line(report: dict[str, Any]) -> str:
+    """The marginal costs in one sentence: wall per extra GB (cp's is the disk's), and CPU per extra GB."""
+    wall, cpu = report["marginal_s_per_gb"], report.get("marginal_cpu_s_per_gb", {})
+    parts = [f"{op} {v:.2f} s/GB" + (f" ({cpu[op]:.2f} CPU s/GB)" if op in cpu else "") for op, v in wall.items()]
+    return "Marginal cost (seconds per extra GB, smallest to largest depth; cp's is the disk's own): " + \
+        ", ".join(parts) + "."
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -488,17 +513,17 @@ def markdown(report: dict[str, Any]) -> str:
                      f"**{p['rss_fraction']:.2f}× the RSS** |")
     if "depth" in report:
         lines += ["", "Depth scaling (same width):", "",
-                  "| layers | ckpt GB | megatron-to-hf s | s/GB | RSS GB | reshard s | s/GB | RSS GB |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| layers | ckpt GB | cp s | megatron-to-hf s | s/GB | RSS GB | reshard s | s/GB | RSS GB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for d in report["depth"].values():
             gbs = d["bytes"] / GB
             h, r = d["megatron-to-hf"], d["reshard"]
-            lines.append(f"| {d['layers']} | {gbs:.2f} | {h['wall_s']:.2f} | {h['wall_s'] / gbs:.2f} | "
+            cp_s = f"{d['cp']['wall_s']:.2f}" if "cp" in d else ""
+            lines.append(f"| {d['layers']} | {gbs:.2f} | {cp_s} | {h['wall_s']:.2f} | {h['wall_s'] / gbs:.2f} | "
                          f"{h['peak_rss'] / GB:.2f} | {r['wall_s']:.2f} | {r['wall_s'] / gbs:.2f} | "
                          f"{r['peak_rss'] / GB:.2f} |")
     if report.get("marginal_s_per_gb"):
-        lines += ["", "Marginal cost (seconds per extra GB, smallest to largest depth): " + ", ".join(
-            f"{op} {v:.2f} s/GB" for op, v in report["marginal_s_per_gb"].items()) + "."]
+        lines += ["", marginal_line(report)]
     lines += ["", "| target | measured | limit | |", "|---|---:|---:|---|"]
     for x in report["targets"]:
         lines.append(f"| {x['target']} | {x['value']:.2f} {x['unit']} | {x['limit']:.2f} | "
@@ -511,7 +536,7 @@ def save(report: dict[str, Any]) -> None:
     if "ops" not in report:
         return
     ops = report["ops"]
-    conv = {k: v for k, v in ops.items() if not k.startswith("cp")}
+    conv = {k: v for k, v in ops.items() if converts(k)}
     if "peer" in report:
         conv["hf-to-megatron"] = report["peer"]["hf-to-megatron"]
     spec = get_preset(report["preset"]).replace(num_layers=report["model"]["layers"],

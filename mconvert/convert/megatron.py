@@ -127,16 +127,16 @@ class MegatronSource(SourceBase):
             spec = spec.replace(bos_token_id=a.get("bos_token_id"), eos_token_id=a.get("eos_token_id"))
         self.spec = spec
         self.padded_vocab = a.get("padded_vocab_size")
-        del first
         spec.check_parallel(1, self.pp, self.vpp)
         self._keymaps: dict[tuple[int, int], dict[str, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}  # canonical name -> shape on TP rank 0 (as stored)
         for p in range(self.pp):  # validate every key of every stage before any work is done
-            st = checkpoint_dict(safe_load(self.files[(0, p)]), self.files[(0, p)])
+            st = first if p == 0 else checkpoint_dict(safe_load(self.files[(0, p)]), self.files[(0, p)])
             for c in range(self.vpp or 1):
                 self._keymaps[(p, c)] = self._keymap(st, p, c, self.files[(0, p)])
             self._remember(0, p, st)
             del st
+        del first
         self._check_sizes(a, str(first_file))
         self._check_ranks(a)  # safety: every other rank file agrees with TP rank 0 (args, keys, shapes)
         if self.ep > 1 and ep_rank is None:

@@ -302,7 +302,14 @@ class ZipRecords:
         raise _crc_refusal(self.path, name)
 
     def _check(self, starts: list[int]) -> None:
-        chunk = memoryview(bytearray(8 << 20))  # one buffer, not a mapping: mapped pages would stay resident
+        if starts:
+            self._check_records(starts)
+        if len(self.done) == len(self.entries):
+            _CRC_CHECKED.add(self.key)
+
+    def _check_records(self, starts: list[int]) -> None:
+        # one buffer, no larger than the largest record, and not a mapping: mapped pages would stay resident
+        chunk = memoryview(bytearray(min(8 << 20, max(self.entries[s][0] for s in starts))))
         with open(self.path, "rb", buffering=0) as f:
             for start in starts:
                 size, want, name = self.entries[start]
@@ -318,8 +325,6 @@ class ZipRecords:
                     raise _crc_refusal(self.path, name)
                 with self._lock:
                     self.done.add(start)
-        if len(self.done) == len(self.entries):
-            _CRC_CHECKED.add(self.key)
 
     def check_unclaimed(self, _path: Any = None) -> None:
         """(background thread) Once the file is claimed or released, check every record nobody claimed."""
