@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
     ap.add_argument("--depth", default="8,32", help="layer counts for the depth-scaling runs")
     ap.add_argument("--depth-repeats", type=int, default=2, help="runs per depth-scaling measurement (median)")
-    ap.add_argument("--skip", default="", help="comma list of: ft, workers, peer, depth, torchrun")
+    ap.add_argument("--skip", default="", help="comma list of: ft, workers, peer, depth, torchrun, passes")
     ap.add_argument("--workers", type=int, default=0, help="pass --workers N to our verbs (0: their default)")
     ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-100m at 4 layers, 1 repeat, depth 2,4")
     ap.add_argument("--work", type=Path, default=HERE / "work", help="scratch dir (deleted at the end)")
@@ -312,6 +312,8 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         r["cpu_s_per_gb"] = r["cpu_s"] / (ckpt_bytes / GB)
     report["ops"] = ops
     report["copy_bytes_per_s"] = ckpt_bytes / cp
+    if "passes" not in skip:
+        report["passes"] = pass_costs()
 
     hf_dir = Path(ops["megatron-to-hf"]["out_dir"])
     if "peer" not in skip:
@@ -362,6 +364,16 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         report["marginal_s_per_gb"] = marginal(report["depth"])
         report["marginal_cpu_s_per_gb"] = marginal(report["depth"], "cpu_s")
     report["targets"] = targets(report)
+
+
+def pass_costs() -> list[dict[str, Any]]:
+    """`passes.py` in its own process: the seconds per GB of each pass over the bytes, against a memory copy."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(HERE / "passes.py"), "--json"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench: passes.py failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout)
 
 
 def marginal(depth: dict[str, Any], figure: str = "wall_s") -> dict[str, float]:
@@ -466,6 +478,13 @@ def print_report(report: dict[str, Any]) -> None:
                       f"{d['reshard']['wall_s']:.2f}", f"{d['reshard']['wall_s'] / gbs:.2f}",
                       f"{d['reshard']['peak_rss'] / GB:.2f}")
         console.print(t)
+    if report.get("passes"):
+        t = Table(title="each pass over the bytes (64 MiB, one core; BLAKE3 on every core)")
+        for c in ("pass", "s/GB", "× memory copy"):
+            t.add_column(c, justify="left" if c == "pass" else "right")
+        for r in report["passes"]:
+            t.add_row(r["pass"], f"{r['s_per_gb']:.3f}", f"{r['x_copy']:.1f}")
+        console.print(t)
     t = Table(title="targets")
     for c in ("target", "measured", "limit", ""):
         t.add_column(c)
@@ -524,6 +543,10 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{r['peak_rss'] / GB:.2f} |")
     if report.get("marginal_s_per_gb"):
         lines += ["", marginal_line(report)]
+    if report.get("passes"):
+        lines += ["", "Each pass over the bytes (64 MiB in memory, one core; BLAKE3 on every core), against a memory "
+                  "copy:", "", "| pass | s/GB | × memory copy |", "|---|---:|---:|"]
+        lines += [f"| {r['pass']} | {r['s_per_gb']:.3f} | {r['x_copy']:.1f} |" for r in report["passes"]]
     lines += ["", "| target | measured | limit | |", "|---|---:|---:|---|"]
     for x in report["targets"]:
         lines.append(f"| {x['target']} | {x['value']:.2f} {x['unit']} | {x['limit']:.2f} | "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import random
 import zlib
@@ -15,7 +16,7 @@ import blake3
 import pytest
 
 from mconvert.convert.io.atomic import MANIFEST, check_manifest
-from mconvert.convert.io.hashing import HashingFile, crc32, set_manifest_hash
+from mconvert.convert.io.hashing import HashingFile, crc32, hash_file, set_manifest_hash
 from mconvert.errors import MConvertError
 from tests.safety_common import assert_one_line_error, base, copy_of, run_cli
 
@@ -73,6 +74,31 @@ def test_hashing_file_digest_is_the_reference_digest(tmp_path: Path, algorithm: 
     assert (tmp_path / "x").read_bytes() == want
     ref = blake3.blake3(want) if algorithm == "blake3" else hashlib.sha256(want)
     assert digest == ref.hexdigest()
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_hash_file_through_mappings_is_the_reference_digest(tmp_path: Path, algorithm: str) -> None:
+    """The mapped window (our own outputs) against hashlib / blake3 over the whole bytes: files shorter than,
+    equal to and across window boundaries, and empty."""
+    window = mmap.ALLOCATIONGRANULARITY
+    rng = random.Random(5)
+    for n in (0, 1, window - 1, window, window + 1, 3 * window + 17):
+        data = rng.randbytes(n)
+        path = tmp_path / f"f{n}"
+        path.write_bytes(data)
+        ref = blake3.blake3(data) if algorithm == "blake3" else hashlib.sha256(data)
+        assert hash_file(path, algorithm, chunk=window, mapped=True) == ref.hexdigest(), n
+        assert hash_file(path, algorithm, chunk=window) == ref.hexdigest(), n
+
+
+def test_hash_file_reads_where_the_file_cannot_be_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_a: object, **_k: object) -> None:
+        raise OSError(19, "No such device")  # ENODEV: what mmap(2) answers on a file system without mappings
+
+    data = random.Random(6).randbytes(100_000)
+    (tmp_path / "f").write_bytes(data)
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    assert hash_file(tmp_path / "f", "blake3", mapped=True) == blake3.blake3(data).hexdigest()
 
 
 # ---- manifests -----------------------------------------------------------------------------------------------

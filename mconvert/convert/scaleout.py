@@ -178,7 +178,7 @@ def _secondary(w: World, dist: Any) -> Iterator[Path]:
     known = digests_under(tmp)
     for p in sorted(mine - set(known)):  # a file written out of order has no streamed digest: hashed here, in
         if os.path.isfile(p):  # parallel with the other ranks, not by rank 0 alone
-            record_digest(p, hash_file(p, manifest_hash()))
+            record_digest(p, hash_file(p, manifest_hash(), mapped=True))
     digests = digests_under(tmp)
     files = sorted(str(Path(p).relative_to(top)) for p in mine | set(digests))
     _write_status(tmp, w.rank, {"ok": True, "digests": digests, "files": files, "crc": crc_tally()})

@@ -340,7 +340,7 @@ def _digest(path: Path, algorithm: str) -> str:
         st = path.stat()
         if (st.st_size, st.st_mtime_ns, algorithm) == known[:3]:
             return known[3]
-    return hash_file(path, algorithm)
+    return hash_file(path, algorithm, mapped=True)  # a file of the output being written (see hash_file)
 
 
 def write_manifest(root: Path, workers: int = 4, algorithm: str | None = None) -> Path:

@@ -88,15 +88,45 @@ def new_hasher(name: str) -> Any:
     return blake3.blake3(max_threads=blake3.blake3.AUTO)
 
 
-def hash_file(path: str | Path, name: str, chunk: int = 16 << 20) -> str:
-    """The hex digest of the file at `path` under manifest algorithm `name`, read through one reused buffer
-    (no mapping: mapped pages would stay resident)."""
+def hash_file(path: str | Path, name: str, chunk: int = 16 << 20, mapped: bool = False) -> str:
+    """The hex digest of the file at `path` under manifest algorithm `name`, read through one reused buffer.
+
+    `mapped=True` (for files of our own output only) hashes the page cache in place through a sliding window
+    of `chunk` bytes of mapping instead, without copying each byte into the buffer first: about twice the
+    speed. It is never used on an input: a mapping of a file another process truncates meanwhile faults
+    (SIGBUS) where a read returns short, and only a file inside the output being written is safe from
+    that. The window keeps at most `chunk` bytes mapped, so the resident set stays bounded."""
     h = new_hasher(name)
+    if mapped and _hash_mapped(path, h, chunk):
+        return h.hexdigest()
     buf = memoryview(bytearray(chunk))
     with open(path, "rb", buffering=0) as f:
         while k := f.readinto(buf):
             h.update(buf[:k])
     return h.hexdigest()
+
+
+def _hash_mapped(path: str | Path, h: Any, window: int) -> bool:
+    """Feed the file at `path` to `h` through read-only mappings of `window` bytes (a multiple of the page
+    size); False, with `h` untouched, where the file cannot be mapped (the caller then reads it)."""
+    window = max(mmap.ALLOCATIONGRANULARITY, window // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY)
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        pos = 0
+        while pos < size:
+            n = min(window, size - pos)
+            try:
+                view = mmap.mmap(f.fileno(), n, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=pos)
+            except (OSError, ValueError):
+                if pos == 0:
+                    return False  # a file system without mappings: read it instead
+                raise
+            try:
+                h.update(view)
+            finally:
+                view.close()
+            pos += n
+    return True
 
 
 DIRECT_MIN_BYTES = 256 << 20  # files planned at least this large are written with O_DIRECT (see HashingFile)
