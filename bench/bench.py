@@ -554,6 +554,22 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_byte_model(report: dict[str, Any]) -> dict[str, Any]:
+    """What `mconvert plan` needs to estimate a model of any size (empty without the depth rows): cp's
+    marginal bandwidth, each verb's marginal cost as a ratio to it, and each verb's start-up (its time at the
+    smallest depth less that depth's bytes at its marginal cost)."""
+    marg = report.get("marginal_s_per_gb") or {}
+    if not marg.get("cp", 0) > 0:
+        return {}
+    lo = next(iter(report["depth"].values()))
+    ops = [op for op in marg if op != "cp" and marg[op] > 0]
+    return {
+        "marginal_copy_bytes_per_s": GB / marg["cp"],
+        "marginal_ratio_to_cp": {op: marg[op] / marg["cp"] for op in ops},
+        "start_seconds": {op: max(0.0, lo[op]["wall_s"] - lo["bytes"] / GB * marg[op]) for op in ops},
+    }
+
+
 def save(report: dict[str, Any]) -> None:
     """The small bandwidth JSON `mconvert plan` reads, and the whole report beside this script."""
     if "ops" not in report:
@@ -573,6 +589,7 @@ def save(report: dict[str, Any]) -> None:
         "measured": report["machine"]["date"],
         "preset": report["preset"],
     }
+    bw.update(per_byte_model(report))
     path = bandwidth_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(bw, indent=1) + "\n")

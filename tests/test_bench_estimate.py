@@ -129,6 +129,44 @@ def test_bandwidth_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         load_bandwidth(tmp_path / "missing.json")
 
 
+def test_per_byte_model_from_the_depth_rows(tmp_path: Path) -> None:
+    """The bench turns its depth rows into start-up + marginal rates, and plan charges a model's bytes those
+    rates (not the whole-run ratio, which carries the small model's start-up into every byte)."""
+    sys.path.insert(0, str(BENCH))
+    import bench
+
+    def row(wall: float) -> dict:
+        return {"wall_s": wall, "cpu_s": wall}
+
+    # cp: 2 s/GB; megatron-to-hf: 5 s of start-up, then 3 s/GB (1.5 × cp per byte)
+    depth = {"8": {"layers": 8, "bytes": 2e9, "cp": row(4.0), "megatron-to-hf": row(5 + 6.0)},
+             "32": {"layers": 32, "bytes": 6e9, "cp": row(12.0), "megatron-to-hf": row(5 + 18.0)}}
+    report = {"depth": depth, "marginal_s_per_gb": bench.marginal(depth)}
+    model = bench.per_byte_model(report)
+    assert model["marginal_copy_bytes_per_s"] == pytest.approx(0.5e9)
+    assert model["marginal_ratio_to_cp"] == {"megatron-to-hf": pytest.approx(1.5)}
+    assert model["start_seconds"] == {"megatron-to-hf": pytest.approx(5.0)}
+    assert bench.per_byte_model({"depth": {}, "marginal_s_per_gb": {}}) == {}
+
+    p = tmp_path / "bw.json"
+    p.write_text(json.dumps({"copy_bytes_per_s": 1e9, "ratio_to_cp": {"megatron-to-hf": 4.0}, **model}))
+    bw = load_bandwidth(p)
+    spec = preset("llama3-405b")
+    est = estimate(spec, "hf", tp=8, pp=16, bandwidth=bw)
+    nbytes = max(est.read_bytes, est.write_bytes)
+    assert est.start_seconds == pytest.approx(5.0) and est.ratio_to_cp == pytest.approx(1.5)
+    assert est.expected_seconds == pytest.approx(5.0 + nbytes / 0.5e9 * 1.5)
+    other = estimate(spec, "megatron", tp=8, pp=16, target_tp=8, target_pp=8, bandwidth=bw)  # no marginal row
+    assert other.start_seconds == 0 and other.expected_seconds == pytest.approx(
+        max(other.read_bytes, other.write_bytes) / 1e9 * 2.5)
+    p.write_text(json.dumps({"copy_bytes_per_s": 1e9, **model, "start_seconds": {"megatron-to-hf": -1}}))
+    with pytest.raises(MConvertError, match="start_seconds holds a negative value"):
+        load_bandwidth(p)
+    p.write_text(json.dumps({"copy_bytes_per_s": 1e9, **model, "marginal_copy_bytes_per_s": 0}))
+    with pytest.raises(MConvertError, match="marginal_copy_bytes_per_s must be positive"):
+        load_bandwidth(p)
+
+
 def test_plan_verb_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 

@@ -70,6 +70,17 @@ def load_bandwidth(path: str | Path | None = None) -> dict[str, Any]:
     ratios = expect(data.get("ratio_to_cp") or {}, dict, f"{p}: ratio_to_cp", fix)
     out["ratio_to_cp"].update({k: float(expect(v, (int, float), f"{p}: ratio_to_cp.{k}", fix))
                                for k, v in ratios.items()})
+    # the per-byte model (a bench run with the depth rows): start-up seconds plus bytes at the marginal rates
+    if data.get("marginal_copy_bytes_per_s") is not None:
+        mbw = float(expect(data["marginal_copy_bytes_per_s"], (int, float), f"{p}: marginal_copy_bytes_per_s", fix))
+        if not mbw > 0:
+            raise MConvertError(f"{p}: marginal_copy_bytes_per_s must be positive, got {mbw}; {fix}")
+        out["marginal_copy_bytes_per_s"] = mbw
+        for key in ("marginal_ratio_to_cp", "start_seconds"):
+            table = expect(data.get(key) or {}, dict, f"{p}: {key}", fix)
+            out[key] = {k: float(expect(v, (int, float), f"{p}: {key}.{k}", fix)) for k, v in table.items()}
+            if any(not v >= 0 for v in out[key].values()):
+                raise MConvertError(f"{p}: {key} holds a negative value; {fix}")
     if data.get("base_rss_bytes"):
         out["base_rss_bytes"] = int(expect(data["base_rss_bytes"], (int, float), f"{p}: base_rss_bytes", fix))
     out["source"] = str(p)
@@ -268,6 +279,7 @@ class Estimate:
     expected_seconds: float
     ratio_to_cp: float
     bandwidth_source: str
+    start_seconds: float = 0.0  # the fixed part of `expected_seconds` (imports, opening the input)
     megatron_args: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     files: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -382,6 +394,13 @@ def estimate(
     write_bytes = sum(f["bytes"] for f in write)
     copy_bw = float(bw["copy_bytes_per_s"])
     ratio = float(bw["ratio_to_cp"].get(operation, DEFAULT_BANDWIDTH["ratio_to_cp"][operation]))
+    start = 0.0
+    marginal = bw.get("marginal_ratio_to_cp", {}).get(operation)
+    if marginal is not None and bw.get("marginal_copy_bytes_per_s"):
+        # measured at two depths: the start-up apart, and each byte at cp's marginal rate times this one's
+        # ratio to it; a whole-run ratio from a 3 GB model would charge a large model's bytes its start-up too
+        copy_bw, ratio = float(bw["marginal_copy_bytes_per_s"]), float(marginal)
+        start = float(bw.get("start_seconds", {}).get(operation, 0.0))
     at_copy = max(read_bytes, write_bytes) / copy_bw
     if sum(counts) != spec.num_layers:  # internal consistency of the stage split
         raise MConvertError(f"stage split {counts} does not add up to {spec.num_layers} layers")
@@ -402,9 +421,10 @@ def estimate(
         peak_memory_bytes=unit_total[largest] + int(bw["base_rss_bytes"]),
         copy_bytes_per_s=copy_bw,
         seconds_at_copy_speed=at_copy,
-        expected_seconds=at_copy * ratio,
+        expected_seconds=start + at_copy * ratio,
         ratio_to_cp=ratio,
         bandwidth_source=str(bw.get("source", "")),
+        start_seconds=start,
         megatron_args=margs,
         notes=notes,
         files={"read": read, "write": write},
@@ -516,7 +536,8 @@ def render_estimate(est: Estimate) -> Any:
     t.add_row("peak memory", _gb(est.peak_memory_bytes))
     t.add_row("copy bandwidth", f"{est.copy_bytes_per_s / GB:,.2f} GB/s ({est.bandwidth_source})")
     t.add_row("time at copy speed", f"{est.seconds_at_copy_speed / 60:,.1f} min")
-    t.add_row("expected time", f"{est.expected_seconds / 60:,.1f} min (× {est.ratio_to_cp:.2f} cp)")
+    start = f"{est.start_seconds:,.0f} s start-up + " if est.start_seconds else ""
+    t.add_row("expected time", f"{est.expected_seconds / 60:,.1f} min ({start}× {est.ratio_to_cp:.2f} cp)")
     so = est.scaleout
     if so:
         t.add_row("torchrun", f"{so['nodes']} node(s) × {so['procs_per_node']} processes "
