@@ -107,8 +107,9 @@ def hash_file(path: str | Path, name: str, chunk: int = 16 << 20, mapped: bool =
 
 
 def _hash_mapped(path: str | Path, h: Any, window: int) -> bool:
-    """Feed the file at `path` to `h` through read-only mappings of `window` bytes (a multiple of the page
-    size); False, with `h` untouched, where the file cannot be mapped (the caller then reads it)."""
+    """Feed the file at `path` to `h` through read-only mappings of `window` bytes (rounded down to the
+    mapping granularity, which every offset must be a multiple of); False, with `h` untouched, where the file
+    cannot be mapped (the caller then reads it)."""
     window = max(mmap.ALLOCATIONGRANULARITY, window // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY)
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
