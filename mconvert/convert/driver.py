@@ -28,7 +28,8 @@ from mconvert.convert.optimizer import index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
-from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, start_crc_checks, wait_crc_checks
+from mconvert.convert.io.safeload import (crc_in_background, input_check_figures, skip_crc_checks, start_crc_checks,
+                                          wait_crc_checks)
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
 from mconvert.convert.tokenizer import carry_to_megatron, find_carried_dir
@@ -102,6 +103,9 @@ def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Pa
             paths = drive(src, make_writer(tmp), verb, progress)
             wait_crc_checks()  # the input's CRC-32 / manifest, checked in the background, before the commit
             more = finish(tmp) if finish is not None else {}
+            checked = input_check_figures()
+            if checked is not None:
+                more["input_manifest"] = checked
             w = world()
             if w.size > 1:
                 more["processes"] = w.size

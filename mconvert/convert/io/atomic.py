@@ -19,13 +19,14 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.io.hashing import MANIFEST_HASHES, check_hash_name, hash_file, manifest_hash
+from mconvert.convert.io.hashing import (MANIFEST_HASHES, FollowedDigest, check_hash_name, hash_file,
+                                         manifest_hash)
 from mconvert.errors import MConvertError
 
 MANIFEST = "mconvert-manifest.json"
@@ -377,17 +378,30 @@ def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) ->
     (with `unlisted`) unlisted file — a stray `*.safetensors` would be loaded by vLLM. A missing manifest is
     one problem. Either algorithm the manifest names (`hash`: blake3 or sha256) is checked."""
     root = Path(root)
-    path = root / MANIFEST
-    if not path.is_file():
+    if not (root / MANIFEST).is_file():
         return [f"{root}: no {MANIFEST} (not written by mconvert, or copied without it)"]
+    algorithm, problems, to_hash = _manifest_plan(root, unlisted)
+    with ThreadPoolExecutor(workers) as ex:  # both hashes release the GIL
+        digests = list(ex.map(hash_file, [p for p, _, _ in to_hash], [algorithm] * len(to_hash)))
+    for (p, want, _), got in zip(to_hash, digests):
+        if got != want:
+            problems.append(f"{p}: {algorithm} differs from the manifest (file changed or corrupt)")
+    return problems
+
+
+def _manifest_plan(root: Path, unlisted: bool) -> tuple[str, list[str], list[tuple[Path, str, int]]]:
+    """(algorithm, the problems found without hashing, the files left to hash as (path, digest, bytes)) of
+    `root`'s manifest: entries outside `root` or without a digest, missing or resized files, and (with
+    `unlisted`) files the manifest does not list."""
+    path = root / MANIFEST
     from mconvert.convert.io.paths import read_small
 
     try:
         algorithm, listed = manifest_entries(read_small(path, "json"))
     except MConvertError as e:
-        return [str(e)]
+        return "", [str(e)], []
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        return [f"{path}: unreadable manifest ({type(e).__name__}: {e}); re-run the conversion"]
+        return "", [f"{path}: unreadable manifest ({type(e).__name__}: {e}); re-run the conversion"], []
     problems = []
     top = root.resolve()
     to_hash = []
@@ -402,17 +416,12 @@ def check_manifest(root: str | Path, unlisted: bool = True, workers: int = 4) ->
         elif p.stat().st_size != size:
             problems.append(f"{p}: size {p.stat().st_size} != manifest {size}")
         else:
-            to_hash.append((p, digest))
-    with ThreadPoolExecutor(workers) as ex:  # both hashes release the GIL
-        digests = list(ex.map(hash_file, [p for p, _ in to_hash], [algorithm] * len(to_hash)))
-    for (p, want), got in zip(to_hash, digests):
-        if got != want:
-            problems.append(f"{p}: {algorithm} differs from the manifest (file changed or corrupt)")
+            to_hash.append((p, digest, size))
     if unlisted:
         for p in sorted(root.rglob("*")):
             if p.is_file() and p.name != MANIFEST and str(p.relative_to(root)) not in listed:
                 problems.append(f"{p}: not in the manifest (added after the conversion)")
-    return problems
+    return algorithm, problems, to_hash
 
 
 def verify_input(path: str | Path) -> None:
@@ -420,28 +429,70 @@ def verify_input(path: str | Path) -> None:
     a flipped bit inside a tensor is undetectable (neither torch nor safetensors files carry checksums).
     Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked.
 
-    Inside a conversion (`safeload.deferred_crc_checks()`) the hash pass runs on a background thread while
-    the conversion proceeds, and is waited for before the output is committed; a failure then wins
-    over any error the changed bytes caused."""
+    Inside a conversion (`safeload.deferred_crc_checks()`) a missing or resized file is refused at once, and
+    each file's digest is taken on the bytes the conversion reads anyway (`FollowedDigest`; a file no reader
+    reads is hashed on a background thread); the output waits for the verdict before it is committed, and a
+    mismatch then wins over any error the changed bytes caused. Under torchrun the ranks read disjoint parts
+    of each file, so one rank hashes the files whole on its background thread instead."""
     from mconvert.convert.io.safeload import deferred
 
+    root = _manifest_root(Path(path))
+    if root is None:
+        return
+    if _follow_input(root):
+        return
     if not deferred(path, _verify_input_now):
         _verify_input_now(path)
 
 
-def _verify_input_now(path: str | Path) -> None:
-    path = Path(path)
+def _manifest_root(path: Path) -> Path | None:
+    """The directory whose manifest covers input `path` (itself, or the checkpoint root above an iteration
+    directory), or None when there is none."""
     roots = [path] + ([path.parent] if path.name == "release" or path.name.startswith("iter_") else [])
-    for root in roots:
-        if (root / MANIFEST).is_file():
-            problems = check_manifest(root, unlisted=False)
-            if problems:
-                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise MConvertError(
-                    f"{problems[0]}{more}; the input changed after mconvert wrote it — re-copy it "
-                    f"(or delete {root / MANIFEST} to convert it as it is)"
-                )
-            return
+    return next((r for r in roots if (r / MANIFEST).is_file()), None)
+
+
+def _input_changed(root: Path, problems: list[str]) -> MConvertError:
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return MConvertError(f"{problems[0]}{more}; the input changed after mconvert wrote it — re-copy it "
+                         f"(or delete {root / MANIFEST} to convert it as it is)")
+
+
+def _follow_input(root: Path) -> bool:
+    """Check `root` against its manifest on the conversion's own reads (see `verify_input`); False where that
+    cannot be done (outside a conversion, under torchrun): the caller hashes the files instead."""
+    from mconvert.convert.io.safeload import deferred, follow_input
+
+    algorithm, problems, to_hash = _manifest_plan(root, unlisted=False)
+    if problems:
+        raise _input_changed(root, problems)
+
+    def refuse(problem: str) -> MConvertError:
+        return _input_changed(root, [problem])
+
+    followed = False
+    for p, digest, size in to_hash:
+        if follow_input(FollowedDigest(p, algorithm, digest, size), refuse):
+            followed = True
+        elif followed:  # the same file under a second name: hashed whole in the background
+            deferred(p, lambda f, d=digest, n=size: _check_whole(Path(f), algorithm, d, n, refuse))
+        else:
+            return False
+    return True
+
+
+def _check_whole(p: Path, algorithm: str, want: str, size: int, refuse: Callable[[str], MConvertError]) -> None:
+    problem = FollowedDigest(p, algorithm, want, size).finish()
+    if problem is not None:
+        raise refuse(problem)
+
+
+def _verify_input_now(path: str | Path) -> None:
+    root = _manifest_root(Path(path))
+    if root is not None:
+        problems = check_manifest(root, unlisted=False)
+        if problems:
+            raise _input_changed(root, problems)
 
 
 def file_manifest_path(out: str | Path) -> Path:

@@ -10,10 +10,12 @@ through it.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import fcntl
 import hashlib
+import itertools
 import mmap
 import os
 import queue
@@ -78,14 +80,15 @@ def check_hash_name(name: str) -> str:
     return name
 
 
-def new_hasher(name: str) -> Any:
+def new_hasher(name: str, threads: bool = True) -> Any:
     """A fresh hashlib-style object (update, hexdigest) for manifest algorithm `name`. BLAKE3 hashes on every
-    core: its tree splits one large buffer across threads, where sha256 is one sequential chain."""
+    core (`threads`): its tree splits one large buffer across threads, where sha256 is one sequential chain.
+    Without `threads` it stays on the caller's thread (blocks hashed by readers that already run in parallel)."""
     if check_hash_name(name) == "sha256":
         return hashlib.sha256()
     import blake3
 
-    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
 
 
 def hash_file(path: str | Path, name: str, chunk: int = 16 << 20, mapped: bool = False) -> str:
@@ -128,6 +131,169 @@ def _hash_mapped(path: str | Path, h: Any, window: int) -> bool:
                 view.close()
             pos += n
     return True
+
+
+GAP_READ = 8 << 20  # FollowedDigest reads a gap of unread bytes up to this size itself (headers, a pickle)
+FOLLOW_BLOCK = 1 << 20  # one pread while the input's checks are taken on the way: the block is still in L2
+
+
+def pread_into(fd: int, mv: memoryview, pos: int, path: Path, key: str, crc: Any = None,
+               digest: "FollowedDigest | None" = None) -> None:
+    """Fill `mv` with the bytes of input file `path` (descriptor `fd`) from `pos` (tensor `key`). With a
+    record-wise CRC-32 check (`safeload.ZipRecords`) or a manifest digest (`FollowedDigest`) to feed, it reads
+    FOLLOW_BLOCK bytes at a time and hands each block to them while it is in cache (the digest first: when
+    the CRC refuses a block, the manifest still names the changed file)."""
+    got, total = 0, len(mv)
+    step = total if crc is None and digest is None else FOLLOW_BLOCK
+    token = digest.begin(pos, total) if digest is not None else None
+    try:
+        while got < total:
+            n = os.preadv(fd, [mv[got:got + step]], pos + got)
+            if n <= 0:
+                raise MConvertError(f"{path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
+            if digest is not None:
+                digest.saw(pos + got, mv[got:got + n], fd, token)
+            if crc is not None:
+                crc.saw(pos + got, mv[got:got + n])
+            got += n
+    finally:
+        if digest is not None:
+            digest.end(token)  # type: ignore[arg-type]
+
+
+class FollowedDigest:
+    """The manifest digest of one input file, taken on the bytes the conversion reads anyway (`saw`), so an
+    intact input costs no second pass over its bytes.
+
+    Both manifest hashes are chains over the file front to back, and the conversion reads its input almost in
+    file order: a unit at a time, the units in the order they were written. So a block read at the `cursor`
+    (everything before it hashed) is hashed there and then, while it is in cache. A block read ahead of the
+    cursor (another reader thread is still on the bytes before it) is noted as seen; once the cursor reaches
+    it, the thread that brought it there reads it again from the page cache. Bytes nobody reads (zip headers,
+    a pickle) are read here when no read in flight (`begin`..`end`) will deliver them and the gap is at most
+    GAP_READ. `finish` hashes whatever is left from the cursor to the end and compares: no reader ever waits
+    for another, and a file read in any order still gets its whole digest, with more bytes read twice."""
+
+    def __init__(self, path: str | Path, algorithm: str, want: str, size: int) -> None:
+        self.path, self.algorithm, self.want, self.size = Path(path), algorithm, want, size
+        self._h = new_hasher(algorithm, threads=False)
+        self._lock = threading.Lock()
+        self.cursor = 0  # every byte before it is hashed
+        self._seen: list[list[int]] = []  # sorted, disjoint [start, end) read ahead of the cursor, not hashed
+        self._flight: dict[int, list[int]] = {}  # reads in progress: token -> [next byte they deliver, end]
+        self._tokens = itertools.count()
+        self._buf: memoryview | None = None
+        self.attached = False  # a reader of the conversion feeds it (else one pass on the background thread)
+        self.on_read = 0  # bytes hashed from the conversion's own reads
+        self.again = 0  # bytes this digest read itself
+        self.done = False  # finished: `problem` is the verdict
+        self.problem: str | None = None  # why the file does not match its manifest entry
+
+    def begin(self, pos: int, n: int) -> int:
+        """A read of [pos, pos + n) starts (its blocks follow through `saw`); the token for `saw` and `end`."""
+        with self._lock:
+            token = next(self._tokens)
+            self._flight[token] = [pos, pos + n]
+            return token
+
+    def end(self, token: int) -> None:
+        """The read `token` is over (done or failed)."""
+        with self._lock:
+            self._flight.pop(token, None)
+
+    def _delivers(self, a: int, b: int) -> bool:
+        """Whether a read in flight has yet to deliver some byte of [a, b)."""
+        return any(nxt < b and end > a for nxt, end in self._flight.values())
+
+    def saw(self, pos: int, data: memoryview, fd: int, token: int | None = None) -> None:
+        """Bytes [pos, pos + len(data)) of the file were just read through descriptor `fd` (by read `token`)."""
+        end = pos + len(data)
+        with self._lock:
+            if token in self._flight:
+                self._flight[token][0] = end
+            if self.problem is not None or self.done or end <= self.cursor:
+                return
+            if pos > self.cursor:
+                if pos - self.cursor > GAP_READ or self._delivers(self.cursor, pos):
+                    self._note(pos, end)
+                    return
+                self._read(fd, pos)  # the few bytes nobody reads before it
+                if self.problem is not None:
+                    return
+            self._h.update(data[self.cursor - pos:])
+            self.on_read += end - self.cursor
+            self.cursor = end
+            self._catch_up(fd)
+
+    def _note(self, start: int, end: int) -> None:
+        """Add [start, end) to the blocks seen ahead of the cursor (merged with the ones it touches)."""
+        seen = self._seen
+        i = bisect.bisect_left(seen, [start, start])
+        if i and seen[i - 1][1] >= start:
+            i -= 1
+            start = seen[i][0]
+        j = i
+        while j < len(seen) and seen[j][0] <= end:
+            end = max(end, seen[j][1])
+            j += 1
+        seen[i:j] = [[start, end]]
+
+    def _catch_up(self, fd: int) -> None:
+        """Hash again every block seen ahead of the cursor that the cursor now reaches (gaps of at most
+        GAP_READ before them included): those bytes were read moments ago and are in the page cache."""
+        seen = self._seen
+        while seen and self.problem is None:
+            start, end = seen[0]
+            if end <= self.cursor:
+                seen.pop(0)
+            elif start <= self.cursor or (start - self.cursor <= GAP_READ and not self._delivers(self.cursor, start)):
+                self._read(fd, end)
+                seen.pop(0)
+            else:
+                return
+
+    def _read(self, fd: int, stop: int) -> None:
+        """Read and hash [cursor, stop) through `fd`; a file that ends before is a problem."""
+        if self._buf is None:
+            self._buf = memoryview(bytearray(FOLLOW_BLOCK))
+        while self.cursor < stop:
+            try:
+                k = os.preadv(fd, [self._buf[: min(FOLLOW_BLOCK, stop - self.cursor)]], self.cursor)
+            except OSError as e:
+                self.problem = f"{self.path}: cannot read ({e.strerror})"
+                return
+            if k <= 0:
+                self.problem = f"{self.path}: ends at byte {self.cursor:,}, the manifest says {self.size:,}"
+                return
+            self._h.update(self._buf[:k])
+            self.again += k
+            self.cursor += k
+
+    def finish(self) -> str | None:
+        """Hash the rest of the file (from the cursor) and compare with the manifest: None when it matches, else
+        the problem (kept: a second call returns it again). A block at a time under the lock, so readers still
+        feeding it wait for one block at most."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            return f"{self.path}: cannot read ({e.strerror})"
+        try:
+            while True:
+                with self._lock:
+                    if self.problem is not None or self.done:
+                        return self.problem
+                    if self.cursor < self.size:
+                        self._read(fd, min(self.size, self.cursor + FOLLOW_BLOCK))
+                        continue
+                    self.done, self._buf, self._seen = True, None, []
+                    size = os.fstat(fd).st_size
+                    if size != self.size:
+                        self.problem = f"{self.path}: size {size} != manifest {self.size}"
+                    elif self._h.hexdigest() != self.want:
+                        self.problem = f"{self.path}: {self.algorithm} differs from the manifest (file changed or corrupt)"
+                    return self.problem
+        finally:
+            os.close(fd)
 
 
 DIRECT_MIN_BYTES = 256 << 20  # files planned at least this large are written with O_DIRECT (see HashingFile)

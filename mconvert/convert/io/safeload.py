@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io.hashing import crc32
+from mconvert.convert.io.hashing import FollowedDigest, crc32
 from mconvert.convert.io.world import world_from_env
 from mconvert.errors import MConvertError
 
@@ -358,6 +358,49 @@ class DeferredCRC:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="crc32")
         self._futures: list[Any] = []
         self.records: dict[tuple[str, int, int], ZipRecords] = {}
+        self.followed: dict[str, tuple[FollowedDigest, Callable[[str], MConvertError]]] = {}
+        self._queued: set[str] = set()  # followed files handed to the background thread whole
+
+    def follow(self, digest: FollowedDigest, refuse: Callable[[str], MConvertError]) -> bool:
+        """Take input file `digest.path`'s manifest digest on the bytes the conversion reads (`followed_digest`);
+        `refuse(problem)` is the error when it does not match. False when that file is followed already (the
+        caller then checks it whole on the background thread)."""
+        key = os.path.realpath(digest.path)
+        if key in self.followed:
+            return False
+        self.followed[key] = (digest, refuse)
+        return True
+
+    def _finish(self, key: str) -> None:
+        """(background thread) A followed file no reader feeds: its whole digest, unless a reader took it meanwhile."""
+        digest, refuse = self.followed[key]
+        if not digest.attached:
+            problem = digest.finish()
+            if problem is not None:
+                raise refuse(problem)
+
+    def finish_followed(self) -> None:
+        """Finish every followed digest (the rest of each file from its cursor, two files at a time) and raise
+        the first problem."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [(d, refuse) for d, refuse in self.followed.values() if not d.done]
+        if not todo:
+            return
+        with ThreadPoolExecutor(min(2, len(todo)), thread_name_prefix="manifest") as ex:
+            problems = list(ex.map(lambda dr: dr[0].finish(), todo))
+        for (_, refuse), problem in zip(todo, problems):
+            if problem is not None:
+                raise refuse(problem)
+
+    def figures(self) -> dict[str, int] | None:
+        """How the followed input files were checked: files, bytes, bytes hashed on the conversion's own reads,
+        bytes read a second time for the check; None when no input file was followed."""
+        if not self.followed:
+            return None
+        ds = [d for d, _ in self.followed.values()]
+        return {"files": len(ds), "bytes": sum(d.size for d in ds), "hashed_as_read": sum(d.on_read for d in ds),
+                "read_again": sum(d.again for d in ds)}
 
     def submit(self, path: Path, check: Any) -> None:
         """Run `check(path)` on the background thread."""
@@ -377,15 +420,21 @@ class DeferredCRC:
         return True
 
     def release(self) -> None:
-        """Let every waiting background check run (no more claims are coming)."""
+        """Let every waiting background check run (no more claims are coming); followed input files that no
+        reader feeds are hashed whole on the background thread."""
         for recs in self.records.values():
             recs.released.set()
+        for key, (digest, _) in list(self.followed.items()):
+            if not digest.attached and key not in self._queued:
+                self._queued.add(key)
+                self._futures.append(self._pool.submit(self._finish, key))
 
     def wait(self) -> None:
         self.release()
         for f in self._futures:
             f.result()  # re-raises the MConvertError of a failed check
         self._futures.clear()
+        self.finish_followed()
         if world_from_env().size > 1:
             return  # the claimed records no rank read whole are checked by rank 0 (`check_unread`)
         for recs in self.records.values():
@@ -402,9 +451,12 @@ class DeferredCRC:
             out[str(recs.path)] = {"done": done, "left": left}
         return out
 
-    def cancel(self) -> None:
+    def cancel(self, explain: bool = False) -> None:
         """Drop the checks not started yet (nothing will be committed: a dry run, or a conversion that
-        failed); raise the first failure among those that ran, since corrupt bytes explain the rest."""
+        failed); raise the first failure among those that ran, since corrupt bytes explain the rest.
+        `explain` (the conversion failed on its input): finish the followed manifest digests too, so a
+        changed input is reported as changed, not as whatever its changed bytes broke."""
+        self._queued.update(self.followed)  # no background pass is started for them now
         self.release()
         for f in self._futures:
             f.cancel()
@@ -412,6 +464,8 @@ class DeferredCRC:
         self._futures.clear()
         for f in done:
             f.result()
+        if explain:
+            self.finish_followed()
 
     def close(self) -> None:
         self.release()
@@ -431,9 +485,9 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
     try:
         yield d
         d.wait()
-    except BaseException:
+    except BaseException as e:
         try:
-            d.cancel()  # a failed conversion does not wait for the whole input's CRC pass
+            d.cancel(explain=isinstance(e, MConvertError))  # no wait for the whole input's CRC pass
         except MConvertError as crc:
             raise crc from None
         raise
@@ -544,6 +598,34 @@ def check_unread(tallies: list[dict[str, dict[str, list[int]]]]) -> None:
             _verify_zip_crc_now(path)
             continue
         recs._check(sorted(o for o in todo if o in recs.entries))
+
+
+def follow_input(digest: FollowedDigest, refuse: Callable[[str], MConvertError]) -> bool:
+    """Inside `deferred_crc_checks()`, on the main thread of a single process: check input file `digest.path`
+    against its manifest entry on the bytes the conversion reads (`followed_digest`), the rest before the
+    commit; True. False otherwise (the caller checks the file another way)."""
+    if _DEFERRED is None or threading.current_thread() is not threading.main_thread():
+        return False
+    if world_from_env().size > 1:  # the ranks read disjoint parts: no rank sees a file front to back
+        return False
+    return _DEFERRED.follow(digest, refuse)
+
+
+def followed_digest(path: str | Path) -> FollowedDigest | None:
+    """The manifest digest a reader of input file `path` feeds with the blocks it reads (`FollowedDigest.saw`),
+    or None when the file is not followed."""
+    if _DEFERRED is None or not _DEFERRED.followed:
+        return None
+    entry = _DEFERRED.followed.get(os.path.realpath(path))
+    if entry is None:
+        return None
+    entry[0].attached = True
+    return entry[0]
+
+
+def input_check_figures() -> dict[str, int] | None:
+    """The running conversion's followed manifest checks (`DeferredCRC.figures`)."""
+    return _DEFERRED.figures() if _DEFERRED is not None else None
 
 
 def zip_records(path: str | Path) -> ZipRecords | None:

@@ -22,8 +22,9 @@ import torch
 
 from mconvert import dtypes
 from mconvert.convert.io import buffers
-from mconvert.convert.io.hashing import DIRECT_MIN_BYTES, HashingFile, numel, tensor_bytes
+from mconvert.convert.io.hashing import DIRECT_MIN_BYTES, HashingFile, numel, pread_into, tensor_bytes
 from mconvert.convert.io.paths import open_regular, owned_fd
+from mconvert.convert.io.safeload import followed_digest
 from mconvert.errors import MConvertError
 
 Entry = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one planned tensor
@@ -112,6 +113,7 @@ class SafetensorsReader:
             self._close()
             raise MConvertError(f"{path}: unreadable safetensors file ({str(e)[:120]}); it is truncated or corrupt "
                                 "— re-copy it") from None
+        self.digest = followed_digest(path)  # the input's manifest digest, fed with the bytes as they are read
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -126,12 +128,7 @@ class SafetensorsReader:
         a, dtype, shape = self.entries[key]
         t = buffers.empty(shape, dtype)
         mv = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-        got = 0
-        while got < len(mv):
-            k = os.preadv(self.fd, [mv[got:]], self.start + a + got)
-            if k <= 0:
-                raise MConvertError(f"{self.path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
-            got += k
+        pread_into(self.fd, mv, self.start + a, self.path, key, digest=self.digest)
         return t
 
     def read_into(self, key: str, dst: torch.Tensor, start: int = 0) -> bool:
@@ -142,12 +139,7 @@ class SafetensorsReader:
         if dtype != dst.dtype or not dst.is_contiguous() or start + n > numel(shape) * dst.element_size():
             return False
         mv = memoryview(dst.reshape(-1).view(torch.uint8).numpy()) if n else memoryview(b"")
-        got = 0
-        while got < n:
-            k = os.preadv(self.fd, [mv[got:]], self.start + a + start + got)
-            if k <= 0:
-                raise MConvertError(f"{self.path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
-            got += k
+        pread_into(self.fd, mv, self.start + a + start, self.path, key, digest=self.digest)
         return True
 
     def close(self) -> None:

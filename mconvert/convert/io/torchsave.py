@@ -21,14 +21,13 @@ from typing import Any
 import torch
 
 from mconvert.convert.io import buffers, repickle
-from mconvert.convert.io.hashing import Checksum, HashingFile, crc32, numel, tensor_bytes
+from mconvert.convert.io.hashing import Checksum, HashingFile, crc32, numel, pread_into, tensor_bytes
 from mconvert.convert.io.paths import owned_fd
-from mconvert.convert.io.safeload import ZipRecords, zip_records
+from mconvert.convert.io.safeload import ZipRecords, followed_digest, zip_records
 from mconvert.errors import MConvertError
 
 
 # ---- reading: a rank file's tensors by file offset, without unpickling it again ----------------------------
-READ_BLOCK = 1 << 20  # one pread while the input's CRC-32 is taken on the way: the block is still in L2 for it
 def _all_tensors(obj: Any, out: list[torch.Tensor], depth: int = 0) -> None:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -52,6 +51,7 @@ class TensorIndex:
         self.path = path
         self.entries = entries  # key -> (record offset, dtype, shape, stride, storage offset (elements), nbytes)
         self.crc = crc  # the input's record-wise CRC-32 check, fed with the bytes as they are read
+        self.digest = followed_digest(path)  # the input's manifest digest, fed the same way
 
     @classmethod
     def build(cls, path: str | Path, state: Any, tensors: dict[str, torch.Tensor]) -> "TensorIndex | None":
@@ -103,15 +103,7 @@ class TensorIndex:
         return True
 
     def _pread(self, fd: int, key: str, mv: memoryview, pos: int) -> None:
-        got, total = 0, len(mv)
-        step = total if self.crc is None else READ_BLOCK
-        while got < total:
-            n = os.preadv(fd, [mv[got:got + step]], pos + got)
-            if n <= 0:
-                raise MConvertError(f"{self.path}: file ended while reading tensor {key!r}; it is truncated — re-copy it")
-            if self.crc is not None:
-                self.crc.saw(pos + got, mv[got:got + n])  # the record's CRC-32 while the block is in cache
-            got += n
+        pread_into(fd, mv, pos, self.path, key, self.crc, self.digest)
 
     def read(self, fd: int, key: str) -> torch.Tensor:
         """The tensor `key`, read with one pread into pooled memory (its whole storage, then the same view)."""
