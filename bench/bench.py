@@ -320,13 +320,14 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         bin_dir = work / "hf-bin"
         console.print("[bold]peer[/]: exporting the HF model as pytorch_model.bin with transformers")
         export_bin(hf_dir, bin_dir)
-        # ours reads the safetensors dir as a user has it from the Hub: without mconvert's manifest (with one,
-        # every conversion first re-hashes its input — a safety check that costs one sha256 pass)
+        # ours reads the safetensors dir as a user has it from the Hub: without mconvert's manifest; the same
+        # dir with its manifest (every input byte then checked against it) is a row of its own
         hub_dir = work / "hf-hub"
         shutil.rmtree(hub_dir, ignore_errors=True)
         shutil.copytree(hf_dir, hub_dir, ignore=shutil.ignore_patterns("mconvert-manifest.json"))
         both = measure_rounds([("transformers-script", "transformers-script", bin_dir),
-                               ("hf-to-megatron", "hf-to-megatron", hub_dir)], work, a.repeats, a.workers)
+                               ("hf-to-megatron", "hf-to-megatron", hub_dir),
+                               ("hf-to-megatron-manifest", "hf-to-megatron", hf_dir)], work, a.repeats, a.workers)
         peer, ours = both["transformers-script"], both["hf-to-megatron"]
         ours_bin = None
         try:
@@ -337,6 +338,7 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         shutil.rmtree(hub_dir, ignore_errors=True)
         report["peer"] = {
             "transformers-script": peer, "hf-to-megatron": ours, "hf-to-megatron-bin": ours_bin,
+            "hf-to-megatron-manifest": both["hf-to-megatron-manifest"],
             "speedup": peer["wall_s"] / ours["wall_s"], "rss_fraction": ours["peak_rss"] / peer["peak_rss"],
             "cpu_speedup": peer["cpu_s"] / ours["cpu_s"],
         }
@@ -455,6 +457,8 @@ def print_report(report: dict[str, Any]) -> None:
             t.add_column(c, justify="left" if c == "converter" else "right")
         rows = [("transformers script (.bin)", p["transformers-script"]), ("mconvert hf-to-megatron (safetensors)",
                                                                            p["hf-to-megatron"])]
+        if p.get("hf-to-megatron-manifest"):
+            rows.append(("mconvert hf-to-megatron (safetensors + manifest, checked)", p["hf-to-megatron-manifest"]))
         if p.get("hf-to-megatron-bin"):
             rows.append(("mconvert hf-to-megatron (.bin, 1 run)", p["hf-to-megatron-bin"]))
         for name, r in rows:
@@ -524,6 +528,9 @@ def markdown(report: dict[str, Any]) -> str:
                   "| converter | wall s | CPU s | peak RSS GB |", "|---|---:|---:|---:|"]
         rows = [("transformers' checkpoint_reshaping_and_interoperability.py (pytorch_model.bin)",
                  p["transformers-script"]), ("mconvert hf-to-megatron (safetensors)", p["hf-to-megatron"])]
+        if p.get("hf-to-megatron-manifest"):
+            rows.append(("mconvert hf-to-megatron (the same safetensors with mconvert's manifest, every byte checked)",
+                         p["hf-to-megatron-manifest"]))
         if p.get("hf-to-megatron-bin"):
             rows.append(("mconvert hf-to-megatron (the same pytorch_model.bin, 1 run)", p["hf-to-megatron-bin"]))
         for name, r in rows:
