@@ -97,6 +97,21 @@ def test_the_followed_digest_is_the_files_digest_in_any_read_order(
     assert "differs from the manifest" in (wrong.finish() or "")
 
 
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_a_catch_up_cut_short_goes_on_later(blob: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch,
+                                            order: str) -> None:
+    """Catching up on blocks read ahead stops after CATCH_UP bytes (other readers wait on the lock
+    meanwhile); the digest is still the file's."""
+    from mconvert.convert.io import hashing
+
+    monkeypatch.setattr(hashing, "CATCH_UP", 1 << 20)
+    path, data = blob
+    pieces = ORDERS[order](_layout(len(data), seed=3), random.Random(5))
+    d = FollowedDigest(path, "blake3", _truth(data, "blake3"), len(data))
+    _read(path, d, pieces, 4)
+    assert d.finish() is None and d.on_read + d.again == len(data)
+
+
 def test_a_file_shorter_or_longer_than_its_manifest_entry_is_a_problem(tmp_path: Path) -> None:
     data = random.Random(2).randbytes(3 << 20)
     path = tmp_path / "f.bin"

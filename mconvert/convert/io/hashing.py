@@ -135,6 +135,7 @@ def _hash_mapped(path: str | Path, h: Any, window: int) -> bool:
 
 GAP_READ = 8 << 20  # FollowedDigest reads a gap of unread bytes up to this size itself (headers, a pickle)
 FOLLOW_BLOCK = 1 << 20  # one pread while the input's checks are taken on the way: the block is still in L2
+CATCH_UP = 64 << 20  # FollowedDigest reads again at most this much per block fed (see `_catch_up`)
 
 
 def pread_into(fd: int, mv: memoryview, pos: int, path: Path, key: str, crc: Any = None,
@@ -216,6 +217,8 @@ class FollowedDigest:
             if pos > self.cursor:
                 if pos - self.cursor > GAP_READ or self._delivers(self.cursor, pos):
                     self._note(pos, end)
+                    if self._seen[0][0] <= self.cursor:  # a catch-up cut short by CATCH_UP goes on
+                        self._catch_up(fd)
                     return
                 self._read(fd, pos)  # the few bytes nobody reads before it
                 if self.problem is not None:
@@ -239,16 +242,17 @@ class FollowedDigest:
         seen[i:j] = [[start, end]]
 
     def _catch_up(self, fd: int) -> None:
-        """Hash again every block seen ahead of the cursor that the cursor now reaches (gaps of at most
-        GAP_READ before them included): those bytes were read moments ago and are in the page cache."""
-        seen = self._seen
-        while seen and self.problem is None:
+        """Hash again the blocks seen ahead of the cursor that the cursor now reaches (gaps of at most GAP_READ
+        before them included): those bytes were read moments ago and are in the page cache. At most
+        CATCH_UP bytes per call, since the other readers of the file wait on the lock meanwhile; the next
+        block fed, or `finish`, goes on from there."""
+        seen, limit = self._seen, self.cursor + CATCH_UP
+        while seen and self.problem is None and self.cursor < limit:
             start, end = seen[0]
             if end <= self.cursor:
                 seen.pop(0)
             elif start <= self.cursor or (start - self.cursor <= GAP_READ and not self._delivers(self.cursor, start)):
-                self._read(fd, end)
-                seen.pop(0)
+                self._read(fd, min(end, limit))
             else:
                 return
 
