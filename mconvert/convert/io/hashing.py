@@ -136,6 +136,7 @@ def _hash_mapped(path: str | Path, h: Any, window: int) -> bool:
 GAP_READ = 8 << 20  # FollowedDigest reads a gap of unread bytes up to this size itself (headers, a pickle)
 FOLLOW_BLOCK = 1 << 20  # one pread while the input's checks are taken on the way: the block is still in L2
 CATCH_UP = 64 << 20  # FollowedDigest reads again at most this much per block fed (see `_catch_up`)
+_FOLLOW_BUF = threading.local()  # each thread's block buffer for the bytes a FollowedDigest reads itself
 
 
 def pread_into(fd: int, mv: memoryview, pos: int, path: Path, key: str, crc: Any = None,
@@ -183,7 +184,6 @@ class FollowedDigest:
         self._seen: list[list[int]] = []  # sorted, disjoint [start, end) read ahead of the cursor, not hashed
         self._flight: dict[int, list[int]] = {}  # reads in progress: token -> [next byte they deliver, end]
         self._tokens = itertools.count()
-        self._buf: memoryview | None = None
         self.attached = False  # a reader of the conversion feeds it (else one pass on the background thread)
         self.on_read = 0  # bytes hashed from the conversion's own reads
         self.again = 0  # bytes this digest read itself
@@ -258,18 +258,19 @@ class FollowedDigest:
 
     def _read(self, fd: int, stop: int) -> None:
         """Read and hash [cursor, stop) through `fd`; a file that ends before is a problem."""
-        if self._buf is None:
-            self._buf = memoryview(bytearray(FOLLOW_BLOCK))
+        buf = getattr(_FOLLOW_BUF, "mv", None)
+        if buf is None:  # one per thread, not per file: a checkpoint may have hundreds of files
+            buf = _FOLLOW_BUF.mv = memoryview(bytearray(FOLLOW_BLOCK))
         while self.cursor < stop:
             try:
-                k = os.preadv(fd, [self._buf[: min(FOLLOW_BLOCK, stop - self.cursor)]], self.cursor)
+                k = os.preadv(fd, [buf[: min(FOLLOW_BLOCK, stop - self.cursor)]], self.cursor)
             except OSError as e:
                 self.problem = f"{self.path}: cannot read ({e.strerror})"
                 return
             if k <= 0:
                 self.problem = f"{self.path}: ends at byte {self.cursor:,}, the manifest says {self.size:,}"
                 return
-            self._h.update(self._buf[:k])
+            self._h.update(buf[:k])
             self.again += k
             self.cursor += k
 
@@ -289,7 +290,7 @@ class FollowedDigest:
                     if self.cursor < self.size:
                         self._read(fd, min(self.size, self.cursor + FOLLOW_BLOCK))
                         continue
-                    self.done, self._buf, self._seen = True, None, []
+                    self.done, self._seen = True, []
                     size = os.fstat(fd).st_size
                     if size != self.size:
                         self.problem = f"{self.path}: size {size} != manifest {self.size}"
