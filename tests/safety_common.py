@@ -154,3 +154,25 @@ def umount(d: Path) -> None:
     gc.collect()  # a failed writer's file object may still hold the mount busy
     if subprocess.run(["umount", str(d)], capture_output=True).returncode:
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def add_adam_states(root: Path) -> None:
+    """An Adam state in every rank file of checkpoint `root` whose moments are functions of the parameter
+    itself (exp_avg = p / 2, exp_avg_sq = p²): wherever a re-shard puts a parameter, its moments must come
+    along unchanged. The manifest goes: the files are ours to change."""
+    from mconvert.convert.io.atomic import MANIFEST
+    from mconvert.convert.io.safeload import safe_load
+    from mconvert.convert.layout import save_rank_file
+
+    for f in sorted((root / "release").glob("mp_rank_*/model_optim_rng.pt")):
+        state = safe_load(f)
+        names = [k for k, v in state["model"].items() if isinstance(v, torch.Tensor)]
+        state["optimizer"] = {
+            "state": {i: {"step": torch.tensor(7.0), "exp_avg": state["model"][n] / 2,
+                          "exp_avg_sq": state["model"][n] ** 2} for i, n in enumerate(names)},
+            "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0,
+                              "params": list(range(len(names))), "param_names": names}],
+        }
+        save_rank_file(f, state)
+        del state
+    (root / MANIFEST).unlink(missing_ok=True)

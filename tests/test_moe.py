@@ -35,6 +35,7 @@ from mconvert.convert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 from mconvert.spec import ModelSpec
+from tests.safety_common import add_adam_states
 
 ITERATION = 10
 SPECS = {"mixtral": preset("tiny-mixtral"), "qwen3_moe": preset("tiny-qwen3-moe")}
@@ -448,27 +449,11 @@ def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     assert unit_bytes(spec, 8, 2)["expert"] == expert and "layer" not in unit_bytes(spec, 8, 2)
 
 
-def _add_adam_states(root: Path) -> None:
-    """An Adam state in every rank file whose moments are functions of the parameter itself (exp_avg = p / 2,
-    exp_avg_sq = p²): wherever a re-shard puts a parameter, its moments must come along unchanged."""
-    for f in sorted((root / "release").glob("mp_rank_*/model_optim_rng.pt")):
-        state = safe_load(f)
-        names = [k for k, v in state["model"].items() if isinstance(v, torch.Tensor)]
-        state["optimizer"] = {
-            "state": {i: {"step": torch.tensor(7.0), "exp_avg": state["model"][n] / 2,
-                          "exp_avg_sq": state["model"][n] ** 2} for i, n in enumerate(names)},
-            "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0,
-                              "params": list(range(len(names))), "param_names": names}],
-        }
-        save_rank_file(f, state)
-    (root / MANIFEST).unlink()  # the files are ours to change now
-
-
 def test_reshard_with_optimizer_moves_adam_states_with_their_experts(tmp_path: Path) -> None:
     hf = _random_hf("mixtral", tmp_path / "hf")
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     _convert("hf-to-megatron", str(hf), str(a), "--tp", "2", "--ep", "2")
-    _add_adam_states(a)
+    add_adam_states(a)
     _convert("reshard", str(a), str(b), "--tp", "1", "--ep", "1", "--with-optimizer")
     _convert("reshard", str(b), str(c), "--tp", "2", "--ep", "2", "--with-optimizer")
     for root, files in ((b, 1), (c, 4)):

@@ -23,11 +23,9 @@ import pytest
 import torch
 
 from mconvert.convert.driver import reshard
-from mconvert.convert.io.atomic import MANIFEST
-from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.layout import save_rank_file
 from mconvert.convert.megatron import megatron_writer
 from mconvert.mappings.families import preset
+from tests.safety_common import add_adam_states
 
 pytestmark = pytest.mark.slow
 H, F = 256, 2048
@@ -90,17 +88,7 @@ def _with_adam_states(root: Path) -> None:
     """A copy of `root` beside it (`.adam`) whose rank files carry Adam states for every parameter."""
     adam = root.with_name(root.name + ".adam")
     shutil.copytree(root, adam)
-    (adam / MANIFEST).unlink(missing_ok=True)  # the files are ours to change
-    for f in sorted((adam / "release").glob("mp_rank_*/model_optim_rng.pt")):
-        state = safe_load(f)
-        names = [k for k, v in state["model"].items() if isinstance(v, torch.Tensor)]
-        state["optimizer"] = {
-            "state": {i: {"step": torch.tensor(7.0), "exp_avg": state["model"][n] / 2,
-                          "exp_avg_sq": state["model"][n] ** 2} for i, n in enumerate(names)},
-            "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0,
-                              "params": list(range(len(names))), "param_names": names}]}
-        save_rank_file(f, state)
-        del state
+    add_adam_states(adam)
 
 
 def _with_torch_dist(root: Path) -> None:

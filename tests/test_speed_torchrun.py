@@ -113,15 +113,16 @@ def _flip_tensor_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.timeout(300)
-def test_a_failing_rank_leaves_no_output(tmp_path: Path) -> None:
-    """Rank 1 alone checks the CRC-32 of some input files; one of them is corrupt: rank 1 fails, the job exits
-    non-zero within the timeout, and neither OUT nor any temporary directory is left."""
+def assert_a_failing_rank_leaves_no_output(ckpt: Path, tmp_path: Path, argv: list) -> None:
+    """A copy of `ckpt` without its manifest (only the CRC-32 guards it) with one tensor byte flipped in a file
+    that process 1 alone checks; `argv` (the verb, then SRC and OUT as "{src}" and "{out}") run on 2
+    processes must exit non-zero within the timeout naming that file, and leave neither OUT nor any
+    temporary directory."""
     import shutil
 
     src = tmp_path / "ckpt"
-    shutil.copytree(base()["ckpt"], src)
-    (src / MANIFEST).unlink()  # a checkpoint from elsewhere: only the CRC-32 guards it
+    shutil.copytree(ckpt, src)
+    (src / MANIFEST).unlink()
     files = sorted(src.rglob("model_optim_rng.pt"))
     theirs = [f for f in files if World(1, 2).owns_path(f)]
     assert theirs and len(theirs) < len(files)
@@ -129,11 +130,19 @@ def test_a_failing_rank_leaves_no_output(tmp_path: Path) -> None:
     outdir = tmp_path / "outs"
     outdir.mkdir()
     t0 = time.monotonic()
-    r = _torchrun(["megatron-to-hf", src, outdir / "hf", "--max-shard-size", SHARD], timeout=240)
+    r = _torchrun([{"{src}": src, "{out}": outdir / "out"}.get(a, a) for a in argv], timeout=240)
     assert r.returncode != 0
     assert "CRC-32" in r.stderr and str(theirs[0]) in r.stderr
     assert os.listdir(outdir) == []
     assert time.monotonic() - t0 < 240
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_rank_leaves_no_output(tmp_path: Path) -> None:
+    """Rank 1 alone checks the CRC-32 of some input files; one of them is corrupt: rank 1 fails, and the
+    whole job with it."""
+    assert_a_failing_rank_leaves_no_output(base()["ckpt"], tmp_path,
+                                           ["megatron-to-hf", "{src}", "{out}", "--max-shard-size", SHARD])
 
 
 def test_world_from_env() -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from mconvert.convert.io import world as world_state
 from mconvert.convert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World
 from tests.safety_common import base
-from tests.test_speed_torchrun import _flip_tensor_byte, _torchrun, _tree
+from tests.test_speed_torchrun import _torchrun, _tree, assert_a_failing_rank_leaves_no_output
 
 pytestmark = pytest.mark.slow
 
@@ -160,23 +158,9 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], mha_c
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("verb,opts", [("megatron-to-trtllm", ["--tp", "2"]), ("megatron-to-ft", ["--infer-tp", "2"])])
 def test_a_failing_rank_leaves_no_output(mha_ckpt: Path, tmp_path: Path, verb: str, opts: list[str]) -> None:
-    """Process 1 alone checks the CRC-32 of some input files; one of them is corrupt: process 1 fails, the job
-    exits non-zero within the timeout, naming the file, and neither OUT nor any temporary directory is left."""
-    src = tmp_path / "ckpt"
-    shutil.copytree(mha_ckpt, src)
-    (src / MANIFEST).unlink()  # a checkpoint from elsewhere: only the CRC-32 guards it
-    files = sorted(src.rglob("model_optim_rng.pt"))
-    theirs = [f for f in files if World(1, 2).owns_path(f)]
-    assert theirs and len(theirs) < len(files)
-    _flip_tensor_byte(theirs[0])
-    outdir = tmp_path / "outs"
-    outdir.mkdir()
-    t0 = time.monotonic()
-    r = _torchrun([verb, src, outdir / "out", *opts], timeout=240)
-    assert r.returncode != 0
-    assert "CRC-32" in r.stderr and str(theirs[0]) in r.stderr
-    assert os.listdir(outdir) == []
-    assert time.monotonic() - t0 < 240
+    """Process 1 alone checks the CRC-32 of some input files; one of them is corrupt: process 1 fails, and the
+    whole job with it."""
+    assert_a_failing_rank_leaves_no_output(mha_ckpt, tmp_path, [verb, "{src}", "{out}", *opts])
 
 
 def test_plan_on_nodes_shares_out_ft_units() -> None:
