@@ -112,7 +112,7 @@ def test_a_catch_up_cut_short_goes_on_later(blob: tuple[Path, bytes], monkeypatc
     assert d.finish() is None and d.on_read + d.again == len(data)
 
 
-def test_a_file_shorter_or_longer_than_its_manifest_entry_is_a_problem(tmp_path: Path) -> None:
+def test_a_file_shorter_longer_or_swapped_for_a_fifo_is_a_problem(tmp_path: Path) -> None:
     data = random.Random(2).randbytes(3 << 20)
     path = tmp_path / "f.bin"
     path.write_bytes(data[:-10])
@@ -122,6 +122,10 @@ def test_a_file_shorter_or_longer_than_its_manifest_entry_is_a_problem(tmp_path:
     path.write_bytes(data + b"x")
     d = FollowedDigest(path, "blake3", _truth(data, "blake3"), len(data))
     assert "size" in (d.finish() or "")
+    path.unlink()
+    os.mkfifo(path)  # swapped for a FIFO after the manifest was read: refused, never waited on
+    d = FollowedDigest(path, "blake3", _truth(data, "blake3"), len(data))
+    assert "not a regular file" in (d.finish() or "")
 
 
 # ---- whole conversions: the kernel's byte count, and changes where no reader looks --------------------------

@@ -19,6 +19,7 @@ import itertools
 import mmap
 import os
 import queue
+import stat
 import threading
 import zlib
 from collections.abc import Callable
@@ -278,11 +279,13 @@ class FollowedDigest:
         """Hash the rest of the file (from the cursor) and compare with the manifest: None when it matches, else
         the problem (kept: a second call returns it again). A block at a time under the lock, so readers still
         feeding it wait for one block at most."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
+        try:  # never blocks: a FIFO swapped in for the file opens at once and is refused below
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
             return f"{self.path}: cannot read ({e.strerror})"
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return f"{self.path}: not a regular file any more"
             while True:
                 with self._lock:
                     if self.problem is not None or self.done:
