@@ -238,11 +238,21 @@ def _print_report(report: dict, json_out: bool) -> None:
     for k, v in report.items():
         if k in ("verb", "output", "files", "warnings", "notes", "dry_run") or v in (None, [], ""):
             continue
-        console.print(f"  {k}: {v:,}" if isinstance(v, int) and "bytes" in k else f"  {k}: {plain(v)}", highlight=False)
+        console.print(f"  {k}: {_report_value(k, v)}", highlight=False)
     for n in report.get("notes", []):
         console.print(f"  note: {plain(n)}", highlight=False, soft_wrap=True)
     for w in report.get("warnings", []):
         console.print(f"[bold yellow]WARNING:[/] {plain(w)}", highlight=False, soft_wrap=True)
+
+
+def _report_value(key: str, v: object) -> str:
+    """One report value as the table prints it: byte counts with thousands separators, a flat dict of figures
+    (`input_manifest`) as `name value` pairs with its counts separated the same way."""
+    if isinstance(v, dict) and v and all(isinstance(x, (int, float, str)) for x in v.values()):
+        return ", ".join(f"{k} {x:,}" if type(x) is int else f"{k} {plain(x)}" for k, x in v.items())
+    if type(v) is int and "bytes" in key:
+        return f"{v:,}"
+    return plain(v)
 
 
 @app.command("megatron-to-hf")

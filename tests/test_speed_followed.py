@@ -6,6 +6,7 @@ read shows the input read about once, not twice."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
@@ -22,7 +23,7 @@ from mconvert.convert import base as convert_base
 from mconvert.convert.io.atomic import MANIFEST
 from mconvert.convert.io.hashing import GAP_READ, FollowedDigest, pread_into
 from mconvert.errors import MConvertError
-from tests.safety_common import big_llama_hf
+from tests.safety_common import big_llama_hf, run_cli
 
 
 def _truth(data: bytes, algorithm: str) -> str:
@@ -232,3 +233,20 @@ def test_the_followed_checks_leave_no_threads(written: dict[str, Path], tmp_path
     before = {t.name for t in threading.enumerate()}
     hf_to_megatron(written["hf"], tmp_path / "mg", tp=1, pp=1)
     assert not {t.name for t in threading.enumerate() if t.name.startswith("manifest")} - before
+
+
+def test_the_report_tells_how_the_input_was_checked(written: dict[str, Path], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """The table names the check's figures readably; --json gives them as numbers that add up to the input."""
+    code, _, err = run_cli(["megatron-to-hf", written["mg"], tmp_path / "a"], capsys)
+    assert code == 0
+    line = " ".join(err.split())
+    listed = json.loads((written["mg"] / MANIFEST).read_text())["files"]
+    size = sum(e["bytes"] for e in listed.values())
+    assert f"input_manifest: files {len(listed)}, bytes {size:,}, hashed_as_read " in line and "read_again " in line
+    code, out, _ = run_cli(["megatron-to-hf", written["mg"], tmp_path / "b", "--json"], capsys)
+    checked = json.loads(out)["input_manifest"]
+    assert code == 0 and checked["hashed_as_read"] + checked["read_again"] == checked["bytes"]
+    code, out, _ = run_cli(["megatron-to-hf", written["mg-bare"], tmp_path / "c", "--json"], capsys)
+    assert code == 0 and "input_manifest" not in json.loads(out)
+
