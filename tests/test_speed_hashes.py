@@ -91,6 +91,28 @@ def test_hash_file_through_mappings_is_the_reference_digest(tmp_path: Path, algo
         assert hash_file(path, algorithm, chunk=window) == ref.hexdigest(), n
 
 
+def test_the_manifest_of_large_outputs_maps_little_at_a_time(tmp_path: Path) -> None:
+    """write_manifest hashes four output files at once through mappings, whose pages count in the resident
+    set: the peak (the kernel's VmHWM) grows by about four windows, not four 16 MiB buffers."""
+    from mconvert.convert.driver import peak_rss_bytes
+    from mconvert.convert.io.atomic import write_manifest
+    from mconvert.convert.io.hashing import MAP_WINDOW
+
+    rng = random.Random(9)
+    for i in range(4):
+        (tmp_path / f"f{i}").write_bytes(rng.randbytes(40 << 20))
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+    base = _rss()
+    write_manifest(tmp_path)
+    assert peak_rss_bytes() - base < 4 * MAP_WINDOW + (12 << 20)
+    assert check_manifest(tmp_path) == []
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def test_hash_file_reads_where_the_file_cannot_be_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_a: object, **_k: object) -> None:
         raise OSError(19, "No such device")  # ENODEV: what mmap(2) answers on a file system without mappings

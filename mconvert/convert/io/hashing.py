@@ -92,6 +92,9 @@ def new_hasher(name: str, threads: bool = True) -> Any:
     return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
 
 
+MAP_WINDOW = 4 << 20  # hash_file(mapped=True): bytes of the file mapped at a time (no slower than larger ones)
+
+
 def hash_file(path: str | Path, name: str, chunk: int = 16 << 20, mapped: bool = False) -> str:
     """The hex digest of the file at `path` under manifest algorithm `name`, read through one reused buffer.
 
@@ -99,9 +102,10 @@ def hash_file(path: str | Path, name: str, chunk: int = 16 << 20, mapped: bool =
     of `chunk` bytes of mapping instead, without copying each byte into the buffer first: about twice the
     speed. It is never used on an input: a mapping of a file another process truncates meanwhile faults
     (SIGBUS) where a read returns short, and only a file inside the output being written is safe from
-    that. The window keeps at most `chunk` bytes mapped, so the resident set stays bounded."""
+    that. The window keeps at most MAP_WINDOW bytes mapped (the mapped pages count in the resident set, and
+    `write_manifest` hashes four files at once), so the resident set stays bounded."""
     h = new_hasher(name)
-    if mapped and _hash_mapped(path, h, chunk):
+    if mapped and _hash_mapped(path, h, min(chunk, MAP_WINDOW)):
         return h.hexdigest()
     buf = memoryview(bytearray(chunk))
     with open(path, "rb", buffering=0) as f:
