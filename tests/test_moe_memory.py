@@ -12,6 +12,7 @@ same. The HF writer's own accounting (the largest unit handed to it) is one expe
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from mconvert.convert.driver import reshard
+from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.megatron import megatron_writer
 from mconvert.mappings.families import preset
 from tests.safety_common import add_adam_states
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.slow
 H, F = 256, 2048
 EXPERT_BYTES = 3 * H * F * 4  # w1, w3 [F, H] and w2 [H, F] in fp32: 6.3 MB
 SLACK = 32 << 20  # interpreter, allocator and page-cache noise between two runs of one verb
+TORCH_DIST_QUEUE = inspect.signature(HashingFile).parameters["max_pending"].default
 
 PROBE = r"""
 import json, sys, psutil
@@ -47,7 +50,8 @@ VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes hf-
                                                                                 with_optimizer=True, **kw)),
     "megatron-to-hf from torch_dist": ("{mg}.dist", lambda s, o, **kw: driver.megatron_to_hf(s, o, max_shard_size="8MB",
                                                                                            **kw)),
-    "reshard torch_dist -> torch": ("{mg}.dist", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4, **kw)),
+    "reshard torch_dist -> torch": ("{mg}.dist", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4,
+                                                                                  format="torch", **kw)),
     "reshard torch -> torch_dist": ("{mg}", lambda s, o, **kw: driver.reshard(s, o, tp=2, pp=1, ep=1,
                                                                              format="torch_dist", **kw)),
 }
@@ -130,7 +134,10 @@ def test_peak_memory_is_one_expert_whatever_the_number_of_experts(tmp_path: Path
           f"{layer32 / 1e6:.0f} MB): " + ", ".join(f"{v} {d[8] / 1e6:.1f} vs {d[32] / 1e6:.1f}"
                                                    for v, d in deltas.items()))
     for verb, d in deltas.items():
-        # the same peak at 4x the experts: a layer held whole would add 24 experts (151 MB) here
-        assert d[32] - d[8] < EXPERT_BYTES + SLACK, (verb, d)
+        # the same peak at 4x the experts: a layer held whole would add 24 experts (151 MB) here. A torch_dist
+        # output is one file behind one HashingFile queue (64 MiB, in the plan's writer buffer): how full it
+        # gets depends on how fast the disk takes the bytes, and the 8-expert file is too small to fill it
+        queue = TORCH_DIST_QUEUE if verb.endswith("-> torch_dist") else 0
+        assert d[32] - d[8] < EXPERT_BYTES + SLACK + queue, (verb, d)
         # two experts (one read, one being written), the dense part, the writer's buffers as `plan` states them
         assert d[32] < 2 * EXPERT_BYTES + dense + buffers[verb] + SLACK, (verb, d, buffers[verb])
