@@ -461,8 +461,10 @@ def _input_changed(root: Path, problems: list[str]) -> MConvertError:
 def _follow_input(root: Path) -> bool:
     """Check `root` against its manifest on the conversion's own reads (see `verify_input`); False where that
     cannot be done (outside a conversion, under torchrun): the caller hashes the files instead."""
-    from mconvert.convert.io.safeload import deferred, follow_input
+    from mconvert.convert.io.safeload import can_follow, deferred, follow_input
 
+    if not can_follow():  # before the manifest is read: the caller reads it for its own check
+        return False
     algorithm, problems, to_hash = _manifest_plan(root, unlisted=False)
     if problems:
         raise _input_changed(root, problems)
@@ -470,14 +472,10 @@ def _follow_input(root: Path) -> bool:
     def refuse(problem: str) -> MConvertError:
         return _input_changed(root, [problem])
 
-    followed = False
     for p, digest, size in to_hash:
-        if follow_input(FollowedDigest(p, algorithm, digest, size), refuse):
-            followed = True
-        elif followed:  # the same file under a second name: hashed whole in the background
+        if not follow_input(FollowedDigest(p, algorithm, digest, size), refuse):
+            # the same file under a second name: hashed whole in the background
             deferred(p, lambda f, d=digest, n=size: _check_whole(Path(f), algorithm, d, n, refuse))
-        else:
-            return False
     return True
 
 

@@ -600,15 +600,18 @@ def check_unread(tallies: list[dict[str, dict[str, list[int]]]]) -> None:
         recs._check(sorted(o for o in todo if o in recs.entries))
 
 
+def can_follow() -> bool:
+    """Whether input manifests can be checked on the conversion's reads here: inside `deferred_crc_checks()`,
+    on the main thread of a single process (torchrun ranks read disjoint parts: none sees a file whole)."""
+    return (_DEFERRED is not None and threading.current_thread() is threading.main_thread()
+            and world_from_env().size == 1)
+
+
 def follow_input(digest: FollowedDigest, refuse: Callable[[str], MConvertError]) -> bool:
-    """Inside `deferred_crc_checks()`, on the main thread of a single process: check input file `digest.path`
-    against its manifest entry on the bytes the conversion reads (`followed_digest`), the rest before the
-    commit; True. False otherwise (the caller checks the file another way)."""
-    if _DEFERRED is None or threading.current_thread() is not threading.main_thread():
-        return False
-    if world_from_env().size > 1:  # the ranks read disjoint parts: no rank sees a file front to back
-        return False
-    return _DEFERRED.follow(digest, refuse)
+    """Where `can_follow()`: check input file `digest.path` against its manifest entry on the bytes the
+    conversion reads (`followed_digest`), the rest before the commit; True. False otherwise, or when the file
+    is followed already under another name (the caller checks it another way)."""
+    return can_follow() and _DEFERRED.follow(digest, refuse)  # type: ignore[union-attr]
 
 
 def followed_digest(path: str | Path) -> FollowedDigest | None:
