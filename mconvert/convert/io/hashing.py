@@ -92,7 +92,7 @@ def new_hasher(name: str, threads: bool = True) -> Any:
     return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
 
 
-MAP_WINDOW = 4 << 20  # hash_file(mapped=True): bytes of the file mapped at a time (no slower than larger ones)
+MAP_WINDOW = 4 << 20  # hash_file(mapped=True): bytes of the file mapped at a time (they count in the resident set)
 
 
 def hash_file(path: str | Path, name: str, chunk: int = 16 << 20, mapped: bool = False) -> str:
