@@ -145,6 +145,49 @@ def test_a_failing_rank_leaves_no_output(tmp_path: Path) -> None:
                                            ["megatron-to-hf", "{src}", "{out}", "--max-shard-size", SHARD])
 
 
+_RANK_0_FAILS_FIRST = """
+import signal, sys, time
+from pathlib import Path
+import torch
+from mconvert.cli import main
+from mconvert.convert.layout import save_rank_file
+from mconvert.convert.scaleout import shared_atomic_output_dir, world_from_env
+from mconvert.errors import MConvertError
+
+def job():
+    with shared_atomic_output_dir(sys.argv[1]) as tmp:
+        if world_from_env().rank == 0:
+            (tmp / "config.json").write_text("{}")
+            raise MConvertError("rank 0 fails first")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's stop must not come before the write below
+        deadline = time.monotonic() + 60
+        while tmp.is_dir() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        save_rank_file(tmp / "release" / "mp_rank_01_000" / "model_optim_rng.pt", {"x": torch.zeros(2)})
+
+try:
+    job()
+except MConvertError as e:
+    print("Error:", e, file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_rank_0_failing_first_leaves_no_output(tmp_path: Path) -> None:
+    """Rank 0 fails and removes the temporary directory while rank 1 still converts: rank 1's next file (in a
+    directory it creates) fails instead of creating the directory again, and names rank 0 as the cause."""
+    script = tmp_path / "job.py"
+    script.write_text(_RANK_0_FAILS_FIRST)
+    outdir = tmp_path / "outs"
+    outdir.mkdir()
+    r = _torchrun([script, outdir / "out"], module=False)
+    assert r.returncode != 0
+    assert os.listdir(outdir) == []
+    assert "rank 0 fails first" in r.stderr
+    assert "torchrun rank 1: rank 0 stopped the job" in r.stderr
+
+
 def test_world_from_env() -> None:
     assert world_from_env({}) == World(0, 1)
     assert world_from_env({"WORLD_SIZE": "4", "RANK": "3"}) == World(3, 4)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 
-from mconvert.convert.io.paths import inside_file, read_small
+from mconvert.convert.io.paths import inside_file, make_dirs, read_small
 from mconvert.errors import MConvertError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -98,7 +98,7 @@ def write_latest(root: str | Path, iteration: int | str) -> None:
 def save_rank_file(path: str | Path, state: dict[str, Any]) -> None:
     """torch.save into a temporary name, then rename: a killed save never leaves a truncated rank file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     tmp = path.with_name(path.name + ".tmp")
     from mconvert.convert.io import repickle  # torch: the names and paths above serve `plan` without it
 

@@ -28,7 +28,7 @@ from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spe
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import hash_file, manifest_hash
-from mconvert.convert.io.paths import inside_file, owned_fd
+from mconvert.convert.io.paths import inside_file, make_dirs, owned_fd
 from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
 from mconvert.convert.scaleout import world
@@ -861,7 +861,7 @@ class MegatronWriter:
                         placed[c].append((local_name, [ph] * self.tp, ost))
                 state = self._state(t, p, placed)
                 path = self._rank_file(t, p)
-                path.parent.mkdir(parents=True, exist_ok=True)
+                make_dirs(path.parent)
                 streams[t] = TorchSaveStream(state, path.with_name(path.name + ".tmp"), mine)
         except BaseException:
             for st in streams.values():
@@ -933,7 +933,7 @@ class MegatronWriter:
             if spool is None:
                 save_rank_file(path, state)
             else:  # byte-identical to save_rank_file, the parked shard bytes copied in by the kernel
-                path.parent.mkdir(parents=True, exist_ok=True)
+                make_dirs(path.parent)
                 tmp = path.with_name(path.name + ".tmp")
                 save_spooled(state, tmp, spool)
                 spool.close()
@@ -955,7 +955,7 @@ class MegatronWriter:
     def _spool(self, p: int, t: int) -> Any:
         """The spool of rank file (t, p): shard bytes wait there, not in memory, until the stage is complete."""
         if (p, t) not in self._spools:
-            self.out.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.out)
             self._spools[(p, t)] = Spool(self.out / f".spool-{p:03d}-{t:02d}-{self.ep_rank:03d}")
         return self._spools[(p, t)]
 

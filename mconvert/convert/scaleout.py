@@ -30,6 +30,7 @@ from typing import Any
 
 from mconvert.convert.io.atomic import adopt_digests, atomic_output_dir, digests_under, record_digest
 from mconvert.convert.io.hashing import hash_file, manifest_hash
+from mconvert.convert.io.paths import output_root
 from mconvert.convert.io.safeload import check_unread, crc_tally
 from mconvert.convert.io.world import World, active_world, refuse_torchrun, world, world_from_env
 from mconvert.errors import MConvertError
@@ -165,13 +166,22 @@ def _secondary(w: World, dist: Any) -> Iterator[Path]:
         raise MConvertError(f"rank 0 refused the output: {got[0]}")
     tmp = Path(got[0])
     try:
-        yield tmp
+        with output_root(tmp):
+            yield tmp
+            _finish_secondary(tmp, w)
     except BaseException as e:
+        if not tmp.is_dir():  # rank 0 failed first and removed it: its error is the one to read
+            raise MConvertError(f"torchrun rank {w.rank}: rank 0 stopped the job and removed its temporary "
+                                "directory; rank 0's error says why") from None
         try:
             _write_status(tmp, w.rank, {"ok": False, "error": str(e) or type(e).__name__})
-        except OSError:  # rank 0 already removed the directory (it failed first)
+        except OSError:  # removed meanwhile
             pass
         raise
+
+
+def _finish_secondary(tmp: Path, w: World) -> None:
+    """Hash this rank's out-of-order files and leave its success status for rank 0."""
     top = Path(tmp).resolve()
     mine = {p for p in _CLAIMED if p.startswith(str(top) + os.sep)}
     _CLAIMED.difference_update(mine)

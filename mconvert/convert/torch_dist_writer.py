@@ -49,6 +49,7 @@ from mconvert.convert.base import Unit, units_of
 from mconvert.convert.io import repickle
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import HashingFile
+from mconvert.convert.io.paths import make_dirs
 from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
 from mconvert.convert.megatron import target_args
 from mconvert.convert.torch_dist import (
@@ -226,7 +227,7 @@ class TorchDistWriter:
                           if k not in ("args", "checkpoint_version", "iteration", "model", "rng_state")}
         self.rows = spec.padded_vocab_size(tp)
         self.dir = self.out / iteration_dir_name(iteration)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.dir)
         self.max_file_bytes = max_file_bytes
         self._names: list[str] = []
         self._file: Any = None

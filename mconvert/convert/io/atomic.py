@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from typing import Any
 
 from mconvert.convert.io.hashing import (MANIFEST_HASHES, FollowedDigest, check_hash_name, hash_file,
                                          manifest_hash)
+from mconvert.convert.io.paths import output_root
 from mconvert.errors import MConvertError
 
 MANIFEST = "mconvert-manifest.json"
@@ -57,14 +59,17 @@ def check_output(out: str | Path, force: bool, inputs: tuple[str | Path | None, 
     return out
 
 
-def tmp_name(name: str, pid: int | None = None, old: bool = False) -> str:
-    """The hidden sibling a run with `pid` writes OUT `name` into (`old`: where --force parks the previous OUT)."""
-    return f".{name}{_TMP_TAG}{'old-' if old else ''}{os.getpid() if pid is None else pid}"
+def tmp_name(name: str, pid: int | None = None, old: bool = False, gone: bool = False) -> str:
+    """The hidden sibling a run with `pid` writes OUT `name` into (`old`: where --force parks the previous OUT;
+    `gone`: where a failed run moves its temporary directory to remove it)."""
+    kind = "old-" if old else "gone-" if gone else ""
+    return f".{name}{_TMP_TAG}{kind}{os.getpid() if pid is None else pid}"
 
 
 def _leftovers(parent: Path, name: str) -> list[tuple[Path, int, bool]]:
-    """(path, pid, old?) of every directory in `parent` named exactly as `tmp_name(name, pid[, old])` names it."""
-    pat = re.compile(re.escape(f".{name}{_TMP_TAG}") + r"(old-)?([1-9][0-9]{0,9})")
+    """(path, pid, old?) of every directory in `parent` named exactly as `tmp_name(name, pid[, old|gone])` names
+    it."""
+    pat = re.compile(re.escape(f".{name}{_TMP_TAG}") + r"(old-|gone-)?([1-9][0-9]{0,9})")
     found = []
     try:
         entries = sorted(os.listdir(parent))
@@ -74,7 +79,7 @@ def _leftovers(parent: Path, name: str) -> list[tuple[Path, int, bool]]:
         m = pat.fullmatch(entry)
         p = parent / entry
         if m and p.is_dir() and not p.is_symlink():
-            found.append((p, int(m.group(2)), m.group(1) is not None))
+            found.append((p, int(m.group(2)), m.group(1) == "old-"))
     return found
 
 
@@ -215,7 +220,8 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
     out = check_output(out, force, inputs)
     with _terminating():
         parent, tmp = _fresh_tmp(out)
-        yield from _commit(tmp, out, parent, force, manifest)
+        with output_root(tmp):
+            yield from _commit(tmp, out, parent, force, manifest)
 
 
 def _fresh_tmp(out: Path) -> tuple[Path, Path]:
@@ -243,13 +249,30 @@ def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool) -> 
         else:
             rename_noreplace(tmp, out.absolute())
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp, out.name)
         mapped = write_failure(e, out, parent, tmp)
         if mapped is not None:
             raise mapped from None
         raise
 
 
+def discard(tmp: Path, name: str) -> None:
+    """Remove a failed run's temporary directory (of OUT `name`). It is renamed away first, so that another process still
+    writing into it (a torchrun rank) fails on its next file instead of filling a directory being removed; the
+    removal is retried for the few files whose creation was already under way at the rename."""
+    gone = tmp.with_name(tmp_name(name, gone=True))
+    try:
+        os.rename(tmp, gone)
+    except OSError:
+        gone = tmp  # already gone, or the rename is refused: removed where it is
+    for _ in range(_DISCARD_TRIES):
+        shutil.rmtree(gone, ignore_errors=True)
+        if not os.path.lexists(gone):
+            return
+        time.sleep(0.05)
+
+
+_DISCARD_TRIES = 40
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 _TEXT_ERRNOS = (  # how torch / safetensors / numpy word the same failures without an errno attribute
     ("No space left on device", errno.ENOSPC),

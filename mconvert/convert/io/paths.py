@@ -9,12 +9,14 @@ files have their size checked before they are read.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import stat
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -173,3 +175,39 @@ def overlap(out: str | Path, inp: str | Path) -> str | None:
     if _inside(o, i):
         return "lies inside"
     return None
+
+
+_OUTPUT_ROOTS: set[Path] = set()  # temporary output directories being written by this process
+
+
+@contextmanager
+def output_root(root: str | Path) -> Iterator[None]:
+    """Mark `root` (a conversion's temporary output directory) as one `make_dirs` never re-creates."""
+    root = Path(root).absolute()
+    _OUTPUT_ROOTS.add(root)
+    try:
+        yield
+    finally:
+        _OUTPUT_ROOTS.discard(root)
+
+
+def make_dirs(path: str | Path) -> None:
+    """`mkdir -p path`, except that an output root (`output_root`) is never created again: once a failed run
+    removed it, a process still writing into it (another torchrun rank) fails on FileNotFoundError instead of
+    leaving a second copy behind. Each directory below the root is created on its own, so a root removed
+    meanwhile is never re-created."""
+    path = Path(path).absolute()
+    root = next((r for r in _OUTPUT_ROOTS if r == path or r in path.parents), None)
+    if root is None:
+        path.mkdir(parents=True, exist_ok=True)
+        return
+    if not root.is_dir():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(root))
+    cur = root
+    for part in path.relative_to(root).parts:
+        cur = cur / part
+        try:
+            os.mkdir(cur)
+        except FileExistsError:
+            if not cur.is_dir():
+                raise

@@ -22,7 +22,7 @@ import torch
 
 from mconvert.convert.io import buffers, repickle
 from mconvert.convert.io.hashing import Checksum, HashingFile, crc32, numel, pread_into, tensor_bytes
-from mconvert.convert.io.paths import owned_fd
+from mconvert.convert.io.paths import make_dirs, owned_fd
 from mconvert.convert.io.safeload import ZipRecords, followed_digest, zip_records
 from mconvert.errors import MConvertError
 
@@ -322,7 +322,7 @@ class TorchSaveStream:
         self.path = Path(path)
         # same base name as `path`: torch names the zip's top folder after the file it writes
         skel_dir = self.path.parent / f".skeleton-{self.path.name}"
-        skel_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(skel_dir)
         skel = skel_dir / self.path.name
         try:
             order = _save_skeleton(state, skel)
