@@ -11,7 +11,6 @@ import os
 import random
 import shutil
 import threading
-import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +22,7 @@ from mconvert.convert import base as convert_base
 from mconvert.convert.io.atomic import MANIFEST
 from mconvert.convert.io.hashing import GAP_READ, FollowedDigest, pread_into
 from mconvert.errors import MConvertError
-from tests.safety_common import big_llama_hf, run_cli
+from tests.safety_common import big_llama_hf, flip_record_padding, run_cli
 
 
 def _truth(data: bytes, algorithm: str) -> str:
@@ -190,14 +189,6 @@ def test_an_input_with_a_manifest_is_read_about_once(written: dict[str, Path], t
     assert "input_manifest" not in _convert(verb, written[f"{src}-bare"], tmp_path / "again")
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def test_a_change_where_no_reader_looks_is_refused(written: dict[str, Path], tmp_path: Path) -> None:
     """A byte of a zip record's local header (its alignment padding: neither torch.load nor the CRC-32 look
     at it), and the side file of special token ids, changed but still valid: the manifest refuses both, and
@@ -207,13 +198,7 @@ def test_a_change_where_no_reader_looks_is_refused(written: dict[str, Path], tmp
     ckpt = tmp_path / "mg"
     shutil.copytree(written["mg"], ckpt)
     rank = sorted(ckpt.rglob("model_optim_rng.pt"))[-1]
-    with zipfile.ZipFile(rank) as z:
-        info = max(z.infolist(), key=lambda i: i.file_size)
-    with open(rank, "rb") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-    assert extra_len > 4  # torch.save pads each record's data to 64 bytes with an extra field
-    _flip(rank, info.header_offset + 30 + name_len + extra_len - 1)
+    flip_record_padding(rank)
     with pytest.raises(MConvertError, match=f"{rank.name}: blake3 differs from the manifest"):
         megatron_to_hf(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()

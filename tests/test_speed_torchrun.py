@@ -16,7 +16,7 @@ from mconvert.convert.io import world as world_state
 from mconvert.convert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World, world_from_env
 from mconvert.errors import MConvertError
-from tests.safety_common import ROOT, base
+from tests.safety_common import ROOT, base, flip_record_padding
 
 pytestmark = pytest.mark.slow
 
@@ -186,6 +186,48 @@ def test_rank_0_failing_first_leaves_no_output(tmp_path: Path) -> None:
     assert os.listdir(outdir) == []
     assert "rank 0 fails first" in r.stderr
     assert "torchrun rank 1: rank 0 stopped the job" in r.stderr
+
+
+def _with_changes_only_the_manifest_sees(ckpt: Path, dst: Path, ranks: tuple[int, ...]) -> list[Path]:
+    """A copy of `ckpt` with its manifest in which, for each process in `ranks` (of 2), one rank file it owns
+    is changed where neither torch.load nor the CRC-32 look (`flip_record_padding`); returns the changed files."""
+    import shutil
+
+    shutil.copytree(ckpt, dst)
+    files = sorted(dst.rglob("model_optim_rng.pt"))
+    changed = [next(f for f in files if World(r, 2).owns_path(f)) for r in ranks]
+    for f in changed:
+        flip_record_padding(f)
+    return changed
+
+
+def test_each_process_hashes_the_input_files_it_owns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun the input's manifest is checked file by file, each file by the process that owns it: with
+    one changed file per process, each process refuses its own."""
+    from mconvert.convert.io.atomic import verify_input
+    from mconvert.convert.io.safeload import deferred_crc_checks
+
+    src = tmp_path / "ckpt"
+    changed = _with_changes_only_the_manifest_sees(base()["ckpt"], src, (0, 1))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(MConvertError) as e:
+            with deferred_crc_checks():
+                verify_input(src)
+        assert str(e.value).startswith(f"{changed[rank]}: blake3 differs from the manifest"), rank
+        assert "more" not in str(e.value)
+
+
+@pytest.mark.timeout(300)
+def test_a_change_only_the_manifest_sees_fails_the_torchrun_job(tmp_path: Path) -> None:
+    changed, = _with_changes_only_the_manifest_sees(base()["ckpt"], tmp_path / "ckpt", (1,))
+    outdir = tmp_path / "outs"
+    outdir.mkdir()
+    r = _torchrun(["megatron-to-hf", tmp_path / "ckpt", outdir / "out", "--max-shard-size", SHARD])
+    assert r.returncode != 0
+    assert f"{changed}: blake3 differs from the manifest" in r.stderr
+    assert os.listdir(outdir) == []
 
 
 def test_world_from_env() -> None:

@@ -456,16 +456,21 @@ def verify_input(path: str | Path) -> None:
     each file's digest is taken on the bytes the conversion reads anyway (`FollowedDigest`; a file no reader
     reads is hashed on a background thread); the output waits for the verdict before it is committed, and a
     mismatch then wins over any error the changed bytes caused. Under torchrun the ranks read disjoint parts
-    of each file, so one rank hashes the files whole on its background thread instead."""
-    from mconvert.convert.io.safeload import deferred
+    of each file, so each file is hashed whole, on the background thread of the rank that `owns_path` it."""
+    from mconvert.convert.io.safeload import in_conversion
 
     root = _manifest_root(Path(path))
     if root is None:
         return
-    if _follow_input(root):
+    if not in_conversion():
+        problems = check_manifest(root, unlisted=False)
+        if problems:
+            raise _input_changed(root, problems)
         return
-    if not deferred(path, _verify_input_now):
-        _verify_input_now(path)
+    algorithm, problems, to_hash = _manifest_plan(root, unlisted=False)
+    if problems:
+        raise _input_changed(root, problems)
+    _check_on_reads(root, algorithm, to_hash)
 
 
 def _manifest_root(path: Path) -> Path | None:
@@ -481,39 +486,24 @@ def _input_changed(root: Path, problems: list[str]) -> MConvertError:
                          f"(or delete {root / MANIFEST} to convert it as it is)")
 
 
-def _follow_input(root: Path) -> bool:
-    """Check `root` against its manifest on the conversion's own reads (see `verify_input`); False where that
-    cannot be done (outside a conversion, under torchrun): the caller hashes the files instead."""
-    from mconvert.convert.io.safeload import can_follow, deferred, follow_input
-
-    if not can_follow():  # before the manifest is read: the caller reads it for its own check
-        return False
-    algorithm, problems, to_hash = _manifest_plan(root, unlisted=False)
-    if problems:
-        raise _input_changed(root, problems)
+def _check_on_reads(root: Path, algorithm: str, to_hash: list[tuple[Path, str, int]]) -> None:
+    """Check each file of `root`'s manifest on the conversion's reads where this process reads it whole
+    (`safeload.follow_input`), else whole on the background thread (a second name of a followed file; under
+    torchrun, by the rank that owns the file)."""
+    from mconvert.convert.io.safeload import deferred, follow_input
 
     def refuse(problem: str) -> MConvertError:
         return _input_changed(root, [problem])
 
     for p, digest, size in to_hash:
         if not follow_input(FollowedDigest(p, algorithm, digest, size), refuse):
-            # the same file under a second name: hashed whole in the background
             deferred(p, lambda f, d=digest, n=size: _check_whole(Path(f), algorithm, d, n, refuse))
-    return True
 
 
 def _check_whole(p: Path, algorithm: str, want: str, size: int, refuse: Callable[[str], MConvertError]) -> None:
     problem = FollowedDigest(p, algorithm, want, size).finish()
     if problem is not None:
         raise refuse(problem)
-
-
-def _verify_input_now(path: str | Path) -> None:
-    root = _manifest_root(Path(path))
-    if root is not None:
-        problems = check_manifest(root, unlisted=False)
-        if problems:
-            raise _input_changed(root, problems)
 
 
 def file_manifest_path(out: str | Path) -> Path:

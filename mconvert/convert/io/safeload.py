@@ -547,11 +547,17 @@ def crc_in_background(fn: Any) -> Any:
     return wrapper
 
 
+def in_conversion() -> bool:
+    """Whether input checks can wait for the conversion's background thread: inside `deferred_crc_checks()`,
+    on the main thread."""
+    return _DEFERRED is not None and threading.current_thread() is threading.main_thread()
+
+
 def deferred(path: str | Path, check: Any) -> bool:
     """Inside `deferred_crc_checks()` (and on the main thread): queue `check(path)` on its background thread
     and return True; else False (the caller checks now). Under torchrun only the rank that `owns_path` runs
     it: a failure there fails the whole job before anything is committed."""
-    if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
+    if in_conversion():
         w = world_from_env()
         if w.size == 1 or w.owns_path(path):  # under torchrun each input file is checked by one rank
             _DEFERRED.submit(Path(path), check)
@@ -564,7 +570,7 @@ def verify_zip_crc(path: str | Path) -> None:
     the conversion reads (`zip_records`) and on the background thread for the rest. Under torchrun every rank
     checks the records it reads, the rank that `owns_path` the records no reader claims, and rank 0 those
     claimed records no rank read whole (`check_unread`): each record is read for its check at most once."""
-    if _DEFERRED is not None and threading.current_thread() is threading.main_thread():
+    if in_conversion():
         w = world_from_env()
         if _DEFERRED.add_zip(Path(path), unclaimed=w.size == 1 or w.owns_path(path)):
             return
@@ -603,8 +609,7 @@ def check_unread(tallies: list[dict[str, dict[str, list[int]]]]) -> None:
 def can_follow() -> bool:
     """Whether input manifests can be checked on the conversion's reads here: inside `deferred_crc_checks()`,
     on the main thread of a single process (torchrun ranks read disjoint parts: none sees a file whole)."""
-    return (_DEFERRED is not None and threading.current_thread() is threading.main_thread()
-            and world_from_env().size == 1)
+    return in_conversion() and world_from_env().size == 1
 
 
 def follow_input(digest: FollowedDigest, refuse: Callable[[str], MConvertError]) -> bool:
