@@ -30,7 +30,6 @@ from typing import Any
 
 from mconvert.convert.io.atomic import adopt_digests, atomic_output_dir, digests_under, record_digest
 from mconvert.convert.io.hashing import hash_file, manifest_hash
-from mconvert.convert.io.paths import output_root
 from mconvert.convert.io.safeload import check_unread, crc_tally
 from mconvert.convert.io.world import World, active_world, refuse_torchrun, world, world_from_env
 from mconvert.errors import MConvertError
@@ -166,9 +165,8 @@ def _secondary(w: World, dist: Any) -> Iterator[Path]:
         raise MConvertError(f"rank 0 refused the output: {got[0]}")
     tmp = Path(got[0])
     try:
-        with output_root(tmp):
-            yield tmp
-            _finish_secondary(tmp, w)
+        yield tmp
+        _finish_secondary(tmp, w)
     except BaseException as e:
         if not tmp.is_dir():  # rank 0 failed first and removed it: its error is the one to read
             raise MConvertError(f"torchrun rank {w.rank}: rank 0 stopped the job and removed its temporary "

@@ -28,11 +28,10 @@ from typing import Any
 
 from mconvert.convert.io.hashing import (MANIFEST_HASHES, FollowedDigest, check_hash_name, hash_file,
                                          manifest_hash)
-from mconvert.convert.io.paths import output_root
+from mconvert.convert.io.paths import TMP_TAG
 from mconvert.errors import MConvertError
 
 MANIFEST = "mconvert-manifest.json"
-_TMP_TAG = ".mconvert-tmp-"
 
 
 def check_output(out: str | Path, force: bool, inputs: tuple[str | Path | None, ...] = ()) -> Path:
@@ -63,13 +62,13 @@ def tmp_name(name: str, pid: int | None = None, old: bool = False, gone: bool = 
     """The hidden sibling a run with `pid` writes OUT `name` into (`old`: where --force parks the previous OUT;
     `gone`: where a failed run moves its temporary directory to remove it)."""
     kind = "old-" if old else "gone-" if gone else ""
-    return f".{name}{_TMP_TAG}{kind}{os.getpid() if pid is None else pid}"
+    return f".{name}{TMP_TAG}{kind}{os.getpid() if pid is None else pid}"
 
 
 def _leftovers(parent: Path, name: str) -> list[tuple[Path, int, bool]]:
     """(path, pid, old?) of every directory in `parent` named exactly as `tmp_name(name, pid[, old|gone])` names
     it."""
-    pat = re.compile(re.escape(f".{name}{_TMP_TAG}") + r"(old-|gone-)?([1-9][0-9]{0,9})")
+    pat = re.compile(re.escape(f".{name}{TMP_TAG}") + r"(old-|gone-)?([1-9][0-9]{0,9})")
     found = []
     try:
         entries = sorted(os.listdir(parent))
@@ -220,8 +219,7 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
     out = check_output(out, force, inputs)
     with _terminating():
         parent, tmp = _fresh_tmp(out)
-        with output_root(tmp):
-            yield from _commit(tmp, out, parent, force, manifest)
+        yield from _commit(tmp, out, parent, force, manifest)
 
 
 def _fresh_tmp(out: Path) -> tuple[Path, Path]:

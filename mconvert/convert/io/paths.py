@@ -15,8 +15,7 @@ import os
 import shutil
 import stat
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -177,37 +176,28 @@ def overlap(out: str | Path, inp: str | Path) -> str | None:
     return None
 
 
-_OUTPUT_ROOTS: set[Path] = set()  # temporary output directories being written by this process
-
-
-@contextmanager
-def output_root(root: str | Path) -> Iterator[None]:
-    """Mark `root` (a conversion's temporary output directory) as one `make_dirs` never re-creates."""
-    root = Path(root).absolute()
-    _OUTPUT_ROOTS.add(root)
-    try:
-        yield
-    finally:
-        _OUTPUT_ROOTS.discard(root)
+TMP_TAG = ".mconvert-tmp-"  # in the name of every temporary output directory (`atomic.tmp_name`)
 
 
 def make_dirs(path: str | Path) -> None:
-    """`mkdir -p path`, except that an output root (`output_root`) is never created again: once a failed run
-    removed it, a process still writing into it (another torchrun rank) fails on FileNotFoundError instead of
-    leaving a second copy behind. Each directory below the root is created on its own, so a root removed
-    meanwhile is never re-created."""
+    """`mkdir -p path`, except that a temporary output directory (a name with TMP_TAG) is never created: once
+    a failed run removed it, a thread or process still writing into it (another torchrun rank) fails on
+    FileNotFoundError instead of leaving a second copy behind. The missing directories are created one at a
+    time, so one removed meanwhile is never created again."""
     path = Path(path).absolute()
-    root = next((r for r in _OUTPUT_ROOTS if r == path or r in path.parents), None)
-    if root is None:
-        path.mkdir(parents=True, exist_ok=True)
-        return
-    if not root.is_dir():
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(root))
-    cur = root
-    for part in path.relative_to(root).parts:
-        cur = cur / part
+    missing = []
+    probe = path
+    while not probe.is_dir():
+        missing.append(probe)
+        probe = probe.parent
+    for cur in reversed(missing):
+        if TMP_TAG in cur.name:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(cur))
         try:
             os.mkdir(cur)
         except FileExistsError:
-            if not cur.is_dir():
-                raise
+            if cur.is_dir():
+                continue
+            if not os.path.lexists(cur):  # removed right after the mkdir found it: its parent is being removed
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(cur)) from None
+            raise
