@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.mappings import transforms as T
 from mconvert.mappings.transforms import merge, merge_rows, split
 
 
@@ -138,3 +139,28 @@ def test_pad_rows_appends_zero_rows(rows, multiple, want):
     x = torch.randn(rows, 2)
     y = pad_rows(x, multiple)
     assert y.shape == (want, 2) and torch.equal(y[:rows], x) and not y[rows:].any()
+
+
+def test_the_copying_transforms_write_into_the_memory_they_are_given():
+    """GPT-2's transposes and c_attn regroupings with an allocator (`empty`): the result lies in the memory it
+    handed out, with the values of the result without it."""
+    given: list[torch.Tensor] = []
+
+    def empty(shape, dtype):
+        given.append(torch.full(shape, float("nan"), dtype=dtype))
+        return given[-1]
+
+    nh, hd = 4, 8
+    w = torch.randn(3 * nh * hd, nh * hd)
+    cases = [
+        (lambda e: T.qkv_to_conv1d(w, nh, hd, empty=e)),
+        (lambda e: T.conv1d_to_qkv(w.t().contiguous(), nh, hd, empty=e)),
+        (lambda e: T.transpose(w, empty=e)),
+    ]
+    for make in cases:
+        want = make(None)
+        got = make(empty)
+        assert got.data_ptr() == given[-1].data_ptr() and torch.equal(got, want)
+    n = len(given)
+    T.transpose(w.t().contiguous().t(), empty=empty)  # column-major already: a view, nothing allocated
+    assert len(given) == n == 3

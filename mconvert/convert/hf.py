@@ -277,7 +277,7 @@ class HFSource(SourceBase):
         built = self._read_placed(unit)
         used = {k for names, _ in built.values() for k in names}
         return from_hf(self.spec, unit, self.read_hf(unit, column_major=True, skip=used), source=str(self.path), pmap=pmap,
-                       built={name: full for name, (_, full) in built.items()})
+                       built={name: full for name, (_, full) in built.items()}, empty=buffers.empty)
 
     def _read_placed(self, unit: Unit) -> dict[str, tuple[list[str], torch.Tensor]]:
         """The parameters whose HF tensors are whole row blocks of them (Llama's q/k/v, gate/up), each HF

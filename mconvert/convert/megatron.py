@@ -459,7 +459,7 @@ class MegatronSource(SourceBase):
                 return placed
             lay = {name} if transposed_in_hf(self.spec, name) else frozenset()
             t = self.read_unit(unit, only={name}, transposed=lay)[0][name]
-            return to_hf_one(self.spec, name, t, str(self.path))
+            return to_hf_one(self.spec, name, t, str(self.path), empty=buffers.empty)
 
         out: dict[str, torch.Tensor] = {}
         for part in pmap(one, hf_order(self.spec, unit, names)):

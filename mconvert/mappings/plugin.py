@@ -44,7 +44,7 @@ def hf_registry(p: Plugin) -> Registry:
 
 
 # ---- ops: (to_hf, from_hf) over full tensors -------------------------------------------------------------
-def _qkv_to(spec: ModelSpec, t: torch.Tensor, name: str) -> list[torch.Tensor]:
+def _qkv_to(spec: ModelSpec, t: torch.Tensor, name: str, empty: T.Empty | None = None) -> list[torch.Tensor]:
     q, k, v = T.qkv_to_separate(t, spec.num_attention_heads, spec.num_groups, spec.head_dim, name)
     if spec.rotary_interleaved:  # HF only knows rotate_half: reorder the rotary pairs of q and k
         q = T.interleaved_to_half(q, spec.num_attention_heads, spec.head_dim, name)
@@ -52,7 +52,7 @@ def _qkv_to(spec: ModelSpec, t: torch.Tensor, name: str) -> list[torch.Tensor]:
     return [q, k, v]
 
 
-def _qkv_from(spec: ModelSpec, ts: list[torch.Tensor], name: str) -> torch.Tensor:
+def _qkv_from(spec: ModelSpec, ts: list[torch.Tensor], name: str, empty: T.Empty | None = None) -> torch.Tensor:
     q, k, v = ts
     if spec.rotary_interleaved:
         q = T.half_to_interleaved(q, spec.num_attention_heads, spec.head_dim, name)
@@ -60,15 +60,17 @@ def _qkv_from(spec: ModelSpec, ts: list[torch.Tensor], name: str) -> torch.Tenso
     return T.separate_to_qkv(q, k, v, spec.num_attention_heads, spec.num_groups, spec.head_dim, name)
 
 
+# Each op is called (spec, tensor(s), name, empty): `empty` (`transforms.Empty` or None) allocates the results
+# the op copies into (GPT-2's transposes), so that a caller can hand it reused memory.
 OPS: dict[str, tuple[Callable[..., list[torch.Tensor]], Callable[..., torch.Tensor]]] = {
-    "identity": (lambda spec, t, n: [t], lambda spec, ts, n: ts[0]),
-    "vocab": (lambda spec, t, n: [T.strip_vocab(t, spec.vocab_size, n)], lambda spec, ts, n: ts[0]),
-    "transpose": (lambda spec, t, n: [T.transpose(t, n)], lambda spec, ts, n: T.transpose(ts[0], n)),
-    "gated": (lambda spec, t, n: T.gated_to_halves(t, n), lambda spec, ts, n: T.halves_to_gated(*ts, name=n)),
+    "identity": (lambda spec, t, n, e: [t], lambda spec, ts, n, e: ts[0]),
+    "vocab": (lambda spec, t, n, e: [T.strip_vocab(t, spec.vocab_size, n)], lambda spec, ts, n, e: ts[0]),
+    "transpose": (lambda spec, t, n, e: [T.transpose(t, n, e)], lambda spec, ts, n, e: T.transpose(ts[0], n, e)),
+    "gated": (lambda spec, t, n, e: T.gated_to_halves(t, n), lambda spec, ts, n, e: T.halves_to_gated(*ts, name=n)),
     "qkv": (_qkv_to, _qkv_from),
     "qkv_conv1d": (
-        lambda spec, t, n: [T.qkv_to_conv1d(t, spec.num_attention_heads, spec.head_dim, n)],
-        lambda spec, ts, n: T.conv1d_to_qkv(ts[0], spec.num_attention_heads, spec.head_dim, n),
+        lambda spec, t, n, e: [T.qkv_to_conv1d(t, spec.num_attention_heads, spec.head_dim, n, e)],
+        lambda spec, ts, n, e: T.conv1d_to_qkv(ts[0], spec.num_attention_heads, spec.head_dim, n, e),
     ),
 }
 
@@ -162,13 +164,14 @@ def hf_order(spec: ModelSpec, unit: Unit, names: Any) -> list[str]:
 
 
 def to_hf_one(spec: ModelSpec, name: str, t: torch.Tensor, source: str = "checkpoint",
-              reg: Registry | None = None) -> dict[str, torch.Tensor]:
-    """One full canonical parameter -> its HF tensor(s) (what `to_hf` does for each name)."""
+              reg: Registry | None = None, empty: T.Empty | None = None) -> dict[str, torch.Tensor]:
+    """One full canonical parameter -> its HF tensor(s) (what `to_hf` does for each name); `empty`: the
+    allocator of the results an op copies into (see OPS)."""
     m = (reg or registry(plugin_for(spec))).match(name)
     if m is None:
         raise MConvertError(f"{source}: no {spec.family} mapping for parameter {name!r}")
     _, rule, layer = m
-    parts = OPS[rule.op][0](spec, t, name)
+    parts = OPS[rule.op][0](spec, t, name, empty)
     return {fill(h, layer): p for h, p in zip(rule.hf, parts, strict=True)}
 
 
@@ -182,12 +185,14 @@ def check_complete(spec: ModelSpec, unit: Unit, names: Any, source: str = "check
 
 
 def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: str = "checkpoint",
-            pmap: Any = None, built: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+            pmap: Any = None, built: dict[str, torch.Tensor] | None = None,
+            empty: T.Empty | None = None) -> dict[str, torch.Tensor]:
     """HF tensors of one unit -> full tensors under canonical mcore names (vocab rows as in HF: unpadded).
 
     Every HF key is consumed by a rule or an explicit drop; anything else is an error naming the key.
     `pmap` (a map over a thread pool): the parameters are built several at once (torch's ops release the GIL).
-    `built`: parameters a reader already assembled from their HF tensors (`mcore_row_plan`), taken as they are."""
+    `built`: parameters a reader already assembled from their HF tensors (`mcore_row_plan`), taken as they are.
+    `empty`: the allocator of the results an op copies into (see OPS)."""
     plugin = plugin_for(spec)
     reg = registry(plugin)
     hreg = hf_registry(plugin)
@@ -198,7 +203,7 @@ def from_hf(spec: ModelSpec, unit: Unit, hf: dict[str, torch.Tensor], source: st
                                 "this key is neither converted nor a known buffer")
     names = _expected_mcore(spec, unit)
     done = built or {}
-    parts = (pmap or _serial_map)(lambda n: done[n] if n in done else from_hf_one(spec, n, hf, source, reg), names)
+    parts = (pmap or _serial_map)(lambda n: done[n] if n in done else from_hf_one(spec, n, hf, source, reg, empty), names)
     return dict(zip(names, parts, strict=True))
 
 
@@ -207,8 +212,9 @@ def _serial_map(fn: Any, items: Any) -> list[Any]:
 
 
 def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source: str = "checkpoint",
-                reg: Registry | None = None) -> torch.Tensor:
-    """One canonical parameter from the HF tensors it is made of (what `from_hf` does for each name)."""
+                reg: Registry | None = None, empty: T.Empty | None = None) -> torch.Tensor:
+    """One canonical parameter from the HF tensors it is made of (what `from_hf` does for each name); `empty`:
+    as for `to_hf_one`."""
     m = (reg or registry(plugin_for(spec))).match(name)
     if m is None:
         raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
@@ -217,7 +223,7 @@ def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source:
     absent = [n for n in names if n not in hf]
     if absent:
         raise MConvertError(f"{source}: tensor {absent[0]!r} is missing (needed for {name})")
-    return OPS[rule.op][1](spec, [hf[n] for n in names], name)
+    return OPS[rule.op][1](spec, [hf[n] for n in names], name, empty)
 
 
 def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit | None:

@@ -10,6 +10,7 @@ import ctypes
 import glob
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,6 +103,15 @@ def merge_transposed(shards: list[torch.Tensor], kind: str, name: str = "tensor"
     return out_t.t()
 
 
+# An allocator for a result every byte of which is written before it is read: `empty(shape, dtype)`. The
+# transforms that allocate take one, so that a caller can hand them reused memory (`convert.io.buffers.empty`).
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 # ---- 2-D transposes: the one copy GPT-2's Conv1D layout costs per byte ---------------------------------------
 # torch copies a transposed float matrix through a scalar 60x60 block loop; OpenBLAS's `somatcopy` (bundled with
 # numpy's wheels) runs vectorised kernels instead. It scales by alpha = 1.0, which keeps
@@ -173,9 +183,9 @@ def copy_transposed(src: torch.Tensor, out: torch.Tensor | None = None) -> torch
     return out
 
 
-def transposed(t: torch.Tensor) -> torch.Tensor:
-    """`t.t().contiguous()` of a 2-D tensor (see `copy_transposed`)."""
-    return copy_transposed(t)
+def transposed(t: torch.Tensor, empty: Empty | None = None) -> torch.Tensor:
+    """`t.t().contiguous()` of a 2-D tensor (see `copy_transposed`), into `empty(shape, dtype)` when given."""
+    return copy_transposed(t, None if empty is None else empty((t.shape[1], t.shape[0]), t.dtype))
 
 
 # ---- full-tensor layout transforms (Megatron full tensor ⇄ HF tensors), both directions --------------
@@ -220,10 +230,12 @@ def separate_to_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nq: int, 
     return fused
 
 
-def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv") -> torch.Tensor:
+def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv",
+                  empty: Empty | None = None) -> torch.Tensor:
     """Megatron MHA qkv `[nh, 3, hd] (× H)` -> GPT-2 `c_attn` (Conv1D): `[3, nh, hd]` rows, transposed to [H, 3H].
 
-    A 1-D bias becomes `[3·nh·hd]` without the transpose."""
+    A 1-D bias becomes `[3·nh·hd]` without the transpose. `empty(shape, dtype)`: where the weight's result
+    goes (reused memory), instead of a fresh tensor."""
     rest = tuple(qkv.shape[1:])
     if qkv.shape[0] != 3 * nh * hd:
         raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nh}, head_dim={hd}")
@@ -231,7 +243,7 @@ def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv")
             and _omatcopy():
         # regroup and transpose in one pass: each head's q, k or v rows become its columns of c_attn (torch's
         # strided copy of a head block into a column band is no faster than regroup + transpose: fp32 only)
-        out = torch.empty((qkv.shape[1], qkv.shape[0]), dtype=qkv.dtype)
+        out = (empty or _torch_empty)((qkv.shape[1], qkv.shape[0]), qkv.dtype)
         for j in range(3):
             for h in range(nh):
                 copy_transposed(qkv[(h * 3 + j) * hd:(h * 3 + j + 1) * hd], out[:, (j * nh + h) * hd:(j * nh + h + 1) * hd])
@@ -241,15 +253,17 @@ def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv")
     return out.t().contiguous() if out.dim() == 2 else out.contiguous()
 
 
-def conv1d_to_qkv(c_attn: torch.Tensor, nh: int, hd: int, name: str = "c_attn") -> torch.Tensor:
-    """GPT-2 `c_attn` `[H, 3H]` (or bias `[3H]`) -> Megatron MHA qkv `[nh, 3, hd]` rows."""
+def conv1d_to_qkv(c_attn: torch.Tensor, nh: int, hd: int, name: str = "c_attn",
+                  empty: Empty | None = None) -> torch.Tensor:
+    """GPT-2 `c_attn` `[H, 3H]` (or bias `[3H]`) -> Megatron MHA qkv `[nh, 3, hd]` rows (the weight's result in
+    `empty(shape, dtype)` when given)."""
     t = c_attn.t() if c_attn.dim() == 2 else c_attn
     if t.shape[0] != 3 * nh * hd:
         raise MConvertError(f"{name}: shape {tuple(c_attn.shape)} does not fit heads={nh}, head_dim={hd}")
     if c_attn.dim() == 2 and c_attn.dtype == torch.float32 and c_attn.device.type == "cpu" \
             and c_attn.is_contiguous() and _omatcopy():
         # transpose and regroup in one pass: each head's columns of c_attn become its q, k or v rows
-        out = torch.empty(tuple(t.shape), dtype=t.dtype)
+        out = (empty or _torch_empty)(tuple(t.shape), t.dtype)
         for j in range(3):
             for h in range(nh):
                 copy_transposed(c_attn[:, (j * nh + h) * hd:(j * nh + h + 1) * hd], out[(h * 3 + j) * hd:(h * 3 + j + 1) * hd])
@@ -278,11 +292,11 @@ def halves_to_gated(gate: torch.Tensor, up: torch.Tensor, name: str = "gate/up")
     return fc1
 
 
-def transpose(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+def transpose(t: torch.Tensor, name: str = "tensor", empty: Empty | None = None) -> torch.Tensor:
     """Linear `[out, in]` ⇄ Conv1D `[in, out]` (GPT-2). 1-D tensors (biases) pass through."""
     if t.dim() != 2:
         return t
-    return t.t() if t.t().is_contiguous() else transposed(t)  # laid out column-major already: no copy
+    return t.t() if t.t().is_contiguous() else transposed(t, empty)  # laid out column-major already: no copy
 
 
 def strip_vocab(t: torch.Tensor, vocab: int, name: str = "embedding") -> torch.Tensor:

@@ -5,8 +5,8 @@ to its host, a host-side fault as well), and the bytes a conversion reads or mer
 before they are used, so the zeroing buys nothing. `empty(shape, dtype)` hands out a tensor over a slot of a
 process-wide pool of anonymous mappings; the slot goes back to the pool when the last tensor viewing it is
 freed (its numpy owner's finalizer), never before: every view, the writer's queued bytes included, holds the
-owner. The pool holds at most as many bytes as were ever live at once, so it never raises the peak
-resident set (idle slots are unmapped, least recently used first, to stay within it).
+owner. The pool holds at most a quarter more bytes than were ever live at once (idle slots are unmapped,
+least recently used first, to stay within that).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import numpy
 import torch
 
 MIN_BYTES = 1 << 20  # smaller tensors come from the allocator: their pages are reused by malloc already
+# Idle slots may exceed the largest live total by 1/SLACK of it: a conversion lends slots of a few sizes in a
+# changing mix, and with no slack each miss evicts a slot the next tensor of that size needs (fresh pages)
+SLACK = 4
 _PAGE = mmap.PAGESIZE
 
 
@@ -28,7 +31,8 @@ class BufferPool:
     """Slots of anonymous memory, each reused for tensors of (about) its size.
 
     Bytes are accounted per slot: `live` are lent out, `idle` wait in the pool; `live + idle` never exceeds
-    the largest `live` seen, which is what the process's own allocator would have held at that moment."""
+    the largest `live` seen (what the process's own allocator would have held at that moment) by more than
+    1/SLACK of it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -63,7 +67,7 @@ class BufferPool:
                 return slot
             self.live += size
             self.high = max(self.high, self.live)
-            while self._idle and self.live + self.idle > self.high:
+            while self._idle and self.live + self.idle > self.high + self.high // SLACK:
                 _, old = self._idle.popitem(last=False)
                 self.idle -= len(old)
                 del old  # unmapped with its last reference (a dying view may still hold it a moment)
