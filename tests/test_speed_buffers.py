@@ -168,7 +168,9 @@ def test_a_changing_mix_of_sizes_is_served_from_resident_slots(monkeypatch: pyte
     """The tensors in flight change their mix of sizes from one moment to the next (here four of 4 MiB, then
     three of 4 MiB, one of 3 and one of 1): serving both from resident slots takes a quarter more than the
     most bytes live at once, which the slack allows, so after the first round no memory is mapped again.
-    Without the slack each switch evicts the slots the other mix needs and maps them anew."""
+    Without the slack each switch evicts the slots the other mix needs and maps them anew. (Slots of exact
+    sizes only: FIT is the other remedy, tested below.)"""
+    monkeypatch.setattr(buffers, "FIT", 1)
     mib = 1 << 20
     mixes = [[4, 4, 4, 4], [4, 4, 4, 3, 1]]
 
@@ -186,3 +188,23 @@ def test_a_changing_mix_of_sizes_is_served_from_resident_slots(monkeypatch: pyte
     assert new_mappings() == 0
     monkeypatch.setattr(buffers, "SLACK", 1 << 40)
     assert new_mappings() >= 8
+
+
+def test_a_tensor_without_a_slot_of_its_size_takes_a_larger_idle_one() -> None:
+    """No idle slot of its size: the smallest idle slot up to FIT times larger is lent (its memory, no new
+    mapping), the rest of it unused; a slot more than FIT times larger is left for a tensor of its size."""
+    mib = 1 << 20
+    pool = BufferPool()
+    big, mid = pool.empty((16 * mib,), torch.uint8), pool.empty((8 * mib,), torch.uint8)
+    spans = {16: big.data_ptr(), 8: mid.data_ptr()}
+    del big, mid
+    gc.collect()
+    t = pool.empty((5 * mib,), torch.uint8)  # 8 and 16 MiB both hold it: the smaller is lent
+    assert t.data_ptr() == spans[8] and pool.mapped == 2 and t.numel() == 5 * mib
+    t.fill_(7)
+    small = pool.empty((3 * mib,), torch.uint8)  # 16 MiB is more than FIT times 3 MiB: new memory
+    assert small.data_ptr() != spans[16] and pool.mapped == 3
+    assert pool.live == 8 * mib + 3 * mib and pool.idle == 16 * mib
+    four = pool.empty((4 * mib,), torch.uint8)  # exactly FIT times smaller than the idle 16 MiB slot
+    assert four.data_ptr() == spans[16] and pool.mapped == 3
+    assert bool((t == 7).all())

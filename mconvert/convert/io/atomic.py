@@ -254,10 +254,13 @@ def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool) -> 
         raise
 
 
+_DISCARD_TRIES = 40  # removals of a failed run's directory, 50 ms apart, while creations under way finish
+
+
 def discard(tmp: Path, name: str) -> None:
-    """Remove a failed run's temporary directory (of OUT `name`). It is renamed away first, so that another process still
-    writing into it (a torchrun rank) fails on its next file instead of filling a directory being removed; the
-    removal is retried for the few files whose creation was already under way at the rename."""
+    """Remove a failed run's temporary directory (of OUT `name`). It is renamed away first, so that another
+    process still writing into it (a torchrun rank) fails on its next file instead of filling a directory
+    being removed; the removal is retried for the few files whose creation was already under way."""
     gone = tmp.with_name(tmp_name(name, gone=True))
     try:
         os.rename(tmp, gone)
@@ -270,7 +273,6 @@ def discard(tmp: Path, name: str) -> None:
         time.sleep(0.05)
 
 
-_DISCARD_TRIES = 40
 _WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 _TEXT_ERRNOS = (  # how torch / safetensors / numpy word the same failures without an errno attribute
     ("No space left on device", errno.ENOSPC),

@@ -5,8 +5,9 @@ to its host, a host-side fault as well), and the bytes a conversion reads or mer
 before they are used, so the zeroing buys nothing. `empty(shape, dtype)` hands out a tensor over a slot of a
 process-wide pool of anonymous mappings; the slot goes back to the pool when the last tensor viewing it is
 freed (its numpy owner's finalizer), never before: every view, the writer's queued bytes included, holds the
-owner. The pool holds at most a quarter more bytes than were ever live at once (idle slots are unmapped,
-least recently used first, to stay within that).
+owner. A tensor takes an idle slot of its size, else the smallest idle one up to FIT times larger; the pool
+holds at most a quarter more bytes than were ever live at once (idle slots are unmapped, least recently used
+first, to stay within that).
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ MIN_BYTES = 1 << 20  # smaller tensors come from the allocator: their pages are 
 # Idle slots may exceed the largest live total by 1/SLACK of it: a conversion lends slots of a few sizes in a
 # changing mix, and with no slack each miss evicts a slot the next tensor of that size needs (fresh pages)
 SLACK = 4
+# A tensor with no idle slot of its size takes the smallest idle slot up to FIT times its size (the rest of the
+# slot stays unused while it is lent) rather than new memory: a pool of exact sizes only misses at every change
+# of the mix (hf-to-megatron's merged weights, their transposes and their TP shards)
+FIT = 4
 _PAGE = mmap.PAGESIZE
 
 
 class BufferPool:
-    """Slots of anonymous memory, each reused for tensors of (about) its size.
+    """Slots of anonymous memory, each reused for tensors of its size, or up to FIT times smaller.
 
     Bytes are accounted per slot: `live` are lent out, `idle` wait in the pool; `live + idle` never exceeds
     the largest `live` seen (what the process's own allocator would have held at that moment) by more than
@@ -58,6 +63,9 @@ class BufferPool:
         with self._lock:
             self._drain()
             best = next((k for k, s in reversed(self._idle.items()) if len(s) == size), None)
+            if best is None:  # else the smallest idle slot that holds it, if it is not FIT times too large
+                fits = [(len(s), k) for k, s in self._idle.items() if size < len(s) <= FIT * size]
+                best = min(fits)[1] if fits else None
             if best is not None:
                 slot = self._idle.pop(best)
                 self.idle -= len(slot)
