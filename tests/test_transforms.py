@@ -152,10 +152,13 @@ def test_the_copying_transforms_write_into_the_memory_they_are_given():
 
     nh, hd = 4, 8
     w = torch.randn(3 * nh * hd, nh * hd)
+    b = w.to(torch.bfloat16)
     cases = [
         (lambda e: T.qkv_to_conv1d(w, nh, hd, empty=e)),
         (lambda e: T.conv1d_to_qkv(w.t().contiguous(), nh, hd, empty=e)),
+        (lambda e: T.conv1d_to_qkv(b.t().contiguous(), nh, hd, empty=e)),  # torch's strided copy
         (lambda e: T.transpose(w, empty=e)),
+        (lambda e: T.transpose(b, empty=e)),
     ]
     for make in cases:
         want = make(None)
@@ -163,4 +166,4 @@ def test_the_copying_transforms_write_into_the_memory_they_are_given():
         assert got.data_ptr() == given[-1].data_ptr() and torch.equal(got, want)
     n = len(given)
     T.transpose(w.t().contiguous().t(), empty=empty)  # column-major already: a view, nothing allocated
-    assert len(given) == n == 3
+    assert len(given) == n == 5

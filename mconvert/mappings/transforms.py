@@ -234,8 +234,9 @@ def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv",
                   empty: Empty | None = None) -> torch.Tensor:
     """Megatron MHA qkv `[nh, 3, hd] (× H)` -> GPT-2 `c_attn` (Conv1D): `[3, nh, hd]` rows, transposed to [H, 3H].
 
-    A 1-D bias becomes `[3·nh·hd]` without the transpose. `empty(shape, dtype)`: where the weight's result
-    goes (reused memory), instead of a fresh tensor."""
+    A 1-D bias becomes `[3·nh·hd]` without the transpose. `empty(shape, dtype)`: where an fp32 weight's result
+    goes (reused memory), instead of a fresh tensor; other dtypes take torch's regroup and transpose (one
+    strided copy into it is four times slower)."""
     rest = tuple(qkv.shape[1:])
     if qkv.shape[0] != 3 * nh * hd:
         raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nh}, head_dim={hd}")
@@ -267,6 +268,12 @@ def conv1d_to_qkv(c_attn: torch.Tensor, nh: int, hd: int, name: str = "c_attn",
         for j in range(3):
             for h in range(nh):
                 copy_transposed(c_attn[:, (j * nh + h) * hd:(j * nh + h + 1) * hd], out[(h * 3 + j) * hd:(h * 3 + j + 1) * hd])
+        return out
+    if c_attn.dim() == 2 and c_attn.device.type == "cpu":  # one strided copy, as fast as the reshape's (a
+        # plan's meta tensors take the views below): out[(h·3 + j)·hd + d, c] = c_attn[c, (j·nh + h)·hd + d]
+        h_in = c_attn.shape[0]
+        out = (empty or _torch_empty)((3 * nh * hd, h_in), c_attn.dtype)
+        out.view(nh, 3, hd, h_in).copy_(c_attn.reshape(h_in, 3, nh, hd).permute(2, 1, 3, 0))
         return out
     rest = tuple(t.shape[1:])
     out = t.reshape(3, nh, hd, *rest).transpose(0, 1).reshape(3 * nh * hd, *rest).contiguous()
