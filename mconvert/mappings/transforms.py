@@ -235,8 +235,8 @@ def qkv_to_conv1d(qkv: torch.Tensor, nh: int, hd: int, name: str = "linear_qkv",
     """Megatron MHA qkv `[nh, 3, hd] (× H)` -> GPT-2 `c_attn` (Conv1D): `[3, nh, hd]` rows, transposed to [H, 3H].
 
     A 1-D bias becomes `[3·nh·hd]` without the transpose. `empty(shape, dtype)`: where an fp32 weight's result
-    goes (reused memory), instead of a fresh tensor; other dtypes take torch's regroup and transpose (one
-    strided copy into it is four times slower)."""
+    goes (reused memory), instead of a fresh tensor; other dtypes take torch's regroup and transpose (torch's
+    one permuted copy into a transposed destination is much slower than both)."""
     rest = tuple(qkv.shape[1:])
     if qkv.shape[0] != 3 * nh * hd:
         raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nh}, head_dim={hd}")
@@ -269,7 +269,7 @@ def conv1d_to_qkv(c_attn: torch.Tensor, nh: int, hd: int, name: str = "c_attn",
             for h in range(nh):
                 copy_transposed(c_attn[:, (j * nh + h) * hd:(j * nh + h + 1) * hd], out[(h * 3 + j) * hd:(h * 3 + j + 1) * hd])
         return out
-    if c_attn.dim() == 2 and c_attn.device.type == "cpu":  # one strided copy, as fast as the reshape's (a
+    if c_attn.dim() == 2 and c_attn.device.type == "cpu":  # one strided copy into `empty`'s memory (a
         # plan's meta tensors take the views below): out[(h·3 + j)·hd + d, c] = c_attn[c, (j·nh + h)·hd + d]
         h_in = c_attn.shape[0]
         out = (empty or _torch_empty)((3 * nh * hd, h_in), c_attn.dtype)
