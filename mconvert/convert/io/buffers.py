@@ -147,10 +147,8 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
     """`t` (2-D) with the same values laid out column-major (its `.t()` contiguous) in pooled memory, so the
     transpose its consumer makes next (GPT-2's Conv1D) is free and its bytes land in reused pages; any
     other tensor as it is."""
-    from mconvert.mappings.transforms import copy_transposed
+    from mconvert.mappings.transforms import transposed
 
     if t.dim() != 2 or t.t().is_contiguous():
         return t
-    dst = empty((t.shape[1], t.shape[0]), t.dtype)
-    copy_transposed(t, out=dst)
-    return dst.t()
+    return transposed(t, empty).t()
