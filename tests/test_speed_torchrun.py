@@ -149,7 +149,6 @@ _RANK_0_FAILS_FIRST = """
 import signal, sys, time
 from pathlib import Path
 import torch
-from mconvert.cli import main
 from mconvert.convert.layout import save_rank_file
 from mconvert.convert.scaleout import shared_atomic_output_dir, world_from_env
 from mconvert.errors import MConvertError
