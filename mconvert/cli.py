@@ -128,6 +128,7 @@ def train_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.trainer.comm import render_report
     from mconvert.trainer.train import TrainConfig, train
+    tuning.quiet_gc()  # the imports out of the collector's reach; the collector back on
 
     cfg = TrainConfig(
         preset=preset_name, tp=tp, pp=pp, dp=dp, ep=ep, steps=steps, save=str(save) if save else None,
@@ -379,6 +380,7 @@ def inspect_cmd(
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.inspect import inspect_checkpoint, render_inspect
+    tuning.quiet_gc()  # the imports out of the collector's reach; the collector back on
 
     info = inspect_checkpoint(ckpt, iteration=iteration)
     if json_out:
@@ -551,6 +553,7 @@ def to_onnx_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
+    tuning.quiet_gc()  # the imports out of the collector's reach; the collector back on
 
     _manifest_hash(manifest_hash, one_process="to-onnx")
     res = to_onnx(src, out, with_past, opset, force, rtol, exporter, iteration, check=check_onnx_against_hf,
@@ -588,6 +591,7 @@ def validate_cmd(
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.validators.validate import render, validate
+    tuning.quiet_gc()  # the imports out of the collector's reach; the collector back on
 
     report = validate(ref, list(others), device=device, n_tokens=tokens, text_file=text, plot=plot)
     if json_out:
@@ -626,6 +630,7 @@ def verify_cmd(
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.validators.verify import render_verify, verify
     from mconvert.validators.verify_gguf import verify_gguf
+    tuning.quiet_gc()  # the imports out of the collector's reach; the collector back on
 
     if hf_dir.suffix == ".gguf" and hf_dir.is_file():  # llama.cpp's checks (--vllm-python does not apply)
         report = verify_gguf(hf_dir, against=against, device=device)
@@ -659,7 +664,8 @@ def main(argv: list[str] | None = None) -> None:
     debug = bool(os.environ.get("MCONVERT_DEBUG"))
     tuning.huge_pages()  # before the first tensor: torch reads it once
     try:
-        rc = app(args=argv, standalone_mode=False)
+        with tuning.start_up():  # the collector paused until the verb's engine is imported (tuning.apply)
+            rc = app(args=argv, standalone_mode=False)
         if isinstance(rc, int) and rc:  # click returns a verb's typer.Exit code instead of raising it
             sys.exit(rc)
     except MConvertError as e:

@@ -60,3 +60,57 @@ def test_a_conversion_verb_freezes_its_imports() -> None:
     frozen, young = json.loads(r.stdout)
     assert frozen > 100_000  # torch's module objects alone
     assert young > 700  # above CPython's default of 700
+
+
+# Runs one conversion through the CLI in a fresh interpreter, counting the cyclic collector's runs by generation.
+_GC_PROBE = """
+import gc, json, sys
+runs = [0, 0, 0]
+gc.callbacks.append(lambda phase, info: phase == "stop" and runs.__setitem__(info["generation"],
+                                                                         runs[info["generation"]] + 1))
+from mconvert.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+print(json.dumps({"rc": code, "runs": runs, "enabled": gc.isenabled()}), file=sys.stderr)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_conversion_never_walks_the_import_graph(tmp_path) -> None:
+    """From the interpreter's start to its exit, a conversion verb runs no full collection: the collector is
+    paused while torch and the engine import (which otherwise triggers several, each walking everything imported
+    so far), and `tuning.apply` freezes the imports without one."""
+    from tests.safety_common import base
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", _GC_PROBE, "megatron-to-hf", str(base()["ckpt"]), str(tmp_path / "o")],
+                       env=env, capture_output=True, text=True, timeout=240)
+    got = json.loads(r.stderr.strip().splitlines()[-1])
+    assert got["rc"] == 0, r.stderr[-2000:]
+    assert got["runs"][2] == 0, got
+    assert got["enabled"], got  # the collector runs again during the conversion
+    assert (tmp_path / "o" / "model.safetensors").is_file()
+
+
+def test_the_collector_is_back_after_a_verb_that_stops_early(capsys) -> None:
+    """An in-process caller of `main` gets the collector back as it was, whether the verb stopped before its
+    engine loaded (a usage error) or ran."""
+    import gc
+
+    from mconvert.cli import main
+
+    assert gc.isenabled()
+    with pytest.raises(SystemExit):
+        main(["megatron-to-hf", "--no-such-flag"])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(SystemExit):
+            main(["megatron-to-hf", "--no-such-flag"])
+        assert not gc.isenabled()  # a caller that runs without the collector keeps it off
+    finally:
+        gc.enable()

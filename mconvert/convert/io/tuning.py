@@ -13,9 +13,29 @@ import ctypes
 import ctypes.util
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_resume_gc = False  # the collector was on when `start_up` paused it: `quiet_gc` turns it back on
+
+
+@contextmanager
+def start_up() -> Iterator[None]:
+    """The cyclic collector paused while a CLI verb starts: importing torch and the engine creates a few hundred
+    thousand objects, and the collections that triggers would walk the growing import graph over and over, a
+    sizeable part of the start-up. `quiet_gc` (run once the engine is imported) resumes it; leaving the block
+    resumes it in any case, as it was."""
+    global _resume_gc
+    was = _resume_gc = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        _resume_gc = False
+        if was:
+            gc.enable()
 
 
 def huge_pages() -> None:
@@ -65,11 +85,19 @@ def reserve_writer_core() -> None:
 def quiet_gc() -> None:
     """Move everything alive now (imported modules, torch's objects) out of the cyclic collector's reach and
     collect young objects less often: a conversion creates few cycles but many objects (unpickled args, key
-    maps), and each full collection would re-walk the whole import graph. Memory is unaffected: reference
-    counting frees tensors as before."""
-    gc.collect()
+    maps), and each full collection would re-walk the whole import graph. The process's first freeze (right
+    after its imports) runs no collection first: it would walk that graph once more for the few cycles an
+    import leaves; a later one (a program that runs verbs in-process) collects first, so no garbage of its own
+    is frozen. Memory is unaffected: reference counting frees tensors as before. Resumes the collector
+    `start_up` paused."""
+    global _resume_gc
+    if gc.get_freeze_count():
+        gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 50, 1000)
+    if _resume_gc:
+        _resume_gc = False
+        gc.enable()
 
 
 def apply() -> None:
