@@ -700,7 +700,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+def run() -> None:
+    """The process entry (the `mconvert` command, `python -m mconvert.cli`, torchrun's workers): `main`, then the
+    process ends at once with its exit code. By then the report is printed and the output committed or removed;
+    the interpreter's teardown of torch (its modules, thread pools, allocator) would only add to the wall time.
+    A traceback that `MCONVERT_DEBUG=1` asks for ends the process as usual. Programs that run the CLI
+    in-process call `main`."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message"): the message, exit status 1
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 _ = (Path,)  # Path is used by verbs below
 
 if __name__ == "__main__":
-    main()
+    run()
