@@ -208,3 +208,68 @@ def test_a_tensor_without_a_slot_of_its_size_takes_a_larger_idle_one() -> None:
     four = pool.empty((4 * mib,), torch.uint8)  # exactly FIT times smaller than the idle 16 MiB slot
     assert four.data_ptr() == spans[16] and pool.mapped == 3
     assert bool((t == 7).all())
+
+
+@pytest.mark.timeout(60)
+def test_pmap_iter_gives_results_in_order_with_a_bounded_lead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readers' ordered map: results in item order (slow early items included), never more items started
+    and not yet taken than the pool has workers, the first error raised at its item, and no item started after
+    the consumer stops."""
+    import time
+
+    from mconvert.convert import base
+
+    monkeypatch.setattr(base, "_POOL", None)
+    monkeypatch.setattr(base, "_WORKERS", 2)
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def fn(x: int) -> int:
+        with lock:
+            started.append(x)
+        time.sleep(0.05 if x % 3 == 0 else 0.0)
+        if x == 7:
+            raise ValueError("seven")
+        return x * x
+
+    got = []
+    for i, r in enumerate(base.pmap_iter(fn, range(6))):
+        with lock:
+            assert len(started) <= i + 1 + 2, f"{len(started)} items started when item {i} was taken"
+        got.append(r)
+    assert got == [x * x for x in range(6)]
+    with pytest.raises(ValueError, match="seven"):
+        list(base.pmap_iter(fn, range(5, 12)))
+    started.clear()
+    it = base.pmap_iter(fn, range(100))
+    assert next(it) == 0
+    it.close()
+    time.sleep(0.2)
+    assert len(started) <= 3, started  # the pool's two, plus the one started as the first was taken
+    base._POOL.shutdown(wait=True)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HF writer takes each layer parameter by parameter (`read_hf_parts`), so what it has written is freed
+    before the rest of the layer is read; the files are those of a conversion given whole layers."""
+    from mconvert.convert import hf as hf_mod
+    from mconvert.convert.driver import megatron_to_hf
+
+    seen: list[int] = []
+    add = hf_mod.HFWriter.add
+
+    def spy(self, unit, tensors):  # noqa: ANN001
+        if isinstance(unit, int):
+            seen.append(len({n.rsplit(".", 1)[0] for n in tensors}))  # modules given in this call
+        return add(self, unit, tensors)
+
+    monkeypatch.setattr(hf_mod.HFWriter, "add", spy)
+    megatron_to_hf(small_ckpt, tmp_path / "parts")
+    assert seen and max(seen) == 1, seen
+    monkeypatch.setattr(hf_mod.HFWriter, "takes_parts", False)
+    seen.clear()
+    megatron_to_hf(small_ckpt, tmp_path / "whole")
+    assert min(seen) > 1, seen  # the same writer given whole layers: several modules per call
+    assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")

@@ -9,6 +9,8 @@ Writers consume units one by one, so peak memory is one unit's shards plus the o
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -70,6 +72,12 @@ class SourceBase:
         """Full tensors under HF names, vocab stripped to the true vocab."""
         return to_hf(self.spec, unit, self.read_mcore(unit), source=str(self.path))
 
+    def read_hf_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
+        """`read_hf(unit)` in consecutive parts (same tensors, same order), each given as soon as it is ready,
+        for a writer that takes a unit in parts (`takes_parts`): what it has written is freed before the rest
+        of the unit is read. This default gives the whole unit as one part."""
+        yield self.read_hf(unit)
+
     def close(self) -> None:
         """Release what the source keeps open (files, descriptors); a source holding nothing open does nothing."""
 
@@ -87,6 +95,7 @@ class SourceBase:
 
 # ---- the readers' thread pool: a unit's parameters read and re-laid several at once ---------------------------
 _POOL: Any = None
+_POOL_SIZE = 0
 _WORKERS = 0  # 0: one per core of this process (at least 2, at most 8)
 
 
@@ -104,13 +113,14 @@ def set_workers(n: int) -> None:
 
 def _pool() -> Any:
     """The readers' thread pool (`set_workers`), created on first use; None when one worker is asked for."""
-    global _POOL
+    global _POOL, _POOL_SIZE
     if _WORKERS == 1:
         return None
     if _POOL is None:
         from mconvert.convert.io.tuning import process_cores
 
-        _POOL = ThreadPoolExecutor(_WORKERS or max(2, min(process_cores(), 8)), thread_name_prefix="read-param")
+        _POOL_SIZE = _WORKERS or max(2, min(process_cores(), 8))
+        _POOL = ThreadPoolExecutor(_POOL_SIZE, thread_name_prefix="read-param")
     return _POOL
 
 
@@ -121,3 +131,27 @@ def pmap(fn: Any, items: Any) -> list[Any]:
     if pool is None or threading.current_thread().name.startswith("read-param"):
         return [fn(x) for x in items]
     return list(pool.map(fn, items))
+
+
+def pmap_iter(fn: Any, items: Any) -> Iterator[Any]:
+    """`map(fn, items)` on the readers' pool, each result given in order as soon as it and those before it are
+    done, with at most as many items started and not yet taken as the pool has workers: a result waits for its
+    consumer, not for the rest of the items. Serially when already on the pool. Exceptions surface in item
+    order; items not started when the consumer stops are never run."""
+    pool = _pool()
+    if pool is None or threading.current_thread().name.startswith("read-param"):
+        for x in items:
+            yield fn(x)
+        return
+    todo = iter(items)
+    started: deque[Any] = deque(pool.submit(fn, x) for _, x in zip(range(_POOL_SIZE), todo))
+    try:
+        while started:
+            done = started.popleft().result()
+            for x in todo:  # the next item starts while the consumer takes this one
+                started.append(pool.submit(fn, x))
+                break
+            yield done
+    finally:
+        for f in started:
+            f.cancel()

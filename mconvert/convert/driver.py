@@ -80,6 +80,9 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
             if getattr(writer, "takes_states", False):
                 tensors, states = src.read_unit(unit, True)
                 writer.add(unit, tensors, states)  # type: ignore[call-arg]
+            elif writer.reads == "hf" and getattr(writer, "takes_parts", False):
+                for part in src.read_hf_parts(unit):  # what is written is freed before the rest is read
+                    writer.add(unit, part)
             else:
                 writer.add(unit, src.read_hf(unit) if writer.reads == "hf" else src.read_mcore(unit))
         return writer.close()

@@ -335,9 +335,11 @@ class HFSource(SourceBase):
 
 class HFWriter:
     """Streams HF tensors into safetensors shards of at most `max_shard_size` bytes, then writes the configs and
-    the tokenizer of `tokenizer_dir`. A `Writer` (`convert/writer.py`) reading `read_hf`."""
+    the tokenizer of `tokenizer_dir`. A `Writer` (`convert/writer.py`) reading `read_hf`, a unit in one or more
+    `add` calls (`takes_parts`: each tensor is written as it arrives)."""
 
     reads = "hf"
+    takes_parts = True
     splits_experts = True  # takes an MoE layer as its dense part and one unit per expert
 
     def __init__(self, out: Path, spec: ModelSpec, max_shard_size: int = 5 * 10**9,

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 
 from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
-from mconvert.convert.base import SourceBase, Unit, pmap
+from mconvert.convert.base import SourceBase, Unit, pmap, pmap_iter
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
@@ -445,10 +446,17 @@ class MegatronSource(SourceBase):
         return self._subs[expert // (self.spec.num_experts // self.ep)]  # type: ignore[operator]
 
     def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """`SourceBase.read_hf` (= `to_hf` over `read_mcore`), one parameter per task on a small thread pool:
-        pread and torch's ops release the GIL, so two parameters are read, merged and re-laid at once (the
-        main thread alone would leave a core idle), and only the parameters in progress hold
-        their merged form. Parameters HF stores transposed are merged column-major, so the plugin's
+        """`SourceBase.read_hf` (= `to_hf` over `read_mcore`): the parts of `read_hf_parts` joined."""
+        out: dict[str, torch.Tensor] = {}
+        for part in self.read_hf_parts(unit):
+            out.update(part)
+        return out
+
+    def read_hf_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
+        """`to_hf` over `read_mcore`, one parameter's HF tensors per part, one parameter per task on a small
+        thread pool: pread and torch's ops release the GIL, so two parameters are read, merged and re-laid at
+        once (the main thread alone would leave a core idle), and only the parameters in progress or not yet
+        taken hold their merged form. Parameters HF stores transposed are merged column-major, so the plugin's
         transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`."""
         names = self._unit_names(unit)
         check_complete(self.spec, unit, names, str(self.path))
@@ -461,10 +469,7 @@ class MegatronSource(SourceBase):
             t = self.read_unit(unit, only={name}, transposed=lay)[0][name]
             return to_hf_one(self.spec, name, t, str(self.path), empty=buffers.empty)
 
-        out: dict[str, torch.Tensor] = {}
-        for part in pmap(one, hf_order(self.spec, unit, names)):
-            out.update(part)
-        return out
+        yield from pmap_iter(one, hf_order(self.spec, unit, names))
 
     def _read_placed(self, unit: Unit, name: str) -> dict[str, torch.Tensor] | None:
         """`to_hf_one` of a parameter whose HF parts are whole row blocks of the merged tensor (Llama's q/k/v):
