@@ -60,6 +60,37 @@ def test_hashing_file_bytes_and_digest_match_hashlib(tmp_path: Path, direct: boo
     _write_and_check(tmp_path / "x.bin", 1, direct=direct)
 
 
+def test_hashing_file_keeps_two_direct_writes_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """O_DIRECT chunks go to the disk two at a time, each at its own offset (the disk is never idle between
+    writes); the file still holds exactly the bytes written, in order."""
+    import threading
+    import time
+
+    real_pwrite = os.pwrite
+    lock = threading.Lock()
+    now, most = [0], [0]
+
+    def slow(fd, data, at):  # noqa: ANN001
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.05)  # a disk's latency
+        try:
+            return real_pwrite(fd, data, at)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(os, "pwrite", slow)
+    path = tmp_path / "q.bin"
+    data = bytes(range(256)) * (((6 << 20) + 12345) // 256)  # six chunks and a partial one
+    f = HashingFile(path, direct=True, chunk=1 << 20)
+    f.write(data)
+    f.close()
+    assert path.read_bytes() == data
+    assert not f.direct or most[0] == hashing.IO_WRITES == 2
+
+
 def test_hashing_file_direct_is_used_where_the_fs_allows_it(tmp_path: Path) -> None:
     f = HashingFile(tmp_path / "y.bin", direct=True)
     f.write(b"abc")
@@ -83,28 +114,38 @@ def test_hashing_file_falls_back_when_o_direct_open_is_refused(tmp_path: Path, m
 
 
 def test_hashing_file_falls_back_when_o_direct_write_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The open succeeds but the first write gets EINVAL: the same bytes then go out buffered."""
-    real_write = os.write
+    """The open succeeds but the first write gets EINVAL (from every writing thread at once): the same bytes then
+    go out buffered."""
+    real_write, real_pwrite = os.write, os.pwrite
     refused: list[int] = []
 
-    def picky(fd, data):
+    def refuse_direct(fd):  # noqa: ANN001
         import fcntl
 
         if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
             refused.append(fd)
             raise OSError(22, "Invalid argument")
+
+    def picky(fd, data):  # noqa: ANN001
+        refuse_direct(fd)
         return real_write(fd, data)
 
+    def picky_at(fd, data, at):  # noqa: ANN001
+        refuse_direct(fd)
+        return real_pwrite(fd, data, at)
+
     monkeypatch.setattr(os, "write", picky)
+    monkeypatch.setattr(os, "pwrite", picky_at)
     _write_and_check(tmp_path / "w.bin", 3, as_bytes=True)
     assert refused or not hasattr(os, "O_DIRECT")
 
 
 def test_hashing_file_reports_a_write_error_as_os_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def full(fd, data):
+    def full(fd, data, *at):  # noqa: ANN001, ANN002
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "pwrite", full)
     f = HashingFile(tmp_path / "v.bin", direct=True)
     f.write(bytes(hashing.CHUNK + 1))
     with pytest.raises(OSError, match="No space left"):

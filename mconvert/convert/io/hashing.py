@@ -309,7 +309,8 @@ class FollowedDigest:
 
 
 DIRECT_MIN_BYTES = 256 << 20  # files planned at least this large are written with O_DIRECT (see HashingFile)
-CHUNK = 16 << 20  # one O_DIRECT write (default); three of them are a file's staging memory
+CHUNK = 16 << 20  # one O_DIRECT write (default); IO_WRITES + 1 of them are a file's staging memory
+IO_WRITES = 2  # O_DIRECT writes of one file in flight at once
 _ALIGN = 4096
 
 
@@ -319,8 +320,9 @@ class HashingFile:
     The queued buffers keep their tensors alive until consumed, so callers may drop them at once.
 
     `direct=True` (callers pass it for files of `DIRECT_MIN_BYTES` and more) writes with O_DIRECT through
-    page-aligned staging chunks: one thread copies the queued bytes into a chunk and hashes it, a second writes
-    full chunks to the disk, the last one padded to 4 KiB and the file then cut to its size. The bytes skip
+    page-aligned staging chunks: one thread copies the queued bytes into a chunk and hashes it, two more write
+    full chunks to the disk at their offsets, two writes in flight (a disk keeps busy between them), the last
+    chunk padded to 4 KiB and the file then cut to its size. The bytes skip
     the page cache: a buffered write must first get a fresh page-cache page for every 4 KiB (on a VM that
     returns freed memory to its host, a host-side fault as well), where O_DIRECT costs little CPU and waits
     on the disk off both cores. Where the file system refuses O_DIRECT (tmpfs, some FUSE), it falls back to
@@ -349,19 +351,23 @@ buffered writes with the same chunks; the bytes and the digest are the same eith
         self._closed = False
         self._error: BaseException | None = None
         if self.direct:
-            self._chunks = [_take_chunk(chunk) for _ in range(3)]  # page-aligned, reused across files
+            # one chunk filled while IO_WRITES are written; page-aligned, reused across files
+            self._chunks = [_take_chunk(chunk) for _ in range(IO_WRITES + 1)]
             self._free: Any = queue.Queue()
             for i in range(len(self._chunks)):
                 self._free.put(i)
             self._full: Any = queue.Queue()
-            self._io = threading.Thread(target=self._run_io, name=f"odirect {self.path.name}", daemon=True)
-            self._io.start()
+            self._io = [threading.Thread(target=self._run_io, name=f"odirect {self.path.name}", daemon=True)
+                        for _ in range(IO_WRITES)]
+            for t in self._io:
+                t.start()
         self._t = threading.Thread(target=self._run, name=f"write {self.path.name}", daemon=True)
         self._t.start()
 
     # ---- writer thread: queue -> (staging chunk + hash) or (file + hash) -------------------------------------
     def _run(self) -> None:
         cur, fill = (self._free.get(), 0) if self.direct else (None, 0)
+        at = 0  # the file offset of chunk `cur`
         while True:
             with self._cv:
                 while not self._q and not self._closed:
@@ -387,8 +393,8 @@ buffered writes with the same chunks; the bytes and the digest are the same eith
                             _memmove(self._chunks[cur], fill, mv[pos:pos + n])
                             fill, pos = fill + n, pos + n
                             if fill == self._chunk:
-                                self._full.put((cur, fill))
-                                cur, fill = self._free.get(), 0
+                                self._full.put((cur, fill, at))
+                                cur, fill, at = self._free.get(), 0, at + fill
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e.with_traceback(None)  # its frames would pin the buffers
             if isinstance(keep, Checksum):
@@ -399,22 +405,23 @@ buffered writes with the same chunks; the bytes and the digest are the same eith
             del mv, keep
         if self.direct:
             if fill and self._error is None:
-                self._full.put((cur, fill))
-            self._full.put(None)
+                self._full.put((cur, fill, at))
+            for _ in self._io:
+                self._full.put(None)
 
     def _run_io(self) -> None:
-        """O_DIRECT writes of full chunks in order; the last (partial) one padded to the block size."""
+        """O_DIRECT writes of full chunks at their offsets; the last (partial) one padded to the block size."""
         while True:
             item = self._full.get()
             if item is None:
                 return
-            i, n = item
+            i, n, at = item
             try:
                 if self._error is None:
                     padded = -(-n // _ALIGN) * _ALIGN
                     if padded != n:
                         self._chunks[i][n:padded] = bytes(padded - n)
-                    write_all(self._fd, memoryview(self._chunks[i])[:padded], self)
+                    write_all(self._fd, memoryview(self._chunks[i])[:padded], self, at)
             except BaseException as e:  # noqa: BLE001
                 self._error = e.with_traceback(None)  # its frames would pin the chunk's buffer
             self._free.put(i)
@@ -461,8 +468,8 @@ buffered writes with the same chunks; the bytes and the digest are the same eith
             self._closed = True
             self._cv.notify_all()
         self._t.join()
-        if self.direct:
-            self._io.join()
+        for t in getattr(self, "_io", []):
+            t.join()
 
     def close(self) -> str:
         """Flush, close, and return the hex digest (of `self.algorithm`) of everything written."""
@@ -518,13 +525,13 @@ class Checksum:
         self.keep: Any = None
 
 
-def write_all(fd: int, mv: memoryview, owner: HashingFile | None = None) -> None:
-    """os.write until every byte of `mv` is written; an O_DIRECT `owner` whose file system refuses the write
-    (EINVAL) is switched to buffered writes and the write retried."""
+def write_all(fd: int, mv: memoryview, owner: HashingFile | None = None, at: int | None = None) -> None:
+    """os.write (os.pwrite at file offset `at`) until every byte of `mv` is written; an O_DIRECT `owner` whose
+    file system refuses the write (EINVAL) is switched to buffered writes and the write retried."""
     done = 0
     while done < len(mv):
         try:
-            done += os.write(fd, mv[done:])
+            done += os.write(fd, mv[done:]) if at is None else os.pwrite(fd, mv[done:], at + done)
         except OSError as e:
             if owner is None or e.errno != errno.EINVAL or not owner.direct:
                 raise
