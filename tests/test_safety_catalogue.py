@@ -122,6 +122,18 @@ def args_differ_between_ranks(tmp):
     return _to_hf(tmp, c)
 
 
+def args_differ_on_a_later_stage(tmp):
+    c = _ckpt(tmp)  # TP rank 0 of stage 1: checked as its keys are read, before the other ranks
+    _edit_rank(c, 0, 1, lambda s: setattr(s["args"], "ffn_hidden_size", 96))
+    return _to_hf(tmp, c)
+
+
+def checkpoint_version_differs_on_a_later_stage(tmp):
+    c = _ckpt(tmp)
+    _edit_rank(c, 0, 1, lambda s: s.__setitem__("checkpoint_version", 1.0))
+    return _to_hf(tmp, c)
+
+
 def unknown_key(tmp):
     c = _ckpt(tmp)
     _edit_rank(c, 0, 0, lambda s: s["model"].__setitem__("decoder.layers.0.mlp.router.weight", torch.zeros(2, 2)))
@@ -297,6 +309,11 @@ CATALOGUE: dict[str, Case] = {
         mismatched_tp_shapes, ("mp_rank_01_000/model_optim_rng.pt", FC1, "(126, 64)", "(128, 64)")),
     "args differ between ranks": Case(
         args_differ_between_ranks, ("mp_rank_01_001/model_optim_rng.pt", "ffn_hidden_size=96", "128")),
+    "args differ on a later stage's TP rank 0": Case(
+        args_differ_on_a_later_stage, ("mp_rank_00_001/model_optim_rng.pt", "ffn_hidden_size=96", "128")),
+    "checkpoint_version differs on a later stage": Case(
+        checkpoint_version_differs_on_a_later_stage, ("mp_rank_00_001/model_optim_rng.pt", "checkpoint_version 1.0",
+                                                      "different runs")),
     "unknown key": Case(unknown_key, ("mp_rank_00_000/model_optim_rng.pt", "decoder.layers.0.mlp.router.weight",
                                       "unmapped key"), action=False),
     "unknown key on TP rank 1 only": Case(

@@ -131,15 +131,18 @@ class MegatronSource(SourceBase):
         spec.check_parallel(1, self.pp, self.vpp)
         self._keymaps: dict[tuple[int, int], dict[str, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}  # canonical name -> shape on TP rank 0 (as stored)
+        spec0 = families.spec_from_megatron_args(a).to_dict()
         for p in range(self.pp):  # validate every key of every stage before any work is done
             st = first if p == 0 else checkpoint_dict(safe_load(self.files[(0, p)]), self.files[(0, p)])
+            if p:
+                self._check_same_run(st, self.files[(0, p)], a, spec0)
             for c in range(self.vpp or 1):
                 self._keymaps[(p, c)] = self._keymap(st, p, c, self.files[(0, p)])
             self._remember(0, p, st)
             del st
         del first
         self._check_sizes(a, str(first_file))
-        self._check_ranks(a)  # safety: every other rank file agrees with TP rank 0 (args, keys, shapes)
+        self._check_ranks(a, spec0)  # safety: every other rank file agrees with TP rank 0 (args, keys, shapes)
         if self.ep > 1 and ep_rank is None:
             self._open_expert_ranks(iteration, tokenizer)
 
@@ -204,29 +207,31 @@ class MegatronSource(SourceBase):
             raise MConvertError(f"{self.iter_dir}: unexpected rank directories {', '.join(extra)} (the args say "
                                 f"TP={want_tp}, PP={want_pp}{ep}); remove them — a stray copy from another run?")
 
-    def _check_ranks(self, args0: dict[str, Any]) -> None:
-        """Every rank file must carry rank 0's model args and, per stage, exactly TP rank 0's keys and shapes."""
-        fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
-        spec0 = families.spec_from_megatron_args(args0).to_dict()
+    def _check_same_run(self, st: dict, f: Path, args0: dict[str, Any], spec0: dict[str, Any]) -> None:
+        """Rank file `f` (loaded as `st`) carries rank 0's checkpoint_version and model args."""
+        if _checkpoint_version(st, f) != self.checkpoint_version:  # it decides the legacy QKV layout
+            raise MConvertError(f"{f}: checkpoint_version {_checkpoint_version(st, f)} but "
+                                f"{self.files[(0, 0)]} has {self.checkpoint_version}; the rank files come from "
+                                "different runs or one is corrupt — re-copy the checkpoint")
+        if "args" in st:
+            fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
+            a = args_dict(st["args"], f)
+            spec = families.spec_from_megatron_args(a, source=str(f)).to_dict()
+            diff = [(k, spec[k], spec0[k]) for k in spec0 if spec[k] != spec0[k]]
+            diff += [(k, a.get(k), args0.get(k)) for k in fields if a.get(k) != args0.get(k)]
+            if diff:
+                k, here, there = diff[0]
+                raise MConvertError(f"{f}: args differ from {self.files[(0, 0)]}: {k}={here!r} here, {there!r} "
+                                    "there; the rank files come from different runs — re-copy the checkpoint")
+
+    def _check_ranks(self, args0: dict[str, Any], spec0: dict[str, Any]) -> None:
+        """Every rank file of TP rank > 0 must carry rank 0's model args and, per stage, exactly TP rank 0's keys
+        and shapes (TP rank 0's files were checked as they were opened)."""
         for (t, p), f in sorted(self.files.items()):
-            if t == 0 and p == 0:
-                continue
-            st = checkpoint_dict(safe_load(f), f)
-            if _checkpoint_version(st, f) != self.checkpoint_version:  # it decides the legacy QKV layout
-                raise MConvertError(f"{f}: checkpoint_version {_checkpoint_version(st, f)} but "
-                                    f"{self.files[(0, 0)]} has {self.checkpoint_version}; the rank files come from "
-                                    "different runs or one is corrupt — re-copy the checkpoint")
-            if "args" in st:
-                a = args_dict(st["args"], f)
-                spec = families.spec_from_megatron_args(a, source=str(f)).to_dict()
-                diff = [(k, spec[k], spec0[k]) for k in spec0 if spec[k] != spec0[k]]
-                diff += [(k, a.get(k), args0.get(k)) for k in fields if a.get(k) != args0.get(k)]
-                if diff:
-                    k, here, there = diff[0]
-                    raise MConvertError(f"{f}: args differ from {self.files[(0, 0)]}: {k}={here!r} here, {there!r} "
-                                        "there; the rank files come from different runs — re-copy the checkpoint")
             if t == 0:
                 continue
+            st = checkpoint_dict(safe_load(f), f)
+            self._check_same_run(st, f, args0, spec0)
             for c in range(self.vpp or 1):
                 model = self._model_dict(st, c, f)
                 ref = self._keymaps[(p, c)]
