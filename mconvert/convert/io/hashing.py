@@ -322,11 +322,11 @@ class HashingFile:
     `direct=True` (callers pass it for files of `DIRECT_MIN_BYTES` and more) writes with O_DIRECT through
     page-aligned staging chunks: one thread copies the queued bytes into a chunk and hashes it, two more write
     full chunks to the disk at their offsets, two writes in flight (a disk keeps busy between them), the last
-    chunk padded to 4 KiB and the file then cut to its size. The bytes skip
-    the page cache: a buffered write must first get a fresh page-cache page for every 4 KiB (on a VM that
-    returns freed memory to its host, a host-side fault as well), where O_DIRECT costs little CPU and waits
-    on the disk off both cores. Where the file system refuses O_DIRECT (tmpfs, some FUSE), it falls back to
-buffered writes with the same chunks; the bytes and the digest are the same either way."""
+    chunk padded to 4 KiB and the file then cut to its size. The bytes skip the page cache: a buffered write
+    must first get a fresh page-cache page for every 4 KiB (on a VM that returns freed memory to its host, a
+    host-side fault as well), where O_DIRECT costs little CPU and waits on the disk off both cores. Where the
+    file system refuses O_DIRECT (tmpfs, some FUSE), it falls back to buffered writes with the same chunks;
+    the bytes and the digest are the same either way."""
 
     def __init__(self, path: str | Path, max_pending: int = 64 << 20, direct: bool = False,
                  chunk: int = CHUNK, algorithm: str | None = None) -> None:

@@ -85,11 +85,11 @@ def reserve_writer_core() -> None:
 def quiet_gc() -> None:
     """Move everything alive now (imported modules, torch's objects) out of the cyclic collector's reach and
     collect young objects less often: a conversion creates few cycles but many objects (unpickled args, key
-    maps), and each full collection would re-walk the whole import graph. The process's first freeze (right
-    after its imports) runs no collection first: it would walk that graph once more for the few cycles an
-    import leaves; a later one (a program that runs verbs in-process) collects first, so no garbage of its own
-    is frozen. Memory is unaffected: reference counting frees tensors as before. Resumes the collector
-    `start_up` paused."""
+    maps), and each full collection would re-walk the whole import graph. The process's first freeze runs no
+    collection first: in the command's process it comes right after the imports, where a collection would walk
+    that graph once more for the few cycles an import leaves; a later freeze (a program that runs verbs
+    in-process) collects first, so its garbage since then is not frozen. Memory is unaffected: reference
+    counting frees tensors as before. Resumes the collector `start_up` paused."""
     global _resume_gc
     if gc.get_freeze_count():
         gc.collect()
