@@ -220,6 +220,7 @@ def test_pmap_iter_gives_results_in_order_with_a_bounded_lead(monkeypatch: pytes
     from mconvert.convert import base
 
     monkeypatch.setattr(base, "_POOL", None)
+    monkeypatch.setattr(base, "_POOL_SIZE", 0)
     monkeypatch.setattr(base, "_WORKERS", 2)
     started: list[int] = []
     lock = threading.Lock()
