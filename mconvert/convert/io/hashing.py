@@ -468,7 +468,7 @@ class HashingFile:
             self._closed = True
             self._cv.notify_all()
         self._t.join()
-        for t in getattr(self, "_io", []):
+        for t in self._io if self.direct else ():
             t.join()
 
     def close(self) -> str:
