@@ -213,8 +213,8 @@ def test_a_tensor_without_a_slot_of_its_size_takes_a_larger_idle_one() -> None:
 @pytest.mark.timeout(60)
 def test_pmap_iter_gives_results_in_order_with_a_bounded_lead(monkeypatch: pytest.MonkeyPatch) -> None:
     """The readers' ordered map: results in item order (slow early items included), never more items started
-    and not yet taken than the pool has workers, the first error raised at its item, and no item started after
-    the consumer stops."""
+    and not yet taken than the pool has workers, the first error raised at its item, and once the consumer
+    stops no item still running and none started after."""
     import time
 
     from mconvert.convert import base
@@ -223,12 +223,17 @@ def test_pmap_iter_gives_results_in_order_with_a_bounded_lead(monkeypatch: pytes
     monkeypatch.setattr(base, "_POOL_SIZE", 0)
     monkeypatch.setattr(base, "_WORKERS", 2)
     started: list[int] = []
+    finished: list[int] = []
     lock = threading.Lock()
+
+    slow_after_first = [False]  # the last part: items after the first take long, so some are running at close
 
     def fn(x: int) -> int:
         with lock:
             started.append(x)
-        time.sleep(0.05 if x % 3 == 0 else 0.0)
+        time.sleep(0.2 if slow_after_first[0] and x else 0.05 if x % 3 == 0 else 0.0)
+        with lock:
+            finished.append(x)
         if x == 7:
             raise ValueError("seven")
         return x * x
@@ -242,10 +247,14 @@ def test_pmap_iter_gives_results_in_order_with_a_bounded_lead(monkeypatch: pytes
     with pytest.raises(ValueError, match="seven"):
         list(base.pmap_iter(fn, range(5, 12)))
     started.clear()
+    finished.clear()
+    slow_after_first[0] = True
     it = base.pmap_iter(fn, range(100))
     assert next(it) == 0
     it.close()
-    time.sleep(0.2)
+    with lock:
+        assert sorted(finished) == sorted(started), (started, finished)  # none still running once it stops
+    time.sleep(0.3)
     assert len(started) <= 3, started  # the pool's two, plus the one started as the first was taken
     base._POOL.shutdown(wait=True)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -137,7 +137,8 @@ def pmap_iter(fn: Any, items: Any) -> Iterator[Any]:
     """`map(fn, items)` on the readers' pool, each result given in order as soon as it and those before it are
     done, with at most as many items started and not yet taken as the pool has workers: a result waits for its
     consumer, not for the rest of the items. Serially when already on the pool. Exceptions surface in item
-    order; items not started when the consumer stops are never run."""
+    order; when the consumer stops (an error, a writer that failed), items not started are never run and the
+    running ones finish before it goes on: none still reads a source the caller then closes."""
     pool = _pool()
     if pool is None or threading.current_thread().name.startswith("read-param"):
         for x in items:
@@ -155,3 +156,4 @@ def pmap_iter(fn: Any, items: Any) -> Iterator[Any]:
     finally:
         for f in started:
             f.cancel()
+        wait(started)
