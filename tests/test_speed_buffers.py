@@ -283,3 +283,36 @@ def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Pat
     megatron_to_hf(small_ckpt, tmp_path / "whole")
     assert min(seen) > 1, seen  # the same writer given whole layers: several modules per call
     assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
+def test_hf_to_megatron_hands_the_writer_one_parameter_at_a_time(preset: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streaming Megatron writer takes each layer parameter by parameter (`read_mcore_parts`; GPT-2's
+    Conv1D weights read transposed block by block, Llama's q/k/v and gate/up placed row by row), so a layer is
+    never in memory whole; the rank files are those of a conversion given whole layers (which
+    `test_bench_io.test_streamed_hf_to_megatron_equals_torch_save` holds to torch.save's bytes)."""
+    from mconvert.convert import megatron as mg
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.trainer.train import TrainConfig, train
+
+    ck = tmp_path / "ck"
+    train(TrainConfig(preset=preset, tp=1, pp=1, steps=1, save=str(ck), force=True, quiet=True, device="cpu"))
+    megatron_to_hf(ck, tmp_path / "hf")
+    seen: list[int] = []
+    add = mg.MegatronWriter.add
+
+    def spy(self, unit, tensors, states=None, complete=True):  # noqa: ANN001
+        if isinstance(unit, int) and tensors:
+            seen.append(len(tensors))
+        return add(self, unit, tensors, states, complete)
+
+    monkeypatch.setattr(mg.MegatronWriter, "add", spy)
+    hf_to_megatron(tmp_path / "hf", tmp_path / "parts", tp=2, pp=2)
+    assert seen and max(seen) == 1, seen
+    monkeypatch.setattr(mg.MegatronWriter, "takes_parts", property(lambda self: False))
+    seen.clear()
+    hf_to_megatron(tmp_path / "hf", tmp_path / "whole", tp=2, pp=2)
+    assert min(seen) > 1, seen  # whole layers: every parameter of the layer in one call
+    assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")

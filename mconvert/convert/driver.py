@@ -83,6 +83,10 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
             elif writer.reads == "hf" and getattr(writer, "takes_parts", False):
                 for part in src.read_hf_parts(unit):  # what is written is freed before the rest is read
                     writer.add(unit, part)
+            elif getattr(writer, "takes_parts", False) and hasattr(src, "read_mcore_parts"):
+                for part in src.read_mcore_parts(unit):
+                    writer.add(unit, part, complete=False)  # type: ignore[call-arg]
+                writer.add(unit, {}, complete=True)  # type: ignore[call-arg]
             else:
                 writer.add(unit, src.read_hf(unit) if writer.reads == "hf" else src.read_mcore(unit))
         return writer.close()

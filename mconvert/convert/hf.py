@@ -13,13 +13,14 @@ import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from mconvert.convert import bounds
-from mconvert.convert.base import SourceBase, Unit, pmap, units_of
+from mconvert.convert.base import SourceBase, Unit, pmap, pmap_iter, units_of
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
@@ -39,12 +40,17 @@ from mconvert.convert.tokenizer import (
 )
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families, from_hf, hf_names, hf_unit, to_hf
+from mconvert.mappings.plugin import from_hf_one, hf_keys_for, registry
 from mconvert.mappings.plugin import hf_registry, mcore_row_plan, plugin_for, transposed_in_hf
 from mconvert.mappings.registry import fill
+from mconvert.mappings.transforms import copy_transposed
 from mconvert.mappings.fields import key_names
 from mconvert.spec import LayerPart, ModelSpec
 
 INDEX = "model.safetensors.index.json"
+# A tensor read transposed goes through one reused block of about this size: big enough that each row of the
+# transposed result takes a run of a few hundred bytes at once, small enough to stay in the cache
+TRANSPOSE_BLOCK = 4 << 20
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -219,13 +225,14 @@ class HFSource(SourceBase):
         self._bin_cache = None
 
     def read_hf(self, unit: Unit, column_major: bool = False,
-                skip: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+                skip: set[str] | frozenset[str] = frozenset(),
+                only: set[str] | None = None) -> dict[str, torch.Tensor]:
         """HF tensors of one unit, as stored (true vocab). `column_major`: the tensors HF stores transposed
         come laid out column-major (same values), so `from_hf`'s transpose of them is free; `skip`: keys a
-        caller has read already."""
+        caller has read already; `only`: just these keys of the unit."""
         by_file: dict[str, list[str]] = {}
         for k in self._keys(unit):
-            if k not in skip:
+            if k not in skip and (only is None or k in only):
                 by_file.setdefault(self.key_file[k], []).append(k)
         out: dict[str, torch.Tensor] = {}
         for f, keys in by_file.items():
@@ -252,9 +259,34 @@ class HFSource(SourceBase):
 
     def _checked(self, st_key: tuple[Any, str, bool]) -> torch.Tensor:
         st, k, column_major = st_key
+        if column_major and self._stored_transposed(k):
+            got = self._read_transposed(st, k)
+            if got is not None:
+                return got
         t = st.get(k)
         self._check(k, t)
         return buffers.column_major(t) if column_major and self._stored_transposed(k) else t
+
+    def _read_transposed(self, st: SafetensorsReader, k: str) -> torch.Tensor | None:
+        """2-D tensor `k` laid out column-major (`buffers.column_major`), read in row blocks of about
+        `TRANSPOSE_BLOCK` bytes into one reused block, each checked as `read_hf` checks a tensor and transposed
+        into its columns of the result: the tensor and one block in memory, not the tensor and its transposed
+        copy. None when the tensor is not 2-D (the caller reads it whole)."""
+        meta = st.meta(k)
+        if meta.dim() != 2 or not meta.numel():
+            return None
+        rows, cols = meta.shape
+        out_t = buffers.empty((cols, rows), meta.dtype)
+        row_bytes = cols * meta.element_size()
+        step = max(1, min(rows, TRANSPOSE_BLOCK // row_bytes))
+        block = buffers.empty((step, cols), meta.dtype)
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            if not st.read_into(k, block[:n], start=r0 * row_bytes):
+                return None
+            self._check(k, block[:n])
+            copy_transposed(block[:n], out_t[:, r0:r0 + n])
+        return out_t.t()
 
     def _stored_transposed(self, k: str) -> bool:
         """Whether HF tensor `k` is the transpose of its canonical parameter (GPT-2's Conv1D weights): read
@@ -279,38 +311,66 @@ class HFSource(SourceBase):
         return from_hf(self.spec, unit, self.read_hf(unit, column_major=True, skip=used), source=str(self.path), pmap=pmap,
                        built={name: full for name, (_, full) in built.items()}, empty=buffers.empty)
 
-    def _read_placed(self, unit: Unit) -> dict[str, tuple[list[str], torch.Tensor]]:
-        """The parameters whose HF tensors are whole row blocks of them (Llama's q/k/v, gate/up), each HF
-        tensor's rows pread straight into their place in the merged tensor (`mappings.plugin.mcore_row_plan`)
-        and checked as `read_hf` checks them: name -> (its HF keys, the merged tensor). Parameters whose
-        files or shapes do not allow it are left to `from_hf`."""
+    def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
+        """`read_mcore(unit)` one parameter per part, same tensors, same order: each parameter reads only its
+        own HF tensors, one per task on the readers' pool (`base.pmap_iter`), so a layer's parameters are not
+        all in memory at once. The embedding and final units (tied heads, dropped keys) and MoE layer parts
+        come whole, as one part."""
+        if not isinstance(unit, int) or self.spec.is_moe:
+            yield self.read_mcore(unit)
+            return
+        shapes, dtypes = self._unit_shapes(unit)
+        reg = registry(plugin_for(self.spec))
+
+        def one(name: str) -> dict[str, torch.Tensor]:
+            placed = self._placed_one(name, shapes, dtypes)
+            if placed is not None:
+                return {name: placed[1]}
+            hf = self.read_hf(unit, column_major=True, only=set(hf_keys_for(self.spec, name, reg)))
+            return {name: from_hf_one(self.spec, name, hf, str(self.path), reg, buffers.empty)}
+
+        yield from pmap_iter(one, [d.name for d in self.spec.unit_params(unit)])
+
+    def _unit_shapes(self, unit: Unit) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+        """Shape and dtype of each HF tensor of `unit` whose file says them without reading data."""
         shapes, dtypes = {}, {}
         for k in self._keys(unit):
             m = self._meta(k)
             if m is not None:
                 shapes[k], dtypes[k] = tuple(m.shape), m.dtype
+        return shapes, dtypes
 
-        def one(name: str) -> tuple[list[str], torch.Tensor] | None:
-            plan = mcore_row_plan(self.spec, name, shapes)
-            if plan is None:
+    def _placed_one(self, name: str, shapes: dict[str, tuple[int, ...]],
+                    dtypes: dict[str, torch.dtype]) -> tuple[list[str], torch.Tensor] | None:
+        """Parameter `name` with its HF tensors' rows pread straight into their place in it
+        (`mappings.plugin.mcore_row_plan`), each checked as `read_hf` checks it: (its HF keys, the merged
+        tensor); None when its files or shapes do not allow it."""
+        plan = mcore_row_plan(self.spec, name, shapes)
+        if plan is None:
+            return None
+        keys, full_shape, pieces = plan
+        readers = [self._st(self.key_file[k]) if self.key_file[k].endswith(".safetensors")
+                   else self._bin(self.key_file[k]) for k in keys]
+        if len({dtypes[k] for k in keys}) != 1 or not all(isinstance(r, (SafetensorsReader, LazyModel))
+                                                           for r in readers):
+            return None
+        full = buffers.empty(full_shape, dtypes[keys[0]])  # every row is placed before it is read
+        row_bytes = full[:1].numel() * full.element_size()
+        for part, at, row, n in sorted(pieces):  # each HF tensor's bytes in file order
+            dst = full[row:row + n]
+            if not readers[part].read_into(keys[part], dst, start=at * row_bytes):
                 return None
-            keys, full_shape, pieces = plan
-            readers = [self._st(self.key_file[k]) if self.key_file[k].endswith(".safetensors")
-                       else self._bin(self.key_file[k]) for k in keys]
-            if len({dtypes[k] for k in keys}) != 1 or not all(isinstance(r, (SafetensorsReader, LazyModel))
-                                                               for r in readers):
-                return None
-            full = buffers.empty(full_shape, dtypes[keys[0]])  # every row is placed before it is read
-            row_bytes = full[:1].numel() * full.element_size()
-            for part, at, row, n in sorted(pieces):  # each HF tensor's bytes in file order
-                dst = full[row:row + n]
-                if not readers[part].read_into(keys[part], dst, start=at * row_bytes):
-                    return None
-                self._check(keys[part], dst)
-            return keys, full
+            self._check(keys[part], dst)
+        return keys, full
 
+    def _read_placed(self, unit: Unit) -> dict[str, tuple[list[str], torch.Tensor]]:
+        """The parameters whose HF tensors are whole row blocks of them (Llama's q/k/v, gate/up), read in
+        place (`_placed_one`): name -> (its HF keys, the merged tensor). Parameters whose files or shapes do
+        not allow it are left to `from_hf`."""
+        shapes, dtypes = self._unit_shapes(unit)
         names = [d.name for d in self.spec.unit_params(unit)]
-        return {n: got for n, got in zip(names, pmap(one, names)) if got is not None}
+        got = pmap(lambda n: self._placed_one(n, shapes, dtypes), names)
+        return {n: g for n, g in zip(names, got) if g is not None}
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """`read_mcore(unit)` as meta tensors, from the safetensors headers or the offset index of `.bin`

@@ -48,8 +48,8 @@ from mconvert.mappings import families
 from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.plugin import check_complete, hf_order, hf_row_plan, to_hf_one, transposed_in_hf
-from mconvert.mappings.transforms import (merge, merge_rows, merge_transposed, pad_vocab, place_rows, split,
-                                          split_dim)
+from mconvert.mappings.transforms import (copy_transposed, merge, merge_rows, merge_transposed, pad_vocab, place_rows,
+                                          split, split_dim)
 from mconvert.spec import LayerPart, ModelSpec, expert_of, layer_of_unit, with_expert
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
@@ -418,6 +418,33 @@ class MegatronSource(SourceBase):
             out[name] = full
         return out
 
+    def _read_transposed_direct(self, p: int, c: int, wanted: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+        """2-D parameters their consumer takes transposed (GPT-2's Conv1D), each rank's shard read whole (its
+        record's CRC-32 checked), checked finite, and transposed straight into its place in the merged tensor,
+        laid out column-major (`merge_transposed_into`): one shard in memory at a time beside the merged tensor,
+        instead of every shard, or the merged tensor and its transposed copy. Parameters it cannot read so are
+        left to the shard loop."""
+        if self.tp == 1 or self.checkpoint_version < 2 or not wanted:
+            return {}
+        lazies = [self._lazy_model(t, p, c) for t in range(self.tp)]
+        if any(lz is None for lz in lazies):
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for raw, name in wanted:
+            shape = self.shapes.get(name)
+            if not shape or not all(raw in lz for lz in lazies):
+                continue
+
+            def finite(t: int, x: torch.Tensor, raw: str = raw) -> None:
+                if x.is_floating_point() and not all_finite(x):
+                    raise MConvertError(f"{self.files[(t, p)]}: key {raw!r} holds NaN or Inf values; the run "
+                                        "diverged or the file is corrupt — convert an earlier iteration (--iteration N)")
+
+            got = merge_transposed_into(lazies, raw, self.spec.split_kind(name), shape, finite)
+            if got is not None:
+                out[name] = got
+        return out
+
     def _unit_names(self, unit: Unit) -> list[str]:
         """The canonical names of one unit, in the order its stage's rank files hold them (with expert
         parallelism: EP rank 0's, then each other EP rank's experts; one expert's: the EP rank holding it)."""
@@ -520,7 +547,9 @@ class MegatronSource(SourceBase):
         wanted = [(raw, name) for raw, name in self._keys_of(p, c).get(unit, []) if only is None or name in only]
         shards: dict[str, list[torch.Tensor]] = {name: [] for _, name in wanted}
         ostates: dict[str, list[dict]] = {name: [] for _, name in wanted}
-        direct = {} if with_optimizer else self._read_dim0_direct(p, c, wanted)
+        direct = {} if with_optimizer else self._read_transposed_direct(p, c, [w for w in wanted if w[1] in transposed])
+        if not with_optimizer:
+            direct.update(self._read_dim0_direct(p, c, [w for w in wanted if w[1] not in direct]))
         for t in range(self.tp):
             f = self.files[(t, p)]
             lazy = self._lazy_model(t, p, c)  # pread by offset
@@ -693,6 +722,7 @@ class MegatronWriter:
         self._stage_units = {p: self._units_of_stage(p) for p in range(pp)}
         self._buffer: dict[int, dict[int, list[tuple[str, torch.Tensor | None, list]]]] = {}
         self._received: dict[int, set] = {p: set() for p in range(pp)}
+        self._in_parts: set[Unit] = set()  # units begun with `add(..., complete=False)`, not yet ended
         self._embedding: tuple[torch.Tensor, dict | None] | None = None
         self.files: list[Path] = []
         self._spools: dict[tuple[int, int], Any] = {}
@@ -767,9 +797,27 @@ class MegatronWriter:
         """Pass `unit` by unread (`needs` is False): another rank writes its stage."""
         self._received[self._where(unit)[0]].update(self._parts(unit))
 
-    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
-        """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states."""
+    @property
+    def takes_parts(self) -> bool:
+        """Whether `add` may take a layer in parts (`complete=False`, then `complete=True` after the last): when
+        the stage's rank files stream from the preview, each part's shards go out as they come."""
+        return self.preview is not None
+
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None,
+            complete: bool = True) -> None:
+        """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states.
+        `complete=False` (`takes_parts`): more of the unit's tensors follow in later calls."""
         p, c, local = self._where(unit)
+        if not complete and self.preview is None:
+            raise MConvertError(f"internal: unit {unit!r} given in parts to a writer that takes it whole")
+        if complete and unit in self._in_parts:  # the end of a unit given in parts: its tensors all came
+            self._in_parts.discard(unit)
+            if tensors or states:
+                raise MConvertError(f"internal: unit {unit!r} ended with tensors")
+            self._complete(unit, p)
+            return
+        if not complete:
+            self._in_parts.add(unit)
         if not self.world.owns(p):  # read only for the tied output layer of the last stage
             if self._tied_copy_needed(unit):
                 name = "embedding.word_embeddings.weight"
@@ -792,8 +840,14 @@ class MegatronWriter:
                     self._streams[p][t].feed(ph, buffers.contiguous(x))  # a view: no copy
         else:
             self._buffer.setdefault(p, {}).setdefault(c, []).extend(new)
+        if complete:
+            self._complete(unit, p)
+
+    def _complete(self, unit: Unit, p: int) -> None:
+        """`unit` has come whole: stage p's rank files are written once every unit of the stage has (by the
+        process that owns the stage)."""
         self._received[p].update(self._parts(unit))
-        if len(self._received[p]) == len(self._stage_units[p]):
+        if self.world.owns(p) and len(self._received[p]) == len(self._stage_units[p]):
             self._flush(p)
 
     def _entries(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None,
@@ -1095,6 +1149,40 @@ def _merge_transposed(shards: list[torch.Tensor], kind: str, name: str) -> torch
         out = buffers.empty((k * len(shards), rows), shards[0].dtype).t()
         return merge_transposed(shards, kind, name, out=out)
     return merge_transposed(shards, kind, name)
+
+
+def merge_transposed_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: tuple[int, ...],
+                          check: Any) -> torch.Tensor | None:
+    """`merge` of a 2-D parameter's TP shards, laid out column-major (its `.t()` contiguous, as
+    `buffers.column_major` lays it): each rank's shard is read whole, passed to `check(rank, shard)`, and
+    transposed into its block of the transposed tensor before the next is read. A row-split shard [R, K] is
+    columns t·K.. of the merge; a dim-0 split shard's rows go where `transforms.merge_rows` places them.
+    None when a shard's shape or dtype differs from rank 0's (the caller's general path then reports it) or
+    the kind is not split on one of the two dims."""
+    if len(shard_shape) != 2 or kind not in ("row", "column", "qkv", "vocab", "gated"):
+        return None
+    rows, cols = shard_shape
+    metas = [lz.meta(raw) for lz in lazies]
+    if any(tuple(m.shape) != (rows, cols) or m.dtype != metas[0].dtype for m in metas):
+        return None
+    tp = len(lazies)
+    if kind == "row":
+        out_t = buffers.empty((cols * tp, rows), metas[0].dtype)
+        places = [[(out_t[t * cols:(t + 1) * cols], 0, rows)] for t in range(tp)]
+    else:
+        try:
+            pieces = merge_rows(kind, tp, rows, raw)
+        except MConvertError:
+            return None  # the shard loop's `merge` reports it
+        out_t = buffers.empty((cols, rows * tp), metas[0].dtype)
+        places = [[(out_t[:, at:at + n], start, n) for at, start, n in mine] for mine in pieces]
+    for t, (lz, mine) in enumerate(zip(lazies, places)):
+        shard = lz[raw]
+        check(t, shard)
+        for dst, start, n in mine:
+            copy_transposed(shard[start:start + n], dst)
+        del shard  # its pooled slot serves the next rank's shard
+    return out_t.t()
 
 
 def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: tuple[int, ...]

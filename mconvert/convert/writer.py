@@ -27,7 +27,9 @@ class Writer(Protocol):
     """One output format, written unit by unit into a directory it was constructed on."""
 
     reads: Literal["hf", "mcore"]  # which Source read the driver calls: read_hf (HF names) or read_mcore
-    # (optional) `takes_parts = True`: `add` may take a unit in consecutive parts (`Source.read_hf_parts`)
+    # (optional) `takes_parts = True`: `add` may take a unit in consecutive parts (`Source.read_hf_parts`; an
+    # mcore writer's `add(unit, part, complete=False)` for each of `Source.read_mcore_parts`, then
+    # `add(unit, {}, complete=True)`)
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
         """Take one unit's full tensors (embedding, layer i, final, in the Source's unit order)."""

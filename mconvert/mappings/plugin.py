@@ -226,6 +226,16 @@ def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source:
     return OPS[rule.op][1](spec, [hf[n] for n in names], name, empty)
 
 
+def hf_keys_for(spec: ModelSpec, name: str, reg: Registry | None = None) -> list[str]:
+    """The HF tensors canonical parameter `name` is made of (what `from_hf_one` reads); [] when no rule
+    maps it (`from_hf_one` then reports it)."""
+    m = (reg or registry(plugin_for(spec))).match(name)
+    if m is None:
+        return []
+    _, rule, layer = m
+    return [fill(h, layer) for h in rule.hf]
+
+
 def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit | None:
     """Which unit an HF tensor belongs to (None: an explicit drop). Unknown names are an error."""
     m = hf_registry(plugin_for(spec)).match(hf_name)
