@@ -316,3 +316,30 @@ def test_hf_to_megatron_hands_the_writer_one_parameter_at_a_time(preset: str, tm
     hf_to_megatron(tmp_path / "hf", tmp_path / "whole", tp=2, pp=2)
     assert min(seen) > 1, seen  # whole layers: every parameter of the layer in one call
     assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")
+
+
+@pytest.mark.timeout(300)
+def test_reshard_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """reshard streams a layer to the Megatron writer parameter by parameter too (`read_mcore_parts`); its
+    rank files are those of whole layers (`test_bench_io.test_streamed_reshard_equals_torch_save` holds the
+    streamed path to torch.save's bytes)."""
+    from mconvert.convert import megatron as mg
+    from mconvert.convert.driver import reshard
+
+    seen: list[int] = []
+    add = mg.MegatronWriter.add
+
+    def spy(self, unit, tensors, states=None, complete=True):  # noqa: ANN001
+        if isinstance(unit, int) and tensors:
+            seen.append(len(tensors))
+        return add(self, unit, tensors, states, complete)
+
+    monkeypatch.setattr(mg.MegatronWriter, "add", spy)
+    reshard(small_ckpt, tmp_path / "parts", tp=1, pp=1)
+    assert seen and max(seen) == 1, seen
+    monkeypatch.setattr(mg.MegatronWriter, "takes_parts", property(lambda self: False))
+    seen.clear()
+    reshard(small_ckpt, tmp_path / "whole", tp=1, pp=1)
+    assert min(seen) > 1, seen
+    assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")

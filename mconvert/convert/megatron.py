@@ -664,6 +664,15 @@ class MegatronSource(SourceBase):
             out.update(part)
         return out
 
+    def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
+        """`read_mcore(unit)` one parameter per part, same tensors, same order, each given as soon as it and
+        those before it are read (`base.pmap_iter`): a layer is not in memory whole. The embedding and final
+        units (the tied head's copy) and MoE layers come whole, as one part."""
+        if not isinstance(unit, int) or self.spec.is_moe:
+            yield self.read_mcore(unit)
+            return
+        yield from pmap_iter(lambda n: self.read_unit(unit, only={n})[0], self._unit_names(unit))
+
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """What `read_mcore(unit)` returns, as meta tensors (names in its order, full shapes, dtypes): from the
         key maps of the opening checks, no tensor data read. Writers lay out their files from it."""
