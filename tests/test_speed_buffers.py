@@ -343,3 +343,45 @@ def test_reshard_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_
     reshard(small_ckpt, tmp_path / "whole", tp=1, pp=1)
     assert min(seen) > 1, seen
     assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")
+
+
+@pytest.mark.timeout(300)
+def test_megatron_to_ft_takes_a_layer_in_parts_and_refuses_a_missing_parameter(small_ckpt: Path, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FasterTransformer writer takes each layer parameter by parameter, writing the same files as when
+    given whole layers (`test_deploy_ft` holds those to FT's loader file list and to transformers' logits);
+    a layer that ends without one of its parameters is refused by name, as a whole layer without it is."""
+    from mconvert.convert import fastertransformer as ft
+    from mconvert.convert.megatron import MegatronSource
+    from mconvert.errors import MConvertError
+
+    seen: list[int] = []
+    add = ft.FTWriter.add
+
+    def spy(self, unit, tensors, complete=True):  # noqa: ANN001
+        if isinstance(unit, int) and tensors:
+            seen.append(len(tensors))
+        return add(self, unit, tensors, complete)
+
+    monkeypatch.setattr(ft.FTWriter, "add", spy)
+    ft.megatron_to_ft(small_ckpt, tmp_path / "parts", infer_tp=2)
+    assert seen and max(seen) == 1, seen
+    monkeypatch.setattr(ft.FTWriter, "takes_parts", False)
+    seen.clear()
+    ft.megatron_to_ft(small_ckpt, tmp_path / "whole", infer_tp=2)
+    assert min(seen) > 1, seen
+    assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")
+
+    src = MegatronSource(small_ckpt)
+    layer = src.read_mcore(0)
+    dropped = "decoder.layers.0.mlp.linear_fc2.weight"
+    out = tmp_path / "missing"
+    out.mkdir()
+    w = ft.FTWriter(out, src.spec, 2, source="ck")
+    for name, t in layer.items():
+        if name != dropped:
+            w.add(0, {name: t}, complete=False)
+    with pytest.raises(MConvertError, match=f"parameter '{dropped}' is missing"):
+        w.add(0, {}, complete=True)
+    w.abort()
+    src.close()

@@ -110,6 +110,10 @@ class _Recording:
         self.read.append(unit)
         return self.src.read_mcore(unit)
 
+    def read_mcore_parts(self, unit):  # a writer that takes a layer in parts reads it so
+        self.read.append(unit)
+        return self.src.read_mcore_parts(unit)
+
 
 def _ft_unit(name: str) -> int:
     """The unit index (embedding 0, layer N -> N + 1, final) of an FT file, from FT's own file names."""

@@ -35,6 +35,7 @@ import torch
 
 from mconvert import dtypes
 from mconvert.convert.base import units_of
+from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import check_output, record_digest
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.io.paths import contained, inside_file, read_small
@@ -273,7 +274,7 @@ class _RawFiles:
         self._window = window
 
     def write(self, path: Path, x: torch.Tensor, dtype: str) -> int:
-        arr = x.detach().to(torch.float32).contiguous().numpy().astype(FT_DTYPES[dtype][0], copy=False)
+        arr = buffers.contiguous(x.detach().to(torch.float32)).numpy().astype(FT_DTYPES[dtype][0], copy=False)
         f = HashingFile(path, direct=arr.nbytes >= (1 << 20), chunk=4 << 20)  # one chunk size: a small pool
         self._open.append(f)
         f.write(memoryview(arr).cast("B"), keep=arr)
@@ -303,6 +304,7 @@ class FTWriter:
     unit of a tied model whose head FT reads as a copy, and rank 0 writes config.ini."""
 
     reads = "mcore"
+    takes_parts = True  # `add(unit, part, complete=False)` per part, then `add(unit, {}, complete=True)`
 
     def __init__(self, out: Path, spec: ModelSpec, infer_tp: int, dtype: str = "fp32",
                  allow_approx_gelu: bool = False, source: str = "checkpoint") -> None:
@@ -316,6 +318,7 @@ class FTWriter:
         self._raw = _RawFiles()
         self.world = world()
         self._plan = {unit: i for i, unit in enumerate(units_of(spec))}
+        self._parts: dict[Any, set[str]] = {}  # the parameters each unit in progress has brought so far
 
     def _owns(self, unit: Any) -> bool:
         if unit not in self._plan:
@@ -333,14 +336,26 @@ class FTWriter:
     def skip(self, unit: Any) -> None:
         """Pass `unit` by unread (`needs` is False): another rank writes its files."""
 
-    def add(self, unit: Any, tensors: dict[str, torch.Tensor]) -> None:
-        """One unit's files (replicated tensors once, split ones per rank)."""
-        if self._keeps_embedding(unit):
+    def add(self, unit: Any, tensors: dict[str, torch.Tensor], complete: bool = True) -> None:
+        """One unit's files (replicated tensors once, split ones per rank). `complete=False` (`takes_parts`):
+        more of the unit's parameters follow; each part's files are written as it comes."""
+        came = self._parts.setdefault(unit, set())
+        in_parts = not complete or bool(came)
+        came.update(tensors)
+        if complete:
+            del self._parts[unit]
+            if in_parts and self._owns(unit):
+                missing = [d.name for d in deploy.unit_params(self.spec, unit) if d.name not in came]
+                if missing:
+                    raise MConvertError(f"{self.source}: parameter {missing[0]!r} is missing (unit {unit!r}); "
+                                        "cannot write FasterTransformer")
+        if self._keeps_embedding(unit) and deploy.EMBEDDING in tensors:
             self._embed = tensors[deploy.EMBEDDING]
-        if not self._owns(unit):
+        if not self._owns(unit) or not tensors:
             return
         per_rank = deploy.rank_tensors(self.spec, self.layout.files, unit, tensors, self.infer_tp,
-                                       "FasterTransformer", self._embed, self.source)
+                                       "FasterTransformer", self._embed, self.source, part=in_parts,
+                                       empty=buffers.empty)
         for name, x in deploy.files(per_rank).items():
             self.nbytes += self._raw.write(self.ft_dir / name, x, self.dtype)
             self._written.append(self.ft_dir / name)

@@ -11,9 +11,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,8 +40,8 @@ from mconvert.convert.tokenizer import (
 )
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import families, from_hf, hf_names, hf_unit, to_hf
-from mconvert.mappings.plugin import from_hf_one, hf_keys_for, registry
-from mconvert.mappings.plugin import hf_registry, mcore_row_plan, plugin_for, transposed_in_hf
+from mconvert.mappings.plugin import (from_hf_one, hf_keys_for, hf_registry, mcore_row_plan, plugin_for, registry,
+                                      transposed_in_hf)
 from mconvert.mappings.registry import fill
 from mconvert.mappings.transforms import copy_transposed
 from mconvert.mappings.fields import key_names

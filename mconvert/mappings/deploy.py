@@ -30,31 +30,35 @@ def unit_params(spec: ModelSpec, unit: str | int) -> list[ParamDecl]:
     return spec.layer_params(int(unit))
 
 
-def _qkv(spec: ModelSpec, full: torch.Tensor, name: str) -> list[torch.Tensor]:
+def _qkv(spec: ModelSpec, full: torch.Tensor, name: str, empty: T.Empty | None = None) -> list[torch.Tensor]:
     """[q, k, v] of the fused Megatron tensor, rotary pairs in rotate_half order (what the engines compute)."""
     nq, ng, hd = spec.num_attention_heads, spec.num_groups, spec.head_dim
-    q, k, v = T.qkv_to_separate(full, nq, ng, hd, name)
+    q, k, v = T.qkv_to_separate(full, nq, ng, hd, name, empty)
     if spec.rotary_interleaved:
         q, k = T.interleaved_to_half(q, nq, hd, name), T.interleaved_to_half(k, ng, hd, name)
     return [q, k, v]
 
 
-def _whole(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+def _whole(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str,
+           empty: T.Empty | None = None) -> list[list[torch.Tensor]]:
     x = T.strip_vocab(full, spec.vocab_size, name) if kind == "vocab" else full
     return [[x]] * tp
 
 
-def _split(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+def _split(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str,
+           empty: T.Empty | None = None) -> list[list[torch.Tensor]]:
     if kind == "vocab":
         full = T.strip_vocab(full, spec.vocab_size, name)
     return [[x] for x in T.split(full, kind, tp, name)]
 
 
-def _split_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+def _split_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str,
+             empty: T.Empty | None = None) -> list[list[torch.Tensor]]:
     return [[x] for x in T.split_transposed(full, kind, tp, name)]
 
 
-def _vocab_padded(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+def _vocab_padded(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str,
+                  empty: T.Empty | None = None) -> list[list[torch.Tensor]]:
     return [[x] for x in T.split(T.pad_rows(T.strip_vocab(full, spec.vocab_size, name), tp), "vocab", tp, name)]
 
 
@@ -74,36 +78,49 @@ class _PerRank(Sequence):
         return self._make(r)
 
 
-def _qkv_cat(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> Sequence[list[torch.Tensor]]:
-    blocks = T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name)
-    return _PerRank(lambda r: [torch.cat(blocks[r])], len(blocks))
+def _cat(b: list[torch.Tensor], empty: T.Empty | None) -> torch.Tensor:
+    """`torch.cat(b)` along rows, into `empty`'s memory when given."""
+    if empty is None or len({(x.dtype, tuple(x.shape[1:])) for x in b}) != 1:
+        return torch.cat(b)
+    return torch.cat(b, out=empty((sum(x.shape[0] for x in b), *b[0].shape[1:]), b[0].dtype))
 
 
-def _stack_t(b: list[torch.Tensor]) -> list[torch.Tensor]:
+def _qkv_cat(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str,
+             empty: T.Empty | None = None) -> Sequence[list[torch.Tensor]]:
+    blocks = T.qkv_rank_blocks(*_qkv(spec, full, name, empty), spec.num_groups, tp, name)
+    return _PerRank(lambda r: [_cat(blocks[r], empty)], len(blocks))
+
+
+def _stack_t(b: list[torch.Tensor], empty: T.Empty | None = None) -> list[torch.Tensor]:
     if b[0].dim() == 1:
         return [torch.stack(b)]  # [3, out/t]
     # [in, 3, out/t] filled by one transposing copy per part (a stack and then a permuted copy move it twice)
-    s = b[0].new_empty(b[0].shape[1], len(b), b[0].shape[0])
+    shape = (b[0].shape[1], len(b), b[0].shape[0])
+    s = empty(shape, b[0].dtype) if empty is not None else torch.empty(shape, dtype=b[0].dtype)
     for j, part in enumerate(b):
-        s[:, j].copy_(part.t())
+        T.copy_transposed(part, s[:, j])
     return [s]
 
 
-def _qkv_stack_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> Sequence[list[torch.Tensor]]:
-    blocks = T.qkv_rank_blocks(*_qkv(spec, full, name), spec.num_groups, tp, name)
-    return _PerRank(lambda r: _stack_t(blocks[r]), len(blocks))
+def _qkv_stack_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str,
+                 empty: T.Empty | None = None) -> Sequence[list[torch.Tensor]]:
+    blocks = T.qkv_rank_blocks(*_qkv(spec, full, name, empty), spec.num_groups, tp, name)
+    return _PerRank(lambda r: _stack_t(blocks[r], empty), len(blocks))
 
 
-def _gated(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+def _gated(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str,
+           empty: T.Empty | None = None) -> list[list[torch.Tensor]]:
     return [list(s.chunk(2, dim=0)) for s in T.split(full, "gated", tp, name)]
 
 
-def _gated_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str) -> list[list[torch.Tensor]]:
+def _gated_t(spec: ModelSpec, full: torch.Tensor, kind: str, tp: int, name: str,
+             empty: T.Empty | None = None) -> list[list[torch.Tensor]]:
     return [[p.t() if p.dim() == 2 else p for p in parts] for parts in _gated(spec, full, kind, tp, name)]
 
 
-# form -> per rank, one tensor per name of the rule
-FORMS: dict[str, Callable[[ModelSpec, torch.Tensor, str, int, str], Sequence[list[torch.Tensor]]]] = {
+# form -> per rank, one tensor per name of the rule; a form that copies takes an allocator (`empty`, see
+# `transforms.Empty`) for the copies
+FORMS: dict[str, Callable[..., Sequence[list[torch.Tensor]]]] = {
     "whole": _whole,  # the full tensor on every rank (vocab rows: the true vocab)
     "split": _split,  # the split kind's shard, Linear `[out, in]`
     "split_t": _split_t,  # the split kind's shard, stored `[in, out]`
@@ -138,15 +155,18 @@ def _registry(table: dict[str, DeployRule | None]) -> Registry:
 
 def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, mcore: Tensors, tp: int,
                  what: str, tied_head: torch.Tensor | None = None, source: str = "checkpoint",
-                 ranks: Collection[int] | None = None) -> list[Tensors]:
+                 ranks: Collection[int] | None = None, part: bool = False,
+                 empty: T.Empty | None = None) -> list[Tensors]:
     """One unit's full tensors -> per-rank target tensors under the table's names (`{r}`: the rank).
 
     Every parameter ModelSpec declares for the unit goes through its rule (a `None` rule drops it); `tied_head`
     (the embedding of a tied model) goes through the head's rule when the table writes a head. `ranks`: cut
-    only these ranks' tensors (the others' dicts stay empty); None: every rank."""
+    only these ranks' tensors (the others' dicts stay empty); None: every rank. `part`: `mcore` holds some of
+    the unit's parameters (a writer given the unit in parts checks the rest came once it ends). `empty`: the
+    allocator of the copies a form makes (`transforms.Empty`)."""
     reg = _registry(table)
     out: list[Tensors] = [{} for _ in range(tp)]
-    decls = [(d.name, d.kind) for d in unit_params(spec, unit)]
+    decls = [(d.name, d.kind) for d in unit_params(spec, unit) if not part or d.name in mcore]
     if unit == "final" and tied_head is not None and HEAD in table and table[HEAD] is not None:
         decls.append((HEAD, "vocab"))
     for name, kind in decls:
@@ -159,7 +179,7 @@ def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str
         _, rule, layer = m
         if rule is None:
             continue
-        per_rank = FORMS[rule.form](spec, full, kind, tp, name)
+        per_rank = FORMS[rule.form](spec, full, kind, tp, name, empty)
         for r in range(len(per_rank)):
             if ranks is not None and r not in ranks:
                 continue

@@ -200,17 +200,27 @@ def _check_numel(name: str, parts: list[torch.Tensor], whole: torch.Tensor) -> N
                             f"holds {whole.numel()}; the model config does not match the tensors")
 
 
-def qkv_to_separate(qkv: torch.Tensor, nq: int, ng: int, hd: int, name: str = "linear_qkv") -> list[torch.Tensor]:
-    """Fused `[ng·(nq/ng+2)·hd, ...]` (per group: nq/ng query heads, 1 key, 1 value) -> [q, k, v]."""
+def qkv_to_separate(qkv: torch.Tensor, nq: int, ng: int, hd: int, name: str = "linear_qkv",
+                    empty: Empty | None = None) -> list[torch.Tensor]:
+    """Fused `[ng·(nq/ng+2)·hd, ...]` (per group: nq/ng query heads, 1 key, 1 value) -> [q, k, v]; `empty`:
+    the allocator of the copies (a part whose rows are not one block of the fused tensor)."""
     rows = (nq + 2 * ng) * hd
     if qkv.shape[0] != rows or nq % ng:
         raise MConvertError(f"{name}: shape {tuple(qkv.shape)} does not fit heads={nq}, groups={ng}, head_dim={hd} "
                             f"(expected {rows} rows)")
     rest = tuple(qkv.shape[1:])
     g = qkv.reshape(ng, nq // ng + 2, hd, *rest)
-    q = g[:, : nq // ng].reshape(nq * hd, *rest)
-    k = g[:, nq // ng].reshape(ng * hd, *rest)
-    v = g[:, nq // ng + 1].reshape(ng * hd, *rest)
+
+    def rows_of(x: torch.Tensor, n: int) -> torch.Tensor:
+        if empty is None or x.is_contiguous():
+            return x.reshape(n * hd, *rest)
+        out = empty((n * hd, *rest), x.dtype)
+        out.view(x.shape).copy_(x)
+        return out
+
+    q = rows_of(g[:, : nq // ng], nq)
+    k = rows_of(g[:, nq // ng], ng)
+    v = rows_of(g[:, nq // ng + 1], ng)
     _check_numel(name, [q, k, v], qkv)
     return [q, k, v]
 
