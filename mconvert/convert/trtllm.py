@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from mconvert import dtypes
 from mconvert.convert.driver import dry_run_report, write_output
+from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import check_output
 from mconvert.convert.io.safeload import crc_in_background
 from mconvert.convert.io.paths import inside_file, load_json_object
@@ -54,7 +55,8 @@ def rank_tensors(unit: Any, mcore: dict[str, torch.Tensor], spec: ModelSpec, tp:
                  ranks: Collection[int] | None = None) -> list[dict[str, torch.Tensor]]:
     """One unit's full tensors -> per-rank TensorRT-LLM tensors (the family's TensorRT-LLM table); `ranks`:
     only these ranks' (the rank files this process writes), None: every rank."""
-    return deploy.rank_tensors(spec, layout_for(spec).tensors, unit, mcore, tp, "TensorRT-LLM", embed, source, ranks)
+    return deploy.rank_tensors(spec, layout_for(spec).tensors, unit, mcore, tp, "TensorRT-LLM", embed, source, ranks,
+                               empty=buffers.empty)
 
 
 class TrtllmWriter:

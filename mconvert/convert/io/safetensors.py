@@ -218,7 +218,7 @@ class SafetensorsRandomWriter:
         off, dtype, shape = self._spans[name]
         if tuple(x.shape) != shape:
             raise MConvertError(f"{self.path.name}: {name} has shape {list(x.shape)}, layout says {list(shape)}")
-        data = x.detach().to(dtype).contiguous().cpu()
+        data = buffers.contiguous(x.detach().cpu().to(dtype))
         self._f.seek(self._base + off)
         self._f.write(tensor_bytes(data) if data.numel() else b"")
         self._todo.discard(name)
