@@ -285,6 +285,20 @@ def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Pat
     assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")
 
 
+def _layer_parts_seen(monkeypatch: pytest.MonkeyPatch, writer: type) -> list[int]:
+    """How many tensors each `writer.add` call brings for a layer (an empty end-of-layer call not counted)."""
+    seen: list[int] = []
+    add = writer.add
+
+    def spy(self, unit, tensors, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        if isinstance(unit, int) and tensors:
+            seen.append(len(tensors))
+        return add(self, unit, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(writer, "add", spy)
+    return seen
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
 def test_hf_to_megatron_hands_the_writer_one_parameter_at_a_time(preset: str, tmp_path: Path,
@@ -300,15 +314,7 @@ def test_hf_to_megatron_hands_the_writer_one_parameter_at_a_time(preset: str, tm
     ck = tmp_path / "ck"
     train(TrainConfig(preset=preset, tp=1, pp=1, steps=1, save=str(ck), force=True, quiet=True, device="cpu"))
     megatron_to_hf(ck, tmp_path / "hf")
-    seen: list[int] = []
-    add = mg.MegatronWriter.add
-
-    def spy(self, unit, tensors, states=None, complete=True):  # noqa: ANN001
-        if isinstance(unit, int) and tensors:
-            seen.append(len(tensors))
-        return add(self, unit, tensors, states, complete)
-
-    monkeypatch.setattr(mg.MegatronWriter, "add", spy)
+    seen = _layer_parts_seen(monkeypatch, mg.MegatronWriter)
     hf_to_megatron(tmp_path / "hf", tmp_path / "parts", tp=2, pp=2)
     assert seen and max(seen) == 1, seen
     monkeypatch.setattr(mg.MegatronWriter, "takes_parts", property(lambda self: False))
@@ -327,15 +333,7 @@ def test_reshard_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_
     from mconvert.convert import megatron as mg
     from mconvert.convert.driver import reshard
 
-    seen: list[int] = []
-    add = mg.MegatronWriter.add
-
-    def spy(self, unit, tensors, states=None, complete=True):  # noqa: ANN001
-        if isinstance(unit, int) and tensors:
-            seen.append(len(tensors))
-        return add(self, unit, tensors, states, complete)
-
-    monkeypatch.setattr(mg.MegatronWriter, "add", spy)
+    seen = _layer_parts_seen(monkeypatch, mg.MegatronWriter)
     reshard(small_ckpt, tmp_path / "parts", tp=1, pp=1)
     assert seen and max(seen) == 1, seen
     monkeypatch.setattr(mg.MegatronWriter, "takes_parts", property(lambda self: False))
@@ -355,15 +353,7 @@ def test_megatron_to_ft_takes_a_layer_in_parts_and_refuses_a_missing_parameter(s
     from mconvert.convert.megatron import MegatronSource
     from mconvert.errors import MConvertError
 
-    seen: list[int] = []
-    add = ft.FTWriter.add
-
-    def spy(self, unit, tensors, complete=True):  # noqa: ANN001
-        if isinstance(unit, int) and tensors:
-            seen.append(len(tensors))
-        return add(self, unit, tensors, complete)
-
-    monkeypatch.setattr(ft.FTWriter, "add", spy)
+    seen = _layer_parts_seen(monkeypatch, ft.FTWriter)
     ft.megatron_to_ft(small_ckpt, tmp_path / "parts", infer_tp=2)
     assert seen and max(seen) == 1, seen
     monkeypatch.setattr(ft.FTWriter, "takes_parts", False)

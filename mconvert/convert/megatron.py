@@ -392,14 +392,20 @@ class MegatronSource(SourceBase):
                 cache[(t, p)] = (idx, fd)
         tops[(t, p)] = {k: v for k, v in st.items() if not k.startswith("model") and k != "optimizer"}
 
+    def _rank_models(self, p: int, c: int) -> list[LazyModel] | None:
+        """Every TP rank's model of stage p, chunk c, read by offset — what the in-place merges need; None at
+        TP=1 (nothing to merge), for a legacy checkpoint version, or when a rank file has no offset index."""
+        if self.tp == 1 or self.checkpoint_version < 2:
+            return None
+        lazies = [self._lazy_model(t, p, c) for t in range(self.tp)]
+        return None if any(lz is None for lz in lazies) else lazies
+
     def _read_dim0_direct(self, p: int, c: int, wanted: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
         """Dim-0 split parameters (column / qkv / vocab / gated) of one unit, each rank's shard pread straight
         into the merged tensor (= `merge`, without shard copies and torch.cat); each rank's rows are checked
         finite as the shard loop would. Parameters it cannot read in place are left to that loop."""
-        if self.tp == 1 or self.checkpoint_version < 2:
-            return {}
-        lazies = [self._lazy_model(t, p, c) for t in range(self.tp)]
-        if any(lz is None for lz in lazies):
+        lazies = self._rank_models(p, c)
+        if lazies is None:
             return {}
         out: dict[str, torch.Tensor] = {}
         for raw, name in wanted:
@@ -424,10 +430,8 @@ class MegatronSource(SourceBase):
         laid out column-major (`merge_transposed_into`): one shard in memory at a time beside the merged tensor,
         instead of every shard, or the merged tensor and its transposed copy. Parameters it cannot read so are
         left to the shard loop."""
-        if self.tp == 1 or self.checkpoint_version < 2 or not wanted:
-            return {}
-        lazies = [self._lazy_model(t, p, c) for t in range(self.tp)]
-        if any(lz is None for lz in lazies):
+        lazies = self._rank_models(p, c) if wanted else None
+        if lazies is None:
             return {}
         out: dict[str, torch.Tensor] = {}
         for raw, name in wanted:
