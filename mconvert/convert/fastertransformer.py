@@ -345,10 +345,7 @@ class FTWriter:
         if complete:
             del self._parts[unit]
             if in_parts and self._owns(unit):
-                missing = [d.name for d in deploy.unit_params(self.spec, unit) if d.name not in came]
-                if missing:
-                    raise MConvertError(f"{self.source}: parameter {missing[0]!r} is missing (unit {unit!r}); "
-                                        "cannot write FasterTransformer")
+                deploy.check_complete(self.spec, unit, came, "FasterTransformer", self.source)
         if self._keeps_embedding(unit) and deploy.EMBEDDING in tensors:
             self._embed = tensors[deploy.EMBEDDING]
         if not self._owns(unit) or not tensors:

@@ -153,6 +153,17 @@ def _registry(table: dict[str, DeployRule | None]) -> Registry:
     return _REGS[key]
 
 
+def check_complete(spec: ModelSpec, unit: str | int, have: Collection[str], what: str, source: str = "checkpoint") -> None:
+    """Refuse a unit that ended without one of its declared parameters (`have`: the names that came)."""
+    for d in unit_params(spec, unit):
+        if d.name not in have:
+            raise _missing(source, d.name, unit, what)
+
+
+def _missing(source: str, name: str, unit: str | int, what: str) -> MConvertError:
+    return MConvertError(f"{source}: parameter {name!r} is missing (unit {unit!r}); cannot write {what}")
+
+
 def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, mcore: Tensors, tp: int,
                  what: str, tied_head: torch.Tensor | None = None, source: str = "checkpoint",
                  ranks: Collection[int] | None = None, part: bool = False,
@@ -172,7 +183,7 @@ def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str
     for name, kind in decls:
         full = tied_head if name == HEAD and spec.tie_embeddings else mcore.get(name)
         if full is None:
-            raise MConvertError(f"{source}: parameter {name!r} is missing (unit {unit!r}); cannot write {what}")
+            raise _missing(source, name, unit, what)
         m = reg.match(name)
         if m is None:
             raise MConvertError(f"{what} has no place for parameter {name!r} of this {spec.family} model")

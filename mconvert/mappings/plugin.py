@@ -215,11 +215,10 @@ def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source:
                 reg: Registry | None = None, empty: T.Empty | None = None) -> torch.Tensor:
     """One canonical parameter from the HF tensors it is made of (what `from_hf` does for each name); `empty`:
     as for `to_hf_one`."""
-    m = (reg or registry(plugin_for(spec))).match(name)
-    if m is None:
+    found = _hf_rule(spec, name, reg)
+    if found is None:
         raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
-    _, rule, layer = m
-    names = [fill(h, layer) for h in rule.hf]
+    rule, names = found
     absent = [n for n in names if n not in hf]
     if absent:
         raise MConvertError(f"{source}: tensor {absent[0]!r} is missing (needed for {name})")
@@ -229,11 +228,17 @@ def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source:
 def hf_keys_for(spec: ModelSpec, name: str, reg: Registry | None = None) -> list[str]:
     """The HF tensors canonical parameter `name` is made of (what `from_hf_one` reads); [] when no rule
     maps it (`from_hf_one` then reports it)."""
+    found = _hf_rule(spec, name, reg)
+    return [] if found is None else found[1]
+
+
+def _hf_rule(spec: ModelSpec, name: str, reg: Registry | None = None) -> tuple[Rule, list[str]] | None:
+    """The rule mapping canonical parameter `name` and the HF tensor names it reads (None: no rule)."""
     m = (reg or registry(plugin_for(spec))).match(name)
     if m is None:
-        return []
+        return None
     _, rule, layer = m
-    return [fill(h, layer) for h in rule.hf]
+    return rule, [fill(h, layer) for h in rule.hf]
 
 
 def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit | None:
@@ -259,6 +264,8 @@ def hf_names(spec: ModelSpec, unit: Unit) -> list[str]:
     for name in _expected_mcore(spec, unit):
         if name == "output_layer.weight" and spec.tie_embeddings:
             continue
-        _, rule, layer = reg.match(name)  # type: ignore[misc]
-        out += [fill(h, layer) for h in rule.hf]
+        found = _hf_rule(spec, name, reg)
+        if found is None:
+            raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
+        out += found[1]
     return out
