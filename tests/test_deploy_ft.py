@@ -237,6 +237,35 @@ def test_trtllm_from_trained_gpt(trained):
     assert rel(trtllm_logits(out, trained["tokens"]), trained["ref"]) <= 1e-5
 
 
+def test_trtllm_rank_files_written_with_o_direct_are_the_buffered_bytes(tmp_path, monkeypatch):
+    """Large rank files go out with O_DIRECT at any offset in any order (`io.hashing.RandomDirectFile`): the
+    same tiny model written that way holds the bytes of the buffered write (whose logits TensorRT-LLM's
+    reader checks below), its manifest re-hashed from disk agrees, and TensorRT-LLM's reader gets the logits."""
+    import mconvert.convert.io.safetensors as st
+    from mconvert.convert.io.atomic import check_manifest
+
+    hf = make_hf(preset("tiny-llama"), tmp_path / "hf")
+    megatron_to_trtllm(hf, tmp_path / "buffered", tp=2)
+    opened = []
+
+    class Spy(st.RandomDirectFile):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            opened.append(self.direct)
+
+    monkeypatch.setattr(st, "DIRECT_MIN_BYTES", 0)
+    monkeypatch.setattr(st, "RandomDirectFile", Spy)
+    megatron_to_trtllm(hf, tmp_path / "direct", tp=2)
+    if not all(opened):
+        pytest.skip("this file system refuses O_DIRECT")
+    assert len(opened) == 2
+    for name in ("rank0.safetensors", "rank1.safetensors", "config.json"):
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "buffered" / name).read_bytes(), name
+    assert check_manifest(tmp_path / "direct") == []
+    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(5))
+    assert rel(trtllm_logits(tmp_path / "direct", tokens), hf_ref(hf, tokens)) <= 1e-5
+
+
 def test_trtllm_llama_gqa_shapes_and_logits(tmp_path):
     spec = preset("tiny-llama")  # 4 heads of 32, 2 KV heads, untied
     hf = make_hf(spec, tmp_path / "hf")

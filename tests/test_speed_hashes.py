@@ -76,6 +76,81 @@ def test_hashing_file_digest_is_the_reference_digest(tmp_path: Path, algorithm: 
     assert digest == ref.hexdigest()
 
 
+def _random_pieces(rng: random.Random, size: int) -> list[tuple[int, bytes]]:
+    """`size` bytes cut at random places (aligned, unaligned, inside one block, across several), shuffled."""
+    cuts = sorted({0, size, *(c for c in (4096, 4096 * 3, 4097, 8191) if c < size),
+                   *(rng.randrange(size) for _ in range(40))})
+    pieces = [(a, rng.randbytes(b - a)) for a, b in zip(cuts, cuts[1:])]
+    rng.shuffle(pieces)
+    return pieces
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_random_direct_file_in_any_order_is_the_bytes_and_reference_digest(tmp_path: Path, algorithm: str,
+                                                                           direct: bool) -> None:
+    """Pieces at random offsets in random order, through chunks smaller than some pieces: the file read back
+    holds exactly the bytes, and the digest is blake3's / hashlib's of them; O_DIRECT is used where asked."""
+    from mconvert.convert.io.hashing import RandomDirectFile
+
+    rng = random.Random(13)
+    for size in (1, 4095, 4096, 4097, (3 << 20) + 4099):
+        pieces = _random_pieces(rng, size)
+        path = tmp_path / f"r{size}"
+        f = RandomDirectFile(path, size, direct=direct, chunk=1 << 20, algorithm=algorithm)
+        if direct and not f.direct:
+            pytest.skip("this file system refuses O_DIRECT")
+        for at, data in pieces:
+            f.write(data, at)
+        digest = f.close()
+        want = bytearray(size)
+        for at, data in pieces:
+            want[at:at + len(data)] = data
+        assert path.read_bytes() == bytes(want), size
+        ref = blake3.blake3(bytes(want)) if algorithm == "blake3" else hashlib.sha256(bytes(want))
+        assert digest == ref.hexdigest(), size
+
+
+def test_random_direct_file_written_in_file_order_is_hashed_without_reading_it_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes brought front to back (a small piece ahead of the rest kept until the chain reaches it) are hashed
+    as they come: with every read of the file refused, the digest is still blake3's of the bytes."""
+    from mconvert.convert.io.hashing import RandomDirectFile
+
+    rng = random.Random(17)
+    size = (3 << 20) + 777
+    data = rng.randbytes(size)
+    f = RandomDirectFile(tmp_path / "ordered", size, chunk=1 << 20)
+    f.write(data[size - 100:], size - 100)
+    for a in range(0, size - 100, 300_001):
+        f.write(data[a:min(a + 300_001, size - 100)], a)
+
+    def refused(*a, **k):
+        raise AssertionError("the file was read back")
+
+    monkeypatch.setattr(os, "preadv", refused)
+    assert f.close() == blake3.blake3(data).hexdigest()
+    monkeypatch.undo()
+    assert (tmp_path / "ordered").read_bytes() == data
+
+
+def test_random_direct_file_refuses_a_byte_never_written_or_written_twice(tmp_path: Path) -> None:
+    from mconvert.convert.io.hashing import RandomDirectFile
+
+    f = RandomDirectFile(tmp_path / "gap", 10000, chunk=1 << 20)
+    f.write(b"x" * 5000, 0)
+    f.write(b"y" * 4000, 6000)
+    with pytest.raises(MConvertError, match="byte 5000 of its 10000 never written"):
+        f.close()
+    f = RandomDirectFile(tmp_path / "twice", 10000, chunk=1 << 20)
+    f.write(b"x" * 100, 0)
+    with pytest.raises(MConvertError, match=r"bytes \[0, 4096\) written more than once"):
+        f.write(b"x" * 4096, 0)
+    f.abort()
+    with pytest.raises(MConvertError, match="outside"):
+        RandomDirectFile(tmp_path / "out", 100).write(b"z" * 10, 95)
+
+
 @pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
 def test_hash_file_through_mappings_is_the_reference_digest(tmp_path: Path, algorithm: str) -> None:
     """The mapped window (our own outputs) against hashlib / blake3 over the whole bytes: files shorter than,

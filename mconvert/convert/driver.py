@@ -73,7 +73,10 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
                             "run it without torchrun")
     with _aborting(writer):  # MoE layers one expert at a time where both sides can (memory: one expert)
         start_crc_checks()  # every reader has claimed the input records it checks on the bytes it reads
-        for unit in unit_progress(src.units(getattr(writer, "splits_experts", False)), what, progress):
+        units = src.units(getattr(writer, "splits_experts", False))
+        if hasattr(writer, "unit_order"):  # a writer whose files are laid out up front takes them in file order
+            units = writer.unit_order(list(units))
+        for unit in unit_progress(units, what, progress):
             if hasattr(writer, "needs") and not writer.needs(unit):  # another torchrun rank writes what it feeds
                 writer.skip(unit)
                 continue

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from mconvert import dtypes
 from mconvert.convert.driver import dry_run_report, write_output
 from mconvert.convert.io import buffers
-from mconvert.convert.io.atomic import check_output
+from mconvert.convert.io.atomic import check_output, record_digest
 from mconvert.convert.io.safeload import crc_in_background
 from mconvert.convert.io.paths import inside_file, load_json_object
 from mconvert.convert.io.safetensors import SafetensorsRandomWriter
@@ -90,6 +90,26 @@ class TrtllmWriter:
             self.abort()
             raise
 
+    def unit_order(self, units: list[Any]) -> list[Any]:
+        """The units in the order their tensors lie in the rank files (by each unit's first byte), so the
+        rank files are written, and their digests taken, mostly front to back (`io.hashing.RandomDirectFile`);
+        a tied model's embedding comes before the final unit, whose head is cut from it."""
+        if not self._writers:
+            return units
+        r, w = next(iter(self._writers.items()))
+        tied = self.spec.tie_embeddings
+        table = layout_for(self.spec).tensors
+
+        def first(unit: Any) -> int:
+            offsets = [w.offset(n) for n in deploy.unit_names(self.spec, table, unit, tied, r)]
+            return min(offsets, default=0)
+
+        order = sorted(units, key=first)
+        if tied and "embedding" in order and "final" in order:
+            order.remove("embedding")
+            order.insert(order.index("final"), "embedding")
+        return order
+
     def needs(self, unit: Any) -> bool:
         """Whether this process reads `unit`: every unit feeds every rank file, so whenever it writes one."""
         return bool(self._writers)
@@ -103,13 +123,13 @@ class TrtllmWriter:
             self._embed = tensors[deploy.EMBEDDING]
         parts = rank_tensors(unit, tensors, self.spec, self.tp, self._embed, self.source, ranks=self._writers.keys())
         for r, w in self._writers.items():
-            for k, v in parts[r].items():
-                w.write(k, v)
+            for k in sorted(parts[r], key=w.offset):  # in file order: the digest follows the writes
+                w.write(k, parts[r][k])
 
     def close(self) -> list[Path]:
         """Finish the rank files and (rank 0) write config.json; the files this process wrote."""
-        for w in self._writers.values():
-            w.close()
+        for r, w in self._writers.items():
+            record_digest(self.out / f"rank{r}.safetensors", w.close())
         files = [self.out / f"rank{r}.safetensors" for r in self._writers]
         if self.world.primary:
             (self.out / "config.json").write_text(json.dumps(self.config, indent=4) + "\n")

@@ -164,6 +164,25 @@ def _missing(source: str, name: str, unit: str | int, what: str) -> MConvertErro
     return MConvertError(f"{source}: parameter {name!r} is missing (unit {unit!r}); cannot write {what}")
 
 
+def unit_names(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, tied_head: bool = False,
+               rank: int = 0) -> list[str]:
+    """The names `rank_tensors` gives rank `rank`'s tensors of `unit` (`tied_head`: the final unit also writes
+    the tied head), without cutting any tensor: what a writer that lays out its files up front needs to know
+    where a unit's bytes land."""
+    reg = _registry(table)
+    names = [d.name for d in unit_params(spec, unit)]
+    if unit == "final" and tied_head and HEAD in table and table[HEAD] is not None:
+        names.append(HEAD)
+    out: list[str] = []
+    for name in names:
+        m = reg.match(name)
+        if m is None or m[1] is None:
+            continue
+        _, rule, layer = m
+        out += [fill(tpl, layer).replace("{r}", str(rank)) for tpl in rule.names]
+    return out
+
+
 def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, mcore: Tensors, tp: int,
                  what: str, tied_head: torch.Tensor | None = None, source: str = "checkpoint",
                  ranks: Collection[int] | None = None, part: bool = False,

@@ -1,11 +1,12 @@
-"""The aligned hashing file writer: bytes go to disk front to back as soon as a unit is converted, hashed on the way.
+"""The aligned hashing file writers: bytes go to disk as soon as a unit is converted, hashed on the way.
 
-`HashingFile` writes from a background thread that also feeds the manifest's hash (BLAKE3 by default, sha256 on
-request: `MANIFEST_HASHES`), so the caller converts the next unit while the previous one is written and hashed,
-and the manifest need not read the file back (`atomic.record_digest`). `crc32` is the standard CRC-32 of zlib,
-computed by ISA-L where installed (the same value, several times faster). Large files go through page-aligned staging chunks with O_DIRECT, so the output
-skips the page cache. Every format writer (safetensors, torch.save zip, FasterTransformer raw arrays) writes
-through it.
+`HashingFile` writes a file front to back from a background thread that also feeds the manifest's hash (BLAKE3
+by default, sha256 on request: `MANIFEST_HASHES`), so the caller converts the next unit while the previous one is
+written and hashed, and the manifest need not read the file back (`atomic.record_digest`). `crc32` is the
+standard CRC-32 of zlib, computed by ISA-L where installed (the same value, several times faster). Large files
+go through page-aligned staging chunks with O_DIRECT, so the output skips the page cache. Every format writer
+(safetensors, torch.save zip, FasterTransformer raw arrays) writes through it, except a file filled at its
+offsets in any order (TensorRT-LLM's rank files): `RandomDirectFile`.
 """
 
 from __future__ import annotations
@@ -512,6 +513,305 @@ def _take_chunk(size: int) -> Any:
         return free.pop()
     # private: anonymous shared memory is shmem, where transparent huge pages are usually off
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+class _SharedWrites:
+    """The staging thread, staging chunks and O_DIRECT writer threads every `RandomDirectFile` of the process
+    shares (one set per chunk size), so neither the threads nor the staging memory grow with the number of
+    rank files. The staging thread takes the queued writes in order (at most QUEUED bytes waiting): it
+    feeds each file's digest, assembles the partly covered blocks, and copies the aligned bytes into a free
+    chunk, while IO_WRITES chunks are written; the caller converts the next tensor meanwhile."""
+
+    QUEUED = 64 << 20
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self._chunks = [_take_chunk(chunk) for _ in range(IO_WRITES + 1)]
+        self._free: Any = queue.Queue()
+        for i in range(len(self._chunks)):
+            self._free.put(i)
+        self._full: Any = queue.Queue()
+        self._q: deque[tuple[RandomDirectFile, memoryview, int, Any]] = deque()
+        self._queued = 0
+        self._cv = threading.Condition()
+        threading.Thread(target=self._run_stage, name="odirect-stage", daemon=True).start()
+        for k in range(IO_WRITES):
+            threading.Thread(target=self._run_io, name=f"odirect-{k}", daemon=True).start()
+
+    def enqueue(self, owner: "RandomDirectFile", data: memoryview, at: int, keep: Any) -> None:
+        """Queue `data` for file offset `at` of `owner` (`keep` alive until it is staged)."""
+        with owner._cv:
+            owner._pending += 1
+        with self._cv:
+            while self._queued and self._queued + len(data) > self.QUEUED:
+                self._cv.wait()
+            self._q.append((owner, data, at, keep))
+            self._queued += len(data)
+            self._cv.notify_all()
+
+    def _run_stage(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q:
+                    self._cv.wait()
+                owner, data, at, keep = self._q.popleft()
+            try:
+                if owner._error is None:
+                    owner._stage(self, data, at)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                owner._error = e.with_traceback(None)
+            n = len(data)
+            del data, keep
+            with self._cv:
+                self._queued -= n
+                self._cv.notify_all()
+            with owner._cv:
+                owner._pending -= 1
+                owner._cv.notify_all()
+
+    def submit(self, owner: "RandomDirectFile", data: memoryview, at: int) -> None:
+        """(staging thread) Copy `data` (at most one chunk, a multiple of 4 KiB) into a free chunk and queue its
+        write at `at`."""
+        i = self._free.get()
+        _memmove(self._chunks[i], 0, data)
+        with owner._cv:
+            owner._pending += 1
+        self._full.put((owner, i, len(data), at))
+
+    def _run_io(self) -> None:
+        while True:
+            owner, i, n, at = self._full.get()
+            try:
+                if owner._error is None:
+                    write_all(owner._fd, memoryview(self._chunks[i])[:n], owner, at)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                owner._error = e.with_traceback(None)
+            self._free.put(i)
+            with owner._cv:
+                owner._pending -= 1
+                owner._cv.notify_all()
+
+
+AHEAD_KEEP = 4 << 20  # RandomDirectFile keeps writes ahead of its digest's front up to this many bytes in all
+_SHARED_WRITES: dict[int, _SharedWrites] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_SHARED_WRITES.clear)  # a forked child has none of the threads
+
+
+def _shared_writes(chunk: int) -> _SharedWrites:
+    with _SHARED_LOCK:
+        if chunk not in _SHARED_WRITES:
+            _SHARED_WRITES[chunk] = _SharedWrites(chunk)
+        return _SHARED_WRITES[chunk]
+
+
+class RandomDirectFile:
+    """A file of planned `size` written at any offsets in any order (a TensorRT-LLM rank file, filled as units
+    arrive), with O_DIRECT where the file system takes it, so its bytes skip the page cache as HashingFile's do.
+
+    Each write is done off the caller's thread (`_SharedWrites`: one staging thread and one set of chunks for
+    every such file): its 4 KiB-aligned interior is copied into a page-aligned staging chunk and written from
+    there; the blocks it covers only in part (shared with the neighbouring tensor, the header, the end of the
+    file) are assembled in memory and written once every byte of them has come: a few KiB per tensor at most.
+
+    The digest is a chain over the file front to back: bytes written where everything before them is hashed
+    are hashed there and then; writes ahead of that point are kept until the chain reaches them (AHEAD_KEEP
+    bytes in all); from the first write ahead that was not kept on, `close` reads the rest back (O_DIRECT
+    into a chunk: no page-cache pages for it either). A writer that brings its tensors in file order
+    (`TrtllmWriter.unit_order`) so reads back little or nothing. One caller thread; `direct=False` writes
+    buffered, on the same staging thread."""
+
+    def __init__(self, path: str | Path, size: int, direct: bool = True, chunk: int = CHUNK,
+                 algorithm: str | None = None) -> None:
+        self.path, self.size = Path(path), int(size)
+        self.algorithm = check_hash_name(algorithm or _manifest_hash)
+        self._chunk = chunk
+        self.direct = False
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self._fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError:
+                self.direct = False
+        if not self.direct:
+            self._fd = os.open(self.path, flags, 0o644)
+        self._spans: list[list[int]] = []  # the byte ranges written so far, sorted and merged
+        self._edges: dict[int, list[Any]] = {}  # block index -> [its bytes so far, how many came]
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._pending = 0  # writes queued for staging and chunks queued for the disk, not yet done
+        self._h = new_hasher(self.algorithm)
+        self._front = 0  # every byte before it is hashed
+        self._ahead: dict[int, bytes] = {}  # small writes ahead of the front: offset -> their bytes
+        self._ahead_bytes = 0
+        self._far = self.size  # the first byte of a write ahead that was not kept: the front stops there
+        if self.direct:
+            self._block = mmap.mmap(-1, _ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned
+
+    def write(self, data: bytes | memoryview, at: int, keep: Any = None) -> None:
+        """Write `data` at file offset `at` (each byte of the file exactly once over the file's life), on the
+        staging thread (`keep`, e.g. the tensor `data` views, is kept alive until then)."""
+        self._raise()
+        mv = memoryview(data).cast("B")
+        a, b = at, at + len(mv)
+        if a < 0 or b > self.size:
+            raise MConvertError(f"internal: {self.path.name}: bytes [{a}, {b}) lie outside its {self.size} bytes")
+        self._cover(a, b)
+        if len(mv):
+            _shared_writes(self._chunk).enqueue(self, mv, a, keep)
+
+    def _stage(self, shared: _SharedWrites, mv: memoryview, a: int) -> None:
+        """(staging thread) The digest, then the bytes: buffered, or the partly covered blocks assembled and
+        the aligned interior through the shared chunks."""
+        self._follow(a, mv)
+        b = a + len(mv)
+        if not self.direct:
+            write_all(self._fd, mv, None, a)
+            return
+        lo = min(b, -(-a // _ALIGN) * _ALIGN)  # the first block boundary in [a, b], else b
+        hi = max(lo, b // _ALIGN * _ALIGN)  # the last one
+        if lo > a:
+            self._edge(a, mv[: lo - a])
+        for pos in range(lo, hi, self._chunk):
+            shared.submit(self, mv[pos - a:min(hi, pos + self._chunk) - a], pos)
+        if hi < b:
+            self._edge(hi, mv[hi - a:])
+
+    def _cover(self, a: int, b: int) -> None:
+        """Add [a, b) to the bytes written (kept as sorted, merged spans); bytes written twice are an error."""
+        if a == b:
+            return
+        spans = self._spans
+        i = bisect.bisect_right(spans, [a, b])
+        if (i and spans[i - 1][1] > a) or (i < len(spans) and spans[i][0] < b):
+            raise MConvertError(f"internal: {self.path.name}: bytes [{a}, {b}) written more than once")
+        if i and spans[i - 1][1] == a:
+            i -= 1
+            a = spans[i][0]
+            del spans[i]
+        if i < len(spans) and spans[i][0] == b:
+            b = spans[i][1]
+            del spans[i]
+        spans.insert(i, [a, b])
+
+    def _follow(self, a: int, mv: memoryview) -> None:
+        """Feed the chained digest: bytes at the front now, small ones ahead of it once it gets there. The
+        front stops at the first byte of a write ahead that was not kept (`close` reads from there on)."""
+        if not len(mv):
+            return
+        if a == self._front:
+            self._h.update(mv)
+            self._front += len(mv)
+            while self._front in self._ahead:
+                kept = self._ahead.pop(self._front)
+                self._ahead_bytes -= len(kept)
+                self._h.update(kept)
+                self._front += len(kept)
+        elif a > self._front and a < self._far:
+            if self._ahead_bytes + len(mv) <= AHEAD_KEEP:
+                self._ahead[a] = bytes(mv)
+                self._ahead_bytes += len(mv)
+                return
+            self._far = a  # the front stops here; kept bytes beyond it are of no use
+            for k in [k for k in self._ahead if k > a]:
+                self._ahead_bytes -= len(self._ahead.pop(k))
+
+    def _edge(self, at: int, piece: memoryview) -> None:
+        """Bytes of one partly covered block; the block goes to the disk once all of its bytes came."""
+        k, off = divmod(at, _ALIGN)
+        ent = self._edges.get(k)
+        if ent is None:
+            ent = self._edges[k] = [bytearray(_ALIGN), 0]
+        ent[0][off:off + len(piece)] = piece
+        ent[1] += len(piece)
+        if ent[1] == min(_ALIGN, self.size - k * _ALIGN):
+            del self._edges[k]
+            self._block[:] = ent[0]
+            write_all(self._fd, memoryview(self._block), self, k * _ALIGN)
+
+    def _direct_refused(self) -> None:
+        """The file system took the O_DIRECT open but refuses the write (EINVAL): go on buffered."""
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e = self._error
+            if isinstance(e, OSError):  # disk full / file-size limit / EROFS: atomic_output_dir names OUT
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
+            raise MConvertError(f"{self.path}: write failed ({getattr(e, 'strerror', None) or e})") from None
+
+    def _drain(self) -> None:
+        """Wait until every write queued for this file is staged and on the disk (or failed)."""
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+
+    def close(self) -> str:
+        """Finish the writes, cut the file to its size, and return its digest (of `self.algorithm`). A byte
+        never written is an error (a bug in the writer: the file would hold zeros there)."""
+        try:
+            self._drain()
+            self._raise()
+            if self.size and self._spans != [[0, self.size]]:
+                gap = self._spans[0][1] if self._spans and self._spans[0][0] == 0 else 0
+                raise MConvertError(f"internal: {self.path.name}: byte {gap} of its {self.size} never written")
+            os.ftruncate(self._fd, self.size)  # the padding of a last block written whole
+        finally:
+            self._close_fd()
+        return self._digest()
+
+    def _digest(self) -> str:
+        """The chained digest, the bytes from the front on read back from the file (O_DIRECT when written so:
+        from a block boundary, the bytes before the front skipped)."""
+        if self._front == self.size:
+            return self._h.hexdigest()
+        fd = -1
+        if self.direct:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                fd = -1
+        start = self._front // _ALIGN * _ALIGN if fd >= 0 else self._front
+        if fd < 0:
+            fd = os.open(self.path, os.O_RDONLY)
+        buf = _take_chunk(self._chunk)
+        mv = memoryview(buf)
+        try:
+            pos = start
+            while pos < self.size:
+                try:
+                    k = os.preadv(fd, [mv], pos)
+                except OSError as e:
+                    if e.errno != errno.EINVAL or pos != start or start == self._front:
+                        raise
+                    os.close(fd)  # the file system refuses O_DIRECT reads: through the page cache
+                    fd = os.open(self.path, os.O_RDONLY)
+                    start = pos = self._front
+                    continue
+                if k <= 0:
+                    raise MConvertError(f"{self.path}: ends at byte {pos:,} while its digest is taken")
+                skip = max(0, self._front - pos)
+                self._h.update(mv[skip:k])
+                pos += k
+            return self._h.hexdigest()
+        finally:
+            mv.release()
+            os.close(fd)
+            _CHUNK_POOL.setdefault(len(buf), []).append(buf)
+
+    def abort(self) -> None:
+        """Stop after a failure without judging the file (it is removed with the rest of the output)."""
+        self._error = self._error or MConvertError("aborted")
+        self._drain()
+        self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class Checksum:

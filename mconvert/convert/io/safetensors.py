@@ -4,9 +4,10 @@ A safetensors file is an 8-byte little-endian header length, a JSON header (padd
 of 8) mapping each tensor name to its dtype code, shape and `[begin, end)` offsets in the data section, then
 the data. Writers plan the whole header before the first tensor arrives (names, dtypes and shapes follow from
 ModelSpec), so memory stays one unit: `SafetensorsStream` writes the tensors in header order through a
-`HashingFile`, `SafetensorsRandomWriter` takes them in any order (each rank file of a TensorRT-LLM engine is
-filled as units arrive). `SafetensorsReader` preads one tensor at a time after the checks safetensors' own
-loader makes (known dtypes, sizes that match the shapes, offsets that tile the data section).
+`HashingFile`, `SafetensorsRandomWriter` takes them in any order through a `RandomDirectFile` (each rank file
+of a TensorRT-LLM engine is filled as units arrive). `SafetensorsReader` preads one tensor at a time after the
+checks safetensors' own loader makes (known dtypes, sizes that match the shapes, offsets that tile the data
+section).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import torch
 
 from mconvert import dtypes
 from mconvert.convert.io import buffers
-from mconvert.convert.io.hashing import DIRECT_MIN_BYTES, HashingFile, numel, pread_into, tensor_bytes
+from mconvert.convert.io.hashing import (
+    DIRECT_MIN_BYTES,
+    HashingFile,
+    RandomDirectFile,
+    numel,
+    pread_into,
+    tensor_bytes,
+)
 from mconvert.convert.io.paths import open_regular, owned_fd
 from mconvert.convert.io.safeload import followed_digest
 from mconvert.errors import MConvertError
@@ -195,10 +203,12 @@ class SafetensorsStream:
 
 
 class SafetensorsRandomWriter:
-    """A safetensors file whose header is written first, the tensors then in any order at their offsets.
+    """A safetensors file whose header is written first, the tensors then in any order at their offsets
+    (`RandomDirectFile`: O_DIRECT for files of `DIRECT_MIN_BYTES` and more).
 
-    `close` refuses a file with a tensor never written (it would read as garbage). `layout` names the plan in
-    error messages (a tensor the plan does not hold is the caller's bug or a layout the format refuses)."""
+    `close` refuses a file with a tensor never written (it would read as garbage) and returns the file's
+    digest. `layout` names the plan in error messages (a tensor the plan does not hold is the caller's bug or
+    a layout the format refuses)."""
 
     def __init__(self, path: Path, entries: list[Entry], metadata: dict[str, str] | None = None,
                  layout: str = "planned layout") -> None:
@@ -206,35 +216,43 @@ class SafetensorsRandomWriter:
         head, offsets = encode_header(entries, metadata)
         self._spans = {name: (offsets[name], dtype, tuple(shape)) for name, dtype, shape in entries}
         self._base = len(head)
-        self._f = open(path, "wb")
-        self._f.write(head)
-        self._f.truncate(self._base + sum(nbytes(e[1], e[2]) for e in entries))
+        total = self._base + sum(nbytes(e[1], e[2]) for e in entries)
+        self._f = RandomDirectFile(path, total, direct=total >= DIRECT_MIN_BYTES)
+        try:
+            self._f.write(head, 0)
+        except BaseException:
+            self._f.abort()
+            raise
         self._todo = set(self._spans)
 
-    def write(self, name: str, x: torch.Tensor) -> None:
-        """Write `x` (converted to the planned dtype) at `name`'s place."""
+    def offset(self, name: str) -> int:
+        """Where tensor `name`'s bytes begin in the file."""
         if name not in self._spans:
             raise MConvertError(f"{self.path.name}: tensor {name} is not in the {self.layout}")
+        return self._base + self._spans[name][0]
+
+    def write(self, name: str, x: torch.Tensor) -> None:
+        """Write `x` (converted to the planned dtype) at `name`'s place, once."""
+        if name not in self._spans:
+            raise MConvertError(f"{self.path.name}: tensor {name} is not in the {self.layout}")
+        if name not in self._todo:
+            raise MConvertError(f"internal: {self.path.name}: tensor {name} written twice")
         off, dtype, shape = self._spans[name]
         if tuple(x.shape) != shape:
             raise MConvertError(f"{self.path.name}: {name} has shape {list(x.shape)}, layout says {list(shape)}")
         data = buffers.contiguous(x.detach().cpu().to(dtype))
-        self._f.seek(self._base + off)
-        self._f.write(tensor_bytes(data) if data.numel() else b"")
+        self._f.write(tensor_bytes(data) if data.numel() else b"", self._base + off, keep=data)
         self._todo.discard(name)
 
-    def close(self) -> None:
-        """Flush and close; a tensor never written is an error (a bug in the writer, not in the input)."""
-        if not self._f.closed:
-            self._f.close()
-            if self._todo:
-                raise MConvertError(f"internal: {self.path.name}: tensors never written: {sorted(self._todo)[:3]}")
+    def close(self) -> str:
+        """Finish the file and return its digest (the manifest's hash); a tensor never written is an error (a
+        bug in the writer, not in the input)."""
+        if self._todo:
+            self._f.abort()
+            raise MConvertError(f"internal: {self.path.name}: tensors never written: {sorted(self._todo)[:3]}")
+        return self._f.close()
 
     def abort(self) -> None:
         """Close after a failure without judging the file: the failure in flight (disk full, a refusal) is the
         one to report, and the file is about to be removed with the rest of the output."""
-        if not self._f.closed:
-            try:
-                self._f.close()
-            except OSError:  # the buffered tail cannot be written either (the disk is still full)
-                pass
+        self._f.abort()
