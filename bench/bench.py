@@ -3,8 +3,8 @@
 One run: build a ~4 GB fp32 GPT-2 checkpoint with the trainer (`--steps 0`, TP=4 PP=2, preset gpt2-1b),
 then measure, each `--repeats` times (median): `cp -r` of it (the copy limit; warmed once first, the page
 cache is left as it is and its residency reported), `megatron-to-hf`, `reshard` to TP=2 PP=1,
-`megatron-to-ft`; then transformers' `checkpoint_reshaping_and_interoperability.py` HF → Megatron against
-our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers. Wall time and peak RSS of
+`megatron-to-ft`, `megatron-to-trtllm` at TP=2; then transformers' `checkpoint_reshaping_and_interoperability.py`
+HF → Megatron against our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers. Wall time and peak RSS of
 every command's process tree; ratios to `cp` and to the peer; the targets marked pass/fail.
 Prints a rich table (stderr) and `--json` (stdout); leaves the measured bandwidth where `mconvert plan`
 reads it. Work dirs under bench/work/ are deleted at the end (`--keep` keeps them).
@@ -90,6 +90,9 @@ def op_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
     start-up rows write nothing."""
     if op in STARTUP:
         return [sys.executable, "-c", STARTUP[op]]
+    if op == "torchrun-agent":  # what torchrun adds before a worker's first byte: its agent, two idle workers
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--no-python", "true"]
     return ["sh", "-c", '"$@" && sync -f "$0"', str(out), *_bare_command(op, src, out, workers)]
 
 
@@ -112,6 +115,8 @@ def _bare_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
         return [*mc, "reshard", str(src), str(out), "--tp", "2", "--pp", "1", *w]
     if op == "megatron-to-ft":
         return [*mc, "megatron-to-ft", str(src), str(out), *w]
+    if op == "megatron-to-trtllm":
+        return [*mc, "megatron-to-trtllm", str(src), str(out), "--tp", "2", *w]
     if op == "hf-to-megatron":
         return [*mc, "hf-to-megatron", str(src), str(out), "--tp", str(SRC_TP), "--pp", str(SRC_PP), *w]
     if op == "transformers-script":
@@ -239,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
     ap.add_argument("--depth", default="8,32", help="layer counts for the depth-scaling runs")
     ap.add_argument("--depth-repeats", type=int, default=2, help="runs per depth-scaling measurement (median)")
-    ap.add_argument("--skip", default="", help="comma list of: ft, workers, peer, depth, torchrun, passes")
+    ap.add_argument("--skip", default="", help="comma list of: ft, trtllm, workers, peer, depth, torchrun, "
+                    "passes")
     ap.add_argument("--workers", type=int, default=0, help="pass --workers N to our verbs (0: their default)")
     ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-100m at 4 layers, 1 repeat, depth 2,4")
     ap.add_argument("--work", type=Path, default=HERE / "work", help="scratch dir (deleted at the end)")
@@ -296,12 +302,16 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
             ("reshard", "reshard", ckpt)]
     if "ft" not in skip:
         jobs.append(("megatron-to-ft", "megatron-to-ft", ckpt))
+    if "trtllm" not in skip:
+        jobs.append(("megatron-to-trtllm", "megatron-to-trtllm", ckpt))
     if "workers" not in skip:
         jobs.append(("megatron-to-hf --workers 1", "megatron-to-hf-w1", ckpt))
     if "torchrun" not in skip:
         jobs += [(f"megatron-to-hf {TORCHRUN_SHARD} shards", "megatron-to-hf-shards", ckpt),
                  (f"megatron-to-hf {TORCHRUN_SHARD} shards, torchrun 2 processes", "megatron-to-hf-torchrun2", ckpt)]
     jobs += [("start-up: import torch", "import-torch", ckpt), ("start-up: import the engine", "import-engine", ckpt)]
+    if "torchrun" not in skip:
+        jobs.append(("start-up: torchrun's agent, 2 workers that do nothing", "torchrun-agent", ckpt))
     ops = measure_rounds(jobs, work, a.repeats, a.workers, keep=("megatron-to-hf",))
     cp, cp_cpu = ops["cp"]["wall_s"], ops["cp"]["cpu_s"]
     for r in ops.values():
@@ -380,7 +390,7 @@ def pass_costs() -> list[dict[str, Any]]:
 
 def marginal(depth: dict[str, Any], figure: str = "wall_s") -> dict[str, float]:
     """Seconds (wall, or CPU with `figure="cpu_s"`) per extra GB of checkpoint, from the smallest and largest
-    depth: the start-up cost cancels. cp's own is what the disk takes per GB in the same run."""
+    depth: the start-up cost cancels. cp's own is what a copy through the page cache takes per GB in the same run."""
     rows = list(depth.values())
     lo, hi = rows[0], rows[-1]
     extra = (hi["bytes"] - lo["bytes"]) / GB
@@ -502,7 +512,7 @@ def marginal_line(report: dict[str, Any]) -> str:
     """The marginal costs in one sentence: wall per extra GB (cp's is the disk's), and CPU per extra GB."""
     wall, cpu = report["marginal_s_per_gb"], report.get("marginal_cpu_s_per_gb", {})
     parts = [f"{op} {v:.2f} s/GB" + (f" ({cpu[op]:.2f} CPU s/GB)" if op in cpu else "") for op, v in wall.items()]
-    return "Marginal cost (seconds per extra GB, smallest to largest depth; cp's is the disk's own): " + \
+    return "Marginal cost (seconds per extra GB, smallest to largest depth; cp's is a copy through the page cache): " + \
         ", ".join(parts) + "."
 
 

@@ -112,14 +112,18 @@ def set_workers(n: int) -> None:
 
 
 def _pool() -> Any:
-    """The readers' thread pool (`set_workers`), created on first use; None when one worker is asked for."""
+    """The readers' thread pool (`set_workers`), created on first use; None when one worker is asked for, or
+    by default where this process has one core (a torchrun process on a machine it shares with another)."""
     global _POOL, _POOL_SIZE
     if _WORKERS == 1:
         return None
     if _POOL is None:
         from mconvert.convert.io.tuning import process_cores
 
-        _POOL_SIZE = _WORKERS or max(2, min(process_cores(), 8))
+        size = _WORKERS or min(process_cores(), 8)
+        if size == 1:
+            return None
+        _POOL_SIZE = size
         _POOL = ThreadPoolExecutor(_POOL_SIZE, thread_name_prefix="read-param")
     return _POOL
 
