@@ -78,10 +78,23 @@ def test_two_processes_write_the_one_process_bytes(one_process: dict[str, Path],
 def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
     """A rank's part of the job alone: the shards / stages it owns, byte-identical to the one-process files;
-    rank 0 alone writes index, config, tracker and tokenizer."""
+    rank 0 alone writes index, config, tracker and tokenizer. megatron-to-hf reads only the parameters with
+    a tensor in its own shards (a layer split over two shards is not read whole by both processes)."""
+    from safetensors import safe_open
+
     from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.megatron import MegatronSource
 
     monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))
+    parts: list[set[str]] = []
+    real = MegatronSource.read_hf_parts
+
+    def recording(self, unit, only=None):
+        for part in real(self, unit, only=only):
+            parts.append(set(part))
+            yield part
+
+    monkeypatch.setattr(MegatronSource, "read_hf_parts", recording)
     megatron_to_hf(base()["ckpt"], tmp_path / "hf", max_shard_size=SHARD)
     want = _tree(one_process["hf"])
     shards = sorted(k for k in want if k.endswith(".safetensors"))
@@ -91,6 +104,17 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], tmp_p
     shared = [k for k in want if not k.endswith(".safetensors") and k != MANIFEST]
     assert sorted(got) == sorted(mine + (shared if rank == 0 else []))
     assert all(got[k] == want[k] for k in got)
+    own: set[str] = set()
+    for f in mine:
+        with safe_open(tmp_path / "hf" / f, "pt") as h:
+            own |= set(h.keys())
+    every: set[str] = set()
+    for f in shards:
+        with safe_open(one_process["hf"] / f, "pt") as h:
+            every |= set(h.keys())
+    assert own <= set().union(*parts)
+    assert all(p & own for p in parts), [sorted(p) for p in parts if not p & own]
+    assert len(set().union(*parts)) < len(every)
 
     hf_to_megatron(base()["ref"], tmp_path / "mg", tp=2, pp=2)
     want = _tree(one_process["mg"])

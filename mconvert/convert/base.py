@@ -72,10 +72,11 @@ class SourceBase:
         """Full tensors under HF names, vocab stripped to the true vocab."""
         return to_hf(self.spec, unit, self.read_mcore(unit), source=str(self.path))
 
-    def read_hf_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
+    def read_hf_parts(self, unit: Unit, only: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """`read_hf(unit)` in consecutive parts (same tensors, same order), each given as soon as it is ready,
         for a writer that takes a unit in parts (`takes_parts`): what it has written is freed before the rest
-        of the unit is read. This default gives the whole unit as one part."""
+        of the unit is read. `only` (the writer's `wants`): the HF names the writer keeps; a source may leave
+        a parameter none of whose HF tensors it names unread. This default gives the whole unit as one part."""
         yield self.read_hf(unit)
 
     def close(self) -> None:

@@ -84,7 +84,8 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
                 tensors, states = src.read_unit(unit, True)
                 writer.add(unit, tensors, states)  # type: ignore[call-arg]
             elif writer.reads == "hf" and getattr(writer, "takes_parts", False):
-                for part in src.read_hf_parts(unit):  # what is written is freed before the rest is read
+                only = writer.wants(unit) if hasattr(writer, "wants") else None  # a torchrun process's shards
+                for part in src.read_hf_parts(unit, only=only):  # what is written is freed before the rest is read
                     writer.add(unit, part)
             elif getattr(writer, "takes_parts", False) and hasattr(src, "read_mcore_parts"):
                 for part in src.read_mcore_parts(unit):

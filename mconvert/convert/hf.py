@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -427,6 +428,7 @@ class HFWriter:
         self._unit_entries: dict[Unit, list[Entry]] = {}
         self._shard_of: dict[str, int] = {}
         self._owned = True  # False: this rank writes nothing (no plan to share out: rank 0 writes it all)
+        self._left: tuple[Unit, deque[Entry]] | None = None  # the unit in progress: its planned tensors to come
 
     def _entries_of(self, dtype: torch.dtype) -> dict[Unit, list[Entry]]:
         """Every tensor this model will produce, unit by unit in arrival order (units of the spec, MoE layers
@@ -469,6 +471,47 @@ class HFWriter:
         if not self._unit_entries:
             return self._owned
         return any(self.world.owns(self._shard_of[e[0]]) for e in self._planned(unit))
+
+    def wants(self, unit: Unit) -> set[str] | None:
+        """The HF names of `unit` that go to shards this process writes: a source may leave the others unread
+        (their places pass by as names and sizes); None: every name (one process, or no plan)."""
+        if self.world.size == 1 or not self._unit_entries:
+            return None
+        return {e[0] for e in self._planned(unit) if self.world.owns(self._shard_of[e[0]])}
+
+    def _with_unread(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` of `unit` with the planned tensors the source left unread before them (`wants`: another
+        process writes them) put back in plan order as meta tensors; a unit that ends is completed the
+        same way when the next one starts, or at `close`."""
+        if self._left is None or self._left[0] != unit:
+            self._pass_unread()
+            self._left = (unit, deque(self._planned(unit)))
+        left = self._left[1]
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            while left and left[0][0] != name:
+                self._unread(left.popleft(), out)
+            if left:
+                left.popleft()
+            out[name] = t
+        return out
+
+    def _unread(self, entry: Entry, into: dict[str, torch.Tensor]) -> None:
+        name, dtype, shape = entry
+        if self.world.owns(self._shard_of[name]):
+            raise MConvertError(f"internal: {name!r}, which this process writes, was not read")
+        into[name] = torch.empty(shape, dtype=dtype, device="meta")
+
+    def _pass_unread(self) -> None:
+        """The unit in progress ends: its planned tensors still to come pass by unread."""
+        if self._left is None:
+            return
+        rest: dict[str, torch.Tensor] = {}
+        for e in self._left[1]:
+            self._unread(e, rest)
+        self._left = None
+        for name, t in rest.items():
+            self._add_streamed(name, t)
 
     def _planned(self, unit: Unit) -> list[Entry]:
         """The planned tensors of `unit`; an MoE layer given whole (by a source that does not split it) has
@@ -527,6 +570,8 @@ class HFWriter:
         if self._streaming:
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, sum(t.numel() * t.element_size()
                                                                      for t in tensors.values()))
+            if self._unit_entries and self.world.size > 1:
+                tensors = self._with_unread(unit, tensors)
             for name, t in tensors.items():
                 self._add_streamed(name, t)
             return
@@ -564,6 +609,8 @@ class HFWriter:
         if not self._owned:
             return []
         tokenizer_dir, carried = self.tokenizer_dir, self.carried
+        if self._streaming:
+            self._pass_unread()
         if self._streaming and (self._stream is not None or self._shards):
             missing = self._stream.next_name if self._stream else self._shards[0][0][0]
             if self._stream is not None:

@@ -47,7 +47,7 @@ from mconvert.errors import MConvertError, type_name
 from mconvert.mappings import families
 from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
-from mconvert.mappings.plugin import check_complete, hf_order, hf_row_plan, to_hf_one, transposed_in_hf
+from mconvert.mappings.plugin import check_complete, hf_keys_for, hf_order, hf_row_plan, to_hf_one, transposed_in_hf
 from mconvert.mappings.transforms import (copy_transposed, merge, merge_rows, merge_transposed, pad_vocab, place_rows,
                                           split, split_dim)
 from mconvert.spec import LayerPart, ModelSpec, expert_of, layer_of_unit, with_expert
@@ -488,14 +488,19 @@ class MegatronSource(SourceBase):
             out.update(part)
         return out
 
-    def read_hf_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
+    def read_hf_parts(self, unit: Unit, only: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """`to_hf` over `read_mcore`, one parameter's HF tensors per part, one parameter per task on a small
         thread pool: pread and torch's ops release the GIL, so two parameters are read, merged and re-laid at
         once (the main thread alone would leave a core idle), and only the parameters in progress or not yet
         taken hold their merged form. Parameters HF stores transposed are merged column-major, so the plugin's
-        transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`."""
+        transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`; with `only`, the
+        parameters none of whose HF tensors it names are left unread (their records are checked by whichever
+        torchrun process reads them, or by the committing process)."""
         names = self._unit_names(unit)
         check_complete(self.spec, unit, names, str(self.path))
+        order = hf_order(self.spec, unit, names)
+        if only is not None:
+            order = [n for n in order if _keeps(only, hf_keys_for(self.spec, n))]
 
         def one(name: str) -> dict[str, torch.Tensor]:
             placed = self._read_placed(unit, name)
@@ -505,7 +510,7 @@ class MegatronSource(SourceBase):
             t = self.read_unit(unit, only={name}, transposed=lay)[0][name]
             return to_hf_one(self.spec, name, t, str(self.path), empty=buffers.empty)
 
-        yield from pmap_iter(one, hf_order(self.spec, unit, names))
+        yield from pmap_iter(one, order)
 
     def _read_placed(self, unit: Unit, name: str) -> dict[str, torch.Tensor] | None:
         """`to_hf_one` of a parameter whose HF parts are whole row blocks of the merged tensor (Llama's q/k/v):
@@ -1143,6 +1148,12 @@ def _interned(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {_interned(k): _interned(v) for k, v in obj.items()}
     return obj
+
+
+def _keeps(only: set[str], keys: list[str]) -> bool:
+    """Whether a parameter made into HF tensors `keys` is wanted: one of them is in `only`, or its HF names are
+    unknown here (then it is read, and the writer sorts its tensors out)."""
+    return not keys or any(k in only for k in keys)
 
 
 def _merge(shards: list[torch.Tensor], kind: str, name: str) -> torch.Tensor:
