@@ -573,7 +573,11 @@ class _SharedWrites:
         """(staging thread) Copy `data` (at most one chunk, a multiple of 4 KiB) into a free chunk and queue its
         write at `at`."""
         i = self._free.get()
-        _memmove(self._chunks[i], 0, data)
+        try:
+            _memmove(self._chunks[i], 0, data)
+        except BaseException:
+            self._free.put(i)  # the chunk serves the next write; the failure goes to the owner
+            raise
         with owner._cv:
             owner._pending += 1
         self._full.put((owner, i, len(data), at))
