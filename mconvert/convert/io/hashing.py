@@ -315,7 +315,49 @@ IO_WRITES = 2  # O_DIRECT writes of one file in flight at once
 _ALIGN = 4096
 
 
-class HashingFile:
+class _OutputFile:
+    """What both aligned writers share: the file opened for writing (O_DIRECT where asked and the file system
+    takes it), the switch to buffered writes where a write is refused, and the error a writer thread left,
+    raised in the caller's thread."""
+
+    path: Path
+    _error: BaseException | None
+
+    def _open(self, direct: bool) -> None:
+        """Open `self.path` for writing (created, truncated); `self.direct`: whether O_DIRECT took."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = False
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self._fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+                return
+            except OSError:
+                pass
+        self._fd = os.open(self.path, flags, 0o644)
+
+    def _direct_refused(self) -> None:
+        """The file system took the O_DIRECT open but refuses the write (EINVAL): go on buffered."""
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._release()
+
+    def _release(self) -> None:
+        """(after close) Give back what the writer holds besides the descriptor."""
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e = self._error
+            if isinstance(e, OSError):  # disk full / file-size limit / EROFS: atomic_output_dir names OUT
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
+            raise MConvertError(f"{self.path}: write failed ({getattr(e, 'strerror', None) or e})") from None
+
+
+class HashingFile(_OutputFile):
     """Sequential writer + the manifest's hash off the caller's thread; at most `max_pending` bytes queued.
 
     The queued buffers keep their tensors alive until consumed, so callers may drop them at once.
@@ -334,15 +376,7 @@ class HashingFile:
         self.path = Path(path)
         self.algorithm = check_hash_name(algorithm or _manifest_hash)
         self._chunk = chunk
-        self.direct = False
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError:
-                self.direct = False
-        if not self.direct:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._open(direct)
         self._h = new_hasher(self.algorithm)
         self._total = 0  # bytes written so far (writer thread)
         self._q: deque[tuple[memoryview, Any]] = deque()
@@ -427,10 +461,6 @@ class HashingFile:
                 self._error = e.with_traceback(None)  # its frames would pin the chunk's buffer
             self._free.put(i)
 
-    def _direct_refused(self) -> None:
-        """The file system took the O_DIRECT open but refuses the write (EINVAL): go on buffered."""
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-
     def write_later(self, produce: Any) -> None:
         """Queue a call that returns the next bytes, made on the writer thread in turn — after every byte
         queued before it was written (and its CRC-32 taken): for bytes that depend on those CRCs."""
@@ -456,13 +486,6 @@ class HashingFile:
             self._q.append((mv, keep))
             self._pending += len(mv)
             self._cv.notify_all()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            e = self._error
-            if isinstance(e, OSError):  # disk full / file-size limit / EROFS: atomic_output_dir names OUT
-                raise OSError(e.errno, e.strerror, str(self.path)) from None
-            raise MConvertError(f"{self.path}: write failed ({getattr(e, 'strerror', None) or e})") from None
 
     def _stop(self) -> None:
         with self._cv:
@@ -490,15 +513,10 @@ class HashingFile:
         self._stop()
         self._close_fd()
 
-    def _close_fd(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self._release()
 
     def _release(self) -> None:
         for c in getattr(self, "_chunks", []):
-            _CHUNK_POOL.setdefault(len(c), []).append(c)
+            _give_chunk(c)
         self._chunks = []
 
 
@@ -513,6 +531,11 @@ def _take_chunk(size: int) -> Any:
         return free.pop()
     # private: anonymous shared memory is shmem, where transparent huge pages are usually off
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _give_chunk(chunk: Any) -> None:
+    """A staging chunk no writer uses any more: kept, resident, for the next `_take_chunk` of its size."""
+    _CHUNK_POOL.setdefault(len(chunk), []).append(chunk)
 
 
 class _SharedWrites:
@@ -611,7 +634,7 @@ def _shared_writes(chunk: int) -> _SharedWrites:
         return _SHARED_WRITES[chunk]
 
 
-class RandomDirectFile:
+class RandomDirectFile(_OutputFile):
     """A file of planned `size` written at any offsets in any order (a TensorRT-LLM rank file, filled as units
     arrive), with O_DIRECT where the file system takes it, so its bytes skip the page cache as HashingFile's do.
 
@@ -632,16 +655,7 @@ class RandomDirectFile:
         self.path, self.size = Path(path), int(size)
         self.algorithm = check_hash_name(algorithm or _manifest_hash)
         self._chunk = chunk
-        self.direct = False
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self._fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError:
-                self.direct = False
-        if not self.direct:
-            self._fd = os.open(self.path, flags, 0o644)
+        self._open(direct)
         self._spans: list[list[int]] = []  # the byte ranges written so far, sorted and merged
         self._edges: dict[int, list[Any]] = {}  # block index -> [its bytes so far, how many came]
         self._error: BaseException | None = None
@@ -736,17 +750,6 @@ class RandomDirectFile:
             self._block[:] = ent[0]
             write_all(self._fd, memoryview(self._block), self, k * _ALIGN)
 
-    def _direct_refused(self) -> None:
-        """The file system took the O_DIRECT open but refuses the write (EINVAL): go on buffered."""
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            e = self._error
-            if isinstance(e, OSError):  # disk full / file-size limit / EROFS: atomic_output_dir names OUT
-                raise OSError(e.errno, e.strerror, str(self.path)) from None
-            raise MConvertError(f"{self.path}: write failed ({getattr(e, 'strerror', None) or e})") from None
-
     def _drain(self) -> None:
         """Wait until every write queued for this file is staged and on the disk (or failed)."""
         with self._cv:
@@ -804,18 +807,13 @@ class RandomDirectFile:
         finally:
             mv.release()
             os.close(fd)
-            _CHUNK_POOL.setdefault(len(buf), []).append(buf)
+            _give_chunk(buf)
 
     def abort(self) -> None:
         """Stop after a failure without judging the file (it is removed with the rest of the output)."""
         self._error = self._error or MConvertError("aborted")
         self._drain()
         self._close_fd()
-
-    def _close_fd(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class Checksum:
