@@ -76,6 +76,48 @@ def test_hashing_file_digest_is_the_reference_digest(tmp_path: Path, algorithm: 
     assert digest == ref.hexdigest()
 
 
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_hashing_file_gathers_strided_tensors_into_the_reference_bytes(tmp_path: Path, algorithm: str, direct: bool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row-split TP shards (views whose rows lie at the parent's stride) are written as their row-major bytes,
+    copied on the writer thread straight into the staging chunks: rows cut by chunk ends at odd places, a
+    transposed view and a 3-D view beside them; the CRC-32 of each is zlib's, the digest the reference's. With
+    O_DIRECT no contiguous copy of a row-strided view is made."""
+    import numpy as np
+    import torch
+
+    from mconvert.convert.io import buffers
+    from mconvert.convert.io.hashing import Checksum
+
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(300, 4 * 1031, generator=g)  # rows of 1031 floats: no row fills a 64 KiB chunk evenly
+    views = [full[:, k * 1031:(k + 1) * 1031] for k in range(4)]  # the row split of Megatron's row-parallel layers
+    odd = [full[7:9, 5:6], full[:1, 3:3000], torch.randn(40, 70, generator=g).t(),
+           torch.randn(6, 8, 30, generator=g)[:, ::2, :], torch.randn(3, 5, generator=g).to(torch.bfloat16)[:, 1:4]]
+    if direct:
+        def refused(t):
+            if t.dim() == 2 and t.stride(1) == 1 and t.shape[0] > 1:
+                raise AssertionError("a row-strided view was made contiguous before staging")
+            return was(t)
+        was = buffers.contiguous
+        monkeypatch.setattr(buffers, "contiguous", refused)
+    f = HashingFile(tmp_path / "x", direct=direct, algorithm=algorithm, chunk=64 << 10)
+    f.write(b"head")
+    cks = []
+    for t in views + odd:
+        cks.append(Checksum())
+        f.write(t, crc=cks[-1])
+    digest = f.close()
+    want_parts = [np.ascontiguousarray(t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy())
+                  .tobytes() for t in views + odd]
+    want = b"head" + b"".join(want_parts)
+    assert (tmp_path / "x").read_bytes() == want
+    assert [c.value for c in cks] == [zlib.crc32(w) for w in want_parts]
+    ref = blake3.blake3(want) if algorithm == "blake3" else hashlib.sha256(want)
+    assert digest == ref.hexdigest()
+
+
 def _random_pieces(rng: random.Random, size: int) -> list[tuple[int, bytes]]:
     """`size` bytes cut at random places (aligned, unaligned, inside one block, across several), shuffled."""
     cuts = sorted({0, size, *(c for c in (4096, 4096 * 3, 4097, 8191) if c < size),

@@ -855,7 +855,7 @@ class MegatronWriter:
                         want = "nothing" if ph is None else f"{tuple(ph.shape)} {ph.dtype}"
                         raise MConvertError(f"internal: {local_name} arrived as {tuple(x.shape)} {x.dtype} where the "
                                             f"source's preview planned {want}")
-                    self._streams[p][t].feed(ph, buffers.contiguous(x))  # a view: no copy
+                    self._streams[p][t].feed(ph, x)  # a view: its writer gathers the rows
         else:
             self._buffer.setdefault(p, {}).setdefault(c, []).extend(new)
         if complete:

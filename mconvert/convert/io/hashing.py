@@ -379,7 +379,7 @@ class HashingFile(_OutputFile):
         self._open(direct)
         self._h = new_hasher(self.algorithm)
         self._total = 0  # bytes written so far (writer thread)
-        self._q: deque[tuple[memoryview, Any]] = deque()
+        self._q: deque[tuple[Any, Any, int]] = deque()  # (bytes, tensor or a call; what to keep; bytes queued)
         self._pending = 0
         self._max = max_pending
         self._cv = threading.Condition()
@@ -399,7 +399,7 @@ class HashingFile(_OutputFile):
         self._t = threading.Thread(target=self._run, name=f"write {self.path.name}", daemon=True)
         self._t.start()
 
-    # ---- writer thread: queue -> (staging chunk + hash) or (file + hash) -------------------------------------
+    # ---- writer thread: queue -> (staging chunk, CRC + hash of it) or (CRC + hash + file) -----------------
     def _run(self) -> None:
         cur, fill = (self._free.get(), 0) if self.direct else (None, 0)
         at = 0  # the file offset of chunk `cur`
@@ -409,35 +409,48 @@ class HashingFile(_OutputFile):
                     self._cv.wait()
                 if not self._q:
                     break
-                mv, keep = self._q.popleft()
-            queued = len(mv) if isinstance(mv, memoryview) else 0
+                data, keep, queued = self._q.popleft()
+            ck = keep if isinstance(keep, Checksum) else None  # `write(..., crc=...)`: CRC-32 here, off the caller
             try:
                 if self._error is None:
-                    if callable(mv):  # bytes known only now (`write_later`)
-                        mv = memoryview(mv()).cast("B")
-                    elif isinstance(keep, Checksum):  # `write(..., crc=...)`: CRC-32 here, off the caller
-                        keep.value = crc32(mv)
-                    self._total += len(mv)
-                    self._h.update(mv)  # both hashes release the GIL for large buffers, as os.write does
+                    if callable(data):  # bytes known only now (`write_later`)
+                        data = memoryview(data()).cast("B")
                     if not self.direct:
+                        mv = data if isinstance(data, memoryview) else _Staged(data).whole()
+                        if ck is not None:
+                            ck.value = crc32(mv)
+                        self._h.update(mv)  # both hashes release the GIL for large buffers, as os.write does
                         write_all(self._fd, mv)
-                    else:
+                        self._total += len(mv)
+                        del mv
+                    else:  # each piece is copied into the chunk, then checksummed and hashed there, still in cache
+                        src = _Staged(data)
+                        crc = 0
                         pos = 0
-                        while pos < len(mv):
-                            n = min(len(mv) - pos, self._chunk - fill)
-                            _memmove(self._chunks[cur], fill, mv[pos:pos + n])
+                        while pos < src.nbytes:
+                            n = min(src.nbytes - pos, self._chunk - fill)
+                            src.copy_into(self._chunks[cur], fill, pos, n)
+                            piece = memoryview(self._chunks[cur])[fill:fill + n]
+                            if ck is not None:
+                                crc = crc32(piece, crc)
+                            self._h.update(piece)
+                            del piece
                             fill, pos = fill + n, pos + n
                             if fill == self._chunk:
                                 self._full.put((cur, fill, at))
                                 cur, fill, at = self._free.get(), 0, at + fill
+                        if ck is not None:
+                            ck.value = crc
+                        self._total += src.nbytes
+                        del src
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e.with_traceback(None)  # its frames would pin the buffers
-            if isinstance(keep, Checksum):
-                keep.keep = None  # the CRC stays (the caller holds it); the bytes go
+            if ck is not None:
+                ck.keep = None  # the CRC stays (the caller holds it); the bytes go
             with self._cv:
                 self._pending -= queued
                 self._cv.notify_all()
-            del mv, keep
+            del data, keep, ck
         if self.direct:
             if fill and self._error is None:
                 self._full.put((cur, fill, at))
@@ -466,25 +479,32 @@ class HashingFile(_OutputFile):
         queued before it was written (and its CRC-32 taken): for bytes that depend on those CRCs."""
         with self._cv:
             self._raise()
-            self._q.append((produce, None))
+            self._q.append((produce, None, 0))
             self._cv.notify_all()
 
-    def write(self, data: bytes | memoryview, keep: Any = None, crc: "Checksum | None" = None) -> None:
-        """Queue `data` (keep `keep` — e.g. its tensor — alive until written). With `crc`, its CRC-32 is taken
-        on the writer thread into `crc.value` (with `crc.keep` kept alive instead of `keep`)."""
-        mv = memoryview(data).cast("B")
+    def write(self, data: "bytes | memoryview | torch.Tensor", keep: Any = None, crc: "Checksum | None" = None) -> None:
+        """Queue `data` (keep `keep` — e.g. its tensor — alive until written). A tensor is written as its
+        row-major bytes: the copy that a view with strided rows (a row-split TP shard) needs is made on the
+        writer thread, straight into the staging chunk where the file is written with O_DIRECT. With `crc`, its
+        CRC-32 is taken on the writer thread into `crc.value` (with `crc.keep` kept alive instead of `keep`)."""
+        if isinstance(data, torch.Tensor):
+            n = data.numel() * data.element_size()
+            keep = data if keep is None else keep
+        else:
+            data = memoryview(data).cast("B")
+            n = len(data)
         if crc is not None:
             crc.keep, keep = keep, crc
-        if not len(mv):
+        if not n:
             if crc is not None:
                 crc.value = 0
             return
         with self._cv:
-            while self._pending and self._pending + len(mv) > self._max and self._error is None:
+            while self._pending and self._pending + n > self._max and self._error is None:
                 self._cv.wait()
             self._raise()
-            self._q.append((mv, keep))
-            self._pending += len(mv)
+            self._q.append((data, keep, n))
+            self._pending += n
             self._cv.notify_all()
 
     def _stop(self) -> None:
@@ -825,6 +845,58 @@ class Checksum:
     def __init__(self) -> None:
         self.value: int | None = None
         self.keep: Any = None
+
+
+class _Staged:
+    """The row-major bytes of a buffer or tensor, copied piece by piece into staging memory (`copy_into`). A
+    tensor whose rows are contiguous but not adjacent (a row-split TP shard, a view of its merged parameter)
+    is gathered row by row by torch's copy, without a contiguous copy first; any other layout is made
+    contiguous once (`buffers.contiguous`)."""
+
+    def __init__(self, data: "memoryview | torch.Tensor") -> None:
+        self.rows: torch.Tensor | None = None
+        self.flat: memoryview | None = None
+        if isinstance(data, torch.Tensor):
+            t = data.detach()
+            if t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and t.shape[0] > 1 and t.shape[1] \
+                    and t.device.type == "cpu":
+                self.rows = t.view(torch.uint8)  # [R, row bytes], rows at their stride
+                self.width = self.rows.shape[1]
+                self.nbytes = self.rows.numel()
+                return
+            from mconvert.convert.io import buffers
+
+            data = tensor_bytes(buffers.contiguous(t))  # contiguous already, else one copy here (reused memory)
+        self.flat = data
+        self.nbytes = len(data)
+
+    def whole(self) -> memoryview:
+        """All the bytes at once (a buffered file writes them as they are)."""
+        if self.flat is None:
+            assert self.rows is not None
+            self.flat = tensor_bytes(self.rows.contiguous())
+        return self.flat
+
+    def copy_into(self, chunk: Any, at: int, pos: int, n: int) -> None:
+        """chunk[at:at + n] = the bytes [pos, pos + n) of the data."""
+        if self.flat is not None:
+            _memmove(chunk, at, self.flat[pos:pos + n])
+            return
+        assert self.rows is not None
+        dst = torch.frombuffer(chunk, dtype=torch.uint8, count=n, offset=at)
+        w, done = self.width, 0
+        r, o = divmod(pos, w)
+        if o:  # the end of a row the previous piece began
+            k = min(w - o, n)
+            dst[:k].copy_(self.rows[r, o:o + k])
+            done, r = k, r + 1
+        full = (n - done) // w
+        if full:  # whole rows: one strided copy (torch releases the GIL)
+            dst[done:done + full * w].view(full, w).copy_(self.rows[r:r + full])
+            done, r = done + full * w, r + full
+        if done < n:  # the start of a row the next piece ends
+            dst[done:n].copy_(self.rows[r, :n - done])
+        del dst
 
 
 def write_all(fd: int, mv: memoryview, owner: HashingFile | None = None, at: int | None = None) -> None:

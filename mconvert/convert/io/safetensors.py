@@ -178,8 +178,7 @@ class SafetensorsStream:
                 "planned from the model config; the checkpoint disagrees with its own config (pass --dtype if only "
                 "the dtype differs)"
             )
-        t = buffers.contiguous(t)  # a strided view (GQA's q/k/v of a fused qkv) copied into reused memory
-        self._f.write(tensor_bytes(t), keep=t)
+        self._f.write(t)  # a strided view (GQA's q/k/v of a fused qkv) is copied on the writer's thread
         self._next += 1
 
     @property

@@ -390,7 +390,7 @@ class TorchSaveStream:
             self._ck[f"{self._prefix}data/{k}"] = ck
             if desc:
                 self._desc.append((off + n + 4, ck))
-            self._f.write(tensor_bytes(t) if n else memoryview(b""), keep=t, crc=ck)  # CRC-32 on its thread
+            self._f.write(t if n else memoryview(b""), keep=t, crc=ck)  # copied, CRC-32 taken on its thread
             self._pos = off + n
             self._next += 1
 
