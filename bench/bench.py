@@ -154,6 +154,7 @@ def measure_rounds(jobs: list[tuple[str, str, Path]], work: Path, repeats: int, 
         for label, op, src in jobs:
             out = work / f"out-{label}"
             shutil.rmtree(out, ignore_errors=True)
+            os.sync()  # not timed: no row pays for writing back what an earlier step left dirty (an input just built)
             if op == "cp-cold":
                 time.sleep(COLD_S)
             m = run_measured(op_command(op, src, out, 0 if op in ("cp", "cp-cold", "transformers-script") else workers))
@@ -367,6 +368,7 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
             shutil.rmtree(d_hf, ignore_errors=True)
             shutil.copytree(work / "out-megatron-to-hf", d_hf, ignore=shutil.ignore_patterns("mconvert-manifest.json"))
             shutil.rmtree(work / "out-megatron-to-hf", ignore_errors=True)
+            shutil.rmtree(d_ckpt, ignore_errors=True)  # measured: its pages leave the page cache to the HF input's
             d.update(measure_rounds([("hf-to-megatron", "hf-to-megatron", d_hf)], work, a.depth_repeats, a.workers))
             depth[str(n)] = {"layers": n, "bytes": b["bytes"], "cp": d["cp"], "megatron-to-hf": d["megatron-to-hf"],
                              "reshard": d["reshard"], "hf-to-megatron": d["hf-to-megatron"]}
@@ -524,7 +526,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"median of {report['repeats']} interleaved rounds; page cache "
              f"{'warm' if report['cache']['warm'] else 'NOT warm'}; {report['machine']['cpus']} CPUs; "
              f"{report['machine']['date']}.", "",
-             "Every row ends with `sync -f` on its output (cp's bytes are on disk only then).", "",
+             "Every row ends with `sync -f` on its output (cp's bytes are on disk only then), and starts after a "
+             "`sync` (not timed) of what earlier steps left dirty.", "",
              "| operation | wall s | × cp | × cp-cold | CPU s | CPU s/GB | CPU × cp | peak RSS GB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for op, r in ops.items():
