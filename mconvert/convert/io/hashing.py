@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from mconvert.convert.io import buffers
 from mconvert.errors import MConvertError
 
 
@@ -864,8 +865,6 @@ class _Staged:
                 self.width = self.rows.shape[1]
                 self.nbytes = self.rows.numel()
                 return
-            from mconvert.convert.io import buffers
-
             data = tensor_bytes(buffers.contiguous(t))  # contiguous already, else one copy here (reused memory)
         self.flat = data
         self.nbytes = len(data)
@@ -874,7 +873,7 @@ class _Staged:
         """All the bytes at once (a buffered file writes them as they are)."""
         if self.flat is None:
             assert self.rows is not None
-            self.flat = tensor_bytes(self.rows.contiguous())
+            self.flat = tensor_bytes(buffers.contiguous(self.rows))
         return self.flat
 
     def copy_into(self, chunk: Any, at: int, pos: int, n: int) -> None:
