@@ -210,6 +210,38 @@ def test_a_tensor_without_a_slot_of_its_size_takes_a_larger_idle_one() -> None:
     assert bool((t == 7).all())
 
 
+def test_a_larger_tensor_grows_an_idle_slot_instead_of_mapping_a_new_one() -> None:
+    """No idle slot holds it: the largest smaller idle slot is grown to its size (mremap), so the pages
+    resident already are used again (the bytes left there are still there) and only the extension is new; the
+    whole grown tensor is writable. A slot a view still holds is not idle and never grown; an idle slot that
+    cannot be grown now (a dying view still exports it) is left, and new memory is mapped instead."""
+    mib = 1 << 20
+    pool = BufferPool()
+    a, b, c = (pool.empty((n * mib,), torch.uint8) for n in (3, 2, 4))
+    c.fill_(5)
+    del a, b, c
+    gc.collect()
+    t = pool.empty((5 * mib,), torch.uint8)  # grows the 4 MiB slot
+    assert pool.mapped == 3 and pool.grown == 1 and pool.live == 5 * mib and pool.idle == 5 * mib
+    assert bool((t[:4 * mib] == 5).all())  # the 4 MiB slot moved with its pages: not new memory
+    t.fill_(9)
+    assert bool((t == 9).all())
+
+    held = t[:10]  # a view keeps the 5 MiB slot: a larger tensor cannot take or grow it
+    del t
+    gc.collect()
+    u = pool.empty((6 * mib,), torch.uint8)  # grows the idle 3 MiB slot, not the held 5 MiB one
+    assert pool.grown == 2 and pool.mapped == 3 and bool((held == 9).all())
+    assert pool.live + pool.idle <= pool.high + pool.high // buffers.SLACK
+    del u
+    gc.collect()
+    six = next(s for s in pool._idle.values() if len(s) == 6 * mib)
+    export = memoryview(six)  # the slot a 7 MiB tensor would grow is still exported: it cannot be resized
+    v = pool.empty((7 * mib,), torch.uint8)
+    assert pool.grown == 2 and pool.mapped == 4 and v.numel() == 7 * mib
+    export.release()
+
+
 @pytest.mark.timeout(60)
 def test_pmap_iter_gives_results_in_order_with_a_bounded_lead(monkeypatch: pytest.MonkeyPatch) -> None:
     """The readers' ordered map: results in item order (slow early items included), never more items started

@@ -5,9 +5,9 @@ to its host, a host-side fault as well), and the bytes a conversion reads or mer
 before they are used, so the zeroing buys nothing. `empty(shape, dtype)` hands out a tensor over a slot of a
 process-wide pool of anonymous mappings; the slot goes back to the pool when the last tensor viewing it is
 freed (its numpy owner's finalizer), never before: every view, the writer's queued bytes included, holds the
-owner. A tensor takes an idle slot of its size, else the smallest idle one up to FIT times larger; the pool
-holds at most a quarter more bytes than were ever live at once (idle slots are unmapped, least recently used
-first, to stay within that).
+owner. A tensor takes an idle slot of its size, else the smallest idle one up to FIT times larger, else the
+largest smaller idle one grown to its size (its resident pages kept); the pool holds at most a quarter more
+bytes than were ever live at once (idle slots are unmapped, least recently used first, to stay within that).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class BufferPool:
         self.high = 0  # the largest `live` so far
         self.reused = 0  # slots handed out again (tests, bench)
         self.mapped = 0  # slots created
+        self.grown = 0  # idle slots grown for a larger tensor
 
     def empty(self, shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor of `shape` and `dtype` over a pooled slot."""
@@ -73,6 +74,9 @@ class BufferPool:
                 self.reused += 1
                 self.high = max(self.high, self.live)
                 return slot
+            slot = self._grown(size)
+            if slot is not None:
+                return slot
             self.live += size
             self.high = max(self.high, self.live)
             while self._idle and self.live + self.idle > self.high + self.high // SLACK:
@@ -87,6 +91,30 @@ class BufferPool:
                 slot.madvise(mmap.MADV_HUGEPAGE)  # as torch's own large buffers under the CLI: fewer faults
             except OSError:
                 pass
+        return slot
+
+    def _grown(self, size: int) -> mmap.mmap | None:
+        """(lock held) The largest idle slot smaller than `size`, grown to it (mremap): its pages are resident
+        already, so only the extension is new memory, where a new slot of `size` would be new throughout and
+        the idle one unmapped later. None when no slot is idle or none can be grown now."""
+        smaller = [(len(s), k) for k, s in self._idle.items() if len(s) < size]
+        if not smaller:
+            return None
+        was, key = max(smaller)
+        slot = self._idle[key]
+        try:
+            slot.resize(size)
+        except (BufferError, OSError, ValueError, SystemError):  # a dying view still exports it, or no mremap
+            return None
+        del self._idle[key]
+        self.idle -= was
+        self.live += size
+        self.grown += 1
+        self.high = max(self.high, self.live)
+        while self._idle and self.live + self.idle > self.high + self.high // SLACK:
+            _, old = self._idle.popitem(last=False)
+            self.idle -= len(old)
+            del old
         return slot
 
     def _give(self, slot: mmap.mmap) -> None:
