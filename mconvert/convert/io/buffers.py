@@ -79,10 +79,7 @@ class BufferPool:
                 return slot
             self.live += size
             self.high = max(self.high, self.live)
-            while self._idle and self.live + self.idle > self.high + self.high // SLACK:
-                _, old = self._idle.popitem(last=False)
-                self.idle -= len(old)
-                del old  # unmapped with its last reference (a dying view may still hold it a moment)
+            self._evict()
             self.mapped += 1
         # private: anonymous shared memory is shmem, where transparent huge pages are usually off
         slot = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -111,11 +108,15 @@ class BufferPool:
         self.live += size
         self.grown += 1
         self.high = max(self.high, self.live)
+        self._evict()
+        return slot
+
+    def _evict(self) -> None:
+        """(lock held) Unmap idle slots, least recently returned first, until the pool is within its bound."""
         while self._idle and self.live + self.idle > self.high + self.high // SLACK:
             _, old = self._idle.popitem(last=False)
             self.idle -= len(old)
-            del old
-        return slot
+            del old  # unmapped with its last reference (a dying view may still hold it a moment)
 
     def _give(self, slot: mmap.mmap) -> None:
         """(finalizer) The last tensor over `slot` is gone: keep it for the next tensor of its size. A finalizer
