@@ -104,8 +104,8 @@ def _bare_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
         return ["cp", "-r", str(src), str(out)]
     if op == "megatron-to-hf-shards":  # 1 GB shards: the file groups the torchrun row shares out
         return [*mc, "megatron-to-hf", str(src), str(out), "--max-shard-size", TORCHRUN_SHARD, *w]
-    if op == "megatron-to-hf-torchrun2":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    if op in ("megatron-to-hf-torchrun1", "megatron-to-hf-torchrun2"):  # the same launcher, 1 or 2 processes
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", op[-1],
                 "-m", "mconvert.cli", "megatron-to-hf", str(src), str(out), "--max-shard-size", TORCHRUN_SHARD, *w]
     if op == "megatron-to-hf":
         return [*mc, "megatron-to-hf", str(src), str(out), *w]
@@ -309,6 +309,7 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         jobs.append(("megatron-to-hf --workers 1", "megatron-to-hf-w1", ckpt))
     if "torchrun" not in skip:
         jobs += [(f"megatron-to-hf {TORCHRUN_SHARD} shards", "megatron-to-hf-shards", ckpt),
+                 (f"megatron-to-hf {TORCHRUN_SHARD} shards, torchrun 1 process", "megatron-to-hf-torchrun1", ckpt),
                  (f"megatron-to-hf {TORCHRUN_SHARD} shards, torchrun 2 processes", "megatron-to-hf-torchrun2", ckpt)]
     jobs += [("start-up: import torch", "import-torch", ckpt), ("start-up: import the engine", "import-engine", ckpt)]
     if "torchrun" not in skip:
@@ -438,6 +439,12 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     if one and two:
         out.append(target("torchrun with 2 processes no slower than 1 process", two["wall_s"] / one["wall_s"], 1.0,
                           two["wall_s"] <= one["wall_s"], "× 1 process"))
+    # the same question with the launcher on both sides: what a second process adds, torchrun's agent aside
+    one_tr = ops.get(f"megatron-to-hf {TORCHRUN_SHARD} shards, torchrun 1 process")
+    if one_tr and two:
+        out.append(target("torchrun with 2 processes no slower than torchrun with 1 process (launcher on both sides)",
+                          two["wall_s"] / one_tr["wall_s"], 1.0, two["wall_s"] <= one_tr["wall_s"],
+                          "× torchrun 1 process"))
     if "peer" in report:
         p = report["peer"]
         out.append(target("hf-to-megatron ≥ 5 × faster than transformers' script", p["speedup"], 5.0,

@@ -36,12 +36,16 @@ def test_marginal_cost_and_torchrun_target(bench) -> None:
            "build": {"files": 12, "bytes": 3.3e9}, "cache": {"warm": True},
            "ops": {"cp": _op(1.0), "megatron-to-hf": _op(1.9), "reshard": _op(2.0),
                    "megatron-to-hf 1GB shards": _op(3.0),
+                   "megatron-to-hf 1GB shards, torchrun 1 process": _op(2.2),
                    "megatron-to-hf 1GB shards, torchrun 2 processes": _op(2.4)},
            "depth": depth, "marginal_s_per_gb": m}
     verdict = {t["target"]: t["pass"] for t in bench.targets(rep)}
     assert verdict["megatron-to-hf marginal cost ≤ 1.0 s/GB"] is True
     assert verdict["hf-to-megatron marginal cost ≤ 1.0 s/GB"] is False
     assert verdict["torchrun with 2 processes no slower than 1 process"] is True
+    launcher = "torchrun with 2 processes no slower than torchrun with 1 process (launcher on both sides)"
+    assert verdict[launcher] is False
+    assert next(t["value"] for t in bench.targets(rep) if t["target"] == launcher) == pytest.approx(2.4 / 2.2)
     rep["targets"] = bench.targets(rep)
     md = bench.markdown(rep)
     assert "hf-to-megatron 1.50 s/GB" in md and "CPU s/GB" in md and "sync -f" in md
@@ -56,5 +60,6 @@ def test_every_measured_command_ends_with_sync(bench, tmp_path: Path) -> None:
     assert cmd[:2] == ["sh", "-c"] and "sync -f" in cmd[2]
     subprocess.run(cmd, check=True)
     assert (tmp_path / "out" / "f").read_bytes() == b"x" * 100
-    assert bench.op_command("megatron-to-hf-torchrun2", tmp_path / "src", tmp_path / "o2")[4:8] == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    for n in ("1", "2"):
+        cmd = bench.op_command(f"megatron-to-hf-torchrun{n}", tmp_path / "src", tmp_path / "o2")
+        assert cmd[4:10] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", n]

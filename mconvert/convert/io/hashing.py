@@ -417,7 +417,7 @@ class HashingFile(_OutputFile):
                     if callable(data):  # bytes known only now (`write_later`)
                         data = memoryview(data()).cast("B")
                     if not self.direct:
-                        mv = data if isinstance(data, memoryview) else _Staged(data).whole()
+                        mv = _Staged(data).whole()
                         if ck is not None:
                             ck.value = crc32(mv)
                         self._h.update(mv)  # both hashes release the GIL for large buffers, as os.write does
