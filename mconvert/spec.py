@@ -472,6 +472,7 @@ class ModelSpec:
             norm_epsilon=self.norm_epsilon,
             swiglu=self.gated,
             openai_gelu=self.activation == "gelu_new",
+            bias_gelu_fusion=False,  # fused is tanh GeLU: `openai_gelu` alone says which GeLU the model computes
             position_embedding_type=self.position_embedding_type,
             rotary_base=self.rotary_base,
             rotary_percent=self.rotary_percent,

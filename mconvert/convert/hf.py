@@ -103,7 +103,24 @@ class HFSource(SourceBase):
             if u is not None:
                 self.unit_keys.setdefault(u, []).append(k)
         self.part_keys: dict[Unit, list[str]] = {}  # an MoE layer's keys by LayerPart (`_check_sizes` fills it)
+        self._check_unused(str(cfg_path))
         self._check_sizes(str(cfg_path))
+
+    def _check_unused(self, source: str) -> None:
+        """Refuse a tensor of a known kind that config.json leaves out of the model (a q_proj.bias with
+        attention_bias false): transformers would skip it with a warning and compute another model than the
+        weights describe. A tied model's lm_head.weight is the one tensor the model may carry unused (transformers
+        ties it to the embedding, as the conversion does). MoE layers are checked part by part (`_part_keys`)."""
+        for unit, keys in self.unit_keys.items():
+            if isinstance(unit, int) and self.spec.is_moe:
+                continue
+            declared = set(hf_names(self.spec, unit))
+            for k in keys:
+                if k not in declared and not (k == "lm_head.weight" and self.spec.tie_embeddings):
+                    raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is not a parameter of this "
+                                        f"{self.spec.family} model as {source} describes it (a flag such as "
+                                        "attention_bias or tie_word_embeddings says otherwise); fix the config or "
+                                        "remove the tensor")
 
     def _check_sizes(self, source: str) -> None:
         """config.json's sizes against the tensors present (safetensors headers, the offset index of .bin

@@ -498,6 +498,8 @@ class MegatronSource(SourceBase):
         torchrun process reads them, or by the committing process)."""
         names = self._unit_names(unit)
         check_complete(self.spec, unit, names, str(self.path))
+        if unit == "final":
+            self._check_tied_copy()
         order = hf_order(self.spec, unit, names)
         if only is not None:
             order = [n for n in order if _keeps(only, hf_keys_for(self.spec, n))]
@@ -511,6 +513,45 @@ class MegatronSource(SourceBase):
             return to_hf_one(self.spec, name, t, str(self.path), empty=buffers.empty)
 
         yield from pmap_iter(one, order)
+
+    def _check_tied_copy(self) -> None:
+        """A tied model's last stage holds its own copy of the embedding (`output_layer.weight`), and
+        megatron-core computes the logits with that copy; the HF export (tied) and a re-shard (which rebuilds the
+        copy from the embedding) keep the embedding. Refuse unless every TP rank's copy equals its embedding
+        shard bit for bit: Megatron keeps them equal (the embedding group all-reduces their gradients), so a
+        difference means the rank files disagree. One shard pair in memory at a time; once per conversion."""
+        if self._subs is not None:
+            self._subs[0]._check_tied_copy()
+            return
+        if not self.spec.tie_embeddings or self.__dict__.get("_tied_checked"):
+            return
+        p, c = self.location("final")
+        copy = next((r for r, n in self._keys_of(p, c).get("final", []) if n == "output_layer.weight"), None)
+        emb = next((r for r, n in self._keys_of(0, 0).get("embedding", [])
+                    if n == "embedding.word_embeddings.weight"), None)
+        if copy is None or emb is None:
+            self._tied_checked = True
+            return
+        for t in range(self.tp):
+            a = self._raw_tensor(t, p, c, copy)
+            b = self._raw_tensor(t, 0, 0, emb)
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                raise MConvertError(
+                    f"{self.files[(t, p)]}: {copy!r} (the last stage's copy of the tied embedding, which Megatron "
+                    f"computes the logits with) differs from {emb!r} in {self.files[(t, 0)]}; the rank files "
+                    "disagree (from different runs, or one is corrupt) — re-copy the checkpoint, or convert an "
+                    "earlier iteration (--iteration N)")
+            del a, b
+        self._tied_checked = True
+
+    def _raw_tensor(self, t: int, p: int, c: int, raw: str) -> torch.Tensor:
+        """Rank file (t, p)'s tensor `raw` of chunk c, as stored (pread by offset where the file is indexed)."""
+        lazy = self._lazy_model(t, p, c)
+        f = self.files[(t, p)]
+        model = lazy if lazy is not None else self._model_dict(safe_load(f), c, f)
+        if raw not in model:
+            raise MConvertError(f"{f}: key {raw!r} is missing (TP rank 0 has it)")
+        return model[raw]
 
     def _read_placed(self, unit: Unit, name: str) -> dict[str, torch.Tensor] | None:
         """`to_hf_one` of a parameter whose HF parts are whole row blocks of the merged tensor (Llama's q/k/v):
@@ -554,6 +595,8 @@ class MegatronSource(SourceBase):
             return self._read_expert_ranks(unit, with_optimizer, transposed, only)
         p, c = self.location(unit)
         wanted = [(raw, name) for raw, name in self._keys_of(p, c).get(unit, []) if only is None or name in only]
+        if any(name == "output_layer.weight" for _, name in wanted):
+            self._check_tied_copy()
         shards: dict[str, list[torch.Tensor]] = {name: [] for _, name in wanted}
         ostates: dict[str, list[dict]] = {name: [] for _, name in wanted}
         direct = {} if with_optimizer else self._read_transposed_direct(p, c, [w for w in wanted if w[1] in transposed])

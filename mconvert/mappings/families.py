@@ -242,6 +242,15 @@ def spec_from_megatron_args(args: Any, family: str | None = None, source: str = 
         raise MConvertError(f"{source}: malformed Megatron args ({type(e).__name__}: {e})") from None
 
 
+def _tanh_gelu(a: dict[str, Any]) -> bool:
+    """Whether a GeLU MLP computed the tanh approximation: megatron-core's fused bias-GeLU
+    (`bias_activation_fusion`, from Megatron-LM's `bias_gelu_fusion`, which it turns off without linear biases)
+    and Transformer Engine's GeLU (`use_te_activation_func`) are both tanh GeLU; only the unfused path calls
+    torch's exact erf GeLU."""
+    fused = bool(a.get("bias_activation_fusion") or (a.get("bias_gelu_fusion") and a.get("add_bias_linear", True)))
+    return fused or bool(a.get("use_te_activation_func"))
+
+
 def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> ModelSpec:
     def get(name: str, default: Any = None) -> Any:
         v = a.get(name, default)
@@ -257,7 +266,9 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
     gqa = bool(get("group_query_attention", False))
     groups = int(get("num_query_groups", nh)) if gqa else None
     ffn = get("ffn_hidden_size", None) or 4 * H
-    eps = get("norm_epsilon", None) or get("layernorm_epsilon", 1e-5)
+    eps = get("norm_epsilon", None)
+    if eps is None:  # Megatron-LM's older name; a norm_epsilon given (0 included) is the one the model used
+        eps = get("layernorm_epsilon", 1e-5)
     padded = get("padded_vocab_size", None)
     vocab = get("vocab_size", None) or get("true_vocab_size", None) or padded
     if vocab is None:
@@ -275,7 +286,7 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         kv_channels=int(get("kv_channels", H // nh)),
         normalization=get("normalization", "LayerNorm"),
         norm_epsilon=float(eps),
-        activation="swiglu" if swiglu else ("gelu_new" if get("openai_gelu", False) else "gelu"),
+        activation="swiglu" if swiglu else ("gelu_new" if get("openai_gelu", False) or _tanh_gelu(a) else "gelu"),
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=float(get("rotary_base", 10000)),
         rotary_percent=float(get("rotary_percent", 1.0)),

@@ -162,6 +162,11 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "gated_linear_unit": Field(REFUSED, "a gated MLP other than SwiGLU (set swiglu for SwiGLU)", False,
                                ok=lambda v, a: bool(a.get("swiglu"))),
     "openai_gelu": mapped("activation", BOOL, False),
+    # a fused or Transformer Engine GeLU is the tanh approximation (megatron-core fusions/fused_bias_gelu.py,
+    # TransformerEngine common/util/math.h), the unfused one torch's exact erf GeLU
+    "bias_gelu_fusion": mapped("activation", BOOL, False),
+    "bias_activation_fusion": mapped("activation", BOOL, False),
+    "use_te_activation_func": mapped("activation", BOOL, False),
     "position_embedding_type": mapped("position_embedding_type", STR, "learned_absolute",
                                       ("learned_absolute", "rope")),
     "rotary_base": mapped("rotary_base", NUM, 10000),
@@ -308,11 +313,11 @@ _MEGATRON_NEUTRAL: dict[str, Field] = {
         "num_layers_at_end_in_bf16", "fp4", "fp4_recipe", "fp4_quantizer_factory", "fp4_param_gather",
         "use_kitchen_attention", "kitchen_attention_backend", "kitchen_config_file", "kitchen_recipe_number",
         "te_precision_config_file", "attention_backend", "transformer_impl", "use_flash_attn",
-        "bias_activation_fusion", "bias_gelu_fusion", "bias_swiglu_fusion", "masked_softmax_fusion",
+        "bias_swiglu_fusion", "masked_softmax_fusion",
         "persist_layer_norm", "no_persist_layer_norm", "memory_efficient_layer_norm", "bias_dropout_fusion",
         "apply_rope_fusion", "use_fused_weighted_squared_relu", "fused_single_qkv_rope", "gradient_accumulation_fusion",
         "cross_entropy_loss_fusion", "cross_entropy_fusion_impl", "activation_func_fp8_input_store",
-        "use_te_activation_func", "batch_invariant_mode", "deterministic_mode", "disable_jit_fuser",
+        "batch_invariant_mode", "deterministic_mode", "disable_jit_fuser",
         "use_legacy_models", "deprecated_use_mcore_models", "use_mcore_models", "onnx_safe", "mlp_chunks_for_prefill",
         "chunk_size_feed_forward", "flash_decode", "use_inference_optimized_layers", "inference_fuse_tp_communication",
         "symmetric_ar_type", "clone_scatter_output_in_embedding", "disable_parameter_transpose_cache",
@@ -573,7 +578,7 @@ def check_numbers(d: Mapping[str, Any], keys: tuple[str, ...], required: tuple[s
         v = d[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} is not a finite number; fix it")
-        if v <= 0 and not k.endswith(("epsilon", "eps", "percent", "theta", "base", "factor")):
+        if v <= 0:  # sizes, epsilons, rope bases and factors alike: zero or less is no model
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be positive; fix it")
         if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base", "factor")) and v != int(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")
