@@ -175,3 +175,19 @@ def test_a_zero_or_negative_rope_theta_in_config_json_is_refused(tmp_path: Path,
     (hf / "config.json").write_text(json.dumps(cfg))
     code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "out", "--tp", "1", "--pp", "1"], capsys)
     assert_one_line_error(code, err, "rope_theta", "config.json")
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"model_type": "gpt2"}, ["model_type='gpt2'", "architectures"]),  # transformers would build a GPT-2
+    ({"architectures": ["LlamaForCausalLM", "GPT2LMHeadModel"]}, ["more than one model"]),
+])
+def test_a_config_naming_two_models_is_refused(tmp_path: Path, capsys, changes: dict, words: list[str]) -> None:
+    from safety_common import make_hf_llama
+
+    hf = make_hf_llama(tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(changes)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "out", "--tp", "1", "--pp", "1"], capsys)
+    assert_one_line_error(code, err, "config.json", *words)
+    assert not (tmp_path / "out").exists()

@@ -196,6 +196,21 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         raise MConvertError(f"{source}: malformed config ({type(e).__name__}: {e}); fix or re-export it") from None
 
 
+def _check_one_class(cfg: dict[str, Any], archs: list[Any], fam: Family, source: str) -> None:
+    """`architectures` and `model_type` must name one model: transformers' Auto classes build the class of
+    `model_type`, vLLM the first architecture it knows, so a contradiction would have the two serve different
+    models."""
+    named = {f.name for f in map(by_architecture, archs) if f is not None}
+    if len(named) > 1:
+        raise MConvertError(f"{source}: architectures={archs!r} name more than one model; keep the one these weights "
+                            "belong to")
+    model_type = cfg.get("model_type")
+    if model_type is not None and by_model_type(model_type) is not fam:
+        raise MConvertError(f"{source}: model_type={model_type!r} contradicts architectures={archs!r} (a "
+                            f"{fam.architecture} has model_type {fam.model_type!r}); transformers builds the class of "
+                            "model_type and vLLM that of architectures — fix config.json")
+
+
 def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
     fam = next((f for f in map(by_architecture, archs) if f is not None), None)
@@ -206,6 +221,7 @@ def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
             f"{source}: unsupported architecture {archs or cfg.get('model_type')!r}; "
             f"supported: {', '.join(f.architecture for f in all_families())}"
         )
+    _check_one_class(cfg, archs, fam, source)
     check(cfg, hf_table(fam.model_type), source, "config field")
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
     if cfg.get("eos_token_id") == []:
