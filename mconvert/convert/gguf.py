@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from mconvert.convert.base import Unit, units_of
-from mconvert.convert.io.atomic import atomic_output_file, check_output, file_manifest_path
+from mconvert.convert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
 from mconvert.convert.io.paths import inside_file, read_small
 from mconvert.convert.driver import drive, peak_rss_bytes
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
@@ -526,7 +526,7 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
     through the driver's loop, written atomically with its manifest beside it. Returns the common report."""
     t0 = time.perf_counter()
     outtype_types(outtype)
-    check_output(out, force, (src_path, tokenizer))
+    check_output_file(out, force, (src_path, tokenizer))
     src = open_source(src_path, iteration=iteration, tokenizer=tokenizer)
     if verb == "megatron-to-gguf" and src.format == "hf":
         raise MConvertError(f"{src_path}: this is a HuggingFace directory; use hf-to-gguf")

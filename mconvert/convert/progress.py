@@ -1,4 +1,4 @@
-"""The one progress bar of the writing verbs: on stderr, advanced once per unit, gone when done."""
+"""The one progress bar of the writing verbs: on stderr (a terminal only), advanced once per unit, gone when done."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ def unit_progress(units: Iterable[U], what: str, enabled: bool = True) -> Iterat
     """Yield `units`, showing `what`, the unit being written and how many are done (nothing when not `enabled`:
     library calls and tests stay quiet)."""
     units = list(units)
-    if not enabled:
-        yield from units
+    console = Console(stderr=True)
+    if not enabled or not console.is_interactive:  # a bar shows only on a terminal; elsewhere rich would end it
+        yield from units  # with an empty line, before the one `error:` line of a failure
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[u]}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task(what, total=len(units), u="")
         for u in units:
             bar.update(task, u=f"unit {u}")

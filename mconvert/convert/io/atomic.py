@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -66,8 +67,8 @@ def tmp_name(name: str, pid: int | None = None, old: bool = False, gone: bool = 
 
 
 def _leftovers(parent: Path, name: str) -> list[tuple[Path, int, bool]]:
-    """(path, pid, old?) of every directory in `parent` named exactly as `tmp_name(name, pid[, old|gone])` names
-    it."""
+    """(path, pid, old?) of every entry in `parent` named exactly as `tmp_name(name, pid[, old|gone])` names it:
+    a directory, or a file or symlink that `--force` swapped out of OUT (a link is never followed)."""
     pat = re.compile(re.escape(f".{name}{TMP_TAG}") + r"(old-|gone-)?([1-9][0-9]{0,9})")
     found = []
     try:
@@ -76,9 +77,8 @@ def _leftovers(parent: Path, name: str) -> list[tuple[Path, int, bool]]:
         return []
     for entry in entries:
         m = pat.fullmatch(entry)
-        p = parent / entry
-        if m and p.is_dir() and not p.is_symlink():
-            found.append((p, int(m.group(2)), m.group(1) == "old-"))
+        if m:
+            found.append((parent / entry, int(m.group(2)), m.group(1) == "old-"))
     return found
 
 
@@ -101,10 +101,24 @@ def _clean_stale(parent: Path, name: str) -> None:
     for p, pid, old in _leftovers(parent, name):
         if _alive(pid):
             continue
-        if old and not out.exists():
+        if old and not os.path.lexists(out):
             os.rename(p, out)
         else:
+            remove_entry(p)
+
+
+def remove_entry(p: Path | None) -> None:
+    """Remove `p` whatever it is, never following a link: a symlink or a file is unlinked, a real directory is
+    removed with everything in it (None: nothing to remove)."""
+    if p is None:
+        return
+    try:
+        if stat.S_ISDIR(os.lstat(p).st_mode):
             shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.unlink(p)
+    except OSError:  # gone already, or not ours to remove
+        pass
 
 
 _RENAME_NOREPLACE = 1
@@ -148,6 +162,13 @@ def rename_noreplace(tmp: Path, out: Path) -> None:
             return
     except FileExistsError:
         raise _appeared(out) from None
+    if not os.path.isdir(tmp):  # a file: a hard link never replaces anything either
+        try:
+            os.link(tmp, out)
+        except FileExistsError:
+            raise _appeared(out) from None
+        os.unlink(tmp)
+        return
     try:
         os.mkdir(out, 0o700)
     except FileExistsError:
@@ -165,17 +186,37 @@ def rename_noreplace(tmp: Path, out: Path) -> None:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished `tmp` to `out`; an existing `out` is replaced in one atomic step where the OS allows."""
-    if not os.path.lexists(out):
-        os.rename(tmp, out)
-        return
-    if _exchange(tmp, out):  # out is now the new tree, tmp holds the old one
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    old = out.parent / tmp_name(out.name, old=True)
-    os.rename(out, old)  # a kill right here is repaired by _clean_stale on the next run
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    """Move the finished `tmp` to `out`; an existing `out` is replaced in one atomic step where the OS allows and
+    removed whatever it is (a symlink is removed, never followed)."""
+    remove_entry(_swap_in(tmp, out))
+
+
+def _swap_in(new: Path, dst: Path, park: Path | None = None) -> Path | None:
+    """Put `new` at `dst`; an existing `dst` is swapped out in one atomic step where the OS allows, else first
+    moved to `park` (default: the hidden sibling `_clean_stale` puts back). Returns where the previous `dst`
+    now lies (None when there was none), for `remove_entry` or `_swap_back`."""
+    if not os.path.lexists(dst):
+        os.rename(new, dst)
+        return None
+    if _exchange(new, dst):  # dst is now the new entry, `new` holds the old one
+        return new
+    old = park or dst.parent / tmp_name(dst.name, old=True)
+    os.rename(dst, old)  # a kill right here is repaired by _clean_stale on the next run
+    os.rename(new, dst)
+    return old
+
+
+def _swap_back(new: Path, dst: Path, old: Path | None) -> None:
+    """Undo `_swap_in(new, dst)`: the entry goes back to `new` and the previous `dst` (if any) returns."""
+    if old == new:
+        if _exchange(new, dst):
+            return
+        parked = new.with_name(f"old-{new.name}")
+        os.rename(new, parked)
+        old = parked
+    os.rename(dst, new)
+    if old is not None:
+        os.rename(old, dst)
 
 
 class _Terminated(SystemExit):
@@ -218,26 +259,59 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
     read-only or permission) become one MConvertError line."""
     out = check_output(out, force, inputs)
     with _terminating():
-        parent, tmp = _fresh_tmp(out)
-        yield from _commit(tmp, out, parent, force, manifest)
+        parent, tmp, created = _fresh_tmp(out)
+        yield from _commit(tmp, out, parent, force, manifest, created)
 
 
-def _fresh_tmp(out: Path) -> tuple[Path, Path]:
-    """OUT's parent and its empty temporary sibling directory (a SIGKILLed earlier run's leftovers removed)."""
+def _fresh_tmp(out: Path) -> tuple[Path, Path, list[Path]]:
+    """OUT's parent, its empty temporary sibling directory (a SIGKILLed earlier run's leftovers removed) and the
+    directories above OUT that this call created (deepest first, for `_remove_parents` after a failure)."""
     parent = out.absolute().parent
+    created: list[Path] = []
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        _make_parents(parent, created)
         _clean_stale(parent, out.name)
         tmp = parent / tmp_name(out.name)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_entry(tmp)
         tmp.mkdir()
     except OSError as e:
+        _remove_parents(created)
         raise _os_error(e, out) from None
-    return parent, tmp
+    return parent, tmp, created
 
 
-def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool) -> Iterator[Path]:
-    """The body of `atomic_output_dir` after the temporary directory exists."""
+def _make_parents(parent: Path, created: list[Path]) -> None:
+    """`mkdir -p parent`, recording in `created` (deepest first) each directory this call made; one that someone
+    else made meanwhile is not recorded."""
+    missing = []
+    probe = parent
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        probe = probe.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            if os.path.isdir(d):
+                continue
+            raise
+        created.insert(0, d)
+
+
+def _remove_parents(created: list[Path]) -> None:
+    """Remove the directories `_make_parents` created (deepest first), each only while it is still empty."""
+    for d in created:
+        try:
+            os.rmdir(d)
+        except FileNotFoundError:
+            continue
+        except OSError:  # someone else's files arrived meanwhile: it and the directories above it stay
+            return
+
+
+def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool,
+            created: list[Path] | None = None) -> Iterator[Path]:
+    """The body of `atomic_output_dir` after the temporary directory exists (`created`: the parents it made)."""
     try:
         yield tmp
         if manifest:
@@ -248,6 +322,7 @@ def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool) -> 
             rename_noreplace(tmp, out.absolute())
     except BaseException as e:
         discard(tmp, out.name)
+        _remove_parents(created or [])
         mapped = write_failure(e, out, parent, tmp)
         if mapped is not None:
             raise mapped from None
@@ -420,7 +495,7 @@ def _manifest_plan(root: Path, unlisted: bool) -> tuple[str, list[str], list[tup
     from mconvert.convert.io.paths import read_small
 
     try:
-        algorithm, listed = manifest_entries(read_small(path, "json"))
+        algorithm, listed = manifest_entries(read_small(_contained_manifest(root), "json"))
     except MConvertError as e:
         return "", [str(e)], []
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
@@ -462,6 +537,7 @@ def verify_input(path: str | Path) -> None:
     root = _manifest_root(Path(path))
     if root is None:
         return
+    _contained_manifest(root)  # its own line: a manifest linked from elsewhere is not the input's
     if not in_conversion():
         problems = check_manifest(root, unlisted=False)
         if problems:
@@ -478,6 +554,13 @@ def _manifest_root(path: Path) -> Path | None:
     directory), or None when there is none."""
     roots = [path] + ([path.parent] if path.name == "release" or path.name.startswith("iter_") else [])
     return next((r for r in roots if (r / MANIFEST).is_file()), None)
+
+
+def _contained_manifest(root: Path) -> Path:
+    """`root`'s manifest, refused (as every other input file) when it is a symlink leading outside `root`."""
+    from mconvert.convert.io.paths import contained
+
+    return contained(root, MANIFEST, f"{root}: manifest")
 
 
 def _input_changed(root: Path, problems: list[str]) -> MConvertError:
@@ -512,27 +595,42 @@ def file_manifest_path(out: str | Path) -> Path:
     return out.with_name(f"{out.name}.{MANIFEST}")
 
 
-@contextmanager
-def atomic_output_file(out: str | Path, force: bool = False, manifest: bool = True,
-                       inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
-    """Yield a path to write the single file `out` to; on success rename it to `out`, then put its manifest
-    beside it (`file_manifest_path`). The file is written inside a temporary sibling directory, so a killed
-    run leaves no OUT and the next run removes the leftover, exactly as `atomic_output_dir` does."""
+def check_output_file(out: str | Path, force: bool, inputs: tuple[str | Path | None, ...] = (),
+                      manifest: bool = True) -> Path:
+    """`check_output` for a single-file OUT and, with `manifest`, for the manifest beside it
+    (`file_manifest_path`): a directory at either path is refused, with or without --force; an existing
+    manifest without --force is refused as an existing OUT is."""
     out = check_output(out, force, inputs)
     if out.is_dir():
         raise MConvertError(f"{out}: is a directory; the output is one file — choose a file name (e.g. model.gguf)")
+    if manifest:
+        side = file_manifest_path(out)
+        if os.path.isdir(side) and not os.path.islink(side):
+            raise MConvertError(f"{side}: is a directory where the manifest of {out.name} belongs; remove or "
+                                "rename it, or choose another output name")
+        if os.path.lexists(side) and not force:
+            raise MConvertError(f"{side}: the manifest of {out.name} already exists; pass --force to replace it "
+                                "(or remove it)")
+    return out
+
+
+@contextmanager
+def atomic_output_file(out: str | Path, force: bool = False, manifest: bool = True,
+                       inputs: tuple[str | Path | None, ...] = ()) -> Iterator[Path]:
+    """Yield a path to write the single file `out` to; on success put it at `out` and its manifest beside it
+    (`file_manifest_path`): both or neither. The file is written inside a temporary sibling directory, so a
+    killed run leaves no OUT and the next run removes the leftover, exactly as `atomic_output_dir` does; a
+    failed run also removes the directories above OUT it created."""
+    out = check_output_file(out, force, inputs, manifest)
     with _terminating():
-        parent, tmp = _fresh_tmp(out)
+        parent, tmp, created = _fresh_tmp(out)
+        placed = False
         try:
             yield tmp / out.name
             if manifest:
                 write_manifest(tmp)
-            if force:
-                _replace(tmp / out.name, out.absolute())
-            else:
-                rename_noreplace(tmp / out.name, out.absolute())
-            if manifest:
-                os.replace(tmp / MANIFEST, file_manifest_path(out.absolute()))
+            _place_file(tmp, out, force, manifest)
+            placed = True
         except BaseException as e:
             mapped = write_failure(e, out, parent, tmp)
             if mapped is not None:
@@ -540,6 +638,49 @@ def atomic_output_file(out: str | Path, force: bool = False, manifest: bool = Tr
             raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            if not placed:
+                _remove_parents(created)
+
+
+def _place_file(tmp: Path, out: Path, force: bool, manifest: bool) -> None:
+    """Move the finished file in `tmp` to `out` and (with `manifest`) its manifest beside it: when the manifest
+    cannot be placed, the file is taken back and a previous OUT returns. Errors name the user's paths."""
+    new, dst = tmp / out.name, out.absolute()
+    old = _put(new, dst, force, shown=out)
+    old_side = None
+    if manifest:
+        side = file_manifest_path(dst)
+        try:
+            if os.path.isdir(side) and not os.path.islink(side):  # made during the run: never replaced
+                raise MConvertError(f"{file_manifest_path(out)}: appeared as a directory while this run was in "
+                                    "progress and was left untouched; nothing was written — remove it, then run "
+                                    "again")
+            old_side = _put(tmp / MANIFEST, side, force, shown=file_manifest_path(out),
+                            park=tmp / f"old-{MANIFEST}")
+        except BaseException:
+            _swap_back(new, dst, old)
+            raise
+    remove_entry(old)
+    remove_entry(old_side)
+
+
+def _put(new: Path, dst: Path, force: bool, shown: Path | None = None, park: Path | None = None) -> Path | None:
+    """`_swap_in` (with `force`; `park` as there) or `rename_noreplace` of `new` to `dst`; where the previous `dst`
+    lies now. An OS error is one line naming `shown` (default `dst`)."""
+    try:
+        if force:
+            return _swap_in(new, dst, park)
+        rename_noreplace(new, dst)
+        return None
+    except OSError as e:
+        raise _placing_error(e, shown or dst) from None
+
+
+def _placing_error(e: OSError, dst: Path) -> MConvertError:
+    if e.errno in _WRITE_ERRNOS:
+        return _os_error(OSError(e.errno, e.strerror), dst)
+    return MConvertError(f"{dst}: cannot be put in place ({e.strerror or e}); nothing was written — remove or "
+                         "rename what is there (or choose another output path), then run again")
 
 
 def check_file_manifest(path: str | Path) -> list[str]:
