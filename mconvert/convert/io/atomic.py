@@ -322,8 +322,8 @@ def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool,
             rename_noreplace(tmp, out.absolute())
     except BaseException as e:
         discard(tmp, out.name)
-        _remove_parents(created or [])
         mapped = write_failure(e, out, parent, tmp)
+        _remove_parents(created or [])
         if mapped is not None:
             raise mapped from None
         raise
