@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def test_two_processes_write_the_one_process_bytes(one_process: dict[str, Path],
     assert sorted(os.listdir(tmp_path / "out")) == ["hf", "mg", "rs"]  # no temporary directory or status left
     for verb in ("hf", "mg", "rs"):
         got, want = _tree(tmp_path / "out" / verb), _tree(one_process[verb])
-        assert sorted(got) == sorted(want), verb
+        assert want and sorted(got) == sorted(want), verb
         assert [k for k in want if got[k] != want[k]] == [], verb  # manifest included
         assert check_manifest(tmp_path / "out" / verb) == []
 
@@ -153,12 +152,10 @@ def assert_a_failing_rank_leaves_no_output(ckpt: Path, tmp_path: Path, argv: lis
     _flip_tensor_byte(theirs[0])
     outdir = tmp_path / "outs"
     outdir.mkdir()
-    t0 = time.monotonic()
     r = _torchrun([{"{src}": src, "{out}": outdir / "out"}.get(a, a) for a in argv], timeout=240)
     assert r.returncode != 0
     assert "CRC-32" in r.stderr and str(theirs[0]) in r.stderr
     assert os.listdir(outdir) == []
-    assert time.monotonic() - t0 < 240
 
 
 @pytest.mark.timeout(300)
