@@ -55,7 +55,9 @@ def test_torch_save_records_get_the_crc_zlib_computes(tmp_path: Path) -> None:
     import zipfile
 
     ckpt = base()["ckpt"]
-    for f in sorted(ckpt.rglob("model_optim_rng.pt")):
+    files = sorted(ckpt.rglob("model_optim_rng.pt"))
+    assert files, f"no rank files under {ckpt}"
+    for f in files:
         with zipfile.ZipFile(f) as z:
             assert z.testzip() is None
 
@@ -242,7 +244,9 @@ def test_hash_file_reads_where_the_file_cannot_be_mapped(tmp_path: Path, monkeyp
 
 # ---- manifests -----------------------------------------------------------------------------------------------
 def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    assert files, f"no files under {root}"  # each caller checks every file: none would pass
+    return files
 
 
 def test_default_manifest_is_blake3_of_every_file() -> None:
