@@ -23,7 +23,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 import types
 import warnings
 import zipfile
@@ -335,10 +334,9 @@ def test_rank_file_with_a_walk_that_never_ends_is_refused(tmp_path, capsys, kind
     state["args"].data_path = make()
     torch.save(state, f)
     out = tmp_path / "out"
-    t0 = time.monotonic()
     code, _, err = run_cli([verb, ckpt, out] + (["--tp", "1"] if verb == "reshard" else []), capsys)
-    assert_one_line_error(code, err, str(f), what)
-    assert code == 1 and not out.exists() and time.monotonic() - t0 < 30
+    assert_one_line_error(code, err, str(f), what)  # the walk's own limit ended it; a walk that spins meets the timeout
+    assert code == 1 and not out.exists()
 
 
 @pytest.mark.timeout(60)
@@ -381,10 +379,8 @@ def test_exponential_tuple_used_as_a_dict_key_is_refused_before_hashing(tmp_path
     path = tmp_path / "a.pt"
     torch.save({"w": torch.zeros(1)}, path)
     _rewrite_zip(path, lambda pkl: _into_top_dict(pkl, "k", prog))
-    t0 = time.monotonic()
-    with pytest.raises(MConvertError, match=rf"more than {MAX_OBJECTS} objects"):
+    with pytest.raises(MConvertError, match=rf"more than {MAX_OBJECTS} objects"):  # hashing it first meets the timeout
         safe_load(path)
-    assert time.monotonic() - t0 < 10
 
 
 def test_check_tree_limits_name_the_file():
@@ -467,19 +463,21 @@ def _made_of_data(obj) -> None:
             todo += list(o.__dict__.values())
 
 
+FUZZ_CASES = 3000
+
+
 @pytest.mark.timeout(120)
 def test_opcode_fuzz_never_mutates_and_only_refuses_in_one_line(torch_dist_ckpt, unchanged):
     """Insert call / state / item opcodes on allowed and forbidden names at random opcode boundaries of valid
-    pickles (seeded, ~6 s): every outcome is one MConvertError line naming the file, or a result made of data;
-    no watched process-wide object changes (checked after every case, and by the fixture)."""
+    pickles (a fixed seed and count, so every machine runs the same cases): every outcome is one MConvertError
+    line naming the file, or a result made of data; no watched process-wide object changes (checked after every
+    case, and by the fixture)."""
     rng = random.Random(11)
     md = (torch_dist_ckpt / "iter_0000001" / ".metadata").read_bytes()
     cases = [(name, data, "torch") for name, data in _valid_pickles()] + [("dcp", md, "dcp")]
-    f4, refused, accepted, n = _f4(), 0, 0, 0
-    deadline = time.monotonic() + 6
-    while (time.monotonic() < deadline or n < 200) and n < 5000:
+    f4, refused, accepted = _f4(), 0, 0
+    for n in range(FUZZ_CASES):
         name, data, mode = cases[n % len(cases)]
-        n += 1
         cuts = [pos for _, _, pos in pickletools.genops(data)]
         pos = rng.choice(cuts[1:])
         snippet = rng.choice(SNIPPETS if rng.random() < 0.8 else BENIGN) + (b"0" if rng.random() < 0.5 else b"")
