@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from hf_ref import hf_model_shapes
 from mconvert.errors import MConvertError
 from mconvert.mappings import to_hf
 from mconvert.mappings.transforms import merge, split
@@ -70,21 +71,6 @@ def spec_fields(draw) -> dict:
     return fields
 
 
-def _hf_model_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes of transformers' own class for `cfg`, built on the meta device (no memory)."""
-    import transformers
-
-    config = transformers.AutoConfig.for_model(**cfg)
-    cls = getattr(transformers, cfg["architectures"][0])
-    with torch.device("meta"):
-        model = cls(config)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()
-              if not k.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    return shapes
-
-
 def _our_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for unit, decls in [("embedding", spec.embedding_params()), ("final", spec.final_params())] + [
@@ -128,7 +114,7 @@ def test_any_spec_is_refused_cleanly_or_maps_onto_transformers(fields, tp, pp):
     assert spec_from_megatron_args(spec.to_megatron_args(tp, pp)) == spec
     if spec.vocab_size < 2 or spec.max_position_embeddings < 2:
         return
-    assert _our_hf_shapes(spec) == _hf_model_shapes(cfg)
+    assert _our_hf_shapes(spec) == hf_model_shapes(cfg)
     event("matches transformers' model")
 
 
@@ -182,7 +168,7 @@ def test_malformed_megatron_args_are_one_clean_error(edits):
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
 def test_presets_map_onto_transformers(name):
     spec = preset(name)
-    assert _our_hf_shapes(spec) == _hf_model_shapes(hf_config(spec))
+    assert _our_hf_shapes(spec) == hf_model_shapes(hf_config(spec))
 
 
 def test_untied_gpt2_keeps_its_head_through_hf_to_megatron_and_back(tmp_path):

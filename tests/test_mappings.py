@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_ref import hf_model_shapes
 from mconvert.errors import MConvertError
 from mconvert.mappings import from_hf, hf_names, hf_unit, to_hf
 from mconvert.mappings import transforms as T
 from mconvert.mappings.keys import canonical_key, flatten
 from mconvert.mappings.registry import Registry
-from mconvert.mappings.families import preset
+from mconvert.mappings.families import hf_config, preset
 
 
 def test_qkv_separate_roundtrip_and_group_layout():
@@ -108,19 +109,26 @@ def test_legacy_nested_dict_flattens():
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
 def test_plugin_to_hf_from_hf_roundtrip(name):
+    """to_hf gives, unit by unit, exactly the names and shapes of transformers' own model for the preset's
+    config (built on the meta device), and from_hf takes them back to the Megatron tensors."""
     spec = preset(name)
+    want = hf_model_shapes(hf_config(spec))
+    got: dict[str, tuple[int, ...]] = {}
     g = torch.Generator().manual_seed(0)
-    for unit in ["embedding", 0, 1, "final"]:
+    for unit in ["embedding", *range(spec.num_layers), "final"]:
         decls = {"embedding": spec.embedding_params(), "final": spec.final_params()}.get(unit) or spec.layer_params(unit)
         mc = {d.name: torch.randn(d.shape, generator=g) for d in decls}
         hf = to_hf(spec, unit, mc)
         assert sorted(hf) == sorted(hf_names(spec, unit))
+        assert {k: tuple(v.shape) for k, v in hf.items()} == {k: want.get(k) for k in hf}, unit
+        got.update({k: tuple(v.shape) for k, v in hf.items()})
         assert all(hf_unit(spec, k) == unit for k in hf)
         back = from_hf(spec, unit, hf)
         for k, v in mc.items():
             if k == "embedding.word_embeddings.weight" or k == "output_layer.weight":
                 v = v[: spec.vocab_size]
             assert torch.equal(back[k], v), k
+    assert got == want
 
 
 def test_unmapped_hf_key_is_an_error_naming_it():
