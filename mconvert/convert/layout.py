@@ -81,11 +81,15 @@ def read_latest(root: str | Path) -> int | str:
     if text == "release":
         return "release"
     try:
-        return int(text)
+        it = int(text)
     except ValueError:
         raise MConvertError(
             f"{path}: expected an iteration number or 'release', found {text[:40]!r}; fix it or pass --iteration"
         ) from None
+    if it < 0:  # Megatron-LM asserts a positive iteration
+        raise MConvertError(f"{path}: iteration {it} is negative; write the iteration number of a saved iter_* "
+                            "directory into it, or pass --iteration")
+    return it
 
 
 def write_latest(root: str | Path, iteration: int | str) -> None:

@@ -127,6 +127,12 @@ class MegatronSource(SourceBase):
         if a.get("bos_token_id") is not None or a.get("eos_token_id") is not None:
             spec = spec.replace(bos_token_id=a.get("bos_token_id"), eos_token_id=a.get("eos_token_id"))
         self.spec = spec
+        if self.checkpoint_version < 2 and spec.num_query_groups is not None:  # _fix_legacy_qkv assumes MHA
+            raise MConvertError(
+                f"{first_file}: checkpoint_version {self.checkpoint_version:g} (a legacy QKV layout, older than "
+                f"grouped-query attention) with num_query_groups={spec.num_query_groups} < num_attention_heads="
+                f"{spec.num_attention_heads}; Megatron-LM never writes both — re-copy the file, or fix "
+                "checkpoint_version or num_query_groups in its args")
         self.padded_vocab = a.get("padded_vocab_size")
         spec.check_parallel(1, self.pp, self.vpp)
         self._keymaps: dict[tuple[int, int], dict[str, str]] = {}

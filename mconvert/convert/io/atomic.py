@@ -463,11 +463,20 @@ def write_manifest(root: Path, workers: int = 4, algorithm: str | None = None) -
 def manifest_entries(raw: bytes | str) -> tuple[str, dict[str, tuple[int, Any]]]:
     """(algorithm, {relative path: (bytes, digest or None)}) of a manifest's text; a manifest without `hash` is
     a sha256 one (as every manifest before BLAKE3). A ValueError/KeyError/TypeError for a malformed one."""
-    doc = json.loads(raw)
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
     algorithm = doc.get("hash", "sha256")
     if algorithm not in MANIFEST_HASHES:
         raise ValueError(f"unknown hash {str(algorithm)[:40]!r} (this mconvert knows {', '.join(MANIFEST_HASHES)})")
-    listed = {str(rel): (int(meta["bytes"]), meta.get(algorithm)) for rel, meta in doc["files"].items()}
+    listed = {}
+    for rel, meta in doc["files"].items():
+        size = meta["bytes"]
+        if type(size) is not int or size < 0:  # a JSON integer, not 1e400, 12.5, true or "12"
+            shown = json.dumps(size)[:40] if not isinstance(size, (list, dict)) else type(size).__name__
+            raise ValueError(f"entry {str(rel)[:80]!r}: bytes {shown} is not a file size")
+        listed[str(rel)] = (size, meta.get(algorithm))
     return algorithm, listed
 
 

@@ -204,6 +204,7 @@ def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
     if not head:
         raise MConvertError(f"{path}: {what} file is empty (truncated copy?); re-copy it")
     if head == _ZIP_MAGIC:
+        refuse_duplicate_entries(path)
         check_torch_pickle(path, [_zip_record(path, "data.pkl")])
         verify_zip_crc(path)
         with _exactly_our_allow_list():
@@ -218,6 +219,21 @@ def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
         f"{path}: not a torch checkpoint (starts with {head!r}, expected a zip or pickle); "
         "check the file name or re-copy it"
     )
+
+
+def refuse_duplicate_entries(path: Path) -> None:
+    """Refuse a zip that names one entry twice: torch's reader takes the first, Python's zipfile the last, so
+    two readers of one file would see different bytes. A zip Python cannot parse is left to the other checks."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError, struct.error):
+        return
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        twice = next(n for n in names if n in seen or seen.add(n))
+        raise MConvertError(f"{path}: the zip holds two entries named {twice!r} (torch.save writes each once); the "
+                            "file is corrupt or crafted — re-copy it")
 
 
 _CRC_CHECKED: set[tuple[str, int, int]] = set()

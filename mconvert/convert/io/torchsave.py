@@ -61,10 +61,17 @@ class TensorIndex:
             reader = torch._C.PyTorchFileReader(str(path))
             records = [r for r in reader.get_all_records() if r.startswith("data/")]
             rec = sorted((reader.get_record_offset(r), r) for r in records)
+            # torch.save records the writer's byte order; torch.load assumes little without the record
+            order = bytes(reader.get_record("byteorder")) if reader.has_record("byteorder") else b"little"
             with zipfile.ZipFile(path) as z:
                 size_of = {i.filename.split("/", 1)[1]: i.file_size for i in z.infolist() if "/" in i.filename}
         except Exception:  # noqa: BLE001 - not a zip checkpoint (legacy pickle): no index
             return None
+        if order != b"little":  # the record bytes are read raw: a byte-swapped tensor would convert silently
+            raise MConvertError(
+                f"{path}: saved on a {order.decode('ascii', 'replace')[:16]}-endian machine (its byteorder record); "
+                "mconvert reads tensor bytes as little-endian — re-save it on a little-endian machine "
+                "(torch.load, then torch.save)")
         everything: list[torch.Tensor] = []
         _all_tensors(state, everything)
         storages: dict[int, int] = {}
