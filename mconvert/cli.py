@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -79,6 +80,25 @@ def _workers(n: int) -> None:
     from mconvert.convert.base import set_workers
 
     set_workers(n)
+
+
+_NO_SPLIT = {"--tp": "1 means no tensor parallelism", "--pp": "1 means no pipeline parallelism",
+             "--ep": "1 means no expert parallelism", "--vpp": "omit --vpp for no virtual pipeline"}
+
+
+def _at_least_one(*options: tuple[str, Optional[int]]) -> None:
+    """Refuse a size or count option below 1 (None: not given) before the verb starts: one line naming it."""
+    for flag, value in options:
+        if value is not None and value < 1:
+            advice = _NO_SPLIT.get(flag.split("/")[0].replace("target-", ""), "pass a whole number >= 1")
+            raise MConvertError(f"{flag} must be >= 1, got {value}; {advice}")
+
+
+def _positive_rate(*options: tuple[str, Optional[float]]) -> None:
+    """Refuse a bandwidth that is not a finite number > 0 (None: not given)."""
+    for flag, value in options:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise MConvertError(f"{flag} must be > 0 and finite, got {value}; or omit it")
 
 # ==== train (trainer/) ===============================================================================
 TrainInt = Optional[int]
@@ -192,6 +212,10 @@ def plan_cmd(
       mconvert plan --preset moe-671b --tp 8 --ep 8 --to megatron --target-ep 16
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to trtllm --target-tp 8 --nodes 2 --procs-per-node 4
     """
+    _at_least_one(("--tp", tp), ("--pp", pp), ("--ep", ep), ("--target-tp", target_tp), ("--target-pp", target_pp),
+                  ("--target-ep", target_ep), ("--first-stage-layers", first), ("--last-stage-layers", last),
+                  ("--nodes", nodes), ("--procs-per-node", procs_per_node))
+    _positive_rate(("--disk-gb-per-s", disk_gb), ("--network-gb-per-s", net_gb))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate, scaleout_estimate
     from mconvert.mappings.families import preset
@@ -313,6 +337,7 @@ def hf_to_megatron_cmd(
       mconvert hf-to-megatron hf-model/ ckpt-dist/ --tp 2 --format torch_dist
       mconvert hf-to-megatron mixtral-hf/ ckpt/ --tp 2 --ep 4
     """
+    _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import hf_to_megatron
 
@@ -355,6 +380,7 @@ def reshard_cmd(
       mconvert reshard moe-ckpt/ moe-ep4/ --tp 1 --ep 4
       mconvert reshard ckpt/ ckpt-dp/ --tp 2 --format torch_dist --with-optimizer --optimizer-layout dp_reshardable
     """
+    _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import reshard
 
@@ -420,6 +446,7 @@ def megatron_to_ft_cmd(
       mconvert megatron-to-ft ckpt/ ft/ --infer-tp 2 --dry-run
       mconvert megatron-to-ft hf-gpt2/ ft/ --tp 4 --dtype fp16 --force --json
     """
+    _at_least_one(("--tp/--infer-tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.fastertransformer import megatron_to_ft
 
@@ -452,6 +479,7 @@ def megatron_to_trtllm_cmd(
       mconvert megatron-to-trtllm ckpt/ trtllm/ --tp 2 --dry-run
       mconvert megatron-to-trtllm hf-llama/ trtllm/ --tp 4 --dtype fp16 --force
     """
+    _at_least_one(("--tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.trtllm import megatron_to_trtllm
 

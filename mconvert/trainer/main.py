@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg.validate()
         rank = int(os.environ.get("RANK", "0"))
         tokens, vocab = prepare_tokens(None, write=False)
+        cfg.check_corpus(tokens)
         spec = build_spec(cfg, vocab)
         if rank == 0:
             prepare_save_dir(cfg)

@@ -16,6 +16,7 @@ import math
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
@@ -23,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mconvert.convert import optimizer as optim
-from mconvert.convert.io.atomic import atomic_output_dir
+from mconvert.convert.io.atomic import _terminating, atomic_output_dir
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.convert.io.safeload import safe_load
 from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
@@ -53,6 +54,11 @@ SPEC_OVERRIDES = ("num_layers", "hidden_size", "num_attention_heads", "num_query
                   "moe_ffn_hidden_size")
 # Megatron-LM's Adam is AdamW: weight decay decoupled from the gradient, scaled per group by `wd_mult`
 ADAM = dict(betas=(0.9, 0.999), eps=1e-8, decoupled_weight_decay=True)
+# Size flags (TrainConfig fields) that override the preset: whole numbers >= 1 when given
+SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+              "max_position_embeddings", "kv_channels", "num_experts", "moe_topk", "moe_ffn_hidden_size")
+# numpy seeds (data order, per epoch: seed + epoch) take 0 .. 2**32 - 1; the upper half is left to the epochs
+MAX_SEED = 2**31 - 1
 
 
 @dataclass
@@ -106,28 +112,59 @@ class TrainConfig:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     def validate(self) -> None:
+        """Refuse a bad option before anything runs or is written: one line naming the option."""
         if self.dtype not in ("fp32", "bf16"):
             raise MConvertError(f"--dtype {self.dtype!r}: choose fp32 or bf16")
+        if self.device not in (None, "cpu", "cuda"):
+            raise MConvertError(f"--device {self.device!r}: choose cpu or cuda (or omit it)")
+        for flag, value, advice in (
+            ("--tp", self.tp, "1 means no tensor parallelism"),
+            ("--pp", self.pp, "1 means no pipeline parallelism"),
+            ("--dp", self.dp, "1 means no data parallelism"),
+            ("--ep", self.ep, "1 means no expert parallelism"),
+            ("--micro-batch-size", self.micro_batch_size, "it counts the samples of a micro-batch"),
+            ("--global-batch-size", self.global_batch_size, "it counts the samples of a step"),
+            ("--seq-length", self.seq_length, "it counts the tokens of a sample"),
+        ):
+            _at_least_one(flag, value, advice)
+        for name in SIZE_FLAGS:
+            if getattr(self, name) is not None:
+                _at_least_one("--" + name.replace("_", "-"), getattr(self, name), "omit it to keep the preset's")
         if self.steps < 0:
-            raise MConvertError(f"--steps must be >= 0, got {self.steps}")
-        if min(self.tp, self.pp, self.dp, self.ep) < 1:
-            raise MConvertError(f"--tp/--pp/--dp/--ep must be >= 1 (got {self.tp}/{self.pp}/{self.dp}/{self.ep})")
+            raise MConvertError(f"--steps must be >= 0, got {self.steps}; 0 saves the initialised model")
+        if self.save_interval is not None:
+            _at_least_one("--save-interval", self.save_interval, "omit it to save only at the end")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise MConvertError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise MConvertError(f"--lr must be > 0 and finite, got {self.lr}; e.g. --lr 1e-3")
+        for flag, value in (("--weight-decay", self.weight_decay), ("--moe-aux-loss-coeff", self.moe_aux_loss_coeff)):
+            if not (math.isfinite(value) and value >= 0):
+                raise MConvertError(f"{flag} must be >= 0 and finite, got {value}; 0 turns it off")
+        for flag, value in (("--rotary-base", self.rotary_base), ("--norm-epsilon", self.norm_epsilon)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise MConvertError(f"{flag} must be > 0 and finite, got {value}; omit it to keep the preset's")
         check_expert_layout(self.dp, self.ep)
-        if not self.weight_decay >= 0:
-            raise MConvertError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.moe_aux_loss_coeff < 0:
-            raise MConvertError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
         if self.global_batch_size % (self.micro_batch_size * self.dp):
             raise MConvertError(
                 f"--global-batch-size {self.global_batch_size} is not a multiple of micro_batch_size × DP = "
-                f"{self.micro_batch_size} × {self.dp}"
+                f"{self.micro_batch_size} × {self.dp}; pick a multiple"
             )
         if self.resume and not self.save:
             raise MConvertError("--resume needs --save DIR (the checkpoint to continue)")
         if self.sequence_parallel and self.seq_length % self.tp:
             raise MConvertError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by TP={self.tp}")
-        if self.save_interval is not None and self.save_interval < 1:
-            raise MConvertError(f"--save-interval must be >= 1, got {self.save_interval}")
+
+    def check_corpus(self, tokens: torch.Tensor) -> None:
+        """Every sample is --seq-length + 1 consecutive tokens of the corpus: refuse a longer one."""
+        if self.seq_length >= tokens.numel():
+            raise MConvertError(f"--seq-length {self.seq_length}: the corpus holds {tokens.numel()} tokens, a sample "
+                                f"needs --seq-length + 1; pick at most {tokens.numel() - 1}")
+
+
+def _at_least_one(flag: str, value: int, advice: str) -> None:
+    if value < 1:
+        raise MConvertError(f"{flag} must be >= 1, got {value}; {advice}")
 
 
 def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
@@ -136,15 +173,14 @@ def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
     if cfg.moe_topk is not None:
         changes["moe_router_topk"] = cfg.moe_topk
     base = preset(cfg.preset)
-    if "max_position_embeddings" not in changes and cfg.seq_length > base.max_position_embeddings:
-        changes["max_position_embeddings"] = cfg.seq_length
     if "hidden_size" in changes or "num_attention_heads" in changes:
         changes.setdefault("kv_channels", None)
     spec = base.replace(vocab_size=vocab_size, params_dtype="bfloat16" if cfg.dtype == "bf16" else "float32",
                         **changes)
     if cfg.seq_length > spec.max_position_embeddings:
         raise MConvertError(
-            f"--seq-length {cfg.seq_length} > max_position_embeddings {spec.max_position_embeddings}; lower it"
+            f"--seq-length {cfg.seq_length} > max_position_embeddings {spec.max_position_embeddings} of the model; "
+            "lower --seq-length or raise --max-position-embeddings"
         )
     if spec.is_moe and not families.of(spec).moe:  # its HF class has no experts: no converter could export it
         moe_presets = [name for f in families.all_families() if f.moe for name in f.presets]
@@ -600,13 +636,80 @@ def _start_method(device: str | None) -> str:
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run a whole training job on this node: TP·PP·DP processes; returns losses (and comm rows)."""
     cfg.validate()
+    _check_gpus(cfg)
     tokens, vocab = prepare_tokens(None, write=False)
+    cfg.check_corpus(tokens)
     spec = build_spec(cfg, vocab)  # refuse a bad layout before anything is written
     prepare_save_dir(cfg)
     if _replaces_checkpoint(cfg):  # a run that dies leaves the old checkpoint whole
         with atomic_output_dir(cfg.save, force=True, manifest=False) as tmp:
             return _run_training(dataclasses.replace(cfg, save=str(tmp), save_as=cfg.save), spec, tokens)
-    return _run_training(cfg, spec, tokens)
+    with _undone_on_failure(cfg.save):
+        return _run_training(cfg, spec, tokens)
+
+
+def _check_gpus(cfg: TrainConfig) -> None:
+    """A CUDA run on this node takes one GPU per rank."""
+    if cfg.device == "cpu" or (cfg.device is None and not torch.cuda.is_available()):
+        return
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < cfg.world:
+        raise MConvertError(f"--device cuda: this machine has {have} GPU(s) and the run needs TP·PP·DP = {cfg.world}, "
+                            "one per rank; pass --device cpu or a smaller layout")
+
+
+def _iteration_of(name: str) -> int | None:
+    return int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else None
+
+
+@contextlib.contextmanager
+def _undone_on_failure(save: str | None) -> Iterator[None]:
+    """A run into a new or existing --save that fails (a rank error, Ctrl-C, SIGTERM, SIGHUP) removes what it
+    added and no checkpoint holds: the directory itself (and the parents it made) when no checkpoint was
+    committed, else the files and directories it created; a checkpoint it committed (the tracker names it)
+    stays with the tokenizer files, an iteration after it that did not finish goes."""
+    if not save:
+        yield
+        return
+    root = Path(save).absolute()
+    made = root  # the top directory this run creates (root or one of its parents), None when root exists
+    while not made.parent.exists():
+        made = made.parent
+    made_top = None if root.exists() else made
+    before = set(os.listdir(root)) if root.is_dir() else set()
+    tracker = root / TRACKER
+    tracked = tracker.read_bytes() if tracker.is_file() else None
+    with _terminating():
+        try:
+            yield
+        except BaseException:
+            _undo_run(root, made_top, before, tracked)
+            raise
+
+
+def _undo_run(root: Path, made_top: Path | None, before: set[str], tracked: bytes | None) -> None:
+    """`_undone_on_failure`'s removal; `tracked`: the tracker's bytes before the run (None: no tracker)."""
+    tracker = root / TRACKER
+    latest: int | str | None = None
+    if tracker.is_file() and tracker.read_bytes() != tracked:  # this run committed a checkpoint
+        with contextlib.suppress(MConvertError, OSError):
+            latest = read_latest(root)
+    if not isinstance(latest, int):
+        if made_top is not None:
+            shutil.rmtree(made_top, ignore_errors=True)
+            return
+        latest = None
+    if not root.is_dir():
+        return
+    for name in set(os.listdir(root)) - before:
+        it = _iteration_of(name)
+        if latest is not None and (it is None or it <= latest):  # the checkpoint, its tokenizer, its tracker
+            continue
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _run_training(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor) -> dict[str, Any]:
