@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mconvert.convert import optimizer as optim
-from mconvert.convert.io.atomic import _terminating, atomic_output_dir
+from mconvert.convert.io.atomic import atomic_output_dir, terminating
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.convert.io.safeload import safe_load
 from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
@@ -679,7 +679,7 @@ def _undone_on_failure(save: str | None) -> Iterator[None]:
     before = set(os.listdir(root)) if root.is_dir() else set()
     tracker = root / TRACKER
     tracked = tracker.read_bytes() if tracker.is_file() else None
-    with _terminating():
+    with terminating():
         try:
             yield
         except BaseException:

@@ -229,7 +229,7 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 @contextmanager
-def _terminating() -> Iterator[None]:
+def terminating() -> Iterator[None]:
     """SIGTERM and SIGHUP raise `_Terminated` inside the block (main thread only: elsewhere Python cannot set
     handlers); the previous handlers are restored after it."""
     if threading.current_thread() is not threading.main_thread():
@@ -258,7 +258,7 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
     `force` an OUT that appears meanwhile is never replaced. Write failures (disk full, file-size limit,
     read-only or permission) become one MConvertError line."""
     out = check_output(out, force, inputs)
-    with _terminating():
+    with terminating():
         parent, tmp, created = _fresh_tmp(out)
         yield from _commit(tmp, out, parent, force, manifest, created)
 
@@ -631,7 +631,7 @@ def atomic_output_file(out: str | Path, force: bool = False, manifest: bool = Tr
     killed run leaves no OUT and the next run removes the leftover, exactly as `atomic_output_dir` does; a
     failed run also removes the directories above OUT it created."""
     out = check_output_file(out, force, inputs, manifest)
-    with _terminating():
+    with terminating():
         parent, tmp, created = _fresh_tmp(out)
         placed = False
         try:
