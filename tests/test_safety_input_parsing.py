@@ -1,4 +1,4 @@
-"""Input files whose bytes would be read wrong, or whose malformed fields used to end in an internal error:
+"""Input files whose bytes would be read wrong, or whose malformed fields could end in an internal error:
 big-endian torch.save zips (read raw by offset), zips that name an entry twice, legacy QKV versions on a GQA
 model, safetensors headers safetensors itself refuses, manifests with absurd sizes or nesting, a negative
 tracker iteration. Each is refused on one line naming the file, with no OUT left behind."""
