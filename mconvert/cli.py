@@ -95,7 +95,7 @@ def _at_least_one(*options: tuple[str, Optional[int]]) -> None:
 
 
 def _positive_rate(*options: tuple[str, Optional[float]]) -> None:
-    """Refuse a bandwidth that is not a finite number > 0 (None: not given)."""
+    """Refuse a bandwidth or tolerance that is not a finite number > 0 (None: not given)."""
     for flag, value in options:
         if value is not None and not (math.isfinite(value) and value > 0):
             raise MConvertError(f"{flag} must be > 0 and finite, got {value}; or omit it")
@@ -578,6 +578,8 @@ def to_onnx_cmd(
       mconvert to-onnx ckpt/ onnx/ --no-past --opset 17 --force
       mconvert to-onnx hf-model/ onnx/ --dry-run --json
     """
+    _positive_rate(("--rtol", rtol))
+    _at_least_one(("--opset", opset))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf

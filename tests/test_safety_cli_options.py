@@ -139,6 +139,17 @@ def test_deploy_tp_below_one(tmp_path, capsys, verb, option, value):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("option,value,words", [
+    ("--rtol", "0", "--rtol must be > 0"), ("--rtol", "-1", "--rtol must be > 0"), ("--rtol", "nan", "--rtol must"),
+    ("--opset", "0", "--opset must be >= 1"),
+])
+def test_onnx_tolerance_and_opset_are_checked_before_the_export(tmp_path, capsys, option, value, words):
+    out = tmp_path / "out"
+    code, _, err = run_cli(["to-onnx", base()["ref"], out, option, value], capsys)
+    assert_one_line_error(code, err, words)
+    assert not out.exists()
+
+
 PLAN_BAD = [
     (["--to", "hf", "--tp", "0"], "--tp"),
     (["--to", "hf", "--pp", "-1"], "--pp"),
