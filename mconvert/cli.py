@@ -22,7 +22,7 @@ from rich.table import Table
 
 from mconvert import dtypes
 from mconvert.convert.io import tuning
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, at_least_one
 from mconvert.errors import rich_safe as plain
 
 app = typer.Typer(
@@ -89,9 +89,7 @@ _NO_SPLIT = {"--tp": "1 means no tensor parallelism", "--pp": "1 means no pipeli
 def _at_least_one(*options: tuple[str, Optional[int]]) -> None:
     """Refuse a size or count option below 1 (None: not given) before the verb starts: one line naming it."""
     for flag, value in options:
-        if value is not None and value < 1:
-            advice = _NO_SPLIT.get(flag.split("/")[0].replace("target-", ""), "pass a whole number >= 1")
-            raise MConvertError(f"{flag} must be >= 1, got {value}; {advice}")
+        at_least_one(flag, value, _NO_SPLIT.get(flag.split("/")[0].replace("target-", ""), "pass a whole number >= 1"))
 
 
 def _positive_rate(*options: tuple[str, Optional[float]]) -> None:

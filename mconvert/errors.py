@@ -1,7 +1,7 @@
 """The one exception type a user sees: a single line saying what is wrong, where, and what to do.
 
 Also the small readers every module shares so that a wrong-shaped input ends in that one line: a JSON
-file whose top level must be an object, and a value that must have a given type.
+file whose top level must be an object, a value that must have a given type, a count option that must be >= 1.
 """
 
 from __future__ import annotations
@@ -59,6 +59,12 @@ def expect(value: Any, types: type | tuple[type, ...], where: str, fix: str = "f
         return value
     words = " or ".join(_TYPE_WORDS.get(t, f"a {t.__name__}") for t in want)
     raise MConvertError(f"{where}: expected {words}, found {type_name(value)} ({_short(value)}); {fix}")
+
+
+def at_least_one(flag: str, value: int | None, advice: str) -> None:
+    """Refuse a size or count option below 1 (None: not given), naming it and saying what to pass instead."""
+    if value is not None and value < 1:
+        raise MConvertError(f"{flag} must be >= 1, got {value}; {advice}")
 
 
 def _short(value: Any, limit: int = 60) -> str:

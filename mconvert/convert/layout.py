@@ -86,7 +86,7 @@ def read_latest(root: str | Path) -> int | str:
         raise MConvertError(
             f"{path}: expected an iteration number or 'release', found {text[:40]!r}; fix it or pass --iteration"
         ) from None
-    if it < 0:  # Megatron-LM asserts a positive iteration
+    if it < 0:  # no iter_* directory Megatron-LM (or the trainer, which starts at 0) writes has one
         raise MConvertError(f"{path}: iteration {it} is negative; write the iteration number of a saved iter_* "
                             "directory into it, or pass --iteration")
     return it

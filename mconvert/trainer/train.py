@@ -39,7 +39,7 @@ from mconvert.convert.io.atomic import atomic_output_dir, terminating
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.convert.io.safeload import safe_load
 from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, at_least_one
 from mconvert.mappings import families
 from mconvert.mappings.families import preset
 from mconvert.spec import ModelSpec
@@ -126,14 +126,12 @@ class TrainConfig:
             ("--global-batch-size", self.global_batch_size, "it counts the samples of a step"),
             ("--seq-length", self.seq_length, "it counts the tokens of a sample"),
         ):
-            _at_least_one(flag, value, advice)
+            at_least_one(flag, value, advice)
         for name in SIZE_FLAGS:
-            if getattr(self, name) is not None:
-                _at_least_one("--" + name.replace("_", "-"), getattr(self, name), "omit it to keep the preset's")
+            at_least_one("--" + name.replace("_", "-"), getattr(self, name), "omit it to keep the preset's")
         if self.steps < 0:
             raise MConvertError(f"--steps must be >= 0, got {self.steps}; 0 saves the initialised model")
-        if self.save_interval is not None:
-            _at_least_one("--save-interval", self.save_interval, "omit it to save only at the end")
+        at_least_one("--save-interval", self.save_interval, "omit it to save only at the end")
         if not 0 <= self.seed <= MAX_SEED:
             raise MConvertError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -160,11 +158,6 @@ class TrainConfig:
         if self.seq_length >= tokens.numel():
             raise MConvertError(f"--seq-length {self.seq_length}: the corpus holds {tokens.numel()} tokens, a sample "
                                 f"needs --seq-length + 1; pick at most {tokens.numel() - 1}")
-
-
-def _at_least_one(flag: str, value: int, advice: str) -> None:
-    if value < 1:
-        raise MConvertError(f"{flag} must be >= 1, got {value}; {advice}")
 
 
 def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
