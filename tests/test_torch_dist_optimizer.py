@@ -252,10 +252,12 @@ def test_moe_trainer_states_into_torch_dist_are_refused_by_name(tmp_path: Path, 
 
 
 @pytest.mark.timeout(300)
-def test_rng_state_per_rank_and_an_incomplete_grid(tmp_path: Path) -> None:
-    """Each rank file's own rng_state (TP=2 PP=2) comes back to the same rank through torch_dist; a torch_dist
+def test_rng_state_per_rank_and_an_incomplete_grid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank file's own rng_state (TP=2 PP=2) comes back to the same rank through torch_dist; reading the
+    rng objects leaves no file in the temporary directory, not even from a source nobody closes; a torch_dist
     checkpoint whose rng_state misses one (pp, tp) rank is refused naming that rank, not half carried."""
     import pickle
+    import tempfile
 
     from mconvert.convert.io.safeload import safe_load_dcp_metadata
     from mconvert.convert.sources import open_source
@@ -267,10 +269,15 @@ def test_rng_state_per_rank_and_an_incomplete_grid(tmp_path: Path) -> None:
         _edit(f, lambda st, rng=rng: st.__setitem__("rng_state", rng))
     (tmp_path / "a" / MANIFEST).unlink()
     reshard(tmp_path / "a", tmp_path / "d", tp=2, pp=2, format="torch_dist")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     reshard(tmp_path / "d", tmp_path / "b", tp=2, pp=2, format="torch")
     for i, f in enumerate(files):
         back = safe_load(tmp_path / "b" / f.relative_to(tmp_path / "a"))["rng_state"]
         assert back[0]["rank"] == i and torch.equal(back[0]["torch_rng_state"], torch.manual_seed(i).get_state())
+    unclosed = open_source(tmp_path / "d")
+    assert unclosed.top_level(1, 1)["rng_state"][0]["rank"] == 3
+    assert list((tmp_path / "tmp").iterdir()) == []
     md_file = tmp_path / "d" / "release" / ".metadata"
     md = safe_load_dcp_metadata(md_file)
     del md.state_dict_metadata["rng_state/shard_1.0_2.2"]

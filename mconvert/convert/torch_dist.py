@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -135,7 +134,6 @@ class TorchDistSource(SourceBase):
         self._trainer_step: float | None = None  # set by trainer_optimizer(): states then in the trainer's form
         self._trainer_groups: list[dict[str, Any]] = []
         self._rng: dict[tuple[int, int], str] = {}  # (pp_rank, tp_rank) -> its `rng_state` ShardedObject key
-        self._tmp: str | None = None  # ShardedObject bytes, as files for the safe loader
         # the optimizer layout the checkpoint holds (set by check_optimizer) and, for dp_reshardable, each
         # parameter's place per source TP rank: (dp_group_idx, gbuf, bucket, start, local shape)
         self.optimizer_layout: str | None = None
@@ -424,12 +422,6 @@ class TorchDistSource(SourceBase):
             out["rng_state"] = self._read_object(self._rng[(pp_rank, tp_rank)])
         return out
 
-    def close(self) -> None:
-        """Remove the ShardedObject files `_read_object` made."""
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-
     def _read_object(self, key: str, limit: int = MAX_RNG_BYTES) -> Any:
         """A ShardedObject's data: its `torch.save([data])` bytes, read from the data file and loaded by the
         safe loader like every other pickle of the checkpoint."""
@@ -442,12 +434,13 @@ class TorchDistSource(SourceBase):
         with open(self.iter_dir / info.relative_path, "rb") as f:
             f.seek(info.offset)
             blob = f.read(info.length)
-        if self._tmp is None:  # removed by close()
-            self._tmp = tempfile.mkdtemp(prefix="mconvert-objects-")
-        path = Path(self._tmp) / f"object{len(os.listdir(self._tmp))}.pt"
-        path.write_bytes(blob)
-        with crc_checks_now():  # the file is gone before a deferred check would run
-            data = safe_load(path, f"{key} of {self.iter_dir}")
+        # the safe loader reads files: the bytes go to a file that lives only for this call, so no source left
+        # unclosed (an error on the way, a caller that only wanted the spec) leaves one behind
+        with tempfile.TemporaryDirectory(prefix="mconvert-objects-") as tmp:
+            path = Path(tmp) / "object.pt"
+            path.write_bytes(blob)
+            with crc_checks_now():  # the file is gone before a deferred check would run
+                data = safe_load(path, f"{key} of {self.iter_dir}")
         if not isinstance(data, list) or len(data) != 1:
             raise MConvertError(f"{self.iter_dir}: {key!r} is not a saved ShardedObject (a one-item list); the "
                                 "checkpoint is damaged")

@@ -150,15 +150,14 @@ def source_model(path: Path, device: str = "cpu"):
     # heavy optional import: transformers loads only when a model is run
     from transformers.modeling_utils import no_init_weights
 
-    src = open_source(path)
-    cfg_dict = hf_config(src.spec)
-    model_type = cfg_dict.pop("model_type")
-    cfg_dict.pop("architectures", None)
-    cfg = AutoConfig.for_model(model_type, **cfg_dict)
-    with no_init_weights():  # buffers (rotary inv_freq, causal masks) built for real; weights come from the source
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch_dtype(src.spec.params_dtype))
     state = {}
-    with src:  # its rank / safetensors files close once the weights are read
+    with open_source(path) as src:  # its rank / safetensors files close once the weights are read, or on an error
+        cfg_dict = hf_config(src.spec)
+        model_type = cfg_dict.pop("model_type")
+        cfg_dict.pop("architectures", None)
+        cfg = AutoConfig.for_model(model_type, **cfg_dict)
+        with no_init_weights():  # buffers (rotary inv_freq, causal masks) built for real; weights come from source
+            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch_dtype(src.spec.params_dtype))
         for unit in src.units():
             state.update(src.read_hf(unit))
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -120,7 +120,8 @@ def _reference_spec(ckpt: Path, rep: Any) -> Any:
     from mconvert.convert.sources import open_source
 
     try:
-        return open_source(ckpt).spec
+        with open_source(ckpt) as src:
+            return src.spec
     except MConvertError as e:
         rep.add("tensors", "error", f"--against {ckpt}: {e}")
         return None
