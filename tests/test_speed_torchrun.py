@@ -73,6 +73,42 @@ def test_two_processes_write_the_one_process_bytes(one_process: dict[str, Path],
         assert check_manifest(tmp_path / "out" / verb) == []
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(600)
+def test_two_machines_write_the_one_process_bytes(one_process: dict[str, Path], tmp_path: Path) -> None:
+    """Two torchrun agents, each a machine of one process (`--nnodes 2`, a c10d rendezvous, LOCAL_WORLD_SIZE
+    1 on each), sharing a file system: the same bytes as one process, for the three verbs."""
+    script = tmp_path / "job.py"
+    script.write_text(_SCRIPT)
+    (tmp_path / "out").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", tmp_path.name,
+                                str(script), str(base()["ckpt"]), str(base()["ref"]), str(tmp_path / "out"), SHARD],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        errs = [a.communicate(timeout=180)[1] for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(e[-2000:] for e in errs)
+    assert sorted(os.listdir(tmp_path / "out")) == ["hf", "mg", "rs"]
+    for verb in ("hf", "mg", "rs"):
+        got, want = _tree(tmp_path / "out" / verb), _tree(one_process[verb])
+        assert want and sorted(got) == sorted(want), verb
+        assert [k for k in want if got[k] != want[k]] == [], verb
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
