@@ -8,6 +8,7 @@ Library code never imports typer.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import math
@@ -730,8 +731,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run() -> None:
     """The process entry (the `mconvert` command, `python -m mconvert.cli`, torchrun's workers): `main`, then the
-    process ends at once with its exit code. By then the report is printed and the output committed or removed;
-    the interpreter's teardown of torch (its modules, thread pools, allocator) would only add to the wall time.
+    process ends at once with its exit code, once its exit handlers ran. By then the report is printed and the
+    output committed or removed; the interpreter's teardown of torch (its modules, thread pools, allocator) would
+    only add to the wall time.
     A traceback that `MCONVERT_DEBUG=1` asks for ends the process as usual. Programs that run the CLI
     in-process call `main`."""
     try:
@@ -742,6 +744,9 @@ def run() -> None:
     if code is not None and not isinstance(code, int):  # sys.exit("message"): the message, exit status 1
         print(code, file=sys.stderr)
         code = 1
+    # what the process registered to run at exit still runs (multiprocessing removes its forkserver's directory
+    # from the temporary directory, weakref finalizers remove theirs); only the module teardown is skipped
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)

@@ -6,22 +6,20 @@ Everything built here is cached per test process (the base checkpoint is built o
 
 from __future__ import annotations
 
-import atexit
 import gc
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+from scratch import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
-_WORK = Path(tempfile.mkdtemp(prefix="mconvert-safety-"))
-atexit.register(shutil.rmtree, _WORK, True)
+_WORK = scratch_dir("mconvert-safety-", __name__)
 
 
 def make_hf_llama(out: Path, layers: int = 2, hidden: int = 64, ffn: int = 128, heads: int = 4, groups: int = 2,

@@ -35,7 +35,7 @@ from mconvert.convert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 from mconvert.spec import ModelSpec
-from tests.safety_common import add_adam_states
+from safety_common import add_adam_states
 
 ITERATION = 10
 SPECS = {"mixtral": preset("tiny-mixtral"), "qwen3_moe": preset("tiny-qwen3-moe")}

@@ -27,7 +27,7 @@ from mconvert.convert.driver import reshard
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.megatron import megatron_writer
 from mconvert.mappings.families import preset
-from tests.safety_common import add_adam_states
+from safety_common import add_adam_states
 
 pytestmark = pytest.mark.slow
 H, F = 256, 2048

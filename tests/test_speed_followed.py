@@ -22,7 +22,7 @@ from mconvert.convert import base as convert_base
 from mconvert.convert.io.atomic import MANIFEST
 from mconvert.convert.io.hashing import GAP_READ, FollowedDigest, pread_into
 from mconvert.errors import MConvertError
-from tests.safety_common import big_llama_hf, flip_record_padding, run_cli
+from safety_common import big_llama_hf, flip_record_padding, run_cli
 
 
 def _truth(data: bytes, algorithm: str) -> str:

@@ -18,7 +18,7 @@ import pytest
 from mconvert.convert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.io.hashing import HashingFile, crc32, hash_file, set_manifest_hash
 from mconvert.errors import MConvertError
-from tests.safety_common import assert_one_line_error, base, copy_of, run_cli
+from safety_common import assert_one_line_error, base, copy_of, run_cli
 
 
 @pytest.fixture(autouse=True)

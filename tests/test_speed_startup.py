@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.safety_common import ROOT
+from safety_common import ROOT
 
 # Runs the CLI in a fresh interpreter (after BEFORE), then prints REPORT as JSON on stderr.
 _FRESH = """
@@ -83,7 +83,7 @@ def test_a_conversion_never_walks_the_import_graph(tmp_path) -> None:
     """From the interpreter's start to its exit, a conversion verb runs no full collection: the collector is
     paused while torch and the engine import (which otherwise triggers several, each walking everything imported
     so far), and `tuning.apply` freezes the imports without one."""
-    from tests.safety_common import base
+    from safety_common import base
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", _GC_PROBE, "megatron-to-hf", str(base()["ckpt"]), str(tmp_path / "o")],

@@ -15,7 +15,7 @@ from mconvert.convert.io import world as world_state
 from mconvert.convert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World, world_from_env
 from mconvert.errors import MConvertError
-from tests.safety_common import ROOT, base, flip_record_padding
+from safety_common import ROOT, base, flip_record_padding
 
 pytestmark = pytest.mark.slow
 
@@ -338,7 +338,7 @@ def test_one_process_verbs_are_refused_under_torchrun(tmp_path: Path, monkeypatc
                                                       capsys: pytest.CaptureFixture, argv: list[str]) -> None:
     """A verb that cannot share its work is refused under torchrun before anything is written (else every
     process would write the whole output and all but one would fail at the commit)."""
-    from tests.safety_common import assert_one_line_error, run_cli
+    from safety_common import assert_one_line_error, run_cli
 
     args = [a.format(ckpt=base()["ckpt"], ref=base()["ref"], out=tmp_path / "out") for a in argv]
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -351,7 +351,7 @@ def test_one_process_verbs_are_refused_under_torchrun(tmp_path: Path, monkeypatc
 @pytest.mark.timeout(120)
 def test_world_size_without_torchrun_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture) -> None:
-    from tests.safety_common import assert_one_line_error, run_cli
+    from safety_common import assert_one_line_error, run_cli
 
     ckpt = base()["ckpt"]
     for k in ("MASTER_ADDR", "MASTER_PORT"):

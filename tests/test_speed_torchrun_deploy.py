@@ -14,8 +14,8 @@ import torch
 from mconvert.convert.io import world as world_state
 from mconvert.convert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World
-from tests.safety_common import base
-from tests.test_speed_torchrun import _torchrun, _tree, assert_a_failing_rank_leaves_no_output
+from safety_common import base
+from test_speed_torchrun import _torchrun, _tree, assert_a_failing_rank_leaves_no_output
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from mconvert.convert.io import world as world_state
 from mconvert.convert.scaleout import World
-from tests.safety_common import base
-from tests.test_speed_torchrun import _torchrun
+from safety_common import base
+from test_speed_torchrun import _torchrun
 
 SHARD = "40KB"  # several shards from the tiny model, so that both ranks own some
 
@@ -126,7 +126,7 @@ def test_plan_to_trtllm_on_the_command_line() -> None:
     import subprocess
     import sys
 
-    from tests.safety_common import ROOT
+    from safety_common import ROOT
 
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     ok = subprocess.run([sys.executable, "-m", "mconvert.cli", "plan", "--preset", "llama3-405b", "--tp", "8",

@@ -23,8 +23,12 @@ def test_train_cli_tp2_pp2_json_and_tokenizer(tmp_path):
     cmd = MCONVERT + ["train", "--preset", "tiny-llama", "--tp", "2", "--pp", "2", "--dp", "1", "--steps", "3",
                       "--save", str(ckpt), "--seq-length", "32", "--micro-batch-size", "2",
                       "--global-batch-size", "8", "--comm-report", "--json"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    (tmp_path / "tmp").mkdir()
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
     assert res.returncode == 0, res.stderr[-2000:]
+    # the launch leaves nothing in the temporary directory (the elastic agent's logs, the forkserver's socket
+    # directory, the ranks' status files); torchinductor_USER is torch's compile cache, kept by torch by design
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")] == []
     out = json.loads(res.stdout)
     assert len(out["losses"]) == 3
     assert "iteration      3/3 | loss" in res.stderr  # loss per step (stderr under --json)

@@ -5,16 +5,13 @@ per test process (the tokenizer tests and the vLLM tests share it)."""
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
+from scratch import scratch_dir
 
-WORK = Path(tempfile.mkdtemp(prefix="mconvert-tokens-"))
-atexit.register(shutil.rmtree, WORK, True)
+WORK = scratch_dir("mconvert-tokens-", __name__)
 
 CHAT = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -6,18 +6,16 @@ catch it). Everything is built once per test process and cached.
 
 from __future__ import annotations
 
-import atexit
 import json
 import shutil
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from scratch import scratch_dir
 
-WORK = Path(tempfile.mkdtemp(prefix="mconvert-validate-"))
-atexit.register(shutil.rmtree, WORK, True)
+WORK = scratch_dir("mconvert-validate-", __name__)
 
 # family -> (preset, training TP, training PP)
 TRAINED = {"llama": ("tiny-llama", 2, 2), "gpt2": ("tiny-gpt2", 2, 1), "llama3": ("tiny-llama3", 2, 2),

@@ -550,18 +550,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir: str | None = None) -> dict[int, Any]:
+def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None) -> dict[int, Any]:
     """Start `nprocs` ranks of `fn(*args)` on this node with torch's elastic launcher (torchrun's engine).
 
     CPU runs fork from a forkserver with one thread per rank (see _start_method); CUDA runs spawn. Every rank
     runs inside procs.run_rank: the first failing rank ends the launch at once, and no rank outlives it.
     Returns {global rank: return value}. A failing rank raises MConvertError naming it and its error."""
     method = _start_method(device)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
-        start_method=method, logs_specs=DefaultLogsSpecs(log_dir=log_dir), local_addr="127.0.0.1",
-    )
+
+    def config(group: procs.RankGroup) -> LaunchConfig:
+        # the agent's per-rank log and error files go into the group's directory, which the launch removes
+        # (without a log_dir the agent makes a directory of its own in the temporary directory and leaves it)
+        return LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
+            start_method=method, logs_specs=DefaultLogsSpecs(log_dir=str(group.directory / "logs")),
+            local_addr="127.0.0.1",
+        )
     # A rank forked from the caller must stay single-threaded: the parent's OpenMP pool does not survive fork.
     threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
     if not os.environ.get("MCONVERT_DEBUG"):  # a failing rank is reported once, as one line, below
@@ -574,7 +579,7 @@ def launch(fn: Any, args: tuple, nprocs: int, device: str | None = None, log_dir
     try:
         with procs.kept_signal_handlers(), procs.RankGroup() as group:
             try:
-                return elastic_launch(config, procs.run_rank)(group.control, fn, args)
+                return elastic_launch(config(group), procs.run_rank)(group.control, fn, args)
             except ChildFailedError as e:
                 group.kill()
                 failure = group.first_failure()
