@@ -196,3 +196,30 @@ def test_manifest_of_a_successful_gguf_lists_only_the_file(tmp_path, capsys, fx)
     assert code == 0, err
     assert list(json.loads(file_manifest_path(out).read_text())["files"]) == [out.name]
     assert sorted(os.listdir(tmp_path)) == ["m.gguf", file_manifest_path(out).name]
+
+
+# ---- a file placed without renameat2 (other OS, old kernel, a file system without it): the hard-link path ------
+@pytest.mark.parametrize("appears", [None, "gguf", "manifest"])
+def test_gguf_placed_by_the_hard_link_fallback(tmp_path, capsys, fx, monkeypatch, appears):
+    """Without RENAME_NOREPLACE a file is put in place by a hard link, which never replaces anything either: the
+    GGUF and its manifest land both; a file that appears at either path just before it is placed stays the
+    user's, one line names it, and the GGUF is taken back (neither of ours stays)."""
+    import mconvert.convert.io.atomic as atomic
+
+    out = tmp_path / "m.gguf"
+    side = file_manifest_path(out)
+    mine = {"gguf": out, "manifest": side}.get(appears or "")
+
+    def no_renameat2(a: Path, b: Path, flags: int) -> bool:
+        if mine is not None and Path(b) == mine.absolute() and not mine.exists():
+            mine.write_text("the user's file\n")  # made by someone else just before the commit step
+        return False
+
+    monkeypatch.setattr(atomic, "_renameat2", no_renameat2)
+    code, _, err = run_cli(["hf-to-gguf", fx["hf"], out], capsys)
+    if mine is None:
+        assert code == 0, err
+        assert check_file_manifest(out) == [] and sorted(os.listdir(tmp_path)) == ["m.gguf", side.name]
+        return
+    assert_one_line_error(code, err, str(mine), "appeared while this run was in progress")
+    assert sorted(os.listdir(tmp_path)) == [mine.name] and mine.read_text() == "the user's file\n"
