@@ -317,6 +317,14 @@ def test_plan_on_nodes_shares_out_the_file_groups() -> None:
     assert net.scaleout["bottleneck"] == "network"
     with pytest.raises(MConvertError, match="--nodes 0"):
         scaleout_estimate(estimate(spec, "hf", tp=8, pp=16, bandwidth=bw), 0, 1)
+    # a converter faster than cp (cp's copy goes through the page cache; ours writes with O_DIRECT): one process
+    # on one machine is still the one-process estimate, and more machines still only help
+    fast = {**bw, "ratio_to_cp": {"megatron-to-hf": 0.25}}
+    one = scaleout_estimate(estimate(spec, "hf", tp=8, pp=16, bandwidth=fast), 1, 1, start_seconds=0)
+    assert one.scaleout["expected_seconds"] == pytest.approx(one.expected_seconds)
+    times = [scaleout_estimate(estimate(spec, "hf", tp=8, pp=16, bandwidth=fast), n, 1, start_seconds=0)
+             .scaleout["expected_seconds"] for n in (1, 2, 4)]
+    assert times == sorted(times, reverse=True) and times[-1] < times[0] / 2
 
 
 def test_processes_of_one_machine_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:

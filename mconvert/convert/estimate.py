@@ -470,7 +470,7 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
     Output file groups go round robin to the ranks (rank = node × procs_per_node + local rank), as the
     conversion assigns them; a rank reads the input its groups need (taken in proportion to the bytes it
     writes). Per node the time is the longest of: its bytes read + written at `disk_bytes_per_s` (default: the
-    measured copy bandwidth), the same bytes at `network_bytes_per_s` (the node's link to the shared file
+    measured copy bandwidth, or the rate one process moves bytes at in `est` where that is higher), the same bytes at `network_bytes_per_s` (the node's link to the shared file
     system; None: no such limit), and its busiest process at the one-process converter rate (TensorRT-LLM
     output: a process with a rank file reads the whole input). Plus the start
     of the processes (`start_seconds`)."""
@@ -489,8 +489,11 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
         read_share = [float(est.read_bytes) if b else 0.0 for b in per_rank]
     else:
         read_share = [est.read_bytes * b / total_out for b in per_rank]
-    disk = disk_bytes_per_s or est.copy_bytes_per_s
     proc_rate = est.copy_bytes_per_s / est.ratio_to_cp  # bytes of max(read, write) per second, one process
+    # a node's disk moves at least what one process moves in the one-process estimate: a converter faster than
+    # `cp` (whose copy goes through the page cache) is not held to cp's rate once it has more processes
+    one_process_io = (est.read_bytes + est.write_bytes) / max(est.expected_seconds - est.start_seconds, 1e-9)
+    disk = disk_bytes_per_s or max(est.copy_bytes_per_s, one_process_io)
     worst, bottleneck, node_bytes_max = 0.0, "cpu", 0.0
     for n in range(nodes):
         mine = range(n * procs_per_node, (n + 1) * procs_per_node)
