@@ -196,7 +196,8 @@ def plan_cmd(
     nodes: Annotated[Optional[int], typer.Option("--nodes", help="Also estimate on torchrun: machines.")] = None,
     procs_per_node: Annotated[int, typer.Option("--procs-per-node", help="torchrun processes per machine.")] = 1,
     disk_gb: Annotated[Optional[float], typer.Option("--disk-gb-per-s", help="Disk bandwidth per machine, GB/s "
-                                                     "(default: the measured copy bandwidth, or what one process moves where that is more).")] = None,
+                                                     "(default: the measured copy bandwidth, or what one process "
+                                                     "moves where that is more).")] = None,
     net_gb: Annotated[Optional[float], typer.Option("--network-gb-per-s", help="Each machine's link to the "
                                                     "shared file system, GB/s (default: no limit).")] = None,
     json_out: Json = False,

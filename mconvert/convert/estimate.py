@@ -470,10 +470,10 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
     Output file groups go round robin to the ranks (rank = node × procs_per_node + local rank), as the
     conversion assigns them; a rank reads the input its groups need (taken in proportion to the bytes it
     writes). Per node the time is the longest of: its bytes read + written at `disk_bytes_per_s` (default: the
-    measured copy bandwidth, or the rate one process moves bytes at in `est` where that is higher), the same bytes at `network_bytes_per_s` (the node's link to the shared file
-    system; None: no such limit), and its busiest process at the one-process converter rate (TensorRT-LLM
-    output: a process with a rank file reads the whole input). Plus the start
-    of the processes (`start_seconds`)."""
+    measured copy bandwidth, or the rate one process moves bytes at in `est` where that is higher), the same
+    bytes at `network_bytes_per_s` (the node's link to the shared file system; None: no such limit), and its
+    busiest process at the one-process converter rate (TensorRT-LLM output: a process with a rank file reads
+    the whole input). Plus the start of the processes (`start_seconds`)."""
     if nodes < 1 or procs_per_node < 1:
         raise MConvertError(f"--nodes {nodes} --procs-per-node {procs_per_node}: both must be >= 1")
     for name, v in (("--disk-gb-per-s", disk_bytes_per_s), ("--network-gb-per-s", network_bytes_per_s)):
