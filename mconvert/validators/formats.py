@@ -101,7 +101,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
 
         meta = read_gguf_metadata(p)
         arch = meta.get("general.architecture")
-        info.dtype = gguf_dtype(meta)
+        info.dtype = gguf_dtype(meta, p)
         info.vocab_size = meta.get("n_vocab")
         info.max_positions = meta.get(f"{arch}.context_length")
         info.layout = {"arch": arch, "file_type": meta.get("file_type_name")}

@@ -70,43 +70,45 @@ def gguf_logits(path: Path, tokens: torch.Tensor, python: str | Path | None = No
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """The scalar metadata of a GGUF (architecture-prefixed keys kept as written) plus `n_vocab` (the token
-    list's length) and `file_type`'s name; an unreadable file is one MConvertError."""
-    # heavy optional import: gguf-py loads only when a GGUF is read
-    import gguf
+    list's length, when it is a list of strings), `file_type`'s name and every tensor's shape (outermost first)
+    and type; the header is read strictly (`gguf_header`): an unreadable file is one MConvertError."""
+    import gguf  # heavy optional import: gguf-py loads only when a GGUF is read
 
-    try:
-        r = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - gguf-py raises ValueError, struct.error, ... for a broken file
-        raise MConvertError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e)[:200]})") from None
-    out: dict[str, Any] = {}
-    for key, f in r.fields.items():
-        if key == "tokenizer.ggml.tokens":
-            out["n_vocab"] = len(f.data)
-        elif len(f.types) == 1 and f.types[0] != gguf.GGUFValueType.ARRAY:
-            try:
-                out[key] = f.contents()
-            except Exception:  # noqa: BLE001 - a value gguf-py cannot decode is left out
-                pass
+    from mconvert.validators.gguf_header import GgufArray, read_gguf_header
+
+    h = read_gguf_header(path)
+    out: dict[str, Any] = {k: v for k, v in h.fields.items() if not isinstance(v, GgufArray)}
+    tokens = h.fields.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, GgufArray) and tokens.item_type == 8:  # an array of strings
+        out["n_vocab"] = tokens.count
     ft = out.get("general.file_type")
-    if isinstance(ft, int):
+    if isinstance(ft, int) and not isinstance(ft, bool):
         try:
             out["file_type_name"] = gguf.LlamaFileType(ft).name
         except ValueError:
             out["file_type_name"] = str(ft)
-    out["tensors"] = {t.name: (tuple(int(x) for x in reversed(t.shape.tolist())), t.tensor_type.name)
-                      for t in r.tensors}
+    out["tensors"] = {t.name: (tuple(reversed(t.dims)), t.type_name) for t in h.tensors}
     return out
 
 
-# general.file_type -> the dtype validate judges it with (its tolerance row)
-FILE_TYPE_DTYPES = {"ALL_F32": "float32", "MOSTLY_F16": "float16", "MOSTLY_BF16": "bfloat16", "MOSTLY_Q8_0": "q8_0"}
-def gguf_dtype(meta: dict[str, Any]) -> str:
-    """The dtype `validate` judges a GGUF by: its file type's, or the precision llama.cpp computes its
-    architecture in (`GgufLayout.compute_dtype`) when that is coarser."""
+# a tensor's ggml type -> the dtype validate judges it with (its tolerance row); any other type has no row
+TENSOR_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "q8_0"}
+
+
+def gguf_dtype(meta: dict[str, Any], path: str | Path = "") -> str:
+    """The dtype `validate` judges a GGUF by: the coarsest its tensors are stored in (never the `general.file_type`
+    the file states about itself, which a file can get wrong), or the precision llama.cpp computes its
+    architecture in (`GgufLayout.compute_dtype`) when that is coarser. A tensor type without a tolerance row is
+    one MConvertError."""
     from mconvert.mappings import families
     from mconvert.validators.compare import tolerance_for
 
-    dtype = FILE_TYPE_DTYPES.get(meta.get("file_type_name", ""), "float32")
+    dtype = "float32"
+    for name, (_, tname) in meta.get("tensors", {}).items():
+        if tname not in TENSOR_DTYPES:
+            raise MConvertError(f"{path}: tensor {name!r} is stored as {tname}; validate has tolerances for "
+                                f"{', '.join(TENSOR_DTYPES)} only — convert with --outtype f32, f16, bf16 or q8_0")
+        dtype = tolerance_for(dtype, TENSOR_DTYPES[tname]).dtype
     for f in families.all_families():
         if f.gguf is not None and f.gguf.arch == meta.get("general.architecture"):
             dtype = tolerance_for(dtype, f.gguf.compute_dtype).dtype

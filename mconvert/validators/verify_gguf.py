@@ -102,15 +102,16 @@ def _metadata(meta: dict[str, Any], rep: Any) -> None:
     if arch not in known:
         rep.add("metadata", "error", f"general.architecture {arch!r} is none mconvert writes ({', '.join(known)})")
         return
-    missing = [k for k in ("tokenizer.ggml.model", "n_vocab", f"{arch}.block_count", f"{arch}.context_length")
-               if k not in meta]
+    missing = [k for k in ("tokenizer.ggml.model", f"{arch}.block_count", f"{arch}.context_length") if k not in meta]
+    if "n_vocab" not in meta:
+        missing.append("tokenizer.ggml.tokens (an array of strings)")
     if missing:
         rep.add("metadata", "error", f"missing {', '.join(missing)}")
         return
     emb = meta["tensors"].get("token_embd.weight")
-    if emb is None or emb[0][0] != meta["n_vocab"]:
+    if emb is None or len(emb[0]) != 2 or emb[0][0] != meta["n_vocab"]:
         rep.add("metadata", "error", f"token list has {meta['n_vocab']} tokens, token_embd.weight "
-                f"{list(emb[0]) if emb else 'is missing'}")
+                f"{f'has shape {list(emb[0])}' if emb else 'is missing'}")
         return
     rep.add("metadata", "ok", f"{arch}, {meta['n_vocab']} tokens ({meta.get('tokenizer.ggml.model')}), "
             f"{meta.get('file_type_name')}")
