@@ -65,16 +65,29 @@ def _expert_template(name: str) -> str:
 
 
 class _SlicePlanner:
-    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor."""
+    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor.
 
-    def __init__(self, dest: torch.Tensor) -> None:
-        self.dest = dest
+    Every element of the destination must be written exactly once: the chunk sizes summing to its size proves
+    nothing when two chunks overlap and leave a gap of the same size elsewhere (the gap would keep whatever
+    `torch.empty` held). A mask of the elements written so far refuses the second write of any element."""
+
+    def __init__(self, dest: torch.Tensor, key: str, where: Path) -> None:
+        self.dest, self.key, self.where = dest, key, where
+        self.written = torch.zeros(dest.shape, dtype=torch.bool)
+
+    def _narrow(self, t: torch.Tensor, req: Any) -> torch.Tensor:
+        for dim, (off, n) in enumerate(zip(req.dest_offsets, req.lengths)):
+            t = t.narrow(dim, off, n)
+        return t
 
     def resolve_tensor(self, req: Any) -> torch.Tensor:
-        view = self.dest
-        for dim, (off, n) in enumerate(zip(req.dest_offsets, req.lengths)):
-            view = view.narrow(dim, off, n)
-        return view
+        mask = self._narrow(self.written, req)
+        if bool(mask.any()):
+            raise MConvertError(f"{self.where}: the saved chunks of {self.key!r} overlap (the chunk at "
+                                f"{list(req.storage_index.offset or ())} writes elements another chunk wrote), so "
+                                "another part of the tensor is missing; the checkpoint is damaged — re-copy it")
+        mask.fill_(True)
+        return self._narrow(self.dest, req)
 
     def commit_tensor(self, req: Any, tensor: torch.Tensor) -> None:
         pass
@@ -458,7 +471,7 @@ class TorchDistSource(SourceBase):
             raise MConvertError(f"{self.iter_dir}: the saved chunks of {key!r} cover {covered} of {dest.numel()} "
                                 "elements; the checkpoint is incomplete")
         try:
-            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest)).wait()
+            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest, key, self.iter_dir / ".metadata")).wait()
         except MConvertError:
             raise
         except Exception as e:  # noqa: BLE001 - truncated / missing .distcp -> one line
