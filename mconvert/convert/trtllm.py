@@ -197,6 +197,60 @@ _TRT_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_s
 _TRT_OPTIONAL_INTS = ("num_key_value_heads", "head_size", "max_position_embeddings", "rotary_embedding_dim")
 
 
+# config.json fields TensorRT-LLM reads that change what the engine computes, each with the one value the checker
+# and the reference runner assume (an absent field has it too). Another value is refused by name: the runner
+# would compute a different model than the engine builds, and a wrong model would pass.
+_TRT_FIXED: dict[str, Any] = {
+    "use_parallel_embedding": False, "qk_layernorm": False, "residual_mlp": False, "mapping.pp_size": 1, "mapping.cp_size": 1, "mapping.moe_ep_size": 1,
+    "quantization.quant_algo": None, "quantization.kv_cache_quant_algo": None, "moe.num_experts": 0,
+}
+# fields the runner reads (checked where it reads them), or that change nothing while the fixed ones above hold
+_TRT_READ = frozenset({
+    "architecture", "dtype", *(_TRT_INTS + _TRT_OPTIONAL_INTS), "hidden_act", "logits_dtype", "norm_epsilon",
+    "position_embedding_type", "rotary_base", "rotary_scaling", "tie_word_embeddings", "embedding_sharding_dim",
+    "bias", "attn_bias", "mlp_bias", "disable_weight_only_quant_plugin", "mapping", "quantization", "moe",
+    "mapping.world_size", "mapping.gpus_per_node", "mapping.tp_size", "mapping.moe_tp_size",
+})
+# sections whose other fields only matter once a fixed field above leaves its value (quantization options, MoE
+# routing)
+_TRT_NEUTRAL_SECTIONS = ("quantization", "moe")
+
+
+def _unset(v: Any) -> bool:
+    return v is None or v is False or (isinstance(v, (dict, list, str)) and not v)
+
+
+def _check_computed_fields(cfg: dict[str, Any], cfg_path: Path, fix: str) -> None:
+    """Every field that decides what TensorRT-LLM computes holds the value the runner computes with; a field
+    this table does not know is accepted only unset (null, false, empty), as in `mappings.fields`."""
+    layout = trtllm_layout_of(cfg["architecture"])
+    act = cfg.get("hidden_act", layout.hidden_acts[0])
+    if act not in layout.hidden_acts:
+        raise MConvertError(f"{cfg_path}: hidden_act {act!r} is not computed by TensorRT-LLM's {layout.architecture} "
+                            f"as mconvert checks it (takes: {', '.join(layout.hidden_acts)}); {fix}")
+    if cfg["position_embedding_type"] != layout.position_embedding_type:
+        raise MConvertError(f"{cfg_path}: position_embedding_type {cfg['position_embedding_type']!r}, "
+                            f"{layout.architecture} is checked with {layout.position_embedding_type!r}; {fix}")
+    flat: dict[str, Any] = {}
+    for k, v in cfg.items():
+        flat[k] = v
+        if k in ("mapping", "quantization", "moe") and v is not None:
+            for sub, sv in expect(v, dict, f"{cfg_path}: {k}", fix).items():
+                flat[f"{k}.{sub}"] = sv
+    fixed = {**_TRT_FIXED, **layout.fixed}
+    for k, want in fixed.items():
+        if k in flat and flat[k] != want:
+            raise MConvertError(f"{cfg_path}: {k} = {json.dumps(flat[k])} changes what TensorRT-LLM computes and is "
+                                f"not checked by mconvert (only {json.dumps(want)}); validation refused — {fix}")
+    for k, v in flat.items():
+        if k in _TRT_READ or k in fixed or k.split(".")[0] in _TRT_NEUTRAL_SECTIONS or _unset(v):
+            continue
+        if k.startswith("mapping.") and v == 1:
+            continue  # another parallel size at its default of one process
+        raise MConvertError(f"{cfg_path}: field {k} = {json.dumps(v)[:80]} is not one mconvert checks; TensorRT-LLM "
+                            f"may compute another model with it — validation refused ({fix})")
+
+
 def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
     """A TensorRT-LLM `config.json` with every field the checker and runner use checked for presence and type;
     anything else is one MConvertError naming the file and the key."""
@@ -226,6 +280,7 @@ def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
         for k in ("type", "rope_type"):
             if scaling.get(k) is not None:
                 expect(scaling[k], str, f"{cfg_path}: rotary_scaling.{k}", fix)
+    _check_computed_fields(cfg, cfg_path, fix)
     return cfg
 
 

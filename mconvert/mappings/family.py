@@ -122,6 +122,11 @@ class TrtllmLayout:
     aliases: tuple[str, ...] = ()  # other `architecture` names TensorRT-LLM gives this class
     norm: str = "RMSNorm"  # LayerNorm: `.weight` and `.bias`
     gated: bool = True  # SiLU(mlp.fc) · mlp.gate; else tanh-GeLU(mlp.fc)
+    # config.json `hidden_act` values under which TensorRT-LLM computes what the runner computes (`gated`)
+    hidden_acts: tuple[str, ...] = ("silu",)
+    # this class's own config.json fields that change what TensorRT-LLM computes, each with the one value the
+    # runner computes with (absent: that value); the checker refuses another
+    fixed: dict[str, Any] = field(default_factory=dict)
     bias_keys: tuple[str, str] = ("attn_bias", "mlp_bias")  # config fields of the attention / MLP linear biases
     bias_default: bool = False  # their value when config.json omits them
     # rope scaling types (ModelSpec.rope_scaling) the class states in config.json's `rotary_scaling`; another

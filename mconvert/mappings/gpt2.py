@@ -300,6 +300,10 @@ TRTLLM = TrtllmLayout(
     aliases=("GPTForCausalLM",),
     norm="LayerNorm",
     gated=False,
+    # TensorRT-LLM's ACT2FN maps each of these to its tanh-approximated gelu
+    hidden_acts=("gelu_new", "gelu", "gelu_fast", "gelu_pytorch_tanh", "openai-gelu"),
+    fixed={"gpt_variant": "gpt2", "q_scaling": 1.0, "embedding_scale": None, "apply_query_key_layer_scaling": False,
+           "rotary_pct": 1.0},
     bias_keys=("bias", "bias"),
     bias_default=True,
 )
