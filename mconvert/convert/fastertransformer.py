@@ -170,6 +170,52 @@ def load_ft_tensor(ft_dir: Path, f: FTFile, dtype: str) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.float32)).reshape(f.shape)
 
 
+# config.ini fields FT's model classes read that change what FT computes, each with the one value the checker and
+# the reference runner assume (an absent field has it too; FT's own defaults). Another value is refused by name:
+# the runner would compute a different model than FT runs, and a wrong model would pass.
+FT_FIXED: dict[str, str] = {
+    "layernorm_type": "pre_layernorm", "activation_type": "gelu", "has_positional_encoding": "true",
+    "has_pre_decoder_layernorm": "false", "has_post_decoder_layernorm": "true", "use_attention_linear_bias": "false",
+    "use_gptj_residual": "false", "int8_mode": "0", "has_adapters": "false", "prompt_learning_type": "0",
+}
+# fields that change nothing while the fixed ones above hold (and `[mconvert]` provenance, another section)
+FT_NEUTRAL = frozenset({"model_name", "start_id", "end_id", "adapter_inter_size", "shared_contexts_ratio",
+                        "prompt_learning_start_id", "num_tasks", "max_pos_seq_len"})
+_FT_TRUE, _FT_FALSE = ("1", "yes", "on"), ("0", "no", "off", "", "none", "null")
+
+
+def _ft_value(v: str) -> str:
+    """A config.ini value as it compares: lower case, and every spelling of a boolean (1 / 0 too) as `true` /
+    `false`."""
+    v = v.strip().lower()
+    return "true" if v in _FT_TRUE else "false" if v in _FT_FALSE else v
+
+
+def check_ft_fields(section: str, cfg: dict[str, str], ini: Path) -> list[str]:
+    """Every field that decides what FT computes holds the value the runner computes with; a field neither
+    read, fixed nor neutral is accepted only unset (empty, 0, false), as in `mappings.fields`."""
+    layout = section_layout(section)
+    read = set(layout.required_fields) | {"tensor_para_size", "layernorm_eps"}
+    if layout.kernels.rotary_dim:
+        read.add(layout.kernels.rotary_dim)
+    gated = len(layout.kernels.mlp) == 3  # FT's LLaMA MLP is SiLU-gated whatever activation_type says
+    for k, v in cfg.items():
+        if k in read or k in FT_NEUTRAL:
+            continue
+        if k in FT_FIXED:
+            if k == "activation_type" and gated:
+                want = "silu"
+            else:
+                want = FT_FIXED[k]
+            if _ft_value(v) != _ft_value(want):
+                return [f"{ini}: [{section}] {k} = {v} changes what FasterTransformer computes and is not checked by "
+                        f"mconvert (only {want}); validation refused — re-export the directory"]
+        elif _ft_value(v) != "false":
+            return [f"{ini}: [{section}] {k} = {v} is not a field mconvert checks; FasterTransformer may compute "
+                    "another model with it — validation refused (re-export the directory)"]
+    return []
+
+
 def check_ft_dir(path: str | Path) -> list[str]:
     """Problems FT's loader would meet (empty list: loadable as written). Each problem names its file."""
     try:
@@ -180,6 +226,9 @@ def check_ft_dir(path: str | Path) -> list[str]:
     ini = ft_dir / "config.ini"
     layout = section_layout(section)
     problems = [f"{ini}: [{section}] lacks {k}" for k in layout.required_fields if k not in cfg]
+    if problems:
+        return problems
+    problems = check_ft_fields(section, cfg, ini)
     if problems:
         return problems
     try:
