@@ -30,6 +30,7 @@ class RunOutput:
     logits: torch.Tensor  # [B, S, V] float32 on CPU (V: the model's own vocab, padding stripped for Megatron)
     hidden: list[torch.Tensor] | None  # per-layer hidden states [B, S, H] (embeddings first) or None
     seconds: float
+    dtype: str | None = None  # the dtype the engine computed in, where it says (else the one `describe` read)
 
 
 def resolve_device(device: str) -> str:
@@ -48,8 +49,9 @@ def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
     """Logits of `info`'s model on `tokens`, computed by that format's own engine."""
     t0 = time.perf_counter()
     hidden = None
+    dtype = None
     if info.format == "hf":
-        logits, hidden = hf_logits(info.path, tokens, device)
+        logits, hidden, dtype = hf_logits(info.path, tokens, device)
     elif info.format == "megatron":
         it = info.layout.get("iteration")
         logits, hidden = megatron_logits(info.path, tokens, iteration=it, device=device, return_hidden=True)
@@ -75,11 +77,12 @@ def run_model(info: ModelInfo, tokens: torch.Tensor, device: str) -> RunOutput:
         raise MConvertError(
             f"{info.path}: logits shape {tuple(logits.shape)} does not match tokens {tuple(tokens.shape)}"
         )
-    return RunOutput(logits=logits, hidden=hidden, seconds=time.perf_counter() - t0)
+    return RunOutput(logits=logits, hidden=hidden, seconds=time.perf_counter() - t0, dtype=dtype)
 
 
-def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Logits and hidden states from transformers, in the dtype the dir stores.
+def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tensor, list[torch.Tensor] | None, str]:
+    """Logits, hidden states and the dtype transformers computed in (the one its config resolves to: `dtype`
+    wins over `torch_dtype`, so `describe`'s reading of the config can differ).
 
     Hidden states are captured by hooks as the Megatron runner records them: the first layer's input
     (the embedding output), then every layer's output before the final norm."""
@@ -121,7 +124,7 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
     finally:
         for h in hooks:
             h.remove()
-    return out.logits.float().cpu(), (hidden or None)
+    return out.logits.float().cpu(), (hidden or None), str(model.dtype).removeprefix("torch.")
 
 
 def _decoder_layers(model) -> list | None:

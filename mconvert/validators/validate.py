@@ -22,7 +22,7 @@ from mconvert.validators.compare import (
     perplexity,
     tolerance_for,
 )
-from mconvert.validators.formats import ModelInfo, describe
+from mconvert.validators.formats import ModelInfo, _norm_dtype, describe
 from mconvert.validators.plot import plot_errors
 from mconvert.validators.runners import RunOutput, resolve_device, run_model
 from mconvert.validators.tokens import make_batch
@@ -93,6 +93,7 @@ def validate(
     ref_info = infos[0]
     ref_res = _result(ref_info)
     ref_out = run_model(ref_info, tokens, dev)  # the reference must run; its error aborts
+    _computed_dtype(ref_info, ref_res, ref_out)
     ref_res.seconds, ref_res.perplexity, ref_res.passed = ref_out.seconds, perplexity(ref_out.logits, tokens), True
 
     results: list[ModelResult] = []
@@ -110,6 +111,7 @@ def validate(
             msg = (str(e).strip().splitlines() or [""])[0][:300]
             res.error, res.failures = f"{type(e).__name__}: {msg}", [f"runner failed: {type(e).__name__}: {msg}"]
             continue
+        _computed_dtype(info, res, out)
         _judge(res, ref_info, ref_out, info, out, tokens)
         if res.metrics:
             per_pos[_label(info)] = res.metrics["per_position_max_abs"]
@@ -151,6 +153,13 @@ def _tokens(infos: list[ModelInfo], n_tokens: int, batch: int, text_file: str | 
 def _result(info: ModelInfo) -> ModelResult:
     return ModelResult(path=str(info.path), format=info.format, dtype=info.dtype, layout=dict(info.layout),
                        vocab_size=info.vocab_size)
+
+
+def _computed_dtype(info: ModelInfo, res: ModelResult, out: RunOutput) -> None:
+    """The tolerance row follows the dtype the engine computed in when it reports one: a config that states a
+    coarser dtype than the engine ran in must not loosen the limits a model is judged by."""
+    if out.dtype is not None:
+        info.dtype = res.dtype = _norm_dtype(out.dtype)
 
 
 def _judge(res: ModelResult, ref_info: ModelInfo, ref_out: RunOutput, info: ModelInfo, out: RunOutput,
