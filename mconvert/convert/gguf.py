@@ -19,7 +19,6 @@ family's HF mapping), so the header is written first and each unit's tensors are
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import torch
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.convert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
-from mconvert.convert.io.paths import inside_file, read_small
+from mconvert.convert.io.paths import inside_file, load_json_object, read_small
 from mconvert.convert.driver import drive, peak_rss_bytes
 from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
@@ -299,13 +298,9 @@ def tokenizer_vocab(tok_dir: Path, n_vocab: int) -> tuple[list[str], list[int], 
     if not path.is_file():
         raise MConvertError(f"{tok_dir}: no tokenizer.json and no {SPM_FILE} (GGUF embeds a byte-level BPE "
                             "tokenizer.json or a SentencePiece model); pass --tokenizer DIR")
-    try:
-        tok_json = json.loads(read_small(inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file"),
-                                         "tokenizer"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise MConvertError(f"{path}: not JSON ({type(e).__name__}); re-save the tokenizer") from None
-    if not isinstance(tok_json, dict):
-        raise MConvertError(f"{path}: not a JSON object; re-save the tokenizer")
+    # JSON nested too deeply, invalid JSON or not an object: one line (load_json_object), never a RecursionError
+    tok_json = load_json_object(inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file"), "tokenizer",
+                                "re-save the tokenizer", kind="tokenizer")
     pre = tokenizer_pre(tok_json, str(path))
     tok = load_tokenizer(tok_dir)
     vocab = tok.get_vocab()
