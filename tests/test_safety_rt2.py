@@ -1,0 +1,250 @@
+"""Crafted inputs to the checking verbs: GGUF headers for `verify` / `validate`, deployment configs that would
+make the reference runners compute another model than the engine (FasterTransformer, TensorRT-LLM), a config
+that states a coarser dtype than transformers computes in, torch_dist chunks that overlap and leave a gap, and
+a tokenizer.json nested too deeply. Each is one line (or one ✗ line of a report), exit 1, never a pass.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from deploy_common import make_hf
+from safety_common import assert_one_line_error, make_hf_llama, run_cli
+
+from mconvert.mappings import families
+
+# ---- GGUF headers, written byte by byte ---------------------------------------------------------------------
+U32, STR, ARR, UINT8 = 4, 8, 9, 0
+
+
+def _s(x: str | bytes) -> bytes:
+    b = x.encode() if isinstance(x, str) else x
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, vtype: int, raw: bytes) -> bytes:
+    return _s(key) + struct.pack("<I", vtype) + raw
+
+
+def _tensor(name: str, dims: list[int], ttype: int, offset: int) -> bytes:
+    return (_s(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+            + struct.pack("<IQ", ttype, offset))
+
+
+def _gguf(kvs: list[bytes], tensors: list[bytes], data: bytes = b"", n_tensors: int | None = None,
+          n_kv: int | None = None) -> bytes:
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors) if n_tensors is None else n_tensors,
+                                 len(kvs) if n_kv is None else n_kv) + b"".join(kvs) + b"".join(tensors)
+    return head + b"\0" * (-len(head) % 32) + data
+
+
+ARCH = _kv("general.architecture", STR, _s("llama"))
+F32_TENSORS = [_tensor("a.weight", [8], 0, 0), _tensor("b.weight", [8], 0, 32)]  # 32 bytes each, apart
+
+BAD_HEADERS = {
+    "array_count_past_eof": (_gguf([ARCH, _kv("x", ARR, struct.pack("<IQ", UINT8, 1 << 62))], []), "'x'"),
+    "tensor_count": (_gguf([ARCH], [], n_tensors=1 << 63), "tensors cannot fit"),
+    "kv_count": (_gguf([ARCH], [], n_kv=1 << 63), "key/value pairs cannot fit"),
+    "string_past_eof": (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _s("general.architecture")
+                        + struct.pack("<IQ", STR, 1 << 40) + b"llama", "'general.architecture'"),
+    "nested_array": (_gguf([ARCH, _kv("x", ARR, struct.pack("<IQ", ARR, 1) + struct.pack("<IQ", UINT8, 0))], []),
+                     "array of ARRAY"),
+    "unknown_value_type": (_gguf([ARCH, _kv("x", 99, b"\0" * 8)], []), "unknown value type 99"),
+    "duplicate_key": (_gguf([ARCH, ARCH], []), "appears twice"),
+    "alignment_zero": (_gguf([ARCH, _kv("general.alignment", U32, struct.pack("<I", 0))], []), "general.alignment"),
+    "tensor_past_eof": (_gguf([ARCH], [_tensor("a.weight", [1 << 20], 0, 0)], b"\0" * 64), "past the end"),
+    "tensors_overlap": (_gguf([ARCH], [_tensor("a.weight", [16], 0, 0), _tensor("b.weight", [8], 0, 32)],
+                              b"\0" * 96), "overlap"),
+    "misaligned": (_gguf([ARCH], [_tensor("a.weight", [8], 0, 4)], b"\0" * 64), "alignment"),
+    "unknown_ggml_type": (_gguf([ARCH], [_tensor("a.weight", [8], 99, 0)], b"\0" * 64), "unknown ggml type 99"),
+    "zero_dims": (_gguf([ARCH], [_tensor("token_embd.weight", [], 0, 0)], b"\0" * 64), "0 dimensions"),
+    "big_endian": (b"GGUF" + struct.pack(">IQQ", 3, 0, 0), "big-endian"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADERS))
+def test_crafted_gguf_header_is_one_line_at_once(case, tmp_path, capsys):
+    """Counts, lengths and offsets are checked against the file's size before use: an array whose count runs
+    past the end is refused at once (gguf-py's reader loops on it without end, its memory growing)."""
+    blob, words = BAD_HEADERS[case]
+    f = tmp_path / "m.gguf"
+    f.write_bytes(blob)
+    t0 = time.monotonic()
+    code, out, err = run_cli(["verify", f], capsys)
+    assert time.monotonic() - t0 < 20
+    assert_one_line_error(code, err, str(f), "not a readable GGUF file", words)
+
+
+def test_a_well_formed_header_reads(tmp_path):
+    from mconvert.validators.gguf_runner import read_gguf_metadata
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(_gguf([ARCH, _kv("tokenizer.ggml.tokens", ARR, struct.pack("<IQ", STR, 2) + _s("a") + _s("b"))],
+                        F32_TENSORS, b"\0" * 64))
+    meta = read_gguf_metadata(f)
+    assert meta["general.architecture"] == "llama" and meta["n_vocab"] == 2
+    assert meta["tensors"] == {"a.weight": ((8,), "F32"), "b.weight": ((8,), "F32")}
+
+
+def test_gguf_tolerance_follows_the_tensor_types_not_the_stated_file_type(tmp_path):
+    """A file of f32 tensors that states `general.file_type` MOSTLY_Q8_0 is judged by the f32 row: the q8_0 row
+    let a 1 %-perturbed f32 model pass `validate`."""
+    from mconvert.validators.gguf_runner import gguf_dtype, read_gguf_metadata
+
+    f = tmp_path / "m.gguf"
+    f.write_bytes(_gguf([ARCH, _kv("general.file_type", U32, struct.pack("<I", 7))], F32_TENSORS, b"\0" * 64))
+    meta = read_gguf_metadata(f)
+    assert meta["file_type_name"] == "MOSTLY_Q8_0"
+    assert gguf_dtype(meta) == "float32"
+
+
+# ---- deployment configs the runners would compute differently ---------------------------------------------
+@pytest.fixture(scope="module")
+def deploy(tmp_path_factory) -> dict[str, Path]:
+    """A tiny HF Llama with its TensorRT-LLM export, a tiny HF GPT-2 with its FasterTransformer export."""
+    from mconvert.convert.fastertransformer import megatron_to_ft
+    from mconvert.convert.trtllm import megatron_to_trtllm
+
+    d = tmp_path_factory.mktemp("rt2-deploy")
+    llama = make_hf_llama(d / "llama")
+    megatron_to_trtllm(llama, d / "trt")
+    gpt2 = make_hf(families.preset("tiny-gpt2"), d / "gpt2")
+    megatron_to_ft(gpt2, d / "ft", infer_tp=1)
+    return {"llama": llama, "trt": d / "trt", "gpt2": gpt2, "ft": next((d / "ft").glob("*-gpu"))}
+
+
+TRT_EDITS = {
+    "hidden_act": (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+    "quant_algo": (lambda c: c["quantization"].update(quant_algo="W8A16"), "quantization.quant_algo"),
+    "kv_cache_quant_algo": (lambda c: c["quantization"].update(kv_cache_quant_algo="INT8"),
+                            "quantization.kv_cache_quant_algo"),
+    "pp_size": (lambda c: c["mapping"].update(pp_size=2, world_size=2), "mapping.pp_size"),
+    "num_experts": (lambda c: c["moe"].update(num_experts=4, top_k=2), "moe.num_experts"),
+    "qk_layernorm": (lambda c: c.update(qk_layernorm=True), "qk_layernorm"),
+    "position_embedding_type": (lambda c: c.update(position_embedding_type="rope_gptj"), "position_embedding_type"),
+    "residual_mlp": (lambda c: c.update(residual_mlp=True), "residual_mlp"),
+    "unknown_field": (lambda c: c.update(parallel_attention=True), "parallel_attention"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRT_EDITS))
+def test_trtllm_config_field_the_runner_does_not_compute_is_refused(case, deploy, tmp_path, capsys):
+    """Each of these changes what TensorRT-LLM builds while the reference runner ignored it: `validate` passed."""
+    edit, key = TRT_EDITS[case]
+    trt = tmp_path / "trt"
+    shutil.copytree(deploy["trt"], trt)
+    (trt / "mconvert-manifest.json").unlink()
+    cfg = json.loads((trt / "config.json").read_text())
+    edit(cfg)
+    (trt / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run_cli(["validate", deploy["llama"], trt, "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, str(trt / "config.json"), key)
+
+
+FT_EDITS = {
+    "activation_type": "activation_type = Relu",
+    "layernorm_type": "layernorm_type = post_layernorm",
+    "int8_mode": "int8_mode = 1",
+    "has_positional_encoding": "has_positional_encoding = False",
+    "use_attention_linear_bias": "use_attention_linear_bias = True",
+    "has_post_decoder_layernorm": "has_post_decoder_layernorm = False",
+    "unknown_field": "shared_embedding = 3",
+}
+
+
+@pytest.mark.parametrize("case", sorted(FT_EDITS))
+def test_ft_config_field_the_runner_does_not_compute_is_refused(case, deploy, tmp_path, capsys):
+    ft = tmp_path / deploy["ft"].name
+    shutil.copytree(deploy["ft"], ft)
+    ini = ft / "config.ini"
+    ini.write_text(ini.read_text().replace("[gpt]\n", f"[gpt]\n{FT_EDITS[case]}\n", 1))
+    code, out, err = run_cli(["validate", deploy["gpt2"], ft, "--device", "cpu", "--json"], capsys)
+    [res] = json.loads(out)["results"]
+    assert code == 1 and not res["passed"], out
+    assert str(ini) in res["error"] and FT_EDITS[case].split()[0] in res["error"], res["error"]
+
+
+def test_ft_export_with_every_field_mconvert_writes_still_checks(deploy):
+    from mconvert.convert.fastertransformer import check_ft_dir
+
+    assert check_ft_dir(deploy["ft"]) == []
+
+
+def test_hf_config_stating_a_coarser_dtype_than_transformers_computes_in_is_judged_by_the_computed_one(
+        deploy, tmp_path, capsys):
+    """`torch_dtype: bfloat16` beside `dtype: float32`: transformers computes in float32 (`dtype` wins), so the
+    float32 row applies; the bf16 row let a 1 %-perturbed model pass."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    shutil.copytree(deploy["llama"], hf)
+    f = hf / "model.safetensors"
+    g = torch.Generator().manual_seed(0)
+    state = {k: (v * (1 + 0.01 * torch.randn(v.shape, generator=g)) if v.dim() == 2 and "layers" in k else v)
+             for k, v in load_file(f).items()}
+    save_file(state, f, metadata={"format": "pt"})
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(torch_dtype="bfloat16", dtype="float32")
+    (hf / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run_cli(["validate", deploy["llama"], hf, "--device", "cpu", "--json"], capsys)
+    [res] = json.loads(out)["results"]
+    assert code == 1 and not res["passed"] and res["dtype"] == "float32", res
+
+
+# ---- torch_dist chunks ------------------------------------------------------------------------------------------
+def test_torch_dist_chunks_that_overlap_and_leave_a_gap_are_refused(deploy, tmp_path, capsys):
+    """Chunk sizes summing to the tensor's size do not prove coverage: [0, H-1) and [H-2, H-1) sum to H and leave
+    element H-1 as `torch.empty` left it; megatron-to-hf converted it (exit 0)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    from mconvert.convert.driver import hf_to_megatron
+
+    dist = tmp_path / "dist"
+    hf_to_megatron(deploy["llama"], dist, format="torch_dist")
+    (dist / "mconvert-manifest.json").unlink()
+    d = dist / "release"
+    md = pickle.loads((d / ".metadata").read_bytes())  # the test's own file, written just above
+    key = "decoder.final_layernorm.weight"
+    tmd = md.state_dict_metadata[key]
+    [idx] = [i for i in md.storage_data if i.fqn == key]
+    info = md.storage_data.pop(idx)
+    raw = (d / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    full = torch.load(io.BytesIO(raw), weights_only=True)
+    h = full.numel()
+    blob, chunks = b"", []
+    for start, t in ((0, full[:h - 1].clone()), (h - 2, full[h - 2:h - 1].clone())):
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        chunks.append((start, t.numel(), len(blob), len(buf.getvalue())))
+        blob += buf.getvalue()
+    (d / "__extra.distcp").write_bytes(blob)
+    tmd.chunks = [ChunkStorageMetadata(offsets=torch.Size([o]), sizes=torch.Size([n])) for o, n, _, _ in chunks]
+    for o, _, at, n in chunks:
+        md.storage_data[MetadataIndex(fqn=key, offset=torch.Size([o]), index=None)] = _StorageInfo(
+            relative_path="__extra.distcp", offset=at, length=n)
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    out_dir = tmp_path / "out"
+    code, out, err = run_cli(["megatron-to-hf", dist, out_dir], capsys)
+    assert_one_line_error(code, err, str(d / ".metadata"), key, "overlap")
+    assert not out_dir.exists() and not list(tmp_path.glob(".out.mconvert-tmp-*"))
+
+
+# ---- tokenizer.json ---------------------------------------------------------------------------------------------
+def test_tokenizer_json_nested_too_deeply_is_one_line_for_gguf(deploy, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(deploy["llama"], hf)
+    (hf / "tokenizer.json").write_text("[" * 100_000 + "]" * 100_000)
+    out = tmp_path / "m.gguf"
+    code, _, err = run_cli(["hf-to-gguf", hf, out], capsys)
+    assert_one_line_error(code, err, str(hf / "tokenizer.json"), "nested too deeply")
+    assert not out.exists() and not list(tmp_path.glob(".m.gguf*"))
