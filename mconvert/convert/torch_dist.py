@@ -65,35 +65,37 @@ def _expert_template(name: str) -> str:
 
 
 class _SlicePlanner:
-    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor.
+    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor."""
 
-    Every element of the destination must be written exactly once: the chunk sizes summing to its size proves
-    nothing when two chunks overlap and leave a gap of the same size elsewhere (the gap would keep whatever
-    `torch.empty` held). A mask of the elements written so far refuses the second write of any element."""
-
-    def __init__(self, dest: torch.Tensor, key: str, where: Path) -> None:
-        self.dest, self.key, self.where = dest, key, where
-        self.written = torch.zeros(dest.shape, dtype=torch.bool)
-
-    def _narrow(self, t: torch.Tensor, req: Any) -> torch.Tensor:
-        for dim, (off, n) in enumerate(zip(req.dest_offsets, req.lengths)):
-            t = t.narrow(dim, off, n)
-        return t
+    def __init__(self, dest: torch.Tensor) -> None:
+        self.dest = dest
 
     def resolve_tensor(self, req: Any) -> torch.Tensor:
-        mask = self._narrow(self.written, req)
-        if bool(mask.any()):
-            raise MConvertError(f"{self.where}: the saved chunks of {self.key!r} overlap (the chunk at "
-                                f"{list(req.storage_index.offset or ())} writes elements another chunk wrote), so "
-                                "another part of the tensor is missing; the checkpoint is damaged — re-copy it")
-        mask.fill_(True)
-        return self._narrow(self.dest, req)
+        view = self.dest
+        for dim, (off, n) in enumerate(zip(req.dest_offsets, req.lengths)):
+            view = view.narrow(dim, off, n)
+        return view
 
     def commit_tensor(self, req: Any, tensor: torch.Tensor) -> None:
         pass
 
     def load_bytes(self, req: Any, value: Any) -> None:  # pragma: no cover - only tensors are requested
         raise MConvertError(f"unexpected bytes entry {req.dest_index.fqn!r} in a tensor read")
+
+
+def _overlapping(items: list[Any]) -> list[int] | None:
+    """The storage offset of a read item whose destination box overlaps another's, else None. Two boxes overlap
+    when their ranges overlap in every dimension. Swept in the order of their first offsets, a box is compared
+    only with the earlier ones whose first range reaches it (one, for the many 1-D chunks of flat buffers)."""
+    boxes = sorted(((tuple(it.dest_offsets), tuple(it.lengths), it) for it in items), key=lambda b: b[0])
+    active: list[tuple[tuple[int, ...], tuple[int, ...], Any]] = []
+    for off, n, it in boxes:
+        active = [b for b in active if not off or b[0][0] + b[1][0] > off[0]]
+        for off2, n2, _ in active:
+            if all(a < b + m and b < a + k for a, k, b, m in zip(off, n, off2, n2)):
+                return list(it.storage_index.offset or ())
+        active.append((off, n, it))
+    return None
 
 
 class TorchDistSource(SourceBase):
@@ -470,8 +472,15 @@ class TorchDistSource(SourceBase):
         if covered != dest.numel():
             raise MConvertError(f"{self.iter_dir}: the saved chunks of {key!r} cover {covered} of {dest.numel()} "
                                 "elements; the checkpoint is incomplete")
+        # sizes that add up prove nothing when two chunks overlap and leave a gap of the same size elsewhere (the
+        # gap would keep what torch.empty held): with no two boxes overlapping, the box is covered exactly once
+        overlap = _overlapping(items)
+        if overlap is not None:
+            raise MConvertError(f"{self.iter_dir / '.metadata'}: the saved chunks of {key!r} overlap (the chunk at "
+                                f"{overlap} writes elements another chunk wrote), so another part of the tensor is "
+                                "missing; the checkpoint is damaged — re-copy it")
         try:
-            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest, key, self.iter_dir / ".metadata")).wait()
+            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest)).wait()
         except MConvertError:
             raise
         except Exception as e:  # noqa: BLE001 - truncated / missing .distcp -> one line

@@ -201,8 +201,9 @@ _TRT_OPTIONAL_INTS = ("num_key_value_heads", "head_size", "max_position_embeddin
 # and the reference runner assume (an absent field has it too). Another value is refused by name: the runner
 # would compute a different model than the engine builds, and a wrong model would pass.
 _TRT_FIXED: dict[str, Any] = {
-    "use_parallel_embedding": False, "qk_layernorm": False, "residual_mlp": False, "mapping.pp_size": 1, "mapping.cp_size": 1, "mapping.moe_ep_size": 1,
-    "quantization.quant_algo": None, "quantization.kv_cache_quant_algo": None, "moe.num_experts": 0,
+    "use_parallel_embedding": False, "qk_layernorm": False, "residual_mlp": False, "mapping.pp_size": 1,
+    "mapping.cp_size": 1, "mapping.moe_ep_size": 1, "quantization.quant_algo": None,
+    "quantization.kv_cache_quant_algo": None, "moe.num_experts": 0,
 }
 # fields the runner reads (checked where it reads them), or that change nothing while the fixed ones above hold
 _TRT_READ = frozenset({

@@ -65,7 +65,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
     info = ModelInfo(path=p, format=fmt)
     if fmt == "hf":
         cfg = _read_json(p / "config.json")
-        info.dtype = _norm_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+        info.dtype = norm_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
         info.vocab_size = cfg.get("vocab_size")
         info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         info.tokenizer_dir = p if has_tokenizer(p) else None
@@ -77,7 +77,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
         ini = _ft_config(p)
         _, sec = read_ft_config(ini.parent)
         wdt = sec.get("weight_data_type", "fp32")
-        info.dtype = _norm_dtype(wdt)
+        info.dtype = norm_dtype(wdt)
         info.vocab_size = ft_number(sec, "vocab_size", ini) if "vocab_size" in sec else None
         if "max_pos_seq_len" in sec:
             info.max_positions = ft_number(sec, "max_pos_seq_len", ini)
@@ -88,7 +88,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
                 break
     elif fmt == "trtllm":
         cfg = read_trtllm_config(p / "config.json")
-        info.dtype = _norm_dtype(cfg["dtype"])
+        info.dtype = norm_dtype(cfg["dtype"])
         info.vocab_size = cfg["vocab_size"]
         info.max_positions = cfg.get("max_position_embeddings")
         info.layout = {"tp": cfg["mapping"]["tp_size"]}
@@ -180,7 +180,7 @@ def _read_json(path: Path) -> dict[str, Any]:
                             "re-export the model")
 
 
-def _norm_dtype(d: Any) -> str:
+def norm_dtype(d: Any) -> str:
     """A dtype as configs spell it (`bfloat16`, `bf16`, `torch.float16`, torch's `half` / `float`) -> its canonical
     name (`mconvert.dtypes`); float32 for what names no float type."""
     name = str(d).removeprefix("torch.")

@@ -22,7 +22,7 @@ from mconvert.validators.compare import (
     perplexity,
     tolerance_for,
 )
-from mconvert.validators.formats import ModelInfo, _norm_dtype, describe
+from mconvert.validators.formats import ModelInfo, norm_dtype, describe
 from mconvert.validators.plot import plot_errors
 from mconvert.validators.runners import RunOutput, resolve_device, run_model
 from mconvert.validators.tokens import make_batch
@@ -159,7 +159,7 @@ def _computed_dtype(info: ModelInfo, res: ModelResult, out: RunOutput) -> None:
     """The tolerance row follows the dtype the engine computed in when it reports one: a config that states a
     coarser dtype than the engine ran in must not loosen the limits a model is judged by."""
     if out.dtype is not None:
-        info.dtype = res.dtype = _norm_dtype(out.dtype)
+        info.dtype = res.dtype = norm_dtype(out.dtype)
 
 
 def _judge(res: ModelResult, ref_info: ModelInfo, ref_out: RunOutput, info: ModelInfo, out: RunOutput,
