@@ -154,6 +154,16 @@ def test_verify_gguf_loads_round_trips_the_tokenizer_and_greedy_tokens_equal(lla
     assert rep.passed, [(c.name, c.message) for c in rep.errors()]
     for name in ("manifest", "metadata", "tensors", "load", "tokenizer", "greedy", "logits"):
         assert by[name].status == "ok", (name, by[name].message)
+    # the verdict names the engine whose loading was checked
+    import io
+
+    from rich.console import Console
+
+    from mconvert.validators.verify import render_verify
+
+    shown = io.StringIO()
+    render_verify(rep, Console(file=shown, width=200))
+    assert shown.getvalue().strip().splitlines()[-1].startswith("READY for llama.cpp"), shown.getvalue()
     # the CLI: exit 0 and the JSON report
     try:
         cli_main(["verify", str(f32), "--against", str(hf), "--device", "cpu", "--json"])

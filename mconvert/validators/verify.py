@@ -61,6 +61,7 @@ class VerifyReport:
     logits: dict[str, Any] | None = None  # validate's JSON report when --against was given
     vllm: dict[str, Any] | None = None  # the real-engine comparison when --vllm-python was given
     seconds: float = 0.0
+    engine: str = "vLLM"  # what the verdict is about: the engine whose loading rules were checked
 
     @property
     def passed(self) -> bool:
@@ -604,7 +605,7 @@ def classify_difference(name: str, got: torch.Tensor, want: torch.Tensor, unit: 
 
 def render_verify(rep: VerifyReport, console) -> None:
     """The rich table of checks, then the verdict line."""
-    t = Table(title=f"verify {rep.path} (vLLM readiness)", title_justify="left")
+    t = Table(title=f"verify {rep.path} ({rep.engine} readiness)", title_justify="left")
     t.add_column("check")
     t.add_column("status")
     t.add_column("detail", overflow="fold")
@@ -618,4 +619,4 @@ def render_verify(rep: VerifyReport, console) -> None:
     if errs:
         console.print(f"[bold red]NOT READY[/]: {len(errs)} error(s): {', '.join(c.name for c in errs)}")
     else:
-        console.print(f"[bold green]READY[/] for vLLM ({rep.seconds:.1f} s)")
+        console.print(f"[bold green]READY[/] for {rep.engine} ({rep.seconds:.1f} s)")

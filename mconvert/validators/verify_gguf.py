@@ -41,7 +41,7 @@ def verify_gguf(path: str | Path, against: str | Path | None = None, device: str
 
     t0 = time.perf_counter()
     p = Path(path)
-    rep = VerifyReport(path=str(p))
+    rep = VerifyReport(path=str(p), engine="llama.cpp")
     problems = check_file_manifest(p)
     if not problems:
         rep.add("manifest", "ok", "the digest matches the manifest beside the file")
