@@ -37,9 +37,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from mconvert.convert import optimizer as optim
 from mconvert.convert.io.atomic import atomic_output_dir, terminating
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
-from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.io.safeload import all_finite, safe_load
 from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
-from mconvert.errors import MConvertError, at_least_one
+from mconvert.errors import MConvertError, at_least_one, expect
 from mconvert.mappings import families
 from mconvert.mappings.families import preset
 from mconvert.spec import ModelSpec
@@ -362,9 +362,9 @@ def load_rank_checkpoint(root: str | Path, iteration: int | str, st: ParallelSta
 def check_resume_args(args: Any, spec: ModelSpec, cfg: TrainConfig, path: str) -> None:
     """Refuse to resume into a different model or layout, naming the first differing field."""
     theirs = families.spec_from_megatron_args(args, family=spec.family, source=path)
-    for f in ("num_layers", "hidden_size", "num_attention_heads", "num_groups", "ffn_hidden_size", "vocab_size",
-              "normalization", "activation", "position_embedding_type", "tie_embeddings", "params_dtype",
-              "num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+    # every field that defines the function (rotary base, norm epsilon, biases, rope scaling, ...), not only
+    # the ones that change a shape: a field that differs alone would load and train a different model
+    for f in [x.name for x in dataclasses.fields(ModelSpec) if x.compare and x.name != "family"]:
         if getattr(theirs, f) != getattr(spec, f):
             raise MConvertError(
                 f"{path}: checkpoint has {f}={getattr(theirs, f)!r} but this run asks for {getattr(spec, f)!r}; "
@@ -419,8 +419,110 @@ def load_resume(cfg: TrainConfig, spec: ModelSpec, rank: int) -> dict[str, Any]:
     st = ParallelState(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=rank, ep=cfg.ep)
     ckpt = load_rank_checkpoint(cfg.save, latest, st)
     path = rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp, st.ep_rank, st.ep)
+    check_resume_entries(ckpt, latest, str(path))
     check_resume_args(ckpt["args"], spec, cfg, str(path))
-    return ckpt
+    consumed = getattr(ckpt["args"], "consumed_train_samples", latest * cfg.global_batch_size)
+    batch = getattr(ckpt["args"], "global_batch_size", None)
+    batch = batch if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0 else cfg.global_batch_size
+    # samples are drawn by position in the data order: a count the iterations cannot have consumed is damage
+    if isinstance(consumed, bool) or not isinstance(consumed, int) or not 0 <= consumed <= latest * batch:
+        raise MConvertError(f"{path}: args.consumed_train_samples is {consumed!r}, not a whole number from 0 to "
+                            f"{latest * batch} (iteration {latest} × global batch {batch}); the file is damaged — "
+                            "resume from an earlier iteration")
+    return {**ckpt, "source": str(path)}
+
+
+_RESUME_ENTRIES = {"args": "the run's arguments", "iteration": "the iteration", "model": "the weights",
+                   "optimizer": "the Adam state", "rng_state": "the random generators' states"}
+
+
+def check_resume_entries(ckpt: Any, latest: int, path: str) -> None:
+    """The entries a resume reads, present and of their types, and the file's iteration the tracker's: a rank
+    file that lacks one is not a training checkpoint (a conversion's output holds the weights alone)."""
+    expect(ckpt, dict, path, "the file is not a Megatron checkpoint")
+    for key, what in _RESUME_ENTRIES.items():
+        if key not in ckpt:
+            raise MConvertError(f"{path}: no {key!r} entry ({what}); only a checkpoint `mconvert train` saved can "
+                                "be resumed — start a new run from it with `mconvert train` without --resume")
+    fix = "the file is damaged — resume from an earlier iteration"
+    expect(ckpt["model"], dict, f"{path}: model", fix)
+    expect(ckpt["optimizer"], dict, f"{path}: optimizer", fix)
+    rng = expect(ckpt["rng_state"], list, f"{path}: rng_state", fix)
+    if not rng:
+        raise MConvertError(f"{path}: rng_state is an empty list; {fix}")
+    for i, r in enumerate(rng):
+        expect(r, dict, f"{path}: rng_state[{i}]", fix)
+    it = expect(ckpt["iteration"], int, f"{path}: iteration", fix)
+    if it != latest:
+        raise MConvertError(f"{path}: the file is of iteration {it} but {TRACKER} names {latest}; "
+                            "the checkpoint is mixed up — point the tracker at the iteration the files hold")
+
+
+def check_resume_model(saved: dict[str, Any], model: GPTModel, path: str) -> None:
+    """The saved weights against the model this run builds, key by key: the names, shapes and dtypes, and
+    finite values. `load_state_dict` would copy an int view of float bits as numbers and cast any float."""
+    own = model.state_dict()
+    fix = "the checkpoint is of another model or damaged — repeat the original flags or resume an earlier iteration"
+    for key in sorted(set(own) | set(saved)):
+        if key not in saved:
+            raise MConvertError(f"{path}: model has no {key!r}; {fix}")
+        if key not in own:
+            raise MConvertError(f"{path}: model holds {key!r}, which this run's model does not have; {fix}")
+        want, got = own[key], saved[key]
+        if not isinstance(want, torch.Tensor):
+            continue
+        if not isinstance(got, torch.Tensor):
+            raise MConvertError(f"{path}: model {key!r} is {type(got).__name__}, not a tensor; {fix}")
+        if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+            raise MConvertError(f"{path}: model {key!r} is {got.dtype} {tuple(got.shape)}, this run's is "
+                                f"{want.dtype} {tuple(want.shape)}; {fix}")
+        if got.is_floating_point() and not all_finite(got):
+            raise MConvertError(f"{path}: model {key!r} holds NaN or Inf values; the run diverged or the file is "
+                                "corrupt — resume from an earlier iteration")
+
+
+def check_resume_optimizer(saved: dict[str, Any], named: list[tuple[str, torch.Tensor]], path: str) -> None:
+    """The Adam state_dict (in this run's groups) against the parameters: every parameter has its step and
+    moments, of its shape, finite (exp_avg_sq ≥ 0), and every group usable hyperparameters. torch's
+    `load_state_dict` takes a missing state as a fresh start and a wrong shape fails only at the first step."""
+    fix = "the file is damaged — resume from an earlier iteration"
+    shapes = dict((n, tuple(p.shape)) for n, p in named)
+    states = expect(saved.get("state"), dict, f"{path}: optimizer state", fix)
+    groups = expect(saved.get("param_groups"), list, f"{path}: optimizer param_groups", fix)
+    for g, group in enumerate(groups):
+        group = expect(group, dict, f"{path}: optimizer param_groups[{g}]", fix)
+        betas, eps = group.get("betas"), group.get("eps")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(_number(b) and 0 <= b < 1 for b in betas)) or not (_number(eps) and eps > 0):
+            raise MConvertError(f"{path}: optimizer param_groups[{g}] has betas={betas!r} eps={eps!r}, and Adam needs "
+                                f"two betas in [0, 1) and eps > 0; {fix}")
+        for pid, name in zip(group.get("params", []), group.get("param_names", [])):
+            st = states.get(pid)
+            if not isinstance(st, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= set(st):
+                raise MConvertError(f"{path}: the optimizer has no step / exp_avg / exp_avg_sq for parameter "
+                                    f"{name!r}, and resuming would restart its Adam moments; {fix}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = st[key]
+                if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shapes.get(name):
+                    what = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise MConvertError(f"{path}: optimizer {key!r} of parameter {name!r} is {what}, the parameter "
+                                        f"is {shapes.get(name)}; {fix}")
+            step = st["step"]
+            step = float(step) if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+            if not (_number(step) and step >= 0):
+                raise MConvertError(f"{path}: optimizer step of parameter {name!r} is {step!r}, not a number ≥ 0; "
+                                    f"{fix}")
+            for key in ("exp_avg", "exp_avg_sq"):
+                if not all_finite(st[key]):
+                    raise MConvertError(f"{path}: optimizer {key!r} of parameter {name!r} holds NaN or Inf values; "
+                                        "the run diverged or the file is corrupt — resume from an earlier iteration")
+            if bool((st["exp_avg_sq"] < 0).any()):
+                raise MConvertError(f"{path}: optimizer 'exp_avg_sq' of parameter {name!r} holds negative values "
+                                    f"(a mean of squares); {fix}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: ParallelState,
@@ -435,7 +537,9 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
         start = int(ckpt["iteration"])
         consumed = int(getattr(ckpt["args"], "consumed_train_samples", start * cfg.global_batch_size))
     model = GPTModel(spec, st, seed=None if ckpt else cfg.seed, dtype=dtype)
+    source = str(ckpt.get("source", cfg.save)) if ckpt is not None else ""
     if ckpt is not None:
+        check_resume_model(ckpt["model"], model, source)
         model.load_state_dict(ckpt["model"], strict=True)
     model.set_aux_loss(cfg.moe_aux_loss_coeff, 1.0 / cfg.num_micro_batches)
     # fp32 master copies for bf16 (Megatron's mixed precision); Adam names each parameter by its state_dict key
@@ -446,14 +550,21 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     groups = optim.trainer_param_groups(named, cfg.weight_decay)
     opt = torch.optim.Adam(groups, lr=cfg.lr, **ADAM)
     if ckpt is not None:
-        opt.load_state_dict(_clone(optim.regroup(ckpt["optimizer"], groups, cfg.save or ""), st.device))
+        saved = optim.regroup(ckpt["optimizer"], groups, source)
+        check_resume_optimizer(saved, named, source)
+        opt.load_state_dict(_clone(saved, st.device))
         for group in opt.param_groups:  # as Megatron-LM's scheduler sets them each step, whatever was saved
+            group["lr"] = cfg.lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = cfg.weight_decay * group.get("wd_mult", 0.0)
             group["decoupled_weight_decay"] = True
         rs = ckpt["rng_state"][min(st.dp_rank, len(ckpt["rng_state"]) - 1)]
-        random.setstate(rs["random_rng_state"])
-        np.random.set_state(rs["np_rng_state"])
-        torch.set_rng_state(rs["torch_rng_state"])
+        try:
+            random.setstate(rs["random_rng_state"])
+            np.random.set_state(rs["np_rng_state"])
+            torch.set_rng_state(rs["torch_rng_state"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:
+            raise MConvertError(f"{source}: rng_state cannot be restored ({type(e).__name__}: {e}); the file is "
+                                "damaged — resume from an earlier iteration") from None
         del ckpt
     losses: list[float] = []
     aux_losses: list[float] = []  # megatron-core's `load_balancing_loss` per step (MoE)

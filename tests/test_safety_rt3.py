@@ -1,0 +1,152 @@
+"""Crafted checkpoints for `mconvert train --resume`: a checkpoint of another model that differs only in a
+field no shape shows (the rotary base), weights of another dtype or an int view of float bits, NaN weights,
+a missing or damaged Adam state, a file of another iteration than the tracker names, damaged rng states and
+data positions. Each is refused by file and key before a step is trained, never resumed into another model.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from safety_common import assert_one_line_error, run_cli
+from scratch import scratch_dir
+
+from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.layout import save_rank_file
+from mconvert.errors import MConvertError
+
+WORK = scratch_dir("mconvert-rt3-", __name__)
+MODEL = ["--num-layers", "1", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--device", "cpu"]
+ITER1 = Path("iter_0000001") / "mp_rank_00" / "model_optim_rng.pt"
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> Path:
+    """A tiny-llama checkpoint the trainer saved at iteration 1 (TP=PP=1): the base every case damages."""
+    from mconvert.trainer.train import TrainConfig, train
+
+    root = WORK / "base"
+    if not root.exists():
+        train(TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
+                          steps=1, save=str(root), device="cpu", quiet=True))
+    return root
+
+
+def _damaged(ckpt: Path, name: str, change) -> Path:
+    dst = WORK / name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(ckpt, dst)
+    f = dst / ITER1
+    state = dict(safe_load(f))
+    state["model"] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state["model"].items()}
+    change(state)
+    save_rank_file(f, state)
+    (dst / "mconvert-manifest.json").unlink(missing_ok=True)
+    return dst
+
+
+def _first_weight(state: dict) -> str:
+    return next(k for k, v in state["model"].items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def _set_weight(state: dict, fn) -> None:
+    k = _first_weight(state)
+    state["model"][k] = fn(state["model"][k])
+
+
+def _nan(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+def _first_state(state: dict) -> dict:
+    return state["optimizer"]["state"][sorted(state["optimizer"]["state"])[0]]
+
+
+CASES = {
+    # weights
+    "int-view-weights": (lambda s: _set_weight(s, lambda t: t.view(torch.int32)), "torch.int32"),
+    "bf16-weights": (lambda s: _set_weight(s, lambda t: t.to(torch.bfloat16)), "torch.bfloat16"),
+    "nan-weights": (lambda s: _set_weight(s, _nan), "NaN"),
+    "extra-weight": (lambda s: s["model"].__setitem__("bogus.weight", torch.zeros(2)), "'bogus.weight'"),
+    # Adam state
+    "no-optimizer": (lambda s: s.pop("optimizer"), "'optimizer'"),
+    "empty-adam-state": (lambda s: s["optimizer"].__setitem__("state", {}), "exp_avg_sq"),
+    "adam-wrong-shape": (lambda s: _first_state(s).__setitem__("exp_avg", torch.zeros(3)), "(3,)"),
+    "adam-nan": (lambda s: _first_state(s).__setitem__("exp_avg_sq", _first_state(s)["exp_avg_sq"] * float("nan")),
+                 "NaN"),
+    "adam-negative-step": (lambda s: _first_state(s).__setitem__("step", torch.tensor(-5.0)), "step"),
+    "adam-betas": (lambda s: [g.__setitem__("betas", (5.0, 0.9)) for g in s["optimizer"]["param_groups"]], "betas"),
+    # iteration, data position, rng
+    "iteration-not-tracker": (lambda s: s.__setitem__("iteration", -3), "iteration -3"),
+    "iteration-text": (lambda s: s.__setitem__("iteration", "abc"), "iteration"),
+    "no-iteration": (lambda s: s.pop("iteration"), "'iteration'"),
+    "no-args": (lambda s: s.pop("args"), "'args'"),
+    "consumed-negative": (lambda s: setattr(s["args"], "consumed_train_samples", -100), "consumed_train_samples"),
+    "consumed-huge": (lambda s: setattr(s["args"], "consumed_train_samples", 10 ** 30), "consumed_train_samples"),
+    "rng-empty": (lambda s: s.__setitem__("rng_state", []), "rng_state"),
+    "rng-garbage": (lambda s: s.__setitem__("rng_state", [{"random_rng_state": 1}]), "rng_state"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_damaged_resume_is_refused_by_file(ckpt: Path, case: str) -> None:
+    """Each damage is one MConvertError naming the rank file (checked in the process that resumes: the same
+    functions every rank runs) before any step; before, most were a KeyError / RuntimeError of torch, and the
+    int view, bf16, NaN weights and an empty Adam state trained on (exit 0)."""
+    from mconvert.data import build_tokenizer, tokenize_corpus
+    from mconvert.trainer.parallel import ParallelState
+    from mconvert.trainer.train import TrainConfig, _train, build_spec, load_resume
+
+    change, needle = CASES[case]
+    root = _damaged(ckpt, case, change)
+    cfg = TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
+                      steps=2, save=str(root), resume=True, device="cpu", quiet=True)
+    tok = build_tokenizer()
+    spec = build_spec(cfg, tok.get_vocab_size())
+    with pytest.raises(MConvertError) as e:
+        ckpt_state = load_resume(cfg, spec, 0)
+        _train(cfg, spec, tokenize_corpus(tok), ParallelState(device=torch.device("cpu")), ckpt_state)
+    msg = str(e.value)
+    assert "\n" not in msg and str(root / ITER1) in msg and needle.lower() in msg.lower(), msg
+    assert not (root / "iter_0000002").exists()
+
+
+def test_resume_into_other_rotary_base_is_refused(ckpt: Path, capsys, monkeypatch) -> None:
+    """A Llama-3 checkpoint (rotary base 500000, llama3 rope scaling) of tiny-llama's sizes resumed as
+    tiny-llama (base 10000): every shape matches, and the run used to train on with the other rotary
+    frequencies and save them as the checkpoint's (exit 0). Every model field is compared now."""
+    monkeypatch.setenv("TMPDIR", str(WORK))
+    root = WORK / "llama3"
+    if not root.exists():
+        code, _, err = run_cli(["train", "--preset", "tiny-llama3", "--hidden-size", "128", "--ffn-hidden-size",
+                                "256", "--steps", "1", "--save", root, *MODEL], capsys)
+        assert code == 0, err
+    code, _, err = run_cli(["train", "--preset", "tiny-llama", "--steps", "2", "--save", root, "--resume", *MODEL],
+                           capsys)
+    assert_one_line_error(code, err, "rotary_base=500000.0", "repeat the original flags")
+    assert not (root / "iter_0000002").exists()
+
+
+def test_resume_trains_at_the_given_lr(ckpt: Path) -> None:
+    """`--lr` on resume is the rate Adam steps with (the log and the saved args say it): it used to keep the
+    rate saved in the Adam groups while logging and saving --lr."""
+    from mconvert.trainer.train import TrainConfig, train
+
+    losses = {}
+    for lr in (1e-3, 0.5):
+        root = WORK / f"lr-{lr}"
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.copytree(ckpt, root)
+        losses[lr] = train(TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2,
+                                       global_batch_size=4, steps=3, save=str(root), resume=True, device="cpu",
+                                       quiet=True, lr=lr))["losses"]
+        group = safe_load(root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]["param_groups"]
+        assert all(g["lr"] == lr for g in group), (lr, [g["lr"] for g in group])
+    assert losses[1e-3][0] == losses[0.5][0] and losses[1e-3][1] != losses[0.5][1], losses
