@@ -150,3 +150,34 @@ def test_resume_trains_at_the_given_lr(ckpt: Path) -> None:
         group = safe_load(root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]["param_groups"]
         assert all(g["lr"] == lr for g in group), (lr, [g["lr"] for g in group])
     assert losses[1e-3][0] == losses[0.5][0] and losses[1e-3][1] != losses[0.5][1], losses
+
+
+# ---- to-onnx ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}])
+def test_to_onnx_refuses_unmapped_config_fields(capsys, monkeypatch, rope: dict) -> None:
+    """An HF Llama with dynamic-NTK (or YaRN) rope scaling: the dry run refused it, the real export did not.
+    Dynamic NTK acts only past max_position_embeddings (64), so the 16-token logits check passed while the
+    graph, traced at optimum's dummy length, left the scaling out (3e-3 off transformers at 100 tokens; exit 0).
+    Now the export parses config.json as every verb does: one line, no OUT, nothing in the temporary dir."""
+    import json
+
+    from safety_common import make_hf_llama
+
+    tmp = WORK / "tmpdir"
+    tmp.mkdir(exist_ok=True)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    hf = WORK / f"hf-{rope['rope_type']}"
+    if not hf.exists():
+        make_hf_llama(hf)
+        cfg = json.loads((hf / "config.json").read_text())
+        cfg["rope_scaling"] = rope
+        (hf / "config.json").write_text(json.dumps(cfg))
+    out = WORK / f"onnx-{rope['rope_type']}"
+    for dry in ([], ["--dry-run"]):
+        code, _, err = run_cli(["to-onnx", hf, out, *dry], capsys)
+        assert_one_line_error(code, err, "config.json", "rope_scaling", rope["rope_type"])
+        assert not out.exists()
+        assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")) == []
+        assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []

@@ -202,9 +202,14 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
     from_megatron = not _is_hf_dir(src, iteration)  # also the one-line error for a non-checkpoint
     task = "text-generation-with-past" if with_past else "text-generation"
     described = f"{'megatron' if from_megatron else 'hf'} checkpoint {src}"
+    # Every config field is mapped or refused, as by every verb: optimum exports what transformers' tracing
+    # sees at its dummy length, and a field that acts only on longer inputs (dynamic NTK rope past
+    # max_position_embeddings) would pass the logits check and be baked out of the graph.
+    with open_source(src, iteration=iteration, verify=False) as source:
+        spec = source.spec
+        if dry_run:
+            described = source.describe()
     if dry_run:
-        with open_source(src, iteration=iteration, verify=False) as source:  # refused as a real run would be
-            spec, described = source.spec, source.describe()
         family, dtype = spec.family, "float32" if from_megatron else spec.params_dtype
         weights = spec.num_parameters() * dtypes.lookup(dtype).itemsize  # type: ignore[union-attr]
         return make_report("to-onnx", described, out, family, task, dtype,
