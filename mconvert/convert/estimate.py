@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert import dtypes
+from mconvert.convert.ft_checks import ft_layout
 from mconvert.convert.io.paths import load_json_object
 from mconvert.convert.layout import RANK_FILE, rank_dir_name
 from mconvert.convert.trtllm_layout import expected_trtllm_shapes, trtllm_config, trtllm_refusal
@@ -226,7 +227,9 @@ def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES
 
 def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]:
     """FasterTransformer `<t>-gpu/*.bin`: replicated tensors once, split tensors once per rank (true vocab);
-    `unit` is the unit (embedding, layer index, final) whose tensors the file holds."""
+    `unit` is the unit (embedding, layer index, final) whose tensors the file holds. A layout the verb refuses
+    is refused here too; the approximate GELU is the verb's own flag (--allow-approx-gelu), so it is allowed."""
+    ft_layout(spec, ft_tp, allow_approx_gelu=True)
     units: list[tuple[Any, list[ParamDecl]]] = [("embedding", spec.embedding_params())]
     units += [(i, spec.layer_params(i)) for i in range(spec.num_layers)]
     units.append(("final", spec.final_params()))
@@ -482,7 +485,9 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
     ranks = nodes * procs_per_node
     groups = _output_groups(est)
     total_out = sum(groups) or 1
-    per_rank = [0] * ranks
+    # ranks past the number of file groups get none: the work stays proportional to the groups, whatever
+    # --nodes × --procs-per-node asks for
+    per_rank = [0] * min(ranks, len(groups))
     for i, b in enumerate(groups):
         per_rank[i % ranks] += b
     if est.operation in _READS_ALL:
@@ -495,8 +500,8 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
     one_process_io = (est.read_bytes + est.write_bytes) / max(est.expected_seconds - est.start_seconds, 1e-9)
     disk = disk_bytes_per_s or max(est.copy_bytes_per_s, one_process_io)
     worst, bottleneck, node_bytes_max = 0.0, "cpu", 0.0
-    for n in range(nodes):
-        mine = range(n * procs_per_node, (n + 1) * procs_per_node)
+    for n in range(-(-len(per_rank) // procs_per_node)):  # the nodes that hold a rank with output
+        mine = range(n * procs_per_node, min((n + 1) * procs_per_node, len(per_rank)))
         io = sum(per_rank[r] + read_share[r] for r in mine)
         node_bytes_max = max(node_bytes_max, io)
         limits = {"disk": io / disk, "cpu": max(max(per_rank[r], read_share[r]) / proc_rate for r in mine)}
@@ -513,7 +518,7 @@ def scaleout_estimate(est: Estimate, nodes: int, procs_per_node: int, disk_bytes
                      + ")")
     est.scaleout = {
         "nodes": nodes, "procs_per_node": procs_per_node, "processes": ranks, "busy_processes": busy,
-        "file_groups": len(groups), "largest_rank_write_bytes": max(per_rank), "largest_node_io_bytes": int(node_bytes_max),
+        "file_groups": len(groups), "largest_rank_write_bytes": max(per_rank, default=0), "largest_node_io_bytes": int(node_bytes_max),
         "disk_bytes_per_s_per_node": disk, "network_bytes_per_s_per_node": network_bytes_per_s,
         "bottleneck": bottleneck, "expected_seconds": worst + start_seconds,
         "speedup_vs_one_process": est.expected_seconds / (worst + start_seconds),

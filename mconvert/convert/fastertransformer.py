@@ -38,6 +38,7 @@ from mconvert.convert.base import units_of
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import check_output, record_digest
 from mconvert.convert.io.hashing import HashingFile
+from mconvert.convert.ft_checks import ft_layout
 from mconvert.convert.io.paths import contained, inside_file, read_small
 from mconvert.convert.driver import dry_run_report, write_output
 from mconvert.convert.io.safeload import crc_in_background
@@ -72,30 +73,6 @@ def section_layout(section: str) -> FTLayout:
 
 
 # ---- what FT can hold --------------------------------------------------------------------------------
-def ft_layout(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) -> FTLayout:
-    """The FT section of a model FT can represent exactly at `infer_tp`; one-line refusal otherwise."""
-    spec.refuse_unmapped("FasterTransformer")
-    nh, hd, H = spec.num_attention_heads, spec.head_dim, spec.hidden_size
-    if infer_tp < 1:
-        raise MConvertError(f"--infer-tp must be >= 1 (got {infer_tp})")
-    if nh * hd != H:
-        raise MConvertError(
-            f"FasterTransformer needs head_num·size_per_head = hidden ({nh}·{hd} != {H}); it cannot hold this model"
-        )
-    if nh % infer_tp:
-        raise MConvertError(f"--infer-tp {infer_tp} does not divide num_attention_heads={nh}; pick a divisor")
-    if spec.ffn_hidden_size % infer_tp:
-        raise MConvertError(f"--infer-tp {infer_tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
-    layout = families.of(spec).ft
-    if layout is None or not layout.holds(spec):
-        raise MConvertError(
-            f"FasterTransformer has no layout for {spec.normalization} + {spec.activation} + "
-            f"{spec.position_embedding_type} positions ({spec.family}); supported: GPT-2 style and LLaMA style"
-        )
-    layout.refuse(spec, infer_tp, allow_approx_gelu)
-    return layout
-
-
 def ft_section(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) -> str:
     """The FT section name (`gpt`, `llama`, ...) for the model; one-line refusal otherwise."""
     return ft_layout(spec, infer_tp, allow_approx_gelu).section
