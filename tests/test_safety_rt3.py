@@ -210,3 +210,23 @@ def test_plan_to_ft_refuses_what_the_verb_refuses(capsys, preset: str, tp: str, 
     assert_one_line_error(code, err, needle)
     code, _, err = run_cli(["plan", "--preset", "tiny-gpt2", "--to", "ft", "--target-tp", "2", "--json"], capsys)
     assert code == 0, err
+
+
+# ---- output paths -------------------------------------------------------------------------------------------
+def test_dangling_symlink_at_out_is_an_existing_out(capsys) -> None:
+    """A dangling symlink at OUT passed the up-front check (Path.exists follows the link): a real to-onnx
+    exported and checked the whole model, then refused at the final rename as an OUT that "appeared while this
+    run was in progress"; --dry-run said it would write. Now it is an existing OUT, refused before any work
+    (dry run too), and the link stays as it was."""
+    from safety_common import make_hf_llama
+
+    hf = WORK / "hf-plain"
+    if not hf.exists():
+        make_hf_llama(hf)
+    out = WORK / "dangling-out"
+    out.unlink(missing_ok=True)
+    out.symlink_to(WORK / "nowhere")
+    for dry in (["--dry-run"], []):
+        code, _, err = run_cli(["to-onnx", hf, out, *dry], capsys)
+        assert_one_line_error(code, err, "already exists", "--force")
+        assert out.is_symlink() and not (WORK / "nowhere").exists()

@@ -47,7 +47,8 @@ def check_output(out: str | Path, force: bool, inputs: tuple[str | Path | None, 
         if how is not None:
             raise MConvertError(f"{out}: the output {how} the input {inp}; choose an output path outside every "
                                 "input (--force never replaces an input)")
-    if out.exists() and not force:
+    # lexists: a dangling symlink at OUT is an existing entry too; the final rename refuses it, after the work
+    if os.path.lexists(out) and not force:
         raise MConvertError(f"{out}: output already exists; pass --force to replace it")
     parent = out.absolute().parent
     probe = parent
