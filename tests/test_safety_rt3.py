@@ -230,3 +230,16 @@ def test_dangling_symlink_at_out_is_an_existing_out(capsys) -> None:
         code, _, err = run_cli(["to-onnx", hf, out, *dry], capsys)
         assert_one_line_error(code, err, "already exists", "--force")
         assert out.is_symlink() and not (WORK / "nowhere").exists()
+
+
+def test_resume_with_steps_0_is_refused(ckpt: Path, capsys) -> None:
+    """`--resume --steps 0` saved the iteration-1 weights and Adam state as iter_0000000 (iteration 0, no
+    samples consumed) and moved the tracker back to 0, exit 0: a later resume continued a mislabelled model."""
+    root = WORK / "steps0"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(ckpt, root)
+    code, _, err = run_cli(["train", "--preset", "tiny-llama", "--steps", "0", "--save", root, "--resume", *MODEL],
+                           capsys)
+    assert_one_line_error(code, err, "--steps 0", "--resume")
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (root / "iter_0000000").exists()

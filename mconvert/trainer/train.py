@@ -150,6 +150,9 @@ class TrainConfig:
             )
         if self.resume and not self.save:
             raise MConvertError("--resume needs --save DIR (the checkpoint to continue)")
+        if self.resume and self.steps == 0:  # --steps 0 saves the model as iteration 0: the resumed one, mislabelled
+            raise MConvertError("--resume with --steps 0: --steps is the iteration to train to, and 0 writes the "
+                                "loaded model as iteration 0; pass an iteration above the checkpoint's")
         if self.sequence_parallel and self.seq_length % self.tp:
             raise MConvertError(f"--sequence-parallel needs --seq-length {self.seq_length} divisible by TP={self.tp}")
 
