@@ -243,3 +243,39 @@ def test_resume_with_steps_0_is_refused(ckpt: Path, capsys) -> None:
     assert_one_line_error(code, err, "--steps 0", "--resume")
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not (root / "iter_0000000").exists()
+
+
+def test_to_onnx_reports_the_dtype_of_the_graph(capsys) -> None:
+    """A bf16 HF Llama whose config.json states `torch_dtype: bfloat16`: the graph optimum writes holds fp32
+    initializers (both exporters load the model in fp32), but the report said bfloat16, and the dry run's
+    weight_bytes counted 2 bytes a parameter. The report now names the graph's dtype."""
+    import json
+
+    import onnx
+
+    from safety_common import make_hf_llama
+
+    hf = WORK / "hf-bf16"
+    if not hf.exists():
+        make_hf_llama(hf)
+        from safetensors.torch import load_file, save_file
+        f = hf / "model.safetensors"
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, str(f), metadata={"format": "pt"})
+        cfg = json.loads((hf / "config.json").read_text())
+        cfg.pop("dtype", None)
+        cfg["torch_dtype"] = "bfloat16"
+        (hf / "config.json").write_text(json.dumps(cfg))
+    out = WORK / "onnx-bf16"
+    shutil.rmtree(out, ignore_errors=True)
+    code, stdout, err = run_cli(["to-onnx", hf, out, "--dry-run", "--json"], capsys)
+    assert code == 0, err
+    dry = json.loads(stdout)
+    from mconvert.convert.sources import open_source
+    with open_source(hf, verify=False) as src:
+        params = src.spec.num_parameters()
+    assert dry["dtype"] == "float32" and dry["weight_bytes"] == 4 * params, dry
+    code, stdout, err = run_cli(["to-onnx", hf, out, "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["dtype"] == "float32"
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    assert {t.data_type for t in graph.initializer} == {onnx.TensorProto.FLOAT}

@@ -178,11 +178,16 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
             copy_contained(hf_dir, name, out, "json")
 
 
-def _describe_hf(hf_dir: Path) -> tuple[str, str]:
-    """(family, dtype) of the HF directory optimum exports, from its config.json (for the report)."""
+# The dtype of the exported graph: optimum's main_export loads the model in fp32 (its `dtype` default) and the
+# torch exporter asks for float32, whatever config.json states; the logits check runs in fp32 too.
+EXPORT_DTYPE = "float32"
+
+
+def _describe_hf(hf_dir: Path) -> str:
+    """The family (`model_type`) of the HF directory optimum exports, from its config.json (for the report)."""
     cfg = load_json_object(inside_file(hf_dir, "config.json", f"{hf_dir}: config"), "config",
                            "fix it or re-copy the model directory")
-    return str(cfg.get("model_type", "")), dtypes.canonical(str(cfg.get("torch_dtype") or "float32"))
+    return str(cfg.get("model_type", ""))
 
 
 def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
@@ -210,7 +215,7 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
         if dry_run:
             described = source.describe()
     if dry_run:
-        family, dtype = spec.family, "float32" if from_megatron else spec.params_dtype
+        family, dtype = spec.family, EXPORT_DTYPE
         weights = spec.num_parameters() * dtypes.lookup(dtype).itemsize  # type: ignore[union-attr]
         return make_report("to-onnx", described, out, family, task, dtype,
                            [{"path": "model.onnx", "bytes": None}], [], None, time.perf_counter() - t0,
@@ -219,7 +224,7 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
                                 "as model.onnx_data; weight_bytes is their size from the parameter count")
     notes: list[str] = []
     with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force, inputs=(src,)) as tmp:
-        family, dtype = _describe_hf(hf_dir)
+        family, dtype = _describe_hf(hf_dir), EXPORT_DTYPE
         if from_megatron:
             notes.append("Megatron source exported to a temporary fp32 HF dir first")
         with _quiet():
