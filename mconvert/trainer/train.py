@@ -499,7 +499,11 @@ def check_resume_optimizer(saved: dict[str, Any], named: list[tuple[str, torch.T
                 and all(_number(b) and 0 <= b < 1 for b in betas)) or not (_number(eps) and eps > 0):
             raise MConvertError(f"{path}: optimizer param_groups[{g}] has betas={betas!r} eps={eps!r}, and Adam needs "
                                 f"two betas in [0, 1) and eps > 0; {fix}")
-        for pid, name in zip(group.get("params", []), group.get("param_names", [])):
+        ids, names = group.get("params"), group.get("param_names")
+        if not (isinstance(ids, list) and isinstance(names, list) and len(ids) == len(names)):
+            raise MConvertError(f"{path}: optimizer param_groups[{g}] has params and param_names of different "
+                                f"lengths or types; {fix}")
+        for pid, name in zip(ids, names):
             st = states.get(pid)
             if not isinstance(st, dict) or not {"step", "exp_avg", "exp_avg_sq"} <= set(st):
                 raise MConvertError(f"{path}: the optimizer has no step / exp_avg / exp_avg_sq for parameter "
