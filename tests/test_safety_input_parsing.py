@@ -168,6 +168,11 @@ def test_negative_tracker_iteration_is_refused(fx, tmp_path, capsys):
     out = tmp_path / "out"
     code, _, err = run_cli(["megatron-to-hf", ck, out], capsys)
     _refused(code, err, out, str(tracker), "-1", "negative")
+    # the same directory named by --iteration, for a verb that writes and one that only reads
+    code, _, err = run_cli(["megatron-to-hf", ck, out, "--iteration", "-1"], capsys)
+    _refused(code, err, out, "--iteration -1", ">= 0")
+    code, _, err = run_cli(["inspect", ck, "--iteration", "-1"], capsys)
+    assert code == 1 and err.strip().splitlines() == [err.strip()] and "--iteration -1" in err, err
 
 
 # ---- F8: legacy QKV on GQA, safetensors and manifest parsing ----------------------------------------------------

@@ -55,6 +55,8 @@ def resolve_iteration_dir(root: Path, iteration: int | str | None) -> tuple[Path
                 iteration = int(iteration)
             except ValueError:
                 raise MConvertError(f"--iteration {iteration!r}: expected a number or 'release'") from None
+            if iteration < 0:  # iter_-000001 is no name Megatron writes
+                raise MConvertError(f"--iteration {iteration}: expected a number >= 0 or 'release'")
         d = root / iteration_dir_name(iteration)
         if d.is_dir():
             contained(root, d.name, f"{root}: iteration directory")
