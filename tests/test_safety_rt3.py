@@ -280,3 +280,20 @@ def test_to_onnx_reports_the_dtype_of_the_graph(capsys) -> None:
     assert json.loads(stdout)["dtype"] == "float32"
     graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
     assert {t.data_type for t in graph.initializer} == {onnx.TensorProto.FLOAT}
+
+
+def test_resume_from_a_broken_tracker_names_no_flag_train_lacks(ckpt: Path) -> None:
+    """The conversions' tracker errors end "or pass --iteration"; `train` has no such flag, so a resume's error
+    says only what to fix in the file."""
+    from mconvert.trainer.train import TrainConfig, build_spec, load_resume
+    from mconvert.data import build_tokenizer
+
+    root = WORK / "tracker"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(ckpt, root)
+    (root / "latest_checkpointed_iteration.txt").write_text("one\n")
+    cfg = TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
+                      steps=2, save=str(root), resume=True, device="cpu", quiet=True)
+    with pytest.raises(MConvertError) as e:
+        load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
+    assert "latest_checkpointed_iteration.txt" in str(e.value) and "--iteration" not in str(e.value), str(e.value)

@@ -65,30 +65,29 @@ def rank_of_parts(parts: tuple[int, ...], pp_size: int, ep_size: int) -> tuple[i
     return parts[0], 0, 0
 
 
-def read_latest(root: str | Path) -> int | str:
-    """The iteration named by the tracker file: an int or 'release'. One-line error when unreadable."""
+def read_latest(root: str | Path, other: str | None = "pass --iteration") -> int | str:
+    """The iteration named by the tracker file: an int or 'release'. One-line error when unreadable; `other`:
+    the caller's way around the tracker, named in the error (None: the caller has none)."""
     path = Path(root) / TRACKER
+    alt = f" or {other}" if other else ""
     if not os.path.lexists(path):
-        raise MConvertError(
-            f"{path}: not found; is {root} a Megatron checkpoint directory? (or pass --iteration)"
-        )
+        raise MConvertError(f"{path}: not found; is {root} a Megatron checkpoint directory?"
+                            + (f" ({alt.strip()})" if other else ""))
     try:
         text = read_small(inside_file(root, TRACKER, f"{root}: tracker file"), "tracker").decode().strip()
     except UnicodeDecodeError as e:
-        raise MConvertError(
-            f"{path}: unreadable ({e}); write the iteration number into it or pass --iteration"
-        ) from None
+        raise MConvertError(f"{path}: unreadable ({e}); write the iteration number into it{alt}") from None
     if text == "release":
         return "release"
     try:
         it = int(text)
     except ValueError:
         raise MConvertError(
-            f"{path}: expected an iteration number or 'release', found {text[:40]!r}; fix it or pass --iteration"
+            f"{path}: expected an iteration number or 'release', found {text[:40]!r}; fix it{alt}"
         ) from None
     if it < 0:  # no iter_* directory Megatron-LM (or the trainer, which starts at 0) writes has one
         raise MConvertError(f"{path}: iteration {it} is negative; write the iteration number of a saved iter_* "
-                            "directory into it, or pass --iteration")
+                            f"directory into it{alt}")
     return it
 
 

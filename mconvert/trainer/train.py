@@ -416,7 +416,7 @@ def _log_rank(cfg: TrainConfig) -> int:
 
 def load_resume(cfg: TrainConfig, spec: ModelSpec, rank: int) -> dict[str, Any]:
     """Global rank `rank`'s file of the checkpoint in --save, checked against this run's model and layout."""
-    latest = read_latest(cfg.save)
+    latest = read_latest(cfg.save, other=None)  # a resume continues the tracker's iteration: no flag names another
     if latest == "release":
         raise MConvertError(f"{cfg.save}/{TRACKER}: 'release' has no iteration to resume from")
     st = ParallelState(tp=cfg.tp, pp=cfg.pp, dp=cfg.dp, rank=rank, ep=cfg.ep)
