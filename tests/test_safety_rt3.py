@@ -297,3 +297,18 @@ def test_resume_from_a_broken_tracker_names_no_flag_train_lacks(ckpt: Path) -> N
     with pytest.raises(MConvertError) as e:
         load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
     assert "latest_checkpointed_iteration.txt" in str(e.value) and "--iteration" not in str(e.value), str(e.value)
+
+
+def test_to_onnx_of_an_hf_directory_refuses_iteration(capsys) -> None:
+    """`--iteration` chooses among a Megatron checkpoint's iter_* directories; given with an HF directory it was
+    ignored (the directory exported as is, exit 0). Now one line naming the option, no OUT."""
+    from safety_common import make_hf_llama
+
+    hf = WORK / "hf-iteration"
+    if not hf.exists():
+        make_hf_llama(hf)
+    out = WORK / "onnx-iteration"
+    for dry in ([], ["--dry-run"]):
+        code, _, err = run_cli(["to-onnx", hf, out, "--iteration", "5", *dry], capsys)
+        assert_one_line_error(code, err, "--iteration 5", "HuggingFace directory")
+        assert not out.exists()

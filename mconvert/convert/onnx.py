@@ -205,6 +205,9 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
         raise MConvertError("the torch.onnx fallback exports no KV cache; pass --no-past with --exporter torch")
     check_output(out, force, (src,))
     from_megatron = not _is_hf_dir(src, iteration)  # also the one-line error for a non-checkpoint
+    if not from_megatron and iteration is not None:  # it would be ignored: the export is of the directory as is
+        raise MConvertError(f"--iteration {iteration}: {src} is a HuggingFace directory, which has no iterations; "
+                            "drop --iteration (it chooses among a Megatron checkpoint's iter_* directories)")
     task = "text-generation-with-past" if with_past else "text-generation"
     described = f"{'megatron' if from_megatron else 'hf'} checkpoint {src}"
     # Every config field is mapped or refused, as by every verb: optimum exports what transformers' tracing
