@@ -190,13 +190,11 @@ def test_plan_scaleout_work_follows_the_file_groups(capsys) -> None:
     and 500 MB, 10^12 ended in "out of memory". Ranks past the file groups write nothing, so the estimate now
     costs what the groups cost, and says how many processes are busy."""
     import json
-    import time
 
-    t0 = time.perf_counter()
+    # 10^20 ranks: a list of them cannot be made at all, so the run finishing is the proof
     code, out, err = run_cli(["plan", "--preset", "llama3-405b", "--tp", "8", "--pp", "16", "--to", "hf",
                               "--nodes", str(10 ** 12), "--procs-per-node", str(10 ** 8), "--json"], capsys)
     assert code == 0, err
-    assert time.perf_counter() - t0 < 30
     s = json.loads(out)["scaleout"]
     assert s["processes"] == 10 ** 20 and s["busy_processes"] == s["file_groups"] > 0, s
 
@@ -209,6 +207,7 @@ def test_plan_to_ft_refuses_what_the_verb_refuses(capsys, preset: str, tp: str, 
     cannot hold (GQA, q/k norm), which `megatron-to-ft` refuses; it now applies the verb's own check."""
     code, _, err = run_cli(["plan", "--preset", preset, "--to", "ft", "--target-tp", tp], capsys)
     assert_one_line_error(code, err, needle)
+    assert "--infer-tp" not in err  # megatron-to-ft's flag; plan's is --target-tp
     code, _, err = run_cli(["plan", "--preset", "tiny-gpt2", "--to", "ft", "--target-tp", "2", "--json"], capsys)
     assert code == 0, err
 

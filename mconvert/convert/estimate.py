@@ -229,7 +229,7 @@ def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]
     """FasterTransformer `<t>-gpu/*.bin`: replicated tensors once, split tensors once per rank (true vocab);
     `unit` is the unit (embedding, layer index, final) whose tensors the file holds. A layout the verb refuses
     is refused here too; the approximate GELU is the verb's own flag (--allow-approx-gelu), so it is allowed."""
-    ft_layout(spec, ft_tp, allow_approx_gelu=True)
+    ft_layout(spec, ft_tp, allow_approx_gelu=True, option="--target-tp")
     units: list[tuple[Any, list[ParamDecl]]] = [("embedding", spec.embedding_params())]
     units += [(i, spec.layer_params(i)) for i in range(spec.num_layers)]
     units.append(("final", spec.final_params()))
