@@ -579,6 +579,9 @@ def to_onnx_cmd(
       mconvert to-onnx hf-model/ onnx/ --dry-run --json
     """
     _positive_rate(("--rtol", rtol))
+    if rtol >= 1:  # a difference as large as the largest logit passes: the check would accept any export
+        raise MConvertError(f"--rtol {rtol:g}: a relative difference of 1 or more accepts any logits; give a value "
+                            "below 1 (default 1e-4), or omit it")
     _at_least_one(("--opset", opset))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.onnx import to_onnx

@@ -141,6 +141,7 @@ def test_deploy_tp_below_one(tmp_path, capsys, verb, option, value):
 
 @pytest.mark.parametrize("option,value,words", [
     ("--rtol", "0", "--rtol must be > 0"), ("--rtol", "-1", "--rtol must be > 0"), ("--rtol", "nan", "--rtol must"),
+    ("--rtol", "1", "below 1"), ("--rtol", "1e308", "below 1"),
     ("--opset", "0", "--opset must be >= 1"),
 ])
 def test_onnx_tolerance_and_opset_are_checked_before_the_export(tmp_path, capsys, option, value, words):
