@@ -311,3 +311,21 @@ def test_to_onnx_of_an_hf_directory_refuses_iteration(capsys) -> None:
         code, _, err = run_cli(["to-onnx", hf, out, "--iteration", "5", *dry], capsys)
         assert_one_line_error(code, err, "--iteration 5", "HuggingFace directory")
         assert not out.exists()
+
+
+def test_resume_from_a_tracker_naming_a_missing_iteration_says_so(ckpt: Path) -> None:
+    """A tracker naming an iteration whose directory is gone was reported as "the checkpoint does not have
+    TP=1 PP=1 EP=1 shards", which sends the user after the wrong flags."""
+    from mconvert.data import build_tokenizer
+    from mconvert.trainer.train import TrainConfig, build_spec, load_resume
+
+    root = WORK / "tracker-missing"
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(ckpt, root)
+    (root / "latest_checkpointed_iteration.txt").write_text("7\n")
+    cfg = TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
+                      steps=9, save=str(root), resume=True, device="cpu", quiet=True)
+    with pytest.raises(MConvertError) as e:
+        load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
+    assert "names iteration 7" in str(e.value) and "iter_0000007" in str(e.value), str(e.value)
+    assert "shards" not in str(e.value)

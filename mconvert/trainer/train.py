@@ -357,6 +357,9 @@ def _clone(obj: Any, device: torch.device) -> Any:
 def load_rank_checkpoint(root: str | Path, iteration: int | str, st: ParallelState) -> dict[str, Any]:
     """This rank's model_optim_rng.pt (safe_load only)."""
     path = rank_file(root, iteration, st.tp_rank, st.pp_rank, st.pp, st.ep_rank, st.ep)
+    if not path.parents[1].is_dir():  # the iteration directory itself: the tracker names one that is gone
+        raise MConvertError(f"{Path(root) / TRACKER} names iteration {iteration}, but {path.parents[1]} does not "
+                            "exist; write the iteration of a saved iter_* directory into it")
     if not path.is_file():
         raise MConvertError(f"{path}: missing; the checkpoint does not have TP={st.tp} PP={st.pp} EP={st.ep} shards")
     return safe_load(path)
