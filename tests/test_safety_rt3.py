@@ -329,3 +329,16 @@ def test_resume_from_a_tracker_naming_a_missing_iteration_says_so(ckpt: Path) ->
         load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
     assert "names iteration 7" in str(e.value) and "iter_0000007" in str(e.value), str(e.value)
     assert "shards" not in str(e.value)
+
+
+def test_resume_takes_args_saved_as_a_dict(ckpt: Path) -> None:
+    """Rank files whose `args` is a dict (the conversions read them so) resume like a Namespace's: the run's
+    checks compare the fields, rather than reading every one as None ("tensor_model_parallel_size=None")."""
+    from mconvert.data import build_tokenizer
+    from mconvert.trainer.train import TrainConfig, build_spec, load_resume
+
+    root = _damaged(ckpt, "args-dict", lambda s: s.__setitem__("args", dict(vars(s["args"]))))
+    cfg = TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
+                      steps=2, save=str(root), resume=True, device="cpu", quiet=True)
+    state = load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
+    assert state["args"].tensor_model_parallel_size == 1 and state["iteration"] == 1

@@ -8,6 +8,7 @@ expert-data-parallel and embedding-group gradient all-reduces, and Megatron lega
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -35,6 +36,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from mconvert.convert import optimizer as optim
+from mconvert.convert.checkpoint import args_dict
 from mconvert.convert.io.atomic import atomic_output_dir, terminating
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.convert.io.safeload import all_finite, safe_load
@@ -426,6 +428,8 @@ def load_resume(cfg: TrainConfig, spec: ModelSpec, rank: int) -> dict[str, Any]:
     ckpt = load_rank_checkpoint(cfg.save, latest, st)
     path = rank_file(cfg.save, latest, st.tp_rank, st.pp_rank, st.pp, st.ep_rank, st.ep)
     check_resume_entries(ckpt, latest, str(path))
+    # args as Megatron-LM saves them (a Namespace) or as a dict, as every reader of rank files takes them
+    ckpt["args"] = argparse.Namespace(**args_dict(ckpt["args"], path))
     check_resume_args(ckpt["args"], spec, cfg, str(path))
     consumed = getattr(ckpt["args"], "consumed_train_samples", latest * cfg.global_batch_size)
     batch = getattr(ckpt["args"], "global_batch_size", None)
