@@ -9,7 +9,8 @@ from mconvert.mappings.family import FTLayout
 from mconvert.spec import ModelSpec
 
 
-def ft_layout(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False, option: str = "--infer-tp") -> FTLayout:
+def ft_layout(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False,
+              option: str = "--infer-tp") -> FTLayout:
     """The FT section of a model FT can represent exactly at `infer_tp`; one-line refusal otherwise, naming
     `option`, the caller's flag for the inference TP (`plan` calls it --target-tp)."""
     spec.refuse_unmapped("FasterTransformer")
