@@ -16,10 +16,13 @@ from mconvert.convert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World, world_from_env
 from mconvert.errors import MConvertError
 from safety_common import ROOT, base, flip_record_padding
+from scratch import scratch_dir
 
 pytestmark = pytest.mark.slow
 
 SHARD = "40KB"  # several shards from the tiny model, so that both ranks own some
+# torchrun's agent keeps its workers' logs in a directory of its own in the temporary directory unless given one
+AGENT_LOGS = scratch_dir("mconvert-torchrun-logs-", __name__)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -31,6 +34,7 @@ def _torchrun(args: list[str | Path], timeout: int = 240, module: bool = True) -
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--log-dir", str(AGENT_LOGS),
                            *(["-m", "mconvert.cli"] if module else []), *map(str, args)], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -93,6 +97,7 @@ def test_two_machines_write_the_one_process_bytes(one_process: dict[str, Path], 
         env.pop(k, None)
     endpoint = f"127.0.0.1:{_free_port()}"
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                                "--log-dir", str(AGENT_LOGS),
                                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", tmp_path.name,
                                 str(script), str(base()["ckpt"]), str(base()["ref"]), str(tmp_path / "out"), SHARD],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
