@@ -37,10 +37,33 @@ def ckpt() -> Path:
     return root
 
 
-def _damaged(ckpt: Path, name: str, change) -> Path:
+def _copy(ckpt: Path, name: str) -> Path:
+    """A fresh copy of the base checkpoint under WORK/name."""
     dst = WORK / name
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(ckpt, dst)
+    return dst
+
+
+def _resume_config(root: Path, steps: int = 2, **kw):
+    """The TrainConfig of a resume of the base model's run (`kw`: other options, --lr say)."""
+    from mconvert.trainer.train import TrainConfig
+
+    return TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
+                       steps=steps, save=str(root), resume=True, device="cpu", quiet=True, **kw)
+
+
+def _load_resume(root: Path, steps: int = 2) -> dict:
+    """What rank 0 of a resume from `root` loads and checks before it builds its model."""
+    from mconvert.data import build_tokenizer
+    from mconvert.trainer.train import build_spec, load_resume
+
+    cfg = _resume_config(root, steps)
+    return load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
+
+
+def _damaged(ckpt: Path, name: str, change) -> Path:
+    dst = _copy(ckpt, name)
     f = dst / ITER1
     state = dict(safe_load(f))
     state["model"] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state["model"].items()}
@@ -103,12 +126,11 @@ def test_damaged_resume_is_refused_by_file(ckpt: Path, case: str) -> None:
     int view, bf16, NaN weights and an empty Adam state trained on (exit 0)."""
     from mconvert.data import build_tokenizer, tokenize_corpus
     from mconvert.trainer.parallel import ParallelState
-    from mconvert.trainer.train import TrainConfig, _train, build_spec, load_resume
+    from mconvert.trainer.train import _train, build_spec, load_resume
 
     change, needle = CASES[case]
     root = _damaged(ckpt, case, change)
-    cfg = TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
-                      steps=2, save=str(root), resume=True, device="cpu", quiet=True)
+    cfg = _resume_config(root)
     tok = build_tokenizer()
     spec = build_spec(cfg, tok.get_vocab_size())
     with pytest.raises(MConvertError) as e:
@@ -138,16 +160,12 @@ def test_resume_into_other_rotary_base_is_refused(ckpt: Path, capsys, monkeypatc
 def test_resume_trains_at_the_given_lr(ckpt: Path) -> None:
     """`--lr` on resume is the rate Adam steps with (the log and the saved args say it): it used to keep the
     rate saved in the Adam groups while logging and saving --lr."""
-    from mconvert.trainer.train import TrainConfig, train
+    from mconvert.trainer.train import train
 
     losses = {}
     for lr in (1e-3, 0.5):
-        root = WORK / f"lr-{lr}"
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.copytree(ckpt, root)
-        losses[lr] = train(TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2,
-                                       global_batch_size=4, steps=3, save=str(root), resume=True, device="cpu",
-                                       quiet=True, lr=lr))["losses"]
+        root = _copy(ckpt, f"lr-{lr}")
+        losses[lr] = train(_resume_config(root, steps=3, lr=lr))["losses"]
         group = safe_load(root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["optimizer"]["param_groups"]
         assert all(g["lr"] == lr for g in group), (lr, [g["lr"] for g in group])
     assert losses[1e-3][0] == losses[0.5][0] and losses[1e-3][1] != losses[0.5][1], losses
@@ -235,9 +253,7 @@ def test_dangling_symlink_at_out_is_an_existing_out(capsys) -> None:
 def test_resume_with_steps_0_is_refused(ckpt: Path, capsys) -> None:
     """`--resume --steps 0` saved the iteration-1 weights and Adam state as iter_0000000 (iteration 0, no
     samples consumed) and moved the tracker back to 0, exit 0: a later resume continued a mislabelled model."""
-    root = WORK / "steps0"
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.copytree(ckpt, root)
+    root = _copy(ckpt, "steps0")
     code, _, err = run_cli(["train", "--preset", "tiny-llama", "--steps", "0", "--save", root, "--resume", *MODEL],
                            capsys)
     assert_one_line_error(code, err, "--steps 0", "--resume")
@@ -284,17 +300,10 @@ def test_to_onnx_reports_the_dtype_of_the_graph(capsys) -> None:
 def test_resume_from_a_broken_tracker_names_no_flag_train_lacks(ckpt: Path) -> None:
     """The conversions' tracker errors end "or pass --iteration"; `train` has no such flag, so a resume's error
     says only what to fix in the file."""
-    from mconvert.trainer.train import TrainConfig, build_spec, load_resume
-    from mconvert.data import build_tokenizer
-
-    root = WORK / "tracker"
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.copytree(ckpt, root)
+    root = _copy(ckpt, "tracker")
     (root / "latest_checkpointed_iteration.txt").write_text("one\n")
-    cfg = TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
-                      steps=2, save=str(root), resume=True, device="cpu", quiet=True)
     with pytest.raises(MConvertError) as e:
-        load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
+        _load_resume(root)
     assert "latest_checkpointed_iteration.txt" in str(e.value) and "--iteration" not in str(e.value), str(e.value)
 
 
@@ -316,17 +325,10 @@ def test_to_onnx_of_an_hf_directory_refuses_iteration(capsys) -> None:
 def test_resume_from_a_tracker_naming_a_missing_iteration_says_so(ckpt: Path) -> None:
     """A tracker naming an iteration whose directory is gone was reported as "the checkpoint does not have
     TP=1 PP=1 EP=1 shards", which sends the user after the wrong flags."""
-    from mconvert.data import build_tokenizer
-    from mconvert.trainer.train import TrainConfig, build_spec, load_resume
-
-    root = WORK / "tracker-missing"
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.copytree(ckpt, root)
+    root = _copy(ckpt, "tracker-missing")
     (root / "latest_checkpointed_iteration.txt").write_text("7\n")
-    cfg = TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
-                      steps=9, save=str(root), resume=True, device="cpu", quiet=True)
     with pytest.raises(MConvertError) as e:
-        load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
+        _load_resume(root, steps=9)
     assert "names iteration 7" in str(e.value) and "iter_0000007" in str(e.value), str(e.value)
     assert "shards" not in str(e.value)
 
@@ -334,11 +336,6 @@ def test_resume_from_a_tracker_naming_a_missing_iteration_says_so(ckpt: Path) ->
 def test_resume_takes_args_saved_as_a_dict(ckpt: Path) -> None:
     """Rank files whose `args` is a dict (the conversions read them so) resume like a Namespace's: the run's
     checks compare the fields, rather than reading every one as None ("tensor_model_parallel_size=None")."""
-    from mconvert.data import build_tokenizer
-    from mconvert.trainer.train import TrainConfig, build_spec, load_resume
-
     root = _damaged(ckpt, "args-dict", lambda s: s.__setitem__("args", dict(vars(s["args"]))))
-    cfg = TrainConfig(preset="tiny-llama", num_layers=1, seq_length=32, micro_batch_size=2, global_batch_size=4,
-                      steps=2, save=str(root), resume=True, device="cpu", quiet=True)
-    state = load_resume(cfg, build_spec(cfg, build_tokenizer().get_vocab_size()), 0)
+    state = _load_resume(root)
     assert state["args"].tensor_model_parallel_size == 1 and state["iteration"] == 1
