@@ -291,6 +291,46 @@ def test_pmap_iter_gives_results_in_order_with_a_bounded_lead(monkeypatch: pytes
     base._POOL.shutdown(wait=True)
 
 
+@pytest.mark.timeout(60)
+def test_pmap_iter_runs_the_next_large_item_beside_one_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer's parameters come weight, bias, weight, bias: a small item (a bias) takes no worker's place,
+    so two weights are read at once, never more large items started and not yet taken than the pool has
+    workers, and never more than LEAD per worker in all."""
+    import time
+
+    from mconvert.convert import base
+
+    monkeypatch.setattr(base, "_POOL", None)
+    monkeypatch.setattr(base, "_POOL_SIZE", 0)
+    monkeypatch.setattr(base, "_WORKERS", 2)
+    sizes = {x: (base.SMALL_ELEMENTS if x % 2 == 0 else base.SMALL_ELEMENTS - 1) for x in range(40)}
+    running: set[int] = set()
+    started: list[int] = []
+    most_large_at_once = [0]
+    lock = threading.Lock()
+
+    def fn(x: int) -> int:
+        with lock:
+            started.append(x)
+            running.add(x)
+            most_large_at_once[0] = max(most_large_at_once[0], sum(1 for r in running if r % 2 == 0))
+        time.sleep(0.05 if x % 2 == 0 else 0.0)
+        with lock:
+            running.discard(x)
+        return x
+
+    taken = []
+    for i, r in enumerate(base.pmap_iter(fn, range(40), sizes.__getitem__)):
+        with lock:
+            ahead = [x for x in started if x > i]
+        assert sum(1 for x in ahead if x % 2 == 0) <= 2, f"large items ahead of item {i}: {ahead}"
+        assert len(ahead) <= base.LEAD * 2, f"items ahead of item {i}: {ahead}"
+        taken.append(r)
+    assert taken == list(range(40))
+    assert most_large_at_once[0] == 2  # one weight at a time when every item held a worker's place
+    base._POOL.shutdown(wait=True)
+
+
 @pytest.mark.timeout(300)
 def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,9 +8,10 @@ Writers consume units one by one, so peak memory is one unit's shards plus the o
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
@@ -98,11 +99,13 @@ class SourceBase:
 _POOL: Any = None
 _POOL_SIZE = 0
 _WORKERS = 0  # 0: one per core of this process (at least 2, at most 8)
+SMALL_ELEMENTS = 1 << 18  # `pmap_iter`: an item whose result holds fewer elements takes no worker's place
+LEAD = 4  # `pmap_iter`: items started and not yet taken, at most, per worker
 
 
 def set_workers(n: int) -> None:
     """`--workers N`: how many parameters are read and re-laid at once (1: one after another; 0: one per core).
-    Memory grows with N by at most N parameters (their merged form), not by units."""
+    Memory grows with N by at most N large parameters (their merged form) and a few small ones, not by units."""
     global _POOL, _WORKERS
     if n < 0:
         raise MConvertError(f"--workers {n}: expected 0 (one per core) or a positive number")
@@ -138,27 +141,50 @@ def pmap(fn: Any, items: Any) -> list[Any]:
     return list(pool.map(fn, items))
 
 
-def pmap_iter(fn: Any, items: Any) -> Iterator[Any]:
+def pmap_iter(fn: Any, items: Any, size: Callable[[Any], int] | None = None) -> Iterator[Any]:
     """`map(fn, items)` on the readers' pool, each result given in order as soon as it and those before it are
-    done, with at most as many items started and not yet taken as the pool has workers: a result waits for its
-    consumer, not for the rest of the items. Serially when already on the pool. Exceptions surface in item
-    order; when the consumer stops (an error, a writer that failed), items not started are never run and the
-    running ones finish before it goes on: none still reads a source the caller then closes."""
+    done: a result waits for its consumer, not for the rest of the items. At most as many large items started
+    and not yet taken as the pool has workers, and LEAD times that many items in all; an item is large unless
+    `size(item)` (its result's element count) is below SMALL_ELEMENTS. A bias or a norm thus never holds a
+    worker's place: the next large item starts beside the one in progress, where counting every item would
+    leave a layer's weights, each followed by its bias, to be read one at a time. Serially when already on the
+    pool. Exceptions surface in item order; when the consumer stops (an error, a writer that failed), items not
+    started are never run and the running ones finish before it goes on: none still reads a source the caller
+    then closes."""
     pool = _pool()
     if pool is None or threading.current_thread().name.startswith("read-param"):
         for x in items:
             yield fn(x)
         return
-    todo = iter(items)
-    started: deque[Any] = deque(pool.submit(fn, x) for _, x in zip(range(_POOL_SIZE), todo))
+    todo = deque(items)
+    started: deque[tuple[Any, bool]] = deque()
+    large = 0
+
+    def start() -> None:
+        nonlocal large
+        while todo and len(started) < LEAD * _POOL_SIZE:
+            big = size is None or size(todo[0]) >= SMALL_ELEMENTS
+            if big and large >= _POOL_SIZE:
+                return
+            started.append((pool.submit(fn, todo.popleft()), big))
+            large += big
+
     try:
+        start()
         while started:
-            done = started.popleft().result()
-            for x in todo:  # the next item starts while the consumer takes this one
-                started.append(pool.submit(fn, x))
-                break
+            future, big = started.popleft()
+            done = future.result()
+            large -= big
+            start()  # the next items start while the consumer takes this one
             yield done
     finally:
-        for f in started:
+        for f, _ in started:
             f.cancel()
-        wait(started)
+        wait([f for f, _ in started])
+
+
+def param_elements(spec: ModelSpec, unit: Unit) -> Callable[[str], int]:
+    """Parameter name -> its element count in the full model (`pmap_iter`'s `size`); a name the spec does not
+    declare counts as large."""
+    sizes = {d.name: math.prod(d.shape) for d in spec.unit_params(unit)}
+    return lambda name: sizes.get(name, SMALL_ELEMENTS)

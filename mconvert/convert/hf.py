@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from mconvert.convert import bounds
-from mconvert.convert.base import SourceBase, Unit, pmap, pmap_iter, units_of
+from mconvert.convert.base import SourceBase, Unit, param_elements, pmap, pmap_iter, units_of
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
@@ -347,7 +347,7 @@ class HFSource(SourceBase):
             hf = self.read_hf(unit, column_major=True, only=set(hf_keys_for(self.spec, name, reg)))
             return {name: from_hf_one(self.spec, name, hf, str(self.path), reg, buffers.empty)}
 
-        yield from pmap_iter(one, [d.name for d in self.spec.unit_params(unit)])
+        yield from pmap_iter(one, [d.name for d in self.spec.unit_params(unit)], param_elements(self.spec, unit))
 
     def _unit_shapes(self, unit: Unit) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
         """Shape and dtype of each HF tensor of `unit` whose file says them without reading data."""

@@ -24,7 +24,7 @@ import torch
 
 from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
-from mconvert.convert.base import SourceBase, Unit, pmap, pmap_iter
+from mconvert.convert.base import SourceBase, Unit, param_elements, pmap, pmap_iter
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
@@ -518,7 +518,7 @@ class MegatronSource(SourceBase):
             t = self.read_unit(unit, only={name}, transposed=lay)[0][name]
             return to_hf_one(self.spec, name, t, str(self.path), empty=buffers.empty)
 
-        yield from pmap_iter(one, order)
+        yield from pmap_iter(one, order, param_elements(self.spec, unit))
 
     def _check_tied_copy(self) -> None:
         """A tied model's last stage holds its own copy of the embedding (`output_layer.weight`), and
@@ -729,7 +729,8 @@ class MegatronSource(SourceBase):
         if not isinstance(unit, int) or self.spec.is_moe:
             yield self.read_mcore(unit)
             return
-        yield from pmap_iter(lambda n: self.read_unit(unit, only={n})[0], self._unit_names(unit))
+        yield from pmap_iter(lambda n: self.read_unit(unit, only={n})[0], self._unit_names(unit),
+                             param_elements(self.spec, unit))
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """What `read_mcore(unit)` returns, as meta tensors (names in its order, full shapes, dtypes): from the
