@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from mconvert.errors import MConvertError
+from safety_common import load_rank, save_rank
 
 
 def _sha_tree(root: Path) -> dict[str, str]:
@@ -263,3 +264,93 @@ def test_qkv_conv1d_regroup_equals_the_reshape_formula(nh: int, hd: int) -> None
         assert back.is_contiguous() and torch.equal(back, qkv)
         bias = torch.randn(3 * h).to(dtype)
         assert torch.equal(conv1d_to_qkv(qkv_to_conv1d(bias, nh, hd), nh, hd), bias)
+
+
+# ---- GPT-2's Conv1D shards, read and transposed a block of rows at a time (megatron.merge_transposed_into) ------
+@pytest.fixture(scope="module")
+def gpt2_tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mconvert.trainer.train import TrainConfig, train
+
+    ck = tmp_path_factory.mktemp("conv1d") / "ck"
+    train(TrainConfig(preset="tiny-gpt2", tp=2, pp=1, steps=1, save=str(ck), force=True, quiet=True, device="cpu"))
+    return ck
+
+
+def _conv1d_record(rank: Path, which: str) -> tuple[str, int, int]:
+    """(key, data offset, size) of layer 0's `which` weight in a rank file."""
+    from mconvert.convert.io import safeload
+
+    state = safeload.safe_load(rank)
+    key = next(k for k in state["model"] if k.endswith(f"layers.0.{which}.weight"))
+    size = state["model"][key].untyped_storage().nbytes()
+    data = [r for r in _records(rank) if "/data/" in r[3] and r[1] == size]
+    for off, _, _, _ in data:  # the record holding this tensor's bytes
+        raw = rank.read_bytes()[off:off + size]
+        if torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).view_as(state["model"][key]),
+                       state["model"][key]):
+            return key, off, size
+    raise AssertionError(f"no record of {key}")
+
+
+@pytest.mark.timeout(300)
+def test_conv1d_shards_transposed_by_blocks_write_the_bytes_of_whole_shards(
+        gpt2_tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of one row, and of a few rows that end inside a QKV head's rows, give the HF files (manifest
+    included) that transposing each whole shard gives; the blocks path is the one taken."""
+    from mconvert.convert import megatron
+    from mconvert.convert.driver import megatron_to_hf
+
+    offsets: list[int] = []
+    real = megatron.LazyModel.read_into
+
+    def read_into(self: Any, key: str, dst: torch.Tensor, start: int = 0) -> bool:
+        offsets.append(start)
+        return real(self, key, dst, start)
+
+    with monkeypatch.context() as m:
+        m.setattr(megatron, "_transposed_in_blocks", lambda *a, **k: False)
+        megatron_to_hf(gpt2_tp2, tmp_path / "whole")
+    whole = _sha_tree(tmp_path / "whole")
+    manifest = (tmp_path / "whole" / "mconvert-manifest.json").read_bytes()
+    monkeypatch.setattr(megatron.LazyModel, "read_into", read_into)
+    for block in (1, 1000, megatron.TRANSPOSE_BLOCK):
+        offsets.clear()
+        with monkeypatch.context() as m:
+            m.setattr(megatron, "TRANSPOSE_BLOCK", block)
+            megatron_to_hf(gpt2_tp2, tmp_path / str(block))
+        assert _sha_tree(tmp_path / str(block)) == whole, block
+        assert (tmp_path / str(block) / "mconvert-manifest.json").read_bytes() == manifest
+        assert block == megatron.TRANSPOSE_BLOCK or any(offsets), "no shard was read by rows"
+
+
+@pytest.mark.timeout(300)
+def test_a_nan_or_a_flipped_bit_in_a_later_block_is_refused(gpt2_tp2: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read a row at a time, TP rank 1's fc1 weight with a NaN in its last row is refused by file and key, and
+    one with a bit flipped in its last row by the CRC-32 of its record; neither leaves an output."""
+    from mconvert.convert import megatron
+    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.io import safeload
+
+    monkeypatch.setattr(megatron, "TRANSPOSE_BLOCK", 1)
+    for case in ("nan", "bit"):
+        ck = tmp_path / case / "ck"
+        shutil.copytree(gpt2_tp2, ck)
+        rank = next(ck.rglob("mp_rank_01*/model_optim_rng.pt"))
+        if case == "nan":
+            state = load_rank(rank)
+            key = next(k for k in state["model"] if k.endswith("layers.0.mlp.linear_fc1.weight"))
+            state["model"][key][-1, -1] = float("nan")
+            save_rank(rank.with_name("new.pt"), state)
+            rank.with_name("new.pt").replace(rank)
+            want = rf"mp_rank_01.*'{key}' holds NaN or Inf"
+        else:
+            key, off, size = _conv1d_record(rank, "mlp.linear_fc1")
+            raw = bytearray(rank.read_bytes())
+            raw[off + size - 3] ^= 0x10
+            rank.write_bytes(bytes(raw))
+            want = r"mp_rank_01.*fails the CRC-32 check"
+        monkeypatch.setattr(safeload, "_CRC_CHECKED", set())
+        with pytest.raises(MConvertError, match=want):
+            megatron_to_hf(ck, tmp_path / case / "hf")
+        assert not (tmp_path / case / "hf").exists()

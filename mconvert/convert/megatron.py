@@ -82,6 +82,11 @@ def _fix_legacy_qkv(t: torch.Tensor, version: float, nh: int, hd: int) -> torch.
     return t.reshape(np_, hd, 3, *rest).transpose(1, 2).reshape(t.shape).contiguous()
 
 
+# bytes of a shard's rows read and transposed at a time (`merge_transposed_into`): a block that stays in L2
+# while it is checked and transposed
+TRANSPOSE_BLOCK = 1 << 20
+
+
 class MegatronSource(SourceBase):
     """A Megatron torch-format checkpoint (`iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt`) read unit by unit."""
 
@@ -1228,8 +1233,9 @@ def _merge_transposed(shards: list[torch.Tensor], kind: str, name: str) -> torch
 def merge_transposed_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: tuple[int, ...],
                           check: Any) -> torch.Tensor | None:
     """`merge` of a 2-D parameter's TP shards, laid out column-major (its `.t()` contiguous, as
-    `buffers.column_major` lays it): each rank's shard is read whole, passed to `check(rank, shard)`, and
-    transposed into its block of the transposed tensor before the next is read. A row-split shard [R, K] is
+    `buffers.column_major` lays it): each rank's shard is read TRANSPOSE_BLOCK bytes of rows at a time (whole
+    when stored as a strided view), each block passed to `check(rank, block)` and transposed into its place in
+    the transposed tensor before the next is read. A row-split shard [R, K] is
     columns t·K.. of the merge; a dim-0 split shard's rows go where `transforms.merge_rows` places them.
     None when a shard's shape or dtype differs from rank 0's (the caller's general path then reports it) or
     the kind is not split on one of the two dims."""
@@ -1250,13 +1256,39 @@ def merge_transposed_into(lazies: list[LazyModel], raw: str, kind: str, shard_sh
             return None  # the shard loop's `merge` reports it
         out_t = buffers.empty((cols, rows * tp), metas[0].dtype)
         places = [[(out_t[:, at:at + n], start, n) for at, start, n in mine] for mine in pieces]
+    step = max(1, min(rows, TRANSPOSE_BLOCK // max(1, cols * metas[0].dtype.itemsize)))
+    block = torch.empty((step, cols), dtype=metas[0].dtype)  # reused for every rank's shard
     for t, (lz, mine) in enumerate(zip(lazies, places)):
+        if _transposed_in_blocks(lz, raw, block, mine, lambda x, t=t: check(t, x)):
+            continue
         shard = lz[raw]
         check(t, shard)
         for dst, start, n in mine:
             copy_transposed(shard[start:start + n], dst)
         del shard  # its pooled slot serves the next rank's shard
     return out_t.t()
+
+
+def _transposed_in_blocks(lz: LazyModel, raw: str, block: torch.Tensor,
+                          places: list[tuple[torch.Tensor, int, int]], check: Any) -> bool:
+    """Shard `raw` read `len(block)` rows at a time into `block`, each block checked and transposed into the
+    columns of `places` (dst [cols, n], first row, n) it covers while it is still in cache: a transpose whose
+    source is in cache writes its scattered columns faster than one that reads a whole shard back from
+    memory. False when the stored tensor cannot be read by rows (a strided view: the caller reads it whole)."""
+    rows, step = lz.meta(raw).shape[0], block.shape[0]
+    row_bytes = block[0].numel() * block.element_size()
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        if not lz.read_into(raw, block[:n], start=r0 * row_bytes):
+            if r0:  # every block of one tensor reads alike
+                raise MConvertError(f"internal: {raw!r} read by rows stopped at row {r0}")
+            return False
+        check(block[:n])
+        for dst, start, m in places:
+            a, b = max(start, r0), min(start + m, r0 + n)
+            if a < b:
+                copy_transposed(block[a - r0:b - r0], dst[:, a - start:b - start])
+    return True
 
 
 def merge_dim0_into(lazies: list[LazyModel], raw: str, kind: str, shard_shape: tuple[int, ...]
