@@ -15,6 +15,7 @@ import torch
 from mconvert.convert.io import buffers
 from mconvert.convert.io.buffers import BufferPool
 from mconvert.convert.io.hashing import HashingFile, tensor_bytes
+from mconvert.errors import MConvertError
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -331,10 +332,68 @@ def test_pmap_iter_runs_the_next_large_item_beside_one_in_progress(monkeypatch: 
     base._POOL.shutdown(wait=True)
 
 
+class _UnitsSource:
+    """A source of `n` units of (weight, bias) whose reads are logged; unit `bad` fails its checks."""
+
+    def __init__(self, n: int, log: list, lock: threading.Lock, bad: int | None = None) -> None:
+        self.n, self.log, self.lock, self.bad = n, log, lock, bad
+
+    def hf_part_tasks(self, unit: int, only: set[str] | None = None) -> tuple:
+        import time
+
+        from mconvert.convert import base
+
+        if unit == self.bad:
+            raise MConvertError(f"unit {unit} is incomplete")
+
+        def one(name: str) -> dict:
+            with self.lock:
+                self.log.append(("start", unit, name))
+            time.sleep(0.05 if name == "w" else 0.0)
+            return {f"{unit}.{name}": torch.zeros(1)}
+
+        return ["w", "b"], one, {"w": base.SMALL_ELEMENTS, "b": 1}.__getitem__
+
+
+@pytest.mark.timeout(60)
+def test_hf_parts_ahead_starts_the_next_unit_before_the_last_part_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every unit's parameters run on one pool: unit k+1's weight starts while the writer still takes unit k's
+    last part; parts come in unit order, a unit `needs` passes over comes as (unit, None) in its turn, and a
+    unit whose checks fail raises after the parts of the units before it were taken."""
+    import time
+
+    from mconvert.convert import base
+
+    monkeypatch.setattr(base, "_POOL", None)
+    monkeypatch.setattr(base, "_POOL_SIZE", 0)
+    monkeypatch.setattr(base, "_WORKERS", 2)
+    log: list = []
+    lock = threading.Lock()
+    got = []
+    for unit, part in base.hf_parts_ahead(_UnitsSource(6, log, lock), iter(range(6)), lambda u: u != 3,
+                                          lambda u: None):
+        with lock:
+            log.append(("taken", unit, None if part is None else next(iter(part))))
+        got.append((unit, None if part is None else list(part)))
+        time.sleep(0.03)  # the writer's time
+    assert got == [(u, [f"{u}.{n}"]) for u in (0, 1, 2) for n in ("w", "b")] + [(3, None)] + [
+        (u, [f"{u}.{n}"]) for u in (4, 5) for n in ("w", "b")]
+    for k, nxt in ((0, 1), (1, 2), (4, 5)):  # the next unit's weight started before this unit's bias was taken
+        assert log.index(("start", nxt, "w")) < log.index(("taken", k, f"{k}.b")), (k, log)
+    log.clear()
+    taken = []
+    with pytest.raises(MConvertError, match="unit 2 is incomplete"):
+        for _unit, part in base.hf_parts_ahead(_UnitsSource(5, log, lock, bad=2), iter(range(5)), lambda u: True,
+                                              lambda u: None):
+            taken.append(next(iter(part)))
+    assert taken == ["0.w", "0.b", "1.w", "1.b"]
+    base._POOL.shutdown(wait=True)
+
+
 @pytest.mark.timeout(300)
 def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The HF writer takes each layer parameter by parameter (`read_hf_parts`), so what it has written is freed
+    """The HF writer takes each layer parameter by parameter (`hf_parts_ahead`), so what it has written is freed
     before the rest of the layer is read; the files are those of a conversion given whole layers."""
     from mconvert.convert import hf as hf_mod
     from mconvert.convert.driver import megatron_to_hf

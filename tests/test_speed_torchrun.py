@@ -127,14 +127,19 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], tmp_p
 
     monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))
     parts: list[set[str]] = []
-    real = MegatronSource.read_hf_parts
+    real = MegatronSource.hf_part_tasks
 
     def recording(self, unit, only=None):
-        for part in real(self, unit, only=only):
-            parts.append(set(part))
-            yield part
+        names, one, elements = real(self, unit, only)
 
-    monkeypatch.setattr(MegatronSource, "read_hf_parts", recording)
+        def read(name):
+            part = one(name)
+            parts.append(set(part))
+            return part
+
+        return names, read, elements
+
+    monkeypatch.setattr(MegatronSource, "hf_part_tasks", recording)
     megatron_to_hf(base()["ckpt"], tmp_path / "hf", max_shard_size=SHARD)
     want = _tree(one_process["hf"])
     shards = sorted(k for k in want if k.endswith(".safetensors"))

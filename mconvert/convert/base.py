@@ -12,7 +12,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -147,26 +147,40 @@ def pmap_iter(fn: Any, items: Any, size: Callable[[Any], int] | None = None) -> 
     and not yet taken as the pool has workers, and LEAD times that many items in all; an item is large unless
     `size(item)` (its result's element count) is below SMALL_ELEMENTS. A bias or a norm thus never holds a
     worker's place: the next large item starts beside the one in progress, where counting every item would
-    leave a layer's weights, each followed by its bias, to be read one at a time. Serially when already on the
-    pool. Exceptions surface in item order; when the consumer stops (an error, a writer that failed), items not
-    started are never run and the running ones finish before it goes on: none still reads a source the caller
-    then closes."""
+    leave a layer's weights, each followed by its bias, to be read one at a time. `items` is taken one item at
+    a time as items start (an iterator's own work runs on the consumer's thread then). Serially when already
+    on the pool. Exceptions, `items`' own included, surface in item order; when the consumer stops (an error,
+    a writer that failed), items not started are never run and the running ones finish before it goes on:
+    none still reads a source the caller then closes."""
     pool = _pool()
     if pool is None or threading.current_thread().name.startswith("read-param"):
         for x in items:
             yield fn(x)
         return
-    todo = deque(items)
-    started: deque[tuple[Any, bool]] = deque()
-    large = 0
+    todo = iter(items)
+    ahead: list[Any] = []  # the next item, taken from `items` and not started yet (a large one waiting its turn)
+    started: deque[tuple[Future[Any], bool]] = deque()
+    large, ended = 0, False
 
     def start() -> None:
-        nonlocal large
-        while todo and len(started) < LEAD * _POOL_SIZE:
-            big = size is None or size(todo[0]) >= SMALL_ELEMENTS
+        nonlocal large, ended
+        while not ended and len(started) < LEAD * _POOL_SIZE:
+            if not ahead:
+                try:
+                    ahead.append(next(todo))
+                except StopIteration:
+                    ended = True
+                    return
+                except Exception as e:  # noqa: BLE001 - raised in its turn, after the items before it
+                    failed: Future[Any] = Future()
+                    failed.set_exception(e)
+                    started.append((failed, False))
+                    ended = True
+                    return
+            big = size is None or size(ahead[0]) >= SMALL_ELEMENTS
             if big and large >= _POOL_SIZE:
                 return
-            started.append((pool.submit(fn, todo.popleft()), big))
+            started.append((pool.submit(fn, ahead.pop()), big))
             large += big
 
     try:
@@ -181,6 +195,28 @@ def pmap_iter(fn: Any, items: Any, size: Callable[[Any], int] | None = None) -> 
         for f, _ in started:
             f.cancel()
         wait([f for f, _ in started])
+
+
+def hf_parts_ahead(src: Any, units: Iterator[Unit], needs: Callable[[Unit], bool],
+                   wants: Callable[[Unit], set[str] | None]) -> Iterator[tuple[Unit, dict[str, torch.Tensor] | None]]:
+    """(unit, part) of `src.read_hf_parts(unit, wants(unit))` for every unit in order, every unit's parameters
+    on one `pmap_iter` (`src.hf_part_tasks`): the next unit's first parameters start while the last ones of
+    the unit before are still being taken, so the readers do not wait at each unit's end for the writer to
+    take what they read. (unit, None) for a unit `needs` passes over, in its turn."""
+    def tasks() -> Iterator[tuple[Unit, Any, Any, int]]:
+        for unit in units:
+            if not needs(unit):
+                yield unit, None, None, 0
+                continue
+            names, one, elements = src.hf_part_tasks(unit, wants(unit))
+            for name in names:
+                yield unit, name, one, elements(name)
+
+    def run(task: tuple[Unit, Any, Any, int]) -> tuple[Unit, dict[str, torch.Tensor] | None]:
+        unit, name, one, _ = task
+        return unit, None if one is None else one(name)
+
+    yield from pmap_iter(run, tasks(), lambda task: task[3])
 
 
 def param_elements(spec: ModelSpec, unit: Unit) -> Callable[[str], int]:

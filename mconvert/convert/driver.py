@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
+from mconvert.convert.base import hf_parts_ahead
 from mconvert.convert.dp_buckets import check_optimizer_layout
 from mconvert.convert.io.atomic import check_output
 from mconvert.convert.hf import HFWriter, parse_size
@@ -76,6 +77,16 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
         units = src.units(getattr(writer, "splits_experts", False))
         if hasattr(writer, "unit_order"):  # a writer whose files are laid out up front takes them in file order
             units = writer.unit_order(list(units))
+        if (writer.reads == "hf" and getattr(writer, "takes_parts", False) and hasattr(src, "hf_part_tasks")
+                and not getattr(writer, "takes_states", False)):  # every unit's parameters on one pool
+            needs = writer.needs if hasattr(writer, "needs") else lambda unit: True
+            wants = writer.wants if hasattr(writer, "wants") else lambda unit: None
+            for unit, part in hf_parts_ahead(src, unit_progress(units, what, progress), needs, wants):
+                if part is None:
+                    writer.skip(unit)  # another torchrun rank writes what it feeds
+                else:
+                    writer.add(unit, part)
+            return writer.close()
         for unit in unit_progress(units, what, progress):
             if hasattr(writer, "needs") and not writer.needs(unit):  # another torchrun rank writes what it feeds
                 writer.skip(unit)

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -507,6 +507,14 @@ class MegatronSource(SourceBase):
         transpose is free (`transforms.merge_transposed`). Same tensors, same order as `to_hf`; with `only`, the
         parameters none of whose HF tensors it names are left unread (their records are checked by whichever
         torchrun process reads them, or by the committing process)."""
+        order, one, elements = self.hf_part_tasks(unit, only)
+        yield from pmap_iter(one, order, elements)
+
+    def hf_part_tasks(self, unit: Unit, only: set[str] | None = None
+                      ) -> tuple[list[str], Callable[[str], dict[str, torch.Tensor]], Callable[[str], int]]:
+        """What `read_hf_parts(unit, only)` reads, for a caller that runs several units on one pool
+        (`base.hf_parts_ahead`): the parameter names in order, the call that reads one (its HF tensors) and
+        each one's element count. The unit's checks run here, before any of its tensors is read."""
         names = self._unit_names(unit)
         check_complete(self.spec, unit, names, str(self.path))
         if unit == "final":
@@ -523,7 +531,7 @@ class MegatronSource(SourceBase):
             t = self.read_unit(unit, only={name}, transposed=lay)[0][name]
             return to_hf_one(self.spec, name, t, str(self.path), empty=buffers.empty)
 
-        yield from pmap_iter(one, order, param_elements(self.spec, unit))
+        return order, one, param_elements(self.spec, unit)
 
     def _check_tied_copy(self) -> None:
         """A tied model's last stage holds its own copy of the embedding (`output_layer.weight`), and
