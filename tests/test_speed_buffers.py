@@ -356,10 +356,11 @@ class _UnitsSource:
 
 
 @pytest.mark.timeout(60)
-def test_hf_parts_ahead_starts_the_next_unit_before_the_last_part_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parts_ahead_starts_the_next_unit_before_the_last_part_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every unit's parameters run on one pool: unit k+1's weight starts while the writer still takes unit k's
-    last part; parts come in unit order, a unit `needs` passes over comes as (unit, None) in its turn, and a
-    unit whose checks fail raises after the parts of the units before it were taken."""
+    last part; parts come in unit order, a unit `needs` passes over comes as (unit, SKIP) in its turn, with
+    `ends` each unit's end as (unit, END) after its parts, and a unit whose checks fail raises after the parts
+    of the units before it were taken."""
     import time
 
     from mconvert.convert import base
@@ -370,30 +371,30 @@ def test_hf_parts_ahead_starts_the_next_unit_before_the_last_part_is_taken(monke
     log: list = []
     lock = threading.Lock()
     got = []
-    for unit, part in base.hf_parts_ahead(_UnitsSource(6, log, lock), iter(range(6)), lambda u: u != 3,
-                                          lambda u: None):
+    src = _UnitsSource(6, log, lock)
+    for unit, part in base.parts_ahead(iter(range(6)), lambda u: u != 3, src.hf_part_tasks):
         with lock:
-            log.append(("taken", unit, None if part is None else next(iter(part))))
-        got.append((unit, None if part is None else list(part)))
+            log.append(("taken", unit, part if part is base.SKIP else next(iter(part))))
+        got.append((unit, part if part is base.SKIP else list(part)))
         time.sleep(0.03)  # the writer's time
-    assert got == [(u, [f"{u}.{n}"]) for u in (0, 1, 2) for n in ("w", "b")] + [(3, None)] + [
+    assert got == [(u, [f"{u}.{n}"]) for u in (0, 1, 2) for n in ("w", "b")] + [(3, base.SKIP)] + [
         (u, [f"{u}.{n}"]) for u in (4, 5) for n in ("w", "b")]
     for k, nxt in ((0, 1), (1, 2), (4, 5)):  # the next unit's weight started before this unit's bias was taken
         assert log.index(("start", nxt, "w")) < log.index(("taken", k, f"{k}.b")), (k, log)
     log.clear()
     taken = []
     with pytest.raises(MConvertError, match="unit 2 is incomplete"):
-        for _unit, part in base.hf_parts_ahead(_UnitsSource(5, log, lock, bad=2), iter(range(5)), lambda u: True,
-                                              lambda u: None):
-            taken.append(next(iter(part)))
-    assert taken == ["0.w", "0.b", "1.w", "1.b"]
+        src = _UnitsSource(5, log, lock, bad=2)
+        for unit, part in base.parts_ahead(iter(range(5)), lambda u: True, src.hf_part_tasks, ends=True):
+            taken.append(f"{unit}.end" if part is base.END else next(iter(part)))
+    assert taken == ["0.w", "0.b", "0.end", "1.w", "1.b", "1.end"]
     base._POOL.shutdown(wait=True)
 
 
 @pytest.mark.timeout(300)
 def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The HF writer takes each layer parameter by parameter (`hf_parts_ahead`), so what it has written is freed
+    """The HF writer takes each layer parameter by parameter (`parts_ahead`), so what it has written is freed
     before the rest of the layer is read; the files are those of a conversion given whole layers."""
     from mconvert.convert import hf as hf_mod
     from mconvert.convert.driver import megatron_to_hf

@@ -114,6 +114,10 @@ class _Recording:
         self.read.append(unit)
         return self.src.read_mcore_parts(unit)
 
+    def mcore_part_tasks(self, unit):  # or so, every unit on one pool (`base.parts_ahead`)
+        self.read.append(unit)
+        return self.src.mcore_part_tasks(unit)
+
 
 def _ft_unit(name: str) -> int:
     """The unit index (embedding 0, layer N -> N + 1, final) of an FT file, from FT's own file names."""

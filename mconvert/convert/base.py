@@ -197,26 +197,36 @@ def pmap_iter(fn: Any, items: Any, size: Callable[[Any], int] | None = None) -> 
         wait([f for f, _ in started])
 
 
-def hf_parts_ahead(src: Any, units: Iterator[Unit], needs: Callable[[Unit], bool],
-                   wants: Callable[[Unit], set[str] | None]) -> Iterator[tuple[Unit, dict[str, torch.Tensor] | None]]:
-    """(unit, part) of `src.read_hf_parts(unit, wants(unit))` for every unit in order, every unit's parameters
-    on one `pmap_iter` (`src.hf_part_tasks`): the next unit's first parameters start while the last ones of
-    the unit before are still being taken, so the readers do not wait at each unit's end for the writer to
-    take what they read. (unit, None) for a unit `needs` passes over, in its turn."""
-    def tasks() -> Iterator[tuple[Unit, Any, Any, int]]:
+SKIP, END = object(), object()  # `parts_ahead`'s marks: a unit passed over; a unit's last part given
+# one unit's reads (`hf_part_tasks`, `mcore_part_tasks`): its items in order, the call that reads one part, and
+# each item's element count (`pmap_iter`'s `size`)
+PartTasks = tuple[list[Any], Callable[[Any], dict[str, torch.Tensor]], Callable[[Any], int]]
+
+
+def parts_ahead(units: Iterator[Unit], needs: Callable[[Unit], bool],
+                tasks: Callable[[Unit], PartTasks],
+                ends: bool = False) -> Iterator[tuple[Unit, Any]]:
+    """(unit, part) for the parts of every unit in order, every unit's reads on one `pmap_iter`: `tasks(unit)`
+    gives a unit's items in order, the call that reads one (a part) and each one's element count, and is asked
+    as the pool reaches the unit (its checks run then). The next unit's first parts are read while the last
+    ones of the unit before are still being taken, so the readers do not wait at each unit's end for the
+    writer. (unit, SKIP) for a unit `needs` passes over; with `ends`, (unit, END) after a unit's last part."""
+    def items() -> Iterator[tuple[Unit, Any, Any, int]]:
         for unit in units:
             if not needs(unit):
-                yield unit, None, None, 0
+                yield unit, SKIP, None, 0
                 continue
-            names, one, elements = src.hf_part_tasks(unit, wants(unit))
+            names, one, elements = tasks(unit)
             for name in names:
                 yield unit, name, one, elements(name)
+            if ends:
+                yield unit, END, None, 0
 
-    def run(task: tuple[Unit, Any, Any, int]) -> tuple[Unit, dict[str, torch.Tensor] | None]:
-        unit, name, one, _ = task
-        return unit, None if one is None else one(name)
+    def run(item: tuple[Unit, Any, Any, int]) -> tuple[Unit, Any]:
+        unit, name, one, _ = item
+        return unit, name if one is None else one(name)
 
-    yield from pmap_iter(run, tasks(), lambda task: task[3])
+    yield from pmap_iter(run, items(), lambda item: item[3])
 
 
 def param_elements(spec: ModelSpec, unit: Unit) -> Callable[[str], int]:

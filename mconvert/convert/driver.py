@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.base import hf_parts_ahead
+from mconvert.convert.base import END, SKIP, Unit, parts_ahead
 from mconvert.convert.dp_buckets import check_optimizer_layout
 from mconvert.convert.io.atomic import check_output
 from mconvert.convert.hf import HFWriter, parse_size
@@ -77,13 +77,17 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
         units = src.units(getattr(writer, "splits_experts", False))
         if hasattr(writer, "unit_order"):  # a writer whose files are laid out up front takes them in file order
             units = writer.unit_order(list(units))
-        if (writer.reads == "hf" and getattr(writer, "takes_parts", False) and hasattr(src, "hf_part_tasks")
-                and not getattr(writer, "takes_states", False)):  # every unit's parameters on one pool
+        chained = _chained_reads(src, writer)
+        if chained is not None:  # every unit's parameters on one pool
             needs = writer.needs if hasattr(writer, "needs") else lambda unit: True
-            wants = writer.wants if hasattr(writer, "wants") else lambda unit: None
-            for unit, part in hf_parts_ahead(src, unit_progress(units, what, progress), needs, wants):
-                if part is None:
+            tasks, ends = chained
+            for unit, part in parts_ahead(unit_progress(units, what, progress), needs, tasks, ends):
+                if part is SKIP:
                     writer.skip(unit)  # another torchrun rank writes what it feeds
+                elif part is END:
+                    writer.add(unit, {}, complete=True)  # type: ignore[call-arg]
+                elif ends:
+                    writer.add(unit, part, complete=False)  # type: ignore[call-arg]
                 else:
                     writer.add(unit, part)
             return writer.close()
@@ -105,6 +109,21 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
             else:
                 writer.add(unit, src.read_hf(unit) if writer.reads == "hf" else src.read_mcore(unit))
         return writer.close()
+
+
+def _chained_reads(src: Any, writer: Writer) -> tuple[Callable[[Unit], Any], bool] | None:
+    """How `drive` reads every unit on one pool (`base.parts_ahead`): the source's per-unit tasks and whether
+    the writer takes a unit's end apart (`add(unit, {}, complete=True)`); None where the loop reads unit by
+    unit (a writer that takes optimizer states or whole units, a source without tasks, an MoE model to a
+    Megatron-side writer, whose experts then come one at a time)."""
+    if not getattr(writer, "takes_parts", False) or getattr(writer, "takes_states", False):
+        return None
+    if writer.reads == "hf" and hasattr(src, "hf_part_tasks"):
+        wants = writer.wants if hasattr(writer, "wants") else lambda unit: None
+        return (lambda unit: src.hf_part_tasks(unit, wants(unit))), False
+    if writer.reads != "hf" and hasattr(src, "mcore_part_tasks") and not src.spec.is_moe:
+        return src.mcore_part_tasks, True
+    return None
 
 
 def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Path], Writer], *, force: bool,

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from mconvert.convert import bounds
-from mconvert.convert.base import SourceBase, Unit, param_elements, pmap, pmap_iter, units_of
+from mconvert.convert.base import SMALL_ELEMENTS, PartTasks, SourceBase, Unit, param_elements, pmap, pmap_iter, units_of
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
@@ -337,6 +337,14 @@ class HFSource(SourceBase):
         if not isinstance(unit, int) or self.spec.is_moe:
             yield self.read_mcore(unit)
             return
+        yield from pmap_iter(*self.mcore_part_tasks(unit))
+
+    def mcore_part_tasks(self, unit: Unit) -> PartTasks:
+        """What `read_mcore_parts(unit)` reads, for a caller that runs several units on one pool
+        (`base.parts_ahead`): the items in order, the call that reads one part and each one's element count.
+        A unit that comes whole is one item."""
+        if not isinstance(unit, int) or self.spec.is_moe:
+            return [unit], lambda u: self.read_mcore(u), lambda u: SMALL_ELEMENTS
         shapes, dtypes = self._unit_shapes(unit)
         reg = registry(plugin_for(self.spec))
 
@@ -347,7 +355,7 @@ class HFSource(SourceBase):
             hf = self.read_hf(unit, column_major=True, only=set(hf_keys_for(self.spec, name, reg)))
             return {name: from_hf_one(self.spec, name, hf, str(self.path), reg, buffers.empty)}
 
-        yield from pmap_iter(one, [d.name for d in self.spec.unit_params(unit)], param_elements(self.spec, unit))
+        return [d.name for d in self.spec.unit_params(unit)], one, param_elements(self.spec, unit)
 
     def _unit_shapes(self, unit: Unit) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
         """Shape and dtype of each HF tensor of `unit` whose file says them without reading data."""

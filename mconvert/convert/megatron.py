@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import torch
 
 from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
-from mconvert.convert.base import SourceBase, Unit, param_elements, pmap, pmap_iter
+from mconvert.convert.base import SMALL_ELEMENTS, PartTasks, SourceBase, Unit, param_elements, pmap, pmap_iter
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
@@ -510,10 +510,9 @@ class MegatronSource(SourceBase):
         order, one, elements = self.hf_part_tasks(unit, only)
         yield from pmap_iter(one, order, elements)
 
-    def hf_part_tasks(self, unit: Unit, only: set[str] | None = None
-                      ) -> tuple[list[str], Callable[[str], dict[str, torch.Tensor]], Callable[[str], int]]:
+    def hf_part_tasks(self, unit: Unit, only: set[str] | None = None) -> PartTasks:
         """What `read_hf_parts(unit, only)` reads, for a caller that runs several units on one pool
-        (`base.hf_parts_ahead`): the parameter names in order, the call that reads one (its HF tensors) and
+        (`base.parts_ahead`): the parameter names in order, the call that reads one (its HF tensors) and
         each one's element count. The unit's checks run here, before any of its tensors is read."""
         names = self._unit_names(unit)
         check_complete(self.spec, unit, names, str(self.path))
@@ -742,8 +741,15 @@ class MegatronSource(SourceBase):
         if not isinstance(unit, int) or self.spec.is_moe:
             yield self.read_mcore(unit)
             return
-        yield from pmap_iter(lambda n: self.read_unit(unit, only={n})[0], self._unit_names(unit),
-                             param_elements(self.spec, unit))
+        yield from pmap_iter(*self.mcore_part_tasks(unit))
+
+    def mcore_part_tasks(self, unit: Unit) -> PartTasks:
+        """What `read_mcore_parts(unit)` reads, for a caller that runs several units on one pool
+        (`base.parts_ahead`): the items in order, the call that reads one part and each one's element count.
+        A unit that comes whole is one item."""
+        if not isinstance(unit, int) or self.spec.is_moe:
+            return [unit], lambda u: self.read_mcore(u), lambda u: SMALL_ELEMENTS
+        return self._unit_names(unit), lambda n: self.read_unit(unit, only={n})[0], param_elements(self.spec, unit)
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """What `read_mcore(unit)` returns, as meta tensors (names in its order, full shapes, dtypes): from the
