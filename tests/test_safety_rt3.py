@@ -105,6 +105,8 @@ CASES = {
     "adam-nan": (lambda s: _first_state(s).__setitem__("exp_avg_sq", _first_state(s)["exp_avg_sq"] * float("nan")),
                  "NaN"),
     "adam-negative-step": (lambda s: _first_state(s).__setitem__("step", torch.tensor(-5.0)), "step"),
+    "adam-negative-sq": (lambda s: _first_state(s)["exp_avg_sq"].view(-1).__setitem__(-1, -1e-8), "negative"),
+    "adam-inf-avg": (lambda s: _first_state(s)["exp_avg"].view(-1).__setitem__(0, float("inf")), "NaN or Inf"),
     "adam-ids-short": (lambda s: s["optimizer"]["param_groups"][0]["params"].pop(), "different lengths"),
     "adam-betas": (lambda s: [g.__setitem__("betas", (5.0, 0.9)) for g in s["optimizer"]["param_groups"]], "betas"),
     # iteration, data position, rng

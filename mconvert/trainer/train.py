@@ -39,7 +39,7 @@ from mconvert.convert import optimizer as optim
 from mconvert.convert.checkpoint import args_dict
 from mconvert.convert.io.atomic import atomic_output_dir, terminating
 from mconvert.convert.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
-from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.convert.io.safeload import all_finite, safe_load, value_range
 from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
 from mconvert.errors import MConvertError, at_least_one, expect
 from mconvert.mappings import families
@@ -526,11 +526,12 @@ def check_resume_optimizer(saved: dict[str, Any], named: list[tuple[str, torch.T
             if not (_number(step) and step >= 0):
                 raise MConvertError(f"{path}: optimizer step of parameter {name!r} is {step!r}, not a number ≥ 0; "
                                     f"{fix}")
-            for key in ("exp_avg", "exp_avg_sq"):
-                if not all_finite(st[key]):
+            ranges = {key: value_range(st[key]) for key in ("exp_avg", "exp_avg_sq")}  # one pass: finite, sign
+            for key, (lo, hi) in ranges.items():
+                if not (math.isfinite(lo) and math.isfinite(hi)):
                     raise MConvertError(f"{path}: optimizer {key!r} of parameter {name!r} holds NaN or Inf values; "
                                         "the run diverged or the file is corrupt — resume from an earlier iteration")
-            if bool((st["exp_avg_sq"] < 0).any()):
+            if ranges["exp_avg_sq"][0] < 0:
                 raise MConvertError(f"{path}: optimizer 'exp_avg_sq' of parameter {name!r} holds negative values "
                                     f"(a mean of squares); {fix}")
 

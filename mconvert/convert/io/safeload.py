@@ -867,12 +867,19 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
     """No NaN/Inf in `t`. One reduction pass, no temporary mask: min and max are both finite exactly when
     every element is (a NaN propagates into both, +Inf is the max, -Inf the min), without the temporary
     boolean tensor of `isfinite().all()`. `chunk` is kept for callers that pass it."""
-    if t.numel() == 0:
-        return True
     if not t.is_floating_point():  # integers are finite; complex keeps the elementwise check
-        return bool(torch.isfinite(t).all())
+        return t.numel() == 0 or bool(torch.isfinite(t).all())
+    lo, hi = value_range(t)
+    return math.isfinite(lo) and math.isfinite(hi)  # two scalars: Python's test, no torch op
+
+
+def value_range(t: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of a floating-point tensor in one reduction pass; NaN in both when any element is NaN
+    (`all_finite`'s pass, for a caller that also wants the sign). (0.0, 0.0) when it is empty."""
+    if t.numel() == 0:
+        return 0.0, 0.0
     lo, hi = torch.aminmax(t.reshape(-1))
-    return math.isfinite(lo.item()) and math.isfinite(hi.item())  # two scalars: Python's test, no torch op
+    return lo.item(), hi.item()
 
 
 # ---- restricted unpickling: state reaches only fresh instances, calls only allow-listed constructors -------
