@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mconvert.convert.tokenizer import TOKEN_IDS_FILE, TOKENIZER_FILES, tokenizer_files
-from safety_common import assert_one_line_error, run_cli
+from safety_common import assert_one_line_error, load_rank, run_cli, save_rank
 from tokenizer_common import MESSAGES, chain, instruct_hf, tokenizer_file_names
 
 IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -156,6 +156,41 @@ def test_kept_ids_the_args_contradict_give_way_to_the_args_with_a_warning(tmp_pa
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["eos_token_id"] == 0 and cfg["pad_token_id"] == 5  # the args' eos (the source's first) wins
     assert any("eos_token_id [7, 8] differs from the args' 0" in w for w in json.loads(out)["warnings"])
+
+
+@pytest.mark.timeout(300)
+def test_token_ids_outside_the_vocab_convert_as_stated_with_a_warning(tmp_path, capsys):
+    """An eos the vocabulary has no row for (the model never produces it, so generation never stops on it)
+    converts as the checkpoint states it, with a warning naming where to correct it: config.json for
+    hf-to-megatron, the kept id file or the args for megatron-to-hf. The vocabulary's last id passes."""
+    hf = _copy_hf(tmp_path)
+    (hf / "mconvert-manifest.json").unlink(missing_ok=True)
+    cfg = json.loads((hf / "config.json").read_text())
+    vocab = cfg["vocab_size"]
+
+    def warned(rep: str) -> list[str]:
+        return [w for w in json.loads(rep)["warnings"] if "outside the vocabulary" in w]
+
+    for eos, bad in ((vocab - 1, False), ([vocab - 1, vocab + 7], True)):
+        cfg["eos_token_id"] = eos
+        (hf / "config.json").write_text(json.dumps(cfg))
+        code, rep, err = run_cli(["hf-to-megatron", hf, tmp_path / f"mg-{bad}", "--json"], capsys)
+        assert code == 0, err
+        assert len(warned(rep)) == bad and all(str(hf / "config.json") in w for w in warned(rep)), rep
+    mg = tmp_path / "mg-True"
+    code, rep, err = run_cli(["megatron-to-hf", mg, tmp_path / "back", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == [vocab - 1, vocab + 7]
+    assert len(warned(rep)) == 1 and str(mg / TOKEN_IDS_FILE) in warned(rep)[0], rep
+    (mg / TOKEN_IDS_FILE).unlink()
+    (mg / "mconvert-manifest.json").unlink()
+    for f in mg.rglob("model_optim_rng.pt"):  # the args' own eos, outside the vocabulary
+        state = load_rank(f)
+        state["args"].eos_token_id = vocab + 7
+        save_rank(f.with_name("new.pt"), state)
+        f.with_name("new.pt").replace(f)
+    code, rep, err = run_cli(["megatron-to-hf", mg, tmp_path / "back2", "--json"], capsys)
+    assert code == 0 and len(warned(rep)) == 1 and "the checkpoint's args" in warned(rep)[0], rep
 
 
 # ---- verify ------------------------------------------------------------------------------------------

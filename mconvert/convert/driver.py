@@ -33,7 +33,7 @@ from mconvert.convert.io.safeload import (crc_in_background, input_check_figures
                                           wait_crc_checks)
 from mconvert.convert.sources import open_source
 from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.tokenizer import carry_to_megatron, find_carried_dir
+from mconvert.convert.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab
 from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
@@ -259,7 +259,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     return write_output(
         "hf-to-megatron", src, out, writer,
         force=force, inputs=(hf_dir, src.tokenizer_dir), layout=layout, dtype=spec.params_dtype, t0=t0,
-        progress=progress,
+        progress=progress, warnings=ids_outside_vocab({k: cfg.get(k) for k in TOKEN_ID_KEYS}, spec.vocab_size,
+                                                      str(Path(hf_dir) / "config.json")),
         finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, src.path, tmp, config=cfg)
                             if world().primary else []},
         tp=tp, pp=pp, vpp=vpp, **({"ep": ep} if spec.is_moe else {}), format=format,

@@ -32,10 +32,12 @@ from mconvert.convert.io.torchsave import LazyModel, TensorIndex
 from mconvert.convert.scaleout import world
 from mconvert.convert.tokenizer import (
     GENERATION_CONFIG,
+    TOKEN_ID_KEYS,
     TOKEN_IDS_FILE,
     TokenizerCodeRefused,
     copy_tokenizer,
     find_tokenizer_dir,
+    ids_outside_vocab,
     load_tokenizer,
     read_token_ids,
 )
@@ -670,7 +672,12 @@ class HFWriter:
             bos = bos if bos is not None else tb
             eos = eos if eos is not None else te
         cfg = families.hf_config(spec.replace(bos_token_id=bos, eos_token_id=eos))
-        cfg.update(self._kept_ids(carried, spec))
+        kept = self._kept_ids(carried, spec)
+        cfg.update(kept)
+        for k in TOKEN_ID_KEYS:  # as the checkpoint states them; one it cannot produce is said in the report
+            where = (f"{carried / TOKEN_IDS_FILE}" if k in kept and carried is not None else
+                     "the checkpoint's args" if getattr(spec, k, None) is not None else str(tokenizer_dir))
+            self.warnings += ids_outside_vocab({k: cfg.get(k)}, spec.vocab_size, where)
         (self.out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if carried is not None and os.path.lexists(carried / GENERATION_CONFIG):
             path = inside_file(carried, GENERATION_CONFIG, f"{carried}: generation config")
