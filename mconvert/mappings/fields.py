@@ -5,6 +5,11 @@ checkpoint's args / config.json carry hundreds of names; each one that could cha
 mapped onto a ModelSpec field (with its expected type, so a wrong type is refused by name) or refused unless it
 holds its default. A name in no table passes only when it is None or False (what argparse stores for an
 option never given); anything else is refused by name, so a new upstream option cannot slip through unread.
+A table may hold `section.*`: it stands for every `section.<key>` the table does not list itself.
+
+The deployment checkers read their formats' configs through the same `check` (TensorRT-LLM `config.json` in
+`convert/trtllm.py`, FasterTransformer `config.ini` in `convert/fastertransformer.py`), each with its own table
+and verdict.
 
 The HF table here holds the common `PretrainedConfig` attributes; each family module holds its own fields
 (`Family.hf_fields`) and `families.hf_table(model_type)` joins the two.
@@ -83,16 +88,28 @@ def _at_default(v: Any, f: Field) -> bool:
     return False
 
 
-def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, what: str) -> None:
-    """Refuse, with one line naming the key, any value the table does not allow (see the module docstring)."""
+def _entry(table: Mapping[str, Field], k: str) -> Field | None:
+    f = table.get(k)
+    if f is None and "." in k:
+        f = table.get(k.partition(".")[0] + ".*")
+    return f
+
+
+def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, what: str,
+          refused_as: str = "conversion refused", unknown_hint: str = "remove it if it is training-only") -> None:
+    """Refuse, with one line naming the key, any value the table does not allow (see the module docstring).
+
+    `refused_as` ends every refusal (what is refused, and the fix where there is one); `unknown_hint` follows it,
+    in parentheses, for a name in no table ("": nothing follows)."""
     for k, v in values.items():
-        f = table.get(k)
+        f = _entry(table, k)
         if f is None:
             if v is None or v is False:
                 continue
+            hint = f" ({unknown_hint})" if unknown_hint else ""
             raise MConvertError(
                 f"{source}: {what} {k}={_short(v)} is not known to mconvert and may change the model's "
-                "function; conversion refused (remove it if it is training-only)"
+                f"function; {refused_as}{hint}"
             )
         if f.kind == NEUTRAL or v is None:
             continue
@@ -103,12 +120,12 @@ def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, wh
             if f.choices and v not in f.choices:
                 raise MConvertError(
                     f"{source}: {what} {k}={_short(v)} is not supported (supported: "
-                    f"{', '.join(map(str, f.choices))}); conversion refused"
+                    f"{', '.join(map(str, f.choices))}); {refused_as}"
                 )
             continue
         if _at_default(v, f) or (f.ok is not None and f.ok(v, values)):
             continue
-        raise MConvertError(f"{source}: {what} {k}={_short(v)} is not supported: {f.why}; conversion refused")
+        raise MConvertError(f"{source}: {what} {k}={_short(v)} is not supported: {f.why}; {refused_as}")
 
 
 def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
