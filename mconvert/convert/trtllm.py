@@ -48,6 +48,8 @@ from mconvert.convert.trtllm_layout import trtllm_layout_of as trtllm_layout_of 
 from mconvert.convert.writer import Report
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import deploy
+from mconvert.mappings.family import TrtllmLayout
+from mconvert.mappings.fields import Field, check, neutral, refused
 from mconvert.spec import ModelSpec
 
 def rank_tensors(unit: Any, mcore: dict[str, torch.Tensor], spec: ModelSpec, tp: int,
@@ -197,59 +199,65 @@ _TRT_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_s
 _TRT_OPTIONAL_INTS = ("num_key_value_heads", "head_size", "max_position_embeddings", "rotary_embedding_dim")
 
 
-# config.json fields TensorRT-LLM reads that change what the engine computes, each with the one value the checker
-# and the reference runner assume (an absent field has it too). Another value is refused by name: the runner
-# would compute a different model than the engine builds, and a wrong model would pass.
-_TRT_FIXED: dict[str, Any] = {
-    "use_parallel_embedding": False, "qk_layernorm": False, "residual_mlp": False, "mapping.pp_size": 1,
-    "mapping.cp_size": 1, "mapping.moe_ep_size": 1, "quantization.quant_algo": None,
-    "quantization.kv_cache_quant_algo": None, "moe.num_experts": 0,
+# config.json as the checker reads it: `mapping`, `quantization` and `moe` field by field (`section.key`). A field
+# that changes what TensorRT-LLM computes must hold the one value the checker and the reference runner assume (an
+# absent or null field has it too); at another value the runner would judge another model than the engine builds.
+_TRT_SECTIONS = ("mapping", "quantization", "moe")
+_TRT_FIELDS: dict[str, Field] = {
+    **neutral("read and checked by the checker and the reference runner",
+              "architecture", "dtype", *_TRT_INTS, *_TRT_OPTIONAL_INTS, "norm_epsilon", "rotary_base",
+              "rotary_scaling", "tie_word_embeddings", "bias", "attn_bias", "mlp_bias", "mapping.world_size",
+              "mapping.tp_size"),
+    **neutral("a section: each of its fields is checked as section.field", *_TRT_SECTIONS),
+    **neutral("changes nothing the runner computes while the refused fields hold their values (output precision, "
+              "options of quantization, MoE routing and a vocab-parallel embedding)",
+              "logits_dtype", "embedding_sharding_dim", "disable_weight_only_quant_plugin", "mapping.gpus_per_node",
+              "mapping.moe_tp_size", "quantization.*", "moe.*"),
+    "use_parallel_embedding": refused("a vocab-parallel embedding is not read by the checker and the runner", False),
+    "qk_layernorm": refused("QK layernorm is not computed by the reference runner", False),
+    "residual_mlp": refused("a residual MLP is not computed by the reference runner", False),
+    # another parallel size at its default of one process (or a flag left off) changes nothing
+    "mapping.*": refused("the checker and the runner read other parallel settings only at 1 (a size) or false "
+                         "(a flag)", 1, lambda v, _: v is False),
+    "mapping.pp_size": refused("pipeline-parallel ranks are not read by the checker and the runner", 1),
+    "mapping.cp_size": refused("context-parallel ranks are not read by the checker and the runner", 1),
+    "mapping.moe_ep_size": refused("expert-parallel ranks are not read by the checker and the runner", 1),
+    "quantization.quant_algo": refused("quantized weights are not computed by the reference runner", None),
+    "quantization.kv_cache_quant_algo": refused("a quantized KV cache is not computed by the reference runner", None),
+    "moe.num_experts": refused("mixture-of-experts layers are not computed by the reference runner", 0),
 }
-# fields the runner reads (checked where it reads them), or that change nothing while the fixed ones above hold
-_TRT_READ = frozenset({
-    "architecture", "dtype", *(_TRT_INTS + _TRT_OPTIONAL_INTS), "hidden_act", "logits_dtype", "norm_epsilon",
-    "position_embedding_type", "rotary_base", "rotary_scaling", "tie_word_embeddings", "embedding_sharding_dim",
-    "bias", "attn_bias", "mlp_bias", "disable_weight_only_quant_plugin", "mapping", "quantization", "moe",
-    "mapping.world_size", "mapping.gpus_per_node", "mapping.tp_size", "mapping.moe_tp_size",
-})
-# sections whose other fields only matter once a fixed field above leaves its value (quantization options, MoE
-# routing)
-_TRT_NEUTRAL_SECTIONS = ("quantization", "moe")
 
 
-def _unset(v: Any) -> bool:
-    return v is None or v is False or (isinstance(v, (dict, list, str)) and not v)
+def _trt_fields(layout: TrtllmLayout) -> dict[str, Field]:
+    """The field table for one TensorRT-LLM class: the common fields, the activations and position embedding it
+    is checked with, and its own fields that change what it computes (`layout.fixed`)."""
+    acts = layout.hidden_acts
+    return {
+        **_TRT_FIELDS,
+        "hidden_act": refused(f"{layout.architecture} is checked with {', '.join(acts)}", acts[0],
+                              lambda v, _: v in acts),
+        "position_embedding_type": refused(f"{layout.architecture} is checked with {layout.position_embedding_type}",
+                                           layout.position_embedding_type),
+        **{k: refused(f"the reference runner computes {layout.architecture} with {json.dumps(want)} only", want)
+           for k, want in layout.fixed.items()},
+    }
+
+
+def _empty_as_unset(v: Any) -> Any:
+    return None if isinstance(v, (dict, list)) and not v else v
 
 
 def _check_computed_fields(cfg: dict[str, Any], cfg_path: Path, fix: str) -> None:
-    """Every field that decides what TensorRT-LLM computes holds the value the runner computes with; a field
-    this table does not know is accepted only unset (null, false, empty), as in `mappings.fields`."""
-    layout = trtllm_layout_of(cfg["architecture"])
-    act = cfg.get("hidden_act", layout.hidden_acts[0])
-    if act not in layout.hidden_acts:
-        raise MConvertError(f"{cfg_path}: hidden_act {act!r} is not computed by TensorRT-LLM's {layout.architecture} "
-                            f"as mconvert checks it (takes: {', '.join(layout.hidden_acts)}); {fix}")
-    if cfg["position_embedding_type"] != layout.position_embedding_type:
-        raise MConvertError(f"{cfg_path}: position_embedding_type {cfg['position_embedding_type']!r}, "
-                            f"{layout.architecture} is checked with {layout.position_embedding_type!r}; {fix}")
+    """Every field that decides what TensorRT-LLM computes holds the value the runner computes with (the class's
+    table, checked by `mappings.fields.check`; an empty object or list is unset, as null is)."""
     flat: dict[str, Any] = {}
     for k, v in cfg.items():
-        flat[k] = v
-        if k in ("mapping", "quantization", "moe") and v is not None:
+        flat[k] = _empty_as_unset(v)
+        if k in _TRT_SECTIONS and v is not None:
             for sub, sv in expect(v, dict, f"{cfg_path}: {k}", fix).items():
-                flat[f"{k}.{sub}"] = sv
-    fixed = {**_TRT_FIXED, **layout.fixed}
-    for k, want in fixed.items():
-        if k in flat and flat[k] != want:
-            raise MConvertError(f"{cfg_path}: {k} = {json.dumps(flat[k])} changes what TensorRT-LLM computes and is "
-                                f"not checked by mconvert (only {json.dumps(want)}); validation refused — {fix}")
-    for k, v in flat.items():
-        if k in _TRT_READ or k in fixed or k.split(".")[0] in _TRT_NEUTRAL_SECTIONS or _unset(v):
-            continue
-        if k.startswith("mapping.") and v == 1:
-            continue  # another parallel size at its default of one process
-        raise MConvertError(f"{cfg_path}: field {k} = {json.dumps(v)[:80]} is not one mconvert checks; TensorRT-LLM "
-                            f"may compute another model with it — validation refused ({fix})")
+                flat[f"{k}.{sub}"] = _empty_as_unset(sv)
+    check(flat, _trt_fields(trtllm_layout_of(cfg["architecture"])), str(cfg_path), "TensorRT-LLM field",
+          f"validation refused — {fix}", unknown_hint="")
 
 
 def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
