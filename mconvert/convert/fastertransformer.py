@@ -48,6 +48,7 @@ from mconvert.convert.writer import Report
 from mconvert.errors import MConvertError
 from mconvert.mappings import deploy, families
 from mconvert.mappings.family import FTFile, FTLayout
+from mconvert.mappings.fields import Field, check, neutral, refused
 from mconvert.spec import ModelSpec
 
 # FT's weight_data_type names -> (numpy dtype of the raw files, torch dtype)
@@ -147,49 +148,55 @@ def load_ft_tensor(ft_dir: Path, f: FTFile, dtype: str) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.float32)).reshape(f.shape)
 
 
-# config.ini fields FT's model classes read that change what FT computes, each with the one value the checker and
-# the reference runner assume (an absent field has it too; FT's own defaults). Another value is refused by name:
-# the runner would compute a different model than FT runs, and a wrong model would pass.
-FT_FIXED: dict[str, str] = {
-    "layernorm_type": "pre_layernorm", "activation_type": "gelu", "has_positional_encoding": "true",
-    "has_pre_decoder_layernorm": "false", "has_post_decoder_layernorm": "true", "use_attention_linear_bias": "false",
-    "use_gptj_residual": "false", "int8_mode": "0", "has_adapters": "false", "prompt_learning_type": "0",
+# config.ini fields FT's model classes read that change what FT computes, each refused at another value than the one
+# the checker and the reference runner assume (FT's own default: an absent field has it too); at another value the
+# runner would judge another model than FT runs. Values as `_ft_value` reads them.
+_FT_FIELDS: dict[str, Field] = {
+    "layernorm_type": refused("only pre-layernorm blocks are computed by the reference runner", "pre_layernorm"),
+    "has_positional_encoding": refused("the reference runner computes with FT's default (true)", True),
+    "has_pre_decoder_layernorm": refused("a layernorm before the first block is not computed by the reference "
+                                         "runner", False),
+    "has_post_decoder_layernorm": refused("the reference runner computes the final layernorm", True),
+    "use_attention_linear_bias": refused("ALiBi attention biases are not computed by the reference runner", False),
+    "use_gptj_residual": refused("GPT-J's parallel residual is not computed by the reference runner", False),
+    "int8_mode": refused("INT8 weights are not computed by the reference runner (only 0)", False),
+    "has_adapters": refused("adapter layers are not computed by the reference runner", False),
+    "prompt_learning_type": refused("prompt tables are not read by the reference runner (only 0)", False),
+    **neutral("changes nothing while the refused fields hold their values",
+              "model_name", "start_id", "end_id", "adapter_inter_size", "shared_contexts_ratio",
+              "prompt_learning_start_id", "num_tasks", "max_pos_seq_len"),
 }
-# fields that change nothing while the fixed ones above hold (and `[mconvert]` provenance, another section)
-FT_NEUTRAL = frozenset({"model_name", "start_id", "end_id", "adapter_inter_size", "shared_contexts_ratio",
-                        "prompt_learning_start_id", "num_tasks", "max_pos_seq_len"})
-_FT_TRUE, _FT_FALSE = ("1", "yes", "on"), ("0", "no", "off", "", "none", "null")
+_FT_TRUE, _FT_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "", "none", "null")
 
 
-def _ft_value(v: str) -> str:
-    """A config.ini value as it compares: lower case, and every spelling of a boolean (1 / 0 too) as `true` /
-    `false`."""
+def _ft_value(v: str) -> bool | str:
+    """A config.ini value as the field table compares it: every spelling of a boolean (1 / 0 and empty too) as
+    True / False, anything else in lower case."""
     v = v.strip().lower()
-    return "true" if v in _FT_TRUE else "false" if v in _FT_FALSE else v
+    return True if v in _FT_TRUE else False if v in _FT_FALSE else v
+
+
+def _ft_fields(layout: FTLayout) -> dict[str, Field]:
+    """The field table for one FT section: the common fields, the activation its MLP is checked with (FT's LLaMA
+    MLP is SiLU-gated whatever activation_type says) and the fields the layout check reads."""
+    act = "silu" if len(layout.kernels.mlp) == 3 else "gelu"
+    read = (*layout.required_fields, "tensor_para_size", "layernorm_eps",
+            *((layout.kernels.rotary_dim,) if layout.kernels.rotary_dim else ()))
+    return {
+        **_FT_FIELDS,
+        "activation_type": refused(f"the reference runner computes the [{layout.section}] MLP with {act} only", act),
+        **neutral("read and checked by the layout check", *read),
+    }
 
 
 def check_ft_fields(section: str, cfg: dict[str, str], ini: Path) -> list[str]:
-    """Every field that decides what FT computes holds the value the runner computes with; a field neither
-    read, fixed nor neutral is accepted only unset (empty, 0, false), as in `mappings.fields`."""
-    layout = section_layout(section)
-    read = set(layout.required_fields) | {"tensor_para_size", "layernorm_eps"}
-    if layout.kernels.rotary_dim:
-        read.add(layout.kernels.rotary_dim)
-    gated = len(layout.kernels.mlp) == 3  # FT's LLaMA MLP is SiLU-gated whatever activation_type says
-    for k, v in cfg.items():
-        if k in read or k in FT_NEUTRAL:
-            continue
-        if k in FT_FIXED:
-            if k == "activation_type" and gated:
-                want = "silu"
-            else:
-                want = FT_FIXED[k]
-            if _ft_value(v) != _ft_value(want):
-                return [f"{ini}: [{section}] {k} = {v} changes what FasterTransformer computes and is not checked by "
-                        f"mconvert (only {want}); validation refused — re-export the directory"]
-        elif _ft_value(v) != "false":
-            return [f"{ini}: [{section}] {k} = {v} is not a field mconvert checks; FasterTransformer may compute "
-                    "another model with it — validation refused (re-export the directory)"]
+    """Every field that decides what FT computes holds the value the runner computes with (the section's table,
+    checked by `mappings.fields.check`; empty, 0 and false are unset); [] or the one problem."""
+    try:
+        check({k: _ft_value(v) for k, v in cfg.items()}, _ft_fields(section_layout(section)), f"{ini} [{section}]",
+              "FasterTransformer field", "validation refused — re-export the directory", unknown_hint="")
+    except MConvertError as e:
+        return [str(e)]
     return []
 
 
