@@ -18,7 +18,7 @@ import torch
 from safety_common import assert_one_line_error, make_hf_llama, run_cli
 
 from mconvert.errors import MConvertError
-from mconvert.mappings.fields import MEGATRON_ARGS, NEUTRAL
+from mconvert.mappings.fields import MEGATRON_ARGS, NEUTRAL, check, neutral, refused
 from mconvert.mappings.families import FAMILIES, hf_config, hf_table, preset, spec_from_hf_config, spec_from_megatron_args
 
 HF_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
@@ -77,6 +77,32 @@ def test_an_unknown_megatron_arg_is_refused_by_name_unless_unset() -> None:
         spec_from_megatron_args(_args(frobnicate_heads=3), source="x/model_optim_rng.pt")
     # argparse's "never given": None for a value option, False for a flag
     assert spec_from_megatron_args(_args(frobnicate_heads=None, frobnicate=False)) == preset("tiny-llama")
+
+
+def test_a_section_entry_covers_the_keys_its_table_does_not_list() -> None:
+    """`quant.*` classifies every `quant.<key>` except those listed by name; a key of another section is
+    unknown."""
+    table = {**neutral("quantization options", "quant.*"), "quant.algo": refused("quantized weights", None)}
+    check({"quant.group_size": 64, "quant.zero_point": True, "quant.algo": None}, table, "cfg", "field")
+    with pytest.raises(MConvertError, match=r"^cfg: field quant.algo='W8' is not supported: quantized weights;"):
+        check({"quant.algo": "W8"}, table, "cfg", "field")
+    with pytest.raises(MConvertError, match=r"^cfg: field moe.top_k=2 is not known to mconvert"):
+        check({"moe.top_k": 2}, table, "cfg", "field")
+
+
+def test_a_refusal_ends_in_the_verdict_its_caller_gives() -> None:
+    table = {"x": refused("why", 0)}
+    with pytest.raises(MConvertError) as refused_x:
+        check({"x": 1}, table, "src", "field", "validation refused — re-export it", unknown_hint="")
+    assert str(refused_x.value) == "src: field x=1 is not supported: why; validation refused — re-export it"
+    with pytest.raises(MConvertError) as unknown_y:
+        check({"y": 2}, table, "src", "field", "validation refused — re-export it", unknown_hint="")
+    assert str(unknown_y.value) == ("src: field y=2 is not known to mconvert and may change the model's function; "
+                                    "validation refused — re-export it")
+    # the conversion verbs' wording, which their tests assert piecemeal
+    with pytest.raises(MConvertError) as conversion:
+        check({"y": 2}, table, "src", "field")
+    assert str(conversion.value).endswith("; conversion refused (remove it if it is training-only)")
 
 
 def test_neutral_megatron_args_pass_whatever_their_value() -> None:

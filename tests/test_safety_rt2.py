@@ -179,6 +179,115 @@ def test_ft_export_with_every_field_mconvert_writes_still_checks(deploy):
     assert check_ft_dir(deploy["ft"]) == []
 
 
+def _trt_config(tmp_path: Path, preset: str, edit) -> Path:
+    from mconvert.convert.trtllm_layout import trtllm_config
+
+    cfg = json.loads(json.dumps(trtllm_config(families.preset(preset), 1, "float32")))  # as written on disk
+    edit(cfg)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+# fields that change nothing the runner computes, or are unset; each passes the checker
+TRT_PASSES = {
+    "quantization_options_while_quant_algo_null": ("tiny-llama", lambda c: c["quantization"].update(
+        group_size=64, has_zero_point=True, exclude_modules=["lm_head"], quant_algo=None)),
+    "moe_routing_while_no_experts": ("tiny-llama", lambda c: c["moe"].update(top_k=2, normalization_mode=1)),
+    "other_parallel_sizes_at_one": ("tiny-llama", lambda c: c["mapping"].update(attn_tp_size=1, moe_cluster_size=1)),
+    "parallel_flags_off": ("tiny-llama", lambda c: c["mapping"].update(enable_attention_dp=False, cp_config={})),
+    "unknown_field_empty_object": ("tiny-llama", lambda c: c.update(producer={})),
+    "unknown_field_empty_list": ("tiny-llama", lambda c: c.update(runtime_defaults=[])),
+    "unknown_field_null_or_false": ("tiny-llama", lambda c: c.update(runtime_defaults=None, fp8_lm_head=False)),
+    "another_tanh_gelu_name": ("tiny-gpt2", lambda c: c.update(hidden_act="gelu_pytorch_tanh")),
+    "gpt_fixed_fields_absent": ("tiny-gpt2", lambda c: [c.pop(k) for k in ("gpt_variant", "q_scaling", "rotary_pct")]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRT_PASSES))
+def test_trtllm_config_field_that_changes_nothing_the_runner_computes_passes(case, tmp_path):
+    from mconvert.convert.trtllm import read_trtllm_config
+
+    preset, edit = TRT_PASSES[case]
+    read_trtllm_config(_trt_config(tmp_path, preset, edit))
+
+
+TRT_REFUSALS = {
+    "unknown_field_non_empty_object": ("tiny-llama", lambda c: c.update(producer={"name": "modelopt"}), "producer"),
+    "parallel_flag_on": ("tiny-llama", lambda c: c["mapping"].update(enable_attention_dp=True),
+                         "mapping.enable_attention_dp"),
+    "other_parallel_size": ("tiny-llama", lambda c: c["mapping"].update(attn_tp_size=2), "mapping.attn_tp_size"),
+    "gpt_variant": ("tiny-gpt2", lambda c: c.update(gpt_variant="starcoder2"), "gpt_variant"),
+    "q_scaling": ("tiny-gpt2", lambda c: c.update(q_scaling=0.5), "q_scaling"),
+    "gated_act_for_gpt": ("tiny-gpt2", lambda c: c.update(hidden_act="silu"), "hidden_act"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRT_REFUSALS))
+def test_trtllm_config_field_the_runner_does_not_read_is_refused_by_name(case, tmp_path):
+    from mconvert.convert.trtllm import read_trtllm_config
+    from mconvert.errors import MConvertError
+
+    preset, edit, key = TRT_REFUSALS[case]
+    path = _trt_config(tmp_path, preset, edit)
+    with pytest.raises(MConvertError) as e:
+        read_trtllm_config(path)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{path}: TensorRT-LLM field {key}="), line
+    assert line.endswith("validation refused — re-export it with `mconvert megatron-to-trtllm`"), line
+
+
+def _ft_section(preset: str) -> tuple[str, dict[str, str]]:
+    from mconvert.convert.fastertransformer import ft_config
+
+    section = {"tiny-gpt2": "gpt", "tiny-llama": "llama"}[preset]
+    return section, dict(ft_config(families.preset(preset), section, 1, "fp32", "src")[section])
+
+
+FT_TRUE, FT_FALSE = ("true", "True", "1", "yes", "ON", " on "), ("false", "FALSE", "0", "no", "off", "", "None", "null")
+
+
+@pytest.mark.parametrize("field,at,other", [
+    ("has_positional_encoding", FT_TRUE, FT_FALSE), ("has_post_decoder_layernorm", FT_TRUE, FT_FALSE),
+    ("has_pre_decoder_layernorm", FT_FALSE, FT_TRUE), ("use_attention_linear_bias", FT_FALSE, FT_TRUE),
+    ("use_gptj_residual", FT_FALSE, FT_TRUE), ("has_adapters", FT_FALSE, FT_TRUE),
+    ("int8_mode", FT_FALSE, FT_TRUE), ("prompt_learning_type", FT_FALSE, FT_TRUE),
+])
+def test_ft_boolean_field_passes_at_its_value_in_every_spelling_and_not_at_the_other(field, at, other):
+    from mconvert.convert.fastertransformer import check_ft_fields
+
+    section, cfg = _ft_section("tiny-gpt2")
+    ini = Path("/ft/1-gpu/config.ini")
+    for spelling in at:
+        assert check_ft_fields(section, {**cfg, field: spelling}, ini) == [], spelling
+    for spelling in other:
+        [problem] = check_ft_fields(section, {**cfg, field: spelling}, ini)
+        assert problem.startswith(f"{ini} [gpt]: FasterTransformer field {field}="), problem
+        assert problem.endswith("validation refused — re-export the directory"), problem
+
+
+@pytest.mark.parametrize("preset,act,other", [("tiny-gpt2", "GeLU", "silu"), ("tiny-llama", "SiLU", "gelu")])
+def test_ft_activation_type_is_the_one_the_section_mlp_computes(preset, act, other):
+    """FT's LLaMA MLP is SiLU-gated whatever activation_type says, GPT's is tanh-GeLU: the other name is refused."""
+    from mconvert.convert.fastertransformer import check_ft_fields
+
+    section, cfg = _ft_section(preset)
+    ini = Path("/ft/1-gpu/config.ini")
+    assert check_ft_fields(section, {**cfg, "activation_type": act}, ini) == []
+    [problem] = check_ft_fields(section, {**cfg, "activation_type": other}, ini)
+    assert f"[{section}]: FasterTransformer field activation_type='{other}'" in problem, problem
+
+
+@pytest.mark.parametrize("value,passes", [("0", True), ("", True), ("off", True), ("3", False), ("on", False)])
+def test_ft_unknown_field_passes_only_unset(value, passes):
+    from mconvert.convert.fastertransformer import check_ft_fields
+
+    section, cfg = _ft_section("tiny-gpt2")
+    problems = check_ft_fields(section, {**cfg, "shared_embedding": value}, Path("/ft/1-gpu/config.ini"))
+    assert (problems == []) == passes, problems
+    assert passes or "shared_embedding=" in problems[0]
+
+
 def test_hf_config_stating_a_coarser_dtype_than_transformers_computes_in_is_judged_by_the_computed_one(
         deploy, tmp_path, capsys):
     """`torch_dtype: bfloat16` beside `dtype: float32`: transformers computes in float32 (`dtype` wins), so the
