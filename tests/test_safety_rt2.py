@@ -223,6 +223,19 @@ TRT_REFUSALS = {
 }
 
 
+@pytest.mark.parametrize("key", ["hidden_act", "position_embedding_type"])
+def test_trtllm_config_null_activation_or_positions_is_refused_by_name(key, tmp_path):
+    """null leaves the choice to TensorRT-LLM's own default, not to what the runner computes: refused by name,
+    where an absent or null field elsewhere in the table passes."""
+    from mconvert.convert.trtllm import read_trtllm_config
+    from mconvert.errors import MConvertError
+
+    path = _trt_config(tmp_path, "tiny-llama", lambda c: c.update({key: None}))
+    with pytest.raises(MConvertError) as e:
+        read_trtllm_config(path)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{path}: {key}"), str(e.value)
+
+
 @pytest.mark.parametrize("case", sorted(TRT_REFUSALS))
 def test_trtllm_config_field_the_runner_does_not_read_is_refused_by_name(case, tmp_path):
     from mconvert.convert.trtllm import read_trtllm_config

@@ -250,6 +250,9 @@ def _empty_as_unset(v: Any) -> Any:
 def _check_computed_fields(cfg: dict[str, Any], cfg_path: Path, fix: str) -> None:
     """Every field that decides what TensorRT-LLM computes holds the value the runner computes with (the class's
     table, checked by `mappings.fields.check`; an empty object or list is unset, as null is)."""
+    for k in ("hidden_act", "position_embedding_type"):  # null leaves TensorRT-LLM its own default, not the runner's
+        if k in cfg:
+            expect(cfg[k], str, f"{cfg_path}: {k}", fix)
     flat: dict[str, Any] = {}
     for k, v in cfg.items():
         flat[k] = _empty_as_unset(v)
