@@ -229,6 +229,37 @@ def parts_ahead(units: Iterator[Unit], needs: Callable[[Unit], bool],
     yield from pmap_iter(run, items(), lambda item: item[3])
 
 
+class LayerParts(SourceBase):
+    """A source whose dense layers reach a Megatron-side writer parameter by parameter: `read_mcore_parts` and
+    `mcore_part_tasks` from its `layer_part_tasks(layer)`."""
+
+    def layer_part_tasks(self, unit: Unit) -> PartTasks:  # pragma: no cover - abstract
+        """One dense layer's items in order, the call that reads one part, their element counts."""
+        raise NotImplementedError
+
+    def comes_whole(self, unit: Unit) -> bool:
+        """Whether `unit` reaches the writer as one part: the embedding and final units (a tied head's copy,
+        dropped keys) and an MoE model's units (already one expert each)."""
+        return not isinstance(unit, int) or self.spec.is_moe
+
+    def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
+        """`read_mcore(unit)` in parts, same tensors, same order: a dense layer's parameters one per part on the
+        readers' pool, each given as soon as it and those before it are read (a layer is not in memory whole);
+        a unit that `comes_whole`, read here, its parameters several at once."""
+        if self.comes_whole(unit):
+            yield self.read_mcore(unit)
+            return
+        yield from pmap_iter(*self.layer_part_tasks(unit))
+
+    def mcore_part_tasks(self, unit: Unit) -> PartTasks:
+        """What `read_mcore_parts(unit)` reads, for a caller that runs several units on one pool (`parts_ahead`):
+        the items in order, the call that reads one part and each one's element count. A unit that
+        `comes_whole` is one item."""
+        if self.comes_whole(unit):
+            return [unit], lambda u: self.read_mcore(u), lambda u: SMALL_ELEMENTS
+        return self.layer_part_tasks(unit)
+
+
 def param_elements(spec: ModelSpec, unit: Unit) -> Callable[[str], int]:
     """Parameter name -> its element count in the full model (`pmap_iter`'s `size`); a name the spec does not
     declare counts as large."""

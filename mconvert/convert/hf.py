@@ -12,7 +12,6 @@ import math
 import os
 import re
 from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from mconvert.convert import bounds
-from mconvert.convert.base import SMALL_ELEMENTS, PartTasks, SourceBase, Unit, param_elements, pmap, pmap_iter, units_of
+from mconvert.convert.base import LayerParts, PartTasks, Unit, param_elements, pmap, units_of
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
@@ -85,7 +84,7 @@ def read_weight_map(index: Path) -> dict[str, str]:
     return dict(wmap)
 
 
-class HFSource(SourceBase):
+class HFSource(LayerParts):
     """An HF model directory (config.json + safetensors / pytorch_model*.bin), read one unit at a time."""
 
     format = "hf"
@@ -331,22 +330,8 @@ class HFSource(SourceBase):
         return from_hf(self.spec, unit, self.read_hf(unit, column_major=True, skip=used), source=str(self.path), pmap=pmap,
                        built={name: full for name, (_, full) in built.items()}, empty=buffers.empty)
 
-    def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
-        """`read_mcore(unit)` one parameter per part, same tensors, same order: each parameter reads only its
-        own HF tensors, one per task on the readers' pool (`base.pmap_iter`), so a layer's parameters are not
-        all in memory at once. The embedding and final units (tied heads, dropped keys) and MoE layer parts
-        come whole, as one part."""
-        if not isinstance(unit, int) or self.spec.is_moe:
-            yield self.read_mcore(unit)
-            return
-        yield from pmap_iter(*self.mcore_part_tasks(unit))
-
-    def mcore_part_tasks(self, unit: Unit) -> PartTasks:
-        """What `read_mcore_parts(unit)` reads, for a caller that runs several units on one pool
-        (`base.parts_ahead`): the items in order, the call that reads one part and each one's element count.
-        A unit that comes whole is one item."""
-        if not isinstance(unit, int) or self.spec.is_moe:
-            return [unit], lambda u: self.read_mcore(u), lambda u: SMALL_ELEMENTS
+    def layer_part_tasks(self, unit: Unit) -> PartTasks:
+        """`base.LayerParts`: a dense layer's parameters, each read from only its own HF tensors."""
         shapes, dtypes = self._unit_shapes(unit)
         reg = registry(plugin_for(self.spec))
 

@@ -24,7 +24,7 @@ import torch
 
 from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
-from mconvert.convert.base import SMALL_ELEMENTS, PartTasks, SourceBase, Unit, param_elements, pmap, pmap_iter
+from mconvert.convert.base import LayerParts, PartTasks, Unit, param_elements, pmap, pmap_iter
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
@@ -87,7 +87,7 @@ def _fix_legacy_qkv(t: torch.Tensor, version: float, nh: int, hd: int) -> torch.
 TRANSPOSE_BLOCK = 1 << 20
 
 
-class MegatronSource(SourceBase):
+class MegatronSource(LayerParts):
     """A Megatron torch-format checkpoint (`iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt`) read unit by unit."""
 
     format = "megatron"
@@ -734,21 +734,8 @@ class MegatronSource(SourceBase):
             out.update(part)
         return out
 
-    def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
-        """`read_mcore(unit)` one parameter per part, same tensors, same order, each given as soon as it and
-        those before it are read (`base.pmap_iter`): a layer is not in memory whole. The embedding and final
-        units (the tied head's copy) and MoE layers come whole, as one part."""
-        if not isinstance(unit, int) or self.spec.is_moe:
-            yield self.read_mcore(unit)
-            return
-        yield from pmap_iter(*self.mcore_part_tasks(unit))
-
-    def mcore_part_tasks(self, unit: Unit) -> PartTasks:
-        """What `read_mcore_parts(unit)` reads, for a caller that runs several units on one pool
-        (`base.parts_ahead`): the items in order, the call that reads one part and each one's element count.
-        A unit that comes whole is one item."""
-        if not isinstance(unit, int) or self.spec.is_moe:
-            return [unit], lambda u: self.read_mcore(u), lambda u: SMALL_ELEMENTS
+    def layer_part_tasks(self, unit: Unit) -> PartTasks:
+        """`base.LayerParts`: a dense layer's parameters, each read (merged over TP) alone."""
         return self._unit_names(unit), lambda n: self.read_unit(unit, only={n})[0], param_elements(self.spec, unit)
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
