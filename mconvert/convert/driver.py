@@ -121,7 +121,7 @@ def _chained_reads(src: Any, writer: Writer) -> tuple[Callable[[Unit], Any], boo
     if writer.reads == "hf" and hasattr(src, "hf_part_tasks"):
         wants = writer.wants if hasattr(writer, "wants") else lambda unit: None
         return (lambda unit: src.hf_part_tasks(unit, wants(unit))), False
-    if writer.reads != "hf" and hasattr(src, "mcore_part_tasks") and not src.spec.is_moe:  # see base.comes_whole
+    if writer.reads != "hf" and hasattr(src, "mcore_part_tasks") and not src.spec.is_moe:  # see base.LayerParts.comes_whole
         return src.mcore_part_tasks, True
     return None
 
