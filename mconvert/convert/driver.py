@@ -115,13 +115,13 @@ def _chained_reads(src: Any, writer: Writer) -> tuple[Callable[[Unit], Any], boo
     """How `drive` reads every unit on one pool (`base.parts_ahead`): the source's per-unit tasks and whether
     the writer takes a unit's end apart (`add(unit, {}, complete=True)`); None where the loop reads unit by
     unit (a writer that takes optimizer states or whole units, a source without tasks, an MoE model to a
-    Megatron-side writer, whose experts then come one at a time)."""
+    Megatron-side writer, whose experts come whole one at a time: `base.LayerParts.comes_whole`)."""
     if not getattr(writer, "takes_parts", False) or getattr(writer, "takes_states", False):
         return None
     if writer.reads == "hf" and hasattr(src, "hf_part_tasks"):
         wants = writer.wants if hasattr(writer, "wants") else lambda unit: None
         return (lambda unit: src.hf_part_tasks(unit, wants(unit))), False
-    if writer.reads != "hf" and hasattr(src, "mcore_part_tasks") and not src.spec.is_moe:  # see base.LayerParts.comes_whole
+    if writer.reads != "hf" and hasattr(src, "mcore_part_tasks") and not src.spec.is_moe:
         return src.mcore_part_tasks, True
     return None
 
