@@ -284,6 +284,31 @@ def test_gpt2_with_erf_gelu_is_refused_by_name_and_nothing_is_written(capsys):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("outtype,value", [("f16", 1e6), ("q8_0", 1e8)])
+def test_a_weight_the_outtype_turns_into_inf_is_refused_by_name(capsys, outtype, value):
+    """f16 holds magnitudes up to 65504, and q8_0 stores each block's scale (largest magnitude / 127) in float16:
+    a weight beyond them was written as Inf with exit 0. Refused naming the HF tensor, nothing written; bf16
+    keeps it."""
+    from safetensors.torch import load_file, save_file
+
+    hf = G / f"hf-big-{outtype}"
+    shutil.rmtree(hf, ignore_errors=True)
+    shutil.copytree(_hf_model("qwen3", HF_CONFIGS["qwen3"]()), hf)
+    key = "model.layers.1.mlp.down_proj.weight"
+    f = next(p for p in hf.glob("*.safetensors") if key in load_file(p))
+    state = load_file(f)
+    state[key][3, 5] = value
+    save_file(state, f, metadata={"format": "pt"})
+    out = G / f"refused-big-{outtype}.gguf"
+    err = _refused(capsys, ["hf-to-gguf", str(hf), str(out), "--outtype", outtype])
+    assert key in err and f"{value:.6g}" in err and "Inf" in err and "--outtype bf16 or f32" in err, err
+    _no_output(out)
+    ok = G / f"big-{outtype}-bf16.gguf"
+    to_gguf(hf, ok, "bf16", verb="hf-to-gguf", force=True)
+    assert ok.is_file()
+
+
+@pytest.mark.timeout(300)
 def test_qwen2_with_llama3_rope_scaling_is_refused_by_name(capsys):
     cfg = HF_CONFIGS["qwen2"]()
     cfg.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

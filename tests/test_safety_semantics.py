@@ -191,3 +191,54 @@ def test_a_config_naming_two_models_is_refused(tmp_path: Path, capsys, changes: 
     code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "out", "--tp", "1", "--pp", "1"], capsys)
     assert_one_line_error(code, err, "config.json", *words)
     assert not (tmp_path / "out").exists()
+
+
+# ---- --dtype into a type of smaller range ---------------------------------------------------------------------
+def _with_big_weight(src: Path, dst: Path, key: str) -> Path:
+    """A copy of the HF directory `src` whose tensor `key` holds 1e6 at [0, 0]: finite in float32 and bfloat16,
+    Inf in float16 (whose largest value is 65504)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (dst / "mconvert-manifest.json").unlink(missing_ok=True)
+    f = next(p for p in dst.glob("*.safetensors") if key in load_file(p))
+    state = load_file(f)
+    state[key][0, 0] = 1e6
+    save_file(state, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("verb", ["megatron-to-hf", "hf-to-megatron", "hf-to-megatron torch_dist", "megatron-to-ft"])
+def test_a_dtype_that_turns_a_weight_into_inf_is_refused_by_tensor(verb, tmp_path, capsys):
+    """--dtype fp16 of a model with a weight of 1e6 wrote Inf into the output with exit 0. Refused, naming the
+    tensor and its largest magnitude, with nothing written; a wider --dtype keeps the value."""
+    from safetensors.torch import load_file
+
+    from deploy_common import make_hf
+    from mconvert.convert.driver import hf_to_megatron
+    from safety_common import base
+
+    gpt2 = verb == "megatron-to-ft"  # FasterTransformer's LLaMA has no grouped-query attention
+    hf = make_hf(preset("tiny-gpt2"), tmp_path / "gpt2") if gpt2 else base()["hf"]
+    key = "transformer.h.0.mlp.c_fc.weight" if gpt2 else "model.layers.0.mlp.down_proj.weight"
+    big = _with_big_weight(hf, tmp_path / "big", key)
+    if verb in ("megatron-to-hf", "megatron-to-ft"):
+        src = tmp_path / "ck"
+        hf_to_megatron(big, src, tp=2, pp=1)  # in float32: the value is kept
+        cmd = [verb, src, tmp_path / "out"] + (["--infer-tp", "1"] if gpt2 else [])
+        names = ("dense_h_to_4h.weight" if gpt2 else "down_proj",)  # FT's file of c_fc
+    else:
+        cmd = ["hf-to-megatron", big, tmp_path / "out"] + (["--format", "torch_dist"] if "torch_dist" in verb else [])
+        names = ("linear_fc2.weight",)
+    wide = "fp32" if gpt2 else "bf16"  # FasterTransformer holds fp32 and fp16 only
+    code, _, err = run_cli([*cmd, "--dtype", "fp16"], capsys)
+    assert_one_line_error(code, err, *names, "1e+06", "float16", "Inf", f"--dtype {wide}")
+    assert not (tmp_path / "out").exists()
+    code, _, err = run_cli([*cmd, "--dtype", wide], capsys)
+    assert code == 0, err
+    if verb == "megatron-to-hf":
+        got = load_file(next((tmp_path / "out").glob("*.safetensors")))[key]
+        assert got.dtype == torch.bfloat16 and float(got[0, 0]) == 1e6 // 4096 * 4096  # bf16's nearest value

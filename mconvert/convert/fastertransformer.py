@@ -41,7 +41,7 @@ from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.ft_checks import ft_layout
 from mconvert.convert.io.paths import contained, inside_file, read_small
 from mconvert.convert.driver import dry_run_report, write_output
-from mconvert.convert.io.safeload import crc_in_background
+from mconvert.convert.io.safeload import check_narrowed, crc_in_background
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import open_source
 from mconvert.convert.writer import Report
@@ -307,7 +307,10 @@ class _RawFiles:
         self._window = window
 
     def write(self, path: Path, x: torch.Tensor, dtype: str) -> int:
-        arr = buffers.contiguous(x.detach().to(torch.float32)).numpy().astype(FT_DTYPES[dtype][0], copy=False)
+        src = buffers.contiguous(x.detach().to(torch.float32))
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            arr = src.numpy().astype(FT_DTYPES[dtype][0], copy=False)
+        check_narrowed(src, torch.from_numpy(arr), path.name, "keep float32 (--dtype fp32)")
         f = HashingFile(path, direct=arr.nbytes >= (1 << 20), chunk=4 << 20)  # one chunk size: a small pool
         self._open.append(f)
         f.write(memoryview(arr).cast("B"), keep=arr)

@@ -32,7 +32,8 @@ from mconvert.convert.base import Unit, units_of
 from mconvert.convert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
 from mconvert.convert.io.paths import inside_file, load_json_object, read_small
 from mconvert.convert.driver import drive, peak_rss_bytes
-from mconvert.convert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
+from mconvert.convert.io.safeload import (check_narrowed, crc_in_background, skip_crc_checks, value_range,
+                                          wait_crc_checks)
 from mconvert.convert.sources import open_source
 from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer
 from mconvert.convert.writer import Report, make_report
@@ -479,7 +480,20 @@ class GgufWriter:
         if tuple(x.shape) != t.shape:
             raise MConvertError(f"tensor {t.hf[0] if t.hf else t.name}: shape {list(x.shape)}, the plan has "
                                 f"{list(t.shape)}")
-        data = _gguf().quants.quantize(x.detach().to(torch.float32).contiguous().numpy(), t.qtype)
+        src = x.detach().to(torch.float32).contiguous()
+        name = t.hf[0] if t.hf else t.name
+        fix = "write --outtype bf16 or f32"
+        q = _gguf().GGMLQuantizationType
+        if t.qtype == q.Q8_0:  # each 32-block's scale, its largest magnitude / 127, is stored in float16
+            lo, hi = value_range(src)
+            if max(-lo, hi) / 127 > torch.finfo(torch.float16).max:
+                raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
+                                    f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
+                                    f"would be stored as Inf; {fix}")
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            data = _gguf().quants.quantize(src.numpy(), t.qtype)
+        if t.qtype == q.F16:
+            check_narrowed(src, torch.from_numpy(data), name, fix)
         self._w.write_tensor_data(data)
         self._next += 1
 

@@ -25,7 +25,7 @@ from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import numel
 from mconvert.convert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular
-from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.convert.io.safeload import all_finite, narrowed, safe_load
 from mconvert.convert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
 from mconvert.convert.io.torchsave import LazyModel, TensorIndex
 from mconvert.convert.scaleout import world
@@ -573,7 +573,7 @@ class HFWriter:
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
         """One unit's tensors under HF names, written as they arrive (shards planned from the spec)."""
         if self.dtype is not None:
-            tensors = {n: t.to(self.dtype) if t.dtype != self.dtype else t for n, t in tensors.items()}
+            tensors = {n: narrowed(t, self.dtype, n) if t.dtype != self.dtype else t for n, t in tensors.items()}
         if not self._owned:
             return
         if self._shards is None and tensors:
@@ -589,7 +589,7 @@ class HFWriter:
             return
         for name, t in tensors.items():
             if self.dtype is not None and t.dtype != self.dtype:
-                t = t.to(self.dtype)
+                t = narrowed(t, self.dtype, name)
             t = t.contiguous()
             if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
                 t = t.clone()

@@ -30,7 +30,7 @@ from mconvert.convert.io import buffers
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import hash_file, manifest_hash
 from mconvert.convert.io.paths import inside_file, make_dirs, owned_fd
-from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.convert.io.safeload import all_finite, narrowed, safe_load
 from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
 from mconvert.convert.scaleout import world
 from mconvert.convert.layout import (
@@ -955,7 +955,7 @@ class MegatronWriter:
                           if isinstance(v, torch.Tensor) and v.dim() > 0 and k != "step" else v
                           for k, v in st.items()}
             if self.dtype is not None and full.dtype != self.dtype:
-                full = full.to(self.dtype)
+                full = narrowed(full, self.dtype, name)
             local_name = name if local is None else with_layer(name, local)
             shards = split(full, kind, self.tp, name)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None

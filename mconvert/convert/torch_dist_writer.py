@@ -50,6 +50,7 @@ from mconvert.convert.io import repickle
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.io.paths import make_dirs
+from mconvert.convert.io.safeload import narrowed
 from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
 from mconvert.convert.megatron import target_args
 from mconvert.convert.torch_dist import (
@@ -369,7 +370,7 @@ class TorchDistWriter:
         if state is not None:
             key = f"{OPTIMIZER_STATE_PREFIX}{state}.{key}"
         elif self.dtype is not None and full.dtype != self.dtype:
-            full = full.to(self.dtype)
+            full = narrowed(full, self.dtype, name)
         shape = tuple(full.shape)
         stacked = (*self._stack_dims(lead), *shape)
         md = self._tensors.get(key)

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from mconvert import dtypes
 from mconvert.convert.io.hashing import FollowedDigest, crc32
 from mconvert.convert.io.world import world_from_env
 from mconvert.errors import MConvertError
@@ -871,6 +872,29 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 24) -> bool:
         return t.numel() == 0 or bool(torch.isfinite(t).all())
     lo, hi = value_range(t)
     return math.isfinite(lo) and math.isfinite(hi)  # two scalars: Python's test, no torch op
+
+
+def narrowed(t: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """`t.to(dtype)` for `--dtype`, refused where the target type turns a finite value into Inf (float16 holds
+    magnitudes up to 65504; the source's values are already checked finite)."""
+    out = t.to(dtype)
+    check_narrowed(t, out, name)
+    return out
+
+
+def check_narrowed(src: torch.Tensor, out: torch.Tensor, name: str,
+                   fix: str = "convert to bf16 (--dtype bf16) or keep the source's dtype (--dtype auto)") -> None:
+    """Refuse `out`, the cast of finite `src` to a floating type of smaller range, when a value overflowed to
+    Inf: one line naming the tensor, its largest magnitude and `fix`. A cast that keeps the range passes
+    unchecked."""
+    if not (src.is_floating_point() and out.is_floating_point()) or out.device.type == "meta":  # a layout preview
+        return
+    top = torch.finfo(out.dtype).max
+    if top >= torch.finfo(src.dtype).max or all_finite(out):
+        return
+    big = float(src.detach().abs().max())
+    raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what {dtypes.of_torch(out.dtype).name} holds "
+                        f"(±{top:g}), so they would be stored as Inf; {fix}")
 
 
 def value_range(t: torch.Tensor) -> tuple[float, float]:
