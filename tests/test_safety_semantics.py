@@ -211,7 +211,8 @@ def _with_big_weight(src: Path, dst: Path, key: str) -> Path:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("verb", ["megatron-to-hf", "hf-to-megatron", "hf-to-megatron torch_dist", "megatron-to-ft"])
+@pytest.mark.parametrize("verb", ["megatron-to-hf", "hf-to-megatron", "hf-to-megatron torch_dist", "megatron-to-ft",
+                                  "megatron-to-trtllm"])
 def test_a_dtype_that_turns_a_weight_into_inf_is_refused_by_tensor(verb, tmp_path, capsys):
     """--dtype fp16 of a model with a weight of 1e6 wrote Inf into the output with exit 0. Refused, naming the
     tensor and its largest magnitude, with nothing written; a wider --dtype keeps the value."""
@@ -225,11 +226,13 @@ def test_a_dtype_that_turns_a_weight_into_inf_is_refused_by_tensor(verb, tmp_pat
     hf = make_hf(preset("tiny-gpt2"), tmp_path / "gpt2") if gpt2 else base()["hf"]
     key = "transformer.h.0.mlp.c_fc.weight" if gpt2 else "model.layers.0.mlp.down_proj.weight"
     big = _with_big_weight(hf, tmp_path / "big", key)
-    if verb in ("megatron-to-hf", "megatron-to-ft"):
+    if verb.startswith("megatron-to-"):
         src = tmp_path / "ck"
         hf_to_megatron(big, src, tp=2, pp=1)  # in float32: the value is kept
         cmd = [verb, src, tmp_path / "out"] + (["--infer-tp", "1"] if gpt2 else [])
-        names = ("dense_h_to_4h.weight" if gpt2 else "down_proj",)  # FT's file of c_fc
+        # FT's file of c_fc; TensorRT-LLM's rank file and its name of down_proj
+        names = (("dense_h_to_4h.weight",) if gpt2 else ("rank0.safetensors", "mlp.proj.weight")
+                 if verb == "megatron-to-trtllm" else ("down_proj",))
     else:
         cmd = ["hf-to-megatron", big, tmp_path / "out"] + (["--format", "torch_dist"] if "torch_dist" in verb else [])
         names = ("linear_fc2.weight",)

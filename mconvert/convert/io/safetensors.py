@@ -32,7 +32,7 @@ from mconvert.convert.io.hashing import (
     tensor_bytes,
 )
 from mconvert.convert.io.paths import open_regular, owned_fd
-from mconvert.convert.io.safeload import followed_digest
+from mconvert.convert.io.safeload import followed_digest, narrowed
 from mconvert.errors import MConvertError
 
 Entry = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one planned tensor
@@ -277,7 +277,7 @@ class SafetensorsRandomWriter:
         off, dtype, shape = self._spans[name]
         if tuple(x.shape) != shape:
             raise MConvertError(f"{self.path.name}: {name} has shape {list(x.shape)}, layout says {list(shape)}")
-        data = buffers.contiguous(x.detach().cpu().to(dtype))
+        data = buffers.contiguous(narrowed(x.detach().cpu(), dtype, f"{self.path.name}: {name}"))
         self._f.write(tensor_bytes(data) if data.numel() else b"", self._base + off, keep=data)
         self._todo.discard(name)
 
