@@ -193,8 +193,8 @@ def check_ft_fields(section: str, cfg: dict[str, str], ini: Path) -> list[str]:
     """Every field that decides what FT computes holds the value the runner computes with (the section's table,
     checked by `mappings.fields.check`; empty, 0 and false are unset); [] or the one problem."""
     try:
-        check({k: _ft_value(v) for k, v in cfg.items()}, _ft_fields(section_layout(section)), f"{ini} [{section}]",
-              "FasterTransformer field", "validation refused — re-export the directory", unknown_hint="")
+        check(cfg, _ft_fields(section_layout(section)), f"{ini} [{section}]", "FasterTransformer field",
+              "validation refused — re-export the directory", unknown_hint="", norm=_ft_value, show=str.strip)
     except MConvertError as e:
         return [str(e)]
     return []

@@ -247,6 +247,12 @@ def _empty_as_unset(v: Any) -> Any:
     return None if isinstance(v, (dict, list)) and not v else v
 
 
+def _json_value(v: Any) -> str:
+    """A config.json value as the file spells it (true, null, "text"), shortened."""
+    text = json.dumps(v, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _check_computed_fields(cfg: dict[str, Any], cfg_path: Path, fix: str) -> None:
     """Every field that decides what TensorRT-LLM computes holds the value the runner computes with (the class's
     table, checked by `mappings.fields.check`; an empty object or list is unset, as null is)."""
@@ -255,12 +261,12 @@ def _check_computed_fields(cfg: dict[str, Any], cfg_path: Path, fix: str) -> Non
             expect(cfg[k], str, f"{cfg_path}: {k}", fix)
     flat: dict[str, Any] = {}
     for k, v in cfg.items():
-        flat[k] = _empty_as_unset(v)
+        flat[k] = v
         if k in _TRT_SECTIONS and v is not None:
             for sub, sv in expect(v, dict, f"{cfg_path}: {k}", fix).items():
-                flat[f"{k}.{sub}"] = _empty_as_unset(sv)
+                flat[f"{k}.{sub}"] = sv
     check(flat, _trt_fields(trtllm_layout_of(cfg["architecture"])), str(cfg_path), "TensorRT-LLM field",
-          f"validation refused — {fix}", unknown_hint="")
+          f"validation refused — {fix}", unknown_hint="", norm=_empty_as_unset, show=_json_value)
 
 
 def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:

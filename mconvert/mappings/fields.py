@@ -96,19 +96,24 @@ def _entry(table: Mapping[str, Field], k: str) -> Field | None:
 
 
 def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, what: str,
-          refused_as: str = "conversion refused", unknown_hint: str = "remove it if it is training-only") -> None:
+          refused_as: str = "conversion refused", unknown_hint: str = "remove it if it is training-only",
+          norm: Callable[[Any], Any] | None = None, show: Callable[[Any], str] | None = None) -> None:
     """Refuse, with one line naming the key, any value the table does not allow (see the module docstring).
 
     `refused_as` ends every refusal (what is refused, and the fix where there is one); `unknown_hint` follows it,
-    in parentheses, for a name in no table ("": nothing follows)."""
-    for k, v in values.items():
+    in parentheses, for a name in no table ("": nothing follows). `norm`: how a format's value compares (an INI
+    "1" as True, an empty JSON object as unset); the message shows the value as written, by `show` (default:
+    Python's repr, shortened)."""
+    display = show or _short
+    for k, raw in values.items():
+        v = raw if norm is None else norm(raw)
         f = _entry(table, k)
         if f is None:
             if v is None or v is False:
                 continue
             hint = f" ({unknown_hint})" if unknown_hint else ""
             raise MConvertError(
-                f"{source}: {what} {k}={_short(v)} is not known to mconvert and may change the model's "
+                f"{source}: {what} {k}={display(raw)} is not known to mconvert and may change the model's "
                 f"function; {refused_as}{hint}"
             )
         if f.kind == NEUTRAL or v is None:
@@ -116,16 +121,16 @@ def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, wh
         if f.kind == MAPPED:
             if f.types and not _type_ok(v, f.types):
                 names = " or ".join(t.__name__ for t in f.types)
-                raise MConvertError(f"{source}: {what} {k}={_short(v)} must be {names}; fix it")
+                raise MConvertError(f"{source}: {what} {k}={display(raw)} must be {names}; fix it")
             if f.choices and v not in f.choices:
                 raise MConvertError(
-                    f"{source}: {what} {k}={_short(v)} is not supported (supported: "
+                    f"{source}: {what} {k}={display(raw)} is not supported (supported: "
                     f"{', '.join(map(str, f.choices))}); {refused_as}"
                 )
             continue
         if _at_default(v, f) or (f.ok is not None and f.ok(v, values)):
             continue
-        raise MConvertError(f"{source}: {what} {k}={_short(v)} is not supported: {f.why}; {refused_as}")
+        raise MConvertError(f"{source}: {what} {k}={display(raw)} is not supported: {f.why}; {refused_as}")
 
 
 def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
