@@ -587,9 +587,7 @@ class HFWriter:
             for name, t in tensors.items():
                 self._add_streamed(name, t)
             return
-        for name, t in tensors.items():
-            if self.dtype is not None and t.dtype != self.dtype:
-                t = narrowed(t, self.dtype, name)
+        for name, t in tensors.items():  # already in self.dtype (the cast above)
             t = t.contiguous()
             if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
                 t = t.clone()

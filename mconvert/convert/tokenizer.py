@@ -44,15 +44,18 @@ _TOKENIZER_FIX = "re-save the tokenizer (or pass --tokenizer DIR)"
 
 def ids_outside_vocab(ids: dict[str, Any], vocab_size: int, where: str) -> list[str]:
     """A warning for each special-token id (an int, or a list of them) the model's vocabulary has no row for: the
-    model never produces it, so generation never stops on such an eos. The conversion keeps the id as the
+    model never produces it, and generation never stops on such an eos. The conversion keeps the id as the
     checkpoint states it (the function is unchanged); the warning says where to correct it."""
     out = []
     for name, v in ids.items():
         bad = [i for i in (v if isinstance(v, list) else [v])
                if isinstance(i, int) and not isinstance(i, bool) and not 0 <= i < vocab_size]
         if bad:
-            out.append(f"{name} {v} lies outside the vocabulary (ids 0 to {vocab_size - 1}): the model never produces "
-                       f"{'it' if len(bad) == 1 else 'them'}, so generation never stops on it; correct it in {where}")
+            never = f"the model never produces {'it' if len(bad) == 1 else 'them'}"
+            if name == "eos_token_id":
+                never += ", so generation never stops on it"
+            out.append(f"{name} {v} lies outside the vocabulary (ids 0 to {vocab_size - 1}): {never}; correct it in "
+                       f"{where}")
     return out
 
 

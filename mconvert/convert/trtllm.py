@@ -256,9 +256,6 @@ def _json_value(v: Any) -> str:
 def _check_computed_fields(cfg: dict[str, Any], cfg_path: Path, fix: str) -> None:
     """Every field that decides what TensorRT-LLM computes holds the value the runner computes with (the class's
     table, checked by `mappings.fields.check`; an empty object or list is unset, as null is)."""
-    for k in ("hidden_act", "position_embedding_type"):  # null leaves TensorRT-LLM its own default, not the runner's
-        if k in cfg:
-            expect(cfg[k], str, f"{cfg_path}: {k}", fix)
     flat: dict[str, Any] = {}
     for k, v in cfg.items():
         flat[k] = v
@@ -282,6 +279,9 @@ def read_trtllm_config(cfg_path: Path) -> dict[str, Any]:
     expect(cfg["architecture"], str, f"{cfg_path}: architecture", fix)
     expect(cfg["dtype"], str, f"{cfg_path}: dtype", fix)
     expect(cfg["norm_epsilon"], (int, float), f"{cfg_path}: norm_epsilon", fix)
+    for k in ("hidden_act", "position_embedding_type"):  # null leaves TensorRT-LLM its own default, not the runner's
+        if k in cfg:
+            expect(cfg[k], str, f"{cfg_path}: {k}", fix)
     for k in _TRT_INTS + tuple(k for k in _TRT_OPTIONAL_INTS if cfg.get(k) is not None):
         if expect(cfg[k], int, f"{cfg_path}: {k}", fix) <= 0:
             raise MConvertError(f"{cfg_path}: {k} = {cfg[k]} must be positive; {fix}")
