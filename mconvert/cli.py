@@ -1,8 +1,9 @@
 """The `mconvert` command: a thin typer layer, one function per verb, each calling one library function.
 
 Every failure becomes one line `error: ...` on stderr and exit 1: MConvertError as it is, OS errors with
-their cause, anything else (a bug) as "internal error" with its type. What the line shows from files and keys
-is escaped (markup, control characters) in one place, `errors.rich_safe`. MCONVERT_DEBUG=1 re-raises instead.
+their cause, anything else (a bug) as "internal error" with its type; a refusal naming several fields adds one
+indented line per field under it. What the lines show from files and keys is escaped (markup, control
+characters) in one place, `errors.rich_safe`. MCONVERT_DEBUG=1 re-raises instead.
 Library code never imports typer.
 """
 
@@ -37,8 +38,12 @@ console = Console(stderr=True)
 
 
 def error_line(message: object) -> None:
-    """Print `error: MESSAGE` as exactly one line on stderr, whatever MESSAGE holds."""
-    console.print(f"[bold red]error:[/] {plain(message)}", highlight=False, soft_wrap=True, emoji=False)
+    """Print `error: MESSAGE` as exactly one line on stderr, whatever MESSAGE holds; an MConvertError that names
+    several items (`details`) follows it with one indented line per item, each escaped on its own."""
+    summary, details = (message.summary, message.details) if isinstance(message, MConvertError) else (message, ())
+    console.print(f"[bold red]error:[/] {plain(summary)}", highlight=False, soft_wrap=True, emoji=False)
+    for line in details:
+        console.print(f"  {plain(line)}", highlight=False, soft_wrap=True, emoji=False)
 
 
 # ---- shared option types ----------------------------------------------------------------------------

@@ -197,7 +197,7 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
     ("mistral", "sliding_window", 16),
     ("llama", "pruned_heads", {"0": [1]}),
     ("llama", "quantization_config", {"quant_method": "gptq"}),
-    ("llama", "frobnicate", 2),
+    ("llama", "attention_chunk_size", 8),  # read by transformers and vLLM, in no table
 ])
 def test_a_function_changing_hf_field_is_refused_by_name(model_type: str, name: str, value) -> None:
     with pytest.raises(MConvertError, match=f"x/config.json: config field {name}="):

@@ -191,12 +191,13 @@ def _ft_fields(layout: FTLayout) -> dict[str, Field]:
 
 def check_ft_fields(section: str, cfg: dict[str, str], ini: Path) -> list[str]:
     """Every field that decides what FT computes holds the value the runner computes with (the section's table,
-    checked by `mappings.fields.check`; empty, 0 and false are unset); [] or the one problem."""
+    checked by `mappings.fields.check`; empty, 0 and false are unset); [] or the problem (its summary, then one
+    line per field when several are refused)."""
     try:
         check(cfg, _ft_fields(section_layout(section)), f"{ini} [{section}]", "FasterTransformer field",
               "validation refused — re-export the directory", unknown_hint="", norm=_ft_value, show=str.strip)
     except MConvertError as e:
-        return [str(e)]
+        return [e.summary, *e.details]
     return []
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import pkgutil
 import re
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from mconvert import dtypes
 from mconvert.spec import ModelSpec, moe_from_megatron_args, rope_and_qk_from_megatron_args
 
 
+READS_FILE = "hf_config_reads.json"  # in mconvert/data: what each engine's code reads, per model_type
 _FAMILY_LINE = re.compile(r"^FAMILY\s*[:=]", re.MULTILINE)
 
 
@@ -149,6 +151,19 @@ def hf_table(model_type: str) -> dict[str, Field]:
     return {**HF_COMMON, **fam.hf_fields}
 
 
+@functools.cache
+def _shipped_reads() -> dict[str, frozenset[str]]:
+    raw = json.loads((Path(__file__).parents[1] / "data" / READS_FILE).read_text(encoding="utf-8"))
+    return {t: frozenset(names) for t, names in raw["model_types"].items()}
+
+
+def hf_reads(model_type: str) -> frozenset[str] | None:
+    """Every config attribute a reference implementation of `model_type` reads (transformers' and vLLM's model
+    code and the shared code it calls, derived from their sources by `tests/hf_config_reads.py`); None for a
+    model_type the shipped file does not cover, where every name counts as read."""
+    return _shipped_reads().get(model_type)
+
+
 def check_moe_class(spec: ModelSpec) -> None:
     """Refuse a MoE model for a dense family's HF class and a dense model for a MoE class."""
     fam = of(spec)
@@ -222,7 +237,7 @@ def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
             f"supported: {', '.join(f.architecture for f in all_families())}"
         )
     _check_one_class(cfg, archs, fam, source)
-    check(cfg, hf_table(fam.model_type), source, "config field")
+    check(cfg, hf_table(fam.model_type), source, "config field", reads=hf_reads(fam.model_type))
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
     if cfg.get("eos_token_id") == []:
         raise MConvertError(f"{source}: eos_token_id is an empty list; give the end-of-text id (or a list of them)")

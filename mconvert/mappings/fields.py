@@ -4,7 +4,10 @@ mconvert's promise is that a converted model computes the same function or the c
 checkpoint's args / config.json carry hundreds of names; each one that could change the function is either
 mapped onto a ModelSpec field (with its expected type, so a wrong type is refused by name) or refused unless it
 holds its default. A name in no table passes only when it is None or False (what argparse stores for an
-option never given); anything else is refused by name, so a new upstream option cannot slip through unread.
+option never given), or, in an HF config.json, when no reference implementation of the model reads it
+(`families.hf_reads`: what transformers' and vLLM's code for that model_type reads, derived from their sources);
+anything else is refused by name, so a new upstream option cannot slip through unread. Every refusal of one
+`check` is raised at once, so a user fixes a file in one pass.
 A table may hold `section.*`: it stands for every `section.<key>` the table does not list itself.
 
 The deployment checkers read their formats' configs through the same `check` (TensorRT-LLM `config.json` in
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, escape_controls
 
 NEUTRAL, MAPPED, REFUSED = "neutral", "mapped", "refused"
 
@@ -97,40 +100,45 @@ def _entry(table: Mapping[str, Field], k: str) -> Field | None:
 
 def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, what: str,
           refused_as: str = "conversion refused", unknown_hint: str = "remove it if it is training-only",
-          norm: Callable[[Any], Any] | None = None, show: Callable[[Any], str] | None = None) -> None:
-    """Refuse, with one line naming the key, any value the table does not allow (see the module docstring).
+          norm: Callable[[Any], Any] | None = None, show: Callable[[Any], str] | None = None,
+          reads: Collection[str] | None = None) -> None:
+    """Refuse every value the table does not allow (see the module docstring), all in one MConvertError: one
+    line naming the key when one is refused, else a summary line counting and naming them, then one line each.
 
     `refused_as` ends every refusal (what is refused, and the fix where there is one); `unknown_hint` follows it,
     in parentheses, for a name in no table ("": nothing follows). `norm`: how a format's value compares (an INI
     "1" as True, an empty JSON object as unset); the message shows the value as written, by `show` (default:
-    Python's repr, shortened)."""
+    Python's repr, shortened). `reads`: every name a reference implementation of the model reads; a name in no
+    table and not in `reads` cannot change the function and passes whatever its value (None: every name counts
+    as read)."""
     display = show or _short
+    problems: list[tuple[str, str]] = []  # (key, "key=value <why it is refused>")
     for k, raw in values.items():
         v = raw if norm is None else norm(raw)
         f = _entry(table, k)
+        said = f"{escape_controls(k)}={display(raw)}"
         if f is None:
-            if v is None or v is False:
+            if v is None or v is False or (reads is not None and k not in reads):
                 continue
-            hint = f" ({unknown_hint})" if unknown_hint else ""
-            raise MConvertError(
-                f"{source}: {what} {k}={display(raw)} is not known to mconvert and may change the model's "
-                f"function; {refused_as}{hint}"
-            )
-        if f.kind == NEUTRAL or v is None:
+            problems.append((k, f"{said} is not known to mconvert and may change the model's function"))
+        elif f.kind == NEUTRAL or v is None:
             continue
-        if f.kind == MAPPED:
+        elif f.kind == MAPPED:
             if f.types and not _type_ok(v, f.types):
-                names = " or ".join(t.__name__ for t in f.types)
-                raise MConvertError(f"{source}: {what} {k}={display(raw)} must be {names}; fix it")
-            if f.choices and v not in f.choices:
-                raise MConvertError(
-                    f"{source}: {what} {k}={display(raw)} is not supported (supported: "
-                    f"{', '.join(map(str, f.choices))}); {refused_as}"
-                )
-            continue
-        if _at_default(v, f) or (f.ok is not None and f.ok(v, values)):
-            continue
-        raise MConvertError(f"{source}: {what} {k}={display(raw)} is not supported: {f.why}; {refused_as}")
+                problems.append((k, f"{said} must be {' or '.join(t.__name__ for t in f.types)}; fix it"))
+            elif f.choices and v not in f.choices:
+                problems.append((k, f"{said} is not supported (supported: {', '.join(map(str, f.choices))})"))
+        elif not (_at_default(v, f) or (f.ok is not None and f.ok(v, values))):
+            problems.append((k, f"{said} is not supported: {f.why}"))
+    if not problems:
+        return
+    hint = f" ({unknown_hint})" if unknown_hint and any(p.endswith("model's function") for _, p in problems) else ""
+    if len(problems) == 1:
+        line = problems[0][1]
+        raise MConvertError(f"{source}: {what} {line}" + ("" if line.endswith("; fix it") else f"; {refused_as}{hint}"))
+    names = ", ".join(escape_controls(k) for k, _ in problems)
+    raise MConvertError(f"{source}: {len(problems)} {what}s are refused ({names}); {refused_as}{hint}",
+                        [f"{what} {p}" for _, p in problems])
 
 
 def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
@@ -567,6 +575,9 @@ HF_COMMON: dict[str, Field] = {
         "initializer_range", "attention_dropout", "_attn_implementation", "attn_implementation",
         "_attn_implementation_autoset", "auto_map", "num_labels", "gradient_checkpointing",
     ),
+    # vLLM lets `--max-model-len` exceed the derived context up to this cap: it bounds the positions served,
+    # not the function over them
+    "model_max_length": Field(NEUTRAL, "a cap on the context vLLM serves: the same function over it"),
     "add_cross_attention": refused("cross-attention layers are not mapped", False),
     "is_encoder_decoder": refused("encoder-decoder models are not mapped", False),
     "cross_attention_hidden_size": refused("cross-attention layers are not mapped", None),

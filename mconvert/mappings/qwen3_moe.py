@@ -44,6 +44,9 @@ HF_FIELDS: dict[str, Field] = {
     "mlp_only_layers": refused("dense-MLP layers (mlp_only_layers) are not mapped", None, lambda v, _: v == []),
     "router_aux_loss_coef": mixtral.MOE_NEUTRAL,
     "output_router_logits": mixtral.MOE_NEUTRAL,
+    # not a Qwen3MoeConfig field, but vLLM's Qwen3-MoE adds a shared expert when it is positive; Qwen's own
+    # configs state 0
+    "shared_expert_intermediate_size": refused("a shared expert is not mapped", 0),
 }
 
 
