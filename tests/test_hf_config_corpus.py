@@ -80,14 +80,15 @@ def write_sparse_hf(cfg: dict[str, Any], d: Path) -> int:
     """config.json plus a model.safetensors whose header lists the tensors transformers builds for it and whose
     data region is a hole of the right length; returns the bytes the tensors claim."""
     import transformers
+    from transformers.modeling_utils import no_init_weights
 
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(cfg))
     config = transformers.AutoConfig.from_pretrained(d)
-    dtype = getattr(config, "torch_dtype", None) or torch.float32
+    dtype = getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    with torch.device("meta"), no_init_weights():  # shapes only: no storage, no initialiser run
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = model.state_dict()
     if getattr(config, "tie_word_embeddings", False):  # save_pretrained writes the tied copy once
         for k in getattr(model, "_tied_weights_keys", None) or ():
