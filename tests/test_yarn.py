@@ -352,3 +352,112 @@ def test_megatron_lm_yarn_args_left_unset_take_its_defaults() -> None:
         setattr(args, name, None)
     spec = spec_from_megatron_args(args)
     assert (spec.rope_original_max_position_embeddings, spec.yarn_beta_fast, spec.yarn_beta_slow) == (4096, 32.0, 1.0)
+
+
+# ---- GGUF / llama.cpp ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_cpp() -> None:
+    """The llama.cpp venv (`make gguf-env`), built when absent."""
+    import os
+    import subprocess
+
+    from mconvert.validators.gguf_runner import ENV_SCRIPT
+
+    r = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, f"make gguf-env failed: {r.stderr[-2000:]}"
+    os.environ.setdefault("MCONVERT_GGUF_PYTHON", r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def with_tokenizer(hf_models, tmp_path_factory) -> dict[str, Path]:
+    """name -> transformers' saved model (HF_CONFIGS) with the trainer's byte-level BPE tokenizer beside it."""
+    from mconvert.data import build_tokenizer, save_hf_tokenizer
+
+    tmp = tmp_path_factory.mktemp("gguf_src")
+    save_hf_tokenizer(build_tokenizer(), tmp / "tok")
+    out = {}
+    for name, (_, hf, _) in hf_models.items():
+        shutil.copytree(hf, tmp / name)
+        for f in (tmp / "tok").iterdir():
+            shutil.copy(f, tmp / name / f.name)
+        out[name] = tmp / name
+    return out
+
+
+def _with_rope_scaling(hf: Path, dst: Path, rope_scaling: dict | None) -> Path:
+    """A copy of `hf` whose config.json states `rope_scaling` (None: no scaling)."""
+    shutil.copytree(hf, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    if rope_scaling is None:
+        del cfg["rope_scaling"]
+    else:
+        cfg["rope_scaling"] = rope_scaling
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "mconvert-manifest.json").unlink(missing_ok=True)  # an edited copy, not the export it describes
+    return dst
+
+
+def _gguf_rel(hf: Path, gguf: Path) -> tuple[bool, float]:
+    from mconvert.validators.validate import validate
+
+    rep = validate(hf, [gguf], device="cpu", n_tokens=128)
+    m = rep.results[0].metrics
+    return rep.passed, m["max_abs"] / m["ref_scale"]
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name,arch", [("llama", "llama"), ("qwen2", "qwen2")])
+def test_yarn_gguf_matches_transformers_in_llama_cpp_past_the_original_context(llama_cpp, with_tokenizer, tmp_path,
+                                                                              name, arch) -> None:
+    """hf-to-gguf of transformers' YaRN models: llama.cpp (rope.scaling.* keys; the Llama's mscale pair gives an
+    attention factor other than 0.1·ln(factor)+1, stated as `attn_factor`, its ratio to that) matches
+    transformers over 128 tokens."""
+    from mconvert.convert.gguf import to_gguf
+    from mconvert.validators.gguf_runner import read_gguf_metadata
+
+    hf = with_tokenizer[name]
+    f32 = tmp_path / "m.gguf"
+    to_gguf(hf, f32, "f32", verb="hf-to-gguf")
+    meta = read_gguf_metadata(f32)
+    assert (meta[f"{arch}.rope.scaling.type"], meta[f"{arch}.rope.scaling.factor"],
+            meta[f"{arch}.rope.scaling.original_context_length"]) == ("yarn", 4.0, 64)
+    assert (f"{arch}.rope.scaling.attn_factor" in meta) == (name == "llama")
+    ok, rel = _gguf_rel(hf, f32)
+    print(f"[figures] {name} yarn GGUF f32 in llama.cpp vs transformers over 128 tokens: max|Δ|/max|logit| {rel:.2e}")
+    assert ok and rel < REL_TOL
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("drop", ["rope_scaling", "mscale"])
+def test_a_yarn_gguf_without_the_scaling_or_its_factor_fails_the_comparison(llama_cpp, with_tokenizer, tmp_path,
+                                                                             drop) -> None:
+    """The controls: the GGUF of the Llama's config without YaRN (or without the mscale pair, so the factor falls
+    back to 0.1·ln(factor)+1) misses transformers' logits of the model with it."""
+    from mconvert.convert.gguf import to_gguf
+
+    hf = with_tokenizer["llama"]
+    kept = json.loads((hf / "config.json").read_text())["rope_scaling"]
+    plain = _with_rope_scaling(hf, tmp_path / "plain", None if drop == "rope_scaling" else
+                               {k: v for k, v in kept.items() if not k.startswith("mscale")})
+    to_gguf(plain, tmp_path / "plain.gguf", "f32", verb="hf-to-gguf")
+    ok, rel = _gguf_rel(hf, tmp_path / "plain.gguf")
+    print(f"[figures] llama yarn GGUF without {drop}: max|Δ|/max|logit| {rel:.2e}")
+    assert not ok and rel > 100 * REL_TOL
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("change,named", [
+    ({"beta_fast": 16.0}, "yarn_beta_fast=16.0"),
+    ({"beta_slow": 2.0}, "yarn_beta_slow=2.0"),
+    ({"truncate": False}, "yarn_correction_range_round_to_int=False"),
+])
+def test_yarn_llama_cpp_computes_otherwise_is_refused_for_gguf_by_name(with_tokenizer, tmp_path, capsys, change,
+                                                                       named) -> None:
+    from safety_common import assert_one_line_error, run_cli
+
+    hf = _with_rope_scaling(with_tokenizer["qwen2"], tmp_path / "hf", {**BASE, **change})
+    code, _, err = run_cli(["hf-to-gguf", hf, tmp_path / "m.gguf"], capsys)
+    assert_one_line_error(code, err, named, "llama.cpp's qwen2 architecture fixes beta_fast 32 and beta_slow 1")
+    assert not (tmp_path / "m.gguf").exists()
