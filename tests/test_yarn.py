@@ -461,3 +461,108 @@ def test_yarn_llama_cpp_computes_otherwise_is_refused_for_gguf_by_name(with_toke
     code, _, err = run_cli(["hf-to-gguf", hf, tmp_path / "m.gguf"], capsys)
     assert_one_line_error(code, err, named, "llama.cpp's qwen2 architecture fixes beta_fast 32 and beta_slow 1")
     assert not (tmp_path / "m.gguf").exists()
+
+
+# ---- vLLM ---------------------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_converted_yarn_models_serve_in_vllm_with_transformers_greedy_tokens(mcore_exports) -> None:
+    """vLLM serves both megatron-core exports (the second with truncate false, beta_fast 16 and an explicit
+    attention_factor) with transformers' greedy tokens from prompts of 64 tokens (the original context) to
+    position 96, and prompt logprobs within vLLM's tolerance; without the scaling transformers' own greedy
+    tokens differ, so the agreement covers YaRN."""
+    import os
+
+    from mconvert.validators.vllm_check import LOGPROB_TOL, ensure_vllm_env, vllm_compare_many
+
+    if os.environ.get("MCONVERT_SKIP_VLLM"):
+        pytest.skip("MCONVERT_SKIP_VLLM set")
+    dirs = [mcore_exports[name][2] / "hf" for name in MCORE_SPECS]
+    results = vllm_compare_many(dirs, ensure_vllm_env(), prompt_len=64, max_tokens=32)
+    for name, d, r in zip(MCORE_SPECS, dirs, results):
+        assert r["passed"], r["summary"]
+        assert r["token_agreement"] == 1.0 and r["prompt_logprob_max_abs"] <= LOGPROB_TOL
+        print(f"[figures] vLLM {name}: {r['summary']}; prompt logprobs max|Δ| {r['prompt_logprob_max_abs']:.2e}")
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32).eval()
+        model.config.rope_scaling = None
+        plain = transformers.AutoModelForCausalLM.from_config(model.config, torch_dtype=torch.float32).eval()
+        plain.load_state_dict(model.state_dict())
+        changed = 0
+        for p in r["prompts"]:
+            assert len(p["prompt_ids"]) == 64 and p["vllm_tokens"] == p["transformers_tokens"]
+            ids = torch.tensor([p["prompt_ids"]])
+            with torch.no_grad():
+                out = plain.generate(ids, max_new_tokens=len(p["vllm_tokens"]), do_sample=False)
+            changed += out[0, 64:].tolist() != p["vllm_tokens"]
+        assert changed == len(r["prompts"]), f"{name}: greedy tokens without YaRN equal those with it"
+
+
+# ---- TensorRT-LLM, FasterTransformer, ONNX ---------------------------------------------------------------
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("source", ["megatron-core", "transformers"])
+def test_yarn_converts_to_trtllm_with_the_sources_logits(mcore_exports, hf_models, tmp_path, source) -> None:
+    """TensorRT-LLM's LLaMA checkpoint states YaRN in `rotary_scaling` (the HF dict, as `from_hugging_face`
+    copies it); its attention reads factor, original context, betas and the mscale pair (megatron-core's rule),
+    and the reference runner computes that: megatron-core's default YaRN, and transformers' Llama whose mscale
+    pair gives another attention factor, match their sources at TP=2; without the scaling they do not."""
+    from mconvert.convert.trtllm import megatron_to_trtllm
+    from mconvert.validators.trtllm_runner import trtllm_logits
+
+    if source == "megatron-core":
+        _, want, tmp = mcore_exports["yarn"]
+        mg = tmp / "mg"
+    else:
+        want, _, mg = hf_models["llama"]
+        want = want.float()
+    megatron_to_trtllm(mg, tmp_path / "trt", 2)
+    cfg = json.loads((tmp_path / "trt" / "config.json").read_text())
+    assert cfg["rotary_scaling"]["rope_type"] == "yarn"
+    _close(trtllm_logits(tmp_path / "trt", PROBE), want, f"{source} yarn -> TensorRT-LLM TP=2")
+    del cfg["rotary_scaling"]
+    (tmp_path / "trt" / "config.json").write_text(json.dumps(cfg))
+    diff = (trtllm_logits(tmp_path / "trt", PROBE) - want).abs().max().item()
+    assert diff > 100 * REL_TOL * want.abs().max().item()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("verb,named", [
+    ("megatron-to-trtllm", "yarn_correction_range_round_to_int=False has no TensorRT-LLM form"),
+    ("megatron-to-ft", "position_embedding_type='yarn', rotary_scaling_factor=4) is not mapped to FasterTransformer"),
+])
+def test_deployment_formats_that_compute_another_yarn_refuse_it_by_name(mcore_exports, tmp_path, capsys, verb,
+                                                                        named) -> None:
+    from safety_common import assert_one_line_error, run_cli
+
+    _, _, tmp = mcore_exports["yarn-mscale"]
+    code, _, err = run_cli([verb, tmp / "mg", tmp_path / "out", "--tp", "1"], capsys)
+    assert_one_line_error(code, err, named)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(600)
+def test_yarn_to_onnx_matches_transformers_past_the_original_context(hf_models, tmp_path) -> None:
+    """optimum traces transformers' YaRN (static inverse frequencies and attention factor, unlike dynamic NTK), so
+    the ONNX graph computes it at every length: onnxruntime equals transformers over 160 tokens, prefill and
+    cached decode, for the Llama whose mscale pair gives another attention factor."""
+    from mconvert.convert.onnx import to_onnx
+    from mconvert.validators.onnx_runner import check_onnx_against_hf
+
+    _, hf, _ = hf_models["llama"]
+    to_onnx(hf, tmp_path / "onnx", with_past=True, check=check_onnx_against_hf)
+    prefill, decode = check_onnx_against_hf(tmp_path / "onnx", hf, seq=160)
+    print(f"[figures] llama yarn ONNX vs transformers over 160 tokens: prefill {prefill:.2e}, decode {decode:.2e}")
+    assert prefill < REL_TOL and decode is not None and decode < REL_TOL
+
+
+@pytest.mark.timeout(300)
+def test_verify_passes_the_yarn_export_against_the_megatron_core_checkpoint(mcore_exports) -> None:
+    """`verify` reads rope_scaling yarn and its native runner (YaRN frequencies and attention factor) agrees with
+    transformers on the export over 128 tokens; only what a bare megatron-core save lacks is reported."""
+    from mconvert.validators.verify import verify
+
+    tmp = mcore_exports["yarn-mscale"][2]
+    rep = verify(tmp / "hf", against=tmp / "mg", device="cpu", n_tokens=128)
+    status = {c.name: c.status for c in rep.checks}
+    assert {n for n, s in status.items() if s == "error"} == {"tokenizer", "generation-config"}, rep.checks
+    for n in ("architecture", "config", "weights-strict", "config-vs-checkpoint", "logits"):
+        assert status[n] == "ok", (n, rep.checks)

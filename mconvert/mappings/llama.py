@@ -278,8 +278,18 @@ def rope_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
     kvh = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1))
     if nh % kvh:
         problems.append(f"num_attention_heads {nh} is not divisible by num_key_value_heads {kvh}")
-    if cfg.get("rope_scaling"):
-        notes.append(f"rope_scaling={cfg['rope_scaling']}")
+    rs = cfg.get("rope_scaling")
+    if rs:
+        notes.append(f"rope_scaling={rs}")
+    if isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "yarn":
+        try:  # vLLM sizes a YaRN model's context as original positions x factor, not max_position_embeddings
+            served = int(rs["original_max_position_embeddings"] * rs["factor"])
+        except (KeyError, TypeError):
+            problems.append("rope_scaling yarn lacks original_max_position_embeddings or factor, which vLLM needs")
+        else:
+            if served != cfg.get("max_position_embeddings"):
+                notes.append(f"vLLM serves {served} positions (YaRN's original_max_position_embeddings x factor), "
+                             f"transformers max_position_embeddings={cfg.get('max_position_embeddings')}")
     return problems, notes
 
 
@@ -390,6 +400,9 @@ def _trt_refuse(spec: ModelSpec) -> None:
         raise MConvertError(f"rotary_percent={spec.rotary_percent} is not supported for the LLaMA layout")
     if spec.add_qkv_bias and not spec.add_bias_linear:
         raise MConvertError("a qkv-only bias (Qwen2 style) is not part of TensorRT-LLM's LLaMA layout")
+    if spec.rope_scaling == "yarn" and not spec.yarn_correction_range_round_to_int:
+        raise MConvertError("YaRN with yarn_correction_range_round_to_int=False has no TensorRT-LLM form: its "
+                            "create_sinusoidal_positions_yarn always rounds the correction range; conversion refused")
 
 
 _T = "transformer.layers.*."
@@ -426,7 +439,7 @@ TRTLLM = TrtllmLayout(
     refuse=_trt_refuse,
     tensors=TRT_TENSORS,
     aliases=("MistralForCausalLM",),
-    rope_scalings=("llama3", "linear"),  # TensorRT-LLM's RotaryScalingType llama3 and linear
+    rope_scalings=("llama3", "linear", "yarn"),  # TensorRT-LLM's RotaryScalingType llama3, linear and yarn
 )
 
 
