@@ -267,9 +267,9 @@ def _tensor_bytes(hf_dir: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_yarn_round_trips_are_byte_identical(hf_models, tmp_path, name) -> None:
-    """HF -> Megatron -> HF: every tensor's bytes equal transformers' file, rope_scaling computes the same
-    function (key for key where the source spells it as mconvert does), and a second round reproduces the
-    first export file for file."""
+    """HF -> Megatron (torch, and torch_dist) -> HF: every tensor's bytes equal transformers' file, rope_scaling
+    computes the same function (key for key where the source spells it as mconvert does), and a second round
+    reproduces the first export file for file."""
     want, hf, mg = hf_models[name]
     megatron_to_hf(mg, tmp_path / "back")
     assert _tensor_bytes(tmp_path / "back") == _tensor_bytes(hf)
@@ -282,6 +282,11 @@ def test_yarn_round_trips_are_byte_identical(hf_models, tmp_path, name) -> None:
     hf_to_megatron(tmp_path / "back", tmp_path / "mg2", tp=2, pp=1)
     megatron_to_hf(tmp_path / "mg2", tmp_path / "back2")
     assert _sha(tmp_path / "back2", "*") == _sha(tmp_path / "back", "*")
+    # torch_dist: its common.pt args carry the YaRN args as the rank files' do
+    hf_to_megatron(hf, tmp_path / "dist", tp=2, pp=1, format="torch_dist")
+    megatron_to_hf(tmp_path / "dist", tmp_path / "back3")
+    assert _tensor_bytes(tmp_path / "back3") == _tensor_bytes(hf)
+    assert json.loads((tmp_path / "back3" / "config.json").read_text())["rope_scaling"] == back["rope_scaling"]
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
