@@ -561,11 +561,10 @@ class ModelSpec:
         elif self.rope_scaling == "linear":
             out["rotary_seq_len_interpolation_factor"] = float(self.rope_scaling_factor)
         elif self.rope_scaling == "yarn":  # Megatron-LM's arg names (training/arguments.py, argument_utils.py)
-            out.update(position_embedding_type="yarn", rotary_scaling_factor=float(self.rope_scaling_factor),
-                       yarn_original_max_position_embeddings=int(self.rope_original_max_position_embeddings),
-                       yarn_beta_fast=float(self.yarn_beta_fast), yarn_beta_slow=float(self.yarn_beta_slow),
-                       mscale=float(self.yarn_mscale), mscale_all_dim=float(self.yarn_mscale_all_dim),
-                       yarn_correction_range_round_to_int=self.yarn_correction_range_round_to_int)
+            out["position_embedding_type"] = "yarn"
+            for field_name, (name, default) in YARN_ARG_NAMES.items():
+                v = getattr(self, field_name)
+                out[name] = v if isinstance(default, bool) else type(default)(v)
         return out
 
     def replace(self, **changes: Any) -> "ModelSpec":
@@ -632,36 +631,45 @@ def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> d
     return out
 
 
+# ModelSpec YaRN field -> (Megatron-LM arg, the default GPTModel gets when the arg is unset): Megatron-LM's
+# `_apply_yarn_config_from_args` for position_embedding_type='yarn' (MLA reads other names: pass its own table)
+YARN_ARG_NAMES: dict[str, tuple[str, Any]] = {
+    "rope_scaling_factor": ("rotary_scaling_factor", 1.0),
+    "rope_original_max_position_embeddings": ("yarn_original_max_position_embeddings", 4096),
+    "yarn_beta_fast": ("yarn_beta_fast", 32.0),
+    "yarn_beta_slow": ("yarn_beta_slow", 1.0),
+    "yarn_mscale": ("mscale", 1.0),
+    "yarn_mscale_all_dim": ("mscale_all_dim", 0.0),
+    "yarn_correction_range_round_to_int": ("yarn_correction_range_round_to_int", True),
+}
+
+
+def yarn_from_megatron_args(a: dict[str, Any], source: str = "args",
+                            names: dict[str, tuple[str, Any]] = YARN_ARG_NAMES) -> dict[str, Any]:
+    """ModelSpec kwargs for megatron-core's YaRN read from args by `names` (field -> arg name and the default
+    megatron-core uses when the arg is unset or absent); each value's type is checked, naming the arg."""
+    out: dict[str, Any] = {"rope_scaling": "yarn"}
+    for field_name, (name, default) in names.items():
+        v = a.get(name)
+        v = default if v is None else v
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                raise MConvertError(f"{source}: Megatron arg {name}={v!r} must be true or false; fix it")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise MConvertError(f"{source}: Megatron arg {name}={v!r} must be a finite number; fix it")
+        out[field_name] = v
+    return out
+
+
 def _yarn_from_megatron_args(a: dict[str, Any], llama3: bool, linear: Any, source: str) -> dict[str, Any]:
-    """ModelSpec kwargs for `position_embedding_type='yarn'`, read as Megatron-LM's `_apply_yarn_config_from_args`
-    hands them to GPTModel (an unset arg takes YarnRotaryEmbedding's default). megatron-core's YaRN ignores the
-    Llama-3.1 and linear scalings, so args that also state one are ambiguous and refused."""
+    """GPTModel's YaRN (`position_embedding_type='yarn'`). megatron-core's YaRN ignores the Llama-3.1 and linear
+    scalings, so args that also state one are ambiguous and refused."""
     for name, given in (("use_rope_scaling", llama3), ("rotary_seq_len_interpolation_factor", linear)):
         if given not in (None, False):
             raise MConvertError(f"{source}: position_embedding_type='yarn' together with {name}={given!r}: "
                                 "megatron-core's YaRN ignores the second scaling, so which one the model was meant "
                                 "to compute is ambiguous; conversion refused")
-
-    def arg(name: str, default: Any) -> Any:
-        v = a.get(name)
-        return default if v is None else v
-
-    round_to_int = arg("yarn_correction_range_round_to_int", True)
-    if not isinstance(round_to_int, bool):
-        raise MConvertError(f"{source}: Megatron arg yarn_correction_range_round_to_int={round_to_int!r} must be "
-                            "true or false; fix it")
-    out: dict[str, Any] = dict(rope_scaling="yarn", yarn_correction_range_round_to_int=round_to_int)
-    for field_name, name, default in (("rope_scaling_factor", "rotary_scaling_factor", 1.0),
-                                      ("rope_original_max_position_embeddings",
-                                       "yarn_original_max_position_embeddings", 4096),
-                                      ("yarn_beta_fast", "yarn_beta_fast", 32.0),
-                                      ("yarn_beta_slow", "yarn_beta_slow", 1.0),
-                                      ("yarn_mscale", "mscale", 1.0), ("yarn_mscale_all_dim", "mscale_all_dim", 0.0)):
-        v = arg(name, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise MConvertError(f"{source}: Megatron arg {name}={v!r} must be a finite number; fix it")
-        out[field_name] = v
-    return out
+    return yarn_from_megatron_args(a, source)
 
 
 def moe_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:
