@@ -212,6 +212,12 @@ HF_CONFIGS = {
         vocab_size=1000, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
         tie_word_embeddings=False),
+    # q/k norm before the rotary (megatron-core's order too), head_dim != hidden / heads, unrounded range
+    "qwen3": lambda: transformers.Qwen3Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=32, vocab_size=1000, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "truncate": False},
+        tie_word_embeddings=True),
 }
 
 
