@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Union
 
 from mconvert import dtypes
 from mconvert.errors import MConvertError
+from mconvert.rope import megatron_attention_factor
 
 # How a parameter is cut across tensor-parallel ranks.
 #   replicated: every rank holds the full tensor
@@ -112,10 +113,18 @@ class ModelSpec:
     eos_token_id: int | None = None
     qk_layernorm: bool = False  # per-head norm (kind = normalization) of q and k before RoPE (Qwen3)
     rope_scaling: str | None = None  # None | "llama3" (Llama-3.1 frequency scaling) | "linear" (positions / factor)
+    #                                  | "yarn" (megatron-core's position_embedding_type='yarn')
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_position_embeddings: int = 8192  # llama3 only
+    rope_original_max_position_embeddings: int = 8192  # llama3 and yarn: the context the model was trained at
+    # YaRN only, megatron-core's names and defaults; the attention factor is derived from them by megatron-core's
+    # rule (`yarn_attention_factor`)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True  # transformers' `truncate`
     # Mixture of experts (every layer's MLP is routed; None = a dense model). Megatron's router: top-k over the
     # logits, softmax over the k chosen (= HF Mixtral / Qwen3-MoE with norm_topk_prob). Expert parallelism is a
     # layout (like TP / PP), not a field: see `check_parallel`.
@@ -142,6 +151,10 @@ class ModelSpec:
             object.__setattr__(self, "rope_scaling_factor", 1.0)
         if self.rope_scaling != "llama3":  # the llama3 band constants mean nothing to other scalings
             for name, default in _LLAMA3_BAND_DEFAULTS.items():
+                if not (self.rope_scaling == "yarn" and name == "rope_original_max_position_embeddings"):
+                    object.__setattr__(self, name, default)
+        if self.rope_scaling != "yarn":
+            for name, default in _YARN_DEFAULTS.items():
                 object.__setattr__(self, name, default)
         if self.num_experts is None:  # the MoE fields mean nothing to a dense model
             object.__setattr__(self, "moe_ffn_hidden_size", None)
@@ -213,9 +226,32 @@ class ModelSpec:
                     f"rope_high_freq_factor {self.rope_high_freq_factor} must exceed rope_low_freq_factor "
                     f"{self.rope_low_freq_factor} (the llama3 band between them is interpolated)"
                 )
+        if self.rope_scaling in ("llama3", "yarn"):
             if self.rope_original_max_position_embeddings != int(self.rope_original_max_position_embeddings):
                 raise MConvertError(f"rope_original_max_position_embeddings must be a whole number, got "
                                     f"{self.rope_original_max_position_embeddings}")
+        if self.rope_scaling == "yarn":
+            self._validate_yarn()
+
+    def _validate_yarn(self) -> None:
+        """Refuse YaRN settings megatron-core cannot compute: zero or negative betas (it divides by them), a
+        partial or interleaved rotary (its YaRN rotates the whole head, rotate-half style)."""
+        for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise MConvertError(f"{name} must be a finite number >= 0, got {v!r}")
+        for name in ("yarn_beta_fast", "yarn_beta_slow"):
+            if getattr(self, name) == 0:
+                raise MConvertError(f"{name} must be positive (YaRN divides by it), got 0")
+        if not isinstance(self.yarn_correction_range_round_to_int, bool):
+            raise MConvertError(f"yarn_correction_range_round_to_int must be true or false, got "
+                                f"{self.yarn_correction_range_round_to_int!r}")
+        if self.rotary_percent != 1.0:
+            raise MConvertError(f"rope_scaling='yarn' with rotary_percent={self.rotary_percent}: megatron-core's YaRN "
+                                "rotates the whole head (it ignores rotary_percent); conversion refused")
+        if self.rotary_interleaved:
+            raise MConvertError("rope_scaling='yarn' with rotary_interleaved=True: megatron-core's YaRN rotates "
+                                "halves only; conversion refused")
 
     def refuse_unmapped(self, target: str, source: str = "") -> None:
         """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state.
@@ -234,6 +270,11 @@ class ModelSpec:
             if what and target not in FEATURE_TARGETS[feature]:
                 raise MConvertError(f"{where}{what} is not mapped to {target}; conversion refused (reshard and "
                                     "validate handle the Megatron checkpoint)")
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """The number YaRN multiplies cos and sin by (megatron-core's rule over factor, mscale, mscale_all_dim)."""
+        return megatron_attention_factor(self.rope_scaling_factor, self.yarn_mscale, self.yarn_mscale_all_dim)
 
     @property
     def head_dim(self) -> int:
@@ -519,6 +560,11 @@ class ModelSpec:
             out.update(use_rope_scaling=True, rope_scaling_factor=float(self.rope_scaling_factor))
         elif self.rope_scaling == "linear":
             out["rotary_seq_len_interpolation_factor"] = float(self.rope_scaling_factor)
+        elif self.rope_scaling == "yarn":  # Megatron-LM's arg names (training/arguments.py, argument_utils.py)
+            out["position_embedding_type"] = "yarn"
+            for field_name, (name, default) in YARN_ARG_NAMES.items():
+                v = getattr(self, field_name)
+                out[name] = v if isinstance(default, bool) else type(default)(v)
         return out
 
     def replace(self, **changes: Any) -> "ModelSpec":
@@ -532,7 +578,10 @@ class ModelSpec:
         if self.rope_scaling is None:
             unused += ["rope_scaling", "rope_scaling_factor"]
         if self.rope_scaling != "llama3":
-            unused += list(_LLAMA3_BAND_DEFAULTS)
+            unused += [n for n in _LLAMA3_BAND_DEFAULTS
+                       if not (self.rope_scaling == "yarn" and n == "rope_original_max_position_embeddings")]
+        if self.rope_scaling != "yarn":
+            unused += list(_YARN_DEFAULTS)
         if not self.is_moe:
             unused += ["num_experts", "moe_ffn_hidden_size", "moe_router_topk"]
         for name in unused:
@@ -540,9 +589,13 @@ class ModelSpec:
         return d
 
 
-ROPE_SCALINGS = (None, "llama3", "linear")
+ROPE_SCALINGS = (None, "llama3", "linear", "yarn")
 _LLAMA3_BAND_DEFAULTS: dict[str, Any] = {
     "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position_embeddings": 8192,
+}
+_YARN_DEFAULTS: dict[str, Any] = {
+    "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": True,
 }
 
 
@@ -550,6 +603,8 @@ def _megatron_scaling_args(spec: ModelSpec) -> str:
     """How Megatron spells the spec's rope scaling, for messages."""
     if spec.rope_scaling == "llama3":
         return f"Megatron use_rope_scaling=True, rope_scaling_factor={spec.rope_scaling_factor:g}"
+    if spec.rope_scaling == "yarn":
+        return f"Megatron position_embedding_type='yarn', rotary_scaling_factor={spec.rope_scaling_factor:g}"
     return f"Megatron rotary_seq_len_interpolation_factor={spec.rope_scaling_factor:g}"
 
 
@@ -560,6 +615,8 @@ def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> d
     out: dict[str, Any] = {"qk_layernorm": bool(a.get("qk_layernorm") or False)}
     llama3 = bool(a.get("use_rope_scaling") or False)
     linear = a.get("rotary_seq_len_interpolation_factor")
+    if a.get("position_embedding_type") == "yarn":
+        return {**out, **_yarn_from_megatron_args(a, llama3, linear, source)}
     if llama3 and linear is not None:
         raise MConvertError(
             f"{source}: use_rope_scaling=True together with rotary_seq_len_interpolation_factor={linear!r} is "
@@ -572,6 +629,47 @@ def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> d
     elif linear is not None:
         out.update(rope_scaling="linear", rope_scaling_factor=float(linear))
     return out
+
+
+# ModelSpec YaRN field -> (Megatron-LM arg, the default GPTModel gets when the arg is unset): Megatron-LM's
+# `_apply_yarn_config_from_args` for position_embedding_type='yarn' (MLA reads other names: pass its own table)
+YARN_ARG_NAMES: dict[str, tuple[str, Any]] = {
+    "rope_scaling_factor": ("rotary_scaling_factor", 1.0),
+    "rope_original_max_position_embeddings": ("yarn_original_max_position_embeddings", 4096),
+    "yarn_beta_fast": ("yarn_beta_fast", 32.0),
+    "yarn_beta_slow": ("yarn_beta_slow", 1.0),
+    "yarn_mscale": ("mscale", 1.0),
+    "yarn_mscale_all_dim": ("mscale_all_dim", 0.0),
+    "yarn_correction_range_round_to_int": ("yarn_correction_range_round_to_int", True),
+}
+
+
+def yarn_from_megatron_args(a: dict[str, Any], source: str = "args",
+                            names: dict[str, tuple[str, Any]] = YARN_ARG_NAMES) -> dict[str, Any]:
+    """ModelSpec kwargs for megatron-core's YaRN read from args by `names` (field -> arg name and the default
+    megatron-core uses when the arg is unset or absent); each value's type is checked, naming the arg."""
+    out: dict[str, Any] = {"rope_scaling": "yarn"}
+    for field_name, (name, default) in names.items():
+        v = a.get(name)
+        v = default if v is None else v
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                raise MConvertError(f"{source}: Megatron arg {name}={v!r} must be true or false; fix it")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise MConvertError(f"{source}: Megatron arg {name}={v!r} must be a finite number; fix it")
+        out[field_name] = v
+    return out
+
+
+def _yarn_from_megatron_args(a: dict[str, Any], llama3: bool, linear: Any, source: str) -> dict[str, Any]:
+    """GPTModel's YaRN (`position_embedding_type='yarn'`). megatron-core's YaRN ignores the Llama-3.1 and linear
+    scalings, so args that also state one are ambiguous and refused."""
+    for name, given in (("use_rope_scaling", llama3), ("rotary_seq_len_interpolation_factor", linear)):
+        if given not in (None, False):
+            raise MConvertError(f"{source}: position_embedding_type='yarn' together with {name}={given!r}: "
+                                "megatron-core's YaRN ignores the second scaling, so which one the model was meant "
+                                "to compute is ambiguous; conversion refused")
+    return yarn_from_megatron_args(a, source)
 
 
 def moe_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:

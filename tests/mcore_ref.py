@@ -29,7 +29,8 @@ Rank layout is megatron-core's default order (tp fastest): global rank = pp_rank
 point-to-point) and returns the vocab logits gathered across TP on the last stage, padded rows included
 (`[b, s, spec.padded_vocab_size(tp)]`). Results travel back as pickles through a temporary directory.
 The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`; `spec.qk_layernorm` and
-`spec.rope_scaling` ("llama3": `rope_scaling=True`; "linear": `seq_len_interpolation_factor`) are passed on. Children fork from a parent that
+`spec.rope_scaling` ("llama3": `rope_scaling=True`; "linear": `seq_len_interpolation_factor`; "yarn":
+`position_embedding_type='yarn'` and the `config.yarn_*` attributes) are passed on. Children fork from a parent that
 has imported megatron-core once (~10 s); each run after that costs ~1-3 s.
 """
 
@@ -110,6 +111,20 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
     )
 
 
+def set_yarn_config(config: Any, spec: ModelSpec) -> None:
+    """The `config.yarn_*` attributes GPTModel's yarn branch reads, set from the spec's Megatron-LM args as
+    Megatron-LM's `_apply_yarn_config_from_args` sets them (nothing when the spec has no YaRN)."""
+    if spec.rope_scaling != "yarn":
+        return
+    a = spec.to_megatron_args()
+    for attr, arg in (("yarn_rotary_scaling_factor", "rotary_scaling_factor"),
+                      ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings"),
+                      ("yarn_beta_fast", "yarn_beta_fast"), ("yarn_beta_slow", "yarn_beta_slow"),
+                      ("yarn_mscale", "mscale"), ("yarn_mscale_all_dim", "mscale_all_dim"),
+                      ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int")):
+        setattr(config, attr, getattr(a, arg))
+
+
 def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None,
                     vp_stage: int | None = None, ep: int = 1):
     """A megatron-core GPTModel (local layer spec) for this rank's stage (virtual chunk `vp_stage` when VPP);
@@ -122,6 +137,7 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
     if spec.rope_scaling == "llama3" and (spec.rope_low_freq_factor, spec.rope_high_freq_factor,
                                           spec.rope_original_max_position_embeddings) != (1.0, 4.0, 8192):
         raise ValueError("megatron-core's llama3 rope scaling fixes low 1, high 4, original 8192")
+    set_yarn_config(config, spec)
     return GPTModel(
         config,
         get_gpt_layer_local_spec(num_experts=spec.num_experts, normalization=spec.normalization,
@@ -131,7 +147,7 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type=spec.position_embedding_type,
+        position_embedding_type="yarn" if spec.rope_scaling == "yarn" else spec.position_embedding_type,
         rotary_percent=spec.rotary_percent,
         rotary_base=int(spec.rotary_base),
         rope_scaling=spec.rope_scaling == "llama3",

@@ -29,7 +29,7 @@ INVALID = {  # one field at a time is set to a value no format can hold (or a co
     "norm_epsilon": [0.0, -1.0, float("nan"), float("inf")], "activation": ["relu", "swiglu", "gelu"],
     "position_embedding_type": ["alibi", "rope", "learned_absolute"], "rotary_percent": [0.5, 0.0, 2.0, -1.0],
     "add_bias_linear": [True], "add_qkv_bias": [True, False], "make_vocab_size_divisible_by": [0, -8],
-    "qk_layernorm": [True, False], "rope_scaling": ["yarn", None, "llama3"], "rope_scaling_factor": [0.5, 1.0],
+    "qk_layernorm": [True, False], "rope_scaling": ["dynamic", None, "llama3"], "rope_scaling_factor": [0.5, 1.0],
 }
 
 

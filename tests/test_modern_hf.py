@@ -282,7 +282,7 @@ def test_megatron_to_hf_refuses_qk_norm_for_a_llama_before_writing(hf_models, tm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("change,named", [
     (lambda c: c.pop("head_dim"), "must state head_dim"),
-    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not mapped"),
+    (lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope type 'dynamic' is not mapped"),
     (lambda c: c.update(attention_bias=True), "config field attention_bias=True is not supported"),
     (lambda c: c.update(use_sliding_window=True), "config field use_sliding_window=True is not supported"),
 ])

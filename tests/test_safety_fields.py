@@ -150,7 +150,7 @@ def test_refused_megatron_args_at_their_defaults_pass() -> None:
 @pytest.mark.parametrize("name,value,expect", [
     ("swiglu", "yes", "swiglu='yes' must be bool"),
     ("normalization", "LayerNorm1p", "normalization='LayerNorm1p' is not supported"),
-    ("position_embedding_type", "yarn", "position_embedding_type='yarn' is not supported"),
+    ("position_embedding_type", "mrope", "position_embedding_type='mrope' is not supported"),
     ("untie_embeddings_and_output_weights", 1, "untie_embeddings_and_output_weights=1 must be bool"),
     ("num_query_groups", "2", "'num_query_groups' = '2' is not a finite number"),
 ])
@@ -182,7 +182,8 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type,name,value", [
-    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    # a yarn attention factor megatron-core cannot derive from mscale / mscale_all_dim
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.0}),
     ("qwen2", "rope_scaling", {"type": "dynamic", "factor": 2.0}),
     ("mistral", "rope_scaling", {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}),
     ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}),
@@ -251,7 +252,7 @@ def test_a_megatron_core_llama31_checkpoint_states_its_scaling_for_hf_and_is_ref
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rope_scaling,named", [
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "'yarn' is not mapped"),
+    ({"rope_type": "dynamic", "factor": 4.0}, "'dynamic' is not mapped"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
      "'original_max_position_embeddings' must be a number"),
 ])

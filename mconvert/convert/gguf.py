@@ -5,7 +5,8 @@ What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp)
 `GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
 `LlamaModel` / `Qwen2MoeModel.modify_tensors` stack them; GPT-2's Conv1D weights transposed), q/k rows permuted
 where the family's llama.cpp architecture ropes adjacent pairs (`LlamaModel.permute`), llama3 rope scaling as a
-`rope_freqs.weight` factor tensor (`LlamaModel.generate_extra_tensors`), 1-D tensors, norms, the router and
+`rope_freqs.weight` factor tensor (`LlamaModel.generate_extra_tensors`), YaRN as the `rope.scaling.*` keys
+(`TextModel.set_gguf_parameters`, with the attention factor in the key llama.cpp reads, see `yarn_keys`), 1-D tensors, norms, the router and
 learned positions in F32 whatever the outtype, a q8_0 tensor whose rows are not whole 32-blocks in F16 (its
 QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_parameters`; the tokenizer as
 `_set_vocab_gpt2` (byte-level BPE: tokens, token types, the pre-tokenizer name) or
@@ -51,6 +52,7 @@ from mconvert.mappings.gguf_vocab import (
     SPM_SETTINGS,
     UNFILLED_SCORE,
 )
+from mconvert.rope import yarn_get_mscale
 from mconvert.spec import ModelSpec
 
 # --outtype -> (the type of 2-D weights, general.file_type), as convert_hf_to_gguf.py's --outtype
@@ -110,13 +112,43 @@ def gguf_layout(spec: ModelSpec) -> GgufLayout:
                             "conversion refused")
     spec.refuse_unmapped("GGUF")
     families.refuse_for_hf(spec, "GGUF")
-    if spec.rope_scaling not in (None, "linear", "llama3"):
+    if spec.rope_scaling not in (None, "linear", "llama3", "yarn"):
         raise MConvertError(f"rope scaling {spec.rope_scaling!r} has no GGUF form here; conversion refused")
+    if spec.rope_scaling == "yarn":
+        refuse_yarn(spec, layout.arch)
     layout.refuse(spec)
     if spec.rope_scaling == "llama3" and not layout.rope_freqs:
         raise MConvertError(f"rope scaling llama3 has no GGUF form for llama.cpp's {layout.arch} architecture; "
                             "conversion refused")
     return layout
+
+
+# What llama.cpp's YaRN computes for the architectures written here (llama-model.cpp's load_hparams reads no
+# beta keys for them, ggml's `ggml_rope_yarn_corr_dims` always floors and ceils the correction range).
+LLAMA_CPP_YARN_FIXED = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True}
+
+
+def refuse_yarn(spec: ModelSpec, arch: str) -> None:
+    """Refuse a YaRN that llama.cpp computes otherwise, naming each field that differs."""
+    differs = [f"{k}={getattr(spec, k)!r}" for k, v in LLAMA_CPP_YARN_FIXED.items() if getattr(spec, k) != v]
+    if differs:
+        raise MConvertError(f"YaRN with {', '.join(differs)} has no GGUF form: llama.cpp's {arch} architecture fixes "
+                            "beta_fast 32 and beta_slow 1 (it reads no beta keys) and always rounds the correction "
+                            "range; conversion refused")
+
+
+def yarn_keys(spec: ModelSpec) -> dict[str, float | int]:
+    """The YaRN metadata (key suffix after `{arch}.rope.scaling.` -> value). llama.cpp multiplies cos and sin by
+    0.1·ln(factor)+1 times `attn_factor` (llama-context.cpp overwrites the `yarn_attn_factor` key for YaRN), so
+    the model's own factor is stated as its ratio to that default, and only when it differs."""
+    out: dict[str, float | int] = {"factor": float(spec.rope_scaling_factor),
+                                   "original_context_length": int(spec.rope_original_max_position_embeddings),
+                                   "yarn_beta_fast": float(spec.yarn_beta_fast),
+                                   "yarn_beta_slow": float(spec.yarn_beta_slow)}
+    ratio = spec.yarn_attention_factor / yarn_get_mscale(spec.rope_scaling_factor)
+    if ratio != 1.0:
+        out["attn_factor"] = ratio
+    return out
 
 
 def hf_template(hf_name: str) -> tuple[str, list[int]]:
@@ -461,6 +493,15 @@ class GgufWriter:
         if s.rope_scaling == "linear":
             w.add_rope_scaling_type(g.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(float(s.rope_scaling_factor))
+        if s.rope_scaling == "yarn":
+            w.add_rope_scaling_type(g.RopeScalingType.YARN)
+            keys = yarn_keys(s)
+            w.add_rope_scaling_factor(keys["factor"])
+            w.add_rope_scaling_orig_ctx_len(int(keys["original_context_length"]))
+            w.add_rope_scaling_yarn_beta_fast(keys["yarn_beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(keys["yarn_beta_slow"])
+            if "attn_factor" in keys:
+                w.add_rope_scaling_attn_factors(keys["attn_factor"])
         w.add_file_type(outtype_types(self.outtype)[1])
         w.add_quantization_version(g.GGML_QUANT_VERSION)
         w.add_tokenizer_model(vocab.model)

@@ -92,7 +92,9 @@ def render_inspect(info: dict[str, Any]) -> Any:
               "activation", "position_embedding_type", "rotary_base", "tie_embeddings", "params_dtype"):
         head.add_row(k, str(s[k]))
     for k in ("qk_layernorm", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+              "rope_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
+              "yarn_mscale_all_dim", "yarn_correction_range_round_to_int", "num_experts", "moe_ffn_hidden_size",
+              "moe_router_topk"):
         if k in s:  # present only when the model uses them
             head.add_row(k, str(s[k]))
     head.add_row("padded vocab", str(info["padded_vocab_size"]))

@@ -305,7 +305,7 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
     if vocab is None:
         raise MConvertError(f"{source}: Megatron args have neither vocab_size nor padded_vocab_size")
     dtype = "bfloat16" if get("bf16", False) else "float16" if get("fp16", False) else "float32"
-    rope = get("position_embedding_type", "learned_absolute") == "rope"
+    rope = get("position_embedding_type", "learned_absolute") in ("rope", "yarn")  # yarn: a scaled rope
     fields: dict[str, Any] = dict(
         num_layers=L,
         hidden_size=H,

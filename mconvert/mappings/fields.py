@@ -142,8 +142,10 @@ def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, wh
 
 
 def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
-    """Refuse Megatron args that change the function and are not mapped (one line naming the arg)."""
-    check(args, MEGATRON_ARGS, source, "Megatron arg")
+    """Refuse Megatron args that change the function and are not mapped (one line naming the arg); with
+    `position_embedding_type='yarn'` the YaRN args are mapped (`MEGATRON_YARN_ARGS`)."""
+    yarn = args.get("position_embedding_type") == "yarn"
+    check(args, {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if yarn else MEGATRON_ARGS, source, "Megatron arg")
 
 
 def key_names(table: Mapping[str, Field]) -> dict[str, str]:
@@ -536,6 +538,22 @@ MEGATRON_ARGS: dict[str, Field] = {
     **_moe_only(_MOE_FIELDS),
     **_MEGATRON_REFUSED,
     **_MEGATRON_MAPPED,
+}
+
+
+# megatron-core's YaRN (GPTModel position_embedding_type='yarn'): Megatron-LM's names for the `config.yarn_*`
+# attributes its `_apply_yarn_config_from_args` sets (training/argument_utils.py); read by
+# `spec.rope_and_qk_from_megatron_args` only when YaRN is in use.
+MEGATRON_YARN_ARGS: dict[str, Field] = {
+    "position_embedding_type": mapped("position_embedding_type", STR, "learned_absolute",
+                                      ("learned_absolute", "rope", "yarn")),
+    "rotary_scaling_factor": mapped("rope_scaling_factor", NUM, 1.0),
+    "yarn_original_max_position_embeddings": mapped("rope_original_max_position_embeddings", INT, 4096),
+    "yarn_beta_fast": mapped("yarn_beta_fast", NUM, 32.0),
+    "yarn_beta_slow": mapped("yarn_beta_slow", NUM, 1.0),
+    "mscale": mapped("yarn_mscale", NUM, 1.0),
+    "mscale_all_dim": mapped("yarn_mscale_all_dim", NUM, 0.0),
+    "yarn_correction_range_round_to_int": mapped("yarn_correction_range_round_to_int", BOOL, True),
 }
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from mconvert.convert.layout import stage_layers
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import shard
+from mconvert.rope import yarn_inv_freq
 from mconvert.spec import ModelSpec, ParamDecl
 from mconvert.trainer.layers import (
     ColumnParallelLinear,
@@ -136,16 +137,22 @@ def llama3_inv_freq(inv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
 
 def rope_tables(spec: ModelSpec, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [S, rot_dim] in megatron-core's non-interleaved layout (freqs repeated, rotate_half), with the
-    spec's rope scaling: llama3 rescales the frequencies, linear divides the positions by the factor."""
+    spec's rope scaling: llama3 rescales the frequencies, linear divides the positions by the factor, yarn blends
+    scaled and unscaled frequencies and multiplies cos and sin by its attention factor."""
     dim = int(spec.head_dim * spec.rotary_percent)
     inv = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if spec.rope_scaling == "llama3":
         inv = llama3_inv_freq(inv, spec)
+    if spec.rope_scaling == "yarn":
+        inv = yarn_inv_freq(dim, spec.rotary_base, spec.rope_scaling_factor, spec.rope_original_max_position_embeddings,
+                            spec.yarn_beta_fast, spec.yarn_beta_slow, spec.yarn_correction_range_round_to_int, device)
     pos = torch.arange(seq, dtype=torch.float32, device=device)
     if spec.rope_scaling == "linear":
         pos = pos * (1 / spec.rope_scaling_factor)
     freqs = torch.outer(pos, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
+    if spec.rope_scaling == "yarn":
+        return emb.cos() * spec.yarn_attention_factor, emb.sin() * spec.yarn_attention_factor
     return emb.cos(), emb.sin()
 
 
