@@ -418,6 +418,11 @@ def inspect_cmd(
 # ==== end conversion verbs ===========================================================================
 
 # ==== deployment verbs (FT, TensorRT-LLM, ONNX) ======================================================
+AcceptWindowAsFull = Annotated[bool, typer.Option(
+    "--accept-window-as-full", help="Write a sliding-window model for this format's full attention anyway: it then "
+    "agrees with the model only on sequences up to the window's length (the report says so).")]
+
+
 @app.command("megatron-to-ft")
 def megatron_to_ft_cmd(
     src: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist) or HF model dir.")],
@@ -429,6 +434,7 @@ def megatron_to_ft_cmd(
     allow_approx_gelu: Annotated[
         bool, typer.Option("--allow-approx-gelu", help="Write an exact-GeLU model for FT's tanh GeLU anyway.")
     ] = False,
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -454,7 +460,7 @@ def megatron_to_ft_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_ft(src, out, tp, dtype, force, allow_approx_gelu, iteration, progress=True,
-                                 dry_run=dry_run), as_json)
+                                 dry_run=dry_run, accept_window_as_full=accept_window_as_full), as_json)
 
 
 @app.command("megatron-to-trtllm")
@@ -463,6 +469,7 @@ def megatron_to_trtllm_cmd(
     out: Annotated[Path, typer.Argument(help="Output dir: config.json + rank{i}.safetensors.")],
     tp: Annotated[int, typer.Option("--tp", help="TensorRT-LLM tensor parallelism (rank files).")] = 1,
     dtype: Dtype = "auto",
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -486,8 +493,8 @@ def megatron_to_trtllm_cmd(
     _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
-    _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run),
-                  as_json)
+    _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run,
+                                     accept_window_as_full=accept_window_as_full), as_json)
 
 
 OutType = Annotated[str, typer.Option("--outtype", help="f32|f16|bf16|q8_0: the type of the 2-D weights "
@@ -502,6 +509,7 @@ def megatron_to_gguf_cmd(
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.gguf (its manifest goes beside it).")],
     outtype: OutType = "f16",
     tokenizer: GgufTokenizer = None,
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -521,7 +529,7 @@ def megatron_to_gguf_cmd(
     _manifest_hash(manifest_hash, one_process="megatron-to-gguf")
     tuning.apply()
     _print_report(to_gguf(ckpt, out, outtype, tokenizer, iteration, force, verb="megatron-to-gguf", progress=True,
-                          dry_run=dry_run), json_out)
+                          dry_run=dry_run, accept_window_as_full=accept_window_as_full), json_out)
 
 
 @app.command("hf-to-gguf")
@@ -530,6 +538,7 @@ def hf_to_gguf_cmd(
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.gguf (its manifest goes beside it).")],
     outtype: OutType = "f16",
     tokenizer: GgufTokenizer = None,
+    accept_window_as_full: AcceptWindowAsFull = False,
     force: Force = False,
     dry_run: DryRun = False,
     manifest_hash: ManifestHash = "blake3",
@@ -548,7 +557,7 @@ def hf_to_gguf_cmd(
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")
     tuning.apply()
     _print_report(to_gguf(hf_dir, out, outtype, tokenizer, None, force, verb="hf-to-gguf", progress=True,
-                          dry_run=dry_run), json_out)
+                          dry_run=dry_run, accept_window_as_full=accept_window_as_full), json_out)
 
 
 @app.command("to-onnx")

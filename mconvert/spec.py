@@ -255,12 +255,11 @@ class ModelSpec:
                 raise MConvertError(f"rope_original_max_position_embeddings must be a whole number, got "
                                     f"{self.rope_original_max_position_embeddings}")
 
-    def refuse_unmapped(self, target: str, source: str = "", accept_window_as_full: bool = False) -> None:
+    def refuse_unmapped(self, target: str, source: str = "") -> None:
         """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state.
 
         `FEATURE_TARGETS` says which targets state each feature; the target's family writer still refuses
-        what its own class cannot compute (a llama with qk-norm for HF, say). `accept_window_as_full`: a target
-        without a window runs the model with full attention (it agrees only up to the window's length)."""
+        what its own class cannot compute (a llama with qk-norm for HF, say)."""
         where = f"{source}: " if source else ""
         present = {
             "rope_scaling": self.rope_scaling is not None and (
@@ -268,16 +267,25 @@ class ModelSpec:
                 f"{_megatron_scaling_args(self)})"),
             "qk_layernorm": self.qk_layernorm and "qk_layernorm=True (per-head q/k norm)",
             "moe": self.is_moe and f"num_experts={self.num_experts} (mixture of experts)",
-            "window": self.window_masks and not accept_window_as_full and f"{self.window_description()}",
+            "window": self.window_masks and self.window_description(),
         }
         for feature, what in present.items():
             if what and target not in FEATURE_TARGETS[feature]:
-                fix = (" or pass --accept-window-as-full to run it with full attention (it then agrees with the "
-                       f"model only on the first {self.window_size + 1} tokens)") if feature == "window" else ""
+                fix = ("; pass --accept-window-as-full to write it with full attention, which agrees with the model "
+                       f"only on sequences of up to {self.window_size + 1} tokens") if feature == "window" else ""
                 raise MConvertError(f"{where}{what} is not mapped to {target}; conversion refused (reshard and "
-                                    f"validate handle the Megatron checkpoint{fix})")
+                                    f"validate handle the Megatron checkpoint){fix}")
 
     # ---- sliding window --------------------------------------------------------------------------
+    def window_as_full(self, target: str, accept: bool) -> tuple["ModelSpec", str | None]:
+        """For a target that has no window: with `accept` (--accept-window-as-full) the model as the target runs
+        it, full attention, and the note its report carries; else this spec (whose refusal names the window)."""
+        if not (accept and self.window_masks and target not in FEATURE_TARGETS["window"]):
+            return self, None
+        return self.replace(window_size=None), (
+            f"{self.window_description()} written as full attention for {target} (--accept-window-as-full): it "
+            f"agrees with the model only on sequences of up to {self.window_size + 1} tokens")
+
     def layer_window(self, layer: int) -> int | None:
         """The window (megatron-core's left size) of layer `layer` (global index), None for full attention."""
         if self.window_size is None or (self.window_pattern is not None and not self.window_pattern[layer]):

@@ -50,7 +50,7 @@ PRESETS = {
                                       max_position_embeddings=128),
     # a window of 16 keys (window_size 15) on every layer, shorter than the 128-token context
     "tiny-mistral-swa": llama.rope_preset(NAME, num_layers=2, hidden_size=128, num_attention_heads=4,
-                                          num_query_groups=1, ffn_hidden_size=256, vocab_size=1000,
+                                          num_query_groups=2, ffn_hidden_size=256, vocab_size=1000,
                                           max_position_embeddings=128, window_size=15),
 }
 
