@@ -8,6 +8,7 @@ TensorRT-LLM form.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mconvert.errors import MConvertError
@@ -69,6 +70,22 @@ def window_from_hf(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     return {"window_size": window if any(pattern) else None, "window_pattern": tuple(pattern)}
 
 
+def vllm_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """verify's config.json checks for vLLM's Qwen2Model (Qwen3 runs on it too): LLaMA's, and a window on only
+    some layers, which vLLM refuses (it asserts max_window_layers == num_hidden_layers when layer_types mixes
+    kinds, and then windows no layer)."""
+    problems, notes = llama.rope_config_checks(cfg)
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and len(set(map(str, types))) > 1:
+        problems.append(f"layer_types windows {types.count('sliding_attention')} of {len(types)} layers: vLLM's "
+                        "Qwen2Model serves a sliding window only on every layer — serve this export with "
+                        "transformers")
+    return problems, notes
+
+
+VLLM = dataclasses.replace(llama.ROPE_VLLM, config_checks=vllm_config_checks)
+
+
 def to_hf(spec: ModelSpec) -> dict[str, Any]:
     """Qwen2Config fields: a qkv bias and no other, the window and its layers."""
     llama.check_rope_style(spec, FAMILY.architecture)
@@ -109,4 +126,5 @@ FAMILY = Family(**llama.rope_family(
     trtllm=None,  # TensorRT-LLM's LLaMA class has no qkv-only bias
     gguf=GGUF,
     hf_window="per_layer",
+    vllm=VLLM,
 ))

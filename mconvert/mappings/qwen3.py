@@ -88,4 +88,5 @@ FAMILY = Family(**llama.rope_family(
     trtllm=None,  # no confirmed TensorRT-LLM Qwen3 layout
     gguf=GGUF,
     hf_window="per_layer",
+    vllm=qwen2.VLLM,  # vLLM runs Qwen3 on its Qwen2Model
 ))
