@@ -241,3 +241,20 @@ def test_recognised_mistral_from_megatron_lm_args() -> None:
     args = vars(SWA.to_megatron_args())
     del args["model_family"]
     assert spec_from_megatron_args(argparse.Namespace(**args)) == SWA
+
+
+def test_torch_dist_output_carries_the_window(tmp_path) -> None:
+    """hf-to-megatron --format torch_dist writes megatron-core's window args into common.pt; back to HF, the same
+    window on the same layers and the same tensors, byte for byte."""
+    from safetensors.torch import load_file
+
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+
+    hf = make_hf(preset("tiny-qwen2-swa"), tmp_path / "hf")
+    hf_to_megatron(hf, tmp_path / "dist", tp=2, pp=2, format="torch_dist")
+    megatron_to_hf(tmp_path / "dist", tmp_path / "back")
+    a, b = (json.loads((d / "config.json").read_text()) for d in (hf, tmp_path / "back"))
+    assert (b["sliding_window"], b["layer_types"]) == (a["sliding_window"], a["layer_types"]) == (
+        16, ["full_attention", "sliding_attention"])
+    x, y = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
