@@ -108,7 +108,8 @@ TrainInt = Optional[int]
   mconvert train --preset tiny-llama --tp 2 --pp 2 --steps 100 --save ckpt/ --resume\n
   mconvert train --preset gpt2-1b --tp 4 --pp 2 --steps 0 --save big/   (initialised model only)\n
   mconvert train --preset tiny-gpt2 --tp 2 --dp 2 --steps 20 --comm-report --json\n
-  mconvert train --preset tiny-mixtral --tp 2 --dp 2 --ep 2 --steps 20 --save moe/ --comm-report""")
+  mconvert train --preset tiny-mixtral --tp 2 --dp 2 --ep 2 --steps 20 --save moe/ --comm-report\n
+  mconvert train --preset tiny-mistral --window-size 31 --seq-length 64 --save swa/   (a 32-key sliding window)""")
 def train_cmd(
     preset_name: Annotated[str, typer.Option("--preset", help="Model preset (tiny-llama, tiny-gpt2, ...).")] = "tiny-llama",
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
@@ -141,6 +142,7 @@ def train_cmd(
     moe_topk: Annotated[TrainInt, typer.Option("--moe-topk", help="MoE: experts each token is routed to (>= 2).")] = None,
     moe_ffn_hidden_size: Annotated[TrainInt, typer.Option("--moe-ffn-hidden-size", help="MoE: each expert's ffn width.")] = None,
     moe_aux_loss_coeff: Annotated[float, typer.Option("--moe-aux-loss-coeff", help="MoE: load-balancing loss coefficient.")] = 1e-2,
+    window_size: Annotated[TrainInt, typer.Option("--window-size", help="Sliding window on every layer: the keys before each query (Megatron's --window-size W,0; HF sliding_window W+1).")] = None,
     json_out: Json = False,
 ) -> None:
     """Train a GPT (dense or MoE) on the shipped corpus with TP×PP×DP processes (EP inside DP); write Megatron checkpoints."""
@@ -157,7 +159,7 @@ def train_cmd(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
         ffn_hidden_size=ffn_hidden_size, max_position_embeddings=max_position_embeddings, kv_channels=kv_channels,
         num_experts=num_experts, moe_topk=moe_topk, moe_ffn_hidden_size=moe_ffn_hidden_size,
-        moe_aux_loss_coeff=moe_aux_loss_coeff,
+        moe_aux_loss_coeff=moe_aux_loss_coeff, window_size=window_size,
     )
     result = train(cfg)
     if json_out:

@@ -258,3 +258,17 @@ def test_torch_dist_output_carries_the_window(tmp_path) -> None:
         16, ["full_attention", "sliding_attention"])
     x, y = load_file(hf / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_train_window_size_flag(tmp_path, capsys) -> None:
+    """`train --window-size W` windows every layer (HF sliding_window W + 1); a family whose HF class has no window
+    is refused before anything runs."""
+    from mconvert.trainer.train import TrainConfig, build_spec
+
+    spec = build_spec(TrainConfig(preset="tiny-mistral", window_size=7, seq_length=32), 1000)
+    assert spec.window_size == 7 and spec.windowed_layers == [0, 1] and hf_config(spec)["sliding_window"] == 8
+    code, _, err = run_cli(["train", "--preset", "tiny-llama", "--window-size", "7", "--steps", "1", "--save",
+                            tmp_path / "x"], capsys)
+    assert code == 1 and "has no sliding window" in err and not (tmp_path / "x").exists()
+    code, _, err = run_cli(["train", "--preset", "tiny-mistral", "--window-size", "-1", "--steps", "1"], capsys)
+    assert code == 1 and "--window-size must be >= 0" in err
