@@ -52,8 +52,8 @@ FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
     "qk_layernorm": ("HF", "GGUF"),
     "moe": ("HF", "GGUF"),
     # a sliding window shorter than the context: FasterTransformer's and TensorRT-LLM's checkpoints have no window
-    # field, optimum's ONNX export and llama.cpp's llama / qwen2 / qwen3 architectures none either (see
-    # docs/formats.md); `accept_window_as_full` lets those targets run the model with full attention
+    # field, and llama.cpp's llama / qwen2 / qwen3 / qwen3moe architectures read none (ONNX is exported from the HF
+    # form, which has it; see docs/formats.md); `window_as_full` writes those targets' full attention on request
     "window": ("HF",),
 }
 
