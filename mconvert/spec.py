@@ -565,7 +565,9 @@ class ModelSpec:
             model_family=self.family,  # mconvert's own hint; Megatron ignores unknown args
         )
         # written only when used, so the args of a model without them stay as they are
-        for k, v in {**self._rope_and_qk_megatron_args(), **window_megatron_args(self)}.items():
+        for k, v in self._rope_and_qk_megatron_args().items():
+            setattr(ns, k, v)
+        for k, v in window_megatron_args(self).items():
             setattr(ns, k, v)
         if self.is_moe:
             ns.num_experts = self.num_experts

@@ -27,7 +27,8 @@ from mconvert.mappings.fields import (
     check_numbers,
 )
 from mconvert import dtypes
-from mconvert.spec import ModelSpec, moe_from_megatron_args, rope_and_qk_from_megatron_args, window_from_megatron_args
+from mconvert.spec import ModelSpec, moe_from_megatron_args, rope_and_qk_from_megatron_args
+from mconvert.spec import window_from_megatron_args
 
 
 _FAMILY_LINE = re.compile(r"^FAMILY\s*[:=]", re.MULTILINE)

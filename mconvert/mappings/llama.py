@@ -191,8 +191,7 @@ def rope_spec(cfg: dict[str, Any], common: dict[str, Any], add_bias_linear: bool
 
 
 def to_hf(spec: ModelSpec) -> dict[str, Any]:
-    """LlamaConfig fields; attention and MLP biases are one switch (add_bias_linear); no sliding window
-    (`families.check_window_class` refuses one)."""
+    """LlamaConfig fields; attention and MLP biases are one switch (add_bias_linear)."""
     check_rope_style(spec, FAMILY.architecture)
     return {**rope_fields(spec), "attention_bias": spec.add_bias_linear, "mlp_bias": spec.add_bias_linear}
 
@@ -236,8 +235,6 @@ def rope_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
         problems.append(f"num_attention_heads {nh} is not divisible by num_key_value_heads {kvh}")
     if cfg.get("rope_scaling"):
         notes.append(f"rope_scaling={cfg['rope_scaling']}")
-    if cfg.get("sliding_window") is not None and (cfg.get("use_sliding_window", True)):
-        notes.append(f"sliding_window={cfg['sliding_window']} (keys per query, itself included)")
     return problems, notes
 
 
