@@ -113,7 +113,8 @@ TrainInt = Optional[int]
   mconvert train --preset tiny-llama --tp 2 --pp 2 --steps 100 --save ckpt/ --resume\n
   mconvert train --preset gpt2-1b --tp 4 --pp 2 --steps 0 --save big/   (initialised model only)\n
   mconvert train --preset tiny-gpt2 --tp 2 --dp 2 --steps 20 --comm-report --json\n
-  mconvert train --preset tiny-mixtral --tp 2 --dp 2 --ep 2 --steps 20 --save moe/ --comm-report""")
+  mconvert train --preset tiny-mixtral --tp 2 --dp 2 --ep 2 --steps 20 --save moe/ --comm-report\n
+  mconvert train --preset tiny-mistral --window-size 31 --seq-length 64 --save swa/   (a 32-key sliding window)""")
 def train_cmd(
     preset_name: Annotated[str, typer.Option("--preset", help="Model preset (tiny-llama, tiny-gpt2, ...).")] = "tiny-llama",
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
@@ -146,6 +147,7 @@ def train_cmd(
     moe_topk: Annotated[TrainInt, typer.Option("--moe-topk", help="MoE: experts each token is routed to (>= 2).")] = None,
     moe_ffn_hidden_size: Annotated[TrainInt, typer.Option("--moe-ffn-hidden-size", help="MoE: each expert's ffn width.")] = None,
     moe_aux_loss_coeff: Annotated[float, typer.Option("--moe-aux-loss-coeff", help="MoE: load-balancing loss coefficient.")] = 1e-2,
+    window_size: Annotated[TrainInt, typer.Option("--window-size", help="Sliding window on every layer: the keys before each query (Megatron's --window-size W,0; HF sliding_window W+1).")] = None,
     json_out: Json = False,
 ) -> None:
     """Train a GPT (dense or MoE) on the shipped corpus with TP×PP×DP processes (EP inside DP); write Megatron checkpoints."""
@@ -162,7 +164,7 @@ def train_cmd(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
         ffn_hidden_size=ffn_hidden_size, max_position_embeddings=max_position_embeddings, kv_channels=kv_channels,
         num_experts=num_experts, moe_topk=moe_topk, moe_ffn_hidden_size=moe_ffn_hidden_size,
-        moe_aux_loss_coeff=moe_aux_loss_coeff,
+        moe_aux_loss_coeff=moe_aux_loss_coeff, window_size=window_size,
     )
     result = train(cfg)
     if json_out:
@@ -423,6 +425,11 @@ def inspect_cmd(
 # ==== end conversion verbs ===========================================================================
 
 # ==== deployment verbs (FT, TensorRT-LLM, ONNX) ======================================================
+AcceptWindowAsFull = Annotated[bool, typer.Option(
+    "--accept-window-as-full", help="Write a sliding-window model for this format's full attention anyway: it then "
+    "agrees with the model only on sequences up to the window's length (the report says so).")]
+
+
 @app.command("megatron-to-ft")
 def megatron_to_ft_cmd(
     src: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist) or HF model dir.")],
@@ -434,6 +441,7 @@ def megatron_to_ft_cmd(
     allow_approx_gelu: Annotated[
         bool, typer.Option("--allow-approx-gelu", help="Write an exact-GeLU model for FT's tanh GeLU anyway.")
     ] = False,
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -459,7 +467,7 @@ def megatron_to_ft_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_ft(src, out, tp, dtype, force, allow_approx_gelu, iteration, progress=True,
-                                 dry_run=dry_run), as_json)
+                                 dry_run=dry_run, accept_window_as_full=accept_window_as_full), as_json)
 
 
 @app.command("megatron-to-trtllm")
@@ -468,6 +476,7 @@ def megatron_to_trtllm_cmd(
     out: Annotated[Path, typer.Argument(help="Output dir: config.json + rank{i}.safetensors.")],
     tp: Annotated[int, typer.Option("--tp", help="TensorRT-LLM tensor parallelism (rank files).")] = 1,
     dtype: Dtype = "auto",
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -491,8 +500,8 @@ def megatron_to_trtllm_cmd(
     _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
-    _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run),
-                  as_json)
+    _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run,
+                                     accept_window_as_full=accept_window_as_full), as_json)
 
 
 OutType = Annotated[str, typer.Option("--outtype", help="f32|f16|bf16|q8_0: the type of the 2-D weights "
@@ -507,6 +516,7 @@ def megatron_to_gguf_cmd(
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.gguf (its manifest goes beside it).")],
     outtype: OutType = "f16",
     tokenizer: GgufTokenizer = None,
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -526,7 +536,7 @@ def megatron_to_gguf_cmd(
     _manifest_hash(manifest_hash, one_process="megatron-to-gguf")
     tuning.apply()
     _print_report(to_gguf(ckpt, out, outtype, tokenizer, iteration, force, verb="megatron-to-gguf", progress=True,
-                          dry_run=dry_run), json_out)
+                          dry_run=dry_run, accept_window_as_full=accept_window_as_full), json_out)
 
 
 @app.command("hf-to-gguf")
@@ -535,6 +545,7 @@ def hf_to_gguf_cmd(
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.gguf (its manifest goes beside it).")],
     outtype: OutType = "f16",
     tokenizer: GgufTokenizer = None,
+    accept_window_as_full: AcceptWindowAsFull = False,
     force: Force = False,
     dry_run: DryRun = False,
     manifest_hash: ManifestHash = "blake3",
@@ -553,7 +564,7 @@ def hf_to_gguf_cmd(
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")
     tuning.apply()
     _print_report(to_gguf(hf_dir, out, outtype, tokenizer, None, force, verb="hf-to-gguf", progress=True,
-                          dry_run=dry_run), json_out)
+                          dry_run=dry_run, accept_window_as_full=accept_window_as_full), json_out)
 
 
 @app.command("to-onnx")

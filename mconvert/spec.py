@@ -52,6 +52,10 @@ FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
     "rope_scaling": ("HF", "GGUF", "TensorRT-LLM"),
     "qk_layernorm": ("HF", "GGUF"),
     "moe": ("HF", "GGUF"),
+    # a sliding window shorter than the context: FasterTransformer's and TensorRT-LLM's checkpoints have no window
+    # field, and llama.cpp's llama / qwen2 / qwen3 / qwen3moe architectures read none (ONNX is exported from the HF
+    # form, which has it; see docs/formats.md); `window_as_full` writes those targets' full attention on request
+    "window": ("HF",),
 }
 
 
@@ -131,6 +135,13 @@ class ModelSpec:
     num_experts: int | None = None
     moe_ffn_hidden_size: int | None = None  # each expert's width; None = ffn_hidden_size (Megatron's default)
     moe_router_topk: int = 2  # experts per token
+    # Sliding-window attention, megatron-core's `window_size` left size: a query at position i attends to keys
+    # i - window_size .. i (window_size + 1 keys; HF's `sliding_window` counts them, so it is window_size + 1).
+    # None = full causal attention everywhere.
+    window_size: int | None = None
+    # Which layers the window applies to (megatron-core's list form of `window_attn_skip_freq`): one entry per
+    # layer, 1 = windowed, 0 = full attention; None = every layer windowed.
+    window_pattern: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived -------------------------------------------------------------------------------
@@ -161,7 +172,22 @@ class ModelSpec:
             object.__setattr__(self, "moe_router_topk", 2)
         elif self.moe_ffn_hidden_size == self.ffn_hidden_size:
             object.__setattr__(self, "moe_ffn_hidden_size", None)
+        self._canonical_window()
         self.validate()
+
+    def _canonical_window(self) -> None:
+        """A pattern as a tuple of 0/1; every layer windowed is no pattern; no layer windowed is no window."""
+        pattern = self.window_pattern
+        if pattern is not None and not isinstance(pattern, tuple):
+            pattern = tuple(pattern) if isinstance(pattern, (list, tuple)) else pattern
+            object.__setattr__(self, "window_pattern", pattern)
+        if isinstance(pattern, tuple) and all(type(v) in (int, bool) and v in (0, 1) for v in pattern):
+            pattern = tuple(int(v) for v in pattern)
+            object.__setattr__(self, "window_pattern", None if all(pattern) else pattern)
+            if not any(pattern):
+                object.__setattr__(self, "window_size", None)
+        if self.window_size is None:
+            object.__setattr__(self, "window_pattern", None)
 
     def validate(self) -> None:
         """Refuse specs that no format can hold; one line naming the field."""
@@ -184,6 +210,7 @@ class ModelSpec:
             raise MConvertError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         self._validate_rope_scaling()
         self._validate_moe()
+        self._validate_window()
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -205,6 +232,17 @@ class ModelSpec:
                 raise MConvertError(f"{name} must be a positive whole number, got {v!r}")
         if self.moe_router_topk > self.num_experts:
             raise MConvertError(f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}")
+
+    def _validate_window(self) -> None:
+        """Refuse a window that is not a whole number >= 0, or a pattern that is not one 0/1 per layer."""
+        w = self.window_size
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise MConvertError(f"window_size must be a whole number >= 0 (keys before the query), got {w!r}")
+        p = self.window_pattern
+        if p is not None and (not isinstance(p, tuple) or len(p) != self.num_layers
+                              or any(v not in (0, 1) for v in p)):
+            raise MConvertError(f"window_pattern must give 1 (windowed) or 0 (full attention) for each of the "
+                                f"{self.num_layers} layers, got {p!r}")
 
     def _validate_rope_scaling(self) -> None:
         """Refuse an unknown scaling type or a factor that is not a finite number of the right range."""
@@ -265,11 +303,48 @@ class ModelSpec:
                 f"{_megatron_scaling_args(self)})"),
             "qk_layernorm": self.qk_layernorm and "qk_layernorm=True (per-head q/k norm)",
             "moe": self.is_moe and f"num_experts={self.num_experts} (mixture of experts)",
+            "window": self.window_masks and self.window_description(),
         }
         for feature, what in present.items():
             if what and target not in FEATURE_TARGETS[feature]:
+                fix = ("; pass --accept-window-as-full to write it with full attention, which agrees with the model "
+                       f"only on sequences of up to {self.window_size + 1} tokens") if feature == "window" else ""
                 raise MConvertError(f"{where}{what} is not mapped to {target}; conversion refused (reshard and "
-                                    "validate handle the Megatron checkpoint)")
+                                    f"validate handle the Megatron checkpoint){fix}")
+
+    # ---- sliding window --------------------------------------------------------------------------
+    def window_as_full(self, target: str, accept: bool) -> tuple["ModelSpec", str | None]:
+        """For a target that has no window: with `accept` (--accept-window-as-full) the model as the target runs
+        it, full attention, and the note its report carries; else this spec (whose refusal names the window)."""
+        if not (accept and self.window_masks and target not in FEATURE_TARGETS["window"]):
+            return self, None
+        return self.replace(window_size=None), (
+            f"{self.window_description()} written as full attention for {target} (--accept-window-as-full): it "
+            f"agrees with the model only on sequences of up to {self.window_size + 1} tokens")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window (megatron-core's left size) of layer `layer` (global index), None for full attention."""
+        if self.window_size is None or (self.window_pattern is not None and not self.window_pattern[layer]):
+            return None
+        return self.window_size
+
+    @property
+    def windowed_layers(self) -> list[int]:
+        """The global indices of the layers that attend through the window."""
+        return [i for i in range(self.num_layers) if self.layer_window(i) is not None]
+
+    @property
+    def window_masks(self) -> bool:
+        """Whether the window masks any key within the context (a window covering the context is full
+        attention for every sequence the model takes)."""
+        return self.window_size is not None and self.window_size + 1 < self.max_position_embeddings
+
+    def window_description(self) -> str:
+        """The window in both spellings, for messages and reports."""
+        layers = ("every layer" if self.window_pattern is None else
+                  f"layers {', '.join(map(str, self.windowed_layers))} of {self.num_layers}")
+        return (f"sliding-window attention (window_size=({self.window_size}, 0), HF sliding_window="
+                f"{self.window_size + 1}, on {layers})" if self.window_size is not None else "full attention")
 
     @property
     def yarn_attention_factor(self) -> float:
@@ -533,6 +608,8 @@ class ModelSpec:
         # written only when used, so the args of a model without them stay as they are
         for k, v in self._rope_and_qk_megatron_args().items():
             setattr(ns, k, v)
+        for k, v in window_megatron_args(self).items():
+            setattr(ns, k, v)
         if self.is_moe:
             ns.num_experts = self.num_experts
             ns.moe_ffn_hidden_size = self.expert_ffn_hidden_size
@@ -584,6 +661,8 @@ class ModelSpec:
             unused += list(_YARN_DEFAULTS)
         if not self.is_moe:
             unused += ["num_experts", "moe_ffn_hidden_size", "moe_router_topk"]
+        if self.window_size is None:
+            unused += ["window_size", "window_pattern"]
         for name in unused:
             del d[name]
         return d
@@ -670,6 +749,52 @@ def _yarn_from_megatron_args(a: dict[str, Any], llama3: bool, linear: Any, sourc
                                 "megatron-core's YaRN ignores the second scaling, so which one the model was meant "
                                 "to compute is ambiguous; conversion refused")
     return yarn_from_megatron_args(a, source)
+
+
+def window_megatron_args(spec: ModelSpec) -> dict[str, Any]:
+    """megatron-core's `window_size` (left, 0) and `window_attn_skip_freq` (an int N when every N-th layer,
+    1-based, is the full-attention one, else the per-layer list; absent when every layer is windowed)."""
+    if spec.window_size is None:
+        return {}
+    out: dict[str, Any] = {"window_size": (spec.window_size, 0)}
+    p = spec.window_pattern
+    if p is not None:
+        every = next((n for n in range(2, len(p) + 1)
+                      if all(bool(v) == ((i + 1) % n != 0) for i, v in enumerate(p))), None)
+        out["window_attn_skip_freq"] = every if every is not None else list(p)
+    return out
+
+
+def window_from_megatron_args(a: dict[str, Any], num_layers: int, source: str = "args") -> dict[str, Any]:
+    """ModelSpec kwargs from megatron-core's `window_size` (left, right) and `window_attn_skip_freq`
+    (transformer/utils.py `is_layer_window_attention`: layer n, 1-based, is windowed when n % N != 0, or when
+    entry n-1 of the list is 1). A right size other than 0 (keys after the query) is refused; a left size of
+    -1 is megatron-core's "infinite", i.e. no window."""
+    ws, freq = a.get("window_size"), a.get("window_attn_skip_freq")
+    if ws is None or ws is False:
+        return {}
+    where = f"{source}: Megatron arg window_size={ws!r}"
+    if (not isinstance(ws, (tuple, list)) or len(ws) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in ws)):
+        raise MConvertError(f"{where} must be a pair of whole numbers (left, right); fix it")
+    left, right = ws
+    if right != 0:
+        raise MConvertError(f"{where} is not supported: a right size {right} lets a query see keys after it (or, "
+                            "with -1, every later key); only causal windows (left, 0) are mapped; conversion refused")
+    if left == -1:
+        return {}
+    if left < 0:
+        raise MConvertError(f"{where}: the left size must be >= 0 or -1 (no limit); fix it")
+    if freq is None:
+        return {"window_size": left}
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        pattern = tuple(int((n + 1) % freq != 0) for n in range(num_layers))
+    elif isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(v in (0, 1) for v in freq):
+        pattern = tuple(int(v) for v in freq)
+    else:
+        raise MConvertError(f"{source}: Megatron arg window_attn_skip_freq={freq!r} must be a whole number >= 1 or "
+                            f"a list of {num_layers} ones (windowed) and zeros (full attention); fix it")
+    return {"window_size": left, "window_pattern": pattern}
 
 
 def moe_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:

@@ -30,7 +30,11 @@ point-to-point) and returns the vocab logits gathered across TP on the last stag
 (`[b, s, spec.padded_vocab_size(tp)]`). Results travel back as pickles through a temporary directory.
 The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`; `spec.qk_layernorm` and
 `spec.rope_scaling` ("llama3": `rope_scaling=True`; "linear": `seq_len_interpolation_factor`; "yarn":
-`position_embedding_type='yarn'` and the `config.yarn_*` attributes) are passed on. Children fork from a parent that
+`position_embedding_type='yarn'` and the `config.yarn_*` attributes) are passed on, and so
+is a sliding window (`window_size`, `window_attn_skip_freq`, as `spec.to_megatron_args` writes them): megatron-core's
+local attention applies it itself (FusedScaleMaskSoftmax builds `get_sliding_window_causal_mask` in place of the
+causal mask); that helper allocates on device "cuda", which `_CudaOnCpu` redirects to the CPU during the forward
+— megatron-core's own mask code runs unchanged. Children fork from a parent that
 has imported megatron-core once (~10 s); each run after that costs ~1-3 s.
 """
 
@@ -49,8 +53,9 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-from mconvert.spec import ModelSpec
+from mconvert.spec import ModelSpec, window_megatron_args
 
 MAX_PROCS = 4
 
@@ -108,6 +113,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         apply_query_key_layer_scaling=False,
         attention_softmax_in_fp32=True,
         **moe_config(spec, ep),
+        **window_megatron_args(spec),
     )
 
 
@@ -182,6 +188,17 @@ class McoreContext:
         return _pipeline_forward(self, tokens)
 
 
+class _CudaOnCpu(TorchFunctionMode):
+    """Tensors megatron-core creates on device "cuda" (its mask helpers in transformer/utils.py) are created on
+    the CPU instead: the same values, on the only device here."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
 def _pipeline_forward(ctx: McoreContext, tokens: torch.Tensor) -> torch.Tensor | None:
     """Run the model chunks in pipeline order (chunk 0 of ranks 0..pp-1, then chunk 1, ...) over gloo p2p."""
     from megatron.core import parallel_state
@@ -191,7 +208,7 @@ def _pipeline_forward(ctx: McoreContext, tokens: torch.Tensor) -> torch.Tensor |
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
     out = None
-    with torch.no_grad():
+    with torch.no_grad(), _CudaOnCpu():
         for model in ctx.models or [ctx.model]:
             if not model.pre_process:
                 h = torch.empty(s, b, ctx.spec.hidden_size)

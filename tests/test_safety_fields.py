@@ -113,7 +113,7 @@ def test_neutral_megatron_args_pass_whatever_their_value() -> None:
 
 
 @pytest.mark.parametrize("name,value", [
-    ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("window_size", (128, 0)),
+    ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("window_size", (128, 1)),
     ("softmax_scale", 0.1), ("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True),
     ("num_layers_in_first_pipeline_stage", 1), ("rotary_scaling_factor", 4.0), ("squared_relu", True),
     ("rope_type", "yarn"), ("mrope_section", [16, 24, 24]), ("no_rope_freq", 4),
@@ -189,13 +189,12 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
     ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}),
     ("qwen3", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
     ("qwen3", "attention_bias", True),
-    ("qwen3", "use_sliding_window", True),
+    ("qwen3", "layer_types", ["chunked_attention", "full_attention"]),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),
     ("gpt2", "scale_attn_weights", False),
     ("llama", "partial_rotary_factor", 0.5),
-    ("qwen2", "use_sliding_window", True),
-    ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
-    ("mistral", "sliding_window", 16),
+    ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),  # with use_sliding_window off
+    ("mistral", "sliding_window", 0),
     ("llama", "pruned_heads", {"0": [1]}),
     ("llama", "quantization_config", {"quant_method": "gptq"}),
     ("llama", "attention_chunk_size", 8),  # read by transformers and vLLM, in no table

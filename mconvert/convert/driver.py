@@ -238,11 +238,6 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     if src.format != "hf":
         raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
     cfg = getattr(src, "config", {})
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", _window_by_default(src)) else None
-    if window:
-        raise MConvertError(f"{Path(hf_dir) / 'config.json'}: sliding_window={window} attention cannot be expressed in "
-                            "the Megatron args mconvert writes; converting would silently change attention beyond "
-                            f"{window} tokens")
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     spec.check_parallel(tp, pp, vpp, ep)
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None)
@@ -385,12 +380,6 @@ def _preview(src: Any) -> Any:
     if src.preview is None or not getattr(src, "can_preview", lambda: True)():
         return None
     return src.preview
-
-
-def _window_by_default(src: Any) -> bool:
-    """Whether the family's HF class applies `sliding_window` whenever it is set (else only with
-    `use_sliding_window`)."""
-    return families.of(src.spec).sliding_window_by_default
 
 
 def _rng_source_ranks(src: Any, tp: int, pp: int, vpp: int | None) -> dict[tuple[int, int], tuple[int, int]]:

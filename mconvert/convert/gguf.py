@@ -571,9 +571,11 @@ class GgufWriter:
 @crc_in_background
 def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokenizer: str | Path | None = None,
             iteration: int | str | None = None, force: bool = False, verb: str = "megatron-to-gguf",
-            permute: bool = True, progress: bool = False, dry_run: bool = False) -> Report:
+            permute: bool = True, progress: bool = False, dry_run: bool = False,
+            accept_window_as_full: bool = False) -> Report:
     """Megatron checkpoint (torch or torch_dist, any TP/PP) or HF dir -> one GGUF file, streamed unit by unit
-    through the driver's loop, written atomically with its manifest beside it. Returns the common report."""
+    through the driver's loop, written atomically with its manifest beside it. Returns the common report.
+    `accept_window_as_full`: a sliding-window model is written as full attention, and the report says so."""
     t0 = time.perf_counter()
     outtype_types(outtype)
     check_output_file(out, force, (src_path, tokenizer))
@@ -586,7 +588,8 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
         raise MConvertError(f"{src_path}: vocab size unknown (args have no vocab_size and no tokenizer was found); "
                             "pass --tokenizer DIR")
     tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
-    spec = src.spec
+    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full)
+    warnings = [window_note] if window_note else []
     layout = gguf_layout(spec)  # every refusal before any tensor is read
     extras = dict(arch=layout.arch, outtype=outtype, tokenizer=str(tok_dir),
                   permuted_qk=layout.permute_qk and permute)
@@ -595,7 +598,7 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         src.close()
         files = [{"path": Path(out).name, "bytes": None}, {"path": file_manifest_path(out).name, "bytes": None}]
-        return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, [], None,
+        return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, None,
                            time.perf_counter() - t0, dry_run=True, tensors=len(plan),
                            tensor_bytes=sum(t.nbytes for t in plan), **extras)
     try:
@@ -608,5 +611,5 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
         src.close()
     files = [{"path": Path(out).name, "bytes": Path(out).stat().st_size},
              {"path": file_manifest_path(out).name, "bytes": file_manifest_path(out).stat().st_size}]
-    return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, [], peak_rss_bytes(),
+    return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, peak_rss_bytes(),
                        time.perf_counter() - t0, tensors=n, **extras)

@@ -29,6 +29,7 @@ from mconvert.mappings.fields import (
 )
 from mconvert import dtypes
 from mconvert.spec import ModelSpec, moe_from_megatron_args, rope_and_qk_from_megatron_args
+from mconvert.spec import window_from_megatron_args
 
 
 READS_FILE = "hf_config_reads.json"  # in mconvert/data: what each engine's code reads, per model_type
@@ -175,10 +176,27 @@ def check_moe_class(spec: ModelSpec) -> None:
                             + "; conversion refused")
 
 
+def check_window_class(spec: ModelSpec) -> None:
+    """Refuse a sliding window the family's HF class cannot compute: none at all, or one on only some layers
+    when the class windows every layer."""
+    fam = of(spec)
+    if spec.window_size is None or fam.hf_window == "per_layer" or (fam.hf_window == "every"
+                                                                    and spec.window_pattern is None):
+        return
+    layered = [f.name for f in all_families() if f.hf_window == "per_layer"]
+    why = ("has no sliding window" if fam.hf_window is None else
+           "applies its sliding_window to every layer, and this model has full-attention layers")
+    raise MConvertError(f"HF {fam.architecture} {why}; this {spec.family}-family model has "
+                        f"{spec.window_description()}; conversion refused (per-layer windows: "
+                        f"{', '.join(layered)}; a Megatron checkpoint without linear biases and one window on every "
+                        "layer reads as the mistral family)")
+
+
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
     """config.json content for transformers / vLLM. Every eps and rope setting is written explicitly."""
     spec.refuse_unmapped("HF")
     check_moe_class(spec)
+    check_window_class(spec)
     fam = of(spec)
     cfg: dict[str, Any] = {"architectures": [fam.architecture], "model_type": fam.model_type}
     cfg.update(fam.to_hf(spec))
@@ -195,6 +213,7 @@ def refuse_for_hf(spec: ModelSpec, source: str) -> None:
     spec.refuse_unmapped("HF", source)
     try:
         check_moe_class(spec)
+        check_window_class(spec)
         of(spec).to_hf(spec)
     except MConvertError as e:
         raise MConvertError(f"{source}: {e}") from None
@@ -329,6 +348,7 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         params_dtype=dtype,
         **rope_and_qk_from_megatron_args(a, source),
         **moe_from_megatron_args(a),
+        **window_from_megatron_args(a, L, source),
     )
     if family is None:
         family = get("model_family", None)

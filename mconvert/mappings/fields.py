@@ -222,6 +222,9 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "num_moe_experts": mapped("num_experts", INT),
     "moe_ffn_hidden_size": mapped("moe_ffn_hidden_size", INT),
     "moe_router_topk": mapped("moe_router_topk", INT, 2),
+    # sliding-window attention: (left, right) and which layers are windowed (spec.window_from_megatron_args)
+    "window_size": mapped("window_size", (tuple, list)),
+    "window_attn_skip_freq": mapped("window_pattern", (int, list, tuple)),
 }
 
 def _decoder_only(v: Any, args: Mapping[str, Any]) -> bool:
@@ -251,8 +254,6 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     "multi_latent_attention": refused("multi-latent attention is not mapped", False),
     "softmax_scale": refused("a custom attention softmax scale is not mapped", None),
     "softmax_type": refused("only the vanilla attention softmax is mapped", "vanilla"),
-    "window_size": refused("sliding-window attention is not mapped", None),
-    "window_attn_skip_freq": refused("sliding-window attention is not mapped", None),
     "attention_output_gate": refused("a gated attention output is not mapped", False),
     "experimental_attention_variant": refused("experimental attention variants are not mapped", None),
     "linear_attention_freq": refused("linear attention layers are not mapped", None),

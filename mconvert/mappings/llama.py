@@ -268,6 +268,25 @@ def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSp
     return rope_spec(cfg, common, add_bias_linear=attn_bias, add_qkv_bias=False, source=source)
 
 
+# ---- sliding window ---------------------------------------------------------------------------------------
+# HF's `sliding_window` counts the keys a query sees, itself included (masking_utils `sliding_window_overlay`:
+# kv_idx > q_idx - sliding_window); megatron-core's `window_size` left size counts the keys before it
+# (utils.get_sliding_window_causal_mask: kv_idx >= q_idx - left). So sliding_window = window_size + 1.
+def hf_sliding_window(spec: ModelSpec) -> int | None:
+    """ModelSpec's window -> HF `sliding_window` (None: no window)."""
+    return None if spec.window_size is None else spec.window_size + 1
+
+
+def window_from_hf(value: Any, source: str, key: str = "sliding_window") -> int | None:
+    """HF `sliding_window` -> ModelSpec.window_size; it must be a whole number >= 1 (None: no window)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MConvertError(f"{source}: config field {key}={value!r} must be a whole number >= 1 (the keys a "
+                            "query sees, itself included) or null; fix it")
+    return value - 1
+
+
 # ---- vLLM -----------------------------------------------------------------------------------------------
 def rope_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
     """verify's config.json checks for a RoPE family: (problems, notes)."""

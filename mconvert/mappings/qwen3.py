@@ -39,15 +39,15 @@ HF_FIELDS: dict[str, Field] = {
 
 
 def to_hf(spec: ModelSpec) -> dict[str, Any]:
-    """Qwen3Config fields: qk-norm, no linear bias, head_dim and rope scaling explicit, sliding window off."""
+    """Qwen3Config fields: qk-norm, no linear bias, head_dim and rope scaling explicit, the window (Qwen2's
+    fields)."""
     llama.check_rope_style(spec, FAMILY.architecture, qk_norm=True)
     if spec.has_qkv_bias or spec.add_bias_linear:
         raise MConvertError("a qwen3-family model has no linear bias (HF Qwen3's attention_bias is all-or-nothing)")
     if spec.rotary_interleaved:
         raise MConvertError(f"HF {FAMILY.architecture}: rotary_interleaved=True with per-head q/k norm is not "
                             "mapped (the norm weights would need the same reordering); conversion refused")
-    return {**llama.rope_fields(spec), "attention_bias": False, "use_sliding_window": False,
-            "sliding_window": None, "max_window_layers": spec.num_layers}
+    return {**llama.rope_fields(spec), "attention_bias": False, **qwen2.window_fields(spec)}
 
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
@@ -56,7 +56,7 @@ def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSp
         raise MConvertError(f"{source}: a Qwen3 config must state head_dim (transformers defaults it to 128, "
                             "not hidden_size / num_attention_heads); add it")
     return llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
-                           source=source)
+                           source=source).replace(**qwen2.window_from_hf(cfg, source))
 
 
 def recognise(fields: dict[str, Any]) -> bool:
@@ -87,4 +87,6 @@ FAMILY = Family(**llama.rope_family(
     ft=None,  # FasterTransformer has no q/k norm
     trtllm=None,  # no confirmed TensorRT-LLM Qwen3 layout
     gguf=GGUF,
+    hf_window="per_layer",
+    vllm=qwen2.VLLM,  # vLLM runs Qwen3 on its Qwen2Model
 ))

@@ -164,12 +164,22 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([t_rot * c + rotate_half(t_rot) * s, t_pass], dim=-1)
 
 
-class SelfAttention(nn.Module):
-    """Fused QKV (per query group: nq/ng query heads, 1 key, 1 value) → causal fp32 attention → row proj."""
+def attention_mask(S: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[S, S] True where query i may not see key j: j > i (causal), and with a window (megatron-core's left
+    size) j < i - window as well."""
+    i = torch.arange(S, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    return (j > i) | (j < i - window) if window is not None else j > i
 
-    def __init__(self, spec: ModelSpec, decls: dict[str, ParamDecl], make: _Maker, st: ParallelState) -> None:
+
+class SelfAttention(nn.Module):
+    """Fused QKV (per query group: nq/ng query heads, 1 key, 1 value) → causal (optionally sliding-window) fp32
+    attention → row proj."""
+
+    def __init__(self, spec: ModelSpec, decls: dict[str, ParamDecl], make: _Maker, st: ParallelState,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.spec, self.st = spec, st
+        self.spec, self.st, self.window = spec, st, window
         w, b = decls["linear_qkv.weight"], decls.get("linear_qkv.bias")
         self.linear_qkv = _linear(w.kind, make(w), make(b), st)
         w, b = decls["linear_proj.weight"], decls.get("linear_proj.bias")
@@ -197,7 +207,7 @@ class SelfAttention(nn.Module):
         v = v.repeat_interleave(self.per_group, dim=2)
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, heads, S, hd], fp32
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        mask = torch.ones(S, S, dtype=torch.bool, device=qkv.device).triu(1)
+        mask = attention_mask(S, self.window, qkv.device)
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
         ctx = (probs @ v).to(x.dtype).transpose(1, 2).reshape(B, S, -1)
         return self.linear_proj(ctx)
@@ -342,7 +352,7 @@ class TransformerLayer(nn.Module):
         decls = {d.name[len(prefix):]: d for d in spec.layer_params(layer)}
         self.input_layernorm = Norm(spec, make(decls["input_layernorm.weight"]), make(decls.get("input_layernorm.bias")))
         attn = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("self_attention.")}
-        self.self_attention = SelfAttention(spec, attn, make, st)
+        self.self_attention = SelfAttention(spec, attn, make, st, window=spec.layer_window(layer))
         self.pre_mlp_layernorm = Norm(spec, make(decls["pre_mlp_layernorm.weight"]),
                                       make(decls.get("pre_mlp_layernorm.bias")))
         mlp = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("mlp.")}

@@ -34,6 +34,19 @@ class ModelInfo:
     max_positions: int | None = None
     layout: dict[str, Any] = field(default_factory=dict)  # tp / pp / infer_tp / iteration ...
     tokenizer_dir: Path | None = None
+    window: int | None = None  # keys a query sees in a sliding-window layer (HF sliding_window); None: no window
+
+
+def _window_keys(parse: Any, *args: Any) -> int | None:
+    """The sliding window (keys per query) of the model a parser reads from `args`; None when it has none or
+    the config is not one mconvert reads (the runner says so when it runs it)."""
+    from mconvert.mappings import families  # the family registry, only when a model is described
+
+    try:
+        spec = getattr(families, parse)(*args)
+    except MConvertError:
+        return None
+    return None if spec.window_size is None else spec.window_size + 1
 
 
 def detect_format(path: str | Path) -> str:
@@ -69,6 +82,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
         info.vocab_size = cfg.get("vocab_size")
         info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         info.tokenizer_dir = p if has_tokenizer(p) else None
+        info.window = _window_keys("spec_from_hf_config", cfg)
     elif fmt == "megatron" or (fmt == "megatron-torch_dist" and not is_iteration_dir(p)):
         _describe_megatron(info)  # a checkpoint root: its tracker names the iteration (torch or torch_dist)
     elif fmt == "megatron-torch_dist":
@@ -112,6 +126,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
             cfg = _read_json(d / "config.json")
             info.vocab_size = cfg.get("vocab_size")
             info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+            info.window = _window_keys("spec_from_hf_config", cfg)
         info.dtype = _onnx_dtype(p if p.is_file() else (d / "model.onnx"))
         info.tokenizer_dir = d if has_tokenizer(d) else None
     return info
@@ -136,6 +151,7 @@ def _describe_megatron(info: ModelInfo) -> None:
         info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
         info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
         info.max_positions = a.get("max_position_embeddings")
+        info.window = _window_keys("spec_from_megatron_args", a)
         info.layout = {"iteration": it}
         info.tokenizer_dir = next((c for c in (p, p / "tokenizer", p.parent) if has_tokenizer(c)), None)
         return
@@ -149,6 +165,7 @@ def _describe_megatron(info: ModelInfo) -> None:
     info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
     info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
     info.max_positions = a.get("max_position_embeddings")
+    info.window = _window_keys("spec_from_megatron_args", a)
     info.layout = {"tp": tp, "pp": pp, "iteration": it}
     for cand in (p, p / "tokenizer", p.parent):
         if has_tokenizer(cand):

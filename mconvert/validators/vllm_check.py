@@ -117,6 +117,9 @@ def vllm_compare_many(
         max_pos = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 128)
         max_len = min(128, max_pos)
         plen = min(prompt_len, max_len // 2)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if isinstance(window, int) and not isinstance(window, bool):  # prompts the window masks keys of
+            plen = min(max(plen, 2 * window), max_len // 2)
         chat = _chat_ids(d)
         chat_len = max((len(c) for c in chat), default=0)
         if chat_len + max_tokens > max_len:
