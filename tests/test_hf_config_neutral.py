@@ -77,8 +77,7 @@ def test_values_that_state_the_architectures_own_behaviour_pass() -> None:
         spec_from_hf_config(_hf("qwen3_moe", shared_expert_intermediate_size=512), source="x/config.json")
 
 
-# Every refusal of an HF config field mconvert makes, with a value it refuses. Sliding window and YaRN are being
-# mapped (issue 33): their entries move to the accepted side when they are.
+# Every refusal of an HF config field mconvert makes, with a value it refuses.
 TODAY_REFUSED = [
     *((t, n, v) for t in PRESET for n, v in (
         ("add_cross_attention", True), ("is_encoder_decoder", True), ("cross_attention_hidden_size", 512),
@@ -98,12 +97,11 @@ TODAY_REFUSED = [
     ("qwen3", "attention_bias", True), ("qwen3_moe", "attention_bias", True),
     ("qwen3_moe", "decoder_sparse_step", 2), ("qwen3_moe", "mlp_only_layers", [0]),
     ("qwen3_moe", "shared_expert_intermediate_size", 512), ("qwen3_moe", "norm_topk_prob", False),
-    # features being mapped (issue 33: sliding window, YaRN)
-    *((t, "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
-      for t in PRESET if t != "gpt2"),
-    ("mistral", "sliding_window", 16), ("mixtral", "sliding_window", 16),
-    *((t, n, v) for t in ("qwen2", "qwen3", "qwen3_moe") for n, v in (
-        ("use_sliding_window", True), ("layer_types", ["sliding_attention", "full_attention"]))),
+    # the variants of the mapped sliding window and YaRN that no engine pair computes alike
+    *((t, "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                           "truncate": "yes"}) for t in PRESET if t != "gpt2"),
+    ("mistral", "sliding_window", 0),
+    *((t, "layer_types", ["chunked_attention", "full_attention"]) for t in ("qwen2", "qwen3")),
 ]
 
 
