@@ -9,17 +9,23 @@ then the tokenizer build that sets `padded_vocab_size`, then what the training l
 value that JSON cannot hold in a tagged form (see `encode`).
 
 What runs on CPU only through a stub, and why (see `_CHILD`):
-- `torch.cuda.*` queries (`is_available`, `get_device_capability`, `device_count`): validate_args asks
-  them to choose kernels; the answer is an H100-class GPU, as a real run has.
-- `transformer_engine`, `apex`, `grouped_gemm`, `nvidia_resiliency_ext`, ...: imports of CUDA-only packages
-  that validate_args tries; a missing module is given an empty stand-in module only when the import fails, and
-  `megatron.core.utils.is_te_min_version` / `get_te_version` answer a recent Transformer Engine (2.8), as
-  the container a real run uses has.
+- `torch.cuda` device queries (`get_device_capability`, `get_device_properties`, `get_device_name`,
+  `device_count`, `current_device`): validate_args and import-time kernel selection ask them; the answer is
+  an H100, as a real run has. `torch.cuda.is_available()` stays False, so nothing is placed on a GPU.
+- `megatron.core.utils.is_te_min_version` / `get_te_version` answer Transformer Engine 2.8 (the container a real
+  run uses has it; here Transformer Engine is absent, and megatron-core's own `HAVE_TE` guards see that).
+- `triton` (CUDA-only, absent from CPU torch), `six` and `einops` (pure Python, absent from this venv): imported
+  at module level by kernels and tokenizers that parse_args never runs; each gets a module whose every
+  attribute is an inert object. torch's own probes for triton run first, so torch sees it absent.
+- `typing.override` on Python 3.11 (main needs 3.12): a marker decorator, given as the identity.
 - `torch.distributed` is never initialised: RANK=0 and WORLD_SIZE come from the environment as torchrun
   sets them.
 
+Each JSON also holds `argparse_defaults` (what parse_args gives with no option) and `given` (the fields the
+command line changed), from which the defaults table is derived.
+
 Usage: python tests/data/megatron_args/generate.py --repo /path/to/Megatron-LM.git [--only main]
-Then regenerate the defaults table: python -m mconvert.mappings.megatron_defaults --write
+Then regenerate the defaults table: python -m mconvert.mappings.megatron_releases --write
 """
 
 from __future__ import annotations
@@ -40,24 +46,28 @@ RELEASES = (
     "core_v0.15.3", "core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main",
 )
 
-# A Llama-3-8B-shaped run (GQA, SwiGLU, RMSNorm, rope, untied, bf16) on TP=2 x PP=2 x DP=2.
-_COMMON = """
-    --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8
-    --ffn-hidden-size 14336 --seq-length 8192 --max-position-embeddings 8192 --swiglu --normalization RMSNorm
-    --norm-epsilon 1e-5 --position-embedding-type rope --rotary-base 500000 --untie-embeddings-and-output-weights
-    --disable-bias-linear --bf16 --attention-dropout 0.0 --hidden-dropout 0.0
-    --tokenizer-type NullTokenizer --vocab-size 128256 --micro-batch-size 1 --global-batch-size 128
-    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 100 --train-iters 1000
-    --weight-decay 0.1 --clip-grad 1.0 --use-distributed-optimizer --mock-data --save /tmp/ckpt --save-interval 500
-    --ckpt-format torch_dist --log-interval 10 --eval-iters 0
+# A Llama-3-8B-shaped run (GQA, SwiGLU, RMSNorm, rope, untied, bf16) on TP=2 x PP=2 x DP=2, and a
+# Mixtral-8x22B-shaped MoE on TP=4 x EP=2 (DP=2). The two differ in every size and parallel degree, so a value
+# validate_args derives from them is told apart from a default (see mconvert.mappings.megatron_releases).
+_RUN = """
+    --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --position-embedding-type rope --group-query-attention
+    --untie-embeddings-and-output-weights --disable-bias-linear --bf16 --attention-dropout 0.0 --hidden-dropout 0.0
+    --tokenizer-type NullTokenizer --micro-batch-size 1 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine
+    --lr-warmup-iters 100 --train-iters 1000 --weight-decay 0.1 --clip-grad 1.0 --use-distributed-optimizer
+    --mock-data --save /tmp/ckpt --save-interval 500 --ckpt-format torch_dist --log-interval 10 --eval-iters 0
+    --sequence-parallel
 """
 SHAPES = {
-    "dense": (_COMMON + "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel", 8),
-    # a Mixtral-8x7B-shaped MoE on TP=2 x EP=4 (DP=4)
-    "moe": (_COMMON + """--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel
-             --num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall
-             --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 4""",
-            8),
+    "dense": (_RUN + """--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8
+              --ffn-hidden-size 14336 --seq-length 8192 --max-position-embeddings 8192 --rotary-base 500000
+              --vocab-size 128256 --global-batch-size 128
+              --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2""", 8),
+    "moe": (_RUN + """--num-layers 56 --hidden-size 6144 --num-attention-heads 48 --num-query-groups 8
+            --ffn-hidden-size 16384 --seq-length 4096 --max-position-embeddings 65536 --rotary-base 1000000
+            --vocab-size 32768 --global-batch-size 256
+            --tensor-model-parallel-size 4 --pipeline-model-parallel-size 1 --expert-model-parallel-size 2
+            --num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall
+            --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2""", 8),
 }
 
 _CHILD = r'''
@@ -114,12 +124,15 @@ mcu.is_te_min_version = lambda *a, **k: True
 if hasattr(mcu, "get_te_version"):
     from packaging.version import Version
     mcu.get_te_version = lambda: Version("2.8.0")
-sys.argv = ["pretrain_gpt.py", *argv]
 import megatron.training.arguments as A
 for name in ("is_te_min_version", "get_te_version"):
     if hasattr(A, name):
         setattr(A, name, getattr(mcu, name))
+sys.argv = ["pretrain_gpt.py"]
+defaults = vars(A.parse_args()).copy()  # argparse's defaults: no option given
+sys.argv = ["pretrain_gpt.py", *argv]
 args = A.parse_args()
+given = sorted(k for k, v in vars(args).items() if k not in defaults or defaults[k] != v)
 A.validate_args(args, {})
 from megatron.training.global_vars import _build_tokenizer
 _build_tokenizer(args)  # what set_global_variables runs: sets padded_vocab_size
@@ -154,7 +167,8 @@ def encode(v):
 ns = {k: encode(v) for k, v in sorted(vars(args).items())}
 with open(out, "w") as f:
     json.dump({"release": os.environ["MLM_RELEASE"], "argv": argv, "stubbed_imports": sorted(set(_STUBBED)),
-               "fields": len(ns), "args": ns}, f, indent=1, sort_keys=False)
+               "fields": len(ns), "given": given, "args": ns,
+               "argparse_defaults": {k: encode(v) for k, v in sorted(defaults.items())}}, f, indent=1)
     f.write("\n")
 '''
 
