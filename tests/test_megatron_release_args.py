@@ -123,7 +123,7 @@ def _as_written(run: str, own: argparse.Namespace, **changes: object) -> argpars
         f = MEGATRON_ARGS.get(k)
         if f is not None and f.kind == MAPPED and k not in mine:
             a[k] = None
-    a.update({k: v for k, v in mine.items() if k != "params_dtype"})
+    a.update({k: v for k, v in mine.items() if k not in ("params_dtype", "model_family")})  # mconvert's own name
     tp, pp = mine.get("tensor_model_parallel_size", 1), mine.get("pipeline_model_parallel_size", 1)
     etp = mine.get("expert_tensor_parallel_size") or tp
     derived = {"tensor_parallel_num_weight_shards": tp, "expert_tensor_parallel_size": etp,
@@ -294,3 +294,30 @@ def test_the_closest_release_is_told_by_the_field_set() -> None:
         found = megatron_releases.closest_release(names)
         assert found is not None and found[:2] == (release, len(names)) and found[2] == 1.0
     assert megatron_releases.closest_release(["frobnicate"]) is None
+
+
+@pytest.mark.parametrize("release", ["core_v0.9.0", "core_v0.14.0", "main"])
+def test_inspect_names_the_release_that_wrote_the_args_and_the_fields_it_read(release: str, moe, tmp_path: Path,
+                                                                              capsys) -> None:
+    ckpt = _copy_with_args(base()["ckpt"], tmp_path / "ckpt", f"{release}_dense", RANK_FILES)
+    code, out, err = run_cli(["inspect", ckpt, "--json"], capsys)
+    assert code == 0, err
+    from mconvert.convert.io.safeload import safe_load
+
+    w = json.loads(out)["writer"]
+    written = vars(safe_load(next(ckpt.glob(RANK_FILES)))["args"])  # the release's fields and the tiny model's
+    assert (w["writer"], w["release"], w["fields"]) == ("Megatron-LM", release, len(written))
+    assert {"num_layers", "hidden_size", "num_query_groups", "swiglu", "normalization"} <= set(w["read"])
+    assert sum(w["counts"].values()) == w["fields"]
+    code, out, _ = run_cli(["inspect", ckpt], capsys)
+    era = release if release == "main" else release.rsplit(".", 1)[0]
+    assert code == 0 and f"Megatron-LM {era}-era args" in out
+
+
+def test_inspect_names_mconvert_as_the_writer_of_its_own_checkpoints(capsys) -> None:
+    code, out, err = run_cli(["inspect", base()["ckpt"], "--json"], capsys)
+    assert code == 0, err
+    w = json.loads(out)["writer"]
+    assert w["writer"] == "mconvert" and "model_family" in w["read"]
+    code, out, _ = run_cli(["inspect", base()["hf"], "--json"], capsys)
+    assert code == 0 and json.loads(out)["writer"] is None

@@ -68,12 +68,31 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
         })
     files = src.files() if hasattr(src, "files") and callable(src.files) else None
     return {
+        "writer": writer_of(src),
         "path": str(path), "format": src.format, "iteration": getattr(src, "iteration", None),
         "tp": tp, "pp": pp, "vpp": vpp, "ep": getattr(src, "ep", 1), "spec": spec.to_dict(),
         "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
         "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
         "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params, "files": files,
     }
+
+
+def writer_of(src: Any) -> dict[str, Any] | None:
+    """Which program wrote the checkpoint and which of its fields were read (None for an HF directory).
+
+    A source whose configuration is not a Megatron `args` Namespace (a Megatron-Bridge `run_config.yaml`)
+    answers for itself through a `writer()` method returning the same keys: `writer`, `summary`, `fields`,
+    `read`, `counts`."""
+    own = getattr(src, "writer", None)
+    if callable(own):
+        return own()
+    args = getattr(src, "args", None)
+    if args is None:
+        return None
+    from mconvert.convert.checkpoint import args_dict
+    from mconvert.mappings.megatron_releases import describe_args
+
+    return describe_args(args_dict(args, src.path))
 
 
 def render_inspect(info: dict[str, Any]) -> Any:
@@ -85,6 +104,11 @@ def render_inspect(info: dict[str, Any]) -> Any:
     head.add_row("parallel", f"TP={info['tp']} PP={info['pp']}" + (f" VPP={info['vpp']}" if info["vpp"] else "")
                  + (f" EP={info['ep']}" if info.get("ep", 1) > 1 else ""))
     head.add_row("iteration", str(info["iteration"]))
+    w = info.get("writer")
+    if w:
+        head.add_row("written by", rich_safe(w["summary"]))
+        judged = ", ".join(f"{n} {k}" for k, n in w["counts"].items() if n)
+        head.add_row("fields read", rich_safe(f"{', '.join(w['read'])}  ({judged})"))
     head.add_row("family", s["family"])
     head.add_row("parameters", f"{info['parameters']:,}")
     for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",

@@ -128,6 +128,44 @@ def closest_release(names: Iterable[str]) -> tuple[str, int, float] | None:
     return best
 
 
+def describe_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    """Which writer a Megatron `args` dict comes from, and how the guard read each of its fields.
+
+    `writer`: "Megatron-LM" with the `release` whose field set matches best (and the `similarity`, 1.0 for an
+    exact match), or "mconvert" for the few fields mconvert's trainer / hf-to-megatron store (with
+    `model_family`, its own name, and less than half of any release's field set). `read`: the fields read into the ModelSpec; `counts`: how many fields each rule judged."""
+    from mconvert.mappings import fields as F
+
+    counts = {"read": 0, "checked": 0, "neutral": 0, "release default": 0, "inert family": 0, "unset": 0}
+    read: list[str] = []
+    for name, value in args.items():
+        entry = F._entry(F.MEGATRON_ARGS, name)
+        if entry is not None:
+            kind = {F.MAPPED: "read", F.REFUSED: "checked", F.NEUTRAL: "neutral"}[entry.kind]
+            if kind == "read":
+                kind = "read" if value is not None else "unset"
+                read += [name] if value is not None else []
+            counts[kind] += 1
+        elif name.startswith(F.INERT_PREFIXES):
+            counts["inert family"] += 1
+        elif is_release_default(name, value):
+            counts["release default"] += 1
+        else:
+            counts["unset"] += 1  # None or False (anything else the guard refuses before inspect runs)
+    out: dict[str, Any] = {"fields": len(args), "read": sorted(read), "counts": counts}
+    best = closest_release(args)
+    if "model_family" in args and (best is None or best[2] < 0.5):
+        what = "trainer" if "train_iters" in args else "hf-to-megatron / reshard"
+        return {"writer": "mconvert", "summary": f"mconvert {what} args ({len(args)} fields)", **out}
+    if best is None:
+        return {"writer": "unknown", "summary": f"args of an unknown writer ({len(args)} fields)", **out}
+    release, n, similarity = best
+    era = release if release == "main" else release.rsplit(".", 1)[0]
+    how = "" if similarity == 1.0 else f", {similarity:.1%} alike"
+    return {"writer": "Megatron-LM", "release": release, "similarity": round(similarity, 3),
+            "summary": f"Megatron-LM {era}-era args ({len(args)} fields; {release} stores {n}{how})", **out}
+
+
 def build(source: Path = SOURCE) -> dict[str, Any]:
     """The table from the release Namespaces in `source` (`<release>_<shape>.json`, see the module docstring)."""
     runs: dict[str, list[dict]] = {}
