@@ -321,3 +321,11 @@ def test_inspect_names_mconvert_as_the_writer_of_its_own_checkpoints(capsys) -> 
     assert w["writer"] == "mconvert" and "model_family" in w["read"]
     code, out, _ = run_cli(["inspect", base()["hf"], "--json"], capsys)
     assert code == 0 and json.loads(out)["writer"] is None
+
+
+def test_no_option_family_passed_at_any_value_holds_a_mapped_or_refused_arg() -> None:
+    """An `INERT_PREFIXES` family configures only the run: none of its listed members is read or refused."""
+    from mconvert.mappings.fields import INERT_PREFIXES, NEUTRAL
+
+    wrong = [k for k, f in MEGATRON_ARGS.items() if f.kind != NEUTRAL and k.startswith(INERT_PREFIXES)]
+    assert not wrong

@@ -149,7 +149,7 @@ def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
 INERT_PREFIXES = (
     "adam_", "sgd_", "muon_", "lion_", "optimizer_", "lr_", "rl_", "grpo_", "inference_", "logits_save_",
     "logits_load_", "data_", "dataloader_", "tokenizer_", "log_", "logging_", "tensorboard_", "wandb_",
-    "one_logger_", "profile_", "flight_recorder_", "straggler_", "inprocess_", "ft_", "rerun_", "ckpt_",
+    "one_logger_", "profile_", "flight_recorder_", "straggler_", "inprocess_", "rerun_", "ckpt_",
     "async_ckpt_", "dist_ckpt_", "non_persistent_", "save_", "load_", "eval_", "exit_", "nccl_", "tp_comm_",
     "ddp_", "cuda_graph_", "megatron_fsdp_",
 )
