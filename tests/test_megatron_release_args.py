@@ -329,3 +329,23 @@ def test_no_option_family_passed_at_any_value_holds_a_mapped_or_refused_arg() ->
 
     wrong = [k for k, f in MEGATRON_ARGS.items() if f.kind != NEUTRAL and k.startswith(INERT_PREFIXES)]
     assert not wrong
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_resharded_newest_release_checkpoint_converts_to_the_same_hf_tensors(fmt: str, tmp_path: Path,
+                                                                               capsys) -> None:
+    """reshard re-derives what validate_args derives from the layout (weight shards per TP rank), so its own
+    TP=1 output of main's args is read back, and it computes what the source did."""
+    from mconvert.convert.io.safeload import safe_load
+
+    ckpt = _copy_with_args(base()["ckpt"], tmp_path / "ckpt", "main_dense", RANK_FILES)
+    out = tmp_path / "r"
+    code, _, err = run_cli(["reshard", ckpt, out, "--tp", "1", "--pp", "1", "--format", fmt], capsys)
+    assert code == 0, err
+    args = safe_load(next(out.rglob("model_optim_rng.pt" if fmt == "torch" else "common.pt")))["args"]
+    assert (args.tensor_model_parallel_size, args.tensor_parallel_num_weight_shards) == (1, 1)
+    assert args.inference_cuda_graph_scope.value == 1  # the inert stand-in written back under its class
+    code, _, err = run_cli(["megatron-to-hf", out, tmp_path / "hf"], capsys)
+    assert code == 0, err
+    got, ref = hf_tensors(tmp_path / "hf"), hf_tensors(base()["ref"])
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
