@@ -90,9 +90,39 @@ def writer_of(src: Any) -> dict[str, Any] | None:
     if args is None:
         return None
     from mconvert.convert.checkpoint import args_dict
-    from mconvert.mappings.megatron_releases import describe_args
 
-    return describe_args(args_dict(args, src.path))
+    return describe_megatron_args(args_dict(args, src.path))
+
+
+def describe_megatron_args(args: dict[str, Any]) -> dict[str, Any]:
+    """Which writer a Megatron `args` dict comes from, and how the guard judged each of its fields.
+
+    `writer`: "Megatron-LM" with the `release` whose field set matches best (and the `similarity`, 1.0 for an
+    exact match), or "mconvert" for the few fields mconvert's trainer / hf-to-megatron store (with
+    `model_family`, its own name, and less than half of any release's field set). `read`: the fields read into
+    the ModelSpec; `counts`: how many fields each rule of `fields.megatron_rule` judged."""
+    from mconvert.mappings.fields import megatron_rule
+    from mconvert.mappings.megatron_releases import closest_release
+
+    counts = dict.fromkeys(("read", "checked", "neutral", "release default", "inert family", "unset"), 0)
+    read = []
+    for name, value in args.items():
+        rule = megatron_rule(name, value)
+        counts[rule] = counts.get(rule, 0) + 1
+        if rule == "read":
+            read.append(name)
+    out: dict[str, Any] = {"fields": len(args), "read": sorted(read), "counts": counts}
+    best = closest_release(args)
+    if "model_family" in args and (best is None or best[2] < 0.5):
+        what = "trainer" if "train_iters" in args else "hf-to-megatron / reshard"
+        return {"writer": "mconvert", "summary": f"mconvert {what} args ({len(args)} fields)", **out}
+    if best is None:
+        return {"writer": "unknown", "summary": f"args of an unknown writer ({len(args)} fields)", **out}
+    release, n, similarity = best
+    era = release if release == "main" else release.rsplit(".", 1)[0]
+    how = "" if similarity == 1.0 else f", {similarity:.1%} alike"
+    return {"writer": "Megatron-LM", "release": release, "similarity": round(similarity, 3),
+            "summary": f"Megatron-LM {era}-era args ({len(args)} fields; {release} stores {n}{how})", **out}
 
 
 def render_inspect(info: dict[str, Any]) -> Any:

@@ -167,6 +167,21 @@ def unlisted_passes(name: str, value: Any) -> bool:
     return is_release_default(name, value)
 
 
+def megatron_rule(name: str, value: Any) -> str:
+    """Which rule judges Megatron arg `name` holding `value` (what `inspect` reports): "read", "checked"
+    (refused unless allowed), "neutral", "inert family", "release default", "unset" or "refused"."""
+    f = _entry(MEGATRON_ARGS, name)
+    if f is not None:
+        if f.kind == MAPPED:
+            return "read" if value is not None else "unset"
+        return "checked" if f.kind == REFUSED else "neutral"
+    if name.startswith(INERT_PREFIXES):
+        return "inert family"
+    if value is None or value is False:
+        return "unset"
+    return "release default" if unlisted_passes(name, value) else "refused"
+
+
 def key_names(table: Mapping[str, Field]) -> dict[str, str]:
     """ModelSpec field -> the key a source spells it with (the first mapped entry of the table)."""
     out: dict[str, str] = {}

@@ -38,20 +38,17 @@ def _class_path(cls: type) -> str:
 
 def encode(v: Any) -> Any:
     """`v` as JSON data: plain values as they are, everything else tagged with `__py__` (see module docstring)."""
-    from mconvert.convert.io.safeload import StandIn
-
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else {"__py__": "float", "repr": repr(v)}
     if isinstance(v, enum.Enum):
         return {"__py__": "enum", "class": _class_path(type(v)), "value": encode(v.value)}
-    if isinstance(v, StandIn):
-        how, args = getattr(v, "_made", ("new", ()))
-        if how == "call" and len(args) == 1 and not v.kwargs:  # an enum member pickles as `E(value)`
-            return {"__py__": "enum", "class": _class_path(type(v)), "value": encode(args[0])}
-        fields = {k: encode(x) for k, x in v.__dict__.items() if k not in ("args", "kwargs")}
-        return {"__py__": "dataclass", "class": _class_path(type(v)), "fields": fields}
+    if callable(getattr(type(v), "inert_value", None)):  # the unpickler's stand-in for a class it does not import
+        kind, held = v.inert_value()
+        if kind == "enum":
+            return {"__py__": "enum", "class": _class_path(type(v)), "value": encode(held)}
+        return {"__py__": "dataclass", "class": _class_path(type(v)), "fields": {k: encode(x) for k, x in held.items()}}
     if isinstance(v, torch.dtype):
         return {"__py__": "torch.dtype", "name": str(v).removeprefix("torch.")}
     if isinstance(v, list):
@@ -126,44 +123,6 @@ def closest_release(names: Iterable[str]) -> tuple[str, int, float] | None:
         if score and (best is None or score > best[2]):
             best = (rel["name"], rel["fields"], score)
     return best
-
-
-def describe_args(args: Mapping[str, Any]) -> dict[str, Any]:
-    """Which writer a Megatron `args` dict comes from, and how the guard read each of its fields.
-
-    `writer`: "Megatron-LM" with the `release` whose field set matches best (and the `similarity`, 1.0 for an
-    exact match), or "mconvert" for the few fields mconvert's trainer / hf-to-megatron store (with
-    `model_family`, its own name, and less than half of any release's field set). `read`: the fields read into the ModelSpec; `counts`: how many fields each rule judged."""
-    from mconvert.mappings import fields as F
-
-    counts = {"read": 0, "checked": 0, "neutral": 0, "release default": 0, "inert family": 0, "unset": 0}
-    read: list[str] = []
-    for name, value in args.items():
-        entry = F._entry(F.MEGATRON_ARGS, name)
-        if entry is not None:
-            kind = {F.MAPPED: "read", F.REFUSED: "checked", F.NEUTRAL: "neutral"}[entry.kind]
-            if kind == "read":
-                kind = "read" if value is not None else "unset"
-                read += [name] if value is not None else []
-            counts[kind] += 1
-        elif name.startswith(F.INERT_PREFIXES):
-            counts["inert family"] += 1
-        elif is_release_default(name, value):
-            counts["release default"] += 1
-        else:
-            counts["unset"] += 1  # None or False (anything else the guard refuses before inspect runs)
-    out: dict[str, Any] = {"fields": len(args), "read": sorted(read), "counts": counts}
-    best = closest_release(args)
-    if "model_family" in args and (best is None or best[2] < 0.5):
-        what = "trainer" if "train_iters" in args else "hf-to-megatron / reshard"
-        return {"writer": "mconvert", "summary": f"mconvert {what} args ({len(args)} fields)", **out}
-    if best is None:
-        return {"writer": "unknown", "summary": f"args of an unknown writer ({len(args)} fields)", **out}
-    release, n, similarity = best
-    era = release if release == "main" else release.rsplit(".", 1)[0]
-    how = "" if similarity == 1.0 else f", {similarity:.1%} alike"
-    return {"writer": "Megatron-LM", "release": release, "similarity": round(similarity, 3),
-            "summary": f"Megatron-LM {era}-era args ({len(args)} fields; {release} stores {n}{how})", **out}
 
 
 def build(source: Path = SOURCE) -> dict[str, Any]:

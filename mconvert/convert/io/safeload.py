@@ -91,6 +91,14 @@ class StandIn:
         state = getattr(self, "_state", None)
         return rv if state is None else (*rv, state)
 
+    def inert_value(self) -> tuple[str, Any]:
+        """What it holds, as data: ("enum", value) for an enum member (made as `E(value)`), else ("object",
+        its attributes) for a data object."""
+        how, args = getattr(self, "_made", ("new", ()))
+        if how == "call" and len(args) == 1 and not self.__dict__.get("kwargs"):
+            return "enum", args[0]
+        return "object", {k: v for k, v in self.__dict__.items() if k not in ("args", "kwargs")}
+
     def __repr__(self) -> str:
         if "args" in self.__dict__:
             return f"{type(self).__name__}{self.args}"
