@@ -258,6 +258,7 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "moe_router_topk": mapped("moe_router_topk", INT, 2),
 }
 
+
 def _yarn_unused(_: Any, a: Mapping[str, Any]) -> bool:
     """YaRN's factors are read by YaRN rope, multi-latent attention and DSA (megatron-core's
     YarnRotaryEmbedding users), and by nothing else."""
