@@ -153,13 +153,14 @@ def moe(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory) -> dict[str, Path]:
-    """The tiny base checkpoint as torch_dist (args in common.pt) at TP=2."""
+def dist(moe, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """The tiny dense and MoE checkpoints as torch_dist (args in common.pt) at TP=2 (x EP=2)."""
     from mconvert.convert.driver import hf_to_megatron
 
     d = tmp_path_factory.mktemp("dist")
-    hf_to_megatron(base()["hf"], d / "ckpt", tp=2, format="torch_dist")
-    return {"ckpt": d / "ckpt", "ref": base()["ref"]}
+    hf_to_megatron(base()["hf"], d / "dense", tp=2, format="torch_dist")
+    hf_to_megatron(moe["ckpt"].parent / "hf", d / "moe", tp=2, ep=2, format="torch_dist")
+    return {"dense": {"ckpt": d / "dense", "ref": base()["ref"]}, "moe": {"ckpt": d / "moe", "ref": moe["ref"]}}
 
 
 def _fixture(shape: str, moe: dict[str, Path]) -> dict[str, Path]:
@@ -226,24 +227,25 @@ def test_a_releases_real_args_convert_and_a_function_changing_value_is_refused(r
     assert_one_line_error(code, err, f"{name}=")
 
 
-@pytest.mark.parametrize("release", RELEASES)
-def test_a_releases_real_args_in_torch_dist_common_pt_convert(release: str, dist, tmp_path: Path, capsys) -> None:
-    run = f"{release}_dense"
-    ckpt = _copy_with_args(dist["ckpt"], tmp_path / "ok", run, "release/common.pt")
+@pytest.mark.parametrize("run", RUNS)
+def test_a_releases_real_args_in_torch_dist_common_pt_convert(run: str, dist, tmp_path: Path, capsys) -> None:
+    src = dist[run.rsplit("_", 1)[1]]["ckpt"]
+    ckpt = _copy_with_args(src, tmp_path / "ok", run, "release/common.pt")
     code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf", "--dry-run"], capsys)
     assert code == 0, err
     name, value = _function_changing(run)
-    bad = _copy_with_args(dist["ckpt"], tmp_path / "bad", run, "release/common.pt", **{name: value})
+    bad = _copy_with_args(src, tmp_path / "bad", run, "release/common.pt", **{name: value})
     code, _, err = run_cli(["megatron-to-hf", bad, tmp_path / "hf2", "--dry-run"], capsys)
     assert_one_line_error(code, err, f"{name}=")
 
 
 @pytest.mark.parametrize("run,files", [("main_dense", RANK_FILES), ("main_moe", RANK_FILES),
-                                       ("main_dense", "release/common.pt")])
+                                       ("main_dense", "release/common.pt"), ("main_moe", "release/common.pt")])
 def test_the_newest_args_convert_to_the_same_hf_tensors(run: str, files: str, moe, dist, tmp_path: Path,
                                                        capsys) -> None:
     """The args decide nothing the checkpoint's own did not: the HF output is tensor-identical."""
-    fix = dist if files.endswith("common.pt") else _fixture(run.rsplit("_", 1)[1], moe)
+    shape = run.rsplit("_", 1)[1]
+    fix = dist[shape] if files.endswith("common.pt") else _fixture(shape, moe)
     ckpt = _copy_with_args(fix["ckpt"], tmp_path / "ckpt", run, files)
     code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
     assert code == 0, err
