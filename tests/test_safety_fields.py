@@ -124,8 +124,20 @@ def test_a_function_changing_megatron_arg_is_refused_by_name(name: str, value) -
     args = _args(**{name: value})
     if name == "gated_linear_unit":
         args.swiglu = False  # GeGLU: gated, not SwiGLU
+    if name == "rotary_scaling_factor":
+        args.multi_latent_attention = True  # the YaRN factor is live (read by MLA's rope); named first
     with pytest.raises(MConvertError, match=f"{name}="):
         spec_from_megatron_args(args, source="x/model_optim_rng.pt")
+
+
+@pytest.mark.parametrize("name,value", [("rotary_scaling_factor", 40.0), ("mscale", 0.707), ("mscale_all_dim", 0.0),
+                                        ("yarn_beta_fast", 32.0)])
+def test_a_yarn_factor_passes_where_no_yarn_rope_reads_it(name: str, value) -> None:
+    """megatron-core reads YaRN's factors only for YaRN rope, MLA and DSA; with plain rope they are dead."""
+    assert spec_from_megatron_args(_args(**{name: value})) == preset("tiny-llama")
+    for live in ({"multi_latent_attention": True}, {"experimental_attention_variant": "dsa"}):
+        with pytest.raises(MConvertError, match=f"{name}="):
+            spec_from_megatron_args(_args(**{name: value}, **live), source="x/model_optim_rng.pt")
 
 
 def test_rope_scaling_and_qk_layernorm_args_are_read_into_the_spec() -> None:

@@ -1134,6 +1134,14 @@ def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, e
         ns.expert_model_parallel_size = ep
         if getattr(ns, "expert_tensor_parallel_size", None) is not None:  # expert TP follows TP
             ns.expert_tensor_parallel_size = tp
+    # what Megatron-LM's validate_args derives from the layout follows it (readers refuse weight shards
+    # other than one per TP rank)
+    if getattr(ns, "tensor_parallel_num_weight_shards", None) is not None:
+        ns.tensor_parallel_num_weight_shards = tp
+    if getattr(ns, "expert_tensor_parallel_num_weight_shards", None) is not None:
+        ns.expert_tensor_parallel_num_weight_shards = getattr(ns, "expert_tensor_parallel_size", None) or tp
+    if getattr(ns, "transformer_pipeline_model_parallel_size", None) is not None:
+        ns.transformer_pipeline_model_parallel_size = pp
     if getattr(ns, "vocab_size", None) is None:
         ns.vocab_size = spec.vocab_size
     return ns

@@ -142,10 +142,55 @@ def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, wh
 
 
 def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
-    """Refuse Megatron args that change the function and are not mapped (one line naming the arg); with
-    `position_embedding_type='yarn'` the YaRN args are mapped (`MEGATRON_YARN_ARGS`)."""
-    yarn = args.get("position_embedding_type") == "yarn"
-    check(args, {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if yarn else MEGATRON_ARGS, source, "Megatron arg")
+    """Refuse Megatron args that change the function and are not mapped (one line naming each arg); with
+    `position_embedding_type='yarn'` the YaRN args are mapped (`MEGATRON_YARN_ARGS`).
+
+    A name in no table is judged by `unlisted_passes` first: at a known release's default, or of a class of
+    options that cannot reach the model's function, it passes; otherwise `check` refuses it by name."""
+    table = {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if args.get("position_embedding_type") == "yarn" else MEGATRON_ARGS
+    check({k: v for k, v in args.items() if not unlisted_passes(k, v, table)}, table, source, "Megatron arg")
+
+
+# Option families of Megatron-LM that configure the run around the model, never the network: optimizers,
+# schedules, RL and inference serving, data, tokenizer files, logging, profiling, checkpoint I/O, fault
+# tolerance, communication overlap. A new release's new option of one of these families passes at any value;
+# one of any other family (a model, attention, norm, MoE or precision option) passes only unset or at a
+# known release's default. A family that holds a function-changing option is not listed here.
+INERT_PREFIXES = (
+    "adam_", "sgd_", "muon_", "lion_", "optimizer_", "lr_", "rl_", "grpo_", "inference_", "logits_save_",
+    "logits_load_", "data_", "dataloader_", "tokenizer_", "log_", "logging_", "tensorboard_", "wandb_",
+    "one_logger_", "profile_", "flight_recorder_", "straggler_", "inprocess_", "rerun_", "ckpt_",
+    "async_ckpt_", "dist_ckpt_", "non_persistent_", "save_", "load_", "eval_", "exit_", "nccl_", "tp_comm_",
+    "ddp_", "cuda_graph_", "megatron_fsdp_",
+)
+
+
+def unlisted_passes(name: str, value: Any, table: Mapping[str, Field] | None = None) -> bool:
+    """True for an arg no table lists that cannot change the model: of an `INERT_PREFIXES` family, or holding
+    the default of a known Megatron-LM release (mappings/megatron_releases.py). `table`: the table that judges
+    the args (default `MEGATRON_ARGS`)."""
+    if _entry(MEGATRON_ARGS if table is None else table, name) is not None:
+        return False
+    if name.startswith(INERT_PREFIXES):
+        return True
+    from mconvert.mappings.megatron_releases import is_release_default
+
+    return is_release_default(name, value)
+
+
+def megatron_rule(name: str, value: Any) -> str:
+    """Which rule judges Megatron arg `name` holding `value` (what `inspect` reports): "read", "checked"
+    (refused unless allowed), "neutral", "inert family", "release default", "unset" or "refused"."""
+    f = _entry(MEGATRON_ARGS, name)
+    if f is not None:
+        if f.kind == MAPPED:
+            return "read" if value is not None else "unset"
+        return "checked" if f.kind == REFUSED else "neutral"
+    if name.startswith(INERT_PREFIXES):
+        return "inert family"
+    if value is None or value is False:
+        return "unset"
+    return "release default" if unlisted_passes(name, value) else "refused"
 
 
 def key_names(table: Mapping[str, Field]) -> dict[str, str]:
@@ -227,6 +272,14 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "window_attn_skip_freq": mapped("window_pattern", (int, list, tuple)),
 }
 
+
+def _yarn_unused(_: Any, a: Mapping[str, Any]) -> bool:
+    """YaRN's factors are read by YaRN rope, multi-latent attention and DSA (megatron-core's
+    YarnRotaryEmbedding users), and by nothing else."""
+    return (a.get("position_embedding_type") != "yarn" and not a.get("multi_latent_attention")
+            and not a.get("experimental_attention_variant"))
+
+
 def _decoder_only(v: Any, args: Mapping[str, Any]) -> bool:
     """Megatron-LM's training loop stores `args.model_type = ModelType.encoder_or_decoder` (value 1) for GPT: read
     as a stand-in enum member (`.value`), a plain int or its name; encoder-decoder and retro models differ."""
@@ -238,11 +291,28 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     # the model class Megatron-LM's training loop built (not an argparse option)
     "model_type": refused("only a decoder-only model (ModelType.encoder_or_decoder) is mapped", None,
                           _decoder_only),
-    # rope variants
-    "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0),
+    # rope variants (YaRN's factors are dead values unless `_yarn_unused` says otherwise)
+    "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0, _yarn_unused),
     "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope"),
-    "mscale": refused("YaRN mscale is not mapped", 1.0),
-    "mscale_all_dim": refused("YaRN mscale is not mapped", 1.0),
+    "mscale": refused("YaRN mscale is not mapped", 1.0, _yarn_unused),
+    "mscale_all_dim": refused("YaRN mscale is not mapped", 1.0, _yarn_unused),
+    "beta_fast": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "beta_slow": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "yarn_beta_fast": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "yarn_beta_slow": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "original_max_position_embeddings": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "yarn_original_max_position_embeddings": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    # weight shards beyond tensor parallelism (GTP weight rematerialisation): validate_args derives them
+    # from the layout; only the plain layout (one shard per TP rank) is read
+    "tensor_parallel_num_weight_shards": refused(
+        "weights sharded beyond tensor parallelism (GTP) are not read", None,
+        lambda v, a: v == (a.get("tensor_model_parallel_size") or 1)),
+    "expert_tensor_parallel_num_weight_shards": refused(
+        "expert weights sharded beyond expert tensor parallelism (GTP) are not read", None,
+        lambda v, a: v == (a.get("expert_tensor_parallel_size") or a.get("tensor_model_parallel_size") or 1)),
+    "gtp_weight_remat_size": refused("weights sharded beyond tensor parallelism (GTP) are not read", 1),
+    "expert_gtp_weight_remat_size": refused("expert weights sharded beyond tensor parallelism (GTP) are not read",
+                                            1),
     "no_rope_freq": refused("layers without rope are not mapped", None),
     "mrope_section": refused("multimodal rope is not mapped", None),
     "use_rotary_position_embeddings": refused("older rope flag without position_embedding_type='rope'", False,
