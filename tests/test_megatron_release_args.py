@@ -193,7 +193,7 @@ FUNCTION_CHANGING = [
     ("apply_residual_connection_post_layernorm", True), ("layernorm_zero_centered_gamma", True),
     ("squared_relu", True), ("qk_l2_norm", True), ("softmax_type", "off-by-one"), ("attention_output_gate", True),
     ("moe_router_score_function", "sigmoid"), ("use_mup", True), ("glu_linear_offset", 1.0),
-    ("window_size", (128, 0)), ("apply_layernorm_1p", True), ("moe_router_enable_expert_bias", True),
+    ("window_size", (128, 5)), ("apply_layernorm_1p", True), ("moe_router_enable_expert_bias", True),
 ]
 
 
