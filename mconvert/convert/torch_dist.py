@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mconvert.convert import dp_buckets
+from mconvert.convert import bridge, dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
@@ -57,6 +57,8 @@ DP_RESHARDABLE = "dp_reshardable"
 OPTIMIZER_LAYOUTS = dp_buckets.OPTIMIZER_LAYOUTS
 DP_DOMAIN = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded/shard_0_1")
 MAX_OBJECT_BYTES = 64 << 20  # param groups, bucket sizes: kilobytes
+# megatron-core >= 0.17 writes no common.pt: its entries are this ShardedObject of the DCP files
+COMMON_STATE = "common_state/shard_0_1"
 
 
 def _expert_template(name: str) -> str:
@@ -113,18 +115,6 @@ class TorchDistSource(SourceBase):
         if backend != "torch_dist":
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
                                 "re-save with --ckpt-format torch_dist or torch")
-        common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
-        common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
-        if "args" not in common:
-            raise MConvertError(f"{common_file}: no 'args' entry; cannot tell the model's shape")
-        self.args = common["args"]
-        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
-                                               f"{common_file}: checkpoint_version", "re-copy the checkpoint"))
-        if self.iteration != "release" and common.get("iteration") is not None:
-            self.iteration = common["iteration"]
-        a = args_dict(self.args, common_file)
-        self._common = dict(common)  # small: args, scheduler, counters (tensors live in the DCP files)
-        del common
         if not os.path.lexists(d / ".metadata"):
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
         self.reader = FileSystemReader(str(d))
@@ -132,9 +122,35 @@ class TorchDistSource(SourceBase):
         self.metadata = safe_load_dcp_metadata(inside_file(d, ".metadata", f"{d}: DCP metadata"))
         self._check_storage(d / ".metadata")
         self.reader.set_up_storage_reader(self.metadata, True)
+        common_file: Path | str = d / "common.pt"
+        if os.path.lexists(common_file) or COMMON_STATE not in self.metadata.state_dict_metadata:
+            common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
+            common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
+        else:  # newer megatron-core keeps the common entries in the DCP files, as one ShardedObject
+            common_file = f"{d} ({COMMON_STATE})"
+            common = checkpoint_dict(self._read_object(COMMON_STATE, MAX_OBJECT_BYTES), common_file)
+        # Megatron-Bridge: the model is its run_config.yaml's provider (its own loader reads nothing else)
+        self.run_config = bridge.find_run_config(d)
+        self.writer: dict[str, Any] | None = None
+        if self.run_config is not None:
+            cfg = bridge.read_run_config(self.run_config)
+            self.args, args_file = bridge.megatron_args(cfg, str(self.run_config)), self.run_config
+            self.writer = bridge.writer_info(cfg)
+        elif "args" in common:
+            self.args, args_file = common["args"], common_file
+        else:
+            raise MConvertError(f"{common_file}: no 'args' entry and no {bridge.RUN_CONFIG} beside it; cannot tell "
+                                "the model's shape")
+        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
+                                               f"{common_file}: checkpoint_version", "re-copy the checkpoint"))
+        if self.iteration != "release" and common.get("iteration") is not None:
+            self.iteration = common["iteration"]
+        a = args_dict(self.args, args_file)
+        self._common = {k: v for k, v in common.items() if k != "args" or self.run_config is None}
+        del common
 
         self.spec, self.tokenizer_dir, self.vocab_known = megatron_spec(
-            a, str(common_file), tokenizer, self.root, self.path
+            a, str(args_file), tokenizer, self.root, self.path, d / bridge.TOKENIZER_DIR
         )
         self.tp = int(a.get("tensor_model_parallel_size") or 1)
         self.pp = int(a.get("pipeline_model_parallel_size") or 1)
@@ -424,7 +440,7 @@ class TorchDistSource(SourceBase):
             counts[info.relative_path] = counts.get(info.relative_path, 0) + 1
         out = [{"path": rel, "bytes": os.stat(self.iter_dir / rel).st_size, "entries": n}
                for rel, n in sorted(counts.items())]
-        for name in (".metadata", "common.pt", "metadata.json"):
+        for name in (".metadata", "common.pt", "metadata.json", bridge.RUN_CONFIG, bridge.TRAIN_STATE):
             if os.path.isfile(self.iter_dir / name):
                 out.append({"path": name, "bytes": os.stat(self.iter_dir / name).st_size})
         return out
