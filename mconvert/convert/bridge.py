@@ -202,11 +202,12 @@ def writer_info(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- writing --------------------------------------------------------------------------------------------
-def bridge_divisor(vocab: int) -> int:
+def bridge_divisor(n: int) -> int:
     """Megatron-Bridge's `make_vocab_size_divisible_by` for an HF vocab (model_bridge.py): the largest power of
-    two up to 128 dividing it, so that with `should_pad_vocab` off the stored rows are the vocab itself."""
+    two up to 128 dividing it. Given the vocab / TP, the divisor × TP divides the vocab: no padding row is stored,
+    as Megatron-Bridge's own import (`should_pad_vocab` off) stores none."""
     d = 128
-    while vocab % d:
+    while n % d:
         d //= 2
     return d
 
