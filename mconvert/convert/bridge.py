@@ -25,7 +25,7 @@ import yaml
 
 from mconvert.convert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError, type_name
-from mconvert.mappings.fields import BRIDGE_MODEL, check, check_numbers, ARGS_NUMBERS
+from mconvert.mappings.fields import ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, check, check_numbers
 from mconvert.spec import ModelSpec
 
 RUN_CONFIG = "run_config.yaml"
@@ -148,7 +148,8 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
     `fields.BRIDGE_MODEL` table), so that one ModelSpec path serves both writers' checkpoints."""
     m = cfg["model"]
     provider_class(cfg, source)
-    check(m, BRIDGE_MODEL, source, "Megatron-Bridge model field")
+    check(m, BRIDGE_MODEL, source, "Megatron-Bridge model field",
+          unknown_hint="remove it from run_config.yaml if it is training-only")
     missing = [k for k in REQUIRED if k not in m]
     if missing:
         raise MConvertError(f"{source}: model has no {missing[0]!r}; mconvert reads every field from run_config.yaml "
@@ -191,14 +192,13 @@ def padded_vocab(m: dict[str, Any]) -> int:
 
 
 def writer_info(cfg: dict[str, Any]) -> dict[str, Any]:
-    """What `inspect` says of the writer: Megatron-Bridge, its version when the config records one, the provider."""
-    version = None
-    for section in ("logger", "checkpoint"):  # no release of it records one yet; read where one would go
-        s = cfg.get(section)
-        if isinstance(s, dict) and isinstance(s.get("megatron_bridge_version"), str):
-            version = s["megatron_bridge_version"]
-    cls = target(cfg.get("model")) or "?"
-    return {"writer": "Megatron-Bridge", "version": version, "provider": cls.rsplit(".", 1)[-1]}
+    """What `inspect` says of the writer: Megatron-Bridge, its version when the config records one (0.6 records
+    none), the provider class, and the model fields the ModelSpec was read from."""
+    version = next((v for v in (cfg.get("megatron_bridge_version"), cfg.get("version")) if isinstance(v, str)), None)
+    cls = (target(cfg.get("model")) or "?").rsplit(".", 1)[-1]
+    read = sorted(k for k, f in BRIDGE_MODEL.items() if f.kind == MAPPED and k in cfg["model"])
+    text = f"written by Megatron-Bridge{' ' + version if version else ''}, provider {cls}"
+    return {"writer": "Megatron-Bridge", "version": version, "provider": cls, "text": text, "fields_read": read}
 
 
 # ---- writing --------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
         "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
         "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
         "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params, "files": files,
+        **({"bridge": src.writer} if getattr(src, "writer", None) else {}),  # Megatron-Bridge (convert/bridge.py)
     }
 
 
@@ -85,6 +86,9 @@ def render_inspect(info: dict[str, Any]) -> Any:
     head.add_row("parallel", f"TP={info['tp']} PP={info['pp']}" + (f" VPP={info['vpp']}" if info["vpp"] else "")
                  + (f" EP={info['ep']}" if info.get("ep", 1) > 1 else ""))
     head.add_row("iteration", str(info["iteration"]))
+    if info.get("bridge"):
+        head.add_row("writer", info["bridge"]["text"])
+        head.add_row("fields read", rich_safe(" ".join(info["bridge"]["fields_read"])))
     head.add_row("family", s["family"])
     head.add_row("parameters", f"{info['parameters']:,}")
     for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",

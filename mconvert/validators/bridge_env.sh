@@ -29,9 +29,13 @@ PIP=("$VENV/bin/pip" install -q)
 # The CPU wheel on disk; every later install keeps it (no CUDA torch is ever pulled).
 "${PIP[@]}" torch==2.13.0 >&2
 "${PIP[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2 megatron-bridge==0.6.2 >&2
+# What the checkpoint and HF-conversion paths import (triton: megatron-core imports its kernels' module at start;
+# nvidia-modelopt, datasets, megatron-energon, tensorboard: Megatron-Bridge's training package imports them).
 "${PIP[@]}" "torch==2.13.0" "transformers==5.12.1" "packaging>=24.2" numpy safetensors accelerate \
-  omegaconf "hydra-core>=1.3.4,<1.4" pyyaml einops rich tqdm regex six typing-extensions sentencepiece >&2
-"$VENV/bin/python" -c "import torch, megatron.core, megatron.bridge, transformers; \
-assert '+cpu' in torch.__version__, torch.__version__; print('bridge venv ok', transformers.__version__)" >&2
+  "omegaconf==2.3.1" "hydra-core==1.3.8" "pyyaml==6.0.4" einops rich tqdm regex six typing-extensions \
+  sentencepiece "triton==3.9.0" "nvidia-modelopt==0.47.0" requests "datasets==5.2.0" "megatron-energon==7.4.1" \
+  "tensorboard==2.21.0" >&2
+"$VENV/bin/python" -c "import torch, transformers; assert '+cpu' in torch.__version__, torch.__version__; \
+print('bridge venv ok', transformers.__version__)" >&2
 touch "$STAMP"
 echo "$VENV/bin/python"
