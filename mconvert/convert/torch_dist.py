@@ -57,7 +57,7 @@ DP_RESHARDABLE = "dp_reshardable"
 OPTIMIZER_LAYOUTS = dp_buckets.OPTIMIZER_LAYOUTS
 DP_DOMAIN = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded/shard_0_1")
 MAX_OBJECT_BYTES = 64 << 20  # param groups, bucket sizes: kilobytes
-# megatron-core >= 0.17 writes no common.pt: its entries are this ShardedObject of the DCP files
+# newer megatron-core (0.19 here) writes no common.pt: its entries are this ShardedObject of the DCP files
 COMMON_STATE = "common_state/shard_0_1"
 
 
@@ -115,20 +115,11 @@ class TorchDistSource(SourceBase):
         if backend != "torch_dist":
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
                                 "re-save with --ckpt-format torch_dist or torch")
-        if not os.path.lexists(d / ".metadata"):
-            raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
-        self.reader = FileSystemReader(str(d))
-        # not reader.read_metadata(): that is a bare pickle.load (code execution from a foreign checkpoint)
-        self.metadata = safe_load_dcp_metadata(inside_file(d, ".metadata", f"{d}: DCP metadata"))
-        self._check_storage(d / ".metadata")
-        self.reader.set_up_storage_reader(self.metadata, True)
         common_file: Path | str = d / "common.pt"
-        if os.path.lexists(common_file) or COMMON_STATE not in self.metadata.state_dict_metadata:
+        common = None
+        if os.path.lexists(common_file) or not os.path.lexists(d / ".metadata"):
             common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
             common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
-        else:  # newer megatron-core keeps the common entries in the DCP files, as one ShardedObject
-            common_file = f"{d} ({COMMON_STATE})"
-            common = checkpoint_dict(self._read_object(COMMON_STATE, MAX_OBJECT_BYTES), common_file)
         # Megatron-Bridge: the model is its run_config.yaml's provider (its own loader reads nothing else)
         self.run_config = bridge.find_run_config(d)
         self.writer: dict[str, Any] | None = None
@@ -136,15 +127,31 @@ class TorchDistSource(SourceBase):
             cfg = bridge.read_run_config(self.run_config)
             self.args, args_file = bridge.megatron_args(cfg, str(self.run_config)), self.run_config
             self.writer = bridge.writer_info(cfg)
-        elif "args" in common:
+        elif common is not None and "args" in common:
             self.args, args_file = common["args"], common_file
-        else:
+        elif common is not None:
             raise MConvertError(f"{common_file}: no 'args' entry and no {bridge.RUN_CONFIG} beside it; cannot tell "
                                 "the model's shape")
-        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
-                                               f"{common_file}: checkpoint_version", "re-copy the checkpoint"))
-        if self.iteration != "release" and common.get("iteration") is not None:
-            self.iteration = common["iteration"]
+        if common is not None:
+            self._counters(common, common_file)
+        if not os.path.lexists(d / ".metadata"):
+            raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
+        self.reader = FileSystemReader(str(d))
+        # not reader.read_metadata(): that is a bare pickle.load (code execution from a foreign checkpoint)
+        self.metadata = safe_load_dcp_metadata(inside_file(d, ".metadata", f"{d}: DCP metadata"))
+        self._check_storage(d / ".metadata")
+        self.reader.set_up_storage_reader(self.metadata, True)
+        if common is None:  # newer megatron-core writes no common.pt: its entries are one ShardedObject
+            if COMMON_STATE not in self.metadata.state_dict_metadata:
+                inside_file(d, "common.pt", f"{d}: torch_dist common file")  # the one-line error of a missing file
+            common_file = f"{d} ({COMMON_STATE})"
+            common = checkpoint_dict(self._read_object(COMMON_STATE, MAX_OBJECT_BYTES), common_file)
+            if self.run_config is None and "args" not in common:
+                raise MConvertError(f"{common_file}: no 'args' entry and no {bridge.RUN_CONFIG} beside it; cannot "
+                                    "tell the model's shape")
+            if self.run_config is None:
+                self.args, args_file = common["args"], common_file
+            self._counters(common, common_file)
         a = args_dict(self.args, args_file)
         self._common = {k: v for k, v in common.items() if k != "args" or self.run_config is None}
         del common
@@ -171,6 +178,13 @@ class TorchDistSource(SourceBase):
         self._dp_slots: dict[str, list[tuple[int, int, int, int, tuple[int, ...]]]] = {}
         self._dp_dtype: Any = None
         self._index()
+
+    def _counters(self, common: dict[str, Any], where: Path | str) -> None:
+        """checkpoint_version and iteration of the common entries (common.pt or the DCP's common_state)."""
+        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
+                                               f"{where}: checkpoint_version", "re-copy the checkpoint"))
+        if self.iteration != "release" and common.get("iteration") is not None:
+            self.iteration = common["iteration"]
 
     @staticmethod
     def _backend(path: Path) -> str:
