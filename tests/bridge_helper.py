@@ -15,7 +15,8 @@ name its checkpoint and conversion paths touch but whose work does not happen on
 - the layer spec: Megatron-Bridge's default (and what mconvert's run_config.yaml names) is the Transformer Engine
   spec; here it is megatron-core's local spec, which saves and loads the same torch_dist keys (its
   `sharded_state_dict_keys_map` maps the norms to the TE names).
-- the fusions the Llama provider turns on (rope, persistent layer norm) are TE kernels: turned off for the import.
+- the fusions the providers turn on (rope, persistent layer norm, MoE permutation and router, grouped GEMM) are
+  TE kernels: turned off for the import, and MoE tokens go through the allgather dispatcher.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def import_hf(hf_dir: str, ckpt: str) -> None:
     provider.apply_rope_fusion = False
     provider.persist_layer_norm = False
     provider.gradient_accumulation_fusion = False
+    provider.moe_permute_fusion = False  # TE kernels, as above; the MoE dispatcher is the allgather one on CPU
+    provider.moe_router_fusion = False
+    provider.moe_grouped_gemm = False
+    provider.moe_token_dispatcher_type = "allgather"
     provider.finalize()
     with temporary_distributed_context(backend="gloo"):
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)

@@ -37,12 +37,19 @@ def _with_tokenizer(d: Path) -> Path:
 @lru_cache(maxsize=None)
 def hf_model(name: str) -> Path:
     """transformers' own random tiny model with the trainer's tokenizer: `llama` is the model the stored
-    run_config.yaml describes; `qwen3` has qk-norm and tied embeddings."""
+    run_config.yaml describes; `qwen3` has qk-norm and tied embeddings; `qwen3_moe` routes 4 experts, top 2."""
     import transformers
 
     d = WORK / f"hf-{name}"
     if name == "llama":
         make_hf_llama(d, vocab=1000)
+    elif name == "qwen3_moe":
+        torch.manual_seed(2)
+        cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=16, vocab_size=1000, max_position_embeddings=64, num_experts=4,
+                                          num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
+        transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(d)
     else:
         torch.manual_seed(1)
         cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -53,12 +60,12 @@ def hf_model(name: str) -> Path:
 
 
 @lru_cache(maxsize=None)
-def ours(name: str = "llama", tp: int = 1) -> Path:
+def ours(name: str = "llama", tp: int = 1, ep: int = 1) -> Path:
     """mconvert's torch_dist output with Megatron-Bridge's files (--bridge)."""
     from mconvert.convert.driver import hf_to_megatron
 
-    out = WORK / f"ours-{name}-tp{tp}"
-    hf_to_megatron(hf_model(name), out, tp=tp, format="torch_dist", bridge=True)
+    out = WORK / f"ours-{name}-tp{tp}-ep{ep}"
+    hf_to_megatron(hf_model(name), out, tp=tp, ep=ep, format="torch_dist", bridge=True)
     return out
 
 
@@ -210,7 +217,7 @@ def _run_bridge(python: str, *argv: Path | str) -> None:
 
 @pytest.mark.bridge
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
 def test_a_checkpoint_megatron_bridge_writes_converts_back_to_hf_tensor_identical(bridge_python, capsys, tmp_path,
                                                                                   name):
     ckpt = tmp_path / "bridge-ckpt"
@@ -227,7 +234,8 @@ def test_a_checkpoint_megatron_bridge_writes_converts_back_to_hf_tensor_identica
 
 @pytest.mark.bridge
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name, tp", [("llama", 2), ("qwen3", 1)])
-def test_megatron_bridge_export_reads_mconvert_torch_dist_into_the_same_hf_tensors(bridge_python, tmp_path, name, tp):
-    _run_bridge(bridge_python, "export", hf_model(name), ours(name, tp), tmp_path / "hf")
+@pytest.mark.parametrize("name, tp, ep", [("llama", 2, 1), ("qwen3", 1, 1), ("qwen3_moe", 2, 2)])
+def test_megatron_bridge_export_reads_mconvert_torch_dist_into_the_same_hf_tensors(bridge_python, tmp_path, name, tp,
+                                                                                  ep):
+    _run_bridge(bridge_python, "export", hf_model(name), ours(name, tp, ep), tmp_path / "hf")
     _same_tensors(hf_model(name), tmp_path / "hf")
