@@ -108,6 +108,18 @@ def test_the_run_config_megatron_bridge_wrote_is_read_and_converts_tensor_identi
     assert {"num_layers", "share_embeddings_and_output_weights", "gated_linear_unit"} <= set(info["fields_read"])
 
 
+def test_a_run_config_beside_the_iteration_dirs_is_read_only_for_a_checkpoint_without_args(capsys, tmp_path):
+    ckpt = _real_bridge_layout(tmp_path / "ckpt")
+    it = ckpt / "iter_0000000"
+    (it / "run_config.yaml").rename(ckpt / "run_config.yaml")
+    (ckpt / "run_config.yaml").write_text((ckpt / "run_config.yaml").read_text().replace("num_layers: 2", "num_layers: 9"))
+    code, out, err = run_cli(["inspect", ckpt, "--json"], capsys)  # common.pt's args win: the stray file is not read
+    assert code == 0 and "bridge" not in json.loads(out) and json.loads(out)["spec"]["num_layers"] == 2, err
+    torch.save({"checkpoint_version": 3.0, "iteration": 0}, it / "common.pt")  # as Megatron-Bridge's: no args
+    code, _, err = run_cli(["inspect", ckpt], capsys)
+    assert_one_line_error(code, err, "num_layers=9")  # now it is the model: 9 layers, 2 stored
+
+
 def test_every_verb_that_reads_megatron_checkpoints_reads_a_megatron_bridge_one(capsys, tmp_path):
     ckpt = _real_bridge_layout(tmp_path / "ckpt")
     code, out, err = run_cli(["validate", hf_model("llama"), ckpt], capsys)  # logits against transformers'

@@ -91,10 +91,10 @@ class _DataOnly(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
-def find_run_config(iter_dir: Path) -> Path | None:
-    """The `run_config.yaml` of a torch_dist iteration dir (Megatron-Bridge writes it in each), else the one
-    beside the iteration dirs; None when neither exists."""
-    for d in (iter_dir, iter_dir.parent):
+def find_run_config(iter_dir: Path, beside: bool = False) -> Path | None:
+    """The `run_config.yaml` of a torch_dist iteration dir (Megatron-Bridge writes it in each); with `beside`,
+    else the one beside the iteration dirs (read only for a checkpoint without args of its own); or None."""
+    for d in (iter_dir, iter_dir.parent) if beside else (iter_dir,):
         if os.path.lexists(d / RUN_CONFIG):
             return d / RUN_CONFIG
     return None

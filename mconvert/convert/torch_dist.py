@@ -121,7 +121,7 @@ class TorchDistSource(SourceBase):
             common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
             common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
         # Megatron-Bridge: the model is its run_config.yaml's provider (its own loader reads nothing else)
-        self.run_config = bridge.find_run_config(d)
+        self.run_config = bridge.find_run_config(d, beside=common is None or "args" not in common)
         self.writer: dict[str, Any] | None = None
         if self.run_config is not None:
             cfg = bridge.read_run_config(self.run_config)

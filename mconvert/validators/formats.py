@@ -132,7 +132,8 @@ def _describe_megatron(info: ModelInfo) -> None:
     ranks = [r for r in ranks if r is not None]
     if not ranks and any(os.path.lexists(d / m) for m in DIST_MARKERS):  # torch_dist: no TP/PP layout to run at
         info.format = "megatron-torch_dist"
-        rc = bridge.find_run_config(d)  # Megatron-Bridge: no args in common.pt, its model provider instead
+        # Megatron-Bridge: no args in common.pt, its model provider instead
+        rc = bridge.find_run_config(d, beside=not (d / "common.pt").is_file())
         if rc is not None:
             a = args_dict(bridge.megatron_args(bridge.read_run_config(rc), str(rc)), rc)
         else:
