@@ -198,11 +198,20 @@ def test_bridge_output_needs_torch_dist_and_a_vocab_that_splits_over_tp(capsys, 
 
 def test_reshard_keeps_a_megatron_bridge_checkpoint_loadable_by_megatron_bridge(capsys, tmp_path):
     ckpt = _real_bridge_layout(tmp_path / "ckpt")
+    torch.save({"step": torch.tensor(0), "consumed_train_samples": torch.tensor(4096)},
+               ckpt / "iter_0000000" / "train_state.pt")  # a run's counters
     code, _, err = run_cli(["reshard", ckpt, tmp_path / "tp2", "--tp", "2"], capsys)
     assert code == 0, err
     cfg = yaml.safe_load((tmp_path / "tp2" / "iter_0000000" / "run_config.yaml").read_text())
+    real = yaml.safe_load(REAL_RUN_CONFIG.read_text())  # the run's config is carried, its layout rewritten
     assert cfg["model"]["tensor_model_parallel_size"] == 2 and cfg["model"]["should_pad_vocab"] is False
-    assert (tmp_path / "tp2" / "latest_train_state.pt").is_file()
+    layout = {"tensor_model_parallel_size", "make_vocab_size_divisible_by"}  # 8 -> 4: 1000 rows split over TP=2
+    assert cfg["model"]["make_vocab_size_divisible_by"] * 2 * 125 == 1000
+    assert {k: v for k, v in cfg["model"].items() if k not in layout} == \
+        {k: v for k, v in real["model"].items() if k not in layout}
+    assert cfg["tokenizer"] == real["tokenizer"] and cfg["checkpoint"] == real["checkpoint"]
+    state = torch.load(tmp_path / "tp2" / "latest_train_state.pt", weights_only=True)
+    assert int(state["consumed_train_samples"]) == 4096
     code, _, err = run_cli(["megatron-to-hf", tmp_path / "tp2", tmp_path / "hf"], capsys)
     assert code == 0, err
     _same_tensors(hf_model("llama"), tmp_path / "hf")
@@ -242,6 +251,11 @@ def test_a_checkpoint_megatron_bridge_writes_converts_back_to_hf_tensor_identica
     # its tokenizer/ (saved by transformers 5) is read where a verb needs the tokenizer itself
     code, _, err = run_cli(["megatron-to-gguf", ckpt, tmp_path / "m.gguf"], capsys)
     assert code == 0, err
+    # re-sharded by mconvert, it stays a checkpoint Megatron-Bridge loads: its own export gives the same tensors
+    code, _, err = run_cli(["reshard", ckpt, tmp_path / "tp2", "--tp", "2"], capsys)
+    assert code == 0, err
+    _run_bridge(bridge_python, "export", hf_model(name), tmp_path / "tp2", tmp_path / "hf2")
+    _same_tensors(hf_model(name), tmp_path / "hf2")
 
 
 @pytest.mark.bridge

@@ -259,17 +259,32 @@ def check_writable(spec: ModelSpec, tp: int) -> None:
                             "keeps the vocab unpadded — choose a TP dividing it, or drop --bridge")
 
 
+# The provider fields a re-shard rewrites in a carried run_config.yaml: the layout, and the vocab as now stored.
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                 "expert_model_parallel_size", "expert_tensor_parallel_size", "vocab_size", "should_pad_vocab",
+                 "make_vocab_size_divisible_by")
+
+
 def write_bridge_files(iter_dir: Path, root: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int,
-                       iteration: int) -> list[Path]:
-    """`run_config.yaml` and `train_state.pt` in the iteration dir, `latest_train_state.pt` beside it."""
-    cfg = {"_target_": "megatron.bridge.training.config.ConfigContainer",
-           "model": provider_fields(spec, tp, pp, vpp, ep)}
+                       iteration: int, source: dict[str, Any] | None = None,
+                       train_state: dict[str, Any] | None = None) -> list[Path]:
+    """`run_config.yaml` and `train_state.pt` in the iteration dir, `latest_train_state.pt` beside it. From a
+    Megatron-Bridge source, its run config (every section, as read) with the layout and vocab fields of the model
+    rewritten, and its train state; otherwise a GPTModelProvider and counters at zero."""
+    fields = provider_fields(spec, tp, pp, vpp, ep)
+    if source is None:
+        cfg: dict[str, Any] = {"_target_": "megatron.bridge.training.config.ConfigContainer", "model": fields}
+    else:
+        model = dict(source["model"])
+        model.update({k: fields[k] for k in LAYOUT_FIELDS if k in fields})  # expert sizes: MoE models only
+        cfg = {**source, "model": model}
     text = yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False)
     (iter_dir / RUN_CONFIG).write_text(text)
-    state = {"step": torch.tensor(iteration), "consumed_train_samples": torch.tensor(0),
-             "skipped_train_samples": torch.tensor(0), "consumed_valid_samples": torch.tensor(0),
-             "floating_point_operations_so_far": torch.tensor(0.0), "do_train": torch.tensor(False),
-             "do_valid": torch.tensor(False), "do_test": torch.tensor(False)}
+    state = train_state if train_state is not None else {
+        "step": torch.tensor(iteration), "consumed_train_samples": torch.tensor(0),
+        "skipped_train_samples": torch.tensor(0), "consumed_valid_samples": torch.tensor(0),
+        "floating_point_operations_so_far": torch.tensor(0.0), "do_train": torch.tensor(False),
+        "do_valid": torch.tensor(False), "do_test": torch.tensor(False)}
     torch.save(state, iter_dir / TRAIN_STATE)
     torch.save(state, root / LATEST_TRAIN_STATE)
     return [iter_dir / RUN_CONFIG, iter_dir / TRAIN_STATE, root / LATEST_TRAIN_STATE]

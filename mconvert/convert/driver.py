@@ -338,7 +338,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                                       source=str(src.files[(0, 0)] if isinstance(src, MegatronSource) else ckpt),
                                       rng_state=rng, ep=ep,
                                       optimizer_layout=optimizer_layout or getattr(src, "optimizer_layout", None)
-                                      or "fully_reshardable", bridge=bridge)
+                                      or "fully_reshardable", bridge=bridge,
+                                      bridge_source=(getattr(src, "bridge_config", None),
+                                                     src.train_state() if hasattr(src, "train_state") else None))
         return megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states

@@ -123,10 +123,11 @@ class TorchDistSource(SourceBase):
         # Megatron-Bridge: the model is its run_config.yaml's provider (its own loader reads nothing else)
         self.run_config = bridge.find_run_config(d, beside=common is None or "args" not in common)
         self.writer: dict[str, Any] | None = None
+        self.bridge_config: dict[str, Any] | None = None  # the whole run_config.yaml, carried by a re-shard
         if self.run_config is not None:
             cfg = bridge.read_run_config(self.run_config)
             self.args, args_file = bridge.megatron_args(cfg, str(self.run_config)), self.run_config
-            self.writer = bridge.writer_info(cfg)
+            self.writer, self.bridge_config = bridge.writer_info(cfg), cfg
         elif common is not None and "args" in common:
             self.args, args_file = common["args"], common_file
         elif common is not None:
@@ -458,6 +459,16 @@ class TorchDistSource(SourceBase):
             if os.path.isfile(self.iter_dir / name):
                 out.append({"path": name, "bytes": os.stat(self.iter_dir / name).st_size})
         return out
+
+    def train_state(self) -> dict[str, Any] | None:
+        """Megatron-Bridge's `train_state.pt` of this iteration (counters, tensors only), if there is one."""
+        if not os.path.lexists(self.iter_dir / bridge.TRAIN_STATE):
+            return None
+        path = inside_file(self.iter_dir, bridge.TRAIN_STATE, f"{self.iter_dir}: Megatron-Bridge train state")
+        state = safe_load(path, bridge.TRAIN_STATE)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise MConvertError(f"{path}: not Megatron-Bridge's train state (a dict of counter tensors); re-copy it")
+        return {k: v.clone() for k, v in state.items()}
 
     def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
         """The entries of `common.pt` (args, checkpoint_version, iteration, scheduler, ...), what every rank

@@ -210,9 +210,11 @@ class TorchDistWriter:
                  dtype: torch.dtype | None = None, max_file_bytes: int = MAX_FILE_BYTES,
                  with_states: bool = False, optimizer_groups: list[dict[str, Any]] | None = None,
                  source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1,
-                 optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False) -> None:
+                 optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False,
+                 bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)) -> None:
         spec.check_parallel(tp, pp, vpp, ep)
         self.bridge = bridge  # also write what Megatron-Bridge loads the checkpoint from (convert/bridge.py)
+        self.bridge_source = bridge_source  # a Bridge source's (run config, train state), carried
         if bridge:  # its loader pads no vocab: the stored rows are the vocab itself
             bridge_files.check_writable(spec, tp)
             spec = spec.replace(make_vocab_size_divisible_by=bridge_files.bridge_divisor(spec.vocab_size // tp))
@@ -501,7 +503,7 @@ class TorchDistWriter:
         if self.bridge:
             self.files += bridge_files.write_bridge_files(
                 self.dir, self.out, self.spec, self.tp, self.pp, self.vpp, self._ep,
-                0 if self.iteration == "release" else int(self.iteration))
+                0 if self.iteration == "release" else int(self.iteration), *self.bridge_source)
         return self.files
 
     def _optimizer_entry(self) -> dict[str, Any] | None:
