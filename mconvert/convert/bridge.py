@@ -150,10 +150,10 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
     provider_class(cfg, source)
     check(m, BRIDGE_MODEL, source, "Megatron-Bridge model field",
           unknown_hint="remove it from run_config.yaml if it is training-only")
-    missing = [k for k in REQUIRED if k not in m]
+    missing = [k for k in REQUIRED if m.get(k) is None]
     if missing:
-        raise MConvertError(f"{source}: model has no {missing[0]!r}; mconvert reads every field from run_config.yaml "
-                            "(Megatron-Bridge writes them all) — re-save it with Megatron-Bridge")
+        raise MConvertError(f"{source}: model has no {missing[0]!r} (or it is null); mconvert reads every field from "
+                            "run_config.yaml (Megatron-Bridge writes them all) — re-save it with Megatron-Bridge")
     check_numbers(m, ARGS_NUMBERS, ("hidden_size", "num_attention_heads", "num_layers"), source)
     act, glu = target(m["activation_func"]), m["gated_linear_unit"]
     if (act == SILU) != bool(glu):  # GLU with GeLU is GeGLU, SiLU without GLU a plain SiLU MLP: neither mapped
@@ -170,8 +170,12 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
         seq_length=m["seq_length"],
         group_query_attention=groups is not None and groups != nh,
         use_rope_scaling=bool(m.get("rope_scaling")),
-        padded_vocab_size=padded_vocab(m),
     )
+    try:
+        a["padded_vocab_size"] = padded_vocab(m)
+    except (TypeError, ValueError):
+        raise MConvertError(f"{source}: model tensor_model_parallel_size={m.get('tensor_model_parallel_size')!r} "
+                            "is not a whole number; fix it") from None
     if not a["group_query_attention"]:
         a["num_query_groups"] = 1  # Megatron-LM's MHA spelling
     if m.get("seq_len_interpolation_factor") is not None:
