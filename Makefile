@@ -38,7 +38,7 @@ gguf-env:
 	PY=$(PY) bash mconvert/validators/gguf_env.sh $(GGUF_VENV)
 
 # Megatron-Bridge (with megatron-core 0.19 and transformers 5) gets its own venv too (outside the repo; reused when
-# present): wheels only, a few minutes.
+# present): wheels only.
 BRIDGE_VENV ?= $(HOME)/.cache/mconvert/bridge-venv
 bridge-env:
 	PY=$(PY) bash mconvert/validators/bridge_env.sh $(BRIDGE_VENV)
