@@ -330,6 +330,8 @@ def hf_to_megatron_cmd(
     dtype: Dtype = "auto",
     format: Annotated[str, typer.Option("--format", help="torch (mp_rank_* rank files) or torch_dist "
                                         "(megatron-core dist_checkpointing, Megatron-LM's default).")] = "torch",
+    bridge: Annotated[bool, typer.Option("--bridge", help="torch_dist only: also write what Megatron-Bridge loads "
+                                         "it from (run_config.yaml, train_state.pt; iter_0000000/).")] = False,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -343,6 +345,7 @@ def hf_to_megatron_cmd(
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 4 --pp 2 --vpp 2 --dtype bf16 --force
       mconvert hf-to-megatron hf-model/ ckpt-dist/ --tp 2 --format torch_dist
       mconvert hf-to-megatron mixtral-hf/ ckpt/ --tp 2 --ep 4
+      mconvert hf-to-megatron hf-model/ ckpt-bridge/ --format torch_dist --bridge
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
@@ -352,7 +355,7 @@ def hf_to_megatron_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
-                                 dry_run=dry_run, format=format, ep=ep), json_out)
+                                 dry_run=dry_run, format=format, ep=ep, bridge=bridge), json_out)
 
 
 @app.command("reshard")
@@ -371,6 +374,8 @@ def reshard_cmd(
     optimizer_layout: Annotated[Optional[str], typer.Option(
         "--optimizer-layout", help="torch_dist --with-optimizer: fully_reshardable or dp_reshardable (Megatron-LM's "
         "default) distributed-optimizer states (default: the source's, else fully_reshardable).")] = None,
+    bridge: Annotated[Optional[bool], typer.Option("--bridge/--no-bridge", help="torch_dist: also write what "
+                      "Megatron-Bridge loads it from (default: when the source is a Megatron-Bridge checkpoint).")] = None,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -396,7 +401,7 @@ def reshard_cmd(
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
                           force=force, progress=True, dry_run=dry_run, format=format, ep=ep,
-                          optimizer_layout=optimizer_layout), json_out)
+                          optimizer_layout=optimizer_layout, bridge=bridge), json_out)
 
 
 @app.command("inspect")

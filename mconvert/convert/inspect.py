@@ -74,6 +74,7 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
         "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
         "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
         "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params, "files": files,
+        **({"bridge": src.writer} if getattr(src, "writer", None) else {}),  # Megatron-Bridge (convert/bridge.py)
     }
 
 
@@ -81,11 +82,13 @@ def writer_of(src: Any) -> dict[str, Any] | None:
     """Which program wrote the checkpoint and which of its fields were read (None for an HF directory).
 
     A source whose configuration is not a Megatron `args` Namespace (a Megatron-Bridge `run_config.yaml`)
-    answers for itself through a `writer()` method returning the same keys: `writer`, `summary`, `fields`,
-    `read`, `counts`."""
+    answers for itself through its `writer` (`bridge.writer_info`), given here the same keys: `writer`,
+    `summary`, `fields`, `read`, `counts`."""
     own = getattr(src, "writer", None)
-    if callable(own):
-        return own()
+    if isinstance(own, dict):
+        read = list(own["fields_read"])
+        return {**own, "summary": own["text"].removeprefix("written by "), "fields": len(src.bridge_config["model"]),
+                "read": read, "counts": {"read": len(read)}}
     args = getattr(src, "args", None)
     if args is None:
         return None

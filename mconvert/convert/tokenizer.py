@@ -71,6 +71,15 @@ class TokenizerCodeRefused(MConvertError):
     """A tokenizer that only the code shipped in its directory can build: refused, never run."""
 
 
+def _transformers5_fast(tok_dir: Path) -> bool:
+    """Whether transformers 5 saved this tokenizer under its name for a tokenizer.json-backed one,
+    `TokenizersBackend` (Megatron-Bridge's tokenizer/ is such): transformers 4's PreTrainedTokenizerFast."""
+    if not (tok_dir / "tokenizer.json").is_file() or not (tok_dir / "tokenizer_config.json").is_file():
+        return False
+    cfg = load_json_object(tok_dir / "tokenizer_config.json", "tokenizer config", _TOKENIZER_FIX)
+    return cfg.get("tokenizer_class") == "TokenizersBackend"
+
+
 def load_tokenizer(tok_dir: Path) -> Any:
     """transformers' tokenizer of `tok_dir`, never running code shipped in it: `trust_remote_code=False` and
     local files only, so no `[y/N]` prompt either. A tokenizer that only its own code can build (`auto_map`
@@ -81,6 +90,8 @@ def load_tokenizer(tok_dir: Path) -> Any:
     check_tokenizer_dir(tok_dir)
     check_tokenizer_files(tok_dir)
     try:
+        if _transformers5_fast(tok_dir):
+            return PreTrainedTokenizerFast.from_pretrained(str(tok_dir), local_files_only=True)
         if (tok_dir / "tokenizer_config.json").is_file() or (tok_dir / "vocab.json").is_file():
             return AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False, local_files_only=True)
         return PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))

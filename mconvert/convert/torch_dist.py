@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mconvert.convert import dp_buckets
+from mconvert.convert import bridge, dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
@@ -57,6 +57,8 @@ DP_RESHARDABLE = "dp_reshardable"
 OPTIMIZER_LAYOUTS = dp_buckets.OPTIMIZER_LAYOUTS
 DP_DOMAIN = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded/shard_0_1")
 MAX_OBJECT_BYTES = 64 << 20  # param groups, bucket sizes: kilobytes
+# newer megatron-core (0.19 here) writes no common.pt: its entries are this ShardedObject of the DCP files
+COMMON_STATE = "common_state/shard_0_1"
 
 
 def _expert_template(name: str) -> str:
@@ -113,18 +115,26 @@ class TorchDistSource(SourceBase):
         if backend != "torch_dist":
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
                                 "re-save with --ckpt-format torch_dist or torch")
-        common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
-        common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
-        if "args" not in common:
-            raise MConvertError(f"{common_file}: no 'args' entry; cannot tell the model's shape")
-        self.args = common["args"]
-        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
-                                               f"{common_file}: checkpoint_version", "re-copy the checkpoint"))
-        if self.iteration != "release" and common.get("iteration") is not None:
-            self.iteration = common["iteration"]
-        a = args_dict(self.args, common_file)
-        self._common = dict(common)  # small: args, scheduler, counters (tensors live in the DCP files)
-        del common
+        common_file: Path | str = d / "common.pt"
+        common = None
+        if os.path.lexists(common_file) or not os.path.lexists(d / ".metadata"):
+            common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
+            common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
+        # Megatron-Bridge: the model is its run_config.yaml's provider (its own loader reads nothing else)
+        self.run_config = bridge.find_run_config(d, beside=common is None or "args" not in common)
+        self.writer: dict[str, Any] | None = None
+        self.bridge_config: dict[str, Any] | None = None  # the whole run_config.yaml, carried by a re-shard
+        if self.run_config is not None:
+            cfg = bridge.read_run_config(self.run_config)
+            self.args, args_file = bridge.megatron_args(cfg, str(self.run_config)), self.run_config
+            self.writer, self.bridge_config = bridge.writer_info(cfg), cfg
+        elif common is not None and "args" in common:
+            self.args, args_file = common["args"], common_file
+        elif common is not None:
+            raise MConvertError(f"{common_file}: no 'args' entry and no {bridge.RUN_CONFIG} beside it; cannot tell "
+                                "the model's shape")
+        if common is not None:
+            self._counters(common, common_file)
         if not os.path.lexists(d / ".metadata"):
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
         self.reader = FileSystemReader(str(d))
@@ -132,9 +142,23 @@ class TorchDistSource(SourceBase):
         self.metadata = safe_load_dcp_metadata(inside_file(d, ".metadata", f"{d}: DCP metadata"))
         self._check_storage(d / ".metadata")
         self.reader.set_up_storage_reader(self.metadata, True)
+        if common is None:  # newer megatron-core writes no common.pt: its entries are one ShardedObject
+            if COMMON_STATE not in self.metadata.state_dict_metadata:
+                inside_file(d, "common.pt", f"{d}: torch_dist common file")  # the one-line error of a missing file
+            common_file = f"{d} ({COMMON_STATE})"
+            common = checkpoint_dict(self._read_object(COMMON_STATE, MAX_OBJECT_BYTES), common_file)
+            if self.run_config is None and "args" not in common:
+                raise MConvertError(f"{common_file}: no 'args' entry and no {bridge.RUN_CONFIG} beside it; cannot "
+                                    "tell the model's shape")
+            if self.run_config is None:
+                self.args, args_file = common["args"], common_file
+            self._counters(common, common_file)
+        a = args_dict(self.args, args_file)
+        self._common = {k: v for k, v in common.items() if k != "args" or self.run_config is None}
+        del common
 
         self.spec, self.tokenizer_dir, self.vocab_known = megatron_spec(
-            a, str(common_file), tokenizer, self.root, self.path
+            a, str(args_file), tokenizer, self.root, self.path, d / bridge.TOKENIZER_DIR
         )
         self.tp = int(a.get("tensor_model_parallel_size") or 1)
         self.pp = int(a.get("pipeline_model_parallel_size") or 1)
@@ -155,6 +179,13 @@ class TorchDistSource(SourceBase):
         self._dp_slots: dict[str, list[tuple[int, int, int, int, tuple[int, ...]]]] = {}
         self._dp_dtype: Any = None
         self._index()
+
+    def _counters(self, common: dict[str, Any], where: Path | str) -> None:
+        """checkpoint_version and iteration of the common entries (common.pt or the DCP's common_state)."""
+        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
+                                               f"{where}: checkpoint_version", "re-copy the checkpoint"))
+        if self.iteration != "release" and common.get("iteration") is not None:
+            self.iteration = common["iteration"]
 
     @staticmethod
     def _backend(path: Path) -> str:
@@ -424,10 +455,20 @@ class TorchDistSource(SourceBase):
             counts[info.relative_path] = counts.get(info.relative_path, 0) + 1
         out = [{"path": rel, "bytes": os.stat(self.iter_dir / rel).st_size, "entries": n}
                for rel, n in sorted(counts.items())]
-        for name in (".metadata", "common.pt", "metadata.json"):
+        for name in (".metadata", "common.pt", "metadata.json", bridge.RUN_CONFIG, bridge.TRAIN_STATE):
             if os.path.isfile(self.iter_dir / name):
                 out.append({"path": name, "bytes": os.stat(self.iter_dir / name).st_size})
         return out
+
+    def train_state(self) -> dict[str, Any] | None:
+        """Megatron-Bridge's `train_state.pt` of this iteration (counters, tensors only), if there is one."""
+        if not os.path.lexists(self.iter_dir / bridge.TRAIN_STATE):
+            return None
+        path = inside_file(self.iter_dir, bridge.TRAIN_STATE, f"{self.iter_dir}: Megatron-Bridge train state")
+        state = safe_load(path, bridge.TRAIN_STATE)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise MConvertError(f"{path}: not Megatron-Bridge's train state (a dict of counter tensors); re-copy it")
+        return {k: v.clone() for k, v in state.items()}
 
     def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
         """The entries of `common.pt` (args, checkpoint_version, iteration, scheduler, ...), what every rank

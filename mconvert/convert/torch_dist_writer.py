@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mconvert.convert import bridge as bridge_files
 from mconvert.convert import dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.checkpoint import args_dict
@@ -209,8 +210,14 @@ class TorchDistWriter:
                  dtype: torch.dtype | None = None, max_file_bytes: int = MAX_FILE_BYTES,
                  with_states: bool = False, optimizer_groups: list[dict[str, Any]] | None = None,
                  source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1,
-                 optimizer_layout: str = RESHARDABLE_OPTIMIZER) -> None:
+                 optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False,
+                 bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)) -> None:
         spec.check_parallel(tp, pp, vpp, ep)
+        self.bridge = bridge  # also write what Megatron-Bridge loads the checkpoint from (convert/bridge.py)
+        self.bridge_source = bridge_source  # a Bridge source's (run config, train state), carried
+        if bridge:  # its loader pads no vocab: the stored rows are the vocab itself
+            bridge_files.check_writable(spec, tp)
+            spec = spec.replace(make_vocab_size_divisible_by=bridge_files.bridge_divisor(spec.vocab_size // tp))
         dp_buckets.check_optimizer_layout(optimizer_layout)
         # the driver then hands each parameter's optimizer states to `add`: megatron-core's own, or with
         # `optimizer_groups` the trainer's Adam states, turned into megatron-core's here
@@ -223,6 +230,7 @@ class TorchDistWriter:
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
         self.args = target_args(spec, args, tp, pp, vpp, ep)
+        self._ep = ep
         # `optimizer` (the distributed optimizer's param groups) is kept when the caller passes it: with states
         self.top_level = {k: v for k, v in (top_level or {}).items()
                           if k not in ("args", "checkpoint_version", "iteration", "model", "rng_state")}
@@ -492,6 +500,10 @@ class TorchDistWriter:
         (self.dir / "metadata.json").write_text(json.dumps(BACKENDS))
         write_latest(self.out, self.iteration)
         self.files = [self.dir / n for n in (".metadata", *self._names, "common.pt", "metadata.json")]
+        if self.bridge:
+            self.files += bridge_files.write_bridge_files(
+                self.dir, self.out, self.spec, self.tp, self.pp, self.vpp, self._ep,
+                0 if self.iteration == "release" else int(self.iteration), *self.bridge_source)
         return self.files
 
     def _optimizer_entry(self) -> dict[str, Any] | None:

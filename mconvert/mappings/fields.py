@@ -704,3 +704,58 @@ def check_numbers(d: Mapping[str, Any], keys: tuple[str, ...], required: tuple[s
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be positive; fix it")
         if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base", "factor")) and v != int(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")
+
+
+# ---- Megatron-Bridge model providers (run_config.yaml `model:`) ----------------------------------------------
+# Megatron-Bridge 0.6 GPTModelProvider (models/gpt_provider.py) extends megatron-core's TransformerConfig, whose
+# fields the Megatron table judges under the same names; below are the provider's own names and the ones whose
+# YAML form differs (callables, dtypes and enums are mappings naming a `_target_`, never imported). The
+# translation to Megatron args is `convert/bridge.py`.
+
+
+def _named(v: Any) -> Any:
+    return v.get("_target_") if isinstance(v, dict) else v
+
+
+_BRIDGE_ACTIVATIONS = ("torch.nn.functional.silu", "torch.nn.functional.gelu")
+_BRIDGE_LAYER_SPECS = tuple(f"megatron.bridge.models.gpt_provider.{n}" for n in
+                            ("default_layer_spec", "transformer_engine_layer_spec", "local_layer_spec"))
+
+BRIDGE_MODEL: dict[str, Field] = {
+    **MEGATRON_ARGS,
+    "_target_": Field(NEUTRAL, "the provider class, checked against convert/bridge.py's provider table"),
+    "share_embeddings_and_output_weights": mapped("tie_embeddings", BOOL, True),
+    "gated_linear_unit": mapped("activation", BOOL, False),
+    "activation_func": refused("only SiLU (gated: SwiGLU) and GeLU MLPs are mapped", None,
+                               lambda v, a: _named(v) in _BRIDGE_ACTIVATIONS),
+    "rope_scaling": mapped("rope_scaling", BOOL, False),
+    "seq_len_interpolation_factor": mapped("rope_scaling_factor", NUM),
+    "should_pad_vocab": mapped("vocab_size", BOOL, False),
+    "transformer_layer_spec": refused("a custom layer spec is not mapped", None,
+                                      lambda v, a: _named(v) in _BRIDGE_LAYER_SPECS),
+    "yarn_rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_original_max_position_embeddings": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_beta_fast": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_beta_slow": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_mscale": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_mscale_all_dim": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_correction_range_round_to_int": refused("YaRN rotary scaling is not mapped", None),
+    **neutral("Megatron-Bridge bookkeeping: where the weights came from, what its loader does",
+              "hf_model_id", "hf_model_revision", "generation_config", "parallel_output", "restore_modelopt_state",
+              "use_transformer_engine_full_layer_spec", "use_transformer_engine_op_fuser", "dense_grouped_gemm",
+              "use_arbitrary_attention_mask", "scatter_embedding_sequence_parallel", "deallocate_pipeline_outputs",
+              "tp_comm_overlap_cfg", "mtp_enabled"),
+    # megatron-core 0.19 TransformerConfig fields (Megatron-Bridge 0.6 pins it)
+    **neutral("memory, offloading or kernel choice: the same function",
+              "activation_offload_fraction", "delta_offload_bytes_across_pp_ranks", "gtp_weight_remat_size",
+              "expert_gtp_weight_remat_size", "mlp_chunks_for_training", "inference_grouped_gemm_backend",
+              "inference_moe_token_dispatcher_type", "moe_hybridep_num_sms_preprocessing",
+              "moe_paged_stash_buffer_size_factor_cpu", "moe_paged_stash_buffer_size_factor_cuda",
+              "moe_paged_stash_page_size", "moe_router_quantile_balancing_ema"),
+    **neutral("only with experimental_attention_variant, which is refused",
+              "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "dsa_indexer_skip_topk_offset",
+              "dsa_indexer_topk_freq", "dsa_kernel_backend"),
+    "use_mup": refused("muP scaling (embedding, attention and output multipliers) is not mapped", False),
+    **{k: refused("muP scaling is not mapped", 1.0) for k in
+       ("mup_width_mult", "mup_embedding_mult", "mup_output_mult", "mup_attn_scale_power")},
+}

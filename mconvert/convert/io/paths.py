@@ -27,6 +27,7 @@ LIMITS: dict[str, int] = {
     "tokenizer": 256 << 20,  # any tokenizer file (tokenizer.json of large vocabularies, sentencepiece models)
     "tracker": 64,  # latest_checkpointed_iteration.txt: "release" or an iteration number
     "ini": 1 << 20,  # FasterTransformer config.ini
+    "yaml": 4 << 20,  # Megatron-Bridge run_config.yaml (its whole ConfigContainer: tens of kilobytes)
 }
 
 
