@@ -131,7 +131,7 @@ def test_every_verb_that_reads_megatron_checkpoints_reads_a_megatron_bridge_one(
 
 
 @pytest.mark.parametrize("field, value, words", [
-    ("window_size", [16, 0], "window_size"),
+    ("window_size", [16, 3], "window_size"),
     ("softmax_type", "off-by-one", "softmax_type"),
     ("multi_latent_attention", True, "multi_latent_attention"),
     ("use_mup", True, "use_mup"),
@@ -265,3 +265,13 @@ def test_megatron_bridge_export_reads_mconvert_torch_dist_into_the_same_hf_tenso
                                                                                   ep):
     _run_bridge(bridge_python, "export", hf_model(name), ours(name, tp, ep), tmp_path / "hf")
     _same_tensors(hf_model(name), tmp_path / "hf")
+
+
+def test_a_window_in_the_provider_reaches_the_export(capsys, tmp_path):
+    """A feature the Megatron table maps (here a sliding window) is read from run_config.yaml too: the export
+    states it (HF sliding_window = megatron-core's left size + 1), never drops it."""
+    ckpt = _real_bridge_layout(tmp_path / "ckpt", edit={"window_size": [16, 0]})
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
+    assert code == 0, err
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["sliding_window"] == 17 and cfg["model_type"] == "mistral", cfg

@@ -25,7 +25,7 @@ import yaml
 
 from mconvert.convert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError, type_name
-from mconvert.mappings.fields import ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, check, check_numbers
+from mconvert.mappings.fields import ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, MEGATRON_ARGS, check, check_numbers
 from mconvert.spec import ModelSpec
 
 RUN_CONFIG = "run_config.yaml"
@@ -160,7 +160,10 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
         raise MConvertError(f"{source}: Megatron-Bridge model field activation_func={act} with gated_linear_unit="
                             f"{glu} is not supported: only SwiGLU (silu, gated) and GeLU (ungated) MLPs are mapped; "
                             "conversion refused")
-    a: dict[str, Any] = {k: m[k] for k in SHARED if k in m}
+    # every field the Megatron table maps is carried under its own name, so a feature mapped for Megatron-LM's
+    # args (a sliding window, ...) is read from the provider too, never dropped
+    a: dict[str, Any] = {k: v for k, v in m.items()
+                         if k in SHARED or (k in MEGATRON_ARGS and MEGATRON_ARGS[k].kind == MAPPED)}
     nh, groups = m["num_attention_heads"], m.get("num_query_groups")
     a.update(
         swiglu=bool(glu),
