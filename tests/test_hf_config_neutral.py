@@ -77,6 +77,18 @@ def test_values_that_state_the_architectures_own_behaviour_pass() -> None:
         spec_from_hf_config(_hf("qwen3_moe", shared_expert_intermediate_size=512), source="x/config.json")
 
 
+def test_rope_parameters_read_only_as_transformers_5_writes_plain_rope() -> None:
+    """transformers 5 writes rope_theta only inside `rope_parameters`; read there (tests/test_hf_config_corpus.py
+    proves it on published re-saves). Scaling given there, per-layer-type parameters and a rope_theta that
+    contradicts the config's own are refused by name."""
+    theta = _hf("llama")["rope_theta"]
+    for value in ({"rope_type": "default", "rope_theta": theta * 2},
+                  {"full_attention": {"rope_type": "default", "rope_theta": theta}},
+                  {"rope_type": "linear", "rope_theta": theta, "factor": 2.0}):
+        with pytest.raises(MConvertError, match="x/config.json: config field rope_parameters="):
+            spec_from_hf_config(_hf("llama", rope_parameters=value), source="x/config.json")
+
+
 # Every refusal of an HF config field mconvert makes, with a value it refuses.
 TODAY_REFUSED = [
     *((t, n, v) for t in PRESET for n, v in (

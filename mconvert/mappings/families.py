@@ -219,10 +219,23 @@ def refuse_for_hf(spec: ModelSpec, source: str) -> None:
         raise MConvertError(f"{source}: {e}") from None
 
 
+def fold_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config with the rope_theta that transformers 5 writes only inside `rope_parameters`
+    (`{"rope_type": "default", "rope_theta": θ}`, no top-level rope_theta) read as rope_theta, the function the
+    writer's transformers computes (transformers 4 ignores the key and takes its class default); any other
+    `rope_parameters` is left to the field table."""
+    rp = cfg.get("rope_parameters")
+    if (cfg.get("rope_theta") is None and isinstance(rp, dict) and set(rp) == {"rope_type", "rope_theta"}
+            and rp["rope_type"] == "default"):
+        return {**cfg, "rope_theta": rp["rope_theta"]}
+    return cfg
+
+
 def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
     """Parse an HF config.json dict. A field of the wrong type is one MConvertError naming it."""
     if not isinstance(cfg, dict):
         raise MConvertError(f"{source}: expected a JSON object, found {type(cfg).__name__}; fix or re-export it")
+    cfg = fold_rope_parameters(cfg)
     check_numbers(cfg, HF_NUMBERS, (), source)
     try:
         return _from_hf_config(cfg, source)
@@ -248,7 +261,7 @@ def _check_one_class(cfg: dict[str, Any], archs: list[Any], fam: Family, source:
 def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
     fam = next((f for f in map(by_architecture, archs) if f is not None), None)
-    if fam is None:
+    if fam is None and not archs:  # named classes decide (a classification head is no causal LM of its type)
         fam = by_model_type(cfg.get("model_type", ""))
     if fam is None:
         raise MConvertError(

@@ -636,7 +636,9 @@ def _int_or_ints(v: Any) -> bool:
 
 
 def _rope_parameters_plain(v: Any, cfg: Mapping[str, Any]) -> bool:
-    return (isinstance(v, dict) and v.get("rope_type", "default") == "default"
+    """transformers 5's `rope_parameters` without scaling, its rope_theta the config's own (families folds a
+    rope_theta stated only here into the config)."""
+    return (isinstance(v, dict) and set(v) <= {"rope_type", "rope_theta"} and v.get("rope_type", "default") == "default"
             and v.get("rope_theta", cfg.get("rope_theta")) == cfg.get("rope_theta"))
 
 
@@ -673,7 +675,8 @@ HF_COMMON: dict[str, Field] = {
     "pruned_heads": refused("pruned attention heads are not mapped", None, lambda v, _: v == {}),
     "quantization_config": refused("quantized weights are not read", None),
     "rope_scaling": refused("rope scaling (llama3, linear, dynamic, yarn ...) is not mapped yet", None),
-    "rope_parameters": refused("rope scaling is not mapped yet", None, _rope_parameters_plain),
+    "rope_parameters": refused("only its plain rope (rope_type 'default') is read, with the config's rope_theta; "
+                               "give rope scaling as rope_scaling", None, _rope_parameters_plain),
 }
 
 

@@ -50,11 +50,17 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
     return {**llama.rope_fields(spec), "attention_bias": False, **qwen2.window_fields(spec)}
 
 
+# Qwen3Config's head_dim when config.json leaves it out (transformers, and vLLM, which reads its config through
+# transformers); a reader falling back to the modeling code's getattr default takes hidden_size / heads instead
+HF_DEFAULT_HEAD_DIM = 128
+
+
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
-    """A Qwen3Config dict -> ModelSpec (qk-norm, no bias); `head_dim` must be stated."""
-    if cfg.get("head_dim") is None:
-        raise MConvertError(f"{source}: a Qwen3 config must state head_dim (transformers defaults it to 128, "
-                            "not hidden_size / num_attention_heads); add it")
+    """A Qwen3Config dict -> ModelSpec (qk-norm, no bias); an absent `head_dim` is read only where both readings
+    of it (the class default 128, hidden_size / num_attention_heads) agree."""
+    if cfg.get("head_dim") is None and (cfg["hidden_size"] != HF_DEFAULT_HEAD_DIM * cfg["num_attention_heads"]):
+        raise MConvertError(f"{source}: a Qwen3 config must state head_dim (transformers defaults it to "
+                            f"{HF_DEFAULT_HEAD_DIM}, not hidden_size / num_attention_heads); add it")
     return llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
                            source=source).replace(**qwen2.window_from_hf(cfg, source))
 
