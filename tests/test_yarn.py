@@ -513,22 +513,26 @@ def _gguf_rel(hf: Path, gguf: Path) -> tuple[bool, float]:
 
 @pytest.mark.gguf
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name,arch", [("llama", "llama"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("name,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("attention-factor-0.5", "llama")])
 def test_yarn_gguf_matches_transformers_in_llama_cpp_past_the_original_context(llama_cpp, with_tokenizer, tmp_path,
                                                                               name, arch) -> None:
-    """hf-to-gguf of transformers' YaRN models: llama.cpp (rope.scaling.* keys; the Llama's mscale pair gives an
-    attention factor other than 0.1·ln(factor)+1, stated as `attn_factor`, its ratio to that) matches
-    transformers over 128 tokens."""
+    """hf-to-gguf of transformers' YaRN models: llama.cpp (rope.scaling.* keys; the Llama's mscale pair, and an
+    attention_factor of 0.5, give an attention factor other than 0.1·ln(factor)+1, stated as `attn_factor`, its
+    ratio to that) matches transformers over 128 tokens."""
     from mconvert.convert.gguf import to_gguf
     from mconvert.validators.gguf_runner import read_gguf_metadata
 
-    hf = with_tokenizer[name]
+    if name in ARGS_OTHER_THAN_THE_KEYS:
+        hf = _with_rope_scaling(with_tokenizer["llama"], tmp_path / "hf",
+                                {**BASE, "beta_fast": 32.0, "beta_slow": 1.0, **ARGS_OTHER_THAN_THE_KEYS[name][0]})
+    else:
+        hf = with_tokenizer[name]
     f32 = tmp_path / "m.gguf"
     to_gguf(hf, f32, "f32", verb="hf-to-gguf")
     meta = read_gguf_metadata(f32)
     assert (meta[f"{arch}.rope.scaling.type"], meta[f"{arch}.rope.scaling.factor"],
             meta[f"{arch}.rope.scaling.original_context_length"]) == ("yarn", 4.0, 64)
-    assert (f"{arch}.rope.scaling.attn_factor" in meta) == (name == "llama")
+    assert (f"{arch}.rope.scaling.attn_factor" in meta) == (name != "qwen2")
     ok, rel = _gguf_rel(hf, f32)
     print(f"[figures] {name} yarn GGUF f32 in llama.cpp vs transformers over 128 tokens: max|Δ|/max|logit| {rel:.2e}")
     assert ok and rel < REL_TOL
@@ -603,23 +607,77 @@ def test_converted_yarn_models_serve_in_vllm_with_transformers_greedy_tokens(mco
         assert changed == len(r["prompts"]), f"{name}: greedy tokens without YaRN equal those with it"
 
 
+# vLLM's own reading of a config's rope_scaling (its transformers, `patch_rope_parameters`, `get_rope`): the number
+# its YaRN multiplies cos and sin by, per model dir
+VLLM_FACTOR = """
+import json, sys
+import torch
+from transformers import AutoConfig
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.transformers_utils.config import patch_rope_parameters
+out = {}
+with set_current_vllm_config(VllmConfig()):
+    for d in sys.argv[1:]:
+        cfg = AutoConfig.from_pretrained(d)
+        patch_rope_parameters(cfg)
+        rope = get_rope(cfg.hidden_size // cfg.num_attention_heads, max_position=cfg.max_position_embeddings,
+                        rope_parameters=cfg.rope_parameters, dtype=torch.float32)
+        out[d] = [type(rope).__name__, rope.mscale]
+print("VLLM_FACTOR " + json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_reads_transformers_yarn_factor_from_the_sources_and_their_exports(keys_mapped_to_other_args,
+                                                                                tmp_path) -> None:
+    """For the HF keys megatron-core reads otherwise, vLLM's YaRN multiplies by transformers' attention factor,
+    both on the source config and on the megatron-to-hf export of the mapped checkpoint (which states
+    attention_factor whenever the mscale pair alone would not give it)."""
+    import os
+    import subprocess
+
+    from mconvert.validators.vllm_check import ensure_vllm_env
+
+    if os.environ.get("MCONVERT_SKIP_VLLM"):
+        pytest.skip("MCONVERT_SKIP_VLLM set")
+    dirs = []
+    for name, (hf, _, mg) in keys_mapped_to_other_args.items():
+        megatron_to_hf(mg, tmp_path / name)
+        dirs += [hf, tmp_path / name]
+    r = subprocess.run([str(ensure_vllm_env()), "-c", VLLM_FACTOR, *map(str, dirs)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("VLLM_FACTOR "))[len("VLLM_FACTOR "):])
+    for d in dirs:
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+        want = float(model.model.rotary_emb.attention_scaling)
+        print(f"[figures] {d.parent.name if d.name == 'hf' else d.name} ({d.name}): vLLM {got[str(d)]}, "
+              f"transformers {want!r}")
+        assert got[str(d)] == ["YaRNScalingRotaryEmbedding", want]
+
+
 # ---- TensorRT-LLM, FasterTransformer, ONNX ---------------------------------------------------------------
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("source", ["megatron-core", "transformers"])
-def test_yarn_converts_to_trtllm_with_the_sources_logits(mcore_exports, hf_models, tmp_path, source) -> None:
+@pytest.mark.parametrize("source", ["megatron-core", "transformers", "attention-factor-0.5"])
+def test_yarn_converts_to_trtllm_with_the_sources_logits(request, tmp_path, source) -> None:
     """TensorRT-LLM's LLaMA checkpoint states YaRN in `rotary_scaling` (the HF dict, as `from_hugging_face`
     copies it); its attention reads factor, original context, betas and the mscale pair (megatron-core's rule),
-    and the reference runner computes that: megatron-core's default YaRN, and transformers' Llama whose mscale
-    pair gives another attention factor, match their sources at TP=2; without the scaling they do not."""
+    and the reference runner computes that: megatron-core's default YaRN, transformers' Llama whose mscale
+    pair gives another attention factor, and one whose attention_factor 0.5 became a negative mscale, match their
+    sources at TP=2; without the scaling they do not."""
     from mconvert.convert.trtllm import megatron_to_trtllm
     from mconvert.validators.trtllm_runner import trtllm_logits
 
     if source == "megatron-core":
-        _, want, tmp = mcore_exports["yarn"]
+        _, want, tmp = request.getfixturevalue("mcore_exports")["yarn"]
         mg = tmp / "mg"
-    else:
-        want, _, mg = hf_models["llama"]
+    elif source == "transformers":
+        want, _, mg = request.getfixturevalue("hf_models")["llama"]
         want = want.float()
+    else:
+        _, want, mg = request.getfixturevalue("keys_mapped_to_other_args")[source]
     megatron_to_trtllm(mg, tmp_path / "trt", 2)
     cfg = json.loads((tmp_path / "trt" / "config.json").read_text())
     assert cfg["rotary_scaling"]["rope_type"] == "yarn"
