@@ -373,6 +373,8 @@ def test_hf_yarn_keys_megatron_core_reads_otherwise_map_to_args_with_transformer
     ({"attention_factor": 1e-17}, "transformers computes attention factor 1e-17, the nearest megatron-core reaches "
                                   "is 0.0"),
     ({"attention_factor": float("nan")}, "'attention_factor' must be a finite number for rope type 'yarn'"),
+    ({"mscale": 1.0, "mscale_all_dim": -10 / 1.3862943611198906},
+     "makes transformers divide by 0.1·mscale_all_dim·ln(factor)+1 = 0"),
     ({"finetuned": True}, "finetuned not mapped for rope type 'yarn'"),
     ({"truncate": "yes"}, "'truncate' must be true or false"),
     ({"beta_fast": "32"}, "'beta_fast' must be a number for rope type 'yarn'"),
@@ -423,6 +425,8 @@ def test_hf_yarn_forms_that_compute_megatron_cores_function_are_mapped() -> None
     """What transformers computes decides: an mscale it does not read (no mscale_all_dim) maps to megatron-core's
     defaults, an attention_factor equal to the derived one passes, a zero beta is transformers' default, an
     absent original context is max_position_embeddings."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     cfg = hf_config(preset("tiny-llama-yarn"))
     plain = spec_from_hf_config({**cfg, "rope_scaling": dict(BASE)})
     for change in ({"mscale": 0.5}, {"attention_factor": plain.yarn_attention_factor}, {"beta_fast": 0},
@@ -432,6 +436,11 @@ def test_hf_yarn_forms_that_compute_megatron_cores_function_are_mapped() -> None
     assert spec_from_hf_config({**cfg, "rope_scaling": no_original}).rope_original_max_position_embeddings == 256
     both = spec_from_hf_config({**cfg, "rope_scaling": {**BASE, "mscale": 1.0, "mscale_all_dim": 1.0}})
     assert both.yarn_attention_factor == 1.0  # DeepSeek's pair: the factors cancel in both engines
+    # a negative mscale_all_dim transformers reads: the args keep mscale_all_dim 0 and state the factor in mscale
+    rs = {**BASE, "mscale": 1.0, "mscale_all_dim": -0.5}
+    neg = spec_from_hf_config({**cfg, "rope_scaling": rs})
+    theirs = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**{**cfg, "rope_scaling": rs}), "cpu")[1]
+    assert (neg.yarn_mscale_all_dim, neg.yarn_attention_factor) == (0.0, theirs)
 
 
 @pytest.mark.parametrize("change,named", [

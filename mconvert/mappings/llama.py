@@ -142,8 +142,13 @@ def yarn_from_hf(rs: dict[str, Any], cfg: dict[str, Any], where: str) -> dict[st
         raise MConvertError(f"{where}: 'truncate' must be true or false; fix it")
     factor = rs["factor"]
     m, mad = rs.get("mscale"), rs.get("mscale_all_dim")
-    want = hf_attention_factor(rs)
-    if m is not None and mad is not None and megatron_attention_factor(factor, m, mad) == want:
+    try:
+        want = hf_attention_factor(rs)
+    except ZeroDivisionError:
+        raise MConvertError(f"{where}: mscale_all_dim={mad!r} makes transformers divide by 0.1·mscale_all_dim·"
+                            "ln(factor)+1 = 0; fix it") from None
+    # the args keep mscale_all_dim >= 0 (megatron-core's divisor then never 0); a solved mscale covers the rest
+    if m is not None and mad is not None and mad >= 0 and megatron_attention_factor(factor, m, mad) == want:
         pair = (m, mad)
     elif megatron_attention_factor(factor, 1.0, 0.0) == want:
         pair = (1.0, 0.0)
