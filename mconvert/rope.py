@@ -14,6 +14,7 @@ the numbers each engine computes, not the keys each spells.
 from __future__ import annotations
 
 import math
+import struct
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
@@ -46,6 +47,43 @@ def hf_attention_factor(rope_scaling: Mapping[str, Any]) -> float:
     if mscale and mscale_all_dim:
         return float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
     return yarn_get_mscale(factor)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def megatron_mscale_for(factor: float, attention_factor: float) -> float | None:
+    """The `mscale` for which megatron-core, with `mscale_all_dim` 0, multiplies cos and sin by `attention_factor`
+    (its factor is then `0.1·mscale·ln(factor) + 1`, so mscale = 10·(attention_factor - 1) / ln(factor)).
+
+    That quotient is rounded, and so is megatron-core's own arithmetic on it, so the float64 neighbours of the
+    quotient are tried: the first whose factor equals `attention_factor` bit for bit, else the one nearest to it
+    among those that round to the same float32 (both engines multiply their float32 cos and sin by the factor, so
+    that is the number either applies). None when no mscale reaches it: a factor <= 1 (megatron-core then
+    multiplies by 1) with an attention factor other than 1, or an attention factor so close to 0 that the `+ 1`
+    rounds its digits away."""
+    if factor <= 1:
+        return 0.0 if attention_factor == 1 else None
+    guess = 10 * (attention_factor - 1) / math.log(factor)
+    if not math.isfinite(guess):
+        return None
+    below = above = guess
+    candidates = [guess]
+    for _ in range(_NEIGHBOURS):
+        below, above = math.nextafter(below, -math.inf), math.nextafter(above, math.inf)
+        candidates += [below, above]
+    near = None
+    for m in candidates:
+        got = megatron_attention_factor(factor, m, 0.0)
+        if got == attention_factor:
+            return m
+        if _f32(got) == _f32(attention_factor) and (near is None or abs(got - attention_factor) < near[0]):
+            near = (abs(got - attention_factor), m)
+    return None if near is None else near[1]
+
+
+_NEIGHBOURS = 16  # float64 steps tried each side of the quotient; the factor moves about one step of its own per step
 
 
 def _correction_dim(rotations: float, dim: int, base: float, original_max: int) -> float:

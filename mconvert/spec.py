@@ -274,10 +274,13 @@ class ModelSpec:
     def _validate_yarn(self) -> None:
         """Refuse YaRN settings megatron-core cannot compute: zero or negative betas (it divides by them), a
         partial or interleaved rotary (its YaRN rotates the whole head, rotate-half style)."""
+        # a negative mscale is an attention factor below 1; mscale_all_dim >= 0 keeps the divisor >= 1
         for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise MConvertError(f"{name} must be a finite number >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                    v < 0 and name != "yarn_mscale"):
+                raise MConvertError(f"{name} must be a finite number{'' if name == 'yarn_mscale' else ' >= 0'}, "
+                                    f"got {v!r}")
         for name in ("yarn_beta_fast", "yarn_beta_slow"):
             if getattr(self, name) == 0:
                 raise MConvertError(f"{name} must be positive (YaRN divides by it), got 0")

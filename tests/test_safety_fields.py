@@ -194,8 +194,8 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type,name,value", [
-    # a yarn attention factor megatron-core cannot derive from mscale / mscale_all_dim
-    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "attention_factor": 1.0}),
+    # a yarn attention factor no mscale gives megatron-core (it multiplies by 1 whenever factor <= 1)
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 1.0, "attention_factor": 0.5}),
     ("qwen2", "rope_scaling", {"type": "dynamic", "factor": 2.0}),
     ("mistral", "rope_scaling", {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}),
     ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}),

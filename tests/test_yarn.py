@@ -299,12 +299,82 @@ def test_yarn_round_trips_are_byte_identical(hf_models, tmp_path, name) -> None:
 BASE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
+# What transformers computes from these, megatron-core computes only with other Megatron args: read literally, the
+# keys would give it another attention factor (the literal pair is the control).
+ARGS_OTHER_THAN_THE_KEYS = {
+    # transformers ignores mscale while mscale_all_dim is 0: 0.1·ln 4+1 = 1.1386 (megatron-core literally: 1.0693)
+    "mscale-without-all-dim": ({"mscale": 0.5, "mscale_all_dim": 0.0}, (1.0, 0.0), (0.5, 0.0)),
+    # transformers ignores the pair while mscale is 0: 1.1386 (megatron-core literally: 0.8782)
+    "mscale-zero": ({"mscale": 0.0, "mscale_all_dim": 1.0}, (1.0, 0.0), (0.0, 1.0)),
+    # an attention_factor megatron-core has no field for: mscale 0 gives 1 (its defaults: 1.1386)
+    "attention-factor-1": ({"attention_factor": 1.0}, (0.0, 0.0), (1.0, 0.0)),
+    # below 1: a negative mscale
+    "attention-factor-0.5": ({"attention_factor": 0.5}, (-3.6067376022224087, 0.0), (1.0, 0.0)),
+    # no float64 mscale gives 1.7 bit for bit: the nearest is one float64 step above, the same float32
+    "attention-factor-1.7": ({"attention_factor": 1.7}, (5.0494326431113725, 0.0), (1.0, 0.0)),
+}
+
+
+@pytest.fixture(scope="module")
+def keys_mapped_to_other_args(hf_models, tmp_path_factory) -> dict[str, tuple[Path, torch.Tensor, Path]]:
+    """name -> (the Llama of HF_CONFIGS with the variant's rope_scaling, transformers' logits, hf-to-megatron)."""
+    _, hf, _ = hf_models["llama"]
+    out = {}
+    for name, (change, _, _) in ARGS_OTHER_THAN_THE_KEYS.items():
+        tmp = tmp_path_factory.mktemp(f"keys_{name}")
+        shutil.copytree(hf, tmp / "hf")
+        cfg = json.loads((tmp / "hf" / "config.json").read_text())
+        cfg["rope_scaling"] = {**BASE, "beta_fast": 32.0, "beta_slow": 1.0, **change}
+        (tmp / "hf" / "config.json").write_text(json.dumps(cfg))
+        (tmp / "hf" / "mconvert-manifest.json").unlink(missing_ok=True)
+        hf_to_megatron(tmp / "hf", tmp / "mg", tp=1, pp=1)
+        out[name] = (tmp / "hf", _hf_logits(tmp / "hf"), tmp / "mg")
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(ARGS_OTHER_THAN_THE_KEYS))
+def test_hf_yarn_keys_megatron_core_reads_otherwise_map_to_args_with_transformers_logits(
+        keys_mapped_to_other_args, tmp_path, name) -> None:
+    """hf-to-megatron writes mscale_all_dim 0 and the mscale whose factor is transformers' (or megatron-core's
+    defaults when those give it): megatron-core's GPTModel, loaded strict from the checkpoint and configured from
+    its args, matches transformers over 160 tokens (64 trained), while the keys read literally miss by far; back
+    to HF, transformers' logits are bit for bit the source's."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
+
+    change, pair, literal = ARGS_OTHER_THAN_THE_KEYS[name]
+    hf, want, mg = keys_mapped_to_other_args[name]
+    state = safe_load(mg / "release" / "mp_rank_00" / "model_optim_rng.pt")
+    args = state["args"]
+    assert (args.mscale, args.mscale_all_dim) == pair
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32)
+    theirs = float(model.model.rotary_emb.attention_scaling)
+    mine = _yarn_get_concentration_factor(args.rotary_scaling_factor, args.mscale, args.mscale_all_dim)
+    print(f"[figures] {name}: transformers' attention factor {theirs!r}, megatron-core's from the args {mine!r}")
+    assert torch.tensor(mine, dtype=torch.float32) == torch.tensor(theirs, dtype=torch.float32)
+    assert abs(mine - theirs) <= 2**-52 * max(1.0, theirs)
+    spec = spec_from_megatron_args(args)
+    _close(mcore_forward_logits(spec, 1, PROBE, [state["model"]])[..., : spec.vocab_size], want,
+           f"transformers {change} -> hf-to-megatron -> megatron-core")
+    as_keys = spec.replace(yarn_mscale=literal[0], yarn_mscale_all_dim=literal[1])
+    diff = (mcore_forward_logits(as_keys, 1, PROBE, [state["model"]])[..., : spec.vocab_size] - want).abs().max()
+    print(f"[figures] {name}: megatron-core with mscale {literal[0]}, mscale_all_dim {literal[1]}: max|Δ| {diff:.2e}")
+    assert diff > 100 * REL_TOL * want.abs().max()
+    megatron_to_hf(mg, tmp_path / "back")
+    back = json.loads((tmp_path / "back" / "config.json").read_text())["rope_scaling"]
+    print(f"[figures] {name}: exported rope_scaling {back}")
+    assert torch.equal(_hf_logits(tmp_path / "back"), want)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("change,named", [
-    # transformers ignores mscale while mscale_all_dim is 0; megatron-core reads the pair
-    ({"mscale": 0.5, "mscale_all_dim": 0.0}, "transformers computes attention factor 1.138629436111989 (it reads mscale only when mscale and mscale_all_dim are both non-zero), megatron-core would compute 1.0693147180559945"),
-    ({"mscale": 0.0, "mscale_all_dim": 1.0}, "megatron-core would compute 0.8782488562869419"),
-    ({"attention_factor": 1.0}, "transformers computes attention factor 1.0 (its attention_factor)"),
+    ({"factor": 1.0, "attention_factor": 0.5},
+     "transformers computes attention factor 0.5, megatron-core computes 1.0 whenever factor <= 1 (here 1.0)"),
+    ({"attention_factor": 1e-17}, "transformers computes attention factor 1e-17, the nearest megatron-core reaches "
+                                  "is 0.0"),
+    ({"attention_factor": float("nan")}, "'attention_factor' must be a finite number for rope type 'yarn'"),
+    ({"mscale": 1.0, "mscale_all_dim": -10 / 1.3862943611198906},
+     "makes transformers divide by 0.1·mscale_all_dim·ln(factor)+1 = 0"),
     ({"finetuned": True}, "finetuned not mapped for rope type 'yarn'"),
     ({"truncate": "yes"}, "'truncate' must be true or false"),
     ({"beta_fast": "32"}, "'beta_fast' must be a number for rope type 'yarn'"),
@@ -324,10 +394,39 @@ def test_hf_yarn_variants_megatron_core_cannot_compute_are_refused_by_name(hf_mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+def test_every_attention_factor_megatron_core_can_reach_is_mapped_to_it() -> None:
+    """Over factors and attention factors from 0.05 to 20 (above and below 1, round and not): the Megatron args
+    hf-to-megatron writes make megatron-core's own `_yarn_get_concentration_factor` return transformers' own
+    attention factor (`_compute_yarn_parameters`): bit for bit in float64 mostly, else within 2^-52 (relative above
+    1, absolute below) and the same float32, the precision both engines multiply cos and sin in."""
+    import random
+
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = hf_config(preset("tiny-llama-yarn"))
+    rng = random.Random(5)
+    exact = total = 0
+    for factor in (1.5, 2.0, 4.0, 8.0, 32.0, 40.0, 3.7):
+        for a in [0.05, 0.5, 0.9, 1.0, 1.2, 1.7, 2.0, 20.0] + [rng.uniform(0.05, 20.0) for _ in range(40)]:
+            rs = {**BASE, "factor": factor, "attention_factor": a}
+            args = spec_from_hf_config({**cfg, "rope_scaling": rs}).to_megatron_args()
+            mine = _yarn_get_concentration_factor(args.rotary_scaling_factor, args.mscale, args.mscale_all_dim)
+            theirs = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**{**cfg, "rope_scaling": rs}), "cpu")[1]
+            assert abs(mine - theirs) <= 2**-52 * max(1.0, theirs), (factor, a, mine, theirs)
+            assert torch.tensor(mine, dtype=torch.float32) == torch.tensor(theirs, dtype=torch.float32), (factor, a)
+            exact += mine == theirs
+            total += 1
+    print(f"[figures] attention factors megatron-core reproduces bit for bit in float64: {exact} of {total}")
+    assert exact > 0.8 * total
+
+
 def test_hf_yarn_forms_that_compute_megatron_cores_function_are_mapped() -> None:
     """What transformers computes decides: an mscale it does not read (no mscale_all_dim) maps to megatron-core's
     defaults, an attention_factor equal to the derived one passes, a zero beta is transformers' default, an
     absent original context is max_position_embeddings."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     cfg = hf_config(preset("tiny-llama-yarn"))
     plain = spec_from_hf_config({**cfg, "rope_scaling": dict(BASE)})
     for change in ({"mscale": 0.5}, {"attention_factor": plain.yarn_attention_factor}, {"beta_fast": 0},
@@ -337,6 +436,11 @@ def test_hf_yarn_forms_that_compute_megatron_cores_function_are_mapped() -> None
     assert spec_from_hf_config({**cfg, "rope_scaling": no_original}).rope_original_max_position_embeddings == 256
     both = spec_from_hf_config({**cfg, "rope_scaling": {**BASE, "mscale": 1.0, "mscale_all_dim": 1.0}})
     assert both.yarn_attention_factor == 1.0  # DeepSeek's pair: the factors cancel in both engines
+    # a negative mscale_all_dim transformers reads: the args keep mscale_all_dim 0 and state the factor in mscale
+    rs = {**BASE, "mscale": 1.0, "mscale_all_dim": -0.5}
+    neg = spec_from_hf_config({**cfg, "rope_scaling": rs})
+    theirs = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**{**cfg, "rope_scaling": rs}), "cpu")[1]
+    assert (neg.yarn_mscale_all_dim, neg.yarn_attention_factor) == (0.0, theirs)
 
 
 @pytest.mark.parametrize("change,named", [
@@ -418,22 +522,26 @@ def _gguf_rel(hf: Path, gguf: Path) -> tuple[bool, float]:
 
 @pytest.mark.gguf
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name,arch", [("llama", "llama"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("name,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("attention-factor-0.5", "llama")])
 def test_yarn_gguf_matches_transformers_in_llama_cpp_past_the_original_context(llama_cpp, with_tokenizer, tmp_path,
                                                                               name, arch) -> None:
-    """hf-to-gguf of transformers' YaRN models: llama.cpp (rope.scaling.* keys; the Llama's mscale pair gives an
-    attention factor other than 0.1·ln(factor)+1, stated as `attn_factor`, its ratio to that) matches
-    transformers over 128 tokens."""
+    """hf-to-gguf of transformers' YaRN models: llama.cpp (rope.scaling.* keys; the Llama's mscale pair, and an
+    attention_factor of 0.5, give an attention factor other than 0.1·ln(factor)+1, stated as `attn_factor`, its
+    ratio to that) matches transformers over 128 tokens."""
     from mconvert.convert.gguf import to_gguf
     from mconvert.validators.gguf_runner import read_gguf_metadata
 
-    hf = with_tokenizer[name]
+    if name in ARGS_OTHER_THAN_THE_KEYS:
+        hf = _with_rope_scaling(with_tokenizer["llama"], tmp_path / "hf",
+                                {**BASE, "beta_fast": 32.0, "beta_slow": 1.0, **ARGS_OTHER_THAN_THE_KEYS[name][0]})
+    else:
+        hf = with_tokenizer[name]
     f32 = tmp_path / "m.gguf"
     to_gguf(hf, f32, "f32", verb="hf-to-gguf")
     meta = read_gguf_metadata(f32)
     assert (meta[f"{arch}.rope.scaling.type"], meta[f"{arch}.rope.scaling.factor"],
             meta[f"{arch}.rope.scaling.original_context_length"]) == ("yarn", 4.0, 64)
-    assert (f"{arch}.rope.scaling.attn_factor" in meta) == (name == "llama")
+    assert (f"{arch}.rope.scaling.attn_factor" in meta) == (name != "qwen2")
     ok, rel = _gguf_rel(hf, f32)
     print(f"[figures] {name} yarn GGUF f32 in llama.cpp vs transformers over 128 tokens: max|Δ|/max|logit| {rel:.2e}")
     assert ok and rel < REL_TOL
@@ -508,23 +616,77 @@ def test_converted_yarn_models_serve_in_vllm_with_transformers_greedy_tokens(mco
         assert changed == len(r["prompts"]), f"{name}: greedy tokens without YaRN equal those with it"
 
 
+# vLLM's own reading of a config's rope_scaling (its transformers, `patch_rope_parameters`, `get_rope`): the number
+# its YaRN multiplies cos and sin by, per model dir
+VLLM_FACTOR = """
+import json, sys
+import torch
+from transformers import AutoConfig
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.transformers_utils.config import patch_rope_parameters
+out = {}
+with set_current_vllm_config(VllmConfig()):
+    for d in sys.argv[1:]:
+        cfg = AutoConfig.from_pretrained(d)
+        patch_rope_parameters(cfg)
+        rope = get_rope(cfg.hidden_size // cfg.num_attention_heads, max_position=cfg.max_position_embeddings,
+                        rope_parameters=cfg.rope_parameters, dtype=torch.float32)
+        out[d] = [type(rope).__name__, rope.mscale]
+print("VLLM_FACTOR " + json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_reads_transformers_yarn_factor_from_the_sources_and_their_exports(keys_mapped_to_other_args,
+                                                                                tmp_path) -> None:
+    """For the HF keys megatron-core reads otherwise, vLLM's YaRN multiplies by transformers' attention factor,
+    both on the source config and on the megatron-to-hf export of the mapped checkpoint (which states
+    attention_factor whenever the mscale pair alone would not give it)."""
+    import os
+    import subprocess
+
+    from mconvert.validators.vllm_check import ensure_vllm_env
+
+    if os.environ.get("MCONVERT_SKIP_VLLM"):
+        pytest.skip("MCONVERT_SKIP_VLLM set")
+    dirs = []
+    for name, (hf, _, mg) in keys_mapped_to_other_args.items():
+        megatron_to_hf(mg, tmp_path / name)
+        dirs += [hf, tmp_path / name]
+    r = subprocess.run([str(ensure_vllm_env()), "-c", VLLM_FACTOR, *map(str, dirs)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("VLLM_FACTOR "))[len("VLLM_FACTOR "):])
+    for d in dirs:
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, torch_dtype=torch.float32)
+        want = float(model.model.rotary_emb.attention_scaling)
+        print(f"[figures] {d.parent.name if d.name == 'hf' else d.name} ({d.name}): vLLM {got[str(d)]}, "
+              f"transformers {want!r}")
+        assert got[str(d)] == ["YaRNScalingRotaryEmbedding", want]
+
+
 # ---- TensorRT-LLM, FasterTransformer, ONNX ---------------------------------------------------------------
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("source", ["megatron-core", "transformers"])
-def test_yarn_converts_to_trtllm_with_the_sources_logits(mcore_exports, hf_models, tmp_path, source) -> None:
+@pytest.mark.parametrize("source", ["megatron-core", "transformers", "attention-factor-0.5"])
+def test_yarn_converts_to_trtllm_with_the_sources_logits(request, tmp_path, source) -> None:
     """TensorRT-LLM's LLaMA checkpoint states YaRN in `rotary_scaling` (the HF dict, as `from_hugging_face`
     copies it); its attention reads factor, original context, betas and the mscale pair (megatron-core's rule),
-    and the reference runner computes that: megatron-core's default YaRN, and transformers' Llama whose mscale
-    pair gives another attention factor, match their sources at TP=2; without the scaling they do not."""
+    and the reference runner computes that: megatron-core's default YaRN, transformers' Llama whose mscale
+    pair gives another attention factor, and one whose attention_factor 0.5 became a negative mscale, match their
+    sources at TP=2; without the scaling they do not."""
     from mconvert.convert.trtllm import megatron_to_trtllm
     from mconvert.validators.trtllm_runner import trtllm_logits
 
     if source == "megatron-core":
-        _, want, tmp = mcore_exports["yarn"]
+        _, want, tmp = request.getfixturevalue("mcore_exports")["yarn"]
         mg = tmp / "mg"
-    else:
-        want, _, mg = hf_models["llama"]
+    elif source == "transformers":
+        want, _, mg = request.getfixturevalue("hf_models")["llama"]
         want = want.float()
+    else:
+        _, want, mg = request.getfixturevalue("keys_mapped_to_other_args")[source]
     megatron_to_trtllm(mg, tmp_path / "trt", 2)
     cfg = json.loads((tmp_path / "trt" / "config.json").read_text())
     assert cfg["rotary_scaling"]["rope_type"] == "yarn"

@@ -6,6 +6,7 @@ Its name table, config fields and deployment layouts are shared by the other RMS
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -25,7 +26,7 @@ from mconvert.mappings.family import (
     check_qk_norm,
 )
 from mconvert.mappings.fields import BOOL, INT, MAPPED, NEUTRAL, NUM, STR, Field, mapped, refused
-from mconvert.rope import hf_attention_factor, megatron_attention_factor
+from mconvert.rope import hf_attention_factor, megatron_attention_factor, megatron_mscale_for
 from mconvert.spec import ModelSpec
 
 NAME = "llama"
@@ -125,35 +126,50 @@ def yarn_to_hf(spec: ModelSpec) -> dict[str, Any]:
 
 def yarn_from_hf(rs: dict[str, Any], cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """HF yarn `rope_scaling` -> ModelSpec kwargs, read with transformers' own fallbacks (an absent or zero beta
-    is its default, an absent original context is max_position_embeddings). The attention factor transformers
-    computes must be the one megatron-core derives from mscale and mscale_all_dim; otherwise refused, both
-    numbers named."""
+    is its default, an absent original context is max_position_embeddings). megatron-core must multiply cos and
+    sin by the attention factor transformers computes: the dict's mscale pair when megatron-core derives that
+    factor from it, else its defaults when they do, else mscale_all_dim 0 and the mscale that gives it
+    (`megatron_mscale_for`); a factor no mscale reaches is refused, both numbers named."""
     for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                 "attention_factor"):
         v = rs.get(key)
         if (key == "factor" or v is not None) and (isinstance(v, bool) or not isinstance(v, (int, float))):
             raise MConvertError(f"{where}: {key!r} must be a number for rope type 'yarn'; fix it")
+        if v is not None and not math.isfinite(v):
+            raise MConvertError(f"{where}: {key!r} must be a finite number for rope type 'yarn'; fix it")
     truncate = rs.get("truncate", True)
     if not isinstance(truncate, bool):
         raise MConvertError(f"{where}: 'truncate' must be true or false; fix it")
     factor = rs["factor"]
     m, mad = rs.get("mscale"), rs.get("mscale_all_dim")
-    hf, mc = hf_attention_factor(rs), megatron_attention_factor(factor, m, mad)
-    if hf != mc:
-        raise MConvertError(
-            f"{where} is not supported: transformers computes attention factor {hf!r} "
-            + ("(its attention_factor)" if rs.get("attention_factor") is not None else
-               "(it reads mscale only when mscale and mscale_all_dim are both non-zero)")
-            + f", megatron-core would compute {mc!r} from mscale={m!r}, mscale_all_dim={mad!r} "
-            "(0.1·mscale·ln(factor)+1 over the same with mscale_all_dim) and has no field for transformers' value; "
-            "conversion refused")
-    both = m is not None and mad is not None  # megatron-core reads the pair only when both are set
+    try:
+        want = hf_attention_factor(rs)
+    except ZeroDivisionError:
+        raise MConvertError(f"{where}: mscale_all_dim={mad!r} makes transformers divide by 0.1·mscale_all_dim·"
+                            "ln(factor)+1 = 0; fix it") from None
+    # the args keep mscale_all_dim >= 0 (megatron-core's divisor then never 0); a solved mscale covers the rest
+    if m is not None and mad is not None and mad >= 0 and megatron_attention_factor(factor, m, mad) == want:
+        pair = (m, mad)
+    elif megatron_attention_factor(factor, 1.0, 0.0) == want:
+        pair = (1.0, 0.0)
+    else:
+        solved = megatron_mscale_for(factor, want)
+        if solved is None:
+            head = f"{where} is not supported: transformers computes attention factor {want!r}, "
+            if not factor > 1:
+                raise MConvertError(head + f"megatron-core computes 1.0 whenever factor <= 1 (here {factor!r}), "
+                                    "whatever mscale; conversion refused")
+            nearest = megatron_attention_factor(factor, 10 * (want - 1) / math.log(factor), 0.0)
+            why = ("the + 1 rounds away the digits of a factor this close to 0" if math.isfinite(nearest) else
+                   "no finite mscale reaches it")
+            raise MConvertError(head + f"the nearest megatron-core reaches is {nearest!r} (0.1·mscale·ln(factor)+1 "
+                                f"with mscale_all_dim 0: {why}); conversion refused")
+        pair = (solved, 0.0)
     return dict(rope_scaling="yarn", rope_scaling_factor=factor,
                 rope_original_max_position_embeddings=rs.get("original_max_position_embeddings")
                 or cfg.get("max_position_embeddings"),
                 yarn_beta_fast=rs.get("beta_fast") or 32.0, yarn_beta_slow=rs.get("beta_slow") or 1.0,
-                yarn_mscale=m if both else 1.0, yarn_mscale_all_dim=mad if both else 0.0,
-                yarn_correction_range_round_to_int=truncate)
+                yarn_mscale=pair[0], yarn_mscale_all_dim=pair[1], yarn_correction_range_round_to_int=truncate)
 
 
 def rope_scaling_to_hf(spec: ModelSpec) -> dict[str, Any] | None:

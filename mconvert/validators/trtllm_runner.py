@@ -63,10 +63,12 @@ def _yarn_params(scaling: dict[str, Any], where: str) -> dict[str, float]:
     its defaults for absent keys (it reads no `truncate` and no `attention_factor`)."""
     out = {k: _number(scaling, k, d, where) for k, d in (("factor", 1.0), ("beta_fast", 32.0), ("beta_slow", 1.0),
                                                           ("original_max_position_embeddings", 4096))}
-    for k, d in (("mscale", 1.0), ("mscale_all_dim", 0.0)):
+    for k, d in (("mscale", 1.0), ("mscale_all_dim", 0.0)):  # a negative mscale: an attention factor below 1
         v = scaling.get(k, d)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise MConvertError(f"{where}: rotary_scaling.{k} = {v!r} must be a number >= 0; re-export it with "
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                k == "mscale_all_dim" and v < 0):
+            raise MConvertError(f"{where}: rotary_scaling.{k} = {v!r} must be a finite number"
+                                f"{' >= 0' if k == 'mscale_all_dim' else ''}; re-export it with "
                                 "`mconvert megatron-to-trtllm`")
         out[k] = float(v)
     return out
