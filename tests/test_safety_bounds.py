@@ -159,3 +159,77 @@ def test_a_unit_larger_than_the_memory_available_is_refused_before_reading() -> 
                                             r"but 2.0 GiB is available"):
         check_memory({"embedding": 2**30, 0: 2**20}, "x/config.json", available=2 * 2**30)
     check_memory({"embedding": 2**30}, "x/config.json", available=4 * 2**30)
+
+
+def _corrupt_rank_file(path: Path) -> Path:
+    """A torch.save file whose tensor record fails its stored CRC-32 (one bit flipped in the data)."""
+    import zipfile
+
+    torch.save({"model": {"w": torch.arange(4096, dtype=torch.float32)}}, path)
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    data = bytearray(path.read_bytes())
+    head = info.header_offset
+    start = head + 30 + int.from_bytes(data[head + 26:head + 28], "little") + int.from_bytes(data[head + 28:head + 30],
+                                                                                           "little")
+    data[start + 100] ^= 1
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _cancel_when(taken: bool, explain: bool, claimed: bool, path: Path) -> tuple[int, set[str], str | None]:
+    """`DeferredCRC.cancel` with the background thread in a chosen state: `taken` — it has taken the file's
+    check off its queue and waits for the release; else — it is busy (a gate task) and the check is still
+    queued. Returns the lines of mconvert `cancel` ran on this thread, the records checked, the error raised."""
+    import threading
+    import time
+
+    from mconvert.convert.io.safeload import DeferredCRC
+
+    d = DeferredCRC()
+    gate = threading.Event()
+    d.submit(path, lambda _p: gate.wait(30))
+    if taken:
+        gate.set()
+    assert d.add_zip(path)
+    recs = next(iter(d.records.values()))
+    if claimed:  # a reader indexed the file and claimed its tensor record (the release is left to cancel)
+        recs.claimed.update(o for o, (_, _, name) in recs.entries.items() if name.endswith("/data/0"))
+    if taken:
+        deadline = time.monotonic() + 30
+        while not d._futures[-1].running():  # the check is off the queue, waiting for `released`
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    else:
+        threading.Timer(0.2, gate.set).start()  # the gate opens while cancel waits for it
+    error = None
+
+    def cancel() -> None:
+        nonlocal error
+        try:
+            d.cancel(explain=explain)
+        except MConvertError as e:
+            error = str(e)
+
+    lines = _lines_run(cancel)
+    d.close()
+    return lines, {recs.entries[o][2].rsplit("/", 1)[1] for o in recs.done}, error
+
+
+@pytest.mark.parametrize("claimed", [False, True], ids=["loaded-whole", "indexed"])
+@pytest.mark.parametrize("explain", [False, True], ids=["dropped", "explained"])
+def test_cancel_does_not_depend_on_how_far_the_background_thread_got(explain: bool, claimed: bool,
+                                                                     tmp_path: Path) -> None:
+    """The mechanism under the dry-run test above: a refusal cancels the background CRC checks, and what cancel
+    checks and runs must not depend on whether the background thread had taken a check off its queue."""
+    path = _corrupt_rank_file(tmp_path / "model_optim_rng.pt")
+    queued = _cancel_when(False, explain, claimed, path)
+    taken = _cancel_when(True, explain, claimed, path)
+    assert queued == taken, f"check still queued: {queued}; taken by the background thread: {taken}"
+    lines, checked, error = taken
+    if not explain:  # nothing is committed and the conversion did not fail on its input: nothing is checked
+        assert checked == set() and error is None
+    elif not claimed:  # loaded whole: the corrupt record can have caused the failure, and explains it
+        assert error is not None and "data/0 fails the CRC-32 check" in error
+    else:  # the reader claimed the tensor (checked as it is read): the pickle is checked, the tensor not re-read
+        assert "data.pkl" in checked and "0" not in checked and error is None
