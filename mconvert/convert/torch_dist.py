@@ -28,6 +28,8 @@ from mconvert.convert import dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.io.atomic import listed_by_manifest
+from mconvert.convert.io.integrity import INTEGRITY, check_integrity
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError, expect
@@ -104,11 +106,16 @@ class TorchDistSource(SourceBase):
     format = "megatron-torch_dist"
     splits_experts = True  # an MoE layer is read as its dense part and one unit per expert (memory: one expert)
 
-    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None) -> None:
+    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,
+                 verify: bool = True) -> None:
         self.path = Path(path)
         self.iter_dir, self.iteration = resolve_iteration_dir(self.path, iteration)
         self.root = self.iter_dir.parent if self.iter_dir != self.path else self.path.parent
         d = self.iter_dir
+        # Megatron-LM's integrity manifest, before any file it lists is read: its shape and files now, the
+        # digests (`verify`: a verb that reads tensor data) as the input's other checks, before the commit
+        covered = listed_by_manifest(self.path) if verify else set()
+        check_integrity(d, digests=verify, covered=lambda f: os.path.realpath(f) in covered)
         backend = self._backend(d / "metadata.json")
         if backend != "torch_dist":
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
@@ -418,13 +425,14 @@ class TorchDistSource(SourceBase):
 
     def files(self) -> list[dict[str, Any]]:
         """The iteration dir's files: each DCP data file with its bytes and entry count, then `.metadata`,
-        `common.pt` and `metadata.json` (sizes from the opening checks' stat calls and the file system)."""
+        `common.pt`, `metadata.json` and Megatron-LM's `integrity.json` (sizes from the opening checks' stat calls
+        and the file system)."""
         counts: dict[str, int] = {}
         for info in self.metadata.storage_data.values():
             counts[info.relative_path] = counts.get(info.relative_path, 0) + 1
         out = [{"path": rel, "bytes": os.stat(self.iter_dir / rel).st_size, "entries": n}
                for rel, n in sorted(counts.items())]
-        for name in (".metadata", "common.pt", "metadata.json"):
+        for name in (".metadata", "common.pt", "metadata.json", INTEGRITY):
             if os.path.isfile(self.iter_dir / name):
                 out.append({"path": name, "bytes": os.stat(self.iter_dir / name).st_size})
         return out
