@@ -9,6 +9,7 @@ sized from the claimed sizes, and nothing written.
 from __future__ import annotations
 
 import gc
+import shutil
 import json
 import sys
 from pathlib import Path
@@ -233,3 +234,73 @@ def test_cancel_does_not_depend_on_how_far_the_background_thread_got(explain: bo
         assert error is not None and "data/0 fails the CRC-32 check" in error
     else:  # the reader claimed the tensor (checked as it is read): the pickle is checked, the tensor not re-read
         assert "data.pkl" in checked and "0" not in checked and error is None
+
+
+# ---- the expert count: a config claiming millions of experts (issue 34, item 1) ---------------------------------
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny Mixtral (4 experts) saved by transformers, and its Megatron torch (EP=2) and torch_dist conversions,
+    without mconvert's manifests (as other tools write them: the edited count is then the only change)."""
+    import transformers
+
+    from mconvert.convert.driver import hf_to_megatron
+
+    root = tmp_path_factory.mktemp("moe")
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=100, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(root / "hf")
+    hf_to_megatron(root / "hf", root / "torch", ep=2)
+    hf_to_megatron(root / "hf", root / "torch_dist", format="torch_dist")
+    for d in ("torch", "torch_dist"):
+        (root / d / "mconvert-manifest.json").unlink()
+        (root / d / "release" / "integrity.json").unlink(missing_ok=True)
+    return {"hf": root / "hf", "torch": root / "torch", "torch_dist": root / "torch_dist"}
+
+
+def _with_experts(moe: dict[str, Path], kind: str, dst: Path, n: int) -> Path:
+    shutil.copytree(moe[kind], dst)
+    if kind == "hf":
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["num_local_experts"] = n
+        (dst / "config.json").write_text(json.dumps(cfg))
+    elif kind == "torch":
+        for f in sorted(dst.rglob("model_optim_rng.pt")):
+            state = load_rank(f)
+            state["args"].num_experts = n
+            save_rank(f, state)
+    else:
+        common = dst / "release" / "common.pt"
+        state = load_rank(common)
+        state["args"].num_experts = n
+        save_rank(common, state)
+    return dst
+
+
+EXPERT_FIELD = {"hf": "num_local_experts", "torch": "num_experts", "torch_dist": "num_experts"}
+
+
+@pytest.mark.timeout(120)  # a per-expert loop over a billion experts does not end: the timeout reports it
+@pytest.mark.parametrize("verb", ["convert --dry-run", "inspect"])
+@pytest.mark.parametrize("kind", sorted(EXPERT_FIELD))
+def test_a_claimed_expert_count_is_refused_on_the_router_before_any_per_expert_work(kind: str, verb: str, moe,
+                                                                                  tmp_path: Path, capsys) -> None:
+    field = EXPERT_FIELD[kind]
+
+    def run(n: int, where: str) -> None:
+        src = _with_experts(moe, kind, tmp_path / where, n)
+        argv = (["inspect", src] if verb == "inspect" else
+                ["hf-to-megatron" if kind == "hf" else "megatron-to-hf", src, tmp_path / f"{where}-out", "--dry-run"])
+        code, _, err = run_cli(argv, capsys)
+        if n == 4:  # the benign neighbour: the count the router holds
+            assert code == 0, err
+        else:
+            assert_one_line_error(code, err, f"{field}={n}" if kind != "torch_dist" else "router.weight",
+                                  "[4, 64]", f"[{n}, 64]")
+
+    run(4, "ok")
+    run(1_000_000, "w")  # imports and caches of the verb's modules
+    few, many = _lines_run(lambda: run(1_000_000, "a")), _lines_run(lambda: run(9_000_000, "b"))
+    assert few == many, f"{many - few} more lines of mconvert for 8 million more claimed experts: a per-expert loop"
+    run(10**9, "c")

@@ -195,9 +195,9 @@ class TorchDistSource(SourceBase):
         """Map every DCP key to a canonical name (or an explicit drop); unknown keys are an error."""
         md_file = self.iter_dir / ".metadata"
         L = self.spec.num_layers
-        decls = self.spec.embedding_params(self.tp) + self.spec.layer_params(0) + self.spec.final_params(self.tp)
+        decls = self.spec.embedding_params(self.tp) + self.spec.layer_template(0) + self.spec.final_params(self.tp)
         self._declared = {_expert_template(d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1)): d.shape
-                          for d in decls if d.expert in (None, 0)}
+                          for d in decls}
         self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])
         for key, md in self.metadata.state_dict_metadata.items():
             rng = RNG_SHARD.fullmatch(key)
