@@ -364,6 +364,45 @@ def test_torch_dist_chunks_that_overlap_and_leave_a_gap_are_refused(deploy, tmp_
     assert not out_dir.exists() and not list(tmp_path.glob(".out.mconvert-tmp-*"))
 
 
+@pytest.fixture(scope="module")
+def dist_llama(deploy, tmp_path_factory) -> Path:
+    """A torch_dist checkpoint of the deploy llama, without either manifest (as Megatron-LM writes it without
+    --verify-integrity: an edited `.metadata` is then not caught as changed bytes)."""
+    from mconvert.convert.driver import hf_to_megatron
+
+    dist = tmp_path_factory.mktemp("dist-lie") / "dist"
+    hf_to_megatron(deploy["llama"], dist, format="torch_dist")
+    (dist / "mconvert-manifest.json").unlink()
+    (dist / "release" / "integrity.json").unlink()
+    return dist
+
+
+@pytest.mark.parametrize("declared", [torch.int64, torch.float16, torch.bfloat16, None],
+                         ids=["int64", "float16", "bfloat16", "as saved"])
+@pytest.mark.parametrize("verb", ["reshard", "megatron-to-hf", "megatron-to-hf --dtype fp32"])
+def test_torch_dist_metadata_declaring_another_dtype_than_its_chunks_is_refused(dist_llama, tmp_path, capsys,
+                                                                              declared, verb):
+    """`.metadata` says a float32 weight is int64 / float16 / bf16: DCP's reader copies each saved chunk into a
+    tensor of the declared dtype, converting it silently (int64: zeros) — `reshard` wrote that under a fresh
+    manifest with exit 0. The chunk's own dtype must be the declared one; the intact file converts."""
+    dist = Path(shutil.copytree(dist_llama, tmp_path / "dist"))
+    md_file = dist / "release" / ".metadata"
+    key = "decoder.layers.mlp.linear_fc2.weight"
+    if declared is not None:
+        md = pickle.loads(md_file.read_bytes())  # the test's own file, written by the fixture
+        assert md.state_dict_metadata[key].properties.dtype == torch.float32
+        md.state_dict_metadata[key].properties.dtype = declared
+        md_file.write_bytes(pickle.dumps(md))
+    name, *extra = verb.split()
+    argv = [name, dist, tmp_path / "out", *extra] + (["--tp", "1"] if name == "reshard" else [])
+    code, _, err = run_cli(argv, capsys)
+    if declared is None:
+        assert code == 0, err
+        return
+    assert_one_line_error(code, err, str(md_file), key, f"declared {declared}", "holds torch.float32", "re-copy")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.mconvert-tmp-*"))
+
+
 # ---- tokenizer.json ---------------------------------------------------------------------------------------------
 def test_tokenizer_json_nested_too_deeply_is_one_line_for_gguf(deploy, tmp_path, capsys):
     hf = tmp_path / "hf"

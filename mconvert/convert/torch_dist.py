@@ -66,20 +66,56 @@ def _expert_template(name: str) -> str:
     return name.replace(EXPERT_TEMPLATE.replace("*", "0"), EXPERT_TEMPLATE, 1)
 
 
-class _SlicePlanner:
-    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor."""
+class _Checked(torch.Tensor):
+    """A view of the destination that DCP's reader copies one saved chunk into (`resolve_tensor`, `detach`,
+    `copy_`): the copy is refused when the chunk's own dtype (its `torch.save` blob) is not the one `.metadata`
+    declares, since `copy_` would convert it silently (float32 bytes declared int64 read as zeros)."""
 
-    def __init__(self, dest: torch.Tensor) -> None:
-        self.dest = dest
+    planner: "_SlicePlanner"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.copy_:
+                dst, src = args[0], args[1]
+                if src.dtype != dst.dtype:
+                    raise MConvertError(dst.planner.lie(src.dtype))
+                out = func(*args, **(kwargs or {}))
+                dst.planner.copies += 1
+                return out
+            out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.detach:  # the reader detaches the view first: it stays checked
+            out = out.as_subclass(cls)
+            out.planner = args[0].planner
+        return out
+
+
+class _SlicePlanner:
+    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor;
+    every chunk copied into it is checked to carry the dtype `.metadata` declares (`_Checked`)."""
+
+    def __init__(self, dest: torch.Tensor, key: str, md_file: Path) -> None:
+        self.dest, self.key, self.md_file = dest, key, md_file
+        self.copies = 0  # chunks copied through the check
+        self.commits = 0
+
+    def lie(self, saved: torch.dtype) -> str:
+        return (f"{self.md_file}: {self.key!r} is declared {self.dest.dtype} but its saved chunk holds {saved}; "
+                "reading would convert the values silently — the .metadata is damaged or from another save, "
+                "re-copy the checkpoint")
 
     def resolve_tensor(self, req: Any) -> torch.Tensor:
         view = self.dest
         for dim, (off, n) in enumerate(zip(req.dest_offsets, req.lengths)):
             view = view.narrow(dim, off, n)
-        return view
+        checked = view.as_subclass(_Checked)
+        checked.planner = self
+        return checked
 
     def commit_tensor(self, req: Any, tensor: torch.Tensor) -> None:
-        pass
+        self.commits += 1
+        if self.commits != self.copies:  # a reader that filled the view another way: its dtype went unchecked
+            raise MConvertError(f"internal: torch's DCP reader filled {self.key!r} without the dtype check")
 
     def load_bytes(self, req: Any, value: Any) -> None:  # pragma: no cover - only tensors are requested
         raise MConvertError(f"unexpected bytes entry {req.dest_index.fqn!r} in a tensor read")
@@ -488,7 +524,7 @@ class TorchDistSource(SourceBase):
                                 f"{overlap} writes elements another chunk wrote), so another part of the tensor is "
                                 "missing; the checkpoint is damaged — re-copy it")
         try:
-            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest)).wait()
+            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest, key, self.iter_dir / '.metadata')).wait()
         except MConvertError:
             raise
         except Exception as e:  # noqa: BLE001 - truncated / missing .distcp -> one line
