@@ -29,6 +29,7 @@ from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io.atomic import listed_by_manifest
+from mconvert.convert.layout import stored_iteration
 from mconvert.convert.io.integrity import INTEGRITY, check_integrity
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
@@ -163,8 +164,7 @@ class TorchDistSource(SourceBase):
         self.args = common["args"]
         self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
                                                f"{common_file}: checkpoint_version", "re-copy the checkpoint"))
-        if self.iteration != "release" and common.get("iteration") is not None:
-            self.iteration = common["iteration"]
+        self.iteration = stored_iteration(common, self.iteration, common_file)
         a = args_dict(self.args, common_file)
         self._common = dict(common)  # small: args, scheduler, counters (tensors live in the DCP files)
         del common
