@@ -390,8 +390,11 @@ class ModelSpec:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     def num_parameters(self) -> int:
-        """Parameter count (padded vocab at TP=1); every layer has layer 0's shapes, so no loop over layers."""
-        per_layer = sum(math.prod(p.shape) for p in self.layer_params(0))
+        """Parameter count (padded vocab at TP=1); every layer has layer 0's shapes and every expert expert 0's,
+        so no loop over layers or experts: the count is arithmetic in both."""
+        per_layer = sum(math.prod(p.shape) for p in self.layer_params(0, experts=False))
+        if self.is_moe:
+            per_layer += self.num_experts * sum(math.prod(p.shape) for p in self.expert_params(0, 0))  # type: ignore[operator]
         rest = self.embedding_params(1) + self.final_params(1)
         return sum(math.prod(p.shape) for p in rest) + self.num_layers * per_layer
 
@@ -473,6 +476,12 @@ class ModelSpec:
         if self.add_bias_linear:
             add("mlp.linear_fc2.bias", "replicated", H)
         return out
+
+    def layer_template(self, layer: int = 0) -> list[ParamDecl]:
+        """One layer's parameters with expert 0 standing for every routed expert (each has its shapes): what a
+        table of shapes by name template needs, built in a time that does not grow with num_experts, so a
+        config claiming a million experts is refused on the router's shape before anything loops over them."""
+        return self.layer_params(layer, experts=False) + (self.expert_params(layer, 0) if self.is_moe else [])
 
     def expert_params(self, layer: int, expert: int) -> list[ParamDecl]:
         """The parameters of one routed expert (global index) of an MoE layer: its MLP, split over TP like a

@@ -40,6 +40,7 @@ from mconvert.convert.layout import (
     rank_file,
     rank_of_parts,
     save_rank_file,
+    stored_iteration,
     stage_layers,
     write_latest,
 )
@@ -120,8 +121,7 @@ class MegatronSource(LayerParts):
         self._check_layout(args_dict(self.args, first_file))  # safety: extra rank dirs are named against the args
         self._check_holes()
         self.checkpoint_version = _checkpoint_version(first, first_file)
-        if self.iteration != "release" and first.get("iteration") is not None:
-            self.iteration = first["iteration"]
+        self.iteration = stored_iteration(first, self.iteration, first_file)
         self.top_keys = [k for k in first if not k.startswith("model")]
         chunks = sorted(int(k[5:]) for k in first if k.startswith("model") and k[5:].isdigit())
         self.vpp = len(chunks) if chunks else None

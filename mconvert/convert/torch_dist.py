@@ -28,6 +28,9 @@ from mconvert.convert import bridge, dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.io.atomic import listed_by_manifest
+from mconvert.convert.layout import stored_iteration
+from mconvert.convert.io.integrity import INTEGRITY, check_integrity
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError, expect
@@ -66,20 +69,56 @@ def _expert_template(name: str) -> str:
     return name.replace(EXPERT_TEMPLATE.replace("*", "0"), EXPERT_TEMPLATE, 1)
 
 
-class _SlicePlanner:
-    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor."""
+class _Checked(torch.Tensor):
+    """A view of the destination that DCP's reader copies one saved chunk into (`resolve_tensor`, `detach`,
+    `copy_`): the copy is refused when the chunk's own dtype (its `torch.save` blob) is not the one `.metadata`
+    declares, since `copy_` would convert it silently (float32 bytes declared int64 read as zeros)."""
 
-    def __init__(self, dest: torch.Tensor) -> None:
-        self.dest = dest
+    planner: "_SlicePlanner"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.copy_:
+                dst, src = args[0], args[1]
+                if src.dtype != dst.dtype:
+                    raise MConvertError(dst.planner.lie(src.dtype))
+                out = func(*args, **(kwargs or {}))
+                dst.planner.copies += 1
+                return out
+            out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.detach:  # the reader detaches the view first: it stays checked
+            out = out.as_subclass(cls)
+            out.planner = args[0].planner
+        return out
+
+
+class _SlicePlanner:
+    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor;
+    every chunk copied into it is checked to carry the dtype `.metadata` declares (`_Checked`)."""
+
+    def __init__(self, dest: torch.Tensor, key: str, md_file: Path) -> None:
+        self.dest, self.key, self.md_file = dest, key, md_file
+        self.copies = 0  # chunks copied through the check
+        self.commits = 0
+
+    def lie(self, saved: torch.dtype) -> str:
+        return (f"{self.md_file}: {self.key!r} is declared {self.dest.dtype} but its saved chunk holds {saved}; "
+                "reading would convert the values silently — the .metadata is damaged or from another save, "
+                "re-copy the checkpoint")
 
     def resolve_tensor(self, req: Any) -> torch.Tensor:
         view = self.dest
         for dim, (off, n) in enumerate(zip(req.dest_offsets, req.lengths)):
             view = view.narrow(dim, off, n)
-        return view
+        checked = view.as_subclass(_Checked)
+        checked.planner = self
+        return checked
 
     def commit_tensor(self, req: Any, tensor: torch.Tensor) -> None:
-        pass
+        self.commits += 1
+        if self.commits != self.copies:  # a reader that filled the view another way: its dtype went unchecked
+            raise MConvertError(f"internal: torch's DCP reader filled {self.key!r} without the dtype check")
 
     def load_bytes(self, req: Any, value: Any) -> None:  # pragma: no cover - only tensors are requested
         raise MConvertError(f"unexpected bytes entry {req.dest_index.fqn!r} in a tensor read")
@@ -106,11 +145,16 @@ class TorchDistSource(SourceBase):
     format = "megatron-torch_dist"
     splits_experts = True  # an MoE layer is read as its dense part and one unit per expert (memory: one expert)
 
-    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None) -> None:
+    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,
+                 verify: bool = True) -> None:
         self.path = Path(path)
         self.iter_dir, self.iteration = resolve_iteration_dir(self.path, iteration)
         self.root = self.iter_dir.parent if self.iter_dir != self.path else self.path.parent
         d = self.iter_dir
+        # Megatron-LM's integrity manifest, before any file it lists is read: its shape and files now, the
+        # digests (`verify`: a verb that reads tensor data) as the input's other checks, before the commit
+        covered = listed_by_manifest(self.path) if verify else set()
+        check_integrity(d, digests=verify, covered=lambda f: os.path.realpath(f) in covered)
         backend = self._backend(d / "metadata.json")
         if backend != "torch_dist":
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
@@ -184,8 +228,7 @@ class TorchDistSource(SourceBase):
         """checkpoint_version and iteration of the common entries (common.pt or the DCP's common_state)."""
         self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
                                                f"{where}: checkpoint_version", "re-copy the checkpoint"))
-        if self.iteration != "release" and common.get("iteration") is not None:
-            self.iteration = common["iteration"]
+        self.iteration = stored_iteration(common, self.iteration, where)
 
     @staticmethod
     def _backend(path: Path) -> str:
@@ -219,9 +262,9 @@ class TorchDistSource(SourceBase):
         """Map every DCP key to a canonical name (or an explicit drop); unknown keys are an error."""
         md_file = self.iter_dir / ".metadata"
         L = self.spec.num_layers
-        decls = self.spec.embedding_params(self.tp) + self.spec.layer_params(0) + self.spec.final_params(self.tp)
+        decls = self.spec.embedding_params(self.tp) + self.spec.layer_template(0) + self.spec.final_params(self.tp)
         self._declared = {_expert_template(d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1)): d.shape
-                          for d in decls if d.expert in (None, 0)}
+                          for d in decls}
         self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])
         for key, md in self.metadata.state_dict_metadata.items():
             rng = RNG_SHARD.fullmatch(key)
@@ -449,13 +492,14 @@ class TorchDistSource(SourceBase):
 
     def files(self) -> list[dict[str, Any]]:
         """The iteration dir's files: each DCP data file with its bytes and entry count, then `.metadata`,
-        `common.pt` and `metadata.json` (sizes from the opening checks' stat calls and the file system)."""
+        `common.pt`, `metadata.json` and Megatron-LM's `integrity.json` (sizes from the opening checks' stat calls
+        and the file system)."""
         counts: dict[str, int] = {}
         for info in self.metadata.storage_data.values():
             counts[info.relative_path] = counts.get(info.relative_path, 0) + 1
         out = [{"path": rel, "bytes": os.stat(self.iter_dir / rel).st_size, "entries": n}
                for rel, n in sorted(counts.items())]
-        for name in (".metadata", "common.pt", "metadata.json", bridge.RUN_CONFIG, bridge.TRAIN_STATE):
+        for name in (".metadata", "common.pt", "metadata.json", bridge.RUN_CONFIG, bridge.TRAIN_STATE, INTEGRITY):
             if os.path.isfile(self.iter_dir / name):
                 out.append({"path": name, "bytes": os.stat(self.iter_dir / name).st_size})
         return out
@@ -521,7 +565,7 @@ class TorchDistSource(SourceBase):
                                 f"{overlap} writes elements another chunk wrote), so another part of the tensor is "
                                 "missing; the checkpoint is damaged — re-copy it")
         try:
-            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest)).wait()
+            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest, key, self.iter_dir / '.metadata')).wait()
         except MConvertError:
             raise
         except Exception as e:  # noqa: BLE001 - truncated / missing .distcp -> one line

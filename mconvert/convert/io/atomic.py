@@ -559,6 +559,21 @@ def verify_input(path: str | Path) -> None:
     _check_on_reads(root, algorithm, to_hash)
 
 
+def listed_by_manifest(path: str | Path) -> set[str]:
+    """The real paths of the files the manifest covering input `path` lists (empty: no manifest, or one
+    `verify_input` refuses): what `verify_input` checks byte for byte, so another check need not hash them."""
+    from mconvert.convert.io.paths import read_small
+
+    root = _manifest_root(Path(path))
+    if root is None:
+        return set()
+    try:
+        _, listed = manifest_entries(read_small(_contained_manifest(root), "json"))
+    except (MConvertError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        return set()
+    return {os.path.realpath(root / rel) for rel in listed}
+
+
 def _manifest_root(path: Path) -> Path | None:
     """The directory whose manifest covers input `path` (itself, or the checkpoint root above an iteration
     directory), or None when there is none."""

@@ -267,6 +267,9 @@ class ZipRecords:
         self._next: dict[int, tuple[int, int]] = {}  # file offset a record's next read starts at -> (record, crc)
         self._lock = threading.Lock()
         self.released = threading.Event()
+        # which unclaimed records the background check still takes, read before each record and block:
+        # "all"; "read" once a conversion failed on its input (`DeferredCRC.cancel`); "none" once it is dropped
+        self.scope = "all"
 
     @classmethod
     def parse(cls, path: Path) -> "ZipRecords | None":
@@ -341,16 +344,31 @@ class ZipRecords:
                 size, want, name = self.entries[start]
                 crc, pos, left = 0, start, size
                 while left:
+                    if not self.wanted(start):
+                        break  # cancelled meanwhile: the record is not this check's any more
                     k = os.preadv(f.fileno(), [chunk[: min(left, len(chunk))]], pos)
                     if k <= 0:
                         raise MConvertError(f"{self.path}: damaged zip structure ({name} runs past the end of the "
                                             "file); the file is corrupt — re-copy it")
                     crc = crc32(chunk[:k], crc)
                     pos, left = pos + k, left - k
+                if left:
+                    continue
                 if crc != want:
                     raise _crc_refusal(self.path, name)
                 with self._lock:
                     self.done.add(start)
+
+    def wanted(self, start: int) -> bool:
+        """Whether the record at data offset `start` is still to be checked in the current `scope`. "read": the
+        records the failed conversion can have read — every record of a file no reader indexed (loaded whole),
+        only the non-tensor records (the pickle) of one it did: a reader takes the tensors it reads by claim,
+        checked as they are read, so an unclaimed tensor record there was never read."""
+        if self.scope == "all":
+            return True
+        if self.scope == "none":
+            return False
+        return not self.claimed or not _tensor_record(self.entries[start][2])
 
     def check_unclaimed(self, _path: Any = None) -> None:
         """(background thread) Once the file is claimed or released, check every record nobody claimed."""
@@ -364,6 +382,12 @@ class ZipRecords:
         with self._lock:
             todo = sorted(o for o in self.claimed if o not in self.done)
         self._check(todo)
+
+
+def _tensor_record(name: str) -> bool:
+    """Whether zip entry `name` of a torch.save file holds a storage's bytes (`<archive>/data/<key>`)."""
+    parts = name.split("/")
+    return len(parts) == 3 and parts[1] == "data"
 
 
 def _crc_refusal(path: Path, name: str) -> MConvertError:
@@ -386,6 +410,7 @@ class DeferredCRC:
         self.records: dict[tuple[str, int, int], ZipRecords] = {}
         self.followed: dict[str, tuple[FollowedDigest, Callable[[str], MConvertError]]] = {}
         self._queued: set[str] = set()  # followed files handed to the background thread whole
+        self._dropped = False  # cancelled: a followed file's whole pass not started yet is not started
 
     def follow(self, digest: FollowedDigest, refuse: Callable[[str], MConvertError]) -> bool:
         """Take input file `digest.path`'s manifest digest on the bytes the conversion reads (`followed_digest`);
@@ -400,7 +425,7 @@ class DeferredCRC:
     def _finish(self, key: str) -> None:
         """(background thread) A followed file no reader feeds: its whole digest, unless a reader took it meanwhile."""
         digest, refuse = self.followed[key]
-        if not digest.attached:
+        if not digest.attached and not self._dropped:
             problem = digest.finish()
             if problem is not None:
                 raise refuse(problem)
@@ -478,17 +503,21 @@ class DeferredCRC:
         return out
 
     def cancel(self, explain: bool = False) -> None:
-        """Drop the checks not started yet (nothing will be committed: a dry run, or a conversion that
-        failed); raise the first failure among those that ran, since corrupt bytes explain the rest.
-        `explain` (the conversion failed on its input): finish the followed manifest digests too, so a
-        changed input is reported as changed, not as whatever its changed bytes broke."""
+        """Nothing will be committed (a dry run, or a conversion that failed): the background checks stop taking
+        records — a check still queued or waiting for its release finds nothing to do, a running one stops at
+        its next block — and every check is awaited; the first failure among those that ran is raised, since
+        corrupt bytes explain the rest. `explain` (the conversion failed on its input): the records it can have
+        read are still checked (`ZipRecords.wanted`), and the followed manifest digests finished, so a changed
+        input is reported as changed, not as whatever its changed bytes broke.
+        Which records are checked depends on what the conversion claimed, never on how far the background
+        thread got: every check is released and awaited the same way, whether it had started or not."""
         self._queued.update(self.followed)  # no background pass is started for them now
+        self._dropped = True
+        for recs in self.records.values():
+            recs.scope = "read" if explain else "none"
         self.release()
-        for f in self._futures:
-            f.cancel()
-        done = [f for f in self._futures if not f.cancelled()]
-        self._futures.clear()
-        for f in done:
+        futures, self._futures = self._futures, []
+        for f in futures:
             f.result()
         if explain:
             self.finish_followed()
