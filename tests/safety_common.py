@@ -121,13 +121,16 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def assert_one_line_error(code: int, err: str, *must_contain: str, details: int = 0) -> str:
+def assert_one_line_error(code: int, err: str, *must_contain: str, details: int | None = 0) -> str:
     """Non-zero exit, no traceback, and the error as the CLI prints it: the first non-empty stderr line starts with
     `error:` (the whole message, or the summary of a refusal naming several items), followed by exactly `details`
-    lines indented by two spaces (one per item; the summary counts them). Each of `must_contain` is somewhere in
-    those lines; returns them joined by newlines (one line when `details` is 0)."""
+    lines indented by two spaces (one per item; the summary counts them; None: as many as the summary counts, for
+    an input that may break several fields at once). Each of `must_contain` is somewhere in those lines; returns
+    them joined by newlines (one line when `details` is 0)."""
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code != 0, f"exit code 0; stderr: {err!r}"
+    if details is None:
+        details = len(lines) - 1
     assert len(lines) == 1 + details, f"expected {1 + details} stderr lines, got {len(lines)}:\n{err}"
     line = lines[0]
     assert line.startswith("error: "), line

@@ -71,9 +71,11 @@ def ours(name: str = "llama", tp: int = 1, ep: int = 1) -> Path:
 
 def _real_bridge_layout(dst: Path, edit: dict | None = None, text: str | bytes | None = None) -> Path:
     """A copy of ours() whose run_config.yaml is the one Megatron-Bridge wrote (its `model:` fields `edit`ed), or
-    `text`; without mconvert's manifest, as Megatron-Bridge leaves none."""
+    `text`; without mconvert's manifest and Megatron-LM's integrity.json, as Megatron-Bridge leaves neither (its
+    runs verify no integrity by default)."""
     shutil.copytree(ours(), dst)
     (dst / "mconvert-manifest.json").unlink()
+    (dst / "iter_0000000" / "integrity.json").unlink()
     rc = dst / "iter_0000000" / "run_config.yaml"
     if text is not None:
         rc.write_bytes(text if isinstance(text, bytes) else text.encode())
