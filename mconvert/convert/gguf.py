@@ -35,7 +35,7 @@ from mconvert.convert.driver import drive, peak_rss_bytes
 from mconvert.convert.io.safeload import (check_narrowed, crc_in_background, skip_crc_checks, value_range,
                                           wait_crc_checks)
 from mconvert.convert.sources import open_source
-from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer
+from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
 from mconvert.convert.writer import Report, make_report
 from mconvert.errors import MConvertError, escape_controls
 from mconvert.mappings import families, to_hf
@@ -471,7 +471,10 @@ class GgufWriter:
         w.add_token_types(vocab.types)
         if vocab.add_space_prefix is not None:
             w.add_add_space_prefix(vocab.add_space_prefix)
-        special = g.SpecialVocab(tok_dir, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
+        # gguf-py reads tokenizer.json, tokenizer_config.json, the chat templates, merges.txt and config.json by
+        # name: it is given a staged copy of the checked files, never the user's directory
+        with staged_tokenizer(tok_dir, "config.json") as staged:
+            special = g.SpecialVocab(staged, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
         if vocab.merges and not special.merges:
             raise MConvertError(f"{tok_dir}: tokenizer.json holds no BPE merges; re-save the tokenizer")
         special.add_to_gguf(w, quiet=True)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,28 +75,55 @@ class TokenizerCodeRefused(MConvertError):
     """A tokenizer that only the code shipped in its directory can build: refused, never run."""
 
 
+@contextmanager
+def staged_tokenizer(tok_dir: Path, *also: str, skip: tuple[str, ...] = ()) -> Iterator[Path]:
+    """A private directory holding copies of `tok_dir`'s tokenizer files (the table's, less `skip`) and of the
+    `also` files present there, each checked as an input file (inside `tok_dir` once every symlink is followed,
+    regular, bounded in size). A library given this directory (transformers, tokenizers, gguf-py) opens only
+    what mconvert checked, whatever file names it tries; the copy is removed on the way out."""
+    tmp = Path(tempfile.mkdtemp(prefix="mconvert-tokenizer-"))
+    try:
+        copy_tokenizer(tok_dir, tmp, skip)
+        for f in also:
+            if os.path.lexists(tok_dir / f):
+                inside_file(tok_dir, f, f"{tok_dir}: file {f}")
+                copy_contained(tok_dir, f, tmp, kind="json" if f.endswith(".json") else "tokenizer")
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def unstaged(text: str, staged: Path, tok_dir: Path) -> str:
+    """A library's message about a staged copy, naming the user's directory instead of the private one (which
+    is gone by the time the message is read)."""
+    return text.replace(str(staged), str(tok_dir))
+
+
 def load_tokenizer(tok_dir: Path) -> Any:
     """transformers' tokenizer of `tok_dir`, never running code shipped in it: `trust_remote_code=False` and
-    local files only, so no `[y/N]` prompt either. A tokenizer that only its own code can build (`auto_map`
+    local files only, so no `[y/N]` prompt either; transformers reads a staged copy (`staged_tokenizer`), so
+    it opens nothing mconvert did not check. A tokenizer that only its own code can build (`auto_map`
     without a class transformers has) is refused by name; any other failure is one MConvertError."""
     # heavy optional import: transformers loads only when a tokenizer is read
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    check_tokenizer_dir(tok_dir)
     check_tokenizer_files(tok_dir)
-    try:
-        if (tok_dir / "tokenizer_config.json").is_file() or (tok_dir / "vocab.json").is_file():
-            return AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False, local_files_only=True)
-        return PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer dir
-        if "trust_remote_code" in str(e):
-            raise TokenizerCodeRefused(
-                f"{tok_dir}: the tokenizer names its own code (auto_map) and no class transformers has; mconvert "
-                "never runs code from a checkpoint — remove auto_map or pass --tokenizer DIR with a standard tokenizer"
-            ) from None
-        text = escape_controls(str(e).split("\n", 1)[0])[:200]
-        raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({type(e).__name__}: {text}); "
-                            f"{_TOKENIZER_FIX}") from None
+    # transformers reads config.json for the tokenizer class when tokenizer_config.json names none
+    with staged_tokenizer(tok_dir, "config.json") as d:
+        try:
+            if (d / "tokenizer_config.json").is_file() or (d / "vocab.json").is_file():
+                return AutoTokenizer.from_pretrained(str(d), trust_remote_code=False, local_files_only=True)
+            return PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer dir
+            if "trust_remote_code" in str(e):
+                raise TokenizerCodeRefused(
+                    f"{tok_dir}: the tokenizer names its own code (auto_map) and no class transformers has; "
+                    "mconvert never runs code from a checkpoint — remove auto_map or pass --tokenizer DIR with a "
+                    "standard tokenizer"
+                ) from None
+            text = escape_controls(unstaged(str(e).split("\n", 1)[0], d, tok_dir))[:200]
+            raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({type(e).__name__}: {text}); "
+                                f"{_TOKENIZER_FIX}") from None
 
 
 def tokenizer_files(d: Path) -> list[str]:
@@ -150,13 +181,15 @@ def find_tokenizer_dir(*candidates: Path | None) -> Path | None:
     return None
 
 
-def copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
-    """Copy every tokenizer file of `src_dir` (the table's; each a regular file inside `src_dir`, bounded in
-    size) into `out` under the same relative name; their names."""
+def copy_tokenizer(src_dir: Path | None, out: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy every tokenizer file of `src_dir` (the table's, less `skip`; each a regular file inside `src_dir`,
+    bounded in size) into `out` under the same relative name; their names."""
     copied: list[str] = []
     if src_dir is not None:
         check_tokenizer_dir(src_dir)
         for f in tokenizer_files(src_dir):
+            if f in skip:
+                continue
             folder, _, leaf = f.rpartition("/")
             if folder:  # a named chat template: the folder itself may not lead outside either
                 contained(src_dir, f, f"{src_dir}: tokenizer file {f}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io.paths import inside_file, load_json_object
+from mconvert.convert.io.paths import check_tree_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
 from mconvert.convert.tokenizer import has_chat_template, load_tokenizer
 from mconvert.validators.formats import has_tokenizer
@@ -113,6 +113,7 @@ def vllm_compare_many(
 
     jobs = []
     for d in dirs:
+        check_tree_contained(d, f"{d}: model file")  # vLLM and transformers open the files by name
         cfg = load_json_object(inside_file(d, "config.json", f"{d}: config"), "config", "re-export the model")
         max_pos = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 128)
         max_len = min(128, max_pos)
