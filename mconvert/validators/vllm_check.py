@@ -19,7 +19,7 @@ import torch
 
 from mconvert.convert.io.paths import check_tree_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
-from mconvert.convert.tokenizer import has_chat_template, load_tokenizer
+from mconvert.validators.engine_probe import chat_ids
 from mconvert.validators.formats import has_tokenizer
 from mconvert.validators.tokens import make_batch
 
@@ -56,11 +56,11 @@ def _prompts(d: Path, vocab: int, n_prompts: int, length: int) -> list[list[int]
 
 
 def _chat_ids(d: Path) -> list[list[int]]:
-    """transformers' prompt ids of `CHAT` through the export's own chat template ([] without a template)."""
-    if not has_tokenizer(d) or not has_chat_template(d):
+    """transformers' prompt ids of `CHAT` through the export's default chat template ([] without a template),
+    rendered in a bounded child (`engine_probe.chat_ids`)."""
+    if not has_tokenizer(d):
         return []
-    ids = load_tokenizer(d).apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-    return [list(ids["input_ids"] if isinstance(ids, dict) else ids)]
+    return chat_ids(d, CHAT)[:1]
 
 
 def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
