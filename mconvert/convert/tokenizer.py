@@ -71,6 +71,38 @@ def check_tokenizer_files(tok_dir: Path) -> None:
             load_json_object(path, "tokenizer file", _TOKENIZER_FIX, kind="tokenizer")
 
 
+def check_unique_ids(tok_dir: Path) -> None:
+    """Refuse a tokenizer whose vocabulary gives one id to two tokens (tokenizer.json's `model.vocab` or its
+    `added_tokens`; vocab.json without a tokenizer.json): the tokenizers library keeps its id -> token map in a
+    hash map, so such an id decodes as either token, differently from run to run, and nothing written from it
+    (a GGUF's token list) would be a function of the input."""
+    fix = "give each token its own id and re-save the tokenizer"
+    if (tok_dir / "tokenizer.json").is_file():
+        path = inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file")
+        obj = load_json_object(path, "tokenizer file", _TOKENIZER_FIX, kind="tokenizer")
+        model = obj.get("model")
+        tables = [("model.vocab", model.get("vocab") if isinstance(model, dict) else None)]
+        added = obj.get("added_tokens")
+        if isinstance(added, list):
+            tables.append(("added_tokens", [(a.get("content"), a.get("id")) for a in added if isinstance(a, dict)]))
+    elif (tok_dir / "vocab.json").is_file():
+        path = inside_file(tok_dir, "vocab.json", f"{tok_dir}: tokenizer file")
+        tables = [("the vocabulary", load_json_object(path, "tokenizer file", _TOKENIZER_FIX, kind="tokenizer"))]
+    else:
+        return
+    for where, table in tables:
+        pairs = list(table.items()) if isinstance(table, dict) else table if isinstance(table, list) else []
+        seen: dict[Any, Any] = {}
+        for token, i in pairs:
+            if not isinstance(i, int) or isinstance(i, bool):
+                continue
+            if i in seen and seen[i] != token:
+                a, b = (escape_controls(str(t))[:40] for t in (seen[i], token))
+                raise MConvertError(f"{path}: {where} gives id {i} to both {a!r} and {b!r}; the tokenizers library "
+                                    f"then decodes id {i} as either, differently from run to run — {fix}")
+            seen.setdefault(i, token)
+
+
 class TokenizerCodeRefused(MConvertError):
     """A tokenizer that only the code shipped in its directory can build: refused, never run."""
 
@@ -108,6 +140,7 @@ def load_tokenizer(tok_dir: Path) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     check_tokenizer_files(tok_dir)
+    check_unique_ids(tok_dir)
     # transformers reads config.json for the tokenizer class when tokenizer_config.json names none
     with staged_tokenizer(tok_dir, "config.json") as d:
         try:
