@@ -10,7 +10,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 from safety_common import assert_one_line_error, run_cli_capped
 from tokenizer_common import MODEL_FILES, instruct_hf
 
@@ -65,3 +64,64 @@ def test_gguf_of_a_benign_tokenizer_is_the_same_bytes_every_run(tmp_path):
         assert code == 0, err
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
+
+
+# ---- transformers' precedence: tokenizer.json over stray slow files -----------------------------------------
+def _gguf_tokens(path: Path) -> tuple[str, list[str], list[str]]:
+    """(tokenizer.ggml.model, tokens, merges) of a GGUF, read by gguf-py's own reader."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+
+    def strings(key: str) -> list[str]:
+        f = r.fields.get(key)
+        return [] if f is None else [bytes(f.parts[i]).decode() for i in f.data]
+
+    model = r.fields["tokenizer.ggml.model"]
+    return bytes(model.parts[model.data[0]]).decode(), strings("tokenizer.ggml.tokens"), strings(
+        "tokenizer.ggml.merges")
+
+
+def test_a_stray_tokenizer_model_never_wins_over_tokenizer_json(tmp_path):
+    """A SentencePiece tokenizer.model beside a byte-level BPE tokenizer.json: transformers loads
+    tokenizer.json, and so does the GGUF (its tokens are transformers' ids in order)."""
+    import transformers
+    from test_gguf import _spm_tokenizer_dir
+
+    hf, tok = _model_and_tokenizer(tmp_path)
+    shutil.copy(_spm_tokenizer_dir() / "tokenizer.model", tok / "tokenizer.model")
+    out = tmp_path / "out.gguf"
+    code, _, err = run_cli_capped(["hf-to-gguf", hf, out, "--tokenizer", tok])
+    assert code == 0, err
+    model, tokens, _ = _gguf_tokens(out)
+    truth = transformers.AutoTokenizer.from_pretrained(tok)
+    assert model == "gpt2"
+    assert tokens[:len(truth)] == truth.convert_ids_to_tokens(list(range(len(truth))))
+
+
+def test_a_tokenizer_model_that_is_the_tokenizer_json_is_written_as_sentencepiece(tmp_path):
+    """The benign neighbour: a llama-2-style directory whose tokenizer.json was converted from its
+    tokenizer.model keeps the SentencePiece form convert_hf_to_gguf.py writes."""
+    from test_gguf import _spm_model
+
+    out = tmp_path / "spm.gguf"
+    code, _, err = run_cli_capped(["hf-to-gguf", _spm_model(), out])
+    assert code == 0, err
+    assert _gguf_tokens(out)[0] == "llama"
+
+
+def test_a_stray_merges_txt_never_wins_over_tokenizer_json(tmp_path):
+    """merges.txt beside a tokenizer.json: gguf-py would read it when tokenizer.json holds no merges; the GGUF
+    takes tokenizer.json's merges (as transformers does) and one without any is refused by name."""
+    hf, tok = _model_and_tokenizer(tmp_path)
+    j = json.loads((tok / "tokenizer.json").read_text())
+    want = [" ".join(m) if isinstance(m, list) else m for m in j["model"]["merges"]]
+    (tok / "merges.txt").write_text("#version: 0.2\n" + "\n".join(reversed(want)) + "\n")  # a different order
+    out = tmp_path / "out.gguf"
+    code, _, err = run_cli_capped(["hf-to-gguf", hf, out, "--tokenizer", tok])
+    assert code == 0, err
+    assert _gguf_tokens(out)[2] == want
+    j["model"]["merges"] = []
+    (tok / "tokenizer.json").write_text(json.dumps(j))
+    code, _, err = run_cli_capped(["hf-to-gguf", hf, tmp_path / "none.gguf", "--tokenizer", tok])
+    assert_one_line_error(code, err, str(tok), "tokenizer.json holds no BPE merges")

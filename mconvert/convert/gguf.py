@@ -281,10 +281,14 @@ class GgufVocab:
 
 def gguf_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     """The vocabulary of `tok_dir` for the GGUF: a SentencePiece `tokenizer.model` where there is one (as
-    convert_hf_to_gguf.py's LlamaModel prefers it), else a byte-level BPE `tokenizer.json`."""
+    convert_hf_to_gguf.py's LlamaModel prefers it) and it is the vocabulary transformers loads, else a
+    byte-level BPE `tokenizer.json`. transformers reads tokenizer.json whenever there is one, so a
+    `tokenizer.model` whose pieces disagree with it is a stray file and never wins."""
     check_tokenizer_dir(tok_dir)
     if (tok_dir / SPM_FILE).exists():
-        return sentencepiece_vocab(tok_dir, n_vocab)
+        proto = read_sentencepiece(inside_file(tok_dir, SPM_FILE, f"{tok_dir}: tokenizer file"))
+        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, load_tokenizer(tok_dir).get_vocab()):
+            return sentencepiece_vocab(tok_dir, n_vocab)
     tokens, types, pre = tokenizer_vocab(tok_dir, n_vocab)
     return GgufVocab(BPE_MODEL, pre, tokens, types)
 
@@ -371,6 +375,12 @@ def read_sentencepiece(path: Path) -> Any:
             raise MConvertError(f"{path}: SentencePiece {field}={str(have).lower()} has no GGUF form ({why}); "
                                 "conversion refused")
     return proto
+
+
+def pieces_agree(proto: Any, vocab: dict[str, int]) -> bool:
+    """Whether every piece of a SentencePiece model has its own id in `vocab` (transformers' tokenizer's), as
+    in a tokenizer.json converted from that model."""
+    return all(vocab.get(p.piece) == i for i, p in enumerate(proto.pieces))
 
 
 def sentencepiece_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
@@ -473,7 +483,10 @@ class GgufWriter:
             w.add_add_space_prefix(vocab.add_space_prefix)
         # gguf-py reads tokenizer.json, tokenizer_config.json, the chat templates, merges.txt and config.json by
         # name: it is given a staged copy of the checked files, never the user's directory
-        with staged_tokenizer(tok_dir, "config.json") as staged:
+        # merges.txt is read by gguf-py only when tokenizer.json holds none; transformers' fast tokenizer never
+        # reads it beside a tokenizer.json, so neither does the GGUF
+        skip = ("merges.txt",) if (tok_dir / "tokenizer.json").exists() else ()
+        with staged_tokenizer(tok_dir, "config.json", skip=skip) as staged:
             special = g.SpecialVocab(staged, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
         if vocab.merges and not special.merges:
             raise MConvertError(f"{tok_dir}: tokenizer.json holds no BPE merges; re-save the tokenizer")
