@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from safety_common import assert_one_line_error, run_cli_capped
 from tokenizer_common import MODEL_FILES, instruct_hf
 
@@ -125,3 +126,79 @@ def test_a_stray_merges_txt_never_wins_over_tokenizer_json(tmp_path):
     (tok / "tokenizer.json").write_text(json.dumps(j))
     code, _, err = run_cli_capped(["hf-to-gguf", hf, tmp_path / "none.gguf", "--tokenizer", tok])
     assert_one_line_error(code, err, str(tok), "tokenizer.json holds no BPE merges")
+
+
+# ---- every input gguf-py reads ends in one line naming its file ---------------------------------------------
+def _cfg(tok: Path, obj) -> None:
+    (tok / "config.json").write_text(json.dumps(obj))
+
+
+def _tok_json(edit):
+    def apply(tok: Path) -> None:
+        j = json.loads((tok / "tokenizer.json").read_text())
+        edit(j)
+        (tok / "tokenizer.json").write_text(json.dumps(j))
+    return apply
+
+
+def _chat_json(tok: Path) -> None:
+    (tok / "chat_template.jinja").unlink()
+    (tok / "chat_template.json").write_text("[1]")
+
+
+SPLIT = {"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": [1]}, "behavior": "Isolated"},
+                                               {"type": "ByteLevel", "use_regex": False}]}
+DAMAGED = {  # each ended in `internal error` without the file; the words its line must hold
+    "config.json eos -2": (lambda t: _cfg(t, {"eos_token_id": -2}), ["config.json", "eos_token_id -2"]),
+    "config.json array": (lambda t: _cfg(t, [1, 2]), ["config.json", "expected a JSON object"]),
+    "config.json text_config string": (lambda t: _cfg(t, {"text_config": "x"}), ["config.json", "text_config"]),
+    "tokenizer.json model array": (_tok_json(lambda j: j.__setitem__("model", [1])), ["tokenizer.json", "model"]),
+    "tokenizer.json pre_tokenizer string": (_tok_json(lambda j: j.__setitem__("pre_tokenizer", "x")),
+                                            ["tokenizer.json", "pre_tokenizer"]),
+    "tokenizer.json Split regex array": (_tok_json(lambda j: j.__setitem__("pre_tokenizer", SPLIT)),
+                                         ["tokenizer.json", "pattern.Regex"]),
+    "chat_template.json array": (_chat_json, ["chat_template.json", "expected a JSON object"]),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGED))
+def test_tokenizer_inputs_gguf_py_cannot_read_are_one_line_naming_the_file(tmp_path, name):
+    edit, words = DAMAGED[name]
+    hf, tok = _model_and_tokenizer(tmp_path)
+    edit(tok)
+    out = tmp_path / "out.gguf"
+    code, _, err = run_cli_capped(["hf-to-gguf", hf, out, "--tokenizer", tok])
+    line = assert_one_line_error(code, err, str(tok), *words)
+    assert "mconvert-tokenizer-" not in line and not out.exists()
+
+
+def test_a_real_config_with_pad_token_id_minus_one_is_refused_by_key(tmp_path):
+    """Llama-1-era configs say `pad_token_id: -1` for "no pad token"; llama.cpp's converter (gguf-py's
+    SpecialVocab) raises on it, so the model's own config.json is refused naming the key and the fix."""
+    import gguf
+
+    hf, tok = _model_and_tokenizer(tmp_path)
+    for f in tok.iterdir():  # the tokenizer beside the model, as a downloaded model directory holds it
+        (shutil.copytree if f.is_dir() else shutil.copy)(f, hf / f.name)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "pad_token_id": -1}))
+    code, _, err = run_cli_capped(["hf-to-gguf", hf, tmp_path / "out.gguf"])
+    assert_one_line_error(code, err, str(hf / "config.json"), "pad_token_id -1", "set it to null")
+    with pytest.raises(ValueError, match="pad: -1"):  # the reference converter's own reader
+        gguf.SpecialVocab(hf, n_vocab=cfg["vocab_size"])
+    (hf / "config.json").write_text(json.dumps({**cfg, "pad_token_id": None}))  # the benign neighbour
+    code, _, err = run_cli_capped(["hf-to-gguf", hf, tmp_path / "out.gguf"])
+    assert code == 0, err
+
+
+def test_gguf_py_log_lines_become_report_warnings_naming_the_users_file(tmp_path):
+    """gguf-py logs what it ignores (a chat_template that is not text); the line goes into the report's
+    warnings, naming the user's tokenizer_config.json, never onto stderr beside the report."""
+    hf, tok = _model_and_tokenizer(tmp_path)
+    cfg = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": 5}))
+    code, out, err = run_cli_capped(["hf-to-gguf", hf, tmp_path / "out.gguf", "--tokenizer", tok, "--json"])
+    assert code == 0, err
+    assert "Bad type" not in err and "mconvert-tokenizer-" not in out + err, err
+    warnings = json.loads(out)["warnings"]
+    assert any("Bad type for chat_template" in w and str(tok / "tokenizer_config.json") in w for w in warnings)

@@ -31,7 +31,7 @@ from mconvert.convert.io.paths import copy_contained
 from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, make_report
 from mconvert.mappings import families
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, renamed
 
 DEFAULT_RTOL = 1e-4
 
@@ -99,7 +99,10 @@ def _hf_dir_for(src: Path, iteration: str | None) -> Any:
         hf = Path(tmp) / "hf"
         megatron_to_hf(src, hf, iteration=iteration, dtype="fp32")
         refuse_moe(load_json_object(hf / "config.json", "config", "re-run the conversion"), str(src))
-        yield hf
+        try:
+            yield hf
+        except MConvertError as e:  # named as the checkpoint: the scratch export is gone once this returns
+            raise MConvertError(renamed(str(e), hf, f"{src}'s HF export")) from None
 
 
 @contextlib.contextmanager

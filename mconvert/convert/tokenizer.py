@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.convert.io.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
-from mconvert.errors import MConvertError, escape_controls
+from mconvert.errors import MConvertError, escape_controls, renamed
 
 # Every file transformers' `save_pretrained` writes for a tokenizer, of any class: the names in its tokenizer
 # classes' `vocab_files_names`, the shared files and both chat-template forms. A table, so that a model's own
@@ -42,7 +42,8 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 # Small tokenizer files whose top level is a JSON object (tokenizer.json is checked where it is parsed).
-_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "chat_template.json")
 _TOKENIZER_FIX = "re-save the tokenizer (or pass --tokenizer DIR)"
 
 
@@ -125,12 +126,6 @@ def staged_tokenizer(tok_dir: Path, *also: str, skip: tuple[str, ...] = ()) -> I
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def unstaged(text: str, staged: Path, tok_dir: Path) -> str:
-    """A library's message about a staged copy, naming the user's directory instead of the private one (which
-    is gone by the time the message is read)."""
-    return text.replace(str(staged), str(tok_dir))
-
-
 def load_tokenizer(tok_dir: Path) -> Any:
     """transformers' tokenizer of `tok_dir`, never running code shipped in it: `trust_remote_code=False` and
     local files only, so no `[y/N]` prompt either; transformers reads a staged copy (`staged_tokenizer`), so
@@ -154,7 +149,7 @@ def load_tokenizer(tok_dir: Path) -> Any:
                     "mconvert never runs code from a checkpoint — remove auto_map or pass --tokenizer DIR with a "
                     "standard tokenizer"
                 ) from None
-            text = escape_controls(unstaged(str(e).split("\n", 1)[0], d, tok_dir))[:200]
+            text = escape_controls(renamed(str(e).split("\n", 1)[0], d, tok_dir))[:200]
             raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({type(e).__name__}: {text}); "
                                 f"{_TOKENIZER_FIX}") from None
 

@@ -142,7 +142,7 @@ def verify(
 # ---- config ---------------------------------------------------------------------------------------
 def _config(d: Path, rep: VerifyReport) -> dict[str, Any] | None:
     p = d / "config.json"
-    if not p.is_file():
+    if not os.path.lexists(p):
         rep.add("config", "error", f"{p}: missing; an HF dir needs config.json")
         return None
     try:
@@ -457,7 +457,7 @@ def _chat_renders(d: Path, rep: VerifyReport) -> None:
 def _generation_config(d: Path, cfg: dict[str, Any], probed: dict[str, Any], rep: VerifyReport) -> None:
     p = d / "generation_config.json"
     vocab = int(cfg.get("vocab_size") or 0)
-    if not p.is_file():
+    if not os.path.lexists(p):
         rep.add("generation-config", "error", f"{p}: missing; vLLM reads eos/bos ids from it")
         return
     try:

@@ -45,9 +45,7 @@ def run_bounded(target: str, args: dict[str, Any], what: str, fix: str, seconds:
     """`target(**args)` in a bounded child (see the module docstring); its JSON result. A child past a bound
     is one MConvertError naming `what` and the part that was running, with `fix`; an error the function
     raised comes back as its message."""
-    import mconvert
-
-    pkg_root = str(Path(mconvert.__file__).resolve().parents[1])
+    pkg_root = str(Path(__file__).resolve().parents[3])  # the directory holding this mconvert package
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p),
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("MCONVERT_DEBUG", None)
