@@ -44,3 +44,30 @@ def test_an_intact_export_verifies_its_manifest(tmp_path):
     assert "Traceback" not in err, err
     checks = {c["name"]: c for c in json.loads(out)["checks"]}
     assert checks["manifest"]["status"] == "ok"
+
+
+def test_a_damaged_torch_dist_object_is_named_by_its_data_file_not_a_scratch_file(tmp_path):
+    """A torch_dist object (the rng state) is loaded from a scratch copy of its bytes; an error names the
+    `.distcp` file and byte range it came from, never the scratch file that is gone once the line is read."""
+    from mconvert.convert.driver import reshard
+    from mconvert.convert.torch_dist import TorchDistSource
+    from mconvert.trainer.train import TrainConfig, train
+
+    train(TrainConfig(preset="tiny-llama", tp=1, pp=1, steps=1, save=str(tmp_path / "t"), quiet=True,
+                      device="cpu", global_batch_size=4, seq_length=16))  # the trainer saves an rng state
+    d = tmp_path / "dist"
+    reshard(tmp_path / "t", d, tp=1, pp=1, format="torch_dist")
+    (d / "mconvert-manifest.json").unlink()
+    src = TorchDistSource(d)
+    key = next(iter(src._rng.values()))
+    info = next(v for k, v in src.metadata.storage_data.items() if getattr(k, "fqn", None) == key)
+    data = src.iter_dir / info.relative_path
+    src.close()
+    with open(data, "r+b") as f:  # one bit inside the object's torch.save zip: its CRC-32 fails
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(info.offset + info.length // 2)
+        f.write(bytes([b[0] ^ 1]))
+    code, _, err = run_cli_capped(["reshard", d, tmp_path / "out", "--tp", "1", "--pp", "1"])
+    line = assert_one_line_error(code, err, str(data), repr(key), "CRC-32")
+    assert "mconvert-objects-" not in line

@@ -267,8 +267,6 @@ def _headers(d: Path, files: list[Path], wmap: dict[str, str] | None, rep: Verif
     return out
 
 
-# What transformers and vLLM compute with, as (ModelSpec field, why the value must be what it is); each field is
-# checked under the key the family's config.json spells it with.
 def _engine_limits(cfg: dict[str, Any], rep: VerifyReport) -> None:
     """The values transformers and vLLM cannot run, named by config.json key: an epsilon that is not a positive
     number (RMSNorm/LayerNorm divide by sqrt(mean + eps), infinite on a zero row), a top-k outside [1, experts]
@@ -313,23 +311,26 @@ def _generation_dict(d: Path) -> dict[str, Any] | None:
 
 def _probe(d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     """transformers' own reading of config.json (its model class built on meta) and of generation_config.json,
-    in a bounded child (`engine_probe.probe_export`); {"bounded": message} when it ran past a bound."""
+    in a bounded child (`engine_probe.probe_export`); the config part is {"refused": line} when mconvert
+    refuses before transformers runs or the child ran past a bound."""
     mt = cfg.get("model_type")
     if families.by_model_type(mt) is None:
         known = ", ".join(f.model_type for f in families.all_families())
-        return {"config": {"error": f"model_type {mt!r} is not one mconvert verifies ({known})"},
+        return {"config": {"refused": f"config.json: model_type {mt!r} is not one mconvert verifies ({known})"},
                 "generation": None}
     try:
         return probe_export(cfg, _generation_dict(d), d)
     except MConvertError as e:
-        return {"bounded": str(e), "config": {"error": str(e)}, "generation": None}
+        return {"config": {"refused": str(e)}, "generation": None}
 
 
 def _strict(cfg: dict[str, Any], header: dict, probed: dict[str, Any], rep: VerifyReport) -> None:
     built = probed["config"]
+    if "refused" in built:  # mconvert's own line (a family it does not verify, a bound hit)
+        rep.add("weights-strict", "error", built["refused"])
+        return
     if "error" in built:
-        why = built["error"] if "bounded" in probed else f"config.json: transformers cannot build the model ({built['error']})"
-        rep.add("weights-strict", "error", why)
+        rep.add("weights-strict", "error", f"config.json: transformers cannot build the model ({built['error']})")
         return
     expected = {k: tuple(v) for k, v in built["shapes"].items()}
     always_tied = _family(cfg).vllm.always_ties_head is not None
