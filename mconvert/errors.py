@@ -58,6 +58,12 @@ def escape_controls(text: str) -> str:
     return "".join(out)
 
 
+def renamed(text: str, private: object, shown: object) -> str:
+    """A message about a private temporary path (a staged copy, a scratch export) naming what the user knows
+    instead (`shown`): the private path is gone by the time the message is read."""
+    return text.replace(str(private), str(shown))
+
+
 def rich_safe(text: object) -> str:
     """`text` ready to embed in rich markup: control characters escaped (above) and markup brackets escaped, so
     a path `[v2]` prints as itself and `[/x]` cannot crash the printer. Every report line that shows a file

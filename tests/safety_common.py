@@ -203,3 +203,23 @@ def flip_record_padding(path: Path) -> None:
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+CAP_BYTES = 6 << 30  # the address space a refusal must fit in
+CAP_SECONDS = 60  # and the time
+
+
+def run_cli_capped(argv: list[str], cap: int = CAP_BYTES, timeout: float = CAP_SECONDS,
+                   env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run `mconvert ARGV` in a child process under an address-space cap (RLIMIT_AS) and a wall-clock limit:
+    (exit code, stdout, stderr). A run past `timeout` fails the test (a hang is never a refusal)."""
+    import resource
+
+    def cap_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    code = "from mconvert.cli import run; run()"
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    r = subprocess.run([sys.executable, "-c", code, *[str(a) for a in argv]], capture_output=True, text=True,
+                       timeout=timeout, preexec_fn=cap_memory, env=full_env, cwd=str(ROOT))
+    return r.returncode, r.stdout, r.stderr

@@ -25,7 +25,7 @@ from mconvert.convert.io.atomic import check_output
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
 from mconvert.convert.megatron import MegatronSource, megatron_writer
-from mconvert.convert.optimizer import index_states
+from mconvert.convert.optimizer import check_mcore_groups, index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
@@ -316,6 +316,8 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         rng_from = _rng_source_ranks(src, tp, pp, vpp)
         rng = lambda t, p: src.top_level(*rng_from[(t, p)][::-1])["rng_state"]  # noqa: E731
         rank_top = lambda t, p: {"rng_state": rng(t, p)}  # noqa: E731
+    if "optimizer" in top:  # carried as it is: its hyperparameters are checked as torch's Adam checks them
+        check_mcore_groups(top["optimizer"], str(getattr(src, "iter_dir", Path(ckpt)) / "common.pt"))
     if isinstance(src, MegatronSource) and with_optimizer:
         first = safe_load(src.files[(0, 0)])
         _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))

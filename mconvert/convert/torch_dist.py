@@ -33,7 +33,7 @@ from mconvert.convert.layout import stored_iteration
 from mconvert.convert.io.integrity import INTEGRITY, check_integrity
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
-from mconvert.errors import MConvertError, expect
+from mconvert.errors import MConvertError, expect, renamed
 from mconvert.mappings.keys import canonical_key, unit_of
 from mconvert.mappings.transforms import merge
 from mconvert.spec import LayerPart, expert_of, layer_of_unit, with_expert
@@ -540,7 +540,11 @@ class TorchDistSource(SourceBase):
             path = Path(tmp) / "object.pt"
             path.write_bytes(blob)
             with crc_checks_now():  # the file is gone before a deferred check would run
-                data = safe_load(path, f"{key} of {self.iter_dir}")
+                try:
+                    data = safe_load(path, f"{key} of {self.iter_dir}")
+                except MConvertError as e:  # named by where its bytes lie, never by the file gone after this call
+                    where = f"{self.iter_dir / info.relative_path} (object {key!r}, {info.length:,} bytes at {info.offset:,})"
+                    raise MConvertError(renamed(str(e), path, where)) from None
         if not isinstance(data, list) or len(data) != 1:
             raise MConvertError(f"{self.iter_dir}: {key!r} is not a saved ShardedObject (a one-item list); the "
                                 "checkpoint is damaged")

@@ -511,18 +511,30 @@ def _manifest_plan(root: Path, unlisted: bool) -> tuple[str, list[str], list[tup
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         return "", [f"{path}: unreadable manifest ({type(e).__name__}: {e}); re-run the conversion"], []
     problems = []
-    top = root.resolve()
+    # os.path.realpath, not Path.resolve: a symlink loop is a problem of the entry, never a RuntimeError
+    top = os.path.realpath(root)
     to_hash = []
     for rel, (size, digest) in sorted(listed.items()):
         p = root / rel
-        if top not in p.resolve().parents:
+        real = os.path.realpath(p)
+        if not real.startswith(top.rstrip(os.sep) + os.sep):
             problems.append(f"{path}: entry {rel!r} points outside {root}; the manifest was tampered with")
-        elif not isinstance(digest, str):
+            continue
+        if not isinstance(digest, str):
             problems.append(f"{path}: entry {rel!r} has no {algorithm} digest; the manifest was tampered with")
-        elif not p.is_file():
+            continue
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
             problems.append(f"{p}: listed in the manifest but missing")
-        elif p.stat().st_size != size:
-            problems.append(f"{p}: size {p.stat().st_size} != manifest {size}")
+            continue
+        except OSError as e:  # ELOOP (a symlink loop), EACCES, ...
+            problems.append(f"{p}: listed in the manifest but unreadable ({e.strerror})")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{p}: listed in the manifest but not a regular file")
+        elif st.st_size != size:
+            problems.append(f"{p}: size {st.st_size} != manifest {size}")
         else:
             to_hash.append((p, digest, size))
     if unlisted:
