@@ -57,7 +57,8 @@ def test_a_damaged_torch_dist_object_is_named_by_its_data_file_not_a_scratch_fil
                       device="cpu", global_batch_size=4, seq_length=16))  # the trainer saves an rng state
     d = tmp_path / "dist"
     reshard(tmp_path / "t", d, tp=1, pp=1, format="torch_dist")
-    (d / "mconvert-manifest.json").unlink()
+    (d / "mconvert-manifest.json").unlink()  # the manifests would refuse the damage first, by their digests
+    (d / "iter_0000001" / "integrity.json").unlink()
     src = TorchDistSource(d)
     key = next(iter(src._rng.values()))
     info = next(v for k, v in src.metadata.storage_data.items() if getattr(k, "fqn", None) == key)
