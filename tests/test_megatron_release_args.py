@@ -168,12 +168,14 @@ def _fixture(shape: str, moe: dict[str, Path]) -> dict[str, Path]:
 
 
 def _copy_with_args(src: Path, dst: Path, run: str, files: str, **changes: object) -> Path:
-    """A copy of `src` (without mconvert's manifest, as Megatron-LM writes it) whose `files` hold the release's
-    Namespace in `args`."""
+    """A copy of `src` (without mconvert's manifest, and without the integrity.json Megatron-LM writes only under
+    --verify-integrity) whose `files` hold the release's Namespace in `args`."""
     from mconvert.convert.io.safeload import safe_load
 
     shutil.copytree(src, dst)
     (dst / "mconvert-manifest.json").unlink(missing_ok=True)
+    for manifest in dst.glob("*/integrity.json"):
+        manifest.unlink()
     for f in sorted(dst.glob(files)):
         state = dict(safe_load(f))
         state = {k: ({n: t.clone() if isinstance(t, torch.Tensor) else t for n, t in v.items()} if k == "model" else v)
