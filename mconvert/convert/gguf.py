@@ -702,7 +702,7 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
             n = len(writer.plan)
     finally:
         src.close()
-    warnings = writer.warnings + [f"gguf-py: {w}" for w in said]
+    warnings += writer.warnings + [f"gguf-py: {w}" for w in said]
     files = [{"path": Path(out).name, "bytes": Path(out).stat().st_size},
              {"path": file_manifest_path(out).name, "bytes": file_manifest_path(out).stat().st_size}]
     return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, peak_rss_bytes(),
