@@ -27,7 +27,12 @@ from mconvert.mappings.fields import (
     check_numbers,
 )
 from mconvert import dtypes
-from mconvert.spec import ModelSpec, moe_from_megatron_args, rope_and_qk_from_megatron_args
+from mconvert.spec import (
+    ModelSpec,
+    deepseek_from_megatron_args,
+    moe_from_megatron_args,
+    rope_and_qk_from_megatron_args,
+)
 
 
 _FAMILY_LINE = re.compile(r"^FAMILY\s*[:=]", re.MULTILINE)
@@ -312,8 +317,8 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         tie_embeddings=not bool(get("untie_embeddings_and_output_weights", False)),
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
         params_dtype=dtype,
-        **rope_and_qk_from_megatron_args(a, source),
-        **moe_from_megatron_args(a),
+        **{**rope_and_qk_from_megatron_args(a, source), **moe_from_megatron_args(a),
+           **deepseek_from_megatron_args(a, source)},
     )
     if family is None:
         family = get("model_family", None)
