@@ -818,8 +818,7 @@ def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict
                                 "megatron-core; not mapped; conversion refused")
         out.update(qk_layernorm=False, q_lora_rank=a.get("q_lora_rank"), kv_lora_rank=int(a["kv_lora_rank"]),
                    qk_nope_head_dim=int(a.get("qk_head_dim") or 128),
-                   qk_rope_head_dim=int(a.get("qk_pos_emb_head_dim") or 64), v_head_dim=int(a.get("v_head_dim") or 128),
-                   position_embedding_type="rope")
+                   qk_rope_head_dim=int(a.get("qk_pos_emb_head_dim") or 64), v_head_dim=int(a.get("v_head_dim") or 128))
     if a.get("mtp_num_layers") is not None:
         out["mtp_num_layers"] = int(a["mtp_num_layers"])
     if a.get("num_experts") is not None or a.get("num_moe_experts") is not None:

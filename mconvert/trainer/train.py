@@ -46,6 +46,7 @@ from mconvert.mappings import families
 from mconvert.mappings.families import preset
 from mconvert.spec import ModelSpec
 from mconvert.trainer import comm, procs
+from mconvert.trainer.deepseek_moe import BIAS_UPDATE_RATE, check_router, update_expert_bias
 from mconvert.trainer.model import GPTModel, check_trainable
 from mconvert.trainer.parallel import ParallelState, check_expert_layout, global_rank, init_distributed
 from mconvert.trainer.schedule import forward_backward_1f1b
@@ -275,8 +276,10 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
     moe: dict[str, Any] = {}
     if spec.is_moe:  # megatron-core's names for this trainer's router and its load-balancing loss
         moe = dict(moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss",
-                   moe_router_pre_softmax=False, moe_router_score_function="softmax",
+                   moe_router_pre_softmax=False, moe_router_score_function=spec.moe_router_score_function,
                    moe_expert_capacity_factor=None)
+        if spec.moe_router_enable_expert_bias:
+            moe["moe_router_bias_update_rate"] = BIAS_UPDATE_RATE
     return spec.to_megatron_args(
         cfg.tp, cfg.pp, ep=cfg.ep,
         seq_length=cfg.seq_length, seed=cfg.seed, lr=cfg.lr, min_lr=cfg.lr, lr_decay_style="constant",
@@ -556,6 +559,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     if ckpt is not None:
         check_resume_model(ckpt["model"], model, source)
         model.load_state_dict(ckpt["model"], strict=True)
+    check_router(spec, cfg.moe_aux_loss_coeff)
     model.set_aux_loss(cfg.moe_aux_loss_coeff, 1.0 / cfg.num_micro_batches)
     # fp32 master copies for bf16 (Megatron's mixed precision); Adam names each parameter by its state_dict key
     if dtype == torch.float32:
@@ -600,6 +604,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
             for (_, master), p in zip(named, model.parameters()):
                 master.grad = p.grad.float()
         opt.step()
+        update_expert_bias(model.routers(), st)  # aux-loss-free balancing: the bias moves outside the optimizer
         if dtype != torch.float32:
             with torch.no_grad():
                 for (_, master), p in zip(named, model.parameters()):

@@ -1,0 +1,186 @@
+"""The DeepSeek-V3 architecture in the trainer, against megatron-core 0.16.1's own GPTModel.
+
+megatron-core (local spec on CPU over gloo: MLA with its latent norms, DeepSeek MoE with the sigmoid router,
+expert bias, group-limited top-k, routed scale and shared experts, a dense first layer by moe_layer_freq, and one
+MTP layer) strict-loads each rank file our trainer writes and its logits — the main head's and the MTP layer's —
+equal ours on the same weights. The weights are moved off their init first (norms off 1, a large expert bias),
+so that a wrong layout, a dropped bias or a wrong rope order cannot hide; the controls show each of those would
+be seen.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.layout import rank_file
+from mconvert.errors import MConvertError
+from mconvert.mappings.families import preset, spec_from_megatron_args
+from mconvert.mappings.transforms import merge
+from mconvert.spec import ModelSpec
+from mconvert.trainer import mla
+from mconvert.trainer.model import GPTModel
+from mconvert.trainer.parallel import ParallelState
+from mconvert.trainer.train import TrainConfig, train
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4  # relative to the largest |logit|
+PROBE = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def _moved(model: dict, tp_rank: int, ep_rank: int) -> dict:
+    """Every tensor of a rank's state dict moved off its init (same noise for a tensor every rank holds whole,
+    per-rank noise for split ones); the expert bias large enough to change which experts are chosen."""
+    out = {}
+    for k, v in model.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+            continue
+        whole = "layernorm" in k or "norm." in k or k.endswith(("router.weight", "expert_bias"))
+        expert = ".local_experts." in k
+        g = torch.Generator().manual_seed(zlib.crc32(f"{k}:{'' if whole else tp_rank}:{ep_rank if expert else ''}"
+                                                     .encode()))
+        noise = torch.randn(v.shape, generator=g)
+        if k.endswith("expert_bias"):
+            out[k] = 0.3 * noise
+        elif k.endswith("norm.weight") or k.endswith("layernorm.weight"):
+            out[k] = 1.0 + 0.2 * noise
+        else:
+            out[k] = v + 0.05 * noise
+    return out
+
+
+def _mcore_forward(ctx, files: dict, tokens: torch.Tensor, zero_bias: bool):
+    """Strict-load this rank's file; the main logits and the MTP layer's (forward with labels, as MTP needs)."""
+    sd = dict(files[(ctx.tp_rank, ctx.ep_rank)])
+    if zero_bias:
+        sd = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in sd.items()}
+    ctx.model.load_state_dict(sd, strict=True)
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    seen: list[torch.Tensor] = []  # copies: megatron-core's cross-entropy works on the logits in place
+    ctx.model.output_layer.register_forward_hook(
+        lambda mod, args, out: seen.append(gather_from_tensor_model_parallel_region(out[0]).detach().clone()))
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        ctx.model(tokens, pos, mask, labels=tokens, runtime_gather_output=True)
+    mtp, main = seen  # megatron-core runs the MTP head first
+    return main.transpose(0, 1).float(), mtp.transpose(0, 1).float()
+
+
+def _merged(spec: ModelSpec, files: dict, tp: int) -> dict:
+    """The rank files merged to one TP=1 EP=1 state dict (the converter's merge per split kind)."""
+    ep = 1 + max(e for _, e in files)
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for (t, e), model in files.items():
+        for k, v in model.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            parts = k.split(".")
+            if "local_experts" in parts:
+                i = parts.index("local_experts") + 1
+                parts[i] = str(int(parts[i]) + e * spec.num_experts // ep)  # type: ignore[operator]
+            shards.setdefault(".".join(parts), {})[t] = v
+    return {k: merge([v[t] for t in range(tp)], spec.split_kind(k), k) for k, v in shards.items()}
+
+
+def _ours(spec: ModelSpec, state: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    model = GPTModel(spec, ParallelState(), seed=None).eval()
+    res = model.load_state_dict(state, strict=False)
+    assert not res.unexpected_keys and all(k.endswith("._extra_state") for k in res.missing_keys), res
+    with torch.no_grad():
+        logits = model(tokens)
+    return logits, model.mtp_logits[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module", params=[dict(tp=1, ep=1), dict(tp=2, ep=2)], ids=["tp1", "tp2ep2"])
+def trained(request, tmp_path_factory):
+    """Our trainer's checkpoint of tiny-deepseek-v3 (2 steps) at the layout, its rank files moved off init."""
+    tp, ep = request.param["tp"], request.param["ep"]
+    ckpt = tmp_path_factory.mktemp("dsv3") / "ckpt"
+    cfg = TrainConfig(preset="tiny-deepseek-v3", tp=tp, pp=1, dp=ep, ep=ep, steps=2, seq_length=32,
+                      micro_batch_size=2, global_batch_size=4 * ep, lr=1e-2, seed=42, quiet=True, save=str(ckpt),
+                      moe_aux_loss_coeff=0.0)
+    train(cfg)
+    states = {(t, e): safe_load(rank_file(ckpt, 2, t, 0, 1, e, ep)) for t in range(tp) for e in range(ep)}
+    spec = spec_from_megatron_args(states[(0, 0)]["args"])
+    files = {k: _moved(v["model"], *k) for k, v in states.items()}
+    return spec, tp, ep, states, files
+
+
+def test_args_say_deepseek_v3(trained) -> None:
+    spec, tp, ep, states, _ = trained
+    assert spec == preset("tiny-deepseek-v3")  # the preset, read back from the args the trainer wrote
+    bias = [v for k, v in states[(0, 0)]["model"].items() if k.endswith("expert_bias")]
+    assert len(bias) == 3 and all(b.dtype == torch.float32 and b.abs().max() > 0 for b in bias)  # 2 MoE + MTP
+
+
+def test_megatron_core_strict_loads_and_matches_main_and_mtp_logits(trained) -> None:
+    from mcore_ref import run_mcore
+
+    spec, tp, ep, _, files = trained
+    ref_main, ref_mtp = run_mcore(spec, tp, _mcore_forward, (files, PROBE, False), ep=ep)[0]
+    main, mtp = _ours(spec, _merged(spec, files, tp), PROBE)
+    d_main, d_mtp = _rel(main, ref_main), _rel(mtp, ref_mtp)
+    assert d_main <= TOL and d_mtp <= TOL, (d_main, d_mtp)
+    # controls: the expert bias, megatron-core's rope order and the MTP layer are all seen
+    nobias = run_mcore(spec, tp, _mcore_forward, (files, PROBE, True), ep=ep)[0][0]
+    d_bias = _rel(nobias, ref_main)
+    assert d_bias > 100 * TOL, d_bias
+    keep = mla.deinterleave
+    mla.deinterleave = lambda t: t  # HF rope_interleave false: rotate without megatron-core's de-interleave
+    try:
+        d_rope = _rel(_ours(spec, _merged(spec, files, tp), PROBE)[0], ref_main)
+    finally:
+        mla.deinterleave = keep
+    assert d_rope > 100 * TOL, d_rope
+    print(f"[figures] tiny-deepseek-v3 TP={tp} EP={ep}: megatron-core vs ours max|Δ|/max|logit| main {d_main:.1e}, "
+          f"MTP {d_mtp:.1e}; controls: expert bias zeroed {d_bias:.1e}, rope not de-interleaved {d_rope:.1e}")
+
+
+def test_a_checkpoint_without_its_mtp_layer_does_not_load(trained) -> None:
+    spec, _, _, _, files = trained
+    without = {k: v for k, v in _merged(spec, files, trained[1]).items() if not k.startswith("mtp.")}
+    with pytest.raises(RuntimeError, match="mtp.layers.0"):
+        GPTModel(spec, ParallelState(), seed=None).load_state_dict(without, strict=True)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(q_lora_rank=32), "without kv_lora_rank"),
+    (dict(kv_lora_rank=32, qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
+    (dict(kv_lora_rank=32, rotary_interleaved=True), "de-interleaves"),
+    (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "must divide num_experts"),
+    (dict(num_experts=8, moe_router_num_groups=4), "go together"),
+    (dict(num_experts=8, moe_layer_freq=(1, 0)), "one 0/1 per layer"),
+    (dict(num_experts=8, moe_router_score_function="relu"), "moe_router_score_function"),
+])
+def test_bad_deepseek_fields_are_refused_by_name(kw: dict, message: str) -> None:
+    with pytest.raises(MConvertError, match=message):
+        preset("tiny-llama").replace(num_layers=3, **kw)
+
+
+def test_yarn_tables_equal_megatron_core(monkeypatch) -> None:
+    """MLA's YaRN (frequencies, concentration, softmax scale) equals megatron-core's YarnRotaryEmbedding and
+    MultiLatentAttention, for when the spec states YaRN for MLA."""
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    dim, base, factor, orig = 64, 10000.0, 40.0, 4096
+    ref = yarn.YarnRotaryEmbedding(dim, rotary_base=base, scaling_factor=factor, original_max_position_embeddings=orig,
+                                   beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+                                   use_cpu_initialization=True)
+    emb, conc = ref.get_emb(16)
+    ours = torch.outer(torch.arange(16, dtype=torch.float32), mla.yarn_inv_freq(dim, base, factor, orig))
+    assert torch.allclose(emb[:, 0, 0, : dim // 2], ours) and conc == mla.yarn_concentration(factor, 1.0, 1.0)
+    spec = preset("tiny-deepseek-v3")
+    want = yarn._yarn_get_mscale(factor, 1.0) ** 2 / (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** 0.5
+    assert mla.softmax_scale(spec, factor, 1.0) == pytest.approx(want, rel=1e-12)
