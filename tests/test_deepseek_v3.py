@@ -59,11 +59,8 @@ def _mcore_forward(ctx, files: dict, tokens: torch.Tensor, zero_bias: bool):
     if zero_bias:
         sd = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in sd.items()}
     ctx.model.load_state_dict(sd, strict=True)
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     seen: list[torch.Tensor] = []  # copies: megatron-core's cross-entropy works on the logits in place
-    ctx.model.output_layer.register_forward_hook(
-        lambda mod, args, out: seen.append(gather_from_tensor_model_parallel_region(out[0]).detach().clone()))
+    ctx.model.output_layer.register_forward_hook(lambda mod, args, out: seen.append(out[0].detach().clone()))
     b, s = tokens.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
