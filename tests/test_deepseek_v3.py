@@ -11,15 +11,16 @@ be seen.
 from __future__ import annotations
 
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.layout import rank_file
+from mconvert.convert.layout import rank_file, save_rank_file, write_latest
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset, spec_from_megatron_args
-from mconvert.mappings.transforms import merge
+from mconvert.mappings.transforms import merge, shard
 from mconvert.spec import ModelSpec
 from mconvert.trainer import mla
 from mconvert.trainer.model import GPTModel
@@ -44,8 +45,8 @@ def _moved(model: dict, tp_rank: int, ep_rank: int) -> dict:
         g = torch.Generator().manual_seed(zlib.crc32(f"{k}:{'' if whole else tp_rank}:{ep_rank if expert else ''}"
                                                      .encode()))
         noise = torch.randn(v.shape, generator=g)
-        if k.endswith("expert_bias"):
-            out[k] = 0.3 * noise
+        if k.endswith("expert_bias"):  # non-negative: see test_hf_logits_match_ours
+            out[k] = 0.3 * noise.abs()
         elif k.endswith("norm.weight") or k.endswith("layernorm.weight"):
             out[k] = 1.0 + 0.2 * noise
         else:
@@ -181,3 +182,81 @@ def test_yarn_tables_equal_megatron_core(monkeypatch) -> None:
     spec = preset("tiny-deepseek-v3")
     want = yarn._yarn_get_mscale(factor, 1.0) ** 2 / (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** 0.5
     assert mla.softmax_scale(spec, factor, 1.0) == pytest.approx(want, rel=1e-12)
+
+
+def _split_for(spec: ModelSpec, state: dict, tp: int, ep: int) -> dict:
+    """A TP=1 EP=1 state dict cut into megatron-core's (tp_rank, ep_rank) state dicts (local expert indices)."""
+    out = {}
+    per = spec.num_experts // ep  # type: ignore[operator]
+    for t in range(tp):
+        for e in range(ep):
+            sd = {}
+            for k, v in state.items():
+                parts = k.split(".")
+                if "local_experts" in parts:
+                    i = parts.index("local_experts") + 1
+                    if int(parts[i]) // per != e:
+                        continue
+                    parts[i] = str(int(parts[i]) % per)
+                sd[".".join(parts)] = shard(v, spec.split_kind(k), tp, t, k) if torch.is_tensor(v) else v
+            out[(t, e)] = sd
+    return out
+
+
+NO_Q_LORA = preset("tiny-deepseek-v3").replace(q_lora_rank=None)  # DeepSeek-V2-Lite / Moonlight style
+
+
+def test_without_q_lora_megatron_core_matches_at_tp2() -> None:
+    """`linear_q_proj` (no q latent) splits by head like megatron-core's at TP=2."""
+    from mcore_ref import run_mcore
+
+    spec = NO_Q_LORA
+    model = GPTModel(spec, ParallelState(), seed=11).eval()
+    state = _moved(model.state_dict(), 0, 0)
+    ref_main, ref_mtp = run_mcore(spec, 2, _mcore_forward, (_split_for(spec, state, 2, 1), PROBE, False))[0]
+    main, mtp = _ours(spec, state, PROBE)
+    d_main, d_mtp = _rel(main, ref_main), _rel(mtp, ref_mtp)
+    assert d_main <= TOL and d_mtp <= TOL, (d_main, d_mtp)
+    print(f"[figures] tiny-deepseek-v3 without q LoRA, TP=2: megatron-core vs ours main {d_main:.1e}, MTP {d_mtp:.1e}")
+
+
+def _save(spec: ModelSpec, state: dict, root: Path) -> Path:
+    save_rank_file(rank_file(root, 1, 0, 0, 1), {"args": spec.to_megatron_args(), "checkpoint_version": 3.0,
+                                                  "iteration": 1, "model": state})
+    write_latest(root, 1)
+    return root
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q-lora", "no-q-lora"])
+def test_hf_logits_match_ours(tmp_path: Path, q_lora: bool) -> None:
+    """megatron-to-hf writes a DeepseekV3ForCausalLM whose transformers logits equal ours. transformers (as
+    DeepSeek's reference code) masks the experts of unchosen groups with score 0 where megatron-core masks them
+    with -inf: the two agree while every biased score (sigmoid + expert bias) is positive, as here."""
+    from transformers import AutoModelForCausalLM
+
+    from mconvert.convert.driver import megatron_to_hf
+
+    spec = (preset("tiny-deepseek-v3") if q_lora else NO_Q_LORA).replace(mtp_num_layers=None)
+    model = GPTModel(spec, ParallelState(), seed=5).eval()
+    state = _moved(model.state_dict(), 0, 0)
+    model.load_state_dict(state)
+    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    cfg = __import__("json").loads((tmp_path / "hf" / "config.json").read_text())
+    assert (cfg["scoring_func"], cfg["topk_method"], cfg["first_k_dense_replace"]) == ("sigmoid", "noaux_tc", 1)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        diff = _rel(hf(PROBE).logits, model(PROBE)[..., : spec.vocab_size])
+    assert diff <= TOL, diff
+    print(f"[figures] tiny-deepseek-v3 ({'q LoRA' if q_lora else 'no q LoRA'}, no MTP) -> HF: transformers vs ours "
+          f"{diff:.1e}")
+
+
+def test_hf_export_refuses_mtp_rather_than_dropping_it(tmp_path: Path) -> None:
+    from mconvert.convert.driver import megatron_to_hf
+
+    spec = preset("tiny-deepseek-v3")
+    state = GPTModel(spec, ParallelState(), seed=5).state_dict()
+    with pytest.raises(MConvertError, match="mtp_num_layers=1"):
+        megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
