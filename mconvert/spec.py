@@ -340,6 +340,19 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
+    def deepseek_features(self) -> dict[str, Any]:
+        """The DeepSeek-V3 architecture features this model uses, under Megatron-LM's arg names (empty for the
+        other families' architectures): what a family must state to hold the model."""
+        out: dict[str, Any] = {}
+        if self.is_mla:
+            out["multi_latent_attention"] = True
+        if self.mtp_num_layers is not None:
+            out["mtp_num_layers"] = self.mtp_num_layers
+        for k, v in _DEEPSEEK_MOE_DEFAULTS.items():
+            if getattr(self, k) != v:
+                out[k] = getattr(self, k)
+        return out
+
     @property
     def is_mla(self) -> bool:
         """Multi-latent attention (DeepSeek-V2/V3) instead of fused QKV."""
@@ -380,9 +393,10 @@ class ModelSpec:
         """Parameter count (padded vocab at TP=1); every MoE layer has the first MoE layer's shapes and every dense
         layer the first dense layer's, so no loop over layers' parameters."""
         moe = [self.is_moe_layer(i) for i in range(self.num_layers)]
-        size = {m: sum(math.prod(p.shape) for p in self.layer_params(moe.index(m))) for m in set(moe)}
+        size = {m: sum(math.prod(p.shape) for p in self.layer_params(moe.index(m)) if not is_buffer(p.name))
+                for m in set(moe)}
         rest = self.embedding_params(1) + self.final_params(1)
-        return sum(math.prod(p.shape) for p in rest) + sum(size[m] for m in moe)
+        return sum(math.prod(p.shape) for p in rest if not is_buffer(p.name)) + sum(size[m] for m in moe)
 
     def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
         """Refuse a TP/PP/EP that does not divide heads, groups, ffn, layers or experts."""
@@ -805,7 +819,7 @@ def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict
     out: dict[str, Any] = {}
     if a.get("multi_latent_attention"):
         if not a.get("qk_layernorm"):
-            raise MConvertError(f"{source}: multi_latent_attention without qk_layernorm (no latent norms) is not "
+            raise MConvertError(f"{source}: multi_latent_attention=True without qk_layernorm (no latent norms) is not "
                                 "mapped; conversion refused")
         factor = a.get("rotary_scaling_factor")
         if a.get("rope_type") != "rope" and factor not in (None, 1, 1.0):
@@ -828,6 +842,12 @@ def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict
         if a.get("moe_router_pre_softmax"):
             raise MConvertError(f"{source}: moe_router_pre_softmax=True is not mapped; conversion refused")
     return out
+
+
+def is_buffer(name: str) -> bool:
+    """Whether a declared tensor is a saved buffer, not a trained parameter (the router's expert bias, which
+    moves outside the optimizer)."""
+    return name.endswith(".expert_bias")
 
 
 def expert_of(name: str) -> int | None:

@@ -100,19 +100,51 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+_RUNS: dict[tuple[int, int], dict] = {}
+
+
+def _run(tp: int, ep: int, root: Path) -> dict:
+    """Our trainer's checkpoint of tiny-deepseek-v3 (2 steps, the same 8 sequences a step at every layout): the
+    rank files by (tp_rank, ep_rank)."""
+    if (tp, ep) not in _RUNS:
+        ckpt = root / f"tp{tp}ep{ep}"
+        res = train(TrainConfig(preset="tiny-deepseek-v3", tp=tp, pp=1, dp=ep, ep=ep, steps=2, seq_length=32,
+                                micro_batch_size=2, global_batch_size=8, lr=1e-2, seed=42, quiet=True, save=str(ckpt),
+                                moe_aux_loss_coeff=0.0))
+        _RUNS[(tp, ep)] = {(t, e): safe_load(rank_file(ckpt, 2, t, 0, 1, e, ep)) for t in range(tp) for e in range(ep)}
+        _RUNS[(tp, ep)]["losses"] = res["losses"]
+    return _RUNS[(tp, ep)]
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dsv3")
+
+
 @pytest.fixture(scope="module", params=[dict(tp=1, ep=1), dict(tp=2, ep=2)], ids=["tp1", "tp2ep2"])
-def trained(request, tmp_path_factory):
-    """Our trainer's checkpoint of tiny-deepseek-v3 (2 steps) at the layout, its rank files moved off init."""
+def trained(request, runs_dir):
+    """A trainer checkpoint at the layout, its rank files moved off init."""
     tp, ep = request.param["tp"], request.param["ep"]
-    ckpt = tmp_path_factory.mktemp("dsv3") / "ckpt"
-    cfg = TrainConfig(preset="tiny-deepseek-v3", tp=tp, pp=1, dp=ep, ep=ep, steps=2, seq_length=32,
-                      micro_batch_size=2, global_batch_size=4 * ep, lr=1e-2, seed=42, quiet=True, save=str(ckpt),
-                      moe_aux_loss_coeff=0.0)
-    train(cfg)
-    states = {(t, e): safe_load(rank_file(ckpt, 2, t, 0, 1, e, ep)) for t in range(tp) for e in range(ep)}
+    states = {k: v for k, v in _run(tp, ep, runs_dir).items() if k != "losses"}
     spec = spec_from_megatron_args(states[(0, 0)]["args"])
     files = {k: _moved(v["model"], *k) for k, v in states.items()}
     return spec, tp, ep, states, files
+
+
+def test_tp2_ep2_run_equals_the_single_rank_run(runs_dir) -> None:
+    """Two steps at TP=2 EP=2 (DP=2) give the single-rank run's losses (the main and MTP losses' gradients, the
+    router's included, summed right over the ranks) and the same expert biases (the loads behind each bias step
+    summed over the TP and DP ranks)."""
+    spec = preset("tiny-deepseek-v3")
+    single, sharded = _run(1, 1, runs_dir), _run(2, 2, runs_dir)
+    one = single[(0, 0)]["model"]
+    many = _merged(spec, {k: v["model"] for k, v in sharded.items() if k != "losses"}, 2)
+    for k, v in one.items():
+        if k.endswith("expert_bias"):
+            assert torch.equal(many[k], v) and v.abs().max() > 0, k
+    losses = max(abs(a - b) for a, b in zip(single["losses"], sharded["losses"], strict=True))
+    assert losses <= 1e-4, (single["losses"], sharded["losses"])
+    print(f"[figures] tiny-deepseek-v3 TP=2 EP=2 vs TP=1, 2 steps: losses max|Δ| {losses:.1e}, expert biases equal")
 
 
 def test_args_say_deepseek_v3(trained) -> None:
@@ -120,6 +152,8 @@ def test_args_say_deepseek_v3(trained) -> None:
     assert spec == preset("tiny-deepseek-v3")  # the preset, read back from the args the trainer wrote
     bias = [v for k, v in states[(0, 0)]["model"].items() if k.endswith("expert_bias")]
     assert len(bias) == 3 and all(b.dtype == torch.float32 and b.abs().max() > 0 for b in bias)  # 2 MoE + MTP
+    assert (states[(0, 0)]["args"].moe_router_bias_update_rate, states[(0, 0)]["args"].moe_router_score_function) == (
+        1e-3, "sigmoid")
 
 
 def test_megatron_core_strict_loads_and_matches_main_and_mtp_logits(trained) -> None:
@@ -153,7 +187,6 @@ def test_a_checkpoint_without_its_mtp_layer_does_not_load(trained) -> None:
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(q_lora_rank=32), "without kv_lora_rank"),
     (dict(kv_lora_rank=32, qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
     (dict(kv_lora_rank=32, rotary_interleaved=True), "de-interleaves"),
     (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "must divide num_experts"),

@@ -161,13 +161,13 @@ def deepseek_preset(**kw: Any) -> ModelSpec:
 
 
 PRESETS = {
-    # 3 layers (the first dense), 8 heads of q/k 16 + 8 and v 16, q latent 32, kv latent 32 (+ 8 rope rows: TP 2
-    # and 4 split both); 8 experts of width 32 in 4 groups (top-2 groups, top-4 experts, HF's top-2 group score),
-    # one shared expert, routed weights × 2.5; one MTP layer
+    # 3 layers (the first dense), 8 heads of q/k 32 + 64 and v 32, q latent 64, kv latent 512 + 64 rope rows
+    # (576: vLLM's CPU MLA kernel; TP 2 and 4 split it); 16 experts of width 32 in 4 groups (top-2 groups, top-4
+    # experts: HF's top-2 group score), one shared expert, routed weights × 2.5; one MTP layer
     "tiny-deepseek-v3": deepseek_preset(
         num_layers=3, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, vocab_size=1000,
-        max_position_embeddings=128, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, num_experts=8, moe_ffn_hidden_size=32, moe_router_topk=4, moe_router_num_groups=4,
+        max_position_embeddings=128, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+        v_head_dim=32, num_experts=16, moe_ffn_hidden_size=32, moe_router_topk=4, moe_router_num_groups=4,
         moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=32,
         moe_layer_freq=(0, 1, 1), mtp_num_layers=1),
 }
@@ -185,4 +185,5 @@ FAMILY = Family(**llama.rope_family(
     trtllm=None,  # no confirmed TensorRT-LLM MLA layout here
     gguf=None,  # llama.cpp's deepseek2 layout (kv_b_proj split into k_b / v_b) is not built
     moe=True,
+    deepseek=True,
 ))

@@ -332,4 +332,10 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
                f"MoE family {fam.name!r}, which needs num_experts")
             + "; conversion refused"
         )
-    return ModelSpec(family=fam.name, **fields)
+    spec = ModelSpec(family=fam.name, **fields)
+    extra = spec.deepseek_features()
+    if extra and not fam.deepseek:
+        k, v = next(iter(extra.items()))
+        raise MConvertError(f"{source}: Megatron arg {k}={v!r} is not supported for the {fam.name!r} family (the "
+                            "DeepSeek-V3 architecture is the deepseek_v3 family's); conversion refused")
+    return spec

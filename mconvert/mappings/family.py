@@ -204,6 +204,7 @@ class Family:
     gguf: GgufLayout | None = None
     sliding_window_by_default: bool = False  # HF applies `sliding_window` without `use_sliding_window`
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
+    deepseek: bool = False  # the HF class computes MLA, the DeepSeek router and MTP (`ModelSpec.deepseek_features`)
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

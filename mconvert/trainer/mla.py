@@ -8,7 +8,8 @@ megatron-core's de-interleave (dims 0,2,4,... then 1,3,5,..., = HF `rope_interle
 
 Collectives: the down projections are column-split in the local spec, so each rank computes a slice of the
 latent and all-gathers it (split bwd), after copy-to-TP of the input (all-reduce bwd); the up projections
-split by head (copy-to-TP of the latent); `linear_proj` is row-parallel (all-reduce fwd).
+split by head (copy-to-TP of the latent); k's rope part, shared by every head, is copied to TP too (all-reduce
+of its gradient, which each rank's heads give a part of); `linear_proj` is row-parallel (all-reduce fwd).
 
 YaRN: megatron-core's `YarnRotaryEmbedding` (`yarn_inv_freq`, `yarn_concentration`) and MLA's softmax scale
 (`softmax_scale`) are here; the spec states plain rope for MLA until its YaRN fields exist, and `rope_tables`
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mconvert.spec import ModelSpec, ParamDecl
-from mconvert.trainer.layers import ColumnParallelLinear, RowParallelLinear, gather_from_tp
+from mconvert.trainer.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_from_tp
 from mconvert.trainer.parallel import ParallelState
 
 Make = Callable[[ParamDecl | None], nn.Parameter | None]
@@ -140,6 +141,7 @@ class MLAttention(nn.Module):
             q = self.linear_q_up_proj(latent_norm(spec, q_latent, self.q_layernorm.weight))
         kv = gather_from_tp(self.linear_kv_down_proj(x), self.st)
         kv_latent, k_rope = kv.split([spec.kv_lora_rank, r], dim=-1)  # type: ignore[list-item]
+        k_rope = copy_to_tp(k_rope, self.st)  # shared by every head, this rank's heads give a partial gradient
         kv = self.linear_kv_up_proj(latent_norm(spec, kv_latent, self.kv_layernorm.weight))
         q = q.view(B, S, self.heads, nope + r)
         kv = kv.view(B, S, self.heads, nope + vd)

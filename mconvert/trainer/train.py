@@ -245,7 +245,10 @@ def sync_gradients(model: GPTModel, st: ParallelState) -> None:
     experts = {id(p) for p in model.expert_params()}
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
     _flat_all_reduce(grads, st.dp_group, "DP", 1.0 / st.dp)
-    expert_grads = [p.grad for p in model.expert_params() if p.grad is not None]
+    for p in model.expert_params():  # an expert no token reached on this rank: zeros, as Megatron's grad buffers
+        if p.grad is None:             # hold, so that every replica reduces the same tensors
+            p.grad = torch.zeros_like(p)
+    expert_grads = [p.grad for p in model.expert_params()]
     if st.edp_group is None:
         for g in expert_grads:
             g.mul_(1.0 / st.dp)
