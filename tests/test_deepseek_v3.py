@@ -67,8 +67,8 @@ def _mcore_forward(ctx, files: dict, tokens: torch.Tensor, zero_bias: bool):
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
     with torch.no_grad():
         ctx.model(tokens, pos, mask, labels=tokens, runtime_gather_output=True)
-    mtp, main = seen  # megatron-core runs the MTP head first
-    return main.transpose(0, 1).float(), mtp.transpose(0, 1).float()
+    main, mtp = seen[-1], (seen[0] if len(seen) > 1 else None)  # megatron-core runs the MTP head first
+    return main.transpose(0, 1).float(), None if mtp is None else mtp.transpose(0, 1).float()
 
 
 def _merged(spec: ModelSpec, files: dict, tp: int) -> dict:
@@ -293,3 +293,31 @@ def test_hf_export_refuses_mtp_rather_than_dropping_it(tmp_path: Path) -> None:
     with pytest.raises(MConvertError, match="mtp_num_layers=1"):
         megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_logits(tmp_path: Path) -> None:
+    """hf-to-megatron of the DeepseekV3ForCausalLM export writes TP=2 EP=2 rank files that megatron-core strict-loads
+    with transformers' logits, and that merge back to the original tensors (the vocab's padding rows re-padded)."""
+    from mcore_ref import run_mcore
+    from transformers import AutoModelForCausalLM
+
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+
+    spec = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)
+    state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
+    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    hf_to_megatron(tmp_path / "hf", tmp_path / "m2", tp=2, ep=2)
+    files = {(t, e): safe_load(rank_file(tmp_path / "m2", "release", t, 0, 1, e, 2))["model"]
+             for t in range(2) for e in range(2)}
+    back = _merged(spec, files, 2)
+    for k, v in state.items():
+        if torch.is_tensor(v):
+            rows = spec.vocab_size if k in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+            assert torch.equal(back[k][:rows], v[:rows]), k
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(PROBE).logits
+    got = run_mcore(spec, 2, _mcore_forward, (files, PROBE, False), ep=2)[0][0][..., : spec.vocab_size]
+    diff = _rel(got, want)
+    assert diff <= TOL, diff
+    print(f"[figures] tiny-deepseek-v3 HF -> Megatron TP=2 EP=2: megatron-core vs transformers {diff:.1e}")
