@@ -321,3 +321,25 @@ def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_lo
     diff = _rel(got, want)
     assert diff <= TOL, diff
     print(f"[figures] tiny-deepseek-v3 HF -> Megatron TP=2 EP=2: megatron-core vs transformers {diff:.1e}")
+
+
+def test_sigmoid_router_load_balancing_loss_is_megatron_cores() -> None:
+    """The load-balancing loss of the sigmoid router counts what megatron-core's does (normalised sigmoid scores and
+    their own top-k, not the biased, group-limited choice)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss,
+        switch_load_balancing_loss_func,
+    )
+
+    from mconvert.trainer.deepseek_moe import Router
+    from mconvert.trainer.model import load_balancing_loss
+
+    spec = preset("tiny-deepseek-v3")
+    g = torch.Generator().manual_seed(1)
+    router = Router(spec, torch.nn.Parameter(torch.randn(16, 128, generator=g)), None, ParallelState())
+    router.expert_bias = torch.randn(16, generator=g)  # steers the routed choice, not the loss's counts
+    logits, _, top = router(torch.randn(64, 128, generator=g))
+    ours = load_balancing_loss(*router.aux_loss_inputs(logits, top), 16, spec.moe_router_topk, 0.01)
+    routing_map, scores = compute_routing_scores_for_aux_loss(logits, spec.moe_router_topk, "sigmoid")
+    theirs = switch_load_balancing_loss_func(scores, routing_map.sum(dim=0), 64, spec.moe_router_topk, 16, 0.01)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec, ParamDecl
 from mconvert.trainer import comm
 from mconvert.trainer.layers import LocalLinear
@@ -84,6 +83,16 @@ class Router(nn.Module):
         else:
             self.expert_bias = self.tokens_per_expert = None
 
+    def aux_loss_inputs(self, logits: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scores and choices megatron-core's load-balancing loss counts (`compute_routing_scores_for_aux_loss`):
+        softmax of the logits with the routed choice; for the sigmoid router the sigmoid scores normalised over the
+        experts, with their own top-k (no bias, no groups)."""
+        if self.spec.moe_router_score_function == "softmax":
+            return torch.softmax(logits.float(), dim=-1), top
+        scores = torch.sigmoid(logits.float())
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, scores.topk(self.spec.moe_router_topk, dim=-1).indices
+
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(logits [N, E], weights [N, k], experts [N, k]) for tokens h [N, H]; counts the tokens routed to each
         expert while training."""
@@ -106,13 +115,6 @@ class SharedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)
         return self.linear_fc2(F.silu(gate) * up)
-
-
-def check_router(spec: ModelSpec, aux_loss_coeff: float) -> None:
-    """The load-balancing loss here is the softmax router's; the sigmoid router balances with its expert bias."""
-    if aux_loss_coeff > 0 and spec.moe_router_score_function == "sigmoid":
-        raise MConvertError(f"--moe-aux-loss-coeff {aux_loss_coeff:g} with the sigmoid router is not supported: "
-                            "it balances with the expert bias (moe_router_enable_expert_bias); use 0")
 
 
 def update_expert_bias(routers: list[Router], st: ParallelState, rate: float = BIAS_UPDATE_RATE) -> None:

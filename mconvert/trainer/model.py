@@ -241,14 +241,13 @@ class _AttachAuxLoss(torch.autograd.Function):
         return g, torch.full_like(aux, ctx.scale), None
 
 
-def load_balancing_loss(logits: torch.Tensor, top: torch.Tensor, num_experts: int, topk: int,
+def load_balancing_loss(scores: torch.Tensor, top: torch.Tensor, num_experts: int, topk: int,
                         coeff: float) -> torch.Tensor:
     """megatron-core's switch load-balancing loss of one micro-batch's N tokens:
-    coeff · E / (k · N²) · Σ_e (Σ_tokens softmax(logits)_e) · (tokens routed to e)."""
-    scores = torch.softmax(logits.float(), dim=-1)
-    counts = torch.zeros(num_experts, device=logits.device).index_add_(
-        0, top.reshape(-1), torch.ones(top.numel(), device=logits.device))
-    n = logits.shape[0]
+    coeff · E / (k · N²) · Σ_e (Σ_tokens scores_e) · (tokens counted for e) (`Router.aux_loss_inputs`)."""
+    counts = torch.zeros(num_experts, device=scores.device).index_add_(
+        0, top.reshape(-1), torch.ones(top.numel(), device=scores.device))
+    n = scores.shape[0]
     return (scores.sum(dim=0) * counts).sum() * (num_experts * coeff / (topk * n * n))
 
 
@@ -286,7 +285,8 @@ class MoE(nn.Module):
         h = x.reshape(-1, shape[-1])
         logits, probs, top = self.router(h)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            aux = load_balancing_loss(logits, top, self.num_experts, self.topk, self.aux_loss_coeff)
+            aux = load_balancing_loss(*self.router.aux_loss_inputs(logits, top), self.num_experts, self.topk,
+                                      self.aux_loss_coeff)
             probs = _AttachAuxLoss.apply(probs, aux, self.aux_loss_scale / st.tp)
             logged = aux.detach() / self.aux_loss_coeff  # megatron-core logs the loss without its coefficient
             self.aux_loss_logged = logged if self.aux_loss_logged is None else self.aux_loss_logged + logged

@@ -46,7 +46,7 @@ from mconvert.mappings import families
 from mconvert.mappings.families import preset
 from mconvert.spec import ModelSpec
 from mconvert.trainer import comm, procs
-from mconvert.trainer.deepseek_moe import BIAS_UPDATE_RATE, check_router, update_expert_bias
+from mconvert.trainer.deepseek_moe import BIAS_UPDATE_RATE, update_expert_bias
 from mconvert.trainer.model import GPTModel, check_trainable
 from mconvert.trainer.parallel import ParallelState, check_expert_layout, global_rank, init_distributed
 from mconvert.trainer.schedule import forward_backward_1f1b
@@ -562,7 +562,6 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     if ckpt is not None:
         check_resume_model(ckpt["model"], model, source)
         model.load_state_dict(ckpt["model"], strict=True)
-    check_router(spec, cfg.moe_aux_loss_coeff)
     model.set_aux_loss(cfg.moe_aux_loss_coeff, 1.0 / cfg.num_micro_batches)
     # fp32 master copies for bf16 (Megatron's mixed precision); Adam names each parameter by its state_dict key
     if dtype == torch.float32:
