@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Union
 
 from mconvert import dtypes
@@ -343,15 +344,8 @@ class ModelSpec:
     def deepseek_features(self) -> dict[str, Any]:
         """The DeepSeek-V3 architecture features this model uses, under Megatron-LM's arg names (empty for the
         other families' architectures): what a family must state to hold the model."""
-        out: dict[str, Any] = {}
-        if self.is_mla:
-            out["multi_latent_attention"] = True
-        if self.mtp_num_layers is not None:
-            out["mtp_num_layers"] = self.mtp_num_layers
-        for k, v in _DEEPSEEK_MOE_DEFAULTS.items():
-            if getattr(self, k) != v:
-                out[k] = getattr(self, k)
-        return out
+        values = {k: getattr(self, k) for k in _DEEPSEEK_ARGS if hasattr(self, k)}
+        return deepseek_features({**values, "multi_latent_attention": self.is_mla})
 
     @property
     def is_mla(self) -> bool:
@@ -812,6 +806,21 @@ def moe_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:
             "moe_router_topk": 2 if topk is None else int(topk)}
 
 
+_DEEPSEEK_ARGS: dict[str, Any] = {"multi_latent_attention": False, "mtp_num_layers": None, **_DEEPSEEK_MOE_DEFAULTS}
+
+
+def deepseek_features(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The DeepSeek-V3 architecture args among `values` (Megatron-LM's args, or ModelSpec fields) that are not at
+    their default, in a fixed order (MLA first)."""
+    out = {}
+    for k, default in _DEEPSEEK_ARGS.items():
+        v = values.get(k)
+        if v is None or v == default or (k == "moe_layer_freq" and isinstance(v, (list, tuple)) and set(v) == {1}):
+            continue
+        out[k] = v
+    return out
+
+
 def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict[str, Any]:
     """ModelSpec kwargs for MLA, the DeepSeek router, the MoE layer pattern and MTP from Megatron-LM's args
     (empty when unused). Under MLA `qk_layernorm` means its latent norms, not a per-head q/k norm. MLA's rope is
@@ -819,7 +828,7 @@ def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict
     out: dict[str, Any] = {}
     if a.get("multi_latent_attention"):
         if not a.get("qk_layernorm"):
-            raise MConvertError(f"{source}: multi_latent_attention=True without qk_layernorm (no latent norms) is not "
+            raise MConvertError(f"{source}: Megatron arg multi_latent_attention=True without qk_layernorm (no latent norms) is not "
                                 "mapped; conversion refused")
         factor = a.get("rotary_scaling_factor")
         if a.get("rope_type") != "rope" and factor not in (None, 1, 1.0):

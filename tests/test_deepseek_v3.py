@@ -343,3 +343,14 @@ def test_sigmoid_router_load_balancing_loss_is_megatron_cores() -> None:
     routing_map, scores = compute_routing_scores_for_aux_loss(logits, spec.moe_router_topk, "sigmoid")
     theirs = switch_load_balancing_loss_func(scores, routing_map.sum(dim=0), 64, spec.moe_router_topk, 16, 0.01)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+
+
+def test_te_spec_latent_norms_read_as_the_local_names() -> None:
+    """megatron-core's TE spec fuses MLA's latent norms into the up projections (`layer_norm_weight`)."""
+    from mconvert.mappings.keys import canonical_key
+
+    te = "decoder.layers.1.self_attention.linear_{}_up_proj.layer_norm_weight"
+    assert canonical_key(te.format("q")) == "decoder.layers.1.self_attention.q_layernorm.weight"
+    assert canonical_key(te.format("kv")) == "decoder.layers.1.self_attention.kv_layernorm.weight"
+    assert canonical_key("decoder.layers.1.self_attention.linear_kv_up_proj.weight") == (
+        "decoder.layers.1.self_attention.linear_kv_up_proj.weight")
