@@ -354,3 +354,12 @@ def test_te_spec_latent_norms_read_as_the_local_names() -> None:
     assert canonical_key(te.format("kv")) == "decoder.layers.1.self_attention.kv_layernorm.weight"
     assert canonical_key("decoder.layers.1.self_attention.linear_kv_up_proj.weight") == (
         "decoder.layers.1.self_attention.linear_kv_up_proj.weight")
+
+
+def test_deepseek_v3_671b_shapes_count_its_published_parameters() -> None:
+    """The declarations of DeepSeek-V3's shapes add up to its published 671 B parameters (main model); its MTP
+    layer, with the copies of the embedding and head its HF checkpoint holds, makes the published 685 B."""
+    spec = preset("deepseek-v3-671b").replace(make_vocab_size_divisible_by=1)
+    main = spec.replace(mtp_num_layers=None).num_parameters()
+    with_mtp = spec.num_parameters() + 2 * spec.vocab_size * spec.hidden_size
+    assert round(main / 1e9) == 671 and round(with_mtp / 1e9, 0) in (684, 685), (main, with_mtp)

@@ -170,6 +170,13 @@ PRESETS = {
         v_head_dim=32, num_experts=16, moe_ffn_hidden_size=32, moe_router_topk=4, moe_router_num_groups=4,
         moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=32,
         moe_layer_freq=(0, 1, 1), mtp_num_layers=1),
+    # DeepSeek-V3 / R1's shapes (HF config.json of deepseek-ai/DeepSeek-V3), for `plan` estimates from shapes only
+    "deepseek-v3-671b": deepseek_preset(
+        num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432, vocab_size=129280,
+        max_position_embeddings=4096, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, num_experts=256, moe_ffn_hidden_size=2048, moe_router_topk=8, moe_router_num_groups=8,
+        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=tuple([0] * 3 + [1] * 58), mtp_num_layers=1, params_dtype="bfloat16"),
 }
 
 
