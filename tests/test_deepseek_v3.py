@@ -113,6 +113,7 @@ def _run(tp: int, ep: int, root: Path) -> dict:
                                 moe_aux_loss_coeff=0.0))
         _RUNS[(tp, ep)] = {(t, e): safe_load(rank_file(ckpt, 2, t, 0, 1, e, ep)) for t in range(tp) for e in range(ep)}
         _RUNS[(tp, ep)]["losses"] = res["losses"]
+        _RUNS[(tp, ep)]["dir"] = ckpt
     return _RUNS[(tp, ep)]
 
 
@@ -125,7 +126,7 @@ def runs_dir(tmp_path_factory) -> Path:
 def trained(request, runs_dir):
     """A trainer checkpoint at the layout, its rank files moved off init."""
     tp, ep = request.param["tp"], request.param["ep"]
-    states = {k: v for k, v in _run(tp, ep, runs_dir).items() if k != "losses"}
+    states = {k: v for k, v in _run(tp, ep, runs_dir).items() if isinstance(k, tuple)}
     spec = spec_from_megatron_args(states[(0, 0)]["args"])
     files = {k: _moved(v["model"], *k) for k, v in states.items()}
     return spec, tp, ep, states, files
@@ -138,7 +139,7 @@ def test_tp2_ep2_run_equals_the_single_rank_run(runs_dir) -> None:
     spec = preset("tiny-deepseek-v3")
     single, sharded = _run(1, 1, runs_dir), _run(2, 2, runs_dir)
     one = single[(0, 0)]["model"]
-    many = _merged(spec, {k: v["model"] for k, v in sharded.items() if k != "losses"}, 2)
+    many = _merged(spec, {k: v["model"] for k, v in sharded.items() if isinstance(k, tuple)}, 2)
     for k, v in one.items():
         if k.endswith("expert_bias"):
             assert torch.equal(many[k], v) and v.abs().max() > 0, k
@@ -363,3 +364,15 @@ def test_deepseek_v3_671b_shapes_count_its_published_parameters() -> None:
     main = spec.replace(mtp_num_layers=None).num_parameters()
     with_mtp = spec.num_parameters() + 2 * spec.vocab_size * spec.hidden_size
     assert round(main / 1e9) == 671 and round(with_mtp / 1e9, 0) in (684, 685), (main, with_mtp)
+
+
+def test_the_native_runner_runs_the_tp2_ep2_checkpoint(runs_dir) -> None:
+    """`validate`'s runner (the checkpoint at its own TP=2 EP=2) gives the logits of its weights merged to one rank."""
+    from mconvert.trainer.infer import megatron_logits
+
+    spec = preset("tiny-deepseek-v3")
+    run = _run(2, 2, runs_dir)
+    merged = _merged(spec, {k: v["model"] for k, v in run.items() if isinstance(k, tuple)}, 2)
+    want = _ours(spec, merged, PROBE)[0][..., : spec.vocab_size]
+    diff = _rel(megatron_logits(run["dir"], PROBE), want)
+    assert diff <= TOL, diff
