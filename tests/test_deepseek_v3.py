@@ -376,3 +376,16 @@ def test_the_native_runner_runs_the_tp2_ep2_checkpoint(runs_dir) -> None:
     want = _ours(spec, merged, PROBE)[0][..., : spec.vocab_size]
     diff = _rel(megatron_logits(run["dir"], PROBE), want)
     assert diff <= TOL, diff
+
+
+def test_torch_dist_output_is_refused_by_name(tmp_path: Path) -> None:
+    """torch_dist of this architecture (per-layer keys under moe_layer_freq, MLA, MTP) is not written: one line,
+    no output."""
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+
+    spec = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)
+    state = GPTModel(spec, ParallelState(), seed=5).state_dict()
+    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    with pytest.raises(MConvertError, match="torch_dist of the DeepSeek-V3 architecture .*multi_latent_attention"):
+        hf_to_megatron(tmp_path / "hf", tmp_path / "d", format="torch_dist")
+    assert not (tmp_path / "d").exists()

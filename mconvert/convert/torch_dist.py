@@ -154,6 +154,10 @@ class TorchDistSource(SourceBase):
         self.optimizer_layout: str | None = None
         self._dp_slots: dict[str, list[tuple[int, int, int, int, tuple[int, ...]]]] = {}
         self._dp_dtype: Any = None
+        features = self.spec.deepseek_features()
+        if features:  # megatron-core keys a moe_layer_freq list per layer, MLA and MTP by their own names
+            raise MConvertError(f"{self.iter_dir}: torch_dist checkpoints of the DeepSeek-V3 architecture "
+                                f"({', '.join(features)}) are not supported; convert a torch-format checkpoint")
         self._index()
 
     @staticmethod

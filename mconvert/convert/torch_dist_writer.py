@@ -211,6 +211,9 @@ class TorchDistWriter:
                  source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1,
                  optimizer_layout: str = RESHARDABLE_OPTIMIZER) -> None:
         spec.check_parallel(tp, pp, vpp, ep)
+        if spec.deepseek_features():  # megatron-core keys a moe_layer_freq list per layer, MLA and MTP their own way
+            raise MConvertError(f"--format torch_dist of the DeepSeek-V3 architecture "
+                                f"({', '.join(spec.deepseek_features())}) is not supported; use --format torch")
         dp_buckets.check_optimizer_layout(optimizer_layout)
         # the driver then hands each parameter's optimizer states to `add`: megatron-core's own, or with
         # `optimizer_groups` the trainer's Adam states, turned into megatron-core's here
