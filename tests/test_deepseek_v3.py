@@ -298,7 +298,8 @@ def test_hf_export_refuses_mtp_rather_than_dropping_it(tmp_path: Path) -> None:
 
 def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_logits(tmp_path: Path) -> None:
     """hf-to-megatron of the DeepseekV3ForCausalLM export writes TP=2 EP=2 rank files that megatron-core strict-loads
-    with transformers' logits, and that merge back to the original tensors (the vocab's padding rows re-padded)."""
+    with transformers' logits, that merge back to the original tensors (the vocab's padding rows re-padded), and
+    that megatron-to-hf turns into the same safetensors bytes."""
     from mcore_ref import run_mcore
     from transformers import AutoModelForCausalLM
 
@@ -321,6 +322,9 @@ def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_lo
     got = run_mcore(spec, 2, _mcore_forward, (files, PROBE, False), ep=2)[0][0][..., : spec.vocab_size]
     diff = _rel(got, want)
     assert diff <= TOL, diff
+    megatron_to_hf(tmp_path / "m2", tmp_path / "hf2")  # and back from TP=2 EP=2: the same bytes
+    first, again = (tmp_path / d / "model.safetensors" for d in ("hf", "hf2"))
+    assert first.read_bytes() == again.read_bytes()
     print(f"[figures] tiny-deepseek-v3 HF -> Megatron TP=2 EP=2: megatron-core vs transformers {diff:.1e}")
 
 
