@@ -393,3 +393,22 @@ def test_torch_dist_output_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(MConvertError, match="torch_dist of the DeepSeek-V3 architecture .*multi_latent_attention"):
         hf_to_megatron(tmp_path / "hf", tmp_path / "d", format="torch_dist")
     assert not (tmp_path / "d").exists()
+
+
+def test_reshard_with_optimizer_continues_the_run_at_tp2_ep2(runs_dir, tmp_path: Path) -> None:
+    """reshard --with-optimizer of the single-rank checkpoint to TP=2 EP=2 (Adam states follow their tensors, the
+    expert bias travels as the buffer it is) continues the run: step 3 there has the step-3 loss of the run
+    continued at TP=1."""
+    import shutil
+
+    from mconvert.convert.driver import reshard
+
+    run = _run(1, 1, runs_dir)
+    same, wide = tmp_path / "same", tmp_path / "wide"
+    shutil.copytree(run["dir"], same)
+    reshard(run["dir"], wide, tp=2, pp=1, ep=2, with_optimizer=True)
+    cfg = dict(preset="tiny-deepseek-v3", pp=1, steps=3, seq_length=32, micro_batch_size=2, global_batch_size=8,
+               lr=1e-2, seed=42, quiet=True, moe_aux_loss_coeff=0.0, resume=True)
+    one = train(TrainConfig(tp=1, dp=1, ep=1, save=str(same), **cfg))["losses"]
+    two = train(TrainConfig(tp=2, dp=2, ep=2, save=str(wide), **cfg))["losses"]
+    assert len(one) == len(two) == 1 and abs(one[0] - two[0]) <= 1e-4, (one, two)
