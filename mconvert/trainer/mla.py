@@ -12,8 +12,8 @@ split by head (copy-to-TP of the latent); k's rope part, shared by every head, i
 of its gradient, which each rank's heads give a part of); `linear_proj` is row-parallel (all-reduce fwd).
 
 YaRN: megatron-core's `YarnRotaryEmbedding` (`yarn_inv_freq`, `yarn_concentration`) and MLA's softmax scale
-(`softmax_scale`) are here; the spec states plain rope for MLA until its YaRN fields exist, and `rope_tables`
-then reads them (the llama-style families' YaRN lives with the trainer's rope).
+(`softmax_scale`) are here. The spec states plain rope for MLA; `rope_tables` and `MLAttention.scale` are where
+a YaRN stated by the spec (the llama-style families' `rope_scaling` fields) joins.
 """
 
 from __future__ import annotations
