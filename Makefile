@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-gguf docs bench vllm-env gguf-env lint clean
+.PHONY: venv demo test test-gguf test-bridge docs bench vllm-env gguf-env bridge-env lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,8 +17,8 @@ venv: $(STAMP)
 demo: $(STAMP) vllm-env
 	VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m mconvert.demo
 
-test: $(STAMP) docs gguf-env
-	GGUF_VENV=$(GGUF_VENV) $(BIN)/python -m pytest -q --durations=25 tests
+test: $(STAMP) docs gguf-env bridge-env
+	GGUF_VENV=$(GGUF_VENV) BRIDGE_VENV=$(BRIDGE_VENV) $(BIN)/python -m pytest -q --durations=25 tests
 
 # The user docs (mkdocs.yml, docs/); --strict fails on a broken link, anchor or nav entry.
 docs: $(STAMP)
@@ -36,6 +36,16 @@ vllm-env:
 GGUF_VENV ?= $(HOME)/.cache/mconvert/gguf-venv
 gguf-env:
 	PY=$(PY) bash mconvert/validators/gguf_env.sh $(GGUF_VENV)
+
+# Megatron-Bridge (with megatron-core 0.19 and transformers 5) gets its own venv too (outside the repo; reused when
+# present): wheels only.
+BRIDGE_VENV ?= $(HOME)/.cache/mconvert/bridge-venv
+bridge-env:
+	PY=$(PY) bash mconvert/validators/bridge_env.sh $(BRIDGE_VENV)
+
+# The Megatron-Bridge interop tests run Megatron-Bridge itself: the env is built first when absent.
+test-bridge: $(STAMP) bridge-env
+	BRIDGE_VENV=$(BRIDGE_VENV) $(BIN)/python -m pytest -q -m bridge tests/test_bridge.py
 
 # The GGUF tests run the files in llama.cpp itself: the env is built first when absent.
 test-gguf: $(STAMP) gguf-env

@@ -1,8 +1,9 @@
 """The `mconvert` command: a thin typer layer, one function per verb, each calling one library function.
 
 Every failure becomes one line `error: ...` on stderr and exit 1: MConvertError as it is, OS errors with
-their cause, anything else (a bug) as "internal error" with its type. What the line shows from files and keys
-is escaped (markup, control characters) in one place, `errors.rich_safe`. MCONVERT_DEBUG=1 re-raises instead.
+their cause, anything else (a bug) as "internal error" with its type; a refusal naming several fields adds one
+indented line per field under it. What the lines show from files and keys is escaped (markup, control
+characters) in one place, `errors.rich_safe`. MCONVERT_DEBUG=1 re-raises instead.
 Library code never imports typer.
 """
 
@@ -37,8 +38,12 @@ console = Console(stderr=True)
 
 
 def error_line(message: object) -> None:
-    """Print `error: MESSAGE` as exactly one line on stderr, whatever MESSAGE holds."""
-    console.print(f"[bold red]error:[/] {plain(message)}", highlight=False, soft_wrap=True, emoji=False)
+    """Print `error: MESSAGE` as exactly one line on stderr, whatever MESSAGE holds; an MConvertError that names
+    several items (`details`) follows it with one indented line per item, each escaped on its own."""
+    summary, details = (message.summary, message.details) if isinstance(message, MConvertError) else (message, ())
+    console.print(f"[bold red]error:[/] {plain(summary)}", highlight=False, soft_wrap=True, emoji=False)
+    for line in details:
+        console.print(f"  {plain(line)}", highlight=False, soft_wrap=True, emoji=False)
 
 
 # ---- shared option types ----------------------------------------------------------------------------
@@ -108,7 +113,8 @@ TrainInt = Optional[int]
   mconvert train --preset tiny-llama --tp 2 --pp 2 --steps 100 --save ckpt/ --resume\n
   mconvert train --preset gpt2-1b --tp 4 --pp 2 --steps 0 --save big/   (initialised model only)\n
   mconvert train --preset tiny-gpt2 --tp 2 --dp 2 --steps 20 --comm-report --json\n
-  mconvert train --preset tiny-mixtral --tp 2 --dp 2 --ep 2 --steps 20 --save moe/ --comm-report""")
+  mconvert train --preset tiny-mixtral --tp 2 --dp 2 --ep 2 --steps 20 --save moe/ --comm-report\n
+  mconvert train --preset tiny-mistral --window-size 31 --seq-length 64 --save swa/   (a 32-key sliding window)""")
 def train_cmd(
     preset_name: Annotated[str, typer.Option("--preset", help="Model preset (tiny-llama, tiny-gpt2, ...).")] = "tiny-llama",
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
@@ -141,6 +147,7 @@ def train_cmd(
     moe_topk: Annotated[TrainInt, typer.Option("--moe-topk", help="MoE: experts each token is routed to (>= 2).")] = None,
     moe_ffn_hidden_size: Annotated[TrainInt, typer.Option("--moe-ffn-hidden-size", help="MoE: each expert's ffn width.")] = None,
     moe_aux_loss_coeff: Annotated[float, typer.Option("--moe-aux-loss-coeff", help="MoE: load-balancing loss coefficient.")] = 1e-2,
+    window_size: Annotated[TrainInt, typer.Option("--window-size", help="Sliding window on every layer: the keys before each query (Megatron's --window-size W,0; HF sliding_window W+1).")] = None,
     json_out: Json = False,
 ) -> None:
     """Train a GPT (dense or MoE) on the shipped corpus with TP×PP×DP processes (EP inside DP); write Megatron checkpoints."""
@@ -157,7 +164,7 @@ def train_cmd(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
         ffn_hidden_size=ffn_hidden_size, max_position_embeddings=max_position_embeddings, kv_channels=kv_channels,
         num_experts=num_experts, moe_topk=moe_topk, moe_ffn_hidden_size=moe_ffn_hidden_size,
-        moe_aux_loss_coeff=moe_aux_loss_coeff,
+        moe_aux_loss_coeff=moe_aux_loss_coeff, window_size=window_size,
     )
     result = train(cfg)
     if json_out:
@@ -323,6 +330,8 @@ def hf_to_megatron_cmd(
     dtype: Dtype = "auto",
     format: Annotated[str, typer.Option("--format", help="torch (mp_rank_* rank files) or torch_dist "
                                         "(megatron-core dist_checkpointing, Megatron-LM's default).")] = "torch",
+    bridge: Annotated[bool, typer.Option("--bridge", help="torch_dist only: also write what Megatron-Bridge loads "
+                                         "it from (run_config.yaml, train_state.pt; iter_0000000/).")] = False,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -336,6 +345,7 @@ def hf_to_megatron_cmd(
       mconvert hf-to-megatron hf-model/ ckpt/ --tp 4 --pp 2 --vpp 2 --dtype bf16 --force
       mconvert hf-to-megatron hf-model/ ckpt-dist/ --tp 2 --format torch_dist
       mconvert hf-to-megatron mixtral-hf/ ckpt/ --tp 2 --ep 4
+      mconvert hf-to-megatron hf-model/ ckpt-bridge/ --format torch_dist --bridge
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
@@ -345,7 +355,7 @@ def hf_to_megatron_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
-                                 dry_run=dry_run, format=format, ep=ep), json_out)
+                                 dry_run=dry_run, format=format, ep=ep, bridge=bridge), json_out)
 
 
 @app.command("reshard")
@@ -364,6 +374,8 @@ def reshard_cmd(
     optimizer_layout: Annotated[Optional[str], typer.Option(
         "--optimizer-layout", help="torch_dist --with-optimizer: fully_reshardable or dp_reshardable (Megatron-LM's "
         "default) distributed-optimizer states (default: the source's, else fully_reshardable).")] = None,
+    bridge: Annotated[Optional[bool], typer.Option("--bridge/--no-bridge", help="torch_dist: also write what "
+                      "Megatron-Bridge loads it from (default: when the source is a Megatron-Bridge checkpoint).")] = None,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -389,7 +401,7 @@ def reshard_cmd(
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
                           force=force, progress=True, dry_run=dry_run, format=format, ep=ep,
-                          optimizer_layout=optimizer_layout), json_out)
+                          optimizer_layout=optimizer_layout, bridge=bridge), json_out)
 
 
 @app.command("inspect")
@@ -418,6 +430,11 @@ def inspect_cmd(
 # ==== end conversion verbs ===========================================================================
 
 # ==== deployment verbs (FT, TensorRT-LLM, ONNX) ======================================================
+AcceptWindowAsFull = Annotated[bool, typer.Option(
+    "--accept-window-as-full", help="Write a sliding-window model for this format's full attention anyway: it then "
+    "agrees with the model only on sequences up to the window's length (the report says so).")]
+
+
 @app.command("megatron-to-ft")
 def megatron_to_ft_cmd(
     src: Annotated[Path, typer.Argument(help="Megatron checkpoint dir (torch or torch_dist) or HF model dir.")],
@@ -429,6 +446,7 @@ def megatron_to_ft_cmd(
     allow_approx_gelu: Annotated[
         bool, typer.Option("--allow-approx-gelu", help="Write an exact-GeLU model for FT's tanh GeLU anyway.")
     ] = False,
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -454,7 +472,7 @@ def megatron_to_ft_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_ft(src, out, tp, dtype, force, allow_approx_gelu, iteration, progress=True,
-                                 dry_run=dry_run), as_json)
+                                 dry_run=dry_run, accept_window_as_full=accept_window_as_full), as_json)
 
 
 @app.command("megatron-to-trtllm")
@@ -463,6 +481,7 @@ def megatron_to_trtllm_cmd(
     out: Annotated[Path, typer.Argument(help="Output dir: config.json + rank{i}.safetensors.")],
     tp: Annotated[int, typer.Option("--tp", help="TensorRT-LLM tensor parallelism (rank files).")] = 1,
     dtype: Dtype = "auto",
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -486,8 +505,8 @@ def megatron_to_trtllm_cmd(
     _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
-    _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run),
-                  as_json)
+    _print_report(megatron_to_trtllm(src, out, tp, dtype, force, iteration, progress=True, dry_run=dry_run,
+                                     accept_window_as_full=accept_window_as_full), as_json)
 
 
 OutType = Annotated[str, typer.Option("--outtype", help="f32|f16|bf16|q8_0: the type of the 2-D weights "
@@ -502,6 +521,7 @@ def megatron_to_gguf_cmd(
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.gguf (its manifest goes beside it).")],
     outtype: OutType = "f16",
     tokenizer: GgufTokenizer = None,
+    accept_window_as_full: AcceptWindowAsFull = False,
     iteration: Iteration = None,
     force: Force = False,
     dry_run: DryRun = False,
@@ -521,7 +541,7 @@ def megatron_to_gguf_cmd(
     _manifest_hash(manifest_hash, one_process="megatron-to-gguf")
     tuning.apply()
     _print_report(to_gguf(ckpt, out, outtype, tokenizer, iteration, force, verb="megatron-to-gguf", progress=True,
-                          dry_run=dry_run), json_out)
+                          dry_run=dry_run, accept_window_as_full=accept_window_as_full), json_out)
 
 
 @app.command("hf-to-gguf")
@@ -530,6 +550,7 @@ def hf_to_gguf_cmd(
     out: Annotated[Path, typer.Argument(help="Output file, e.g. model.gguf (its manifest goes beside it).")],
     outtype: OutType = "f16",
     tokenizer: GgufTokenizer = None,
+    accept_window_as_full: AcceptWindowAsFull = False,
     force: Force = False,
     dry_run: DryRun = False,
     manifest_hash: ManifestHash = "blake3",
@@ -548,7 +569,7 @@ def hf_to_gguf_cmd(
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")
     tuning.apply()
     _print_report(to_gguf(hf_dir, out, outtype, tokenizer, None, force, verb="hf-to-gguf", progress=True,
-                          dry_run=dry_run), json_out)
+                          dry_run=dry_run, accept_window_as_full=accept_window_as_full), json_out)
 
 
 @app.command("to-onnx")

@@ -7,13 +7,36 @@ file whose top level must be an object, a value that must have a given type, a c
 from __future__ import annotations
 
 import unicodedata
-from typing import Any
+from typing import Any, Sequence
 
 from rich.markup import escape
 
 
 class MConvertError(Exception):
-    """A user-facing error. The CLI prints `error: <message>` and exits 1 (MCONVERT_DEBUG=1 shows a traceback)."""
+    """A user-facing error. The CLI prints `error: <message>` and exits 1 (MCONVERT_DEBUG=1 shows a traceback).
+
+    `details`: one line per item of a refusal that names several (the message is then their summary); the CLI
+    prints each under the `error:` line, escaped on its own, so no item can split or forge a line. `str(e)` is
+    the message and the details, one to a line."""
+
+    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
+        if details:
+            super().__init__(message, tuple(details))
+        else:
+            super().__init__(message)
+
+    @property
+    def summary(self) -> str:
+        """The first line: the whole message of a one-item error, the summary of a several-item one."""
+        return str(self.args[0]) if self.args else ""
+
+    @property
+    def details(self) -> tuple[str, ...]:
+        """One line per item the summary counts (empty for a one-item error)."""
+        return tuple(self.args[1]) if len(self.args) > 1 else ()
+
+    def __str__(self) -> str:
+        return "\n".join((self.summary, *self.details)) if self.details else super().__str__()
 
 
 # Bidirectional overrides and isolates reorder what a terminal shows (a path can be made to read as another).
@@ -33,6 +56,12 @@ def escape_controls(text: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+def renamed(text: str, private: object, shown: object) -> str:
+    """A message about a private temporary path (a staged copy, a scratch export) naming what the user knows
+    instead (`shown`): the private path is gone by the time the message is read."""
+    return text.replace(str(private), str(shown))
 
 
 def rich_safe(text: object) -> str:

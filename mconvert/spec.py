@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Union
 
 from mconvert import dtypes
 from mconvert.errors import MConvertError
+from mconvert.rope import megatron_attention_factor
 
 # How a parameter is cut across tensor-parallel ranks.
 #   replicated: every rank holds the full tensor
@@ -52,6 +53,10 @@ FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
     "rope_scaling": ("HF", "GGUF", "TensorRT-LLM"),
     "qk_layernorm": ("HF", "GGUF"),
     "moe": ("HF", "GGUF"),
+    # a sliding window shorter than the context: FasterTransformer's and TensorRT-LLM's checkpoints have no window
+    # field, and llama.cpp's llama / qwen2 / qwen3 / qwen3moe architectures read none (ONNX is exported from the HF
+    # form, which has it; see docs/formats.md); `window_as_full` writes those targets' full attention on request
+    "window": ("HF",),
 }
 
 
@@ -113,10 +118,18 @@ class ModelSpec:
     eos_token_id: int | None = None
     qk_layernorm: bool = False  # per-head norm (kind = normalization) of q and k before RoPE (Qwen3)
     rope_scaling: str | None = None  # None | "llama3" (Llama-3.1 frequency scaling) | "linear" (positions / factor)
+    #                                  | "yarn" (megatron-core's position_embedding_type='yarn')
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0  # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
-    rope_original_max_position_embeddings: int = 8192  # llama3 only
+    rope_original_max_position_embeddings: int = 8192  # llama3 and yarn: the context the model was trained at
+    # YaRN only, megatron-core's names and defaults; the attention factor is derived from them by megatron-core's
+    # rule (`yarn_attention_factor`)
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True  # transformers' `truncate`
     # Mixture of experts (every layer's MLP is routed; None = a dense model). Megatron's router: top-k over the
     # logits, softmax over the k chosen (= HF Mixtral / Qwen3-MoE with norm_topk_prob). Expert parallelism is a
     # layout (like TP / PP), not a field: see `check_parallel`.
@@ -143,6 +156,13 @@ class ModelSpec:
     moe_router_group_topk: int | None = None  # HF topk_group
     moe_layer_freq: int | tuple[int, ...] = 1
     mtp_num_layers: int | None = None  # multi-token prediction layers (`mtp.layers.K.*`); HF num_nextn_predict_layers
+    # Sliding-window attention, megatron-core's `window_size` left size: a query at position i attends to keys
+    # i - window_size .. i (window_size + 1 keys; HF's `sliding_window` counts them, so it is window_size + 1).
+    # None = full causal attention everywhere.
+    window_size: int | None = None
+    # Which layers the window applies to (megatron-core's list form of `window_attn_skip_freq`): one entry per
+    # layer, 1 = windowed, 0 = full attention; None = every layer windowed.
+    window_pattern: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived -------------------------------------------------------------------------------
@@ -163,6 +183,10 @@ class ModelSpec:
             object.__setattr__(self, "rope_scaling_factor", 1.0)
         if self.rope_scaling != "llama3":  # the llama3 band constants mean nothing to other scalings
             for name, default in _LLAMA3_BAND_DEFAULTS.items():
+                if not (self.rope_scaling == "yarn" and name == "rope_original_max_position_embeddings"):
+                    object.__setattr__(self, name, default)
+        if self.rope_scaling != "yarn":
+            for name, default in _YARN_DEFAULTS.items():
                 object.__setattr__(self, name, default)
         if self.num_experts is None:  # the MoE fields mean nothing to a dense model
             object.__setattr__(self, "moe_ffn_hidden_size", None)
@@ -176,7 +200,22 @@ class ModelSpec:
         if self.kv_lora_rank is None:  # the MLA sizes mean nothing to standard attention
             for name, default in _MLA_DEFAULTS.items():
                 object.__setattr__(self, name, default)
+        self._canonical_window()
         self.validate()
+
+    def _canonical_window(self) -> None:
+        """A pattern as a tuple of 0/1; every layer windowed is no pattern; no layer windowed is no window."""
+        pattern = self.window_pattern
+        if pattern is not None and not isinstance(pattern, tuple):
+            pattern = tuple(pattern) if isinstance(pattern, (list, tuple)) else pattern
+            object.__setattr__(self, "window_pattern", pattern)
+        if isinstance(pattern, tuple) and all(type(v) in (int, bool) and v in (0, 1) for v in pattern):
+            pattern = tuple(int(v) for v in pattern)
+            object.__setattr__(self, "window_pattern", None if all(pattern) else pattern)
+            if not any(pattern):
+                object.__setattr__(self, "window_size", None)
+        if self.window_size is None:
+            object.__setattr__(self, "window_pattern", None)
 
     def validate(self) -> None:
         """Refuse specs that no format can hold; one line naming the field."""
@@ -200,6 +239,7 @@ class ModelSpec:
         self._validate_rope_scaling()
         self._validate_moe()
         self._validate_deepseek()
+        self._validate_window()
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -253,6 +293,9 @@ class ModelSpec:
                                 "needs kv_lora_rank")
         if self.mtp_num_layers is not None:
             whole("mtp_num_layers", self.mtp_num_layers)
+        if self.window_size is not None and (self.is_mla or self.mtp_num_layers is not None):
+            raise MConvertError(f"window_size={self.window_size} (sliding-window attention) with multi-latent "
+                                "attention or MTP layers is not mapped; drop window_size or use standard attention")
         if not self.is_moe:
             return
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
@@ -285,6 +328,16 @@ class ModelSpec:
                 raise MConvertError("moe_layer_freq marks no layer as MoE; drop num_experts for a dense model")
         else:
             whole("moe_layer_freq", freq)
+    def _validate_window(self) -> None:
+        """Refuse a window that is not a whole number >= 0, or a pattern that is not one 0/1 per layer."""
+        w = self.window_size
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise MConvertError(f"window_size must be a whole number >= 0 (keys before the query), got {w!r}")
+        p = self.window_pattern
+        if p is not None and (not isinstance(p, tuple) or len(p) != self.num_layers
+                              or any(v not in (0, 1) for v in p)):
+            raise MConvertError(f"window_pattern must give 1 (windowed) or 0 (full attention) for each of the "
+                                f"{self.num_layers} layers, got {p!r}")
 
     def _validate_rope_scaling(self) -> None:
         """Refuse an unknown scaling type or a factor that is not a finite number of the right range."""
@@ -306,9 +359,35 @@ class ModelSpec:
                     f"rope_high_freq_factor {self.rope_high_freq_factor} must exceed rope_low_freq_factor "
                     f"{self.rope_low_freq_factor} (the llama3 band between them is interpolated)"
                 )
+        if self.rope_scaling in ("llama3", "yarn"):
             if self.rope_original_max_position_embeddings != int(self.rope_original_max_position_embeddings):
                 raise MConvertError(f"rope_original_max_position_embeddings must be a whole number, got "
                                     f"{self.rope_original_max_position_embeddings}")
+        if self.rope_scaling == "yarn":
+            self._validate_yarn()
+
+    def _validate_yarn(self) -> None:
+        """Refuse YaRN settings megatron-core cannot compute: zero or negative betas (it divides by them), a
+        partial or interleaved rotary (its YaRN rotates the whole head, rotate-half style)."""
+        # a negative mscale is an attention factor below 1; mscale_all_dim >= 0 keeps the divisor >= 1
+        for name in ("yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                    v < 0 and name != "yarn_mscale"):
+                raise MConvertError(f"{name} must be a finite number{'' if name == 'yarn_mscale' else ' >= 0'}, "
+                                    f"got {v!r}")
+        for name in ("yarn_beta_fast", "yarn_beta_slow"):
+            if getattr(self, name) == 0:
+                raise MConvertError(f"{name} must be positive (YaRN divides by it), got 0")
+        if not isinstance(self.yarn_correction_range_round_to_int, bool):
+            raise MConvertError(f"yarn_correction_range_round_to_int must be true or false, got "
+                                f"{self.yarn_correction_range_round_to_int!r}")
+        if self.rotary_percent != 1.0:
+            raise MConvertError(f"rope_scaling='yarn' with rotary_percent={self.rotary_percent}: megatron-core's YaRN "
+                                "rotates the whole head (it ignores rotary_percent); conversion refused")
+        if self.rotary_interleaved:
+            raise MConvertError("rope_scaling='yarn' with rotary_interleaved=True: megatron-core's YaRN rotates "
+                                "halves only; conversion refused")
 
     def refuse_unmapped(self, target: str, source: str = "") -> None:
         """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state.
@@ -322,11 +401,53 @@ class ModelSpec:
                 f"{_megatron_scaling_args(self)})"),
             "qk_layernorm": self.qk_layernorm and "qk_layernorm=True (per-head q/k norm)",
             "moe": self.is_moe and f"num_experts={self.num_experts} (mixture of experts)",
+            "window": self.window_masks and self.window_description(),
         }
         for feature, what in present.items():
             if what and target not in FEATURE_TARGETS[feature]:
+                fix = ("; pass --accept-window-as-full to write it with full attention, which agrees with the model "
+                       f"only on sequences of up to {self.window_size + 1} tokens") if feature == "window" else ""
                 raise MConvertError(f"{where}{what} is not mapped to {target}; conversion refused (reshard and "
-                                    "validate handle the Megatron checkpoint)")
+                                    f"validate handle the Megatron checkpoint){fix}")
+
+    # ---- sliding window --------------------------------------------------------------------------
+    def window_as_full(self, target: str, accept: bool) -> tuple["ModelSpec", str | None]:
+        """For a target that has no window: with `accept` (--accept-window-as-full) the model as the target runs
+        it, full attention, and the note its report carries; else this spec (whose refusal names the window)."""
+        if not (accept and self.window_masks and target not in FEATURE_TARGETS["window"]):
+            return self, None
+        return self.replace(window_size=None), (
+            f"{self.window_description()} written as full attention for {target} (--accept-window-as-full): it "
+            f"agrees with the model only on sequences of up to {self.window_size + 1} tokens")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window (megatron-core's left size) of layer `layer` (global index), None for full attention."""
+        if self.window_size is None or (self.window_pattern is not None and not self.window_pattern[layer]):
+            return None
+        return self.window_size
+
+    @property
+    def windowed_layers(self) -> list[int]:
+        """The global indices of the layers that attend through the window."""
+        return [i for i in range(self.num_layers) if self.layer_window(i) is not None]
+
+    @property
+    def window_masks(self) -> bool:
+        """Whether the window masks any key within the context (a window covering the context is full
+        attention for every sequence the model takes)."""
+        return self.window_size is not None and self.window_size + 1 < self.max_position_embeddings
+
+    def window_description(self) -> str:
+        """The window in both spellings, for messages and reports."""
+        layers = ("every layer" if self.window_pattern is None else
+                  f"layers {', '.join(map(str, self.windowed_layers))} of {self.num_layers}")
+        return (f"sliding-window attention (window_size=({self.window_size}, 0), HF sliding_window="
+                f"{self.window_size + 1}, on {layers})" if self.window_size is not None else "full attention")
+
+    @property
+    def yarn_attention_factor(self) -> float:
+        """The number YaRN multiplies cos and sin by (megatron-core's rule over factor, mscale, mscale_all_dim)."""
+        return megatron_attention_factor(self.rope_scaling_factor, self.yarn_mscale, self.yarn_mscale_all_dim)
 
     @property
     def head_dim(self) -> int:
@@ -362,6 +483,15 @@ class ModelSpec:
         return bool(freq[layer]) if isinstance(freq, tuple) else layer % freq == 0
 
     @property
+    def num_moe_layers(self) -> int:
+        """How many decoder layers are MoE (megatron-core's moe_layer_freq rule, counted without a loop over
+        the layers when it is an every-N-th)."""
+        if not self.is_moe:
+            return 0
+        freq = self.moe_layer_freq
+        return sum(freq) if isinstance(freq, tuple) else -(-self.num_layers // freq)
+
+    @property
     def expert_ffn_hidden_size(self) -> int:
         """One expert's MLP width (Megatron's moe_ffn_hidden_size, defaulting to ffn_hidden_size)."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
@@ -384,13 +514,21 @@ class ModelSpec:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     def num_parameters(self) -> int:
-        """Parameter count (padded vocab at TP=1); every MoE layer has the first MoE layer's shapes and every dense
-        layer the first dense layer's, so no loop over layers' parameters."""
-        moe = [self.is_moe_layer(i) for i in range(self.num_layers)]
-        size = {m: sum(math.prod(p.shape) for p in self.layer_params(moe.index(m)) if not is_buffer(p.name))
-                for m in set(moe)}
-        rest = self.embedding_params(1) + self.final_params(1)
-        return sum(math.prod(p.shape) for p in rest if not is_buffer(p.name)) + sum(size[m] for m in moe)
+        """Parameter count (padded vocab at TP=1, buffers left out): every MoE layer has the shapes of any other,
+        every dense layer too, and every expert expert 0's, so the count is arithmetic in layers and experts."""
+        def count(decls: list[ParamDecl]) -> int:
+            return sum(math.prod(p.shape) for p in decls if not is_buffer(p.name))
+
+        experts = self.num_experts * count(self.expert_params(0, 0)) if self.is_moe else 0  # type: ignore[operator]
+        moe_layer = count(self._block_params("", 0, True, False, None)) + experts if self.is_moe else 0
+        dense_layer = count(self._block_params("", 0, False, False, None))
+        n_moe = self.num_moe_layers
+        total = n_moe * moe_layer + (self.num_layers - n_moe) * dense_layer
+        if self.mtp_num_layers:  # each MTP layer's transformer layer is built as the last decoder layer
+            last = self.num_layers
+            total += self.mtp_num_layers * (count(self.mtp_params(0, experts=False))
+                                            + (experts if self.is_moe_layer(last) else 0))
+        return total + count(self.embedding_params(1) + self.final_params(1, mtp=False))
 
     def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
         """Refuse a TP/PP/EP that does not divide heads, groups, ffn, layers or experts."""
@@ -522,6 +660,26 @@ class ModelSpec:
             ParamDecl(a + "linear_proj.weight", "row", (H, nh * self.v_head_dim)),
         ]
 
+    def layer_template(self, layer: int | None = None) -> list[ParamDecl]:
+        """A layer's parameters with expert 0 standing for every routed expert (each has its shapes): what a
+        table of shapes by name template needs, built in a time that does not grow with num_experts, so a
+        config claiming a million experts is refused on the router's shape before anything loops over them.
+        Without `layer`, the first dense layer's and the first MoE layer's together (an MoE layer pattern mixes
+        both, under the same layer-index template)."""
+        if layer is not None:
+            return self.layer_params(layer, experts=False) + (
+                self.expert_params(layer, 0) if self.is_moe_layer(layer) else [])
+        return [d for i in self._first_layers() for d in self.layer_template(i)]
+
+    def _first_layers(self) -> list[int]:
+        """The first dense layer and the first MoE layer, where there are (no loop over the layers)."""
+        if not self.is_moe:
+            return [0]
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            return sorted({freq.index(v) for v in set(freq)})
+        return [0] if freq == 1 or self.num_layers == 1 else [0, 1]
+
     def expert_params(self, layer: int, expert: int, prefix: str | None = None,
                       tag: int | None = -1) -> list[ParamDecl]:
         """The parameters of one routed expert (global index) of an MoE layer: its MLP, split over TP like a
@@ -538,7 +696,7 @@ class ModelSpec:
             out.append(ParamDecl(x + "linear_fc2.bias", "replicated", (H,), at, expert))
         return out
 
-    def mtp_params(self, k: int) -> list[ParamDecl]:
+    def mtp_params(self, k: int, experts: bool = True) -> list[ParamDecl]:
         """Multi-token prediction layer `k` (megatron-core's `mtp.layers.K.*`): norms of the next token's
         embedding and of the hidden state, their projection eh_proj [H, 2H] (column), one transformer layer
         (built as the last decoder layer), and its final norm; the embedding and the head are the model's."""
@@ -549,7 +707,7 @@ class ModelSpec:
             out.insert(1, ParamDecl(p + "enorm.bias", "replicated", (H,)))
             out.append(ParamDecl(p + "hnorm.bias", "replicated", (H,)))
         last = self.num_layers + k
-        out += self._block_params(p + "transformer_layer.", last, self.is_moe_layer(last), True, None)
+        out += self._block_params(p + "transformer_layer.", last, self.is_moe_layer(last), experts, None)
         out.append(ParamDecl(p + "final_layernorm.weight", "replicated", (H,)))
         if self.normalization == "LayerNorm":
             out.append(ParamDecl(p + "final_layernorm.bias", "replicated", (H,)))
@@ -571,14 +729,15 @@ class ModelSpec:
             )
         return out
 
-    def final_params(self, tp: int = 1) -> list[ParamDecl]:
+    def final_params(self, tp: int = 1, mtp: bool = True) -> list[ParamDecl]:
+        """The final norm, the untied head and (with `mtp`) the MTP layers, whole."""
         H = self.hidden_size
         out = [ParamDecl("decoder.final_layernorm.weight", "replicated", (H,))]
         if self.normalization == "LayerNorm":
             out.append(ParamDecl("decoder.final_layernorm.bias", "replicated", (H,)))
         if not self.tie_embeddings:
             out.append(ParamDecl("output_layer.weight", "vocab", (self.padded_vocab_size(tp), H)))
-        for k in range(self.mtp_num_layers or 0):  # on the last stage, after the head (megatron-core's order)
+        for k in range((self.mtp_num_layers or 0) if mtp else 0):  # on the last stage, after the head (megatron-core's order)
             out += self.mtp_params(k)
         return out
 
@@ -686,6 +845,8 @@ class ModelSpec:
             setattr(ns, k, v)
         for k, v in self._deepseek_megatron_args().items():
             setattr(ns, k, v)
+        for k, v in window_megatron_args(self).items():
+            setattr(ns, k, v)
         if self.is_moe:
             ns.num_experts = self.num_experts
             ns.moe_ffn_hidden_size = self.expert_ffn_hidden_size
@@ -730,6 +891,11 @@ class ModelSpec:
             out.update(use_rope_scaling=True, rope_scaling_factor=float(self.rope_scaling_factor))
         elif self.rope_scaling == "linear":
             out["rotary_seq_len_interpolation_factor"] = float(self.rope_scaling_factor)
+        elif self.rope_scaling == "yarn":  # Megatron-LM's arg names (training/arguments.py, argument_utils.py)
+            out["position_embedding_type"] = "yarn"
+            for field_name, (name, default) in YARN_ARG_NAMES.items():
+                v = getattr(self, field_name)
+                out[name] = v if isinstance(default, bool) else type(default)(v)
         return out
 
     def replace(self, **changes: Any) -> "ModelSpec":
@@ -743,18 +909,23 @@ class ModelSpec:
         if self.rope_scaling is None:
             unused += ["rope_scaling", "rope_scaling_factor"]
         if self.rope_scaling != "llama3":
-            unused += list(_LLAMA3_BAND_DEFAULTS)
+            unused += [n for n in _LLAMA3_BAND_DEFAULTS
+                       if not (self.rope_scaling == "yarn" and n == "rope_original_max_position_embeddings")]
+        if self.rope_scaling != "yarn":
+            unused += list(_YARN_DEFAULTS)
         if not self.is_moe:
             unused += ["num_experts", "moe_ffn_hidden_size", "moe_router_topk"]
         unused += [k for k, v in _DEEPSEEK_MOE_DEFAULTS.items() if d[k] == v]
         unused += [] if self.is_mla else ["kv_lora_rank", *_MLA_DEFAULTS]
         unused += [] if self.mtp_num_layers is not None else ["mtp_num_layers"]
+        if self.window_size is None:
+            unused += ["window_size", "window_pattern"]
         for name in unused:
             del d[name]
         return d
 
 
-ROPE_SCALINGS = (None, "llama3", "linear")
+ROPE_SCALINGS = (None, "llama3", "linear", "yarn")
 _MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                                  "v_head_dim": 128}
 _DEEPSEEK_MOE_DEFAULTS: dict[str, Any] = {
@@ -765,12 +936,18 @@ _DEEPSEEK_MOE_DEFAULTS: dict[str, Any] = {
 _LLAMA3_BAND_DEFAULTS: dict[str, Any] = {
     "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position_embeddings": 8192,
 }
+_YARN_DEFAULTS: dict[str, Any] = {
+    "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": True,
+}
 
 
 def _megatron_scaling_args(spec: ModelSpec) -> str:
     """How Megatron spells the spec's rope scaling, for messages."""
     if spec.rope_scaling == "llama3":
         return f"Megatron use_rope_scaling=True, rope_scaling_factor={spec.rope_scaling_factor:g}"
+    if spec.rope_scaling == "yarn":
+        return f"Megatron position_embedding_type='yarn', rotary_scaling_factor={spec.rope_scaling_factor:g}"
     return f"Megatron rotary_seq_len_interpolation_factor={spec.rope_scaling_factor:g}"
 
 
@@ -781,6 +958,8 @@ def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> d
     out: dict[str, Any] = {"qk_layernorm": bool(a.get("qk_layernorm") or False)}
     llama3 = bool(a.get("use_rope_scaling") or False)
     linear = a.get("rotary_seq_len_interpolation_factor")
+    if a.get("position_embedding_type") == "yarn":
+        return {**out, **_yarn_from_megatron_args(a, llama3, linear, source)}
     if llama3 and linear is not None:
         raise MConvertError(
             f"{source}: use_rope_scaling=True together with rotary_seq_len_interpolation_factor={linear!r} is "
@@ -793,6 +972,93 @@ def rope_and_qk_from_megatron_args(a: dict[str, Any], source: str = "args") -> d
     elif linear is not None:
         out.update(rope_scaling="linear", rope_scaling_factor=float(linear))
     return out
+
+
+# ModelSpec YaRN field -> (Megatron-LM arg, the default GPTModel gets when the arg is unset): Megatron-LM's
+# `_apply_yarn_config_from_args` for position_embedding_type='yarn' (MLA reads other names: pass its own table)
+YARN_ARG_NAMES: dict[str, tuple[str, Any]] = {
+    "rope_scaling_factor": ("rotary_scaling_factor", 1.0),
+    "rope_original_max_position_embeddings": ("yarn_original_max_position_embeddings", 4096),
+    "yarn_beta_fast": ("yarn_beta_fast", 32.0),
+    "yarn_beta_slow": ("yarn_beta_slow", 1.0),
+    "yarn_mscale": ("mscale", 1.0),
+    "yarn_mscale_all_dim": ("mscale_all_dim", 0.0),
+    "yarn_correction_range_round_to_int": ("yarn_correction_range_round_to_int", True),
+}
+
+
+def yarn_from_megatron_args(a: dict[str, Any], source: str = "args",
+                            names: dict[str, tuple[str, Any]] = YARN_ARG_NAMES) -> dict[str, Any]:
+    """ModelSpec kwargs for megatron-core's YaRN read from args by `names` (field -> arg name and the default
+    megatron-core uses when the arg is unset or absent); each value's type is checked, naming the arg."""
+    out: dict[str, Any] = {"rope_scaling": "yarn"}
+    for field_name, (name, default) in names.items():
+        v = a.get(name)
+        v = default if v is None else v
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                raise MConvertError(f"{source}: Megatron arg {name}={v!r} must be true or false; fix it")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise MConvertError(f"{source}: Megatron arg {name}={v!r} must be a finite number; fix it")
+        out[field_name] = v
+    return out
+
+
+def _yarn_from_megatron_args(a: dict[str, Any], llama3: bool, linear: Any, source: str) -> dict[str, Any]:
+    """GPTModel's YaRN (`position_embedding_type='yarn'`). megatron-core's YaRN ignores the Llama-3.1 and linear
+    scalings, so args that also state one are ambiguous and refused."""
+    for name, given in (("use_rope_scaling", llama3), ("rotary_seq_len_interpolation_factor", linear)):
+        if given not in (None, False):
+            raise MConvertError(f"{source}: position_embedding_type='yarn' together with {name}={given!r}: "
+                                "megatron-core's YaRN ignores the second scaling, so which one the model was meant "
+                                "to compute is ambiguous; conversion refused")
+    return yarn_from_megatron_args(a, source)
+
+
+def window_megatron_args(spec: ModelSpec) -> dict[str, Any]:
+    """megatron-core's `window_size` (left, 0) and `window_attn_skip_freq` (an int N when every N-th layer,
+    1-based, is the full-attention one, else the per-layer list; absent when every layer is windowed)."""
+    if spec.window_size is None:
+        return {}
+    out: dict[str, Any] = {"window_size": (spec.window_size, 0)}
+    p = spec.window_pattern
+    if p is not None:
+        every = next((n for n in range(2, len(p) + 1)
+                      if all(bool(v) == ((i + 1) % n != 0) for i, v in enumerate(p))), None)
+        out["window_attn_skip_freq"] = every if every is not None else list(p)
+    return out
+
+
+def window_from_megatron_args(a: dict[str, Any], num_layers: int, source: str = "args") -> dict[str, Any]:
+    """ModelSpec kwargs from megatron-core's `window_size` (left, right) and `window_attn_skip_freq`
+    (transformer/utils.py `is_layer_window_attention`: layer n, 1-based, is windowed when n % N != 0, or when
+    entry n-1 of the list is 1). A right size other than 0 (keys after the query) is refused; a left size of
+    -1 is megatron-core's "infinite", i.e. no window."""
+    ws, freq = a.get("window_size"), a.get("window_attn_skip_freq")
+    if ws is None or ws is False:
+        return {}
+    where = f"{source}: Megatron arg window_size={ws!r}"
+    if (not isinstance(ws, (tuple, list)) or len(ws) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in ws)):
+        raise MConvertError(f"{where} must be a pair of whole numbers (left, right); fix it")
+    left, right = ws
+    if right != 0:
+        raise MConvertError(f"{where} is not supported: a right size {right} lets a query see keys after it (or, "
+                            "with -1, every later key); only causal windows (left, 0) are mapped; conversion refused")
+    if left == -1:
+        return {}
+    if left < 0:
+        raise MConvertError(f"{where}: the left size must be >= 0 or -1 (no limit); fix it")
+    if freq is None:
+        return {"window_size": left}
+    if isinstance(freq, int) and not isinstance(freq, bool) and freq >= 1:
+        pattern = tuple(int((n + 1) % freq != 0) for n in range(num_layers))
+    elif isinstance(freq, (list, tuple)) and len(freq) == num_layers and all(v in (0, 1) for v in freq):
+        pattern = tuple(int(v) for v in freq)
+    else:
+        raise MConvertError(f"{source}: Megatron arg window_attn_skip_freq={freq!r} must be a whole number >= 1 or "
+                            f"a list of {num_layers} ones (windowed) and zeros (full attention); fix it")
+    return {"window_size": left, "window_pattern": pattern}
 
 
 def moe_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:

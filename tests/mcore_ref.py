@@ -29,7 +29,12 @@ Rank layout is megatron-core's default order (tp fastest): global rank = pp_rank
 point-to-point) and returns the vocab logits gathered across TP on the last stage, padded rows included
 (`[b, s, spec.padded_vocab_size(tp)]`). Results travel back as pickles through a temporary directory.
 The model is fp32, dropout-free, `vocab_size = spec.padded_vocab_size(tp)`; `spec.qk_layernorm` and
-`spec.rope_scaling` ("llama3": `rope_scaling=True`; "linear": `seq_len_interpolation_factor`) are passed on. Children fork from a parent that
+`spec.rope_scaling` ("llama3": `rope_scaling=True`; "linear": `seq_len_interpolation_factor`; "yarn":
+`position_embedding_type='yarn'` and the `config.yarn_*` attributes) are passed on, and so
+is a sliding window (`window_size`, `window_attn_skip_freq`, as `spec.to_megatron_args` writes them): megatron-core's
+local attention applies it itself (FusedScaleMaskSoftmax builds `get_sliding_window_causal_mask` in place of the
+causal mask); that helper allocates on device "cuda", which `_CudaOnCpu` redirects to the CPU during the forward
+— megatron-core's own mask code runs unchanged. Children fork from a parent that
 has imported megatron-core once (~10 s); each run after that costs ~1-3 s.
 """
 
@@ -48,8 +53,9 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
-from mconvert.spec import ModelSpec
+from mconvert.spec import ModelSpec, window_megatron_args
 
 MAX_PROCS = 4
 
@@ -130,7 +136,7 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         use_cpu_initialization=True,
         apply_query_key_layer_scaling=False,
         attention_softmax_in_fp32=True,
-        **{**moe_config(spec, ep), **deepseek},
+        **{**moe_config(spec, ep), **deepseek, **window_megatron_args(spec)},
     )
 
 
@@ -168,6 +174,20 @@ def _layer_spec(spec: ModelSpec, config):
     return block
 
 
+def set_yarn_config(config: Any, spec: ModelSpec) -> None:
+    """The `config.yarn_*` attributes GPTModel's yarn branch reads, set from the spec's Megatron-LM args as
+    Megatron-LM's `_apply_yarn_config_from_args` sets them (nothing when the spec has no YaRN)."""
+    if spec.rope_scaling != "yarn":
+        return
+    a = spec.to_megatron_args()
+    for attr, arg in (("yarn_rotary_scaling_factor", "rotary_scaling_factor"),
+                      ("yarn_original_max_position_embeddings", "yarn_original_max_position_embeddings"),
+                      ("yarn_beta_fast", "yarn_beta_fast"), ("yarn_beta_slow", "yarn_beta_slow"),
+                      ("yarn_mscale", "mscale"), ("yarn_mscale_all_dim", "mscale_all_dim"),
+                      ("yarn_correction_range_round_to_int", "yarn_correction_range_round_to_int")):
+        setattr(config, attr, getattr(a, arg))
+
+
 def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None,
                     vp_stage: int | None = None, ep: int = 1):
     """A megatron-core GPTModel (local layer spec) for this rank's stage (virtual chunk `vp_stage` when VPP);
@@ -182,6 +202,7 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
     if spec.rope_scaling == "llama3" and (spec.rope_low_freq_factor, spec.rope_high_freq_factor,
                                           spec.rope_original_max_position_embeddings) != (1.0, 4.0, 8192):
         raise ValueError("megatron-core's llama3 rope scaling fixes low 1, high 4, original 8192")
+    set_yarn_config(config, spec)
     return GPTModel(
         config,
         layer_spec,
@@ -190,7 +211,7 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type=spec.position_embedding_type,
+        position_embedding_type="yarn" if spec.rope_scaling == "yarn" else spec.position_embedding_type,
         rotary_percent=spec.rotary_percent,
         rotary_base=int(spec.rotary_base),
         rope_scaling=spec.rope_scaling == "llama3",
@@ -226,6 +247,17 @@ class McoreContext:
         return _pipeline_forward(self, tokens)
 
 
+class _CudaOnCpu(TorchFunctionMode):
+    """Tensors megatron-core creates on device "cuda" (its mask helpers in transformer/utils.py) are created on
+    the CPU instead: the same values, on the only device here."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
 def _pipeline_forward(ctx: McoreContext, tokens: torch.Tensor) -> torch.Tensor | None:
     """Run the model chunks in pipeline order (chunk 0 of ranks 0..pp-1, then chunk 1, ...) over gloo p2p."""
     from megatron.core import parallel_state
@@ -235,7 +267,7 @@ def _pipeline_forward(ctx: McoreContext, tokens: torch.Tensor) -> torch.Tensor |
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)
     mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]  # True = masked
     out = None
-    with torch.no_grad():
+    with torch.no_grad(), _CudaOnCpu():
         for model in ctx.models or [ctx.model]:
             if not model.pre_process:
                 h = torch.empty(s, b, ctx.spec.hidden_size)

@@ -121,18 +121,28 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def assert_one_line_error(code: int, err: str, *must_contain: str) -> str:
-    """Non-zero exit, exactly one non-empty stderr line starting with `error:`, no traceback; returns the line."""
+def assert_one_line_error(code: int, err: str, *must_contain: str, details: int | None = 0) -> str:
+    """Non-zero exit, no traceback, and the error as the CLI prints it: the first non-empty stderr line starts with
+    `error:` (the whole message, or the summary of a refusal naming several items), followed by exactly `details`
+    lines indented by two spaces (one per item; the summary counts them; None: as many as the summary counts, for
+    an input that may break several fields at once). Each of `must_contain` is somewhere in those lines; returns
+    them joined by newlines (one line when `details` is 0)."""
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code != 0, f"exit code 0; stderr: {err!r}"
-    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{err}"
+    if details is None:
+        details = len(lines) - 1
+    assert len(lines) == 1 + details, f"expected {1 + details} stderr lines, got {len(lines)}:\n{err}"
     line = lines[0]
     assert line.startswith("error: "), line
     assert "Traceback" not in err, err
     assert "set MCONVERT_DEBUG=1 for the traceback" not in line, f"a bug, not a refusal: {line}"
+    if details:
+        assert all(ln.startswith("  ") and not ln.startswith("   ") for ln in lines[1:]), err
+        assert f": {details} " in line and " are refused (" in line, f"the summary does not count {details}: {line}"
+    text = "\n".join(lines)
     for s in must_contain:
-        assert s.lower() in line.lower(), f"{s!r} not in {line!r}"
-    return line
+        assert s.lower() in text.lower(), f"{s!r} not in {text!r}"
+    return text
 
 
 def is_root() -> bool:
@@ -193,3 +203,23 @@ def flip_record_padding(path: Path) -> None:
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+CAP_BYTES = 6 << 30  # the address space a refusal must fit in
+CAP_SECONDS = 60  # and the time
+
+
+def run_cli_capped(argv: list[str], cap: int = CAP_BYTES, timeout: float = CAP_SECONDS,
+                   env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Run `mconvert ARGV` in a child process under an address-space cap (RLIMIT_AS) and a wall-clock limit:
+    (exit code, stdout, stderr). A run past `timeout` fails the test (a hang is never a refusal)."""
+    import resource
+
+    def cap_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    code = "from mconvert.cli import run; run()"
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    r = subprocess.run([sys.executable, "-c", code, *[str(a) for a in argv]], capture_output=True, text=True,
+                       timeout=timeout, preexec_fn=cap_memory, env=full_env, cwd=str(ROOT))
+    return r.returncode, r.stdout, r.stderr

@@ -262,6 +262,7 @@ def test_iteration_choice_and_broken_inputs(llama, tmp_path):
     shutil.copytree(root / "iter_0000007", root / "iter_0000009")
     st = torch.load(root / "iter_0000009/mp_rank_00/model_optim_rng.pt", weights_only=False)
     st["model"]["decoder.final_layernorm.weight"] = torch.full((H,), 9.0)
+    st["iteration"] = 9  # as Megatron-LM saves iteration 9 (a copy still saying 7 is refused: its directory is 9)
     torch.save(st, root / "iter_0000009/mp_rank_00/model_optim_rng.pt")
     megatron_to_hf(root, tmp_path / "h7")  # tracker says 7
     megatron_to_hf(root, tmp_path / "h9", iteration="9")

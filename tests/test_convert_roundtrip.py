@@ -47,6 +47,16 @@ CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                                   num_attention_heads=4, num_key_value_heads=1, vocab_size=100,
                                                   max_position_embeddings=32, sliding_window=None),
+    # a window of 4 keys on every layer, shorter than TOKENS (10)
+    "mistral-swa": lambda: transformers.MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=1, vocab_size=100,
+                                                      max_position_embeddings=32, sliding_window=4),
+    # Qwen2's per-layer window: layer 0 windowed, layer 1 full attention (a pattern max_window_layers cannot state)
+    "qwen2-swa": lambda: transformers.Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                                                  max_position_embeddings=32, use_sliding_window=True,
+                                                  sliding_window=4, layer_types=["sliding_attention",
+                                                                                 "full_attention"]),
 }
 TOKENS = torch.tensor([[1, 5, 17, 99, 42, 3, 64, 8, 0, 77]])
 
@@ -125,13 +135,15 @@ def test_pytorch_model_bin_input(hf_models, tmp_path):
         assert torch.equal(_logits(tmp_path / "back"), model(TOKENS).logits)
 
 
-def test_sliding_window_is_refused_not_dropped(tmp_path):
-    from mconvert.errors import MConvertError
+def test_a_window_travels_in_megatron_core_args(hf_models, tmp_path):
+    """HF's window of 4 keys on layer 0 only is megatron-core's window_size (3, 0) on layer 0 only, as megatron-core's
+    own `is_layer_window_attention` reads the written args."""
+    from megatron.core.transformer.utils import is_layer_window_attention
 
-    cfg = transformers.MistralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=1, vocab_size=100, max_position_embeddings=64,
-                                     sliding_window=16)
-    transformers.MistralForCausalLM(cfg).save_pretrained(tmp_path / "hf")
-    with pytest.raises(MConvertError, match="sliding_window=16"):
-        hf_to_megatron(tmp_path / "hf", tmp_path / "mg")
-    assert not (tmp_path / "mg").exists()
+    from mconvert.convert.io.safeload import safe_load
+
+    _, src = hf_models["qwen2-swa"]
+    hf_to_megatron(src, tmp_path / "mg", tp=2, pp=2)
+    args = safe_load(tmp_path / "mg" / "release" / "mp_rank_00_001" / "model_optim_rng.pt")["args"]
+    assert tuple(args.window_size) == (3, 0)
+    assert [is_layer_window_attention(args.window_size, args.window_attn_skip_freq, n) for n in (1, 2)] == [True, False]

@@ -194,6 +194,9 @@ def test_a_checkpoint_without_its_mtp_layer_does_not_load(trained) -> None:
     (dict(num_experts=8, moe_router_num_groups=4), "go together"),
     (dict(num_experts=8, moe_layer_freq=(1, 0)), "one 0/1 per layer"),
     (dict(num_experts=8, moe_router_score_function="relu"), "moe_router_score_function"),
+    (dict(kv_lora_rank=32, window_size=15), r"sliding-window attention\) with multi-latent attention or MTP"),
+    (dict(mtp_num_layers=1, window_size=15), r"sliding-window attention\) with multi-latent attention or MTP"),
+    (dict(kv_lora_rank=32, rope_scaling="yarn", rope_scaling_factor=4.0), "multi-latent attention rotates"),
 ])
 def test_bad_deepseek_fields_are_refused_by_name(kw: dict, message: str) -> None:
     with pytest.raises(MConvertError, match=message):
@@ -368,6 +371,16 @@ def test_deepseek_v3_671b_shapes_count_its_published_parameters() -> None:
     main = spec.replace(mtp_num_layers=None).num_parameters()
     with_mtp = spec.num_parameters() + 2 * spec.vocab_size * spec.hidden_size
     assert round(main / 1e9) == 671 and round(with_mtp / 1e9, 0) in (684, 685), (main, with_mtp)
+
+
+def test_deepseek_v3_671b_activates_its_published_37b_parameters() -> None:
+    """One token meets 37 B of the 671 B (the published activated count): its first three layers are dense, so
+    only the 58 MoE layers leave E - k experts out, and the count stays arithmetic in layers and experts."""
+    from mconvert.trainer.train import active_parameters
+
+    spec = preset("deepseek-v3-671b").replace(make_vocab_size_divisible_by=1, mtp_num_layers=None)
+    assert spec.num_moe_layers == 58
+    assert 37e9 <= active_parameters(spec) < 38e9, active_parameters(spec)
 
 
 def test_the_native_runner_runs_the_tp2_ep2_checkpoint(runs_dir) -> None:

@@ -422,7 +422,8 @@ def test_dp_reshardable_without_buckets_is_refused_by_name(tmp_path: Path) -> No
     from mconvert.convert.io.atomic import MANIFEST
 
     hf_to_megatron(_gpt2(tmp_path), tmp_path / "d", tp=2, format="torch_dist")
-    (tmp_path / "d" / MANIFEST).unlink()
+    (tmp_path / "d" / MANIFEST).unlink()  # both manifests: the edit stands for an incomplete copy, not damage
+    (tmp_path / "d" / "release" / "integrity.json").unlink()
     path = tmp_path / "d" / "release" / "common.pt"
     common = safe_load(path)
     common["optimizer"] = {"param_state_sharding_type": "dp_reshardable"}

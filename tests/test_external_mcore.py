@@ -35,6 +35,11 @@ SPECS = {
     "gpt2": preset("tiny-gpt2"),
     # 4 layers for PP=2 x VPP=2: rank 0 holds global layers 0 and 2, rank 1 holds 1 and 3
     "llama4": preset("tiny-llama").replace(num_layers=4, rotary_base=500000.0, norm_epsilon=1e-6),
+    # sliding window (5 keys before the query, 6 in all) on every layer, shorter than the 16-token test sequence;
+    # written without model_family, as Megatron-LM writes it: read as HF Mistral
+    "mistral-swa": preset("tiny-mistral-swa").replace(window_size=5),
+    # window_attn_skip_freq=2: layer 1 (1-based) windowed, layer 2 full attention -> HF Qwen2 layer_types
+    "qwen2-swa": preset("tiny-qwen2-swa").replace(window_size=5, window_pattern=(1, 0)),
 }
 
 
@@ -68,6 +73,8 @@ def _megatron_args(ctx: McoreContext):
     from megatron.core.transformer.enums import AttnBackend
 
     args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ctx.vpp)
+    if ctx.spec.window_size is not None:
+        del args.model_family  # Megatron-LM writes no model_family: the family is recognised from the args
     args.params_dtype = torch.float32  # Megatron-LM stores a torch.dtype and enums in its args
     args.attention_backend = AttnBackend.auto
     args.iteration = ITERATION
@@ -274,3 +281,38 @@ def test_mcore_ref_pipeline_forward_equals_one_stage() -> None:
 
     one_stage = mcore_forward_logits(spec, 2, tokens, merged, pp=1)
     assert staged[0][1] is None and torch.equal(one_stage, staged[-1][1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mistral-swa", "qwen2-swa"])
+def test_megatron_core_sliding_window_converts_to_matching_hf(family: str, tmp_path: Path,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """megatron-core's `window_size` (and `window_attn_skip_freq`) on a sequence longer than the window: the HF
+    export matches over the whole sequence; the same export with its window switched off (the control) matches
+    up to the window's length and differs beyond it."""
+    import json
+
+    spec, tokens, logits_mcore, torch_root, dist_root = _saved(family, 1, tmp_path_factory)
+    keys = spec.window_size + 1
+    assert tokens.shape[1] > keys
+    ref = logits_mcore[..., : spec.vocab_size]
+    scale = ref.abs().max().item()
+    for kind, root in (("torch", torch_root), ("torch_dist", dist_root)):
+        out = tmp_path / f"hf_{kind}"
+        cli_main(["megatron-to-hf", str(root), str(out)])
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["sliding_window"] == keys
+        logits = _hf_logits(out, tokens)
+        diff = (logits - ref).abs().max().item()
+        print(f"{family} {kind} ({cfg['architectures'][0]}): max|hf - mcore| = {diff:.3e}, max|logit| = {scale:.3f}")
+        assert diff <= 1e-4 * scale, f"{family} {kind}: max abs diff {diff} > 1e-4 * {scale}"
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+    cfg.update(sliding_window=None, use_sliding_window=False)
+    cfg.pop("layer_types", None)
+    (out / "config.json").write_text(json.dumps(cfg))
+    full = _hf_logits(out, tokens)
+    inside = (full[:, :keys] - ref[:, :keys]).abs().max().item()
+    beyond = (full[:, keys:] - ref[:, keys:]).abs().max().item()
+    print(f"{family} control without the window: within the window {inside:.3e}, beyond it {beyond:.3e}")
+    assert inside <= 1e-4 * scale
+    assert beyond > 1e-2 * scale, "the window changed nothing: the test sequence does not prove it"

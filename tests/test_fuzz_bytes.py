@@ -167,7 +167,7 @@ def _check_case(direction, rel, mutation, seed, tmp_path, capsys, monkeypatch) -
     code, err = _convert(argv, capsys, f"{direction} {rel} {mutation} seed={seed}")
     out = tmp_path / "out"
     if code != 0:
-        assert_one_line_error(code, err)
+        assert_one_line_error(code, err, details=None)  # damage may break several fields: one line each
         assert not out.exists()
         if direction == "protected":
             assert "manifest" in err, err

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mconvert"
 
 # Layer of each top-level part of mconvert: a module may import its own part or a lower layer, never a higher one.
 LAYERS = {
-    "errors": 0, "dtypes": 0,
+    "errors": 0, "dtypes": 0, "rope": 0,
     "spec": 1,
     "mappings": 2, "data": 2,
     "convert": 3, "trainer": 3, "validators": 3,

@@ -282,9 +282,10 @@ def test_megatron_to_hf_refuses_qk_norm_for_a_llama_before_writing(hf_models, tm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("change,named", [
     (lambda c: c.pop("head_dim"), "must state head_dim"),
-    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn' is not mapped"),
+    (lambda c: c.update(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope type 'dynamic' is not mapped"),
     (lambda c: c.update(attention_bias=True), "config field attention_bias=True is not supported"),
-    (lambda c: c.update(use_sliding_window=True), "config field use_sliding_window=True is not supported"),
+    (lambda c: c.update(use_sliding_window=True, layer_types=["chunked_attention"] * c["num_hidden_layers"]),
+     "other attention kinds are not mapped"),
 ])
 def test_a_qwen3_config_hf_to_megatron_cannot_honour_is_refused_by_name(hf_models, tmp_path, capsys, change,
                                                                         named) -> None:

@@ -184,7 +184,7 @@ def test_tp2_pp2_equals_tp1_logits_and_grads(tmp_path: Path, name: str, sp: bool
 def test_rope_scaling_and_qk_fields_validate_and_round_trip_megatron_args() -> None:
     base = preset("tiny-llama")
     for bad, match in [
-        (dict(rope_scaling="yarn"), "unsupported rope_scaling 'yarn'"),
+        (dict(rope_scaling="dynamic"), "unsupported rope_scaling 'dynamic'"),
         (dict(rope_scaling="llama3", rope_scaling_factor=float("nan")), "rope_scaling_factor must be a finite"),
         (dict(rope_scaling="linear", rope_scaling_factor=0.5), "rope_scaling_factor must be >= 1"),
         (dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=4.0), "must exceed"),

@@ -114,7 +114,7 @@ def test_neutral_megatron_args_pass_whatever_their_value() -> None:
 
 
 @pytest.mark.parametrize("name,value", [
-    ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("window_size", (128, 0)),
+    ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("window_size", (128, 1)),
     ("softmax_scale", 0.1), ("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True),
     ("num_layers_in_first_pipeline_stage", 1), ("rotary_scaling_factor", 4.0), ("squared_relu", True),
     ("rope_type", "yarn"), ("mrope_section", [16, 24, 24]), ("no_rope_freq", 4),
@@ -125,8 +125,20 @@ def test_a_function_changing_megatron_arg_is_refused_by_name(name: str, value) -
     args = _args(**{name: value})
     if name == "gated_linear_unit":
         args.swiglu = False  # GeGLU: gated, not SwiGLU
+    if name == "rotary_scaling_factor":
+        args.multi_latent_attention = True  # the YaRN factor is live (read by MLA's rope); named first
     with pytest.raises(MConvertError, match=f"{name}="):
         spec_from_megatron_args(args, source="x/model_optim_rng.pt")
+
+
+@pytest.mark.parametrize("name,value", [("rotary_scaling_factor", 40.0), ("mscale", 0.707), ("mscale_all_dim", 0.0),
+                                        ("yarn_beta_fast", 32.0)])
+def test_a_yarn_factor_passes_where_no_yarn_rope_reads_it(name: str, value) -> None:
+    """megatron-core reads YaRN's factors only for YaRN rope, MLA and DSA; with plain rope they are dead."""
+    assert spec_from_megatron_args(_args(**{name: value})) == preset("tiny-llama")
+    for live in ({"multi_latent_attention": True}, {"experimental_attention_variant": "dsa"}):
+        with pytest.raises(MConvertError, match=f"{name}="):
+            spec_from_megatron_args(_args(**{name: value}, **live), source="x/model_optim_rng.pt")
 
 
 def test_rope_scaling_and_qk_layernorm_args_are_read_into_the_spec() -> None:
@@ -151,7 +163,7 @@ def test_refused_megatron_args_at_their_defaults_pass() -> None:
 @pytest.mark.parametrize("name,value,expect", [
     ("swiglu", "yes", "swiglu='yes' must be bool"),
     ("normalization", "LayerNorm1p", "normalization='LayerNorm1p' is not supported"),
-    ("position_embedding_type", "yarn", "position_embedding_type='yarn' is not supported"),
+    ("position_embedding_type", "mrope", "position_embedding_type='mrope' is not supported"),
     ("untie_embeddings_and_output_weights", 1, "untie_embeddings_and_output_weights=1 must be bool"),
     ("num_query_groups", "2", "'num_query_groups' = '2' is not a finite number"),
 ])
@@ -184,22 +196,22 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
 
 
 @pytest.mark.parametrize("model_type,name,value", [
-    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    # a yarn attention factor no mscale gives megatron-core (it multiplies by 1 whenever factor <= 1)
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 1.0, "attention_factor": 0.5}),
     ("qwen2", "rope_scaling", {"type": "dynamic", "factor": 2.0}),
     ("mistral", "rope_scaling", {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}),
     ("llama", "rope_scaling", {"rope_type": "linear", "factor": 2.0, "attention_factor": 0.5}),
     ("qwen3", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
     ("qwen3", "attention_bias", True),
-    ("qwen3", "use_sliding_window", True),
+    ("qwen3", "layer_types", ["chunked_attention", "full_attention"]),
     ("gpt2", "scale_attn_by_inverse_layer_idx", True),
     ("gpt2", "scale_attn_weights", False),
     ("llama", "partial_rotary_factor", 0.5),
-    ("qwen2", "use_sliding_window", True),
-    ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
-    ("mistral", "sliding_window", 16),
+    ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),  # with use_sliding_window off
+    ("mistral", "sliding_window", 0),
     ("llama", "pruned_heads", {"0": [1]}),
     ("llama", "quantization_config", {"quant_method": "gptq"}),
-    ("llama", "frobnicate", 2),
+    ("llama", "attention_chunk_size", 8),  # read by transformers and vLLM, in no table
 ])
 def test_a_function_changing_hf_field_is_refused_by_name(model_type: str, name: str, value) -> None:
     with pytest.raises(MConvertError, match=f"x/config.json: config field {name}="):
@@ -253,7 +265,7 @@ def test_a_megatron_core_llama31_checkpoint_states_its_scaling_for_hf_and_is_ref
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rope_scaling,named", [
-    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "'yarn' is not mapped"),
+    ({"rope_type": "dynamic", "factor": 4.0}, "'dynamic' is not mapped"),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
      "'original_max_position_embeddings' must be a number"),
 ])

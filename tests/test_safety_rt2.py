@@ -337,6 +337,7 @@ def test_torch_dist_chunks_that_overlap_and_leave_a_gap_are_refused(deploy, tmp_
     hf_to_megatron(deploy["llama"], dist, format="torch_dist")
     (dist / "mconvert-manifest.json").unlink()
     d = dist / "release"
+    (d / "integrity.json").unlink()  # as Megatron-LM writes it without --verify-integrity
     md = pickle.loads((d / ".metadata").read_bytes())  # the test's own file, written just above
     key = "decoder.final_layernorm.weight"
     tmd = md.state_dict_metadata[key]
@@ -363,6 +364,45 @@ def test_torch_dist_chunks_that_overlap_and_leave_a_gap_are_refused(deploy, tmp_
     assert not out_dir.exists() and not list(tmp_path.glob(".out.mconvert-tmp-*"))
 
 
+@pytest.fixture(scope="module")
+def dist_llama(deploy, tmp_path_factory) -> Path:
+    """A torch_dist checkpoint of the deploy llama, without either manifest (as Megatron-LM writes it without
+    --verify-integrity: an edited `.metadata` is then not caught as changed bytes)."""
+    from mconvert.convert.driver import hf_to_megatron
+
+    dist = tmp_path_factory.mktemp("dist-lie") / "dist"
+    hf_to_megatron(deploy["llama"], dist, format="torch_dist")
+    (dist / "mconvert-manifest.json").unlink()
+    (dist / "release" / "integrity.json").unlink()
+    return dist
+
+
+@pytest.mark.parametrize("declared", [torch.int64, torch.float16, torch.bfloat16, None],
+                         ids=["int64", "float16", "bfloat16", "as saved"])
+@pytest.mark.parametrize("verb", ["reshard", "megatron-to-hf", "megatron-to-hf --dtype fp32"])
+def test_torch_dist_metadata_declaring_another_dtype_than_its_chunks_is_refused(dist_llama, tmp_path, capsys,
+                                                                              declared, verb):
+    """`.metadata` says a float32 weight is int64 / float16 / bf16: DCP's reader copies each saved chunk into a
+    tensor of the declared dtype, converting it silently (int64: zeros) — `reshard` wrote that under a fresh
+    manifest with exit 0. The chunk's own dtype must be the declared one; the intact file converts."""
+    dist = Path(shutil.copytree(dist_llama, tmp_path / "dist"))
+    md_file = dist / "release" / ".metadata"
+    key = "decoder.layers.mlp.linear_fc2.weight"
+    if declared is not None:
+        md = pickle.loads(md_file.read_bytes())  # the test's own file, written by the fixture
+        assert md.state_dict_metadata[key].properties.dtype == torch.float32
+        md.state_dict_metadata[key].properties.dtype = declared
+        md_file.write_bytes(pickle.dumps(md))
+    name, *extra = verb.split()
+    argv = [name, dist, tmp_path / "out", *extra] + (["--tp", "1"] if name == "reshard" else [])
+    code, _, err = run_cli(argv, capsys)
+    if declared is None:
+        assert code == 0, err
+        return
+    assert_one_line_error(code, err, str(md_file), key, f"declared {declared}", "holds torch.float32", "re-copy")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.mconvert-tmp-*"))
+
+
 # ---- tokenizer.json ---------------------------------------------------------------------------------------------
 def test_tokenizer_json_nested_too_deeply_is_one_line_for_gguf(deploy, tmp_path, capsys):
     hf = tmp_path / "hf"
@@ -372,3 +412,45 @@ def test_tokenizer_json_nested_too_deeply_is_one_line_for_gguf(deploy, tmp_path,
     code, _, err = run_cli(["hf-to-gguf", hf, out], capsys)
     assert_one_line_error(code, err, str(hf / "tokenizer.json"), "nested too deeply")
     assert not out.exists() and not list(tmp_path.glob(".m.gguf*"))
+
+
+# ---- the iteration a checkpoint stores ----------------------------------------------------------------------------
+def _at_iteration_5(src: Path, dst: Path, stored, dist: bool) -> Path:
+    """A copy of `src` (a release checkpoint) moved to iter_0000005 (tracker 5) whose rank files / common.pt store
+    `stored` as their `iteration`."""
+    from safety_common import load_rank, save_rank
+
+    shutil.copytree(src, dst)
+    (dst / "mconvert-manifest.json").unlink(missing_ok=True)
+    (dst / "release").rename(dst / "iter_0000005")
+    (dst / "latest_checkpointed_iteration.txt").write_text("5")
+    files = [dst / "iter_0000005" / "common.pt"] if dist else sorted(dst.rglob("model_optim_rng.pt"))
+    for f in files:
+        state = load_rank(f)
+        state["iteration"] = stored
+        save_rank(f, state)
+    return dst
+
+
+@pytest.mark.parametrize("stored", [True, 2.5, -3, "7", 7, 5], ids=["True", "2.5", "-3", "'7'", "7 in iter 5", "5"])
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_a_stored_iteration_that_is_no_iteration_or_not_its_directorys_is_refused(dist_llama, tmp_path, capsys,
+                                                                                  stored, fmt):
+    """Rank files / common.pt storing `iteration` True, 2.5, -3 were written as is (tracker `True`,
+    `iter_-000003`, which no loader opens); 7 inside iter_0000005 renumbered the checkpoint. The benign
+    neighbour (5 in iter_0000005) re-shards into iter_0000005."""
+    from safety_common import copy_of
+
+    src = copy_of("ckpt", tmp_path / "base") if fmt == "torch" else dist_llama
+    ckpt = _at_iteration_5(src, tmp_path / "ckpt", stored, fmt == "torch_dist")
+    where = ckpt / "iter_0000005" / ("common.pt" if fmt == "torch_dist" else "mp_rank_00_000/model_optim_rng.pt")
+    code, _, err = run_cli(["reshard", ckpt, tmp_path / "out", "--tp", "1", "--pp", "1"], capsys)
+    if stored == 5:
+        assert code == 0, err
+        assert (tmp_path / "out" / "latest_checkpointed_iteration.txt").read_text() == "5"
+        assert (tmp_path / "out" / "iter_0000005").is_dir()
+        return
+    expect = ("'iteration' is 7 but the file lies in iter_0000005" if stored == 7 else
+              f"iteration {stored!r} is not a training iteration")
+    assert_one_line_error(code, err, str(where), expect, "re-copy")
+    assert not (tmp_path / "out").exists()

@@ -175,9 +175,10 @@ def test_resume_trains_at_the_given_lr(ckpt: Path) -> None:
 
 # ---- to-onnx ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}])
+                                  {"rope_type": "yarn", "factor": 1.0, "attention_factor": 0.5}])
 def test_to_onnx_refuses_unmapped_config_fields(capsys, monkeypatch, rope: dict) -> None:
-    """An HF Llama with dynamic-NTK (or YaRN) rope scaling: the dry run refused it, the real export did not.
+    """An HF Llama with dynamic-NTK rope scaling (or a YaRN attention factor no mscale gives megatron-core): the dry
+    run refused it, the real export did not.
     Dynamic NTK acts only past max_position_embeddings (64), so the 16-token logits check passed while the
     graph, traced at optimum's dummy length, left the scaling out (3e-3 off transformers at 100 tokens; exit 0).
     Now the export parses config.json as every verb does: one line, no OUT, nothing in the temporary dir."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import copyreg
+import dataclasses
 import io
 import json
 import os
@@ -23,6 +24,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import types
 import warnings
 import zipfile
@@ -304,6 +306,81 @@ def test_real_megatron_objects_still_load_fresh(tmp_path):
     assert out["model"]._metadata == {"": {"version": 1}} and out["x"].getvalue() == b"te"
     assert np.array_equal(out["rng"][1], state["rng"][1]) and out["args"].f == np.float32(2.5)
     assert out["d"] == np.dtype(">f4") and np.dtype("f4").byteorder == "="
+
+
+# ---- classes of a newer megatron-core inside args: inert values, never imported or called ------------------
+_FUTURE = "megatron.core.transformer.enums_of_a_future_release"
+
+
+@pytest.fixture
+def future_module(monkeypatch):
+    """A megatron-core module mconvert has never heard of, importable only while the checkpoint is saved."""
+    mod = types.ModuleType(_FUTURE)
+    monkeypatch.setitem(sys.modules, _FUTURE, mod)
+    return mod
+
+
+def _args_file(path: Path, value, future_module=None) -> Path:
+    torch.save({"args": argparse.Namespace(num_layers=2, newer_option=value), "model": {"w": torch.ones(2)}}, path)
+    if future_module is not None:
+        del sys.modules[_FUTURE]
+    return path
+
+
+def test_an_unknown_megatron_enum_in_args_loads_as_its_class_path_and_value(tmp_path, future_module, unchanged):
+    import enum
+
+    from mconvert.mappings.megatron_releases import encode
+
+    scope = enum.Enum("InferenceCudaGraphScope", [("none", 1), ("block", 2)], module=_FUTURE,
+                      qualname="InferenceCudaGraphScope")
+    future_module.InferenceCudaGraphScope = scope
+    out = safe_load(_args_file(tmp_path / "a.pt", [scope.block, scope.none], future_module))["args"].newer_option
+    assert all(isinstance(v, safeload.StandIn) for v in out) and [v.value for v in out] == [2, 1]
+    assert encode(out[0]) == {"__py__": "enum", "class": f"{_FUTURE}.InferenceCudaGraphScope", "value": 2}
+    assert _FUTURE not in sys.modules  # named, never imported
+
+
+def test_an_unknown_megatron_dataclass_in_args_loads_as_its_fields(tmp_path, future_module, unchanged):
+    @dataclasses.dataclass
+    class CudaGraphConfig:
+        scope: str = "attn"
+        sizes: tuple = (1, 2)
+
+    CudaGraphConfig.__module__, CudaGraphConfig.__qualname__ = _FUTURE, "CudaGraphConfig"
+    future_module.CudaGraphConfig = CudaGraphConfig
+    out = safe_load(_args_file(tmp_path / "a.pt", CudaGraphConfig(), future_module))["args"].newer_option
+    assert isinstance(out, safeload.StandIn) and (out.scope, out.sizes) == ("attn", (1, 2))
+
+
+_INERT_ATTACKS = {
+    # a call that is no enum value: a megatron name standing for a function would be called with it
+    "unknown-class-called-with-a-list": (_g(_FUTURE, "Thing") + b"(]tR", "arguments other than an enum value"),
+    "unknown-class-called-with-an-object": (_g(_FUTURE, "Thing") + b"(" + _g(_FUTURE, "Other") + b")Rt" + b"R",
+                                            "arguments other than an enum value"),
+    # the class itself as a value: a callable handed to whoever reads args
+    "unknown-class-as-a-value": (_g(_FUTURE, "Thing"), f"class {_FUTURE}.Thing as a value"),
+    # state that would make the stand-in something else
+    "unknown-class-given-a-dunder": (_g(_FUTURE, "Thing") + b")\x81" + _attrs(__class__="x") + b"b", "state key"),
+    # a REDUCE of a callable that is not a megatron class, inside args
+    "os-system-in-args": (_g("os", "system") + _s("true") + b"\x85R", "global 'os.system'"),
+    "eval-in-args": (_g("builtins", "eval") + _s("1") + b"\x85R", "global 'builtins.eval'"),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(_INERT_ATTACKS))
+def test_a_call_or_callable_among_unknown_megatron_classes_in_args_is_refused(tmp_path, capsys, attack,
+                                                                              unchanged):
+    ckpt = copy_of("ckpt", tmp_path / "ckpt")
+    f = rank_file(ckpt, 0, 0)
+    state = load_rank(f)
+    state["args"].newer_option = "PLACEHOLDER"
+    _save_over(state, f)
+    ops, what = _INERT_ATTACKS[attack]
+    _rewrite_zip(f, lambda pkl: pkl.replace(_s("PLACEHOLDER"), ops, 1))
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "out"], capsys)
+    assert_one_line_error(code, err, str(f), "refuses to unpickle", what)
+    assert code == 1 and not (tmp_path / "out").exists()
 
 
 # ---- attack 3: walks that would not end ----------------------------------------------------------------------

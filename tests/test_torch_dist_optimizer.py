@@ -179,7 +179,8 @@ def test_states_that_do_not_map_are_refused_by_name(tmp_path: Path) -> None:
     hf_to_megatron(tmp_path / "hf", tmp_path / "b", tp=2)
     _add_optimizer(tmp_path / "b")
     reshard(tmp_path / "b", tmp_path / "d", tp=1, pp=1, format="torch_dist", with_optimizer=True)
-    (tmp_path / "d" / MANIFEST).unlink()
+    (tmp_path / "d" / MANIFEST).unlink()  # both manifests: the edit stands for one Megatron-LM made
+    (tmp_path / "d" / "release" / "integrity.json").unlink()
     common = tmp_path / "d" / "release" / "common.pt"
     _edit(common, lambda st: [g.__setitem__("lr_mult", 2.0 - g["wd_mult"])
                               for g in st["optimizer"]["optimizer"]["param_groups"]])
@@ -285,5 +286,6 @@ def test_rng_state_per_rank_and_an_incomplete_grid(tmp_path: Path, monkeypatch: 
     with open(md_file, "wb") as fh:
         pickle.dump(md, fh)  # our own metadata, one entry fewer
     (tmp_path / "d" / MANIFEST).unlink()
+    (tmp_path / "d" / "release" / "integrity.json").unlink()
     with pytest.raises(MConvertError, match=r"rng_state is saved for 3 of the 4 \(pp, tp\) ranks; rank \(1, 0\)"):
         open_source(tmp_path / "d")

@@ -97,7 +97,7 @@ def test_torch_dist_output_loads_in_megatron_core_at_another_layout(case: str, t
     out = tmp_path / "dist"
     cli_main(["hf-to-megatron", str(hf), str(out), "--tp", str(tp_w), "--pp", str(pp_w), "--format", "torch_dist"])
     assert sorted(p.name for p in (out / "release").iterdir()) == [".metadata", "__0_0.distcp", "common.pt",
-                                                                  "metadata.json"]
+                                                                  "integrity.json", "metadata.json"]
     tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=TOKENS)
     res = run_mcore(spec, tp_l, _load_dist, (str(out / "release"), tokens), pp=pp_l)
     got = res[-1][..., : spec.vocab_size]
@@ -398,7 +398,9 @@ def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> Non
     hf = make_hf(spec, tmp_path / "hf")
     src = tmp_path / "src"
     hf_to_megatron(hf, src, format="torch_dist")
-    (src / MANIFEST).unlink()  # the manifest would refuse the damage before any unit: reach the read instead
+    # mconvert's and Megatron-LM's manifests would refuse the damage before any unit: reach the read instead
+    (src / MANIFEST).unlink()
+    (src / "release" / "integrity.json").unlink()
     md = safe_load_dcp_metadata(src / "release" / ".metadata")
     index = next(i for i in md.storage_data if i.fqn == "decoder.layers.mlp.linear_fc2.weight" and i.offset[0] == 2)
     info = md.storage_data[index]
@@ -429,7 +431,8 @@ def test_torch_dist_optimizer_refusals_name_the_layout(tmp_path: Path) -> None:
         reshard(plain, tmp_path / "o1", tp=2, pp=1, with_optimizer=True)
     bucketed = tmp_path / "bucketed"
     hf_to_megatron(hf, bucketed, format="torch_dist")
-    (bucketed / MANIFEST).unlink()
+    (bucketed / MANIFEST).unlink()  # both manifests: the edit stands for a save by another megatron-core
+    (bucketed / "release" / "integrity.json").unlink()
     common = safe_load(bucketed / "release" / "common.pt")
     common["optimizer"] = {"param_state_sharding_type": "fully_sharded_model_space",
                            "optimizer": {"param_groups": []}}

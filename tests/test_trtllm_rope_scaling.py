@@ -123,7 +123,7 @@ def test_meta_style_llama3_scaling_takes_tensorrt_llms_defaults(exports, tmp_pat
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("scaling,named", [
-    ({"type": "yarn", "factor": 4.0}, "rotary_scaling type 'yarn' is not computed by mconvert's TensorRT-LLM"),
+    ({"type": "mrope"}, "rotary_scaling type 'mrope' is not computed by mconvert's TensorRT-LLM"),
     ({"rope_type": "dynamic", "factor": 2.0}, "rotary_scaling type 'dynamic' is not computed"),
     ({"type": "su"}, "rotary_scaling type 'su' is not a TensorRT-LLM rotary scaling type"),
     ({"type": "linear", "factor": "4"}, "rotary_scaling.factor = '4' must be a positive number"),

@@ -4,7 +4,9 @@ logprobs agree. vLLM loading a broken export without complaint is shown too: out
 An instruct export (transformers-saved tokenizer with a chat template, through Megatron TP2 PP2 and back) serves
 through `LLM.chat`, vLLM rendering the carried template itself; the Llama-3.x rope-scaled and Qwen3 (qk-norm)
 presets trained at TP2 PP2 serve with transformers' greedy tokens. Mixtral and Qwen3-MoE checkpoints written by
-megatron-core's own MoE GPTModel (EP=2, TP=2 EP=2) serve after `megatron-to-hf` with megatron-core's greedy tokens."""
+megatron-core's own MoE GPTModel (EP=2, TP=2 EP=2) serve after `megatron-to-hf` with megatron-core's greedy tokens.
+The trained sliding-window Mistral serves on prompts longer than its window with transformers' greedy tokens and
+prompt logprobs."""
 
 from __future__ import annotations
 
@@ -77,6 +79,36 @@ def test_megatron_core_moe_exports_serve_in_vllm_with_megatron_cores_greedy_toke
     prompts = [p["prompt_ids"] for p in r["prompts"]]
     ref = mcore_moe_greedy(family, prompts, len(r["prompts"][0]["vllm_tokens"]))
     assert [p["vllm_tokens"] for p in r["prompts"]] == ref  # and megatron-core's, from the rank files it wrote
+
+
+def test_sliding_window_export_serves_in_vllm_with_transformers_greedy_tokens_beyond_the_window(vllm_python,
+                                                                                              tmp_path):
+    """And a Qwen2 export windowing only some layers, which `verify` flags, is one vLLM does not serve."""
+    from deploy_common import make_hf
+
+    from mconvert.mappings.families import preset
+    from mconvert.validators.verify import verify
+
+    d = hf_export("mistral-swa")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["architectures"] == ["MistralForCausalLM"] and cfg["sliding_window"] == 16
+    mixed = make_hf(preset("tiny-qwen2-swa"), tmp_path / "qwen2-mixed")
+    flagged = {c.name: c for c in verify(mixed).checks}["config-fields"]
+    assert flagged.status == "error" and "only on every layer" in flagged.message
+    (refused,) = vllm_compare_many([mixed], vllm_python)  # its own engine: a refusal ends the serving process
+    assert not refused["passed"] and "failed to serve" in refused["summary"], refused["summary"]
+    print(refused["summary"])
+    (r,) = vllm_compare_many([d], vllm_python)
+    _check_served(r)  # prompt logprobs at every position, the ones past the window included
+    assert all(len(p["prompt_ids"]) > cfg["sliding_window"] for p in r["prompts"])
+    # the control: without its window the model's prompt logprobs move far beyond the tolerance vLLM met
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([p["prompt_ids"] for p in r["prompts"]])
+    lp = {w: AutoModelForCausalLM.from_pretrained(d, sliding_window=w).eval()(ids).logits.log_softmax(-1)
+          for w in (16, None)}
+    assert (lp[16] - lp[None]).abs().max().item() > 100 * LOGPROB_TOL
 
 
 def test_verify_cli_serves_the_trained_llama_export_in_vllm(vllm_python, capsys):

@@ -19,7 +19,7 @@ WORK = scratch_dir("mconvert-validate-", __name__)
 
 # family -> (preset, training TP, training PP)
 TRAINED = {"llama": ("tiny-llama", 2, 2), "gpt2": ("tiny-gpt2", 2, 1), "llama3": ("tiny-llama3", 2, 2),
-           "qwen3": ("tiny-qwen3", 2, 2)}
+           "qwen3": ("tiny-qwen3", 2, 2), "mistral-swa": ("tiny-mistral-swa", 2, 1)}
 
 
 @lru_cache(maxsize=None)

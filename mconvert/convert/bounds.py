@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from mconvert.errors import MConvertError
-from mconvert.mappings import to_hf
+from mconvert.mappings.plugin import to_hf_one
 from mconvert.spec import SPLIT_DIM, ModelSpec
 
 ExpectedOf = Callable[[ModelSpec], Mapping[str, tuple[int, ...]]]
@@ -86,13 +86,15 @@ def check_shapes(spec: ModelSpec, expected_of: ExpectedOf, actual: Mapping[str, 
 
 
 def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """HF tensor shapes the spec implies (layer index `*`), from the plugin on the meta device (no memory)."""
+    """HF tensor shapes the spec implies (layer and expert index `*`), from the plugin on the meta device (no
+    memory); layer 0 and expert 0 stand for all, so the time does not grow with num_layers or num_experts."""
     out: dict[str, tuple[int, ...]] = {}
     for unit in ("embedding", 0, "final"):
         decls = (spec.embedding_params() if unit == "embedding" else
-                 spec.final_params() if unit == "final" else spec.layer_params(0))
-        meta = {d.name: torch.empty(d.shape, device="meta") for d in decls}
-        out.update({template(n): tuple(t.shape) for n, t in to_hf(spec, unit, meta).items()})
+                 spec.final_params() if unit == "final" else spec.layer_template())
+        for d in decls:  # one parameter at a time: the template list is not a whole unit
+            hf = to_hf_one(spec, d.name, torch.empty(d.shape, device="meta"))
+            out.update({template(n): tuple(t.shape) for n, t in hf.items()})
     return out
 
 
@@ -100,7 +102,7 @@ def expected_shard_shapes(spec: ModelSpec, tp: int, vocab_rows: int | None = Non
     """Canonical Megatron shapes on one TP rank (layer index `*`); `vocab_rows`: the padded rows the args
     declare, when they do (else Megatron's own padding of the true vocab)."""
     out: dict[str, tuple[int, ...]] = {}
-    for d in spec.embedding_params(tp) + spec.layer_params(0) + spec.final_params(tp):
+    for d in spec.embedding_params(tp) + spec.layer_template() + spec.final_params(tp):
         shape = list(d.shape)
         if d.kind == "vocab" and vocab_rows is not None:
             shape[0] = vocab_rows

@@ -25,7 +25,7 @@ from mconvert.convert.io.atomic import check_output
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
 from mconvert.convert.megatron import MegatronSource, megatron_writer
-from mconvert.convert.optimizer import index_states
+from mconvert.convert.optimizer import check_mcore_groups, index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
@@ -226,23 +226,20 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
 @crc_in_background
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str = "auto", force: bool = False, progress: bool = False,
-                   dry_run: bool = False, format: str = "torch", ep: int = 1) -> dict[str, Any]:
+                   dry_run: bool = False, format: str = "torch", ep: int = 1, bridge: bool = False) -> dict[str, Any]:
     """HF directory -> Megatron checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)/EP, in the torch
-    (rank files) or torch_dist (megatron-core dist_checkpointing) format."""
+    (rank files) or torch_dist (megatron-core dist_checkpointing) format; `bridge`: torch_dist in iter_0000000/
+    with the files Megatron-Bridge loads it from (run_config.yaml, train_state.pt)."""
 
     t0 = time.perf_counter()
     check_format(format)
+    check_bridge(bridge, format)
     target = parse_dtype(dtype)
     check_output(out, force, (hf_dir,))
     src = open_source(hf_dir)
     if src.format != "hf":
         raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
     cfg = getattr(src, "config", {})
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", _window_by_default(src)) else None
-    if window:
-        raise MConvertError(f"{Path(hf_dir) / 'config.json'}: sliding_window={window} attention cannot be expressed in "
-                            "the Megatron args mconvert writes; converting would silently change attention beyond "
-                            f"{window} tokens")
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     spec.check_parallel(tp, pp, vpp, ep)
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None)
@@ -253,7 +250,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
-            return _torch_dist_writer(tmp, spec, tp, pp, vpp, iteration="release", dtype=target, ep=ep)
+            return _torch_dist_writer(tmp, spec, tp, pp, vpp, iteration=0 if bridge else "release", dtype=target,
+                                      ep=ep, bridge=bridge)
         return megatron_writer(tmp, spec, tp, pp, vpp, ep, iteration="release", dtype=target, preview=_preview(src))
 
     return write_output(
@@ -271,13 +269,14 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
             progress: bool = False, dry_run: bool = False, format: str | None = None,
-            ep: int = 1, optimizer_layout: str | None = None) -> dict[str, Any]:
+            ep: int = 1, optimizer_layout: str | None = None, bridge: bool | None = None) -> dict[str, Any]:
     """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP)/EP: merge to full tensors, split again.
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
     their parameters' layouts so training resumes at the new layout; without it, no optimizer is written.
     `format`: torch or torch_dist output (default: the source's format). `optimizer_layout`: the distributed
-    optimizer's layout in torch_dist output (default: the source's, else fully_reshardable)."""
+    optimizer's layout in torch_dist output (default: the source's, else fully_reshardable). `bridge`: torch_dist
+    output Megatron-Bridge loads (run_config.yaml, train_state.pt; default: when the source is a Bridge one)."""
 
     t0 = time.perf_counter()
     if format is not None:
@@ -289,6 +288,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     if format is None:
         format = "torch_dist" if src.format == "megatron-torch_dist" else "torch"
     dist_source = src.format == "megatron-torch_dist"
+    if bridge is None:
+        bridge = format == "torch_dist" and getattr(src, "writer", None) is not None
+    check_bridge(bridge, format)
     groups = None
     if optimizer_layout is not None:
         check_optimizer_layout(optimizer_layout)
@@ -314,11 +316,15 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         rng_from = _rng_source_ranks(src, tp, pp, vpp)
         rng = lambda t, p: src.top_level(*rng_from[(t, p)][::-1])["rng_state"]  # noqa: E731
         rank_top = lambda t, p: {"rng_state": rng(t, p)}  # noqa: E731
+    if "optimizer" in top:  # carried as it is: its hyperparameters are checked as torch's Adam checks them
+        check_mcore_groups(top["optimizer"], str(getattr(src, "iter_dir", Path(ckpt)) / "common.pt"))
     if isinstance(src, MegatronSource) and with_optimizer:
         first = safe_load(src.files[(0, 0)])
         _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
         del first
     iteration_out = src.iteration if src.iteration is not None else "release"
+    if bridge and iteration_out == "release":  # Megatron-Bridge's loader takes the newest iter_* dir
+        iteration_out = 0
 
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
@@ -329,7 +335,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                                       source=str(src.files[(0, 0)] if isinstance(src, MegatronSource) else ckpt),
                                       rng_state=rng, ep=ep,
                                       optimizer_layout=optimizer_layout or getattr(src, "optimizer_layout", None)
-                                      or "fully_reshardable")
+                                      or "fully_reshardable", bridge=bridge,
+                                      bridge_source=(getattr(src, "bridge_config", None),
+                                                     src.train_state() if hasattr(src, "train_state") else None))
         return megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
                                rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
@@ -346,6 +354,13 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
 
 
 OUTPUT_FORMATS = ("torch", "torch_dist")
+
+
+def check_bridge(bridge: bool, format: str) -> None:
+    """`--bridge` adds Megatron-Bridge's files to a torch_dist checkpoint; the rank-file format has no place for them."""
+    if bridge and format != "torch_dist":
+        raise MConvertError(f"--bridge: Megatron-Bridge loads torch_dist checkpoints; add --format torch_dist "
+                            f"(not {format})")
 
 
 def check_format(format: str) -> None:
@@ -385,12 +400,6 @@ def _preview(src: Any) -> Any:
     if src.preview is None or not getattr(src, "can_preview", lambda: True)():
         return None
     return src.preview
-
-
-def _window_by_default(src: Any) -> bool:
-    """Whether the family's HF class applies `sliding_window` whenever it is set (else only with
-    `use_sliding_window`)."""
-    return families.of(src.spec).sliding_window_by_default
 
 
 def _rng_source_ranks(src: Any, tp: int, pp: int, vpp: int | None) -> dict[tuple[int, int], tuple[int, int]]:

@@ -228,8 +228,9 @@ def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES
 def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]:
     """FasterTransformer `<t>-gpu/*.bin`: replicated tensors once, split tensors once per rank (true vocab);
     `unit` is the unit (embedding, layer index, final) whose tensors the file holds. A layout the verb refuses
-    is refused here too; the approximate GELU is the verb's own flag (--allow-approx-gelu), so it is allowed."""
-    ft_layout(spec, ft_tp, allow_approx_gelu=True, option="--target-tp")
+    is refused here too; the approximate GELU and a sliding window are the verb's own flags (--allow-approx-gelu,
+    --accept-window-as-full), so they are allowed."""
+    ft_layout(spec.replace(window_size=None), ft_tp, allow_approx_gelu=True, option="--target-tp")
     units: list[tuple[Any, list[ParamDecl]]] = [("embedding", spec.embedding_params())]
     units += [(i, spec.layer_params(i)) for i in range(spec.num_layers)]
     units.append(("final", spec.final_params()))
@@ -249,7 +250,9 @@ def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]
 
 def trtllm_files(spec: ModelSpec, trt_tp: int, dtype: str) -> list[dict[str, Any]]:
     """TensorRT-LLM `rank{r}.safetensors` (tensor bytes: the shapes the checker derives from config.json; the
-    header is not counted) and `config.json`."""
+    header is not counted) and `config.json`. A sliding window is the verb's own flag (--accept-window-as-full),
+    so it is allowed."""
+    spec = spec.replace(window_size=None)
     trtllm_refusal(spec, trt_tp)
     cfg = trtllm_config(spec, trt_tp, dtype)
     shapes = expected_trtllm_shapes(cfg)

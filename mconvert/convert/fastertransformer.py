@@ -191,12 +191,13 @@ def _ft_fields(layout: FTLayout) -> dict[str, Field]:
 
 def check_ft_fields(section: str, cfg: dict[str, str], ini: Path) -> list[str]:
     """Every field that decides what FT computes holds the value the runner computes with (the section's table,
-    checked by `mappings.fields.check`; empty, 0 and false are unset); [] or the one problem."""
+    checked by `mappings.fields.check`; empty, 0 and false are unset); [] or the problem (its summary, then one
+    line per field when several are refused)."""
     try:
         check(cfg, _ft_fields(section_layout(section)), f"{ini} [{section}]", "FasterTransformer field",
               "validation refused — re-export the directory", unknown_hint="", norm=_ft_value, show=str.strip)
     except MConvertError as e:
-        return [str(e)]
+        return [e.summary, *e.details]
     return []
 
 
@@ -437,19 +438,20 @@ def ft_plan(spec: ModelSpec, infer_tp: int, dtype: str, allow_approx_gelu: bool 
 @crc_in_background
 def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str = "fp32", force: bool = False,
                    allow_approx_gelu: bool = False, iteration: str | None = None, progress: bool = False,
-                   dry_run: bool = False) -> Report:
-    """`mconvert megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it."""
+                   dry_run: bool = False, accept_window_as_full: bool = False) -> Report:
+    """`mconvert megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it.
+    `accept_window_as_full`: a sliding-window model is written for FT's full attention, and the report says so."""
     t0 = time.perf_counter()
     dtype = ft_dtype(dtype)
     check_output(out, force, (src,))
     source = open_source(src, iteration=iteration)
-    spec = source.spec
+    spec, window_note = source.spec.window_as_full("FasterTransformer", accept_window_as_full)
     try:
         layout = ft_layout(spec, infer_tp, allow_approx_gelu)  # refuse before any work
     except BaseException:
         source.close()
         raise
-    notes = []
+    notes = [window_note] if window_note else []
     if spec.activation == "gelu":
         notes.append("exact-erf GeLU model written for FT's tanh GeLU (--allow-approx-gelu): logits will differ")
     if layout.tied_head_note and spec.tie_embeddings:

@@ -5,7 +5,8 @@ What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp)
 `GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
 `LlamaModel` / `Qwen2MoeModel.modify_tensors` stack them; GPT-2's Conv1D weights transposed), q/k rows permuted
 where the family's llama.cpp architecture ropes adjacent pairs (`LlamaModel.permute`), llama3 rope scaling as a
-`rope_freqs.weight` factor tensor (`LlamaModel.generate_extra_tensors`), 1-D tensors, norms, the router and
+`rope_freqs.weight` factor tensor (`LlamaModel.generate_extra_tensors`), YaRN as the `rope.scaling.*` keys
+(`TextModel.set_gguf_parameters`, with the attention factor in the key llama.cpp reads, see `yarn_keys`), 1-D tensors, norms, the router and
 learned positions in F32 whatever the outtype, a q8_0 tensor whose rows are not whole 32-blocks in F16 (its
 QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_parameters`; the tokenizer as
 `_set_vocab_gpt2` (byte-level BPE: tokens, token types, the pre-tokenizer name) or
@@ -19,8 +20,12 @@ family's HF mapping), so the header is written first and each unit's tensors are
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +40,9 @@ from mconvert.convert.driver import drive, peak_rss_bytes
 from mconvert.convert.io.safeload import (check_narrowed, crc_in_background, skip_crc_checks, value_range,
                                           wait_crc_checks)
 from mconvert.convert.sources import open_source
-from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer
+from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
 from mconvert.convert.writer import Report, make_report
-from mconvert.errors import MConvertError, escape_controls
+from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf
 from mconvert.mappings.family import GgufLayout
 from mconvert.mappings.gguf_vocab import (
@@ -51,6 +56,7 @@ from mconvert.mappings.gguf_vocab import (
     SPM_SETTINGS,
     UNFILLED_SCORE,
 )
+from mconvert.rope import yarn_get_mscale
 from mconvert.spec import ModelSpec
 
 # --outtype -> (the type of 2-D weights, general.file_type), as convert_hf_to_gguf.py's --outtype
@@ -110,13 +116,43 @@ def gguf_layout(spec: ModelSpec) -> GgufLayout:
                             "conversion refused")
     spec.refuse_unmapped("GGUF")
     families.refuse_for_hf(spec, "GGUF")
-    if spec.rope_scaling not in (None, "linear", "llama3"):
+    if spec.rope_scaling not in (None, "linear", "llama3", "yarn"):
         raise MConvertError(f"rope scaling {spec.rope_scaling!r} has no GGUF form here; conversion refused")
+    if spec.rope_scaling == "yarn":
+        refuse_yarn(spec, layout.arch)
     layout.refuse(spec)
     if spec.rope_scaling == "llama3" and not layout.rope_freqs:
         raise MConvertError(f"rope scaling llama3 has no GGUF form for llama.cpp's {layout.arch} architecture; "
                             "conversion refused")
     return layout
+
+
+# What llama.cpp's YaRN computes for the architectures written here (llama-model.cpp's load_hparams reads no
+# beta keys for them, ggml's `ggml_rope_yarn_corr_dims` always floors and ceils the correction range).
+LLAMA_CPP_YARN_FIXED = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True}
+
+
+def refuse_yarn(spec: ModelSpec, arch: str) -> None:
+    """Refuse a YaRN that llama.cpp computes otherwise, naming each field that differs."""
+    differs = [f"{k}={getattr(spec, k)!r}" for k, v in LLAMA_CPP_YARN_FIXED.items() if getattr(spec, k) != v]
+    if differs:
+        raise MConvertError(f"YaRN with {', '.join(differs)} has no GGUF form: llama.cpp's {arch} architecture fixes "
+                            "beta_fast 32 and beta_slow 1 (it reads no beta keys) and always rounds the correction "
+                            "range; conversion refused")
+
+
+def yarn_keys(spec: ModelSpec) -> dict[str, float | int]:
+    """The YaRN metadata (key suffix after `{arch}.rope.scaling.` -> value). llama.cpp multiplies cos and sin by
+    0.1·ln(factor)+1 times `attn_factor` (llama-context.cpp overwrites the `yarn_attn_factor` key for YaRN), so
+    the model's own factor is stated as its ratio to that default, and only when it differs."""
+    out: dict[str, float | int] = {"factor": float(spec.rope_scaling_factor),
+                                   "original_context_length": int(spec.rope_original_max_position_embeddings),
+                                   "yarn_beta_fast": float(spec.yarn_beta_fast),
+                                   "yarn_beta_slow": float(spec.yarn_beta_slow)}
+    ratio = spec.yarn_attention_factor / yarn_get_mscale(spec.rope_scaling_factor)
+    if ratio != 1.0:
+        out["attn_factor"] = ratio
+    return out
 
 
 def hf_template(hf_name: str) -> tuple[str, list[int]]:
@@ -232,12 +268,14 @@ def rope_freqs(spec: ModelSpec) -> torch.Tensor:
 # ---- tokenizer ------------------------------------------------------------------------------------------
 def tokenizer_pre(tok_json: dict[str, Any], where: str) -> str:
     """The llama.cpp pre-tokenizer name of a byte-level BPE `tokenizer.json`; any other tokenizer is refused."""
-    model = (tok_json.get("model") or {}).get("type")
+    fix = "re-save the tokenizer"
+    model = expect(tok_json.get("model") or {}, dict, f"{where}: model", fix).get("type")
     if model != "BPE":
         raise MConvertError(f"{where}: tokenizer model {model!r} has no GGUF form here (byte-level BPE is written; "
                             "SentencePiece/Unigram/WordPiece are not); conversion refused")
-    pre = tok_json.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    pre = expect(tok_json.get("pre_tokenizer") or {}, dict, f"{where}: pre_tokenizer", fix)
+    steps = expect(pre.get("pretokenizers", []), list, f"{where}: pre_tokenizer.pretokenizers", fix) \
+        if pre.get("type") == "Sequence" else [pre]
     regex, byte_level = None, None
     for s in steps:
         kind = s.get("type") if isinstance(s, dict) else None
@@ -252,7 +290,7 @@ def tokenizer_pre(tok_json: dict[str, Any], where: str) -> str:
             if s.get("behavior") != "Isolated" or s.get("invert"):
                 raise MConvertError(f"{where}: Split pre-tokenizer behaviour {s.get('behavior')!r} has no llama.cpp "
                                     "form; conversion refused")
-            regex = s["pattern"]["Regex"]
+            regex = expect(s["pattern"]["Regex"], str, f"{where}: pre-tokenizer Split pattern.Regex", fix)
         else:
             raise MConvertError(f"{where}: pre-tokenizer step {kind!r} has no llama.cpp form here; conversion refused")
     if byte_level is None or regex is None:
@@ -281,10 +319,14 @@ class GgufVocab:
 
 def gguf_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     """The vocabulary of `tok_dir` for the GGUF: a SentencePiece `tokenizer.model` where there is one (as
-    convert_hf_to_gguf.py's LlamaModel prefers it), else a byte-level BPE `tokenizer.json`."""
+    convert_hf_to_gguf.py's LlamaModel prefers it) and it is the vocabulary transformers loads, else a
+    byte-level BPE `tokenizer.json`. transformers reads tokenizer.json whenever there is one, so a
+    `tokenizer.model` whose pieces disagree with it is a stray file and never wins."""
     check_tokenizer_dir(tok_dir)
     if (tok_dir / SPM_FILE).exists():
-        return sentencepiece_vocab(tok_dir, n_vocab)
+        proto = read_sentencepiece(inside_file(tok_dir, SPM_FILE, f"{tok_dir}: tokenizer file"))
+        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, load_tokenizer(tok_dir).get_vocab()):
+            return sentencepiece_vocab(tok_dir, n_vocab)
     tokens, types, pre = tokenizer_vocab(tok_dir, n_vocab)
     return GgufVocab(BPE_MODEL, pre, tokens, types)
 
@@ -373,6 +415,12 @@ def read_sentencepiece(path: Path) -> Any:
     return proto
 
 
+def pieces_agree(proto: Any, vocab: dict[str, int]) -> bool:
+    """Whether every piece of a SentencePiece model has its own id in `vocab` (transformers' tokenizer's), as
+    in a tokenizer.json converted from that model."""
+    return all(vocab.get(p.piece) == i for i, p in enumerate(proto.pieces))
+
+
 def sentencepiece_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     """A SentencePiece tokenizer as convert_hf_to_gguf.py's `_create_vocab_sentencepiece` writes it: every piece
     with its score and its type from the model proto (normal, unknown, control, user-defined, byte, unused);
@@ -404,6 +452,66 @@ def sentencepiece_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     return GgufVocab(SPM_MODEL, SPM_PRE, tokens, types, scores, merges=False, add_space_prefix=add_space_prefix)
 
 
+# gguf-py's SpecialVocab: the special-token types it reads (its default `special_token_types`), and the file
+# each of its readers opens (an exception raised inside one names that file)
+SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+_SPECIAL_VOCAB_READERS = {"_try_load_from_config_json": "config.json", "_try_load_merges_txt": "merges.txt",
+                          "_try_load_from_tokenizer_json": "tokenizer.json"}
+
+
+def special_vocab_file(e: BaseException) -> str:
+    """The file gguf-py's SpecialVocab was reading when it raised `e` (by the reader method on its stack)."""
+    name, tb = "tokenizer.json", e.__traceback__
+    while tb is not None:
+        name = _SPECIAL_VOCAB_READERS.get(tb.tb_frame.f_code.co_name, name)
+        tb = tb.tb_next
+    return name
+
+
+def check_special_ids(tok_dir: Path) -> None:
+    """config.json's special-token ids as gguf-py's SpecialVocab reads them (`<type>_token_id`, at the top or
+    under `text_config`): a negative id makes llama.cpp's converter raise, so it is refused here by file and
+    key. A config that is not a JSON object is refused too."""
+    if not os.path.lexists(tok_dir / "config.json"):
+        return
+    path = inside_file(tok_dir, "config.json", f"{tok_dir}: file config.json")
+    fix = "fix it (llama.cpp's converter reads its special-token ids)"
+    cfg = load_json_object(path, "config", fix)
+    tables = [("", cfg)]
+    if cfg.get("text_config") is not None:
+        tables.append(("text_config.", expect(cfg["text_config"], dict, f"{path}: text_config", fix)))
+    for prefix, table in tables:
+        for typ in SPECIAL_TYPES:
+            v = table.get(f"{typ}_token_id")
+            if isinstance(v, int) and v < 0:
+                raise MConvertError(f"{path}: {prefix}{typ}_token_id {v} is not a token id; llama.cpp's converter "
+                                    f"(gguf-py's SpecialVocab) refuses a negative id — set it to null (no {typ} "
+                                    "token) or to an id of the vocabulary")
+
+
+@contextmanager
+def gguf_log(name: str, private: Path | None = None, shown: Path | None = None) -> Iterator[list[str]]:
+    """gguf-py's log records of logger `name` and below, caught instead of printed (logging's last-resort
+    handler would put them on stderr beside mconvert's one line): the messages, with a private staged path
+    named as the user's, for the report's warnings."""
+    logger = logging.getLogger(name)
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            said.append(escape_controls(renamed(text, private, shown) if private is not None else text)[:300])
+
+    handler, propagate = Catch(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
 # ---- the writer -----------------------------------------------------------------------------------------
 class GgufWriter:
     """Writer of one `.gguf` (reads HF-named units): header, metadata and tensor infos at open, then each unit's
@@ -417,6 +525,7 @@ class GgufWriter:
         self.path, self.spec, self.outtype = Path(path), spec, outtype
         self.layout = gguf_layout(spec)
         self.permute = permute  # False only to prove that a file without the permutation fails validation
+        self.warnings: list[str] = []  # what gguf-py logged while reading the tokenizer
         self.plan = plan_tensors(spec, self.layout, outtype)
         if tokenizer_dir is None:
             raise MConvertError("no tokenizer found beside the checkpoint; GGUF embeds one — pass --tokenizer DIR")
@@ -461,6 +570,15 @@ class GgufWriter:
         if s.rope_scaling == "linear":
             w.add_rope_scaling_type(g.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(float(s.rope_scaling_factor))
+        if s.rope_scaling == "yarn":
+            w.add_rope_scaling_type(g.RopeScalingType.YARN)
+            keys = yarn_keys(s)
+            w.add_rope_scaling_factor(keys["factor"])
+            w.add_rope_scaling_orig_ctx_len(int(keys["original_context_length"]))
+            w.add_rope_scaling_yarn_beta_fast(keys["yarn_beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(keys["yarn_beta_slow"])
+            if "attn_factor" in keys:
+                w.add_rope_scaling_attn_factors(keys["attn_factor"])
         w.add_file_type(outtype_types(self.outtype)[1])
         w.add_quantization_version(g.GGML_QUANT_VERSION)
         w.add_tokenizer_model(vocab.model)
@@ -471,7 +589,22 @@ class GgufWriter:
         w.add_token_types(vocab.types)
         if vocab.add_space_prefix is not None:
             w.add_add_space_prefix(vocab.add_space_prefix)
-        special = g.SpecialVocab(tok_dir, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
+        # gguf-py reads tokenizer.json, tokenizer_config.json, the chat templates, merges.txt and config.json by
+        # name: it is given a staged copy of the checked files, never the user's directory
+        # merges.txt is read by gguf-py only when tokenizer.json holds none; transformers' fast tokenizer never
+        # reads it beside a tokenizer.json, so neither does the GGUF
+        skip = ("merges.txt",) if (tok_dir / "tokenizer.json").exists() else ()
+        check_special_ids(tok_dir)
+        with staged_tokenizer(tok_dir, "config.json", skip=skip) as staged, gguf_log("gguf.vocab", staged,
+                                                                                    tok_dir) as said:
+            try:
+                special = g.SpecialVocab(staged, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
+            except Exception as e:  # noqa: BLE001 - gguf-py raises what its json reads raise, on any file
+                text = escape_controls(renamed(str(e).split("\n", 1)[0], staged, tok_dir))[:160]
+                raise MConvertError(f"{tok_dir / special_vocab_file(e)}: llama.cpp's converter (gguf-py's "
+                                    f"SpecialVocab) cannot read it ({type(e).__name__}: {text}); re-save the "
+                                    "tokenizer") from None
+        self.warnings += [f"gguf-py: {w}" for w in said]
         if vocab.merges and not special.merges:
             raise MConvertError(f"{tok_dir}: tokenizer.json holds no BPE merges; re-save the tokenizer")
         special.add_to_gguf(w, quiet=True)
@@ -530,9 +663,11 @@ class GgufWriter:
 @crc_in_background
 def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokenizer: str | Path | None = None,
             iteration: int | str | None = None, force: bool = False, verb: str = "megatron-to-gguf",
-            permute: bool = True, progress: bool = False, dry_run: bool = False) -> Report:
+            permute: bool = True, progress: bool = False, dry_run: bool = False,
+            accept_window_as_full: bool = False) -> Report:
     """Megatron checkpoint (torch or torch_dist, any TP/PP) or HF dir -> one GGUF file, streamed unit by unit
-    through the driver's loop, written atomically with its manifest beside it. Returns the common report."""
+    through the driver's loop, written atomically with its manifest beside it. Returns the common report.
+    `accept_window_as_full`: a sliding-window model is written as full attention, and the report says so."""
     t0 = time.perf_counter()
     outtype_types(outtype)
     check_output_file(out, force, (src_path, tokenizer))
@@ -545,7 +680,8 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
         raise MConvertError(f"{src_path}: vocab size unknown (args have no vocab_size and no tokenizer was found); "
                             "pass --tokenizer DIR")
     tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
-    spec = src.spec
+    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full)
+    warnings = [window_note] if window_note else []
     layout = gguf_layout(spec)  # every refusal before any tensor is read
     extras = dict(arch=layout.arch, outtype=outtype, tokenizer=str(tok_dir),
                   permuted_qk=layout.permute_qk and permute)
@@ -554,18 +690,20 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
         skip_crc_checks()  # nothing is written: the dry run reads no tensor data
         src.close()
         files = [{"path": Path(out).name, "bytes": None}, {"path": file_manifest_path(out).name, "bytes": None}]
-        return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, [], None,
+        return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, None,
                            time.perf_counter() - t0, dry_run=True, tensors=len(plan),
                            tensor_bytes=sum(t.nbytes for t in plan), **extras)
     try:
-        with atomic_output_file(out, force, inputs=(src_path, tokenizer, src.tokenizer_dir)) as tmp:
+        with gguf_log("gguf") as said, atomic_output_file(out, force, inputs=(src_path, tokenizer,
+                                                                                src.tokenizer_dir)) as tmp:
             writer = GgufWriter(tmp, spec, outtype, tok_dir, name=Path(src_path).name, permute=permute)
             drive(src, writer, verb, progress)
             wait_crc_checks()  # the input's checks, run in the background, before the output is committed
             n = len(writer.plan)
     finally:
         src.close()
+    warnings += writer.warnings + [f"gguf-py: {w}" for w in said]
     files = [{"path": Path(out).name, "bytes": Path(out).stat().st_size},
              {"path": file_manifest_path(out).name, "bytes": file_manifest_path(out).stat().st_size}]
-    return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, [], peak_rss_bytes(),
+    return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, peak_rss_bytes(),
                        time.perf_counter() - t0, tensors=n, **extras)

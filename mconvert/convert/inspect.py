@@ -68,12 +68,64 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
         })
     files = src.files() if hasattr(src, "files") and callable(src.files) else None
     return {
+        "writer": writer_of(src),
         "path": str(path), "format": src.format, "iteration": getattr(src, "iteration", None),
         "tp": tp, "pp": pp, "vpp": vpp, "ep": getattr(src, "ep", 1), "spec": spec.to_dict(),
         "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
         "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
         "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params, "files": files,
+        **({"bridge": src.writer} if getattr(src, "writer", None) else {}),  # Megatron-Bridge (convert/bridge.py)
     }
+
+
+def writer_of(src: Any) -> dict[str, Any] | None:
+    """Which program wrote the checkpoint and which of its fields were read (None for an HF directory).
+
+    A source whose configuration is not a Megatron `args` Namespace (a Megatron-Bridge `run_config.yaml`)
+    answers for itself through its `writer` (`bridge.writer_info`), given here the same keys: `writer`,
+    `summary`, `fields`, `read`, `counts`."""
+    own = getattr(src, "writer", None)
+    if isinstance(own, dict):
+        read = list(own["fields_read"])
+        return {**own, "summary": own["text"].removeprefix("written by "), "fields": len(src.bridge_config["model"]),
+                "read": read, "counts": {"read": len(read)}}
+    args = getattr(src, "args", None)
+    if args is None:
+        return None
+    from mconvert.convert.checkpoint import args_dict
+
+    return describe_megatron_args(args_dict(args, src.path))
+
+
+def describe_megatron_args(args: dict[str, Any]) -> dict[str, Any]:
+    """Which writer a Megatron `args` dict comes from, and how the guard judged each of its fields.
+
+    `writer`: "Megatron-LM" with the `release` whose field set matches best (and the `similarity`, 1.0 for an
+    exact match), or "mconvert" for the few fields mconvert's trainer / hf-to-megatron store (with
+    `model_family`, its own name, and less than half of any release's field set). `read`: the fields read into
+    the ModelSpec; `counts`: how many fields each rule of `fields.megatron_rule` judged."""
+    from mconvert.mappings.fields import megatron_rule
+    from mconvert.mappings.megatron_releases import closest_release
+
+    counts = dict.fromkeys(("read", "checked", "neutral", "release default", "inert family", "unset"), 0)
+    read = []
+    for name, value in args.items():
+        rule = megatron_rule(name, value)
+        counts[rule] = counts.get(rule, 0) + 1
+        if rule == "read":
+            read.append(name)
+    out: dict[str, Any] = {"fields": len(args), "read": sorted(read), "counts": counts}
+    best = closest_release(args)
+    if "model_family" in args and (best is None or best[2] < 0.5):
+        what = "trainer" if "train_iters" in args else "hf-to-megatron / reshard"
+        return {"writer": "mconvert", "summary": f"mconvert {what} args ({len(args)} fields)", **out}
+    if best is None:
+        return {"writer": "unknown", "summary": f"args of an unknown writer ({len(args)} fields)", **out}
+    release, n, similarity = best
+    era = release if release == "main" else release.rsplit(".", 1)[0]
+    how = "" if similarity == 1.0 else f", {similarity:.1%} alike"
+    return {"writer": "Megatron-LM", "release": release, "similarity": round(similarity, 3),
+            "summary": f"Megatron-LM {era}-era args ({len(args)} fields; {release} stores {n}{how})", **out}
 
 
 def render_inspect(info: dict[str, Any]) -> Any:
@@ -85,6 +137,11 @@ def render_inspect(info: dict[str, Any]) -> Any:
     head.add_row("parallel", f"TP={info['tp']} PP={info['pp']}" + (f" VPP={info['vpp']}" if info["vpp"] else "")
                  + (f" EP={info['ep']}" if info.get("ep", 1) > 1 else ""))
     head.add_row("iteration", str(info["iteration"]))
+    w = info.get("writer")
+    if w:
+        head.add_row("written by", rich_safe(w["summary"]))
+        judged = ", ".join(f"{n} {k}" for k, n in w["counts"].items() if n)
+        head.add_row("fields read", rich_safe(f"{', '.join(w['read'])}  ({judged})"))
     head.add_row("family", s["family"])
     head.add_row("parameters", f"{info['parameters']:,}")
     for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -92,7 +149,9 @@ def render_inspect(info: dict[str, Any]) -> Any:
               "activation", "position_embedding_type", "rotary_base", "tie_embeddings", "params_dtype"):
         head.add_row(k, str(s[k]))
     for k in ("qk_layernorm", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-              "rope_original_max_position_embeddings", "num_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+              "rope_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale",
+              "yarn_mscale_all_dim", "yarn_correction_range_round_to_int", "num_experts", "moe_ffn_hidden_size",
+              "moe_router_topk"):
         if k in s:  # present only when the model uses them
             head.add_row(k, str(s[k]))
     head.add_row("padded vocab", str(info["padded_vocab_size"]))

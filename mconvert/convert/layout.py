@@ -9,6 +9,7 @@ depending on the args.)
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from pathlib import Path
@@ -24,8 +25,37 @@ CHECKPOINT_VERSION = 3.0
 _RANK_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
+def checked_iteration(value: Any, what: str) -> int | str:
+    """`value` as Megatron-LM's loader reads an iteration (the tracker's text, an `iter_%07d` name): 'release'
+    or an integer >= 0 — not a bool, not 2.5, not -3, which would be written as a tracker `True` or an
+    `iter_-000003` no loader opens. Anything else is one MConvertError naming `what`."""
+    if isinstance(value, str) and value == "release":
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        shown = repr(value)[:40]
+        raise MConvertError(f"{what}: iteration {shown} is not a training iteration (an integer >= 0, or 'release'); "
+                            "the file is damaged or was edited — re-copy the checkpoint")
+    return int(value)
+
+
 def iteration_dir_name(iteration: int | str) -> str:
-    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+    it = checked_iteration(iteration, "internal: the iteration to write")
+    return "release" if it == "release" else f"iter_{it:07d}"
+
+
+def stored_iteration(state: dict[str, Any], directory: int | str | None, source: Path) -> int | str | None:
+    """The iteration a checkpoint's rank file or `common.pt` stores (`state['iteration']`), checked: a
+    valid iteration (`checked_iteration`) equal to its directory's (`iter_0000005` holds 5: Megatron-LM saves
+    them together, so another number means a damaged or edited file, and converting it would renumber the
+    checkpoint). A release directory keeps 'release'; a directory named otherwise takes the stored number."""
+    if directory == "release" or state.get("iteration") is None:
+        return directory
+    it = checked_iteration(state["iteration"], f"{source}: 'iteration'")
+    if directory is not None and it != directory:
+        raise MConvertError(f"{source}: 'iteration' is {it} but the file lies in {iteration_dir_name(directory)}; "
+                            "Megatron-LM saves both as one number — re-copy the checkpoint (or rename the directory "
+                            "to the iteration the file holds)")
+    return it
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
@@ -94,7 +124,7 @@ def read_latest(root: str | Path, other: str | None = "pass --iteration") -> int
 def write_latest(root: str | Path, iteration: int | str) -> None:
     path = Path(root) / TRACKER
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(str(iteration))
+    tmp.write_text(str(checked_iteration(iteration, "internal: the iteration to write")))
     os.replace(tmp, path)
 
 

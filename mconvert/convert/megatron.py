@@ -40,6 +40,7 @@ from mconvert.convert.layout import (
     rank_file,
     rank_of_parts,
     save_rank_file,
+    stored_iteration,
     stage_layers,
     write_latest,
 )
@@ -121,8 +122,7 @@ class MegatronSource(LayerParts):
         self._check_layout(args_dict(self.args, first_file))  # safety: extra rank dirs are named against the args
         self._check_holes()
         self.checkpoint_version = _checkpoint_version(first, first_file)
-        if self.iteration != "release" and first.get("iteration") is not None:
-            self.iteration = first["iteration"]
+        self.iteration = stored_iteration(first, self.iteration, first_file)
         self.top_keys = [k for k in first if not k.startswith("model")]
         chunks = sorted(int(k[5:]) for k in first if k.startswith("model") and k[5:].isdigit())
         self.vpp = len(chunks) if chunks else None
@@ -1135,6 +1135,14 @@ def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, e
         ns.expert_model_parallel_size = ep
         if getattr(ns, "expert_tensor_parallel_size", None) is not None:  # expert TP follows TP
             ns.expert_tensor_parallel_size = tp
+    # what Megatron-LM's validate_args derives from the layout follows it (readers refuse weight shards
+    # other than one per TP rank)
+    if getattr(ns, "tensor_parallel_num_weight_shards", None) is not None:
+        ns.tensor_parallel_num_weight_shards = tp
+    if getattr(ns, "expert_tensor_parallel_num_weight_shards", None) is not None:
+        ns.expert_tensor_parallel_num_weight_shards = getattr(ns, "expert_tensor_parallel_size", None) or tp
+    if getattr(ns, "transformer_pipeline_model_parallel_size", None) is not None:
+        ns.transformer_pipeline_model_parallel_size = pp
     if getattr(ns, "vocab_size", None) is None:
         ns.vocab_size = spec.vocab_size
     return ns

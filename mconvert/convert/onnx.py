@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from mconvert.convert.io.atomic import atomic_output_dir, check_output
-from mconvert.convert.io.paths import inside_file, load_json_object
+from mconvert.convert.io.paths import check_tree_contained, inside_file, load_json_object
 from mconvert import dtypes
 from mconvert.convert.driver import megatron_to_hf, peak_rss_bytes
 from mconvert.convert.io.paths import copy_contained
 from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, make_report
 from mconvert.mappings import families
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, renamed
 
 DEFAULT_RTOL = 1e-4
 
@@ -99,7 +99,10 @@ def _hf_dir_for(src: Path, iteration: str | None) -> Any:
         hf = Path(tmp) / "hf"
         megatron_to_hf(src, hf, iteration=iteration, dtype="fp32")
         refuse_moe(load_json_object(hf / "config.json", "config", "re-run the conversion"), str(src))
-        yield hf
+        try:
+            yield hf
+        except MConvertError as e:  # named as the checkpoint: the scratch export is gone once this returns
+            raise MConvertError(renamed(str(e), hf, f"{src}'s HF export")) from None
 
 
 @contextlib.contextmanager
@@ -228,6 +231,7 @@ def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int
     notes: list[str] = []
     with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force, inputs=(src,)) as tmp:
         family, dtype = _describe_hf(hf_dir), EXPORT_DTYPE
+        check_tree_contained(hf_dir, f"{hf_dir}: model file")  # optimum and transformers open files by name
         if from_megatron:
             notes.append("Megatron source exported to a temporary fp32 HF dir first")
         with _quiet():

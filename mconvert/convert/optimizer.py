@@ -10,6 +10,7 @@ and from megatron-core's `fully_reshardable` distributed optimizer (its param gr
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -46,9 +47,12 @@ def index_states(opt: dict, source: str) -> tuple[dict[str, dict[str, Any]], lis
                                                                    f"{source}: optimizer param_groups[{g}].params", fix)):
             raise MConvertError(f"{source}: optimizer param_groups[{g}] has no param_names; build the optimizer "
                                 "from model.named_parameters() so states can be tied to parameters")
+        check_adam_hyper(group, source, f"optimizer param_groups[{g}]")
         groups.append(dict(group))  # key order kept; params / param_names are rebuilt per target rank
         for pid, name in zip(group["params"], names):
             st = expect(states.get(pid, {}), dict, f"{source}: optimizer state of parameter {name!r}", fix)
+            if "step" in st:
+                check_step(st["step"], source, f"the optimizer state of parameter {name!r}")
             by_name[name] = {"group": g, **st}
     return by_name, groups
 
@@ -133,10 +137,67 @@ MCORE_WD_MULTS = (1.0, 0.0)
 NOT_HYPER = ("params", "param_names", "step", *MCORE_EXTRA_KEYS)
 
 
+_ADAM_FIX = "the file is damaged or was edited — re-copy it, or drop --with-optimizer"
+
+
+def _number(v: Any) -> float | None:
+    """A plain number, or a one-element tensor's value; None for anything else (a bool, text, a list)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def check_adam_hyper(group: dict[str, Any], source: str, where: str) -> None:
+    """Refuse the Adam hyperparameters of one param group as torch.optim.Adam's constructor refuses them (lr,
+    eps and weight_decay >= 0, each beta in [0, 1)), NaN and Inf included: `load_state_dict` takes a group's
+    values unchecked, so a resumed run would train with them. megatron-core's own lr bounds (`max_lr`,
+    `min_lr`) are held to the same rule."""
+    for key in ("lr", "eps", "weight_decay", "max_lr", "min_lr"):
+        if key in group and group[key] is not None:
+            v = _number(group[key])
+            if v is None or not math.isfinite(v) or v < 0:
+                raise MConvertError(f"{source}: {where} has {key}={group[key]!r}; torch's Adam takes a finite {key} "
+                                    f">= 0 — {_ADAM_FIX}")
+    if "betas" in group:
+        betas = group["betas"]
+        pair = [_number(b) for b in betas] if isinstance(betas, (list, tuple)) and len(betas) == 2 else None
+        if pair is None or any(b is None or not 0.0 <= b < 1.0 for b in pair):
+            raise MConvertError(f"{source}: {where} has betas={betas!r}; torch's Adam takes two betas in [0, 1) — "
+                                f"{_ADAM_FIX}")
+
+
+def check_step(step: Any, source: str, where: str) -> float:
+    """An Adam `step` (a count of updates: finite, >= 0; the bias corrections 1 - beta**step need it so)."""
+    v = _number(step)
+    if v is None or not math.isfinite(v) or v < 0:
+        raise MConvertError(f"{source}: {where} has step={step!r}; an Adam step counts updates (a finite number "
+                            f">= 0) — {_ADAM_FIX}")
+    return v
+
+
+def check_mcore_groups(opt: Any, source: str, depth: int = 4) -> None:
+    """`check_adam_hyper` and `check_step` on every param group of megatron-core's optimizer entry (common.pt's
+    `optimizer`, a chained optimizer's parts included), as it is carried into a torch_dist output."""
+    if not isinstance(opt, dict) or depth < 0:
+        return
+    groups = opt.get("param_groups")
+    if isinstance(groups, list):
+        for g, group in enumerate(groups):
+            if isinstance(group, dict):
+                check_adam_hyper(group, source, f"megatron-core's param group {g}")
+                if group.get("step") is not None:
+                    check_step(group["step"], source, f"megatron-core's param group {g}")
+    for v in opt.values():
+        if isinstance(v, dict):
+            check_mcore_groups(v, source, depth - 1)
+
+
 def shared_step(steps: list[Any], source: str) -> float:
     """The Adam `step` every parameter shares (megatron-core keeps one per optimizer); differing steps are
     refused: one of them would be wrong for some parameters."""
-    values = {float(s.item() if isinstance(s, torch.Tensor) else s) for s in steps}
+    values = {check_step(s, source, "the optimizer") for s in steps}
     if len(values) != 1:
         raise MConvertError(f"{source}: parameters are at different Adam steps {sorted(values)[:4]}; megatron-core's "
                             "distributed optimizer keeps one step for all — drop --with-optimizer")
@@ -269,6 +330,7 @@ def to_trainer_optimizer(opt: dict[str, Any], source: str) -> tuple[list[dict[st
     if any(g.get("step") is None for g in groups):
         raise MConvertError(f"{source}: a distributed-optimizer param group has no 'step'; saved by an Apex/TE "
                             "optimizer that keeps it elsewhere — drop --with-optimizer")
+    check_mcore_groups(opt, source)
     step = shared_step([g["step"] for g in groups], source)
     for g, group in enumerate(groups):
         for key, ok in (("lr_mult", 1.0), ("is_decoupled_lr", False), ("is_expert_parallel", False)):

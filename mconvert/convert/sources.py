@@ -35,5 +35,5 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
         # torch.distributed.checkpoint is a heavy import: paid only by a torch_dist source, not at every start-up
         from mconvert.convert.torch_dist import TorchDistSource
 
-        return TorchDistSource(Path(path), iteration=iteration, tokenizer=tokenizer)
+        return TorchDistSource(Path(path), iteration=iteration, tokenizer=tokenizer, verify=verify)
     return MegatronSource(Path(path), iteration=iteration, tokenizer=tokenizer)

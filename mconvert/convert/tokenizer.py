@@ -5,11 +5,15 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from mconvert.convert.io.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
-from mconvert.errors import MConvertError, escape_controls
+from mconvert.errors import MConvertError, escape_controls, renamed
 
 # Every file transformers' `save_pretrained` writes for a tokenizer, of any class: the names in its tokenizer
 # classes' `vocab_files_names`, the shared files and both chat-template forms. A table, so that a model's own
@@ -38,7 +42,8 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 # Small tokenizer files whose top level is a JSON object (tokenizer.json is checked where it is parsed).
-_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json")
+_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "chat_template.json")
 _TOKENIZER_FIX = "re-save the tokenizer (or pass --tokenizer DIR)"
 
 
@@ -67,32 +72,97 @@ def check_tokenizer_files(tok_dir: Path) -> None:
             load_json_object(path, "tokenizer file", _TOKENIZER_FIX, kind="tokenizer")
 
 
+def check_unique_ids(tok_dir: Path) -> None:
+    """Refuse a tokenizer whose vocabulary gives one id to two tokens (tokenizer.json's `model.vocab` or its
+    `added_tokens`; vocab.json without a tokenizer.json): the tokenizers library keeps its id -> token map in a
+    hash map, so such an id decodes as either token, differently from run to run, and nothing written from it
+    (a GGUF's token list) would be a function of the input."""
+    fix = "give each token its own id and re-save the tokenizer"
+    if (tok_dir / "tokenizer.json").is_file():
+        path = inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file")
+        obj = load_json_object(path, "tokenizer file", _TOKENIZER_FIX, kind="tokenizer")
+        model = obj.get("model")
+        tables = [("model.vocab", model.get("vocab") if isinstance(model, dict) else None)]
+        added = obj.get("added_tokens")
+        if isinstance(added, list):
+            tables.append(("added_tokens", [(a.get("content"), a.get("id")) for a in added if isinstance(a, dict)]))
+    elif (tok_dir / "vocab.json").is_file():
+        path = inside_file(tok_dir, "vocab.json", f"{tok_dir}: tokenizer file")
+        tables = [("the vocabulary", load_json_object(path, "tokenizer file", _TOKENIZER_FIX, kind="tokenizer"))]
+    else:
+        return
+    for where, table in tables:
+        pairs = list(table.items()) if isinstance(table, dict) else table if isinstance(table, list) else []
+        seen: dict[Any, Any] = {}
+        for token, i in pairs:
+            if not isinstance(i, int) or isinstance(i, bool):
+                continue
+            if i in seen and seen[i] != token:
+                a, b = (escape_controls(str(t))[:40] for t in (seen[i], token))
+                raise MConvertError(f"{path}: {where} gives id {i} to both {a!r} and {b!r}; the tokenizers library "
+                                    f"then decodes id {i} as either, differently from run to run — {fix}")
+            seen.setdefault(i, token)
+
+
 class TokenizerCodeRefused(MConvertError):
     """A tokenizer that only the code shipped in its directory can build: refused, never run."""
 
 
+def _transformers5_fast(tok_dir: Path) -> bool:
+    """Whether transformers 5 saved this tokenizer under its name for a tokenizer.json-backed one,
+    `TokenizersBackend` (Megatron-Bridge's tokenizer/ is such): transformers 4's PreTrainedTokenizerFast."""
+    if not (tok_dir / "tokenizer.json").is_file() or not (tok_dir / "tokenizer_config.json").is_file():
+        return False
+    cfg = load_json_object(tok_dir / "tokenizer_config.json", "tokenizer config", _TOKENIZER_FIX)
+    return cfg.get("tokenizer_class") == "TokenizersBackend"
+
+
+@contextmanager
+def staged_tokenizer(tok_dir: Path, *also: str, skip: tuple[str, ...] = ()) -> Iterator[Path]:
+    """A private directory holding copies of `tok_dir`'s tokenizer files (the table's, less `skip`) and of the
+    `also` files present there, each checked as an input file (inside `tok_dir` once every symlink is followed,
+    regular, bounded in size). A library given this directory (transformers, tokenizers, gguf-py) opens only
+    what mconvert checked, whatever file names it tries; the copy is removed on the way out."""
+    tmp = Path(tempfile.mkdtemp(prefix="mconvert-tokenizer-"))
+    try:
+        copy_tokenizer(tok_dir, tmp, skip)
+        for f in also:
+            if os.path.lexists(tok_dir / f):
+                inside_file(tok_dir, f, f"{tok_dir}: file {f}")
+                copy_contained(tok_dir, f, tmp, kind="json" if f.endswith(".json") else "tokenizer")
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_tokenizer(tok_dir: Path) -> Any:
     """transformers' tokenizer of `tok_dir`, never running code shipped in it: `trust_remote_code=False` and
-    local files only, so no `[y/N]` prompt either. A tokenizer that only its own code can build (`auto_map`
+    local files only, so no `[y/N]` prompt either; transformers reads a staged copy (`staged_tokenizer`), so
+    it opens nothing mconvert did not check. A tokenizer that only its own code can build (`auto_map`
     without a class transformers has) is refused by name; any other failure is one MConvertError."""
     # heavy optional import: transformers loads only when a tokenizer is read
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    check_tokenizer_dir(tok_dir)
     check_tokenizer_files(tok_dir)
-    try:
-        if (tok_dir / "tokenizer_config.json").is_file() or (tok_dir / "vocab.json").is_file():
-            return AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False, local_files_only=True)
-        return PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer dir
-        if "trust_remote_code" in str(e):
-            raise TokenizerCodeRefused(
-                f"{tok_dir}: the tokenizer names its own code (auto_map) and no class transformers has; mconvert "
-                "never runs code from a checkpoint — remove auto_map or pass --tokenizer DIR with a standard tokenizer"
-            ) from None
-        text = escape_controls(str(e).split("\n", 1)[0])[:200]
-        raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({type(e).__name__}: {text}); "
-                            f"{_TOKENIZER_FIX}") from None
+    check_unique_ids(tok_dir)
+    # transformers reads config.json for the tokenizer class when tokenizer_config.json names none
+    with staged_tokenizer(tok_dir, "config.json") as d:
+        try:
+            if _transformers5_fast(d):
+                return PreTrainedTokenizerFast.from_pretrained(str(d), local_files_only=True)
+            if (d / "tokenizer_config.json").is_file() or (d / "vocab.json").is_file():
+                return AutoTokenizer.from_pretrained(str(d), trust_remote_code=False, local_files_only=True)
+            return PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a broken tokenizer dir
+            if "trust_remote_code" in str(e):
+                raise TokenizerCodeRefused(
+                    f"{tok_dir}: the tokenizer names its own code (auto_map) and no class transformers has; "
+                    "mconvert never runs code from a checkpoint — remove auto_map or pass --tokenizer DIR with a "
+                    "standard tokenizer"
+                ) from None
+            text = escape_controls(renamed(str(e).split("\n", 1)[0], d, tok_dir))[:200]
+            raise MConvertError(f"{tok_dir}: tokenizer files present but unreadable ({type(e).__name__}: {text}); "
+                                f"{_TOKENIZER_FIX}") from None
 
 
 def tokenizer_files(d: Path) -> list[str]:
@@ -150,13 +220,15 @@ def find_tokenizer_dir(*candidates: Path | None) -> Path | None:
     return None
 
 
-def copy_tokenizer(src_dir: Path | None, out: Path) -> list[str]:
-    """Copy every tokenizer file of `src_dir` (the table's; each a regular file inside `src_dir`, bounded in
-    size) into `out` under the same relative name; their names."""
+def copy_tokenizer(src_dir: Path | None, out: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy every tokenizer file of `src_dir` (the table's, less `skip`; each a regular file inside `src_dir`,
+    bounded in size) into `out` under the same relative name; their names."""
     copied: list[str] = []
     if src_dir is not None:
         check_tokenizer_dir(src_dir)
         for f in tokenizer_files(src_dir):
+            if f in skip:
+                continue
             folder, _, leaf = f.rpartition("/")
             if folder:  # a named chat template: the folder itself may not lead outside either
                 contained(src_dir, f, f"{src_dir}: tokenizer file {f}")

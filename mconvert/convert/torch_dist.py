@@ -24,13 +24,16 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mconvert.convert import dp_buckets
+from mconvert.convert import bridge, dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.io.atomic import listed_by_manifest
+from mconvert.convert.layout import stored_iteration
+from mconvert.convert.io.integrity import INTEGRITY, check_integrity
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
-from mconvert.errors import MConvertError, expect
+from mconvert.errors import MConvertError, expect, renamed
 from mconvert.mappings.keys import canonical_key, unit_of
 from mconvert.mappings.transforms import merge
 from mconvert.spec import LayerPart, expert_of, layer_of_unit, with_expert
@@ -57,6 +60,8 @@ DP_RESHARDABLE = "dp_reshardable"
 OPTIMIZER_LAYOUTS = dp_buckets.OPTIMIZER_LAYOUTS
 DP_DOMAIN = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_numel_unpadded/shard_0_1")
 MAX_OBJECT_BYTES = 64 << 20  # param groups, bucket sizes: kilobytes
+# newer megatron-core (0.19 here) writes no common.pt: its entries are this ShardedObject of the DCP files
+COMMON_STATE = "common_state/shard_0_1"
 
 
 def _expert_template(name: str) -> str:
@@ -64,20 +69,56 @@ def _expert_template(name: str) -> str:
     return name.replace(EXPERT_TEMPLATE.replace("*", "0"), EXPERT_TEMPLATE, 1)
 
 
-class _SlicePlanner:
-    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor."""
+class _Checked(torch.Tensor):
+    """A view of the destination that DCP's reader copies one saved chunk into (`resolve_tensor`, `detach`,
+    `copy_`): the copy is refused when the chunk's own dtype (its `torch.save` blob) is not the one `.metadata`
+    declares, since `copy_` would convert it silently (float32 bytes declared int64 read as zeros)."""
 
-    def __init__(self, dest: torch.Tensor) -> None:
-        self.dest = dest
+    planner: "_SlicePlanner"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.copy_:
+                dst, src = args[0], args[1]
+                if src.dtype != dst.dtype:
+                    raise MConvertError(dst.planner.lie(src.dtype))
+                out = func(*args, **(kwargs or {}))
+                dst.planner.copies += 1
+                return out
+            out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.detach:  # the reader detaches the view first: it stays checked
+            out = out.as_subclass(cls)
+            out.planner = args[0].planner
+        return out
+
+
+class _SlicePlanner:
+    """The three LoadPlanner calls `FileSystemReader.read_data` makes, writing into one destination tensor;
+    every chunk copied into it is checked to carry the dtype `.metadata` declares (`_Checked`)."""
+
+    def __init__(self, dest: torch.Tensor, key: str, md_file: Path) -> None:
+        self.dest, self.key, self.md_file = dest, key, md_file
+        self.copies = 0  # chunks copied through the check
+        self.commits = 0
+
+    def lie(self, saved: torch.dtype) -> str:
+        return (f"{self.md_file}: {self.key!r} is declared {self.dest.dtype} but its saved chunk holds {saved}; "
+                "reading would convert the values silently — the .metadata is damaged or from another save, "
+                "re-copy the checkpoint")
 
     def resolve_tensor(self, req: Any) -> torch.Tensor:
         view = self.dest
         for dim, (off, n) in enumerate(zip(req.dest_offsets, req.lengths)):
             view = view.narrow(dim, off, n)
-        return view
+        checked = view.as_subclass(_Checked)
+        checked.planner = self
+        return checked
 
     def commit_tensor(self, req: Any, tensor: torch.Tensor) -> None:
-        pass
+        self.commits += 1
+        if self.commits != self.copies:  # a reader that filled the view another way: its dtype went unchecked
+            raise MConvertError(f"internal: torch's DCP reader filled {self.key!r} without the dtype check")
 
     def load_bytes(self, req: Any, value: Any) -> None:  # pragma: no cover - only tensors are requested
         raise MConvertError(f"unexpected bytes entry {req.dest_index.fqn!r} in a tensor read")
@@ -104,27 +145,40 @@ class TorchDistSource(SourceBase):
     format = "megatron-torch_dist"
     splits_experts = True  # an MoE layer is read as its dense part and one unit per expert (memory: one expert)
 
-    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None) -> None:
+    def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,
+                 verify: bool = True) -> None:
         self.path = Path(path)
         self.iter_dir, self.iteration = resolve_iteration_dir(self.path, iteration)
         self.root = self.iter_dir.parent if self.iter_dir != self.path else self.path.parent
         d = self.iter_dir
+        # Megatron-LM's integrity manifest, before any file it lists is read: its shape and files now, the
+        # digests (`verify`: a verb that reads tensor data) as the input's other checks, before the commit
+        covered = listed_by_manifest(self.path) if verify else set()
+        check_integrity(d, digests=verify, covered=lambda f: os.path.realpath(f) in covered)
         backend = self._backend(d / "metadata.json")
         if backend != "torch_dist":
             raise MConvertError(f"{d / 'metadata.json'}: sharded_backend {backend!r} is not supported (torch_dist); "
                                 "re-save with --ckpt-format torch_dist or torch")
-        common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
-        common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
-        if "args" not in common:
-            raise MConvertError(f"{common_file}: no 'args' entry; cannot tell the model's shape")
-        self.args = common["args"]
-        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
-                                               f"{common_file}: checkpoint_version", "re-copy the checkpoint"))
-        if self.iteration != "release" and common.get("iteration") is not None:
-            self.iteration = common["iteration"]
-        a = args_dict(self.args, common_file)
-        self._common = dict(common)  # small: args, scheduler, counters (tensors live in the DCP files)
-        del common
+        common_file: Path | str = d / "common.pt"
+        common = None
+        if os.path.lexists(common_file) or not os.path.lexists(d / ".metadata"):
+            common_file = inside_file(d, "common.pt", f"{d}: torch_dist common file")
+            common = checkpoint_dict(safe_load(common_file, "common.pt"), common_file)
+        # Megatron-Bridge: the model is its run_config.yaml's provider (its own loader reads nothing else)
+        self.run_config = bridge.find_run_config(d, beside=common is None or "args" not in common)
+        self.writer: dict[str, Any] | None = None
+        self.bridge_config: dict[str, Any] | None = None  # the whole run_config.yaml, carried by a re-shard
+        if self.run_config is not None:
+            cfg = bridge.read_run_config(self.run_config)
+            self.args, args_file = bridge.megatron_args(cfg, str(self.run_config)), self.run_config
+            self.writer, self.bridge_config = bridge.writer_info(cfg), cfg
+        elif common is not None and "args" in common:
+            self.args, args_file = common["args"], common_file
+        elif common is not None:
+            raise MConvertError(f"{common_file}: no 'args' entry and no {bridge.RUN_CONFIG} beside it; cannot tell "
+                                "the model's shape")
+        if common is not None:
+            self._counters(common, common_file)
         if not os.path.lexists(d / ".metadata"):
             raise MConvertError(f"{d / '.metadata'}: not found; the torch_dist checkpoint is incomplete")
         self.reader = FileSystemReader(str(d))
@@ -132,9 +186,23 @@ class TorchDistSource(SourceBase):
         self.metadata = safe_load_dcp_metadata(inside_file(d, ".metadata", f"{d}: DCP metadata"))
         self._check_storage(d / ".metadata")
         self.reader.set_up_storage_reader(self.metadata, True)
+        if common is None:  # newer megatron-core writes no common.pt: its entries are one ShardedObject
+            if COMMON_STATE not in self.metadata.state_dict_metadata:
+                inside_file(d, "common.pt", f"{d}: torch_dist common file")  # the one-line error of a missing file
+            common_file = f"{d} ({COMMON_STATE})"
+            common = checkpoint_dict(self._read_object(COMMON_STATE, MAX_OBJECT_BYTES), common_file)
+            if self.run_config is None and "args" not in common:
+                raise MConvertError(f"{common_file}: no 'args' entry and no {bridge.RUN_CONFIG} beside it; cannot "
+                                    "tell the model's shape")
+            if self.run_config is None:
+                self.args, args_file = common["args"], common_file
+            self._counters(common, common_file)
+        a = args_dict(self.args, args_file)
+        self._common = {k: v for k, v in common.items() if k != "args" or self.run_config is None}
+        del common
 
         self.spec, self.tokenizer_dir, self.vocab_known = megatron_spec(
-            a, str(common_file), tokenizer, self.root, self.path
+            a, str(args_file), tokenizer, self.root, self.path, d / bridge.TOKENIZER_DIR
         )
         self.tp = int(a.get("tensor_model_parallel_size") or 1)
         self.pp = int(a.get("pipeline_model_parallel_size") or 1)
@@ -159,6 +227,12 @@ class TorchDistSource(SourceBase):
             raise MConvertError(f"{self.iter_dir}: torch_dist checkpoints of the DeepSeek-V3 architecture "
                                 f"({', '.join(features)}) are not supported; convert a torch-format checkpoint")
         self._index()
+
+    def _counters(self, common: dict[str, Any], where: Path | str) -> None:
+        """checkpoint_version and iteration of the common entries (common.pt or the DCP's common_state)."""
+        self.checkpoint_version = float(expect(common.get("checkpoint_version", 0) or 0, (int, float),
+                                               f"{where}: checkpoint_version", "re-copy the checkpoint"))
+        self.iteration = stored_iteration(common, self.iteration, where)
 
     @staticmethod
     def _backend(path: Path) -> str:
@@ -192,9 +266,9 @@ class TorchDistSource(SourceBase):
         """Map every DCP key to a canonical name (or an explicit drop); unknown keys are an error."""
         md_file = self.iter_dir / ".metadata"
         L = self.spec.num_layers
-        decls = self.spec.embedding_params(self.tp) + self.spec.layer_params(0) + self.spec.final_params(self.tp)
+        decls = self.spec.embedding_params(self.tp) + self.spec.layer_template() + self.spec.final_params(self.tp)
         self._declared = {_expert_template(d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1)): d.shape
-                          for d in decls if d.expert in (None, 0)}
+                          for d in decls}
         self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])
         for key, md in self.metadata.state_dict_metadata.items():
             rng = RNG_SHARD.fullmatch(key)
@@ -422,16 +496,27 @@ class TorchDistSource(SourceBase):
 
     def files(self) -> list[dict[str, Any]]:
         """The iteration dir's files: each DCP data file with its bytes and entry count, then `.metadata`,
-        `common.pt` and `metadata.json` (sizes from the opening checks' stat calls and the file system)."""
+        `common.pt`, `metadata.json` and Megatron-LM's `integrity.json` (sizes from the opening checks' stat calls
+        and the file system)."""
         counts: dict[str, int] = {}
         for info in self.metadata.storage_data.values():
             counts[info.relative_path] = counts.get(info.relative_path, 0) + 1
         out = [{"path": rel, "bytes": os.stat(self.iter_dir / rel).st_size, "entries": n}
                for rel, n in sorted(counts.items())]
-        for name in (".metadata", "common.pt", "metadata.json"):
+        for name in (".metadata", "common.pt", "metadata.json", bridge.RUN_CONFIG, bridge.TRAIN_STATE, INTEGRITY):
             if os.path.isfile(self.iter_dir / name):
                 out.append({"path": name, "bytes": os.stat(self.iter_dir / name).st_size})
         return out
+
+    def train_state(self) -> dict[str, Any] | None:
+        """Megatron-Bridge's `train_state.pt` of this iteration (counters, tensors only), if there is one."""
+        if not os.path.lexists(self.iter_dir / bridge.TRAIN_STATE):
+            return None
+        path = inside_file(self.iter_dir, bridge.TRAIN_STATE, f"{self.iter_dir}: Megatron-Bridge train state")
+        state = safe_load(path, bridge.TRAIN_STATE)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise MConvertError(f"{path}: not Megatron-Bridge's train state (a dict of counter tensors); re-copy it")
+        return {k: v.clone() for k, v in state.items()}
 
     def top_level(self, pp_rank: int = 0, tp_rank: int = 0) -> dict[str, Any]:
         """The entries of `common.pt` (args, checkpoint_version, iteration, scheduler, ...), what every rank
@@ -459,7 +544,11 @@ class TorchDistSource(SourceBase):
             path = Path(tmp) / "object.pt"
             path.write_bytes(blob)
             with crc_checks_now():  # the file is gone before a deferred check would run
-                data = safe_load(path, f"{key} of {self.iter_dir}")
+                try:
+                    data = safe_load(path, f"{key} of {self.iter_dir}")
+                except MConvertError as e:  # named by where its bytes lie, never by the file gone after this call
+                    where = f"{self.iter_dir / info.relative_path} (object {key!r}, {info.length:,} bytes at {info.offset:,})"
+                    raise MConvertError(renamed(str(e), path, where)) from None
         if not isinstance(data, list) or len(data) != 1:
             raise MConvertError(f"{self.iter_dir}: {key!r} is not a saved ShardedObject (a one-item list); the "
                                 "checkpoint is damaged")
@@ -484,7 +573,7 @@ class TorchDistSource(SourceBase):
                                 f"{overlap} writes elements another chunk wrote), so another part of the tensor is "
                                 "missing; the checkpoint is damaged — re-copy it")
         try:
-            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest)).wait()
+            self.reader.read_data(LoadPlan(items), _SlicePlanner(dest, key, self.iter_dir / '.metadata')).wait()
         except MConvertError:
             raise
         except Exception as e:  # noqa: BLE001 - truncated / missing .distcp -> one line

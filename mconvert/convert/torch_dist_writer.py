@@ -5,7 +5,8 @@ The iteration dir is what megatron-core 0.16.1's `dist_checkpointing.save` (torc
 `metadata.json` (the backends), `common.pt` (args, checkpoint_version, iteration and the other non-sharded
 entries), `__0_<i>.distcp` data files (each chunk a `torch.save` blob, as DCP's FileSystemWriter writes
 them; a new file starts when the next chunk would take a file past `MAX_FILE_BYTES` of tensor data) and
-`.metadata` (pickled `torch.distributed.checkpoint.metadata.Metadata` built from DCP's own classes). Keys are
+`.metadata` (pickled `torch.distributed.checkpoint.metadata.Metadata` built from DCP's own classes), and last
+Megatron-LM's `integrity.json` (the sha256 of each of those, as `--verify-integrity` writes it). Keys are
 global: layers stacked (`decoder.layers.<name>` is `[num_layers, ...]`), norms under the names megatron-core's
 layer spec maps them to (`linear_qkv.layer_norm_weight`), one chunk per layer and target TP rank laid out as
 megatron-core lays out that rank's shard (SwiGLU fc1: the rank's gate rows and its up rows are two chunks),
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from mconvert.convert import bridge as bridge_files
 from mconvert.convert import dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.checkpoint import args_dict
@@ -49,6 +51,7 @@ from mconvert.convert.base import Unit, units_of
 from mconvert.convert.io import repickle
 from mconvert.convert.io.atomic import record_digest
 from mconvert.convert.io.hashing import HashingFile
+from mconvert.convert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
 from mconvert.convert.io.paths import make_dirs
 from mconvert.convert.io.safeload import narrowed
 from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
@@ -209,11 +212,17 @@ class TorchDistWriter:
                  dtype: torch.dtype | None = None, max_file_bytes: int = MAX_FILE_BYTES,
                  with_states: bool = False, optimizer_groups: list[dict[str, Any]] | None = None,
                  source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1,
-                 optimizer_layout: str = RESHARDABLE_OPTIMIZER) -> None:
+                 optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False,
+                 bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)) -> None:
         spec.check_parallel(tp, pp, vpp, ep)
         if spec.deepseek_features():  # megatron-core keys a moe_layer_freq list per layer, MLA and MTP their own way
             raise MConvertError(f"--format torch_dist of the DeepSeek-V3 architecture "
                                 f"({', '.join(spec.deepseek_features())}) is not supported; use --format torch")
+        self.bridge = bridge  # also write what Megatron-Bridge loads the checkpoint from (convert/bridge.py)
+        self.bridge_source = bridge_source  # a Bridge source's (run config, train state), carried
+        if bridge:  # its loader pads no vocab: the stored rows are the vocab itself
+            bridge_files.check_writable(spec, tp)
+            spec = spec.replace(make_vocab_size_divisible_by=bridge_files.bridge_divisor(spec.vocab_size // tp))
         dp_buckets.check_optimizer_layout(optimizer_layout)
         # the driver then hands each parameter's optimizer states to `add`: megatron-core's own, or with
         # `optimizer_groups` the trainer's Adam states, turned into megatron-core's here
@@ -226,6 +235,7 @@ class TorchDistWriter:
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
         self.args = target_args(spec, args, tp, pp, vpp, ep)
+        self._ep = ep
         # `optimizer` (the distributed optimizer's param groups) is kept when the caller passes it: with states
         self.top_level = {k: v for k, v in (top_level or {}).items()
                           if k not in ("args", "checkpoint_version", "iteration", "model", "rng_state")}
@@ -234,6 +244,7 @@ class TorchDistWriter:
         make_dirs(self.dir)
         self.max_file_bytes = max_file_bytes
         self._names: list[str] = []
+        self._sha256: dict[str, str] = {}  # data file -> its sha256, for the integrity manifest
         self._file: Any = None
         self._open_next()
         self._tensors: dict[str, TensorStorageMetadata] = {}
@@ -337,12 +348,17 @@ class TorchDistWriter:
     def _open_next(self) -> None:
         """Finish the current data file (its sha256 to the manifest) and start the next one."""
         if self._file is not None:
-            record_digest(self.dir / self._names[-1], self._file.close())
-            self._file = None
+            self._close_file()
         self._names.append(data_file_name(len(self._names)))
-        self._file = HashingFile(self.dir / self._names[-1], direct=True)
+        # Megatron-LM's integrity manifest takes each file's sha256: on the bytes as they are written
+        self._file = HashingFile(self.dir / self._names[-1], direct=True, also=ALGORITHM)
         self._pos = 0
         self._tensor_bytes = 0
+
+    def _close_file(self) -> None:
+        record_digest(self.dir / self._names[-1], self._file.close())
+        self._sha256[self._names[-1]] = self._file.digests[ALGORITHM]
+        self._file = None
 
     def _append(self, data: memoryview, index: MetadataIndex, tensor_bytes: int = 0) -> None:
         if self._tensor_bytes and self._tensor_bytes + tensor_bytes > self.max_file_bytes:
@@ -481,8 +497,7 @@ class TorchDistWriter:
         if opt is not None and self.optimizer_layout == DP_RESHARDABLE:
             self._finish_dp_buckets(opt)
             opt = {"param_state_sharding_type": DP_RESHARDABLE}
-        record_digest(self.dir / self._names[-1], self._file.close())
-        self._file = None
+        self._close_file()
         metadata = Metadata(state_dict_metadata=self._md, planner_data=None, storage_data=self._storage,
                             storage_meta=StorageMeta(), version=DCP_VERSION)
         with open(self.dir / ".metadata", "wb") as f:
@@ -493,8 +508,14 @@ class TorchDistWriter:
             common["optimizer"] = opt
         repickle.save(common, self.dir / "common.pt")  # args as read: enums under their own names
         (self.dir / "metadata.json").write_text(json.dumps(BACKENDS))
-        write_latest(self.out, self.iteration)
         self.files = [self.dir / n for n in (".metadata", *self._names, "common.pt", "metadata.json")]
+        if self.bridge:
+            self.files += bridge_files.write_bridge_files(
+                self.dir, self.out, self.spec, self.tp, self.pp, self.vpp, self._ep,
+                0 if self.iteration == "release" else int(self.iteration), *self.bridge_source)
+        write_integrity(self.dir, self._sha256)  # last in the directory: it lists every file there
+        self.files.append(self.dir / INTEGRITY)
+        write_latest(self.out, self.iteration)
         return self.files
 
     def _optimizer_entry(self) -> dict[str, Any] | None:

@@ -158,13 +158,16 @@ def trtllm_dtype(name: str, spec: ModelSpec) -> str:
 
 @crc_in_background
 def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str = "auto", force: bool = False,
-                       iteration: str | None = None, progress: bool = False, dry_run: bool = False) -> Report:
-    """Write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on the result."""
+                       iteration: str | None = None, progress: bool = False, dry_run: bool = False,
+                       accept_window_as_full: bool = False) -> Report:
+    """Write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on the result.
+    `accept_window_as_full`: a sliding-window model is written as full attention, and the report says so."""
     t0 = time.perf_counter()
     dtypes.choose(dtype, TRT_DTYPES)  # a wrong --dtype is refused before the source is opened
     check_output(out, force, (src,))
     source = open_source(src, iteration=iteration)
-    spec: ModelSpec = source.spec
+    spec: ModelSpec
+    spec, window_note = source.spec.window_as_full("TensorRT-LLM", accept_window_as_full)
     try:
         trtllm_refusal(spec, tp)
         dtype = trtllm_dtype(dtype, spec)
@@ -175,7 +178,8 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
         raise
     cfg = trtllm_config(spec, tp, dtype)
     shapes = expected_trtllm_shapes(cfg)
-    notes = ["rank files hold the whole model (no pipeline split: mapping.pp_size=1)"]
+    notes = ["rank files hold the whole model (no pipeline split: mapping.pp_size=1)"] + ([window_note] if window_note
+                                                                                         else [])
     if spec.num_groups < tp:
         notes.append(f"{spec.num_groups} KV heads duplicated to {tp} ranks (TensorRT-LLM's dup_kv_weight)")
     where = f"{cfg['architecture']} TP={tp}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import pkgutil
 import re
 from collections.abc import Mapping
@@ -33,9 +34,11 @@ from mconvert.spec import (
     deepseek_from_megatron_args,
     moe_from_megatron_args,
     rope_and_qk_from_megatron_args,
+    window_from_megatron_args,
 )
 
 
+READS_FILE = "hf_config_reads.json"  # in mconvert/data: what each engine's code reads, per model_type
 _FAMILY_LINE = re.compile(r"^FAMILY\s*[:=]", re.MULTILINE)
 
 
@@ -155,6 +158,19 @@ def hf_table(model_type: str) -> dict[str, Field]:
     return {**HF_COMMON, **fam.hf_fields}
 
 
+@functools.cache
+def _shipped_reads() -> dict[str, frozenset[str]]:
+    raw = json.loads((Path(__file__).parents[1] / "data" / READS_FILE).read_text(encoding="utf-8"))
+    return {t: frozenset(names) for t, names in raw["model_types"].items()}
+
+
+def hf_reads(model_type: str) -> frozenset[str] | None:
+    """Every config attribute a reference implementation of `model_type` reads (transformers' and vLLM's model
+    code and the shared code it calls, derived from their sources by `tests/hf_config_reads.py`); None for a
+    model_type the shipped file does not cover, where every name counts as read."""
+    return _shipped_reads().get(model_type)
+
+
 def check_moe_class(spec: ModelSpec) -> None:
     """Refuse a MoE model for a dense family's HF class and a dense model for a MoE class."""
     fam = of(spec)
@@ -166,10 +182,27 @@ def check_moe_class(spec: ModelSpec) -> None:
                             + "; conversion refused")
 
 
+def check_window_class(spec: ModelSpec) -> None:
+    """Refuse a sliding window the family's HF class cannot compute: none at all, or one on only some layers
+    when the class windows every layer."""
+    fam = of(spec)
+    if spec.window_size is None or fam.hf_window == "per_layer" or (fam.hf_window == "every"
+                                                                    and spec.window_pattern is None):
+        return
+    layered = [f.name for f in all_families() if f.hf_window == "per_layer"]
+    why = ("has no sliding window" if fam.hf_window is None else
+           "applies its sliding_window to every layer, and this model has full-attention layers")
+    raise MConvertError(f"HF {fam.architecture} {why}; this {spec.family}-family model has "
+                        f"{spec.window_description()}; conversion refused (per-layer windows: "
+                        f"{', '.join(layered)}; a Megatron checkpoint without linear biases and one window on every "
+                        "layer reads as the mistral family)")
+
+
 def hf_config(spec: ModelSpec) -> dict[str, Any]:
     """config.json content for transformers / vLLM. Every eps and rope setting is written explicitly."""
     spec.refuse_unmapped("HF")
     check_moe_class(spec)
+    check_window_class(spec)
     fam = of(spec)
     cfg: dict[str, Any] = {"architectures": [fam.architecture], "model_type": fam.model_type}
     cfg.update(fam.to_hf(spec))
@@ -186,15 +219,29 @@ def refuse_for_hf(spec: ModelSpec, source: str) -> None:
     spec.refuse_unmapped("HF", source)
     try:
         check_moe_class(spec)
+        check_window_class(spec)
         of(spec).to_hf(spec)
     except MConvertError as e:
         raise MConvertError(f"{source}: {e}") from None
+
+
+def fold_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config with the rope_theta that transformers 5 writes only inside `rope_parameters`
+    (`{"rope_type": "default", "rope_theta": θ}`, no top-level rope_theta) read as rope_theta, the function the
+    writer's transformers computes (transformers 4 ignores the key and takes its class default); any other
+    `rope_parameters` is left to the field table."""
+    rp = cfg.get("rope_parameters")
+    if (cfg.get("rope_theta") is None and isinstance(rp, dict) and set(rp) == {"rope_type", "rope_theta"}
+            and rp["rope_type"] == "default"):
+        return {**cfg, "rope_theta": rp["rope_theta"]}
+    return cfg
 
 
 def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
     """Parse an HF config.json dict. A field of the wrong type is one MConvertError naming it."""
     if not isinstance(cfg, dict):
         raise MConvertError(f"{source}: expected a JSON object, found {type(cfg).__name__}; fix or re-export it")
+    cfg = fold_rope_parameters(cfg)
     check_numbers(cfg, HF_NUMBERS, (), source)
     try:
         return _from_hf_config(cfg, source)
@@ -220,7 +267,7 @@ def _check_one_class(cfg: dict[str, Any], archs: list[Any], fam: Family, source:
 def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     archs = cfg.get("architectures") or []
     fam = next((f for f in map(by_architecture, archs) if f is not None), None)
-    if fam is None:
+    if fam is None and not archs:  # named classes decide (a classification head is no causal LM of its type)
         fam = by_model_type(cfg.get("model_type", ""))
     if fam is None:
         raise MConvertError(
@@ -228,7 +275,7 @@ def _from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
             f"supported: {', '.join(f.architecture for f in all_families())}"
         )
     _check_one_class(cfg, archs, fam, source)
-    check(cfg, hf_table(fam.model_type), source, "config field")
+    check(cfg, hf_table(fam.model_type), source, "config field", reads=hf_reads(fam.model_type))
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
     if cfg.get("eos_token_id") == []:
         raise MConvertError(f"{source}: eos_token_id is an empty list; give the end-of-text id (or a list of them)")
@@ -299,7 +346,7 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
     if vocab is None:
         raise MConvertError(f"{source}: Megatron args have neither vocab_size nor padded_vocab_size")
     dtype = "bfloat16" if get("bf16", False) else "float16" if get("fp16", False) else "float32"
-    rope = get("position_embedding_type", "learned_absolute") == "rope"
+    rope = get("position_embedding_type", "learned_absolute") in ("rope", "yarn")  # yarn: a scaled rope
     fields: dict[str, Any] = dict(
         num_layers=L,
         hidden_size=H,
@@ -322,7 +369,7 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
         params_dtype=dtype,
         **{**rope_and_qk_from_megatron_args(a, source), **moe_from_megatron_args(a),
-           **deepseek_from_megatron_args(a, source)},
+           **deepseek_from_megatron_args(a, source), **window_from_megatron_args(a, L, source)},
     )
     if family is None:
         family = get("model_family", None)

@@ -202,7 +202,9 @@ class Family:
     ft: FTLayout | None = None
     trtllm: TrtllmLayout | None = None
     gguf: GgufLayout | None = None
-    sliding_window_by_default: bool = False  # HF applies `sliding_window` without `use_sliding_window`
+    # the sliding window the HF class computes: None (none), "every" (one `sliding_window` on every layer) or
+    # "per_layer" (`layer_types` / `max_window_layers` choose the windowed layers)
+    hf_window: str | None = None
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
     deepseek: bool = False  # the HF class computes MLA, the DeepSeek router and MTP (`ModelSpec.deepseek_features`)
 

@@ -4,7 +4,10 @@ mconvert's promise is that a converted model computes the same function or the c
 checkpoint's args / config.json carry hundreds of names; each one that could change the function is either
 mapped onto a ModelSpec field (with its expected type, so a wrong type is refused by name) or refused unless it
 holds its default. A name in no table passes only when it is None or False (what argparse stores for an
-option never given); anything else is refused by name, so a new upstream option cannot slip through unread.
+option never given), or, in an HF config.json, when no reference implementation of the model reads it
+(`families.hf_reads`: what transformers' and vLLM's code for that model_type reads, derived from their sources);
+anything else is refused by name, so a new upstream option cannot slip through unread. Every refusal of one
+`check` is raised at once, so a user fixes a file in one pass.
 A table may hold `section.*`: it stands for every `section.<key>` the table does not list itself.
 
 The deployment checkers read their formats' configs through the same `check` (TensorRT-LLM `config.json` in
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
-from mconvert.errors import MConvertError
+from mconvert.errors import MConvertError, escape_controls
 
 NEUTRAL, MAPPED, REFUSED = "neutral", "mapped", "refused"
 
@@ -97,45 +100,97 @@ def _entry(table: Mapping[str, Field], k: str) -> Field | None:
 
 def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, what: str,
           refused_as: str = "conversion refused", unknown_hint: str = "remove it if it is training-only",
-          norm: Callable[[Any], Any] | None = None, show: Callable[[Any], str] | None = None) -> None:
-    """Refuse, with one line naming the key, any value the table does not allow (see the module docstring).
+          norm: Callable[[Any], Any] | None = None, show: Callable[[Any], str] | None = None,
+          reads: Collection[str] | None = None) -> None:
+    """Refuse every value the table does not allow (see the module docstring), all in one MConvertError: one
+    line naming the key when one is refused, else a summary line counting and naming them, then one line each.
 
     `refused_as` ends every refusal (what is refused, and the fix where there is one); `unknown_hint` follows it,
     in parentheses, for a name in no table ("": nothing follows). `norm`: how a format's value compares (an INI
     "1" as True, an empty JSON object as unset); the message shows the value as written, by `show` (default:
-    Python's repr, shortened)."""
+    Python's repr, shortened). `reads`: every name a reference implementation of the model reads; a name in no
+    table and not in `reads` cannot change the function and passes whatever its value (None: every name counts
+    as read)."""
     display = show or _short
+    problems: list[tuple[str, str]] = []  # (key, "key=value <why it is refused>")
     for k, raw in values.items():
         v = raw if norm is None else norm(raw)
         f = _entry(table, k)
+        said = f"{escape_controls(k)}={display(raw)}"
         if f is None:
-            if v is None or v is False:
+            if v is None or v is False or (reads is not None and k not in reads):
                 continue
-            hint = f" ({unknown_hint})" if unknown_hint else ""
-            raise MConvertError(
-                f"{source}: {what} {k}={display(raw)} is not known to mconvert and may change the model's "
-                f"function; {refused_as}{hint}"
-            )
-        if f.kind == NEUTRAL or v is None:
+            problems.append((k, f"{said} is not known to mconvert and may change the model's function"))
+        elif f.kind == NEUTRAL or v is None:
             continue
-        if f.kind == MAPPED:
+        elif f.kind == MAPPED:
             if f.types and not _type_ok(v, f.types):
-                names = " or ".join(t.__name__ for t in f.types)
-                raise MConvertError(f"{source}: {what} {k}={display(raw)} must be {names}; fix it")
-            if f.choices and v not in f.choices:
-                raise MConvertError(
-                    f"{source}: {what} {k}={display(raw)} is not supported (supported: "
-                    f"{', '.join(map(str, f.choices))}); {refused_as}"
-                )
-            continue
-        if _at_default(v, f) or (f.ok is not None and f.ok(v, values)):
-            continue
-        raise MConvertError(f"{source}: {what} {k}={display(raw)} is not supported: {f.why}; {refused_as}")
+                problems.append((k, f"{said} must be {' or '.join(t.__name__ for t in f.types)}; fix it"))
+            elif f.choices and v not in f.choices:
+                problems.append((k, f"{said} is not supported (supported: {', '.join(map(str, f.choices))})"))
+        elif not (_at_default(v, f) or (f.ok is not None and f.ok(v, values))):
+            problems.append((k, f"{said} is not supported: {f.why}"))
+    if not problems:
+        return
+    hint = f" ({unknown_hint})" if unknown_hint and any(p.endswith("model's function") for _, p in problems) else ""
+    if len(problems) == 1:
+        line = problems[0][1]
+        raise MConvertError(f"{source}: {what} {line}" + ("" if line.endswith("; fix it") else f"; {refused_as}{hint}"))
+    names = ", ".join(escape_controls(k) for k, _ in problems)
+    raise MConvertError(f"{source}: {len(problems)} {what}s are refused ({names}); {refused_as}{hint}",
+                        [f"{what} {p}" for _, p in problems])
 
 
 def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
-    """Refuse Megatron args that change the function and are not mapped (one line naming the arg)."""
-    check(args, MEGATRON_ARGS, source, "Megatron arg")
+    """Refuse Megatron args that change the function and are not mapped (one line naming each arg); with
+    `position_embedding_type='yarn'` the YaRN args are mapped (`MEGATRON_YARN_ARGS`).
+
+    A name in no table is judged by `unlisted_passes` first: at a known release's default, or of a class of
+    options that cannot reach the model's function, it passes; otherwise `check` refuses it by name."""
+    table = {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if args.get("position_embedding_type") == "yarn" else MEGATRON_ARGS
+    check({k: v for k, v in args.items() if not unlisted_passes(k, v, table)}, table, source, "Megatron arg")
+
+
+# Option families of Megatron-LM that configure the run around the model, never the network: optimizers,
+# schedules, RL and inference serving, data, tokenizer files, logging, profiling, checkpoint I/O, fault
+# tolerance, communication overlap. A new release's new option of one of these families passes at any value;
+# one of any other family (a model, attention, norm, MoE or precision option) passes only unset or at a
+# known release's default. A family that holds a function-changing option is not listed here.
+INERT_PREFIXES = (
+    "adam_", "sgd_", "muon_", "lion_", "optimizer_", "lr_", "rl_", "grpo_", "inference_", "logits_save_",
+    "logits_load_", "data_", "dataloader_", "tokenizer_", "log_", "logging_", "tensorboard_", "wandb_",
+    "one_logger_", "profile_", "flight_recorder_", "straggler_", "inprocess_", "rerun_", "ckpt_",
+    "async_ckpt_", "dist_ckpt_", "non_persistent_", "save_", "load_", "eval_", "exit_", "nccl_", "tp_comm_",
+    "ddp_", "cuda_graph_", "megatron_fsdp_",
+)
+
+
+def unlisted_passes(name: str, value: Any, table: Mapping[str, Field] | None = None) -> bool:
+    """True for an arg no table lists that cannot change the model: of an `INERT_PREFIXES` family, or holding
+    the default of a known Megatron-LM release (mappings/megatron_releases.py). `table`: the table that judges
+    the args (default `MEGATRON_ARGS`)."""
+    if _entry(MEGATRON_ARGS if table is None else table, name) is not None:
+        return False
+    if name.startswith(INERT_PREFIXES):
+        return True
+    from mconvert.mappings.megatron_releases import is_release_default
+
+    return is_release_default(name, value)
+
+
+def megatron_rule(name: str, value: Any) -> str:
+    """Which rule judges Megatron arg `name` holding `value` (what `inspect` reports): "read", "checked"
+    (refused unless allowed), "neutral", "inert family", "release default", "unset" or "refused"."""
+    f = _entry(MEGATRON_ARGS, name)
+    if f is not None:
+        if f.kind == MAPPED:
+            return "read" if value is not None else "unset"
+        return "checked" if f.kind == REFUSED else "neutral"
+    if name.startswith(INERT_PREFIXES):
+        return "inert family"
+    if value is None or value is False:
+        return "unset"
+    return "release default" if unlisted_passes(name, value) else "refused"
 
 
 def key_names(table: Mapping[str, Field]) -> dict[str, str]:
@@ -212,7 +267,18 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "num_moe_experts": mapped("num_experts", INT),
     "moe_ffn_hidden_size": mapped("moe_ffn_hidden_size", INT),
     "moe_router_topk": mapped("moe_router_topk", INT, 2),
+    # sliding-window attention: (left, right) and which layers are windowed (spec.window_from_megatron_args)
+    "window_size": mapped("window_size", (tuple, list)),
+    "window_attn_skip_freq": mapped("window_pattern", (int, list, tuple)),
 }
+
+
+def _yarn_unused(_: Any, a: Mapping[str, Any]) -> bool:
+    """YaRN's factors are read by YaRN rope, multi-latent attention and DSA (megatron-core's
+    YarnRotaryEmbedding users), and by nothing else."""
+    return (a.get("position_embedding_type") != "yarn" and not a.get("multi_latent_attention")
+            and not a.get("experimental_attention_variant"))
+
 
 def _decoder_only(v: Any, args: Mapping[str, Any]) -> bool:
     """Megatron-LM's training loop stores `args.model_type = ModelType.encoder_or_decoder` (value 1) for GPT: read
@@ -225,11 +291,28 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     # the model class Megatron-LM's training loop built (not an argparse option)
     "model_type": refused("only a decoder-only model (ModelType.encoder_or_decoder) is mapped", None,
                           _decoder_only),
-    # rope variants
-    "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0),
+    # rope variants (YaRN's factors are dead values unless `_yarn_unused` says otherwise)
+    "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0, _yarn_unused),
     "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope"),
-    "mscale": refused("YaRN mscale is not mapped", 1.0),
-    "mscale_all_dim": refused("YaRN mscale is not mapped", 1.0),
+    "mscale": refused("YaRN mscale is not mapped", 1.0, _yarn_unused),
+    "mscale_all_dim": refused("YaRN mscale is not mapped", 1.0, _yarn_unused),
+    "beta_fast": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "beta_slow": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "yarn_beta_fast": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "yarn_beta_slow": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "original_max_position_embeddings": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    "yarn_original_max_position_embeddings": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
+    # weight shards beyond tensor parallelism (GTP weight rematerialisation): validate_args derives them
+    # from the layout; only the plain layout (one shard per TP rank) is read
+    "tensor_parallel_num_weight_shards": refused(
+        "weights sharded beyond tensor parallelism (GTP) are not read", None,
+        lambda v, a: v == (a.get("tensor_model_parallel_size") or 1)),
+    "expert_tensor_parallel_num_weight_shards": refused(
+        "expert weights sharded beyond expert tensor parallelism (GTP) are not read", None,
+        lambda v, a: v == (a.get("expert_tensor_parallel_size") or a.get("tensor_model_parallel_size") or 1)),
+    "gtp_weight_remat_size": refused("weights sharded beyond tensor parallelism (GTP) are not read", 1),
+    "expert_gtp_weight_remat_size": refused("expert weights sharded beyond tensor parallelism (GTP) are not read",
+                                            1),
     "no_rope_freq": refused("layers without rope are not mapped", None),
     "mrope_section": refused("multimodal rope is not mapped", None),
     "use_rotary_position_embeddings": refused("older rope flag without position_embedding_type='rope'", False,
@@ -241,8 +324,6 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     "multi_latent_attention": mapped("kv_lora_rank", BOOL, False),
     "softmax_scale": refused("a custom attention softmax scale is not mapped", None),
     "softmax_type": refused("only the vanilla attention softmax is mapped", "vanilla"),
-    "window_size": refused("sliding-window attention is not mapped", None),
-    "window_attn_skip_freq": refused("sliding-window attention is not mapped", None),
     "attention_output_gate": refused("a gated attention output is not mapped", False),
     "experimental_attention_variant": refused("experimental attention variants are not mapped", None),
     "linear_attention_freq": refused("linear attention layers are not mapped", None),
@@ -529,6 +610,22 @@ MEGATRON_ARGS: dict[str, Field] = {
 }
 
 
+# megatron-core's YaRN (GPTModel position_embedding_type='yarn'): Megatron-LM's names for the `config.yarn_*`
+# attributes its `_apply_yarn_config_from_args` sets (training/argument_utils.py); read by
+# `spec.rope_and_qk_from_megatron_args` only when YaRN is in use.
+MEGATRON_YARN_ARGS: dict[str, Field] = {
+    "position_embedding_type": mapped("position_embedding_type", STR, "learned_absolute",
+                                      ("learned_absolute", "rope", "yarn")),
+    "rotary_scaling_factor": mapped("rope_scaling_factor", NUM, 1.0),
+    "yarn_original_max_position_embeddings": mapped("rope_original_max_position_embeddings", INT, 4096),
+    "yarn_beta_fast": mapped("yarn_beta_fast", NUM, 32.0),
+    "yarn_beta_slow": mapped("yarn_beta_slow", NUM, 1.0),
+    "mscale": mapped("yarn_mscale", NUM, 1.0),
+    "mscale_all_dim": mapped("yarn_mscale_all_dim", NUM, 0.0),
+    "yarn_correction_range_round_to_int": mapped("yarn_correction_range_round_to_int", BOOL, True),
+}
+
+
 # ---- HF config.json, transformers 4.57 -----------------------------------------------------------------
 
 
@@ -537,7 +634,9 @@ def _int_or_ints(v: Any) -> bool:
 
 
 def _rope_parameters_plain(v: Any, cfg: Mapping[str, Any]) -> bool:
-    return (isinstance(v, dict) and v.get("rope_type", "default") == "default"
+    """transformers 5's `rope_parameters` without scaling, its rope_theta the config's own (families folds a
+    rope_theta stated only here into the config)."""
+    return (isinstance(v, dict) and set(v) <= {"rope_type", "rope_theta"} and v.get("rope_type", "default") == "default"
             and v.get("rope_theta", cfg.get("rope_theta")) == cfg.get("rope_theta"))
 
 
@@ -565,13 +664,17 @@ HF_COMMON: dict[str, Field] = {
         "initializer_range", "attention_dropout", "_attn_implementation", "attn_implementation",
         "_attn_implementation_autoset", "auto_map", "num_labels", "gradient_checkpointing",
     ),
+    # vLLM lets `--max-model-len` exceed the derived context up to this cap: it bounds the positions served,
+    # not the function over them
+    "model_max_length": Field(NEUTRAL, "a cap on the context vLLM serves: the same function over it"),
     "add_cross_attention": refused("cross-attention layers are not mapped", False),
     "is_encoder_decoder": refused("encoder-decoder models are not mapped", False),
     "cross_attention_hidden_size": refused("cross-attention layers are not mapped", None),
     "pruned_heads": refused("pruned attention heads are not mapped", None, lambda v, _: v == {}),
     "quantization_config": refused("quantized weights are not read", None),
     "rope_scaling": refused("rope scaling (llama3, linear, dynamic, yarn ...) is not mapped yet", None),
-    "rope_parameters": refused("rope scaling is not mapped yet", None, _rope_parameters_plain),
+    "rope_parameters": refused("only its plain rope (rope_type 'default') is read, with the config's rope_theta; "
+                               "give rope scaling as rope_scaling", None, _rope_parameters_plain),
 }
 
 
@@ -602,3 +705,58 @@ def check_numbers(d: Mapping[str, Any], keys: tuple[str, ...], required: tuple[s
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be positive; fix it")
         if isinstance(v, float) and not k.endswith(("epsilon", "eps", "percent", "theta", "base", "factor")) and v != int(v):
             raise MConvertError(f"{source}: field {k!r} = {v!r} must be a whole number; fix it")
+
+
+# ---- Megatron-Bridge model providers (run_config.yaml `model:`) ----------------------------------------------
+# Megatron-Bridge 0.6 GPTModelProvider (models/gpt_provider.py) extends megatron-core's TransformerConfig, whose
+# fields the Megatron table judges under the same names; below are the provider's own names and the ones whose
+# YAML form differs (callables, dtypes and enums are mappings naming a `_target_`, never imported). The
+# translation to Megatron args is `convert/bridge.py`.
+
+
+def _named(v: Any) -> Any:
+    return v.get("_target_") if isinstance(v, dict) else v
+
+
+_BRIDGE_ACTIVATIONS = ("torch.nn.functional.silu", "torch.nn.functional.gelu")
+_BRIDGE_LAYER_SPECS = tuple(f"megatron.bridge.models.gpt_provider.{n}" for n in
+                            ("default_layer_spec", "transformer_engine_layer_spec", "local_layer_spec"))
+
+BRIDGE_MODEL: dict[str, Field] = {
+    **MEGATRON_ARGS,
+    "_target_": Field(NEUTRAL, "the provider class, checked against convert/bridge.py's provider table"),
+    "share_embeddings_and_output_weights": mapped("tie_embeddings", BOOL, True),
+    "gated_linear_unit": mapped("activation", BOOL, False),
+    "activation_func": refused("only SiLU (gated: SwiGLU) and GeLU MLPs are mapped", None,
+                               lambda v, a: _named(v) in _BRIDGE_ACTIVATIONS),
+    "rope_scaling": mapped("rope_scaling", BOOL, False),
+    "seq_len_interpolation_factor": mapped("rope_scaling_factor", NUM),
+    "should_pad_vocab": mapped("vocab_size", BOOL, False),
+    "transformer_layer_spec": refused("a custom layer spec is not mapped", None,
+                                      lambda v, a: _named(v) in _BRIDGE_LAYER_SPECS),
+    "yarn_rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_original_max_position_embeddings": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_beta_fast": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_beta_slow": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_mscale": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_mscale_all_dim": refused("YaRN rotary scaling is not mapped", None),
+    "yarn_correction_range_round_to_int": refused("YaRN rotary scaling is not mapped", None),
+    **neutral("Megatron-Bridge bookkeeping: where the weights came from, what its loader does",
+              "hf_model_id", "hf_model_revision", "generation_config", "parallel_output", "restore_modelopt_state",
+              "use_transformer_engine_full_layer_spec", "use_transformer_engine_op_fuser", "dense_grouped_gemm",
+              "use_arbitrary_attention_mask", "scatter_embedding_sequence_parallel", "deallocate_pipeline_outputs",
+              "tp_comm_overlap_cfg", "mtp_enabled"),
+    # megatron-core 0.19 TransformerConfig fields (Megatron-Bridge 0.6 pins it)
+    **neutral("memory, offloading or kernel choice: the same function",
+              "activation_offload_fraction", "delta_offload_bytes_across_pp_ranks", "gtp_weight_remat_size",
+              "expert_gtp_weight_remat_size", "mlp_chunks_for_training", "inference_grouped_gemm_backend",
+              "inference_moe_token_dispatcher_type", "moe_hybridep_num_sms_preprocessing",
+              "moe_paged_stash_buffer_size_factor_cpu", "moe_paged_stash_buffer_size_factor_cuda",
+              "moe_paged_stash_page_size", "moe_router_quantile_balancing_ema"),
+    **neutral("only with experimental_attention_variant, which is refused",
+              "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu", "dsa_indexer_skip_topk_offset",
+              "dsa_indexer_topk_freq", "dsa_kernel_backend"),
+    "use_mup": refused("muP scaling (embedding, attention and output multipliers) is not mapped", False),
+    **{k: refused("muP scaling is not mapped", 1.0) for k in
+       ("mup_width_mult", "mup_embedding_mult", "mup_output_mult", "mup_attn_scale_power")},
+}

@@ -6,6 +6,7 @@ Its name table, config fields and deployment layouts are shared by the other RMS
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -25,6 +26,7 @@ from mconvert.mappings.family import (
     check_qk_norm,
 )
 from mconvert.mappings.fields import BOOL, INT, MAPPED, NEUTRAL, NUM, STR, Field, mapped, refused
+from mconvert.rope import hf_attention_factor, megatron_attention_factor, megatron_mscale_for
 from mconvert.spec import ModelSpec
 
 NAME = "llama"
@@ -68,7 +70,7 @@ ROPE_FIELDS: dict[str, Field] = {
     "rope_theta": mapped("rotary_base", NUM),
     "hidden_act": mapped("activation", STR, "silu", ("silu",)),
     "partial_rotary_factor": refused("partial rotary embeddings are not mapped", 1.0),
-    "rope_scaling": Field(MAPPED, "read into ModelSpec.rope_scaling and its factors (llama3, linear; other "
+    "rope_scaling": Field(MAPPED, "read into ModelSpec.rope_scaling and its factors (llama3, linear, yarn; other "
                           "rope types are refused by name)", None, (dict,), "rope_scaling"),
 }
 
@@ -100,10 +102,82 @@ def check_rope_style(spec: ModelSpec, architecture: str, qk_norm: bool = False) 
     check_qk_norm(spec, architecture, qk_norm)
 
 
+# transformers' yarn keys (modeling_rope_utils._validate_yarn_parameters) besides `rope_type` / `type`
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate")
+
+
+def yarn_to_hf(spec: ModelSpec) -> dict[str, Any]:
+    """ModelSpec YaRN -> HF `rope_scaling` that makes transformers compute megatron-core's function: factor,
+    original context and betas always explicit; `truncate` when off (transformers' default is on); mscale and
+    mscale_all_dim when not megatron-core's defaults, and `attention_factor` too when transformers' rule would
+    derive another factor from them (it reads the pair only when both are non-zero)."""
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": float(spec.rope_scaling_factor),
+                           "original_max_position_embeddings": int(spec.rope_original_max_position_embeddings),
+                           "beta_fast": float(spec.yarn_beta_fast), "beta_slow": float(spec.yarn_beta_slow)}
+    if not spec.yarn_correction_range_round_to_int:
+        out["truncate"] = False
+    if (spec.yarn_mscale, spec.yarn_mscale_all_dim) != (1.0, 0.0):
+        out.update(mscale=float(spec.yarn_mscale), mscale_all_dim=float(spec.yarn_mscale_all_dim))
+    if hf_attention_factor(out) != spec.yarn_attention_factor:
+        out["attention_factor"] = spec.yarn_attention_factor
+    return out
+
+
+def yarn_from_hf(rs: dict[str, Any], cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """HF yarn `rope_scaling` -> ModelSpec kwargs, read with transformers' own fallbacks (an absent or zero beta
+    is its default, an absent original context is max_position_embeddings). megatron-core must multiply cos and
+    sin by the attention factor transformers computes: the dict's mscale pair when megatron-core derives that
+    factor from it, else its defaults when they do, else mscale_all_dim 0 and the mscale that gives it
+    (`megatron_mscale_for`); a factor no mscale reaches is refused, both numbers named."""
+    for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor"):
+        v = rs.get(key)
+        if (key == "factor" or v is not None) and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise MConvertError(f"{where}: {key!r} must be a number for rope type 'yarn'; fix it")
+        if v is not None and not math.isfinite(v):
+            raise MConvertError(f"{where}: {key!r} must be a finite number for rope type 'yarn'; fix it")
+    truncate = rs.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise MConvertError(f"{where}: 'truncate' must be true or false; fix it")
+    factor = rs["factor"]
+    m, mad = rs.get("mscale"), rs.get("mscale_all_dim")
+    try:
+        want = hf_attention_factor(rs)
+    except ZeroDivisionError:
+        raise MConvertError(f"{where}: mscale_all_dim={mad!r} makes transformers divide by 0.1·mscale_all_dim·"
+                            "ln(factor)+1 = 0; fix it") from None
+    # the args keep mscale_all_dim >= 0 (megatron-core's divisor then never 0); a solved mscale covers the rest
+    if m is not None and mad is not None and mad >= 0 and megatron_attention_factor(factor, m, mad) == want:
+        pair = (m, mad)
+    elif megatron_attention_factor(factor, 1.0, 0.0) == want:
+        pair = (1.0, 0.0)
+    else:
+        solved = megatron_mscale_for(factor, want)
+        if solved is None:
+            head = f"{where} is not supported: transformers computes attention factor {want!r}, "
+            if not factor > 1:
+                raise MConvertError(head + f"megatron-core computes 1.0 whenever factor <= 1 (here {factor!r}), "
+                                    "whatever mscale; conversion refused")
+            nearest = megatron_attention_factor(factor, 10 * (want - 1) / math.log(factor), 0.0)
+            why = ("the + 1 rounds away the digits of a factor this close to 0" if math.isfinite(nearest) else
+                   "no finite mscale reaches it")
+            raise MConvertError(head + f"the nearest megatron-core reaches is {nearest!r} (0.1·mscale·ln(factor)+1 "
+                                f"with mscale_all_dim 0: {why}); conversion refused")
+        pair = (solved, 0.0)
+    return dict(rope_scaling="yarn", rope_scaling_factor=factor,
+                rope_original_max_position_embeddings=rs.get("original_max_position_embeddings")
+                or cfg.get("max_position_embeddings"),
+                yarn_beta_fast=rs.get("beta_fast") or 32.0, yarn_beta_slow=rs.get("beta_slow") or 1.0,
+                yarn_mscale=pair[0], yarn_mscale_all_dim=pair[1], yarn_correction_range_round_to_int=truncate)
+
+
 def rope_scaling_to_hf(spec: ModelSpec) -> dict[str, Any] | None:
     """ModelSpec rope scaling -> HF `rope_scaling`, every key of its type explicit (None: no scaling)."""
     if spec.rope_scaling is None:
         return None
+    if spec.rope_scaling == "yarn":
+        return yarn_to_hf(spec)
     keys = ROPE_SCALING_KEYS[spec.rope_scaling]
     out: dict[str, Any] = {"rope_type": spec.rope_scaling}
     for key, field_name in keys.items():
@@ -126,9 +200,15 @@ def rope_scaling_from_hf(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         raise MConvertError(f"{where} states two rope types; keep one")
     if kind == "default" and set(rs) <= {"rope_type", "type"}:
         return {}
+    if kind == "yarn":
+        unknown = sorted(set(rs) - set(YARN_KEYS) - {"rope_type", "type"})
+        if unknown:
+            raise MConvertError(f"{where} is not supported: {', '.join(unknown)} not mapped for rope type 'yarn'; "
+                                "conversion refused")
+        return yarn_from_hf(rs, cfg, where)
     if kind not in ROPE_SCALING_KEYS:
         raise MConvertError(f"{where} is not supported: rope type {kind!r} is not mapped (mapped: "
-                            f"{', '.join(ROPE_SCALING_KEYS)}); conversion refused")
+                            f"{', '.join(ROPE_SCALING_KEYS)}, yarn); conversion refused")
     keys = ROPE_SCALING_KEYS[kind]
     unknown = sorted(set(rs) - set(keys) - {"rope_type", "type"})
     if unknown:
@@ -204,6 +284,25 @@ def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSp
     return rope_spec(cfg, common, add_bias_linear=attn_bias, add_qkv_bias=False, source=source)
 
 
+# ---- sliding window ---------------------------------------------------------------------------------------
+# HF's `sliding_window` counts the keys a query sees, itself included (masking_utils `sliding_window_overlay`:
+# kv_idx > q_idx - sliding_window); megatron-core's `window_size` left size counts the keys before it
+# (utils.get_sliding_window_causal_mask: kv_idx >= q_idx - left). So sliding_window = window_size + 1.
+def hf_sliding_window(spec: ModelSpec) -> int | None:
+    """ModelSpec's window -> HF `sliding_window` (None: no window)."""
+    return None if spec.window_size is None else spec.window_size + 1
+
+
+def window_from_hf(value: Any, source: str, key: str = "sliding_window") -> int | None:
+    """HF `sliding_window` -> ModelSpec.window_size; it must be a whole number >= 1 (None: no window)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MConvertError(f"{source}: config field {key}={value!r} must be a whole number >= 1 (the keys a "
+                            "query sees, itself included) or null; fix it")
+    return value - 1
+
+
 # ---- vLLM -----------------------------------------------------------------------------------------------
 def rope_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
     """verify's config.json checks for a RoPE family: (problems, notes)."""
@@ -214,8 +313,18 @@ def rope_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
     kvh = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads", 1))
     if nh % kvh:
         problems.append(f"num_attention_heads {nh} is not divisible by num_key_value_heads {kvh}")
-    if cfg.get("rope_scaling"):
-        notes.append(f"rope_scaling={cfg['rope_scaling']}")
+    rs = cfg.get("rope_scaling")
+    if rs:
+        notes.append(f"rope_scaling={rs}")
+    if isinstance(rs, dict) and rs.get("rope_type", rs.get("type")) == "yarn":
+        try:  # vLLM sizes a YaRN model's context as original positions x factor, not max_position_embeddings
+            served = int(rs["original_max_position_embeddings"] * rs["factor"])
+        except (KeyError, TypeError):
+            problems.append("rope_scaling yarn lacks original_max_position_embeddings or factor, which vLLM needs")
+        else:
+            if served != cfg.get("max_position_embeddings"):
+                notes.append(f"vLLM serves {served} positions (YaRN's original_max_position_embeddings x factor), "
+                             f"transformers max_position_embeddings={cfg.get('max_position_embeddings')}")
     return problems, notes
 
 
@@ -326,6 +435,9 @@ def _trt_refuse(spec: ModelSpec) -> None:
         raise MConvertError(f"rotary_percent={spec.rotary_percent} is not supported for the LLaMA layout")
     if spec.add_qkv_bias and not spec.add_bias_linear:
         raise MConvertError("a qkv-only bias (Qwen2 style) is not part of TensorRT-LLM's LLaMA layout")
+    if spec.rope_scaling == "yarn" and not spec.yarn_correction_range_round_to_int:
+        raise MConvertError("YaRN with yarn_correction_range_round_to_int=False has no TensorRT-LLM form: its "
+                            "create_sinusoidal_positions_yarn always rounds the correction range; conversion refused")
 
 
 _T = "transformer.layers.*."
@@ -362,7 +474,7 @@ TRTLLM = TrtllmLayout(
     refuse=_trt_refuse,
     tensors=TRT_TENSORS,
     aliases=("MistralForCausalLM",),
-    rope_scalings=("llama3", "linear"),  # TensorRT-LLM's RotaryScalingType llama3 and linear
+    rope_scalings=("llama3", "linear", "yarn"),  # TensorRT-LLM's RotaryScalingType llama3, linear and yarn
 )
 
 
@@ -418,6 +530,12 @@ PRESETS = {
     "tiny-llama3": rope_preset(NAME, num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=512, vocab_size=1000, max_position_embeddings=128,
                                rotary_base=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0),
+    # YaRN (megatron-core position_embedding_type='yarn'): trained at 64 positions, stretched 4x to 256; with
+    # head_dim 32 the pairs past the 5th are interpolated, so sequences beyond 64 tokens probe the scaling
+    "tiny-llama-yarn": rope_preset(NAME, num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                                   ffn_hidden_size=256, vocab_size=1000, max_position_embeddings=256,
+                                   rope_scaling="yarn", rope_scaling_factor=4.0,
+                                   rope_original_max_position_embeddings=64),
 }
 
 def rope_family(name: str, stem: str, **differs: Any) -> dict[str, Any]:

@@ -60,21 +60,24 @@ def check_moe_style(spec: ModelSpec, architecture: str) -> None:
 
 
 def to_hf(spec: ModelSpec) -> dict[str, Any]:
-    """MixtralConfig fields: expert count, top-k and expert width; no sliding window, no q/k norm."""
+    """MixtralConfig fields: expert count, top-k and expert width, the window (every layer; null for none); no
+    q/k norm."""
     check_moe_style(spec, FAMILY.architecture)
     if spec.qk_layernorm:
         raise MConvertError(f"HF {FAMILY.architecture} has no per-head q/k norm and this model has "
                             "qk_layernorm=True; use the qwen3_moe family; conversion refused")
-    return {**llama.rope_fields(spec), "intermediate_size": spec.expert_ffn_hidden_size, "sliding_window": None,
+    return {**llama.rope_fields(spec), "intermediate_size": spec.expert_ffn_hidden_size,
+            "sliding_window": llama.hf_sliding_window(spec),
             "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.moe_router_topk,
             "router_jitter_noise": 0.0}
 
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
-    """A MixtralConfig dict -> ModelSpec (no bias; every layer routed)."""
+    """A MixtralConfig dict -> ModelSpec (no bias; every layer routed; MixtralConfig's window defaults to none)."""
     base = llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=False, source=source)
     return base.replace(num_experts=int(cfg.get("num_local_experts", 8)),
-                        moe_router_topk=int(cfg.get("num_experts_per_tok", 2)))
+                        moe_router_topk=int(cfg.get("num_experts_per_tok", 2)),
+                        window_size=llama.window_from_hf(cfg.get("sliding_window"), source))
 
 
 def recognise(fields: dict[str, Any]) -> bool:
@@ -116,6 +119,6 @@ FAMILY = Family(**llama.rope_family(
     ft=None,  # FasterTransformer has no MoE form here
     trtllm=None,  # no confirmed TensorRT-LLM MoE layout
     gguf=GGUF,
-    sliding_window_by_default=True,
+    hf_window="every",
     moe=True,
 ))

@@ -39,24 +39,30 @@ HF_FIELDS: dict[str, Field] = {
 
 
 def to_hf(spec: ModelSpec) -> dict[str, Any]:
-    """Qwen3Config fields: qk-norm, no linear bias, head_dim and rope scaling explicit, sliding window off."""
+    """Qwen3Config fields: qk-norm, no linear bias, head_dim and rope scaling explicit, the window (Qwen2's
+    fields)."""
     llama.check_rope_style(spec, FAMILY.architecture, qk_norm=True)
     if spec.has_qkv_bias or spec.add_bias_linear:
         raise MConvertError("a qwen3-family model has no linear bias (HF Qwen3's attention_bias is all-or-nothing)")
     if spec.rotary_interleaved:
         raise MConvertError(f"HF {FAMILY.architecture}: rotary_interleaved=True with per-head q/k norm is not "
                             "mapped (the norm weights would need the same reordering); conversion refused")
-    return {**llama.rope_fields(spec), "attention_bias": False, "use_sliding_window": False,
-            "sliding_window": None, "max_window_layers": spec.num_layers}
+    return {**llama.rope_fields(spec), "attention_bias": False, **qwen2.window_fields(spec)}
+
+
+# Qwen3Config's head_dim when config.json leaves it out (transformers, and vLLM, which reads its config through
+# transformers); a reader falling back to the modeling code's getattr default takes hidden_size / heads instead
+HF_DEFAULT_HEAD_DIM = 128
 
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
-    """A Qwen3Config dict -> ModelSpec (qk-norm, no bias); `head_dim` must be stated."""
-    if cfg.get("head_dim") is None:
-        raise MConvertError(f"{source}: a Qwen3 config must state head_dim (transformers defaults it to 128, "
-                            "not hidden_size / num_attention_heads); add it")
+    """A Qwen3Config dict -> ModelSpec (qk-norm, no bias); an absent `head_dim` is read only where both readings
+    of it (the class default 128, hidden_size / num_attention_heads) agree."""
+    if cfg.get("head_dim") is None and (cfg["hidden_size"] != HF_DEFAULT_HEAD_DIM * cfg["num_attention_heads"]):
+        raise MConvertError(f"{source}: a Qwen3 config must state head_dim (transformers defaults it to "
+                            f"{HF_DEFAULT_HEAD_DIM}, not hidden_size / num_attention_heads); add it")
     return llama.rope_spec(cfg, common, add_bias_linear=False, add_qkv_bias=False, qk_layernorm=True,
-                           source=source)
+                           source=source).replace(**qwen2.window_from_hf(cfg, source))
 
 
 def recognise(fields: dict[str, Any]) -> bool:
@@ -87,4 +93,6 @@ FAMILY = Family(**llama.rope_family(
     ft=None,  # FasterTransformer has no q/k norm
     trtllm=None,  # no confirmed TensorRT-LLM Qwen3 layout
     gguf=GGUF,
+    hf_window="per_layer",
+    vllm=qwen2.VLLM,  # vLLM runs Qwen3 on its Qwen2Model
 ))

@@ -4,6 +4,8 @@ HF routes with softmax over all router logits, top-k, then renormalises the k on
 true — megatron-core's default router (softmax over the top-k logits) is that case, so a config without it
 is refused. `moe_intermediate_size` is each expert's width (Megatron's `moe_ffn_hidden_size`);
 `intermediate_size` is the dense MLP of `mlp_only_layers` / `decoder_sparse_step` layers, which must not exist.
+Its sliding window (`use_sliding_window`) covers every layer: Qwen3MoeConfig reads no `max_window_layers` and no
+`layer_types`, though vLLM reads `layer_types`, so one that is present must agree.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from mconvert.errors import MConvertError
-from mconvert.mappings import llama, mixtral, qwen3
+from mconvert.mappings import llama, mixtral, qwen2, qwen3
 from mconvert.mappings.family import Family, GgufLayout, Plugin, Rule
-from mconvert.mappings.fields import BOOL, INT, Field, mapped, refused
+from mconvert.mappings.fields import BOOL, INT, NEUTRAL, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
 NAME = "qwen3_moe"
@@ -44,7 +46,25 @@ HF_FIELDS: dict[str, Field] = {
     "mlp_only_layers": refused("dense-MLP layers (mlp_only_layers) are not mapped", None, lambda v, _: v == []),
     "router_aux_loss_coef": mixtral.MOE_NEUTRAL,
     "output_router_logits": mixtral.MOE_NEUTRAL,
+    # not a Qwen3MoeConfig field, but vLLM's Qwen3-MoE adds a shared expert when it is positive; Qwen's own
+    # configs state 0
+    "shared_expert_intermediate_size": refused("a shared expert is not mapped", 0),
+    "max_window_layers": Field(NEUTRAL, "Qwen3-MoE's modeling and vLLM's read no max_window_layers"),
 }
+
+
+def window_from_hf(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """ModelSpec window kwargs: `sliding_window` on every layer with `use_sliding_window`, none without; a
+    `layer_types` must say the same of every layer (vLLM windows its layers by it)."""
+    on = cfg.get("use_sliding_window") is True
+    window = llama.window_from_hf(cfg.get("sliding_window", qwen2.CLASS_DEFAULTS["sliding_window"]), source) if on else None
+    types = cfg.get("layer_types")
+    expected = [qwen2.LAYER_TYPES[window is not None]] * int(cfg["num_hidden_layers"])
+    if types is not None and types != expected:
+        raise MConvertError(f"{source}: config field layer_types does not mark every layer {expected[0]}: HF "
+                            f"{FAMILY.architecture} windows every layer or none (use_sliding_window), vLLM the ones "
+                            "layer_types marks; fix config.json")
+    return {"window_size": window, "window_pattern": None}
 
 
 def to_hf(spec: ModelSpec) -> dict[str, Any]:
@@ -65,8 +85,9 @@ def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSp
         raise MConvertError(f"{source}: config field norm_topk_prob={cfg.get('norm_topk_prob')!r} is not supported: "
                             "only renormalised top-k routing (norm_topk_prob=true, megatron-core's router) is "
                             "mapped; conversion refused")
-    base = qwen3.from_hf(cfg, common, source)
-    return base.replace(num_experts=int(cfg.get("num_experts", 128)),
+    per_layer = ("layer_types", "max_window_layers")  # Qwen3's, which this class does not read
+    base = qwen3.from_hf({k: v for k, v in cfg.items() if k not in per_layer}, common, source)
+    return base.replace(**window_from_hf(cfg, source),num_experts=int(cfg.get("num_experts", 128)),
                         moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size", 768)),
                         moe_router_topk=int(cfg.get("num_experts_per_tok", 8)))
 
@@ -110,5 +131,6 @@ FAMILY = Family(**llama.rope_family(
     ft=None,  # FasterTransformer has no MoE form here
     trtllm=None,  # no confirmed TensorRT-LLM MoE layout
     gguf=GGUF,
+    hf_window="every",
     moe=True,
 ))

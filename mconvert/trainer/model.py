@@ -19,6 +19,7 @@ from torch import nn
 from mconvert.convert.layout import stage_layers
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import shard
+from mconvert.rope import yarn_inv_freq
 from mconvert.spec import ModelSpec, ParamDecl
 from mconvert.trainer.layers import (
     ColumnParallelLinear,
@@ -140,16 +141,22 @@ def llama3_inv_freq(inv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
 
 def rope_tables(spec: ModelSpec, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [S, rot_dim] in megatron-core's non-interleaved layout (freqs repeated, rotate_half), with the
-    spec's rope scaling: llama3 rescales the frequencies, linear divides the positions by the factor."""
+    spec's rope scaling: llama3 rescales the frequencies, linear divides the positions by the factor, yarn blends
+    scaled and unscaled frequencies and multiplies cos and sin by its attention factor."""
     dim = int(spec.head_dim * spec.rotary_percent)
     inv = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if spec.rope_scaling == "llama3":
         inv = llama3_inv_freq(inv, spec)
+    if spec.rope_scaling == "yarn":
+        inv = yarn_inv_freq(dim, spec.rotary_base, spec.rope_scaling_factor, spec.rope_original_max_position_embeddings,
+                            spec.yarn_beta_fast, spec.yarn_beta_slow, spec.yarn_correction_range_round_to_int, device)
     pos = torch.arange(seq, dtype=torch.float32, device=device)
     if spec.rope_scaling == "linear":
         pos = pos * (1 / spec.rope_scaling_factor)
     freqs = torch.outer(pos, inv)
     emb = torch.cat([freqs, freqs], dim=-1)
+    if spec.rope_scaling == "yarn":
+        return emb.cos() * spec.yarn_attention_factor, emb.sin() * spec.yarn_attention_factor
     return emb.cos(), emb.sin()
 
 
@@ -161,12 +168,22 @@ def apply_rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([t_rot * c + rotate_half(t_rot) * s, t_pass], dim=-1)
 
 
-class SelfAttention(nn.Module):
-    """Fused QKV (per query group: nq/ng query heads, 1 key, 1 value) → causal fp32 attention → row proj."""
+def attention_mask(S: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[S, S] True where query i may not see key j: j > i (causal), and with a window (megatron-core's left
+    size) j < i - window as well."""
+    i = torch.arange(S, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    return (j > i) | (j < i - window) if window is not None else j > i
 
-    def __init__(self, spec: ModelSpec, decls: dict[str, ParamDecl], make: _Maker, st: ParallelState) -> None:
+
+class SelfAttention(nn.Module):
+    """Fused QKV (per query group: nq/ng query heads, 1 key, 1 value) → causal (optionally sliding-window) fp32
+    attention → row proj."""
+
+    def __init__(self, spec: ModelSpec, decls: dict[str, ParamDecl], make: _Maker, st: ParallelState,
+                 window: int | None = None) -> None:
         super().__init__()
-        self.spec, self.st = spec, st
+        self.spec, self.st, self.window = spec, st, window
         w, b = decls["linear_qkv.weight"], decls.get("linear_qkv.bias")
         self.linear_qkv = _linear(w.kind, make(w), make(b), st)
         w, b = decls["linear_proj.weight"], decls.get("linear_proj.bias")
@@ -194,7 +211,7 @@ class SelfAttention(nn.Module):
         v = v.repeat_interleave(self.per_group, dim=2)
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, heads, S, hd], fp32
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
-        mask = torch.ones(S, S, dtype=torch.bool, device=qkv.device).triu(1)
+        mask = attention_mask(S, self.window, qkv.device)
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
         ctx = (probs @ v).to(x.dtype).transpose(1, 2).reshape(B, S, -1)
         return self.linear_proj(ctx)
@@ -336,7 +353,10 @@ class TransformerLayer(nn.Module):
         decls = {k[len(prefix):]: d for k, d in decls.items() if k.startswith(prefix)}
         self.input_layernorm = Norm(spec, make(decls["input_layernorm.weight"]), make(decls.get("input_layernorm.bias")))
         attn = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("self_attention.")}
-        self.self_attention = (MLAttention if spec.is_mla else SelfAttention)(spec, attn, make, st)
+        if spec.is_mla:  # spec validation refuses a window with MLA
+            self.self_attention = MLAttention(spec, attn, make, st)
+        else:
+            self.self_attention = SelfAttention(spec, attn, make, st, window=spec.layer_window(layer))
         self.pre_mlp_layernorm = Norm(spec, make(decls["pre_mlp_layernorm.weight"]),
                                       make(decls.get("pre_mlp_layernorm.bias")))
         mlp = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("mlp.")}

@@ -104,6 +104,7 @@ class TrainConfig:
     moe_ffn_hidden_size: int | None = None  # MoE: each expert's ffn width
     moe_topk: int | None = None  # MoE: experts per token (Megatron --moe-router-topk)
     moe_aux_loss_coeff: float = 1e-2  # MoE: load-balancing loss coefficient (Megatron --moe-aux-loss-coeff)
+    window_size: int | None = None  # sliding window: keys before each query, every layer (Megatron --window-size W,0)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -134,6 +135,8 @@ class TrainConfig:
             at_least_one("--" + name.replace("_", "-"), getattr(self, name), "omit it to keep the preset's")
         if self.steps < 0:
             raise MConvertError(f"--steps must be >= 0, got {self.steps}; 0 saves the initialised model")
+        if self.window_size is not None and self.window_size < 0:
+            raise MConvertError(f"--window-size must be >= 0 (the keys before each query), got {self.window_size}")
         at_least_one("--save-interval", self.save_interval, "omit it to save only at the end")
         if not 0 <= self.seed <= MAX_SEED:
             raise MConvertError(f"--seed must be between 0 and {MAX_SEED}, got {self.seed}")
@@ -174,6 +177,8 @@ def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
     base = preset(cfg.preset)
     if "hidden_size" in changes or "num_attention_heads" in changes:
         changes.setdefault("kv_channels", None)
+    if cfg.window_size is not None:  # one window on every layer, as Megatron-LM's --window-size alone
+        changes.update(window_size=cfg.window_size, window_pattern=None)
     spec = base.replace(vocab_size=vocab_size, params_dtype="bfloat16" if cfg.dtype == "bf16" else "float32",
                         **changes)
     if cfg.seq_length > spec.max_position_embeddings:
@@ -185,6 +190,10 @@ def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
         moe_presets = [name for f in families.all_families() if f.moe for name in f.presets]
         raise MConvertError(f"--num-experts: preset {cfg.preset} is of the dense family {spec.family!r}; "
                             f"train experts from an MoE preset ({', '.join(moe_presets)})")
+    if cfg.window_size is not None and families.of(spec).hf_window is None:  # no HF class could export it
+        windowed = [f.name for f in families.all_families() if f.hf_window is not None]
+        raise MConvertError(f"--window-size: preset {cfg.preset} is of the family {spec.family!r}, whose HF class has "
+                            f"no sliding window; train it from a preset of {', '.join(windowed)}")
     check_trainable(spec, cfg.tp, cfg.pp, cfg.ep)
     return spec
 
@@ -301,8 +310,9 @@ def active_parameters(spec: ModelSpec) -> int:
     """Parameters one token meets: all of a dense model; an MoE model's router and k of its E experts."""
     if not spec.is_moe:
         return spec.num_parameters()
-    per_expert = sum(math.prod(d.shape) for d in spec.layer_params(0) if d.expert == 0)
-    return spec.num_parameters() - spec.num_layers * (spec.num_experts - spec.moe_router_topk) * per_expert
+    per_expert = sum(math.prod(d.shape) for d in spec.expert_params(0, 0))
+    moe_layers = spec.num_moe_layers + (spec.mtp_num_layers or 0) * spec.is_moe_layer(spec.num_layers)  # MTP's too
+    return spec.num_parameters() - moe_layers * (spec.num_experts - spec.moe_router_topk) * per_expert
 
 
 def flops_per_iteration(spec: ModelSpec, cfg: TrainConfig) -> float:

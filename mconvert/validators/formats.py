@@ -5,6 +5,7 @@ Detection looks only at file names and small text files, so it is instant and ne
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,8 @@ import torch
 from mconvert import dtypes
 from mconvert.convert.layout import RANK_FILE, parse_rank_dir
 from mconvert.convert.io.paths import inside_file, load_json_object
-from mconvert.convert import detect
-from mconvert.convert.checkpoint import args_dict, checkpoint_dict, is_iteration_dir
+from mconvert.convert import bridge, detect
+from mconvert.convert.checkpoint import DIST_MARKERS, args_dict, checkpoint_dict, is_iteration_dir
 from mconvert.convert.fastertransformer import ft_number, read_ft_config
 from mconvert.convert.layout import iteration_dir_name, read_latest
 from mconvert.convert.io.safeload import safe_load
@@ -34,6 +35,19 @@ class ModelInfo:
     max_positions: int | None = None
     layout: dict[str, Any] = field(default_factory=dict)  # tp / pp / infer_tp / iteration ...
     tokenizer_dir: Path | None = None
+    window: int | None = None  # keys a query sees in a sliding-window layer (HF sliding_window); None: no window
+
+
+def _window_keys(parse: Any, *args: Any) -> int | None:
+    """The sliding window (keys per query) of the model a parser reads from `args`; None when it has none or
+    the config is not one mconvert reads (the runner says so when it runs it)."""
+    from mconvert.mappings import families  # the family registry, only when a model is described
+
+    try:
+        spec = getattr(families, parse)(*args)
+    except MConvertError:
+        return None
+    return None if spec.window_size is None else spec.window_size + 1
 
 
 def detect_format(path: str | Path) -> str:
@@ -69,6 +83,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
         info.vocab_size = cfg.get("vocab_size")
         info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
         info.tokenizer_dir = p if has_tokenizer(p) else None
+        info.window = _window_keys("spec_from_hf_config", cfg)
     elif fmt == "megatron" or (fmt == "megatron-torch_dist" and not is_iteration_dir(p)):
         _describe_megatron(info)  # a checkpoint root: its tracker names the iteration (torch or torch_dist)
     elif fmt == "megatron-torch_dist":
@@ -112,6 +127,7 @@ def describe(path: str | Path, fmt: str | None = None) -> ModelInfo:
             cfg = _read_json(d / "config.json")
             info.vocab_size = cfg.get("vocab_size")
             info.max_positions = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+            info.window = _window_keys("spec_from_hf_config", cfg)
         info.dtype = _onnx_dtype(p if p.is_file() else (d / "model.onnx"))
         info.tokenizer_dir = d if has_tokenizer(d) else None
     return info
@@ -129,15 +145,22 @@ def _describe_megatron(info: ModelInfo) -> None:
     d = p / iteration_dir_name(it)
     ranks = [parse_rank_dir(r.name) for r in d.iterdir() if r.is_dir()] if d.is_dir() else []
     ranks = [r for r in ranks if r is not None]
-    if not ranks and (d / "common.pt").is_file():  # torch_dist: global tensors, no TP/PP layout to run at
+    if not ranks and any(os.path.lexists(d / m) for m in DIST_MARKERS):  # torch_dist: no TP/PP layout to run at
         info.format = "megatron-torch_dist"
-        common = checkpoint_dict(safe_load(d / "common.pt", "common.pt"), d / "common.pt")
-        a = args_dict(common.get("args"), d / "common.pt")
+        # Megatron-Bridge: no args in common.pt, its model provider instead
+        rc = bridge.find_run_config(d, beside=not (d / "common.pt").is_file())
+        if rc is not None:
+            a = args_dict(bridge.megatron_args(bridge.read_run_config(rc), str(rc)), rc)
+        else:
+            common = checkpoint_dict(safe_load(d / "common.pt", "common.pt"), d / "common.pt")
+            a = args_dict(common.get("args"), d / "common.pt")
         info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
         info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
         info.max_positions = a.get("max_position_embeddings")
+        info.window = _window_keys("spec_from_megatron_args", a)
         info.layout = {"iteration": it}
-        info.tokenizer_dir = next((c for c in (p, p / "tokenizer", p.parent) if has_tokenizer(c)), None)
+        info.tokenizer_dir = next((c for c in (p, p / "tokenizer", p.parent, d / bridge.TOKENIZER_DIR)
+                                   if has_tokenizer(c)), None)
         return
     if not ranks:
         raise MConvertError(f"{d}: no mp_rank_* directories; is iteration {it} in this checkpoint?")
@@ -149,6 +172,7 @@ def _describe_megatron(info: ModelInfo) -> None:
     info.dtype = "bfloat16" if a.get("bf16") else "float16" if a.get("fp16") else "float32"
     info.vocab_size = a.get("vocab_size") or a.get("padded_vocab_size")
     info.max_positions = a.get("max_position_embeddings")
+    info.window = _window_keys("spec_from_megatron_args", a)
     info.layout = {"tp": tp, "pp": pp, "iteration": it}
     for cand in (p, p / "tokenizer", p.parent):
         if has_tokenizer(cand):

@@ -115,12 +115,18 @@ def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @torch.no_grad()
 def check_onnx_against_hf(onnx_dir: Path, hf_dir: Path, batch: int = 2, seq: int = 16) -> tuple[float, float | None]:
-    """Run onnxruntime and transformers on the same random tokens; (prefill diff, cached-decode diff or None)."""
+    """Run onnxruntime and transformers on the same random tokens; (prefill diff, cached-decode diff or None).
+
+    With a sliding window the sequence is twice the window (within the context), so the export is checked where
+    the window masks keys."""
     from transformers import AutoModelForCausalLM  # heavy optional import, only when an export is checked
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, trust_remote_code=False,
                                                  local_files_only=True).eval()
     cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    if isinstance(window, int) and not isinstance(window, bool):
+        seq = max(seq, 2 * window)
     seq = min(seq, getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", seq))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mconvert.convert.io.paths import check_tree_contained
 from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config
@@ -90,6 +91,7 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    check_tree_contained(path, f"{path}: model file")  # transformers opens the files by name
     verbosity = hf_logging.get_verbosity()
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()

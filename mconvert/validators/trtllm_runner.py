@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from mconvert.convert.trtllm import check_trtllm_dir, read_trtllm_config, trtllm_layout_of
 from mconvert.errors import MConvertError
+from mconvert.rope import megatron_attention_factor, yarn_inv_freq
 from mconvert.validators.ft_runner import (
     causal_attention,
     gelu_tanh,
@@ -57,13 +58,49 @@ def _llama3(inv: torch.Tensor, scaling: dict[str, Any], where: str) -> torch.Ten
     return torch.where(wavelen < original / high, inv, torch.where(wavelen > original / low, inv / factor, mid))
 
 
-# the types this runner computes -> inverse frequencies from the unscaled ones; another known type is refused
+def _yarn_params(scaling: dict[str, Any], where: str) -> dict[str, float]:
+    """The YaRN values TensorRT-LLM's `Attention.create_attention_const_params` reads from `rotary_scaling`, with
+    its defaults for absent keys (it reads no `truncate` and no `attention_factor`)."""
+    out = {k: _number(scaling, k, d, where) for k, d in (("factor", 1.0), ("beta_fast", 32.0), ("beta_slow", 1.0),
+                                                          ("original_max_position_embeddings", 4096))}
+    for k, d in (("mscale", 1.0), ("mscale_all_dim", 0.0)):  # a negative mscale: an attention factor below 1
+        v = scaling.get(k, d)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                k == "mscale_all_dim" and v < 0):
+            raise MConvertError(f"{where}: rotary_scaling.{k} = {v!r} must be a finite number"
+                                f"{' >= 0' if k == 'mscale_all_dim' else ''}; re-export it with "
+                                "`mconvert megatron-to-trtllm`")
+        out[k] = float(v)
+    return out
+
+
+def _yarn(rotary_dim: int, base: float, scaling: dict[str, Any], where: str) -> torch.Tensor:
+    """YaRN as `RopeEmbeddingUtils.create_sinusoidal_positions_yarn` computes it: the correction range always
+    rounded."""
+    p = _yarn_params(scaling, where)
+    return yarn_inv_freq(rotary_dim, base, p["factor"], int(p["original_max_position_embeddings"]), p["beta_fast"],
+                         p["beta_slow"], True)
+
+
+# the types this runner computes -> inverse frequencies from the unscaled ones (yarn: from the rotary dim and
+# base, `_yarn`); another known type is refused
 ROTARY_SCALINGS = {"none": lambda inv, scaling, where: inv, "linear": _linear, "llama3": _llama3}
+COMPUTED = (*ROTARY_SCALINGS, "yarn")
+
+
+def rotary_mscale(cfg: dict[str, Any], where: str = "config.json") -> float:
+    """What TensorRT-LLM multiplies cos and sin by: YaRN's mscale ratio (megatron-core's rule), else 1. The LLaMA
+    layout rotates the whole head, so scaling the rotated q and k is scaling cos and sin."""
+    scaling = cfg.get("rotary_scaling") or {}
+    if scaling.get("type", scaling.get("rope_type")) != "yarn":
+        return 1.0
+    p = _yarn_params(scaling, where)
+    return megatron_attention_factor(p["factor"], p["mscale"], p["mscale_all_dim"])
 
 
 def rotary_inv_freq(cfg: dict[str, Any], rotary_dim: int, where: str = "config.json") -> torch.Tensor:
     """The inverse frequencies TensorRT-LLM's attention rotates by for this config.json: `rotary_base` scaled as
-    `rotary_scaling` says (none, linear, llama3); a type it does not compute or does not know is refused."""
+    `rotary_scaling` says (none, linear, llama3, yarn); a type it does not compute or does not know is refused."""
     inv = rope_inv_freq(rotary_dim, float(cfg.get("rotary_base") or 10000.0))
     scaling = cfg.get("rotary_scaling") or {}
     kind = scaling.get("type", scaling.get("rope_type")) if scaling else "none"
@@ -71,9 +108,11 @@ def rotary_inv_freq(cfg: dict[str, Any], rotary_dim: int, where: str = "config.j
     if kind not in TRT_ROTARY_SCALING_TYPES:
         raise MConvertError(f"{where}: rotary_scaling type {kind!r} is not a TensorRT-LLM rotary scaling type "
                             f"({', '.join(TRT_ROTARY_SCALING_TYPES)})")
-    if kind not in ROTARY_SCALINGS:
+    if kind not in COMPUTED:
         raise MConvertError(f"{where}: rotary_scaling type {kind!r} is not computed by mconvert's TensorRT-LLM "
-                            f"reference runner (computes: {', '.join(ROTARY_SCALINGS)}); validation refused")
+                            f"reference runner (computes: {', '.join(COMPUTED)}); validation refused")
+    if kind == "yarn":
+        return _yarn(rotary_dim, float(cfg.get("rotary_base") or 10000.0), scaling, where)
     return ROTARY_SCALINGS[kind](inv, scaling, where)
 
 
@@ -110,6 +149,7 @@ def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -
     if layout.position_embedding_type.startswith("rope"):
         rot = int(cfg.get("rotary_embedding_dim") or hd)
         inv = rotary_inv_freq(cfg, rot, str(d / "config.json"))
+        mscale = rotary_mscale(cfg, str(d / "config.json"))
 
     for i in range(L):
         p = f"transformer.layers.{i}."
@@ -122,7 +162,7 @@ def trtllm_logits(path: str | Path, tokens: torch.Tensor, device: str = "cpu") -
             q, k, v = qkv.split([nq_l * hd, nkv_l * hd, nkv_l * hd], -1)
             q, k, v = split_heads(q, nq_l), split_heads(k, nkv_l), split_heads(v, nkv_l)
             if inv is not None:
-                q, k = rope_neox(q, rot, inv_freq=inv), rope_neox(k, rot, inv_freq=inv)
+                q, k = rope_neox(q, rot, inv_freq=inv) * mscale, rope_neox(k, rot, inv_freq=inv) * mscale
             k, v = k.repeat_interleave(nq_l // nkv_l, 1), v.repeat_interleave(nq_l // nkv_l, 1)
             attn += causal_attention(q, k, v) @ w[p + "attention.dense.weight"].t()
         x = x + attn + r0.get(p + "attention.dense.bias", 0)

@@ -88,7 +88,8 @@ def validate(
     if not others:
         raise MConvertError("validate: give at least one model to compare with the reference")
     infos = [describe(ref)] + [describe(o) for o in others]
-    tokens, source = _tokens(infos, n_tokens, batch, text_file)
+    window = max((i.window for i in infos if i.window), default=None)
+    tokens, source = _tokens(infos, n_tokens, batch, text_file, window)
 
     ref_info = infos[0]
     ref_res = _result(ref_info)
@@ -120,7 +121,8 @@ def validate(
     report = ValidateReport(
         device=dev,
         tokens={"batch": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]), "source": source,
-                "text": str(text_file) if text_file else "built-in"},
+                "text": str(text_file) if text_file else "built-in",
+                **({"window": window, "beyond_window": int(tokens.shape[1]) > window} if window else {})},
         reference=ref_res,
         results=results,
         passed=all(r.passed for r in results),
@@ -131,7 +133,10 @@ def validate(
     return report
 
 
-def _tokens(infos: list[ModelInfo], n_tokens: int, batch: int, text_file: str | Path | None):
+def _tokens(infos: list[ModelInfo], n_tokens: int, batch: int, text_file: str | Path | None,
+            window: int | None = None):
+    """The token batch; with a sliding window (keys per query) a sequence no longer than it is lengthened to twice
+    the window (within the context), so the comparison covers positions where the window masks keys."""
     vocabs = [i.vocab_size for i in infos if i.vocab_size]
     if not vocabs:
         raise MConvertError(f"{infos[0].path}: cannot tell the vocabulary size of any model given")
@@ -140,6 +145,8 @@ def _tokens(infos: list[ModelInfo], n_tokens: int, batch: int, text_file: str | 
         raise MConvertError(f"--tokens {n_tokens}: need at least 2 tokens per sequence")
     if n_tokens > max_pos:
         raise MConvertError(f"--tokens {n_tokens} exceeds max_position_embeddings {max_pos}; use --tokens {max_pos}")
+    if window is not None and n_tokens <= window < max_pos:
+        n_tokens = min(max_pos, 2 * window)
     text = None
     if text_file is not None:
         try:
@@ -189,8 +196,9 @@ def _label(info: ModelInfo) -> str:
 
 def render(report: ValidateReport, console) -> None:
     """The rich table: one row per model, its metrics against the limits applied, and the verdict."""
+    window = (f", sliding window {report.tokens['window']} keys" if report.tokens.get("window") else "")
     t = Table(title=f"validate on {report.device}: {report.tokens['batch']}×{report.tokens['seq_len']} tokens "
-              f"({rich_safe(report.tokens['source'])})", title_justify="left")
+              f"({rich_safe(report.tokens['source'])}{window})", title_justify="left")
     for col in ("model", "format", "dtype", "max abs (limit)", "mean abs", "KL(ref‖x)", "top-1", "ppl", "verdict"):
         t.add_column(col, overflow="fold")
     r = report.reference

@@ -8,6 +8,7 @@ adds the logits comparison of `validate`; `--vllm-python` serves the dir in a re
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import time
@@ -34,7 +35,10 @@ from mconvert.mappings.family import Family
 from mconvert.validators.formats import describe, has_tokenizer
 from mconvert.validators.tokens import load_tokenizer
 from mconvert.validators.validate import validate
-from mconvert.validators.vllm_check import vllm_compare
+from mconvert.mappings.families import hf_table
+from mconvert.mappings.fields import key_names
+from mconvert.validators.engine_probe import chat_ids, probe_export
+from mconvert.validators.vllm_check import CHAT, vllm_compare
 
 SCHEMA = "mconvert.verify/1"
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -105,15 +109,18 @@ def verify(
         return rep
     _architecture(cfg, rep)
     _config_fields(cfg, rep)
+    _engine_limits(cfg, rep)
+    probed = _probe(d, cfg)
     files, wmap = _weight_files(d, rep)
     header = _headers(d, files, wmap, rep)  # name -> (shape, dtype, file)
     if header:
-        _strict(cfg, header, rep)
+        _strict(cfg, header, probed, rep)
         _dtypes(cfg, header, rep)
         _finite_and_tied(cfg, header, rep)
     _tokenizer(d, cfg, rep)
+    _chat_renders(d, rep)
     _config_ids(cfg, rep)
-    _generation_config(d, cfg, rep)
+    _generation_config(d, cfg, probed, rep)
     _manifest(d, rep)
     if against is not None:
         _against(d, cfg, Path(against), rep, device, n_tokens)
@@ -121,9 +128,13 @@ def verify(
         if rep.errors():
             rep.add("vllm", "error", f"not served: fix {', '.join(c.name for c in rep.errors())} first")
         else:
-            rep.vllm = vllm_compare(d, Path(vllm_python))
-            v = rep.vllm
-            rep.add("vllm", "ok" if v["passed"] else "error", v["summary"])
+            try:
+                rep.vllm = vllm_compare(d, Path(vllm_python))
+            except MConvertError as e:
+                rep.add("vllm", "error", str(e))
+            else:
+                v = rep.vllm
+                rep.add("vllm", "ok" if v["passed"] else "error", v["summary"])
     rep.seconds = time.perf_counter() - t0
     return rep
 
@@ -131,7 +142,7 @@ def verify(
 # ---- config ---------------------------------------------------------------------------------------
 def _config(d: Path, rep: VerifyReport) -> dict[str, Any] | None:
     p = d / "config.json"
-    if not p.is_file():
+    if not os.path.lexists(p):
         rep.add("config", "error", f"{p}: missing; an HF dir needs config.json")
         return None
     try:
@@ -256,41 +267,74 @@ def _headers(d: Path, files: list[Path], wmap: dict[str, str] | None, rep: Verif
     return out
 
 
-def _meta_model(cfg: dict[str, Any]):
-    """The transformers class vLLM's architecture maps to, built on the meta device (no memory)."""
-    # heavy optional import: transformers loads only when a model is run
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+def _engine_limits(cfg: dict[str, Any], rep: VerifyReport) -> None:
+    """The values transformers and vLLM cannot run, named by config.json key: an epsilon that is not a positive
+    number (RMSNorm/LayerNorm divide by sqrt(mean + eps), infinite on a zero row), a top-k outside [1, experts]
+    (torch.topk in transformers' router and vLLM's fused_topk refuses k > experts; k = 0 routes a token
+    nowhere), query heads that KV heads do not divide (both repeat each KV head over a whole group)."""
+    mt = cfg.get("model_type")
+    keys = key_names(hf_table(mt)) if families.by_model_type(mt) is not None else {}
+    problems = []
 
-    c = dict(cfg)
-    mt = c.pop("model_type", None)
+    def num(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    eps = keys.get("norm_epsilon")
+    if eps and eps in cfg and not (num(cfg[eps]) and cfg[eps] > 0):
+        problems.append(f"{eps}={cfg[eps]!r} must be a positive number (the norms divide by sqrt(mean(x²) + "
+                        f"{eps}), infinite on a zero row)")
+    topk, n = keys.get("moe_router_topk"), keys.get("num_experts")
+    if topk and n and cfg.get(n) is not None and topk in cfg:
+        k, e = cfg[topk], cfg[n]
+        if not (isinstance(k, int) and isinstance(e, int) and 1 <= k <= e):
+            problems.append(f"{topk}={k!r} must lie in [1, {n}={e!r}] (torch.topk in transformers' router and "
+                            "vLLM's fused_topk refuses more experts than there are; 0 routes a token to none)")
+    heads, groups = keys.get("num_attention_heads"), keys.get("num_query_groups")
+    h, g = cfg.get(heads) if heads else None, cfg.get(groups) if groups else None
+    if isinstance(h, int) and isinstance(g, int) and (g <= 0 or h % g):
+        problems.append(f"{groups}={g} must divide {heads}={h} (transformers and vLLM repeat each KV head over a "
+                        "whole group of query heads)")
+    if problems:
+        rep.add("config-engines", "error", "config.json: " + "; ".join(problems) + " — fix config.json")
+    else:
+        rep.add("config-engines", "ok", "epsilon, experts and head groups within what transformers and vLLM run")
+
+
+def _generation_dict(d: Path) -> dict[str, Any] | None:
+    """generation_config.json as an object, or None (missing or unreadable: `_generation_config` says so)."""
+    try:
+        return load_json_object(inside_file(d, "generation_config.json", f"{d}: generation config"),
+                                "generation config")
+    except MConvertError:
+        return None
+
+
+def _probe(d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers' own reading of config.json (its model class built on meta) and of generation_config.json,
+    in a bounded child (`engine_probe.probe_export`); the config part is {"refused": line} when mconvert
+    refuses before transformers runs or the child ran past a bound."""
+    mt = cfg.get("model_type")
     if families.by_model_type(mt) is None:
         known = ", ".join(f.model_type for f in families.all_families())
-        raise MConvertError(f"config.json: model_type {mt!r} is not one mconvert verifies ({known})")
-    for k in ("architectures", "transformers_version", "_name_or_path"):
-        c.pop(k, None)
-    v = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
+        return {"config": {"refused": f"config.json: model_type {mt!r} is not one mconvert verifies ({known})"},
+                "generation": None}
     try:
-        conf = AutoConfig.for_model(mt, **c)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(conf), conf
-    finally:
-        hf_logging.set_verbosity(v)
-
-
-def _strict(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
-    try:
-        model, conf = _meta_model(cfg)
+        return probe_export(cfg, _generation_dict(d), d)
     except MConvertError as e:
-        rep.add("weights-strict", "error", str(e))
+        return {"config": {"refused": str(e)}, "generation": None}
+
+
+def _strict(cfg: dict[str, Any], header: dict, probed: dict[str, Any], rep: VerifyReport) -> None:
+    built = probed["config"]
+    if "refused" in built:  # mconvert's own line (a family it does not verify, a bound hit)
+        rep.add("weights-strict", "error", built["refused"])
         return
-    except Exception as e:  # transformers rejects the config itself
-        rep.add("weights-strict", "error", f"config.json: transformers cannot build the model ({str(e)[:200]})")
+    if "error" in built:
+        rep.add("weights-strict", "error", f"config.json: transformers cannot build the model ({built['error']})")
         return
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {k: tuple(v) for k, v in built["shapes"].items()}
     always_tied = _family(cfg).vllm.always_ties_head is not None
-    tied = bool(getattr(conf, "tie_word_embeddings", False)) or always_tied
+    tied = built["tie"] or always_tied
     missing = [k for k in expected if k not in header and not (tied and k == "lm_head.weight")]
     unexpected = [k for k in header if k not in expected and not any(re.search(p, k) for p in _IGNORABLE)]
     bad_shape = [(k, header[k][0], expected[k]) for k in expected if k in header and header[k][0] != expected[k]]
@@ -304,9 +348,9 @@ def _strict(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
         k, got, want = bad_shape[0]
         problems.append(f"{len(bad_shape)} shape mismatch(es), e.g. {k} is {list(got)}, config says {list(want)}")
     if problems:
-        rep.add("weights-strict", "error", f"not strict-loadable by {type(model).__name__}: " + "; ".join(problems))
+        rep.add("weights-strict", "error", f"not strict-loadable by {built['model']}: " + "; ".join(problems))
     else:
-        rep.add("weights-strict", "ok", f"{len(header)} tensors match {type(model).__name__} by name and shape")
+        rep.add("weights-strict", "ok", f"{len(header)} tensors match {built['model']} by name and shape")
 
 
 def _dtypes(cfg: dict[str, Any], header: dict, rep: VerifyReport) -> None:
@@ -398,10 +442,23 @@ def _tokenizer(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
         rep.add("tokenizer", "ok", f"{n} tokens within vocab_size {vocab}{pad}")
 
 
-def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
+def _chat_renders(d: Path, rep: VerifyReport) -> None:
+    """Every chat template of the export renders a conversation, as vLLM's chat endpoint renders it (in a
+    bounded child: a template that loops or grows without end is an error, never a hang)."""
+    try:
+        if not has_tokenizer(d) or not has_chat_template(d):
+            return
+        n = len(chat_ids(d, CHAT))
+    except MConvertError as e:
+        rep.add("chat-template", "error", str(e))
+        return
+    rep.add("chat-template", "ok", f"{n} template(s) render a conversation")
+
+
+def _generation_config(d: Path, cfg: dict[str, Any], probed: dict[str, Any], rep: VerifyReport) -> None:
     p = d / "generation_config.json"
     vocab = int(cfg.get("vocab_size") or 0)
-    if not p.is_file():
+    if not os.path.lexists(p):
         rep.add("generation-config", "error", f"{p}: missing; vLLM reads eos/bos ids from it")
         return
     try:
@@ -413,7 +470,12 @@ def _generation_config(d: Path, cfg: dict[str, Any], rep: VerifyReport) -> None:
     eos = g.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
     outside = _ids_outside(g, vocab)
-    if not eos_ids:
+    refused = probed.get("generation")
+    if refused:
+        key = re.search(r"`(\w+)`", refused)
+        fix = f"fix {key.group(1)}" if key else "fix it"
+        rep.add("generation-config", "error", f"{p}: transformers' GenerationConfig refuses it ({refused}); {fix}")
+    elif not eos_ids:
         rep.add("generation-config", "error", f"{p.name}: no eos_token_id; generation would never stop on EOS")
     elif outside:
         rep.add("generation-config", "error", f"{p.name}: {'; '.join(outside)} outside vocab_size {vocab}")

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io.paths import inside_file, load_json_object
+from mconvert.convert.io.paths import check_tree_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
-from mconvert.convert.tokenizer import has_chat_template, load_tokenizer
+from mconvert.validators.engine_probe import chat_ids
 from mconvert.validators.formats import has_tokenizer
 from mconvert.validators.tokens import make_batch
 
@@ -56,11 +56,11 @@ def _prompts(d: Path, vocab: int, n_prompts: int, length: int) -> list[list[int]
 
 
 def _chat_ids(d: Path) -> list[list[int]]:
-    """transformers' prompt ids of `CHAT` through the export's own chat template ([] without a template)."""
-    if not has_tokenizer(d) or not has_chat_template(d):
+    """transformers' prompt ids of `CHAT` through the export's default chat template ([] without a template),
+    rendered in a bounded child (`engine_probe.chat_ids`)."""
+    if not has_tokenizer(d):
         return []
-    ids = load_tokenizer(d).apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
-    return [list(ids["input_ids"] if isinstance(ids, dict) else ids)]
+    return chat_ids(d, CHAT)[:1]
 
 
 def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
@@ -113,10 +113,14 @@ def vllm_compare_many(
 
     jobs = []
     for d in dirs:
+        check_tree_contained(d, f"{d}: model file")  # vLLM and transformers open the files by name
         cfg = load_json_object(inside_file(d, "config.json", f"{d}: config"), "config", "re-export the model")
         max_pos = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 128)
         max_len = min(128, max_pos)
         plen = min(prompt_len, max_len // 2)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if isinstance(window, int) and not isinstance(window, bool):  # prompts the window masks keys of
+            plen = min(max(plen, 2 * window), max_len // 2)
         chat = _chat_ids(d)
         chat_len = max((len(c) for c in chat), default=0)
         if chat_len + max_tokens > max_len:

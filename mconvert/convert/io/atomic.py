@@ -511,18 +511,30 @@ def _manifest_plan(root: Path, unlisted: bool) -> tuple[str, list[str], list[tup
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
         return "", [f"{path}: unreadable manifest ({type(e).__name__}: {e}); re-run the conversion"], []
     problems = []
-    top = root.resolve()
+    # os.path.realpath, not Path.resolve: a symlink loop is a problem of the entry, never a RuntimeError
+    top = os.path.realpath(root)
     to_hash = []
     for rel, (size, digest) in sorted(listed.items()):
         p = root / rel
-        if top not in p.resolve().parents:
+        real = os.path.realpath(p)
+        if not real.startswith(top.rstrip(os.sep) + os.sep):
             problems.append(f"{path}: entry {rel!r} points outside {root}; the manifest was tampered with")
-        elif not isinstance(digest, str):
+            continue
+        if not isinstance(digest, str):
             problems.append(f"{path}: entry {rel!r} has no {algorithm} digest; the manifest was tampered with")
-        elif not p.is_file():
+            continue
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
             problems.append(f"{p}: listed in the manifest but missing")
-        elif p.stat().st_size != size:
-            problems.append(f"{p}: size {p.stat().st_size} != manifest {size}")
+            continue
+        except OSError as e:  # ELOOP (a symlink loop), EACCES, ...
+            problems.append(f"{p}: listed in the manifest but unreadable ({e.strerror})")
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{p}: listed in the manifest but not a regular file")
+        elif st.st_size != size:
+            problems.append(f"{p}: size {st.st_size} != manifest {size}")
         else:
             to_hash.append((p, digest, size))
     if unlisted:
@@ -557,6 +569,21 @@ def verify_input(path: str | Path) -> None:
     if problems:
         raise _input_changed(root, problems)
     _check_on_reads(root, algorithm, to_hash)
+
+
+def listed_by_manifest(path: str | Path) -> set[str]:
+    """The real paths of the files the manifest covering input `path` lists (empty: no manifest, or one
+    `verify_input` refuses): what `verify_input` checks byte for byte, so another check need not hash them."""
+    from mconvert.convert.io.paths import read_small
+
+    root = _manifest_root(Path(path))
+    if root is None:
+        return set()
+    try:
+        _, listed = manifest_entries(read_small(_contained_manifest(root), "json"))
+    except (MConvertError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        return set()
+    return {os.path.realpath(root / rel) for rel in listed}
 
 
 def _manifest_root(path: Path) -> Path | None:

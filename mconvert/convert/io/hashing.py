@@ -358,6 +358,19 @@ class _OutputFile:
             raise MConvertError(f"{self.path}: write failed ({getattr(e, 'strerror', None) or e})") from None
 
 
+class _SameHash:
+    """The second hash of a HashingFile whose `also` is its own algorithm: nothing to take twice."""
+
+    def __init__(self, h: Any) -> None:
+        self._h = h
+
+    def update(self, data: Any) -> None:
+        pass
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 class HashingFile(_OutputFile):
     """Sequential writer + the manifest's hash off the caller's thread; at most `max_pending` bytes queued.
 
@@ -373,12 +386,19 @@ class HashingFile(_OutputFile):
     the bytes and the digest are the same either way."""
 
     def __init__(self, path: str | Path, max_pending: int = 64 << 20, direct: bool = False,
-                 chunk: int = CHUNK, algorithm: str | None = None) -> None:
+                 chunk: int = CHUNK, algorithm: str | None = None, also: str | None = None) -> None:
         self.path = Path(path)
         self.algorithm = check_hash_name(algorithm or _manifest_hash)
         self._chunk = chunk
         self._open(direct)
         self._h = new_hasher(self.algorithm)
+        # `also`: a second algorithm taken on the same bytes (a format's own manifest: Megatron-LM's sha256);
+        # `digests` holds both once closed. With O_DIRECT it hashes each full staging chunk on a thread of its
+        # own, beside the disk writes: a sequential sha256 on the copying thread would halve its throughput
+        self._also = _SameHash(self._h) if also in (None, self.algorithm) else new_hasher(check_hash_name(also))
+        self._also_name = also or self.algorithm
+        self.digests: dict[str, str] = {}
+        self._also_q: Any = None
         self._total = 0  # bytes written so far (writer thread)
         self._q: deque[tuple[Any, Any, int]] = deque()  # (bytes, tensor or a call; what to keep; bytes queued)
         self._pending = 0
@@ -395,6 +415,11 @@ class HashingFile(_OutputFile):
             self._full: Any = queue.Queue()
             self._io = [threading.Thread(target=self._run_io, name=f"odirect {self.path.name}", daemon=True)
                         for _ in range(IO_WRITES)]
+            if not isinstance(self._also, _SameHash):  # a chunk is free once written and hashed
+                self._also_q = queue.Queue()
+                self._users = [0] * len(self._chunks)
+                self._users_lock = threading.Lock()
+                self._io.append(threading.Thread(target=self._run_also, name=f"{also} {self.path.name}", daemon=True))
             for t in self._io:
                 t.start()
         self._t = threading.Thread(target=self._run, name=f"write {self.path.name}", daemon=True)
@@ -421,6 +446,7 @@ class HashingFile(_OutputFile):
                         if ck is not None:
                             ck.value = crc32(mv)
                         self._h.update(mv)  # both hashes release the GIL for large buffers, as os.write does
+                        self._also.update(mv)
                         write_all(self._fd, mv)
                         self._total += len(mv)
                         del mv
@@ -438,7 +464,7 @@ class HashingFile(_OutputFile):
                             del piece
                             fill, pos = fill + n, pos + n
                             if fill == self._chunk:
-                                self._full.put((cur, fill, at))
+                                self._hand_on(cur, fill, at)
                                 cur, fill, at = self._free.get(), 0, at + fill
                         if ck is not None:
                             ck.value = crc
@@ -454,9 +480,41 @@ class HashingFile(_OutputFile):
             del data, keep, ck
         if self.direct:
             if fill and self._error is None:
-                self._full.put((cur, fill, at))
-            for _ in self._io:
+                self._hand_on(cur, fill, at)
+            for _ in range(IO_WRITES):
                 self._full.put(None)
+            if self._also_q is not None:
+                self._also_q.put(None)
+
+    def _hand_on(self, i: int, n: int, at: int) -> None:
+        """Staging chunk `i`, its `n` bytes filled, to the disk writers (at offset `at`) and the second hash."""
+        if self._also_q is not None:
+            self._users[i] = 2
+            self._also_q.put((i, n))
+        self._full.put((i, n, at))
+
+    def _chunk_done(self, i: int) -> None:
+        """One user of staging chunk `i` is done with it; the last one frees it for the copying thread."""
+        if self._also_q is not None:
+            with self._users_lock:
+                self._users[i] -= 1
+                if self._users[i]:
+                    return
+        self._free.put(i)
+
+    def _run_also(self) -> None:
+        """The second hash (`also`) over the full staging chunks, in file order."""
+        while True:
+            item = self._also_q.get()
+            if item is None:
+                return
+            i, n = item
+            try:
+                if self._error is None:
+                    self._also.update(memoryview(self._chunks[i])[:n])
+            except BaseException as e:  # noqa: BLE001
+                self._error = e.with_traceback(None)
+            self._chunk_done(i)
 
     def _run_io(self) -> None:
         """O_DIRECT writes of full chunks at their offsets; the last (partial) one padded to the block size."""
@@ -473,7 +531,7 @@ class HashingFile(_OutputFile):
                     write_all(self._fd, memoryview(self._chunks[i])[:padded], self, at)
             except BaseException as e:  # noqa: BLE001
                 self._error = e.with_traceback(None)  # its frames would pin the chunk's buffer
-            self._free.put(i)
+            self._chunk_done(i)
 
     def write_later(self, produce: Any) -> None:
         """Queue a call that returns the next bytes, made on the writer thread in turn — after every byte
@@ -525,7 +583,8 @@ class HashingFile(_OutputFile):
         finally:
             self._close_fd()
         self._raise()
-        return self._h.hexdigest()
+        self.digests = {self.algorithm: self._h.hexdigest(), self._also_name: self._also.hexdigest()}
+        return self.digests[self.algorithm]
 
     def abort(self) -> None:
         with self._cv:

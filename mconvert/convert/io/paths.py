@@ -27,6 +27,7 @@ LIMITS: dict[str, int] = {
     "tokenizer": 256 << 20,  # any tokenizer file (tokenizer.json of large vocabularies, sentencepiece models)
     "tracker": 64,  # latest_checkpointed_iteration.txt: "release" or an iteration number
     "ini": 1 << 20,  # FasterTransformer config.ini
+    "yaml": 4 << 20,  # Megatron-Bridge run_config.yaml (its whole ConfigContainer: tens of kilobytes)
 }
 
 
@@ -49,6 +50,25 @@ def contained(root: str | Path, relative: Any, what: str) -> Path:
         raise MConvertError(f"{what}: {path} is a symlink leading outside {root}; only files inside the input "
                             "directory are read — copy the file in instead of linking it")
     return path
+
+
+def check_tree_contained(root: str | Path, what: str, depth: int = 1) -> None:
+    """Refuse a directory handed by path to a library that opens files in it by name (transformers'
+    `from_pretrained`, optimum, vLLM): every entry of `root`, and of its folders `depth` levels down, must
+    resolve inside `root` and be a directory or a regular file, as `contained` and `check_regular` admit a
+    file mconvert opens itself."""
+    root = Path(root)
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError as e:
+        raise MConvertError(f"{root}: cannot list ({e.strerror}); check it exists and is readable") from None
+    for e in entries:
+        path = contained(root, e.name, f"{what}: {e.name}")
+        if os.path.isdir(path):
+            if depth > 0:
+                check_tree_contained(path, what, depth - 1)
+            continue
+        check_regular(path, what)
 
 
 def check_regular(path: str | Path, what: str = "") -> os.stat_result:

@@ -91,6 +91,14 @@ class StandIn:
         state = getattr(self, "_state", None)
         return rv if state is None else (*rv, state)
 
+    def inert_value(self) -> tuple[str, Any]:
+        """What it holds, as data: ("enum", value) for an enum member (made as `E(value)`), else ("object",
+        its attributes) for a data object."""
+        how, args = getattr(self, "_made", ("new", ()))
+        if how == "call" and len(args) == 1 and not self.__dict__.get("kwargs"):
+            return "enum", args[0]
+        return "object", {k: v for k, v in self.__dict__.items() if k not in ("args", "kwargs")}
+
     def __repr__(self) -> str:
         if "args" in self.__dict__:
             return f"{type(self).__name__}{self.args}"
@@ -168,15 +176,16 @@ _LOCK = threading.Lock()
 
 
 @contextmanager
-def _exactly_our_allow_list() -> Iterator[None]:
-    """Make ALLOW_LIST the only user allow-list while loading: importing megatron-core registers its own
-    classes process-wide (megatron/core/safe_globals.py); mconvert's answer must not depend on imports."""
+def _exactly_our_allow_list(inert: dict[str, type] | None = None) -> Iterator[None]:
+    """Make ALLOW_LIST (and the `inert` stand-ins the check pass made for this file) the only user allow-list
+    while loading: importing megatron-core registers its own classes process-wide
+    (megatron/core/safe_globals.py); mconvert's answer must not depend on imports."""
     with _LOCK:
         saved = torch.serialization.get_safe_globals()
         torch.serialization.clear_safe_globals()
         # the whole list, not just what the scan reported: classes built inside a REDUCE (numpy dtypes)
         # are not reported by it
-        torch.serialization.add_safe_globals(list(ALLOW_LIST.values()))
+        torch.serialization.add_safe_globals([*ALLOW_LIST.values(), *((c, q) for q, c in (inert or {}).items())])
         try:
             yield
         finally:
@@ -206,15 +215,15 @@ def safe_load(path: str | Path, what: str = "checkpoint") -> Any:
         raise MConvertError(f"{path}: {what} file is empty (truncated copy?); re-copy it")
     if head == _ZIP_MAGIC:
         refuse_duplicate_entries(path)
-        check_torch_pickle(path, [_zip_record(path, "data.pkl")])
+        inert = check_torch_pickle(path, [_zip_record(path, "data.pkl")])
         verify_zip_crc(path)
-        with _exactly_our_allow_list():
+        with _exactly_our_allow_list(inert):
             return check_tree(path, _load(path, what, mmap=True))
     if head[:1] == b"\x80":  # a bare pickle: the legacy torch.save format (or not torch at all)
         # read once: the bytes checked are the bytes loaded (and a file object keeps torch off its tar path)
         data = path.read_bytes()
-        check_torch_pickle(path, [data], pickles=_LEGACY_PICKLES)
-        with _exactly_our_allow_list():
+        inert = check_torch_pickle(path, [data], pickles=_LEGACY_PICKLES)
+        with _exactly_our_allow_list(inert):
             return check_tree(path, _load(path, what, mmap=False, data=data))
     raise MConvertError(
         f"{path}: not a torch checkpoint (starts with {head!r}, expected a zip or pickle); "
@@ -258,6 +267,9 @@ class ZipRecords:
         self._next: dict[int, tuple[int, int]] = {}  # file offset a record's next read starts at -> (record, crc)
         self._lock = threading.Lock()
         self.released = threading.Event()
+        # which unclaimed records the background check still takes, read before each record and block:
+        # "all"; "read" once a conversion failed on its input (`DeferredCRC.cancel`); "none" once it is dropped
+        self.scope = "all"
 
     @classmethod
     def parse(cls, path: Path) -> "ZipRecords | None":
@@ -332,16 +344,31 @@ class ZipRecords:
                 size, want, name = self.entries[start]
                 crc, pos, left = 0, start, size
                 while left:
+                    if not self.wanted(start):
+                        break  # cancelled meanwhile: the record is not this check's any more
                     k = os.preadv(f.fileno(), [chunk[: min(left, len(chunk))]], pos)
                     if k <= 0:
                         raise MConvertError(f"{self.path}: damaged zip structure ({name} runs past the end of the "
                                             "file); the file is corrupt — re-copy it")
                     crc = crc32(chunk[:k], crc)
                     pos, left = pos + k, left - k
+                if left:
+                    continue
                 if crc != want:
                     raise _crc_refusal(self.path, name)
                 with self._lock:
                     self.done.add(start)
+
+    def wanted(self, start: int) -> bool:
+        """Whether the record at data offset `start` is still to be checked in the current `scope`. "read": the
+        records the failed conversion can have read — every record of a file no reader indexed (loaded whole),
+        only the non-tensor records (the pickle) of one it did: a reader takes the tensors it reads by claim,
+        checked as they are read, so an unclaimed tensor record there was never read."""
+        if self.scope == "all":
+            return True
+        if self.scope == "none":
+            return False
+        return not self.claimed or not _tensor_record(self.entries[start][2])
 
     def check_unclaimed(self, _path: Any = None) -> None:
         """(background thread) Once the file is claimed or released, check every record nobody claimed."""
@@ -355,6 +382,12 @@ class ZipRecords:
         with self._lock:
             todo = sorted(o for o in self.claimed if o not in self.done)
         self._check(todo)
+
+
+def _tensor_record(name: str) -> bool:
+    """Whether zip entry `name` of a torch.save file holds a storage's bytes (`<archive>/data/<key>`)."""
+    parts = name.split("/")
+    return len(parts) == 3 and parts[1] == "data"
 
 
 def _crc_refusal(path: Path, name: str) -> MConvertError:
@@ -377,6 +410,7 @@ class DeferredCRC:
         self.records: dict[tuple[str, int, int], ZipRecords] = {}
         self.followed: dict[str, tuple[FollowedDigest, Callable[[str], MConvertError]]] = {}
         self._queued: set[str] = set()  # followed files handed to the background thread whole
+        self._dropped = False  # cancelled: a followed file's whole pass not started yet is not started
 
     def follow(self, digest: FollowedDigest, refuse: Callable[[str], MConvertError]) -> bool:
         """Take input file `digest.path`'s manifest digest on the bytes the conversion reads (`followed_digest`);
@@ -391,7 +425,7 @@ class DeferredCRC:
     def _finish(self, key: str) -> None:
         """(background thread) A followed file no reader feeds: its whole digest, unless a reader took it meanwhile."""
         digest, refuse = self.followed[key]
-        if not digest.attached:
+        if not digest.attached and not self._dropped:
             problem = digest.finish()
             if problem is not None:
                 raise refuse(problem)
@@ -469,17 +503,21 @@ class DeferredCRC:
         return out
 
     def cancel(self, explain: bool = False) -> None:
-        """Drop the checks not started yet (nothing will be committed: a dry run, or a conversion that
-        failed); raise the first failure among those that ran, since corrupt bytes explain the rest.
-        `explain` (the conversion failed on its input): finish the followed manifest digests too, so a
-        changed input is reported as changed, not as whatever its changed bytes broke."""
+        """Nothing will be committed (a dry run, or a conversion that failed): the background checks stop taking
+        records — a check still queued or waiting for its release finds nothing to do, a running one stops at
+        its next block — and every check is awaited; the first failure among those that ran is raised, since
+        corrupt bytes explain the rest. `explain` (the conversion failed on its input): the records it can have
+        read are still checked (`ZipRecords.wanted`), and the followed manifest digests finished, so a changed
+        input is reported as changed, not as whatever its changed bytes broke.
+        Which records are checked depends on what the conversion claimed, never on how far the background
+        thread got: every check is released and awaited the same way, whether it had started or not."""
         self._queued.update(self.followed)  # no background pass is started for them now
+        self._dropped = True
+        for recs in self.records.values():
+            recs.scope = "read" if explain else "none"
         self.release()
-        for f in self._futures:
-            f.cancel()
-        done = [f for f in self._futures if not f.cancelled()]
-        self._futures.clear()
-        for f in done:
+        futures, self._futures = self._futures, []
+        for f in futures:
             f.result()
         if explain:
             self.finish_followed()
@@ -1000,6 +1038,46 @@ def _check_all(kinds: tuple[type, ...]) -> Callable[[tuple], str | None]:
     return check
 
 
+_INERT_LEAVES = (type(None), bool, int, float, str, bytes)
+
+
+def _check_inert_args(args: tuple) -> str | None:
+    """A class the unpickler knows only by name is made as an enum member (`E(value)`, one plain value) or a
+    data object (`cls.__new__(cls)`, then its state): nothing else a save of megatron-core's enums and
+    dataclasses writes."""
+    if not args or (len(args) == 1 and (type(args[0]) in _INERT_LEAVES
+                                        or (type(args[0]) is tuple and all(type(x) in _INERT_LEAVES
+                                                                           for x in args[0])))):
+        return None
+    return "an unknown class called with arguments other than an enum value"
+
+
+def _first_class(obj: Any, classes: set[int]) -> type | None:
+    """The first of `classes` (by id) found as a value inside `obj` (each object visited once)."""
+    seen: set[int] = set()
+    todo = [obj]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or type(o) in _INERT_LEAVES:
+            continue
+        seen.add(id(o))
+        if isinstance(o, type):
+            if id(o) in classes:
+                return o
+            continue
+        if isinstance(o, dict):
+            todo.extend(o.keys())
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            todo.extend(o)
+        d = getattr(o, "__dict__", None)
+        if isinstance(d, dict):
+            todo.extend(d.values())
+        if isinstance(o, StandIn):
+            todo.append(getattr(o, "_state", None))
+    return None
+
+
 def _no_args(args: tuple) -> str | None:
     return f"{len(args)} arguments" if args else None
 
@@ -1171,8 +1249,17 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self._by_id = {id(g.obj): g for g in policy.values()}
         self._persistent = persistent
         self._stand_ins = stand_ins
+        self.inert: dict[str, type] = {}  # stand-ins made for globals under `stand_ins`, by name
         self._fresh: dict[int, Any] = {}  # id -> object: created by this load, nothing else holds it
         self._size: dict[int, tuple[int, int]] = {}  # id -> (entries, depth) of tuples / built objects
+
+    def load(self) -> Any:
+        obj = super().load()
+        if self.inert:
+            bare = _first_class(obj, set(map(id, self.inert.values())))
+            if bare is not None:  # named, not made: a callable in the data, never an enum or data object
+                raise _Refused(f"{_describe(bare)} as a value (only its enum members or data objects load)")
+        return obj
 
     # -- bookkeeping
     def _made(self, obj: Any) -> Any:
@@ -1202,8 +1289,10 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if g is None and self._stand_ins and module.startswith(self._stand_ins) \
                 and all(p.isidentifier() for p in qual.split(".")):
             cls = _stand_in(qual, module, name)[0]
-            g = self._policy[qual] = _Global(cls, cls)
+            g = self._policy[qual] = _Global(cls, cls, _check_inert_args)
             self._by_id[id(cls)] = g
+        if g is not None and g.check is _check_inert_args:
+            self.inert[qual] = g.obj
         if g is None:
             raise _Refused(f"GLOBAL {qual}")
         return g.obj
@@ -1446,16 +1535,23 @@ def _zip_record(path: Path, name: str) -> bytes:
         ) from None
 
 
-def check_torch_pickle(path: str | Path, blobs: list[bytes], pickles: int = 1) -> None:
+def check_torch_pickle(path: str | Path, blobs: list[bytes], pickles: int = 1) -> dict[str, type]:
     """Run the pickle program(s) of a torch file through the restricted unpickler with tensors stubbed, before
     torch's weights-only unpickler runs them for real: only `_torch_check_policy` globals and constructors,
-    state only into fresh objects of allowed types, tuples bounded. Each blob holds `pickles` pickles."""
+    state only into fresh objects of allowed types, tuples bounded. Each blob holds `pickles` pickles.
+
+    A class under `megatron.` that ALLOW_LIST does not name (a newer megatron-core's enum or dataclass in
+    `args`) gets an inert stand-in (`StandIn`: its name, value and state; the class is never imported) when
+    it is only made as an enum member or a data object; returns those stand-ins by name, for the load pass."""
     path = Path(path)
     policy = _torch_check_policy()
+    inert: dict[str, type] = {}
     for blob in blobs:
         f = io.BytesIO(blob)
         for _ in range(pickles):
-            _unpickle(path, f, policy, persistent=_stub_storage)
+            inert.update(_unpickle(path, f, policy, persistent=_stub_storage, stand_ins="megatron.",
+                                   inert=True)[1])
+    return inert
 
 
 def _refusal(path: Path, reason: str) -> MConvertError:
@@ -1473,9 +1569,12 @@ def _refusal(path: Path, reason: str) -> MConvertError:
 
 
 def _unpickle(path: Path, f: Any, policy: dict[str, _Global], persistent: Callable[[Any], Any] | None = None,
-              stand_ins: str | None = None) -> Any:
+              stand_ins: str | None = None, inert: bool = False) -> Any:
+    """The object `f` pickles (with, when `inert`, the stand-ins made for it by name)."""
     try:
-        return _RestrictedUnpickler(f, policy, persistent, stand_ins).load()
+        u = _RestrictedUnpickler(f, policy, persistent, stand_ins)
+        obj = u.load()
+        return (obj, u.inert) if inert else obj
     except _Refused as e:
         raise _refusal(path, str(e)) from None
     except MConvertError:

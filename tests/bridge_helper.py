@@ -1,0 +1,114 @@
+"""Runs Megatron-Bridge itself (in its own venv: mconvert/validators/bridge_env.sh) for tests/test_bridge.py.
+
+    python bridge_helper.py import HF_DIR CKPT        Megatron-Bridge's HF -> Megatron import (AutoBridge), saved
+                                                      as it saves every checkpoint (save_megatron_model)
+    python bridge_helper.py export HF_DIR CKPT OUT    Megatron-Bridge's own loader and HF export (export_ckpt) of CKPT
+
+Megatron-Bridge targets GPUs with Transformer Engine; on this CPU-only venv it needs these stand-ins, each for a
+name its checkpoint and conversion paths touch but whose work does not happen on CPU:
+- `typing.override`: megatron-core 0.19 imports it (Python 3.12); the 3.11 venv takes typing_extensions'.
+- `transformer_engine`: two Megatron-Bridge modules import it unconditionally (its LoRA layers and the full-TE
+  layer spec) though neither is used here. A stub is served to those two importers only, so megatron-core still
+  finds Transformer Engine absent and builds its torch layers.
+- `torch.cuda.current_device`, `get_rng_state`, `set_rng_state`, `synchronize`: called by megatron-core's model
+  set-up and checkpoint save; on CPU there is no device, RNG or stream to address (the CPU generator stands in).
+- the layer spec: Megatron-Bridge's default (and what mconvert's run_config.yaml names) is the Transformer Engine
+  spec; here it is megatron-core's local spec, which saves and loads the same torch_dist keys (its
+  `sharded_state_dict_keys_map` maps the norms to the TE names).
+- the fusions the providers turn on (rope, persistent layer norm, MoE permutation and router, grouped GEMM) are
+  TE kernels: turned off for the import, and MoE tokens go through the allgather dispatcher.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import types
+import typing
+
+import typing_extensions
+
+typing.override = typing_extensions.override  # type: ignore[attr-defined]
+
+_TE_IMPORTERS = ("megatron.bridge.peft.lora_layers", "megatron.bridge.models.gpt_full_te_layer_autocast_spec")
+
+
+class _Absent:
+    def __init__(self, *a: object, **k: object) -> None:
+        raise RuntimeError("Transformer Engine is stubbed in the Megatron-Bridge test venv")
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, attr: str) -> object:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Absent if attr[:1].isupper() else _StubModule(f"{self.__name__}.{attr}")
+
+
+class _TEFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves `transformer_engine` (a stub) only to the modules in _TE_IMPORTERS."""
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001
+        if name.split(".")[0] != "transformer_engine":
+            return None
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_globals.get("__name__") in _TE_IMPORTERS:
+                return importlib.util.spec_from_loader(name, self, is_package=True)
+            frame = frame.f_back
+        return None
+
+    def create_module(self, spec):  # noqa: ANN001
+        return _StubModule(spec.name)
+
+    def exec_module(self, module) -> None:  # noqa: ANN001
+        module.__path__ = []
+
+
+def _cpu() -> None:
+    sys.meta_path.insert(0, _TEFinder())
+    import torch
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda *a, **k: None
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.bridge.models import gpt_provider
+
+    gpt_provider.default_layer_spec = gpt_provider.local_layer_spec  # looked up by name when a config loads
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
+        del sys.modules[name]
+
+
+def import_hf(hf_dir: str, ckpt: str) -> None:
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.bridge.training.model_load_save import temporary_distributed_context
+
+    bridge = AutoBridge.from_hf_pretrained(hf_dir)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    provider.transformer_layer_spec = local_layer_spec
+    provider.apply_rope_fusion = False
+    provider.persist_layer_norm = False
+    provider.gradient_accumulation_fusion = False
+    provider.moe_permute_fusion = False  # TE kernels, as above; the MoE dispatcher is the allgather one on CPU
+    provider.moe_router_fusion = False
+    provider.moe_grouped_gemm = False
+    provider.moe_token_dispatcher_type = "allgather"
+    provider.finalize()
+    with temporary_distributed_context(backend="gloo"):
+        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
+        bridge.save_megatron_model(model, ckpt, hf_tokenizer_path=hf_dir)
+
+
+def export_hf(hf_dir: str, ckpt: str, out: str) -> None:
+    from megatron.bridge import AutoBridge
+
+    AutoBridge.from_hf_pretrained(hf_dir).export_ckpt(ckpt, out, show_progress=False)
+
+
+if __name__ == "__main__":  # megatron-core's checkpoint writer spawns processes that re-import this file
+    _cpu()
+    verb, *argv = sys.argv[1:]
+    {"import": import_hf, "export": export_hf}[verb](*argv)
