@@ -784,14 +784,8 @@ class ModelSpec:
         raise MConvertError(f"no split declaration for parameter {name!r}")
 
     def _decls_by_template(self) -> list[tuple[str, str]]:
-        layer0 = self.layer_params(0, experts=False)
-        moe_layer = next((i for i in range(self.num_layers) if self.is_moe_layer(i)), None)
-        if moe_layer is not None:  # every expert has expert 0's template and kind; dense layers have their own
-            layer0 += self.layer_params(moe_layer, experts=False) + self.expert_params(moe_layer, 0)
-        dense_layer = next((i for i in range(self.num_layers) if not self.is_moe_layer(i)), None)
-        if dense_layer is not None:
-            layer0 += self.layer_params(dense_layer)
-        decls = self.embedding_params() + layer0 + self.final_params()
+        # every expert has expert 0's template and kind; dense and MoE layers each their own (no loop over layers)
+        decls = self.embedding_params() + self.layer_template() + self.final_params()
         if self.tie_embeddings:  # the last stage's copy of the embedding, when PP > 1
             decls.append(ParamDecl("output_layer.weight", "vocab", ()))
         return [(name_template(d.name), d.kind) for d in decls]
