@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Union
 
 from mconvert import dtypes
@@ -135,6 +136,26 @@ class ModelSpec:
     num_experts: int | None = None
     moe_ffn_hidden_size: int | None = None  # each expert's width; None = ffn_hidden_size (Megatron's default)
     moe_router_topk: int = 2  # experts per token
+    # DeepSeek-V3 architecture (megatron-core's MLA and DeepSeek MoE); the defaults are the other families'.
+    # Multi-latent attention when kv_lora_rank is set: q (through a q_lora_rank latent, or directly when None)
+    # and k/v from a shared kv_lora_rank latent; each head's q/k is qk_nope_head_dim + qk_rope_head_dim wide
+    # (Megatron's qk_head_dim / qk_pos_emb_head_dim), its v v_head_dim.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # DeepSeek MoE: shared experts (their total width), sigmoid scores with an aux-loss-free expert bias,
+    # a scale on the routed probabilities, group-limited top-k, and which layers are MoE (Megatron's
+    # moe_layer_freq: every N-th layer, or a 0/1 per layer; HF first_k_dense_replace is [0]*k + [1]*(L-k)).
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_enable_expert_bias: bool = False  # `mlp.router.expert_bias` [E] fp32, added to scores for choice only
+    moe_router_topk_scaling_factor: float | None = None  # HF routed_scaling_factor
+    moe_router_num_groups: int | None = None  # HF n_group
+    moe_router_group_topk: int | None = None  # HF topk_group
+    moe_layer_freq: int | tuple[int, ...] = 1
+    mtp_num_layers: int | None = None  # multi-token prediction layers (`mtp.layers.K.*`); HF num_nextn_predict_layers
     # Sliding-window attention, megatron-core's `window_size` left size: a query at position i attends to keys
     # i - window_size .. i (window_size + 1 keys; HF's `sliding_window` counts them, so it is window_size + 1).
     # None = full causal attention everywhere.
@@ -170,8 +191,15 @@ class ModelSpec:
         if self.num_experts is None:  # the MoE fields mean nothing to a dense model
             object.__setattr__(self, "moe_ffn_hidden_size", None)
             object.__setattr__(self, "moe_router_topk", 2)
+            for name, default in _DEEPSEEK_MOE_DEFAULTS.items():
+                object.__setattr__(self, name, default)
         elif self.moe_ffn_hidden_size == self.ffn_hidden_size:
             object.__setattr__(self, "moe_ffn_hidden_size", None)
+        if isinstance(self.moe_layer_freq, list):  # frozen and hashable
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if self.kv_lora_rank is None:  # the MLA sizes mean nothing to standard attention
+            for name, default in _MLA_DEFAULTS.items():
+                object.__setattr__(self, name, default)
         self._canonical_window()
         self.validate()
 
@@ -210,6 +238,7 @@ class ModelSpec:
             raise MConvertError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         self._validate_rope_scaling()
         self._validate_moe()
+        self._validate_deepseek()
         self._validate_window()
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
@@ -233,6 +262,72 @@ class ModelSpec:
         if self.moe_router_topk > self.num_experts:
             raise MConvertError(f"moe_router_topk {self.moe_router_topk} exceeds num_experts {self.num_experts}")
 
+    def _validate_deepseek(self) -> None:
+        """Refuse MLA sizes, DeepSeek router settings, an MoE layer pattern or MTP depth that megatron-core cannot
+        build; one line naming the field."""
+        def whole(name: str, v: Any, minimum: int = 1) -> None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise MConvertError(f"{name} must be a whole number >= {minimum}, got {v!r}")
+
+        if self.is_mla:
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                whole(name, getattr(self, name))
+            if self.q_lora_rank is not None:
+                whole("q_lora_rank", self.q_lora_rank)
+            if self.qk_rope_head_dim % 2:
+                raise MConvertError(f"qk_rope_head_dim must be even (rope rotates pairs), got {self.qk_rope_head_dim}")
+            if self.position_embedding_type != "rope" or self.rope_scaling is not None or self.rotary_percent != 1:
+                raise MConvertError("multi-latent attention rotates qk_rope_head_dim with plain rope here "
+                                    "(position_embedding_type='rope', rotary_percent 1, no rope_scaling); "
+                                    f"this model has {self.position_embedding_type!r}, rotary_percent "
+                                    f"{self.rotary_percent}, rope_scaling {self.rope_scaling!r}")
+            if self.rotary_interleaved:
+                raise MConvertError("multi-latent attention with rotary_interleaved=True is not megatron-core's MLA "
+                                    "(it de-interleaves the rope dims itself); set rotary_interleaved False")
+            if self.add_bias_linear or self.add_qkv_bias or self.qk_layernorm:
+                raise MConvertError("multi-latent attention has no linear biases and no per-head q/k norm (its "
+                                    "latent norms are part of it); set add_bias_linear, add_qkv_bias and "
+                                    "qk_layernorm False")
+        elif self.q_lora_rank is not None:
+            raise MConvertError(f"q_lora_rank={self.q_lora_rank} without kv_lora_rank: multi-latent attention "
+                                "needs kv_lora_rank")
+        if self.mtp_num_layers is not None:
+            whole("mtp_num_layers", self.mtp_num_layers)
+        if self.window_size is not None and (self.is_mla or self.mtp_num_layers is not None):
+            raise MConvertError(f"window_size={self.window_size} (sliding-window attention) with multi-latent "
+                                "attention or MTP layers is not mapped; drop window_size or use standard attention")
+        if not self.is_moe:
+            return
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise MConvertError(f"unsupported moe_router_score_function {self.moe_router_score_function!r} "
+                                "(softmax or sigmoid)")
+        if self.moe_shared_expert_intermediate_size is not None:
+            whole("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+        f = self.moe_router_topk_scaling_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f)
+                              or f <= 0):
+            raise MConvertError(f"moe_router_topk_scaling_factor must be a finite positive number, got {f!r}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise MConvertError("moe_router_num_groups and moe_router_group_topk go together (group-limited "
+                                f"routing); got {groups!r} and {group_topk!r}")
+        if groups is not None:
+            whole("moe_router_num_groups", groups)
+            whole("moe_router_group_topk", group_topk)
+            if self.num_experts % groups or group_topk > groups:  # type: ignore[operator]
+                raise MConvertError(f"moe_router_num_groups={groups} must divide num_experts={self.num_experts} "
+                                    f"and be at least moe_router_group_topk={group_topk}")
+            if self.moe_router_topk % group_topk or self.moe_router_topk > group_topk * (self.num_experts // groups):  # type: ignore[operator]
+                raise MConvertError(f"moe_router_topk={self.moe_router_topk} must be a multiple of "
+                                    f"moe_router_group_topk={group_topk} and fit in the chosen groups")
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            if len(freq) != self.num_layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq):
+                raise MConvertError(f"moe_layer_freq must be one 0/1 per layer ({self.num_layers}), got {list(freq)}")
+            if not any(freq):
+                raise MConvertError("moe_layer_freq marks no layer as MoE; drop num_experts for a dense model")
+        else:
+            whole("moe_layer_freq", freq)
     def _validate_window(self) -> None:
         """Refuse a window that is not a whole number >= 0, or a pattern that is not one 0/1 per layer."""
         w = self.window_size
@@ -367,6 +462,35 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
+    def deepseek_features(self) -> dict[str, Any]:
+        """The DeepSeek-V3 architecture features this model uses, under Megatron-LM's arg names (empty for the
+        other families' architectures): what a family must state to hold the model."""
+        values = {k: getattr(self, k) for k in _DEEPSEEK_ARGS if hasattr(self, k)}
+        return deepseek_features({**values, "multi_latent_attention": self.is_mla})
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (DeepSeek-V2/V3) instead of fused QKV."""
+        return self.kv_lora_rank is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (global index; `num_layers` and above: the MTP layers, built as the last
+        decoder layer) routes its MLP over experts (megatron-core's moe_layer_freq rule)."""
+        if not self.is_moe:
+            return False
+        freq = self.moe_layer_freq
+        layer = min(layer, self.num_layers - 1)
+        return bool(freq[layer]) if isinstance(freq, tuple) else layer % freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many decoder layers are MoE (megatron-core's moe_layer_freq rule, counted without a loop over
+        the layers when it is an every-N-th)."""
+        if not self.is_moe:
+            return 0
+        freq = self.moe_layer_freq
+        return sum(freq) if isinstance(freq, tuple) else -(-self.num_layers // freq)
+
     @property
     def expert_ffn_hidden_size(self) -> int:
         """One expert's MLP width (Megatron's moe_ffn_hidden_size, defaulting to ffn_hidden_size)."""
@@ -390,13 +514,21 @@ class ModelSpec:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     def num_parameters(self) -> int:
-        """Parameter count (padded vocab at TP=1); every layer has layer 0's shapes and every expert expert 0's,
-        so no loop over layers or experts: the count is arithmetic in both."""
-        per_layer = sum(math.prod(p.shape) for p in self.layer_params(0, experts=False))
-        if self.is_moe:
-            per_layer += self.num_experts * sum(math.prod(p.shape) for p in self.expert_params(0, 0))  # type: ignore[operator]
-        rest = self.embedding_params(1) + self.final_params(1)
-        return sum(math.prod(p.shape) for p in rest) + self.num_layers * per_layer
+        """Parameter count (padded vocab at TP=1, buffers left out): every MoE layer has the shapes of any other,
+        every dense layer too, and every expert expert 0's, so the count is arithmetic in layers and experts."""
+        def count(decls: list[ParamDecl]) -> int:
+            return sum(math.prod(p.shape) for p in decls if not is_buffer(p.name))
+
+        experts = self.num_experts * count(self.expert_params(0, 0)) if self.is_moe else 0  # type: ignore[operator]
+        moe_layer = count(self._block_params("", 0, True, False, None)) + experts if self.is_moe else 0
+        dense_layer = count(self._block_params("", 0, False, False, None))
+        n_moe = self.num_moe_layers
+        total = n_moe * moe_layer + (self.num_layers - n_moe) * dense_layer
+        if self.mtp_num_layers:  # each MTP layer's transformer layer is built as the last decoder layer
+            last = self.num_layers
+            total += self.mtp_num_layers * (count(self.mtp_params(0, experts=False))
+                                            + (experts if self.is_moe_layer(last) else 0))
+        return total + count(self.embedding_params(1) + self.final_params(1, mtp=False))
 
     def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
         """Refuse a TP/PP/EP that does not divide heads, groups, ffn, layers or experts."""
@@ -417,7 +549,14 @@ class ModelSpec:
             raise MConvertError(
                 f"TP={tp} and num_query_groups={self.num_groups}: one must divide the other; pick such a TP"
             )
-        if self.qkv_rows % tp:  # groups < TP: a group straddles ranks, the fused rows must still split evenly
+        for name, rows in self._mla_split_rows().items():
+            if rows % tp:
+                raise MConvertError(f"TP={tp} does not divide {name}={rows} (megatron-core's local spec splits "
+                                    "multi-latent attention's down projection over TP); pick a TP that does")
+        if self.moe_shared_expert_intermediate_size is not None and self.moe_shared_expert_intermediate_size % tp:
+            raise MConvertError(f"TP={tp} does not divide moe_shared_expert_intermediate_size="
+                                f"{self.moe_shared_expert_intermediate_size}; pick a TP that does")
+        if not self.is_mla and self.qkv_rows % tp:  # groups < TP: a group straddles ranks, the fused rows must still split evenly
             raise MConvertError(
                 f"TP={tp} does not divide the {self.qkv_rows} fused QKV rows (heads={self.num_attention_heads}, "
                 f"groups={self.num_groups}, head_dim={self.head_dim}); pick a TP that divides num_query_groups"
@@ -433,40 +572,62 @@ class ModelSpec:
                 "pick a PP that does"
             )
 
+    def _mla_split_rows(self) -> dict[str, int]:
+        """The latent widths TP splits in megatron-core's local spec (empty without multi-latent attention)."""
+        if not self.is_mla:
+            return {}
+        out = {"kv_lora_rank + qk_rope_head_dim": (self.kv_lora_rank or 0) + self.qk_rope_head_dim}
+        if self.q_lora_rank is not None:
+            out["q_lora_rank"] = self.q_lora_rank
+        return out
+
     # ---- the split declarations ----------------------------------------------------------------
     def layer_params(self, layer: int, experts: bool = True) -> list[ParamDecl]:
         """The parameters of one transformer layer (global index), full shapes; without `experts`, an MoE
         layer's dense part only (attention, norms, router)."""
+        return self._block_params(f"decoder.layers.{layer}.", layer, self.is_moe_layer(layer), experts, layer)
+
+    def _block_params(self, p: str, layer: int, moe: bool, experts: bool, tag: int | None) -> list[ParamDecl]:
+        """One transformer layer's declarations under prefix `p` (a decoder layer, or an MTP layer's
+        `transformer_layer`); `tag` is the ParamDecl's layer."""
         H, F, hd, nh = self.hidden_size, self.ffn_hidden_size, self.head_dim, self.num_attention_heads
-        p = f"decoder.layers.{layer}."
         out: list[ParamDecl] = []
 
         def add(name: str, kind: str, *shape: int) -> None:
-            out.append(ParamDecl(p + name, kind, tuple(shape), layer))
+            out.append(ParamDecl(p + name, kind, tuple(shape), tag))
 
         ln_bias = self.normalization == "LayerNorm"
         add("input_layernorm.weight", "replicated", H)
         if ln_bias:
             add("input_layernorm.bias", "replicated", H)
-        add("self_attention.linear_qkv.weight", "qkv", self.qkv_rows, H)
-        if self.has_qkv_bias:
-            add("self_attention.linear_qkv.bias", "qkv", self.qkv_rows)
-        if self.qk_layernorm:  # one [head_dim] norm shared by every head, so every TP rank holds all of it
-            for qk in ("q_layernorm", "k_layernorm"):
-                add(f"self_attention.{qk}.weight", "replicated", hd)
-                if ln_bias:
-                    add(f"self_attention.{qk}.bias", "replicated", hd)
-        add("self_attention.linear_proj.weight", "row", H, nh * hd)
+        if self.is_mla:
+            out += [ParamDecl(p + d.name, d.kind, d.shape, tag) for d in self.mla_params()]
+        else:
+            add("self_attention.linear_qkv.weight", "qkv", self.qkv_rows, H)
+            if self.has_qkv_bias:
+                add("self_attention.linear_qkv.bias", "qkv", self.qkv_rows)
+            if self.qk_layernorm:  # one [head_dim] norm shared by every head, so every TP rank holds all of it
+                for qk in ("q_layernorm", "k_layernorm"):
+                    add(f"self_attention.{qk}.weight", "replicated", hd)
+                    if ln_bias:
+                        add(f"self_attention.{qk}.bias", "replicated", hd)
+            add("self_attention.linear_proj.weight", "row", H, nh * hd)
         if self.add_bias_linear:
             add("self_attention.linear_proj.bias", "replicated", H)
         add("pre_mlp_layernorm.weight", "replicated", H)
         if ln_bias:
             add("pre_mlp_layernorm.bias", "replicated", H)
         fc1_kind = "gated" if self.gated else "column"
-        if self.is_moe:  # router (every rank holds it), then each expert's MLP split over TP like a dense one
+        if moe:  # router (every rank holds it), then each expert's MLP split over TP like a dense one
             add("mlp.router.weight", "replicated", self.num_experts, H)  # type: ignore[arg-type]
+            if self.moe_router_enable_expert_bias:  # an fp32 buffer, updated outside the optimizer
+                add("mlp.router.expert_bias", "replicated", self.num_experts)  # type: ignore[arg-type]
+            if self.moe_shared_expert_intermediate_size is not None:  # a dense MLP beside the experts
+                S = self.moe_shared_expert_intermediate_size
+                add("mlp.shared_experts.linear_fc1.weight", fc1_kind, 2 * S if self.gated else S, H)
+                add("mlp.shared_experts.linear_fc2.weight", "row", H, S)
             for e in range(self.num_experts if experts else 0):  # type: ignore[arg-type]
-                out += self.expert_params(layer, e)
+                out += self.expert_params(layer, e, prefix=p, tag=tag)
             return out
         fc1_rows = 2 * F if self.gated else F
         add("mlp.linear_fc1.weight", fc1_kind, fc1_rows, H)
@@ -477,24 +638,79 @@ class ModelSpec:
             add("mlp.linear_fc2.bias", "replicated", H)
         return out
 
-    def layer_template(self, layer: int = 0) -> list[ParamDecl]:
-        """One layer's parameters with expert 0 standing for every routed expert (each has its shapes): what a
-        table of shapes by name template needs, built in a time that does not grow with num_experts, so a
-        config claiming a million experts is refused on the router's shape before anything loops over them."""
-        return self.layer_params(layer, experts=False) + (self.expert_params(layer, 0) if self.is_moe else [])
+    def mla_params(self) -> list[ParamDecl]:
+        """Multi-latent attention's parameters (names under `self_attention.`, megatron-core's local spec): the
+        down projections are column-split there (each rank computes a slice of the latent, then all-gathers it;
+        the Transformer Engine spec keeps them whole on every rank), the up projections split by head."""
+        H, nh, r = self.hidden_size, self.num_attention_heads, self.qk_rope_head_dim
+        q_head = self.qk_nope_head_dim + r
+        a = "self_attention."
+        out = []
+        if self.q_lora_rank is None:
+            out.append(ParamDecl(a + "linear_q_proj.weight", "column", (nh * q_head, H)))
+        else:
+            out += [ParamDecl(a + "linear_q_down_proj.weight", "column", (self.q_lora_rank, H)),
+                    ParamDecl(a + "q_layernorm.weight", "replicated", (self.q_lora_rank,)),
+                    ParamDecl(a + "linear_q_up_proj.weight", "column", (nh * q_head, self.q_lora_rank))]
+        kv = self.kv_lora_rank or 0
+        return out + [
+            ParamDecl(a + "linear_kv_down_proj.weight", "column", (kv + r, H)),  # rows: the latent, then k's rope part
+            ParamDecl(a + "kv_layernorm.weight", "replicated", (kv,)),
+            ParamDecl(a + "linear_kv_up_proj.weight", "column", (nh * (self.qk_nope_head_dim + self.v_head_dim), kv)),
+            ParamDecl(a + "linear_proj.weight", "row", (H, nh * self.v_head_dim)),
+        ]
 
-    def expert_params(self, layer: int, expert: int) -> list[ParamDecl]:
+    def layer_template(self, layer: int | None = None) -> list[ParamDecl]:
+        """A layer's parameters with expert 0 standing for every routed expert (each has its shapes): what a
+        table of shapes by name template needs, built in a time that does not grow with num_experts, so a
+        config claiming a million experts is refused on the router's shape before anything loops over them.
+        Without `layer`, the first dense layer's and the first MoE layer's together (an MoE layer pattern mixes
+        both, under the same layer-index template)."""
+        if layer is not None:
+            return self.layer_params(layer, experts=False) + (
+                self.expert_params(layer, 0) if self.is_moe_layer(layer) else [])
+        return [d for i in self._first_layers() for d in self.layer_template(i)]
+
+    def _first_layers(self) -> list[int]:
+        """The first dense layer and the first MoE layer, where there are (no loop over the layers)."""
+        if not self.is_moe:
+            return [0]
+        freq = self.moe_layer_freq
+        if isinstance(freq, tuple):
+            return sorted({freq.index(v) for v in set(freq)})
+        return [0] if freq == 1 or self.num_layers == 1 else [0, 1]
+
+    def expert_params(self, layer: int, expert: int, prefix: str | None = None,
+                      tag: int | None = -1) -> list[ParamDecl]:
         """The parameters of one routed expert (global index) of an MoE layer: its MLP, split over TP like a
-        dense one."""
+        dense one (`prefix`: another layer's, e.g. an MTP layer's `transformer_layer.`)."""
         H, F = self.hidden_size, self.expert_ffn_hidden_size
         fc1_kind, fc1_rows = ("gated", 2 * F) if self.gated else ("column", F)
-        x = f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}."
-        out = [ParamDecl(x + "linear_fc1.weight", fc1_kind, (fc1_rows, H), layer, expert)]
+        x = (prefix or f"decoder.layers.{layer}.") + f"mlp.experts.local_experts.{expert}."
+        at = layer if tag == -1 else tag
+        out = [ParamDecl(x + "linear_fc1.weight", fc1_kind, (fc1_rows, H), at, expert)]
         if self.add_bias_linear:
-            out.append(ParamDecl(x + "linear_fc1.bias", fc1_kind, (fc1_rows,), layer, expert))
-        out.append(ParamDecl(x + "linear_fc2.weight", "row", (H, F), layer, expert))
+            out.append(ParamDecl(x + "linear_fc1.bias", fc1_kind, (fc1_rows,), at, expert))
+        out.append(ParamDecl(x + "linear_fc2.weight", "row", (H, F), at, expert))
         if self.add_bias_linear:
-            out.append(ParamDecl(x + "linear_fc2.bias", "replicated", (H,), layer, expert))
+            out.append(ParamDecl(x + "linear_fc2.bias", "replicated", (H,), at, expert))
+        return out
+
+    def mtp_params(self, k: int, experts: bool = True) -> list[ParamDecl]:
+        """Multi-token prediction layer `k` (megatron-core's `mtp.layers.K.*`): norms of the next token's
+        embedding and of the hidden state, their projection eh_proj [H, 2H] (column), one transformer layer
+        (built as the last decoder layer), and its final norm; the embedding and the head are the model's."""
+        H, p = self.hidden_size, f"mtp.layers.{k}."
+        out = [ParamDecl(p + "enorm.weight", "replicated", (H,)), ParamDecl(p + "hnorm.weight", "replicated", (H,)),
+               ParamDecl(p + "eh_proj.weight", "column", (H, 2 * H))]
+        if self.normalization == "LayerNorm":
+            out.insert(1, ParamDecl(p + "enorm.bias", "replicated", (H,)))
+            out.append(ParamDecl(p + "hnorm.bias", "replicated", (H,)))
+        last = self.num_layers + k
+        out += self._block_params(p + "transformer_layer.", last, self.is_moe_layer(last), experts, None)
+        out.append(ParamDecl(p + "final_layernorm.weight", "replicated", (H,)))
+        if self.normalization == "LayerNorm":
+            out.append(ParamDecl(p + "final_layernorm.bias", "replicated", (H,)))
         return out
 
     def embedding_params(self, tp: int = 1) -> list[ParamDecl]:
@@ -513,13 +729,16 @@ class ModelSpec:
             )
         return out
 
-    def final_params(self, tp: int = 1) -> list[ParamDecl]:
+    def final_params(self, tp: int = 1, mtp: bool = True) -> list[ParamDecl]:
+        """The final norm, the untied head and (with `mtp`) the MTP layers, whole."""
         H = self.hidden_size
         out = [ParamDecl("decoder.final_layernorm.weight", "replicated", (H,))]
         if self.normalization == "LayerNorm":
             out.append(ParamDecl("decoder.final_layernorm.bias", "replicated", (H,)))
         if not self.tie_embeddings:
             out.append(ParamDecl("output_layer.weight", "vocab", (self.padded_vocab_size(tp), H)))
+        for k in range((self.mtp_num_layers or 0) if mtp else 0):  # on the last stage, after the head (megatron-core's order)
+            out += self.mtp_params(k)
         return out
 
     def units(self, split_experts: bool = False) -> list[Unit]:
@@ -532,7 +751,7 @@ class ModelSpec:
 
     def layer_units(self, layer: int) -> list[Unit]:
         """Layer `layer` as the units it splits into: itself when dense, else its dense part and its experts."""
-        if not self.is_moe:
+        if not self.is_moe_layer(layer):
             return [layer]
         return [LayerPart(layer, None), *(LayerPart(layer, e) for e in range(self.num_experts))]  # type: ignore[arg-type]
 
@@ -565,10 +784,8 @@ class ModelSpec:
         raise MConvertError(f"no split declaration for parameter {name!r}")
 
     def _decls_by_template(self) -> list[tuple[str, str]]:
-        layer0 = self.layer_params(0, experts=False)
-        if self.is_moe:  # every expert has expert 0's template and kind
-            layer0 += self.expert_params(0, 0)
-        decls = self.embedding_params() + layer0 + self.final_params()
+        # every expert has expert 0's template and kind; dense and MoE layers each their own (no loop over layers)
+        decls = self.embedding_params() + self.layer_template() + self.final_params()
         if self.tie_embeddings:  # the last stage's copy of the embedding, when PP > 1
             decls.append(ParamDecl("output_layer.weight", "vocab", ()))
         return [(name_template(d.name), d.kind) for d in decls]
@@ -620,6 +837,8 @@ class ModelSpec:
         # written only when used, so the args of a model without them stay as they are
         for k, v in self._rope_and_qk_megatron_args().items():
             setattr(ns, k, v)
+        for k, v in self._deepseek_megatron_args().items():
+            setattr(ns, k, v)
         for k, v in window_megatron_args(self).items():
             setattr(ns, k, v)
         if self.is_moe:
@@ -633,6 +852,23 @@ class ModelSpec:
         for k, v in extra.items():
             setattr(ns, k, v)
         return ns
+
+    def _deepseek_megatron_args(self) -> dict[str, Any]:
+        """Megatron-LM's args for MLA, the DeepSeek router, the MoE layer pattern and MTP (empty when unused).
+        MLA's latent norms exist in megatron-core only with `qk_layernorm`; its rope is plain (`rope_type`)."""
+        out: dict[str, Any] = {}
+        if self.is_mla:
+            out.update(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=self.q_lora_rank,
+                       kv_lora_rank=self.kv_lora_rank, qk_head_dim=self.qk_nope_head_dim,
+                       qk_pos_emb_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, rope_type="rope",
+                       rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=1.0)
+        if self.mtp_num_layers is not None:
+            out["mtp_num_layers"] = self.mtp_num_layers
+        if self.is_moe:
+            out.update({k: getattr(self, k) for k, v in _DEEPSEEK_MOE_DEFAULTS.items() if getattr(self, k) != v})
+            if isinstance(self.moe_layer_freq, tuple):  # Megatron-LM parses its string form into this list
+                out["moe_layer_freq"] = list(self.moe_layer_freq)
+        return out
 
     def _rope_and_qk_megatron_args(self) -> dict[str, Any]:
         """megatron-core's own args for qk-norm and rope scaling (empty when the model uses neither)."""
@@ -673,6 +909,9 @@ class ModelSpec:
             unused += list(_YARN_DEFAULTS)
         if not self.is_moe:
             unused += ["num_experts", "moe_ffn_hidden_size", "moe_router_topk"]
+        unused += [k for k, v in _DEEPSEEK_MOE_DEFAULTS.items() if d[k] == v]
+        unused += [] if self.is_mla else ["kv_lora_rank", *_MLA_DEFAULTS]
+        unused += [] if self.mtp_num_layers is not None else ["mtp_num_layers"]
         if self.window_size is None:
             unused += ["window_size", "window_pattern"]
         for name in unused:
@@ -681,6 +920,13 @@ class ModelSpec:
 
 
 ROPE_SCALINGS = (None, "llama3", "linear", "yarn")
+_MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                 "v_head_dim": 128}
+_DEEPSEEK_MOE_DEFAULTS: dict[str, Any] = {
+    "moe_shared_expert_intermediate_size": None, "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+    "moe_router_group_topk": None, "moe_layer_freq": 1,
+}
 _LLAMA3_BAND_DEFAULTS: dict[str, Any] = {
     "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position_embeddings": 8192,
 }
@@ -818,6 +1064,59 @@ def moe_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:
     topk = a.get("moe_router_topk")
     return {"num_experts": int(n), "moe_ffn_hidden_size": a.get("moe_ffn_hidden_size"),
             "moe_router_topk": 2 if topk is None else int(topk)}
+
+
+_DEEPSEEK_ARGS: dict[str, Any] = {"multi_latent_attention": False, "mtp_num_layers": None, **_DEEPSEEK_MOE_DEFAULTS}
+
+
+def deepseek_features(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The DeepSeek-V3 architecture args among `values` (Megatron-LM's args, or ModelSpec fields) that are not at
+    their default, in a fixed order (MLA first)."""
+    out = {}
+    for k, default in _DEEPSEEK_ARGS.items():
+        v = values.get(k)
+        if v is None or v == default or (k == "moe_layer_freq" and isinstance(v, (list, tuple)) and set(v) == {1}):
+            continue
+        out[k] = v
+    return out
+
+
+def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict[str, Any]:
+    """ModelSpec kwargs for MLA, the DeepSeek router, the MoE layer pattern and MTP from Megatron-LM's args
+    (empty when unused). Under MLA `qk_layernorm` means its latent norms, not a per-head q/k norm. MLA's rope is
+    YaRN unless `rope_type` is 'rope'; a YaRN whose factor is 1 is plain rope, another is refused."""
+    out: dict[str, Any] = {}
+    if a.get("multi_latent_attention"):
+        if not a.get("qk_layernorm"):
+            raise MConvertError(f"{source}: Megatron arg multi_latent_attention=True without qk_layernorm (no latent norms) is not "
+                                "mapped; conversion refused")
+        factor = a.get("rotary_scaling_factor")
+        if a.get("rope_type") != "rope" and factor not in (None, 1, 1.0):
+            raise MConvertError(f"{source}: multi-latent attention with YaRN rope (rope_type="
+                                f"{a.get('rope_type')!r}, rotary_scaling_factor={factor!r}) is not mapped; "
+                                "conversion refused")
+        if a.get("rope_type") == "rope" and factor not in (None, 1, 1.0) and a.get("mscale_all_dim"):
+            raise MConvertError(f"{source}: rope_type='rope' with rotary_scaling_factor={factor!r} and "
+                                f"mscale_all_dim={a.get('mscale_all_dim')!r} rescales MLA's softmax in "
+                                "megatron-core; not mapped; conversion refused")
+        out.update(qk_layernorm=False, q_lora_rank=a.get("q_lora_rank"), kv_lora_rank=int(a["kv_lora_rank"]),
+                   qk_nope_head_dim=int(a.get("qk_head_dim") or 128),
+                   qk_rope_head_dim=int(a.get("qk_pos_emb_head_dim") or 64), v_head_dim=int(a.get("v_head_dim") or 128))
+    if a.get("mtp_num_layers") is not None:
+        out["mtp_num_layers"] = int(a["mtp_num_layers"])
+    if a.get("num_experts") is not None or a.get("num_moe_experts") is not None:
+        for k in _DEEPSEEK_MOE_DEFAULTS:
+            if a.get(k) is not None:
+                out[k] = a[k]
+        if a.get("moe_router_pre_softmax"):
+            raise MConvertError(f"{source}: moe_router_pre_softmax=True is not mapped; conversion refused")
+    return out
+
+
+def is_buffer(name: str) -> bool:
+    """Whether a declared tensor is a saved buffer, not a trained parameter (the router's expert bias, which
+    moves outside the optimizer)."""
+    return name.endswith(".expert_bias")
 
 
 def expert_of(name: str) -> int | None:

@@ -40,6 +40,9 @@ TRANSFORMERS_SHARED = ("configuration_utils.py", "modeling_utils.py", "modeling_
                        "integrations/sdpa_attention.py", "integrations/flash_attention.py",
                        "integrations/flex_attention.py")
 VLLM_SHARED = ("config/*.py", "transformers_utils/config.py", "transformers_utils/model_arch_config_convertor.py")
+# vLLM serves a model_type from a file of another name: DeepSeek-V3 from DeepSeek-V2's, its MTP layers from
+# deepseek_mtp.py
+VLLM_MODEL_FILES = {"deepseek_v3": ("deepseek_v2", "deepseek_mtp")}
 
 
 def _is_config(node: ast.AST) -> bool:
@@ -154,7 +157,10 @@ def vllm_root() -> Path | None:
 def vllm_sources(model_type: str, root: Path) -> list[Path]:
     models = root / "model_executor" / "models"
     shared = [p for s in VLLM_SHARED for p in sorted(root.glob(s))]
-    return [*_local_imports(models / f"{model_type}.py", "vllm.model_executor.models", set()), *shared]
+    seen: set[Path] = set()
+    own = [p for name in VLLM_MODEL_FILES.get(model_type, (model_type,))
+           for p in _local_imports(models / f"{name}.py", "vllm.model_executor.models", seen)]
+    return [*own, *shared]
 
 
 def _generation_defaults() -> set[str]:
@@ -175,7 +181,7 @@ def reads(model_type: str, vllm: Path | None) -> dict[str, set[str]]:
     out["transformers"] = names
     if vllm is not None:
         files = vllm_sources(model_type, vllm)
-        if not files or files[0].name != f"{model_type}.py":
+        if not files or files[0].name != f"{VLLM_MODEL_FILES.get(model_type, (model_type,))[0]}.py":
             raise FileNotFoundError(f"vLLM has no model file for {model_type!r} under {vllm}")
         out["vllm"] = set().union(*(config_reads(_parse(p)) for p in files))
     return out

@@ -76,9 +76,33 @@ def moe_config(spec: ModelSpec, ep: int = 1) -> dict[str, Any]:
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep)
 
 
+def deepseek_config(spec: ModelSpec) -> dict[str, Any]:
+    """megatron-core's config fields for MLA (plain rope: `rope_type='rope'`; its latent norms exist only with
+    `qk_layernorm`), the DeepSeek router, the MoE layer pattern and MTP (empty when the model has none)."""
+    out: dict[str, Any] = {}
+    if spec.is_mla:
+        out.update(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=spec.q_lora_rank,
+                   kv_lora_rank=spec.kv_lora_rank, qk_head_dim=spec.qk_nope_head_dim,
+                   qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_type="rope",
+                   rotary_base=spec.rotary_base, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
+                   apply_rope_fusion=False)
+    if spec.mtp_num_layers:
+        out.update(mtp_num_layers=spec.mtp_num_layers)
+    if spec.is_moe:
+        freq = spec.moe_layer_freq
+        out.update(moe_router_score_function=spec.moe_router_score_function,
+                   moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+                   moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
+                   moe_router_num_groups=spec.moe_router_num_groups, moe_router_group_topk=spec.moe_router_group_topk,
+                   moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+                   moe_layer_freq=list(freq) if isinstance(freq, tuple) else freq)
+    return out
+
+
 def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = None, ep: int = 1):
-    """megatron-core `TransformerConfig` equivalent to `spec` (fp32, no dropout, CPU init)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron-core `TransformerConfig` (`MLATransformerConfig` for MLA) equivalent to `spec` (fp32, no
+    dropout, CPU init)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     from megatron.core.transformer.utils import openai_gelu
 
     if spec.gated:
@@ -87,7 +111,8 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         act, glu = openai_gelu, False
     else:
         act, glu = F.gelu, False
-    return TransformerConfig(
+    deepseek = {"qk_layernorm": spec.qk_layernorm, **deepseek_config(spec)}
+    return (MLATransformerConfig if spec.is_mla else TransformerConfig)(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -101,7 +126,6 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         rotary_interleaved=spec.rotary_interleaved,
-        qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -112,9 +136,42 @@ def transformer_config(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = 
         use_cpu_initialization=True,
         apply_query_key_layer_scaling=False,
         attention_softmax_in_fp32=True,
-        **moe_config(spec, ep),
-        **window_megatron_args(spec),
+        **{**moe_config(spec, ep), **deepseek, **window_megatron_args(spec)},
     )
+
+
+class MLACoreAttention(torch.nn.Module):
+    """Causal softmax attention for MLA (q/k `k_channels` wide, v `v_channels`) at megatron-core's softmax scale:
+    the local spec's DotProductAttention assumes one head width, and Transformer Engine's fused attention is not
+    on CPU. [s, b, heads, d] in, [s, b, heads·v_channels] out."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, softmax_scale=None, k_channels=None,
+                 v_channels=None, **_: Any) -> None:
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, **_: Any):
+        q, k, v = (t.permute(1, 2, 0, 3).float() for t in (query, key, value))  # [b, heads, s, d]
+        s = q.shape[2]
+        scores = (q @ k.transpose(-1, -2)) * self.softmax_scale
+        mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+        ctx = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+        return ctx.permute(2, 0, 1, 3).reshape(s, q.shape[0], -1).to(query.dtype)
+
+
+def _layer_spec(spec: ModelSpec, config):
+    """The local layer spec; for the DeepSeek-V3 architecture megatron-core's per-layer block spec (dense and MoE
+    layers by moe_layer_freq) with MLA's core attention swapped for `MLACoreAttention`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if not (spec.is_mla or spec.mtp_num_layers or spec.moe_layer_freq != 1):
+        return get_gpt_layer_local_spec(num_experts=spec.num_experts, normalization=spec.normalization,
+                                        qk_layernorm=spec.qk_layernorm)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=spec.normalization)
+    if spec.is_mla:
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = MLACoreAttention
+    return block
 
 
 def set_yarn_config(config: Any, spec: ModelSpec) -> None:
@@ -137,17 +194,18 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
     parallel_state must be initialised."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     config = transformer_config(spec, tp, pp, vpp, ep)
+    layer_spec = _layer_spec(spec, config)
+    mtp = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if spec.mtp_num_layers else None
     if spec.rope_scaling == "llama3" and (spec.rope_low_freq_factor, spec.rope_high_freq_factor,
                                           spec.rope_original_max_position_embeddings) != (1.0, 4.0, 8192):
         raise ValueError("megatron-core's llama3 rope scaling fixes low 1, high 4, original 8192")
     set_yarn_config(config, spec)
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(num_experts=spec.num_experts, normalization=spec.normalization,
-                                 qk_layernorm=spec.qk_layernorm),
+        layer_spec,
         vocab_size=spec.padded_vocab_size(tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
@@ -160,6 +218,7 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
         rope_scaling_factor=spec.rope_scaling_factor if spec.rope_scaling == "llama3" else 8.0,
         seq_len_interpolation_factor=spec.rope_scaling_factor if spec.rope_scaling == "linear" else None,
         vp_stage=vp_stage,
+        mtp_block_spec=mtp,
     ).eval()
 
 
@@ -240,6 +299,9 @@ def _worker(rank: int, world: int, port: int, spec: ModelSpec, tp: int, pp: int,
         if spec.is_moe:  # megatron-core's MoE names TE's GEMM even without TE (DESIGN.md)
             import megatron.core.transformer.moe.moe_utils as moe_utils
             moe_utils.te_general_gemm = None
+        if spec.is_mla:  # MLA takes its linears from TE whenever TE imports; the local spec's are these
+            import megatron.core.transformer.multi_latent_attention as mla
+            mla.HAVE_TE = False
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         mrandom.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)

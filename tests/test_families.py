@@ -24,7 +24,7 @@ QUOTED = re.compile(r"""["'](%s)["']""" % "|".join(map(re.escape, FAMILY_NAMES))
 def test_every_module_declaring_a_family_is_discovered():
     """Discovery finds exactly the files of mappings/ that declare `FAMILY = Family(...)` (read as text here)."""
     declared = {p.stem for p in MAPPINGS.glob("*.py") if re.search(r"^FAMILY = Family\(", p.read_text(), re.M)}
-    assert declared == {"gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"}
+    assert declared == {"deepseek_v3", "gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"}
     assert {f.name for f in families.all_families()} == declared
 
 
@@ -46,8 +46,9 @@ def test_each_family_has_presets_of_its_own(name):
 
 
 def _family_presets():
-    """Every family's presets (each has an HF form)."""
-    return [(f.name, p) for f in families.all_families() for p in f.presets]
+    """Every family's presets (each has an HF form; the export of MTP layers is refused by name, so a preset
+    with them is left out: tests/test_deepseek_v3.py)."""
+    return [(f.name, p) for f in families.all_families() for p in f.presets if not f.presets[p].mtp_num_layers]
 
 
 @pytest.mark.parametrize("name,preset_name", _family_presets())
@@ -77,7 +78,7 @@ def test_megatron_args_without_model_family_are_recognised(name, preset_name):
 
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones():
-    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe$"):
+    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe$"):
         families.by_name("bert")
     args = vars(families.preset("tiny-llama").to_megatron_args(1, 1))
     with pytest.raises(MConvertError, match="unsupported model family 'bert'"):

@@ -189,13 +189,13 @@ def _copy_with_args(src: Path, dst: Path, run: str, files: str, **changes: objec
 
 RANK_FILES = "release/*/model_optim_rng.pt"
 
-# Per release, one value the release stores at its default set to one that changes the function (each
-# release gets the next of these it has).
+# Per release, one value the release stores at its default set to one that changes the function and is not
+# mapped (each release gets the next of these it has).
 FUNCTION_CHANGING = [
     ("apply_residual_connection_post_layernorm", True), ("layernorm_zero_centered_gamma", True),
     ("squared_relu", True), ("qk_l2_norm", True), ("softmax_type", "off-by-one"), ("attention_output_gate", True),
-    ("moe_router_score_function", "sigmoid"), ("use_mup", True), ("glu_linear_offset", 1.0),
-    ("window_size", (128, 5)), ("apply_layernorm_1p", True), ("moe_router_enable_expert_bias", True),
+    ("moe_router_pre_softmax", True), ("use_mup", True), ("glu_linear_offset", 1.0),
+    ("window_size", (128, 5)), ("apply_layernorm_1p", True), ("moe_router_force_load_balancing", True),
 ]
 
 

@@ -91,7 +91,7 @@ def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {}
     for unit in ("embedding", 0, "final"):
         decls = (spec.embedding_params() if unit == "embedding" else
-                 spec.final_params() if unit == "final" else spec.layer_template(0))
+                 spec.final_params() if unit == "final" else spec.layer_template())
         for d in decls:  # one parameter at a time: the template list is not a whole unit
             hf = to_hf_one(spec, d.name, torch.empty(d.shape, device="meta"))
             out.update({template(n): tuple(t.shape) for n, t in hf.items()})
@@ -102,7 +102,7 @@ def expected_shard_shapes(spec: ModelSpec, tp: int, vocab_rows: int | None = Non
     """Canonical Megatron shapes on one TP rank (layer index `*`); `vocab_rows`: the padded rows the args
     declare, when they do (else Megatron's own padding of the true vocab)."""
     out: dict[str, tuple[int, ...]] = {}
-    for d in spec.embedding_params(tp) + spec.layer_template(0) + spec.final_params(tp):
+    for d in spec.embedding_params(tp) + spec.layer_template() + spec.final_params(tp):
         shape = list(d.shape)
         if d.kind == "vocab" and vocab_rows is not None:
             shape[0] = vocab_rows

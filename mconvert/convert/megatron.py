@@ -51,12 +51,13 @@ from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.plugin import check_complete, hf_keys_for, hf_order, hf_row_plan, to_hf_one, transposed_in_hf
 from mconvert.mappings.transforms import (copy_transposed, merge, merge_rows, merge_transposed, pad_vocab, place_rows,
                                           split, split_dim)
-from mconvert.spec import LayerPart, ModelSpec, expert_of, layer_of_unit, with_expert
+from mconvert.spec import LayerPart, ModelSpec, expert_of, is_buffer, layer_of_unit, with_expert
 
 RANK_FILES = ("model_optim_rng.pt", "model_rng.pt")
 # megatron-core local-spec modules whose state_dict carries `<module>._extra_state` (None): strict loading
 # into megatron-core's GPTModel and the trainer expects them.
-EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
+EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer", "linear_q_proj",
+                       "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")
 
 
 def _checkpoint_version(state: dict, file: Path) -> float:
@@ -616,7 +617,7 @@ class MegatronSource(LayerParts):
         if any(name == "output_layer.weight" for _, name in wanted):
             self._check_tied_copy()
         shards: dict[str, list[torch.Tensor]] = {name: [] for _, name in wanted}
-        ostates: dict[str, list[dict]] = {name: [] for _, name in wanted}
+        ostates: dict[str, list[dict]] = {name: [] for _, name in wanted if not is_buffer(name)}
         direct = {} if with_optimizer else self._read_transposed_direct(p, c, [w for w in wanted if w[1] in transposed])
         if not with_optimizer:
             direct.update(self._read_dim0_direct(p, c, [w for w in wanted if w[1] not in direct]))
@@ -643,7 +644,7 @@ class MegatronSource(LayerParts):
                 ):
                     ten = _fix_legacy_qkv(ten, self.checkpoint_version, self.spec.num_attention_heads, self.spec.head_dim)
                 shards[name].append(ten)
-                if opt_by_name is not None:
+                if opt_by_name is not None and not is_buffer(name):  # a buffer (expert bias) has no Adam state
                     key = raw if self.vpp is None else f"model{c}.{raw}"
                     found = key
                     if opt_by_name.get(key) is None and self.vpp is None:

@@ -222,6 +222,10 @@ class TorchDistSource(SourceBase):
         self.optimizer_layout: str | None = None
         self._dp_slots: dict[str, list[tuple[int, int, int, int, tuple[int, ...]]]] = {}
         self._dp_dtype: Any = None
+        features = self.spec.deepseek_features()
+        if features:  # megatron-core keys a moe_layer_freq list per layer, MLA and MTP by their own names
+            raise MConvertError(f"{self.iter_dir}: torch_dist checkpoints of the DeepSeek-V3 architecture "
+                                f"({', '.join(features)}) are not supported; convert a torch-format checkpoint")
         self._index()
 
     def _counters(self, common: dict[str, Any], where: Path | str) -> None:
@@ -262,7 +266,7 @@ class TorchDistSource(SourceBase):
         """Map every DCP key to a canonical name (or an explicit drop); unknown keys are an error."""
         md_file = self.iter_dir / ".metadata"
         L = self.spec.num_layers
-        decls = self.spec.embedding_params(self.tp) + self.spec.layer_template(0) + self.spec.final_params(self.tp)
+        decls = self.spec.embedding_params(self.tp) + self.spec.layer_template() + self.spec.final_params(self.tp)
         self._declared = {_expert_template(d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1)): d.shape
                           for d in decls}
         self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])

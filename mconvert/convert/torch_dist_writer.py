@@ -215,6 +215,9 @@ class TorchDistWriter:
                  optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False,
                  bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)) -> None:
         spec.check_parallel(tp, pp, vpp, ep)
+        if spec.deepseek_features():  # megatron-core keys a moe_layer_freq list per layer, MLA and MTP their own way
+            raise MConvertError(f"--format torch_dist of the DeepSeek-V3 architecture "
+                                f"({', '.join(spec.deepseek_features())}) is not supported; use --format torch")
         self.bridge = bridge  # also write what Megatron-Bridge loads the checkpoint from (convert/bridge.py)
         self.bridge_source = bridge_source  # a Bridge source's (run config, train state), carried
         if bridge:  # its loader pads no vocab: the stored rows are the vocab itself

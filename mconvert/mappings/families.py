@@ -28,8 +28,14 @@ from mconvert.mappings.fields import (
     check_numbers,
 )
 from mconvert import dtypes
-from mconvert.spec import ModelSpec, moe_from_megatron_args, rope_and_qk_from_megatron_args
-from mconvert.spec import window_from_megatron_args
+from mconvert.spec import (
+    ModelSpec,
+    deepseek_features,
+    deepseek_from_megatron_args,
+    moe_from_megatron_args,
+    rope_and_qk_from_megatron_args,
+    window_from_megatron_args,
+)
 
 
 READS_FILE = "hf_config_reads.json"  # in mconvert/data: what each engine's code reads, per model_type
@@ -319,6 +325,9 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         v = a.get(name, default)
         return default if v is None else v
 
+    named = family if family is not None else get("model_family", None)
+    if named is not None:  # a named family refuses what it cannot hold before the DeepSeek args are parsed
+        _check_deepseek(by_name(named), a, source)
     try:
         H = int(a["hidden_size"])
         nh = int(a["num_attention_heads"])
@@ -359,9 +368,8 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         tie_embeddings=not bool(get("untie_embeddings_and_output_weights", False)),
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
         params_dtype=dtype,
-        **rope_and_qk_from_megatron_args(a, source),
-        **moe_from_megatron_args(a),
-        **window_from_megatron_args(a, L, source),
+        **{**rope_and_qk_from_megatron_args(a, source), **moe_from_megatron_args(a),
+           **deepseek_from_megatron_args(a, source), **window_from_megatron_args(a, L, source)},
     )
     if family is None:
         family = get("model_family", None)
@@ -375,4 +383,14 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
                f"MoE family {fam.name!r}, which needs num_experts")
             + "; conversion refused"
         )
+    _check_deepseek(fam, {**fields, "multi_latent_attention": fields.get("kv_lora_rank") is not None}, source)
     return ModelSpec(family=fam.name, **fields)
+
+
+def _check_deepseek(fam: Any, values: Mapping[str, Any], source: str) -> None:
+    """Refuse DeepSeek-V3 architecture args for a family that cannot hold them, naming the first."""
+    extra = deepseek_features(values)
+    if extra and not fam.deepseek:
+        k, v = next(iter(extra.items()))
+        raise MConvertError(f"{source}: Megatron arg {k}={v!r} is not supported for the {fam.name!r} family (the "
+                            "DeepSeek-V3 architecture is the deepseek_v3 family's); conversion refused")

@@ -206,6 +206,7 @@ class Family:
     # "per_layer" (`layer_types` / `max_window_layers` choose the windowed layers)
     hf_window: str | None = None
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
+    deepseek: bool = False  # the HF class computes MLA, the DeepSeek router and MTP (`ModelSpec.deepseek_features`)
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

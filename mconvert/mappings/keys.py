@@ -1,7 +1,7 @@
 """Key normalization: every Megatron spelling of a parameter -> its canonical megatron-core local-spec name.
 
 Spellings handled: mcore `decoder.*` (local and TE spec: `linear_qkv.layer_norm_weight`,
-`linear_fc1.layer_norm_weight`), legacy `language_model.*` flat keys and the legacy nested dict
+`linear_fc1.layer_norm_weight`, MLA's `linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight`), legacy `language_model.*` flat keys and the legacy nested dict
 (`model['language_model']['encoder'][...]`, flattened first), `transformer` vs `encoder`,
 `input_norm`/`input_layernorm`, `post_attention_norm|layernorm`, `final_norm|final_layernorm`,
 `query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`, `word_embeddings_for_head`.
@@ -42,6 +42,9 @@ SEGMENTS: dict[str, str] = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    # MLA in the TE spec: the latent norms fused into the up projections
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
     "self_attention.query_key_value": "self_attention.linear_qkv",
     "attention.query_key_value": "self_attention.linear_qkv",
     "self_attention.dense": "self_attention.linear_proj",

@@ -92,7 +92,7 @@ PRESETS = {
                                       max_position_embeddings=128, num_experts=4, moe_router_topk=2),
     # DeepSeek-V3's routed sizes (its 58 MoE layers, 256 experts of width 2048, top-8, hidden 7168, vocab
     # 129280) in this family's layout: ~670 B parameters, for `plan` estimates from shapes only. DeepSeek-V3
-    # itself (MLA, sigmoid router with expert bias, shared experts, dense first layers) is refused by name.
+    # itself (MLA, sigmoid router with expert bias, shared experts, dense first layers) is the deepseek_v3 family.
     "moe-671b": llama.rope_preset(NAME, num_layers=58, hidden_size=7168, num_attention_heads=128,
                                   num_query_groups=8, kv_channels=128, ffn_hidden_size=2048, vocab_size=129280,
                                   max_position_embeddings=4096, rotary_base=10000.0, params_dtype="bfloat16",

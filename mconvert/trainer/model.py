@@ -35,6 +35,10 @@ from mconvert.trainer.layers import (
     scatter_tokens,
     vocab_parallel_cross_entropy,
 )
+from mconvert.trainer.deepseek_moe import Router, SharedExperts
+from mconvert.trainer.mla import MLAttention
+from mconvert.trainer.mla import rope_tables as mla_rope_tables
+from mconvert.trainer.mtp import MTPBlock, MTPLayer, attach_loss, mtp_loss
 from mconvert.trainer.parallel import ParallelState
 
 INIT_STD = 0.02  # Megatron's init_method_std
@@ -254,14 +258,13 @@ class _AttachAuxLoss(torch.autograd.Function):
         return g, torch.full_like(aux, ctx.scale), None
 
 
-def load_balancing_loss(logits: torch.Tensor, top: torch.Tensor, num_experts: int, topk: int,
+def load_balancing_loss(scores: torch.Tensor, top: torch.Tensor, num_experts: int, topk: int,
                         coeff: float) -> torch.Tensor:
     """megatron-core's switch load-balancing loss of one micro-batch's N tokens:
-    coeff · E / (k · N²) · Σ_e (Σ_tokens softmax(logits)_e) · (tokens routed to e)."""
-    scores = torch.softmax(logits.float(), dim=-1)
-    counts = torch.zeros(num_experts, device=logits.device).index_add_(
-        0, top.reshape(-1), torch.ones(top.numel(), device=logits.device))
-    n = logits.shape[0]
+    coeff · E / (k · N²) · Σ_e (Σ_tokens scores_e) · (tokens counted for e) (`Router.aux_loss_inputs`)."""
+    counts = torch.zeros(num_experts, device=scores.device).index_add_(
+        0, top.reshape(-1), torch.ones(top.numel(), device=scores.device))
+    n = scores.shape[0]
     return (scores.sum(dim=0) * counts).sum() * (num_experts * coeff / (topk * n * n))
 
 
@@ -278,7 +281,9 @@ class MoE(nn.Module):
         super().__init__()
         self.spec, self.st = spec, st
         self.num_experts, self.topk = spec.num_experts, spec.moe_router_topk
-        self.router = _Router(make(decls["router.weight"]))
+        self.router = Router(spec, make(decls["router.weight"]), decls.get("router.expert_bias"), st)
+        has_shared = "shared_experts.linear_fc1.weight" in decls
+        self.shared_experts = SharedExperts(decls, make, st) if has_shared else None
         per_rank = self.num_experts // st.ep
         self.first = st.ep_rank * per_rank
         experts = []
@@ -295,11 +300,10 @@ class MoE(nn.Module):
         x = gather_from_sp(x, st) if st.sequence_parallel else copy_to_tp(x, st)
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        logits = F.linear(h, self.router.weight.to(h.dtype))
-        top_logits, top = logits.topk(self.topk, dim=-1)
-        probs = torch.softmax(top_logits.float(), dim=-1).to(h.dtype)
+        logits, probs, top = self.router(h)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            aux = load_balancing_loss(logits, top, self.num_experts, self.topk, self.aux_loss_coeff)
+            aux = load_balancing_loss(*self.router.aux_loss_inputs(logits, top), self.num_experts, self.topk,
+                                      self.aux_loss_coeff)
             probs = _AttachAuxLoss.apply(probs, aux, self.aux_loss_scale / st.tp)
             logged = aux.detach() / self.aux_loss_coeff  # megatron-core logs the loss without its coefficient
             self.aux_loss_logged = logged if self.aux_loss_logged is None else self.aux_loss_logged + logged
@@ -312,15 +316,9 @@ class MoE(nn.Module):
             if rows.numel():
                 out = out.index_add(0, rows, expert(tokens[rows]) * probs[rows, slot].unsqueeze(-1))
         y = scatter_tokens(out, st.ep_group).view(shape)
+        if self.shared_experts is not None:  # its TP partial sums join the routed experts' in one reduction
+            y = y + self.shared_experts(x)
         return reduce_scatter_to_sp(y, st) if st.sequence_parallel else reduce_from_tp(y, st)
-
-
-class _Router(nn.Module):
-    """Holds `router.weight` [E, H] (replicated over TP and EP); no `_extra_state`, as megatron-core's router."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
 
 
 class _LocalExperts(nn.Module):
@@ -346,13 +344,19 @@ class Expert(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: int, make: _Maker, st: ParallelState) -> None:
+    def __init__(self, spec: ModelSpec, layer: int, make: _Maker, st: ParallelState,
+                 decls: dict[str, ParamDecl] | None = None, prefix: str = "") -> None:
+        """Decoder layer `layer`, or (given `decls`) the layer whose declarations are those under `prefix`."""
         super().__init__()
-        prefix = f"decoder.layers.{layer}."
-        decls = {d.name[len(prefix):]: d for d in spec.layer_params(layer)}
+        if decls is None:
+            decls, prefix = {d.name: d for d in spec.layer_params(layer)}, f"decoder.layers.{layer}."
+        decls = {k[len(prefix):]: d for k, d in decls.items() if k.startswith(prefix)}
         self.input_layernorm = Norm(spec, make(decls["input_layernorm.weight"]), make(decls.get("input_layernorm.bias")))
         attn = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("self_attention.")}
-        self.self_attention = SelfAttention(spec, attn, make, st, window=spec.layer_window(layer))
+        if spec.is_mla:  # spec validation refuses a window with MLA
+            self.self_attention = MLAttention(spec, attn, make, st)
+        else:
+            self.self_attention = SelfAttention(spec, attn, make, st, window=spec.layer_window(layer))
         self.pre_mlp_layernorm = Norm(spec, make(decls["pre_mlp_layernorm.weight"]),
                                       make(decls.get("pre_mlp_layernorm.bias")))
         mlp = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("mlp.")}
@@ -415,6 +419,9 @@ class GPTModel(nn.Module):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         check_trainable(spec, st.tp, st.pp, st.ep)
+        if st.sequence_parallel and (spec.is_mla or spec.mtp_num_layers):
+            raise MConvertError("sequence parallelism with multi-latent attention or multi-token prediction is not "
+                                "supported here; drop --sequence-parallel")
         self.spec, self.st = spec, st
         make = _Maker(spec, st, seed, dtype)
         self.pre_process, self.post_process = st.is_first_stage, st.is_last_stage
@@ -428,8 +435,27 @@ class GPTModel(nn.Module):
                 head = spec.embedding_params(st.tp)[0]  # same declaration and init as the embedding
             self.output_layer = ColumnParallelLinear(make(head), None, st)
         self.rope = spec.position_embedding_type == "rope"
+        self.mtp = self._build_mtp(make) if spec.mtp_num_layers and self.post_process else None
         self.hidden_states: list[torch.Tensor] | None = None  # filled when record_hidden is on
         self.record_hidden = False
+
+    def _build_mtp(self, make: _Maker) -> MTPBlock:
+        """The MTP depths (megatron-core builds them on the last stage; with PP = 1 the embedding is there)."""
+        layers = []
+        for k in range(self.spec.mtp_num_layers or 0):
+            p = f"mtp.layers.{k}."
+            decls = {d.name[len(p):]: d for d in self.spec.mtp_params(k)}
+            inner = TransformerLayer(self.spec, self.spec.num_layers + k, make, self.st, decls, "transformer_layer.")
+            layers.append(MTPLayer(self.spec, decls, make, self.st, inner))
+        return MTPBlock(layers)
+
+    def all_layers(self) -> list["TransformerLayer"]:
+        """This stage's decoder layers, then its MTP depths' transformer layers."""
+        mtp = [m.transformer_layer for m in self.mtp.layers] if self.mtp is not None else []
+        return [*self.decoder.layers, *mtp]
+
+    def routers(self) -> list[Router]:
+        return [moe.router for moe in self.moe_layers()]
 
     def sequence_parallel_params(self) -> list[nn.Parameter]:
         """Replicated parameters that see only this rank's sequence chunk under sequence parallelism (norms,
@@ -443,9 +469,9 @@ class GPTModel(nn.Module):
         the sequence-parallel ones, and the q/k norms (each rank normalises only its own heads)."""
         out = self.sequence_parallel_params()
         seen = {id(p) for p in out}
-        for layer in self.decoder.layers:
+        for layer in self.all_layers():
             attn = layer.self_attention
-            for norm in (attn.q_layernorm, attn.k_layernorm):
+            for norm in (attn.q_layernorm, attn.k_layernorm) if isinstance(attn, SelfAttention) else ():
                 if norm is not None:
                     out += [p for p in norm.parameters() if id(p) not in seen]
             if isinstance(layer.mlp, MoE) and self.st.tp > 1 and id(layer.mlp.router.weight) not in seen:
@@ -453,7 +479,7 @@ class GPTModel(nn.Module):
         return out
 
     def moe_layers(self) -> list[MoE]:
-        return [layer.mlp for layer in self.decoder.layers if isinstance(layer.mlp, MoE)]
+        return [layer.mlp for layer in self.all_layers() if isinstance(layer.mlp, MoE)]
 
     def expert_params(self) -> list[nn.Parameter]:
         """This EP rank's expert weights: their gradients are summed over expert-data-parallel replicas only."""
@@ -473,6 +499,8 @@ class GPTModel(nn.Module):
         """Load-balancing loss coefficient, and its gradient per micro-batch (1/M, as the LM loss's)."""
         for moe in self.moe_layers():
             moe.aux_loss_coeff, moe.aux_loss_scale = coeff, scale
+        if self.mtp is not None:
+            self.mtp.loss_scale = scale
 
     def shared_embedding_weight(self) -> nn.Parameter | None:
         """The parameter the embedding group all-reduces (word embeddings on stage 0, its copy on the last)."""
@@ -485,10 +513,11 @@ class GPTModel(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        ids = x
         if self.pre_process:
             x = self.embedding(x)
         seq = x.shape[1] * (self.st.tp if self.st.sequence_parallel else 1)
-        rope = rope_tables(self.spec, seq, x.device) if self.rope else None
+        rope = (mla_rope_tables if self.spec.is_mla else rope_tables)(self.spec, seq, x.device) if self.rope else None
         if self.record_hidden:
             self.hidden_states = [x.detach()] if self.pre_process else []
         for layer in self.decoder.layers:
@@ -500,9 +529,16 @@ class GPTModel(nn.Module):
         x = self.decoder.final_layernorm(x)
         head = self.output_layer.weight if self.output_layer.weight is not None else self.embedding.word_embeddings.weight
         logits = self.output_layer(x, head)
+        if self.mtp is not None:  # each depth's logits from the same head
+            self.mtp_logits = [self.output_layer(h, head) for h in self.mtp(ids, x, self.embedding, rope)]
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels, self.st)
+        loss = vocab_parallel_cross_entropy(logits, labels, self.st)
+        if self.mtp is not None and self.training and torch.is_grad_enabled():
+            per_depth = [vocab_parallel_cross_entropy(lg, labels_k, self.st) for k, lg in enumerate(self.mtp_logits)
+                         for labels_k in [torch.roll(labels, -(k + 1), dims=-1)]]
+            loss = attach_loss(loss, mtp_loss(per_depth), self.mtp.loss_scale)
+        return loss
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """All-gather the vocab shards (inference / tests only) and strip the padded rows."""
@@ -519,11 +555,14 @@ def check_trainable(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
                 f"MoE experts here are bias-free SwiGLU; this model has activation={spec.activation!r}, "
                 f"add_bias_linear={spec.add_bias_linear}; use a Mixtral / Qwen3-MoE style preset"
             )
-        if spec.moe_router_topk < 2:
+        if spec.moe_router_topk < 2 and spec.moe_router_score_function == "softmax":
             raise MConvertError(
                 f"--moe-topk {spec.moe_router_topk}: pick 2..{spec.num_experts} (softmax over the top-k is 1 for k = 1, "
                 "megatron-core asks for --moe-router-pre-softmax then, which is not this router)"
             )
+    if spec.mtp_num_layers and pp > 1:
+        raise MConvertError(f"multi-token prediction (mtp_num_layers={spec.mtp_num_layers}) trains here with PP=1 "
+                            "(its layers need the embedding on the last stage); use --pp 1")
     if spec.num_groups % tp:
         raise MConvertError(
             f"TP={tp} does not divide num_query_groups={spec.num_groups}; megatron-core needs it to (pick a smaller TP)"

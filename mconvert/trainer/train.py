@@ -46,6 +46,7 @@ from mconvert.mappings import families
 from mconvert.mappings.families import preset
 from mconvert.spec import ModelSpec
 from mconvert.trainer import comm, procs
+from mconvert.trainer.deepseek_moe import BIAS_UPDATE_RATE, update_expert_bias
 from mconvert.trainer.model import GPTModel, check_trainable
 from mconvert.trainer.parallel import ParallelState, check_expert_layout, global_rank, init_distributed
 from mconvert.trainer.schedule import forward_backward_1f1b
@@ -253,7 +254,10 @@ def sync_gradients(model: GPTModel, st: ParallelState) -> None:
     experts = {id(p) for p in model.expert_params()}
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in experts]
     _flat_all_reduce(grads, st.dp_group, "DP", 1.0 / st.dp)
-    expert_grads = [p.grad for p in model.expert_params() if p.grad is not None]
+    for p in model.expert_params():  # an expert no token reached on this rank: zeros, as Megatron's grad buffers
+        if p.grad is None:             # hold, so that every replica reduces the same tensors
+            p.grad = torch.zeros_like(p)
+    expert_grads = [p.grad for p in model.expert_params()]
     if st.edp_group is None:
         for g in expert_grads:
             g.mul_(1.0 / st.dp)
@@ -284,8 +288,10 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
     moe: dict[str, Any] = {}
     if spec.is_moe:  # megatron-core's names for this trainer's router and its load-balancing loss
         moe = dict(moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss",
-                   moe_router_pre_softmax=False, moe_router_score_function="softmax",
+                   moe_router_pre_softmax=False, moe_router_score_function=spec.moe_router_score_function,
                    moe_expert_capacity_factor=None)
+        if spec.moe_router_enable_expert_bias:
+            moe["moe_router_bias_update_rate"] = BIAS_UPDATE_RATE
     return spec.to_megatron_args(
         cfg.tp, cfg.pp, ep=cfg.ep,
         seq_length=cfg.seq_length, seed=cfg.seed, lr=cfg.lr, min_lr=cfg.lr, lr_decay_style="constant",
@@ -304,8 +310,9 @@ def active_parameters(spec: ModelSpec) -> int:
     """Parameters one token meets: all of a dense model; an MoE model's router and k of its E experts."""
     if not spec.is_moe:
         return spec.num_parameters()
-    per_expert = sum(math.prod(d.shape) for d in spec.layer_params(0) if d.expert == 0)
-    return spec.num_parameters() - spec.num_layers * (spec.num_experts - spec.moe_router_topk) * per_expert
+    per_expert = sum(math.prod(d.shape) for d in spec.expert_params(0, 0))
+    moe_layers = spec.num_moe_layers + (spec.mtp_num_layers or 0) * spec.is_moe_layer(spec.num_layers)  # MTP's too
+    return spec.num_parameters() - moe_layers * (spec.num_experts - spec.moe_router_topk) * per_expert
 
 
 def flops_per_iteration(spec: ModelSpec, cfg: TrainConfig) -> float:
@@ -609,6 +616,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
             for (_, master), p in zip(named, model.parameters()):
                 master.grad = p.grad.float()
         opt.step()
+        update_expert_bias(model.routers(), st)  # aux-loss-free balancing: the bias moves outside the optimizer
         if dtype != torch.float32:
             with torch.no_grad():
                 for (_, master), p in zip(named, model.parameters()):

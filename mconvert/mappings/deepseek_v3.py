@@ -1,0 +1,196 @@
+"""The DeepSeek-V3 family: HF `DeepseekV3ForCausalLM` — multi-latent attention, DeepSeek MoE (sigmoid router
+with expert bias, group-limited top-k, shared experts, dense first layers) and multi-token prediction.
+
+Names (megatron-core local spec → HF): MLA's `linear_q_down_proj` → `q_a_proj`, `q_layernorm` → `q_a_layernorm`,
+`linear_q_up_proj` → `q_b_proj`, `linear_q_proj` → `q_proj` (no q LoRA), `linear_kv_down_proj` (rows: the kv
+latent, then the rope part) → `kv_a_proj_with_mqa`, `kv_layernorm` → `kv_a_layernorm`, `linear_kv_up_proj`
+(rows per head: k_nope, then v) → `kv_b_proj`, `linear_proj` → `o_proj`; all unchanged, since megatron-core
+de-interleaves the rope dims before rotating as HF does with `rope_interleave: true`. The router is `mlp.gate`
+(its `expert_bias` → `e_score_correction_bias`), the shared experts `mlp.shared_experts.{gate,up,down}_proj`.
+
+HF scores a group by its top 2 experts; megatron-core by its top (k / topk_group): `to_hf` refuses a model whose
+rule differs. config.json carries `scoring_func: sigmoid` and `topk_method: noaux_tc`, which transformers does
+not write and vLLM reads. The HF export of the MTP layers (`model.layers.{num_hidden_layers + k}`) is not built:
+`to_hf` refuses a model with them rather than dropping them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mconvert.errors import MConvertError
+from mconvert.mappings import llama, qwen3_moe
+from mconvert.mappings.family import Family, Plugin, Rule
+from mconvert.mappings.fields import BOOL, INT, NUM, Field, mapped, neutral, refused
+from mconvert.spec import ModelSpec
+
+NAME = "deepseek_v3"
+L, H = llama.L, llama.H
+A, HA = L + "self_attention.", H + "self_attn."
+X, HX = L + "mlp.experts.local_experts.*.", H + "mlp.experts.*."
+
+TABLE = Plugin(
+    family=NAME,
+    table={
+        "embedding.word_embeddings.weight": llama.TABLE.table["embedding.word_embeddings.weight"],
+        L + "input_layernorm.weight": Rule((H + "input_layernorm.weight",)),
+        A + "linear_q_proj.weight": Rule((HA + "q_proj.weight",)),
+        A + "linear_q_down_proj.weight": Rule((HA + "q_a_proj.weight",)),
+        A + "q_layernorm.weight": Rule((HA + "q_a_layernorm.weight",)),
+        A + "linear_q_up_proj.weight": Rule((HA + "q_b_proj.weight",)),
+        A + "linear_kv_down_proj.weight": Rule((HA + "kv_a_proj_with_mqa.weight",)),
+        A + "kv_layernorm.weight": Rule((HA + "kv_a_layernorm.weight",)),
+        A + "linear_kv_up_proj.weight": Rule((HA + "kv_b_proj.weight",)),
+        A + "linear_proj.weight": Rule((HA + "o_proj.weight",)),
+        L + "pre_mlp_layernorm.weight": Rule((H + "post_attention_layernorm.weight",)),
+        L + "mlp.linear_fc1.weight": Rule((H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gated"),
+        L + "mlp.linear_fc2.weight": Rule((H + "mlp.down_proj.weight",)),
+        L + "mlp.router.weight": Rule((H + "mlp.gate.weight",)),
+        L + "mlp.router.expert_bias": Rule((H + "mlp.gate.e_score_correction_bias",)),
+        L + "mlp.shared_experts.linear_fc1.weight": Rule((H + "mlp.shared_experts.gate_proj.weight",
+                                                          H + "mlp.shared_experts.up_proj.weight"), "gated"),
+        L + "mlp.shared_experts.linear_fc2.weight": Rule((H + "mlp.shared_experts.down_proj.weight",)),
+        X + "linear_fc1.weight": Rule((HX + "gate_proj.weight", HX + "up_proj.weight"), "gated"),
+        X + "linear_fc2.weight": Rule((HX + "down_proj.weight",)),
+        "decoder.final_layernorm.weight": llama.TABLE.table["decoder.final_layernorm.weight"],
+        "output_layer.weight": llama.TABLE.table["output_layer.weight"],
+    },
+    hf_drops=llama.TABLE.hf_drops,
+)
+
+# Every field of transformers 4.57's DeepseekV3Config beyond the common ones.
+HF_FIELDS: dict[str, Field] = {
+    **{k: v for k, v in llama.HF_FIELDS.items() if k not in ("head_dim", "mlp_bias")},
+    "head_dim": Field("neutral", "transformers sets it to qk_rope_head_dim itself"),
+    "qk_head_dim": Field("neutral", "qk_nope_head_dim + qk_rope_head_dim"),
+    "moe_intermediate_size": mapped("moe_ffn_hidden_size", INT),
+    "n_routed_experts": mapped("num_experts", INT),
+    "num_experts_per_tok": mapped("moe_router_topk", INT),
+    "n_shared_experts": mapped("moe_shared_expert_intermediate_size", INT),
+    "routed_scaling_factor": mapped("moe_router_topk_scaling_factor", NUM),
+    "n_group": mapped("moe_router_num_groups", INT),
+    "topk_group": mapped("moe_router_group_topk", INT),
+    "first_k_dense_replace": mapped("moe_layer_freq", INT),
+    "norm_topk_prob": refused("weights not renormalised over the top-k are not megatron-core's sigmoid router",
+                              True),
+    "kv_lora_rank": mapped("kv_lora_rank", INT),
+    "q_lora_rank": mapped("q_lora_rank", INT),
+    "qk_rope_head_dim": mapped("qk_rope_head_dim", INT),
+    "qk_nope_head_dim": mapped("qk_nope_head_dim", INT),
+    "v_head_dim": mapped("v_head_dim", INT),
+    "rope_interleave": refused("rope_interleave=false is not megatron-core's MLA rope", True),
+    "scoring_func": refused("only the sigmoid router is mapped", "sigmoid"),
+    "topk_method": refused("only noaux_tc (expert-bias top-k) is mapped", "noaux_tc"),
+    "num_nextn_predict_layers": mapped("mtp_num_layers", INT),
+    **neutral("training only", "aux_loss_alpha", "seq_aux", "ep_size", "moe_layer_freq_unused"),
+    "use_cache": qwen3_moe.HF_FIELDS.get("use_cache", Field("neutral", "inference cache")),
+    "pretraining_tp": Field("neutral", "always 1 in transformers' DeepSeek-V3"),
+    "attention_bias": mapped("add_bias_linear", BOOL, False),
+}
+
+
+def first_dense(spec: ModelSpec) -> int:
+    """HF first_k_dense_replace: the count of leading dense layers; refuses a pattern that is not k dense, then
+    MoE."""
+    pattern = [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)]
+    k = pattern.index(1)
+    if any(v == 0 for v in pattern[k:]):
+        raise MConvertError(f"HF {FAMILY.architecture} has dense layers only first (first_k_dense_replace); this "
+                            f"model's MoE layer pattern is {pattern}; conversion refused")
+    return k
+
+
+def to_hf(spec: ModelSpec) -> dict[str, Any]:
+    """DeepseekV3Config fields (with vLLM's scoring_func / topk_method); refuses what the class cannot compute."""
+    arch = FAMILY.architecture
+    if not (spec.is_mla and spec.is_moe and spec.moe_router_score_function == "sigmoid"):
+        raise MConvertError(f"HF {arch} needs multi-latent attention and the sigmoid MoE router; this model has "
+                            f"kv_lora_rank={spec.kv_lora_rank}, num_experts={spec.num_experts}, "
+                            f"score function {spec.moe_router_score_function!r}; conversion refused")
+    if spec.mtp_num_layers:
+        raise MConvertError(f"the HF export of multi-token prediction layers (mtp_num_layers={spec.mtp_num_layers}) "
+                            "is not built; conversion refused rather than dropping them")
+    groups, group_topk = spec.moe_router_num_groups or 1, spec.moe_router_group_topk or 1
+    if spec.moe_router_topk // group_topk != 2 and groups > 1:
+        raise MConvertError(f"HF {arch} scores an expert group by its top 2 experts; megatron-core by its top "
+                            f"moe_router_topk / moe_router_group_topk = {spec.moe_router_topk // group_topk}; "
+                            "conversion refused")
+    shared = spec.moe_shared_expert_intermediate_size or 0
+    if shared % spec.expert_ffn_hidden_size:
+        raise MConvertError(f"HF {arch} states shared experts as a count of expert widths; "
+                            f"moe_shared_expert_intermediate_size={shared} is not a multiple of "
+                            f"moe_ffn_hidden_size={spec.expert_ffn_hidden_size}; conversion refused")
+    base = llama.rope_fields(spec.replace(num_experts=None, kv_lora_rank=None, q_lora_rank=None))
+    base.pop("head_dim", None)
+    return {**base, "intermediate_size": spec.ffn_hidden_size,
+            "moe_intermediate_size": spec.expert_ffn_hidden_size, "n_routed_experts": spec.num_experts,
+            "num_experts_per_tok": spec.moe_router_topk, "n_shared_experts": shared // spec.expert_ffn_hidden_size,
+            "routed_scaling_factor": spec.moe_router_topk_scaling_factor or 1.0, "n_group": groups,
+            "topk_group": group_topk, "first_k_dense_replace": first_dense(spec), "norm_topk_prob": True,
+            "kv_lora_rank": spec.kv_lora_rank, "q_lora_rank": spec.q_lora_rank,
+            "qk_rope_head_dim": spec.qk_rope_head_dim, "qk_nope_head_dim": spec.qk_nope_head_dim,
+            "v_head_dim": spec.v_head_dim, "rope_interleave": True, "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc", "num_nextn_predict_layers": 0, "attention_bias": False}
+
+
+def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
+    """A DeepseekV3Config dict -> ModelSpec (transformers' defaults where a field is absent)."""
+    base = llama.rope_spec({**cfg, "num_key_value_heads": cfg.get("num_attention_heads")}, common,
+                           add_bias_linear=False, add_qkv_bias=False, source=source)
+    L_ = base.num_layers
+    k = int(cfg.get("first_k_dense_replace", 3))
+    width = int(cfg.get("moe_intermediate_size", 2048))
+    shared = int(cfg.get("n_shared_experts", 1) or 0)
+    groups, group_topk = int(cfg.get("n_group", 8) or 1), int(cfg.get("topk_group", 4) or 1)
+    return base.replace(
+        kv_channels=None, num_experts=int(cfg.get("n_routed_experts", 256)), moe_ffn_hidden_size=width,
+        moe_router_topk=int(cfg.get("num_experts_per_tok", 8)), moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
+        moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
+        moe_shared_expert_intermediate_size=shared * width or None, moe_layer_freq=tuple([0] * k + [1] * (L_ - k)),
+        q_lora_rank=cfg.get("q_lora_rank", 1536), kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)), qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
+        v_head_dim=int(cfg.get("v_head_dim", 128)), mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0) or None)
+
+
+def deepseek_preset(**kw: Any) -> ModelSpec:
+    """A DeepSeek-V3-style preset: MLA, sigmoid router with expert bias, shared experts, RMSNorm, SwiGLU, untied."""
+    base: dict[str, Any] = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                                norm_epsilon=1e-6)
+    return llama.rope_preset(NAME, **{**base, **kw})
+
+
+PRESETS = {
+    # 3 layers (the first dense), 8 heads of q/k 32 + 64 and v 32, q latent 64, kv latent 512 + 64 rope rows
+    # (576: vLLM's CPU MLA kernel; TP 2 and 4 split it); 16 experts of width 32 in 4 groups (top-2 groups, top-4
+    # experts: HF's top-2 group score), one shared expert, routed weights × 2.5; one MTP layer
+    "tiny-deepseek-v3": deepseek_preset(
+        num_layers=3, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, vocab_size=1000,
+        max_position_embeddings=128, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+        v_head_dim=32, num_experts=16, moe_ffn_hidden_size=32, moe_router_topk=4, moe_router_num_groups=4,
+        moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=32,
+        moe_layer_freq=(0, 1, 1), mtp_num_layers=1),
+    # DeepSeek-V3 / R1's shapes (HF config.json of deepseek-ai/DeepSeek-V3), for `plan` estimates from shapes only
+    "deepseek-v3-671b": deepseek_preset(
+        num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432, vocab_size=129280,
+        max_position_embeddings=4096, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, num_experts=256, moe_ffn_hidden_size=2048, moe_router_topk=8, moe_router_num_groups=8,
+        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=tuple([0] * 3 + [1] * 58), mtp_num_layers=1, params_dtype="bfloat16"),
+}
+
+
+def recognise(fields: dict[str, Any]) -> bool:
+    """Megatron args without model_family: multi-latent attention is DeepSeek-V3-style."""
+    return fields.get("kv_lora_rank") is not None
+
+
+FAMILY = Family(**llama.rope_family(
+    NAME, "DeepseekV3", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
+    recognise=recognise, recognise_order=4,
+    ft=None,  # FasterTransformer has no MLA
+    trtllm=None,  # no confirmed TensorRT-LLM MLA layout here
+    gguf=None,  # llama.cpp's deepseek2 layout (kv_b_proj split into k_b / v_b) is not built
+    moe=True,
+    deepseek=True,
+))
