@@ -425,3 +425,15 @@ def test_reshard_with_optimizer_continues_the_run_at_tp2_ep2(runs_dir, tmp_path:
     one = train(TrainConfig(tp=1, dp=1, ep=1, save=str(same), **cfg))["losses"]
     two = train(TrainConfig(tp=2, dp=2, ep=2, save=str(wide), **cfg))["losses"]
     assert len(one) == len(two) == 1 and abs(one[0] - two[0]) <= 1e-4, (one, two)
+
+
+def test_vllms_moe_layer_freq_passes_at_every_layer_and_is_refused_otherwise() -> None:
+    """DeepSeek's published config.json states moe_layer_freq 1 (every layer after the dense ones), which vLLM
+    reads and transformers does not: 1 is the model both compute; another value only vLLM would build."""
+    from mconvert.mappings.families import hf_config, spec_from_hf_config
+
+    spec = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)
+    cfg = hf_config(spec)
+    assert spec_from_hf_config({**cfg, "moe_layer_freq": 1}) == spec_from_hf_config(cfg)
+    with pytest.raises(MConvertError, match="config field moe_layer_freq=2 is not supported"):
+        spec_from_hf_config({**cfg, "moe_layer_freq": 2})

@@ -82,6 +82,10 @@ HF_FIELDS: dict[str, Field] = {
     "scoring_func": refused("only the sigmoid router is mapped", "sigmoid"),
     "topk_method": refused("only noaux_tc (expert-bias top-k) is mapped", "noaux_tc"),
     "num_nextn_predict_layers": mapped("mtp_num_layers", INT),
+    # vLLM's DeepSeek model makes layer i MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0
+    # (transformers reads no such field): 1, DeepSeek's published value, is every layer after the dense ones
+    "moe_layer_freq": refused("MoE on only every moe_layer_freq-th layer (vLLM reads it; transformers does not) is "
+                              "not mapped", 1),
     **neutral("training only", "aux_loss_alpha", "seq_aux", "ep_size", "moe_layer_freq_unused"),
     "use_cache": qwen3_moe.HF_FIELDS.get("use_cache", Field("neutral", "inference cache")),
     "pretraining_tp": Field("neutral", "always 1 in transformers' DeepSeek-V3"),
