@@ -368,3 +368,24 @@ def test_leftovers_are_found_by_exact_name_and_removed_only_when_their_run_is_de
         assert (tmp_path / name).is_dir() == kept, name
         if kept:
             assert (tmp_path / name / "f.txt").read_text() == name
+
+
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_a_signal_landing_right_after_the_temporary_directory_is_made_removes_it(tmp_path, monkeypatch, kind):
+    """The temporary directory is made inside the block that removes it: a SIGTERM / SIGHUP whose handler runs
+    on the very next line (what the test above hits when the signal wins the race) leaves nothing behind."""
+    from mconvert.convert.io import atomic
+
+    made = atomic._make_tmp
+
+    def made_then_signalled(tmp, out):
+        made(tmp, out)
+        atomic._raise_terminated(signal.SIGHUP, None)
+
+    monkeypatch.setattr(atomic, "_make_tmp", made_then_signalled)
+    opener = atomic.atomic_output_dir if kind == "dir" else atomic.atomic_output_file
+    with pytest.raises(SystemExit) as e:
+        with opener(tmp_path / "out"):
+            pass
+    assert e.value.code == 128 + signal.SIGHUP
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

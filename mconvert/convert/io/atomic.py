@@ -264,9 +264,19 @@ def atomic_output_dir(out: str | Path, force: bool = False, manifest: bool = Tru
         yield from _commit(tmp, out, parent, force, manifest, created)
 
 
+def _make_tmp(tmp: Path, out: Path) -> None:
+    """Create the temporary directory. Called first inside the block that removes it on any exception, so a
+    signal that lands right after the mkdir (before any later line) still removes it."""
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise _os_error(e, out) from None
+
+
 def _fresh_tmp(out: Path) -> tuple[Path, Path, list[Path]]:
-    """OUT's parent, its empty temporary sibling directory (a SIGKILLed earlier run's leftovers removed) and the
-    directories above OUT that this call created (deepest first, for `_remove_parents` after a failure)."""
+    """OUT's parent, the name of its temporary sibling directory (a SIGKILLed earlier run's leftovers removed;
+    the caller makes it with `_make_tmp` inside the block that removes it) and the directories above OUT that
+    this call created (deepest first, for `_remove_parents` after a failure)."""
     parent = out.absolute().parent
     created: list[Path] = []
     try:
@@ -274,7 +284,6 @@ def _fresh_tmp(out: Path) -> tuple[Path, Path, list[Path]]:
         _clean_stale(parent, out.name)
         tmp = parent / tmp_name(out.name)
         remove_entry(tmp)
-        tmp.mkdir()
     except OSError as e:
         _remove_parents(created)
         raise _os_error(e, out) from None
@@ -314,6 +323,7 @@ def _commit(tmp: Path, out: Path, parent: Path, force: bool, manifest: bool,
             created: list[Path] | None = None) -> Iterator[Path]:
     """The body of `atomic_output_dir` after the temporary directory exists (`created`: the parents it made)."""
     try:
+        _make_tmp(tmp, out)
         yield tmp
         if manifest:
             write_manifest(tmp)
@@ -663,6 +673,7 @@ def atomic_output_file(out: str | Path, force: bool = False, manifest: bool = Tr
         parent, tmp, created = _fresh_tmp(out)
         placed = False
         try:
+            _make_tmp(tmp, out)
             yield tmp / out.name
             if manifest:
                 write_manifest(tmp)
