@@ -5,8 +5,10 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     transformers==4.57.6 huggingface_hub==0.36.2 tokenizers==0.22.2 blake3==1.0.11 isal==1.9.1 gguf==0.19.0 \
 #     typer==0.29.2 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-#     typing_extensions==4.16.0 megatron-core==0.16.1
-# and run it with carry [".whl"]: `EXTRA_PRESETS="tiny-mistral-swa tiny-llama-yarn" bash bench/gpu_check.sh`.
+#     typing_extensions==4.16.0 megatron-core==0.16.1 click==8.5.1 markdown-it-py==4.3.0 mdurl==0.1.2 psutil==7.2.2 \
+#     pygments==2.21.0 pyyaml==6.0.4 regex==2026.11.19 rich==15.0.0 safetensors==0.8.0 shellingham==1.5.4 tqdm==4.70.1 \
+#     hf-xet==1.8.0
+# and run it with carry [".whl"]: `EXTRA_PRESETS="tiny-mistral-swa tiny-llama-yarn tiny-deepseek-v3" bash bench/gpu_check.sh`.
 set -x
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
