@@ -94,6 +94,7 @@ TODAY_REFUSED = [
     *((t, n, v) for t in PRESET for n, v in (
         ("add_cross_attention", True), ("is_encoder_decoder", True), ("cross_attention_hidden_size", 512),
         ("pruned_heads", {"0": [1]}), ("quantization_config", {"quant_method": "gptq"}),
+        ("quantization", {"group_size": 64, "bits": 4}),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
         # read by transformers' masking and vLLM, classified by no table: chunked attention
         ("attention_chunk_size", 8),
