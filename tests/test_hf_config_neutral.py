@@ -108,6 +108,9 @@ TODAY_REFUSED = [
     *((t, "rope_scaling", {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]})
       for t in PRESET if t != "gpt2"),
     ("qwen3", "attention_bias", True), ("qwen3_moe", "attention_bias", True),
+    *((t, "dual_chunk_attention_config", {"chunk_size": 262144, "local_size": 8192,
+                                          "original_max_position_embeddings": 262144})
+      for t in ("qwen2", "qwen3", "qwen3_moe")),
     ("qwen3_moe", "decoder_sparse_step", 2), ("qwen3_moe", "mlp_only_layers", [0]),
     ("qwen3_moe", "shared_expert_intermediate_size", 512), ("qwen3_moe", "norm_topk_prob", False),
     # the variants of the mapped sliding window and YaRN that no engine pair computes alike
