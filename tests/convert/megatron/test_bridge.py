@@ -1,6 +1,6 @@
 """Megatron-Bridge checkpoints both ways: what Megatron-Bridge writes converts to HF tensor-identical, and
 Megatron-Bridge's own loader and HF export read what mconvert writes (`-m bridge`: Megatron-Bridge 0.6.2 runs in
-its own venv, mconvert/validators/bridge_env.sh, through tests/bridge_helper.py). Without that venv: the
+its own venv, mconvert/validators/bridge_env.sh, through tests/helpers/bridge_helper.py). Without that venv: the
 run_config.yaml Megatron-Bridge 0.6.2 wrote (tests/data/) is read, its function-changing fields and hostile files
 refused by name."""
 
@@ -20,10 +20,10 @@ import yaml
 from safety_common import assert_one_line_error, hf_tensors, make_hf_llama, run_cli
 from scratch import scratch_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 ENV_SCRIPT = ROOT / "mconvert" / "validators" / "bridge_env.sh"
-HELPER = Path(__file__).parent / "bridge_helper.py"
-REAL_RUN_CONFIG = Path(__file__).parent / "data" / "bridge_0.6.2_llama_run_config.yaml"
+HELPER = ROOT / "tests" / "helpers" / "bridge_helper.py"
+REAL_RUN_CONFIG = ROOT / "tests" / "data" / "bridge_0.6.2_llama_run_config.yaml"
 WORK = scratch_dir("mconvert-bridge-", __name__)
 
 

@@ -1,8 +1,8 @@
 """The config attributes each reference implementation reads, per model_type, found by an AST walk of its
 installed sources; writes `mconvert/data/hf_config_reads.json`, the set `families.hf_reads` ships.
 
-    python tests/hf_config_reads.py            # print what would change
-    python tests/hf_config_reads.py --write    # rewrite the shipped file
+    python tests/helpers/hf_config_reads.py            # print what would change
+    python tests/helpers/hf_config_reads.py --write    # rewrite the shipped file
 
 A read is `config.X` (any receiver whose last name is a config's: `config`, `self.config`, `hf_config`,
 `text_config`, `hf_text_config`), `getattr(config, "X", ...)`, `hasattr(config, "X")`, `config.get("X")`,
@@ -32,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "mconvert" / "data" / "hf_config_reads.json"
 CONFIG_NAMES = frozenset({"config", "hf_config", "text_config", "hf_text_config", "config_dict"})
 TRANSFORMERS_SHARED = ("configuration_utils.py", "modeling_utils.py", "modeling_rope_utils.py", "masking_utils.py",

@@ -1,7 +1,7 @@
 """A GPT-2 Megatron checkpoint written by transformers' own script converts back to the HF model it came from.
 
 transformers 4.57.6 ships `models/megatron_gpt2/checkpoint_reshaping_and_interoperability.py`; run in its
-HF -> Megatron direction (TP=2, PP=2) with `--megatron-path tests/megatron_standin` (our stand-in for the
+HF -> Megatron direction (TP=2, PP=2) with `--megatron-path tests/helpers/megatron_standin` (our stand-in for the
 one Megatron-LM function it imports), it writes a real-world variant: `release/`, `args` as a SimpleNamespace
 (`ffn_hidden_size=None`, `openai_gelu=True`, `orig_vocab_size`, no eps, no `iteration`), the nested
 `model.language_model.*` dict, `word_embeddings_for_head` on the last stage and padded vocab rows that copy the
@@ -22,7 +22,7 @@ from mconvert.mappings.families import spec_from_hf_config
 from mconvert.cli import main as cli_main
 from mconvert.convert.io.safeload import safe_load
 
-STANDIN = Path(__file__).parent / "megatron_standin"
+STANDIN = Path(__file__).resolve().parents[2] / "helpers" / "megatron_standin"
 SCRIPT = "transformers.models.megatron_gpt2.checkpoint_reshaping_and_interoperability"
 
 

@@ -3,7 +3,7 @@
 - TP=2 PP=2 and TP=2 DP=2 (4 processes), tiny-llama and tiny-gpt2: process groups in Megatron order, the
   sharded init's logits and one step's gradients equal the TP=1 PP=1 model (≤ 1e-5), loss goes down, the
   comm report holds the collectives each layout needs;
-- megatron-core 0.16.1's GPTModel (local spec, tests/mcore_ref.py) loads every rank's `model` strict at the
+- megatron-core 0.16.1's GPTModel (local spec, tests/helpers/mcore_ref.py) loads every rank's `model` strict at the
   same TP/PP and its logits equal our native multi-process run (`megatron_logits`);
 - resume 10 + 10 == 20 straight (losses and final tensors identical), bf16 storage, --steps 0.
 """

@@ -95,7 +95,7 @@ print(json.dumps(out))
 
 
 def _run(code: str, *argv: object) -> str:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{Path(__file__).parent}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'helpers'}"}
     r = subprocess.run([PY, "-c", code, *map(str, argv)], capture_output=True, text=True, timeout=300, env=env,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

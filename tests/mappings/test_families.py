@@ -47,7 +47,7 @@ def test_each_family_has_presets_of_its_own(name):
 
 def _family_presets():
     """Every family's presets (each has an HF form; the export of MTP layers is refused by name, so a preset
-    with them is left out: tests/test_deepseek_v3.py)."""
+    with them is left out: tests/trainer/test_deepseek_v3.py)."""
     return [(f.name, p) for f in families.all_families() for p in f.presets if not f.presets[p].mtp_num_layers]
 
 

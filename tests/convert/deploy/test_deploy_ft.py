@@ -27,7 +27,7 @@ from mconvert.validators.ft_runner import ft_logits
 from mconvert.validators.trtllm_runner import trtllm_logits
 from deploy_common import make_hf, rel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def hf_ref(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:

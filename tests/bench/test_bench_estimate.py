@@ -16,7 +16,7 @@ from mconvert.convert.estimate import ITEMSIZE, estimate, load_bandwidth, stage_
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 BW = {"copy_bytes_per_s": 1e9, "ratio_to_cp": {"megatron-to-hf": 2.0, "hf-to-megatron": 2.0, "reshard": 2.5,
                                                  "megatron-to-ft": 2.0}, "base_rss_bytes": 0, "source": "test"}
 

@@ -28,7 +28,7 @@ from safety_common import assert_one_line_error, base, hf_tensors, run_cli
 from mconvert.mappings import megatron_releases
 from mconvert.mappings.fields import MAPPED, MEGATRON_ARGS
 
-DATA = Path(__file__).parent / "data" / "megatron_args"
+DATA = Path(__file__).resolve().parents[1] / "data" / "megatron_args"
 RUNS = sorted(p.stem for p in DATA.glob("*_*.json"))  # <release>_<shape>
 RELEASES = sorted({r.rsplit("_", 1)[0] for r in RUNS})
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safety_common import run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "tests" / "data" / "configs"
 EXPECTATIONS = ROOT / "tests" / "data" / "config_expectations.json"
 MIN_CORPUS = 40

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from scratch import scratch_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 _WORK = scratch_dir("mconvert-safety-", __name__)
 

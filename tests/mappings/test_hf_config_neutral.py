@@ -36,7 +36,7 @@ def _hf(model_type: str, **changes) -> dict:
 
 def test_the_shipped_reads_hold_every_name_the_installed_engines_read() -> None:
     """Re-derived from the installed sources: a name the shipped file lacks would pass unread. Regenerate with
-    `python tests/hf_config_reads.py --write`."""
+    `python tests/helpers/hf_config_reads.py --write`."""
     shipped = json.loads(SHIPPED.read_text())["model_types"]
     assert set(shipped) == {f.model_type for f in FAMILIES.values()}, "a family's model_type is not covered"
     missing = {t: sorted(names - set(shipped[t])) for t, names in _derived().items() if names - set(shipped[t])}
@@ -78,7 +78,7 @@ def test_values_that_state_the_architectures_own_behaviour_pass() -> None:
 
 
 def test_rope_parameters_read_only_as_transformers_5_writes_plain_rope() -> None:
-    """transformers 5 writes rope_theta only inside `rope_parameters`; read there (tests/test_hf_config_corpus.py
+    """transformers 5 writes rope_theta only inside `rope_parameters`; read there (tests/convert/hf/test_hf_config_corpus.py
     proves it on published re-saves). Scaling given there, per-layer-type parameters and a rope_theta that
     contradicts the config's own are refused by name."""
     theta = _hf("llama")["rope_theta"]

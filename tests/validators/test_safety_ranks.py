@@ -20,7 +20,7 @@ import pytest
 from mconvert.trainer.procs import RankGroup
 from validate_common import hf_export, trained_ckpt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DAMAGED = "mp_rank_01_001"  # TP rank 1, PP rank 1 of the TP=2 PP=2 checkpoint: global rank 3
 # A hang guard, not a speed goal: the error line names the failed rank whether its peers were ended by the
 # failure path or gave up in their collective (the earliest record wins), so the time is what tells the two

@@ -1,0 +1,1 @@
+"""Fixtures and truth helpers shared by every test folder."""
