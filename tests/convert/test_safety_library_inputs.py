@@ -13,18 +13,7 @@ from pathlib import Path
 
 import pytest
 from safety_common import assert_one_line_error, run_cli_capped
-from tokenizer_common import MODEL_FILES, instruct_hf
-
-
-def _model_and_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
-    """A copy of the instruct model (weights and config only) and of its tokenizer in a directory of its own."""
-    src = instruct_hf()
-    hf, tok = tmp_path / "hf", tmp_path / "tok"
-    hf.mkdir()
-    for f in MODEL_FILES:
-        shutil.copy(src / f, hf / f)
-    shutil.copytree(src, tok, ignore=lambda d, names: [n for n in names if n in MODEL_FILES])
-    return hf, tok
+from tokenizer_common import instruct_hf, model_and_tokenizer
 
 
 def test_config_json_in_the_tokenizer_dir_linking_outside_is_never_read(tmp_path):
@@ -33,7 +22,7 @@ def test_config_json_in_the_tokenizer_dir_linking_outside_is_never_read(tmp_path
     from mconvert.convert.tokenizer import load_tokenizer
     from mconvert.errors import MConvertError
 
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     secret = tmp_path / "elsewhere"
     secret.mkdir()
     (secret / "config.json").write_text(json.dumps({"pad_token_id": 7, "model_type": "llama"}))
@@ -50,7 +39,7 @@ def test_tokenizer_dir_with_links_that_stay_inside_converts(tmp_path):
     """The benign neighbour: config.json and tokenizer.json linked to files inside the tokenizer directory."""
     from mconvert.validators.gguf_runner import read_gguf_metadata
 
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     (tok / "real").mkdir()
     (tok / "tokenizer.json").rename(tok / "real" / "tokenizer.json")
     (tok / "tokenizer.json").symlink_to(Path("real") / "tokenizer.json")
@@ -71,7 +60,7 @@ def test_model_dir_handed_to_transformers_with_a_link_outside_is_refused(tmp_pat
     from mconvert.convert.io.paths import check_tree_contained
     from mconvert.errors import MConvertError
 
-    hf, _ = _model_and_tokenizer(tmp_path)
+    hf, _ = model_and_tokenizer(tmp_path)
     name = "model.safetensors" if where == "safetensors" else where
     (tmp_path / name).write_bytes((hf / name).read_bytes())
     (hf / name).unlink()

@@ -360,6 +360,18 @@ def perturb(ctx: McoreContext) -> None:
             p.copy_(1.0 + 0.2 * noise if name.endswith("layernorm.weight") else 0.1 * noise)
 
 
+def perturb_dense(ctx: McoreContext) -> None:
+    """Every parameter off its init (norms off 1, q/k norms included), seeded by its name: equal on every TP
+    rank where it is replicated, its own per TP rank where it is split, so that a wrong layout or a dropped
+    norm cannot hide. Dense models (no expert index in the seed, unlike `perturb`)."""
+    for name, p in ctx.model.named_parameters():
+        split = bool(getattr(p, "tensor_model_parallel", False))
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * ctx.tp_rank if split else 0))
+        noise = torch.randn(p.shape, generator=g)
+        with torch.no_grad():
+            p.copy_(1.0 + 0.2 * noise if name.endswith("layernorm.weight") else 0.1 * noise)
+
+
 def greedy(ctx: McoreContext, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """megatron-core's greedy tokens (argmax over the true vocab, full forward per step) for each prompt; rank 0's
     choice is broadcast so that every rank extends the same sequence (PP = 1)."""

@@ -7,6 +7,7 @@ Everything built here is cached per test process (the base checkpoint is built o
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import shutil
 import subprocess
@@ -223,3 +224,9 @@ def run_cli_capped(argv: list[str], cap: int = CAP_BYTES, timeout: float = CAP_S
     r = subprocess.run([sys.executable, "-c", code, *[str(a) for a in argv]], capture_output=True, text=True,
                        timeout=timeout, preexec_fn=cap_memory, env=full_env, cwd=str(ROOT))
     return r.returncode, r.stdout, r.stderr
+
+
+def sha_tree(root: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under `root`, mconvert's manifest left out."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "mconvert-manifest.json"}

@@ -5,6 +5,7 @@ per test process (the tokenizer tests and the vLLM tests share it)."""
 
 from __future__ import annotations
 
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -71,3 +72,15 @@ def chain() -> dict[str, Path]:
 def tokenizer_file_names(d: Path) -> set[str]:
     """Every file of `d` that is not a model file (relative names, folders walked)."""
     return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()} - MODEL_FILES
+
+
+def model_and_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the instruct model (weights, config, generation config) and of its tokenizer, each in a
+    directory of its own."""
+    src = instruct_hf()
+    hf, tok = tmp_path / "hf", tmp_path / "tok"
+    hf.mkdir()
+    for f in MODEL_FILES:
+        shutil.copy(src / f, hf / f)
+    shutil.copytree(src, tok, ignore=lambda d, names: [n for n in names if n in MODEL_FILES])
+    return hf, tok

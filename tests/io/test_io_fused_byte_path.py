@@ -1,9 +1,9 @@
-"""Issue 15's byte path, each against an answer we did not compute: transformers' own `.bin` writer, torch's
-merge and transpose ops, torch.save's bytes and the CRC-32 it stored."""
+"""The byte path (`.bin` inputs, one CRC pass, transposes into a buffer), each against an answer we did not
+compute: transformers' own `.bin` writer, torch's merge and transpose ops, torch.save's bytes and the CRC-32
+it stored."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,12 +13,7 @@ import torch
 import transformers
 
 from mconvert.errors import MConvertError
-from safety_common import load_rank, save_rank
-
-
-def _sha_tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "mconvert-manifest.json"}
+from safety_common import load_rank, save_rank, sha_tree
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +56,7 @@ def test_bin_input_streams_the_same_rank_files_as_safetensors(hf_pair: dict[str,
     driver.hf_to_megatron(bin_dir, tmp_path / "from-bin", tp=2, pp=2)
     assert sorted(streamed) == [0, 1]
     driver.hf_to_megatron(hf, tmp_path / "from-st", tp=2, pp=2)
-    assert _sha_tree(tmp_path / "from-bin") == _sha_tree(tmp_path / "from-st")
+    assert sha_tree(tmp_path / "from-bin") == sha_tree(tmp_path / "from-st")
 
 
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
@@ -105,7 +100,7 @@ def test_legacy_pickle_bin_has_no_preview_and_still_converts(hf_pair: dict[str, 
         src.close()
     driver.hf_to_megatron(legacy, tmp_path / "a", tp=2, pp=1)
     driver.hf_to_megatron(hf, tmp_path / "b", tp=2, pp=1)
-    assert _sha_tree(tmp_path / "a") == _sha_tree(tmp_path / "b")
+    assert sha_tree(tmp_path / "a") == sha_tree(tmp_path / "b")
 
 
 def test_bin_missing_tensor_is_named(hf_pair: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
@@ -310,7 +305,7 @@ def test_conv1d_shards_transposed_by_blocks_write_the_bytes_of_whole_shards(
     with monkeypatch.context() as m:
         m.setattr(megatron, "_transposed_in_blocks", lambda *a, **k: False)
         megatron_to_hf(gpt2_tp2, tmp_path / "whole")
-    whole = _sha_tree(tmp_path / "whole")
+    whole = sha_tree(tmp_path / "whole")
     manifest = (tmp_path / "whole" / "mconvert-manifest.json").read_bytes()
     monkeypatch.setattr(megatron.LazyModel, "read_into", read_into)
     for block in (1, 1000, megatron.TRANSPOSE_BLOCK):
@@ -318,7 +313,7 @@ def test_conv1d_shards_transposed_by_blocks_write_the_bytes_of_whole_shards(
         with monkeypatch.context() as m:
             m.setattr(megatron, "TRANSPOSE_BLOCK", block)
             megatron_to_hf(gpt2_tp2, tmp_path / str(block))
-        assert _sha_tree(tmp_path / str(block)) == whole, block
+        assert sha_tree(tmp_path / str(block)) == whole, block
         assert (tmp_path / str(block) / "mconvert-manifest.json").read_bytes() == manifest
         assert block == megatron.TRANSPOSE_BLOCK or any(offsets), "no shard was read by rows"
 

@@ -1,9 +1,8 @@
-"""Issue 7's I/O changes, each against an answer we did not compute: hashlib's sha256 of the same bytes, the
-bytes themselves, and the CRC-32 torch.save stored in the zip."""
+"""Hashed writes, deferred CRC checks and streamed rank files, each against an answer we did not compute:
+hashlib's sha256 of the same bytes, the bytes themselves, and the CRC-32 torch.save stored in the zip."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import zipfile
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 import blake3
 import pytest
 import torch
+from safety_common import sha_tree
 
 from mconvert.convert.io import hashing
 from mconvert.convert.io.safeload import deferred_crc_checks, safe_load, wait_crc_checks
@@ -202,21 +202,10 @@ def test_megatron_to_hf_refuses_a_flipped_bit_and_leaves_no_output(tmp_path: Pat
 
 
 # ---- rank files streamed from the source's preview (io.torchsave.TorchSaveStream) --------------------------------
-def _sha_tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "mconvert-manifest.json"}
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from mconvert.trainer.train import TrainConfig, train
-
-    out = {}
-    for preset, tp, pp in (("tiny-gpt2", 2, 2), ("tiny-llama", 2, 2)):
-        ck = tmp_path_factory.mktemp(preset) / "ck"
-        train(TrainConfig(preset=preset, tp=tp, pp=pp, steps=1, save=str(ck), force=True, quiet=True, device="cpu"))
-        out[preset] = ck
-    return out
+def trained(trained_checkpoint) -> dict[str, Path]:
+    return {preset: trained_checkpoint(preset=preset, tp=2, pp=2, steps=1, force=True)
+            for preset in ("tiny-gpt2", "tiny-llama")}
 
 
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
@@ -236,7 +225,7 @@ def test_streamed_reshard_equals_torch_save(trained: dict[str, Path], tmp_path: 
     monkeypatch.setattr(driver, "_preview", lambda src: None)
     monkeypatch.setattr(MegatronWriter, "_spool", lambda self, p, t: _NoSpool())
     driver.reshard(trained[preset], tmp_path / "saved", tp=tp, pp=pp)
-    assert _sha_tree(tmp_path / "streamed") == _sha_tree(tmp_path / "saved")
+    assert sha_tree(tmp_path / "streamed") == sha_tree(tmp_path / "saved")
 
 
 class _NoSpool:
@@ -255,7 +244,7 @@ def test_streamed_hf_to_megatron_equals_torch_save(trained: dict[str, Path], tmp
     monkeypatch.setattr(driver, "_preview", lambda src: None)
     monkeypatch.setattr(MegatronWriter, "_spool", lambda self, p, t: _NoSpool())
     driver.hf_to_megatron(tmp_path / "hf", tmp_path / "saved", tp=2, pp=2)
-    assert _sha_tree(tmp_path / "streamed") == _sha_tree(tmp_path / "saved")
+    assert sha_tree(tmp_path / "streamed") == sha_tree(tmp_path / "saved")
 
 
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
@@ -327,8 +316,8 @@ def test_workers_change_the_speed_not_the_bytes(trained: dict[str, Path], tmp_pa
                                         "--workers", str(w), *extra])
                 assert r.exit_code == 0, r.output
         for verb in ("megatron-to-hf", "reshard"):
-            assert _sha_tree(tmp_path / f"{verb}-0") == _sha_tree(tmp_path / f"{verb}-1") == \
-                _sha_tree(tmp_path / f"{verb}-3")
+            assert sha_tree(tmp_path / f"{verb}-0") == sha_tree(tmp_path / f"{verb}-1") == \
+                sha_tree(tmp_path / f"{verb}-3")
         import subprocess
         import sys
 

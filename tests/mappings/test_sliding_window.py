@@ -156,14 +156,9 @@ def test_a_window_the_hf_class_cannot_compute_is_refused(spec, match) -> None:
 
 # ---- the trainer's window, through megatron-to-hf and validate -----------------------------------------------
 @pytest.fixture(scope="module")
-def trained_swa(tmp_path_factory) -> Path:
-    import mconvert.trainer.train as train_mod
-
-    root = tmp_path_factory.mktemp("swa") / "ckpt"
-    cfg = train_mod.TrainConfig(preset="tiny-mistral-swa", tp=2, pp=1, steps=2, save=str(root), force=True,
-                                micro_batch_size=2, global_batch_size=4, seq_length=48, quiet=True, seed=7)
-    train_mod.train(cfg)
-    return root
+def trained_swa(trained_checkpoint) -> Path:
+    return trained_checkpoint(preset="tiny-mistral-swa", tp=2, pp=1, steps=2, force=True, micro_batch_size=2,
+                              global_batch_size=4, seq_length=48, seed=7, device=None)
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ transposes into a caller's buffer — each against torch's reshape formulas or t
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import transforms as T
-from safety_common import load_rank, save_rank
+from safety_common import load_rank, save_rank, sha_tree
 
 
 def _qkv_truth(full: torch.Tensor, nq: int, ng: int, hd: int) -> list[torch.Tensor]:
@@ -71,11 +70,6 @@ def test_copy_transposed_fills_the_callers_buffer_and_refuses_a_wrong_one(dtype:
 
 
 # ---- megatron-to-hf of a GQA Llama: q/k/v placed from the rank files --------------------------------------
-def _sha_tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "mconvert-manifest.json"}
-
-
 @pytest.fixture(scope="module")
 def llama_tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mconvert.trainer.train import TrainConfig, train
@@ -111,7 +105,7 @@ def test_megatron_to_hf_places_qkv_rows_and_matches_merge_then_map(llama_tp2: Pa
         m.setattr(plugin, "ROW_PLANS", {})  # the merge-then-map path
         megatron_to_hf(llama_tp2, tmp_path / "merged")
     assert calls and all(c.endswith("linear_qkv.weight") for c in calls)  # the watch sees that path
-    placed, merged = _sha_tree(tmp_path / "placed"), _sha_tree(tmp_path / "merged")
+    placed, merged = sha_tree(tmp_path / "placed"), sha_tree(tmp_path / "merged")
     assert placed == merged and any(k.endswith(".safetensors") for k in placed)
 
 
@@ -188,7 +182,7 @@ def test_hf_to_megatron_places_hf_rows_and_matches_cat_then_split(llama_hf: Path
     monkeypatch.setattr(plugin, "ROW_PLANS", {})
     hf_to_megatron(llama_hf, tmp_path / "cat", tp=2)
     assert sorted(set(calls)) == ["halves_to_gated", "separate_to_qkv"]  # the watch sees that path
-    placed, cat = _sha_tree(tmp_path / "placed"), _sha_tree(tmp_path / "cat")
+    placed, cat = sha_tree(tmp_path / "placed"), sha_tree(tmp_path / "cat")
     assert placed == cat and any(k.endswith("model_optim_rng.pt") for k in placed)
 
 

@@ -10,9 +10,7 @@ go through `hf-to-gguf` the same way. The refusals and the streaming run without
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ from mconvert.convert.gguf import to_gguf
 from mconvert.mappings.gguf_vocab import PRE_TOKENIZERS
 from mconvert.convert.io.atomic import file_manifest_path
 from mconvert.errors import MConvertError
-from mconvert.validators.gguf_runner import ENV_SCRIPT, read_gguf_metadata, run_llama_cpp
+from mconvert.validators.gguf_runner import read_gguf_metadata, run_llama_cpp
 from mconvert.validators.validate import validate
 from mconvert.validators.verify_gguf import verify_gguf as verify
 
@@ -84,14 +82,6 @@ def _gguf(src: Path, name: str, outtype: str, **kw) -> Path:
     if not out.is_file():
         to_gguf(src, out, outtype, verb="hf-to-gguf" if (src / "config.json").is_file() else "megatron-to-gguf", **kw)
     return out
-
-
-@pytest.fixture(scope="session")
-def llama_cpp() -> None:
-    """The llama.cpp venv, built when absent (a source build: ~10+ min on a loaded 2-core machine)."""
-    r = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600)
-    assert r.returncode == 0, f"make gguf-env failed: {r.stderr[-2000:]}"
-    os.environ.setdefault("MCONVERT_GGUF_PYTHON", r.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,7 @@ from pathlib import Path
 
 import pytest
 from safety_common import assert_one_line_error, run_cli_capped
-from tokenizer_common import MODEL_FILES, instruct_hf
-
-
-def _model_and_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
-    """A copy of the instruct model (weights, config, generation config) and of its tokenizer, apart."""
-    src = instruct_hf()
-    hf, tok = tmp_path / "hf", tmp_path / "tok"
-    hf.mkdir()
-    for f in MODEL_FILES:
-        shutil.copy(src / f, hf / f)
-    shutil.copytree(src, tok, ignore=lambda d, names: [n for n in names if n in MODEL_FILES])
-    return hf, tok
+from tokenizer_common import model_and_tokenizer
 
 
 def _duplicate_id(tok: Path) -> tuple[str, str, int]:
@@ -42,7 +31,7 @@ def test_duplicate_ids_in_tokenizer_json_are_refused_every_run(tmp_path):
     name, on every run, rather than write a GGUF that differs between runs."""
     import tokenizers
 
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     a, b, i = _duplicate_id(tok)
     text = (tok / "tokenizer.json").read_text()
     assert {tokenizers.Tokenizer.from_str(text).id_to_token(i) for _ in range(40)} == {a, b}
@@ -57,7 +46,7 @@ def test_duplicate_ids_in_tokenizer_json_are_refused_every_run(tmp_path):
 
 def test_gguf_of_a_benign_tokenizer_is_the_same_bytes_every_run(tmp_path):
     """The benign neighbour: two runs (two processes) write byte-identical GGUFs."""
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     outs = []
     for run in range(2):
         out = tmp_path / f"run{run}" / "model.gguf"
@@ -89,7 +78,7 @@ def test_a_stray_tokenizer_model_never_wins_over_tokenizer_json(tmp_path):
     import transformers
     from test_gguf import _spm_tokenizer_dir
 
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     shutil.copy(_spm_tokenizer_dir() / "tokenizer.model", tok / "tokenizer.model")
     out = tmp_path / "out.gguf"
     code, _, err = run_cli_capped(["hf-to-gguf", hf, out, "--tokenizer", tok])
@@ -114,7 +103,7 @@ def test_a_tokenizer_model_that_is_the_tokenizer_json_is_written_as_sentencepiec
 def test_a_stray_merges_txt_never_wins_over_tokenizer_json(tmp_path):
     """merges.txt beside a tokenizer.json: gguf-py would read it when tokenizer.json holds no merges; the GGUF
     takes tokenizer.json's merges (as transformers does) and one without any is refused by name."""
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     j = json.loads((tok / "tokenizer.json").read_text())
     want = [" ".join(m) if isinstance(m, list) else m for m in j["model"]["merges"]]
     (tok / "merges.txt").write_text("#version: 0.2\n" + "\n".join(reversed(want)) + "\n")  # a different order
@@ -164,7 +153,7 @@ DAMAGED = {  # each ended in `internal error` without the file; the words its li
 @pytest.mark.parametrize("name", list(DAMAGED))
 def test_tokenizer_inputs_gguf_py_cannot_read_are_one_line_naming_the_file(tmp_path, name):
     edit, words = DAMAGED[name]
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     edit(tok)
     out = tmp_path / "out.gguf"
     code, _, err = run_cli_capped(["hf-to-gguf", hf, out, "--tokenizer", tok])
@@ -177,7 +166,7 @@ def test_a_real_config_with_pad_token_id_minus_one_is_refused_by_key(tmp_path):
     SpecialVocab) raises on it, so the model's own config.json is refused naming the key and the fix."""
     import gguf
 
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     for f in tok.iterdir():  # the tokenizer beside the model, as a downloaded model directory holds it
         (shutil.copytree if f.is_dir() else shutil.copy)(f, hf / f.name)
     cfg = json.loads((hf / "config.json").read_text())
@@ -194,7 +183,7 @@ def test_a_real_config_with_pad_token_id_minus_one_is_refused_by_key(tmp_path):
 def test_gguf_py_log_lines_become_report_warnings_naming_the_users_file(tmp_path):
     """gguf-py logs what it ignores (a chat_template that is not text); the line goes into the report's
     warnings, naming the user's tokenizer_config.json, never onto stderr beside the report."""
-    hf, tok = _model_and_tokenizer(tmp_path)
+    hf, tok = model_and_tokenizer(tmp_path)
     cfg = json.loads((tok / "tokenizer_config.json").read_text())
     (tok / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": 5}))
     code, out, err = run_cli_capped(["hf-to-gguf", hf, tmp_path / "out.gguf", "--tokenizer", tok, "--json"])

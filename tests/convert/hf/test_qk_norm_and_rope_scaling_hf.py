@@ -18,13 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from mcore_ref import McoreContext, mcore_forward_logits, run_mcore
+from hf_ref import assert_logits_close, hf_logits, randomized_models
+from mcore_ref import McoreContext, mcore_forward_logits, perturb_dense, run_mcore
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
@@ -57,39 +57,13 @@ HF_CONFIGS = {
 }
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
-    diff, scale = (got - want).abs().max().item(), want.abs().max().item()
-    print(f"[figures] {what}: max|Δ| {diff:.2e}, max|logit| {scale:.3f}")
-    assert diff <= REL_TOL * scale, f"{what}: max abs diff {diff} > {REL_TOL} * {scale}"
-    assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{what}: top-1 differs"
-    return diff
-
-
-def _hf_logits(hf_dir: Path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
-    with torch.no_grad():
-        return model(PROBE).logits.float()
-
-
 # ---- checkpoints written by megatron-core ---------------------------------------------------------------
-def _perturb(ctx: McoreContext) -> None:
-    """Every parameter off its init (norms off 1, the q/k norms included), the same on every TP rank where it
-    is replicated, so that a wrong layout or a dropped norm cannot hide."""
-    for name, p in ctx.model.named_parameters():
-        split = bool(getattr(p, "tensor_model_parallel", False))
-        g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * ctx.tp_rank if split else 0))
-        noise = torch.randn(p.shape, generator=g)
-        with torch.no_grad():
-            p.copy_(1.0 + 0.2 * noise if name.endswith("layernorm.weight") else 0.1 * noise)
-
-
 def _save_as_megatron_lm(ctx: McoreContext, root: str) -> torch.Tensor | None:
     """Per rank: perturb, save as Megatron-LM's `save_checkpoint` does (its args carry no `model_family`),
     return megatron-core's logits on PROBE."""
     from megatron.core.transformer.enums import AttnBackend
 
-    _perturb(ctx)
+    perturb_dense(ctx)
     args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp)
     del args.model_family
     args.params_dtype = torch.float32
@@ -127,7 +101,7 @@ def test_megatron_core_checkpoints_convert_to_hf_with_its_logits(mcore_exports, 
         assert cfg["rope_scaling"] == LLAMA3_SCALING
     else:
         assert "rope_scaling" not in cfg and cfg["head_dim"] == 32 and cfg["tie_word_embeddings"] is True
-    _close(_hf_logits(hf), want, f"megatron-core {name} TP=2 -> HF")
+    assert_logits_close(hf_logits(hf, PROBE, "eager"), want, f"megatron-core {name} TP=2 -> HF")
 
 
 @pytest.mark.timeout(120)
@@ -138,7 +112,7 @@ def test_without_rope_scaling_the_logits_differ_measurably(mcore_exports, tmp_pa
     cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
     del cfg["rope_scaling"]
     (tmp_path / "plain" / "config.json").write_text(json.dumps(cfg))
-    got = _hf_logits(tmp_path / "plain")
+    got = hf_logits(tmp_path / "plain", PROBE, "eager")
     diff, scale = (got - want).abs().max().item(), want.abs().max().item()
     print(f"[figures] llama3 without rope_scaling: max|Δ| {diff:.2e} vs tolerance {REL_TOL * scale:.2e}")
     assert diff > 100 * REL_TOL * scale
@@ -155,33 +129,14 @@ def test_megatron_core_llama3_converts_to_trtllm_with_its_logits(mcore_exports, 
     _, want, hf = mcore_exports["llama3"]
     megatron_to_trtllm(hf.parent / "mg", tmp_path / "trt", tp=2)
     assert json.loads((tmp_path / "trt" / "config.json").read_text())["rotary_scaling"] == LLAMA3_SCALING
-    _close(trtllm_logits(tmp_path / "trt", PROBE), want, "megatron-core llama3 TP=2 -> TensorRT-LLM TP=2")
+    assert_logits_close(trtllm_logits(tmp_path / "trt", PROBE), want, "megatron-core llama3 TP=2 -> TensorRT-LLM TP=2")
 
 
 # ---- models written by transformers ---------------------------------------------------------------------
-def _randomize(model: torch.nn.Module) -> None:
-    """Random values everywhere (q_norm / k_norm too), so a swapped or dropped tensor cannot hide."""
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.2 * noise if n.endswith("norm.weight") else 0.1 * noise)
-
-
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, tuple[torch.Tensor, Path, Path]]:
     """name -> (transformers' logits, its save_pretrained dir, our hf-to-megatron TP=2 checkpoint)."""
-    out = {}
-    for name, cfg in HF_CONFIGS.items():
-        tmp = tmp_path_factory.mktemp(f"hf_{name}")
-        model = transformers.AutoModelForCausalLM.from_config(cfg(), attn_implementation="eager").eval()
-        _randomize(model)
-        model.save_pretrained(tmp / "hf")
-        with torch.no_grad():
-            logits = model(PROBE).logits
-        hf_to_megatron(tmp / "hf", tmp / "mg", tp=2, pp=1)
-        out[name] = (logits, tmp / "hf", tmp / "mg")
-    return out
+    return randomized_models(HF_CONFIGS, PROBE, tmp_path_factory, hf_to_megatron)
 
 
 @pytest.mark.timeout(120)
@@ -192,7 +147,7 @@ def test_hf_to_megatron_loads_strict_into_megatron_core_with_transformers_logits
     spec = spec_from_megatron_args(states[0]["args"])
     assert spec.qk_layernorm == (name == "qwen3") and spec.rope_scaling == ("llama3" if name == "llama3" else None)
     got = mcore_forward_logits(spec, 2, PROBE, [s["model"] for s in states])[..., : spec.vocab_size]
-    _close(got, want, f"transformers {name} -> hf-to-megatron TP=2 -> megatron-core")
+    assert_logits_close(got, want, f"transformers {name} -> hf-to-megatron TP=2 -> megatron-core")
 
 
 def _sha(root: Path, pattern: str) -> dict[str, str]:

@@ -12,13 +12,13 @@ import hashlib
 import json
 import re
 import shutil
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from mcore_ref import McoreContext, mcore_forward_logits, run_mcore
+from hf_ref import assert_logits_close, hf_logits, randomized_models
+from mcore_ref import McoreContext, mcore_forward_logits, perturb_dense, run_mcore
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
@@ -44,38 +44,14 @@ MCORE_SPECS = {
 }
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
-    diff, scale = (got - want).abs().max().item(), want.abs().max().item()
-    print(f"[figures] {what}: max|Δ| {diff:.2e}, max|logit| {scale:.3f}")
-    assert diff <= REL_TOL * scale, f"{what}: max abs diff {diff} > {REL_TOL} * {scale}"
-    assert torch.equal(got.argmax(-1), want.argmax(-1)), f"{what}: top-1 differs"
-    return diff
-
-
-def _hf_logits(hf_dir: Path, tokens: torch.Tensor = PROBE) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
-    with torch.no_grad():
-        return model(tokens).logits.float()
-
-
 # ---- checkpoints written by megatron-core ---------------------------------------------------------------
-def _perturb(ctx: McoreContext) -> None:
-    for name, p in ctx.model.named_parameters():
-        split = bool(getattr(p, "tensor_model_parallel", False))
-        g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + (1000 * ctx.tp_rank if split else 0))
-        noise = torch.randn(p.shape, generator=g)
-        with torch.no_grad():
-            p.copy_(1.0 + 0.2 * noise if name.endswith("layernorm.weight") else 0.1 * noise)
-
-
 def _save_as_megatron_lm(ctx: McoreContext, root: str, dist_root: str) -> torch.Tensor | None:
     """Per rank: perturb, save the legacy torch layout as Megatron-LM's `save_checkpoint` does and a torch_dist
     one by `dist_checkpointing.save` (args without `model_family`), return megatron-core's logits on PROBE."""
     from megatron.core import dist_checkpointing
     from megatron.core.transformer.enums import AttnBackend
 
-    _perturb(ctx)
+    perturb_dense(ctx)
     args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp)
     del args.model_family
     args.params_dtype = torch.float32
@@ -131,7 +107,7 @@ def test_megatron_core_yarn_checkpoints_convert_to_hf_with_its_logits(mcore_expo
     cfg = json.loads((tmp / export / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["max_position_embeddings"] == 256
     assert cfg["rope_scaling"] == pytest.approx(EXPECTED_HF[name])
-    _close(_hf_logits(tmp / export), want, f"megatron-core {name} TP=2 ({export}) -> HF over {PROBE.shape[1]} tokens")
+    assert_logits_close(hf_logits(tmp / export, PROBE, "eager"), want, f"megatron-core {name} TP=2 ({export}) -> HF over {PROBE.shape[1]} tokens")
 
 
 @pytest.mark.timeout(300)
@@ -148,7 +124,7 @@ def test_without_yarn_or_its_attention_factor_the_logits_differ(mcore_exports, t
     else:
         del cfg["rope_scaling"]["attention_factor"]
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
-    got = _hf_logits(tmp_path / "hf")
+    got = hf_logits(tmp_path / "hf", PROBE, "eager")
     diff, scale = (got - want).abs().max().item(), want.abs().max().item()
     print(f"[figures] {name} without {drop}: max|Δ| {diff:.2e} vs tolerance {REL_TOL * scale:.2e}")
     assert diff > 100 * REL_TOL * scale
@@ -156,12 +132,9 @@ def test_without_yarn_or_its_attention_factor_the_logits_differ(mcore_exports, t
 
 # ---- the trainer ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, ModelSpec]:
-    from mconvert.trainer.train import TrainConfig, train
-
-    ckpt = tmp_path_factory.mktemp("tiny-llama-yarn") / "ckpt"
-    train(TrainConfig(preset="tiny-llama-yarn", tp=2, pp=1, steps=2, save=str(ckpt), seq_length=32,
-                      micro_batch_size=2, global_batch_size=4, lr=1e-2, seed=7, quiet=True, device="cpu"))
+def trained(trained_checkpoint) -> tuple[Path, ModelSpec]:
+    ckpt = trained_checkpoint(preset="tiny-llama-yarn", tp=2, pp=1, steps=2, seq_length=32, micro_batch_size=2,
+                              global_batch_size=4, lr=1e-2, seed=7)
     return ckpt, spec_from_megatron_args(safe_load(rank_file(ckpt, 2, 0, 0, 1))["args"])
 
 
@@ -221,28 +194,10 @@ HF_CONFIGS = {
 }
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.2 * noise if n.endswith("norm.weight") else 0.1 * noise)
-
-
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, tuple[torch.Tensor, Path, Path]]:
     """name -> (transformers' logits, its save_pretrained dir, our hf-to-megatron TP=2 checkpoint)."""
-    out = {}
-    for name, cfg in HF_CONFIGS.items():
-        tmp = tmp_path_factory.mktemp(f"hf_{name}")
-        model = transformers.AutoModelForCausalLM.from_config(cfg(), attn_implementation="eager").eval()
-        _randomize(model)
-        model.save_pretrained(tmp / "hf")
-        with torch.no_grad():
-            logits = model(PROBE).logits
-        hf_to_megatron(tmp / "hf", tmp / "mg", tp=2, pp=1)
-        out[name] = (logits, tmp / "hf", tmp / "mg")
-    return out
+    return randomized_models(HF_CONFIGS, PROBE, tmp_path_factory, hf_to_megatron)
 
 
 @pytest.mark.timeout(300)
@@ -254,7 +209,7 @@ def test_hf_yarn_to_megatron_loads_strict_into_megatron_core_with_transformers_l
     assert args.position_embedding_type == "yarn" and args.yarn_original_max_position_embeddings == 64
     spec = spec_from_megatron_args(args)
     got = mcore_forward_logits(spec, 2, PROBE, [s["model"] for s in states])[..., : spec.vocab_size]
-    _close(got, want, f"transformers {name} yarn -> hf-to-megatron TP=2 -> megatron-core")
+    assert_logits_close(got, want, f"transformers {name} yarn -> hf-to-megatron TP=2 -> megatron-core")
 
 
 def _sha(root: Path, pattern: str) -> dict[str, str]:
@@ -284,7 +239,7 @@ def test_yarn_round_trips_are_byte_identical(hf_models, tmp_path, name) -> None:
     if name == "llama":
         assert back["rope_scaling"] == src["rope_scaling"]
     assert spec_from_hf_config(back) == spec_from_hf_config(src)
-    _close(_hf_logits(tmp_path / "back"), want.float(), f"transformers {name} yarn -> Megatron -> HF")
+    assert_logits_close(hf_logits(tmp_path / "back", PROBE, "eager"), want.float(), f"transformers {name} yarn -> Megatron -> HF")
     hf_to_megatron(tmp_path / "back", tmp_path / "mg2", tp=2, pp=1)
     megatron_to_hf(tmp_path / "mg2", tmp_path / "back2")
     assert _sha(tmp_path / "back2", "*") == _sha(tmp_path / "back", "*")
@@ -328,7 +283,7 @@ def keys_mapped_to_other_args(hf_models, tmp_path_factory) -> dict[str, tuple[Pa
         (tmp / "hf" / "config.json").write_text(json.dumps(cfg))
         (tmp / "hf" / "mconvert-manifest.json").unlink(missing_ok=True)
         hf_to_megatron(tmp / "hf", tmp / "mg", tp=1, pp=1)
-        out[name] = (tmp / "hf", _hf_logits(tmp / "hf"), tmp / "mg")
+        out[name] = (tmp / "hf", hf_logits(tmp / "hf", PROBE, "eager"), tmp / "mg")
     return out
 
 
@@ -354,7 +309,7 @@ def test_hf_yarn_keys_megatron_core_reads_otherwise_map_to_args_with_transformer
     assert torch.tensor(mine, dtype=torch.float32) == torch.tensor(theirs, dtype=torch.float32)
     assert abs(mine - theirs) <= 2**-52 * max(1.0, theirs)
     spec = spec_from_megatron_args(args)
-    _close(mcore_forward_logits(spec, 1, PROBE, [state["model"]])[..., : spec.vocab_size], want,
+    assert_logits_close(mcore_forward_logits(spec, 1, PROBE, [state["model"]])[..., : spec.vocab_size], want,
            f"transformers {change} -> hf-to-megatron -> megatron-core")
     as_keys = spec.replace(yarn_mscale=literal[0], yarn_mscale_all_dim=literal[1])
     diff = (mcore_forward_logits(as_keys, 1, PROBE, [state["model"]])[..., : spec.vocab_size] - want).abs().max()
@@ -363,7 +318,7 @@ def test_hf_yarn_keys_megatron_core_reads_otherwise_map_to_args_with_transformer
     megatron_to_hf(mg, tmp_path / "back")
     back = json.loads((tmp_path / "back" / "config.json").read_text())["rope_scaling"]
     print(f"[figures] {name}: exported rope_scaling {back}")
-    assert torch.equal(_hf_logits(tmp_path / "back"), want)
+    assert torch.equal(hf_logits(tmp_path / "back", PROBE, "eager"), want)
 
 
 @pytest.mark.timeout(300)
@@ -470,19 +425,6 @@ def test_megatron_lm_yarn_args_left_unset_take_its_defaults() -> None:
 
 
 # ---- GGUF / llama.cpp ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llama_cpp() -> None:
-    """The llama.cpp venv (`make gguf-env`), built when absent."""
-    import os
-    import subprocess
-
-    from mconvert.validators.gguf_runner import ENV_SCRIPT
-
-    r = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600)
-    assert r.returncode == 0, f"make gguf-env failed: {r.stderr[-2000:]}"
-    os.environ.setdefault("MCONVERT_GGUF_PYTHON", r.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def with_tokenizer(hf_models, tmp_path_factory) -> dict[str, Path]:
     """name -> transformers' saved model (HF_CONFIGS) with the trainer's byte-level BPE tokenizer beside it."""
@@ -690,7 +632,7 @@ def test_yarn_converts_to_trtllm_with_the_sources_logits(request, tmp_path, sour
     megatron_to_trtllm(mg, tmp_path / "trt", 2)
     cfg = json.loads((tmp_path / "trt" / "config.json").read_text())
     assert cfg["rotary_scaling"]["rope_type"] == "yarn"
-    _close(trtllm_logits(tmp_path / "trt", PROBE), want, f"{source} yarn -> TensorRT-LLM TP=2")
+    assert_logits_close(trtllm_logits(tmp_path / "trt", PROBE), want, f"{source} yarn -> TensorRT-LLM TP=2")
     del cfg["rotary_scaling"]
     (tmp_path / "trt" / "config.json").write_text(json.dumps(cfg))
     diff = (trtllm_logits(tmp_path / "trt", PROBE) - want).abs().max().item()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_ref import hf_logits
 from safetensors.torch import load_file
 import transformers
 
@@ -28,12 +29,6 @@ def _rand(model):
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     return model.eval()
-
-
-def _hf_logits(d: Path) -> torch.Tensor:
-    m = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
-    with torch.no_grad():
-        return m(TOKENS).logits
 
 
 def _save(root: Path, it: str, tp_rank: int, pp_rank: int, pp: int, state: dict) -> None:
@@ -105,7 +100,7 @@ def test_gqa_and_swiglu_layout_match_transformers_logits(llama, tmp_path):
         want = llama(TOKENS).logits
     _hand_llama(llama, tmp_path / "mg", tp=2)
     megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
-    assert torch.equal(_hf_logits(tmp_path / "hf"), want)
+    assert torch.equal(hf_logits(tmp_path / "hf", TOKENS, "eager"), want)
     back = load_file(tmp_path / "hf" / "model.safetensors")
     for k, v in llama.state_dict().items():
         assert torch.equal(back[k], v), k
@@ -118,7 +113,7 @@ def test_a_wrong_layout_changes_the_logits(llama, tmp_path, wrong):
         want = llama(TOKENS).logits
     _hand_llama(llama, tmp_path / "mg", tp=2, wrong=wrong)
     megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
-    assert (_hf_logits(tmp_path / "hf") - want).abs().max() > 1e-3
+    assert (hf_logits(tmp_path / "hf", TOKENS, "eager") - want).abs().max() > 1e-3
 
 
 # ---- GPT-2 legacy nested files, as transformers' checkpoint_reshaping_and_interoperability.py writes ------
@@ -207,7 +202,7 @@ def test_legacy_nested_gpt2_converts_back_equal(gpt2, tmp_path, tp, pp, version)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["n_inner"] == 128 and cfg["activation_function"] == "gelu_new" and cfg["vocab_size"] == V
     with torch.no_grad():
-        assert torch.equal(_hf_logits(tmp_path / "hf"), gpt2(TOKENS).logits)
+        assert torch.equal(hf_logits(tmp_path / "hf", TOKENS, "eager"), gpt2(TOKENS).logits)
 
 
 def test_te_spelling_extra_state_and_vpp_interleaving(gpt2, tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hf_ref import hf_logits
 from mcore_ref import McoreContext, run_mcore
 from safetensors.torch import load_file
 
@@ -129,14 +130,6 @@ def _save_both(ctx: McoreContext, torch_root: str, dist_root: str, tokens: torch
     return ctx.logits(tokens)
 
 
-def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits.float()
-
-
 def _hf_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in sorted(hf_dir.glob("*.safetensors")):
@@ -171,7 +164,7 @@ def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, 
     for kind, root in (("torch", torch_root), ("torch_dist", dist_root)):
         out = tmp_path / f"hf_{kind}"
         cli_main(["megatron-to-hf", str(root), str(out)])
-        logits = _hf_logits(out, tokens)
+        logits = hf_logits(out, tokens)
         diff = (logits - ref).abs().max().item()
         scale = ref.abs().max().item()
         print(f"{family} TP=2 PP={pp} VPP={vpp} {kind}: max|hf - mcore| = {diff:.3e}, max|logit| = {scale:.3f}")
@@ -302,7 +295,7 @@ def test_megatron_core_sliding_window_converts_to_matching_hf(family: str, tmp_p
         cli_main(["megatron-to-hf", str(root), str(out)])
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["sliding_window"] == keys
-        logits = _hf_logits(out, tokens)
+        logits = hf_logits(out, tokens)
         diff = (logits - ref).abs().max().item()
         print(f"{family} {kind} ({cfg['architectures'][0]}): max|hf - mcore| = {diff:.3e}, max|logit| = {scale:.3f}")
         assert diff <= 1e-4 * scale, f"{family} {kind}: max abs diff {diff} > 1e-4 * {scale}"
@@ -310,7 +303,7 @@ def test_megatron_core_sliding_window_converts_to_matching_hf(family: str, tmp_p
     cfg.update(sliding_window=None, use_sliding_window=False)
     cfg.pop("layer_types", None)
     (out / "config.json").write_text(json.dumps(cfg))
-    full = _hf_logits(out, tokens)
+    full = hf_logits(out, tokens)
     inside = (full[:, :keys] - ref[:, :keys]).abs().max().item()
     beyond = (full[:, keys:] - ref[:, keys:]).abs().max().item()
     print(f"{family} control without the window: within the window {inside:.3e}, beyond it {beyond:.3e}")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_ref import hf_logits
 from mcore_ref import McoreContext, run_mcore
 from mcore_ref import perturb as _perturb
 from safetensors.torch import load_file
@@ -76,14 +77,6 @@ def _load_rank_files(ctx: McoreContext, root: str, tokens: torch.Tensor) -> torc
     return ctx.logits(tokens)
 
 
-def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits.float()
-
-
 def _close(got: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool((got - ref).abs().max() <= 1e-4 * ref.abs().max() and torch.equal(got.argmax(-1), ref.argmax(-1)))
 
@@ -128,7 +121,7 @@ def test_megatron_core_moe_checkpoints_convert_to_matching_hf(family: str, tp: i
     _convert("megatron-to-hf", str(root), str(tmp_path / "hf"))
     cfg = spec_from_hf_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
     assert cfg.family == family and cfg.num_experts == spec.num_experts
-    got = _hf_logits(tmp_path / "hf", tokens)
+    got = hf_logits(tmp_path / "hf", tokens)
     assert _close(got, ref), f"max abs {(got - ref).abs().max():.3g} vs max |logit| {ref.abs().max():.3g}"
 
 
@@ -143,7 +136,7 @@ def test_megatron_core_torch_dist_moe_checkpoints_convert_to_the_same_hf(
     _convert("megatron-to-hf", str(root) + "_dist", str(tmp_path / "dist"))
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("legacy", "dist"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert _close(_hf_logits(tmp_path / "dist", tokens), ref)
+    assert _close(hf_logits(tmp_path / "dist", tokens), ref)
 
 
 @pytest.mark.slow
@@ -173,7 +166,7 @@ def test_swapped_ep_rank_dirs_change_the_logits(tmp_path: Path, tmp_path_factory
     os.rename(it / "mp_rank_00_001", it / "mp_rank_00_000")
     os.rename(it / "tmp", it / "mp_rank_00_001")
     _convert("megatron-to-hf", str(swapped), str(tmp_path / "hf"))
-    got = _hf_logits(tmp_path / "hf", tokens)
+    got = hf_logits(tmp_path / "hf", tokens)
     assert (got - ref).abs().max() > 0.05 * ref.abs().max()
 
 
@@ -265,7 +258,7 @@ def test_a_grouped_gemm_ordered_source_reshards_expert_by_expert_and_strict_load
         assert all(v is None and got[k] is None or torch.equal(v, got[k]) for k, v in want.items())
     tokens = _tokens(spec)
     results = run_mcore(spec, 2, _load_rank_files, (str(b), tokens), ep=2)
-    assert _close(results[0][..., : spec.vocab_size], _hf_logits(hf, tokens))
+    assert _close(results[0][..., : spec.vocab_size], hf_logits(hf, tokens))
 
 
 # ---- HF -> megatron-core ---------------------------------------------------------------------------------
@@ -296,7 +289,7 @@ def test_hf_to_megatron_at_tp2_ep2_strict_loads_into_megatron_core(family: str, 
     args = safe_load(rank_file(tmp_path / "mg", "release", 1, 0, 1, 1, 2))["args"]
     assert (args.expert_model_parallel_size, args.num_experts, args.moe_router_topk) == (2, spec.num_experts, 2)
     results = run_mcore(spec, 2, _load_rank_files, (str(tmp_path / "mg"), tokens), ep=2)
-    ref = _hf_logits(hf, tokens)
+    ref = hf_logits(hf, tokens)
     got = results[0][..., : spec.vocab_size]
     assert _close(got, ref), f"max abs {(got - ref).abs().max():.3g} vs max |logit| {ref.abs().max():.3g}"
 

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_ref import hf_logits
 from deploy_common import make_hf, rel
 from mcore_ref import run_mcore
 from test_moe import ITERATION, SPECS
 from test_moe import _saved as _moe_saved
-from test_torch_dist_write import _dcp_read_all, _hf_logits, _load_dist, _summary
+from test_torch_dist_write import _dcp_read_all, _load_dist, _summary
 
 from mconvert.convert.driver import hf_to_megatron, reshard
 from mconvert.convert.io.safeload import safe_load_dcp_metadata
@@ -60,7 +61,7 @@ def test_moe_torch_dist_output_loads_in_megatron_core_at_another_tp_and_ep(tmp_p
     assert 0 < framing < 4096 * len(md.storage_data)
     tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     res = run_mcore(spec, 1, _load_dist, (str(out / "release"), tokens), ep=2)
-    got, want = res[0][..., : spec.vocab_size], _hf_logits(hf, tokens)
+    got, want = res[0][..., : spec.vocab_size], hf_logits(hf, tokens)
     err = rel(got, want)
     print(f"qwen3_moe: written TP=2 EP=1, loaded TP=1 EP=2: rel err {err:.2e}")
     assert err <= 1e-4

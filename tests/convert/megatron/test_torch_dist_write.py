@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_ref import hf_logits
 from deploy_common import make_hf, rel
 from mcore_ref import McoreContext, run_mcore
 from test_external_mcore import ITERATION, SPECS, _saved
@@ -71,14 +72,6 @@ def _load_dist(ctx: McoreContext, ckpt_dir: str, tokens: torch.Tensor) -> torch.
     return ctx.logits(tokens)
 
 
-def _hf_logits(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(tokens).logits.float()
-
-
 CASES = {
     # GQA, SwiGLU (gate/up chunks), untied head; written at TP=1 PP=1, loaded at TP=2 PP=2
     "llama": (SPECS["llama"], (1, 1), (2, 2)),
@@ -101,7 +94,7 @@ def test_torch_dist_output_loads_in_megatron_core_at_another_layout(case: str, t
     tokens = torch.randint(0, spec.vocab_size, (2, 12), generator=TOKENS)
     res = run_mcore(spec, tp_l, _load_dist, (str(out / "release"), tokens), pp=pp_l)
     got = res[-1][..., : spec.vocab_size]
-    want = _hf_logits(hf, tokens)
+    want = hf_logits(hf, tokens)
     err = rel(got, want)
     print(f"{case}: written TP={tp_w} PP={pp_w}, loaded TP={tp_l} PP={pp_l}: rel err {err:.2e}")
     assert err <= 1e-4, f"{case}: megatron-core's logits differ from transformers' by {err:.2e} relative"
