@@ -20,12 +20,12 @@ def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
     it and never write into it (a resume or a damaged copy goes to a directory of their own)."""
     from mconvert.trainer.train import TrainConfig, train
 
-    done: dict[tuple, Path] = {}
+    done: dict[str, Path] = {}
 
     def make(**cfg: Any) -> Path:
         cfg.setdefault("quiet", True)
         cfg.setdefault("device", "cpu")
-        key = tuple(sorted(cfg.items()))
+        key = repr(sorted(cfg.items()))
         if key not in done:
             ckpt = tmp_path_factory.mktemp(f"trained-{cfg['preset']}") / "ckpt"
             train(TrainConfig(save=str(ckpt), **cfg))

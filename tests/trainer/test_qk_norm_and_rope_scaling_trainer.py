@@ -22,7 +22,7 @@ from mconvert.spec import ModelSpec
 from mconvert.trainer.infer import megatron_logits
 from mconvert.trainer.model import GPTModel
 from mconvert.trainer.parallel import ParallelState
-from mconvert.trainer.train import TrainConfig, build_spec, launch, prepare_tokens, train
+from mconvert.trainer.train import TrainConfig, build_spec, launch, prepare_tokens
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -37,13 +37,12 @@ def _cfg(**kw) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict[str, tuple[Path, ModelSpec]]:
+def trained(trained_checkpoint) -> dict[str, tuple[Path, ModelSpec]]:
     """`mconvert train --preset P --tp 2 --steps 2` for both presets (one shared run each)."""
     out = {}
     for name in ("tiny-qwen3", "tiny-llama3"):
-        ckpt = tmp_path_factory.mktemp(name) / "ckpt"
-        cfg = _cfg(preset=name, tp=2, pp=1, steps=2, save=str(ckpt))
-        train(cfg)
+        cfg = vars(_cfg(preset=name, tp=2, pp=1, steps=2))
+        ckpt = trained_checkpoint(**{k: v for k, v in cfg.items() if k != "save"})
         out[name] = (ckpt, spec_from_megatron_args(safe_load(rank_file(ckpt, 2, 0, 0, 1))["args"]))
     return out
 
