@@ -8,9 +8,10 @@ megatron-to-trtllm, megatron-to-gguf and hf-to-gguf (f16, q8_0) and to-onnx (tor
 WORKDIR, and records the sha256 of every file each step wrote. Run it on the tree before a move and after
 it: the two manifests must be equal. Every verb runs as its own process, as a user runs it.
 
-The manifest leaves out nothing: every output file's bytes are recorded. Files whose bytes are not a
-function of the inputs alone (a wall-clock time, an absolute path) would have to be named here; the
-check that two runs of the same tree give equal manifests is `--compare` on two runs.
+The manifest leaves out nothing: every output file's bytes are recorded. Some outputs hold the absolute
+path of their source (FasterTransformer's config.ini `source =`, the Megatron args' `load` in rank files and
+common.pt, and so the manifests and integrity files over them), so both runs must use the same WORKDIR;
+no output holds a wall-clock time.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mconvert import dtypes
-from mconvert.convert.io import tuning
+from mconvert.io import tuning
 from mconvert.errors import MConvertError, at_least_one
 from mconvert.errors import rich_safe as plain
 
@@ -72,7 +72,7 @@ ManifestHash = Annotated[str, typer.Option("--manifest-hash", help="Digest in OU
 
 def _manifest_hash(name: str, one_process: str | None = None) -> None:
     """Set the manifest's hash; `one_process`: the verb, refused under torchrun (it cannot share its work)."""
-    from mconvert.convert.io.hashing import set_manifest_hash
+    from mconvert.io.hashing import set_manifest_hash
 
     set_manifest_hash(name)
     if one_process is not None:

@@ -13,9 +13,9 @@ import blake3
 import pytest
 import torch
 
-from mconvert.convert.io import hashing
-from mconvert.convert.io.safeload import deferred_crc_checks, safe_load, wait_crc_checks
-from mconvert.convert.io.hashing import HashingFile
+from mconvert.io import hashing
+from mconvert.io.safeload import deferred_crc_checks, safe_load, wait_crc_checks
+from mconvert.io.hashing import HashingFile
 from mconvert.errors import MConvertError
 
 

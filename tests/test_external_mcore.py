@@ -216,8 +216,8 @@ def test_torch_dist_reader_reads_one_layer_slice_and_matches_the_legacy_reader(
 
 
 def _wrong_ffn_args(d: Path) -> None:
-    from mconvert.convert.io import repickle
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io import repickle
+    from mconvert.io.safeload import safe_load
 
     common = safe_load(d / "common.pt")
     common["args"].ffn_hidden_size *= 2

@@ -23,7 +23,7 @@ from validate_common import WORK, hf_export, mcore_moe_ckpt, mcore_moe_export, t
 from mconvert.cli import main as cli_main
 from mconvert.convert.gguf import to_gguf
 from mconvert.mappings.gguf_vocab import PRE_TOKENIZERS
-from mconvert.convert.io.atomic import file_manifest_path
+from mconvert.io.atomic import file_manifest_path
 from mconvert.errors import MConvertError
 from mconvert.validators.gguf_runner import ENV_SCRIPT, read_gguf_metadata, run_llama_cpp
 from mconvert.validators.validate import validate

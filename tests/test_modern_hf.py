@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from mconvert.cli import main as cli_main
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.convert.layout import rank_file, save_rank_file, write_latest
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset, spec_from_megatron_args
 from mconvert.spec import ModelSpec
 

@@ -15,7 +15,7 @@ from mcore_ref import run_mcore
 from test_external_mcore import SPECS
 
 from mconvert.convert.driver import reshard
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 
 ITER = "iter_0000002"
 WD = 0.1

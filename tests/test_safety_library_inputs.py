@@ -68,7 +68,7 @@ def test_tokenizer_dir_with_links_that_stay_inside_converts(tmp_path):
 def test_model_dir_handed_to_transformers_with_a_link_outside_is_refused(tmp_path, capsys, where):
     """`validate` hands the export's directory to transformers' from_pretrained, which opens files by name:
     every entry is checked first."""
-    from mconvert.convert.io.paths import check_tree_contained
+    from mconvert.io.paths import check_tree_contained
     from mconvert.errors import MConvertError
 
     hf, _ = _model_and_tokenizer(tmp_path)

@@ -15,7 +15,7 @@ import torch
 from safety_common import assert_one_line_error, run_cli
 from scratch import scratch_dir
 
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from mconvert.convert.layout import save_rank_file
 from mconvert.errors import MConvertError
 

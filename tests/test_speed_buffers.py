@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.convert.io import buffers
-from mconvert.convert.io.buffers import BufferPool
-from mconvert.convert.io.hashing import HashingFile, tensor_bytes
+from mconvert.io import buffers
+from mconvert.io.buffers import BufferPool
+from mconvert.io.hashing import HashingFile, tensor_bytes
 from mconvert.errors import MConvertError
 
 

@@ -161,7 +161,7 @@ def test_each_input_byte_is_crc_checked_once(rank_ckpt: Path, tmp_path: Path, mo
     import zlib
 
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.convert.io import safeload
+    from mconvert.io import safeload
 
     second_pass: dict[str, set[int]] = {}
     inline: dict[str, set[int]] = {}
@@ -200,7 +200,7 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
     """A flipped bit in a tensor megatron-to-hf converts, or in one it never reads (an optimizer state), is
     refused by the CRC-32 check by name, and no output is left."""
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.convert.io import safeload
+    from mconvert.io import safeload
 
     monkeypatch.setattr(safeload, "_CRC_CHECKED", set())
     ck = tmp_path / "ck"
@@ -228,7 +228,7 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
 def test_copy_transposed_is_torch_transpose_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int]) -> None:
     """Into a fresh matrix and into a column band of a wider one, the bits equal torch's `t().contiguous()`,
     denormals, infinities and signed zeros included."""
-    from mconvert.mappings.transforms import copy_transposed, transposed
+    from mconvert.io.transpose import copy_transposed, transposed
 
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
     src = torch.randn(shape, generator=g).to(dtype)
@@ -278,7 +278,7 @@ def gpt2_tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _conv1d_record(rank: Path, which: str) -> tuple[str, int, int]:
     """(key, data offset, size) of layer 0's `which` weight in a rank file."""
-    from mconvert.convert.io import safeload
+    from mconvert.io import safeload
 
     state = safeload.safe_load(rank)
     key = next(k for k in state["model"] if k.endswith(f"layers.0.{which}.weight"))
@@ -330,7 +330,7 @@ def test_a_nan_or_a_flipped_bit_in_a_later_block_is_refused(gpt2_tp2: Path, tmp_
     one with a bit flipped in its last row by the CRC-32 of its record; neither leaves an output."""
     from mconvert.convert import megatron
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.convert.io import safeload
+    from mconvert.io import safeload
 
     monkeypatch.setattr(megatron, "TRANSPOSE_BLOCK", 1)
     for case in ("nan", "bit"):

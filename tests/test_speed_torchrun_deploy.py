@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.convert.io import world as world_state
-from mconvert.convert.io.atomic import MANIFEST, check_manifest
+from mconvert.io import world as world_state
+from mconvert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World
 from safety_common import base
 from test_speed_torchrun import _torchrun, _tree, assert_a_failing_rank_leaves_no_output

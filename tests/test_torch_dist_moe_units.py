@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
-from mconvert.convert.io.atomic import MANIFEST
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.atomic import MANIFEST
+from mconvert.io.safeload import safe_load
 from mconvert.convert.megatron import megatron_writer
 from mconvert.convert.torch_dist import STACKED_EXPERTS, TorchDistSource
 from mconvert.convert.torch_dist_writer import TorchDistWriter

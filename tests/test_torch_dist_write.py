@@ -25,7 +25,7 @@ from test_external_mcore import ITERATION, SPECS, _saved
 from mconvert.cli import main as cli_main
 from mconvert.convert.driver import hf_to_megatron, reshard
 from mconvert.convert.inspect import inspect_checkpoint
-from mconvert.convert.io.safeload import safe_load_dcp_metadata
+from mconvert.io.safeload import safe_load_dcp_metadata
 from mconvert.mappings.families import preset
 
 TOKENS = torch.Generator().manual_seed(3)
@@ -392,7 +392,7 @@ def test_megatron_core_distributed_optimizer_reshards_and_resumes(tmp_path: Path
 def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> None:
     """A source chunk that cannot be read after earlier units were written: one line naming the input, no OUT,
     no temporary directory left beside it."""
-    from mconvert.convert.io.atomic import MANIFEST
+    from mconvert.io.atomic import MANIFEST
 
     spec = preset("tiny-llama").replace(num_layers=4)
     hf = make_hf(spec, tmp_path / "hf")
@@ -420,8 +420,8 @@ def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> Non
 def test_torch_dist_optimizer_refusals_name_the_layout(tmp_path: Path) -> None:
     """--with-optimizer on a torch_dist checkpoint without states, or with a layout not carried (megatron-core's
     deprecated fully_sharded_model_space), is one MConvertError naming common.pt; nothing is written."""
-    from mconvert.convert.io.atomic import MANIFEST
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.atomic import MANIFEST
+    from mconvert.io.safeload import safe_load
     from mconvert.errors import MConvertError
 
     hf = make_hf(preset("tiny-llama"), tmp_path / "hf")

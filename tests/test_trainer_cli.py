@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from mconvert.convert.layout import read_latest
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 
 pytestmark = pytest.mark.slow
 MCONVERT = [sys.executable, "-m", "mconvert.cli"]

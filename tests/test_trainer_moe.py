@@ -21,7 +21,7 @@ import pytest
 import test_trainer_parallel as parallel_tests
 import torch
 
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from mconvert.convert.layout import rank_file
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import spec_from_megatron_args

@@ -109,7 +109,7 @@ def _mcore_greedy(ctx, root: str, prompts: list[list[int]], max_tokens: int) -> 
     """Per rank: strict-load this rank's file of the checkpoint, then megatron-core's greedy tokens."""
     from mcore_ref import greedy
 
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
     from mconvert.convert.layout import rank_file
 
     ctx.model.load_state_dict(safe_load(rank_file(root, MOE_ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank,
@@ -192,7 +192,7 @@ def _edit_config(d: Path, **changes) -> None:
 
 
 def _remanifest(d: Path) -> Path:
-    from mconvert.convert.io.atomic import write_manifest
+    from mconvert.io.atomic import write_manifest
 
     write_manifest(d)
     return d

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.convert.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
-from mconvert.convert.io.paths import contained
+from mconvert.io.paths import contained
 from mconvert.convert.tokenizer import find_tokenizer_dir, tokenizer_length
 from mconvert.errors import MConvertError, type_name
 from mconvert.mappings import families

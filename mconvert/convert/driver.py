@@ -21,7 +21,7 @@ import torch
 from mconvert import dtypes
 from mconvert.convert.base import END, SKIP, Unit, parts_ahead
 from mconvert.convert.dp_buckets import check_optimizer_layout
-from mconvert.convert.io.atomic import check_output
+from mconvert.io.atomic import check_output
 from mconvert.convert.hf import HFWriter, parse_size
 from mconvert.convert.layout import layer_location, stage_layers
 from mconvert.convert.megatron import MegatronSource, megatron_writer
@@ -29,10 +29,10 @@ from mconvert.convert.optimizer import check_mcore_groups, index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
-from mconvert.convert.io.safeload import (crc_in_background, input_check_figures, skip_crc_checks, start_crc_checks,
+from mconvert.io.safeload import (crc_in_background, input_check_figures, skip_crc_checks, start_crc_checks,
                                           wait_crc_checks)
 from mconvert.convert.sources import open_source
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from mconvert.convert.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab
 from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError

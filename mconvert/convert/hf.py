@@ -21,13 +21,13 @@ from safetensors.torch import save_file
 
 from mconvert.convert import bounds
 from mconvert.convert.base import LayerParts, PartTasks, Unit, param_elements, pmap, units_of
-from mconvert.convert.io import buffers
-from mconvert.convert.io.atomic import record_digest
-from mconvert.convert.io.hashing import numel
-from mconvert.convert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular
-from mconvert.convert.io.safeload import all_finite, narrowed, safe_load
-from mconvert.convert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
-from mconvert.convert.io.torchsave import LazyModel, TensorIndex
+from mconvert.io import buffers
+from mconvert.io.atomic import record_digest
+from mconvert.io.hashing import numel
+from mconvert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular
+from mconvert.io.safeload import all_finite, narrowed, safe_load
+from mconvert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
+from mconvert.io.torchsave import LazyModel, TensorIndex
 from mconvert.convert.scaleout import world
 from mconvert.convert.tokenizer import (
     GENERATION_CONFIG,
@@ -41,11 +41,11 @@ from mconvert.convert.tokenizer import (
     read_token_ids,
 )
 from mconvert.errors import MConvertError, expect
+from mconvert.io.transpose import copy_transposed
 from mconvert.mappings import families, from_hf, hf_names, hf_unit, to_hf
 from mconvert.mappings.plugin import (from_hf_one, hf_keys_for, hf_registry, mcore_row_plan, plugin_for, registry,
                                       transposed_in_hf)
 from mconvert.mappings.registry import fill
-from mconvert.mappings.transforms import copy_transposed
 from mconvert.mappings.fields import key_names
 from mconvert.spec import LayerPart, ModelSpec
 

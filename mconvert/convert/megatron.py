@@ -26,12 +26,12 @@ from mconvert.convert import bounds
 from mconvert.convert import optimizer as optim
 from mconvert.convert.base import LayerParts, PartTasks, Unit, param_elements, pmap, pmap_iter
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
-from mconvert.convert.io import buffers
-from mconvert.convert.io.atomic import record_digest
-from mconvert.convert.io.hashing import hash_file, manifest_hash
-from mconvert.convert.io.paths import inside_file, make_dirs, owned_fd
-from mconvert.convert.io.safeload import all_finite, narrowed, safe_load
-from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
+from mconvert.io import buffers
+from mconvert.io.atomic import record_digest
+from mconvert.io.hashing import hash_file, manifest_hash
+from mconvert.io.paths import inside_file, make_dirs, owned_fd
+from mconvert.io.safeload import all_finite, narrowed, safe_load
+from mconvert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
 from mconvert.convert.scaleout import world
 from mconvert.convert.layout import (
     CHECKPOINT_VERSION,
@@ -45,11 +45,12 @@ from mconvert.convert.layout import (
     write_latest,
 )
 from mconvert.errors import MConvertError, type_name
+from mconvert.io.transpose import copy_transposed
 from mconvert.mappings import families
 from mconvert.mappings.fields import MEGATRON_ARGS, key_names
 from mconvert.mappings.keys import canonical_key, flatten, unit_of, with_layer
 from mconvert.mappings.plugin import check_complete, hf_keys_for, hf_order, hf_row_plan, to_hf_one, transposed_in_hf
-from mconvert.mappings.transforms import (copy_transposed, merge, merge_rows, merge_transposed, pad_vocab, place_rows,
+from mconvert.mappings.transforms import (merge, merge_rows, merge_transposed, pad_vocab, place_rows,
                                           split, split_dim)
 from mconvert.spec import LayerPart, ModelSpec, expert_of, is_buffer, layer_of_unit, with_expert
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mconvert.convert.io.atomic import verify_input
+from mconvert.io.atomic import verify_input
 from mconvert.convert.base import SourceBase
 from mconvert.convert import detect
 from mconvert.convert.hf import HFSource

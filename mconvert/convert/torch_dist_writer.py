@@ -48,12 +48,12 @@ from mconvert.convert import dp_buckets
 from mconvert.convert import optimizer as optim
 from mconvert.convert.checkpoint import args_dict
 from mconvert.convert.base import Unit, units_of
-from mconvert.convert.io import repickle
-from mconvert.convert.io.atomic import record_digest
-from mconvert.convert.io.hashing import HashingFile
-from mconvert.convert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
-from mconvert.convert.io.paths import make_dirs
-from mconvert.convert.io.safeload import narrowed
+from mconvert.io import repickle
+from mconvert.io.atomic import record_digest
+from mconvert.io.hashing import HashingFile
+from mconvert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
+from mconvert.io.paths import make_dirs
+from mconvert.io.safeload import narrowed
 from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
 from mconvert.convert.megatron import target_args
 from mconvert.convert.torch_dist import (

@@ -22,10 +22,10 @@ from safetensors import safe_open
 
 from mconvert import dtypes
 from mconvert.convert.hf import read_weight_map
-from mconvert.convert.io.paths import contained, inside_file, load_json_object
-from mconvert.convert.io.atomic import MANIFEST, check_manifest
+from mconvert.io.paths import contained, inside_file, load_json_object
+from mconvert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.layout import RANK_FILE, iteration_dir_name
-from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.io.safeload import all_finite, safe_load
 from mconvert.convert.sources import open_source
 from mconvert.convert.tokenizer import has_chat_template
 from mconvert.errors import MConvertError

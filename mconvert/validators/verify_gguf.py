@@ -35,7 +35,7 @@ GREEDY_TOKENS = 16
 def verify_gguf(path: str | Path, against: str | Path | None = None, device: str = "auto",
                 n_tokens: int = 32, python: str | Path | None = None) -> Any:
     """Every check on one GGUF file; errors are collected in the report, never raised."""
-    from mconvert.convert.io.atomic import check_file_manifest
+    from mconvert.io.atomic import check_file_manifest
     from mconvert.validators.gguf_runner import read_gguf_metadata, run_llama_cpp
     from mconvert.validators.verify import VerifyReport
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io import buffers
+from mconvert.io import buffers
 from mconvert.errors import MConvertError
 
 

@@ -19,8 +19,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from mconvert.convert.io.hashing import FollowedDigest, hash_file
-from mconvert.convert.io.paths import check_regular, contained, read_small
+from mconvert.io.hashing import FollowedDigest, hash_file
+from mconvert.io.paths import check_regular, contained, read_small
 from mconvert.errors import MConvertError
 
 INTEGRITY = "integrity.json"  # megatron-core's `INTEGRITY_FNAME`
@@ -78,7 +78,7 @@ def check_integrity(iter_dir: Path, digests: bool = True, covered: Callable[[Pat
     listed = integrity_entries(iter_dir)
     if not listed or not digests:
         return
-    from mconvert.convert.io.safeload import deferred, follow_input
+    from mconvert.io.safeload import deferred, follow_input
 
     manifest = iter_dir / INTEGRITY
     for p, want in sorted(listed.items()):

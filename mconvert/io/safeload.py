@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.io.hashing import FollowedDigest, crc32
-from mconvert.convert.io.world import world_from_env
+from mconvert.io.hashing import FollowedDigest, crc32
+from mconvert.io.world import world_from_env
 from mconvert.errors import MConvertError
 
 
@@ -550,7 +550,7 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
         _DEFERRED = outer
         d.close()
         if outer is None:  # the conversion is over: its idle read buffers go back to the system
-            from mconvert.convert.io.buffers import POOL
+            from mconvert.io.buffers import POOL
 
             POOL.trim()
 
@@ -577,7 +577,7 @@ def start_crc_checks() -> None:
 def wait_crc_checks() -> None:
     """Raise the first failed background CRC-32 check (no-op outside `deferred_crc_checks()`). The units are
     converted by now: the idle read buffers go back to the system before the checks and the commit run."""
-    from mconvert.convert.io.buffers import POOL
+    from mconvert.io.buffers import POOL
 
     POOL.trim()
     if _DEFERRED is not None:
