@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from mconvert.cli import main as cli_main
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-from mconvert.convert.fastertransformer import check_ft_dir, megatron_to_ft
-from mconvert.convert.trtllm import check_trtllm_dir, megatron_to_trtllm
+from mconvert.convert.deploy.fastertransformer import check_ft_dir, megatron_to_ft
+from mconvert.convert.deploy.trtllm import check_trtllm_dir, megatron_to_trtllm
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 from mconvert.validators.ft_runner import ft_logits

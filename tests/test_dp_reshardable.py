@@ -23,7 +23,7 @@ from mcore_ref import McoreContext, run_mcore
 from test_external_mcore import SPECS
 from test_torch_dist_write import _load_go_on, _train_save_go_on, cpu_patches
 
-from mconvert.convert import dp_buckets
+from mconvert.convert.megatron import dp_buckets
 from mconvert.convert.driver import reshard
 from mconvert.io.safeload import safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError

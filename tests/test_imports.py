@@ -71,7 +71,7 @@ def import_edges(root: Path = PACKAGE) -> list[Edge]:
 
 
 def part(mod: str) -> str:
-    """`mconvert.convert.hf` -> `convert`; the package itself -> ``."""
+    """`mconvert.convert.hf.source` -> `convert`; the package itself -> ``."""
     pieces = mod.split(".")
     return pieces[1] if len(pieces) > 1 else ""
 
@@ -141,7 +141,7 @@ def edges() -> list[Edge]:
 def test_the_graph_covers_the_package(edges):
     # an empty scan would pass every check below: it must see the parts and the edges between them
     assert {part(m) for m in module_names()} >= {"spec", "mappings", "convert", "trainer", "validators", "cli"}
-    assert ("mconvert.convert.sources", "mconvert.convert.hf") in {(e.src, e.dst) for e in edges}
+    assert ("mconvert.convert.sources", "mconvert.convert.hf.source") in {(e.src, e.dst) for e in edges}
     assert len(edges) > 200
 
 
@@ -202,7 +202,7 @@ def test_checks_catch_a_hidden_cycle_an_upward_import_and_a_private_name(tmp_pat
         "mappings/plugin.py": "from mconvert.spec import f\nfrom .keys import _flatten\n",
         "mappings/keys.py": "def _flatten(): ...\n",
         "convert/__init__.py": "",
-        "convert/onnx.py": "def g():\n    from mconvert.validators import onnx_runner\n",
+        "convert/deploy/onnx.py": "def g():\n    from mconvert.validators import onnx_runner\n",
         "validators/__init__.py": "",
         "validators/onnx_runner.py": "",
     })
@@ -211,4 +211,4 @@ def test_checks_catch_a_hidden_cycle_an_upward_import_and_a_private_name(tmp_pat
     assert private_imports(found) == ["mconvert.mappings.plugin:2 imports mconvert.mappings.keys._flatten"]
     bad = layering_violations(found)
     assert any(b.startswith("mconvert.spec:2 imports mconvert.mappings.plugin: spec (layer 1)") for b in bad)
-    assert any(b.startswith("mconvert.convert.onnx:2 imports mconvert.validators.onnx_runner") for b in bad)
+    assert any(b.startswith("mconvert.convert.deploy.onnx:2 imports mconvert.validators.onnx_runner") for b in bad)

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
 from mconvert.io.atomic import MANIFEST
-from mconvert.convert.layout import rank_file, save_rank_file, write_latest
-from mconvert.convert.megatron import MegatronSource
+from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.convert.megatron.source import MegatronSource
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, spec_from_megatron_args

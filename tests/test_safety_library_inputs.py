@@ -30,7 +30,7 @@ def _model_and_tokenizer(tmp_path: Path) -> tuple[Path, Path]:
 def test_config_json_in_the_tokenizer_dir_linking_outside_is_never_read(tmp_path):
     """gguf-py's SpecialVocab and transformers' AutoTokenizer open config.json in the --tokenizer directory by
     name; a link to a file elsewhere is refused by name, and its pad id never lands in an output."""
-    from mconvert.convert.tokenizer import load_tokenizer
+    from mconvert.convert.hf.tokenizer import load_tokenizer
     from mconvert.errors import MConvertError
 
     hf, tok = _model_and_tokenizer(tmp_path)

@@ -51,7 +51,7 @@ def test_bin_input_streams_the_same_rank_files_as_safetensors(hf_pair: dict[str,
     """A pytorch_model.bin written by transformers previews from its zip offsets like safetensors does, so its
     rank files are streamed (no spool) and come out byte-identical to those of the safetensors input."""
     from mconvert.convert import driver
-    from mconvert.convert.megatron import MegatronWriter
+    from mconvert.convert.megatron.source import MegatronWriter
 
     hf, bin_dir = hf_pair[preset]
     streamed: list[int] = []
@@ -297,7 +297,7 @@ def test_conv1d_shards_transposed_by_blocks_write_the_bytes_of_whole_shards(
         gpt2_tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of one row, and of a few rows that end inside a QKV head's rows, give the HF files (manifest
     included) that transposing each whole shard gives; the blocks path is the one taken."""
-    from mconvert.convert import megatron
+    from mconvert.convert.megatron import source as megatron
     from mconvert.convert.driver import megatron_to_hf
 
     offsets: list[int] = []
@@ -328,7 +328,7 @@ def test_a_nan_or_a_flipped_bit_in_a_later_block_is_refused(gpt2_tp2: Path, tmp_
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Read a row at a time, TP rank 1's fc1 weight with a NaN in its last row is refused by file and key, and
     one with a bit flipped in its last row by the CRC-32 of its record; neither leaves an output."""
-    from mconvert.convert import megatron
+    from mconvert.convert.megatron import source as megatron
     from mconvert.convert.driver import megatron_to_hf
     from mconvert.io import safeload
 

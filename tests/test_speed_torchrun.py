@@ -123,7 +123,7 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], tmp_p
     from safetensors import safe_open
 
     from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-    from mconvert.convert.megatron import MegatronSource
+    from mconvert.convert.megatron.source import MegatronSource
 
     monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))
     parts: list[set[str]] = []
@@ -216,7 +216,7 @@ _RANK_0_FAILS_FIRST = """
 import signal, sys, time
 from pathlib import Path
 import torch
-from mconvert.convert.layout import save_rank_file
+from mconvert.convert.megatron.layout import save_rank_file
 from mconvert.convert.scaleout import shared_atomic_output_dir, world_from_env
 from mconvert.errors import MConvertError
 

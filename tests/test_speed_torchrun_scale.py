@@ -56,7 +56,7 @@ def test_trtllm_process_cuts_only_its_rank_files(tmp_path: Path, monkeypatch: py
 
     from mconvert.convert.driver import drive
     from mconvert.convert.sources import open_source
-    from mconvert.convert.trtllm import TrtllmWriter, megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import TrtllmWriter, megatron_to_trtllm
     from mconvert.mappings import deploy
 
     megatron_to_trtllm(base()["ckpt"], tmp_path / "one", tp=4)
@@ -96,7 +96,7 @@ def test_plan_to_trtllm_matches_the_written_rank_files(tmp_path: Path) -> None:
     whole input."""
     from mconvert.convert.estimate import estimate, scaleout_estimate
     from mconvert.convert.sources import open_source
-    from mconvert.convert.trtllm import megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
 
     megatron_to_trtllm(base()["ckpt"], tmp_path / "trt", tp=2)
     src = open_source(base()["ckpt"])

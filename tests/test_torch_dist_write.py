@@ -203,7 +203,7 @@ def test_data_files_split_at_the_size_limit_as_planned_and_read_back(tmp_path: P
     with the same tensor bytes, and the reader gets every tensor back from them."""
     from mconvert.convert.estimate import torch_dist_files
     from mconvert.convert.sources import open_source
-    from mconvert.convert.torch_dist_writer import TorchDistWriter
+    from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 
     spec = preset("tiny-llama")
     hf = open_source(make_hf(spec, tmp_path / "hf"))
@@ -449,7 +449,7 @@ PEAK_SCRIPT = """
 import sys, tempfile, torch
 from pathlib import Path
 from mconvert.mappings.families import preset
-from mconvert.convert.torch_dist_writer import TorchDistWriter
+from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 
 def status(field):
     for line in open("/proc/self/status"):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mconvert.convert.layout import rank_file, read_latest
+from mconvert.convert.megatron.layout import rank_file, read_latest
 from mconvert.io.paths import inside_file
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert.io.bounded import part, run_bounded
-from mconvert.convert.tokenizer import CHAT_TEMPLATE_DIR, has_chat_template, load_tokenizer
+from mconvert.convert.hf.tokenizer import CHAT_TEMPLATE_DIR, has_chat_template, load_tokenizer
 from mconvert.errors import MConvertError, escape_controls
 
 # A chat template renders a conversation in milliseconds; one given seconds of CPU loops or grows without end.

@@ -21,13 +21,13 @@ from rich.table import Table
 from safetensors import safe_open
 
 from mconvert import dtypes
-from mconvert.convert.hf import read_weight_map
+from mconvert.convert.hf.source import read_weight_map
 from mconvert.io.paths import contained, inside_file, load_json_object
 from mconvert.io.atomic import MANIFEST, check_manifest
-from mconvert.convert.layout import RANK_FILE, iteration_dir_name
+from mconvert.convert.megatron.layout import RANK_FILE, iteration_dir_name
 from mconvert.io.safeload import all_finite, safe_load
 from mconvert.convert.sources import open_source
-from mconvert.convert.tokenizer import has_chat_template
+from mconvert.convert.hf.tokenizer import has_chat_template
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as _plain
 from mconvert.mappings import families

@@ -130,7 +130,7 @@ def _reference_spec(ckpt: Path, rep: Any) -> Any:
 
 def _tensors(meta: dict[str, Any], spec: Any, rep: Any) -> None:
     """Every tensor the reference's spec plans, by name and shape, and nothing else."""
-    from mconvert.convert.gguf import gguf_layout, plan_tensors
+    from mconvert.convert.deploy.gguf import gguf_layout, plan_tensors
 
     try:
         plan = {t.name: t.shape for t in plan_tensors(spec, gguf_layout(spec), "f32")}

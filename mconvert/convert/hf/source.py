@@ -29,7 +29,7 @@ from mconvert.io.safeload import all_finite, narrowed, safe_load
 from mconvert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
 from mconvert.io.torchsave import LazyModel, TensorIndex
 from mconvert.convert.scaleout import world
-from mconvert.convert.tokenizer import (
+from mconvert.convert.hf.tokenizer import (
     GENERATION_CONFIG,
     TOKEN_ID_KEYS,
     TOKEN_IDS_FILE,

@@ -38,7 +38,7 @@ from mconvert.convert.base import units_of
 from mconvert.io import buffers
 from mconvert.io.atomic import check_output, record_digest
 from mconvert.io.hashing import HashingFile
-from mconvert.convert.ft_checks import ft_layout
+from mconvert.convert.deploy.ft_checks import ft_layout
 from mconvert.io.paths import contained, inside_file, read_small
 from mconvert.convert.driver import dry_run_report, write_output
 from mconvert.io.safeload import check_narrowed, crc_in_background

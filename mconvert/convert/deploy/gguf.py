@@ -40,7 +40,7 @@ from mconvert.convert.driver import drive, peak_rss_bytes
 from mconvert.io.safeload import (check_narrowed, crc_in_background, skip_crc_checks, value_range,
                                           wait_crc_checks)
 from mconvert.convert.sources import open_source
-from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
+from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
 from mconvert.convert.writer import Report, make_report
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from mconvert.convert import bounds
-from mconvert.convert import optimizer as optim
+from mconvert.convert.megatron import optimizer as optim
 from mconvert.convert.base import LayerParts, PartTasks, Unit, param_elements, pmap, pmap_iter
-from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.convert.megatron.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import hash_file, manifest_hash
@@ -33,7 +33,7 @@ from mconvert.io.paths import inside_file, make_dirs, owned_fd
 from mconvert.io.safeload import all_finite, narrowed, safe_load
 from mconvert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
 from mconvert.convert.scaleout import world
-from mconvert.convert.layout import (
+from mconvert.convert.megatron.layout import (
     CHECKPOINT_VERSION,
     layer_location,
     rank_dir_parts,
