@@ -45,7 +45,7 @@ def measure(repeats: int = 5) -> list[dict[str, Any]]:
     import torch
 
     from mconvert.io.hashing import crc32, new_hasher
-    from mconvert.io.safeload import all_finite
+    from mconvert.io.casts import all_finite
     from mconvert.io.transpose import copy_transposed
 
     torch.set_num_threads(1)

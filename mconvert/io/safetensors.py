@@ -32,7 +32,8 @@ from mconvert.io.hashing import (
     tensor_bytes,
 )
 from mconvert.io.paths import open_regular, owned_fd
-from mconvert.io.safeload import followed_digest, narrowed
+from mconvert.io.safeload import followed_digest
+from mconvert.io.casts import narrowed
 from mconvert.errors import MConvertError
 
 Entry = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one planned tensor

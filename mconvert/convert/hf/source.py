@@ -25,7 +25,8 @@ from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import numel
 from mconvert.io.paths import contained, copy_contained, inside_file, load_json_object, open_regular
-from mconvert.io.safeload import all_finite, narrowed, safe_load
+from mconvert.io.safeload import safe_load
+from mconvert.io.casts import all_finite, narrowed
 from mconvert.io.safetensors import Entry, SafetensorsReader, SafetensorsStream
 from mconvert.io.torchsave import LazyModel, TensorIndex
 from mconvert.convert.scaleout import world

@@ -30,7 +30,8 @@ from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import hash_file, manifest_hash
 from mconvert.io.paths import inside_file, make_dirs, owned_fd
-from mconvert.io.safeload import all_finite, narrowed, safe_load
+from mconvert.io.safeload import safe_load
+from mconvert.io.casts import all_finite, narrowed
 from mconvert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSaveStream, save_spooled
 from mconvert.convert.scaleout import world
 from mconvert.convert.megatron.layout import (

@@ -53,7 +53,7 @@ from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import HashingFile
 from mconvert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
 from mconvert.io.paths import make_dirs
-from mconvert.io.safeload import narrowed
+from mconvert.io.casts import narrowed
 from mconvert.convert.megatron.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
 from mconvert.convert.megatron.source import target_args
 from mconvert.convert.megatron.torch_dist import (
