@@ -226,7 +226,7 @@ def test_streamed_reshard_equals_torch_save(trained: dict[str, Path], tmp_path: 
     """Reshard with rank files streamed from the preview == the same reshard through torch.save of each
     whole state dict (the stage-buffered path), byte for byte; tied heads at PP > 1 included."""
     from mconvert.convert import driver
-    from mconvert.convert.megatron.source import MegatronWriter
+    from mconvert.convert.megatron.writer import MegatronWriter
 
     calls: list[Any] = []
     real_open = MegatronWriter._open_stage
@@ -248,7 +248,7 @@ class _NoSpool:
 def test_streamed_hf_to_megatron_equals_torch_save(trained: dict[str, Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch, preset: str) -> None:
     from mconvert.convert import driver
-    from mconvert.convert.megatron.source import MegatronWriter
+    from mconvert.convert.megatron.writer import MegatronWriter
 
     driver.megatron_to_hf(trained[preset], tmp_path / "hf")
     driver.hf_to_megatron(tmp_path / "hf", tmp_path / "streamed", tp=2, pp=2)

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from mconvert.convert.base import units_of
-from mconvert.convert.megatron.source import MegatronSource, MegatronWriter
+from mconvert.convert.megatron.source import MegatronSource
+from mconvert.convert.megatron.writer import MegatronWriter
 from mconvert.io.safeload import safe_load
 from mconvert.io.safetensors import SafetensorsStream
 from mconvert.io.torchsave import Spool, TensorIndex, save_spooled

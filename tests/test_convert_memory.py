@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mconvert.convert.base import units_of
-from mconvert.convert.megatron.source import MegatronWriter
+from mconvert.convert.megatron.writer import MegatronWriter
 from mconvert.spec import ModelSpec
 
 pytestmark = pytest.mark.slow

@@ -214,7 +214,7 @@ def test_every_writer_implements_the_protocol(cls):
 
     from mconvert.convert.deploy import fastertransformer
     from mconvert.convert.hf import source as hf
-    from mconvert.convert.megatron import source as megatron
+    from mconvert.convert.megatron import writer as megatron
     from mconvert.convert.deploy import trtllm
     from mconvert.convert.writer import Writer
 

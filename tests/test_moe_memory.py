@@ -25,7 +25,7 @@ import torch
 
 from mconvert.convert.driver import reshard
 from mconvert.io.hashing import HashingFile
-from mconvert.convert.megatron.source import megatron_writer
+from mconvert.convert.megatron.writer import megatron_writer
 from mconvert.mappings.families import preset
 from safety_common import add_adam_states
 

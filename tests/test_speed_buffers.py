@@ -439,7 +439,7 @@ def test_hf_to_megatron_hands_the_writer_one_parameter_at_a_time(preset: str, tm
     Conv1D weights read transposed block by block, Llama's q/k/v and gate/up placed row by row), so a layer is
     never in memory whole; the rank files are those of a conversion given whole layers (which
     `test_bench_io.test_streamed_hf_to_megatron_equals_torch_save` holds to torch.save's bytes)."""
-    from mconvert.convert.megatron import source as mg
+    from mconvert.convert.megatron import writer as mg
     from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
     from mconvert.trainer.train import TrainConfig, train
 
@@ -462,7 +462,7 @@ def test_reshard_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_
     """reshard streams a layer to the Megatron writer parameter by parameter too (`read_mcore_parts`); its
     rank files are those of whole layers (`test_bench_io.test_streamed_reshard_equals_torch_save` holds the
     streamed path to torch.save's bytes)."""
-    from mconvert.convert.megatron import source as mg
+    from mconvert.convert.megatron import writer as mg
     from mconvert.convert.driver import reshard
 
     seen = _layer_parts_seen(monkeypatch, mg.MegatronWriter)

@@ -51,7 +51,7 @@ def test_bin_input_streams_the_same_rank_files_as_safetensors(hf_pair: dict[str,
     """A pytorch_model.bin written by transformers previews from its zip offsets like safetensors does, so its
     rank files are streamed (no spool) and come out byte-identical to those of the safetensors input."""
     from mconvert.convert import driver
-    from mconvert.convert.megatron.source import MegatronWriter
+    from mconvert.convert.megatron.writer import MegatronWriter
 
     hf, bin_dir = hf_pair[preset]
     streamed: list[int] = []

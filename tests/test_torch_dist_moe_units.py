@@ -19,7 +19,7 @@ import torch
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.io.atomic import MANIFEST
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.source import megatron_writer
+from mconvert.convert.megatron.writer import megatron_writer
 from mconvert.convert.megatron.torch_dist import STACKED_EXPERTS, TorchDistSource
 from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 from mconvert.errors import MConvertError

@@ -24,7 +24,8 @@ from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
 from mconvert.io.atomic import check_output
 from mconvert.convert.hf.source import HFWriter, parse_size
 from mconvert.convert.megatron.layout import layer_location, stage_layers
-from mconvert.convert.megatron.source import MegatronSource, megatron_writer
+from mconvert.convert.megatron.source import MegatronSource
+from mconvert.convert.megatron.writer import megatron_writer
 from mconvert.convert.megatron.optimizer import check_mcore_groups, index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress

@@ -55,7 +55,7 @@ from mconvert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
 from mconvert.io.paths import make_dirs
 from mconvert.io.casts import narrowed
 from mconvert.convert.megatron.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
-from mconvert.convert.megatron.source import target_args
+from mconvert.convert.megatron.writer import target_args
 from mconvert.convert.megatron.torch_dist import (
     DP_RESHARDABLE,
     OPTIMIZER_STATE_PREFIX,
