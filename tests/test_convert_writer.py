@@ -213,7 +213,7 @@ def test_every_writer_implements_the_protocol(cls):
     import typing
 
     from mconvert.convert.deploy import fastertransformer
-    from mconvert.convert.hf import source as hf
+    from mconvert.convert.hf import writer as hf
     from mconvert.convert.megatron import writer as megatron
     from mconvert.convert.deploy import trtllm
     from mconvert.convert.writer import Writer

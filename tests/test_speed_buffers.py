@@ -396,7 +396,7 @@ def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Pat
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The HF writer takes each layer parameter by parameter (`parts_ahead`), so what it has written is freed
     before the rest of the layer is read; the files are those of a conversion given whole layers."""
-    from mconvert.convert.hf import source as hf_mod
+    from mconvert.convert.hf import writer as hf_mod
     from mconvert.convert.driver import megatron_to_hf
 
     seen: list[int] = []

@@ -22,7 +22,7 @@ from mconvert import dtypes
 from mconvert.convert.base import END, SKIP, Unit, parts_ahead
 from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
 from mconvert.io.atomic import check_output
-from mconvert.convert.hf.source import HFWriter, parse_size
+from mconvert.convert.hf.writer import HFWriter, parse_size
 from mconvert.convert.megatron.layout import layer_location, stage_layers
 from mconvert.convert.megatron.source import MegatronSource
 from mconvert.convert.megatron.writer import megatron_writer
