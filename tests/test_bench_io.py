@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mconvert.io import hashing
-from mconvert.io.safeload import deferred_crc_checks, safe_load, wait_crc_checks
+from mconvert.io.safeload import safe_load
+from mconvert.io.crc import deferred_crc_checks, wait_crc_checks
 from mconvert.io.hashing import HashingFile
 from mconvert.errors import MConvertError
 

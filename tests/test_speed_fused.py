@@ -129,7 +129,7 @@ def test_bin_missing_tensor_is_named(hf_pair: dict[str, tuple[Path, Path]], tmp_
 
 
 
-# ---- the input's CRC-32 taken on the bytes the conversion reads (io.safeload.ZipRecords) ------------------------
+# ---- the input's CRC-32 taken on the bytes the conversion reads (io.crc.ZipRecords) ------------------------
 @pytest.fixture(scope="module")
 def rank_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A TP=2 PP=2 checkpoint with optimizer states (records megatron-to-hf never reads)."""
@@ -161,11 +161,11 @@ def test_each_input_byte_is_crc_checked_once(rank_ckpt: Path, tmp_path: Path, mo
     import zlib
 
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.io import safeload
+    from mconvert.io import crc
 
     second_pass: dict[str, set[int]] = {}
     inline: dict[str, set[int]] = {}
-    real_check, real_saw = safeload.ZipRecords._check, safeload.ZipRecords.saw
+    real_check, real_saw = crc.ZipRecords._check, crc.ZipRecords.saw
 
     def check(self: Any, starts: list[int]) -> None:
         second_pass.setdefault(str(self.path), set()).update(starts)
@@ -176,9 +176,9 @@ def test_each_input_byte_is_crc_checked_once(rank_ckpt: Path, tmp_path: Path, mo
         real_saw(self, pos, data)
         inline.setdefault(str(self.path), set()).update(set(self.done) - before)
 
-    monkeypatch.setattr(safeload.ZipRecords, "_check", check)
-    monkeypatch.setattr(safeload.ZipRecords, "saw", saw)
-    monkeypatch.setattr(safeload, "_CRC_CHECKED", set())
+    monkeypatch.setattr(crc.ZipRecords, "_check", check)
+    monkeypatch.setattr(crc.ZipRecords, "saw", saw)
+    monkeypatch.setattr(crc, "_CRC_CHECKED", set())
     megatron_to_hf(rank_ckpt, tmp_path / "hf")
     files = sorted(rank_ckpt.rglob("model_optim_rng.pt"))
     assert len(files) == 4
@@ -200,9 +200,9 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
     """A flipped bit in a tensor megatron-to-hf converts, or in one it never reads (an optimizer state), is
     refused by the CRC-32 check by name, and no output is left."""
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.io import safeload
+    from mconvert.io import crc, safeload
 
-    monkeypatch.setattr(safeload, "_CRC_CHECKED", set())
+    monkeypatch.setattr(crc, "_CRC_CHECKED", set())
     ck = tmp_path / "ck"
     shutil.copytree(rank_ckpt, ck)
     rank = sorted(ck.rglob("model_optim_rng.pt"))[1]
@@ -215,7 +215,7 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
     raw = bytearray(rank.read_bytes())
     raw[off + size // 2] ^= 0x10
     rank.write_bytes(bytes(raw))
-    safeload._CRC_CHECKED.clear()  # the load above checked the file as it was
+    crc._CRC_CHECKED.clear()  # the load above checked the file as it was
     with pytest.raises(MConvertError, match=f"{name}.*CRC-32"):
         megatron_to_hf(ck, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

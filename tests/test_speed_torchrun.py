@@ -271,7 +271,7 @@ def test_each_process_hashes_the_input_files_it_owns(tmp_path: Path, monkeypatch
     """Under torchrun the input's manifest is checked file by file, each file by the process that owns it: with
     one changed file per process, each process refuses its own."""
     from mconvert.io.atomic import verify_input
-    from mconvert.io.safeload import deferred_crc_checks
+    from mconvert.io.crc import deferred_crc_checks
 
     src = tmp_path / "ckpt"
     changed = _with_changes_only_the_manifest_sees(base()["ckpt"], src, (0, 1))

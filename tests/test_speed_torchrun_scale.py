@@ -182,7 +182,7 @@ def test_rank0_checks_only_the_records_no_rank_read(tmp_path: Path) -> None:
     import shutil
     import zipfile
 
-    from mconvert.io.safeload import ZipRecords, check_unread
+    from mconvert.io.crc import ZipRecords, check_unread
     from mconvert.errors import MConvertError
 
     f = tmp_path / "model_optim_rng.pt"

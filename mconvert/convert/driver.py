@@ -30,8 +30,7 @@ from mconvert.convert.megatron.optimizer import check_mcore_groups, index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
-from mconvert.io.safeload import (crc_in_background, input_check_figures, skip_crc_checks, start_crc_checks,
-                                          wait_crc_checks)
+from mconvert.io.crc import crc_in_background, input_check_figures, skip_crc_checks, start_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
 from mconvert.io.safeload import safe_load
 from mconvert.convert.hf.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab

@@ -30,7 +30,7 @@ from typing import Any
 
 from mconvert.io.atomic import adopt_digests, atomic_output_dir, digests_under, record_digest
 from mconvert.io.hashing import hash_file, manifest_hash
-from mconvert.io.safeload import check_unread, crc_tally
+from mconvert.io.crc import check_unread, crc_tally
 from mconvert.io.world import World, active_world, refuse_torchrun, world, world_from_env
 from mconvert.errors import MConvertError
 

@@ -559,12 +559,12 @@ def verify_input(path: str | Path) -> None:
     a flipped bit inside a tensor is undetectable (neither torch nor safetensors files carry checksums).
     Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked.
 
-    Inside a conversion (`safeload.deferred_crc_checks()`) a missing or resized file is refused at once, and
+    Inside a conversion (`crc.deferred_crc_checks()`) a missing or resized file is refused at once, and
     each file's digest is taken on the bytes the conversion reads anyway (`FollowedDigest`; a file no reader
     reads is hashed on a background thread); the output waits for the verdict before it is committed, and a
     mismatch then wins over any error the changed bytes caused. Under torchrun the ranks read disjoint parts
     of each file, so each file is hashed whole, on the background thread of the rank that `owns_path` it."""
-    from mconvert.io.safeload import in_conversion
+    from mconvert.io.crc import in_conversion
 
     root = _manifest_root(Path(path))
     if root is None:
@@ -618,9 +618,9 @@ def _input_changed(root: Path, problems: list[str]) -> MConvertError:
 
 def _check_on_reads(root: Path, algorithm: str, to_hash: list[tuple[Path, str, int]]) -> None:
     """Check each file of `root`'s manifest on the conversion's reads where this process reads it whole
-    (`safeload.follow_input`), else whole on the background thread (a second name of a followed file; under
+    (`crc.follow_input`), else whole on the background thread (a second name of a followed file; under
     torchrun, by the rank that owns the file)."""
-    from mconvert.io.safeload import deferred, follow_input
+    from mconvert.io.crc import deferred, follow_input
 
     def refuse(problem: str) -> MConvertError:
         return _input_changed(root, [problem])

@@ -32,7 +32,7 @@ from mconvert.io.hashing import (
     tensor_bytes,
 )
 from mconvert.io.paths import open_regular, owned_fd
-from mconvert.io.safeload import followed_digest
+from mconvert.io.crc import followed_digest
 from mconvert.io.casts import narrowed
 from mconvert.errors import MConvertError
 

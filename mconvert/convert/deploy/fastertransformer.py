@@ -41,7 +41,7 @@ from mconvert.io.hashing import HashingFile
 from mconvert.convert.deploy.ft_checks import ft_layout
 from mconvert.io.paths import contained, inside_file, read_small
 from mconvert.convert.driver import dry_run_report, write_output
-from mconvert.io.safeload import crc_in_background
+from mconvert.io.crc import crc_in_background
 from mconvert.io.casts import check_narrowed
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import open_source

@@ -37,7 +37,7 @@ from mconvert.convert.base import Unit, units_of
 from mconvert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
 from mconvert.io.paths import inside_file, load_json_object, read_small
 from mconvert.convert.driver import drive, peak_rss_bytes
-from mconvert.io.safeload import crc_in_background, skip_crc_checks, wait_crc_checks
+from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.casts import check_narrowed, value_range
 from mconvert.convert.sources import open_source
 from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer

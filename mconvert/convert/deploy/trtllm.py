@@ -32,7 +32,7 @@ from mconvert import dtypes
 from mconvert.convert.driver import dry_run_report, write_output
 from mconvert.io import buffers
 from mconvert.io.atomic import check_output, record_digest
-from mconvert.io.safeload import crc_in_background
+from mconvert.io.crc import crc_in_background
 from mconvert.io.paths import inside_file, load_json_object
 from mconvert.io.safetensors import SafetensorsRandomWriter
 from mconvert.convert.scaleout import world

@@ -33,7 +33,8 @@ from mconvert.io.atomic import listed_by_manifest
 from mconvert.convert.megatron.layout import stored_iteration
 from mconvert.io.integrity import INTEGRITY, check_integrity
 from mconvert.io.paths import check_regular, contained, inside_file, load_json_object
-from mconvert.io.safeload import crc_checks_now, safe_load, safe_load_dcp_metadata
+from mconvert.io.safeload import safe_load, safe_load_dcp_metadata
+from mconvert.io.crc import crc_checks_now
 from mconvert.io.casts import all_finite
 from mconvert.errors import MConvertError, expect, renamed
 from mconvert.mappings.keys import canonical_key, unit_of
