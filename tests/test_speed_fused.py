@@ -330,7 +330,7 @@ def test_a_nan_or_a_flipped_bit_in_a_later_block_is_refused(gpt2_tp2: Path, tmp_
     one with a bit flipped in its last row by the CRC-32 of its record; neither leaves an output."""
     from mconvert.convert.megatron import source as megatron
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.io import safeload
+    from mconvert.io import crc
 
     monkeypatch.setattr(megatron, "TRANSPOSE_BLOCK", 1)
     for case in ("nan", "bit"):
@@ -350,7 +350,7 @@ def test_a_nan_or_a_flipped_bit_in_a_later_block_is_refused(gpt2_tp2: Path, tmp_
             raw[off + size - 3] ^= 0x10
             rank.write_bytes(bytes(raw))
             want = r"mp_rank_01.*fails the CRC-32 check"
-        monkeypatch.setattr(safeload, "_CRC_CHECKED", set())
+        monkeypatch.setattr(crc, "_CRC_CHECKED", set())
         with pytest.raises(MConvertError, match=want):
             megatron_to_hf(ck, tmp_path / case / "hf")
         assert not (tmp_path / case / "hf").exists()
