@@ -41,7 +41,7 @@ from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.casts import check_narrowed, value_range
 from mconvert.convert.sources import open_source
 from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
-from mconvert.convert.writer import Report, make_report
+from mconvert.convert.writer import Report, Writer, make_report
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf
 from mconvert.mappings.family import GgufLayout
@@ -513,7 +513,7 @@ def gguf_log(name: str, private: Path | None = None, shown: Path | None = None) 
 
 
 # ---- the writer -----------------------------------------------------------------------------------------
-class GgufWriter:
+class GgufWriter(Writer):
     """Writer of one `.gguf` (reads HF-named units): header, metadata and tensor infos at open, then each unit's
     tensors appended in plan order by `add`; `close` checks every planned tensor was written."""
 
