@@ -1,7 +1,8 @@
-"""The family registry: discovers the family modules of `mconvert.mappings` and parses configs with them.
+"""The families: the list of family modules of `mconvert.mappings` (`FAMILY_MODULES`), lookups over them, and
+configs parsed with them.
 
-Every module of this package that declares `FAMILY` is a family. Lookups go by name, HF architecture,
-`model_type` or Megatron args; the HF config ⇄ ModelSpec and Megatron args -> ModelSpec entry points live here
+Each module `FAMILY_MODULES` names declares one `FAMILY` record (`mappings/record.py`). Lookups go by name,
+HF architecture, `model_type` or Megatron args; the HF config ⇄ ModelSpec and Megatron args -> ModelSpec entry points live here
 (not in `spec.py`, which knows no family), and so do the presets each family declares.
 """
 
@@ -10,14 +11,12 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import pkgutil
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from mconvert.errors import MConvertError
-from mconvert.mappings.family import Family
+from mconvert.mappings.record import Family
 from mconvert.mappings.fields import (
     ARGS_NUMBERS,
     HF_COMMON,
@@ -39,31 +38,32 @@ from mconvert.spec import (
 
 
 READS_FILE = "hf_config_reads.json"  # in mconvert/data: what each engine's code reads, per model_type
-_FAMILY_LINE = re.compile(r"^FAMILY\s*[:=]", re.MULTILINE)
 
-
-def _declares_family(source: Path) -> bool:
-    """Whether a module of this package assigns `FAMILY` at its top level (read as text, not imported)."""
-    try:
-        return bool(_FAMILY_LINE.search(source.read_text(encoding="utf-8")))
-    except OSError:  # a module present only as bytecode: import it to find out
-        return True
+# Every family: the module of this package that declares its `FAMILY` record, one line each. Adding a family is
+# adding its line (any place: the families are taken in module-name order).
+FAMILY_MODULES = (
+    "deepseek_v3",
+    "gpt2",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+)
 
 
 @functools.cache
 def _registry() -> dict[str, Family]:
     found: dict[str, Family] = {}
-    # the package's directory, read without importing the package (its __init__ imports this module's users)
     package = __name__.rpartition(".")[0]
-    here = Path(__file__).parent
-    for info in sorted(pkgutil.iter_modules([str(here)]), key=lambda m: m.name):
-        if not _declares_family(here / f"{info.name}.py"):
-            continue  # the shared machinery (transforms, plugin, deploy: torch) loads only when a verb uses it
-        fam = getattr(importlib.import_module(f"{package}.{info.name}"), "FAMILY", None)
-        if isinstance(fam, Family):
-            if fam.name in found:
-                raise RuntimeError(f"two family modules declare the family {fam.name!r}")
-            found[fam.name] = fam
+    for module in sorted(FAMILY_MODULES):  # only these load: the shared machinery (torch) waits for a verb
+        fam = getattr(importlib.import_module(f"{package}.{module}"), "FAMILY", None)
+        if not isinstance(fam, Family):
+            raise RuntimeError(f"{package}.{module} is listed in FAMILY_MODULES but declares no FAMILY = Family(...)")
+        if fam.name in found:
+            raise RuntimeError(f"two family modules declare the family {fam.name!r}")
+        found[fam.name] = fam
     return found
 
 

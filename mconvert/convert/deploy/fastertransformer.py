@@ -48,7 +48,7 @@ from mconvert.convert.sources import open_source
 from mconvert.convert.writer import Report, Writer
 from mconvert.errors import MConvertError
 from mconvert.mappings import deploy, families
-from mconvert.mappings.family import FTFile, FTLayout
+from mconvert.mappings.record import FTFile, FTLayout
 from mconvert.mappings.fields import Field, check, neutral, refused
 from mconvert.spec import ModelSpec
 

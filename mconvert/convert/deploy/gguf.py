@@ -44,7 +44,7 @@ from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, s
 from mconvert.convert.writer import Report, Writer, make_report
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf
-from mconvert.mappings.family import GgufLayout
+from mconvert.mappings.record import EXPERT_FF_KEY, GgufLayout
 from mconvert.mappings.gguf_vocab import (
     ADDED_SCORE,
     BPE_MODEL,
@@ -548,7 +548,8 @@ class GgufWriter(Writer):
         w.add_context_length(s.max_position_embeddings)
         w.add_embedding_length(s.hidden_size)
         w.add_block_count(s.num_layers)
-        moe_width = s.is_moe and not self.layout.expert_ff_key
+        own = self.layout.metadata(s)  # the family's architecture keys (`GgufLayout.metadata`)
+        moe_width = s.is_moe and EXPERT_FF_KEY not in own
         w.add_feed_forward_length(s.expert_ffn_hidden_size if moe_width else s.ffn_hidden_size)
         w.add_head_count(s.num_attention_heads)
         w.add_head_count_kv(s.num_groups)
@@ -557,8 +558,10 @@ class GgufWriter(Writer):
         if s.is_moe:
             w.add_expert_count(int(s.num_experts))
             w.add_expert_used_count(int(s.moe_router_topk))
-            if self.layout.expert_ff_key:
-                w.add_expert_feed_forward_length(s.expert_ffn_hidden_size)
+        for key, value in own.items():
+            add = (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int)
+                   else w.add_float32 if isinstance(value, float) else w.add_string)
+            add(f"{self.layout.arch}.{key}", value)
         if s.position_embedding_type == "rope":
             w.add_rope_freq_base(float(s.rotary_base))
             w.add_rope_dimension_count(s.head_dim)

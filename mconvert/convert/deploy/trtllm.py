@@ -48,7 +48,7 @@ from mconvert.convert.deploy.trtllm_layout import trtllm_layout_of as trtllm_lay
 from mconvert.convert.writer import Report, Writer
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import deploy
-from mconvert.mappings.family import TrtllmLayout
+from mconvert.mappings.record import TrtllmLayout
 from mconvert.mappings.fields import Field, check, neutral, refused
 from mconvert.spec import ModelSpec
 

@@ -395,6 +395,27 @@ def test_metadata_states_the_model_as_its_config_does():
     assert meta["n_vocab"] == cfg["vocab_size"] and meta["tokenizer.ggml.eos_token_id"] == 0
 
 
+
+def test_a_familys_metadata_hook_writes_its_keys_under_its_architecture(tmp_path, monkeypatch):
+    """`GgufLayout.metadata(spec)`: the keys a family's llama.cpp architecture reads beyond the common ones are
+    written under `{arch}.`, typed as llama.cpp reads them (int: uint32, float: float32, bool, str), and read back
+    by the header reader; the experts' width of a family reading `expert_feed_forward_length` is its expert width."""
+    import dataclasses
+
+    from mconvert.convert.deploy import gguf as gguf_mod
+    from mconvert.mappings.families import preset
+    from mconvert.mappings.record import EXPERT_FF_KEY, expert_width_key
+
+    real = gguf_mod.gguf_layout
+    own = {"made_up.window": 7, "made_up.softcap": 0.5, "made_up.flag": True, "made_up.kind": "x"}
+    monkeypatch.setattr(gguf_mod, "gguf_layout", lambda spec: dataclasses.replace(real(spec), metadata=lambda s: own))
+    hf = _hf_model("llama3", HF_CONFIGS["llama3"]())
+    meta = read_gguf_metadata(to_gguf(hf, tmp_path / "own.gguf", "f32", verb="hf-to-gguf")["output"])
+    assert {k: meta.get(f"llama.{k}") for k in own} == own
+    moe = preset("tiny-qwen3-moe")
+    assert expert_width_key(moe) == {EXPERT_FF_KEY: moe.expert_ffn_hidden_size} and expert_width_key(preset("tiny-llama")) == {}
+
+
 def test_a_gguf_without_its_tokenizer_is_refused(tmp_path):
     hf = tmp_path / "hf"
     shutil.copytree(_hf_model("qwen3", HF_CONFIGS["qwen3"]()), hf)
