@@ -32,6 +32,7 @@ from mconvert.spec import (
     ModelSpec,
     deepseek_features,
     deepseek_from_megatron_args,
+    gemma_from_megatron_args,
     moe_from_megatron_args,
     rope_and_qk_from_megatron_args,
     window_from_megatron_args,
@@ -358,7 +359,8 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         kv_channels=int(get("kv_channels", H // nh)),
         normalization=get("normalization", "LayerNorm"),
         norm_epsilon=float(eps),
-        activation="swiglu" if swiglu else ("gelu_new" if get("openai_gelu", False) or _tanh_gelu(a) else "gelu"),
+        activation="swiglu" if swiglu else ("geglu" if get("gated_linear_unit", False) else
+                                            "gelu_new" if get("openai_gelu", False) or _tanh_gelu(a) else "gelu"),
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=float(get("rotary_base", 10000)),
         rotary_percent=float(get("rotary_percent", 1.0)),
@@ -369,7 +371,8 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
         params_dtype=dtype,
         **{**rope_and_qk_from_megatron_args(a, source), **moe_from_megatron_args(a),
-           **deepseek_from_megatron_args(a, source), **window_from_megatron_args(a, L, source)},
+           **deepseek_from_megatron_args(a, source), **window_from_megatron_args(a, L, source),
+           **gemma_from_megatron_args(a)},
     )
     if family is None:
         family = get("model_family", None)
