@@ -261,6 +261,9 @@ class ModelSpec:
         self._validate_moe()
         self._validate_deepseek()
         self._validate_window()
+        if self.sandwich_norms and (self.is_moe or self.is_mla):
+            raise MConvertError("sandwich_norms (Gemma's post-attention and post-MLP norms) with mixture of experts or "
+                                "multi-latent attention is not mapped; drop one")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "

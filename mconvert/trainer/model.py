@@ -374,20 +374,20 @@ class TransformerLayer(nn.Module):
                                       make(decls.get("pre_mlp_layernorm.bias")))
         mlp = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("mlp.")}
         self.mlp = MoE(spec, mlp, make, st) if "router.weight" in mlp else MLP(spec, mlp, make, st)
-        # sandwich norms (Gemma): each branch's output normed before the residual add; held by this layer
-        # under the names Megatron-Bridge's post-norm linears give them (`linear_proj.post_layernorm`)
-        self.post_attention_norm = self.post_mlp_norm = None
-        if spec.sandwich_norms:
-            self.post_attention_norm = Norm(spec, make(decls["self_attention.linear_proj.post_layernorm.weight"]),
-                                            None)
-            self.post_mlp_norm = Norm(spec, make(decls["mlp.linear_fc2.post_layernorm.weight"]), None)
+        # sandwich norms (Gemma): each branch's output normed before the residual add; registered on the linear
+        # they follow, so the state dict names them as Megatron-Bridge's post-norm linears do
+        self.post_norms = spec.sandwich_norms
+        if self.post_norms:
+            self.self_attention.linear_proj.post_layernorm = Norm(
+                spec, make(decls["self_attention.linear_proj.post_layernorm.weight"]), None)
+            self.mlp.linear_fc2.post_layernorm = Norm(spec, make(decls["mlp.linear_fc2.post_layernorm.weight"]), None)
         self.local_rope = spec.rotary_base_local is not None and spec.layer_window(layer) is not None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         a = self.self_attention(self.input_layernorm(x), rope)
-        x = x + (self.post_attention_norm(a) if self.post_attention_norm is not None else a)
+        x = x + (self.self_attention.linear_proj.post_layernorm(a) if self.post_norms else a)
         m = self.mlp(self.pre_mlp_layernorm(x))
-        return x + (self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
+        return x + (self.mlp.linear_fc2.post_layernorm(m) if self.post_norms else m)
 
 
 class PositionEmbedding(nn.Module):
