@@ -59,6 +59,8 @@ def _no_window(cfg: dict[str, Any]) -> dict[str, Any]:
 # feature -> (whether a config uses it, the config without it); what each one means and which verbs map it is
 # in the expectations file
 FEATURES = {
+    # a family whose block a target has no form for: nothing can be taken away to make that target take it
+    "gemma_block": (lambda cfg: cfg.get("model_type") in ("gemma2", "gemma3_text"), None),
     "sliding_window": (_sliding_window, _no_window),
     "yarn": (lambda cfg: _rope_type(cfg) == "yarn", lambda cfg: {**cfg, "rope_scaling": None}),
     "rope_dynamic_or_longrope": (lambda cfg: _rope_type(cfg) in ("dynamic", "longrope"),
@@ -82,10 +84,10 @@ def expected(name: str, cfg: dict[str, Any], book: dict[str, Any]) -> tuple[dict
         spec = book["features"][feature]
         refusing = [v for v in VERBS if v not in spec["accepted_by"]]
         if refusing and uses(cfg):
-            without = strip(without)
+            without = strip(without) if strip is not None and without is not None else None
             for verb in refusing:
                 want[verb] = want[verb] or spec["refused_naming"]
-    return want, (without if any(want.values()) else None)
+    return want, (without if any(want.values()) else None)  # None: nothing to take away
 
 
 def write_sparse_hf(cfg: dict[str, Any], d: Path) -> int:

@@ -63,6 +63,9 @@ HF_FIELDS: dict[str, Field] = {
     "attn_logit_softcapping": mapped("attn_logit_softcapping", NUM),
     "final_logit_softcapping": mapped("final_logit_softcapping", NUM),
     "sliding_window": mapped("window_size", INT),
+    # published Gemma 2 configs carry it beside sliding_window; vLLM and transformers 4.57 read sliding_window
+    "sliding_window_size": refused("a sliding_window_size other than sliding_window is ambiguous", None,
+                                   lambda v, cfg: v == cfg.get("sliding_window")),
     "layer_types": mapped("window_pattern", (list,)),
     "cache_implementation": Field("neutral", "the KV-cache class generate() uses: the same function"),
 }
