@@ -222,7 +222,7 @@ SAME_MODEL = [
 @pytest.mark.parametrize("first,other", SAME_MODEL)
 def test_two_published_configs_of_one_model_read_as_that_model(first: str, other: str) -> None:
     """The same model however its config was written (the dtype aside; a quantization_config describes the
-    weights, not the network), with the head_dim transformers' Qwen3 config computes."""
+    weights, not the network; so does MLX's `quantization`), with the head_dim transformers' Qwen3 config computes."""
     import dataclasses
 
     import transformers
@@ -231,7 +231,8 @@ def test_two_published_configs_of_one_model_read_as_that_model(first: str, other
 
     specs = []
     for name in (first, other):
-        cfg = {k: v for k, v in json.loads((CONFIGS / name).read_text()).items() if k != "quantization_config"}
+        cfg = {k: v for k, v in json.loads((CONFIGS / name).read_text()).items()
+               if k not in ("quantization", "quantization_config")}
         spec = spec_from_hf_config(cfg)
         config = transformers.AutoConfig.for_model(**cfg)
         assert spec.head_dim == (getattr(config, "head_dim", None) or config.hidden_size

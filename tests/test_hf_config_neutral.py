@@ -94,6 +94,7 @@ TODAY_REFUSED = [
     *((t, n, v) for t in PRESET for n, v in (
         ("add_cross_attention", True), ("is_encoder_decoder", True), ("cross_attention_hidden_size", 512),
         ("pruned_heads", {"0": [1]}), ("quantization_config", {"quant_method": "gptq"}),
+        ("quantization", {"group_size": 64, "bits": 4}),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}),
         # read by transformers' masking and vLLM, classified by no table: chunked attention
         ("attention_chunk_size", 8),
@@ -107,6 +108,9 @@ TODAY_REFUSED = [
     *((t, "rope_scaling", {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]})
       for t in PRESET if t != "gpt2"),
     ("qwen3", "attention_bias", True), ("qwen3_moe", "attention_bias", True),
+    *((t, "dual_chunk_attention_config", {"chunk_size": 262144, "local_size": 8192,
+                                          "original_max_position_embeddings": 262144})
+      for t in ("qwen2", "qwen3", "qwen3_moe")),
     ("qwen3_moe", "decoder_sparse_step", 2), ("qwen3_moe", "mlp_only_layers", [0]),
     ("qwen3_moe", "shared_expert_intermediate_size", 512), ("qwen3_moe", "norm_topk_prob", False),
     # the variants of the mapped sliding window and YaRN that no engine pair computes alike
