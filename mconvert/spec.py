@@ -527,9 +527,11 @@ class ModelSpec:
         return self.activation in ("swiglu", "geglu")
 
     def gemma_features(self) -> list[str]:
-        """The Gemma block's fields this model sets (empty for the other families' blocks)."""
-        out = [k for k, v in _GEMMA_DEFAULTS.items() if getattr(self, k) != v]
-        return out + (["activation='geglu'"] if self.activation == "geglu" else [])
+        """The Gemma block's fields this model sets, as Megatron args `name=value` (empty for the other families'
+        blocks)."""
+        out = [f"{_GEMMA_ARG_NAMES.get(k, k)}={getattr(self, k)!r}" for k, v in _GEMMA_DEFAULTS.items()
+               if getattr(self, k) != v]
+        return (["gated_linear_unit=True (GeGLU)"] if self.activation == "geglu" else []) + out
 
     @property
     def attention_scale(self) -> float:

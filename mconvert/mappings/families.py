@@ -204,6 +204,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     spec.refuse_unmapped("HF")
     check_moe_class(spec)
     check_window_class(spec)
+    check_gemma_class(spec)
     fam = of(spec)
     cfg: dict[str, Any] = {"architectures": [fam.architecture], "model_type": fam.model_type}
     cfg.update(fam.to_hf(spec))
@@ -221,6 +222,7 @@ def refuse_for_hf(spec: ModelSpec, source: str) -> None:
     try:
         check_moe_class(spec)
         check_window_class(spec)
+        check_gemma_class(spec)
         of(spec).to_hf(spec)
     except MConvertError as e:
         raise MConvertError(f"{source}: {e}") from None
@@ -387,7 +389,18 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
             + "; conversion refused"
         )
     _check_deepseek(fam, {**fields, "multi_latent_attention": fields.get("kv_lora_rank") is not None}, source)
-    return ModelSpec(family=fam.name, **fields)
+    spec = ModelSpec(family=fam.name, **fields)
+    check_gemma_class(spec, source)
+    return spec
+
+
+def check_gemma_class(spec: ModelSpec, source: str = "") -> None:
+    """Refuse the Gemma block's fields for a family whose HF class does not compute them, naming the first."""
+    extra = spec.gemma_features()
+    if extra and not of(spec).gemma:
+        gemma = ", ".join(f.name for f in all_families() if f.gemma)
+        raise MConvertError(f"{source + ': ' if source else ''}{extra[0]} (the Gemma block) is not supported for the "
+                            f"{spec.family!r} family (Gemma families: {gemma}); conversion refused")
 
 
 def _check_deepseek(fam: Any, values: Mapping[str, Any], source: str) -> None:

@@ -207,6 +207,7 @@ class Family:
     hf_window: str | None = None
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
     deepseek: bool = False  # the HF class computes MLA, the DeepSeek router and MTP (`ModelSpec.deepseek_features`)
+    gemma: bool = False  # the HF class computes the Gemma block (`ModelSpec.gemma_features`)
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

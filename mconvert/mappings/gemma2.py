@@ -228,7 +228,8 @@ VLLM = VllmFacts(
 FAMILY = Family(
     name=NAME, architecture="Gemma2ForCausalLM", model_type="gemma2", base_architecture="Gemma2Model",
     plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, vllm=VLLM, presets=PRESETS,
-    recognise=recognise, recognise_order=30,
+    recognise=recognise, recognise_order=6,  # before qwen3 (q/k norm without biases) and llama
     ft=None, trtllm=None,  # neither format states zero-centred sandwich norms, scaled embeddings or soft-capping
     hf_window="per_layer",
+    gemma=True,
 )

@@ -101,7 +101,8 @@ PRESETS = {
 FAMILY = Family(
     name=NAME, architecture="Gemma3ForCausalLM", model_type="gemma3_text", base_architecture="Gemma3TextModel",
     plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, vllm=gemma2.VLLM, presets=PRESETS,
-    recognise=recognise, recognise_order=29,
+    recognise=recognise, recognise_order=5,  # before qwen3 (q/k norm without biases)
     ft=None, trtllm=None,  # neither format states the Gemma block
     hf_window="per_layer",
+    gemma=True,
 )
