@@ -413,11 +413,13 @@ class ModelSpec:
             raise MConvertError("rope_scaling='yarn' with rotary_interleaved=True: megatron-core's YaRN rotates "
                                 "halves only; conversion refused")
 
-    def refuse_unmapped(self, target: str, source: str = "") -> None:
+    def refuse_unmapped(self, target: str, source: str = "", states: tuple[str, ...] = ()) -> None:
         """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state.
 
-        `FEATURE_TARGETS` says which targets state each feature; the target's family writer still refuses
-        what its own class cannot compute (a llama with qk-norm for HF, say)."""
+        `FEATURE_TARGETS` says which targets state each feature, `states` the features this family's form of
+        the target states besides (llama.cpp's gemma2 / gemma3 architectures: the window and the Gemma block);
+        the target's family writer still refuses what its own class cannot compute (a llama with qk-norm for HF,
+        say)."""
         where = f"{source}: " if source else ""
         present = {
             "rope_scaling": self.rope_scaling is not None and (
@@ -429,17 +431,19 @@ class ModelSpec:
             "gemma": self.gemma_features() and f"the Gemma block ({', '.join(self.gemma_features())})",
         }
         for feature, what in present.items():
-            if what and target not in FEATURE_TARGETS[feature]:
+            if what and target not in FEATURE_TARGETS[feature] and feature not in states:
                 fix = ("; pass --accept-window-as-full to write it with full attention, which agrees with the model "
                        f"only on sequences of up to {self.window_size + 1} tokens") if feature == "window" else ""
                 raise MConvertError(f"{where}{what} is not mapped to {target}; conversion refused (reshard and "
                                     f"validate handle the Megatron checkpoint){fix}")
 
     # ---- sliding window --------------------------------------------------------------------------
-    def window_as_full(self, target: str, accept: bool) -> tuple["ModelSpec", str | None]:
+    def window_as_full(self, target: str, accept: bool,
+                       states: tuple[str, ...] = ()) -> tuple["ModelSpec", str | None]:
         """For a target that has no window: with `accept` (--accept-window-as-full) the model as the target runs
-        it, full attention, and the note its report carries; else this spec (whose refusal names the window)."""
-        if not (accept and self.window_masks and target not in FEATURE_TARGETS["window"]):
+        it, full attention, and the note its report carries; else this spec (whose refusal names the window).
+        `states`: as for `refuse_unmapped`."""
+        if not (accept and self.window_masks and target not in FEATURE_TARGETS["window"] and "window" not in states):
             return self, None
         return self.replace(window_size=None), (
             f"{self.window_description()} written as full attention for {target} (--accept-window-as-full): it "

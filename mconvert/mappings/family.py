@@ -156,6 +156,12 @@ class GgufLayout:
     # the coarsest precision llama.cpp's CPU graph of this architecture computes a step in, whatever the file
     # holds: `validate` judges the file by this row when it is coarser than the file type's
     compute_dtype: str = "float32"
+    # features of `spec.FEATURE_TARGETS` this architecture states although GGUF in general does not
+    states: tuple[str, ...] = ()
+    # added to every `*norm.weight` (llama.cpp's converter stores Gemma's zero-centred weights as 1 + w)
+    norm_shift: float = 0.0
+    # further metadata, as (gguf-py GGUFWriter method, value) pairs, e.g. ("add_sliding_window", 16)
+    metadata: Callable[[ModelSpec], list[tuple[str, Any]]] = lambda spec: []
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------------

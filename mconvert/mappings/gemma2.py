@@ -17,7 +17,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, qwen2
-from mconvert.mappings.family import Family, Plugin, Rule, VllmFacts, check_qk_norm
+from mconvert.mappings.family import Family, GgufLayout, Plugin, Rule, VllmFacts, check_qk_norm
 from mconvert.mappings.fields import INT, NUM, STR, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
@@ -225,6 +225,54 @@ VLLM = VllmFacts(
     rope=True,
 )
 
+# ---- GGUF (llama.cpp's gemma2 / gemma3 architectures) ---------------------------------------------------
+# gguf-py's TensorNameMap for Gemma; llama.cpp's converter (conversion/gemma.py) adds 1 to every `*norm.weight`
+# and drops lm_head (its gemma2 reads no output tensor).
+GGUF_TENSORS: dict[str, str] = {
+    **{k: v for k, v in llama.GGUF_TENSORS.items() if not k.endswith(".bias") and k != "lm_head.weight"
+       and "post_attention_layernorm" not in k},
+    H + "post_attention_layernorm.weight": "blk.*.post_attention_norm.weight",
+    H + "pre_feedforward_layernorm.weight": "blk.*.ffn_norm.weight",
+    H + "post_feedforward_layernorm.weight": "blk.*.post_ffw_norm.weight",
+}
+# llama.cpp's load_hparams: the n_layer it takes for the 27B model, whose attention it scales by
+# 1/sqrt(hidden / heads) (else 1/sqrt(head_dim)), and the fixed sliding pattern (every N-th layer full)
+GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GGUF_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def gguf_refuse(spec: ModelSpec, arch: str) -> None:
+    """What llama.cpp's gemma2 / gemma3 cannot compute: it fixes the attention scale by model size, the sliding
+    layers' pattern, and reads the head from the embedding (gemma2)."""
+    heads_dim = spec.hidden_size / spec.num_attention_heads
+    want = 1 / math.sqrt(heads_dim if spec.num_layers == GGUF_27B_LAYERS[arch] else spec.head_dim)
+    if abs(spec.attention_scale - want) > 1e-6 * want:
+        raise MConvertError(f"query_pre_attn_scalar {scalar_to_hf(spec)}: llama.cpp's {arch} scales attention by "
+                            f"{want:.6g} for this size (1/sqrt(head_dim), or hidden/heads for its 27B); "
+                            "conversion refused")
+    n = GGUF_SWA_PATTERN[arch]
+    fixed = tuple(int((i + 1) % n != 0) for i in range(spec.num_layers))
+    if spec.window_size is None or spec.window_pattern not in (fixed, None if all(fixed) else fixed):
+        raise MConvertError(f"{spec.window_description()}: llama.cpp's {arch} windows every layer but each "
+                            f"{n}-th (1-based); conversion refused")
+    if arch == "gemma2" and not spec.tie_embeddings:
+        raise MConvertError("an untied head: llama.cpp's gemma2 reads its head from token_embd; conversion refused")
+
+
+def gguf_metadata(spec: ModelSpec) -> list[tuple[str, Any]]:
+    """The window (HF's count of keys, as llama.cpp's standard sliding window counts them) and the soft-caps."""
+    out: list[tuple[str, Any]] = [("add_sliding_window", llama.hf_sliding_window(spec))]
+    if spec.attn_logit_softcapping is not None:
+        out.append(("add_attn_logit_softcapping", float(spec.attn_logit_softcapping)))
+    if spec.final_logit_softcapping is not None:
+        out.append(("add_final_logit_softcapping", float(spec.final_logit_softcapping)))
+    return out
+
+
+# ggml-cpu's GeLU (the gate of GeGLU) reads an f16 table (GGML_GELU_FP16): an f32 file computes at f16 precision
+GGUF = GgufLayout(arch="gemma2", tensors=GGUF_TENSORS, permute_qk=False, refuse=lambda s: gguf_refuse(s, "gemma2"),
+                  states=("window", "gemma"), norm_shift=1.0, metadata=gguf_metadata, compute_dtype="float16")
+
 FAMILY = Family(
     name=NAME, architecture="Gemma2ForCausalLM", model_type="gemma2", base_architecture="Gemma2Model",
     plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, vllm=VLLM, presets=PRESETS,
@@ -232,4 +280,5 @@ FAMILY = Family(
     ft=None, trtllm=None,  # neither format states zero-centred sandwich norms, scaled embeddings or soft-capping
     hf_window="per_layer",
     gemma=True,
+    gguf=GGUF,
 )

@@ -12,7 +12,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import gemma2, llama
-from mconvert.mappings.family import Family, Plugin, Rule
+from mconvert.mappings.family import Family, GgufLayout, Plugin, Rule
 from mconvert.mappings.fields import INT, NUM, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
@@ -89,14 +89,32 @@ def recognise(fields: dict[str, Any]) -> bool:
 
 
 PRESETS = {
-    # Gemma 3's shapes in small: head_dim 64 independent of hidden / heads, query_pre_attn_scalar 64, layers
-    # 0, 1, 3, 4 sliding (16 keys, base 10000), layers 2 and 5 full (base 1e6, linear rope scaling 2)
+    # Gemma 3's shapes in small: head_dim 64 independent of hidden / heads, query_pre_attn_scalar 64, Gemma 3's
+    # layer pattern: layers 0-4 sliding (16 keys, base 10000), layer 5 full (base 1e6, linear rope scaling 2)
     "tiny-gemma3": gemma2.gemma_preset(
         NAME, num_layers=6, hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=64,
         ffn_hidden_size=256, vocab_size=1000, max_position_embeddings=128, qk_layernorm=True,
         softmax_scale=64 ** -0.5, rotary_base=1_000_000.0, rotary_base_local=10_000.0, rope_scaling="linear",
-        rope_scaling_factor=2.0, window_size=15, window_pattern=(1, 1, 0, 1, 1, 0)),
+        rope_scaling_factor=2.0, window_size=15, window_pattern=(1, 1, 1, 1, 1, 0)),
 }
+
+def gguf_refuse(spec: ModelSpec) -> None:
+    """llama.cpp's gemma3 besides gemma2's fixed facts: the sliding layers rope with base 10000, unscaled; no
+    attention soft-cap (its converter asserts none); a final soft-cap it is not confirmed to read here."""
+    gemma2.gguf_refuse(spec, "gemma3")
+    if spec.rotary_base_local != 10_000.0:
+        raise MConvertError(f"rope_local_base_freq {spec.rotary_base_local}: llama.cpp's gemma3 ropes its sliding "
+                            "layers with base 10000; conversion refused")
+    if spec.attn_logit_softcapping is not None or spec.final_logit_softcapping is not None:
+        raise MConvertError("logit soft-capping on a gemma3 model: llama.cpp's gemma3 is not confirmed to compute "
+                            "it here; conversion refused")
+
+
+GGUF = GgufLayout(arch="gemma3", tensors={**gemma2.GGUF_TENSORS, "lm_head.weight": "output.weight",
+                                          H + "self_attn.q_norm.weight": "blk.*.attn_q_norm.weight",
+                                          H + "self_attn.k_norm.weight": "blk.*.attn_k_norm.weight"},
+                  permute_qk=False, refuse=gguf_refuse, states=("window", "gemma"), norm_shift=1.0,
+                  metadata=gemma2.gguf_metadata, compute_dtype=gemma2.GGUF.compute_dtype)
 
 FAMILY = Family(
     name=NAME, architecture="Gemma3ForCausalLM", model_type="gemma3_text", base_architecture="Gemma3TextModel",
@@ -105,4 +123,5 @@ FAMILY = Family(
     ft=None, trtllm=None,  # neither format states the Gemma block
     hf_window="per_layer",
     gemma=True,
+    gguf=GGUF,
 )
