@@ -659,7 +659,7 @@ def test_gemma_gguf_matches_transformers_in_llama_cpp_past_the_window(llama_cpp,
 def test_gemma_gguf_without_the_plus_one_on_the_norms_fails_the_comparison(llama_cpp, monkeypatch):
     import dataclasses
 
-    import mconvert.convert.gguf as gguf_mod
+    import mconvert.convert.deploy.gguf as gguf_mod
 
     real = gguf_mod.gguf_layout
     monkeypatch.setattr(gguf_mod, "gguf_layout", lambda spec: dataclasses.replace(real(spec), norm_shift=0.0))
@@ -672,7 +672,7 @@ def test_gemma_gguf_without_the_plus_one_on_the_norms_fails_the_comparison(llama
 
 
 def test_gemma_gguf_refuses_what_llama_cpp_fixes_by_name(capsys):
-    from mconvert.convert.gguf import gguf_layout
+    from mconvert.convert.deploy.gguf import gguf_layout
     from mconvert.mappings.families import preset
 
     with pytest.raises(MConvertError, match="query_pre_attn_scalar 48"):
