@@ -58,7 +58,8 @@ FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
     # form, which has it; see docs/formats.md); `window_as_full` writes those targets' full attention on request
     "window": ("HF",),
     # Gemma's block (zero-centred norms, sandwich norms, embedding scale, attention scale, soft-capping, local
-    # rope base): only the HF Gemma classes state it here
+    # rope base): the HF Gemma classes (ONNX is exported from them) and llama.cpp's gemma2 / gemma3 architectures
+    # (their GgufLayout states it); FasterTransformer's and TensorRT-LLM's checkpoints have no field for it
     "gemma": ("HF",),
 }
 

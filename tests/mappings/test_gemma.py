@@ -173,8 +173,9 @@ def test_presets_round_trip_through_hf_config_and_megatron_args(name) -> None:
 
 
 def test_gemma_block_on_a_target_without_it_is_refused_by_name() -> None:
-    with pytest.raises(MConvertError, match="Gemma block"):
-        preset("tiny-gemma2").replace(window_size=None).refuse_unmapped("FasterTransformer")
+    for target in ("FasterTransformer", "TensorRT-LLM"):
+        with pytest.raises(MConvertError, match="Gemma block"):
+            preset("tiny-gemma2").replace(window_size=None).refuse_unmapped(target)
     with pytest.raises(MConvertError, match="zero-centred RMSNorm"):
         hf_config(preset("tiny-gemma3").replace(norm_zero_centered=False))
 
