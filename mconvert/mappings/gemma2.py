@@ -48,26 +48,17 @@ CLASS_DEFAULTS = {"sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_lo
                   "final_logit_softcapping": 30.0, "head_dim": 256, "rope_theta": 10000.0}
 
 
-def _act_ok(v: Any, _cfg: Any) -> bool:
-    return v == HIDDEN_ACT
-
-
-# Every field of transformers 4.57's Gemma2Config beyond the common ones
+# Every field of transformers 4.57's Gemma2Config beyond the common ones (the fields published configs carry that
+# neither transformers' nor vLLM's Gemma code reads, `hidden_act` and `sliding_window_size`, pass by that rule)
 HF_FIELDS: dict[str, Field] = {
     **{k: v for k, v in llama.ROPE_FIELDS.items() if k not in ("hidden_act", "rope_scaling")},
     "hidden_activation": mapped("activation", STR, HIDDEN_ACT, (HIDDEN_ACT,)),
-    # the Gemma 1 name; published Gemma 2 / 3 configs carry it beside hidden_activation
-    "hidden_act": refused(f"an MLP activation other than {HIDDEN_ACT} is not mapped", None, _act_ok),
     "attention_bias": refused("attention biases are not mapped for Gemma", False),
     "query_pre_attn_scalar": mapped("softmax_scale", NUM),
     "attn_logit_softcapping": mapped("attn_logit_softcapping", NUM),
     "final_logit_softcapping": mapped("final_logit_softcapping", NUM),
     "sliding_window": mapped("window_size", INT),
-    # published Gemma 2 configs carry it beside sliding_window; vLLM and transformers 4.57 read sliding_window
-    "sliding_window_size": refused("a sliding_window_size other than sliding_window is ambiguous", None,
-                                   lambda v, cfg: v == cfg.get("sliding_window")),
     "layer_types": mapped("window_pattern", (list,)),
-    "cache_implementation": Field("neutral", "the KV-cache class generate() uses: the same function"),
 }
 
 

@@ -41,8 +41,6 @@ HF_FIELDS: dict[str, Field] = {
     "sliding_window_pattern": mapped("window_pattern", INT),
     "use_bidirectional_attention": refused("bidirectional attention (EmbeddingGemma) is not a causal LM", False),
     "_sliding_window_pattern": mapped("window_pattern", INT),
-    "use_sliding_window": Field("neutral", "not read by Gemma3's modeling code (layer_types decides)"),
-    "rope_type": Field("neutral", "not read by Gemma3's modeling code (rope_scaling decides)"),
     "mm_tokens_per_image": Field("neutral", "the vision tower's token count: not the text model's function"),
     "boi_token_index": Field("neutral", "a multimodal token id: not the text model's function"),
     "eoi_token_index": Field("neutral", "a multimodal token id: not the text model's function"),

@@ -114,10 +114,15 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
-        w = self.weight + 1 if self.zero_centered else self.weight
+        if self.zero_centered:  # in fp32, then cast: 1 + w rounded to bf16 would lose w's low bits (HF Gemma too)
+            b = self.bias.float() if self.bias is not None else None
+            w = self.weight.float() + 1
+            out = F.rms_norm(x.float(), shape, w, self.eps) if self.rms else F.layer_norm(x.float(), shape, w, b,
+                                                                                            self.eps)
+            return out.to(x.dtype)
         if self.rms:
-            return F.rms_norm(x, shape, w, self.eps)
-        return F.layer_norm(x, shape, w, self.bias, self.eps)
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
 
 
 def _linear(cls_kind: str, w: nn.Parameter | None, b: nn.Parameter | None, st: ParallelState) -> nn.Module:
