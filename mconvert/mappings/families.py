@@ -31,6 +31,7 @@ from mconvert.spec import (
     ModelSpec,
     deepseek_features,
     deepseek_from_megatron_args,
+    gemma_from_megatron_args,
     moe_from_megatron_args,
     rope_and_qk_from_megatron_args,
     window_from_megatron_args,
@@ -43,6 +44,8 @@ READS_FILE = "hf_config_reads.json"  # in mconvert/data: what each engine's code
 # adding its line (any place: the families are taken in module-name order).
 FAMILY_MODULES = (
     "deepseek_v3",
+    "gemma2",
+    "gemma3",
     "gpt2",
     "llama",
     "mistral",
@@ -203,6 +206,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     spec.refuse_unmapped("HF")
     check_moe_class(spec)
     check_window_class(spec)
+    check_gemma_class(spec)
     fam = of(spec)
     cfg: dict[str, Any] = {"architectures": [fam.architecture], "model_type": fam.model_type}
     cfg.update(fam.to_hf(spec))
@@ -220,6 +224,7 @@ def refuse_for_hf(spec: ModelSpec, source: str) -> None:
     try:
         check_moe_class(spec)
         check_window_class(spec)
+        check_gemma_class(spec)
         of(spec).to_hf(spec)
     except MConvertError as e:
         raise MConvertError(f"{source}: {e}") from None
@@ -358,7 +363,8 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         kv_channels=int(get("kv_channels", H // nh)),
         normalization=get("normalization", "LayerNorm"),
         norm_epsilon=float(eps),
-        activation="swiglu" if swiglu else ("gelu_new" if get("openai_gelu", False) or _tanh_gelu(a) else "gelu"),
+        activation="swiglu" if swiglu else ("geglu" if get("gated_linear_unit", False) else
+                                            "gelu_new" if get("openai_gelu", False) or _tanh_gelu(a) else "gelu"),
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=float(get("rotary_base", 10000)),
         rotary_percent=float(get("rotary_percent", 1.0)),
@@ -369,7 +375,8 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
         params_dtype=dtype,
         **{**rope_and_qk_from_megatron_args(a, source), **moe_from_megatron_args(a),
-           **deepseek_from_megatron_args(a, source), **window_from_megatron_args(a, L, source)},
+           **deepseek_from_megatron_args(a, source), **window_from_megatron_args(a, L, source),
+           **gemma_from_megatron_args(a)},
     )
     if family is None:
         family = get("model_family", None)
@@ -384,7 +391,18 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
             + "; conversion refused"
         )
     _check_deepseek(fam, {**fields, "multi_latent_attention": fields.get("kv_lora_rank") is not None}, source)
-    return ModelSpec(family=fam.name, **fields)
+    spec = ModelSpec(family=fam.name, **fields)
+    check_gemma_class(spec, source)
+    return spec
+
+
+def check_gemma_class(spec: ModelSpec, source: str = "") -> None:
+    """Refuse the Gemma block's fields for a family whose HF class does not compute them, naming the first."""
+    extra = spec.gemma_features()
+    if extra and not of(spec).gemma:
+        gemma = ", ".join(f.name for f in all_families() if f.gemma)
+        raise MConvertError(f"{source + ': ' if source else ''}{extra[0]} (the Gemma block) is not supported for the "
+                            f"{spec.family!r} family (Gemma families: {gemma}); conversion refused")
 
 
 def _check_deepseek(fam: Any, values: Mapping[str, Any], source: str) -> None:

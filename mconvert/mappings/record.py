@@ -157,6 +157,10 @@ class GgufLayout:
     # the coarsest precision llama.cpp's CPU graph of this architecture computes a step in, whatever the file
     # holds: `validate` judges the file by this row when it is coarser than the file type's
     compute_dtype: str = "float32"
+    # features of `spec.FEATURE_TARGETS` this architecture states although GGUF in general does not
+    states: tuple[str, ...] = ()
+    # added to every `*norm.weight` (llama.cpp's converter stores Gemma's zero-centred weights as 1 + w)
+    norm_shift: float = 0.0
 
 
 EXPERT_FF_KEY = "expert_feed_forward_length"
@@ -217,6 +221,7 @@ class Family:
     hf_window: str | None = None
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
     deepseek: bool = False  # the HF class computes MLA, the DeepSeek router and MTP (`ModelSpec.deepseek_features`)
+    gemma: bool = False  # the HF class computes the Gemma block (`ModelSpec.gemma_features`)
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

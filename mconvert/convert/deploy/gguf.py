@@ -114,7 +114,7 @@ def gguf_layout(spec: ModelSpec) -> GgufLayout:
     if layout is None:
         raise MConvertError(f"the {spec.family} family has no GGUF form here (GGUF is written for {names}); "
                             "conversion refused")
-    spec.refuse_unmapped("GGUF")
+    spec.refuse_unmapped("GGUF", states=layout.states)
     families.refuse_for_hf(spec, "GGUF")
     if spec.rope_scaling not in (None, "linear", "llama3", "yarn"):
         raise MConvertError(f"rope scaling {spec.rope_scaling!r} has no GGUF form here; conversion refused")
@@ -235,6 +235,8 @@ def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: torch.Tensor
     so)."""
     if hf_template(hf_name)[0] in layout.transposed:
         x = x.t()
+    if layout.norm_shift and hf_name.endswith("norm.weight"):
+        x = x.float() + layout.norm_shift
     if permute and layout.permute_qk:
         if ".self_attn.q_proj." in hf_name:
             return permute_qk(x, spec.num_attention_heads)
@@ -683,7 +685,8 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
         raise MConvertError(f"{src_path}: vocab size unknown (args have no vocab_size and no tokenizer was found); "
                             "pass --tokenizer DIR")
     tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
-    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full)
+    own = families.of(src.spec).gguf
+    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full, own.states if own else ())
     warnings = [window_note] if window_note else []
     layout = gguf_layout(spec)  # every refusal before any tensor is read
     extras = dict(arch=layout.arch, outtype=outtype, tokenizer=str(tok_dir),
