@@ -10,8 +10,10 @@ de-interleaves the rope dims before rotating as HF does with `rope_interleave: t
 
 HF scores a group by its top 2 experts; megatron-core by its top (k / topk_group): `to_hf` refuses a model whose
 rule differs. config.json carries `scoring_func: sigmoid` and `topk_method: noaux_tc`, which transformers does
-not write and vLLM reads. The HF export of the MTP layers (`model.layers.{num_hidden_layers + k}`) is not built:
-`to_hf` refuses a model with them rather than dropping them.
+not write and vLLM reads. MTP layer K (`mtp.layers.K.*`; newer Megatron-LM spells its `transformer_layer`
+`mtp_model_layer`) is HF's `model.layers.{num_hidden_layers + K}`: its transformer layer under the decoder
+layers' names, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` (its `final_layernorm`), and copies of the shared
+embedding and head (`embed_tokens`, `shared_head.head`), as DeepSeek publishes them and vLLM reads them.
 """
 
 from __future__ import annotations
@@ -54,8 +56,17 @@ TABLE = Plugin(
         X + "linear_fc2.weight": Rule((HX + "down_proj.weight",)),
         "decoder.final_layernorm.weight": llama.TABLE.table["decoder.final_layernorm.weight"],
         "output_layer.weight": llama.TABLE.table["output_layer.weight"],
+        # an MTP layer's own tensors (`mtp.layers.K.X` read as `decoder.layers.{L + K}.mtp.X`: plugin.mtp_view)
+        L + "mtp.enorm.weight": Rule((H + "enorm.weight",)),
+        L + "mtp.hnorm.weight": Rule((H + "hnorm.weight",)),
+        L + "mtp.eh_proj.weight": Rule((H + "eh_proj.weight",)),
+        L + "mtp.final_layernorm.weight": Rule((H + "shared_head.norm.weight",)),
     },
     hf_drops=llama.TABLE.hf_drops,
+    # DeepSeek's published checkpoints hold model.layers.{L + K}.embed_tokens / shared_head.head, and vLLM's
+    # deepseek_mtp loader reads them
+    mtp_copies={"embedding.word_embeddings.weight": H + "embed_tokens.weight",
+                "output_layer.weight": H + "shared_head.head.weight"},
 )
 
 # Every field of transformers 4.57's DeepseekV3Config beyond the common ones.
@@ -111,9 +122,9 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
         raise MConvertError(f"HF {arch} needs multi-latent attention and the sigmoid MoE router; this model has "
                             f"kv_lora_rank={spec.kv_lora_rank}, num_experts={spec.num_experts}, "
                             f"score function {spec.moe_router_score_function!r}; conversion refused")
-    if spec.mtp_num_layers:
-        raise MConvertError(f"the HF export of multi-token prediction layers (mtp_num_layers={spec.mtp_num_layers}) "
-                            "is not built; conversion refused rather than dropping them")
+    if spec.mtp_num_layers and spec.tie_embeddings:
+        raise MConvertError(f"HF {arch}'s multi-token prediction layers carry a copy of an untied head "
+                            "(shared_head.head); this model ties its head to the embedding; conversion refused")
     groups, group_topk = spec.moe_router_num_groups or 1, spec.moe_router_group_topk or 1
     if spec.moe_router_topk // group_topk != 2 and groups > 1:
         raise MConvertError(f"HF {arch} scores an expert group by its top 2 experts; megatron-core by its top "
@@ -134,7 +145,7 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
             "kv_lora_rank": spec.kv_lora_rank, "q_lora_rank": spec.q_lora_rank,
             "qk_rope_head_dim": spec.qk_rope_head_dim, "qk_nope_head_dim": spec.qk_nope_head_dim,
             "v_head_dim": spec.v_head_dim, "rope_interleave": True, "scoring_func": "sigmoid",
-            "topk_method": "noaux_tc", "num_nextn_predict_layers": 0, "attention_bias": False}
+            "topk_method": "noaux_tc", "num_nextn_predict_layers": spec.mtp_num_layers or 0, "attention_bias": False}
 
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
