@@ -24,7 +24,7 @@ QUOTED = re.compile(r"""["'](%s)["']""" % "|".join(map(re.escape, FAMILY_NAMES))
 def test_every_module_declaring_a_family_is_discovered():
     """Discovery finds exactly the files of mappings/ that declare `FAMILY = Family(...)` (read as text here)."""
     declared = {p.stem for p in MAPPINGS.glob("*.py") if re.search(r"^FAMILY = Family\(", p.read_text(), re.M)}
-    assert declared == {"deepseek_v3", "gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"}
+    assert declared == {"deepseek_v3", "glm4_moe", "gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"}
     assert {f.name for f in families.all_families()} == declared
 
 
@@ -78,7 +78,7 @@ def test_megatron_args_without_model_family_are_recognised(name, preset_name):
 
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones():
-    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe$"):
+    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: deepseek_v3, glm4_moe, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe$"):
         families.by_name("bert")
     args = vars(families.preset("tiny-llama").to_megatron_args(1, 1))
     with pytest.raises(MConvertError, match="unsupported model family 'bert'"):
