@@ -213,7 +213,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
 
     def finish(tmp: Path) -> dict[str, Any]:
         warnings.extend(writers[0].warnings)  # kept token ids the args overrule
-        return {"hf_buffer_peak_bytes": writers[0].peak_buffer_bytes}
+        counts = {"tensors": writers[0].tally(_source_dtype(src))} if world().size == 1 else {}
+        return {"hf_buffer_peak_bytes": writers[0].peak_buffer_bytes, **counts}
 
     return write_output("megatron-to-hf", src, out, hf_writer, force=force,
                         inputs=(ckpt, tokenizer, src.tokenizer_dir), layout="hf", dtype=spec.params_dtype, t0=t0,

@@ -10,8 +10,10 @@ de-interleaves the rope dims before rotating as HF does with `rope_interleave: t
 
 HF scores a group by its top 2 experts; megatron-core by its top (k / topk_group): `to_hf` refuses a model whose
 rule differs. config.json carries `scoring_func: sigmoid` and `topk_method: noaux_tc`, which transformers does
-not write and vLLM reads. The HF export of the MTP layers (`model.layers.{num_hidden_layers + k}`) is not built:
-`to_hf` refuses a model with them rather than dropping them.
+not write and vLLM reads. MTP layer K (`mtp.layers.K.*`; newer Megatron-LM spells its `transformer_layer`
+`mtp_model_layer`) is HF's `model.layers.{num_hidden_layers + K}`: its transformer layer under the decoder
+layers' names, `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` (its `final_layernorm`), and copies of the shared
+embedding and head (`embed_tokens`, `shared_head.head`), as DeepSeek publishes them and vLLM reads them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,32 @@ L, H = llama.L, llama.H
 A, HA = L + "self_attention.", H + "self_attn."
 X, HX = L + "mlp.experts.local_experts.*.", H + "mlp.experts.*."
 
+# The DeepSeek MoE layer (GLM-4.5's too): the dense MLP of the first layers, the router with its expert bias,
+# the shared experts and the routed experts
+MOE_TABLE = {
+    L + "pre_mlp_layernorm.weight": Rule((H + "post_attention_layernorm.weight",)),
+    L + "mlp.linear_fc1.weight": Rule((H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gated"),
+    L + "mlp.linear_fc2.weight": Rule((H + "mlp.down_proj.weight",)),
+    L + "mlp.router.weight": Rule((H + "mlp.gate.weight",)),
+    L + "mlp.router.expert_bias": Rule((H + "mlp.gate.e_score_correction_bias",)),
+    L + "mlp.shared_experts.linear_fc1.weight": Rule((H + "mlp.shared_experts.gate_proj.weight",
+                                                      H + "mlp.shared_experts.up_proj.weight"), "gated"),
+    L + "mlp.shared_experts.linear_fc2.weight": Rule((H + "mlp.shared_experts.down_proj.weight",)),
+    X + "linear_fc1.weight": Rule((HX + "gate_proj.weight", HX + "up_proj.weight"), "gated"),
+    X + "linear_fc2.weight": Rule((HX + "down_proj.weight",)),
+}
+# An MTP layer's own tensors (`mtp.layers.K.X` read as `decoder.layers.{L + K}.mtp.X`: plugin.mtp_view)
+MTP_TABLE = {
+    L + "mtp.enorm.weight": Rule((H + "enorm.weight",)),
+    L + "mtp.hnorm.weight": Rule((H + "hnorm.weight",)),
+    L + "mtp.eh_proj.weight": Rule((H + "eh_proj.weight",)),
+    L + "mtp.final_layernorm.weight": Rule((H + "shared_head.norm.weight",)),
+}
+# DeepSeek's published checkpoints hold model.layers.{L + K}.embed_tokens / shared_head.head, and vLLM's
+# deepseek_mtp (and glm4_moe_mtp) loaders read them
+MTP_COPIES = {"embedding.word_embeddings.weight": H + "embed_tokens.weight",
+              "output_layer.weight": H + "shared_head.head.weight"}
+
 TABLE = Plugin(
     family=NAME,
     table={
@@ -42,27 +70,17 @@ TABLE = Plugin(
         A + "kv_layernorm.weight": Rule((HA + "kv_a_layernorm.weight",)),
         A + "linear_kv_up_proj.weight": Rule((HA + "kv_b_proj.weight",)),
         A + "linear_proj.weight": Rule((HA + "o_proj.weight",)),
-        L + "pre_mlp_layernorm.weight": Rule((H + "post_attention_layernorm.weight",)),
-        L + "mlp.linear_fc1.weight": Rule((H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), "gated"),
-        L + "mlp.linear_fc2.weight": Rule((H + "mlp.down_proj.weight",)),
-        L + "mlp.router.weight": Rule((H + "mlp.gate.weight",)),
-        L + "mlp.router.expert_bias": Rule((H + "mlp.gate.e_score_correction_bias",)),
-        L + "mlp.shared_experts.linear_fc1.weight": Rule((H + "mlp.shared_experts.gate_proj.weight",
-                                                          H + "mlp.shared_experts.up_proj.weight"), "gated"),
-        L + "mlp.shared_experts.linear_fc2.weight": Rule((H + "mlp.shared_experts.down_proj.weight",)),
-        X + "linear_fc1.weight": Rule((HX + "gate_proj.weight", HX + "up_proj.weight"), "gated"),
-        X + "linear_fc2.weight": Rule((HX + "down_proj.weight",)),
+        **MOE_TABLE,
         "decoder.final_layernorm.weight": llama.TABLE.table["decoder.final_layernorm.weight"],
         "output_layer.weight": llama.TABLE.table["output_layer.weight"],
+        **MTP_TABLE,
     },
     hf_drops=llama.TABLE.hf_drops,
+    mtp_copies=MTP_COPIES,
 )
 
-# Every field of transformers 4.57's DeepseekV3Config beyond the common ones.
-HF_FIELDS: dict[str, Field] = {
-    **{k: v for k, v in llama.HF_FIELDS.items() if k not in ("head_dim", "mlp_bias")},
-    "head_dim": Field("neutral", "transformers sets it to qk_rope_head_dim itself"),
-    "qk_head_dim": Field("neutral", "qk_nope_head_dim + qk_rope_head_dim"),
+# The DeepSeek MoE and MTP fields (DeepseekV3Config's, Glm4MoeConfig's)
+MOE_HF_FIELDS: dict[str, Field] = {
     "moe_intermediate_size": mapped("moe_ffn_hidden_size", INT),
     "n_routed_experts": mapped("num_experts", INT),
     "num_experts_per_tok": mapped("moe_router_topk", INT),
@@ -73,6 +91,15 @@ HF_FIELDS: dict[str, Field] = {
     "first_k_dense_replace": mapped("moe_layer_freq", INT),
     "norm_topk_prob": refused("weights not renormalised over the top-k are not megatron-core's sigmoid router",
                               True),
+    "num_nextn_predict_layers": mapped("mtp_num_layers", INT),
+}
+
+# Every field of transformers 4.57's DeepseekV3Config beyond the common ones.
+HF_FIELDS: dict[str, Field] = {
+    **{k: v for k, v in llama.HF_FIELDS.items() if k not in ("head_dim", "mlp_bias")},
+    "head_dim": Field("neutral", "transformers sets it to qk_rope_head_dim itself"),
+    "qk_head_dim": Field("neutral", "qk_nope_head_dim + qk_rope_head_dim"),
+    **MOE_HF_FIELDS,
     "kv_lora_rank": mapped("kv_lora_rank", INT),
     "q_lora_rank": mapped("q_lora_rank", INT),
     "qk_rope_head_dim": mapped("qk_rope_head_dim", INT),
@@ -81,7 +108,6 @@ HF_FIELDS: dict[str, Field] = {
     "rope_interleave": refused("rope_interleave=false is not megatron-core's MLA rope", True),
     "scoring_func": refused("only the sigmoid router is mapped", "sigmoid"),
     "topk_method": refused("only noaux_tc (expert-bias top-k) is mapped", "noaux_tc"),
-    "num_nextn_predict_layers": mapped("mtp_num_layers", INT),
     # vLLM's DeepSeek model makes layer i MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0
     # (transformers reads no such field): 1, DeepSeek's published value, is every layer after the dense ones
     "moe_layer_freq": refused("MoE on only every moe_layer_freq-th layer (vLLM reads it; transformers does not) is "
@@ -93,13 +119,13 @@ HF_FIELDS: dict[str, Field] = {
 }
 
 
-def first_dense(spec: ModelSpec) -> int:
+def first_dense(spec: ModelSpec, arch: str = "DeepseekV3ForCausalLM") -> int:
     """HF first_k_dense_replace: the count of leading dense layers; refuses a pattern that is not k dense, then
     MoE."""
     pattern = [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)]
     k = pattern.index(1)
     if any(v == 0 for v in pattern[k:]):
-        raise MConvertError(f"HF {FAMILY.architecture} has dense layers only first (first_k_dense_replace); this "
+        raise MConvertError(f"HF {arch} has dense layers only first (first_k_dense_replace); this "
                             f"model's MoE layer pattern is {pattern}; conversion refused")
     return k
 
@@ -111,50 +137,83 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
         raise MConvertError(f"HF {arch} needs multi-latent attention and the sigmoid MoE router; this model has "
                             f"kv_lora_rank={spec.kv_lora_rank}, num_experts={spec.num_experts}, "
                             f"score function {spec.moe_router_score_function!r}; conversion refused")
-    if spec.mtp_num_layers:
-        raise MConvertError(f"the HF export of multi-token prediction layers (mtp_num_layers={spec.mtp_num_layers}) "
-                            "is not built; conversion refused rather than dropping them")
+    base = llama.rope_fields(spec.replace(num_experts=None, kv_lora_rank=None, q_lora_rank=None))
+    base.pop("head_dim", None)
+    return {**base, **moe_to_hf(spec, arch), "kv_lora_rank": spec.kv_lora_rank, "q_lora_rank": spec.q_lora_rank,
+            "qk_rope_head_dim": spec.qk_rope_head_dim, "qk_nope_head_dim": spec.qk_nope_head_dim,
+            "v_head_dim": spec.v_head_dim, "rope_interleave": True, "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc", "attention_bias": False}
+
+
+def check_group_rule(spec: ModelSpec, arch: str) -> None:
+    """HF scores an expert group by its top 2 experts, megatron-core by its top k / group top-k: refuse a model
+    where the two differ (either way of the conversion)."""
     groups, group_topk = spec.moe_router_num_groups or 1, spec.moe_router_group_topk or 1
-    if spec.moe_router_topk // group_topk != 2 and groups > 1:
+    if groups > 1 and spec.moe_router_topk // group_topk != 2:
         raise MConvertError(f"HF {arch} scores an expert group by its top 2 experts; megatron-core by its top "
                             f"moe_router_topk / moe_router_group_topk = {spec.moe_router_topk // group_topk}; "
                             "conversion refused")
+
+
+def moe_to_hf(spec: ModelSpec, arch: str) -> dict[str, Any]:
+    """The DeepSeek MoE and MTP config fields (DeepseekV3Config's, Glm4MoeConfig's); refuses what HF's router
+    computes differently."""
+    if spec.mtp_num_layers and spec.tie_embeddings:
+        raise MConvertError(f"HF {arch}'s multi-token prediction layers carry a copy of an untied head "
+                            "(shared_head.head); this model ties its head to the embedding; conversion refused")
+    if not (spec.is_moe and spec.moe_router_score_function == "sigmoid" and spec.moe_router_enable_expert_bias):
+        raise MConvertError(f"HF {arch} routes with sigmoid scores and an expert bias; this model has num_experts="
+                            f"{spec.num_experts}, score function {spec.moe_router_score_function!r}, expert bias "
+                            f"{spec.moe_router_enable_expert_bias}; conversion refused")
+    groups, group_topk = spec.moe_router_num_groups or 1, spec.moe_router_group_topk or 1
+    check_group_rule(spec, arch)
     shared = spec.moe_shared_expert_intermediate_size or 0
     if shared % spec.expert_ffn_hidden_size:
         raise MConvertError(f"HF {arch} states shared experts as a count of expert widths; "
                             f"moe_shared_expert_intermediate_size={shared} is not a multiple of "
                             f"moe_ffn_hidden_size={spec.expert_ffn_hidden_size}; conversion refused")
-    base = llama.rope_fields(spec.replace(num_experts=None, kv_lora_rank=None, q_lora_rank=None))
-    base.pop("head_dim", None)
-    return {**base, "intermediate_size": spec.ffn_hidden_size,
+    return {"intermediate_size": spec.ffn_hidden_size,
             "moe_intermediate_size": spec.expert_ffn_hidden_size, "n_routed_experts": spec.num_experts,
             "num_experts_per_tok": spec.moe_router_topk, "n_shared_experts": shared // spec.expert_ffn_hidden_size,
             "routed_scaling_factor": spec.moe_router_topk_scaling_factor or 1.0, "n_group": groups,
-            "topk_group": group_topk, "first_k_dense_replace": first_dense(spec), "norm_topk_prob": True,
-            "kv_lora_rank": spec.kv_lora_rank, "q_lora_rank": spec.q_lora_rank,
-            "qk_rope_head_dim": spec.qk_rope_head_dim, "qk_nope_head_dim": spec.qk_nope_head_dim,
-            "v_head_dim": spec.v_head_dim, "rope_interleave": True, "scoring_func": "sigmoid",
-            "topk_method": "noaux_tc", "num_nextn_predict_layers": 0, "attention_bias": False}
+            "topk_group": group_topk, "first_k_dense_replace": first_dense(spec, arch), "norm_topk_prob": True,
+            "num_nextn_predict_layers": spec.mtp_num_layers or 0}
 
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
     """A DeepseekV3Config dict -> ModelSpec (transformers' defaults where a field is absent)."""
     base = llama.rope_spec({**cfg, "num_key_value_heads": cfg.get("num_attention_heads")}, common,
                            add_bias_linear=False, add_qkv_bias=False, source=source)
-    L_ = base.num_layers
-    k = int(cfg.get("first_k_dense_replace", 3))
-    width = int(cfg.get("moe_intermediate_size", 2048))
-    shared = int(cfg.get("n_shared_experts", 1) or 0)
-    groups, group_topk = int(cfg.get("n_group", 8) or 1), int(cfg.get("topk_group", 4) or 1)
-    return base.replace(
-        kv_channels=None, num_experts=int(cfg.get("n_routed_experts", 256)), moe_ffn_hidden_size=width,
-        moe_router_topk=int(cfg.get("num_experts_per_tok", 8)), moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
-        moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
-        moe_shared_expert_intermediate_size=shared * width or None, moe_layer_freq=tuple([0] * k + [1] * (L_ - k)),
+    return moe_from_hf(cfg, base.replace(kv_channels=None), CLASS_DEFAULTS).replace(
         q_lora_rank=cfg.get("q_lora_rank", 1536), kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
         qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)), qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
-        v_head_dim=int(cfg.get("v_head_dim", 128)), mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0) or None)
+        v_head_dim=int(cfg.get("v_head_dim", 128)))
+
+
+# DeepseekV3Config's defaults of the MoE fields
+CLASS_DEFAULTS = {"first_k_dense_replace": 3, "moe_intermediate_size": 2048, "n_shared_experts": 1, "n_group": 8,
+                  "topk_group": 4, "n_routed_experts": 256, "num_experts_per_tok": 8, "routed_scaling_factor": 2.5}
+
+
+def moe_from_hf(cfg: dict[str, Any], base: ModelSpec, defaults: dict[str, Any]) -> ModelSpec:
+    """`base` with the DeepSeek MoE and MTP fields of a config dict (the class's `defaults` where absent)."""
+    def get(k: str) -> Any:
+        return cfg.get(k, defaults[k])
+
+    k = int(get("first_k_dense_replace"))
+    width = int(get("moe_intermediate_size"))
+    shared = int(get("n_shared_experts") or 0)
+    groups, group_topk = int(get("n_group") or 1), int(get("topk_group") or 1)
+    out = base.replace(
+        num_experts=int(get("n_routed_experts")), moe_ffn_hidden_size=width,
+        moe_router_topk=int(get("num_experts_per_tok")), moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=float(get("routed_scaling_factor")),
+        moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
+        moe_shared_expert_intermediate_size=shared * width or None,
+        moe_layer_freq=tuple([0] * k + [1] * (base.num_layers - k)),
+        mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0) or None)
+    check_group_rule(out, cfg.get("architectures", ["HF"])[0] if cfg.get("architectures") else "HF")
+    return out
 
 
 def deepseek_preset(**kw: Any) -> ModelSpec:

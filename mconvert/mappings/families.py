@@ -46,6 +46,7 @@ FAMILY_MODULES = (
     "deepseek_v3",
     "gemma2",
     "gemma3",
+    "glm4_moe",
     "gpt2",
     "llama",
     "mistral",

@@ -55,6 +55,7 @@ SEGMENTS: dict[str, str] = {
     "post_attention_norm": "pre_mlp_layernorm",
     "post_attention_layernorm": "pre_mlp_layernorm",
     "final_norm": "final_layernorm",
+    "mtp_model_layer": "transformer_layer",  # newer Megatron-LM's name of an MTP layer's transformer layer
 }
 
 

@@ -38,9 +38,46 @@ def hf_registry(p: Plugin) -> Registry:
         for mc, rule in p.table.items():
             for i, h in enumerate(rule.hf):
                 table[h] = (mc, i)
+        for mc, copy in p.mtp_copies.items():  # after the rule's own HF names
+            table[copy] = (mc, len(p.table[mc].hf))
         table.update(p.hf_drops)
         _REG_CACHE[key] = Registry(table)
     return _REG_CACHE[key]
+
+
+# ---- multi-token prediction layers ---------------------------------------------------------------------
+MTP_PREFIX, MTP_LAYER = "mtp.layers.", "transformer_layer."
+
+
+def mtp_view(spec: ModelSpec, name: str) -> str:
+    """The canonical name as the HF table reads it. HF numbers the multi-token prediction layers after the decoder's
+    (`model.layers.{num_layers + K}`): `mtp.layers.K.transformer_layer.X` -> `decoder.layers.{num_layers + K}.X`,
+    and an MTP layer's own tensors `mtp.layers.K.X` (enorm, hnorm, eh_proj, final_layernorm) ->
+    `decoder.layers.{num_layers + K}.mtp.X`; every other name passes unchanged."""
+    if not name.startswith(MTP_PREFIX):
+        return name
+    k, _, rest = name[len(MTP_PREFIX):].partition(".")
+    if not k.isdigit():
+        return name
+    at = spec.num_layers + int(k)
+    if rest.startswith(MTP_LAYER):
+        return f"decoder.layers.{at}.{rest[len(MTP_LAYER):]}"
+    return f"decoder.layers.{at}.mtp.{rest}"
+
+
+def match(spec: ModelSpec, name: str, reg: Registry | None = None) -> tuple[str, Rule, Any] | None:
+    """The plugin table's (template, rule, index) for canonical parameter `name` (an MTP layer's by `mtp_view`)."""
+    return (reg or registry(plugin_for(spec))).match(mtp_view(spec, name))
+
+
+def mtp_copies(spec: ModelSpec, name: str) -> list[str]:
+    """The HF names of the copies each MTP layer carries of canonical parameter `name` (the family's
+    `Plugin.mtp_copies`): what vLLM's MTP loader reads at `model.layers.{num_layers + K}`, and what DeepSeek
+    publishes there."""
+    tpl = plugin_for(spec).mtp_copies.get(name)
+    if tpl is None or not spec.mtp_num_layers:
+        return []
+    return [fill(tpl, spec.num_layers + k) for k in range(spec.mtp_num_layers)]
 
 
 # ---- ops: (to_hf, from_hf) over full tensors -------------------------------------------------------------
@@ -96,7 +133,7 @@ def hf_row_plan(spec: ModelSpec, name: str, rows: int) -> tuple[list[str], list[
                                                                   list[tuple[int, int, int, int]]] | None:
     """For canonical parameter `name` with `rows` merged rows: its HF names, each one's row count and where each
     merged row goes (see `ROW_PLANS`); None when `to_hf_one` does more than place rows."""
-    m = registry(plugin_for(spec)).match(name)
+    m = match(spec, name)
     if m is None or m[1].op not in ROW_PLANS:
         return None
     _, rule, layer = m
@@ -111,7 +148,7 @@ def mcore_row_plan(spec: ModelSpec, name: str, hf_shapes: dict[str, tuple[int, .
     """`hf_row_plan` the other way: for canonical `name` built from HF tensors of shapes `hf_shapes`, its HF
     names, the merged shape and where each HF row goes in it; None when the shapes do not fit a row plan (then
     `from_hf_one` builds it, and reports a mismatch)."""
-    m = registry(plugin_for(spec)).match(name)
+    m = match(spec, name)
     if m is None or m[1].op not in ROW_PLANS:
         return None
     _, rule, layer = m
@@ -128,7 +165,7 @@ def mcore_row_plan(spec: ModelSpec, name: str, hf_shapes: dict[str, tuple[int, .
 
 def transposed_in_hf(spec: ModelSpec, name: str) -> bool:
     """Whether HF stores canonical parameter `name` as its transpose (GPT-2's Conv1D weights)."""
-    m = registry(plugin_for(spec)).match(name)
+    m = match(spec, name)
     return m is not None and m[1].op == "transpose"
 
 
@@ -167,12 +204,15 @@ def to_hf_one(spec: ModelSpec, name: str, t: torch.Tensor, source: str = "checkp
               reg: Registry | None = None, empty: T.Empty | None = None) -> dict[str, torch.Tensor]:
     """One full canonical parameter -> its HF tensor(s) (what `to_hf` does for each name); `empty`: the
     allocator of the results an op copies into (see OPS)."""
-    m = (reg or registry(plugin_for(spec))).match(name)
+    m = match(spec, name, reg)
     if m is None:
         raise MConvertError(f"{source}: no {spec.family} mapping for parameter {name!r}")
     _, rule, layer = m
     parts = OPS[rule.op][0](spec, t, name, empty)
-    return {fill(h, layer): p for h, p in zip(rule.hf, parts, strict=True)}
+    out = {fill(h, layer): p for h, p in zip(rule.hf, parts, strict=True)}
+    for copy in mtp_copies(spec, name):  # its own storage: a safetensors file holds no tensor twice
+        out[copy] = parts[0].clone()
+    return out
 
 
 def check_complete(spec: ModelSpec, unit: Unit, names: Any, source: str = "checkpoint") -> None:
@@ -219,10 +259,28 @@ def from_hf_one(spec: ModelSpec, name: str, hf: dict[str, torch.Tensor], source:
     if found is None:
         raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
     rule, names = found
-    absent = [n for n in names if n not in hf]
+    own, copies = names[: len(rule.hf)], names[len(rule.hf):]
+    absent = [n for n in own if n not in hf]
     if absent:
         raise MConvertError(f"{source}: tensor {absent[0]!r} is missing (needed for {name})")
-    return OPS[rule.op][1](spec, [hf[n] for n in names], name, empty)
+    for copy in copies:  # megatron-core has one tensor where HF has the MTP layer's copy too: it must be the same
+        _check_copy(hf, copy, own[0], source)
+    return OPS[rule.op][1](spec, [hf[n] for n in own], name, empty)
+
+
+def _check_copy(hf: dict[str, torch.Tensor], copy: str, main: str, source: str) -> None:
+    """An MTP layer's copy of a shared tensor (`mtp_copies`) equals the main one, when the checkpoint has it
+    (vLLM reads the top-level one when it does not); else one error naming both."""
+    t, want = hf.get(copy), hf[main]
+    if t is None:
+        return
+    same = t.shape == want.shape and t.dtype == want.dtype
+    if same and t.device.type != "meta" and want.device.type != "meta":
+        same = torch.equal(t, want)
+    if not same:
+        raise MConvertError(f"{source}: tensor {copy!r} differs from {main!r}; Megatron's multi-token prediction "
+                            "layers share the main model's embedding and head, so this checkpoint's separate copy "
+                            "cannot be converted; make the two equal or drop the MTP layers")
 
 
 def hf_keys_for(spec: ModelSpec, name: str, reg: Registry | None = None) -> list[str]:
@@ -234,11 +292,11 @@ def hf_keys_for(spec: ModelSpec, name: str, reg: Registry | None = None) -> list
 
 def _hf_rule(spec: ModelSpec, name: str, reg: Registry | None = None) -> tuple[Rule, list[str]] | None:
     """The rule mapping canonical parameter `name` and the HF tensor names it reads (None: no rule)."""
-    m = (reg or registry(plugin_for(spec))).match(name)
+    m = match(spec, name, reg)
     if m is None:
         return None
     _, rule, layer = m
-    return rule, [fill(h, layer) for h in rule.hf]
+    return rule, [fill(h, layer) for h in rule.hf] + mtp_copies(spec, name)
 
 
 def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit | None:
@@ -252,8 +310,10 @@ def hf_unit(spec: ModelSpec, hf_name: str, source: str = "checkpoint") -> Unit |
         if hf_name in ("lm_head.weight",):
             return "final"
         return None
-    if layer is not None:
-        return layer_of(layer)
+    at = layer_of(layer)
+    if at is not None and not (spec.mtp_num_layers and at >= spec.num_layers):
+        return at
+    # an MTP layer's tensors (HF index num_layers + K) go with the final unit, its copy of the embedding with that
     return "embedding" if val[0].startswith("embedding.") else "final"
 
 

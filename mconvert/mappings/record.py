@@ -37,6 +37,10 @@ class Plugin:
     family: str
     table: dict[str, Rule]  # canonical mcore template -> Rule
     hf_drops: dict[str, None]  # HF names (templates) dropped on import
+    # canonical name -> HF template (`*` = each multi-token prediction layer's HF index) of the copy that each MTP
+    # layer carries of a tensor megatron-core shares with the main model (DeepSeek-V3's `embed_tokens`,
+    # `shared_head.head`); written once per MTP layer, and checked equal to the main tensor on import
+    mtp_copies: dict[str, str] = field(default_factory=dict)
 
     @property
     def hf_embedding(self) -> str:

@@ -325,6 +325,25 @@ def _probe(d: Path, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"config": {"refused": str(e)}, "generation": None}
 
 
+def _beyond_transformers(cfg: dict[str, Any], built: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The HF tensors config.json implies that the transformers class does not build: the multi-token prediction
+    layers (`num_nextn_predict_layers`), which transformers skips and vLLM's MTP loader reads, with their copies
+    of the embedding and head; names and shapes from mconvert's own mapping on the meta device."""
+    if not cfg.get("num_nextn_predict_layers"):
+        return {}
+    from mconvert.mappings.plugin import to_hf
+
+    try:
+        spec = families.spec_from_hf_config(cfg)
+    except MConvertError:
+        return {}  # the config check reports it
+    out: dict[str, tuple[int, ...]] = {}
+    for unit in ("embedding", "final"):  # where the MTP layers' tensors and copies go
+        meta = {d.name: torch.empty(d.shape, device="meta") for d in spec.unit_params(unit)}
+        out.update({k: tuple(t.shape) for k, t in to_hf(spec, unit, meta).items() if k not in built})
+    return out
+
+
 def _strict(cfg: dict[str, Any], header: dict, probed: dict[str, Any], rep: VerifyReport) -> None:
     built = probed["config"]
     if "refused" in built:  # mconvert's own line (a family it does not verify, a bound hit)
@@ -334,6 +353,7 @@ def _strict(cfg: dict[str, Any], header: dict, probed: dict[str, Any], rep: Veri
         rep.add("weights-strict", "error", f"config.json: transformers cannot build the model ({built['error']})")
         return
     expected = {k: tuple(v) for k, v in built["shapes"].items()}
+    expected.update(_beyond_transformers(cfg, expected))
     always_tied = _family(cfg).vllm.always_ties_head is not None
     tied = built["tie"] or always_tied
     missing = [k for k in expected if k not in header and not (tied and k == "lm_head.weight")]

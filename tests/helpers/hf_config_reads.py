@@ -41,8 +41,9 @@ TRANSFORMERS_SHARED = ("configuration_utils.py", "modeling_utils.py", "modeling_
                        "integrations/flex_attention.py")
 VLLM_SHARED = ("config/*.py", "transformers_utils/config.py", "transformers_utils/model_arch_config_convertor.py")
 # vLLM serves a model_type from a file of another name: DeepSeek-V3 from DeepSeek-V2's, its MTP layers from
-# deepseek_mtp.py
-VLLM_MODEL_FILES = {"deepseek_v3": ("deepseek_v2", "deepseek_mtp"), "gemma3_text": ("gemma3",)}
+# deepseek_mtp.py (GLM-4.5's from glm4_moe_mtp.py)
+VLLM_MODEL_FILES = {"deepseek_v3": ("deepseek_v2", "deepseek_mtp"), "glm4_moe": ("glm4_moe", "glm4_moe_mtp"),
+                    "gemma3_text": ("gemma3",)}
 # transformers keeps a model_type's code under another model's directory: Gemma 3's text model under gemma3
 TRANSFORMERS_MODEL_DIRS = {"gemma3_text": "gemma3"}
 

@@ -273,7 +273,7 @@ def test_hf_logits_match_ours(tmp_path: Path, q_lora: bool) -> None:
 
     from mconvert.convert.driver import megatron_to_hf
 
-    spec = (preset("tiny-deepseek-v3") if q_lora else NO_Q_LORA).replace(mtp_num_layers=None)
+    spec = preset("tiny-deepseek-v3") if q_lora else NO_Q_LORA
     model = GPTModel(spec, ParallelState(), seed=5).eval()
     state = _moved(model.state_dict(), 0, 0)
     model.load_state_dict(state)
@@ -289,26 +289,128 @@ def test_hf_logits_match_ours(tmp_path: Path, q_lora: bool) -> None:
           f"{diff:.1e}")
 
 
-def test_hf_export_refuses_mtp_rather_than_dropping_it(tmp_path: Path) -> None:
+def _hf_mtp_logits(hf_dir: Path, hf, tokens: torch.Tensor) -> torch.Tensor:
+    """MTP layer 0's logits computed from the HF tensors at model.layers.{num_hidden_layers} by transformers' own
+    modules, as DeepSeek's MTP (and vLLM's deepseek_mtp) composes them: the next tokens through that layer's
+    embed_tokens and enorm, the main model's last hidden state through hnorm, eh_proj of [e; h], transformers'
+    DeepseekV3DecoderLayer at that index, shared_head.norm, shared_head.head."""
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    from mconvert.trainer.mtp import shift_left
+
+    cfg = hf.config
+    n, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
+    sd = load_file(str(hf_dir / "model.safetensors"))
+    p = f"model.layers.{n}."
+    layer = DeepseekV3DecoderLayer(cfg, layer_idx=n).eval()
+    layer.load_state_dict({k[len(p):]: v for k, v in sd.items() if k.startswith(p)}, strict=False)
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = DeepseekV3RMSNorm(cfg.hidden_size, eps)
+        norms[name].weight.data.copy_(sd[p + name + ".weight"])
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        h = hf.model(tokens).last_hidden_state
+        e = torch.nn.functional.embedding(shift_left(tokens), sd[p + "embed_tokens.weight"])
+        x = torch.cat([norms["enorm"](e), norms["hnorm"](h)], dim=-1) @ sd[p + "eh_proj.weight"].T
+        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        x = x[0] if isinstance(x, tuple) else x
+        return norms["shared_head.norm"](x) @ sd[p + "shared_head.head.weight"].T
+
+
+# DeepSeek-V3's model.layers.61 (its one MTP layer) beyond a decoder layer's names, as its published
+# model.safetensors.index.json lists them
+DEEPSEEK_MTP_NAMES = {"embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight",
+                      "shared_head.norm.weight", "shared_head.head.weight"}
+
+
+def test_mtp_lands_at_deepseeks_names(tmp_path: Path) -> None:
+    """The MTP layer is model.layers.{num_hidden_layers}: a MoE decoder layer's tensors, DeepSeek's MTP names,
+    and copies of the embedding and head equal to the main ones; num_nextn_predict_layers says it."""
+    from safetensors.torch import load_file
+
     from mconvert.convert.driver import megatron_to_hf
 
     spec = preset("tiny-deepseek-v3")
-    state = GPTModel(spec, ParallelState(), seed=5).state_dict()
-    with pytest.raises(MConvertError, match="mtp_num_layers=1"):
-        megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
+    report = megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    cfg = __import__("json").loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    mtp = {k[len("model.layers.3."):] for k in sd if k.startswith("model.layers.3.")}
+    layer = {k[len("model.layers.2."):] for k in sd if k.startswith("model.layers.2.")}
+    assert mtp == layer | DEEPSEEK_MTP_NAMES, mtp ^ (layer | DEEPSEEK_MTP_NAMES)
+    assert torch.equal(sd["model.layers.3.embed_tokens.weight"], sd["model.embed_tokens.weight"])
+    assert torch.equal(sd["model.layers.3.shared_head.head.weight"], sd["lm_head.weight"])
+    assert torch.equal(sd["model.layers.3.eh_proj.weight"], state["mtp.layers.0.eh_proj.weight"])
+    assert torch.equal(sd["model.layers.3.shared_head.norm.weight"], state["mtp.layers.0.final_layernorm.weight"])
+    n_in = sum(torch.is_tensor(v) for v in state.values())
+    assert report["tensors"]["in"] == n_in and report["tensors"]["out"] == len(sd), report["tensors"]
+    assert report["tensors"]["out_bytes"] == sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def test_a_checkpoint_without_its_mtp_layer_is_refused_both_ways(tmp_path: Path) -> None:
+    """Controls: a Megatron checkpoint whose args say mtp_num_layers=1 but lacks the layer's tensors, and an HF
+    directory whose config says num_nextn_predict_layers=1 but lacks model.layers.3, are refused naming the
+    tensor, with no output; verify fails such an HF directory; an MTP copy of the embedding that differs from the
+    main one is refused by name."""
+    from safetensors.torch import load_file, save_file
+
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.validators.verify import verify
+
+    spec = preset("tiny-deepseek-v3")
+    state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
+    without = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    with pytest.raises(MConvertError, match=r"mtp\.layers\.0\."):
+        megatron_to_hf(_save(spec, without, tmp_path / "m"), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+    megatron_to_hf(_save(spec, state, tmp_path / "m2"), tmp_path / "hf")
+    strict = [c for c in verify(tmp_path / "hf").checks if c.name == "weights-strict"]
+    assert [c.status for c in strict] == ["ok"], strict  # the tokenizer checks fail: this export has none
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for name, drop in (("cut", lambda k: k.startswith("model.layers.3.")), ("no-enorm", lambda k: k.endswith("3.enorm.weight"))):
+        cut = tmp_path / name
+        cut.mkdir()
+        (cut / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+        save_file({k: v for k, v in sd.items() if not drop(k)}, str(cut / "model.safetensors"))
+        with pytest.raises(MConvertError, match=r"model\.layers\.3\."):
+            hf_to_megatron(cut, tmp_path / f"{name}-m")
+        assert not (tmp_path / f"{name}-m").exists()
+        strict = [c for c in verify(cut).checks if c.name == "weights-strict"]
+        assert strict[0].status == "error" and "missing" in strict[0].message, strict
+        assert "model.layers.3." in strict[0].message, strict
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    changed = dict(sd)
+    changed["model.layers.3.embed_tokens.weight"] = sd["model.embed_tokens.weight"] + 1
+    save_file(changed, str(other / "model.safetensors"))
+    with pytest.raises(MConvertError, match="model.layers.3.embed_tokens.weight' differs from 'model.embed_tokens"):
+        hf_to_megatron(other, tmp_path / "other-m")
+
+
+def test_newer_megatron_lms_mtp_model_layer_reads_as_transformer_layer() -> None:
+    from mconvert.mappings.keys import canonical_key
+
+    assert canonical_key("mtp.layers.0.mtp_model_layer.self_attention.linear_proj.weight") == (
+        "mtp.layers.0.transformer_layer.self_attention.linear_proj.weight")
 
 
 def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_logits(tmp_path: Path) -> None:
     """hf-to-megatron of the DeepseekV3ForCausalLM export writes TP=2 EP=2 rank files that megatron-core strict-loads
     with transformers' logits, that merge back to the original tensors (the vocab's padding rows re-padded), and
-    that megatron-to-hf turns into the same safetensors bytes."""
+    that megatron-to-hf turns into the same safetensors bytes; its MTP layer's logits under megatron-core equal
+    those transformers' own modules compute from the HF tensors at DeepSeek's MTP names."""
     from mcore_ref import run_mcore
     from transformers import AutoModelForCausalLM
 
     from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
 
-    spec = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)
+    spec = preset("tiny-deepseek-v3")
     state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
     megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
     hf_to_megatron(tmp_path / "hf", tmp_path / "m2", tp=2, ep=2)
@@ -322,13 +424,19 @@ def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_lo
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(PROBE).logits
-    got = run_mcore(spec, 2, _mcore_forward, (files, PROBE, False), ep=2)[0][0][..., : spec.vocab_size]
-    diff = _rel(got, want)
+    got, got_mtp = run_mcore(spec, 2, _mcore_forward, (files, PROBE, False), ep=2)[0]
+    diff = _rel(got[..., : spec.vocab_size], want)
     assert diff <= TOL, diff
+    want_mtp = _hf_mtp_logits(tmp_path / "hf", hf, PROBE)
+    d_mtp = _rel(got_mtp[..., : spec.vocab_size], want_mtp)
+    assert d_mtp <= TOL, d_mtp
+    d_main_as_mtp = _rel(want, want_mtp)  # control: the MTP layer's logits are not the main head's
+    assert d_main_as_mtp > 100 * TOL, d_main_as_mtp
     megatron_to_hf(tmp_path / "m2", tmp_path / "hf2")  # and back from TP=2 EP=2: the same bytes
     first, again = (tmp_path / d / "model.safetensors" for d in ("hf", "hf2"))
     assert first.read_bytes() == again.read_bytes()
-    print(f"[figures] tiny-deepseek-v3 HF -> Megatron TP=2 EP=2: megatron-core vs transformers {diff:.1e}")
+    print(f"[figures] tiny-deepseek-v3 HF -> Megatron TP=2 EP=2: megatron-core vs transformers {diff:.1e}, MTP layer "
+          f"{d_mtp:.1e} (main vs MTP logits {d_main_as_mtp:.1e})")
 
 
 def test_sigmoid_router_load_balancing_loss_is_megatron_cores() -> None:

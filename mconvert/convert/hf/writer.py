@@ -8,6 +8,7 @@ Writer output: `model.safetensors` (or `model-0000X-of-0000N.safetensors` + `mod
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import deque
@@ -36,7 +37,8 @@ from mconvert.convert.hf.tokenizer import (
     read_token_ids,
 )
 from mconvert.errors import MConvertError
-from mconvert.mappings import families, to_hf
+from mconvert.mappings import families, hf_names, to_hf
+from mconvert.mappings.plugin import mtp_copies
 from mconvert.spec import ModelSpec
 from mconvert.convert.hf.source import INDEX
 from mconvert.convert.writer import Writer
@@ -95,6 +97,8 @@ class HFWriter(Writer):
         self._shard_of: dict[str, int] = {}
         self._owned = True  # False: this rank writes nothing (no plan to share out: rank 0 writes it all)
         self._left: tuple[Unit, deque[Entry]] | None = None  # the unit in progress: its planned tensors to come
+        self._written: set[str] = set()  # every HF name added (`tally`)
+        self.bytes_out = 0
 
     def _entries_of(self, dtype: torch.dtype) -> dict[Unit, list[Entry]]:
         """Every tensor this model will produce, unit by unit in arrival order (units of the spec, MoE layers
@@ -230,6 +234,11 @@ class HFWriter(Writer):
             tensors = {n: narrowed(t, self.dtype, n) if t.dtype != self.dtype else t for n, t in tensors.items()}
         if not self._owned:
             return
+        for name, t in tensors.items():
+            if name in self._written:
+                raise MConvertError(f"internal: HF tensor {name!r} was written twice")
+            self._written.add(name)
+            self.bytes_out += t.numel() * t.element_size()
         if self._shards is None and tensors:
             self._shards = self._plan(tensors)
             self._streaming = bool(self._shards)
@@ -252,6 +261,23 @@ class HFWriter(Writer):
             self._buf_bytes += nbytes
             self.total_size += nbytes
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buf_bytes)
+
+    def tally(self, in_dtype: torch.dtype) -> dict[str, int]:
+        """The completeness guard of one process's export: every HF tensor the spec implies (`hf_names` of every
+        unit, an MTP layer's copies of the embedding and head included) was written exactly once and nothing
+        else, else one error naming the first missing or extra one. Returns the report's counts: the canonical
+        tensors in (full shapes, `in_dtype`) and the HF tensors out."""
+        spec = self.spec
+        units = units_of(spec, split_experts=True)
+        expected = {n for u in units for n in hf_names(spec, u)}
+        missing, extra = sorted(expected - self._written), sorted(self._written - expected)
+        if missing or extra:
+            raise MConvertError(f"internal: the HF export lacks {len(missing)} tensor(s) its config implies "
+                                f"{missing[:3]} and holds {len(extra)} it does not {extra[:3]}; nothing was written")
+        decls = [d for u in units for d in spec.unit_params(u)]
+        copies = sum(len(mtp_copies(spec, d.name)) for d in decls)
+        return {"in": len(decls), "in_bytes": sum(math.prod(d.shape) for d in decls) * in_dtype.itemsize,
+                "out": len(self._written), "out_bytes": self.bytes_out, "mtp_copies": copies}
 
     def _flush(self) -> None:
         if not self._buf:

@@ -86,7 +86,8 @@ def expected(name: str, cfg: dict[str, Any], book: dict[str, Any]) -> tuple[dict
     entry = book["files"].get(name)
     if entry is not None:
         keys = entry.get("without")
-        return dict.fromkeys(VERBS, entry["refused_naming"]), (
+        accepting = entry.get("accepted_by", [])
+        return {v: None if v in accepting else entry["refused_naming"] for v in VERBS}, (
             {k: v for k, v in cfg.items() if k not in keys} if keys else None)
     want: dict[str, str | None] = dict.fromkeys(VERBS)
     without = cfg
