@@ -211,3 +211,20 @@ def test_hf_to_gguf_writes_llama_cpp_converters_tensors_byte_for_byte(peer, mode
     assert all(len(v) == 2 * len(got[k]) for k, v in differences.items()), "f32 and f16 differ differently"
     assert got == want, {k: (got.get(k), want.get(k), next(iter(differences.get(k, {"": None}).items())))
                          for k in set(got) | set(want) if got.get(k) != want.get(k)}
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(900)
+def test_a_float16_source_is_written_as_llama_cpp_writes_it(peer, models):
+    """The float16 checkpoint a user downloads (f16 written as it is, f32 widened) gives the converter's bytes."""
+    d = WORK / "hf-llama-fp16"
+    transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float16).save_pretrained(d)
+    for f in (models["llama"]).iterdir():
+        if not (d / f.name).exists():
+            shutil.copy(f, d / f.name)
+    for outtype in OUTTYPES:
+        ours, theirs = _convert_both(peer, d, "llama-fp16", outtype)
+        t_ours, t_theirs = _read(ours)[1], _read(theirs)[1]
+        assert t_ours.keys() == t_theirs.keys()
+        assert all(t_ours[k] == v for k, v in t_theirs.items()), \
+            [k for k, v in t_theirs.items() if t_ours[k] != v][:5]
