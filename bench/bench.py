@@ -131,7 +131,7 @@ def _bare_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
             "--load_path", str(src), "--save_path", str(out),
             "--target_tensor_model_parallel_size", str(SRC_TP),
             "--target_pipeline_model_parallel_size", str(SRC_PP),
-            "--megatron-path", str(ROOT / "tests" / "megatron_standin"),
+            "--megatron-path", str(ROOT / "tests" / "helpers" / "megatron_standin"),
         ]
     raise ValueError(op)
 
@@ -231,7 +231,7 @@ def layer_figures(ckpt: Path) -> dict[str, Any]:
 
     # in a child process: importing torch here would grow this process, whose pages every child measured
     # after it would otherwise carry in its ru_maxrss
-    code = ("import json, sys; from mconvert.convert.megatron import MegatronSource; "
+    code = ("import json, sys; from mconvert.convert.megatron.source import MegatronSource; "
             "print(json.dumps(MegatronSource(sys.argv[1]).spec.to_dict()))")
     out = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, check=True)
     spec = ModelSpec(**json.loads(out.stdout.strip().splitlines()[-1]))

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mconvert.convert.layout import rank_file, read_latest
-from mconvert.convert.io.paths import inside_file
-from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.megatron.layout import rank_file, read_latest
+from mconvert.io.paths import inside_file
+from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings.keys import canonical_key, flatten

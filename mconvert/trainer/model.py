@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mconvert.convert.layout import stage_layers
+from mconvert.convert.megatron.layout import stage_layers
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import shard
 from mconvert.rope import yarn_inv_freq

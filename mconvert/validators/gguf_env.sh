@@ -9,8 +9,8 @@
 #
 # The same sdist carries llama.cpp's own converter: convert_hf_to_gguf.py with the `conversion/` package and
 # `gguf-py` it imports is kept at $VENV/llama.cpp-convert/ with what it needs (torch, transformers,
-# sentencepiece), the peer `make bench` times `hf-to-gguf` against and tests/test_gguf_peer.py compares bytes
-# with. Two stamps: STAMP says the libraries are built, CONVERT_STAMP (named after the version) that the
+# sentencepiece): the peer `make bench` times `hf-to-gguf` against, and whose bytes
+# tests/convert/deploy/test_gguf_peer.py compares with ours. Two stamps: STAMP says the libraries are built, CONVERT_STAMP (named after the version) that the
 # converter is there too; a venv with the first alone is topped up without compiling anything again.
 set -euo pipefail
 VENV="${1:-${GGUF_VENV:-$HOME/.cache/mconvert/gguf-venv}}"

@@ -1,0 +1,715 @@
+"""GGUF for llama.cpp (`mconvert megatron-to-gguf`, `hf-to-gguf`): one `.gguf` file written through gguf-py's
+`GGUFWriter`, llama.cpp's own writer.
+
+What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp): tensor names from the family's
+`GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
+`LlamaModel` / `Qwen2MoeModel.modify_tensors` stack them; GPT-2's Conv1D weights transposed), q/k rows permuted
+where the family's llama.cpp architecture ropes adjacent pairs (`LlamaModel.permute`), llama3 rope scaling as a
+`rope_freqs.weight` factor tensor (`LlamaModel.generate_extra_tensors`), YaRN as the `rope.scaling.*` keys
+(`TextModel.set_gguf_parameters`, with the attention factor in the key llama.cpp reads, see `yarn_keys`), 1-D tensors, norms, the router and
+learned positions in F32 whatever the outtype, a q8_0 tensor whose rows are not whole 32-blocks in F16 (its
+QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_parameters`; the tokenizer as
+`_set_vocab_gpt2` (byte-level BPE: tokens, token types, the pre-tokenizer name) or
+`_create_vocab_sentencepiece` (a `tokenizer.model`: pieces, scores, types) writes it, then gguf-py's
+`SpecialVocab` (merges for BPE, special ids, add-bos/eos, chat template).
+
+Streaming: every tensor's name, shape and type follows from the ModelSpec alone (a meta-tensor pass through the
+family's HF mapping), so the header is written first and each unit's tensors are appended as they arrive
+(`GGUFWriter.add_tensor_info` up front, `write_tensor_data` per tensor): memory is one unit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mconvert.convert.base import Unit, units_of
+from mconvert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
+from mconvert.io.paths import inside_file, load_json_object, read_small
+from mconvert.convert.driver import drive, peak_rss_bytes
+from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
+from mconvert.io.casts import check_narrowed, value_range
+from mconvert.convert.sources import open_source
+from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
+from mconvert.convert.writer import Report, make_report
+from mconvert.errors import MConvertError, escape_controls, expect, renamed
+from mconvert.mappings import families, to_hf
+from mconvert.mappings.family import GgufLayout
+from mconvert.mappings.gguf_vocab import (
+    ADDED_SCORE,
+    BPE_MODEL,
+    BYTE_LEVEL_REGEX,
+    PRE_TOKENIZERS,
+    SPM_FILE,
+    SPM_MODEL,
+    SPM_PRE,
+    SPM_SETTINGS,
+    UNFILLED_SCORE,
+)
+from mconvert.rope import yarn_get_mscale
+from mconvert.spec import ModelSpec
+
+# --outtype -> (the type of 2-D weights, general.file_type), as convert_hf_to_gguf.py's --outtype
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _gguf() -> Any:
+    # heavy optional import: gguf-py (numpy, yaml) loads only when a GGUF is written or read
+    import gguf
+
+    return gguf
+
+
+def outtype_types(outtype: str) -> tuple[Any, Any]:
+    """(GGMLQuantizationType of the 2-D weights, LlamaFileType) of an --outtype; anything else is refused."""
+    g = _gguf()
+    table = {
+        "f32": (g.GGMLQuantizationType.F32, g.LlamaFileType.ALL_F32),
+        "f16": (g.GGMLQuantizationType.F16, g.LlamaFileType.MOSTLY_F16),
+        "bf16": (g.GGMLQuantizationType.BF16, g.LlamaFileType.MOSTLY_BF16),
+        "q8_0": (g.GGMLQuantizationType.Q8_0, g.LlamaFileType.MOSTLY_Q8_0),
+    }
+    if outtype not in table:
+        raise MConvertError(f"--outtype {outtype!r}: choose {', '.join(OUTTYPES)}")
+    return table[outtype]
+
+
+# 2-D tensors convert_hf_to_gguf.py keeps in F32 whatever the outtype (llama.cpp's quantizer skips them too):
+# the MoE router and learned positions
+F32_TENSORS = ("ffn_gate_inp.weight", "position_embd.weight")
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of the file: GGUF name, the HF tensors it is made from (one; every expert's, stacked in
+    expert order; none: generated), its shape in torch order ([out, in]) and its GGML type."""
+
+    name: str
+    hf: tuple[str, ...]
+    unit: Unit | None
+    shape: tuple[int, ...]
+    qtype: Any
+
+    @property
+    def nbytes(self) -> int:
+        block, size = _gguf().GGML_QUANT_SIZES[self.qtype]
+        return math.prod(self.shape[:-1]) * (self.shape[-1] // block) * size
+
+
+def gguf_layout(spec: ModelSpec) -> GgufLayout:
+    """The family's GGUF layout, after every refusal: what HF cannot hold, then what llama.cpp cannot compute."""
+    layout = families.of(spec).gguf
+    names = ", ".join(f.name for f in families.all_families() if f.gguf is not None)
+    if layout is None:
+        raise MConvertError(f"the {spec.family} family has no GGUF form here (GGUF is written for {names}); "
+                            "conversion refused")
+    spec.refuse_unmapped("GGUF")
+    families.refuse_for_hf(spec, "GGUF")
+    if spec.rope_scaling not in (None, "linear", "llama3", "yarn"):
+        raise MConvertError(f"rope scaling {spec.rope_scaling!r} has no GGUF form here; conversion refused")
+    if spec.rope_scaling == "yarn":
+        refuse_yarn(spec, layout.arch)
+    layout.refuse(spec)
+    if spec.rope_scaling == "llama3" and not layout.rope_freqs:
+        raise MConvertError(f"rope scaling llama3 has no GGUF form for llama.cpp's {layout.arch} architecture; "
+                            "conversion refused")
+    return layout
+
+
+# What llama.cpp's YaRN computes for the architectures written here (llama-model.cpp's load_hparams reads no
+# beta keys for them, ggml's `ggml_rope_yarn_corr_dims` always floors and ceils the correction range).
+LLAMA_CPP_YARN_FIXED = {"yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True}
+
+
+def refuse_yarn(spec: ModelSpec, arch: str) -> None:
+    """Refuse a YaRN that llama.cpp computes otherwise, naming each field that differs."""
+    differs = [f"{k}={getattr(spec, k)!r}" for k, v in LLAMA_CPP_YARN_FIXED.items() if getattr(spec, k) != v]
+    if differs:
+        raise MConvertError(f"YaRN with {', '.join(differs)} has no GGUF form: llama.cpp's {arch} architecture fixes "
+                            "beta_fast 32 and beta_slow 1 (it reads no beta keys) and always rounds the correction "
+                            "range; conversion refused")
+
+
+def yarn_keys(spec: ModelSpec) -> dict[str, float | int]:
+    """The YaRN metadata (key suffix after `{arch}.rope.scaling.` -> value). llama.cpp multiplies cos and sin by
+    0.1·ln(factor)+1 times `attn_factor` (llama-context.cpp overwrites the `yarn_attn_factor` key for YaRN), so
+    the model's own factor is stated as its ratio to that default, and only when it differs."""
+    out: dict[str, float | int] = {"factor": float(spec.rope_scaling_factor),
+                                   "original_context_length": int(spec.rope_original_max_position_embeddings),
+                                   "yarn_beta_fast": float(spec.yarn_beta_fast),
+                                   "yarn_beta_slow": float(spec.yarn_beta_slow)}
+    ratio = spec.yarn_attention_factor / yarn_get_mscale(spec.rope_scaling_factor)
+    if ratio != 1.0:
+        out["attn_factor"] = ratio
+    return out
+
+
+def hf_template(hf_name: str) -> tuple[str, list[int]]:
+    """(the name with every index `*`, the indices in order: layer, then expert)."""
+    parts = hf_name.split(".")
+    return ".".join("*" if p.isdigit() else p for p in parts), [int(p) for p in parts if p.isdigit()]
+
+
+def gguf_name(layout: GgufLayout, hf_name: str) -> tuple[str, int | None]:
+    """(GGUF name, expert index or None) of one HF tensor name: the layer index becomes the block index; an
+    expert's tensor names the stacked tensor it joins. Unmapped is refused."""
+    template, idx = hf_template(hf_name)
+    out = layout.tensors.get(template)
+    if out is None or len(idx) > 2:
+        raise MConvertError(f"tensor {hf_name} has no GGUF name in llama.cpp's {layout.arch} layout; conversion refused")
+    return (out.replace("*", str(idx[0]), 1) if idx else out), (idx[1] if len(idx) == 2 else None)
+
+
+def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> Any:
+    """convert_hf_to_gguf.py's choice: 1-D tensors, norms, non-weights, the router and learned positions stay
+    F32; q8_0 needs rows of whole 32-value blocks, else F16."""
+    g = _gguf()
+    want = outtype_types(outtype)[0]
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or name.endswith(F32_TENSORS):
+        return g.GGMLQuantizationType.F32
+    if want == g.GGMLQuantizationType.Q8_0 and shape[-1] % g.GGML_QUANT_SIZES[want][0]:
+        return g.GGMLQuantizationType.F16
+    return want
+
+
+def _unit_decls(spec: ModelSpec, unit: Unit) -> list[Any]:
+    if unit == "embedding":
+        return spec.embedding_params(1)
+    if unit == "final":
+        return spec.final_params(1)
+    return spec.layer_params(int(unit))
+
+
+def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[GgufTensor]:
+    """Every tensor of the file in write order, derived from the spec alone: each unit's parameters as meta
+    tensors through the family's HF mapping, then renamed (experts stacked where their first one stands); the
+    rope factor tensor first when llama3 scaling."""
+    plan: list[GgufTensor] = []
+    if spec.rope_scaling == "llama3":
+        shape = (spec.head_dim // 2,)
+        plan.append(GgufTensor(ROPE_FREQS, (), None, shape, tensor_type(ROPE_FREQS, shape, outtype)))
+    for unit in units_of(spec):
+        meta = {d.name: torch.empty(d.shape, device="meta") for d in _unit_decls(spec, unit)}
+        parts: dict[str, dict[int | None, tuple[str, tuple[int, ...]]]] = {}
+        for hf_name, x in to_hf(spec, unit, meta, source="GGUF plan").items():
+            name, expert = gguf_name(layout, hf_name)
+            shape = tuple(int(s) for s in x.shape)
+            if hf_template(hf_name)[0] in layout.transposed:
+                shape = shape[::-1]
+            parts.setdefault(name, {})[expert] = (hf_name, shape)
+        for name, by in parts.items():
+            if None in by:
+                hf_name, shape = by[None]
+                plan.append(GgufTensor(name, (hf_name,), unit, shape, tensor_type(name, shape, outtype)))
+                continue
+            experts = sorted(by)  # type: ignore[type-var]
+            shapes = {by[e][1] for e in experts}
+            if experts != list(range(spec.num_experts or 0)) or len(shapes) != 1:
+                raise MConvertError(f"unit {unit}: the experts of {name} are {experts} with shapes {sorted(shapes)}, "
+                                    f"not {spec.num_experts} of one shape; conversion refused")
+            shape = (len(experts), *shapes.pop())
+            plan.append(GgufTensor(name, tuple(by[e][0] for e in experts), unit, shape,
+                                   tensor_type(name, shape, outtype)))
+    return plan
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's `LlamaModel.permute`: per head, rows (i, i + d/2) become rows (2i, 2i + 1), the
+    pairs llama.cpp's LLAMA rope rotates together (weights [rows, in] or biases [rows])."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: torch.Tensor, permute: bool = True) -> torch.Tensor:
+    """One HF tensor as the GGUF stores it (Conv1D weights transposed, q/k rows permuted where the layout says
+    so)."""
+    if hf_template(hf_name)[0] in layout.transposed:
+        x = x.t()
+    if permute and layout.permute_qk:
+        if ".self_attn.q_proj." in hf_name:
+            return permute_qk(x, spec.num_attention_heads)
+        if ".self_attn.k_proj." in hf_name:
+            return permute_qk(x, spec.num_groups)
+    return x
+
+
+def rope_freqs(spec: ModelSpec) -> torch.Tensor:
+    """llama3 rope scaling as llama.cpp reads it: one divisor per rotary pair (`rope_freqs.weight`), computed as
+    `LlamaModel.generate_extra_tensors` does from the base, head dim and the four scaling numbers."""
+    dim = spec.head_dim
+    freqs = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor = float(spec.rope_scaling_factor)
+    low, high = float(spec.rope_low_freq_factor), float(spec.rope_high_freq_factor)
+    old = float(spec.rope_original_max_position_embeddings)
+    low_wavelen, high_wavelen = old / low, old / high
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+# ---- tokenizer ------------------------------------------------------------------------------------------
+def tokenizer_pre(tok_json: dict[str, Any], where: str) -> str:
+    """The llama.cpp pre-tokenizer name of a byte-level BPE `tokenizer.json`; any other tokenizer is refused."""
+    fix = "re-save the tokenizer"
+    model = expect(tok_json.get("model") or {}, dict, f"{where}: model", fix).get("type")
+    if model != "BPE":
+        raise MConvertError(f"{where}: tokenizer model {model!r} has no GGUF form here (byte-level BPE is written; "
+                            "SentencePiece/Unigram/WordPiece are not); conversion refused")
+    pre = expect(tok_json.get("pre_tokenizer") or {}, dict, f"{where}: pre_tokenizer", fix)
+    steps = expect(pre.get("pretokenizers", []), list, f"{where}: pre_tokenizer.pretokenizers", fix) \
+        if pre.get("type") == "Sequence" else [pre]
+    regex, byte_level = None, None
+    for s in steps:
+        kind = s.get("type") if isinstance(s, dict) else None
+        if kind == "ByteLevel" and byte_level is None:
+            byte_level = s
+            if s.get("add_prefix_space"):
+                raise MConvertError(f"{where}: ByteLevel add_prefix_space=true has no llama.cpp pre-tokenizer; "
+                                    "conversion refused")
+            if s.get("use_regex", True) and regex is None:
+                regex = BYTE_LEVEL_REGEX
+        elif kind == "Split" and regex is None and isinstance(s.get("pattern"), dict) and "Regex" in s["pattern"]:
+            if s.get("behavior") != "Isolated" or s.get("invert"):
+                raise MConvertError(f"{where}: Split pre-tokenizer behaviour {s.get('behavior')!r} has no llama.cpp "
+                                    "form; conversion refused")
+            regex = expect(s["pattern"]["Regex"], str, f"{where}: pre-tokenizer Split pattern.Regex", fix)
+        else:
+            raise MConvertError(f"{where}: pre-tokenizer step {kind!r} has no llama.cpp form here; conversion refused")
+    if byte_level is None or regex is None:
+        raise MConvertError(f"{where}: not a byte-level BPE pre-tokenizer; conversion refused")
+    name = PRE_TOKENIZERS.get(regex)
+    if name is None:
+        shown = regex if len(regex) <= 60 else regex[:57] + "..."
+        raise MConvertError(f"{where}: pre-tokenizer regex {shown!r} matches none llama.cpp names "
+                            f"({', '.join(sorted(set(PRE_TOKENIZERS.values())))}); conversion refused")
+    return name
+
+
+@dataclass(frozen=True)
+class GgufVocab:
+    """The tokenizer as the GGUF states it: `tokenizer.ggml.model` / `.pre`, one token, type and (SentencePiece
+    only) score per embedding row, whether gguf-py's SpecialVocab carries BPE merges, and add_space_prefix."""
+
+    model: str
+    pre: str
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: bool = True
+    add_space_prefix: bool | None = None
+
+
+def gguf_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
+    """The vocabulary of `tok_dir` for the GGUF: a SentencePiece `tokenizer.model` where there is one (as
+    convert_hf_to_gguf.py's LlamaModel prefers it) and it is the vocabulary transformers loads, else a
+    byte-level BPE `tokenizer.json`. transformers reads tokenizer.json whenever there is one, so a
+    `tokenizer.model` whose pieces disagree with it is a stray file and never wins."""
+    check_tokenizer_dir(tok_dir)
+    if (tok_dir / SPM_FILE).exists():
+        proto = read_sentencepiece(inside_file(tok_dir, SPM_FILE, f"{tok_dir}: tokenizer file"))
+        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, load_tokenizer(tok_dir).get_vocab()):
+            return sentencepiece_vocab(tok_dir, n_vocab)
+    tokens, types, pre = tokenizer_vocab(tok_dir, n_vocab)
+    return GgufVocab(BPE_MODEL, pre, tokens, types)
+
+
+def tokenizer_vocab(tok_dir: Path, n_vocab: int) -> tuple[list[str], list[int], str]:
+    """(tokens, token types, pre-tokenizer name) for a byte-level BPE tokenizer, as convert_hf_to_gguf.py's
+    `get_vocab_base`: rows past the tokenizer are `[PADi]` UNUSED, added special tokens CONTROL, other added
+    tokens USER_DEFINED."""
+    g = _gguf()
+    check_tokenizer_dir(tok_dir)
+    path = tok_dir / "tokenizer.json"
+    if not path.is_file():
+        raise MConvertError(f"{tok_dir}: no tokenizer.json and no {SPM_FILE} (GGUF embeds a byte-level BPE "
+                            "tokenizer.json or a SentencePiece model); pass --tokenizer DIR")
+    # JSON nested too deeply, invalid JSON or not an object: one line (load_json_object), never a RecursionError
+    tok_json = load_json_object(inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file"), "tokenizer",
+                                "re-save the tokenizer", kind="tokenizer")
+    pre = tokenizer_pre(tok_json, str(path))
+    tok = load_tokenizer(tok_dir)
+    vocab = tok.get_vocab()
+    if vocab and max(vocab.values()) >= n_vocab:
+        raise MConvertError(f"{tok_dir}: the tokenizer has id {max(vocab.values())}, the model {n_vocab} rows; "
+                            "the tokenizer does not belong to this model")
+    reverse = {i: t for t, i in vocab.items()}
+    added = tok.get_added_vocab()
+    decoder = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(int(g.TokenType.UNUSED))
+            continue
+        t = reverse[i]
+        if t in added:
+            types.append(int(g.TokenType.CONTROL if decoder[i].special else g.TokenType.USER_DEFINED))
+        else:
+            types.append(int(g.TokenType.NORMAL))
+        tokens.append(t)
+    return tokens, types, pre
+
+
+def read_sentencepiece(path: Path) -> Any:
+    """The model proto of a SentencePiece `tokenizer.model`, after the refusals of what llama.cpp's SPM
+    tokenizer cannot reproduce: a malformed file, a model that is not BPE, no byte fallback, a normalizer."""
+    try:
+        import sentencepiece
+        from sentencepiece import sentencepiece_model_pb2 as pb
+    except ImportError:
+        raise MConvertError(f"{path}: reading a SentencePiece model needs the sentencepiece package; "
+                            "pip install sentencepiece") from None
+    data = read_small(path, "tokenizer")
+    proto = pb.ModelProto()
+    try:
+        proto.ParseFromString(data)
+        # sentencepiece's own loader checks what the proto cannot (piece table, ids, the trainer spec)
+        sentencepiece.SentencePieceProcessor(model_proto=data)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, sentencepiece's RuntimeError
+        text = str(e).split("\n", 1)[0][:120]
+        raise MConvertError(f"{path}: not a SentencePiece model ({type(e).__name__}: {text}); re-save the "
+                            "tokenizer") from None
+    if not proto.pieces:
+        raise MConvertError(f"{path}: a SentencePiece model without pieces; re-save the tokenizer")
+    kind = pb.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)
+    if kind != "BPE":
+        raise MConvertError(f"{path}: SentencePiece model type {kind} has no GGUF form (llama.cpp merges pieces by "
+                            "score, which is SentencePiece BPE only); conversion refused")
+    if not proto.trainer_spec.byte_fallback:
+        raise MConvertError(f"{path}: SentencePiece model without byte_fallback has no GGUF form (llama.cpp spells "
+                            "characters outside the pieces as <0xXX> byte tokens); conversion refused")
+    norm = proto.normalizer_spec
+    if norm.precompiled_charsmap:
+        raise MConvertError(f"{path}: SentencePiece normalizer {norm.name or 'custom'!r} has no GGUF form "
+                            "(llama.cpp normalizes nothing; an identity normalizer is needed); conversion refused")
+    marked = next((p.piece for p in proto.pieces if p.type == pb.ModelProto.SentencePiece.USER_DEFINED
+                   and "\u2581" in p.piece), None)
+    if marked is not None:
+        raise MConvertError(f"{path}: user-defined SentencePiece piece {escape_controls(marked)[:40]!r} holds the "
+                            "word-boundary mark \u2581, which llama.cpp and transformers' tokenizers each read "
+                            "differently; conversion refused")
+    for key, (want, why) in SPM_SETTINGS.items():
+        part, field = key.split(".")
+        have = getattr(getattr(proto, part), field)
+        if have != want:
+            raise MConvertError(f"{path}: SentencePiece {field}={str(have).lower()} has no GGUF form ({why}); "
+                                "conversion refused")
+    return proto
+
+
+def pieces_agree(proto: Any, vocab: dict[str, int]) -> bool:
+    """Whether every piece of a SentencePiece model has its own id in `vocab` (transformers' tokenizer's), as
+    in a tokenizer.json converted from that model."""
+    return all(vocab.get(p.piece) == i for i, p in enumerate(proto.pieces))
+
+
+def sentencepiece_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
+    """A SentencePiece tokenizer as convert_hf_to_gguf.py's `_create_vocab_sentencepiece` writes it: every piece
+    with its score and its type from the model proto (normal, unknown, control, user-defined, byte, unused);
+    transformers' added tokens (added_tokens.json, tokenizer.json / tokenizer_config.json's added tokens) over
+    them, CONTROL when special, else USER_DEFINED with \u2581 read as a space; rows past both `[PADi]` UNUSED."""
+    g = _gguf()
+    path = inside_file(tok_dir, SPM_FILE, f"{tok_dir}: tokenizer file")
+    proto = read_sentencepiece(path)
+    if len(proto.pieces) > n_vocab:
+        raise MConvertError(f"{path}: {len(proto.pieces)} pieces, the model {n_vocab} rows; the tokenizer does not "
+                            "belong to this model")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    scores = [UNFILLED_SCORE] * n_vocab
+    types = [int(g.TokenType.UNUSED)] * n_vocab
+    for i, piece in enumerate(proto.pieces):
+        tokens[i], scores[i], types[i] = piece.piece, float(piece.score), int(piece.type)
+    tok = load_tokenizer(tok_dir)
+    for i, added in sorted(tok.added_tokens_decoder.items()):
+        if i >= n_vocab:
+            raise MConvertError(f"{tok_dir}: added token {escape_controls(added.content)[:40]!r} has id {i}, the "
+                                f"model {n_vocab} rows; the tokenizer does not belong to this model")
+        if added.special:
+            tokens[i], types[i] = added.content, int(g.TokenType.CONTROL)
+        else:
+            tokens[i], types[i] = added.content.replace("\u2581", " "), int(g.TokenType.USER_DEFINED)
+        scores[i] = ADDED_SCORE
+    prefix = tok.init_kwargs.get("add_prefix_space")
+    add_space_prefix = bool(proto.normalizer_spec.add_dummy_prefix) if prefix is None else bool(prefix)
+    return GgufVocab(SPM_MODEL, SPM_PRE, tokens, types, scores, merges=False, add_space_prefix=add_space_prefix)
+
+
+# gguf-py's SpecialVocab: the special-token types it reads (its default `special_token_types`), and the file
+# each of its readers opens (an exception raised inside one names that file)
+SPECIAL_TYPES = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
+_SPECIAL_VOCAB_READERS = {"_try_load_from_config_json": "config.json", "_try_load_merges_txt": "merges.txt",
+                          "_try_load_from_tokenizer_json": "tokenizer.json"}
+
+
+def special_vocab_file(e: BaseException) -> str:
+    """The file gguf-py's SpecialVocab was reading when it raised `e` (by the reader method on its stack)."""
+    name, tb = "tokenizer.json", e.__traceback__
+    while tb is not None:
+        name = _SPECIAL_VOCAB_READERS.get(tb.tb_frame.f_code.co_name, name)
+        tb = tb.tb_next
+    return name
+
+
+def check_special_ids(tok_dir: Path) -> None:
+    """config.json's special-token ids as gguf-py's SpecialVocab reads them (`<type>_token_id`, at the top or
+    under `text_config`): a negative id makes llama.cpp's converter raise, so it is refused here by file and
+    key. A config that is not a JSON object is refused too."""
+    if not os.path.lexists(tok_dir / "config.json"):
+        return
+    path = inside_file(tok_dir, "config.json", f"{tok_dir}: file config.json")
+    fix = "fix it (llama.cpp's converter reads its special-token ids)"
+    cfg = load_json_object(path, "config", fix)
+    tables = [("", cfg)]
+    if cfg.get("text_config") is not None:
+        tables.append(("text_config.", expect(cfg["text_config"], dict, f"{path}: text_config", fix)))
+    for prefix, table in tables:
+        for typ in SPECIAL_TYPES:
+            v = table.get(f"{typ}_token_id")
+            if isinstance(v, int) and v < 0:
+                raise MConvertError(f"{path}: {prefix}{typ}_token_id {v} is not a token id; llama.cpp's converter "
+                                    f"(gguf-py's SpecialVocab) refuses a negative id — set it to null (no {typ} "
+                                    "token) or to an id of the vocabulary")
+
+
+@contextmanager
+def gguf_log(name: str, private: Path | None = None, shown: Path | None = None) -> Iterator[list[str]]:
+    """gguf-py's log records of logger `name` and below, caught instead of printed (logging's last-resort
+    handler would put them on stderr beside mconvert's one line): the messages, with a private staged path
+    named as the user's, for the report's warnings."""
+    logger = logging.getLogger(name)
+    said: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            said.append(escape_controls(renamed(text, private, shown) if private is not None else text)[:300])
+
+    handler, propagate = Catch(logging.WARNING), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+# ---- the writer -----------------------------------------------------------------------------------------
+class GgufWriter:
+    """Writer of one `.gguf` (reads HF-named units): header, metadata and tensor infos at open, then each unit's
+    tensors appended in plan order by `add`; `close` checks every planned tensor was written."""
+
+    reads = "hf"
+
+    def __init__(self, path: Path, spec: ModelSpec, outtype: str, tokenizer_dir: Path | None,
+                 name: str | None = None, permute: bool = True) -> None:
+        g = _gguf()
+        self.path, self.spec, self.outtype = Path(path), spec, outtype
+        self.layout = gguf_layout(spec)
+        self.permute = permute  # False only to prove that a file without the permutation fails validation
+        self.warnings: list[str] = []  # what gguf-py logged while reading the tokenizer
+        self.plan = plan_tensors(spec, self.layout, outtype)
+        if tokenizer_dir is None:
+            raise MConvertError("no tokenizer found beside the checkpoint; GGUF embeds one — pass --tokenizer DIR")
+        vocab = gguf_vocab(tokenizer_dir, spec.vocab_size)
+        self._w = g.GGUFWriter(self.path, self.layout.arch)
+        self._metadata(name or self.path.stem, vocab, tokenizer_dir)
+        for t in self.plan:
+            self._w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+        self._w.write_header_to_file(self.path)
+        self._w.write_kv_data_to_file()
+        self._w.write_ti_data_to_file()
+        self._next = 0
+        if self.plan and self.plan[0].name == ROPE_FREQS:
+            self._write(self.plan[0], rope_freqs(spec))
+
+    def _metadata(self, name: str, vocab: GgufVocab, tok_dir: Path) -> None:
+        g, w, s = _gguf(), self._w, self.spec
+        w.add_type(g.GGUFType.MODEL)
+        w.add_name(name)
+        w.add_context_length(s.max_position_embeddings)
+        w.add_embedding_length(s.hidden_size)
+        w.add_block_count(s.num_layers)
+        moe_width = s.is_moe and not self.layout.expert_ff_key
+        w.add_feed_forward_length(s.expert_ffn_hidden_size if moe_width else s.ffn_hidden_size)
+        w.add_head_count(s.num_attention_heads)
+        w.add_head_count_kv(s.num_groups)
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+        if s.is_moe:
+            w.add_expert_count(int(s.num_experts))
+            w.add_expert_used_count(int(s.moe_router_topk))
+            if self.layout.expert_ff_key:
+                w.add_expert_feed_forward_length(s.expert_ffn_hidden_size)
+        if s.position_embedding_type == "rope":
+            w.add_rope_freq_base(float(s.rotary_base))
+            w.add_rope_dimension_count(s.head_dim)
+        if s.normalization == "LayerNorm":
+            w.add_layer_norm_eps(float(s.norm_epsilon))
+        else:
+            w.add_layer_norm_rms_eps(float(s.norm_epsilon))
+        w.add_vocab_size(s.vocab_size)
+        if s.rope_scaling == "linear":
+            w.add_rope_scaling_type(g.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(s.rope_scaling_factor))
+        if s.rope_scaling == "yarn":
+            w.add_rope_scaling_type(g.RopeScalingType.YARN)
+            keys = yarn_keys(s)
+            w.add_rope_scaling_factor(keys["factor"])
+            w.add_rope_scaling_orig_ctx_len(int(keys["original_context_length"]))
+            w.add_rope_scaling_yarn_beta_fast(keys["yarn_beta_fast"])
+            w.add_rope_scaling_yarn_beta_slow(keys["yarn_beta_slow"])
+            if "attn_factor" in keys:
+                w.add_rope_scaling_attn_factors(keys["attn_factor"])
+        w.add_file_type(outtype_types(self.outtype)[1])
+        w.add_quantization_version(g.GGML_QUANT_VERSION)
+        w.add_tokenizer_model(vocab.model)
+        w.add_tokenizer_pre(vocab.pre)
+        w.add_token_list(vocab.tokens)
+        if vocab.scores is not None:
+            w.add_token_scores(vocab.scores)
+        w.add_token_types(vocab.types)
+        if vocab.add_space_prefix is not None:
+            w.add_add_space_prefix(vocab.add_space_prefix)
+        # gguf-py reads tokenizer.json, tokenizer_config.json, the chat templates, merges.txt and config.json by
+        # name: it is given a staged copy of the checked files, never the user's directory
+        # merges.txt is read by gguf-py only when tokenizer.json holds none; transformers' fast tokenizer never
+        # reads it beside a tokenizer.json, so neither does the GGUF
+        skip = ("merges.txt",) if (tok_dir / "tokenizer.json").exists() else ()
+        check_special_ids(tok_dir)
+        with staged_tokenizer(tok_dir, "config.json", skip=skip) as staged, gguf_log("gguf.vocab", staged,
+                                                                                    tok_dir) as said:
+            try:
+                special = g.SpecialVocab(staged, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
+            except Exception as e:  # noqa: BLE001 - gguf-py raises what its json reads raise, on any file
+                text = escape_controls(renamed(str(e).split("\n", 1)[0], staged, tok_dir))[:160]
+                raise MConvertError(f"{tok_dir / special_vocab_file(e)}: llama.cpp's converter (gguf-py's "
+                                    f"SpecialVocab) cannot read it ({type(e).__name__}: {text}); re-save the "
+                                    "tokenizer") from None
+        self.warnings += [f"gguf-py: {w}" for w in said]
+        if vocab.merges and not special.merges:
+            raise MConvertError(f"{tok_dir}: tokenizer.json holds no BPE merges; re-save the tokenizer")
+        special.add_to_gguf(w, quiet=True)
+
+    def _write(self, t: GgufTensor, x: torch.Tensor) -> None:
+        if tuple(x.shape) != t.shape:
+            raise MConvertError(f"tensor {t.hf[0] if t.hf else t.name}: shape {list(x.shape)}, the plan has "
+                                f"{list(t.shape)}")
+        name = t.hf[0] if t.hf else t.name
+        fix = "write --outtype bf16 or f32"
+        q = _gguf().GGMLQuantizationType
+        if t.qtype in (q.F16, q.F32):
+            # one cast in torch, IEEE round-to-nearest-even as gguf-py's numpy astype, without a float32 copy
+            # in between: a float16 source at f16 is written as it is
+            out = x.detach().to(torch.float16 if t.qtype == q.F16 else torch.float32).contiguous()
+            check_narrowed(x, out, name, fix)
+            self._w.write_tensor_data(out.numpy())
+            self._next += 1
+            return
+        src = x.detach().to(torch.float32).contiguous()
+        if t.qtype == q.Q8_0:  # each 32-block's scale, its largest magnitude / 127, is stored in float16
+            lo, hi = value_range(src)
+            if max(-lo, hi) / 127 > torch.finfo(torch.float16).max:
+                raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
+                                    f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
+                                    f"would be stored as Inf; {fix}")
+        with np.errstate(over="ignore"):  # a q8_0 scale's overflow is refused above, by name
+            data = _gguf().quants.quantize(src.numpy(), t.qtype)
+        self._w.write_tensor_data(data)
+        self._next += 1
+
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
+        """Append one unit's HF-named tensors (experts stacked); a tensor the plan has no place for is refused
+        by name."""
+        todo = dict(tensors)
+        while self._next < len(self.plan) and self.plan[self._next].unit == unit:
+            t = self.plan[self._next]
+            missing = next((h for h in t.hf if h not in todo), None)
+            if missing is not None:
+                raise MConvertError(f"unit {unit}: the source yields no {missing}; cannot write {t.name}")
+            data = [gguf_data(self.spec, self.layout, h, todo.pop(h), self.permute) for h in t.hf]
+            self._write(t, data[0] if len(data) == 1 else torch.stack(data))
+            del data
+        if todo:
+            raise MConvertError(f"unit {unit}: tensor {sorted(todo)[0]} has no place in the GGUF plan; conversion refused")
+
+    def close(self) -> list[Path]:
+        """Finish the file; refuse one that misses a planned tensor."""
+        if self._next != len(self.plan):
+            missing = self.plan[self._next]
+            raise MConvertError(f"GGUF incomplete: {missing.name} (from {', '.join(missing.hf) or 'the spec'}) was "
+                                "never written")
+        self._w.close()
+        return [self.path]
+
+    def abort(self) -> None:
+        """Close the file; the atomic output removes it."""
+        self._w.close()
+
+
+# ---- the verbs ------------------------------------------------------------------------------------------
+@crc_in_background
+def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokenizer: str | Path | None = None,
+            iteration: int | str | None = None, force: bool = False, verb: str = "megatron-to-gguf",
+            permute: bool = True, progress: bool = False, dry_run: bool = False,
+            accept_window_as_full: bool = False) -> Report:
+    """Megatron checkpoint (torch or torch_dist, any TP/PP) or HF dir -> one GGUF file, streamed unit by unit
+    through the driver's loop, written atomically with its manifest beside it. Returns the common report.
+    `accept_window_as_full`: a sliding-window model is written as full attention, and the report says so."""
+    t0 = time.perf_counter()
+    outtype_types(outtype)
+    check_output_file(out, force, (src_path, tokenizer))
+    src = open_source(src_path, iteration=iteration, tokenizer=tokenizer)
+    if verb == "megatron-to-gguf" and src.format == "hf":
+        raise MConvertError(f"{src_path}: this is a HuggingFace directory; use hf-to-gguf")
+    if verb == "hf-to-gguf" and src.format != "hf":
+        raise MConvertError(f"{src_path}: not a HuggingFace directory (detected {src.format}); use megatron-to-gguf")
+    if not getattr(src, "vocab_known", True):
+        raise MConvertError(f"{src_path}: vocab size unknown (args have no vocab_size and no tokenizer was found); "
+                            "pass --tokenizer DIR")
+    tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
+    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full)
+    warnings = [window_note] if window_note else []
+    layout = gguf_layout(spec)  # every refusal before any tensor is read
+    extras = dict(arch=layout.arch, outtype=outtype, tokenizer=str(tok_dir),
+                  permuted_qk=layout.permute_qk and permute)
+    if dry_run:
+        plan = plan_tensors(spec, layout, outtype)
+        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
+        src.close()
+        files = [{"path": Path(out).name, "bytes": None}, {"path": file_manifest_path(out).name, "bytes": None}]
+        return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, None,
+                           time.perf_counter() - t0, dry_run=True, tensors=len(plan),
+                           tensor_bytes=sum(t.nbytes for t in plan), **extras)
+    try:
+        with gguf_log("gguf") as said, atomic_output_file(out, force, inputs=(src_path, tokenizer,
+                                                                                src.tokenizer_dir)) as tmp:
+            writer = GgufWriter(tmp, spec, outtype, tok_dir, name=Path(src_path).name, permute=permute)
+            drive(src, writer, verb, progress)
+            wait_crc_checks()  # the input's checks, run in the background, before the output is committed
+            n = len(writer.plan)
+    finally:
+        src.close()
+    warnings += writer.warnings + [f"gguf-py: {w}" for w in said]
+    files = [{"path": Path(out).name, "bytes": Path(out).stat().st_size},
+             {"path": file_manifest_path(out).name, "bytes": file_manifest_path(out).stat().st_size}]
+    return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, peak_rss_bytes(),
+                       time.perf_counter() - t0, tensors=n, **extras)

@@ -1,0 +1,380 @@
+"""HuggingFace directories: a Source reading safetensors (or pytorch_model*.bin) one unit at a time."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.convert import bounds
+from mconvert.convert.base import LayerParts, PartTasks, Unit, param_elements, pmap
+from mconvert.io import buffers
+from mconvert.io.paths import contained, inside_file, load_json_object, open_regular
+from mconvert.io.safeload import safe_load
+from mconvert.io.casts import all_finite
+from mconvert.io.safetensors import SafetensorsReader
+from mconvert.io.torchsave import LazyModel, TensorIndex
+from mconvert.convert.hf.tokenizer import (
+    find_tokenizer_dir,
+)
+from mconvert.errors import MConvertError, expect
+from mconvert.io.transpose import copy_transposed
+from mconvert.mappings import families, from_hf, hf_names, hf_unit
+from mconvert.mappings.plugin import (from_hf_one, hf_keys_for, hf_registry, mcore_row_plan, plugin_for, registry,
+                                      transposed_in_hf)
+from mconvert.mappings.registry import fill
+from mconvert.mappings.fields import key_names
+from mconvert.spec import LayerPart
+
+INDEX = "model.safetensors.index.json"
+# A tensor read transposed goes through one reused block of about this size: big enough that each row of the
+# transposed result takes a run of a few hundred bytes at once, small enough to stay in the cache
+TRANSPOSE_BLOCK = 4 << 20
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a `*.index.json` (tensor name -> file name); any other shape is one MConvertError
+    naming the file and the key."""
+    fix = "re-export the model (or delete the index to list the weight files instead)"
+    obj = load_json_object(index, "index", fix)
+    if "weight_map" not in obj:
+        raise MConvertError(f"{index}: unreadable index (no 'weight_map'); {fix}")
+    wmap = expect(obj["weight_map"], dict, f"{index}: weight_map", fix)
+    for name, file in wmap.items():
+        expect(file, str, f"{index}: weight_map[{name!r}]", fix)
+    return dict(wmap)
+
+
+class HFSource(LayerParts):
+    """An HF model directory (config.json + safetensors / pytorch_model*.bin), read one unit at a time."""
+
+    format = "hf"
+    splits_experts = True
+
+    def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
+        self.path = Path(path)
+        cfg_path = inside_file(self.path, "config.json", f"{self.path}: config")
+        self.config = load_json_object(cfg_path, "config", "fix it or re-copy the model directory")
+        self.spec = families.spec_from_hf_config(self.config, source=str(cfg_path))
+        self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
+        self._bin_cache: tuple[str, Any] | None = None
+        self.key_file = self._index()
+        self.unit_keys: dict[Unit, list[str]] = {}
+        for k, f in self.key_file.items():
+            u = hf_unit(self.spec, k, source=str(self.path / f))
+            if u is not None:
+                self.unit_keys.setdefault(u, []).append(k)
+        self.part_keys: dict[Unit, list[str]] = {}  # an MoE layer's keys by LayerPart (`_check_sizes` fills it)
+        self._check_unused(str(cfg_path))
+        self._check_sizes(str(cfg_path))
+
+    def _check_unused(self, source: str) -> None:
+        """Refuse a tensor of a known kind that config.json leaves out of the model (a q_proj.bias with
+        attention_bias false): transformers would skip it with a warning and compute another model than the
+        weights describe. A tied model's lm_head.weight is the one tensor the model may carry unused (transformers
+        ties it to the embedding, as the conversion does). MoE layers are checked part by part (`_part_keys`)."""
+        for unit, keys in self.unit_keys.items():
+            if isinstance(unit, int) and self.spec.is_moe:
+                continue
+            declared = set(hf_names(self.spec, unit))
+            for k in keys:
+                if k not in declared and not (k == "lm_head.weight" and self.spec.tie_embeddings):
+                    raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is not a parameter of this "
+                                        f"{self.spec.family} model as {source} describes it (a flag such as "
+                                        "attention_bias or tie_word_embeddings says otherwise); fix the config or "
+                                        "remove the tensor")
+
+    def _check_sizes(self, source: str) -> None:
+        """config.json's sizes against the tensors present (safetensors headers, the offset index of .bin
+        files) and the memory available, before any per-layer loop or allocation."""
+        names = key_names(families.hf_table(families.of(self.spec).model_type))
+        bounds.check_layer_count(self.spec, {u for u in self.unit_keys if isinstance(u, int)}, source, names)
+        if not self.can_preview():  # a legacy-pickle .bin has no index: its shapes are checked as each unit is read
+            self.part_keys = self._part_keys(source)
+            return
+        shapes: dict[str, tuple[int, ...]] = {}
+        for keys in self.unit_keys.values():
+            for k in keys:
+                m = self._meta(k)
+                if m is not None:
+                    shapes[k] = tuple(m.shape)
+        bounds.check_shapes(self.spec, bounds.expected_hf_shapes, shapes, source, names)
+        self.part_keys = self._part_keys(source)
+        sizes: dict[Unit, int] = {}
+        by_unit = {u: ks for u, ks in self.unit_keys.items() if not (isinstance(u, int) and self.spec.is_moe)}
+        for unit, keys in {**by_unit, **self.part_keys}.items():  # an MoE layer moves one expert at a time
+            for k in keys:
+                m = self._meta(k)
+                if m is not None:
+                    sizes[unit] = sizes.get(unit, 0) + math.prod(m.shape) * m.dtype.itemsize
+        bounds.check_memory(sizes, source)
+
+    def _part_keys(self, source: str) -> dict[Unit, list[str]]:
+        """An MoE layer's keys by `LayerPart` (its dense part, each expert), in the layer's key order; {} for a
+        dense model. A layer key that no part declares (an expert beyond num_experts) is refused by name."""
+        if not self.spec.is_moe:
+            return {}
+        out: dict[Unit, list[str]] = {}
+        for layer in range(self.spec.num_layers):
+            part_of = {k: part for part in self.spec.layer_units(layer) for k in hf_names(self.spec, part)}
+            for k in self.unit_keys.get(layer, []):
+                if k not in part_of:
+                    raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is not a parameter of this "
+                                        f"{self.spec.family} model ({self.spec.num_experts} experts, {source}); "
+                                        "remove it or fix the config")
+                out.setdefault(part_of[k], []).append(k)
+        return out
+
+    def _keys(self, unit: Unit) -> list[str]:
+        """The HF keys of one unit (of an MoE layer's part when `unit` is a `LayerPart`)."""
+        return (self.part_keys if isinstance(unit, LayerPart) else self.unit_keys).get(unit, [])
+
+    def _index(self) -> dict[str, str]:
+        """tensor name -> file name, from the index json or by listing the weight files."""
+        idx = self.path / INDEX
+        if os.path.lexists(idx):
+            return self._weight_map(idx)
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        if not files:
+            bin_idx = self.path / "pytorch_model.bin.index.json"
+            if os.path.lexists(bin_idx):
+                return self._weight_map(bin_idx)
+            files = sorted(p.name for p in self.path.glob("pytorch_model*.bin"))
+        if not files:
+            raise MConvertError(f"{self.path}: no *.safetensors or pytorch_model*.bin weight files")
+        out: dict[str, str] = {}
+        for f in files:
+            inside_file(self.path, f, f"{self.path}: weight file")
+            for k in self._keys_of(f):
+                out[k] = f
+        return out
+
+    def _weight_map(self, idx: Path) -> dict[str, str]:
+        """An index's `weight_map`; every file it names must be a regular file inside the model directory."""
+        weight_map = read_weight_map(inside_file(self.path, idx.name, f"{self.path}: index"))
+        for f in sorted(set(weight_map.values())):
+            path = contained(self.path, f, f"{idx}: weight_map file")
+            if not os.path.lexists(path):
+                raise MConvertError(f"{idx}: lists {f} but that file is missing")
+            inside_file(self.path, f, f"{idx}: weight_map file")
+        return dict(weight_map)
+
+    def _keys_of(self, f: str) -> list[str]:
+        if f.endswith(".safetensors"):
+            return self._st(f).keys()
+        reader = self._bin(f)
+        return list(reader.keys() if isinstance(reader, LazyModel) else reader)
+
+    def _bin(self, f: str) -> Any:
+        """pytorch_model*.bin `f` read by offset (a `LazyModel`, kept open for the source's life, loaded once),
+        or its loaded state when it has no offset index (a legacy pickle: only the latest such file is kept)."""
+        cache = self.__dict__.setdefault("_bin_files", {})
+        if f in cache:
+            return cache[f]
+        if self._bin_cache is not None and self._bin_cache[0] == f:
+            return self._bin_cache[1]
+        reader = _bin_reader(self.path / f)
+        if isinstance(reader, LazyModel):
+            cache[f] = reader
+        else:
+            self._bin_cache = (f, reader)
+        return reader
+
+    def _meta(self, k: str) -> torch.Tensor | None:
+        """Tensor `k` as a meta tensor (shape, dtype) from its file's header or offset index; None when the
+        file has neither (a legacy pickle .bin) or does not hold `k`."""
+        f = self.key_file[k]
+        reader = self._st(f) if f.endswith(".safetensors") else self._bin(f)
+        if isinstance(reader, SafetensorsReader):
+            return reader.meta(k) if k in reader.entries else None
+        return reader.meta(k) if isinstance(reader, LazyModel) and k in reader else None
+
+    def _st(self, f: str) -> SafetensorsReader:
+        """The opened (header-checked) safetensors file `f`, kept open for the source's life."""
+        cache = self.__dict__.setdefault("_st_files", {})
+        if f not in cache:
+            cache[f] = SafetensorsReader(self.path / f)
+        return cache[f]
+
+    def close(self) -> None:
+        """Close the safetensors files kept open for reading (the source reads nothing after this)."""
+        for st in self.__dict__.pop("_st_files", {}).values():
+            st.close()
+        for lazy in self.__dict__.pop("_bin_files", {}).values():
+            lazy.close()
+        self._bin_cache = None
+
+    def read_hf(self, unit: Unit, column_major: bool = False,
+                skip: set[str] | frozenset[str] = frozenset(),
+                only: set[str] | None = None) -> dict[str, torch.Tensor]:
+        """HF tensors of one unit, as stored (true vocab). `column_major`: the tensors HF stores transposed
+        come laid out column-major (same values), so `from_hf`'s transpose of them is free; `skip`: keys a
+        caller has read already; `only`: just these keys of the unit."""
+        by_file: dict[str, list[str]] = {}
+        for k in self._keys(unit):
+            if k not in skip and (only is None or k in only):
+                by_file.setdefault(self.key_file[k], []).append(k)
+        out: dict[str, torch.Tensor] = {}
+        for f, keys in by_file.items():
+            if f.endswith(".safetensors"):
+                st = self._st(f)
+                for k in keys:
+                    if k not in st.entries:
+                        raise MConvertError(f"{self.path / f}: tensor {k!r} is missing (the index lists it there)")
+                # several tensors at once on the readers' pool: pread and the finite check release the GIL
+                out.update(zip(keys, pmap(self._checked, [(st, k, column_major) for k in keys])))
+            else:
+                reader = self._bin(f)
+                for k in keys:
+                    if not isinstance(reader, (dict, LazyModel)) or k not in reader:
+                        raise MConvertError(f"{self.path / f}: tensor {k!r} is missing (the index lists it there)")
+                    out[k] = reader[k]
+                    if not isinstance(out[k], torch.Tensor):
+                        raise MConvertError(f"{self.path / f}: {k!r} holds {type(out[k]).__name__}, not a tensor; "
+                                            "the file is corrupt — re-copy it")
+                    self._check(k, out[k])
+        if unit == "final" and self.spec.tie_embeddings:
+            out.pop("lm_head.weight", None)
+        return out
+
+    def _checked(self, st_key: tuple[Any, str, bool]) -> torch.Tensor:
+        st, k, column_major = st_key
+        if column_major and self._stored_transposed(k):
+            got = self._read_transposed(st, k)
+            if got is not None:
+                return got
+        t = st.get(k)
+        self._check(k, t)
+        return buffers.column_major(t) if column_major and self._stored_transposed(k) else t
+
+    def _read_transposed(self, st: SafetensorsReader, k: str) -> torch.Tensor | None:
+        """2-D tensor `k` laid out column-major (`buffers.column_major`), read in row blocks of about
+        `TRANSPOSE_BLOCK` bytes into one reused block, each checked as `read_hf` checks a tensor and transposed
+        into its columns of the result: the tensor and one block in memory, not the tensor and its transposed
+        copy. None when the tensor is not 2-D (the caller reads it whole)."""
+        meta = st.meta(k)
+        if meta.dim() != 2 or not meta.numel():
+            return None
+        rows, cols = meta.shape
+        out_t = buffers.empty((cols, rows), meta.dtype)
+        row_bytes = cols * meta.element_size()
+        step = max(1, min(rows, TRANSPOSE_BLOCK // row_bytes))
+        block = buffers.empty((step, cols), meta.dtype)
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            if not st.read_into(k, block[:n], start=r0 * row_bytes):
+                return None
+            self._check(k, block[:n])
+            copy_transposed(block[:n], out_t[:, r0:r0 + n])
+        return out_t.t()
+
+    def _stored_transposed(self, k: str) -> bool:
+        """Whether HF tensor `k` is the transpose of its canonical parameter (GPT-2's Conv1D weights): read
+        column-major, the transpose `from_hf` makes is free."""
+        m = hf_registry(plugin_for(self.spec)).match(k)
+        return m is not None and m[1] is not None and transposed_in_hf(self.spec, fill(m[1][0], m[2]))
+
+    def _check(self, k: str, t: torch.Tensor) -> None:
+        """Safety: int bits would be converted as numbers; NaN/Inf refused."""
+        if not t.is_floating_point():
+            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds {t.dtype} values, not "
+                                "floating-point weights; the file is corrupt — re-copy it")
+        if not all_finite(t):
+            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds NaN or Inf values; the "
+                                "model is corrupt — re-copy or re-export it")
+
+    def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """Canonical full tensors of one unit (vocab rows = the true vocab, unpadded); the parameters are built
+        several at once on the readers' pool."""
+        built = self._read_placed(unit)
+        used = {k for names, _ in built.values() for k in names}
+        return from_hf(self.spec, unit, self.read_hf(unit, column_major=True, skip=used), source=str(self.path), pmap=pmap,
+                       built={name: full for name, (_, full) in built.items()}, empty=buffers.empty)
+
+    def layer_part_tasks(self, unit: Unit) -> PartTasks:
+        """`base.LayerParts`: a dense layer's parameters, each read from only its own HF tensors."""
+        shapes, dtypes = self._unit_shapes(unit)
+        reg = registry(plugin_for(self.spec))
+
+        def one(name: str) -> dict[str, torch.Tensor]:
+            placed = self._placed_one(name, shapes, dtypes)
+            if placed is not None:
+                return {name: placed[1]}
+            hf = self.read_hf(unit, column_major=True, only=set(hf_keys_for(self.spec, name, reg)))
+            return {name: from_hf_one(self.spec, name, hf, str(self.path), reg, buffers.empty)}
+
+        return [d.name for d in self.spec.unit_params(unit)], one, param_elements(self.spec, unit)
+
+    def _unit_shapes(self, unit: Unit) -> tuple[dict[str, tuple[int, ...]], dict[str, torch.dtype]]:
+        """Shape and dtype of each HF tensor of `unit` whose file says them without reading data."""
+        shapes, dtypes = {}, {}
+        for k in self._keys(unit):
+            m = self._meta(k)
+            if m is not None:
+                shapes[k], dtypes[k] = tuple(m.shape), m.dtype
+        return shapes, dtypes
+
+    def _placed_one(self, name: str, shapes: dict[str, tuple[int, ...]],
+                    dtypes: dict[str, torch.dtype]) -> tuple[list[str], torch.Tensor] | None:
+        """Parameter `name` with its HF tensors' rows pread straight into their place in it
+        (`mappings.plugin.mcore_row_plan`), each checked as `read_hf` checks it: (its HF keys, the merged
+        tensor); None when its files or shapes do not allow it."""
+        plan = mcore_row_plan(self.spec, name, shapes)
+        if plan is None:
+            return None
+        keys, full_shape, pieces = plan
+        readers = [self._st(self.key_file[k]) if self.key_file[k].endswith(".safetensors")
+                   else self._bin(self.key_file[k]) for k in keys]
+        if len({dtypes[k] for k in keys}) != 1 or not all(isinstance(r, (SafetensorsReader, LazyModel))
+                                                           for r in readers):
+            return None
+        full = buffers.empty(full_shape, dtypes[keys[0]])  # every row is placed before it is read
+        row_bytes = full[:1].numel() * full.element_size()
+        for part, at, row, n in sorted(pieces):  # each HF tensor's bytes in file order
+            dst = full[row:row + n]
+            if not readers[part].read_into(keys[part], dst, start=at * row_bytes):
+                return None
+            self._check(keys[part], dst)
+        return keys, full
+
+    def _read_placed(self, unit: Unit) -> dict[str, tuple[list[str], torch.Tensor]]:
+        """The parameters whose HF tensors are whole row blocks of them (Llama's q/k/v, gate/up), read in
+        place (`_placed_one`): name -> (its HF keys, the merged tensor). Parameters whose files or shapes do
+        not allow it are left to `from_hf`."""
+        shapes, dtypes = self._unit_shapes(unit)
+        names = [d.name for d in self.spec.unit_params(unit)]
+        got = pmap(lambda n: self._placed_one(n, shapes, dtypes), names)
+        return {n: g for n, g in zip(names, got) if g is not None}
+
+    def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """`read_mcore(unit)` as meta tensors, from the safetensors headers or the offset index of `.bin`
+        files (no data read); a legacy-pickle `.bin` has neither, so writers then take their general path."""
+        meta: dict[str, torch.Tensor] = {}
+        for k in self._keys(unit):
+            m = self._meta(k)
+            if m is None:
+                raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is missing (the index lists it "
+                                    "there)")
+            meta[k] = m
+        if unit == "final" and self.spec.tie_embeddings:
+            meta.pop("lm_head.weight", None)
+        return from_hf(self.spec, unit, meta, source=str(self.path))
+
+    def can_preview(self) -> bool:
+        """Whether every weight file says its tensors' shapes without reading data: safetensors (the header) and
+        zip `.bin` files (the offset index); a legacy-pickle `.bin` does not."""
+        return all(f.endswith(".safetensors") or isinstance(self._bin(f), LazyModel)
+                   for f in sorted(set(self.key_file.values())))
+
+
+def _bin_reader(path: Path) -> Any:
+    """A pytorch_model*.bin as a mapping read tensor by tensor with pread (one safe, weights-only load builds
+    the offset index): its pages do not stay resident as a whole mmap'd file would."""
+    st = safe_load(path, "weights")
+    if not isinstance(st, dict):
+        return st
+    idx = TensorIndex.build(path, st, {k: v for k, v in st.items() if isinstance(v, torch.Tensor)})
+    if idx is None:
+        return st
+    return LazyModel(idx, open_regular(path), "", owns_fd=True)

@@ -1,0 +1,227 @@
+"""One Writer protocol, one driver loop, one report: every writing verb returns the same keys (real runs and dry
+runs, table and --json), the driver aborts its writer and leaves no output on an error, `--tp`/`--infer-tp`
+are one option, one `--dtype` option refuses what a verb does not write by name, and sources release their
+descriptors."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from deploy_common import make_hf
+from mconvert.convert.driver import drive, hf_to_megatron, megatron_to_hf, reshard, write_output
+from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+from mconvert.convert.deploy.onnx import to_onnx
+from mconvert.convert.sources import open_source
+from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+from mconvert.convert.writer import REPORT_KEYS
+from mconvert.errors import MConvertError
+from mconvert.mappings.families import preset
+from safety_common import run_cli
+
+
+def _no_check(onnx_dir: Path, hf_dir: Path) -> tuple[float, float | None]:
+    raise AssertionError("a dry run exports nothing to check")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("writer")
+    hf = make_hf(preset("tiny-gpt2"), d / "hf")
+    mg = d / "mg"
+    hf_to_megatron(hf, mg, tp=2)
+    return {"dir": d, "hf": hf, "mg": mg}
+
+
+def _verbs(m: dict[str, Path], out: Path, dry_run: bool) -> dict[str, dict]:
+    return {
+        "megatron-to-hf": megatron_to_hf(m["mg"], out / "hf", dry_run=dry_run),
+        "hf-to-megatron": hf_to_megatron(m["hf"], out / "mg", tp=2, pp=2, dry_run=dry_run),
+        "reshard": reshard(m["mg"], out / "rs", tp=1, pp=2, dry_run=dry_run),
+        "megatron-to-ft": megatron_to_ft(m["mg"], out / "ft", 2, dry_run=dry_run),
+        "megatron-to-trtllm": megatron_to_trtllm(m["mg"], out / "trt", tp=2, dry_run=dry_run),
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_every_writing_verb_returns_the_same_report_keys(models, tmp_path, dry_run):
+    reports = _verbs(models, tmp_path, dry_run)
+    if dry_run:
+        reports["to-onnx"] = to_onnx(models["hf"], tmp_path / "onnx", check=_no_check, dry_run=True)
+    for verb, rep in reports.items():
+        assert tuple(rep)[:len(REPORT_KEYS)] == REPORT_KEYS, verb
+        assert rep["verb"] == verb and rep["output"].startswith(str(tmp_path)) and rep["family"] == "gpt2"
+        assert all({"path", "bytes"} <= set(f) for f in rep["files"]) and rep["files"], verb
+        assert json.loads(json.dumps(rep)) == rep  # JSON as is
+        assert bool(rep.get("dry_run")) == dry_run
+        assert dry_run == (not any((tmp_path / n).exists() for n in ("hf", "mg", "rs", "ft", "trt", "onnx")))
+    if not dry_run:  # what the report lists is what is on disk (the manifest is written at the commit, after it)
+        for rep in reports.values():
+            out = Path(rep["output"])
+            on_disk = {str(p.relative_to(out)): p.stat().st_size for p in out.rglob("*")
+                       if p.is_file() and p.name != "mconvert-manifest.json"}
+            assert {f["path"]: f["bytes"] for f in rep["files"]} == on_disk
+    assert reports["megatron-to-ft"].section == "gpt"  # the report's keys read as attributes too
+
+
+@pytest.mark.timeout(300)
+def test_deployment_dry_runs_list_the_files_a_real_run_writes(models, tmp_path):
+    """FT: names and bytes exactly (FT's own file list); TensorRT-LLM: the same names, rank bytes without the
+    safetensors header (so a little below the file size)."""
+    manifest = "mconvert-manifest.json"
+    for fn, name in ((lambda o, d: megatron_to_ft(models["mg"], o, 2, dry_run=d), "ft"),
+                     (lambda o, d: megatron_to_trtllm(models["mg"], o, tp=2, dry_run=d), "trt")):
+        plan = {f["path"]: f["bytes"] for f in fn(tmp_path / name, True)["files"]}
+        real = {f["path"]: f["bytes"] for f in fn(tmp_path / name, False)["files"] if f["path"] != manifest}
+        assert set(plan) == set(real)
+        for path, planned in plan.items():
+            if name == "trt" and path.endswith(".safetensors"):
+                assert 0 < real[path] - planned < 16 << 10, path
+            else:
+                assert planned == real[path], path
+
+
+class _Failing:
+    """A writer that fails on the second unit and records what the driver called."""
+
+    reads = "mcore"
+
+    def __init__(self, tmp: Path) -> None:
+        self.calls: list[str] = []
+        (tmp / "partial.bin").write_bytes(b"x")
+
+    def add(self, unit, tensors):
+        self.calls.append(f"add {unit}")
+        if len(self.calls) == 2:
+            raise MConvertError("disk said no")
+
+    def close(self):
+        self.calls.append("close")
+        return []
+
+    def abort(self):
+        self.calls.append("abort")
+
+
+@pytest.mark.timeout(120)
+def test_the_driver_aborts_its_writer_and_leaves_no_output(models, tmp_path):
+    made: list[_Failing] = []
+
+    def make(tmp: Path) -> _Failing:
+        made.append(_Failing(tmp))
+        return made[0]
+
+    src = open_source(models["mg"])
+    with pytest.raises(MConvertError, match="disk said no"):
+        write_output("test", src, tmp_path / "out", make, force=False, inputs=(models["mg"],), layout="x",
+                     dtype="float32", t0=0.0)
+    assert made[0].calls == ["add embedding", "add 0", "abort"]  # aborted, never closed
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []  # no output, no temporary dir
+
+
+def test_drive_feeds_each_unit_the_read_the_writer_names(models):
+    seen: dict[str, list] = {"hf": [], "mcore": []}
+
+    class Rec:
+        def __init__(self, reads):
+            self.reads = reads
+
+        def add(self, unit, tensors):
+            seen[self.reads].append(sorted(tensors)[0])
+
+        def close(self):
+            return []
+
+        def abort(self):
+            raise AssertionError("no error, no abort")
+
+    with open_source(models["mg"]) as src:
+        drive(src, Rec("hf"))
+        drive(src, Rec("mcore"))
+    assert seen["hf"][0] == "transformer.wpe.weight" and seen["mcore"][0] == "embedding.position_embeddings.weight"
+
+
+@pytest.mark.timeout(300)
+def test_tp_and_infer_tp_are_one_option_of_megatron_to_ft(models, tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run_cli(["megatron-to-ft", models["mg"], a, "--tp", "2", "--json"], capsys)[0] == 0
+    code, out, _ = run_cli(["megatron-to-ft", models["mg"], b, "--infer-tp", "2", "--json"], capsys)
+    assert code == 0 and json.loads(out)["infer_tp"] == 2 and json.loads(out)["layout"] == "[gpt] TP=2"
+    files = sorted(p.relative_to(a) for p in a.rglob("*.bin"))
+    assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.bin"))
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv, words", [
+    (("megatron-to-ft", "--dtype", "bf16"), "--dtype 'bf16': choose fp32 or fp16 (FasterTransformer weights"),
+    (("megatron-to-trtllm", "--dtype", "int8"), "--dtype 'int8': choose auto, fp32, bf16 or fp16"),
+    (("megatron-to-hf", "--dtype", "fp8"), "--dtype 'fp8': choose auto, fp32, bf16 or fp16"),
+    (("reshard", "--dtype", "bf16"), "No such option: --dtype"),  # reshard keeps the stored dtype
+])
+def test_one_dtype_option_refuses_what_a_verb_does_not_write_by_name(models, tmp_path, capsys, argv, words):
+    code, out, err = run_cli([argv[0], models["mg"], tmp_path / "o", *argv[1:]], capsys)
+    assert code != 0 and words in err and "Traceback" not in err and out == ""
+    assert not (tmp_path / "o").exists()
+
+
+def _fds(root: Path) -> list[str]:
+    """The files under `root` this process holds open: other threads' descriptors (earlier tests' pools,
+    pytest's own) come and go on their own, so only the source directory's are counted."""
+    inside = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed between the listing and the read (the listing's own descriptor, say)
+            continue
+        if Path(target).is_relative_to(root):
+            inside.append(target)
+    return sorted(inside)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["mg", "hf"])
+def test_sources_release_their_descriptors_on_close_and_when_dropped(models, which):
+    root = Path(models[which]).resolve()
+    gc.collect()
+    before = _fds(root)
+    src = open_source(models[which])
+    for unit in src.units():
+        src.read_mcore(unit)
+    assert len(_fds(root)) > len(before)  # rank / safetensors files stay open while reading
+    src.close()
+    assert _fds(root) == before
+    src = open_source(models[which])
+    src.read_mcore(0)
+    assert len(_fds(root)) > len(before)
+    del src
+    gc.collect()
+    assert _fds(root) == before  # an unclosed source's descriptors go with it
+    torch.zeros(1)  # keep torch imported for the fixture's tensors
+
+
+@pytest.mark.parametrize("cls", ["HFWriter", "MegatronWriter", "FTWriter", "TrtllmWriter"])
+def test_every_writer_implements_the_protocol(cls):
+    """`reads` names a Source read the driver knows, and add / close / abort take what the driver passes."""
+    import inspect
+    import typing
+
+    from mconvert.convert.deploy import fastertransformer
+    from mconvert.convert.hf import writer as hf
+    from mconvert.convert.megatron import writer as megatron
+    from mconvert.convert.deploy import trtllm
+    from mconvert.convert.writer import Writer
+
+    writer = next(getattr(m, cls) for m in (hf, megatron, fastertransformer, trtllm) if hasattr(m, cls))
+    assert writer.reads in typing.get_args(typing.get_type_hints(Writer)["reads"])
+    assert list(inspect.signature(writer.add).parameters)[1:3] == ["unit", "tensors"]
+    for name in ("close", "abort"):
+        required = [p for p in list(inspect.signature(getattr(writer, name)).parameters.values())[1:]
+                    if p.default is inspect.Parameter.empty]
+        assert not required, f"{cls}.{name} needs {required}"

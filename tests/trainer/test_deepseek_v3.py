@@ -1,0 +1,439 @@
+"""The DeepSeek-V3 architecture in the trainer, against megatron-core 0.16.1's own GPTModel.
+
+megatron-core (local spec on CPU over gloo: MLA with its latent norms, DeepSeek MoE with the sigmoid router,
+expert bias, group-limited top-k, routed scale and shared experts, a dense first layer by moe_layer_freq, and one
+MTP layer) strict-loads each rank file our trainer writes and its logits — the main head's and the MTP layer's —
+equal ours on the same weights. The weights are moved off their init first (norms off 1, a large expert bias),
+so that a wrong layout, a dropped bias or a wrong rope order cannot hide; the controls show each of those would
+be seen.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from mconvert.io.safeload import safe_load
+from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.errors import MConvertError
+from mconvert.mappings.families import preset, spec_from_megatron_args
+from mconvert.mappings.transforms import merge, shard
+from mconvert.spec import ModelSpec
+from mconvert.trainer import mla
+from mconvert.trainer.model import GPTModel
+from mconvert.trainer.parallel import ParallelState
+from mconvert.trainer.train import TrainConfig, train
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4  # relative to the largest |logit|
+PROBE = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def _moved(model: dict, tp_rank: int, ep_rank: int) -> dict:
+    """Every tensor of a rank's state dict moved off its init (same noise for a tensor every rank holds whole,
+    per-rank noise for split ones); the expert bias large enough to change which experts are chosen."""
+    out = {}
+    for k, v in model.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+            continue
+        whole = "layernorm" in k or "norm." in k or k.endswith(("router.weight", "expert_bias"))
+        expert = ".local_experts." in k
+        g = torch.Generator().manual_seed(zlib.crc32(f"{k}:{'' if whole else tp_rank}:{ep_rank if expert else ''}"
+                                                     .encode()))
+        noise = torch.randn(v.shape, generator=g)
+        if k.endswith("expert_bias"):  # non-negative: see test_hf_logits_match_ours
+            out[k] = 0.3 * noise.abs()
+        elif k.endswith("norm.weight") or k.endswith("layernorm.weight"):
+            out[k] = 1.0 + 0.2 * noise
+        else:
+            out[k] = v + 0.05 * noise
+    return out
+
+
+def _mcore_forward(ctx, files: dict, tokens: torch.Tensor, zero_bias: bool):
+    """Strict-load this rank's file; the main logits and the MTP layer's (forward with labels, as MTP needs)."""
+    sd = dict(files[(ctx.tp_rank, ctx.ep_rank)])
+    if zero_bias:
+        sd = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in sd.items()}
+    ctx.model.load_state_dict(sd, strict=True)
+    seen: list[torch.Tensor] = []  # copies: megatron-core's cross-entropy works on the logits in place
+    ctx.model.output_layer.register_forward_hook(lambda mod, args, out: seen.append(out[0].detach().clone()))
+    b, s = tokens.shape
+    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        ctx.model(tokens, pos, mask, labels=tokens, runtime_gather_output=True)
+    main, mtp = seen[-1], (seen[0] if len(seen) > 1 else None)  # megatron-core runs the MTP head first
+    return main.transpose(0, 1).float(), None if mtp is None else mtp.transpose(0, 1).float()
+
+
+def _merged(spec: ModelSpec, files: dict, tp: int) -> dict:
+    """The rank files merged to one TP=1 EP=1 state dict (the converter's merge per split kind)."""
+    ep = 1 + max(e for _, e in files)
+    shards: dict[str, dict[int, torch.Tensor]] = {}
+    for (t, e), model in files.items():
+        for k, v in model.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            parts = k.split(".")
+            if "local_experts" in parts:
+                i = parts.index("local_experts") + 1
+                parts[i] = str(int(parts[i]) + e * spec.num_experts // ep)  # type: ignore[operator]
+            shards.setdefault(".".join(parts), {})[t] = v
+    return {k: merge([v[t] for t in range(tp)], spec.split_kind(k), k) for k, v in shards.items()}
+
+
+def _ours(spec: ModelSpec, state: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    model = GPTModel(spec, ParallelState(), seed=None).eval()
+    res = model.load_state_dict(state, strict=False)
+    assert not res.unexpected_keys and all(k.endswith("._extra_state") for k in res.missing_keys), res
+    with torch.no_grad():
+        logits = model(tokens)
+    return logits, model.mtp_logits[0]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+_RUNS: dict[tuple[int, int], dict] = {}
+
+
+def _run(tp: int, ep: int, root: Path) -> dict:
+    """Our trainer's checkpoint of tiny-deepseek-v3 (2 steps, the same 8 sequences a step at every layout): the
+    rank files by (tp_rank, ep_rank)."""
+    if (tp, ep) not in _RUNS:
+        ckpt = root / f"tp{tp}ep{ep}"
+        res = train(TrainConfig(preset="tiny-deepseek-v3", tp=tp, pp=1, dp=ep, ep=ep, steps=2, seq_length=32,
+                                micro_batch_size=2, global_batch_size=8, lr=1e-2, seed=42, quiet=True, save=str(ckpt),
+                                moe_aux_loss_coeff=0.0))
+        _RUNS[(tp, ep)] = {(t, e): safe_load(rank_file(ckpt, 2, t, 0, 1, e, ep)) for t in range(tp) for e in range(ep)}
+        _RUNS[(tp, ep)]["losses"] = res["losses"]
+        _RUNS[(tp, ep)]["dir"] = ckpt
+    return _RUNS[(tp, ep)]
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dsv3")
+
+
+@pytest.fixture(scope="module", params=[dict(tp=1, ep=1), dict(tp=2, ep=2)], ids=["tp1", "tp2ep2"])
+def trained(request, runs_dir):
+    """A trainer checkpoint at the layout, its rank files moved off init."""
+    tp, ep = request.param["tp"], request.param["ep"]
+    states = {k: v for k, v in _run(tp, ep, runs_dir).items() if isinstance(k, tuple)}
+    spec = spec_from_megatron_args(states[(0, 0)]["args"])
+    files = {k: _moved(v["model"], *k) for k, v in states.items()}
+    return spec, tp, ep, states, files
+
+
+def test_tp2_ep2_run_equals_the_single_rank_run(runs_dir) -> None:
+    """Two steps at TP=2 EP=2 (DP=2) give the single-rank run's losses (the main and MTP losses' gradients, the
+    router's included, summed right over the ranks) and the same expert biases (the loads behind each bias step
+    summed over the TP and DP ranks)."""
+    spec = preset("tiny-deepseek-v3")
+    single, sharded = _run(1, 1, runs_dir), _run(2, 2, runs_dir)
+    one = single[(0, 0)]["model"]
+    many = _merged(spec, {k: v["model"] for k, v in sharded.items() if isinstance(k, tuple)}, 2)
+    for k, v in one.items():
+        if k.endswith("expert_bias"):
+            assert torch.equal(many[k], v) and v.abs().max() > 0, k
+    losses = max(abs(a - b) for a, b in zip(single["losses"], sharded["losses"], strict=True))
+    assert losses <= 1e-4, (single["losses"], sharded["losses"])
+    print(f"[figures] tiny-deepseek-v3 TP=2 EP=2 vs TP=1, 2 steps: losses max|Δ| {losses:.1e}, expert biases equal")
+
+
+def test_args_say_deepseek_v3(trained) -> None:
+    spec, tp, ep, states, _ = trained
+    assert spec == preset("tiny-deepseek-v3")  # the preset, read back from the args the trainer wrote
+    bias = [v for k, v in states[(0, 0)]["model"].items() if k.endswith("expert_bias")]
+    assert len(bias) == 3 and all(b.dtype == torch.float32 and b.abs().max() > 0 for b in bias)  # 2 MoE + MTP
+    assert (states[(0, 0)]["args"].moe_router_bias_update_rate, states[(0, 0)]["args"].moe_router_score_function) == (
+        1e-3, "sigmoid")
+
+
+def test_megatron_core_strict_loads_and_matches_main_and_mtp_logits(trained) -> None:
+    from mcore_ref import run_mcore
+
+    spec, tp, ep, _, files = trained
+    ref_main, ref_mtp = run_mcore(spec, tp, _mcore_forward, (files, PROBE, False), ep=ep)[0]
+    main, mtp = _ours(spec, _merged(spec, files, tp), PROBE)
+    d_main, d_mtp = _rel(main, ref_main), _rel(mtp, ref_mtp)
+    assert d_main <= TOL and d_mtp <= TOL, (d_main, d_mtp)
+    # controls: the expert bias, megatron-core's rope order and the MTP layer are all seen
+    nobias = run_mcore(spec, tp, _mcore_forward, (files, PROBE, True), ep=ep)[0][0]
+    d_bias = _rel(nobias, ref_main)
+    assert d_bias > 100 * TOL, d_bias
+    keep = mla.deinterleave
+    mla.deinterleave = lambda t: t  # HF rope_interleave false: rotate without megatron-core's de-interleave
+    try:
+        d_rope = _rel(_ours(spec, _merged(spec, files, tp), PROBE)[0], ref_main)
+    finally:
+        mla.deinterleave = keep
+    assert d_rope > 100 * TOL, d_rope
+    print(f"[figures] tiny-deepseek-v3 TP={tp} EP={ep}: megatron-core vs ours max|Δ|/max|logit| main {d_main:.1e}, "
+          f"MTP {d_mtp:.1e}; controls: expert bias zeroed {d_bias:.1e}, rope not de-interleaved {d_rope:.1e}")
+
+
+def test_a_checkpoint_without_its_mtp_layer_does_not_load(trained) -> None:
+    spec, _, _, _, files = trained
+    without = {k: v for k, v in _merged(spec, files, trained[1]).items() if not k.startswith("mtp.")}
+    with pytest.raises(RuntimeError, match="mtp.layers.0"):
+        GPTModel(spec, ParallelState(), seed=None).load_state_dict(without, strict=True)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(kv_lora_rank=32, qk_rope_head_dim=7), "qk_rope_head_dim must be even"),
+    (dict(kv_lora_rank=32, rotary_interleaved=True), "de-interleaves"),
+    (dict(num_experts=8, moe_router_num_groups=3, moe_router_group_topk=1), "must divide num_experts"),
+    (dict(num_experts=8, moe_router_num_groups=4), "go together"),
+    (dict(num_experts=8, moe_layer_freq=(1, 0)), "one 0/1 per layer"),
+    (dict(num_experts=8, moe_router_score_function="relu"), "moe_router_score_function"),
+    (dict(kv_lora_rank=32, window_size=15), r"sliding-window attention\) with multi-latent attention or MTP"),
+    (dict(mtp_num_layers=1, window_size=15), r"sliding-window attention\) with multi-latent attention or MTP"),
+    (dict(kv_lora_rank=32, rope_scaling="yarn", rope_scaling_factor=4.0), "multi-latent attention rotates"),
+])
+def test_bad_deepseek_fields_are_refused_by_name(kw: dict, message: str) -> None:
+    with pytest.raises(MConvertError, match=message):
+        preset("tiny-llama").replace(num_layers=3, **kw)
+
+
+def test_yarn_tables_equal_megatron_core(monkeypatch) -> None:
+    """MLA's YaRN (frequencies, concentration, softmax scale) equals megatron-core's YarnRotaryEmbedding and
+    MultiLatentAttention, for when the spec states YaRN for MLA."""
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    dim, base, factor, orig = 64, 10000.0, 40.0, 4096
+    ref = yarn.YarnRotaryEmbedding(dim, rotary_base=base, scaling_factor=factor, original_max_position_embeddings=orig,
+                                   beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+                                   use_cpu_initialization=True)
+    emb, conc = ref.get_emb(16)
+    ours = torch.outer(torch.arange(16, dtype=torch.float32), mla.yarn_inv_freq(dim, base, factor, orig))
+    assert torch.allclose(emb[:, 0, 0, : dim // 2], ours) and conc == mla.yarn_concentration(factor, 1.0, 1.0)
+    spec = preset("tiny-deepseek-v3")
+    want = yarn._yarn_get_mscale(factor, 1.0) ** 2 / (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** 0.5
+    assert mla.softmax_scale(spec, factor, 1.0) == pytest.approx(want, rel=1e-12)
+
+
+def _split_for(spec: ModelSpec, state: dict, tp: int, ep: int) -> dict:
+    """A TP=1 EP=1 state dict cut into megatron-core's (tp_rank, ep_rank) state dicts (local expert indices)."""
+    out = {}
+    per = spec.num_experts // ep  # type: ignore[operator]
+    for t in range(tp):
+        for e in range(ep):
+            sd = {}
+            for k, v in state.items():
+                parts = k.split(".")
+                if "local_experts" in parts:
+                    i = parts.index("local_experts") + 1
+                    if int(parts[i]) // per != e:
+                        continue
+                    parts[i] = str(int(parts[i]) % per)
+                sd[".".join(parts)] = shard(v, spec.split_kind(k), tp, t, k) if torch.is_tensor(v) else v
+            out[(t, e)] = sd
+    return out
+
+
+NO_Q_LORA = preset("tiny-deepseek-v3").replace(q_lora_rank=None)  # DeepSeek-V2-Lite / Moonlight style
+
+
+def test_without_q_lora_megatron_core_matches_at_tp2() -> None:
+    """`linear_q_proj` (no q latent) splits by head like megatron-core's at TP=2."""
+    from mcore_ref import run_mcore
+
+    spec = NO_Q_LORA
+    model = GPTModel(spec, ParallelState(), seed=11).eval()
+    state = _moved(model.state_dict(), 0, 0)
+    ref_main, ref_mtp = run_mcore(spec, 2, _mcore_forward, (_split_for(spec, state, 2, 1), PROBE, False))[0]
+    main, mtp = _ours(spec, state, PROBE)
+    d_main, d_mtp = _rel(main, ref_main), _rel(mtp, ref_mtp)
+    assert d_main <= TOL and d_mtp <= TOL, (d_main, d_mtp)
+    print(f"[figures] tiny-deepseek-v3 without q LoRA, TP=2: megatron-core vs ours main {d_main:.1e}, MTP {d_mtp:.1e}")
+
+
+def _save(spec: ModelSpec, state: dict, root: Path) -> Path:
+    save_rank_file(rank_file(root, 1, 0, 0, 1), {"args": spec.to_megatron_args(), "checkpoint_version": 3.0,
+                                                  "iteration": 1, "model": state})
+    write_latest(root, 1)
+    return root
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q-lora", "no-q-lora"])
+def test_hf_logits_match_ours(tmp_path: Path, q_lora: bool) -> None:
+    """megatron-to-hf writes a DeepseekV3ForCausalLM whose transformers logits equal ours. transformers (as
+    DeepSeek's reference code) masks the experts of unchosen groups with score 0 where megatron-core masks them
+    with -inf: the two agree while every biased score (sigmoid + expert bias) is positive, as here."""
+    from transformers import AutoModelForCausalLM
+
+    from mconvert.convert.driver import megatron_to_hf
+
+    spec = (preset("tiny-deepseek-v3") if q_lora else NO_Q_LORA).replace(mtp_num_layers=None)
+    model = GPTModel(spec, ParallelState(), seed=5).eval()
+    state = _moved(model.state_dict(), 0, 0)
+    model.load_state_dict(state)
+    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    cfg = __import__("json").loads((tmp_path / "hf" / "config.json").read_text())
+    assert (cfg["scoring_func"], cfg["topk_method"], cfg["first_k_dense_replace"]) == ("sigmoid", "noaux_tc", 1)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        diff = _rel(hf(PROBE).logits, model(PROBE)[..., : spec.vocab_size])
+    assert diff <= TOL, diff
+    print(f"[figures] tiny-deepseek-v3 ({'q LoRA' if q_lora else 'no q LoRA'}, no MTP) -> HF: transformers vs ours "
+          f"{diff:.1e}")
+
+
+def test_hf_export_refuses_mtp_rather_than_dropping_it(tmp_path: Path) -> None:
+    from mconvert.convert.driver import megatron_to_hf
+
+    spec = preset("tiny-deepseek-v3")
+    state = GPTModel(spec, ParallelState(), seed=5).state_dict()
+    with pytest.raises(MConvertError, match="mtp_num_layers=1"):
+        megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_logits(tmp_path: Path) -> None:
+    """hf-to-megatron of the DeepseekV3ForCausalLM export writes TP=2 EP=2 rank files that megatron-core strict-loads
+    with transformers' logits, that merge back to the original tensors (the vocab's padding rows re-padded), and
+    that megatron-to-hf turns into the same safetensors bytes."""
+    from mcore_ref import run_mcore
+    from transformers import AutoModelForCausalLM
+
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+
+    spec = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)
+    state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
+    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    hf_to_megatron(tmp_path / "hf", tmp_path / "m2", tp=2, ep=2)
+    files = {(t, e): safe_load(rank_file(tmp_path / "m2", "release", t, 0, 1, e, 2))["model"]
+             for t in range(2) for e in range(2)}
+    back = _merged(spec, files, 2)
+    for k, v in state.items():
+        if torch.is_tensor(v):
+            rows = spec.vocab_size if k in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+            assert torch.equal(back[k][:rows], v[:rows]), k
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(PROBE).logits
+    got = run_mcore(spec, 2, _mcore_forward, (files, PROBE, False), ep=2)[0][0][..., : spec.vocab_size]
+    diff = _rel(got, want)
+    assert diff <= TOL, diff
+    megatron_to_hf(tmp_path / "m2", tmp_path / "hf2")  # and back from TP=2 EP=2: the same bytes
+    first, again = (tmp_path / d / "model.safetensors" for d in ("hf", "hf2"))
+    assert first.read_bytes() == again.read_bytes()
+    print(f"[figures] tiny-deepseek-v3 HF -> Megatron TP=2 EP=2: megatron-core vs transformers {diff:.1e}")
+
+
+def test_sigmoid_router_load_balancing_loss_is_megatron_cores() -> None:
+    """The load-balancing loss of the sigmoid router counts what megatron-core's does (normalised sigmoid scores and
+    their own top-k, not the biased, group-limited choice)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss,
+        switch_load_balancing_loss_func,
+    )
+
+    from mconvert.trainer.deepseek_moe import Router
+    from mconvert.trainer.model import load_balancing_loss
+
+    spec = preset("tiny-deepseek-v3")
+    g = torch.Generator().manual_seed(1)
+    router = Router(spec, torch.nn.Parameter(torch.randn(16, 128, generator=g)), None, ParallelState())
+    router.expert_bias = torch.randn(16, generator=g)  # steers the routed choice, not the loss's counts
+    logits, _, top = router(torch.randn(64, 128, generator=g))
+    ours = load_balancing_loss(*router.aux_loss_inputs(logits, top), 16, spec.moe_router_topk, 0.01)
+    routing_map, scores = compute_routing_scores_for_aux_loss(logits, spec.moe_router_topk, "sigmoid")
+    theirs = switch_load_balancing_loss_func(scores, routing_map.sum(dim=0), 64, spec.moe_router_topk, 16, 0.01)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+
+
+def test_te_spec_latent_norms_read_as_the_local_names() -> None:
+    """megatron-core's TE spec fuses MLA's latent norms into the up projections (`layer_norm_weight`)."""
+    from mconvert.mappings.keys import canonical_key
+
+    te = "decoder.layers.1.self_attention.linear_{}_up_proj.layer_norm_weight"
+    assert canonical_key(te.format("q")) == "decoder.layers.1.self_attention.q_layernorm.weight"
+    assert canonical_key(te.format("kv")) == "decoder.layers.1.self_attention.kv_layernorm.weight"
+    assert canonical_key("decoder.layers.1.self_attention.linear_kv_up_proj.weight") == (
+        "decoder.layers.1.self_attention.linear_kv_up_proj.weight")
+
+
+def test_deepseek_v3_671b_shapes_count_its_published_parameters() -> None:
+    """The declarations of DeepSeek-V3's shapes add up to its published 671 B parameters (main model); its MTP
+    layer, with the copies of the embedding and head its HF checkpoint holds, makes the published 685 B."""
+    spec = preset("deepseek-v3-671b").replace(make_vocab_size_divisible_by=1)
+    main = spec.replace(mtp_num_layers=None).num_parameters()
+    with_mtp = spec.num_parameters() + 2 * spec.vocab_size * spec.hidden_size
+    assert round(main / 1e9) == 671 and round(with_mtp / 1e9, 0) in (684, 685), (main, with_mtp)
+
+
+def test_deepseek_v3_671b_activates_its_published_37b_parameters() -> None:
+    """One token meets 37 B of the 671 B (the published activated count): its first three layers are dense, so
+    only the 58 MoE layers leave E - k experts out, and the count stays arithmetic in layers and experts."""
+    from mconvert.trainer.train import active_parameters
+
+    spec = preset("deepseek-v3-671b").replace(make_vocab_size_divisible_by=1, mtp_num_layers=None)
+    assert spec.num_moe_layers == 58
+    assert 37e9 <= active_parameters(spec) < 38e9, active_parameters(spec)
+
+
+def test_the_native_runner_runs_the_tp2_ep2_checkpoint(runs_dir) -> None:
+    """`validate`'s runner (the checkpoint at its own TP=2 EP=2) gives the logits of its weights merged to one rank."""
+    from mconvert.trainer.infer import megatron_logits
+
+    spec = preset("tiny-deepseek-v3")
+    run = _run(2, 2, runs_dir)
+    merged = _merged(spec, {k: v["model"] for k, v in run.items() if isinstance(k, tuple)}, 2)
+    want = _ours(spec, merged, PROBE)[0][..., : spec.vocab_size]
+    diff = _rel(megatron_logits(run["dir"], PROBE), want)
+    assert diff <= TOL, diff
+
+
+def test_torch_dist_output_is_refused_by_name(tmp_path: Path) -> None:
+    """torch_dist of this architecture (per-layer keys under moe_layer_freq, MLA, MTP) is not written: one line,
+    no output."""
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+
+    spec = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)
+    state = GPTModel(spec, ParallelState(), seed=5).state_dict()
+    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    with pytest.raises(MConvertError, match="torch_dist of the DeepSeek-V3 architecture .*multi_latent_attention"):
+        hf_to_megatron(tmp_path / "hf", tmp_path / "d", format="torch_dist")
+    assert not (tmp_path / "d").exists()
+
+
+def test_reshard_with_optimizer_continues_the_run_at_tp2_ep2(runs_dir, tmp_path: Path) -> None:
+    """reshard --with-optimizer of the single-rank checkpoint to TP=2 EP=2 (Adam states follow their tensors, the
+    expert bias travels as the buffer it is) continues the run: step 3 there has the step-3 loss of the run
+    continued at TP=1."""
+    import shutil
+
+    from mconvert.convert.driver import reshard
+
+    run = _run(1, 1, runs_dir)
+    same, wide = tmp_path / "same", tmp_path / "wide"
+    shutil.copytree(run["dir"], same)
+    reshard(run["dir"], wide, tp=2, pp=1, ep=2, with_optimizer=True)
+    cfg = dict(preset="tiny-deepseek-v3", pp=1, steps=3, seq_length=32, micro_batch_size=2, global_batch_size=8,
+               lr=1e-2, seed=42, quiet=True, moe_aux_loss_coeff=0.0, resume=True)
+    one = train(TrainConfig(tp=1, dp=1, ep=1, save=str(same), **cfg))["losses"]
+    two = train(TrainConfig(tp=2, dp=2, ep=2, save=str(wide), **cfg))["losses"]
+    assert len(one) == len(two) == 1 and abs(one[0] - two[0]) <= 1e-4, (one, two)
+
+
+def test_vllms_moe_layer_freq_passes_at_every_layer_and_is_refused_otherwise() -> None:
+    """DeepSeek's published config.json states moe_layer_freq 1 (every layer after the dense ones), which vLLM
+    reads and transformers does not: 1 is the model both compute; another value only vLLM would build."""
+    from mconvert.mappings.families import hf_config, spec_from_hf_config
+
+    spec = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)
+    cfg = hf_config(spec)
+    assert spec_from_hf_config({**cfg, "moe_layer_freq": 1}) == spec_from_hf_config(cfg)
+    with pytest.raises(MConvertError, match="config field moe_layer_freq=2 is not supported"):
+        spec_from_hf_config({**cfg, "moe_layer_freq": 2})
