@@ -49,7 +49,7 @@ test-bridge: $(STAMP) bridge-env
 
 # The GGUF tests run the files in llama.cpp itself: the env is built first when absent.
 test-gguf: $(STAMP) gguf-env
-	GGUF_VENV=$(GGUF_VENV) $(BIN)/python -m pytest -q -m gguf tests/convert/deploy/test_gguf.py
+	GGUF_VENV=$(GGUF_VENV) $(BIN)/python -m pytest -q -m gguf tests/convert/deploy/test_gguf.py tests/convert/deploy/test_gguf_peer.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check mconvert tests bench

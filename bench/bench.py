@@ -4,14 +4,17 @@ One run: build a ~4 GB fp32 GPT-2 checkpoint with the trainer (`--steps 0`, TP=4
 then measure, each `--repeats` times (median): `cp -r` of it (the copy limit; warmed once first, the page
 cache is left as it is and its residency reported), `megatron-to-hf`, `reshard` to TP=2 PP=1,
 `megatron-to-ft`, `megatron-to-trtllm` at TP=2; then transformers' `checkpoint_reshaping_and_interoperability.py`
-HF → Megatron against our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers. Wall time and peak RSS of
-every command's process tree; ratios to `cp` and to the peer; the targets marked pass/fail.
+HF → Megatron against our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers; then
+`hf-to-gguf` against llama.cpp's `convert_hf_to_gguf.py` on a 1.3 GB and a 0.3 GB Llama (gguf_peer.py). Wall
+time, CPU time and peak RSS of every command's process tree; ratios to `cp` and to each peer in the same run; the
+targets marked pass/fail.
 Prints a rich table (stderr) and `--json` (stdout); leaves the measured bandwidth where `mconvert plan`
 reads it. Work dirs under bench/work/ are deleted at the end (`--keep` keeps them).
 
     .venv/bin/python bench/bench.py                      # the full run (~10 min on 2 cores)
     .venv/bin/python bench/bench.py --quick              # small smoke run (~1 min)
     .venv/bin/python bench/bench.py --layers 8 --repeats 1 --skip peer,depth --json
+    .venv/bin/python bench/bench.py --only gguf          # hf-to-gguf against llama.cpp's converter alone
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
+import gguf_peer  # noqa: E402
 from procmon import Measurement, dir_bytes, files_under, resident_bytes, run_measured  # noqa: E402
 
 from mconvert.convert.estimate import bandwidth_file, estimate, unit_bytes  # noqa: E402
@@ -102,6 +106,8 @@ def _bare_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
     w = ["--workers", str(workers)] if workers else []
     if op in ("cp", "cp-cold"):
         return ["cp", "-r", str(src), str(out)]
+    if op.startswith(("hf-to-gguf:", "llama.cpp:")):
+        return gguf_peer.command(op, src, out, mc)
     if op == "megatron-to-hf-shards":  # 1 GB shards: the file groups the torchrun row shares out
         return [*mc, "megatron-to-hf", str(src), str(out), "--max-shard-size", TORCHRUN_SHARD, *w]
     if op in ("megatron-to-hf-torchrun1", "megatron-to-hf-torchrun2"):  # the same launcher, 1 or 2 processes
@@ -246,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", default="8,32", help="layer counts for the depth-scaling runs")
     ap.add_argument("--depth-repeats", type=int, default=2, help="runs per depth-scaling measurement (median)")
     ap.add_argument("--skip", default="", help="comma list of: ft, trtllm, workers, peer, depth, torchrun, "
-                    "passes")
+                    "passes, gguf")
+    ap.add_argument("--only", choices=("gguf",), default=None, help="run one section alone")
     ap.add_argument("--workers", type=int, default=0, help="pass --workers N to our verbs (0: their default)")
     ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-100m at 4 layers, 1 repeat, depth 2,4")
     ap.add_argument("--work", type=Path, default=HERE / "work", help="scratch dir (deleted at the end)")
@@ -269,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         "preset": a.preset, "repeats": a.repeats, "workers": a.workers,
     }
     try:
-        run(a, skip, work, report)
+        if a.only != "gguf":
+            run(a, skip, work, report)
+        if "gguf" not in skip:
+            run_gguf(a, work, report)
+        report["targets"] = targets(report)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -378,7 +389,31 @@ def run(a: argparse.Namespace, skip: set[str], work: Path, report: dict[str, Any
         report["depth"] = dict(sorted(depth.items(), key=lambda kv: kv[1]["layers"]))
         report["marginal_s_per_gb"] = marginal(report["depth"])
         report["marginal_cpu_s_per_gb"] = marginal(report["depth"], "cpu_s")
-    report["targets"] = targets(report)
+
+
+def run_gguf(a: argparse.Namespace, work: Path, report: dict[str, Any]) -> None:
+    """`hf-to-gguf` against llama.cpp's converter and `cp`, interleaved round by round (gguf_peer.py)."""
+    if gguf_peer.converter() is None:
+        console.print("[yellow]gguf[/]: llama.cpp's converter is not in the llama.cpp venv (`make gguf-env`); skipped")
+        return
+    srcs, src_bytes = {}, {}
+    for name in gguf_peer.MODELS:
+        srcs[name] = work / name
+        if not (srcs[name] / "model.safetensors").is_file():
+            console.print(f"[bold]building[/] {name} (random float16 Llama, SentencePiece tokenizer)")
+            gguf_peer.build_model(name, srcs[name])
+        src_bytes[name] = dir_bytes(srcs[name])
+        run_measured(["cp", "-r", str(srcs[name]), str(work / "warm")])  # the inputs warm in the page cache
+        shutil.rmtree(work / "warm", ignore_errors=True)
+    jobs = []
+    for name in gguf_peer.MODELS:
+        jobs.append((f"cp {name}", "cp", srcs[name]))
+        for model, outtype in gguf_peer.RUNS:
+            if model == name:
+                jobs += [(f"hf-to-gguf {name} {outtype}", f"hf-to-gguf:{outtype}", srcs[name]),
+                         (f"llama.cpp {name} {outtype}", f"llama.cpp:{outtype}", srcs[name])]
+    rows = measure_rounds(jobs, work, max(3, a.repeats))
+    report["gguf"] = {"rows": gguf_peer.figures(rows, src_bytes), "load": os.getloadavg(), "cpus": os.cpu_count()}
 
 
 def pass_costs() -> list[dict[str, Any]]:
@@ -402,9 +437,12 @@ def marginal(depth: dict[str, Any], figure: str = "wall_s") -> dict[str, float]:
 
 
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 7's targets, each with its figure and pass/fail."""
+    """Issue 7's and issue 39's targets, each with its figure and pass/fail."""
+    out = gguf_targets(report)
+    if "ops" not in report:
+        return out
     ops, model = report["ops"], report["model"]
-    out = [
+    out += [
         target("megatron-to-hf wall ≤ 2.0 × cp", ops["megatron-to-hf"]["ratio_to_cp"], 2.0,
                ops["megatron-to-hf"]["ratio_to_cp"] <= 2.0, "× cp"),
         target("reshard wall ≤ 2.5 × cp", ops["reshard"]["ratio_to_cp"], 2.5, ops["reshard"]["ratio_to_cp"] <= 2.5, "× cp"),
@@ -454,9 +492,43 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def gguf_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """hf-to-gguf against llama.cpp's converter in the same run: wall and CPU time ratios."""
+    out = []
+    for key, r in report.get("gguf", {}).get("rows", {}).items():
+        out.append(target(f"hf-to-gguf {key} ≥ {r['target']:.0f} × faster than llama.cpp's converter (wall)",
+                          r["speedup"], r["target"], r["speedup"] >= r["target"], "×"))
+        out.append(target(f"hf-to-gguf {key} ≥ {r['target']:.0f} × less CPU than llama.cpp's converter",
+                          r["cpu_speedup"], r["target"], r["cpu_speedup"] >= r["target"], "×"))
+    return out
+
+
+def print_gguf(report: dict[str, Any]) -> None:
+    g = report.get("gguf")
+    if not g:
+        return
+    load = ", ".join(f"{x:.1f}" for x in g["load"])
+    t = Table(title=f"hf-to-gguf vs llama.cpp's convert_hf_to_gguf.py, interleaved, median of ≥ 3; load average "
+                    f"at the end {load} on {g['cpus']} CPUs (CPU s is the figure that holds on a loaded host)")
+    for c in ("model / outtype", "converter", "wall s", "CPU s", "wall s/GB", "CPU s/GB", "× cp (wall)",
+              "peer ÷ ours wall", "peer ÷ ours CPU"):
+        t.add_column(c, justify="left" if c in ("model / outtype", "converter") else "right")
+    for key, r in g["rows"].items():
+        for side, name in (("ours", "mconvert hf-to-gguf"), ("peer", "llama.cpp convert_hf_to_gguf.py"),
+                           ("cp", "cp -r")):
+            x = r[side]
+            t.add_row(f"{key} ({r['bytes'] / GB:.2f} GB)", name, f"{x['wall_s']:.2f}", f"{x['cpu_s']:.2f}",
+                      f"{x['wall_s_per_gb']:.2f}", f"{x['cpu_s_per_gb']:.2f}", f"{x['x_cp']:.2f}",
+                      f"{r['speedup']:.2f}" if side == "ours" else "",
+                      f"{r['cpu_speedup']:.2f}" if side == "ours" else "")
+    console.print(t)
+
+
 def print_report(report: dict[str, Any]) -> None:
-    """Rich tables: operations vs cp, peer, depth, targets."""
+    """Rich tables: operations vs cp, peer, depth, GGUF peer, targets."""
+    print_gguf(report)
     if "ops" not in report:
+        print_targets(report)
         return
     m = report["model"]
     t = Table(title=f"{report['preset']} ({m['parameters'] / 1e9:.2f} B params, {m['layers']} layers, fp32) "
@@ -508,6 +580,10 @@ def print_report(report: dict[str, Any]) -> None:
         for r in report["passes"]:
             t.add_row(r["pass"], f"{r['s_per_gb']:.3f}", f"{r['x_copy']:.1f}")
         console.print(t)
+    print_targets(report)
+
+
+def print_targets(report: dict[str, Any]) -> None:
     t = Table(title="targets")
     for c in ("target", "measured", "limit", ""):
         t.add_column(c)
@@ -525,8 +601,31 @@ def marginal_line(report: dict[str, Any]) -> str:
         ", ".join(parts) + "."
 
 
+def gguf_markdown(report: dict[str, Any]) -> list[str]:
+    """The GGUF peer rows as a markdown table (empty when the section did not run)."""
+    g = report.get("gguf")
+    if not g:
+        return []
+    load = ", ".join(f"{x:.1f}" for x in g["load"])
+    lines = ["", f"`hf-to-gguf` against llama.cpp's `convert_hf_to_gguf.py` and `cp -r` of the same HF directory, "
+             f"interleaved, median of ≥ 3 rounds; load average {load} on {g['cpus']} CPUs at the end of the section "
+             "(on a loaded host, read the CPU columns):", "",
+             "| model, outtype | converter | wall s | CPU s | wall s/GB | CPU s/GB | × cp (wall) | peer ÷ ours, wall | "
+             "peer ÷ ours, CPU |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, r in g["rows"].items():
+        for side, name in (("ours", "mconvert hf-to-gguf"), ("peer", "llama.cpp convert_hf_to_gguf.py"),
+                           ("cp", "cp -r")):
+            x = r[side]
+            lines.append(f"| {key} ({r['bytes'] / GB:.2f} GB) | {name} | {x['wall_s']:.2f} | {x['cpu_s']:.2f} | "
+                         f"{x['wall_s_per_gb']:.2f} | {x['cpu_s_per_gb']:.2f} | {x['x_cp']:.2f} | "
+                         + (f"{r['speedup']:.2f} | {r['cpu_speedup']:.2f} |" if side == "ours" else " | |"))
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The figures as markdown tables (README / notes), from a report dict (`--render last-run.json`)."""
+    if "ops" not in report:
+        return "\n".join([*gguf_markdown(report), "", *target_markdown(report)]) + "\n"
     m, ops = report["model"], report["ops"]
     lines = [f"Model: {report['preset']}, {m['layers']} layers, {m['parameters'] / 1e9:.2f} B parameters, fp32, "
              f"TP={SRC_TP} PP={SRC_PP}: {report['build']['files']} files, {report['build']['bytes'] / GB:.2f} GB; "
@@ -574,11 +673,17 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "Each pass over the bytes (64 MiB in memory, one core; BLAKE3 on every core), against a memory "
                   "copy:", "", "| pass | s/GB | × memory copy |", "|---|---:|---:|"]
         lines += [f"| {r['pass']} | {r['s_per_gb']:.3f} | {r['x_copy']:.1f} |" for r in report["passes"]]
-    lines += ["", "| target | measured | limit | |", "|---|---:|---:|---|"]
+    lines += gguf_markdown(report)
+    lines += ["", *target_markdown(report)]
+    return "\n".join(lines) + "\n"
+
+
+def target_markdown(report: dict[str, Any]) -> list[str]:
+    lines = ["| target | measured | limit | |", "|---|---:|---:|---|"]
     for x in report["targets"]:
         lines.append(f"| {x['target']} | {x['value']:.2f} {x['unit']} | {x['limit']:.2f} | "
                      f"{'pass' if x['pass'] else '**FAIL**'} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def per_byte_model(report: dict[str, Any]) -> dict[str, Any]:

@@ -618,20 +618,26 @@ class GgufWriter(Writer):
         if tuple(x.shape) != t.shape:
             raise MConvertError(f"tensor {t.hf[0] if t.hf else t.name}: shape {list(x.shape)}, the plan has "
                                 f"{list(t.shape)}")
-        src = x.detach().to(torch.float32).contiguous()
         name = t.hf[0] if t.hf else t.name
         fix = "write --outtype bf16 or f32"
         q = _gguf().GGMLQuantizationType
+        if t.qtype in (q.F16, q.F32):
+            # one cast in torch, IEEE round-to-nearest-even as gguf-py's numpy astype, without a float32 copy
+            # in between: a float16 source at f16 is written as it is
+            out = x.detach().to(torch.float16 if t.qtype == q.F16 else torch.float32).contiguous()
+            check_narrowed(x, out, name, fix)
+            self._w.write_tensor_data(out.numpy())
+            self._next += 1
+            return
+        src = x.detach().to(torch.float32).contiguous()
         if t.qtype == q.Q8_0:  # each 32-block's scale, its largest magnitude / 127, is stored in float16
             lo, hi = value_range(src)
             if max(-lo, hi) / 127 > torch.finfo(torch.float16).max:
                 raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
                                     f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
                                     f"would be stored as Inf; {fix}")
-        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+        with np.errstate(over="ignore"):  # a q8_0 scale's overflow is refused above, by name
             data = _gguf().quants.quantize(src.numpy(), t.qtype)
-        if t.qtype == q.F16:
-            check_narrowed(src, torch.from_numpy(data), name, fix)
         self._w.write_tensor_data(data)
         self._next += 1
 
