@@ -35,13 +35,13 @@ from mconvert.convert.io.torchsave import LazyModel, Spool, TensorIndex, TorchSa
 from mconvert.convert.scaleout import world
 from mconvert.convert.layout import (
     CHECKPOINT_VERSION,
-    layer_location,
+    SPLIT_ARGS,
+    PipelineSplit,
     rank_dir_parts,
     rank_file,
     rank_of_parts,
     save_rank_file,
     stored_iteration,
-    stage_layers,
     write_latest,
 )
 from mconvert.errors import MConvertError, type_name
@@ -140,7 +140,8 @@ class MegatronSource(LayerParts):
                 f"{spec.num_attention_heads}; Megatron-LM never writes both — re-copy the file, or fix "
                 "checkpoint_version or num_query_groups in its args")
         self.padded_vocab = a.get("padded_vocab_size")
-        spec.check_parallel(1, self.pp, self.vpp)
+        spec.check_parallel(1, self.pp, self.vpp, layers=False)
+        self.split = PipelineSplit.from_args(a, spec.num_layers, self.pp, self.vpp, str(first_file))
         self._keymaps: dict[tuple[int, int], dict[str, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}  # canonical name -> shape on TP rank 0 (as stored)
         spec0 = families.spec_from_megatron_args(a).to_dict()
@@ -226,7 +227,7 @@ class MegatronSource(LayerParts):
                                 f"{self.files[(0, 0)]} has {self.checkpoint_version}; the rank files come from "
                                 "different runs or one is corrupt — re-copy the checkpoint")
         if "args" in st:
-            fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
+            fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size", *SPLIT_ARGS)
             a = args_dict(st["args"], f)
             spec = families.spec_from_megatron_args(a, source=str(f)).to_dict()
             diff = [(k, spec[k], spec0[k]) for k in spec0 if spec[k] != spec0[k]]
@@ -318,7 +319,7 @@ class MegatronSource(LayerParts):
 
     def _keymap(self, state: dict, pp_rank: int, chunk: int, file: Path) -> dict[str, str]:
         """raw key -> canonical global name for one stage chunk; drops omitted; unknown keys are an error."""
-        layers = stage_layers(self.spec.num_layers, self.pp, pp_rank, self.vpp)[chunk]
+        layers = self.split.stage_layers(pp_rank)[chunk]
         out: dict[str, str] = {}
         for raw, val in self._model_dict(state, chunk, file).items():
             name = canonical_key(raw)
@@ -333,7 +334,8 @@ class MegatronSource(LayerParts):
             if isinstance(unit, int):
                 if unit >= len(layers):
                     raise MConvertError(f"{file}: key {raw!r} has local layer {unit} but this stage holds "
-                                        f"{len(layers)} layers (num_layers={self.spec.num_layers}, PP={self.pp})")
+                                        f"{len(layers)} layers (num_layers={self.spec.num_layers}, PP={self.pp}, "
+                                        f"split: {self.split.describe()})")
                 name = with_layer(name, layers[unit])
             try:
                 self.spec.split_kind(name)
@@ -365,7 +367,7 @@ class MegatronSource(LayerParts):
             return 0, 0
         if unit == "final":
             return self.pp - 1, (self.vpp or 1) - 1
-        p, c, _ = layer_location(self.spec.num_layers, self.pp, layer_of_unit(unit), self.vpp)  # type: ignore[arg-type]
+        p, c, _ = self.split.layer_location(layer_of_unit(unit))  # type: ignore[arg-type]
         return p, c
 
     # ---- reading ------------------------------------------------------------------------------------
@@ -782,8 +784,8 @@ class MegatronWriter:
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
                  optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None,
                  rank_top_level: Any = None, extra_state: bool = True,
-                 preview: Any = None, ep: int = 1, ep_rank: int = 0) -> None:
-        spec.check_parallel(tp, pp, vpp, ep)
+                 preview: Any = None, ep: int = 1, ep_rank: int = 0, split: PipelineSplit | None = None) -> None:
+        self.split = checked_split(spec, tp, pp, vpp, ep, split)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.ep, self.ep_rank = ep, ep_rank  # this writer's EP rank: its experts and every dense weight
         self.iteration, self.dtype = iteration, dtype
@@ -815,12 +817,12 @@ class MegatronWriter:
         self.world = world()
 
     def _target_args(self, args: Any) -> argparse.Namespace:
-        return target_args(self.spec, args, self.tp, self.pp, self.vpp, self.ep)
+        return target_args(self.spec, args, self.tp, self.pp, self.vpp, self.ep, self.split)
 
     def _units_of_stage(self, p: int) -> list[Unit]:
         """Stage p's units in arrival order, an MoE layer as its dense part and its experts."""
         units: list[Unit] = ["embedding"] if p == 0 else []
-        for chunk in stage_layers(self.spec.num_layers, self.pp, p, self.vpp):
+        for chunk in self.split.stage_layers(p):
             for layer in chunk:
                 units += self.spec.layer_units(layer)
         if p == self.pp - 1:
@@ -837,7 +839,7 @@ class MegatronWriter:
             return 0, 0, None
         if unit == "final":
             return self.pp - 1, (self.vpp or 1) - 1, None
-        return layer_location(self.spec.num_layers, self.pp, layer_of_unit(unit), self.vpp)  # type: ignore[arg-type]
+        return self.split.layer_location(layer_of_unit(unit))  # type: ignore[arg-type]
 
     def _rank_file(self, t: int, p: int) -> Path:
         return rank_file(self.out, self.iteration, t, p, self.pp, self.ep_rank, self.ep)
@@ -1120,9 +1122,29 @@ class MegatronWriter:
         return self.files
 
 
-def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, ep: int = 1) -> argparse.Namespace:
+def checked_split(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int,
+                  split: PipelineSplit | None) -> PipelineSplit:
+    """The pipeline split a writer at TP/PP/VPP/EP uses (None: the even one), checked against the model."""
+    spec.check_parallel(tp, pp, vpp, ep, layers=split is None)
+    if split is None:
+        return PipelineSplit.make(spec.num_layers, pp, vpp)
+    if (split.pp, split.vpp, split.num_layers) != (pp, vpp, spec.num_layers):
+        raise MConvertError(f"internal: pipeline split {split!r} for PP={pp} VPP={vpp}, {spec.num_layers} layers")
+    return split
+
+
+def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, ep: int = 1,
+                split: PipelineSplit | None = None) -> argparse.Namespace:
     """The args a written checkpoint carries: the source's (or, without them, the spec's) with the target
-    TP/PP/VPP/EP and padded vocab; shared by the torch and torch_dist writers so both say the same."""
+    TP/PP/VPP/EP, pipeline split and padded vocab; shared by the torch and torch_dist writers so both say the
+    same."""
+    ns = _layout_args(spec, args, tp, pp, vpp, ep)
+    for k, v in (split or PipelineSplit.make(spec.num_layers, pp, vpp)).megatron_args().items():
+        setattr(ns, k, v)
+    return ns
+
+
+def _layout_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, ep: int) -> argparse.Namespace:
     if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
         return spec.to_megatron_args(tp, pp, vpp, ep=ep, bos_token_id=spec.bos_token_id,
                                      eos_token_id=spec.eos_token_id)
@@ -1181,8 +1203,9 @@ class ExpertParallelWriter:
 
 def megatron_writer(out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None, ep: int = 1,
                     **kw: Any) -> MegatronWriter | ExpertParallelWriter:
-    """The writer of a Megatron checkpoint at TP/PP(/VPP)/EP (`kw`: `MegatronWriter`'s options)."""
-    spec.check_parallel(tp, pp, vpp, ep)
+    """The writer of a Megatron checkpoint at TP/PP(/VPP)/EP (`kw`: `MegatronWriter`'s options, `split` among
+    them)."""
+    checked_split(spec, tp, pp, vpp, ep, kw.get("split"))
     if ep == 1:
         return MegatronWriter(out, spec, tp, pp, vpp, **kw)
     return ExpertParallelWriter([MegatronWriter(out, spec, tp, pp, vpp, ep=ep, ep_rank=e, **kw) for e in range(ep)])

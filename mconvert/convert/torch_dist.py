@@ -29,7 +29,7 @@ from mconvert.convert import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.convert.io.atomic import listed_by_manifest
-from mconvert.convert.layout import stored_iteration
+from mconvert.convert.layout import PipelineSplit, stored_iteration
 from mconvert.convert.io.integrity import INTEGRITY, check_integrity
 from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
@@ -207,6 +207,7 @@ class TorchDistSource(SourceBase):
         self.tp = int(a.get("tensor_model_parallel_size") or 1)
         self.pp = int(a.get("pipeline_model_parallel_size") or 1)
         self.vpp = a.get("virtual_pipeline_model_parallel_size")
+        self.split = PipelineSplit.from_args(a, self.spec.num_layers, self.pp, self.vpp, str(args_file))
         self.ep = int(a.get("expert_model_parallel_size") or 1)  # the layout it was saved at (plans, reports)
         self.padded_vocab = a.get("padded_vocab_size")
         # canonical template (layer '*') or canonical name -> (DCP key, stacked?)
@@ -376,7 +377,7 @@ class TorchDistSource(SourceBase):
         emb = self.global_shapes.get("embedding.word_embeddings.weight")
         rows = emb[0] if emb else self.spec.padded_vocab_size(self.tp)
         try:
-            layout = dp_buckets.domain_layout(self.spec, self.tp, self.pp, self.vpp, ddp, rows)
+            layout = dp_buckets.domain_layout(self.spec, self.tp, self.pp, self.vpp, ddp, rows, self.split)
         except MConvertError as e:
             raise MConvertError(f"{where}: {e}") from None
         domains = sorted(int(m.group(1)) for k in self.metadata.state_dict_metadata

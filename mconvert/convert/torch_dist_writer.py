@@ -54,8 +54,8 @@ from mconvert.convert.io.hashing import HashingFile
 from mconvert.convert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
 from mconvert.convert.io.paths import make_dirs
 from mconvert.convert.io.safeload import narrowed
-from mconvert.convert.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
-from mconvert.convert.megatron import target_args
+from mconvert.convert.layout import CHECKPOINT_VERSION, PipelineSplit, iteration_dir_name, write_latest
+from mconvert.convert.megatron import checked_split, target_args
 from mconvert.convert.torch_dist import (
     DP_RESHARDABLE,
     OPTIMIZER_STATE_PREFIX,
@@ -213,8 +213,12 @@ class TorchDistWriter:
                  with_states: bool = False, optimizer_groups: list[dict[str, Any]] | None = None,
                  source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1,
                  optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False,
-                 bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)) -> None:
-        spec.check_parallel(tp, pp, vpp, ep)
+                 bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
+                 split: PipelineSplit | None = None) -> None:
+        self.split = checked_split(spec, tp, pp, vpp, ep, split)
+        if bridge and not self.split.even:  # its run config states the split in other words, not written here
+            raise MConvertError(f"--bridge with an uneven pipeline split ({self.split.describe()}) is not written; "
+                                "drop --bridge, or use an even split")
         if spec.deepseek_features():  # megatron-core keys a moe_layer_freq list per layer, MLA and MTP their own way
             raise MConvertError(f"--format torch_dist of the DeepSeek-V3 architecture "
                                 f"({', '.join(spec.deepseek_features())}) is not supported; use --format torch")
@@ -234,7 +238,7 @@ class TorchDistWriter:
             optim.to_mcore_optimizer(optimizer_groups, 0.0, self.source, spec.is_moe)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
-        self.args = target_args(spec, args, tp, pp, vpp, ep)
+        self.args = target_args(spec, args, tp, pp, vpp, ep, self.split)
         self._ep = ep
         # `optimizer` (the distributed optimizer's param groups) is kept when the caller passes it: with states
         self.top_level = {k: v for k, v in (top_level or {}).items()
@@ -268,7 +272,7 @@ class TorchDistWriter:
         a = args_dict(self.args, self.source)
         try:
             self._dp_layout = dp_buckets.domain_layout(self.spec, self.tp, self.pp, self.vpp,
-                                                       dp_buckets.ddp_settings(a), self.rows)
+                                                       dp_buckets.ddp_settings(a), self.rows, self.split)
         except MConvertError as e:
             raise MConvertError(f"{self.source}: {e}") from None
         param = a.get("params_dtype")
