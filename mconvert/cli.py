@@ -313,6 +313,9 @@ def megatron_to_hf_cmd(
     tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="HF tokenizer dir to carry (default: "
                                                       "tokenizer files beside the checkpoint).")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
+    fp8_blocks: Annotated[bool, typer.Option("--fp8-blocks", help="Write the projection weights block-scaled FP8 "
+                                             "(e4m3, a float32 scale per 128x128 block: DeepSeek-V3's release "
+                                             "layout, which transformers and vLLM load).")] = False,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -325,6 +328,7 @@ def megatron_to_hf_cmd(
       mconvert megatron-to-hf ckpt/ hf-out/
       mconvert megatron-to-hf ckpt/ hf-out/ --iteration 2000 --dtype bf16 --tokenizer tok/ --max-shard-size 2GB
       mconvert megatron-to-hf ckpt/ hf-out/ --dry-run
+      mconvert megatron-to-hf ds-ckpt/ ds-fp8/ --fp8-blocks
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import megatron_to_hf
@@ -333,7 +337,8 @@ def megatron_to_hf_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
-                                 max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run), json_out)
+                                 max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run,
+                                 fp8_blocks=fp8_blocks), json_out)
 
 
 @app.command("hf-to-megatron")

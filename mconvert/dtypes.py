@@ -58,6 +58,8 @@ TABLE: tuple[DType, ...] = (
     DType("int8", ("i8",), "I8", "|i1", 1, False, "INT8"),
     DType("uint8", ("u8",), "U8", "|u1", 1, False, "UINT8"),
     DType("bool", (), "BOOL", "|b1", 1, False, "BOOL"),
+    # block-scaled FP8 weights (DeepSeek-V3's HF release): read only with their scales (`convert/fp8.py`)
+    DType("float8_e4m3fn", (), "F8_E4M3", None, 1, True, "FLOAT8E4M3FN"),
 )
 
 # The dtypes a model's weights may be converted to and computed in (`--dtype`, `params_dtype`).

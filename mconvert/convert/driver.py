@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
+from mconvert.convert import fp8
 from mconvert.convert.base import END, SKIP, Unit, parts_ahead
 from mconvert.convert.dp_buckets import check_optimizer_layout
 from mconvert.convert.io.atomic import check_output
@@ -37,6 +38,7 @@ from mconvert.convert.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_ca
 from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
+from mconvert.mappings.plugin import transposed_in_hf
 
 
 def _torch_dist_writer(*args: Any, **kwargs: Any) -> Writer:
@@ -199,8 +201,9 @@ def target_split(num_layers: int, pp: int, vpp: int | None, pipeline: dict[str, 
 @crc_in_background
 def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | None = None, dtype: str = "auto",
                    tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
-                   progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
-    """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict."""
+                   progress: bool = False, dry_run: bool = False, fp8_blocks: bool = False) -> dict[str, Any]:
+    """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict.
+    `fp8_blocks`: the projection weights written block-scaled FP8 (e4m3, 128×128 scales; `convert/fp8.py`)."""
 
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
@@ -218,6 +221,10 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         warnings.append(untied_warning)
     spec = src.spec
     families.refuse_for_hf(spec, str(ckpt))  # before any tensor is read
+    if fp8_blocks and any(transposed_in_hf(spec, d.name) for d in spec.layer_params(0)):
+        raise MConvertError(f"--fp8-blocks: the {spec.family} family's HF projections are Conv1D weights (stored "
+                            "transposed), which neither transformers' FP8Linear nor vLLM read as block-scaled FP8; "
+                            "drop --fp8-blocks")
     if target is not None:
         spec = spec.replace(params_dtype=dtypes.of_torch(target).name)
     if dry_run:
@@ -228,7 +235,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     def hf_writer(tmp: Path) -> HFWriter:
         primary = world().primary  # under torchrun rank 0 alone writes the configs and the tokenizer
         writers.append(HFWriter(tmp, spec, size, target, tokenizer_dir=src.tokenizer_dir if primary else None,
-                                carried=_carried_dir(src)))
+                                carried=_carried_dir(src), fp8_block=fp8.DEFAULT_BLOCK if fp8_blocks else None))
         if world().size > 1:
             writers[0].plan_ahead(_source_dtype(src))
         return writers[0]
@@ -261,6 +268,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     src = open_source(hf_dir)
     if src.format != "hf":
         raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
+    if target is not None:  # block-scaled FP8 weights dequantize straight into the output dtype
+        src.dequantize_to(target)
     cfg = getattr(src, "config", {})
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     split, vpp = target_split(spec.num_layers, pp, vpp, pipeline, spec.mtp_num_layers)

@@ -1139,8 +1139,10 @@ def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, e
     TP/PP/VPP/EP, pipeline split and padded vocab; shared by the torch and torch_dist writers so both say the
     same."""
     ns = _layout_args(spec, args, tp, pp, vpp, ep)
-    for k, v in (split or PipelineSplit.make(spec.num_layers, pp, vpp)).megatron_args().items():
-        setattr(ns, k, v)
+    split = split or PipelineSplit.make(spec.num_layers, pp, vpp)
+    for k, v in split.megatron_args().items():
+        if not split.even or hasattr(ns, k):  # an even split adds no args the source did not have
+            setattr(ns, k, v)
     return ns
 
 

@@ -667,7 +667,11 @@ HF_COMMON: dict[str, Field] = {
     "is_encoder_decoder": refused("encoder-decoder models are not mapped", False),
     "cross_attention_hidden_size": refused("cross-attention layers are not mapped", None),
     "pruned_heads": refused("pruned attention heads are not mapped", None, lambda v, _: v == {}),
-    "quantization_config": refused("quantized weights are not read", None),
+    # block-scaled FP8 (DeepSeek-V3's release) is read dequantized; convert/fp8.py checks its fields
+    "quantization_config": refused("quantized weights other than block-scaled FP8 (quant_method fp8 with "
+                                   "weight_block_size) are not read", None,
+                                   lambda v, a: isinstance(v, dict) and v.get("quant_method") == "fp8"
+                                   and v.get("weight_block_size") is not None),
     "rope_scaling": refused("rope scaling (llama3, linear, dynamic, yarn ...) is not mapped yet", None),
     "rope_parameters": refused("only its plain rope (rope_type 'default') is read, with the config's rope_theta; "
                                "give rope scaling as rope_scaling", None, _rope_parameters_plain),
