@@ -368,7 +368,11 @@ class HFSource(LayerParts):
         return m is not None and m[1] is not None and transposed_in_hf(self.spec, fill(m[1][0], m[2]))
 
     def _check(self, k: str, t: torch.Tensor) -> None:
-        """Safety: int bits would be converted as numbers; NaN/Inf refused."""
+        """Safety: int bits would be converted as numbers, e4m3 bytes without their scales as garbage; NaN/Inf
+        refused."""
+        if t.dtype == fp8.FP8:
+            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is float8_e4m3fn outside a block-scaled "
+                                "FP8 safetensors checkpoint; its scales are unknown — fix config.json")
         if not t.is_floating_point():
             raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds {t.dtype} values, not "
                                 "floating-point weights; the file is corrupt — re-copy it")
