@@ -45,11 +45,11 @@ bridge-env:
 
 # The Megatron-Bridge interop tests run Megatron-Bridge itself: the env is built first when absent.
 test-bridge: $(STAMP) bridge-env
-	BRIDGE_VENV=$(BRIDGE_VENV) $(BIN)/python -m pytest -q -m bridge tests/test_bridge.py
+	BRIDGE_VENV=$(BRIDGE_VENV) $(BIN)/python -m pytest -q -m bridge tests/convert/megatron/test_bridge.py
 
 # The GGUF tests run the files in llama.cpp itself: the env is built first when absent.
 test-gguf: $(STAMP) gguf-env
-	GGUF_VENV=$(GGUF_VENV) $(BIN)/python -m pytest -q -m gguf tests/test_gguf.py
+	GGUF_VENV=$(GGUF_VENV) $(BIN)/python -m pytest -q -m gguf tests/convert/deploy/test_gguf.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check mconvert tests bench

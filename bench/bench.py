@@ -125,7 +125,7 @@ def _bare_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
             "--load_path", str(src), "--save_path", str(out),
             "--target_tensor_model_parallel_size", str(SRC_TP),
             "--target_pipeline_model_parallel_size", str(SRC_PP),
-            "--megatron-path", str(ROOT / "tests" / "megatron_standin"),
+            "--megatron-path", str(ROOT / "tests" / "helpers" / "megatron_standin"),
         ]
     raise ValueError(op)
 

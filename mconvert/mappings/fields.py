@@ -672,6 +672,10 @@ HF_COMMON: dict[str, Field] = {
                                    "weight_block_size) are not read", None,
                                    lambda v, a: isinstance(v, dict) and v.get("quant_method") == "fp8"
                                    and v.get("weight_block_size") is not None),
+    # MLX writes this key (group_size, bits) for weights packed into integers with per-group scales and biases;
+    # beside a quantization_config (newer mlx-lm writes both) that refusal alone names the model's state
+    "quantization": refused("MLX-quantized weights are not read: convert the unquantized model", None,
+                            lambda _, cfg: "quantization_config" in cfg),
     "rope_scaling": refused("rope scaling (llama3, linear, dynamic, yarn ...) is not mapped yet", None),
     "rope_parameters": refused("only its plain rope (rope_type 'default') is read, with the config's rope_theta; "
                                "give rope scaling as rope_scaling", None, _rope_parameters_plain),

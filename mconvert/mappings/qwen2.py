@@ -14,7 +14,7 @@ from typing import Any
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama
 from mconvert.mappings.family import Family, GgufLayout
-from mconvert.mappings.fields import BOOL, INT, Field, mapped
+from mconvert.mappings.fields import BOOL, INT, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
 NAME = "qwen2"
@@ -27,6 +27,11 @@ HF_FIELDS: dict[str, Field] = {
     "sliding_window": mapped("window_size", INT),
     "max_window_layers": mapped("window_pattern", INT),
     "layer_types": mapped("window_pattern", (list,)),
+    # Qwen's 1M-context releases: vLLM serves dual-chunk attention with its own rotary embedding past chunk_size,
+    # transformers and megatron-core attend in full; the weights are the ordinary ones
+    "dual_chunk_attention_config": refused(
+        "vLLM serves dual-chunk attention past its chunk_size, which transformers and Megatron do not compute; "
+        "remove the field to convert the same weights for contexts up to chunk_size", None),
 }
 
 

@@ -8,24 +8,10 @@
 # Usage: bridge_env.sh [VENV_DIR]. Prints the interpreter path on its last line; reused when stamped.
 set -euo pipefail
 VENV="${1:-${BRIDGE_VENV:-$HOME/.cache/mconvert/bridge-venv}}"
-PY="${PY:-python3}"
 STAMP="$VENV/.mconvert-bridge-ok"
-if [ -f "$STAMP" ] && [ -x "$VENV/bin/python" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
-mkdir -p "$(dirname "$VENV")"
-LOCK="$VENV.lock"
-exec 9>"$LOCK"
-flock 9
-if [ -f "$STAMP" ] && [ -x "$VENV/bin/python" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
-rm -rf "$VENV"
-"$PY" -m venv "$VENV"
+. "$(dirname "$0")/env_common.sh"
+env_begin "$VENV" "$STAMP"
 PIP=("$VENV/bin/pip" install -q)
-"${PIP[@]}" --upgrade pip >&2
 # The CPU wheel on disk; every later install keeps it (no CUDA torch is ever pulled).
 "${PIP[@]}" torch==2.13.0 >&2
 "${PIP[@]}" --no-deps --ignore-requires-python megatron-core==0.19.2 megatron-bridge==0.6.2 >&2
@@ -37,5 +23,4 @@ PIP=("$VENV/bin/pip" install -q)
   "tensorboard==2.21.0" >&2
 "$VENV/bin/python" -c "import torch, transformers; assert '+cpu' in torch.__version__, torch.__version__; \
 print('bridge venv ok', transformers.__version__)" >&2
-touch "$STAMP"
-echo "$VENV/bin/python"
+env_done "$VENV" "$STAMP"

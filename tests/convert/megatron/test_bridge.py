@@ -1,0 +1,279 @@
+"""Megatron-Bridge checkpoints both ways: what Megatron-Bridge writes converts to HF tensor-identical, and
+Megatron-Bridge's own loader and HF export read what mconvert writes (`-m bridge`: Megatron-Bridge 0.6.2 runs in
+its own venv, mconvert/validators/bridge_env.sh, through tests/helpers/bridge_helper.py). Without that venv: the
+run_config.yaml Megatron-Bridge 0.6.2 wrote (tests/data/) is read, its function-changing fields and hostile files
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safety_common import assert_one_line_error, hf_tensors, make_hf_llama, run_cli
+from scratch import scratch_dir
+
+ROOT = Path(__file__).resolve().parents[3]
+ENV_SCRIPT = ROOT / "mconvert" / "validators" / "bridge_env.sh"
+HELPER = ROOT / "tests" / "helpers" / "bridge_helper.py"
+REAL_RUN_CONFIG = ROOT / "tests" / "data" / "bridge_0.6.2_llama_run_config.yaml"
+WORK = scratch_dir("mconvert-bridge-", __name__)
+
+
+def _with_tokenizer(d: Path) -> Path:
+    from mconvert.data import build_tokenizer, save_hf_tokenizer
+
+    save_hf_tokenizer(build_tokenizer(), d)
+    return d
+
+
+@lru_cache(maxsize=None)
+def hf_model(name: str) -> Path:
+    """transformers' own random tiny model with the trainer's tokenizer: `llama` is the model the stored
+    run_config.yaml describes; `qwen3` has qk-norm and tied embeddings; `qwen3_moe` routes 4 experts, top 2."""
+    import transformers
+
+    d = WORK / f"hf-{name}"
+    if name == "llama":
+        make_hf_llama(d, vocab=1000)
+    elif name == "qwen3_moe":
+        torch.manual_seed(2)
+        cfg = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=16, vocab_size=1000, max_position_embeddings=64, num_experts=4,
+                                          num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
+        transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(d)
+    else:
+        torch.manual_seed(1)
+        cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=64,
+                                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+        transformers.Qwen3ForCausalLM(cfg).save_pretrained(d)
+    return _with_tokenizer(d)
+
+
+@lru_cache(maxsize=None)
+def ours(name: str = "llama", tp: int = 1, ep: int = 1) -> Path:
+    """mconvert's torch_dist output with Megatron-Bridge's files (--bridge)."""
+    from mconvert.convert.driver import hf_to_megatron
+
+    out = WORK / f"ours-{name}-tp{tp}-ep{ep}"
+    hf_to_megatron(hf_model(name), out, tp=tp, ep=ep, format="torch_dist", bridge=True)
+    return out
+
+
+def _real_bridge_layout(dst: Path, edit: dict | None = None, text: str | bytes | None = None) -> Path:
+    """A copy of ours() whose run_config.yaml is the one Megatron-Bridge wrote (its `model:` fields `edit`ed), or
+    `text`; without mconvert's manifest and Megatron-LM's integrity.json, as Megatron-Bridge leaves neither (its
+    runs verify no integrity by default)."""
+    shutil.copytree(ours(), dst)
+    (dst / "mconvert-manifest.json").unlink()
+    (dst / "iter_0000000" / "integrity.json").unlink()
+    rc = dst / "iter_0000000" / "run_config.yaml"
+    if text is not None:
+        rc.write_bytes(text if isinstance(text, bytes) else text.encode())
+    elif edit:
+        cfg = yaml.safe_load(REAL_RUN_CONFIG.read_text())
+        for k, v in edit.items():
+            cfg["model"][k] = v
+        rc.write_text(yaml.safe_dump(cfg))
+    else:
+        shutil.copy(REAL_RUN_CONFIG, rc)
+    return dst
+
+
+def _same_tensors(a: Path, b: Path) -> None:
+    ta, tb = hf_tensors(a), hf_tensors(b)
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        assert torch.equal(ta[k], tb[k]), k
+
+
+# ---- without Megatron-Bridge: the run_config.yaml it wrote ----------------------------------------------------
+def test_the_run_config_megatron_bridge_wrote_is_read_and_converts_tensor_identical(capsys, tmp_path):
+    ckpt = _real_bridge_layout(tmp_path / "ckpt")
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
+    assert code == 0, err
+    _same_tensors(hf_model("llama"), tmp_path / "hf")
+    code, out, err = run_cli(["inspect", ckpt, "--json"], capsys)
+    assert code == 0, err
+    info = json.loads(out)["bridge"]
+    assert info["text"] == "written by Megatron-Bridge, provider GPTModelProvider"
+    assert {"num_layers", "share_embeddings_and_output_weights", "gated_linear_unit"} <= set(info["fields_read"])
+
+
+def test_a_run_config_beside_the_iteration_dirs_is_read_only_for_a_checkpoint_without_args(capsys, tmp_path):
+    ckpt = _real_bridge_layout(tmp_path / "ckpt")
+    it = ckpt / "iter_0000000"
+    (it / "run_config.yaml").rename(ckpt / "run_config.yaml")
+    (ckpt / "run_config.yaml").write_text((ckpt / "run_config.yaml").read_text().replace("num_layers: 2", "num_layers: 9"))
+    code, out, err = run_cli(["inspect", ckpt, "--json"], capsys)  # common.pt's args win: the stray file is not read
+    assert code == 0 and "bridge" not in json.loads(out) and json.loads(out)["spec"]["num_layers"] == 2, err
+    torch.save({"checkpoint_version": 3.0, "iteration": 0}, it / "common.pt")  # as Megatron-Bridge's: no args
+    code, _, err = run_cli(["inspect", ckpt], capsys)
+    assert_one_line_error(code, err, "num_layers=9")  # now it is the model: 9 layers, 2 stored
+
+
+def test_every_verb_that_reads_megatron_checkpoints_reads_a_megatron_bridge_one(capsys, tmp_path):
+    ckpt = _real_bridge_layout(tmp_path / "ckpt")
+    code, out, err = run_cli(["validate", hf_model("llama"), ckpt], capsys)  # logits against transformers'
+    assert code == 0, err + out  # validate exits 0 only when every model matches the reference
+    for argv in (["megatron-to-trtllm", ckpt, tmp_path / "trt"], ["megatron-to-gguf", ckpt, tmp_path / "m.gguf"],
+                 ["megatron-to-hf", ckpt, tmp_path / "plan", "--dry-run"]):
+        code, _, err = run_cli(argv, capsys)
+        assert code == 0, f"{argv[0]}: {err}"
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("window_size", [16, 3], "window_size"),
+    ("softmax_type", "off-by-one", "softmax_type"),
+    ("multi_latent_attention", True, "multi_latent_attention"),
+    ("use_mup", True, "use_mup"),
+    ("activation_func", {"_target_": "torch.nn.functional.relu", "_call_": False}, "activation_func"),
+    ("gated_linear_unit", False, "gated_linear_unit"),
+    ("position_embedding_type", "yarn", "position_embedding_type"),
+    ("transformer_layer_spec", {"_target_": "my_project.custom_spec", "_call_": False}, "transformer_layer_spec"),
+    ("apply_residual_connection_post_layernorm", True, "apply_residual_connection_post_layernorm"),
+    ("a_future_bridge_option", 3, "a_future_bridge_option"),
+    ("_target_", "megatron.bridge.models.mla_provider.MLAModelProvider", "multi-latent attention"),
+    ("_target_", "megatron.bridge.models.gemma.gemma_provider.GemmaModelProvider", "not known to mconvert"),
+])
+def test_a_function_changing_provider_field_is_refused_by_name(capsys, tmp_path, field, value, words):
+    ckpt = _real_bridge_layout(tmp_path / "ckpt", edit={field: value})
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
+    assert_one_line_error(code, err, words, "run_config.yaml")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_field_the_mapping_needs_is_refused_when_absent(capsys, tmp_path):
+    cfg = yaml.safe_load(REAL_RUN_CONFIG.read_text())
+    del cfg["model"]["share_embeddings_and_output_weights"]
+    ckpt = _real_bridge_layout(tmp_path / "ckpt", text=yaml.safe_dump(cfg))
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
+    assert_one_line_error(code, err, "share_embeddings_and_output_weights", "run_config.yaml")
+
+
+@pytest.mark.parametrize("kind, text, words", [
+    ("python tag", 'model: !!python/object/apply:os.system ["touch {pwned}"]\n', "not plain YAML data"),
+    ("python name", "model:\n  _target_: !!python/name:os.system\n", "not plain YAML data"),
+    ("alias bomb", "a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+                   "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nmodel: {x: *c}\n", "aliases"),
+    ("huge", "model:\n  num_layers: 2\n" + "# padding\n" * (500_000), "bytes"),
+    ("a list", "- model\n- run\n", "no `model:` mapping"),
+    ("not text", b"model: \xff\xfe\n", "not UTF-8"),
+])
+def test_a_hostile_run_config_is_refused_with_one_line(capsys, tmp_path, kind, text, words):
+    pwned = tmp_path / "PWNED"
+    text = text.replace("{pwned}", str(pwned)) if isinstance(text, str) else text
+    ckpt = _real_bridge_layout(tmp_path / "ckpt", text=text)
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
+    assert_one_line_error(code, err, words, "run_config.yaml")
+    assert not pwned.exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_run_config_that_is_a_symlink_is_refused(capsys, tmp_path):
+    ckpt = _real_bridge_layout(tmp_path / "ckpt")
+    rc = ckpt / "iter_0000000" / "run_config.yaml"
+    shutil.copy(rc, tmp_path / "elsewhere.yaml")
+    rc.unlink()
+    rc.symlink_to(tmp_path / "elsewhere.yaml")
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
+    assert_one_line_error(code, err, "run_config.yaml")
+
+
+def test_bridge_output_needs_torch_dist_and_a_vocab_that_splits_over_tp(capsys, tmp_path):
+    code, _, err = run_cli(["hf-to-megatron", hf_model("llama"), tmp_path / "a", "--bridge"], capsys)
+    assert_one_line_error(code, err, "--bridge", "torch_dist")
+    odd = _with_tokenizer(make_hf_llama(tmp_path / "odd", vocab=1001))
+    code, _, err = run_cli(["hf-to-megatron", odd, tmp_path / "b", "--format", "torch_dist", "--bridge", "--tp", "2"],
+                           capsys)
+    assert_one_line_error(code, err, "vocab size 1001", "TP=2")
+
+
+def test_reshard_keeps_a_megatron_bridge_checkpoint_loadable_by_megatron_bridge(capsys, tmp_path):
+    ckpt = _real_bridge_layout(tmp_path / "ckpt")
+    torch.save({"step": torch.tensor(0), "consumed_train_samples": torch.tensor(4096)},
+               ckpt / "iter_0000000" / "train_state.pt")  # a run's counters
+    code, _, err = run_cli(["reshard", ckpt, tmp_path / "tp2", "--tp", "2"], capsys)
+    assert code == 0, err
+    cfg = yaml.safe_load((tmp_path / "tp2" / "iter_0000000" / "run_config.yaml").read_text())
+    real = yaml.safe_load(REAL_RUN_CONFIG.read_text())  # the run's config is carried, its layout rewritten
+    assert cfg["model"]["tensor_model_parallel_size"] == 2 and cfg["model"]["should_pad_vocab"] is False
+    layout = {"tensor_model_parallel_size", "make_vocab_size_divisible_by"}  # 8 -> 4: 1000 rows split over TP=2
+    assert cfg["model"]["make_vocab_size_divisible_by"] * 2 * 125 == 1000
+    assert {k: v for k, v in cfg["model"].items() if k not in layout} == \
+        {k: v for k, v in real["model"].items() if k not in layout}
+    assert cfg["tokenizer"] == real["tokenizer"] and cfg["checkpoint"] == real["checkpoint"]
+    state = torch.load(tmp_path / "tp2" / "latest_train_state.pt", weights_only=True)
+    assert int(state["consumed_train_samples"]) == 4096
+    code, _, err = run_cli(["megatron-to-hf", tmp_path / "tp2", tmp_path / "hf"], capsys)
+    assert code == 0, err
+    _same_tensors(hf_model("llama"), tmp_path / "hf")
+    code, _, err = run_cli(["reshard", ckpt, tmp_path / "plain", "--tp", "2", "--no-bridge"], capsys)
+    assert code == 0, err
+    assert not list((tmp_path / "plain").rglob("run_config.yaml"))
+
+
+# ---- Megatron-Bridge itself ------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def bridge_python() -> str:
+    """The Megatron-Bridge venv's interpreter, the venv built when absent (make bridge-env)."""
+    r = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, f"make bridge-env failed: {r.stderr[-2000:]}"
+    return r.stdout.strip().splitlines()[-1]
+
+
+def _run_bridge(python: str, *argv: Path | str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    r = subprocess.run([python, str(HELPER), *map(str, argv)], capture_output=True, text=True, timeout=1200,
+                       cwd=WORK, env={**env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, f"Megatron-Bridge failed ({sys.executable}):\n{r.stderr[-4000:]}"
+
+
+@pytest.mark.bridge
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
+def test_a_checkpoint_megatron_bridge_writes_converts_back_to_hf_tensor_identical(bridge_python, capsys, tmp_path,
+                                                                                  name):
+    ckpt = tmp_path / "bridge-ckpt"
+    _run_bridge(bridge_python, "import", hf_model(name), ckpt)
+    assert (ckpt / "iter_0000000" / "run_config.yaml").is_file() and not (ckpt / "iter_0000000" / "common.pt").exists()
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
+    assert code == 0, err
+    _same_tensors(hf_model(name), tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()  # carried from the checkpoint's tokenizer/
+    # its tokenizer/ (saved by transformers 5) is read where a verb needs the tokenizer itself
+    code, _, err = run_cli(["megatron-to-gguf", ckpt, tmp_path / "m.gguf"], capsys)
+    assert code == 0, err
+    # re-sharded by mconvert, it stays a checkpoint Megatron-Bridge loads: its own export gives the same tensors
+    code, _, err = run_cli(["reshard", ckpt, tmp_path / "tp2", "--tp", "2"], capsys)
+    assert code == 0, err
+    _run_bridge(bridge_python, "export", hf_model(name), tmp_path / "tp2", tmp_path / "hf2")
+    _same_tensors(hf_model(name), tmp_path / "hf2")
+
+
+@pytest.mark.bridge
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name, tp, ep", [("llama", 2, 1), ("qwen3", 1, 1), ("qwen3_moe", 2, 2)])
+def test_megatron_bridge_export_reads_mconvert_torch_dist_into_the_same_hf_tensors(bridge_python, tmp_path, name, tp,
+                                                                                  ep):
+    _run_bridge(bridge_python, "export", hf_model(name), ours(name, tp, ep), tmp_path / "hf")
+    _same_tensors(hf_model(name), tmp_path / "hf")
+
+
+def test_a_window_in_the_provider_reaches_the_export(capsys, tmp_path):
+    """A feature the Megatron table maps (here a sliding window) is read from run_config.yaml too: the export
+    states it (HF sliding_window = megatron-core's left size + 1), never drops it."""
+    ckpt = _real_bridge_layout(tmp_path / "ckpt", edit={"window_size": [16, 0]})
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
+    assert code == 0, err
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["sliding_window"] == 17 and cfg["model_type"] == "mistral", cfg
