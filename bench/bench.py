@@ -225,7 +225,7 @@ def layer_figures(ckpt: Path) -> dict[str, Any]:
 
     # in a child process: importing torch here would grow this process, whose pages every child measured
     # after it would otherwise carry in its ru_maxrss
-    code = ("import json, sys; from mconvert.convert.megatron import MegatronSource; "
+    code = ("import json, sys; from mconvert.convert.megatron.source import MegatronSource; "
             "print(json.dumps(MegatronSource(sys.argv[1]).spec.to_dict()))")
     out = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, check=True)
     spec = ModelSpec(**json.loads(out.stdout.strip().splitlines()[-1]))

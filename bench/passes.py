@@ -44,9 +44,9 @@ def measure(repeats: int = 5) -> list[dict[str, Any]]:
     import numpy
     import torch
 
-    from mconvert.convert.io.hashing import crc32, new_hasher
-    from mconvert.convert.io.safeload import all_finite
-    from mconvert.mappings.transforms import copy_transposed
+    from mconvert.io.hashing import crc32, new_hasher
+    from mconvert.io.casts import all_finite
+    from mconvert.io.transpose import copy_transposed
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mconvert import dtypes
-from mconvert.convert.io import tuning
+from mconvert.io import tuning
 from mconvert.errors import MConvertError, at_least_one
 from mconvert.errors import rich_safe as plain
 
@@ -72,7 +72,7 @@ ManifestHash = Annotated[str, typer.Option("--manifest-hash", help="Digest in OU
 
 def _manifest_hash(name: str, one_process: str | None = None) -> None:
     """Set the manifest's hash; `one_process`: the verb, refused under torchrun (it cannot share its work)."""
-    from mconvert.convert.io.hashing import set_manifest_hash
+    from mconvert.io.hashing import set_manifest_hash
 
     set_manifest_hash(name)
     if one_process is not None:
@@ -498,7 +498,7 @@ def megatron_to_ft_cmd(
     """
     _at_least_one(("--tp/--infer-tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.fastertransformer import megatron_to_ft
+    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -532,7 +532,7 @@ def megatron_to_trtllm_cmd(
     """
     _at_least_one(("--tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.trtllm import megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -568,7 +568,7 @@ def megatron_to_gguf_cmd(
       mconvert megatron-to-gguf ckpt/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.gguf import to_gguf
+    from mconvert.convert.deploy.gguf import to_gguf
 
     _manifest_hash(manifest_hash, one_process="megatron-to-gguf")
     tuning.apply()
@@ -596,7 +596,7 @@ def hf_to_gguf_cmd(
       mconvert hf-to-gguf hf/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.gguf import to_gguf
+    from mconvert.convert.deploy.gguf import to_gguf
 
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")
     tuning.apply()
@@ -637,7 +637,7 @@ def to_onnx_cmd(
                             "below 1 (default 1e-4), or omit it")
     _at_least_one(("--opset", opset))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.onnx import to_onnx
+    from mconvert.convert.deploy.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
     tuning.quiet_gc()  # the imports out of the collector's reach; the collector back on
 

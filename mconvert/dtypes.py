@@ -60,7 +60,7 @@ TABLE: tuple[DType, ...] = (
     DType("bool", (), "BOOL", "|b1", 1, False, "BOOL"),
 )
 # Stored only, never computed in: block-scaled FP8 weights (DeepSeek-V3's HF release), read dequantized with their
-# scales (`convert/fp8.py`) and written by `--fp8-blocks`; no `--dtype` names them and ONNX never holds them.
+# scales (`convert/hf/fp8.py`) and written by `--fp8-blocks`; no `--dtype` names them and ONNX never holds them.
 STORED_ONLY: tuple[DType, ...] = (
     DType("float8_e4m3fn", (), "F8_E4M3", None, 1, True, "FLOAT8E4M3FN"),
 )

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mconvert"
 # Layer of each top-level part of mconvert: a module may import its own part or a lower layer, never a higher one.
 LAYERS = {
     "errors": 0, "dtypes": 0, "rope": 0,
-    "spec": 1,
+    "spec": 1, "io": 1,
     "mappings": 2, "data": 2,
     "convert": 3, "trainer": 3, "validators": 3,
     "cli": 4, "demo": 4, "": 4,  # "": the package's own __init__ (a facade over the parts)
@@ -71,7 +71,7 @@ def import_edges(root: Path = PACKAGE) -> list[Edge]:
 
 
 def part(mod: str) -> str:
-    """`mconvert.convert.hf` -> `convert`; the package itself -> ``."""
+    """`mconvert.convert.hf.source` -> `convert`; the package itself -> ``."""
     pieces = mod.split(".")
     return pieces[1] if len(pieces) > 1 else ""
 
@@ -141,7 +141,7 @@ def edges() -> list[Edge]:
 def test_the_graph_covers_the_package(edges):
     # an empty scan would pass every check below: it must see the parts and the edges between them
     assert {part(m) for m in module_names()} >= {"spec", "mappings", "convert", "trainer", "validators", "cli"}
-    assert ("mconvert.convert.sources", "mconvert.convert.hf") in {(e.src, e.dst) for e in edges}
+    assert ("mconvert.convert.sources", "mconvert.convert.hf.source") in {(e.src, e.dst) for e in edges}
     assert len(edges) > 200
 
 
@@ -155,6 +155,29 @@ def test_convert_never_imports_validators(edges):
 
 def test_imports_point_down(edges):
     assert layering_violations(edges) == []
+
+
+# The bytes layer stands at the bottom: files, tensors' bytes, casts, atomic output; nothing that knows a model.
+IO_MAY_IMPORT = {"io", "errors", "dtypes"}
+
+
+def io_reaches_up(edges: list[Edge]) -> list[str]:
+    return [e.where() for e in edges if part(e.src) == "io" and part(e.dst) not in IO_MAY_IMPORT]
+
+
+def test_io_imports_nothing_above_it(edges):
+    assert any(part(e.src) == "io" for e in edges)  # the scan sees mconvert/io
+    assert io_reaches_up(edges) == []
+
+
+def test_the_io_check_catches_an_import_from_above(tmp_path):
+    pkg = _write(tmp_path, {
+        "__init__.py": "", "errors.py": "", "spec.py": "",
+        "io/__init__.py": "", "io/ok.py": "from mconvert.errors import E\nfrom mconvert.io import ok\n",
+        "io/bad.py": "def f():\n    from mconvert.spec import ModelSpec\n    from mconvert.convert.hf import source\n",
+    })
+    assert io_reaches_up(import_edges(pkg)) == ["mconvert.io.bad:2 imports mconvert.spec.ModelSpec",
+                                                "mconvert.io.bad:3 imports mconvert.convert.hf.source"]
 
 
 def test_no_private_names_across_modules(edges):
@@ -179,7 +202,7 @@ def test_checks_catch_a_hidden_cycle_an_upward_import_and_a_private_name(tmp_pat
         "mappings/plugin.py": "from mconvert.spec import f\nfrom .keys import _flatten\n",
         "mappings/keys.py": "def _flatten(): ...\n",
         "convert/__init__.py": "",
-        "convert/onnx.py": "def g():\n    from mconvert.validators import onnx_runner\n",
+        "convert/deploy/onnx.py": "def g():\n    from mconvert.validators import onnx_runner\n",
         "validators/__init__.py": "",
         "validators/onnx_runner.py": "",
     })
@@ -188,4 +211,4 @@ def test_checks_catch_a_hidden_cycle_an_upward_import_and_a_private_name(tmp_pat
     assert private_imports(found) == ["mconvert.mappings.plugin:2 imports mconvert.mappings.keys._flatten"]
     bad = layering_violations(found)
     assert any(b.startswith("mconvert.spec:2 imports mconvert.mappings.plugin: spec (layer 1)") for b in bad)
-    assert any(b.startswith("mconvert.convert.onnx:2 imports mconvert.validators.onnx_runner") for b in bad)
+    assert any(b.startswith("mconvert.convert.deploy.onnx:2 imports mconvert.validators.onnx_runner") for b in bad)

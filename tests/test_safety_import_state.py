@@ -47,7 +47,7 @@ def test_importing_mconvert_changes_no_process_state():
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(got["failed"]) <= OPTIONAL_IMPORTS, got["failed"]
     assert got["imported"] == [n for n in got["names"] if n not in got["failed"]]
-    assert {"mconvert.cli", "mconvert.convert.io.tuning", "mconvert.trainer.main"} <= set(got["imported"])
+    assert {"mconvert.cli", "mconvert.io.tuning", "mconvert.trainer.main"} <= set(got["imported"])
     before, after = got["before"], got["after"]
     assert "THP_MEM_ALLOC_ENABLE" not in after["env"]
     assert after["env"] == before["env"]
@@ -56,7 +56,7 @@ def test_importing_mconvert_changes_no_process_state():
 
 def test_cli_applies_tuning_and_library_does_not(tmp_path):
     """`tuning.apply()` is what the CLI's conversion verbs call: it changes exactly the settings it names."""
-    probe = ("import gc, os, torch, json; from mconvert.convert.io import tuning; "
+    probe = ("import gc, os, torch, json; from mconvert.io import tuning; "
              "os.environ.pop('THP_MEM_ALLOC_ENABLE', None); t0 = torch.get_num_threads(); tuning.apply(); "
              "print(json.dumps({'thp': os.environ.get('THP_MEM_ALLOC_ENABLE'), 'frozen': gc.get_freeze_count(), "
              "'threshold': gc.get_threshold()[0], 'threads': torch.get_num_threads(), 't0': t0, "

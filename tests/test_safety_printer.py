@@ -64,7 +64,7 @@ def test_hostile_key_in_a_rank_file_is_escaped(tmp_path, capsys):
 def test_a_bug_is_one_line_and_the_traceback_is_on_request(tmp_path, capsys, monkeypatch):
     """An exception mconvert does not expect (here: injected into the HF reader) is a bug: one line naming its
     type and message, exit 1, the hint to set MCONVERT_DEBUG=1; with it set the exception propagates."""
-    import mconvert.convert.hf as hf
+    import mconvert.convert.hf.source as hf
 
     def boom(*a, **k):
         raise ZeroDivisionError("injected [/x] \x1b[31m")

@@ -122,7 +122,7 @@ def _pool() -> Any:
     if _WORKERS == 1:
         return None
     if _POOL is None:
-        from mconvert.convert.io.tuning import process_cores
+        from mconvert.io.tuning import process_cores
 
         size = _WORKERS or min(process_cores(), 8)
         if size == 1:

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mconvert.convert.checkpoint import DIST_MARKERS, is_iteration_dir, resolve_iteration_dir
-from mconvert.convert.io.paths import load_json_object
-from mconvert.convert.layout import TRACKER
+from mconvert.convert.megatron.checkpoint import DIST_MARKERS, is_iteration_dir, resolve_iteration_dir
+from mconvert.io.paths import load_json_object
+from mconvert.convert.megatron.layout import TRACKER
 from mconvert.errors import MConvertError
 
 

@@ -19,22 +19,22 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
-from mconvert.convert import fp8
+from mconvert.convert.hf import fp8
 from mconvert.convert.base import END, SKIP, Unit, parts_ahead
-from mconvert.convert.dp_buckets import check_optimizer_layout
-from mconvert.convert.io.atomic import check_output
-from mconvert.convert.hf import HFWriter, parse_size
-from mconvert.convert.layout import PipelineSplit, parse_pipeline_layout
-from mconvert.convert.megatron import MegatronSource, megatron_writer
-from mconvert.convert.optimizer import check_mcore_groups, index_states
+from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
+from mconvert.io.atomic import check_output
+from mconvert.convert.hf.writer import HFWriter, parse_size
+from mconvert.convert.megatron.layout import PipelineSplit, parse_pipeline_layout
+from mconvert.convert.megatron.source import MegatronSource
+from mconvert.convert.megatron.writer import megatron_writer
+from mconvert.convert.megatron.optimizer import check_mcore_groups, index_states
 from mconvert.convert.plan import plan_for_source
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
-from mconvert.convert.io.safeload import (crc_in_background, input_check_figures, skip_crc_checks, start_crc_checks,
-                                          wait_crc_checks)
+from mconvert.io.crc import crc_in_background, input_check_figures, skip_crc_checks, start_crc_checks, wait_crc_checks
 from mconvert.convert.sources import open_source
-from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab
+from mconvert.io.safeload import safe_load
+from mconvert.convert.hf.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab
 from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
@@ -44,7 +44,7 @@ from mconvert.mappings.plugin import transposed_in_hf
 def _torch_dist_writer(*args: Any, **kwargs: Any) -> Writer:
     """`TorchDistWriter(...)`; torch.distributed.checkpoint is a heavy import every verb would pay at start-up, so
     it is imported only when a torch_dist output is written."""
-    from mconvert.convert.torch_dist_writer import TorchDistWriter
+    from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 
     return TorchDistWriter(*args, **kwargs)
 
@@ -203,7 +203,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
                    tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
                    progress: bool = False, dry_run: bool = False, fp8_blocks: bool = False) -> dict[str, Any]:
     """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict.
-    `fp8_blocks`: the projection weights written block-scaled FP8 (e4m3, 128×128 scales; `convert/fp8.py`)."""
+    `fp8_blocks`: the projection weights written block-scaled FP8 (e4m3, 128×128 scales; `convert/hf/fp8.py`)."""
 
     t0 = time.perf_counter()
     target = parse_dtype(dtype)

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from mconvert import dtypes
-from mconvert.convert.ft_checks import ft_layout
-from mconvert.convert.io.paths import load_json_object
-from mconvert.convert.layout import RANK_FILE, rank_dir_name
-from mconvert.convert.trtllm_layout import expected_trtllm_shapes, trtllm_config, trtllm_refusal
+from mconvert.convert.deploy.ft_checks import ft_layout
+from mconvert.io.paths import load_json_object
+from mconvert.convert.megatron.layout import RANK_FILE, rank_dir_name
+from mconvert.convert.deploy.trtllm_layout import expected_trtllm_shapes, trtllm_config, trtllm_refusal
 from rich.table import Table
 
 from mconvert.errors import MConvertError, expect

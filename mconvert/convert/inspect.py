@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from mconvert.convert.layout import PipelineSplit
+from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.convert.sources import open_source
 from mconvert.errors import rich_safe
 from mconvert.mappings.transforms import split_dim
@@ -75,7 +75,7 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
         "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
         "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
         "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params, "files": files,
-        **({"bridge": src.writer} if getattr(src, "writer", None) else {}),  # Megatron-Bridge (convert/bridge.py)
+        **({"bridge": src.writer} if getattr(src, "writer", None) else {}),  # Megatron-Bridge (convert/megatron/bridge.py)
     }
 
 
@@ -93,7 +93,7 @@ def writer_of(src: Any) -> dict[str, Any] | None:
     args = getattr(src, "args", None)
     if args is None:
         return None
-    from mconvert.convert.checkpoint import args_dict
+    from mconvert.convert.megatron.checkpoint import args_dict
 
     return describe_megatron_args(args_dict(args, src.path))
 

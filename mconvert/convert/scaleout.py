@@ -28,10 +28,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.io.atomic import adopt_digests, atomic_output_dir, digests_under, record_digest
-from mconvert.convert.io.hashing import hash_file, manifest_hash
-from mconvert.convert.io.safeload import check_unread, crc_tally
-from mconvert.convert.io.world import World, active_world, refuse_torchrun, world, world_from_env
+from mconvert.io.atomic import adopt_digests, atomic_output_dir, digests_under, record_digest
+from mconvert.io.hashing import hash_file, manifest_hash
+from mconvert.io.crc import check_unread, crc_tally
+from mconvert.io.world import World, active_world, refuse_torchrun, world, world_from_env
 from mconvert.errors import MConvertError
 
 __all__ = ["World", "claim_files", "refuse_torchrun", "shared_atomic_output_dir", "world", "world_from_env"]

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mconvert.convert.io.atomic import verify_input
+from mconvert.io.atomic import verify_input
 from mconvert.convert.base import SourceBase
 from mconvert.convert import detect
-from mconvert.convert.hf import HFSource
-from mconvert.convert.megatron import MegatronSource
+from mconvert.convert.hf.source import HFSource
+from mconvert.convert.megatron.source import MegatronSource
 
 
 def detect_format(path: str | Path, iteration: int | str | None = None) -> str:
@@ -33,7 +33,7 @@ def open_source(path: str | Path, iteration: int | str | None = None, tokenizer:
         return HFSource(Path(path), tokenizer=tokenizer)
     if fmt == "megatron-torch_dist":
         # torch.distributed.checkpoint is a heavy import: paid only by a torch_dist source, not at every start-up
-        from mconvert.convert.torch_dist import TorchDistSource
+        from mconvert.convert.megatron.torch_dist import TorchDistSource
 
         return TorchDistSource(Path(path), iteration=iteration, tokenizer=tokenizer, verify=verify)
     return MegatronSource(Path(path), iteration=iteration, tokenizer=tokenizer)

@@ -3,7 +3,7 @@
 A writer is constructed on the atomic temporary output directory (`io.atomic.atomic_output_dir`) with
 everything it needs to know up front (ModelSpec, layout, dtype); `driver.drive` then feeds it one unit at a
 time from the Source method `reads` names, and calls `close()` once (or `abort()` on any error, before the
-temporary directory is removed). HF (`hf.HFWriter`), Megatron (`megatron.MegatronWriter`), FasterTransformer
+temporary directory is removed). HF (`hf.writer.HFWriter`), Megatron (`megatron.writer.MegatronWriter`), FasterTransformer
 (`fastertransformer.FTWriter`) and TensorRT-LLM (`trtllm.TrtllmWriter`) implement it. ONNX does not: optimum
 and torch.onnx export a whole HF model in one call (no unit stream to feed), so `to_onnx` keeps its own flow and
 returns the same report shape.

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.io.transpose import copy_transposed
 from mconvert.mappings import transforms as T
 from mconvert.mappings.family import DeployRule, Tensors
 from mconvert.mappings.registry import Registry, fill
@@ -98,7 +99,7 @@ def _stack_t(b: list[torch.Tensor], empty: T.Empty | None = None) -> list[torch.
     shape = (b[0].shape[1], len(b), b[0].shape[0])
     s = empty(shape, b[0].dtype) if empty is not None else torch.empty(shape, dtype=b[0].dtype)
     for j, part in enumerate(b):
-        T.copy_transposed(part, s[:, j])
+        copy_transposed(part, s[:, j])
     return [s]
 
 

@@ -166,7 +166,7 @@ def _shipped_reads() -> dict[str, frozenset[str]]:
 
 def hf_reads(model_type: str) -> frozenset[str] | None:
     """Every config attribute a reference implementation of `model_type` reads (transformers' and vLLM's model
-    code and the shared code it calls, derived from their sources by `tests/hf_config_reads.py`); None for a
+    code and the shared code it calls, derived from their sources by `tests/helpers/hf_config_reads.py`); None for a
     model_type the shipped file does not cover, where every name counts as read."""
     return _shipped_reads().get(model_type)
 

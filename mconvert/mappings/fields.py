@@ -11,7 +11,7 @@ anything else is refused by name, so a new upstream option cannot slip through u
 A table may hold `section.*`: it stands for every `section.<key>` the table does not list itself.
 
 The deployment checkers read their formats' configs through the same `check` (TensorRT-LLM `config.json` in
-`convert/trtllm.py`, FasterTransformer `config.ini` in `convert/fastertransformer.py`), each with its own table
+`convert/deploy/trtllm.py`, FasterTransformer `config.ini` in `convert/deploy/fastertransformer.py`), each with its own table
 and verdict.
 
 The HF table here holds the common `PretrainedConfig` attributes; each family module holds its own fields
@@ -389,7 +389,7 @@ _MEGATRON_NEUTRAL: dict[str, Field] = {
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
         "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
-        # the pipeline split: which stage holds which layers (convert/layout.py `PipelineSplit` reads them)
+        # the pipeline split: which stage holds which layers (convert/megatron/layout.py `PipelineSplit` reads them)
         "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
@@ -667,7 +667,7 @@ HF_COMMON: dict[str, Field] = {
     "is_encoder_decoder": refused("encoder-decoder models are not mapped", False),
     "cross_attention_hidden_size": refused("cross-attention layers are not mapped", None),
     "pruned_heads": refused("pruned attention heads are not mapped", None, lambda v, _: v == {}),
-    # block-scaled FP8 (DeepSeek-V3's release) is read dequantized; convert/fp8.py checks its fields
+    # block-scaled FP8 (DeepSeek-V3's release) is read dequantized; convert/hf/fp8.py checks its fields
     "quantization_config": refused("quantized weights other than block-scaled FP8 (quant_method fp8 with "
                                    "weight_block_size) are not read", None,
                                    lambda v, a: isinstance(v, dict) and v.get("quant_method") == "fp8"
@@ -715,7 +715,7 @@ def check_numbers(d: Mapping[str, Any], keys: tuple[str, ...], required: tuple[s
 # Megatron-Bridge 0.6 GPTModelProvider (models/gpt_provider.py) extends megatron-core's TransformerConfig, whose
 # fields the Megatron table judges under the same names; below are the provider's own names and the ones whose
 # YAML form differs (callables, dtypes and enums are mappings naming a `_target_`, never imported). The
-# translation to Megatron args is `convert/bridge.py`.
+# translation to Megatron args is `convert/megatron/bridge.py`.
 
 
 def _named(v: Any) -> Any:
@@ -728,7 +728,7 @@ _BRIDGE_LAYER_SPECS = tuple(f"megatron.bridge.models.gpt_provider.{n}" for n in
 
 BRIDGE_MODEL: dict[str, Field] = {
     **MEGATRON_ARGS,
-    "_target_": Field(NEUTRAL, "the provider class, checked against convert/bridge.py's provider table"),
+    "_target_": Field(NEUTRAL, "the provider class, checked against convert/megatron/bridge.py's provider table"),
     "share_embeddings_and_output_weights": mapped("tie_embeddings", BOOL, True),
     "gated_linear_unit": mapped("activation", BOOL, False),
     "activation_func": refused("only SiLU (gated: SwiGLU) and GeLU MLPs are mapped", None,

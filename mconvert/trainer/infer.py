@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mconvert.convert.layout import PipelineSplit, rank_file, read_latest
-from mconvert.convert.io.paths import inside_file
-from mconvert.convert.checkpoint import args_dict
-from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.megatron.checkpoint import args_dict
+from mconvert.convert.megatron.layout import PipelineSplit, rank_file, read_latest
+from mconvert.io.paths import inside_file
+from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings.keys import canonical_key, flatten

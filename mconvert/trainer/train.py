@@ -35,11 +35,12 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from mconvert.convert import optimizer as optim
-from mconvert.convert.checkpoint import args_dict
-from mconvert.convert.io.atomic import atomic_output_dir, terminating
-from mconvert.convert.layout import TRACKER, PipelineSplit, rank_file, read_latest, save_rank_file, write_latest
-from mconvert.convert.io.safeload import all_finite, safe_load, value_range
+from mconvert.convert.megatron import optimizer as optim
+from mconvert.convert.megatron.checkpoint import args_dict
+from mconvert.io.atomic import atomic_output_dir, terminating
+from mconvert.convert.megatron.layout import TRACKER, PipelineSplit, rank_file, read_latest, save_rank_file, write_latest
+from mconvert.io.safeload import safe_load
+from mconvert.io.casts import all_finite, value_range
 from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
 from mconvert.errors import MConvertError, at_least_one, expect
 from mconvert.mappings import families

@@ -1,4 +1,4 @@
-"""What the engines do with an export's untrusted text, run inside a bounded child (`convert.io.bounded`):
+"""What the engines do with an export's untrusted text, run inside a bounded child (`io.bounded`):
 transformers renders the chat template. Each function takes and returns JSON values; each part announces
 itself (`bounded.part`) so that a part running past a bound is named.
 """
@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.io.bounded import part, run_bounded
-from mconvert.convert.tokenizer import CHAT_TEMPLATE_DIR, has_chat_template, load_tokenizer
+from mconvert.io.bounded import part, run_bounded
+from mconvert.convert.hf.tokenizer import CHAT_TEMPLATE_DIR, has_chat_template, load_tokenizer
 from mconvert.errors import MConvertError, escape_controls
 
 # A chat template renders a conversation in milliseconds; one given seconds of CPU loops or grows without end.

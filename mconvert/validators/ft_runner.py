@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mconvert.convert.fastertransformer import (
+from mconvert.convert.deploy.fastertransformer import (
     check_ft_dir,
     ft_expected_files,
     load_ft_tensor,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.io.paths import open_regular
+from mconvert.io.paths import open_regular
 from mconvert.errors import MConvertError
 
 MAGIC = b"GGUF"

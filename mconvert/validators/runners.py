@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mconvert.convert.io.paths import check_tree_contained
+from mconvert.io.paths import check_tree_contained
 from mconvert.convert.sources import open_source
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mconvert.convert.tokenizer import load_tokenizer as load
+from mconvert.convert.hf.tokenizer import load_tokenizer as load
 from mconvert.errors import MConvertError
 
 BUILTIN_TEXT = (

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from mconvert.convert.trtllm import check_trtllm_dir, read_trtllm_config, trtllm_layout_of
+from mconvert.convert.deploy.trtllm import check_trtllm_dir, read_trtllm_config, trtllm_layout_of
 from mconvert.errors import MConvertError
 from mconvert.rope import megatron_attention_factor, yarn_inv_freq
 from mconvert.validators.ft_runner import (

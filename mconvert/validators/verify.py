@@ -21,13 +21,14 @@ from rich.table import Table
 from safetensors import safe_open
 
 from mconvert import dtypes
-from mconvert.convert.hf import read_weight_map
-from mconvert.convert.io.paths import contained, inside_file, load_json_object
-from mconvert.convert.io.atomic import MANIFEST, check_manifest
-from mconvert.convert.layout import RANK_FILE, iteration_dir_name
-from mconvert.convert.io.safeload import all_finite, safe_load
+from mconvert.convert.hf.source import read_weight_map
+from mconvert.io.paths import contained, inside_file, load_json_object
+from mconvert.io.atomic import MANIFEST, check_manifest
+from mconvert.convert.megatron.layout import RANK_FILE, iteration_dir_name
+from mconvert.io.safeload import safe_load
+from mconvert.io.casts import all_finite
 from mconvert.convert.sources import open_source
-from mconvert.convert.tokenizer import has_chat_template
+from mconvert.convert.hf.tokenizer import has_chat_template
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as _plain
 from mconvert.mappings import families

@@ -35,7 +35,7 @@ GREEDY_TOKENS = 16
 def verify_gguf(path: str | Path, against: str | Path | None = None, device: str = "auto",
                 n_tokens: int = 32, python: str | Path | None = None) -> Any:
     """Every check on one GGUF file; errors are collected in the report, never raised."""
-    from mconvert.convert.io.atomic import check_file_manifest
+    from mconvert.io.atomic import check_file_manifest
     from mconvert.validators.gguf_runner import read_gguf_metadata, run_llama_cpp
     from mconvert.validators.verify import VerifyReport
 
@@ -130,7 +130,7 @@ def _reference_spec(ckpt: Path, rep: Any) -> Any:
 
 def _tensors(meta: dict[str, Any], spec: Any, rep: Any) -> None:
     """Every tensor the reference's spec plans, by name and shape, and nothing else."""
-    from mconvert.convert.gguf import gguf_layout, plan_tensors
+    from mconvert.convert.deploy.gguf import gguf_layout, plan_tensors
 
     try:
         plan = {t.name: t.shape for t in plan_tensors(spec, gguf_layout(spec), "f32")}

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io.paths import check_tree_contained, inside_file, load_json_object
+from mconvert.io.paths import check_tree_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
 from mconvert.validators.engine_probe import chat_ids
 from mconvert.validators.formats import has_tokenizer

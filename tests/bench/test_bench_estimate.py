@@ -219,7 +219,7 @@ def test_procmon_measures_peak_rss_and_page_cache(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_all_finite_agrees_with_isfinite(dtype: torch.dtype) -> None:
     """The one-pass NaN/Inf check answers exactly as torch.isfinite().all()."""
-    from mconvert.convert.io.safeload import all_finite
+    from mconvert.io.casts import all_finite
 
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 31, 4097, 100_003):

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import transformers
 
 from mconvert.cli import main
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mconvert.convert.base import units_of
-from mconvert.convert.megatron import MegatronWriter
+from mconvert.convert.megatron.writer import MegatronWriter
 from mconvert.spec import ModelSpec
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ LAYER_BYTES = 12 * H * H * 4
 PROBE = r"""
 import json, sys, psutil
 from mconvert.convert.driver import megatron_to_hf, peak_rss_bytes
-from mconvert.convert.io import tuning
+from mconvert.io import tuning
 tuning.apply()  # as the mconvert command does before a conversion (heap threshold, threads, gc)
 base = psutil.Process().memory_info().rss
 rep = megatron_to_hf(sys.argv[1], sys.argv[2], max_shard_size="8MB")

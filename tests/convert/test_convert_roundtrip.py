@@ -112,7 +112,7 @@ def test_hf_megatron_hf_is_identical(hf_models, tmp_path, name, tp, pp):
 
 def test_megatron_files_have_the_declared_layout(hf_models, tmp_path):
     """TP=4 over a single KV group: every rank holds a contiguous quarter of the fused qkv rows."""
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     model, src = hf_models["llama-g1"]
     hf_to_megatron(src, tmp_path / "mg", tp=4, pp=2)
@@ -140,7 +140,7 @@ def test_a_window_travels_in_megatron_core_args(hf_models, tmp_path):
     own `is_layer_window_attention` reads the written args."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     _, src = hf_models["qwen2-swa"]
     hf_to_megatron(src, tmp_path / "mg", tp=2, pp=2)

@@ -15,10 +15,10 @@ import torch
 
 from deploy_common import make_hf
 from mconvert.convert.driver import drive, hf_to_megatron, megatron_to_hf, reshard, write_output
-from mconvert.convert.fastertransformer import megatron_to_ft
-from mconvert.convert.onnx import to_onnx
+from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+from mconvert.convert.deploy.onnx import to_onnx
 from mconvert.convert.sources import open_source
-from mconvert.convert.trtllm import megatron_to_trtllm
+from mconvert.convert.deploy.trtllm import megatron_to_trtllm
 from mconvert.convert.writer import REPORT_KEYS
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
@@ -212,7 +212,10 @@ def test_every_writer_implements_the_protocol(cls):
     import inspect
     import typing
 
-    from mconvert.convert import fastertransformer, hf, megatron, trtllm
+    from mconvert.convert.deploy import fastertransformer
+    from mconvert.convert.hf import writer as hf
+    from mconvert.convert.megatron import writer as megatron
+    from mconvert.convert.deploy import trtllm
     from mconvert.convert.writer import Writer
 
     writer = next(getattr(m, cls) for m in (hf, megatron, fastertransformer, trtllm) if hasattr(m, cls))

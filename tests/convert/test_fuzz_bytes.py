@@ -31,7 +31,7 @@ import pytest
 import torch
 from safety_common import assert_one_line_error, base, copy_of, hf_tensors, run_cli
 
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import spec_from_megatron_args
 
 RANK_FILES = [f"release/mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt" for t in range(2) for p in range(2)]

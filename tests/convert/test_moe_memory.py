@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from mconvert.convert.driver import reshard
-from mconvert.convert.io.hashing import HashingFile
-from mconvert.convert.megatron import megatron_writer
+from mconvert.io.hashing import HashingFile
+from mconvert.convert.megatron.writer import megatron_writer
 from mconvert.mappings.families import preset
 from safety_common import add_adam_states
 
@@ -40,7 +40,7 @@ PROBE = r"""
 import json, sys, psutil
 from pathlib import Path
 from mconvert.convert import driver
-from mconvert.convert.io import tuning
+from mconvert.io import tuning
 tuning.apply()  # as the mconvert command does before a conversion (heap threshold, threads, gc)
 mg, warm, out = sys.argv[1:4]
 VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes hf-to-megatron's source

@@ -14,7 +14,7 @@ from safety_common import assert_one_line_error, run_cli
 
 from mconvert.convert.driver import hf_to_megatron, reshard
 from mconvert.convert.estimate import estimate
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset
 
 FRAMING = 4096  # torch.save framing per tensor, as the torch_dist dry-run test allows; args pickle included

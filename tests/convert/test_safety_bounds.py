@@ -185,7 +185,7 @@ def _cancel_when(taken: bool, explain: bool, claimed: bool, path: Path) -> tuple
     import threading
     import time
 
-    from mconvert.convert.io.safeload import DeferredCRC
+    from mconvert.io.crc import DeferredCRC
 
     d = DeferredCRC()
     gate = threading.Event()

@@ -19,7 +19,7 @@ from tokenizer_common import instruct_hf, model_and_tokenizer
 def test_config_json_in_the_tokenizer_dir_linking_outside_is_never_read(tmp_path):
     """gguf-py's SpecialVocab and transformers' AutoTokenizer open config.json in the --tokenizer directory by
     name; a link to a file elsewhere is refused by name, and its pad id never lands in an output."""
-    from mconvert.convert.tokenizer import load_tokenizer
+    from mconvert.convert.hf.tokenizer import load_tokenizer
     from mconvert.errors import MConvertError
 
     hf, tok = model_and_tokenizer(tmp_path)
@@ -57,7 +57,7 @@ def test_tokenizer_dir_with_links_that_stay_inside_converts(tmp_path):
 def test_model_dir_handed_to_transformers_with_a_link_outside_is_refused(tmp_path, capsys, where):
     """`validate` hands the export's directory to transformers' from_pretrained, which opens files by name:
     every entry is checked first."""
-    from mconvert.convert.io.paths import check_tree_contained
+    from mconvert.io.paths import check_tree_contained
     from mconvert.errors import MConvertError
 
     hf, _ = model_and_tokenizer(tmp_path)

@@ -58,7 +58,7 @@ def test_a_conversion_verb_freezes_its_imports() -> None:
     the permanent generation and raises the young-generation threshold."""
     # `alive` holds every object the collector tracks once torch is imported, so none is freed before the freeze;
     # get_objects() lists the collectable generations only, so an object frozen is no longer in it.
-    code = ("import gc, json; from mconvert.convert.io import tuning; import torch; alive = gc.get_objects(); "
+    code = ("import gc, json; from mconvert.io import tuning; import torch; alive = gc.get_objects(); "
             "young0 = gc.get_threshold()[0]; tuning.apply(); left = {id(o) for o in gc.get_objects()}; "
             "print(json.dumps([len(alive), sum(id(o) in left for o in alive), gc.get_freeze_count(), "
             "young0, gc.get_threshold()[0]]))")

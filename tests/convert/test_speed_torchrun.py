@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mconvert.convert.io import world as world_state
-from mconvert.convert.io.atomic import MANIFEST, check_manifest
+from mconvert.io import world as world_state
+from mconvert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World, world_from_env
 from mconvert.errors import MConvertError
 from safety_common import ROOT, base, flip_record_padding
@@ -123,7 +123,7 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], tmp_p
     from safetensors import safe_open
 
     from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-    from mconvert.convert.megatron import MegatronSource
+    from mconvert.convert.megatron.source import MegatronSource
 
     monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))
     parts: list[set[str]] = []
@@ -216,7 +216,7 @@ _RANK_0_FAILS_FIRST = """
 import signal, sys, time
 from pathlib import Path
 import torch
-from mconvert.convert.layout import save_rank_file
+from mconvert.convert.megatron.layout import save_rank_file
 from mconvert.convert.scaleout import shared_atomic_output_dir, world_from_env
 from mconvert.errors import MConvertError
 
@@ -270,8 +270,8 @@ def _with_changes_only_the_manifest_sees(ckpt: Path, dst: Path, ranks: tuple[int
 def test_each_process_hashes_the_input_files_it_owns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun the input's manifest is checked file by file, each file by the process that owns it: with
     one changed file per process, each process refuses its own."""
-    from mconvert.convert.io.atomic import verify_input
-    from mconvert.convert.io.safeload import deferred_crc_checks
+    from mconvert.io.atomic import verify_input
+    from mconvert.io.crc import deferred_crc_checks
 
     src = tmp_path / "ckpt"
     changed = _with_changes_only_the_manifest_sees(base()["ckpt"], src, (0, 1))
@@ -339,7 +339,7 @@ def test_plan_on_nodes_shares_out_the_file_groups() -> None:
 
 def test_processes_of_one_machine_share_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's LOCAL_WORLD_SIZE processes split the cores the machine lets this process use."""
-    from mconvert.convert.io.tuning import process_cores
+    from mconvert.io.tuning import process_cores
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

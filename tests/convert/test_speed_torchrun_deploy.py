@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.convert.io import world as world_state
-from mconvert.convert.io.atomic import MANIFEST, check_manifest
+from mconvert.io import world as world_state
+from mconvert.io.atomic import MANIFEST, check_manifest
 from mconvert.convert.scaleout import World
 from safety_common import base
 from test_speed_torchrun import _torchrun, _tree, assert_a_failing_rank_leaves_no_output
@@ -48,8 +48,8 @@ JOBS = {  # output -> (verb, source, options), the same in one process and on to
 
 
 def _run(verb: str, src: Path, out: Path, opts: dict) -> None:
-    from mconvert.convert.fastertransformer import megatron_to_ft
-    from mconvert.convert.trtllm import megatron_to_trtllm
+    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
 
     if verb == "ft":
         megatron_to_ft(src, out, **opts)
@@ -71,8 +71,8 @@ def one_process(mha_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 _SCRIPT = """
 import sys
-from mconvert.convert.fastertransformer import megatron_to_ft
-from mconvert.convert.trtllm import megatron_to_trtllm
+from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+from mconvert.convert.deploy.trtllm import megatron_to_trtllm
 mha, gqa, out = sys.argv[1:]
 megatron_to_ft(mha, out + "/ft", infer_tp=2)
 megatron_to_trtllm(gqa, out + "/trt", tp=4)
@@ -133,9 +133,9 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], mha_c
     """One process's part alone (its writer driven as on torchrun): the files it owns, byte-identical to the
     one-process files, rank 0 alone writing config.ini / config.json; it reads only the units they need."""
     from mconvert.convert.driver import drive
-    from mconvert.convert.fastertransformer import FTWriter
+    from mconvert.convert.deploy.fastertransformer import FTWriter
     from mconvert.convert.sources import open_source
-    from mconvert.convert.trtllm import TrtllmWriter
+    from mconvert.convert.deploy.trtllm import TrtllmWriter
 
     monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))
     src = _Recording(open_source(mha_ckpt))

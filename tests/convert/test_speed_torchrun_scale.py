@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from mconvert.convert.io import world as world_state
+from mconvert.io import world as world_state
 from mconvert.convert.scaleout import World
 from safety_common import base
 from test_speed_torchrun import _torchrun
@@ -56,7 +56,7 @@ def test_trtllm_process_cuts_only_its_rank_files(tmp_path: Path, monkeypatch: py
 
     from mconvert.convert.driver import drive
     from mconvert.convert.sources import open_source
-    from mconvert.convert.trtllm import TrtllmWriter, megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import TrtllmWriter, megatron_to_trtllm
     from mconvert.mappings import deploy
 
     megatron_to_trtllm(base()["ckpt"], tmp_path / "one", tp=4)
@@ -96,7 +96,7 @@ def test_plan_to_trtllm_matches_the_written_rank_files(tmp_path: Path) -> None:
     whole input."""
     from mconvert.convert.estimate import estimate, scaleout_estimate
     from mconvert.convert.sources import open_source
-    from mconvert.convert.trtllm import megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
 
     megatron_to_trtllm(base()["ckpt"], tmp_path / "trt", tp=2)
     src = open_source(base()["ckpt"])
@@ -162,7 +162,7 @@ def test_a_corrupt_record_no_reader_claims_is_refused_on_torchrun(tmp_path: Path
     file: a flipped bit there still fails the job with the CRC-32 refusal naming the file, and no output."""
     import shutil
 
-    from mconvert.convert.io.atomic import MANIFEST
+    from mconvert.io.atomic import MANIFEST
 
     src = tmp_path / "ckpt"
     shutil.copytree(base()["ckpt"], src)
@@ -182,7 +182,7 @@ def test_rank0_checks_only_the_records_no_rank_read(tmp_path: Path) -> None:
     import shutil
     import zipfile
 
-    from mconvert.convert.io.safeload import ZipRecords, check_unread
+    from mconvert.io.crc import ZipRecords, check_unread
     from mconvert.errors import MConvertError
 
     f = tmp_path / "model_optim_rng.pt"

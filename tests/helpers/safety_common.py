@@ -87,7 +87,7 @@ def rank_file(ckpt: Path, tp: int, pp: int) -> Path:
 
 
 def load_rank(path: Path) -> dict:
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     state = safe_load(path)
     # materialize: the file is memory-mapped and about to be rewritten
@@ -169,9 +169,9 @@ def add_adam_states(root: Path) -> None:
     """An Adam state in every rank file of checkpoint `root` whose moments are functions of the parameter
     itself (exp_avg = p / 2, exp_avg_sq = p²): wherever a re-shard puts a parameter, its moments must come
     along unchanged. The manifest goes: the files are ours to change."""
-    from mconvert.convert.io.atomic import MANIFEST
-    from mconvert.convert.io.safeload import safe_load
-    from mconvert.convert.layout import save_rank_file
+    from mconvert.io.atomic import MANIFEST
+    from mconvert.io.safeload import safe_load
+    from mconvert.convert.megatron.layout import save_rank_file
 
     for f in sorted((root / "release").glob("mp_rank_*/model_optim_rng.pt")):
         state = safe_load(f)

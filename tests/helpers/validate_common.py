@@ -55,7 +55,7 @@ def resharded(family: str, tp: int, pp: int) -> Path:
 
 @lru_cache(maxsize=None)
 def onnx_export(family: str) -> Path:
-    from mconvert.convert.onnx import to_onnx
+    from mconvert.convert.deploy.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
     out = WORK / f"onnx-{family}"
@@ -65,7 +65,7 @@ def onnx_export(family: str) -> Path:
 
 @lru_cache(maxsize=None)
 def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
-    from mconvert.convert.fastertransformer import megatron_to_ft
+    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
 
     out = WORK / f"ft-{family}-{infer_tp}-{dtype}"
     megatron_to_ft(trained_ckpt(family), out, infer_tp, dtype)
@@ -74,7 +74,7 @@ def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
 
 @lru_cache(maxsize=None)
 def trtllm_export(family: str, tp: int) -> Path:
-    from mconvert.convert.trtllm import megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
 
     out = WORK / f"trtllm-{family}-{tp}"
     megatron_to_trtllm(trained_ckpt(family), out, tp)
@@ -91,7 +91,7 @@ def _mcore_save(ctx, root: str) -> None:
     """Per rank: perturb megatron-core's model, save its own state dict as Megatron-LM names the rank file."""
     from mcore_ref import perturb
 
-    from mconvert.convert.layout import rank_file, save_rank_file, write_latest
+    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
 
     perturb(ctx)
     args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep)
@@ -109,8 +109,8 @@ def _mcore_greedy(ctx, root: str, prompts: list[list[int]], max_tokens: int) -> 
     """Per rank: strict-load this rank's file of the checkpoint, then megatron-core's greedy tokens."""
     from mcore_ref import greedy
 
-    from mconvert.convert.io.safeload import safe_load
-    from mconvert.convert.layout import rank_file
+    from mconvert.io.safeload import safe_load
+    from mconvert.convert.megatron.layout import rank_file
 
     ctx.model.load_state_dict(safe_load(rank_file(root, MOE_ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank,
                                                   ctx.ep))["model"], strict=True)
@@ -192,7 +192,7 @@ def _edit_config(d: Path, **changes) -> None:
 
 
 def _remanifest(d: Path) -> Path:
-    from mconvert.convert.io.atomic import write_manifest
+    from mconvert.io.atomic import write_manifest
 
     write_manifest(d)
     return d

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mconvert import dtypes
-from mconvert.convert.io.safetensors import SafetensorsRandomWriter, SafetensorsReader, SafetensorsStream
+from mconvert.io.safetensors import SafetensorsRandomWriter, SafetensorsReader, SafetensorsStream
 from mconvert.errors import MConvertError
 
 

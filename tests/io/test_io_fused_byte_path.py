@@ -46,7 +46,7 @@ def test_bin_input_streams_the_same_rank_files_as_safetensors(hf_pair: dict[str,
     """A pytorch_model.bin written by transformers previews from its zip offsets like safetensors does, so its
     rank files are streamed (no spool) and come out byte-identical to those of the safetensors input."""
     from mconvert.convert import driver
-    from mconvert.convert.megatron import MegatronWriter
+    from mconvert.convert.megatron.writer import MegatronWriter
 
     hf, bin_dir = hf_pair[preset]
     streamed: list[int] = []
@@ -124,7 +124,7 @@ def test_bin_missing_tensor_is_named(hf_pair: dict[str, tuple[Path, Path]], tmp_
 
 
 
-# ---- the input's CRC-32 taken on the bytes the conversion reads (io.safeload.ZipRecords) ------------------------
+# ---- the input's CRC-32 taken on the bytes the conversion reads (io.crc.ZipRecords) ------------------------
 @pytest.fixture(scope="module")
 def rank_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A TP=2 PP=2 checkpoint with optimizer states (records megatron-to-hf never reads)."""
@@ -156,11 +156,11 @@ def test_each_input_byte_is_crc_checked_once(rank_ckpt: Path, tmp_path: Path, mo
     import zlib
 
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.convert.io import safeload
+    from mconvert.io import crc
 
     second_pass: dict[str, set[int]] = {}
     inline: dict[str, set[int]] = {}
-    real_check, real_saw = safeload.ZipRecords._check, safeload.ZipRecords.saw
+    real_check, real_saw = crc.ZipRecords._check, crc.ZipRecords.saw
 
     def check(self: Any, starts: list[int]) -> None:
         second_pass.setdefault(str(self.path), set()).update(starts)
@@ -171,9 +171,9 @@ def test_each_input_byte_is_crc_checked_once(rank_ckpt: Path, tmp_path: Path, mo
         real_saw(self, pos, data)
         inline.setdefault(str(self.path), set()).update(set(self.done) - before)
 
-    monkeypatch.setattr(safeload.ZipRecords, "_check", check)
-    monkeypatch.setattr(safeload.ZipRecords, "saw", saw)
-    monkeypatch.setattr(safeload, "_CRC_CHECKED", set())
+    monkeypatch.setattr(crc.ZipRecords, "_check", check)
+    monkeypatch.setattr(crc.ZipRecords, "saw", saw)
+    monkeypatch.setattr(crc, "_CRC_CHECKED", set())
     megatron_to_hf(rank_ckpt, tmp_path / "hf")
     files = sorted(rank_ckpt.rglob("model_optim_rng.pt"))
     assert len(files) == 4
@@ -195,9 +195,9 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
     """A flipped bit in a tensor megatron-to-hf converts, or in one it never reads (an optimizer state), is
     refused by the CRC-32 check by name, and no output is left."""
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.convert.io import safeload
+    from mconvert.io import crc, safeload
 
-    monkeypatch.setattr(safeload, "_CRC_CHECKED", set())
+    monkeypatch.setattr(crc, "_CRC_CHECKED", set())
     ck = tmp_path / "ck"
     shutil.copytree(rank_ckpt, ck)
     rank = sorted(ck.rglob("model_optim_rng.pt"))[1]
@@ -210,7 +210,7 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
     raw = bytearray(rank.read_bytes())
     raw[off + size // 2] ^= 0x10
     rank.write_bytes(bytes(raw))
-    safeload._CRC_CHECKED.clear()  # the load above checked the file as it was
+    crc._CRC_CHECKED.clear()  # the load above checked the file as it was
     with pytest.raises(MConvertError, match=f"{name}.*CRC-32"):
         megatron_to_hf(ck, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
@@ -223,7 +223,7 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
 def test_copy_transposed_is_torch_transpose_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int]) -> None:
     """Into a fresh matrix and into a column band of a wider one, the bits equal torch's `t().contiguous()`,
     denormals, infinities and signed zeros included."""
-    from mconvert.mappings.transforms import copy_transposed, transposed
+    from mconvert.io.transpose import copy_transposed, transposed
 
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
     src = torch.randn(shape, generator=g).to(dtype)
@@ -273,7 +273,7 @@ def gpt2_tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _conv1d_record(rank: Path, which: str) -> tuple[str, int, int]:
     """(key, data offset, size) of layer 0's `which` weight in a rank file."""
-    from mconvert.convert.io import safeload
+    from mconvert.io import safeload
 
     state = safeload.safe_load(rank)
     key = next(k for k in state["model"] if k.endswith(f"layers.0.{which}.weight"))
@@ -292,7 +292,7 @@ def test_conv1d_shards_transposed_by_blocks_write_the_bytes_of_whole_shards(
         gpt2_tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of one row, and of a few rows that end inside a QKV head's rows, give the HF files (manifest
     included) that transposing each whole shard gives; the blocks path is the one taken."""
-    from mconvert.convert import megatron
+    from mconvert.convert.megatron import source as megatron
     from mconvert.convert.driver import megatron_to_hf
 
     offsets: list[int] = []
@@ -323,9 +323,9 @@ def test_a_nan_or_a_flipped_bit_in_a_later_block_is_refused(gpt2_tp2: Path, tmp_
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Read a row at a time, TP rank 1's fc1 weight with a NaN in its last row is refused by file and key, and
     one with a bit flipped in its last row by the CRC-32 of its record; neither leaves an output."""
-    from mconvert.convert import megatron
+    from mconvert.convert.megatron import source as megatron
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.convert.io import safeload
+    from mconvert.io import crc
 
     monkeypatch.setattr(megatron, "TRANSPOSE_BLOCK", 1)
     for case in ("nan", "bit"):
@@ -345,7 +345,7 @@ def test_a_nan_or_a_flipped_bit_in_a_later_block_is_refused(gpt2_tp2: Path, tmp_
             raw[off + size - 3] ^= 0x10
             rank.write_bytes(bytes(raw))
             want = r"mp_rank_01.*fails the CRC-32 check"
-        monkeypatch.setattr(safeload, "_CRC_CHECKED", set())
+        monkeypatch.setattr(crc, "_CRC_CHECKED", set())
         with pytest.raises(MConvertError, match=want):
             megatron_to_hf(ck, tmp_path / case / "hf")
         assert not (tmp_path / case / "hf").exists()

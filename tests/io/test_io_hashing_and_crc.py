@@ -13,9 +13,10 @@ import pytest
 import torch
 from safety_common import sha_tree
 
-from mconvert.convert.io import hashing
-from mconvert.convert.io.safeload import deferred_crc_checks, safe_load, wait_crc_checks
-from mconvert.convert.io.hashing import HashingFile
+from mconvert.io import hashing
+from mconvert.io.safeload import safe_load
+from mconvert.io.crc import deferred_crc_checks, wait_crc_checks
+from mconvert.io.hashing import HashingFile
 from mconvert.errors import MConvertError
 
 
@@ -215,7 +216,7 @@ def test_streamed_reshard_equals_torch_save(trained: dict[str, Path], tmp_path: 
     """Reshard with rank files streamed from the preview == the same reshard through torch.save of each
     whole state dict (the stage-buffered path), byte for byte; tied heads at PP > 1 included."""
     from mconvert.convert import driver
-    from mconvert.convert.megatron import MegatronWriter
+    from mconvert.convert.megatron.writer import MegatronWriter
 
     calls: list[Any] = []
     real_open = MegatronWriter._open_stage
@@ -237,7 +238,7 @@ class _NoSpool:
 def test_streamed_hf_to_megatron_equals_torch_save(trained: dict[str, Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch, preset: str) -> None:
     from mconvert.convert import driver
-    from mconvert.convert.megatron import MegatronWriter
+    from mconvert.convert.megatron.writer import MegatronWriter
 
     driver.megatron_to_hf(trained[preset], tmp_path / "hf")
     driver.hf_to_megatron(tmp_path / "hf", tmp_path / "streamed", tp=2, pp=2)

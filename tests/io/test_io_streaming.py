@@ -1,4 +1,4 @@
-"""The streaming I/O (mconvert/convert/io/): each proven against torch.save,
+"""The streaming I/O (mconvert/io/): each proven against torch.save,
 safetensors' own loader or transforms.merge — the formats' and the pure shard math's own answers."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from mconvert.convert.base import units_of
-from mconvert.convert.megatron import MegatronSource, MegatronWriter
-from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.io.safetensors import SafetensorsStream
-from mconvert.convert.io.torchsave import Spool, TensorIndex, save_spooled
+from mconvert.convert.megatron.source import MegatronSource
+from mconvert.convert.megatron.writer import MegatronWriter
+from mconvert.io.safeload import safe_load
+from mconvert.io.safetensors import SafetensorsStream
+from mconvert.io.torchsave import Spool, TensorIndex, save_spooled
 from mconvert.mappings.keys import flatten, unit_of
 from mconvert.mappings.transforms import merge
 from mconvert.mappings.families import preset

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safety_common import big_llama_hf, PY, ROOT
 
-from mconvert.convert.io.atomic import MANIFEST, check_manifest
+from mconvert.io.atomic import MANIFEST, check_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +164,7 @@ def test_sigkill_during_force_keeps_the_old_output_whole(server, big_hf, tmp_pat
 
 def _fill(root: Path, failures: list) -> None:
     """Create directories and files under `root` (as another torchrun rank does) until a creation fails."""
-    from mconvert.convert.io.paths import make_dirs
+    from mconvert.io.paths import make_dirs
 
     for i in range(100_000):
         try:
@@ -179,7 +179,7 @@ def test_a_failed_run_removes_its_directory_while_another_writer_fills_it(tmp_pa
     """A writer (another torchrun rank) keeps creating directories and files in the temporary directory while
     the run fails and removes it: nothing is left, and the writer's next file fails; a `gone` directory of a
     SIGKILLed removal is cleaned by the next run."""
-    from mconvert.convert.io.atomic import atomic_output_dir, tmp_name
+    from mconvert.io.atomic import atomic_output_dir, tmp_name
 
     out = tmp_path / "out"
     for attempt in range(20):

@@ -55,7 +55,7 @@ def _refused(code: int, err: str, out: Path, *words: str) -> str:
 
 
 def _loaded(path: Path) -> dict:
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     def own(o):  # materialized: the file is memory-mapped and about to be rewritten
         if isinstance(o, torch.Tensor):
@@ -110,7 +110,7 @@ def endian(fx, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fixture_is_what_torch_load_reads_back(endian, fx):
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     with zipfile.ZipFile(_rank(endian["ckpt-True"])) as z:
         assert z.read(next(n for n in z.namelist() if n.endswith("/byteorder"))) == b"big"
@@ -271,7 +271,7 @@ ST_PROBES = {  # header JSON of one F32 tensor of 2 elements (8 data bytes)
 def test_decode_header_accepts_what_safetensors_accepts(tmp_path, case):
     from safetensors import safe_open
 
-    from mconvert.convert.io.safetensors import decode_header
+    from mconvert.io.safetensors import decode_header
 
     head = ST_PROBES[case].encode()
     head += b" " * (-(len(head) + 8) % 8)

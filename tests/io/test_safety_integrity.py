@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safety_common import _WORK, ROOT, base, copy_of, run_cli
 
-from mconvert.convert.io.atomic import MANIFEST, check_manifest
+from mconvert.io.atomic import MANIFEST, check_manifest
 
 CLI = ROOT / "mconvert" / "cli.py"
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safety_common import PY, ROOT, assert_one_line_error, base, copy_of, load_rank, rank_file, run_cli
 
-from mconvert.convert.io.safeload import ALLOW_LIST, safe_load
+from mconvert.io.safeload import ALLOW_LIST, safe_load
 from mconvert.errors import MConvertError
 
 PACKAGE = ROOT / "mconvert"
@@ -58,7 +58,7 @@ def test_no_module_of_mconvert_loads_pickles_any_other_way():
                 for a in node.names:
                     if a.name in ("dill", "cloudpickle", "joblib", "marshal"):
                         offenders.append(f"{rel}:{node.lineno}: import {a.name}")
-            if isinstance(node, ast.ClassDef) and rel.as_posix() != "mconvert/convert/io/safeload.py":
+            if isinstance(node, ast.ClassDef) and rel.as_posix() != "mconvert/io/safeload.py":
                 for b in node.bases:
                     if _dotted(b).endswith("Unpickler"):
                         offenders.append(f"{rel}:{node.lineno}: class {node.name}({_dotted(b)})")
@@ -69,13 +69,13 @@ def test_no_module_of_mconvert_loads_pickles_any_other_way():
             if isinstance(wo, ast.Constant) and wo.value is not True:
                 offenders.append(f"{rel}:{call.lineno}: {name}(weights_only={wo.value!r})")
             if name.endswith("torch.load") or name in ("torch.serialization.load",):
-                if rel.as_posix() != "mconvert/convert/io/safeload.py":
+                if rel.as_posix() != "mconvert/io/safeload.py":
                     offenders.append(f"{rel}:{call.lineno}: {name}( outside safeload.py")
                 elif not (isinstance(wo, ast.Constant) and wo.value is True):
                     offenders.append(f"{rel}:{call.lineno}: torch.load without weights_only=True")
             if name.split(".")[0] in ("pickle", "_pickle", "dill") and name.split(".")[-1] in ("load", "loads",
                                                                                                "Unpickler"):
-                if rel.as_posix() != "mconvert/convert/io/safeload.py":
+                if rel.as_posix() != "mconvert/io/safeload.py":
                     offenders.append(f"{rel}:{call.lineno}: {name}(")
             if name.endswith(".read_metadata") or name.split(".")[-1] in ("dcp_to_torch_save", "torch_save_to_dcp"):
                 offenders.append(f"{rel}:{call.lineno}: {name}( unpickles with pickle.load (use "
@@ -275,7 +275,7 @@ def test_dcp_metadata_loads_like_torchs_reader(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from mconvert.convert.io.safeload import safe_load_dcp_metadata
+    from mconvert.io.safeload import safe_load_dcp_metadata
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -16,8 +16,8 @@ import pytest
 from safety_common import assert_one_line_error, make_hf_llama, run_cli
 from test_safety_paths import tree_digest
 
-from mconvert.convert.io.atomic import MANIFEST, check_file_manifest, file_manifest_path
-from mconvert.convert.io.paths import TMP_TAG
+from mconvert.io.atomic import MANIFEST, check_file_manifest, file_manifest_path
+from mconvert.io.paths import TMP_TAG
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,7 +86,7 @@ def test_stale_gguf_manifest_is_refused_without_force_and_replaced_with_it(tmp_p
 def test_gguf_whose_manifest_cannot_be_placed_is_taken_back(tmp_path, capsys, fx, monkeypatch, force):
     """A directory appears at the manifest's path during the run: the second rename cannot happen, so the first
     is undone; with --force the previous OUT is back, byte for byte."""
-    from mconvert.convert.io import atomic
+    from mconvert.io import atomic
 
     out = tmp_path / "m.gguf"
     side = file_manifest_path(out)
@@ -204,7 +204,7 @@ def test_gguf_placed_by_the_hard_link_fallback(tmp_path, capsys, fx, monkeypatch
     """Without RENAME_NOREPLACE a file is put in place by a hard link, which never replaces anything either: the
     GGUF and its manifest land both; a file that appears at either path just before it is placed stays the
     user's, one line names it, and the GGUF is taken back (neither of ours stays)."""
-    import mconvert.convert.io.atomic as atomic
+    import mconvert.io.atomic as atomic
 
     out = tmp_path / "m.gguf"
     side = file_manifest_path(out)

@@ -185,7 +185,7 @@ def test_verify_reports_an_index_naming_a_file_outside_the_model_dir(tmp_path, c
 
 
 def test_trtllm_rank_file_symlinked_outside_is_a_problem(tmp_path):
-    from mconvert.convert.trtllm import check_trtllm_dir, megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import check_trtllm_dir, megatron_to_trtllm
 
     megatron_to_trtllm(base()["hf"], tmp_path / "trt", tp=1)
     assert check_trtllm_dir(tmp_path / "trt") == []
@@ -200,7 +200,7 @@ def test_trtllm_rank_file_symlinked_outside_is_a_problem(tmp_path):
 def test_ft_file_symlinked_outside_is_refused(tmp_path, where):
     from deploy_common import make_hf
 
-    from mconvert.convert.fastertransformer import check_ft_dir, megatron_to_ft
+    from mconvert.convert.deploy.fastertransformer import check_ft_dir, megatron_to_ft
     from mconvert.errors import MConvertError
     from mconvert.mappings.families import preset
     from mconvert.validators.ft_runner import ft_logits
@@ -256,7 +256,7 @@ def _bytes_read() -> int:
 
 
 def test_open_regular_never_blocks_on_a_fifo(tmp_path):
-    from mconvert.convert.io.paths import read_json
+    from mconvert.io.paths import read_json
     from mconvert.errors import MConvertError
 
     os.mkfifo(tmp_path / "config.json")
@@ -288,7 +288,7 @@ def test_output_overlapping_an_input_is_refused_even_with_force(tmp_path, capsys
 
 @pytest.mark.parametrize("syscall", ["renameat2", "fallback"])
 def test_output_appearing_during_the_run_is_left_intact(tmp_path, capsys, monkeypatch, syscall):
-    import mconvert.convert.io.atomic as atomic
+    import mconvert.io.atomic as atomic
 
     out = tmp_path / "out"
     real = atomic.write_manifest
@@ -309,7 +309,7 @@ def test_output_appearing_during_the_run_is_left_intact(tmp_path, capsys, monkey
 
 
 def test_output_absent_at_commit_is_written_by_the_fallback_rename(tmp_path, capsys, monkeypatch):
-    import mconvert.convert.io.atomic as atomic
+    import mconvert.io.atomic as atomic
 
     monkeypatch.setattr(atomic, "_renameat2", lambda a, b, flags: False)
     code, _, err = run_cli(["megatron-to-hf", base()["ckpt"], tmp_path / "out"], capsys)
@@ -374,7 +374,7 @@ def test_leftovers_are_found_by_exact_name_and_removed_only_when_their_run_is_de
 def test_a_signal_landing_right_after_the_temporary_directory_is_made_removes_it(tmp_path, monkeypatch, kind):
     """The temporary directory is made inside the block that removes it: a SIGTERM / SIGHUP whose handler runs
     on the very next line (what the test above hits when the signal wins the race) leaves nothing behind."""
-    from mconvert.convert.io import atomic
+    from mconvert.io import atomic
 
     made = atomic._make_tmp
 

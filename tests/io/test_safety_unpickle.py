@@ -37,8 +37,8 @@ import torch
 from safety_common import (PY, ROOT, assert_one_line_error, base, copy_of, load_rank, make_hf_llama, rank_file,
                            run_cli)
 
-from mconvert.convert.io import safeload
-from mconvert.convert.io.safeload import MAX_DEPTH, MAX_OBJECTS, check_tree, safe_load, safe_load_dcp_metadata
+from mconvert.io import safeload
+from mconvert.io.safeload import MAX_DEPTH, MAX_OBJECTS, check_tree, safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.convert.io import buffers
-from mconvert.convert.io.buffers import BufferPool
-from mconvert.convert.io.hashing import HashingFile, tensor_bytes
+from mconvert.io import buffers
+from mconvert.io.buffers import BufferPool
+from mconvert.io.hashing import HashingFile, tensor_bytes
 from mconvert.errors import MConvertError
 
 
@@ -396,7 +396,7 @@ def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Pat
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The HF writer takes each layer parameter by parameter (`parts_ahead`), so what it has written is freed
     before the rest of the layer is read; the files are those of a conversion given whole layers."""
-    from mconvert.convert import hf as hf_mod
+    from mconvert.convert.hf import writer as hf_mod
     from mconvert.convert.driver import megatron_to_hf
 
     seen: list[int] = []
@@ -439,7 +439,7 @@ def test_hf_to_megatron_hands_the_writer_one_parameter_at_a_time(preset: str, tm
     Conv1D weights read transposed block by block, Llama's q/k/v and gate/up placed row by row), so a layer is
     never in memory whole; the rank files are those of a conversion given whole layers (which
     `test_bench_io.test_streamed_hf_to_megatron_equals_torch_save` holds to torch.save's bytes)."""
-    from mconvert.convert import megatron as mg
+    from mconvert.convert.megatron import writer as mg
     from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
     from mconvert.trainer.train import TrainConfig, train
 
@@ -462,7 +462,7 @@ def test_reshard_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_
     """reshard streams a layer to the Megatron writer parameter by parameter too (`read_mcore_parts`); its
     rank files are those of whole layers (`test_bench_io.test_streamed_reshard_equals_torch_save` holds the
     streamed path to torch.save's bytes)."""
-    from mconvert.convert import megatron as mg
+    from mconvert.convert.megatron import writer as mg
     from mconvert.convert.driver import reshard
 
     seen = _layer_parts_seen(monkeypatch, mg.MegatronWriter)
@@ -481,8 +481,8 @@ def test_megatron_to_ft_takes_a_layer_in_parts_and_refuses_a_missing_parameter(s
     """The FasterTransformer writer takes each layer parameter by parameter, writing the same files as when
     given whole layers (`test_deploy_ft` holds those to FT's loader file list and to transformers' logits);
     a layer that ends without one of its parameters is refused by name, as a whole layer without it is."""
-    from mconvert.convert import fastertransformer as ft
-    from mconvert.convert.megatron import MegatronSource
+    from mconvert.convert.deploy import fastertransformer as ft
+    from mconvert.convert.megatron.source import MegatronSource
     from mconvert.errors import MConvertError
 
     seen = _layer_parts_seen(monkeypatch, ft.FTWriter)

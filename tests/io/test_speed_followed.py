@@ -19,8 +19,8 @@ import blake3
 import pytest
 
 from mconvert.convert import base as convert_base
-from mconvert.convert.io.atomic import MANIFEST
-from mconvert.convert.io.hashing import GAP_READ, FollowedDigest, pread_into
+from mconvert.io.atomic import MANIFEST
+from mconvert.io.hashing import GAP_READ, FollowedDigest, pread_into
 from mconvert.errors import MConvertError
 from safety_common import big_llama_hf, flip_record_padding, run_cli
 
@@ -102,7 +102,7 @@ def test_a_catch_up_cut_short_goes_on_later(blob: tuple[Path, bytes], monkeypatc
                                             order: str) -> None:
     """Catching up on blocks read ahead stops after CATCH_UP bytes (other readers wait on the lock
     meanwhile); the digest is still the file's."""
-    from mconvert.convert.io import hashing
+    from mconvert.io import hashing
 
     monkeypatch.setattr(hashing, "CATCH_UP", 1 << 20)
     path, data = blob

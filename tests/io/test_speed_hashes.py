@@ -15,8 +15,8 @@ from pathlib import Path
 import blake3
 import pytest
 
-from mconvert.convert.io.atomic import MANIFEST, check_manifest
-from mconvert.convert.io.hashing import HashingFile, crc32, hash_file, set_manifest_hash
+from mconvert.io.atomic import MANIFEST, check_manifest
+from mconvert.io.hashing import HashingFile, crc32, hash_file, set_manifest_hash
 from mconvert.errors import MConvertError
 from safety_common import assert_one_line_error, base, copy_of, run_cli
 
@@ -89,8 +89,8 @@ def test_hashing_file_gathers_strided_tensors_into_the_reference_bytes(tmp_path:
     import numpy as np
     import torch
 
-    from mconvert.convert.io import buffers
-    from mconvert.convert.io.hashing import Checksum
+    from mconvert.io import buffers
+    from mconvert.io.hashing import Checksum
 
     g = torch.Generator().manual_seed(5)
     full = torch.randn(300, 4 * 1031, generator=g)  # rows of 1031 floats: no row fills a 64 KiB chunk evenly
@@ -135,7 +135,7 @@ def test_random_direct_file_in_any_order_is_the_bytes_and_reference_digest(tmp_p
                                                                            direct: bool) -> None:
     """Pieces at random offsets in random order, through chunks smaller than some pieces: the file read back
     holds exactly the bytes, and the digest is blake3's / hashlib's of them; O_DIRECT is used where asked."""
-    from mconvert.convert.io.hashing import RandomDirectFile
+    from mconvert.io.hashing import RandomDirectFile
 
     rng = random.Random(13)
     for size in (1, 4095, 4096, 4097, (3 << 20) + 4099):
@@ -159,7 +159,7 @@ def test_random_direct_file_written_in_file_order_is_hashed_without_reading_it_b
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bytes brought front to back (a small piece ahead of the rest kept until the chain reaches it) are hashed
     as they come: with every read of the file refused, the digest is still blake3's of the bytes."""
-    from mconvert.convert.io.hashing import RandomDirectFile
+    from mconvert.io.hashing import RandomDirectFile
 
     rng = random.Random(17)
     size = (3 << 20) + 777
@@ -179,7 +179,7 @@ def test_random_direct_file_written_in_file_order_is_hashed_without_reading_it_b
 
 
 def test_random_direct_file_refuses_a_byte_never_written_or_written_twice(tmp_path: Path) -> None:
-    from mconvert.convert.io.hashing import RandomDirectFile
+    from mconvert.io.hashing import RandomDirectFile
 
     f = RandomDirectFile(tmp_path / "gap", 10000, chunk=1 << 20)
     f.write(b"x" * 5000, 0)
@@ -214,8 +214,8 @@ def test_the_manifest_of_large_outputs_maps_little_at_a_time(tmp_path: Path) -> 
     """write_manifest hashes four output files at once through mappings, whose pages count in the resident
     set: the peak (the kernel's VmHWM) grows by about four windows, not four 16 MiB buffers."""
     from mconvert.convert.driver import peak_rss_bytes
-    from mconvert.convert.io.atomic import write_manifest
-    from mconvert.convert.io.hashing import MAP_WINDOW
+    from mconvert.io.atomic import write_manifest
+    from mconvert.io.hashing import MAP_WINDOW
 
     rng = random.Random(9)
     for i in range(4):

@@ -170,7 +170,7 @@ def _fixture(shape: str, moe: dict[str, Path]) -> dict[str, Path]:
 def _copy_with_args(src: Path, dst: Path, run: str, files: str, **changes: object) -> Path:
     """A copy of `src` (without mconvert's manifest, and without the integrity.json Megatron-LM writes only under
     --verify-integrity) whose `files` hold the release's Namespace in `args`."""
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     shutil.copytree(src, dst)
     (dst / "mconvert-manifest.json").unlink(missing_ok=True)
@@ -306,7 +306,7 @@ def test_inspect_names_the_release_that_wrote_the_args_and_the_fields_it_read(re
     ckpt = _copy_with_args(base()["ckpt"], tmp_path / "ckpt", f"{release}_dense", RANK_FILES)
     code, out, err = run_cli(["inspect", ckpt, "--json"], capsys)
     assert code == 0, err
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     w = json.loads(out)["writer"]
     written = vars(safe_load(next(ckpt.glob(RANK_FILES)))["args"])  # the release's fields and the tiny model's
@@ -340,7 +340,7 @@ def test_a_resharded_newest_release_checkpoint_converts_to_the_same_hf_tensors(f
                                                                                capsys) -> None:
     """reshard re-derives what validate_args derives from the layout (weight shards per TP rank), so its own
     TP=1 output of main's args is read back, and it computes what the source did."""
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     ckpt = _copy_with_args(base()["ckpt"], tmp_path / "ckpt", "main_dense", RANK_FILES)
     out = tmp_path / "r"

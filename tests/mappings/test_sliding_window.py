@@ -217,7 +217,7 @@ def test_a_window_covering_the_context_needs_no_flag(tmp_path, capsys) -> None:
 def test_onnx_export_computes_the_window(swa_hf, tmp_path) -> None:
     """optimum's export traces transformers' sliding-window mask: its own check (a sequence of twice the window)
     passes, and onnxruntime's logits differ from the same weights with full attention beyond the window."""
-    from mconvert.convert.onnx import to_onnx
+    from mconvert.convert.deploy.onnx import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf, onnx_logits
 
     res = to_onnx(swa_hf, tmp_path / "onnx", with_past=False, check=check_onnx_against_hf)

@@ -134,7 +134,7 @@ def test_nan_in_one_ranks_qkv_is_refused_by_file_and_key(llama_tp2: Path, tmp_pa
 def test_all_finite_agrees_with_isfinite_on_every_special_value(dtype: torch.dtype) -> None:
     """NaN, +Inf or -Inf anywhere (first, middle, last element) is caught; the largest finite values, signed
     zeros and denormals pass — the same answer as `torch.isfinite(t).all()`."""
-    from mconvert.convert.io.safeload import all_finite
+    from mconvert.io.casts import all_finite
 
     fi = torch.finfo(dtype)
     base = torch.tensor([fi.max, -fi.max, 0.0, -0.0, fi.tiny / 4, -fi.tiny, 1.0] * 300, dtype=dtype)

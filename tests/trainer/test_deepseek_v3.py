@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.layout import rank_file, save_rank_file, write_latest
+from mconvert.io.safeload import safe_load
+from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset, spec_from_megatron_args
 from mconvert.mappings.transforms import merge, shard

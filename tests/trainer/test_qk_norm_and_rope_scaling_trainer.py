@@ -13,8 +13,8 @@ import pytest
 import test_trainer_parallel as parallel_tests
 import torch
 
-from mconvert.convert.layout import rank_file
-from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.megatron.layout import rank_file
+from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import merge
 from mconvert.mappings.families import hf_config, preset, spec_from_megatron_args

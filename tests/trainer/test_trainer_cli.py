@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from mconvert.convert.layout import read_latest
-from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.megatron.layout import read_latest
+from mconvert.io.safeload import safe_load
 
 pytestmark = pytest.mark.slow
 MCONVERT = [sys.executable, "-m", "mconvert.cli"]

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mconvert.mappings.families import spec_from_megatron_args
-from mconvert.convert.layout import rank_file, read_latest
-from mconvert.convert.io.safeload import safe_load
+from mconvert.convert.megatron.layout import rank_file, read_latest
+from mconvert.io.safeload import safe_load
 from mconvert.mappings.transforms import merge
 from mconvert.spec import ModelSpec
 from mconvert.trainer.infer import megatron_logits, pipeline_logits

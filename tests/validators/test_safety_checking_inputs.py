@@ -111,8 +111,8 @@ def test_gguf_tolerance_follows_the_tensor_types_not_the_stated_file_type(tmp_pa
 @pytest.fixture(scope="module")
 def deploy(tmp_path_factory) -> dict[str, Path]:
     """A tiny HF Llama with its TensorRT-LLM export, a tiny HF GPT-2 with its FasterTransformer export."""
-    from mconvert.convert.fastertransformer import megatron_to_ft
-    from mconvert.convert.trtllm import megatron_to_trtllm
+    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
 
     d = tmp_path_factory.mktemp("rt2-deploy")
     llama = make_hf_llama(d / "llama")
@@ -174,13 +174,13 @@ def test_ft_config_field_the_runner_does_not_compute_is_refused(case, deploy, tm
 
 
 def test_ft_export_with_every_field_mconvert_writes_still_checks(deploy):
-    from mconvert.convert.fastertransformer import check_ft_dir
+    from mconvert.convert.deploy.fastertransformer import check_ft_dir
 
     assert check_ft_dir(deploy["ft"]) == []
 
 
 def _trt_config(tmp_path: Path, preset: str, edit) -> Path:
-    from mconvert.convert.trtllm_layout import trtllm_config
+    from mconvert.convert.deploy.trtllm_layout import trtllm_config
 
     cfg = json.loads(json.dumps(trtllm_config(families.preset(preset), 1, "float32")))  # as written on disk
     edit(cfg)
@@ -206,7 +206,7 @@ TRT_PASSES = {
 
 @pytest.mark.parametrize("case", sorted(TRT_PASSES))
 def test_trtllm_config_field_that_changes_nothing_the_runner_computes_passes(case, tmp_path):
-    from mconvert.convert.trtllm import read_trtllm_config
+    from mconvert.convert.deploy.trtllm import read_trtllm_config
 
     preset, edit = TRT_PASSES[case]
     read_trtllm_config(_trt_config(tmp_path, preset, edit))
@@ -227,7 +227,7 @@ TRT_REFUSALS = {
 def test_trtllm_config_null_activation_or_positions_is_refused_by_name(key, tmp_path):
     """null leaves the choice to TensorRT-LLM's own default, not to what the runner computes: refused by name,
     where an absent or null field elsewhere in the table passes."""
-    from mconvert.convert.trtllm import read_trtllm_config
+    from mconvert.convert.deploy.trtllm import read_trtllm_config
     from mconvert.errors import MConvertError
 
     path = _trt_config(tmp_path, "tiny-llama", lambda c: c.update({key: None}))
@@ -238,7 +238,7 @@ def test_trtllm_config_null_activation_or_positions_is_refused_by_name(key, tmp_
 
 @pytest.mark.parametrize("case", sorted(TRT_REFUSALS))
 def test_trtllm_config_field_the_runner_does_not_read_is_refused_by_name(case, tmp_path):
-    from mconvert.convert.trtllm import read_trtllm_config
+    from mconvert.convert.deploy.trtllm import read_trtllm_config
     from mconvert.errors import MConvertError
 
     preset, edit, key = TRT_REFUSALS[case]
@@ -253,7 +253,7 @@ def test_trtllm_config_field_the_runner_does_not_read_is_refused_by_name(case, t
 
 
 def _ft_section(preset: str) -> tuple[str, dict[str, str]]:
-    from mconvert.convert.fastertransformer import ft_config
+    from mconvert.convert.deploy.fastertransformer import ft_config
 
     section = {"tiny-gpt2": "gpt", "tiny-llama": "llama"}[preset]
     return section, dict(ft_config(families.preset(preset), section, 1, "fp32", "src")[section])
@@ -269,7 +269,7 @@ FT_TRUE, FT_FALSE = ("true", "True", "1", "yes", "ON", " on "), ("false", "FALSE
     ("int8_mode", FT_FALSE, FT_TRUE), ("prompt_learning_type", FT_FALSE, FT_TRUE),
 ])
 def test_ft_boolean_field_passes_at_its_value_in_every_spelling_and_not_at_the_other(field, at, other):
-    from mconvert.convert.fastertransformer import check_ft_fields
+    from mconvert.convert.deploy.fastertransformer import check_ft_fields
 
     section, cfg = _ft_section("tiny-gpt2")
     ini = Path("/ft/1-gpu/config.ini")
@@ -284,7 +284,7 @@ def test_ft_boolean_field_passes_at_its_value_in_every_spelling_and_not_at_the_o
 @pytest.mark.parametrize("preset,act,other", [("tiny-gpt2", "GeLU", "silu"), ("tiny-llama", "SiLU", "gelu")])
 def test_ft_activation_type_is_the_one_the_section_mlp_computes(preset, act, other):
     """FT's LLaMA MLP is SiLU-gated whatever activation_type says, GPT's is tanh-GeLU: the other name is refused."""
-    from mconvert.convert.fastertransformer import check_ft_fields
+    from mconvert.convert.deploy.fastertransformer import check_ft_fields
 
     section, cfg = _ft_section(preset)
     ini = Path("/ft/1-gpu/config.ini")
@@ -295,7 +295,7 @@ def test_ft_activation_type_is_the_one_the_section_mlp_computes(preset, act, oth
 
 @pytest.mark.parametrize("value,passes", [("0", True), ("", True), ("off", True), ("3", False), ("on", False)])
 def test_ft_unknown_field_passes_only_unset(value, passes):
-    from mconvert.convert.fastertransformer import check_ft_fields
+    from mconvert.convert.deploy.fastertransformer import check_ft_fields
 
     section, cfg = _ft_section("tiny-gpt2")
     problems = check_ft_fields(section, {**cfg, "shared_embedding": value}, Path("/ft/1-gpu/config.ini"))

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from mconvert.cli import main as cli_main
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-from mconvert.convert.fastertransformer import check_ft_dir, megatron_to_ft
-from mconvert.convert.trtllm import check_trtllm_dir, megatron_to_trtllm
+from mconvert.convert.deploy.fastertransformer import check_ft_dir, megatron_to_ft
+from mconvert.convert.deploy.trtllm import check_trtllm_dir, megatron_to_trtllm
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 from mconvert.validators.ft_runner import ft_logits
@@ -241,8 +241,8 @@ def test_trtllm_rank_files_written_with_o_direct_are_the_buffered_bytes(tmp_path
     """Large rank files go out with O_DIRECT at any offset in any order (`io.hashing.RandomDirectFile`): the
     same tiny model written that way holds the bytes of the buffered write (whose logits TensorRT-LLM's
     reader checks below), its manifest re-hashed from disk agrees, and TensorRT-LLM's reader gets the logits."""
-    import mconvert.convert.io.safetensors as st
-    from mconvert.convert.io.atomic import check_manifest
+    import mconvert.io.safetensors as st
+    from mconvert.io.atomic import check_manifest
 
     hf = make_hf(preset("tiny-llama"), tmp_path / "hf")
     megatron_to_trtllm(hf, tmp_path / "buffered", tp=2)

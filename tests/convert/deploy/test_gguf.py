@@ -19,9 +19,9 @@ import transformers
 from validate_common import WORK, hf_export, mcore_moe_ckpt, mcore_moe_export, trained_ckpt
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.gguf import to_gguf
+from mconvert.convert.deploy.gguf import to_gguf
 from mconvert.mappings.gguf_vocab import PRE_TOKENIZERS
-from mconvert.convert.io.atomic import file_manifest_path
+from mconvert.io.atomic import file_manifest_path
 from mconvert.errors import MConvertError
 from mconvert.validators.gguf_runner import read_gguf_metadata, run_llama_cpp
 from mconvert.validators.validate import validate
@@ -357,7 +357,7 @@ def test_outtype_and_existing_output_are_refused_before_work(capsys):
 def test_writer_streams_each_unit_to_disk_before_the_next_is_read(monkeypatch):
     """The header is written first and every unit's tensors are on disk when the next unit is read: the
     writer never holds more than the unit in hand."""
-    from mconvert.convert import gguf as gguf_mod
+    from mconvert.convert.deploy import gguf as gguf_mod
 
     hf = _hf_model("qwen3", HF_CONFIGS["qwen3"]())
     sizes: list[tuple[object, int]] = []
@@ -566,7 +566,7 @@ def test_megatron_core_moe_checkpoint_gguf_matches_transformers_in_llama_cpp(lla
 def test_moe_gguf_with_the_experts_stacked_out_of_order_fails_the_comparison(llama_cpp, monkeypatch):
     """The control of the MoE case: the same file with each layer's experts stacked in reverse order (the
     router unchanged) differs in llama.cpp, so the comparison above probes the stacking order."""
-    from mconvert.convert import gguf as gguf_mod
+    from mconvert.convert.deploy import gguf as gguf_mod
 
     real = gguf_mod.plan_tensors
 

@@ -208,7 +208,7 @@ def test_fp8_blocks_refuses_conv1d_families(tmp_path, capsys):
 MEM_PROBE = r"""
 import json, sys, psutil
 from mconvert.convert.driver import hf_to_megatron, peak_rss_bytes
-from mconvert.convert.io import tuning
+from mconvert.io import tuning
 tuning.apply()
 base = psutil.Process().memory_info().rss
 hf_to_megatron(sys.argv[1], sys.argv[2])

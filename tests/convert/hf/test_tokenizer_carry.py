@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mconvert.convert.tokenizer import TOKEN_IDS_FILE, TOKENIZER_FILES, tokenizer_files
+from mconvert.convert.hf.tokenizer import TOKEN_IDS_FILE, TOKENIZER_FILES, tokenizer_files
 from safety_common import assert_one_line_error, load_rank, run_cli, save_rank
 from tokenizer_common import MESSAGES, chain, instruct_hf, tokenizer_file_names
 
@@ -111,7 +111,7 @@ def test_a_symlink_out_of_the_source_is_refused_and_nothing_is_written(tmp_path,
 
 @pytest.mark.timeout(120)
 def test_more_tokenizer_files_than_a_tokenizer_has_are_refused_before_anything_is_written(tmp_path, capsys):
-    from mconvert.convert.tokenizer import MAX_TOKENIZER_FILES
+    from mconvert.convert.hf.tokenizer import MAX_TOKENIZER_FILES
 
     hf = _copy_hf(tmp_path)
     for i in range(MAX_TOKENIZER_FILES + 1):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from mconvert.convert.hf import _special_ids_from_json, _tokenizer_special_ids
+from mconvert.convert.hf.writer import _special_ids_from_json, _tokenizer_special_ids
 from mconvert.data import EOS, build_tokenizer
 
 

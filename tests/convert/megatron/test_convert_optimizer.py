@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from mconvert.convert.driver import hf_to_megatron, reshard
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 
 

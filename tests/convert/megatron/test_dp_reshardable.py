@@ -23,9 +23,9 @@ from mcore_ref import McoreContext, run_mcore
 from test_external_mcore import SPECS
 from test_torch_dist_write import _load_go_on, _train_save_go_on, cpu_patches
 
-from mconvert.convert import dp_buckets
+from mconvert.convert.megatron import dp_buckets
 from mconvert.convert.driver import reshard
-from mconvert.convert.io.safeload import safe_load, safe_load_dcp_metadata
+from mconvert.io.safeload import safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 
@@ -419,7 +419,7 @@ def test_dp_reshardable_without_buckets_is_refused_by_name(tmp_path: Path) -> No
     from test_torch_dist_optimizer import _gpt2
 
     from mconvert.convert.driver import hf_to_megatron
-    from mconvert.convert.io.atomic import MANIFEST
+    from mconvert.io.atomic import MANIFEST
 
     hf_to_megatron(_gpt2(tmp_path), tmp_path / "d", tp=2, format="torch_dist")
     (tmp_path / "d" / MANIFEST).unlink()  # both manifests: the edit stands for an incomplete copy, not damage

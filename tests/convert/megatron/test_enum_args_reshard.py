@@ -68,7 +68,7 @@ def describe(st):
 
 WRITE = FAKE_MEGATRON + '''
 import json, torch
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from pathlib import Path
 ckpt, single = Path(sys.argv[1]), Path(sys.argv[2])
 for f in sorted(ckpt.rglob("model_optim_rng.pt")):
@@ -124,8 +124,8 @@ def test_stand_ins_pickle_back_to_the_bytes_torch_save_wrote(inputs: dict[str, P
     """safe_load, then repickle.save: the pickle program is byte-identical to the one torch.save wrote from
     the real classes (enum members as `E(value)`, shared members shared, a dataclass as NEWOBJ + state), and
     megatron's modules are never imported on the way (megatron-core is installed in this venv)."""
-    from mconvert.convert.io import repickle
-    from mconvert.convert.io.safeload import StandIn, safe_load
+    from mconvert.io import repickle
+    from mconvert.io.safeload import StandIn, safe_load
 
     before = {m for m in sys.modules if m.split(".")[0] == "megatron"}
     st = safe_load(inputs["single"])
@@ -138,7 +138,7 @@ def test_stand_ins_pickle_back_to_the_bytes_torch_save_wrote(inputs: dict[str, P
 
 def test_without_stand_ins_the_bytes_are_torch_saves() -> None:
     """A state without stand-ins takes the C pickler: the same bytes as torch.save (byte-identical outputs)."""
-    from mconvert.convert.io import repickle
+    from mconvert.io import repickle
 
     state = {"args": argparse.Namespace(num_layers=2, name="x", dtype=torch.float16), "iteration": 7,
              "model": {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}, "l": [1, (2, "x")]}
@@ -154,7 +154,7 @@ def test_reshard_keeps_megatron_enum_args(inputs: dict[str, Path], tmp_path: Pat
     """Reshard TP=2 PP=2 -> TP=1 PP=2 of a checkpoint with enum args: the output loads, with megatron's classes,
     to the same members and objects as the input (only the parallel sizes change), and safe_load reads it."""
     from mconvert.convert.driver import reshard
-    from mconvert.convert.io.safeload import StandIn, safe_load
+    from mconvert.io.safeload import StandIn, safe_load
 
     out = tmp_path / "out"
     reshard(inputs["ckpt"], out, tp=1, pp=2, format=fmt)
@@ -172,7 +172,7 @@ def test_reshard_keeps_megatron_enum_args(inputs: dict[str, Path], tmp_path: Pat
 
 SET_MODEL_TYPE = FAKE_MEGATRON + '''
 import torch
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 from pathlib import Path
 for f in sorted(Path(sys.argv[1]).rglob("model_optim_rng.pt")):
     st = dict(safe_load(f))

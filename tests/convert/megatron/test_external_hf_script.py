@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from mconvert.mappings.families import spec_from_hf_config
 from mconvert.cli import main as cli_main
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 
 STANDIN = Path(__file__).resolve().parents[2] / "helpers" / "megatron_standin"
 SCRIPT = "transformers.models.megatron_gpt2.checkpoint_reshaping_and_interoperability"

@@ -22,7 +22,7 @@ from mcore_ref import McoreContext, run_mcore
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.layout import rank_file, save_rank_file, write_latest
+from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
 from mconvert.mappings.families import preset
 from mconvert.spec import ModelSpec
 
@@ -182,9 +182,9 @@ def test_megatron_core_checkpoints_convert_to_matching_hf(family: str, pp: int, 
 def test_torch_dist_reader_reads_one_layer_slice_and_matches_the_legacy_reader(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """Each unit reads only the DCP chunks of its own layer; full tensors equal the legacy rank files' merge."""
-    from mconvert.convert.megatron import MegatronSource
+    from mconvert.convert.megatron.source import MegatronSource
     from mconvert.convert.sources import open_source
-    from mconvert.convert.torch_dist import TorchDistSource
+    from mconvert.convert.megatron.torch_dist import TorchDistSource
 
     spec, _, _, torch_root, dist_root = _saved("llama", 1, tmp_path_factory)
     dist, legacy = open_source(dist_root), open_source(torch_root)
@@ -209,8 +209,8 @@ def test_torch_dist_reader_reads_one_layer_slice_and_matches_the_legacy_reader(
 
 
 def _wrong_ffn_args(d: Path) -> None:
-    from mconvert.convert.io import repickle
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io import repickle
+    from mconvert.io.safeload import safe_load
 
     common = safe_load(d / "common.pt")
     common["args"].ffn_hidden_size *= 2
@@ -221,7 +221,7 @@ def _wrong_ffn_args(d: Path) -> None:
 def test_torch_dist_damage_is_one_line_errors(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     import shutil
 
-    from mconvert.convert.torch_dist import TorchDistSource
+    from mconvert.convert.megatron.torch_dist import TorchDistSource
     from mconvert.errors import MConvertError
 
     _, _, _, _, dist_root = _saved("llama", 1, tmp_path_factory)

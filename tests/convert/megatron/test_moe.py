@@ -29,10 +29,10 @@ from mcore_ref import perturb as _perturb
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.io.atomic import MANIFEST
-from mconvert.convert.layout import rank_file, save_rank_file, write_latest
-from mconvert.convert.megatron import MegatronSource
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.atomic import MANIFEST
+from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.convert.megatron.source import MegatronSource
+from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 from mconvert.spec import ModelSpec

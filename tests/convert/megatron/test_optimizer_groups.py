@@ -15,7 +15,7 @@ from mcore_ref import run_mcore
 from test_external_mcore import SPECS
 
 from mconvert.convert.driver import reshard
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 
 ITER = "iter_0000002"
 WD = 0.1
@@ -175,7 +175,7 @@ def _mcore_groups(**over) -> dict:
 ])
 def test_megatron_core_groups_the_trainer_has_no_group_for_are_refused(edits: list, message: str) -> None:
     """Groups the trainer's wd_mult groups cannot hold are one MConvertError naming common.pt and the key."""
-    from mconvert.convert.optimizer import to_trainer_optimizer
+    from mconvert.convert.megatron.optimizer import to_trainer_optimizer
     from mconvert.errors import MConvertError
 
     with pytest.raises(MConvertError, match=r"^ckpt/common\.pt: .*" + message):
@@ -185,7 +185,7 @@ def test_megatron_core_groups_the_trainer_has_no_group_for_are_refused(edits: li
 def test_groups_map_both_ways_by_wd_mult() -> None:
     """megatron-core's groups -> the trainer's (wd_mult / weight_decay kept, parameters placed by megatron-core's
     own rule) -> megatron-core's again, equal; one trainer group gives its hyperparameters to both groups."""
-    from mconvert.convert.optimizer import to_mcore_optimizer, to_trainer_optimizer, trainer_group
+    from mconvert.convert.megatron.optimizer import to_mcore_optimizer, to_trainer_optimizer, trainer_group
     from mconvert.errors import MConvertError
 
     src = _mcore_groups()

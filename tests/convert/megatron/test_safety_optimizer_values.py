@@ -25,8 +25,8 @@ def _with_adam() -> Path:
 
 
 def _edit_all_ranks(ckpt: Path, key: str, value) -> None:
-    from mconvert.convert.io.safeload import safe_load
-    from mconvert.convert.layout import save_rank_file
+    from mconvert.io.safeload import safe_load
+    from mconvert.convert.megatron.layout import save_rank_file
 
     for f in sorted((ckpt / "release").glob("mp_rank_*/model_optim_rng.pt")):
         state = safe_load(f)  # memory-mapped: save_rank_file writes a new file and renames it over this one
@@ -64,7 +64,7 @@ def test_reshard_with_optimizer_carries_valid_values(tmp_path):
     """The benign neighbour: lr 0 (a frozen run), betas (0, 0.999), weight decay 0 pass and are carried."""
     import shutil
 
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.safeload import safe_load
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(_with_adam(), ckpt)

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from test_torch_dist_write import _dcp_read_all, _summary
 
 from mconvert.convert.driver import megatron_to_hf, reshard
-from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.layout import rank_file, save_rank_file, write_latest
+from mconvert.io.safeload import safe_load
+from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
 from mconvert.mappings.families import preset
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def test_hf_to_torch_dist_and_back_gives_the_hf_bytes(saved, tmp_path):
     megatron_to_hf(tmp_path / "d", tmp_path / "back")
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "back"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    from mconvert.convert.torch_dist_writer import TorchDistWriter
+    from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 
     with pytest.raises(MConvertError, match=r"multi-token prediction layers \(mtp_num_layers=1\)"):
         TorchDistWriter(tmp_path / "mtp", preset("tiny-deepseek-v3"), 1, 1)

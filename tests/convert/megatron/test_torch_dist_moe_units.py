@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
-from mconvert.convert.io.atomic import MANIFEST
-from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.megatron import megatron_writer
-from mconvert.convert.torch_dist import STACKED_EXPERTS, TorchDistSource
-from mconvert.convert.torch_dist_writer import TorchDistWriter
+from mconvert.io.atomic import MANIFEST
+from mconvert.io.safeload import safe_load
+from mconvert.convert.megatron.writer import megatron_writer
+from mconvert.convert.megatron.torch_dist import STACKED_EXPERTS, TorchDistSource
+from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 from mconvert.spec import LayerPart

@@ -23,8 +23,8 @@ from test_external_mcore import SPECS
 from test_torch_dist_write import _dcp_read_all, _load_go_on, _train_save_go_on
 
 from mconvert.convert.driver import hf_to_megatron, reshard
-from mconvert.convert.io.atomic import MANIFEST
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.atomic import MANIFEST
+from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 
 ITER = "iter_0000002"
@@ -260,7 +260,7 @@ def test_rng_state_per_rank_and_an_incomplete_grid(tmp_path: Path, monkeypatch: 
     import pickle
     import tempfile
 
-    from mconvert.convert.io.safeload import safe_load_dcp_metadata
+    from mconvert.io.safeload import safe_load_dcp_metadata
     from mconvert.convert.sources import open_source
 
     hf_to_megatron(_gpt2(tmp_path), tmp_path / "a", tp=2, pp=2)

@@ -26,7 +26,7 @@ from test_external_mcore import ITERATION, SPECS, _saved
 from mconvert.cli import main as cli_main
 from mconvert.convert.driver import hf_to_megatron, reshard
 from mconvert.convert.inspect import inspect_checkpoint
-from mconvert.convert.io.safeload import safe_load_dcp_metadata
+from mconvert.io.safeload import safe_load_dcp_metadata
 from mconvert.mappings.families import preset
 
 TOKENS = torch.Generator().manual_seed(3)
@@ -196,7 +196,7 @@ def test_data_files_split_at_the_size_limit_as_planned_and_read_back(tmp_path: P
     with the same tensor bytes, and the reader gets every tensor back from them."""
     from mconvert.convert.estimate import torch_dist_files
     from mconvert.convert.sources import open_source
-    from mconvert.convert.torch_dist_writer import TorchDistWriter
+    from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 
     spec = preset("tiny-llama")
     hf = open_source(make_hf(spec, tmp_path / "hf"))
@@ -385,7 +385,7 @@ def test_megatron_core_distributed_optimizer_reshards_and_resumes(tmp_path: Path
 def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> None:
     """A source chunk that cannot be read after earlier units were written: one line naming the input, no OUT,
     no temporary directory left beside it."""
-    from mconvert.convert.io.atomic import MANIFEST
+    from mconvert.io.atomic import MANIFEST
 
     spec = preset("tiny-llama").replace(num_layers=4)
     hf = make_hf(spec, tmp_path / "hf")
@@ -413,8 +413,8 @@ def test_damaged_layer_midway_leaves_no_torch_dist_output(tmp_path: Path) -> Non
 def test_torch_dist_optimizer_refusals_name_the_layout(tmp_path: Path) -> None:
     """--with-optimizer on a torch_dist checkpoint without states, or with a layout not carried (megatron-core's
     deprecated fully_sharded_model_space), is one MConvertError naming common.pt; nothing is written."""
-    from mconvert.convert.io.atomic import MANIFEST
-    from mconvert.convert.io.safeload import safe_load
+    from mconvert.io.atomic import MANIFEST
+    from mconvert.io.safeload import safe_load
     from mconvert.errors import MConvertError
 
     hf = make_hf(preset("tiny-llama"), tmp_path / "hf")
@@ -442,7 +442,7 @@ PEAK_SCRIPT = """
 import sys, tempfile, torch
 from pathlib import Path
 from mconvert.mappings.families import preset
-from mconvert.convert.torch_dist_writer import TorchDistWriter
+from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 
 def status(field):
     for line in open("/proc/self/status"):

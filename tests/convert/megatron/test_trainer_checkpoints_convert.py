@@ -14,7 +14,7 @@ import transformers
 
 import mconvert.trainer.train as train_mod
 from mconvert.convert.driver import megatron_to_hf, reshard
-from mconvert.convert.io.safeload import safe_load
+from mconvert.io.safeload import safe_load
 
 pytestmark = pytest.mark.slow
 

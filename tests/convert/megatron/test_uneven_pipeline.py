@@ -14,8 +14,8 @@ import torch
 
 import mconvert.trainer.train as train_mod
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
-from mconvert.convert.io.safeload import safe_load
-from mconvert.convert.layout import PipelineSplit
+from mconvert.io.safeload import safe_load
+from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.errors import MConvertError
 from safety_common import run_cli
 

@@ -30,21 +30,21 @@ from safetensors import safe_open
 
 from mconvert import dtypes
 from mconvert.convert.driver import dry_run_report, write_output
-from mconvert.convert.io import buffers
-from mconvert.convert.io.atomic import check_output, record_digest
-from mconvert.convert.io.safeload import crc_in_background
-from mconvert.convert.io.paths import inside_file, load_json_object
-from mconvert.convert.io.safetensors import SafetensorsRandomWriter
+from mconvert.io import buffers
+from mconvert.io.atomic import check_output, record_digest
+from mconvert.io.crc import crc_in_background
+from mconvert.io.paths import inside_file, load_json_object
+from mconvert.io.safetensors import SafetensorsRandomWriter
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import open_source
-from mconvert.convert.trtllm_layout import (
+from mconvert.convert.deploy.trtllm_layout import (
     TRT_DTYPES,
     expected_trtllm_shapes,
     layout_for,
     trtllm_config,
     trtllm_refusal,
 )
-from mconvert.convert.trtllm_layout import trtllm_layout_of as trtllm_layout_of  # the checker's users import it here
+from mconvert.convert.deploy.trtllm_layout import trtllm_layout_of as trtllm_layout_of  # the checker's users import it here
 from mconvert.convert.writer import Report
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import deploy

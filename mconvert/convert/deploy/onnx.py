@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io.atomic import atomic_output_dir, check_output
-from mconvert.convert.io.paths import check_tree_contained, inside_file, load_json_object
+from mconvert.io.atomic import atomic_output_dir, check_output
+from mconvert.io.paths import check_tree_contained, inside_file, load_json_object
 from mconvert import dtypes
 from mconvert.convert.driver import megatron_to_hf, peak_rss_bytes
-from mconvert.convert.io.paths import copy_contained
+from mconvert.io.paths import copy_contained
 from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, make_report
 from mconvert.mappings import families

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io import buffers
+from mconvert.io import buffers
 from mconvert.errors import MConvertError
 
 
@@ -149,7 +149,7 @@ _FOLLOW_BUF = threading.local()  # each thread's block buffer for the bytes a Fo
 def pread_into(fd: int, mv: memoryview, pos: int, path: Path, key: str, crc: Any = None,
                digest: "FollowedDigest | None" = None) -> None:
     """Fill `mv` with the bytes of input file `path` (descriptor `fd`) from `pos` (tensor `key`). With a
-    record-wise CRC-32 check (`safeload.ZipRecords`) or a manifest digest (`FollowedDigest`) to feed, it reads
+    record-wise CRC-32 check (`crc.ZipRecords`) or a manifest digest (`FollowedDigest`) to feed, it reads
     FOLLOW_BLOCK bytes at a time and hands each block to them while it is in cache (the digest first: when
     the CRC refuses a block, the manifest still names the changed file)."""
     got, total = 0, len(mv)

@@ -35,13 +35,14 @@ import torch
 
 from mconvert import dtypes
 from mconvert.convert.base import units_of
-from mconvert.convert.io import buffers
-from mconvert.convert.io.atomic import check_output, record_digest
-from mconvert.convert.io.hashing import HashingFile
-from mconvert.convert.ft_checks import ft_layout
-from mconvert.convert.io.paths import contained, inside_file, read_small
+from mconvert.io import buffers
+from mconvert.io.atomic import check_output, record_digest
+from mconvert.io.hashing import HashingFile
+from mconvert.convert.deploy.ft_checks import ft_layout
+from mconvert.io.paths import contained, inside_file, read_small
 from mconvert.convert.driver import dry_run_report, write_output
-from mconvert.convert.io.safeload import check_narrowed, crc_in_background
+from mconvert.io.crc import crc_in_background
+from mconvert.io.casts import check_narrowed
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import open_source
 from mconvert.convert.writer import Report

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io import buffers, repickle
-from mconvert.convert.io.hashing import Checksum, HashingFile, crc32, numel, pread_into, tensor_bytes
-from mconvert.convert.io.paths import make_dirs, owned_fd
-from mconvert.convert.io.safeload import ZipRecords, followed_digest, zip_records
+from mconvert.io import buffers, repickle
+from mconvert.io.hashing import Checksum, HashingFile, crc32, numel, pread_into, tensor_bytes
+from mconvert.io.paths import make_dirs, owned_fd
+from mconvert.io.crc import ZipRecords, followed_digest, zip_records
 from mconvert.errors import MConvertError
 
 

@@ -19,8 +19,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from mconvert.convert.io.hashing import FollowedDigest, hash_file
-from mconvert.convert.io.paths import check_regular, contained, read_small
+from mconvert.io.hashing import FollowedDigest, hash_file
+from mconvert.io.paths import check_regular, contained, read_small
 from mconvert.errors import MConvertError
 
 INTEGRITY = "integrity.json"  # megatron-core's `INTEGRITY_FNAME`
@@ -73,12 +73,12 @@ def check_integrity(iter_dir: Path, digests: bool = True, covered: Callable[[Pat
     """Refuse a torch_dist iteration directory that its integrity manifest (if any) contradicts. Its shape and
     every listed file's presence are checked now; with `digests`, each listed file's sha256 too — inside a
     conversion on the conversion's own reads or on its background thread, awaited before the output is
-    committed (`safeload.follow_input`), else now. `covered(path)`: the file is checked byte for byte by
+    committed (`crc.follow_input`), else now. `covered(path)`: the file is checked byte for byte by
     another manifest already (mconvert's own), so it is not hashed a second time."""
     listed = integrity_entries(iter_dir)
     if not listed or not digests:
         return
-    from mconvert.convert.io.safeload import deferred, follow_input
+    from mconvert.io.crc import deferred, follow_input
 
     manifest = iter_dir / INTEGRITY
     for p, want in sorted(listed.items()):

@@ -27,9 +27,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.io.hashing import (MANIFEST_HASHES, FollowedDigest, check_hash_name, hash_file,
+from mconvert.io.hashing import (MANIFEST_HASHES, FollowedDigest, check_hash_name, hash_file,
                                          manifest_hash)
-from mconvert.convert.io.paths import TMP_TAG
+from mconvert.io.paths import TMP_TAG
 from mconvert.errors import MConvertError
 
 MANIFEST = "mconvert-manifest.json"
@@ -39,7 +39,7 @@ def check_output(out: str | Path, force: bool, inputs: tuple[str | Path | None, 
     """Refuse an OUT that is, contains or lies inside one of `inputs` (with or without --force: the rename or
     the removal of the old OUT would destroy the input), an existing OUT without --force and an unwritable
     parent, before any work is done."""
-    from mconvert.convert.io.paths import overlap
+    from mconvert.io.paths import overlap
 
     out = Path(out)
     for inp in inputs:
@@ -512,7 +512,7 @@ def _manifest_plan(root: Path, unlisted: bool) -> tuple[str, list[str], list[tup
     `root`'s manifest: entries outside `root` or without a digest, missing or resized files, and (with
     `unlisted`) files the manifest does not list."""
     path = root / MANIFEST
-    from mconvert.convert.io.paths import read_small
+    from mconvert.io.paths import read_small
 
     try:
         algorithm, listed = manifest_entries(read_small(_contained_manifest(root), "json"))
@@ -559,12 +559,12 @@ def verify_input(path: str | Path) -> None:
     a flipped bit inside a tensor is undetectable (neither torch nor safetensors files carry checksums).
     Inputs without a manifest (Megatron-LM's own checkpoints) pass unchecked.
 
-    Inside a conversion (`safeload.deferred_crc_checks()`) a missing or resized file is refused at once, and
+    Inside a conversion (`crc.deferred_crc_checks()`) a missing or resized file is refused at once, and
     each file's digest is taken on the bytes the conversion reads anyway (`FollowedDigest`; a file no reader
     reads is hashed on a background thread); the output waits for the verdict before it is committed, and a
     mismatch then wins over any error the changed bytes caused. Under torchrun the ranks read disjoint parts
     of each file, so each file is hashed whole, on the background thread of the rank that `owns_path` it."""
-    from mconvert.convert.io.safeload import in_conversion
+    from mconvert.io.crc import in_conversion
 
     root = _manifest_root(Path(path))
     if root is None:
@@ -584,7 +584,7 @@ def verify_input(path: str | Path) -> None:
 def listed_by_manifest(path: str | Path) -> set[str]:
     """The real paths of the files the manifest covering input `path` lists (empty: no manifest, or one
     `verify_input` refuses): what `verify_input` checks byte for byte, so another check need not hash them."""
-    from mconvert.convert.io.paths import read_small
+    from mconvert.io.paths import read_small
 
     root = _manifest_root(Path(path))
     if root is None:
@@ -605,7 +605,7 @@ def _manifest_root(path: Path) -> Path | None:
 
 def _contained_manifest(root: Path) -> Path:
     """`root`'s manifest, refused (as every other input file) when it is a symlink leading outside `root`."""
-    from mconvert.convert.io.paths import contained
+    from mconvert.io.paths import contained
 
     return contained(root, MANIFEST, f"{root}: manifest")
 
@@ -618,9 +618,9 @@ def _input_changed(root: Path, problems: list[str]) -> MConvertError:
 
 def _check_on_reads(root: Path, algorithm: str, to_hash: list[tuple[Path, str, int]]) -> None:
     """Check each file of `root`'s manifest on the conversion's reads where this process reads it whole
-    (`safeload.follow_input`), else whole on the background thread (a second name of a followed file; under
+    (`crc.follow_input`), else whole on the background thread (a second name of a followed file; under
     torchrun, by the rank that owns the file)."""
-    from mconvert.convert.io.safeload import deferred, follow_input
+    from mconvert.io.crc import deferred, follow_input
 
     def refuse(problem: str) -> MConvertError:
         return _input_changed(root, [problem])
@@ -738,7 +738,7 @@ def check_file_manifest(path: str | Path) -> list[str]:
     side = file_manifest_path(path)
     if not side.is_file():
         return [f"{path}: no {side.name} beside it (not written by mconvert, or copied without it)"]
-    from mconvert.convert.io.paths import read_small
+    from mconvert.io.paths import read_small
 
     try:
         algorithm, listed = manifest_entries(read_small(side, "json"))

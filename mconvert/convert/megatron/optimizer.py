@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mconvert.convert.io.safeload import all_finite
+from mconvert.io.casts import all_finite
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings.transforms import merge, split
 

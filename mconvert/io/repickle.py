@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import torch
 
-from mconvert.convert.io.safeload import StandIn
+from mconvert.io.safeload import StandIn
 
 
 def _is_stand_in(obj: Any) -> bool:

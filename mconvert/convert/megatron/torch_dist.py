@@ -25,15 +25,18 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mconvert.convert import bridge, dp_buckets
-from mconvert.convert import optimizer as optim
+from mconvert.convert.megatron import bridge
+from mconvert.convert.megatron import dp_buckets
+from mconvert.convert.megatron import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
-from mconvert.convert.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
-from mconvert.convert.io.atomic import listed_by_manifest
-from mconvert.convert.layout import PipelineSplit, stored_iteration
-from mconvert.convert.io.integrity import INTEGRITY, check_integrity
-from mconvert.convert.io.paths import check_regular, contained, inside_file, load_json_object
-from mconvert.convert.io.safeload import all_finite, crc_checks_now, safe_load, safe_load_dcp_metadata
+from mconvert.convert.megatron.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
+from mconvert.io.atomic import listed_by_manifest
+from mconvert.convert.megatron.layout import PipelineSplit, stored_iteration
+from mconvert.io.integrity import INTEGRITY, check_integrity
+from mconvert.io.paths import check_regular, contained, inside_file, load_json_object
+from mconvert.io.safeload import safe_load, safe_load_dcp_metadata
+from mconvert.io.crc import crc_checks_now
+from mconvert.io.casts import all_finite
 from mconvert.errors import MConvertError, expect, renamed
 from mconvert.mappings.keys import canonical_key, unit_of
 from mconvert.mappings.transforms import merge

@@ -166,12 +166,12 @@ _DISABLED = bool(os.environ.get("MCONVERT_NO_BUFFER_POOL"))
 def contiguous(t: torch.Tensor) -> torch.Tensor:
     """`t.contiguous()`, the copy (when one is needed) in pooled memory: a row-split shard a writer streams, a
     transposed shard a FasterTransformer file holds. A 2-D transposed view (its `.t()` has contiguous rows)
-    is copied by `transforms.copy_transposed`, the vectorised transpose, not torch's element-wise copy."""
+    is copied by `io.transpose.copy_transposed`, the vectorised transpose, not torch's element-wise copy."""
     if t.is_contiguous():
         return t
     out = empty(tuple(t.shape), t.dtype)
     if t.dim() == 2 and t.stride(0) == 1 and t.shape[0] > 1 and t.shape[1] > 1:
-        from mconvert.mappings.transforms import copy_transposed
+        from mconvert.io.transpose import copy_transposed
 
         return copy_transposed(t.t(), out)
     out.copy_(t)
@@ -182,7 +182,7 @@ def column_major(t: torch.Tensor) -> torch.Tensor:
     """`t` (2-D) with the same values laid out column-major (its `.t()` contiguous) in pooled memory, so the
     transpose its consumer makes next (GPT-2's Conv1D) is free and its bytes land in reused pages; any
     other tensor as it is."""
-    from mconvert.mappings.transforms import transposed
+    from mconvert.io.transpose import transposed
 
     if t.dim() != 2 or t.t().is_contiguous():
         return t

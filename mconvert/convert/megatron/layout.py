@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 
-from mconvert.convert.io.paths import inside_file, make_dirs, read_small
+from mconvert.io.paths import inside_file, make_dirs, read_small
 from mconvert.errors import MConvertError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -133,7 +133,7 @@ def save_rank_file(path: str | Path, state: dict[str, Any]) -> None:
     path = Path(path)
     make_dirs(path.parent)
     tmp = path.with_name(path.name + ".tmp")
-    from mconvert.convert.io import repickle  # torch: the names and paths above serve `plan` without it
+    from mconvert.io import repickle  # torch: the names and paths above serve `plan` without it
 
     repickle.save(state, tmp)
     os.replace(tmp, path)

@@ -1,6 +1,6 @@
 """The TensorRT-LLM layout as data: `config.json` for a model, what TensorRT-LLM's classes cannot hold, and every
 tensor name and per-rank shape a `config.json` implies. No torch: `plan --to trtllm` estimates from it, the
-writer and the checker (`convert/trtllm.py`) build on it."""
+writer and the checker (`convert/deploy/trtllm.py`) build on it."""
 
 from __future__ import annotations
 

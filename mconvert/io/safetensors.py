@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.io import buffers
-from mconvert.convert.io.hashing import (
+from mconvert.io import buffers
+from mconvert.io.hashing import (
     DIRECT_MIN_BYTES,
     HashingFile,
     RandomDirectFile,
@@ -31,8 +31,9 @@ from mconvert.convert.io.hashing import (
     pread_into,
     tensor_bytes,
 )
-from mconvert.convert.io.paths import open_regular, owned_fd
-from mconvert.convert.io.safeload import followed_digest, narrowed
+from mconvert.io.paths import open_regular, owned_fd
+from mconvert.io.crc import followed_digest
+from mconvert.io.casts import narrowed
 from mconvert.errors import MConvertError
 
 Entry = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one planned tensor

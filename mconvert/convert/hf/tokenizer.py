@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.io.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
+from mconvert.io.paths import LIMITS, contained, copy_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError, escape_controls, renamed
 
 # Every file transformers' `save_pretrained` writes for a tokenizer, of any class: the names in its tokenizer

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import yaml
 
-from mconvert.convert.io.paths import inside_file, read_small
+from mconvert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError, type_name
 from mconvert.mappings.fields import ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, MEGATRON_ARGS, check, check_numbers
 from mconvert.spec import ModelSpec

@@ -43,20 +43,20 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from mconvert.convert import bridge as bridge_files
-from mconvert.convert import dp_buckets
-from mconvert.convert import optimizer as optim
-from mconvert.convert.checkpoint import args_dict
+from mconvert.convert.megatron import bridge as bridge_files
+from mconvert.convert.megatron import dp_buckets
+from mconvert.convert.megatron import optimizer as optim
+from mconvert.convert.megatron.checkpoint import args_dict
 from mconvert.convert.base import Unit, units_of
-from mconvert.convert.io import repickle
-from mconvert.convert.io.atomic import record_digest
-from mconvert.convert.io.hashing import HashingFile
-from mconvert.convert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
-from mconvert.convert.io.paths import make_dirs
-from mconvert.convert.io.safeload import narrowed
-from mconvert.convert.layout import CHECKPOINT_VERSION, PipelineSplit, iteration_dir_name, write_latest
-from mconvert.convert.megatron import checked_split, target_args
-from mconvert.convert.torch_dist import (
+from mconvert.io import repickle
+from mconvert.io.atomic import record_digest
+from mconvert.io.hashing import HashingFile
+from mconvert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
+from mconvert.io.paths import make_dirs
+from mconvert.io.casts import narrowed
+from mconvert.convert.megatron.layout import CHECKPOINT_VERSION, PipelineSplit, iteration_dir_name, write_latest
+from mconvert.convert.megatron.writer import checked_split, target_args
+from mconvert.convert.megatron.torch_dist import (
     DP_RESHARDABLE,
     OPTIMIZER_STATE_PREFIX,
     RESHARDABLE_OPTIMIZER,
@@ -233,7 +233,7 @@ class TorchDistWriter:
         if bridge and not self.split.even:  # its run config states the split in other words, not written here
             raise MConvertError(f"--bridge with an uneven pipeline split ({self.split.describe()}) is not written; "
                                 "drop --bridge, or use an even split")
-        self.bridge = bridge  # also write what Megatron-Bridge loads the checkpoint from (convert/bridge.py)
+        self.bridge = bridge  # also write what Megatron-Bridge loads the checkpoint from (convert/megatron/bridge.py)
         self.bridge_source = bridge_source  # a Bridge source's (run config, train state), carried
         if bridge:  # its loader pads no vocab: the stored rows are the vocab itself
             bridge_files.check_writable(spec, tp)

@@ -4,7 +4,7 @@ CPU-time limit (`RLIMIT_AS`, `RLIMIT_CPU`) and a wall-clock timeout, so a templa
 that asks for a million modules ends in one line naming the part, never in a hang or a `MemoryError` of
 mconvert's own process.
 
-The child runs `python -m mconvert.convert.io.bounded`: it reads `{"target": "module:function", "args": {...}}`
+The child runs `python -m mconvert.io.bounded`: it reads `{"target": "module:function", "args": {...}}`
 as JSON on stdin, calls the function (which must be an mconvert function taking and returning JSON values) and
 writes `{"ok": result}` or `{"error": message}` as one JSON line on stdout. Before each part of the work the
 function may call `part(name)`, which the parent uses to name what ran past a bound.
@@ -51,7 +51,7 @@ def run_bounded(target: str, args: dict[str, Any], what: str, fix: str, seconds:
     env.pop("MCONVERT_DEBUG", None)
     cpu = max(1, int(seconds))
     # its own session (process group): a timeout kills whatever it started too
-    p = subprocess.Popen([sys.executable, "-m", "mconvert.convert.io.bounded"], stdin=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-m", "mconvert.io.bounded"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True, start_new_session=True)
     request = {"target": target, "args": args, "memory": memory, "cpu": cpu}
     try:

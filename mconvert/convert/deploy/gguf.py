@@ -34,13 +34,13 @@ import numpy as np
 import torch
 
 from mconvert.convert.base import Unit, units_of
-from mconvert.convert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
-from mconvert.convert.io.paths import inside_file, load_json_object, read_small
+from mconvert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
+from mconvert.io.paths import inside_file, load_json_object, read_small
 from mconvert.convert.driver import drive, peak_rss_bytes
-from mconvert.convert.io.safeload import (check_narrowed, crc_in_background, skip_crc_checks, value_range,
-                                          wait_crc_checks)
+from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
+from mconvert.io.casts import check_narrowed, value_range
 from mconvert.convert.sources import open_source
-from mconvert.convert.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
+from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
 from mconvert.convert.writer import Report, make_report
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf

@@ -1,0 +1,2 @@
+"""The HuggingFace side: the safetensors directory source and writer (`source`) and the tokenizer files
+(`tokenizer`)."""
