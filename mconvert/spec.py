@@ -57,6 +57,10 @@ FEATURE_TARGETS: dict[str, tuple[str, ...]] = {
     # field, and llama.cpp's llama / qwen2 / qwen3 / qwen3moe architectures read none (ONNX is exported from the HF
     # form, which has it; see docs/formats.md); `window_as_full` writes those targets' full attention on request
     "window": ("HF",),
+    # Gemma's block (zero-centred norms, sandwich norms, embedding scale, attention scale, soft-capping, local
+    # rope base): the HF Gemma classes (ONNX is exported from them) and llama.cpp's gemma2 / gemma3 architectures
+    # (their GgufLayout states it); FasterTransformer's and TensorRT-LLM's checkpoints have no field for it
+    "gemma": ("HF",),
 }
 
 
@@ -104,7 +108,7 @@ class ModelSpec:
     kv_channels: int | None = None  # head_dim; None = hidden_size // num_attention_heads
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     norm_epsilon: float = 1e-5
-    activation: str = "gelu"  # gelu (erf) | gelu_new (tanh, Megatron openai_gelu) | swiglu
+    activation: str = "gelu"  # gelu (erf) | gelu_new (tanh, Megatron openai_gelu) | swiglu | geglu (tanh GeLU gate)
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
@@ -163,6 +167,19 @@ class ModelSpec:
     # Which layers the window applies to (megatron-core's list form of `window_attn_skip_freq`): one entry per
     # layer, 1 = windowed, 0 = full attention; None = every layer windowed.
     window_pattern: tuple[int, ...] | None = None
+    # Gemma's block (Megatron-Bridge's Gemma providers): every norm scales by (1 + w) (megatron-core's
+    # layernorm_zero_centered_gamma; the stored weight is HF's), a norm after attention and after the MLP
+    # (`linear_proj.post_layernorm`, `linear_fc2.post_layernorm`), the embedding multiplied by sqrt(hidden), the
+    # attention scores multiplied by softmax_scale (None: 1/sqrt(head_dim)), tanh soft-capping of the attention
+    # scores and of the final logits (cap · tanh(x / cap); None: none), and the windowed layers roped with their
+    # own base, unscaled (None: every layer ropes alike)
+    norm_zero_centered: bool = False
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    softmax_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rotary_base_local: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- derived -------------------------------------------------------------------------------
@@ -221,8 +238,13 @@ class ModelSpec:
         """Refuse specs that no format can hold; one line naming the field."""
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise MConvertError(f"unsupported normalization {self.normalization!r} (LayerNorm or RMSNorm)")
-        if self.activation not in ("gelu", "gelu_new", "swiglu"):
-            raise MConvertError(f"unsupported activation {self.activation!r} (gelu, gelu_new or swiglu)")
+        if self.activation not in ("gelu", "gelu_new", "swiglu", "geglu"):
+            raise MConvertError(f"unsupported activation {self.activation!r} (gelu, gelu_new, swiglu or geglu)")
+        for name in ("softmax_scale", "attn_logit_softcapping", "final_logit_softcapping", "rotary_base_local"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise MConvertError(f"{name} must be a finite positive number or None, got {v!r}")
         if self.position_embedding_type not in ("learned_absolute", "rope"):
             raise MConvertError(f"unsupported position_embedding_type {self.position_embedding_type!r}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
@@ -240,6 +262,9 @@ class ModelSpec:
         self._validate_moe()
         self._validate_deepseek()
         self._validate_window()
+        if self.sandwich_norms and (self.is_moe or self.is_mla):
+            raise MConvertError("sandwich_norms (Gemma's post-attention and post-MLP norms) with mixture of experts or "
+                                "multi-latent attention is not mapped; drop one")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
@@ -389,11 +414,13 @@ class ModelSpec:
             raise MConvertError("rope_scaling='yarn' with rotary_interleaved=True: megatron-core's YaRN rotates "
                                 "halves only; conversion refused")
 
-    def refuse_unmapped(self, target: str, source: str = "") -> None:
+    def refuse_unmapped(self, target: str, source: str = "", states: tuple[str, ...] = ()) -> None:
         """Refuse, naming the field (and `source`, the checkpoint), the features `target` cannot state.
 
-        `FEATURE_TARGETS` says which targets state each feature; the target's family writer still refuses
-        what its own class cannot compute (a llama with qk-norm for HF, say)."""
+        `FEATURE_TARGETS` says which targets state each feature, `states` the features this family's form of
+        the target states besides (llama.cpp's gemma2 / gemma3 architectures: the window and the Gemma block);
+        the target's family writer still refuses what its own class cannot compute (a llama with qk-norm for HF,
+        say)."""
         where = f"{source}: " if source else ""
         present = {
             "rope_scaling": self.rope_scaling is not None and (
@@ -402,19 +429,22 @@ class ModelSpec:
             "qk_layernorm": self.qk_layernorm and "qk_layernorm=True (per-head q/k norm)",
             "moe": self.is_moe and f"num_experts={self.num_experts} (mixture of experts)",
             "window": self.window_masks and self.window_description(),
+            "gemma": self.gemma_features() and f"the Gemma block ({', '.join(self.gemma_features())})",
         }
         for feature, what in present.items():
-            if what and target not in FEATURE_TARGETS[feature]:
+            if what and target not in FEATURE_TARGETS[feature] and feature not in states:
                 fix = ("; pass --accept-window-as-full to write it with full attention, which agrees with the model "
                        f"only on sequences of up to {self.window_size + 1} tokens") if feature == "window" else ""
                 raise MConvertError(f"{where}{what} is not mapped to {target}; conversion refused (reshard and "
                                     f"validate handle the Megatron checkpoint){fix}")
 
     # ---- sliding window --------------------------------------------------------------------------
-    def window_as_full(self, target: str, accept: bool) -> tuple["ModelSpec", str | None]:
+    def window_as_full(self, target: str, accept: bool,
+                       states: tuple[str, ...] = ()) -> tuple["ModelSpec", str | None]:
         """For a target that has no window: with `accept` (--accept-window-as-full) the model as the target runs
-        it, full attention, and the note its report carries; else this spec (whose refusal names the window)."""
-        if not (accept and self.window_masks and target not in FEATURE_TARGETS["window"]):
+        it, full attention, and the note its report carries; else this spec (whose refusal names the window).
+        `states`: as for `refuse_unmapped`."""
+        if not (accept and self.window_masks and target not in FEATURE_TARGETS["window"] and "window" not in states):
             return self, None
         return self.replace(window_size=None), (
             f"{self.window_description()} written as full attention for {target} (--accept-window-as-full): it "
@@ -498,7 +528,27 @@ class ModelSpec:
 
     @property
     def gated(self) -> bool:
-        return self.activation == "swiglu"
+        """fc1 holds [gate; up] (SwiGLU, GeGLU)."""
+        return self.activation in ("swiglu", "geglu")
+
+    def gemma_features(self) -> list[str]:
+        """The Gemma block's fields this model sets, as Megatron args `name=value` (empty for the other families'
+        blocks)."""
+        out = [f"{_GEMMA_ARG_NAMES.get(k, k)}={getattr(self, k)!r}" for k, v in _GEMMA_DEFAULTS.items()
+               if getattr(self, k) != v]
+        return (["gated_linear_unit=True (GeGLU)"] if self.activation == "geglu" else []) + out
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention multiplies q·k by: softmax_scale, else 1/sqrt(head_dim)."""
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def layer_rotary_base(self, layer: int) -> tuple[float, bool]:
+        """Layer `layer`'s rope base and whether the rope scaling applies to it: the windowed layers of a model
+        with rotary_base_local rope with that base, unscaled (Gemma 3's local layers)."""
+        if self.rotary_base_local is not None and self.layer_window(layer) is not None:
+            return self.rotary_base_local, False
+        return self.rotary_base, True
 
     @property
     def has_qkv_bias(self) -> bool:
@@ -616,6 +666,8 @@ class ModelSpec:
             add("self_attention.linear_proj.weight", "row", H, nh * hd)
         if self.add_bias_linear:
             add("self_attention.linear_proj.bias", "replicated", H)
+        if self.sandwich_norms:  # on the attention output, before the residual add
+            add("self_attention.linear_proj.post_layernorm.weight", "replicated", H)
         add("pre_mlp_layernorm.weight", "replicated", H)
         if ln_bias:
             add("pre_mlp_layernorm.bias", "replicated", H)
@@ -638,6 +690,8 @@ class ModelSpec:
         add("mlp.linear_fc2.weight", "row", H, F)
         if self.add_bias_linear:
             add("mlp.linear_fc2.bias", "replicated", H)
+        if self.sandwich_norms:  # on the MLP output, before the residual add
+            add("mlp.linear_fc2.post_layernorm.weight", "replicated", H)
         return out
 
     def mla_params(self) -> list[ParamDecl]:
@@ -817,8 +871,8 @@ class ModelSpec:
             virtual_pipeline_model_parallel_size=vpp,
             normalization=self.normalization,
             norm_epsilon=self.norm_epsilon,
-            swiglu=self.gated,
-            openai_gelu=self.activation == "gelu_new",
+            swiglu=self.activation == "swiglu",
+            openai_gelu=self.activation in ("gelu_new", "geglu"),
             bias_gelu_fusion=False,  # fused is tanh GeLU: `openai_gelu` alone says which GeLU the model computes
             position_embedding_type=self.position_embedding_type,
             rotary_base=self.rotary_base,
@@ -843,6 +897,8 @@ class ModelSpec:
             setattr(ns, k, v)
         for k, v in window_megatron_args(self).items():
             setattr(ns, k, v)
+        for k, v in self._gemma_megatron_args().items():
+            setattr(ns, k, v)
         if self.is_moe:
             ns.num_experts = self.num_experts
             ns.moe_ffn_hidden_size = self.expert_ffn_hidden_size
@@ -854,6 +910,19 @@ class ModelSpec:
         for k, v in extra.items():
             setattr(ns, k, v)
         return ns
+
+    def _gemma_megatron_args(self) -> dict[str, Any]:
+        """The Gemma block's args (empty when unused): megatron-core's `gated_linear_unit`,
+        `layernorm_zero_centered_gamma` and `softmax_scale`, Megatron-Bridge's soft-capping names, and
+        mconvert's own `sandwich_norms`, `scale_embeddings`, `rotary_base_local` (the Bridge states them by its
+        provider class and its (local, global) rotary_base pair)."""
+        out: dict[str, Any] = {}
+        if self.activation == "geglu":
+            out["gated_linear_unit"] = True
+        for name in _GEMMA_DEFAULTS:
+            if getattr(self, name) != _GEMMA_DEFAULTS[name]:
+                out[_GEMMA_ARG_NAMES.get(name, name)] = getattr(self, name)
+        return out
 
     def _deepseek_megatron_args(self) -> dict[str, Any]:
         """Megatron-LM's args for MLA, the DeepSeek router, the MoE layer pattern and MTP (empty when unused).
@@ -916,12 +985,28 @@ class ModelSpec:
         unused += [] if self.mtp_num_layers is not None else ["mtp_num_layers"]
         if self.window_size is None:
             unused += ["window_size", "window_pattern"]
+        unused += [k for k, v in _GEMMA_DEFAULTS.items() if d[k] == v]
         for name in unused:
             del d[name]
         return d
 
 
 ROPE_SCALINGS = (None, "llama3", "linear", "yarn")
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "norm_zero_centered": False, "sandwich_norms": False, "scale_embeddings": False, "softmax_scale": None,
+    "attn_logit_softcapping": None, "final_logit_softcapping": None, "rotary_base_local": None,
+}
+_GEMMA_ARG_NAMES = {"norm_zero_centered": "layernorm_zero_centered_gamma"}
+
+
+def gemma_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec kwargs for the Gemma block from the args `_gemma_megatron_args` writes (empty when unused)."""
+    out: dict[str, Any] = {}
+    for name in _GEMMA_DEFAULTS:
+        v = a.get(_GEMMA_ARG_NAMES.get(name, name))
+        if v is not None and v is not False:
+            out[name] = v
+    return out
 _MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                                  "v_head_dim": 128}
 _DEEPSEEK_MOE_DEFAULTS: dict[str, Any] = {

@@ -68,61 +68,59 @@ def peak_rss_bytes() -> int:
 
 
 def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> list[Path]:
-    """THE loop: every unit of `src`, read the way the writer `reads`, into the writer; then close it. On any
-    error the writer is aborted (threads, staging memory, open files) before the caller's output is removed.
-    A writer that `takes_states` (Megatron with optimizer states) gets each parameter's optimizer states too."""
-    if world().size > 1 and not hasattr(writer, "needs"):
+    """THE loop: every unit of `src`, in the writer's `unit_order`, read the way its declared fields say
+    (`convert/writer.py`: `reads`, `feeds`, `splits_experts`, `needs`/`wants`), into the writer; then close it.
+    On any error the writer is aborted (threads, staging memory, open files) before the caller's output is
+    removed."""
+    if not isinstance(writer, Writer):
+        raise TypeError(f"internal: {type(writer).__name__} is not a convert.writer.Writer")
+    if world().size > 1 and not writer.shares_work:
         raise MConvertError(f"{what}: this output runs in one process and does not share its work over torchrun; "
                             "run it without torchrun")
     with _aborting(writer):  # MoE layers one expert at a time where both sides can (memory: one expert)
         start_crc_checks()  # every reader has claimed the input records it checks on the bytes it reads
-        units = src.units(getattr(writer, "splits_experts", False))
-        if hasattr(writer, "unit_order"):  # a writer whose files are laid out up front takes them in file order
-            units = writer.unit_order(list(units))
-        chained = _chained_reads(src, writer)
+        units = writer.unit_order(list(src.units(writer.splits_experts)))
+        feeds = writer.feeds
+        chained = _chained_reads(src, writer) if feeds == "parts" else None
         if chained is not None:  # every unit's parameters on one pool
-            needs = writer.needs if hasattr(writer, "needs") else lambda unit: True
             tasks, ends = chained
-            for unit, part in parts_ahead(unit_progress(units, what, progress), needs, tasks, ends):
+            for unit, part in parts_ahead(unit_progress(units, what, progress), writer.needs, tasks, ends):
                 if part is SKIP:
                     writer.skip(unit)  # another torchrun rank writes what it feeds
                 elif part is END:
-                    writer.add(unit, {}, complete=True)  # type: ignore[call-arg]
+                    writer.add(unit, {}, complete=True)
                 elif ends:
-                    writer.add(unit, part, complete=False)  # type: ignore[call-arg]
+                    writer.add(unit, part, complete=False)
                 else:
                     writer.add(unit, part)
             return writer.close()
         for unit in unit_progress(units, what, progress):
-            if hasattr(writer, "needs") and not writer.needs(unit):  # another torchrun rank writes what it feeds
+            if not writer.needs(unit):  # another torchrun rank writes what it feeds
                 writer.skip(unit)
                 continue
-            if getattr(writer, "takes_states", False):
+            if feeds == "states":
                 tensors, states = src.read_unit(unit, True)
-                writer.add(unit, tensors, states)  # type: ignore[call-arg]
-            elif writer.reads == "hf" and getattr(writer, "takes_parts", False):
-                only = writer.wants(unit) if hasattr(writer, "wants") else None  # a torchrun process's shards
-                for part in src.read_hf_parts(unit, only=only):  # what is written is freed before the rest is read
+                writer.add(unit, tensors, states)
+            elif feeds == "parts" and writer.reads == "hf":
+                # a torchrun process's shards (`wants`); what is written is freed before the rest is read
+                for part in src.read_hf_parts(unit, only=writer.wants(unit)):
                     writer.add(unit, part)
-            elif getattr(writer, "takes_parts", False) and hasattr(src, "read_mcore_parts"):
+            elif feeds == "parts" and hasattr(src, "read_mcore_parts"):
                 for part in src.read_mcore_parts(unit):
-                    writer.add(unit, part, complete=False)  # type: ignore[call-arg]
-                writer.add(unit, {}, complete=True)  # type: ignore[call-arg]
+                    writer.add(unit, part, complete=False)
+                writer.add(unit, {}, complete=True)
             else:
                 writer.add(unit, src.read_hf(unit) if writer.reads == "hf" else src.read_mcore(unit))
         return writer.close()
 
 
 def _chained_reads(src: Any, writer: Writer) -> tuple[Callable[[Unit], Any], bool] | None:
-    """How `drive` reads every unit on one pool (`base.parts_ahead`): the source's per-unit tasks and whether
-    the writer takes a unit's end apart (`add(unit, {}, complete=True)`); None where the loop reads unit by
-    unit (a writer that takes optimizer states or whole units, a source without tasks, an MoE model to a
-    Megatron-side writer, whose experts come whole one at a time: `base.LayerParts.comes_whole`)."""
-    if not getattr(writer, "takes_parts", False) or getattr(writer, "takes_states", False):
-        return None
+    """How `drive` reads every unit of a writer that takes parts on one pool (`base.parts_ahead`): the source's
+    per-unit tasks and whether the writer takes a unit's end apart (`add(unit, {}, complete=True)`); None where
+    the loop reads unit by unit (a source without tasks, an MoE model to a Megatron-side writer, whose experts
+    come whole one at a time: `base.LayerParts.comes_whole`)."""
     if writer.reads == "hf" and hasattr(src, "hf_part_tasks"):
-        wants = writer.wants if hasattr(writer, "wants") else lambda unit: None
-        return (lambda unit: src.hf_part_tasks(unit, wants(unit))), False
+        return (lambda unit: src.hf_part_tasks(unit, writer.wants(unit))), False
     if writer.reads != "hf" and hasattr(src, "mcore_part_tasks") and not src.spec.is_moe:
         return src.mcore_part_tasks, True
     return None

@@ -1,7 +1,7 @@
 """Pickling what `safeload` read: its stand-ins go back under their original class names.
 
 `safe_load` reads classes it may not import (Megatron's enums in `args`, its config dataclasses) as
-`safeload.StandIn` objects. Python's pickler cannot write those: it checks every class it names by importing
+`unpickler.StandIn` objects. Python's pickler cannot write those: it checks every class it names by importing
 its module, which is not installed (or is, and holds a different class), and importing it would run foreign
 code. This module is a `pickle_module` for `torch.save` whose pickler writes each stand-in class as the global
 it was read from, without importing anything, and each instance as the original pickled it (`StandIn.__reduce_ex__`):
@@ -22,7 +22,7 @@ from typing import IO, Any
 
 import torch
 
-from mconvert.io.safeload import StandIn
+from mconvert.io.unpickler import StandIn
 
 
 def _is_stand_in(obj: Any) -> bool:

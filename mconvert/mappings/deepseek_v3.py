@@ -20,7 +20,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, qwen3_moe
-from mconvert.mappings.family import Family, Plugin, Rule
+from mconvert.mappings.record import Family, Plugin, Rule
 from mconvert.mappings.fields import BOOL, INT, NUM, Field, mapped, neutral, refused
 from mconvert.spec import ModelSpec
 

@@ -14,8 +14,8 @@ import torch
 from mconvert.errors import MConvertError
 from mconvert.io.transpose import copy_transposed
 from mconvert.mappings import transforms as T
-from mconvert.mappings.family import DeployRule, Tensors
-from mconvert.mappings.registry import Registry, fill
+from mconvert.mappings.record import DeployRule, Tensors
+from mconvert.mappings.wildcards import Registry, fill
 from mconvert.spec import ModelSpec, ParamDecl
 
 HEAD = "output_layer.weight"

@@ -1,7 +1,8 @@
-"""The family registry: discovers the family modules of `mconvert.mappings` and parses configs with them.
+"""The families: the list of family modules of `mconvert.mappings` (`FAMILY_MODULES`), lookups over them, and
+configs parsed with them.
 
-Every module of this package that declares `FAMILY` is a family. Lookups go by name, HF architecture,
-`model_type` or Megatron args; the HF config ⇄ ModelSpec and Megatron args -> ModelSpec entry points live here
+Each module `FAMILY_MODULES` names declares one `FAMILY` record (`mappings/record.py`). Lookups go by name,
+HF architecture, `model_type` or Megatron args; the HF config ⇄ ModelSpec and Megatron args -> ModelSpec entry points live here
 (not in `spec.py`, which knows no family), and so do the presets each family declares.
 """
 
@@ -10,14 +11,12 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import pkgutil
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from mconvert.errors import MConvertError
-from mconvert.mappings.family import Family
+from mconvert.mappings.record import Family
 from mconvert.mappings.fields import (
     ARGS_NUMBERS,
     HF_COMMON,
@@ -32,6 +31,7 @@ from mconvert.spec import (
     ModelSpec,
     deepseek_features,
     deepseek_from_megatron_args,
+    gemma_from_megatron_args,
     moe_from_megatron_args,
     rope_and_qk_from_megatron_args,
     window_from_megatron_args,
@@ -39,31 +39,34 @@ from mconvert.spec import (
 
 
 READS_FILE = "hf_config_reads.json"  # in mconvert/data: what each engine's code reads, per model_type
-_FAMILY_LINE = re.compile(r"^FAMILY\s*[:=]", re.MULTILINE)
 
-
-def _declares_family(source: Path) -> bool:
-    """Whether a module of this package assigns `FAMILY` at its top level (read as text, not imported)."""
-    try:
-        return bool(_FAMILY_LINE.search(source.read_text(encoding="utf-8")))
-    except OSError:  # a module present only as bytecode: import it to find out
-        return True
+# Every family: the module of this package that declares its `FAMILY` record, one line each. Adding a family is
+# adding its line (any place: the families are taken in module-name order).
+FAMILY_MODULES = (
+    "deepseek_v3",
+    "gemma2",
+    "gemma3",
+    "gpt2",
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+)
 
 
 @functools.cache
 def _registry() -> dict[str, Family]:
     found: dict[str, Family] = {}
-    # the package's directory, read without importing the package (its __init__ imports this module's users)
     package = __name__.rpartition(".")[0]
-    here = Path(__file__).parent
-    for info in sorted(pkgutil.iter_modules([str(here)]), key=lambda m: m.name):
-        if not _declares_family(here / f"{info.name}.py"):
-            continue  # the shared machinery (transforms, plugin, deploy: torch) loads only when a verb uses it
-        fam = getattr(importlib.import_module(f"{package}.{info.name}"), "FAMILY", None)
-        if isinstance(fam, Family):
-            if fam.name in found:
-                raise RuntimeError(f"two family modules declare the family {fam.name!r}")
-            found[fam.name] = fam
+    for module in sorted(FAMILY_MODULES):  # only these load: the shared machinery (torch) waits for a verb
+        fam = getattr(importlib.import_module(f"{package}.{module}"), "FAMILY", None)
+        if not isinstance(fam, Family):
+            raise RuntimeError(f"{package}.{module} is listed in FAMILY_MODULES but declares no FAMILY = Family(...)")
+        if fam.name in found:
+            raise RuntimeError(f"two family modules declare the family {fam.name!r}")
+        found[fam.name] = fam
     return found
 
 
@@ -203,6 +206,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     spec.refuse_unmapped("HF")
     check_moe_class(spec)
     check_window_class(spec)
+    check_gemma_class(spec)
     fam = of(spec)
     cfg: dict[str, Any] = {"architectures": [fam.architecture], "model_type": fam.model_type}
     cfg.update(fam.to_hf(spec))
@@ -220,6 +224,7 @@ def refuse_for_hf(spec: ModelSpec, source: str) -> None:
     try:
         check_moe_class(spec)
         check_window_class(spec)
+        check_gemma_class(spec)
         of(spec).to_hf(spec)
     except MConvertError as e:
         raise MConvertError(f"{source}: {e}") from None
@@ -358,7 +363,8 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         kv_channels=int(get("kv_channels", H // nh)),
         normalization=get("normalization", "LayerNorm"),
         norm_epsilon=float(eps),
-        activation="swiglu" if swiglu else ("gelu_new" if get("openai_gelu", False) or _tanh_gelu(a) else "gelu"),
+        activation="swiglu" if swiglu else ("geglu" if get("gated_linear_unit", False) else
+                                            "gelu_new" if get("openai_gelu", False) or _tanh_gelu(a) else "gelu"),
         position_embedding_type="rope" if rope else "learned_absolute",
         rotary_base=float(get("rotary_base", 10000)),
         rotary_percent=float(get("rotary_percent", 1.0)),
@@ -369,7 +375,8 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by", 128)),
         params_dtype=dtype,
         **{**rope_and_qk_from_megatron_args(a, source), **moe_from_megatron_args(a),
-           **deepseek_from_megatron_args(a, source), **window_from_megatron_args(a, L, source)},
+           **deepseek_from_megatron_args(a, source), **window_from_megatron_args(a, L, source),
+           **gemma_from_megatron_args(a)},
     )
     if family is None:
         family = get("model_family", None)
@@ -384,7 +391,18 @@ def _from_megatron_args(a: dict[str, Any], family: str | None, source: str) -> M
             + "; conversion refused"
         )
     _check_deepseek(fam, {**fields, "multi_latent_attention": fields.get("kv_lora_rank") is not None}, source)
-    return ModelSpec(family=fam.name, **fields)
+    spec = ModelSpec(family=fam.name, **fields)
+    check_gemma_class(spec, source)
+    return spec
+
+
+def check_gemma_class(spec: ModelSpec, source: str = "") -> None:
+    """Refuse the Gemma block's fields for a family whose HF class does not compute them, naming the first."""
+    extra = spec.gemma_features()
+    if extra and not of(spec).gemma:
+        gemma = ", ".join(f.name for f in all_families() if f.gemma)
+        raise MConvertError(f"{source + ': ' if source else ''}{extra[0]} (the Gemma block) is not supported for the "
+                            f"{spec.family!r} family (Gemma families: {gemma}); conversion refused")
 
 
 def _check_deepseek(fam: Any, values: Mapping[str, Any], source: str) -> None:

@@ -236,8 +236,10 @@ _MEGATRON_MAPPED: dict[str, Field] = {
     "norm_epsilon": mapped("norm_epsilon", NUM, 1e-5),
     "layernorm_epsilon": mapped("norm_epsilon", NUM, 1e-5),
     "swiglu": mapped("activation", BOOL, False),
-    "gated_linear_unit": Field(REFUSED, "a gated MLP other than SwiGLU (set swiglu for SwiGLU)", False,
-                               ok=lambda v, a: bool(a.get("swiglu"))),
+    # gated with Megatron's GeLU: GeGLU with openai_gelu (tanh GeLU, Gemma's gelu_pytorch_tanh)
+    "gated_linear_unit": Field(REFUSED, "a gated MLP other than SwiGLU or tanh-GeLU GeGLU (set swiglu for SwiGLU, "
+                               "openai_gelu for GeGLU)", False,
+                               ok=lambda v, a: bool(a.get("swiglu") or a.get("openai_gelu"))),
     "openai_gelu": mapped("activation", BOOL, False),
     # a fused or Transformer Engine GeLU is the tanh approximation (megatron-core fusions/fused_bias_gelu.py,
     # TransformerEngine common/util/math.h), the unfused one torch's exact erf GeLU
@@ -322,14 +324,20 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     # attention variants
     "qk_l2_norm": refused("QK L2 norm is not mapped", False),
     "multi_latent_attention": mapped("kv_lora_rank", BOOL, False),
-    "softmax_scale": refused("a custom attention softmax scale is not mapped", None),
+    "softmax_scale": mapped("softmax_scale", NUM),
     "softmax_type": refused("only the vanilla attention softmax is mapped", "vanilla"),
     "attention_output_gate": refused("a gated attention output is not mapped", False),
     "experimental_attention_variant": refused("experimental attention variants are not mapped", None),
     "linear_attention_freq": refused("linear attention layers are not mapped", None),
     # norm / residual / activation variants
     "apply_residual_connection_post_layernorm": refused("post-layernorm residuals are not mapped", False),
-    "layernorm_zero_centered_gamma": refused("zero-centred norm weights (1 + w) are not mapped", False),
+    "layernorm_zero_centered_gamma": mapped("norm_zero_centered", BOOL, False),
+    # Megatron-Bridge's Gemma provider fields, and mconvert's own for what the Bridge states by its provider class
+    "attn_logit_softcapping": mapped("attn_logit_softcapping", NUM),
+    "final_logit_softcapping": mapped("final_logit_softcapping", NUM),
+    "rotary_base_local": mapped("rotary_base_local", NUM),
+    "sandwich_norms": mapped("sandwich_norms", BOOL, False),
+    "scale_embeddings": mapped("scale_embeddings", BOOL, False),
     "apply_layernorm_1p": refused("zero-centred norm weights (1 + w) are not mapped", False),
     "squared_relu": refused("the squared-ReLU MLP is not mapped", False),
     "quick_geglu": refused("the quick-GeGLU MLP is not mapped", False),

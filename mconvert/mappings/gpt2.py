@@ -10,7 +10,7 @@ from typing import Any
 
 
 from mconvert.errors import MConvertError
-from mconvert.mappings.family import (
+from mconvert.mappings.record import (
     DeployRule,
     Family,
     check_qk_norm,

@@ -11,7 +11,7 @@ from typing import Any
 
 
 from mconvert.errors import MConvertError
-from mconvert.mappings.family import (
+from mconvert.mappings.record import (
     FT_BASE_ROTARY,
     DeployRule,
     Family,

@@ -10,7 +10,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama
-from mconvert.mappings.family import Family
+from mconvert.mappings.record import Family
 from mconvert.mappings.fields import INT, Field, mapped
 from mconvert.spec import ModelSpec
 

@@ -14,8 +14,8 @@ import torch
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
 from mconvert.mappings import transforms as T
-from mconvert.mappings.family import Plugin, Rule
-from mconvert.mappings.registry import Registry, fill, layer_of
+from mconvert.mappings.record import Plugin, Rule
+from mconvert.mappings.wildcards import Registry, fill, layer_of
 from mconvert.spec import ModelSpec, Unit
 
 

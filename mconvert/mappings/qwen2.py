@@ -13,7 +13,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama
-from mconvert.mappings.family import Family, GgufLayout
+from mconvert.mappings.record import Family, GgufLayout
 from mconvert.mappings.fields import BOOL, INT, Field, mapped, refused
 from mconvert.spec import ModelSpec
 

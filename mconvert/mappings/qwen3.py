@@ -12,7 +12,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, qwen2
-from mconvert.mappings.family import Family, GgufLayout, Plugin, Rule
+from mconvert.mappings.record import Family, GgufLayout, Plugin, Rule
 from mconvert.mappings.fields import REFUSED, Field
 from mconvert.spec import ModelSpec
 

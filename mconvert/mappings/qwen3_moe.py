@@ -14,7 +14,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, mixtral, qwen2, qwen3
-from mconvert.mappings.family import Family, GgufLayout, Plugin, Rule
+from mconvert.mappings.record import Family, GgufLayout, Plugin, Rule, expert_width_key
 from mconvert.mappings.fields import BOOL, INT, NEUTRAL, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
@@ -122,7 +122,7 @@ GGUF = GgufLayout(
     },
     permute_qk=False,
     refuse=llama.gguf_refuse_rope_freqs,
-    expert_ff_key=True,
+    metadata=expert_width_key,
 )
 
 FAMILY = Family(**llama.rope_family(

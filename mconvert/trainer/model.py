@@ -56,8 +56,9 @@ def full_init(decl: ParamDecl, spec: ModelSpec, seed: int) -> torch.Tensor:
     Vocab rows: the true rows from one generator, padded rows from another (so TP padding never shifts them)."""
     name = decl.name
     leaf = name.rsplit(".", 1)[-1]
-    if "layernorm" in name:
-        return torch.ones(decl.shape) if leaf == "weight" else torch.zeros(decl.shape)
+    if "layernorm" in name:  # a zero-centred norm scales by 1 + w: its identity is w = 0
+        one = leaf == "weight" and not spec.norm_zero_centered
+        return torch.ones(decl.shape) if one else torch.zeros(decl.shape)
     if leaf == "bias":
         return torch.zeros(decl.shape)
     std = INIT_STD
@@ -104,6 +105,7 @@ class Norm(nn.Module):
         super().__init__()
         self.rms = spec.normalization == "RMSNorm"
         self.eps = spec.norm_epsilon
+        self.zero_centered = spec.norm_zero_centered  # scales by 1 + w (megatron-core's zero-centred gamma)
         self.weight = weight
         if bias is not None:
             self.bias = bias
@@ -112,6 +114,12 @@ class Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
+        if self.zero_centered:  # in fp32, then cast: 1 + w rounded to bf16 would lose w's low bits (HF Gemma too)
+            b = self.bias.float() if self.bias is not None else None
+            w = self.weight.float() + 1
+            out = F.rms_norm(x.float(), shape, w, self.eps) if self.rms else F.layer_norm(x.float(), shape, w, b,
+                                                                                            self.eps)
+            return out.to(x.dtype)
         if self.rms:
             return F.rms_norm(x, shape, self.weight, self.eps)
         return F.layer_norm(x, shape, self.weight, self.bias, self.eps)
@@ -139,10 +147,14 @@ def llama3_inv_freq(inv: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(spec: ModelSpec, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(spec: ModelSpec, seq: int, device: torch.device,
+                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [S, rot_dim] in megatron-core's non-interleaved layout (freqs repeated, rotate_half), with the
     spec's rope scaling: llama3 rescales the frequencies, linear divides the positions by the factor, yarn blends
-    scaled and unscaled frequencies and multiplies cos and sin by its attention factor."""
+    scaled and unscaled frequencies and multiplies cos and sin by its attention factor. `local`: the tables of
+    the windowed layers of a model with `rotary_base_local` (that base, unscaled)."""
+    if local:
+        spec = spec.replace(rotary_base=spec.rotary_base_local, rope_scaling=None)
     dim = int(spec.head_dim * spec.rotary_percent)
     inv = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if spec.rope_scaling == "llama3":
@@ -210,7 +222,10 @@ class SelfAttention(nn.Module):
         k = k.repeat_interleave(self.per_group, dim=2)
         v = v.repeat_interleave(self.per_group, dim=2)
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, heads, S, hd], fp32
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        scores = (q @ k.transpose(-1, -2)) * self.spec.attention_scale
+        cap = self.spec.attn_logit_softcapping
+        if cap is not None:  # Gemma 2: cap · tanh(scores / cap), before the mask
+            scores = torch.tanh(scores / cap) * cap
         mask = attention_mask(S, self.window, qkv.device)
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
         ctx = (probs @ v).to(x.dtype).transpose(1, 2).reshape(B, S, -1)
@@ -237,6 +252,9 @@ def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "swiglu":
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if activation == "geglu":  # tanh GeLU on the gate (HF gelu_pytorch_tanh, Megatron openai_gelu)
+        gate, up = h.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
     if activation == "gelu_new":  # Megatron openai_gelu
         return 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * h * (1.0 + 0.044715 * h * h)))
     return F.gelu(h)
@@ -361,10 +379,20 @@ class TransformerLayer(nn.Module):
                                       make(decls.get("pre_mlp_layernorm.bias")))
         mlp = {k.split(".", 1)[1]: d for k, d in decls.items() if k.startswith("mlp.")}
         self.mlp = MoE(spec, mlp, make, st) if "router.weight" in mlp else MLP(spec, mlp, make, st)
+        # sandwich norms (Gemma): each branch's output normed before the residual add; registered on the linear
+        # they follow, so the state dict names them as Megatron-Bridge's post-norm linears do
+        self.post_norms = spec.sandwich_norms
+        if self.post_norms:
+            self.self_attention.linear_proj.post_layernorm = Norm(
+                spec, make(decls["self_attention.linear_proj.post_layernorm.weight"]), None)
+            self.mlp.linear_fc2.post_layernorm = Norm(spec, make(decls["mlp.linear_fc2.post_layernorm.weight"]), None)
+        self.local_rope = spec.rotary_base_local is not None and spec.layer_window(layer) is not None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), rope)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        a = self.self_attention(self.input_layernorm(x), rope)
+        x = x + (self.self_attention.linear_proj.post_layernorm(a) if self.post_norms else a)
+        m = self.mlp(self.pre_mlp_layernorm(x))
+        return x + (self.mlp.linear_fc2.post_layernorm(m) if self.post_norms else m)
 
 
 class PositionEmbedding(nn.Module):
@@ -385,9 +413,12 @@ class Embedding(nn.Module):
         self.word_embeddings = VocabParallelEmbedding(make(decls["embedding.word_embeddings.weight"]), st)
         pos = decls.get("embedding.position_embeddings.weight")
         self.position_embeddings = PositionEmbedding(make(pos)) if pos is not None else None
+        self.scale = math.sqrt(spec.hidden_size) if spec.scale_embeddings else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.word_embeddings(ids)  # [B, S/TP, H] under sequence parallelism
+        if self.scale:  # Gemma: × sqrt(hidden), in the embedding's dtype as HF does
+            h = h * torch.tensor(self.scale, dtype=h.dtype)
         if self.position_embeddings is not None:
             pos = self.position_embeddings(ids.shape[1])
             st = self.word_embeddings.st
@@ -519,10 +550,12 @@ class GPTModel(nn.Module):
             x = self.embedding(x)
         seq = x.shape[1] * (self.st.tp if self.st.sequence_parallel else 1)
         rope = (mla_rope_tables if self.spec.is_mla else rope_tables)(self.spec, seq, x.device) if self.rope else None
+        local = (rope_tables(self.spec, seq, x.device, local=True)
+                 if self.rope and self.spec.rotary_base_local is not None else None)
         if self.record_hidden:
             self.hidden_states = [x.detach()] if self.pre_process else []
         for layer in self.decoder.layers:
-            x = layer(x, rope)
+            x = layer(x, local if layer.local_rope else rope)
             if self.record_hidden:
                 self.hidden_states.append(x.detach())
         if not self.post_process:
@@ -530,6 +563,9 @@ class GPTModel(nn.Module):
         x = self.decoder.final_layernorm(x)
         head = self.output_layer.weight if self.output_layer.weight is not None else self.embedding.word_embeddings.weight
         logits = self.output_layer(x, head)
+        cap = self.spec.final_logit_softcapping
+        if cap is not None:  # Gemma 2: cap · tanh(logits / cap), elementwise on this rank's vocab shard
+            logits = torch.tanh(logits / cap) * cap
         if self.mtp is not None:  # each depth's logits from the same head
             self.mtp_logits = [self.output_layer(h, head) for h in self.mtp(ids, x, self.embedding, rope)]
         if labels is None:

@@ -26,7 +26,7 @@ from mconvert.convert.deploy.fastertransformer import (
     section_layout,
 )
 from mconvert.errors import MConvertError
-from mconvert.mappings.family import FT_BASE_ROTARY
+from mconvert.mappings.record import FT_BASE_ROTARY
 
 
 # ---- primitives shared with the TensorRT-LLM runner ----------------------------------------------------

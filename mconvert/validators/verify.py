@@ -32,7 +32,7 @@ from mconvert.convert.hf.tokenizer import has_chat_template
 from mconvert.errors import MConvertError
 from mconvert.errors import rich_safe as _plain
 from mconvert.mappings import families
-from mconvert.mappings.family import Family
+from mconvert.mappings.record import Family
 from mconvert.validators.formats import describe, has_tokenizer
 from mconvert.validators.tokens import load_tokenizer
 from mconvert.validators.validate import validate

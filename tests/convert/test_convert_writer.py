@@ -5,6 +5,7 @@ descriptors."""
 
 from __future__ import annotations
 
+import ast
 import gc
 import json
 import os
@@ -19,7 +20,7 @@ from mconvert.convert.deploy.fastertransformer import megatron_to_ft
 from mconvert.convert.deploy.onnx import to_onnx
 from mconvert.convert.sources import open_source
 from mconvert.convert.deploy.trtllm import megatron_to_trtllm
-from mconvert.convert.writer import REPORT_KEYS
+from mconvert.convert.writer import REPORT_KEYS, Writer
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 from safety_common import run_cli
@@ -87,7 +88,7 @@ def test_deployment_dry_runs_list_the_files_a_real_run_writes(models, tmp_path):
                 assert planned == real[path], path
 
 
-class _Failing:
+class _Failing(Writer):
     """A writer that fails on the second unit and records what the driver called."""
 
     reads = "mcore"
@@ -128,7 +129,7 @@ def test_the_driver_aborts_its_writer_and_leaves_no_output(models, tmp_path):
 def test_drive_feeds_each_unit_the_read_the_writer_names(models):
     seen: dict[str, list] = {"hf": [], "mcore": []}
 
-    class Rec:
+    class Rec(Writer):
         def __init__(self, reads):
             self.reads = reads
 
@@ -206,22 +207,113 @@ def test_sources_release_their_descriptors_on_close_and_when_dropped(models, whi
     torch.zeros(1)  # keep torch imported for the fixture's tensors
 
 
-@pytest.mark.parametrize("cls", ["HFWriter", "MegatronWriter", "FTWriter", "TrtllmWriter"])
-def test_every_writer_implements_the_protocol(cls):
-    """`reads` names a Source read the driver knows, and add / close / abort take what the driver passes."""
+def _writer_classes() -> list[ast.ClassDef]:
+    """Every class in the package that is a writer by what it does: it names the read it takes (`reads`) and
+    defines `add`."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                assigned = {t.id for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                            and n.value is not None  # the contract itself declares `reads` with no value
+                            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                            if isinstance(t, ast.Name)}
+                methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+                if "reads" in assigned and "add" in methods:
+                    found.append(node)
+    return found
+
+
+PACKAGE = Path(__file__).resolve().parents[2] / "mconvert"
+
+
+def test_every_writer_declares_the_writer_contract():
+    """Each writer subclasses `Writer` (so every capability the driver reads has its declared default), names a
+    Source read the driver knows, and its add / close / abort take what the driver passes for what it feeds on."""
+    import importlib
     import inspect
     import typing
 
-    from mconvert.convert.deploy import fastertransformer
-    from mconvert.convert.hf import writer as hf
-    from mconvert.convert.megatron import writer as megatron
-    from mconvert.convert.deploy import trtllm
-    from mconvert.convert.writer import Writer
+    for mod in ("hf.writer", "megatron.writer", "megatron.torch_dist_writer", "deploy.fastertransformer",
+                "deploy.trtllm", "deploy.gguf"):
+        importlib.import_module(f"mconvert.convert.{mod}")
+    classes = _writer_classes()
+    assert len(classes) >= 7, [c.name for c in classes]
+    subclasses, todo = {}, [Writer]
+    while todo:
+        for c in todo.pop().__subclasses__():
+            subclasses[c.__name__] = c
+            todo.append(c)
+    for node in classes:
+        assert any(isinstance(b, ast.Name) and b.id == "Writer" for b in node.bases), f"{node.name} is no Writer"
+        cls = subclasses[node.name]
+        assert cls.reads in typing.get_args(typing.get_type_hints(Writer)["reads"])
+        params = list(inspect.signature(cls.add).parameters)
+        assert params[1:3] == ["unit", "tensors"], node.name
+        if cls.takes_parts is True and cls.reads == "mcore" or isinstance(cls.takes_parts, property):
+            assert "complete" in params, f"{node.name} takes parts but not their end"
+        if cls.shares_work:
+            assert "needs" in vars(cls) and "skip" in vars(cls), f"{node.name} shares work without saying which"
+        for name in ("close", "abort"):
+            required = [p for p in list(inspect.signature(getattr(cls, name)).parameters.values())[1:]
+                        if p.default is inspect.Parameter.empty]
+            assert not required, f"{node.name}.{name} needs {required}"
+    for name in ("MegatronWriter", "TorchDistWriter"):  # the writers a reshard with the optimizer feeds states
+        assert "states" in inspect.signature(subclasses[name].add).parameters
 
-    writer = next(getattr(m, cls) for m in (hf, megatron, fastertransformer, trtllm) if hasattr(m, cls))
-    assert writer.reads in typing.get_args(typing.get_type_hints(Writer)["reads"])
-    assert list(inspect.signature(writer.add).parameters)[1:3] == ["unit", "tensors"]
-    for name in ("close", "abort"):
-        required = [p for p in list(inspect.signature(getattr(writer, name)).parameters.values())[1:]
-                    if p.default is inspect.Parameter.empty]
-        assert not required, f"{cls}.{name} needs {required}"
+
+def writer_probes(source: str) -> list[str]:
+    """Every getattr / hasattr in `source` asked of a writer (a parameter annotated `Writer` or named `writer`):
+    `line: call`."""
+    tree = ast.parse(source)
+    writers = {a.arg for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+               for a in f.args.args + f.args.kwonlyargs + f.args.posonlyargs
+               if "writer" in a.arg.lower() or a.annotation is not None and "Writer" in ast.unparse(a.annotation)}
+    return [f"{c.lineno}: {ast.unparse(c)}" for c in ast.walk(tree)
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in ("getattr", "hasattr")
+            and c.args and ("writer" in ast.unparse(c.args[0]).lower()
+                            or isinstance(c.args[0], ast.Name) and c.args[0].id in writers)]
+
+
+def test_the_driver_reads_only_what_writers_declare():
+    """`drive` picks its read plan from the writer's declared fields: no getattr / hasattr probes a writer."""
+    from mconvert.convert import driver
+
+    assert writer_probes(Path(driver.__file__).read_text()) == []
+
+
+def test_the_probe_check_finds_a_probe():
+    """The check above fails on a driver that probes a writer, whatever the writer's variable is called."""
+    made_up = """
+def drive(src, w: "Writer"):
+    if hasattr(w, "needs"):
+        pass
+    return getattr(src, "vocab_known", True)
+
+def feed(writer, unit):
+    return writer.wants(unit) if getattr(writer, "takes_parts", False) else None
+"""
+    assert writer_probes(made_up) == ["3: hasattr(w, 'needs')", "8: getattr(writer, 'takes_parts', False)"]
+
+
+@pytest.mark.timeout(300)
+def test_a_verb_checks_its_parallel_layout_once(models, tmp_path, monkeypatch):
+    """The verb checks the target layout once (`ModelSpec.check_parallel`); the writers it builds rely on it."""
+    from mconvert.spec import ModelSpec
+
+    calls: list[tuple] = []
+    check = ModelSpec.check_parallel
+
+    def counted(self, tp, pp=1, vpp=None, ep=1):  # noqa: ANN001, ANN202
+        calls.append((tp, pp))
+        return check(self, tp, pp, vpp, ep)
+
+    monkeypatch.setattr(ModelSpec, "check_parallel", counted)
+    for name, verb, target in [
+        ("torch", lambda out: hf_to_megatron(models["hf"], out, tp=2, pp=2), (2, 2)),
+        ("dist", lambda out: hf_to_megatron(models["hf"], out, tp=2, pp=1, format="torch_dist"), (2, 1)),
+        ("reshard", lambda out: reshard(models["mg"], out, tp=1, pp=2), (1, 2)),  # the source's own: (1, 1)
+    ]:
+        calls.clear()
+        verb(tmp_path / name)
+        assert calls.count(target) == 1, (name, calls)

@@ -167,7 +167,7 @@ def test_malformed_megatron_args_are_one_clean_error(edits):
     assert spec.num_layers > 0 and spec.hidden_size > 0
 
 
-@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma2", "tiny-gemma3"])
 def test_presets_map_onto_transformers(name):
     spec = preset(name)
     assert _our_hf_shapes(spec) == hf_model_shapes(hf_config(spec))

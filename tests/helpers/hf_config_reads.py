@@ -42,7 +42,9 @@ TRANSFORMERS_SHARED = ("configuration_utils.py", "modeling_utils.py", "modeling_
 VLLM_SHARED = ("config/*.py", "transformers_utils/config.py", "transformers_utils/model_arch_config_convertor.py")
 # vLLM serves a model_type from a file of another name: DeepSeek-V3 from DeepSeek-V2's, its MTP layers from
 # deepseek_mtp.py
-VLLM_MODEL_FILES = {"deepseek_v3": ("deepseek_v2", "deepseek_mtp")}
+VLLM_MODEL_FILES = {"deepseek_v3": ("deepseek_v2", "deepseek_mtp"), "gemma3_text": ("gemma3",)}
+# transformers keeps a model_type's code under another model's directory: Gemma 3's text model under gemma3
+TRANSFORMERS_MODEL_DIRS = {"gemma3_text": "gemma3"}
 
 
 def _is_config(node: ast.AST) -> bool:
@@ -139,8 +141,9 @@ def transformers_sources(model_type: str) -> list[Path]:
     import transformers
 
     root = Path(transformers.__file__).parent
-    model = root / "models" / model_type
-    return [model / f"modeling_{model_type}.py", model / f"configuration_{model_type}.py",
+    name = TRANSFORMERS_MODEL_DIRS.get(model_type, model_type)
+    model = root / "models" / name
+    return [model / f"modeling_{name}.py", model / f"configuration_{name}.py",
             *(root / s for s in TRANSFORMERS_SHARED)]
 
 

@@ -217,7 +217,7 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf")]
 
 
-# ---- transposes (transforms.copy_transposed: OpenBLAS's somatcopy where numpy bundles it, else torch) ----------
+# ---- transposes (io.transpose.copy_transposed: OpenBLAS's somatcopy where numpy bundles it, else torch) ----------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("shape", [(1, 5000), (67, 129), (300, 4096), (4096, 3)])
 def test_copy_transposed_is_torch_transpose_bit_for_bit(dtype: torch.dtype, shape: tuple[int, int]) -> None:
@@ -241,6 +241,22 @@ def test_copy_transposed_is_torch_transpose_bit_for_bit(dtype: torch.dtype, shap
     assert not wide[:, :4].any() and not wide[:, 4 + shape[0]:].any()  # nothing written outside the band
     band = torch.randn((shape[0], shape[1] + 5), generator=g).to(dtype)[:, 2:2 + shape[1]]  # rows strided
     assert torch.equal(transposed(band), band.t().contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_copy_transposed_fills_the_callers_buffer_and_refuses_a_wrong_one(dtype: torch.dtype) -> None:
+    """`copy_transposed(src, out=buf)` writes torch's `src.t()` into `buf` and returns it; a buffer of another
+    shape or dtype is refused, not cast or resized."""
+    from mconvert.io.transpose import copy_transposed
+
+    src = torch.randn(70, 90).to(dtype)
+    buf = torch.empty(90, 70, dtype=dtype)
+    assert copy_transposed(src, out=buf) is buf
+    assert torch.equal(buf, src.t().contiguous())
+    with pytest.raises(MConvertError, match="transposed copy"):
+        copy_transposed(src, out=torch.empty(90, 70, dtype=torch.float64))
+    with pytest.raises(MConvertError, match="transposed copy"):
+        copy_transposed(src, out=torch.empty(70, 90, dtype=dtype))
 
 
 @pytest.mark.parametrize("nh,hd", [(4, 8), (12, 64)])

@@ -37,7 +37,7 @@ import torch
 from safety_common import (PY, ROOT, assert_one_line_error, base, copy_of, load_rank, make_hf_llama, rank_file,
                            run_cli)
 
-from mconvert.io import safeload
+from mconvert.io import unpickler
 from mconvert.io.safeload import MAX_DEPTH, MAX_OBJECTS, check_tree, safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError
 
@@ -81,7 +81,7 @@ def _watched() -> dict[str, object]:
 
     out: dict[str, object] = {c.__qualname__: c for c in (
         pathlib.PosixPath, pathlib.PurePath, pathlib.Path, argparse.Namespace, types.SimpleNamespace, OrderedDict,
-        safeload.StandIn, dcp_md.Metadata, dcp_md.TensorStorageMetadata, dcp_md.MetadataIndex,
+        unpickler.StandIn, dcp_md.Metadata, dcp_md.TensorStorageMetadata, dcp_md.MetadataIndex,
         dcp_md.TensorProperties, dcp_md.ChunkStorageMetadata)}
     out.update({"builtins": builtins, "copyreg": copyreg})
     out.update({f"signal.{m.name}": m for m in signal.Signals})
@@ -336,7 +336,7 @@ def test_an_unknown_megatron_enum_in_args_loads_as_its_class_path_and_value(tmp_
                       qualname="InferenceCudaGraphScope")
     future_module.InferenceCudaGraphScope = scope
     out = safe_load(_args_file(tmp_path / "a.pt", [scope.block, scope.none], future_module))["args"].newer_option
-    assert all(isinstance(v, safeload.StandIn) for v in out) and [v.value for v in out] == [2, 1]
+    assert all(isinstance(v, unpickler.StandIn) for v in out) and [v.value for v in out] == [2, 1]
     assert encode(out[0]) == {"__py__": "enum", "class": f"{_FUTURE}.InferenceCudaGraphScope", "value": 2}
     assert _FUTURE not in sys.modules  # named, never imported
 
@@ -350,7 +350,7 @@ def test_an_unknown_megatron_dataclass_in_args_loads_as_its_fields(tmp_path, fut
     CudaGraphConfig.__module__, CudaGraphConfig.__qualname__ = _FUTURE, "CudaGraphConfig"
     future_module.CudaGraphConfig = CudaGraphConfig
     out = safe_load(_args_file(tmp_path / "a.pt", CudaGraphConfig(), future_module))["args"].newer_option
-    assert isinstance(out, safeload.StandIn) and (out.scope, out.sizes) == ("attn", (1, 2))
+    assert isinstance(out, unpickler.StandIn) and (out.scope, out.sizes) == ("attn", (1, 2))
 
 
 _INERT_ATTACKS = {
@@ -519,8 +519,8 @@ def _valid_pickles() -> list[tuple[str, bytes]]:
 
 def _made_of_data(obj) -> None:
     """An accepted result holds no module and no callable but the allow-listed globals themselves."""
-    allowed = {id(g.obj) for g in safeload._torch_check_policy().values()}
-    allowed |= {id(g.obj) for g in safeload._dcp_policy().values()}
+    allowed = {id(g.obj) for g in unpickler._torch_check_policy().values()}
+    allowed |= {id(g.obj) for g in unpickler.dcp_policy().values()}
     todo, seen = [obj], set()
     while todo:
         o = todo.pop()
@@ -529,7 +529,7 @@ def _made_of_data(obj) -> None:
         seen.add(id(o))
         assert not isinstance(o, types.ModuleType), o
         if isinstance(o, type):
-            assert id(o) in allowed or issubclass(o, safeload.StandIn), o
+            assert id(o) in allowed or issubclass(o, unpickler.StandIn), o
         elif isinstance(o, (types.FunctionType, types.BuiltinFunctionType)):
             assert id(o) in allowed, o
         elif isinstance(o, dict):
@@ -561,11 +561,11 @@ def test_opcode_fuzz_never_mutates_and_only_refuses_in_one_line(torch_dist_ckpt,
         mutated = data[:pos] + snippet + data[pos:]
         try:
             if mode == "dcp":
-                obj = safeload._unpickle(Path("fuzz.pkl"), io.BytesIO(mutated), safeload._dcp_policy(),
+                obj = unpickler.restricted_unpickle(Path("fuzz.pkl"), io.BytesIO(mutated), unpickler.dcp_policy(),
                                          stand_ins="megatron.")
             else:
-                obj = safeload._unpickle(Path("fuzz.pkl"), io.BytesIO(mutated), safeload._torch_check_policy(),
-                                         persistent=safeload._stub_storage)
+                obj = unpickler.restricted_unpickle(Path("fuzz.pkl"), io.BytesIO(mutated), unpickler._torch_check_policy(),
+                                         persistent=unpickler._stub_storage)
         except MConvertError as e:
             assert str(e).startswith("fuzz.pkl: ") and "\n" not in str(e), str(e)
             refused += 1

@@ -1,8 +1,9 @@
-"""The family registry: one module per family, found by discovery, checked against transformers' own tables."""
+"""The families: one module per family, each listed once in `FAMILY_MODULES`, checked against transformers' own tables."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 from pathlib import Path
 
@@ -21,11 +22,16 @@ FAMILY_NAMES = families.names()
 QUOTED = re.compile(r"""["'](%s)["']""" % "|".join(map(re.escape, FAMILY_NAMES)))  # a family name as a literal
 
 
-def test_every_module_declaring_a_family_is_discovered():
-    """Discovery finds exactly the files of mappings/ that declare `FAMILY = Family(...)` (read as text here)."""
-    declared = {p.stem for p in MAPPINGS.glob("*.py") if re.search(r"^FAMILY = Family\(", p.read_text(), re.M)}
-    assert declared == {"deepseek_v3", "gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"}
-    assert {f.name for f in families.all_families()} == declared
+def test_every_module_declaring_a_family_is_listed():
+    """`FAMILY_MODULES` names exactly the files of mappings/ that assign `FAMILY` at their top level (read with
+    ast here), once each, and each gives one family: a family module left off the list fails here."""
+    declared = {p.stem for p in MAPPINGS.glob("*.py")
+                if any(isinstance(n, (ast.Assign, ast.AnnAssign)) and "FAMILY" in
+                       [t.id for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)]
+                       for n in ast.parse(p.read_text()).body)}
+    assert {"gpt2", "llama", "qwen3_moe"} <= declared
+    assert sorted(families.FAMILY_MODULES) == sorted(declared) and len(set(families.FAMILY_MODULES)) == len(declared)
+    assert len(families.all_families()) == len(declared)
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
@@ -78,7 +84,7 @@ def test_megatron_args_without_model_family_are_recognised(name, preset_name):
 
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones():
-    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: deepseek_v3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe$"):
+    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: deepseek_v3, gemma2, gemma3, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe$"):
         families.by_name("bert")
     args = vars(families.preset("tiny-llama").to_megatron_args(1, 1))
     with pytest.raises(MConvertError, match="unsupported model family 'bert'"):
@@ -128,7 +134,7 @@ def test_deployment_tables_place_every_parameter_of_the_models_they_accept(name)
     preset (or its MHA variant) the layout accepts has a place (the split itself comes from the parameter's split
     kind). Each layout accepts at least one of them, so the check runs for every table."""
     from mconvert.mappings import deploy
-    from mconvert.mappings.registry import Registry
+    from mconvert.mappings.wildcards import Registry
 
     fam = families.by_name(name)
     specs = [v for spec in fam.presets.values() for v in _deployable_variants(spec)]

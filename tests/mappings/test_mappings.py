@@ -10,7 +10,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings import from_hf, hf_names, hf_unit, to_hf
 from mconvert.mappings import transforms as T
 from mconvert.mappings.keys import canonical_key, flatten
-from mconvert.mappings.registry import Registry
+from mconvert.mappings.wildcards import Registry
 from mconvert.mappings.families import hf_config, preset
 
 

@@ -1,5 +1,5 @@
 """Fewer passes in the mappings: q/k/v rows placed straight from each rank's shard into HF's q_proj/k_proj/v_proj,
-transposes into a caller's buffer — each against torch's reshape formulas or the merge-then-map path."""
+GPT-2's c_attn regrouped per head block — each against torch's reshape formulas or the merge-then-map path."""
 
 from __future__ import annotations
 
@@ -53,20 +53,6 @@ def test_place_rows_refuses_a_plan_that_misses_or_repeats_rows() -> None:
         T.place_rows(ranks, [(0, 0, 0, 4), (1, 0, 5, 3)], "w")  # row 4 nowhere
     with pytest.raises(MConvertError, match="does not cover the 8 merged rows once"):
         T.place_rows(ranks, [(0, 0, 0, 5), (1, 0, 4, 4)], "w")  # row 4 twice
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_copy_transposed_fills_the_callers_buffer_and_refuses_a_wrong_one(dtype: torch.dtype) -> None:
-    """`copy_transposed(src, out=buf)` writes torch's `src.t()` into `buf` and returns it; a buffer of another
-    shape or dtype is refused, not cast or resized."""
-    src = torch.randn(70, 90).to(dtype)
-    buf = torch.empty(90, 70, dtype=dtype)
-    assert T.copy_transposed(src, out=buf) is buf
-    assert torch.equal(buf, src.t().contiguous())
-    with pytest.raises(MConvertError, match="transposed copy"):
-        T.copy_transposed(src, out=torch.empty(90, 70, dtype=torch.float64))
-    with pytest.raises(MConvertError, match="transposed copy"):
-        T.copy_transposed(src, out=torch.empty(70, 90, dtype=dtype))
 
 
 # ---- megatron-to-hf of a GQA Llama: q/k/v placed from the rank files --------------------------------------

@@ -45,10 +45,10 @@ from mconvert.io.crc import crc_in_background
 from mconvert.io.casts import check_narrowed
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import open_source
-from mconvert.convert.writer import Report
+from mconvert.convert.writer import Report, Writer
 from mconvert.errors import MConvertError
 from mconvert.mappings import deploy, families
-from mconvert.mappings.family import FTFile, FTLayout
+from mconvert.mappings.record import FTFile, FTLayout
 from mconvert.mappings.fields import Field, check, neutral, refused
 from mconvert.spec import ModelSpec
 
@@ -332,7 +332,7 @@ class _RawFiles:
             self._open.popleft().abort()
 
 
-class FTWriter:
+class FTWriter(Writer):
     """FasterTransformer's `<infer_tp>-gpu/` directory as a `Writer` (`convert/writer.py`): each unit's full
     tensors cut by the family's FT table (`mappings.deploy`) into raw files; `close()` writes config.ini. The verb
     then runs `refuse_written` on the whole output (under torchrun: once every rank wrote its part).
@@ -343,6 +343,7 @@ class FTWriter:
 
     reads = "mcore"
     takes_parts = True  # `add(unit, part, complete=False)` per part, then `add(unit, {}, complete=True)`
+    shares_work = True  # the units go round robin to the torchrun processes
 
     def __init__(self, out: Path, spec: ModelSpec, infer_tp: int, dtype: str = "fp32",
                  allow_approx_gelu: bool = False, source: str = "checkpoint") -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
-from mconvert.mappings.family import FTLayout
+from mconvert.mappings.record import FTLayout
 from mconvert.spec import ModelSpec
 
 

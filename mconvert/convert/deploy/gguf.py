@@ -41,10 +41,10 @@ from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.casts import check_narrowed, value_range
 from mconvert.convert.sources import open_source
 from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
-from mconvert.convert.writer import Report, make_report
+from mconvert.convert.writer import Report, Writer, make_report
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf
-from mconvert.mappings.family import GgufLayout
+from mconvert.mappings.record import EXPERT_FF_KEY, GgufLayout
 from mconvert.mappings.gguf_vocab import (
     ADDED_SCORE,
     BPE_MODEL,
@@ -114,7 +114,7 @@ def gguf_layout(spec: ModelSpec) -> GgufLayout:
     if layout is None:
         raise MConvertError(f"the {spec.family} family has no GGUF form here (GGUF is written for {names}); "
                             "conversion refused")
-    spec.refuse_unmapped("GGUF")
+    spec.refuse_unmapped("GGUF", states=layout.states)
     families.refuse_for_hf(spec, "GGUF")
     if spec.rope_scaling not in (None, "linear", "llama3", "yarn"):
         raise MConvertError(f"rope scaling {spec.rope_scaling!r} has no GGUF form here; conversion refused")
@@ -235,6 +235,8 @@ def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: torch.Tensor
     so)."""
     if hf_template(hf_name)[0] in layout.transposed:
         x = x.t()
+    if layout.norm_shift and hf_name.endswith("norm.weight"):
+        x = x.float() + layout.norm_shift
     if permute and layout.permute_qk:
         if ".self_attn.q_proj." in hf_name:
             return permute_qk(x, spec.num_attention_heads)
@@ -513,7 +515,7 @@ def gguf_log(name: str, private: Path | None = None, shown: Path | None = None) 
 
 
 # ---- the writer -----------------------------------------------------------------------------------------
-class GgufWriter:
+class GgufWriter(Writer):
     """Writer of one `.gguf` (reads HF-named units): header, metadata and tensor infos at open, then each unit's
     tensors appended in plan order by `add`; `close` checks every planned tensor was written."""
 
@@ -548,7 +550,8 @@ class GgufWriter:
         w.add_context_length(s.max_position_embeddings)
         w.add_embedding_length(s.hidden_size)
         w.add_block_count(s.num_layers)
-        moe_width = s.is_moe and not self.layout.expert_ff_key
+        own = self.layout.metadata(s)  # the family's architecture keys (`GgufLayout.metadata`)
+        moe_width = s.is_moe and EXPERT_FF_KEY not in own
         w.add_feed_forward_length(s.expert_ffn_hidden_size if moe_width else s.ffn_hidden_size)
         w.add_head_count(s.num_attention_heads)
         w.add_head_count_kv(s.num_groups)
@@ -557,8 +560,10 @@ class GgufWriter:
         if s.is_moe:
             w.add_expert_count(int(s.num_experts))
             w.add_expert_used_count(int(s.moe_router_topk))
-            if self.layout.expert_ff_key:
-                w.add_expert_feed_forward_length(s.expert_ffn_hidden_size)
+        for key, value in own.items():
+            add = (w.add_bool if isinstance(value, bool) else w.add_uint32 if isinstance(value, int)
+                   else w.add_float32 if isinstance(value, float) else w.add_string)
+            add(f"{self.layout.arch}.{key}", value)
         if s.position_embedding_type == "rope":
             w.add_rope_freq_base(float(s.rotary_base))
             w.add_rope_dimension_count(s.head_dim)
@@ -680,7 +685,8 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
         raise MConvertError(f"{src_path}: vocab size unknown (args have no vocab_size and no tokenizer was found); "
                             "pass --tokenizer DIR")
     tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
-    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full)
+    own = families.of(src.spec).gguf
+    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full, own.states if own else ())
     warnings = [window_note] if window_note else []
     layout = gguf_layout(spec)  # every refusal before any tensor is read
     extras = dict(arch=layout.arch, outtype=outtype, tokenizer=str(tok_dir),

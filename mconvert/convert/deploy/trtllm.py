@@ -45,10 +45,10 @@ from mconvert.convert.deploy.trtllm_layout import (
     trtllm_refusal,
 )
 from mconvert.convert.deploy.trtllm_layout import trtllm_layout_of as trtllm_layout_of  # the checker's users import it here
-from mconvert.convert.writer import Report
+from mconvert.convert.writer import Report, Writer
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import deploy
-from mconvert.mappings.family import TrtllmLayout
+from mconvert.mappings.record import TrtllmLayout
 from mconvert.mappings.fields import Field, check, neutral, refused
 from mconvert.spec import ModelSpec
 
@@ -61,7 +61,7 @@ def rank_tensors(unit: Any, mcore: dict[str, torch.Tensor], spec: ModelSpec, tp:
                                empty=buffers.empty)
 
 
-class TrtllmWriter:
+class TrtllmWriter(Writer):
     """A TensorRT-LLM checkpoint as a `Writer` (`convert/writer.py`): `rank{r}.safetensors` laid out up front from
     the config (names and shapes known before any tensor), each unit's full tensors cut by the family's
     TensorRT-LLM table (`mappings.deploy`); `close()` writes config.json. The verb then runs `refuse_written` on
@@ -72,6 +72,7 @@ class TrtllmWriter:
     tensors; rank 0 writes config.json."""
 
     reads = "mcore"
+    shares_work = True  # process `i mod N` writes rank{i}.safetensors
 
     def __init__(self, out: Path, spec: ModelSpec, tp: int, dtype: str, source: str = "checkpoint") -> None:
         trtllm_refusal(spec, tp)

@@ -9,7 +9,7 @@ from typing import Any
 from mconvert import dtypes
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
-from mconvert.mappings.family import TrtllmLayout
+from mconvert.mappings.record import TrtllmLayout
 from mconvert.spec import ModelSpec
 
 TRT_DTYPES = dtypes.PARAM_DTYPES  # what TensorRT-LLM's `dtype` config field takes

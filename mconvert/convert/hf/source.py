@@ -27,7 +27,7 @@ from mconvert.io.transpose import copy_transposed
 from mconvert.mappings import families, from_hf, hf_names, hf_unit
 from mconvert.mappings.plugin import (from_hf_one, hf_keys_for, hf_registry, mcore_row_plan, plugin_for, registry,
                                       transposed_in_hf)
-from mconvert.mappings.registry import fill
+from mconvert.mappings.wildcards import fill
 from mconvert.mappings.fields import key_names
 from mconvert.spec import LayerPart
 

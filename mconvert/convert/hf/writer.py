@@ -40,6 +40,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings import families, to_hf
 from mconvert.spec import ModelSpec
 from mconvert.convert.hf.source import INDEX
+from mconvert.convert.writer import Writer
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -59,13 +60,14 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-class HFWriter:
+class HFWriter(Writer):
     """Streams HF tensors into safetensors shards of at most `max_shard_size` bytes, then writes the configs and
     the tokenizer of `tokenizer_dir`. A `Writer` (`convert/writer.py`) reading `read_hf`, a unit in one or more
     `add` calls (`takes_parts`: each tensor is written as it arrives)."""
 
     reads = "hf"
     takes_parts = True
+    shares_work = True
     splits_experts = True  # takes an MoE layer as its dense part and one unit per expert
 
     def __init__(self, out: Path, spec: ModelSpec, max_shard_size: int = 5 * 10**9,

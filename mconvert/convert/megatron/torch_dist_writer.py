@@ -67,6 +67,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings.keys import unit_of
 from mconvert.mappings.transforms import pad_vocab, split, split_dim
 from mconvert.spec import LayerPart, ModelSpec, expert_of
+from mconvert.convert.writer import Writer
 
 STACKED_PREFIX = "decoder.layers."
 MAX_FILE_BYTES = 5 * 10**9  # tensor bytes per data file before the next one starts (as HF's default shard size)
@@ -208,9 +209,10 @@ def extra_state_blob() -> memoryview:
     return _blob([None])
 
 
-class TorchDistWriter:
+class TorchDistWriter(Writer):
     """Full tensors, unit by unit -> a torch_dist checkpoint for a target TP/PP(/VPP) (args and vocab padding
-    follow the target; the keys are global, so any TP/PP loads it)."""
+    follow the target; the keys are global, so any TP/PP loads it). The verb has checked the layout
+    (`ModelSpec.check_parallel`)."""
 
     reads = "mcore"
     # an MoE layer may arrive as its dense part and one unit per expert: the chunks stream as they come, and

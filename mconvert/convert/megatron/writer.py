@@ -36,6 +36,7 @@ from mconvert.mappings.keys import with_layer
 from mconvert.mappings.transforms import (pad_vocab, split)
 from mconvert.spec import ModelSpec, expert_of, layer_of_unit, with_expert
 from mconvert.convert.megatron.source import parkable
+from mconvert.convert.writer import Writer
 
 # megatron-core local-spec modules whose state_dict carries `<module>._extra_state` (None): strict loading
 # into megatron-core's GPTModel and the trainer expects them.
@@ -43,16 +44,17 @@ EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", 
                        "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")
 
 
-class MegatronWriter:
+class MegatronWriter(Writer):
     """Writes full tensors, unit by unit, as a Megatron torch-format checkpoint at a target TP/PP(/VPP).
 
     Streams (or spools) one pipeline stage's shards (all TP ranks) and writes its rank files as soon as it is
     complete.
     A `Writer` (`convert/writer.py`) reading `read_mcore`; with `optimizer_groups` it `takes_states` (each
-    parameter's Adam states come with it)."""
+    parameter's Adam states come with it). The verb has checked the layout (`ModelSpec.check_parallel`)."""
 
     reads = "mcore"
     splits_experts = True  # takes an MoE layer as its dense part and one unit per expert
+    shares_work = True  # a torchrun process writes the rank files of the stages it owns
 
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
@@ -446,12 +448,13 @@ def _layout_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, 
     return ns
 
 
-class ExpertParallelWriter:
+class ExpertParallelWriter(Writer):
     """A Megatron checkpoint at EP > 1: one `MegatronWriter` per EP rank, each given every unit (it keeps the
     dense weights and its own experts), all writing into one output directory."""
 
     reads = "mcore"
     splits_experts = True
+    shares_work = True
 
     def __init__(self, writers: list[MegatronWriter]) -> None:
         self.writers = writers

@@ -90,3 +90,12 @@ def test_onnx_tolerance_is_enforced_and_torch_fallback(models):
         to_onnx(hf, out, with_past=True, exporter="torch", check=check_onnx_against_hf)
     res = to_onnx(hf, out, with_past=False, exporter="torch", check=check_onnx_against_hf)
     assert res.exporter == "torch" and res.prefill_rel_diff <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-gemma2"])
+def test_gemma_exports_to_onnx_checked_past_the_window(tmp_path, name):
+    """optimum exports Gemma 2 / 3 (zero-centred sandwich norms, scaled embeddings, soft-capping, sliding and full
+    layers); the export's own check runs twice the 16-key window, prefill and decode."""
+    hf = make_hf(preset(name), tmp_path / "hf")
+    res = to_onnx(hf, tmp_path / "onnx", with_past=True, check=check_onnx_against_hf)
+    assert res.prefill_rel_diff < 1e-4 and res.decode_rel_diff < 1e-4

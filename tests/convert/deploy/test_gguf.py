@@ -395,6 +395,27 @@ def test_metadata_states_the_model_as_its_config_does():
     assert meta["n_vocab"] == cfg["vocab_size"] and meta["tokenizer.ggml.eos_token_id"] == 0
 
 
+
+def test_a_familys_metadata_hook_writes_its_keys_under_its_architecture(tmp_path, monkeypatch):
+    """`GgufLayout.metadata(spec)`: the keys a family's llama.cpp architecture reads beyond the common ones are
+    written under `{arch}.`, typed as llama.cpp reads them (int: uint32, float: float32, bool, str), and read back
+    by the header reader; the experts' width of a family reading `expert_feed_forward_length` is its expert width."""
+    import dataclasses
+
+    from mconvert.convert.deploy import gguf as gguf_mod
+    from mconvert.mappings.families import preset
+    from mconvert.mappings.record import EXPERT_FF_KEY, expert_width_key
+
+    real = gguf_mod.gguf_layout
+    own = {"made_up.window": 7, "made_up.softcap": 0.5, "made_up.flag": True, "made_up.kind": "x"}
+    monkeypatch.setattr(gguf_mod, "gguf_layout", lambda spec: dataclasses.replace(real(spec), metadata=lambda s: own))
+    hf = _hf_model("llama3", HF_CONFIGS["llama3"]())
+    meta = read_gguf_metadata(to_gguf(hf, tmp_path / "own.gguf", "f32", verb="hf-to-gguf")["output"])
+    assert {k: meta.get(f"llama.{k}") for k in own} == own
+    moe = preset("tiny-qwen3-moe")
+    assert expert_width_key(moe) == {EXPERT_FF_KEY: moe.expert_ffn_hidden_size} and expert_width_key(preset("tiny-llama")) == {}
+
+
 def test_a_gguf_without_its_tokenizer_is_refused(tmp_path):
     hf = tmp_path / "hf"
     shutil.copytree(_hf_model("qwen3", HF_CONFIGS["qwen3"]()), hf)
@@ -622,3 +643,62 @@ def test_gpt2_checkpoint_gguf_matches_transformers_in_llama_cpp(llama_cpp):
     for name in ("metadata", "tensors", "load", "tokenizer", "greedy", "logits"):
         assert by[name].status == "ok", (name, by[name].message)
     assert rep.logits["results"][0]["tolerance"]["dtype"] == "float16"
+
+
+# ---- Gemma: llama.cpp's gemma2 / gemma3 (norms stored as 1 + w, GeGLU, sliding and full layers) ---------------
+def _gemma_hf(name: str) -> Path:
+    """tiny-gemma3 (q/k norm, two rope bases, linear scaling on the full layer), tiny-gemma2 (both soft-caps) at
+    the attention scale llama.cpp fixes (1/sqrt(head_dim)); random transformers models with the trainer's
+    tokenizer."""
+    from deploy_common import make_hf
+
+    from mconvert.mappings.families import preset
+
+    d = G / f"hf-{name}"
+    if not (d / "config.json").is_file():
+        make_hf(preset(name).replace(softmax_scale=64 ** -0.5), d)
+        for f in _tokenizer_dir().iterdir():
+            shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name,arch", [("tiny-gemma3", "gemma3"), ("tiny-gemma2", "gemma2")])
+def test_gemma_gguf_matches_transformers_in_llama_cpp_past_the_window(llama_cpp, name, arch):
+    hf = _gemma_hf(name)
+    f32 = _gguf(hf, name, "f32")
+    meta = read_gguf_metadata(f32)
+    assert meta["general.architecture"] == arch and meta[f"{arch}.attention.sliding_window"] == 16
+    rep = validate(hf, [f32], device="cpu", n_tokens=32)
+    assert rep.tokens["beyond_window"], rep.tokens
+    assert rep.passed, rep.results[0].failures  # judged at f16: llama.cpp's GeLU reads an f16 table
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_gemma_gguf_without_the_plus_one_on_the_norms_fails_the_comparison(llama_cpp, monkeypatch):
+    import dataclasses
+
+    import mconvert.convert.deploy.gguf as gguf_mod
+
+    real = gguf_mod.gguf_layout
+    monkeypatch.setattr(gguf_mod, "gguf_layout", lambda spec: dataclasses.replace(real(spec), norm_shift=0.0))
+    hf = _gemma_hf("tiny-gemma3")
+    out = G / "tiny-gemma3-no-shift.gguf"
+    out.unlink(missing_ok=True)
+    to_gguf(hf, out, "f32", verb="hf-to-gguf")
+    rep = validate(hf, [out], device="cpu", n_tokens=32)
+    assert not rep.passed and _rel(rep) > 100 * REL_F32, rep.results[0].metrics
+
+
+def test_gemma_gguf_refuses_what_llama_cpp_fixes_by_name(capsys):
+    from mconvert.convert.deploy.gguf import gguf_layout
+    from mconvert.mappings.families import preset
+
+    with pytest.raises(MConvertError, match="query_pre_attn_scalar 48"):
+        gguf_layout(preset("tiny-gemma2"))  # llama.cpp scales by 1/sqrt(head_dim) below its 27B
+    with pytest.raises(MConvertError, match="each 6-th"):
+        gguf_layout(preset("tiny-gemma3").replace(window_pattern=(1, 0) * 3))
+    with pytest.raises(MConvertError, match="rope_local_base_freq"):
+        gguf_layout(preset("tiny-gemma3").replace(rotary_base_local=20_000.0))

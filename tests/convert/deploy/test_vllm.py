@@ -146,3 +146,21 @@ def test_vllm_loads_an_untied_model_without_lm_head_and_serves_something_else(se
 
 def test_env_script_reuses_the_cached_venv(vllm_python):
     assert ensure_vllm_env() == vllm_python and vllm_python.exists()
+
+
+def test_converted_gemma3_serves_in_vllm_with_transformers_greedy_tokens_beyond_the_window(vllm_python, tmp_path):
+    """A random transformers Gemma 3 (q/k norm, (1 + w) sandwich norms, sliding and full layers with two rope
+    bases) through hf-to-megatron TP=2 PP=2 and back; prompts longer than its 16-key window."""
+    from deploy_common import make_hf
+
+    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.mappings.families import preset
+
+    src = make_hf(preset("tiny-gemma3"), tmp_path / "src")
+    hf_to_megatron(src, tmp_path / "mg", tp=2, pp=2)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["sliding_window"] == 16
+    (r,) = vllm_compare_many([tmp_path / "hf"], vllm_python, prompt_len=24)
+    _check_served(r)
+    assert all(len(p["prompt_ids"]) > cfg["sliding_window"] for p in r["prompts"])

@@ -41,7 +41,10 @@ def _rope_type(cfg: dict[str, Any]) -> str | None:
 
 
 def _sliding_window(cfg: dict[str, Any]) -> bool:
-    """Whether transformers' class masks attention to a window shorter than the context."""
+    """Whether transformers' class masks attention to a window shorter than the context (Gemma's windows are
+    part of llama.cpp's gemma2 / gemma3 architectures, which every verb writes)."""
+    if cfg.get("model_type") in ("gemma2", "gemma3_text"):
+        return False
     if any(t != "full_attention" for t in cfg.get("layer_types") or ()):
         return True
     if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
@@ -58,7 +61,16 @@ def _no_window(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # feature -> (whether a config uses it, the config without it); what each one means and which verbs map it is
 # in the expectations file
+def _gemma_scale_off_llama_cpp(cfg: dict[str, Any]) -> bool:
+    """A Gemma attention scale llama.cpp does not compute (it fixes 1/sqrt(head_dim) below its 27B sizes)."""
+    big = {"gemma2": 46, "gemma3_text": 62}.get(str(cfg.get("model_type")))
+    return big is not None and cfg.get("num_hidden_layers") != big and cfg.get("query_pre_attn_scalar", 256) != cfg.get(
+        "head_dim", 256)
+
+
 FEATURES = {
+    "gemma_attention_scale": (_gemma_scale_off_llama_cpp,
+                              lambda cfg: {**cfg, "query_pre_attn_scalar": cfg.get("head_dim", 256)}),
     "sliding_window": (_sliding_window, _no_window),
     "yarn": (lambda cfg: _rope_type(cfg) == "yarn", lambda cfg: {**cfg, "rope_scaling": None}),
     "rope_dynamic_or_longrope": (lambda cfg: _rope_type(cfg) in ("dynamic", "longrope"),

@@ -125,7 +125,8 @@ def test_stand_ins_pickle_back_to_the_bytes_torch_save_wrote(inputs: dict[str, P
     the real classes (enum members as `E(value)`, shared members shared, a dataclass as NEWOBJ + state), and
     megatron's modules are never imported on the way (megatron-core is installed in this venv)."""
     from mconvert.io import repickle
-    from mconvert.io.safeload import StandIn, safe_load
+    from mconvert.io.safeload import safe_load
+    from mconvert.io.unpickler import StandIn
 
     before = {m for m in sys.modules if m.split(".")[0] == "megatron"}
     st = safe_load(inputs["single"])
@@ -154,7 +155,8 @@ def test_reshard_keeps_megatron_enum_args(inputs: dict[str, Path], tmp_path: Pat
     """Reshard TP=2 PP=2 -> TP=1 PP=2 of a checkpoint with enum args: the output loads, with megatron's classes,
     to the same members and objects as the input (only the parallel sizes change), and safe_load reads it."""
     from mconvert.convert.driver import reshard
-    from mconvert.io.safeload import StandIn, safe_load
+    from mconvert.io.safeload import safe_load
+    from mconvert.io.unpickler import StandIn
 
     out = tmp_path / "out"
     reshard(inputs["ckpt"], out, tp=1, pp=2, format=fmt)

@@ -1,6 +1,6 @@
 """What a model family is: one frozen `Family` record per family module, holding every fact of that family.
 
-A family module (`gpt2.py`, `llama.py`, ...) declares `FAMILY = Family(...)`; `families.py` discovers them.
+A family module (`gpt2.py`, `llama.py`, ...) declares `FAMILY = Family(...)`; `families.FAMILY_MODULES` lists them.
 Everything outside `mappings/` reads a family's facts from its record and never branches on a family's name.
 The records here are data plus small pure functions; no I/O.
 """
@@ -151,11 +151,25 @@ class GgufLayout:
     rope_freqs: bool = False  # the architecture reads a `rope_freqs.weight` factor tensor (llama3 rope scaling)
     # HF templates stored [in, out] (GPT-2's Conv1D) that llama.cpp reads [out, in]: written transposed
     transposed: frozenset[str] = frozenset()
-    # llama.cpp reads the experts' width from `expert_feed_forward_length` (else `feed_forward_length` is it)
-    expert_ff_key: bool = False
+    # the keys llama.cpp's architecture reads beyond the ones written for every family (key after `{arch}.` ->
+    # value; an int is written as uint32, a float as float32): `gguf.GgufWriter` writes them after the expert counts
+    metadata: Callable[[ModelSpec], dict[str, int | float | bool | str]] = lambda spec: {}
     # the coarsest precision llama.cpp's CPU graph of this architecture computes a step in, whatever the file
     # holds: `validate` judges the file by this row when it is coarser than the file type's
     compute_dtype: str = "float32"
+    # features of `spec.FEATURE_TARGETS` this architecture states although GGUF in general does not
+    states: tuple[str, ...] = ()
+    # added to every `*norm.weight` (llama.cpp's converter stores Gemma's zero-centred weights as 1 + w)
+    norm_shift: float = 0.0
+
+
+EXPERT_FF_KEY = "expert_feed_forward_length"
+
+
+def expert_width_key(spec: ModelSpec) -> dict[str, int]:
+    """A `GgufLayout.metadata` for an architecture that reads its experts' width from `expert_feed_forward_length`
+    (`feed_forward_length` then holds the dense width; without it, `feed_forward_length` is the experts')."""
+    return {EXPERT_FF_KEY: spec.expert_ffn_hidden_size} if spec.is_moe else {}
 
 
 # ---- vLLM ---------------------------------------------------------------------------------------------
@@ -207,6 +221,7 @@ class Family:
     hf_window: str | None = None
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
     deepseek: bool = False  # the HF class computes MLA, the DeepSeek router and MTP (`ModelSpec.deepseek_features`)
+    gemma: bool = False  # the HF class computes the Gemma block (`ModelSpec.gemma_features`)
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

@@ -1,4 +1,4 @@
-"""Wildcard registry: plugin templates use `*` for the layer index (and a second `*` for a routed expert's
+"""The wildcard name tables: plugin templates use `*` for the layer index (and a second `*` for a routed expert's
 index); this module compiles them once.
 
 No plugin ever writes a regex. `Registry.match(name)` returns the template's value and the layer index (the
