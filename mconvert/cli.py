@@ -114,7 +114,8 @@ TrainInt = Optional[int]
   mconvert train --preset gpt2-1b --tp 4 --pp 2 --steps 0 --save big/   (initialised model only)\n
   mconvert train --preset tiny-gpt2 --tp 2 --dp 2 --steps 20 --comm-report --json\n
   mconvert train --preset tiny-mixtral --tp 2 --dp 2 --ep 2 --steps 20 --save moe/ --comm-report\n
-  mconvert train --preset tiny-mistral --window-size 31 --seq-length 64 --save swa/   (a 32-key sliding window)""")
+  mconvert train --preset tiny-mistral --window-size 31 --seq-length 64 --save swa/   (a 32-key sliding window)\n
+  mconvert train --preset tiny-llama --num-layers 5 --pp 3 --decoder-first-pipeline-num-layers 1 --save uneven/""")
 def train_cmd(
     preset_name: Annotated[str, typer.Option("--preset", help="Model preset (tiny-llama, tiny-gpt2, ...).")] = "tiny-llama",
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
@@ -148,6 +149,9 @@ def train_cmd(
     moe_ffn_hidden_size: Annotated[TrainInt, typer.Option("--moe-ffn-hidden-size", help="MoE: each expert's ffn width.")] = None,
     moe_aux_loss_coeff: Annotated[float, typer.Option("--moe-aux-loss-coeff", help="MoE: load-balancing loss coefficient.")] = 1e-2,
     window_size: Annotated[TrainInt, typer.Option("--window-size", help="Sliding window on every layer: the keys before each query (Megatron's --window-size W,0; HF sliding_window W+1).")] = None,
+    first_layers: Annotated[TrainInt, typer.Option("--decoder-first-pipeline-num-layers", help="Uneven PP: decoder layers of the first stage.")] = None,
+    last_layers: Annotated[TrainInt, typer.Option("--decoder-last-pipeline-num-layers", help="Uneven PP: decoder layers of the last stage.")] = None,
+    pp_layout: Annotated[Optional[str], typer.Option("--pipeline-model-parallel-layout", help="Uneven PP: Megatron-LM's layout string, one stage per rank ('Et|ttt|tL').")] = None,
     json_out: Json = False,
 ) -> None:
     """Train a GPT (dense or MoE) on the shipped corpus with TP×PP×DP processes (EP inside DP); write Megatron checkpoints."""
@@ -164,7 +168,8 @@ def train_cmd(
         hidden_size=hidden_size, num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
         ffn_hidden_size=ffn_hidden_size, max_position_embeddings=max_position_embeddings, kv_channels=kv_channels,
         num_experts=num_experts, moe_topk=moe_topk, moe_ffn_hidden_size=moe_ffn_hidden_size,
-        moe_aux_loss_coeff=moe_aux_loss_coeff, window_size=window_size,
+        moe_aux_loss_coeff=moe_aux_loss_coeff, window_size=window_size, decoder_first_pipeline_num_layers=first_layers,
+        decoder_last_pipeline_num_layers=last_layers, pipeline_model_parallel_layout=pp_layout,
     )
     result = train(cfg)
     if json_out:
@@ -245,6 +250,18 @@ Pp = Annotated[int, typer.Option("--pp", help="Target pipeline-parallel size.")]
 Vpp = Annotated[Optional[int], typer.Option("--vpp", help="Virtual pipeline chunks per stage (model0, model1, ...).")]
 Ep = Annotated[int, typer.Option("--ep", help="Target expert-parallel size (MoE models: divides the experts; "
                                  "rank dirs get the _EEE suffix when > 1).")]
+FirstLayers = Annotated[Optional[int], typer.Option(
+    "--decoder-first-pipeline-num-layers", help="Uneven PP: decoder layers of the first stage (Megatron-LM's arg).")]
+LastLayers = Annotated[Optional[int], typer.Option(
+    "--decoder-last-pipeline-num-layers", help="Uneven PP: decoder layers of the last stage (Megatron-LM's arg).")]
+PpLayout = Annotated[Optional[str], typer.Option(
+    "--pipeline-model-parallel-layout", help="Layers per (virtual) stage, Megatron-LM's string: 'Ett|tt|ttL'.")]
+
+
+def _pipeline(first: Optional[int], last: Optional[int], layout: Optional[str]) -> dict:
+    """The uneven-split options under Megatron-LM's arg names (None: not given)."""
+    return {"decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last,
+            "pipeline_model_parallel_layout": layout}
 
 
 def _print_report(report: dict, json_out: bool) -> None:
@@ -296,6 +313,9 @@ def megatron_to_hf_cmd(
     tokenizer: Annotated[Optional[Path], typer.Option("--tokenizer", help="HF tokenizer dir to carry (default: "
                                                       "tokenizer files beside the checkpoint).")] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard.")] = "5GB",
+    fp8_blocks: Annotated[bool, typer.Option("--fp8-blocks", help="Write the projection weights block-scaled FP8 "
+                                             "(e4m3, a float32 scale per 128x128 block: DeepSeek-V3's release "
+                                             "layout, which transformers and vLLM load).")] = False,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -308,6 +328,7 @@ def megatron_to_hf_cmd(
       mconvert megatron-to-hf ckpt/ hf-out/
       mconvert megatron-to-hf ckpt/ hf-out/ --iteration 2000 --dtype bf16 --tokenizer tok/ --max-shard-size 2GB
       mconvert megatron-to-hf ckpt/ hf-out/ --dry-run
+      mconvert megatron-to-hf ds-ckpt/ ds-fp8/ --fp8-blocks
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import megatron_to_hf
@@ -316,7 +337,8 @@ def megatron_to_hf_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
-                                 max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run), json_out)
+                                 max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run,
+                                 fp8_blocks=fp8_blocks), json_out)
 
 
 @app.command("hf-to-megatron")
@@ -327,6 +349,9 @@ def hf_to_megatron_cmd(
     pp: Pp = 1,
     vpp: Vpp = None,
     ep: Ep = 1,
+    first_layers: FirstLayers = None,
+    last_layers: LastLayers = None,
+    pp_layout: PpLayout = None,
     dtype: Dtype = "auto",
     format: Annotated[str, typer.Option("--format", help="torch (mp_rank_* rank files) or torch_dist "
                                         "(megatron-core dist_checkpointing, Megatron-LM's default).")] = "torch",
@@ -346,6 +371,7 @@ def hf_to_megatron_cmd(
       mconvert hf-to-megatron hf-model/ ckpt-dist/ --tp 2 --format torch_dist
       mconvert hf-to-megatron mixtral-hf/ ckpt/ --tp 2 --ep 4
       mconvert hf-to-megatron hf-model/ ckpt-bridge/ --format torch_dist --bridge
+      mconvert hf-to-megatron hf-model/ ckpt/ --pp 4 --decoder-first-pipeline-num-layers 1
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
@@ -355,7 +381,8 @@ def hf_to_megatron_cmd(
     _workers(workers)
     tuning.apply()
     _print_report(hf_to_megatron(hf_dir, out, tp=tp, pp=pp, vpp=vpp, dtype=dtype, force=force, progress=True,
-                                 dry_run=dry_run, format=format, ep=ep, bridge=bridge), json_out)
+                                 dry_run=dry_run, format=format, ep=ep, bridge=bridge,
+                                 pipeline=_pipeline(first_layers, last_layers, pp_layout)), json_out)
 
 
 @app.command("reshard")
@@ -366,6 +393,9 @@ def reshard_cmd(
     pp: Pp = 1,
     vpp: Vpp = None,
     ep: Ep = 1,
+    first_layers: FirstLayers = None,
+    last_layers: LastLayers = None,
+    pp_layout: PpLayout = None,
     with_optimizer: Annotated[bool, typer.Option("--with-optimizer", help="Re-shard the Adam states too, so "
                                                  "`mconvert train --resume` continues at the new layout.")] = False,
     iteration: Iteration = None,
@@ -391,6 +421,7 @@ def reshard_cmd(
       mconvert reshard ckpt/ ckpt-dist/ --tp 2 --pp 1 --format torch_dist
       mconvert reshard moe-ckpt/ moe-ep4/ --tp 1 --ep 4
       mconvert reshard ckpt/ ckpt-dp/ --tp 2 --format torch_dist --with-optimizer --optimizer-layout dp_reshardable
+      mconvert reshard ckpt/ ckpt-pp4/ --pp 4 --pipeline-model-parallel-layout 'Ett|tt|tt|tL'
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
@@ -401,7 +432,8 @@ def reshard_cmd(
     tuning.apply()
     _print_report(reshard(ckpt, out, tp=tp, pp=pp, vpp=vpp, with_optimizer=with_optimizer, iteration=iteration,
                           force=force, progress=True, dry_run=dry_run, format=format, ep=ep,
-                          optimizer_layout=optimizer_layout, bridge=bridge), json_out)
+                          optimizer_layout=optimizer_layout, bridge=bridge,
+                          pipeline=_pipeline(first_layers, last_layers, pp_layout)), json_out)
 
 
 @app.command("inspect")

@@ -59,13 +59,19 @@ TABLE: tuple[DType, ...] = (
     DType("uint8", ("u8",), "U8", "|u1", 1, False, "UINT8"),
     DType("bool", (), "BOOL", "|b1", 1, False, "BOOL"),
 )
+# Stored only, never computed in: block-scaled FP8 weights (DeepSeek-V3's HF release), read dequantized with their
+# scales (`convert/hf/fp8.py`) and written by `--fp8-blocks`; no `--dtype` names them and ONNX never holds them.
+STORED_ONLY: tuple[DType, ...] = (
+    DType("float8_e4m3fn", (), "F8_E4M3", None, 1, True, "FLOAT8E4M3FN"),
+)
 
 # The dtypes a model's weights may be converted to and computed in (`--dtype`, `params_dtype`).
 PARAM_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 _BY_NAME = {d.name: d for d in TABLE}
 _BY_ALIAS = {**{a: d for d in TABLE for a in d.aliases}, **_BY_NAME}
-_BY_CODE = {d.safetensors: d for d in TABLE}
+_BY_CODE = {d.safetensors: d for d in TABLE + STORED_ONLY}
+_BY_TORCH = {d.name: d for d in TABLE + STORED_ONLY}
 _BY_ONNX = {d.onnx: d for d in TABLE}
 
 
@@ -75,12 +81,14 @@ def lookup(name: str) -> DType | None:
 
 
 def of_torch(dtype: torch.dtype) -> DType | None:
-    """The row of a torch dtype; None for types no format here stores (complex, float8, ...)."""
-    return _BY_NAME.get(str(dtype).removeprefix("torch."))
+    """The row of a torch dtype (the stored-only float8_e4m3fn too); None for types no format here stores
+    (complex, other float8 formats, ...)."""
+    return _BY_TORCH.get(str(dtype).removeprefix("torch."))
 
 
 def of_safetensors(code: str) -> DType | None:
-    """The row of a safetensors dtype code (`"BF16"`); None if mconvert does not read that code."""
+    """The row of a safetensors dtype code (`"BF16"`, the stored-only `"F8_E4M3"`); None if mconvert does not read
+    that code."""
     return _BY_CODE.get(code) if isinstance(code, str) else None
 
 

@@ -580,8 +580,10 @@ class ModelSpec:
                                             + (experts if self.is_moe_layer(last) else 0))
         return total + count(self.embedding_params(1) + self.final_params(1, mtp=False))
 
-    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
-        """Refuse a TP/PP/EP that does not divide heads, groups, ffn, layers or experts."""
+    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1,
+                       layers: bool = True) -> None:
+        """Refuse a TP/PP/EP that does not divide heads, groups, ffn, layers or experts (`layers=False`: an
+        uneven pipeline split, checked where it is built)."""
         if tp < 1 or pp < 1 or ep < 1:
             raise MConvertError(f"--tp, --pp and --ep must be >= 1 (got tp={tp}, pp={pp}, ep={ep})")
         if ep > 1 and not self.is_moe:
@@ -616,7 +618,7 @@ class ModelSpec:
                 f"TP={tp} does not divide ffn_hidden_size={self.ffn_hidden_size}; pick a TP that does"
             )
         chunks = pp * (vpp or 1)
-        if self.num_layers % chunks:
+        if layers and self.num_layers % chunks:
             raise MConvertError(
                 f"PP={pp}" + (f"×VPP={vpp}" if vpp else "") + f" does not divide num_layers={self.num_layers}; "
                 "pick a PP that does"

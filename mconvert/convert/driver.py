@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
+from mconvert.convert.hf import fp8
 from mconvert.convert.base import END, SKIP, Unit, parts_ahead
 from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
 from mconvert.io.atomic import check_output
 from mconvert.convert.hf.writer import HFWriter, parse_size
-from mconvert.convert.megatron.layout import layer_location, stage_layers
+from mconvert.convert.megatron.layout import PipelineSplit, parse_pipeline_layout
 from mconvert.convert.megatron.source import MegatronSource
 from mconvert.convert.megatron.writer import megatron_writer
 from mconvert.convert.megatron.optimizer import check_mcore_groups, index_states
@@ -37,6 +38,7 @@ from mconvert.convert.hf.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find
 from mconvert.convert.writer import Report, Writer, files_report, make_report
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
+from mconvert.mappings.plugin import transposed_in_hf
 
 
 def _torch_dist_writer(*args: Any, **kwargs: Any) -> Writer:
@@ -169,16 +171,37 @@ def dry_run_report(verb: str, src: Any, out: str | Path, plan: dict[str, Any], l
                        time.perf_counter() - t0, dry_run=True, **plan, **extras)
 
 
-def parallel_layout(tp: int, pp: int = 1, vpp: int | None = None, ep: int | None = None) -> str:
-    """`TP=2 PP=2` (`VPP=2`, `EP=2` when set): the layout of a Megatron output."""
-    return f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp else "") + (f" EP={ep}" if ep else "")
+def parallel_layout(tp: int, pp: int = 1, vpp: int | None = None, ep: int | None = None,
+                    split: PipelineSplit | None = None) -> str:
+    """`TP=2 PP=2` (`VPP=2`, `EP=2` when set, an uneven split's args): the layout of a Megatron output."""
+    return (f"TP={tp} PP={pp}" + (f" VPP={vpp}" if vpp else "") + (f" EP={ep}" if ep else "")
+            + (f" ({split.describe()})" if split is not None and not split.even else ""))
+
+
+def target_split(num_layers: int, pp: int, vpp: int | None, pipeline: dict[str, Any] | None,
+                 mtp_num_layers: int | None = None, src: Any = None) -> tuple[PipelineSplit, int | None]:
+    """The output's pipeline split and VPP: from `pipeline` (Megatron-LM's split args by name, as given on the
+    command line; a layout string sets the VPP when none is given), else the source's own when PP and VPP are
+    unchanged, else even."""
+    given = {k: v for k, v in (pipeline or {}).items() if v not in (None, False)}
+    layout = given.get("pipeline_model_parallel_layout")
+    if layout is not None and vpp is None:
+        chunks = len(parse_pipeline_layout(layout)) // pp
+        vpp = chunks if chunks > 1 else None
+    if not given and src is not None and getattr(src, "split", None) is not None and (src.pp, src.vpp) == (pp, vpp):
+        return src.split, vpp
+    return PipelineSplit.make(num_layers, pp, vpp, given.get("decoder_first_pipeline_num_layers"),
+                              given.get("decoder_last_pipeline_num_layers"), layout,
+                              bool(given.get("account_for_embedding_in_pipeline_split")),
+                              bool(given.get("account_for_loss_in_pipeline_split")), mtp_num_layers), vpp
 
 
 @crc_in_background
 def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | None = None, dtype: str = "auto",
                    tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
-                   progress: bool = False, dry_run: bool = False) -> dict[str, Any]:
-    """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict."""
+                   progress: bool = False, dry_run: bool = False, fp8_blocks: bool = False) -> dict[str, Any]:
+    """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict.
+    `fp8_blocks`: the projection weights written block-scaled FP8 (e4m3, 128×128 scales; `convert/hf/fp8.py`)."""
 
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
@@ -196,6 +219,10 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         warnings.append(untied_warning)
     spec = src.spec
     families.refuse_for_hf(spec, str(ckpt))  # before any tensor is read
+    if fp8_blocks and any(transposed_in_hf(spec, d.name) for d in spec.layer_params(0)):
+        raise MConvertError(f"--fp8-blocks: the {spec.family} family's HF projections are Conv1D weights (stored "
+                            "transposed), which neither transformers' FP8Linear nor vLLM read as block-scaled FP8; "
+                            "drop --fp8-blocks")
     if target is not None:
         spec = spec.replace(params_dtype=dtypes.of_torch(target).name)
     if dry_run:
@@ -206,7 +233,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     def hf_writer(tmp: Path) -> HFWriter:
         primary = world().primary  # under torchrun rank 0 alone writes the configs and the tokenizer
         writers.append(HFWriter(tmp, spec, size, target, tokenizer_dir=src.tokenizer_dir if primary else None,
-                                carried=_carried_dir(src)))
+                                carried=_carried_dir(src), fp8_block=fp8.DEFAULT_BLOCK if fp8_blocks else None))
         if world().size > 1:
             writers[0].plan_ahead(_source_dtype(src))
         return writers[0]
@@ -225,10 +252,12 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
 @crc_in_background
 def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str = "auto", force: bool = False, progress: bool = False,
-                   dry_run: bool = False, format: str = "torch", ep: int = 1, bridge: bool = False) -> dict[str, Any]:
+                   dry_run: bool = False, format: str = "torch", ep: int = 1, bridge: bool = False,
+                   pipeline: dict[str, Any] | None = None) -> dict[str, Any]:
     """HF directory -> Megatron checkpoint (release/, mcore local-spec names) at TP/PP(/VPP)/EP, in the torch
     (rank files) or torch_dist (megatron-core dist_checkpointing) format; `bridge`: torch_dist in iter_0000000/
-    with the files Megatron-Bridge loads it from (run_config.yaml, train_state.pt)."""
+    with the files Megatron-Bridge loads it from (run_config.yaml, train_state.pt); `pipeline`: Megatron-LM's
+    uneven split args (`target_split`)."""
 
     t0 = time.perf_counter()
     check_format(format)
@@ -238,10 +267,13 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     src = open_source(hf_dir)
     if src.format != "hf":
         raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
+    if target is not None:  # block-scaled FP8 weights dequantize straight into the output dtype
+        src.dequantize_to(target)
     cfg = getattr(src, "config", {})
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
-    spec.check_parallel(tp, pp, vpp, ep)
-    layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None)
+    split, vpp = target_split(spec.num_layers, pp, vpp, pipeline, spec.mtp_num_layers)
+    spec.check_parallel(tp, pp, vpp, ep, layers=False)
+    layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, ep=ep,
                               dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
@@ -250,8 +282,9 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
             return _torch_dist_writer(tmp, spec, tp, pp, vpp, iteration=0 if bridge else "release", dtype=target,
-                                      ep=ep, bridge=bridge)
-        return megatron_writer(tmp, spec, tp, pp, vpp, ep, iteration="release", dtype=target, preview=_preview(src))
+                                      ep=ep, bridge=bridge, split=split)
+        return megatron_writer(tmp, spec, tp, pp, vpp, ep, iteration="release", dtype=target, preview=_preview(src),
+                               split=split)
 
     return write_output(
         "hf-to-megatron", src, out, writer,
@@ -268,14 +301,17 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
 def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None = None,
             with_optimizer: bool = False, iteration: int | str | None = None, force: bool = False,
             progress: bool = False, dry_run: bool = False, format: str | None = None,
-            ep: int = 1, optimizer_layout: str | None = None, bridge: bool | None = None) -> dict[str, Any]:
+            ep: int = 1, optimizer_layout: str | None = None, bridge: bool | None = None,
+            pipeline: dict[str, Any] | None = None) -> dict[str, Any]:
     """Megatron checkpoint -> the same checkpoint at a new TP/PP(/VPP)/EP: merge to full tensors, split again.
 
     Keeps args (TP/PP updated), the iteration and the scheduler; with `with_optimizer` the Adam states follow
     their parameters' layouts so training resumes at the new layout; without it, no optimizer is written.
     `format`: torch or torch_dist output (default: the source's format). `optimizer_layout`: the distributed
     optimizer's layout in torch_dist output (default: the source's, else fully_reshardable). `bridge`: torch_dist
-    output Megatron-Bridge loads (run_config.yaml, train_state.pt; default: when the source is a Bridge one)."""
+    output Megatron-Bridge loads (run_config.yaml, train_state.pt; default: when the source is a Bridge one).
+    `pipeline`: Megatron-LM's uneven split args for the output (default: the source's split at its own PP/VPP,
+    else even)."""
 
     t0 = time.perf_counter()
     if format is not None:
@@ -300,8 +336,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         src.check_optimizer()
         if format == "torch":  # megatron-core's distributed optimizer -> the trainer's Adam states
             groups = src.trainer_optimizer()
-    src.spec.check_parallel(tp, pp, vpp, ep)
-    layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None)
+    split, vpp = target_split(src.spec.num_layers, pp, vpp, pipeline, src.spec.mtp_num_layers, src)
+    src.spec.check_parallel(tp, pp, vpp, ep, layers=False)
+    layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp, ep=ep,
                               with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
@@ -312,7 +349,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     rank_top = rng = None
     if "rng_state" in top:  # per rank: each target rank keeps the one of the source rank it maps to
         top.pop("rng_state")
-        rng_from = _rng_source_ranks(src, tp, pp, vpp)
+        rng_from = _rng_source_ranks(src, tp, split)
         rng = lambda t, p: src.top_level(*rng_from[(t, p)][::-1])["rng_state"]  # noqa: E731
         rank_top = lambda t, p: {"rng_state": rng(t, p)}  # noqa: E731
     if "optimizer" in top:  # carried as it is: its hyperparameters are checked as torch's Adam checks them
@@ -336,10 +373,12 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
                                       optimizer_layout=optimizer_layout or getattr(src, "optimizer_layout", None)
                                       or "fully_reshardable", bridge=bridge,
                                       bridge_source=(getattr(src, "bridge_config", None),
-                                                     src.train_state() if hasattr(src, "train_state") else None))
+                                                     src.train_state() if hasattr(src, "train_state") else None),
+                                      split=split)
         return megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
                                args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
-                               rank_top_level=rank_top, preview=_preview(src))  # unused with optimizer states
+                               rank_top_level=rank_top, preview=_preview(src),  # unused with optimizer states
+                               split=split)
 
     return write_output(
         "reshard", src, out, writer,
@@ -401,13 +440,14 @@ def _preview(src: Any) -> Any:
     return src.preview
 
 
-def _rng_source_ranks(src: Any, tp: int, pp: int, vpp: int | None) -> dict[tuple[int, int], tuple[int, int]]:
+def _rng_source_ranks(src: Any, tp: int, split: PipelineSplit) -> dict[tuple[int, int], tuple[int, int]]:
     """Target (tp_rank, pp_rank) -> the source (tp_rank, pp_rank) whose rng_state it keeps: the same rank when
-    the layout is unchanged, else TP rank modulo the source TP and the stage holding the target's first layer."""
+    the layout is unchanged, else TP rank modulo the source TP and the stage holding the target's first layer
+    (a stage without layers: the same PP rank, or the source's last)."""
     out = {}
-    for p in range(pp):
-        first = stage_layers(src.spec.num_layers, pp, p, vpp)[0][0]
-        sp = layer_location(src.spec.num_layers, src.pp, first, src.vpp)[0]
+    for p in range(split.pp):
+        first = next((r[0] for r in split.stage_layers(p) if len(r)), None)
+        sp = src.split.layer_location(first)[0] if first is not None else min(p, src.pp - 1)
         for t in range(tp):
             out[(t, p)] = (t % src.tp, sp)
     return out

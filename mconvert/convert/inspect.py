@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
-from mconvert.convert.megatron.layout import stage_layers
+from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.convert.sources import open_source
 from mconvert.errors import rich_safe
 from mconvert.mappings.transforms import split_dim
@@ -35,8 +35,9 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
     spec, tp, pp, vpp = src.spec, src.tp, src.pp, src.vpp
     stored: dict[str, tuple[int, ...]] = getattr(src, "shapes", {})
     stages: dict[str, list[int]] = {}
+    split = getattr(src, "split", None) or PipelineSplit.make(spec.num_layers, pp, vpp)
     for p in range(pp):
-        for chunk in stage_layers(spec.num_layers, pp, p, vpp):
+        for chunk in split.stage_layers(p):
             for layer in chunk:
                 stages.setdefault(str(p), []).append(layer)
     params = []

@@ -384,14 +384,6 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     "fp4_param": refused("weights stored in fp4 are not read", False),
     "use_kitchen": refused("kitchen quantization is not mapped", False),
     "quant_recipe": refused("quantization recipes are not mapped", None),
-    # uneven pipeline splits: the reader places layers by an even split of num_layers
-    "num_layers_in_first_pipeline_stage": refused("uneven pipeline stages are not read", None),
-    "num_layers_in_last_pipeline_stage": refused("uneven pipeline stages are not read", None),
-    "decoder_first_pipeline_num_layers": refused("uneven pipeline stages are not read", None),
-    "decoder_last_pipeline_num_layers": refused("uneven pipeline stages are not read", None),
-    "pipeline_model_parallel_layout": refused("a custom pipeline layout is not read", None),
-    "account_for_embedding_in_pipeline_split": refused("uneven pipeline stages are not read", False),
-    "account_for_loss_in_pipeline_split": refused("uneven pipeline stages are not read", False),
     "standalone_embedding_stage": refused("an embedding-only pipeline stage is not read", False),
     "pipeline_model_parallel_split_rank": refused("encoder-decoder pipeline splits are not read", None),
     "encoder_num_layers": refused("encoder-decoder models are not mapped", None,
@@ -405,6 +397,10 @@ _MEGATRON_NEUTRAL: dict[str, Field] = {
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
         "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
+        # the pipeline split: which stage holds which layers (convert/megatron/layout.py `PipelineSplit` reads them)
+        "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
         "hierarchical_context_parallel_sizes", "data_parallel_size", "world_size", "rank", "local_rank",
         "model_parallel_size", "transformer_pipeline_model_parallel_size", "encoder_tensor_model_parallel_size",
         "encoder_pipeline_model_parallel_size", "sequence_parallel", "moe_extended_tp", "max_seqlen_per_dp_cp_rank",
@@ -679,7 +675,11 @@ HF_COMMON: dict[str, Field] = {
     "is_encoder_decoder": refused("encoder-decoder models are not mapped", False),
     "cross_attention_hidden_size": refused("cross-attention layers are not mapped", None),
     "pruned_heads": refused("pruned attention heads are not mapped", None, lambda v, _: v == {}),
-    "quantization_config": refused("quantized weights are not read", None),
+    # block-scaled FP8 (DeepSeek-V3's release) is read dequantized; convert/hf/fp8.py checks its fields
+    "quantization_config": refused("quantized weights other than block-scaled FP8 (quant_method fp8 with "
+                                   "weight_block_size) are not read", None,
+                                   lambda v, a: isinstance(v, dict) and v.get("quant_method") == "fp8"
+                                   and v.get("weight_block_size") is not None),
     # MLX writes this key (group_size, bits) for weights packed into integers with per-group scales and biases;
     # beside a quantization_config (newer mlx-lm writes both) that refusal alone names the model's state
     "quantization": refused("MLX-quantized weights are not read: convert the unquantized model", None,

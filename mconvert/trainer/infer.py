@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mconvert.convert.megatron.layout import rank_file, read_latest
+from mconvert.convert.megatron.checkpoint import args_dict
+from mconvert.convert.megatron.layout import PipelineSplit, rank_file, read_latest
 from mconvert.io.paths import inside_file
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
@@ -87,7 +88,7 @@ def _local_spec_weights(state: dict[str, Any], path: Path) -> dict[str, torch.Te
 
 
 def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: int, tokens: torch.Tensor,
-                  device: str, return_hidden: bool, ep: int = 1) -> dict[str, Any]:
+                  device: str, return_hidden: bool, ep: int = 1, split: PipelineSplit | None = None) -> dict[str, Any]:
     """One rank: load and check its own file before joining the group (a bad file fails this rank before any
     collective), then run its stage. A failure leaves at once: no barrier on the way out."""
     torch.set_num_threads(threads_per_rank(tp * pp * ep))
@@ -96,7 +97,7 @@ def _infer_worker(ckpt_dir: str, it: int | str, spec: ModelSpec, tp: int, pp: in
     weights = _local_spec_weights(safe_load(path), path)
     st = init_distributed(tp, pp, ep, device, ep=ep)
     dtype = next(iter(weights.values())).dtype
-    model = GPTModel(spec, st, seed=None, dtype=dtype)
+    model = GPTModel(spec, st, seed=None, dtype=dtype, split=split)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
@@ -137,7 +138,8 @@ def megatron_logits(ckpt_dir: str | Path, tokens: torch.LongTensor, iteration: i
         raise MConvertError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
     if int(tokens.max()) >= spec.vocab_size or int(tokens.min()) < 0:
         raise MConvertError(f"token ids must lie in [0, {spec.vocab_size}) for {ckpt_dir}")
-    results = launch(_infer_worker, (str(ckpt_dir), it, spec, tp, pp, tokens, device, return_hidden, ep),
+    split = PipelineSplit.from_args(args_dict(args, str(ckpt_dir)), spec.num_layers, pp, None, str(ckpt_dir))
+    results = launch(_infer_worker, (str(ckpt_dir), it, spec, tp, pp, tokens, device, return_hidden, ep, split),
                      tp * pp * ep, device)
     logits = next(r["logits"] for r in results.values() if r and "logits" in r)
     if not return_hidden:

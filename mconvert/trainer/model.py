@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mconvert.convert.megatron.layout import stage_layers
+from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import shard
 from mconvert.rope import yarn_inv_freq
@@ -447,16 +447,17 @@ class GPTModel(nn.Module):
     [B, S] (last stage with labels) or this rank's vocab shard of the logits [B, S, V_pad/TP]."""
 
     def __init__(self, spec: ModelSpec, st: ParallelState, seed: int | None = 1234,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, split: PipelineSplit | None = None) -> None:
         super().__init__()
-        check_trainable(spec, st.tp, st.pp, st.ep)
+        check_trainable(spec, st.tp, st.pp, st.ep, split)
         if st.sequence_parallel and (spec.is_mla or spec.mtp_num_layers):
             raise MConvertError("sequence parallelism with multi-latent attention or multi-token prediction is not "
                                 "supported here; drop --sequence-parallel")
         self.spec, self.st = spec, st
         make = _Maker(spec, st, seed, dtype)
         self.pre_process, self.post_process = st.is_first_stage, st.is_last_stage
-        self.global_layers = list(stage_layers(spec.num_layers, st.pp, st.pp_rank)[0])
+        split = split or PipelineSplit.make(spec.num_layers, st.pp)  # `split`: an uneven one (its own checks)
+        self.global_layers = list(split.stage_layers(st.pp_rank)[0])
         if self.pre_process:
             self.embedding = Embedding(spec, make, st)
         self.decoder = Decoder(spec, self.global_layers, make, st, self.post_process)
@@ -581,10 +582,14 @@ class GPTModel(nn.Module):
         return gather_from_tp(logits.float(), self.st)[..., : self.spec.vocab_size]
 
 
-def check_trainable(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
-    """What our layers (and megatron-core) need: TP divides heads, query groups and ffn; PP divides layers;
-    EP divides the experts; MoE experts are bias-free SwiGLU with top-k ≥ 2 (softmax over one choice is 1)."""
-    spec.check_parallel(tp, pp, ep=ep)
+def check_trainable(spec: ModelSpec, tp: int, pp: int, ep: int = 1, split: PipelineSplit | None = None) -> None:
+    """What our layers (and megatron-core) need: TP divides heads, query groups and ffn; PP divides layers (or
+    an uneven `split` holds them, one chunk per rank); EP divides the experts; MoE experts are bias-free SwiGLU
+    with top-k ≥ 2 (softmax over one choice is 1)."""
+    spec.check_parallel(tp, pp, ep=ep, layers=split is None)
+    if split is not None and (split.pp, split.vpp, split.num_layers) != (pp, None, spec.num_layers):
+        raise MConvertError(f"the pipeline split ({split.describe()}) is not one chunk per rank of {spec.num_layers} "
+                            f"layers at PP={pp}; the trainer runs no virtual pipeline")
     if spec.is_moe:
         if spec.activation != "swiglu" or spec.add_bias_linear:
             raise MConvertError(

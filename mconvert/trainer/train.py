@@ -38,7 +38,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from mconvert.convert.megatron import optimizer as optim
 from mconvert.convert.megatron.checkpoint import args_dict
 from mconvert.io.atomic import atomic_output_dir, terminating
-from mconvert.convert.megatron.layout import TRACKER, rank_file, read_latest, save_rank_file, write_latest
+from mconvert.convert.megatron.layout import TRACKER, PipelineSplit, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.io.safeload import safe_load
 from mconvert.io.casts import all_finite, value_range
 from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus
@@ -106,11 +106,24 @@ class TrainConfig:
     moe_topk: int | None = None  # MoE: experts per token (Megatron --moe-router-topk)
     moe_aux_loss_coeff: float = 1e-2  # MoE: load-balancing loss coefficient (Megatron --moe-aux-loss-coeff)
     window_size: int | None = None  # sliding window: keys before each query, every layer (Megatron --window-size W,0)
+    # an uneven pipeline split, Megatron-LM's args (one chunk per rank: a layout string of PP stages)
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    pipeline_model_parallel_layout: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
+
+    def split(self, spec: ModelSpec) -> PipelineSplit | None:
+        """The uneven pipeline split these options ask for (None: the even one)."""
+        if (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers,
+                self.pipeline_model_parallel_layout) == (None, None, None):
+            return None
+        return PipelineSplit.make(spec.num_layers, self.pp, None, self.decoder_first_pipeline_num_layers,
+                                  self.decoder_last_pipeline_num_layers, self.pipeline_model_parallel_layout,
+                                  mtp_num_layers=spec.mtp_num_layers)
 
     @property
     def num_micro_batches(self) -> int:
@@ -195,7 +208,7 @@ def build_spec(cfg: TrainConfig, vocab_size: int) -> ModelSpec:
         windowed = [f.name for f in families.all_families() if f.hf_window is not None]
         raise MConvertError(f"--window-size: preset {cfg.preset} is of the family {spec.family!r}, whose HF class has "
                             f"no sliding window; train it from a preset of {', '.join(windowed)}")
-    check_trainable(spec, cfg.tp, cfg.pp, cfg.ep)
+    check_trainable(spec, cfg.tp, cfg.pp, cfg.ep, cfg.split(spec))
     return spec
 
 
@@ -293,8 +306,9 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
                    moe_expert_capacity_factor=None)
         if spec.moe_router_enable_expert_bias:
             moe["moe_router_bias_update_rate"] = BIAS_UPDATE_RATE
+    split = cfg.split(spec)
     return spec.to_megatron_args(
-        cfg.tp, cfg.pp, ep=cfg.ep,
+        cfg.tp, cfg.pp, ep=cfg.ep, **(split.megatron_args() if split is not None else {}),
         seq_length=cfg.seq_length, seed=cfg.seed, lr=cfg.lr, min_lr=cfg.lr, lr_decay_style="constant",
         lr_warmup_iters=0, micro_batch_size=cfg.micro_batch_size, global_batch_size=cfg.global_batch_size,
         train_iters=cfg.steps, iteration=iteration, consumed_train_samples=consumed,
@@ -402,6 +416,12 @@ def check_resume_args(args: Any, spec: ModelSpec, cfg: TrainConfig, path: str) -
                 f"{path}: checkpoint has {f}={getattr(args, f, None)} but this run uses {mine}; "
                 "reshard it first (mconvert reshard) or resume at its layout"
             )
+    split = cfg.split(spec) or PipelineSplit.make(spec.num_layers, cfg.pp)
+    theirs_split = PipelineSplit.from_args(args_dict(args, path), spec.num_layers, cfg.pp, None, path)
+    if theirs_split != split:
+        raise MConvertError(f"{path}: checkpoint has the pipeline split {theirs_split.describe()} but this run uses "
+                            f"{split.describe()}; repeat its --decoder-first/last-pipeline-num-layers or "
+                            "--pipeline-model-parallel-layout")
 
 
 # ---- the worker -----------------------------------------------------------------------------------
@@ -568,7 +588,7 @@ def _train(cfg: TrainConfig, spec: ModelSpec, tokens: torch.Tensor, st: Parallel
     if ckpt is not None:
         start = int(ckpt["iteration"])
         consumed = int(getattr(ckpt["args"], "consumed_train_samples", start * cfg.global_batch_size))
-    model = GPTModel(spec, st, seed=None if ckpt else cfg.seed, dtype=dtype)
+    model = GPTModel(spec, st, seed=None if ckpt else cfg.seed, dtype=dtype, split=cfg.split(spec))
     source = str(ckpt.get("source", cfg.save)) if ckpt is not None else ""
     if ckpt is not None:
         check_resume_model(ckpt["model"], model, source)

@@ -304,9 +304,9 @@ def test_a_verb_checks_its_parallel_layout_once(models, tmp_path, monkeypatch):
     calls: list[tuple] = []
     check = ModelSpec.check_parallel
 
-    def counted(self, tp, pp=1, vpp=None, ep=1):  # noqa: ANN001, ANN202
+    def counted(self, tp, pp=1, vpp=None, ep=1, **split):  # noqa: ANN001, ANN003, ANN202
         calls.append((tp, pp))
-        return check(self, tp, pp, vpp, ep)
+        return check(self, tp, pp, vpp, ep, **split)
 
     monkeypatch.setattr(ModelSpec, "check_parallel", counted)
     for name, verb, target in [

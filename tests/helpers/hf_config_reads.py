@@ -21,7 +21,7 @@ What counts, per model_type (the modules that build the network or compute its f
 Not counted: `generation/` (it picks tokens from the logits; the model-config fields it takes defaults from
 are the generation defaults PretrainedConfig consumes, counted above and classified by name in
 `fields.HF_COMMON`), tokenizers, pipelines, the trainer, and the quantization / PEFT / DeepSpeed integrations
-(`quantization_config` is refused by name).
+(`quantization_config` is read only for block-scaled FP8, `convert/hf/fp8.py`, and refused by name otherwise).
 """
 
 from __future__ import annotations

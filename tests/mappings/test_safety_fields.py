@@ -117,7 +117,7 @@ def test_neutral_megatron_args_pass_whatever_their_value() -> None:
 @pytest.mark.parametrize("name,value", [
     ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("window_size", (128, 1)),
     ("softmax_scale", 0.1), ("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True),
-    ("num_layers_in_first_pipeline_stage", 1), ("rotary_scaling_factor", 4.0), ("squared_relu", True),
+    ("rotary_scaling_factor", 4.0), ("squared_relu", True),
     ("rope_type", "yarn"), ("mrope_section", [16, 24, 24]), ("no_rope_freq", 4),
     ("num_experts", 8), ("multi_latent_attention", True), ("spec", ["my.module", "my_spec"]),
     ("gated_linear_unit", True), ("mtp_num_layers", 1), ("fp8_param", True),

@@ -503,19 +503,6 @@ def test_the_native_runner_runs_the_tp2_ep2_checkpoint(runs_dir) -> None:
     assert diff <= TOL, diff
 
 
-def test_torch_dist_output_is_refused_by_name(tmp_path: Path) -> None:
-    """torch_dist of this architecture (per-layer keys under moe_layer_freq, MLA, MTP) is not written: one line,
-    no output."""
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-
-    spec = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)
-    state = GPTModel(spec, ParallelState(), seed=5).state_dict()
-    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
-    with pytest.raises(MConvertError, match="torch_dist of the DeepSeek-V3 architecture .*multi_latent_attention"):
-        hf_to_megatron(tmp_path / "hf", tmp_path / "d", format="torch_dist")
-    assert not (tmp_path / "d").exists()
-
-
 def test_reshard_with_optimizer_continues_the_run_at_tp2_ep2(runs_dir, tmp_path: Path) -> None:
     """reshard --with-optimizer of the single-rank checkpoint to TP=2 EP=2 (Adam states follow their tensors, the
     expert bias travels as the buffer it is) continues the run: step 3 there has the step-3 loss of the run

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
+from mconvert import dtypes as dtype_table
 from mconvert.convert import bounds
+from mconvert.convert.hf import fp8
 from mconvert.convert.base import LayerParts, PartTasks, Unit, param_elements, pmap
 from mconvert.io import buffers
 from mconvert.io.paths import contained, inside_file, load_json_object, open_regular
@@ -59,7 +61,13 @@ class HFSource(LayerParts):
         self.spec = families.spec_from_hf_config(self.config, source=str(cfg_path))
         self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
         self._bin_cache: tuple[str, Any] | None = None
+        # block-scaled FP8: its e4m3 weights are read dequantized into `dequant_dtype`, the scales beside them
+        self.fp8_block = fp8.block_config(self.config, str(cfg_path))
+        self.dequant_dtype = dtype_table.lookup(self.spec.params_dtype).torch  # type: ignore[union-attr]
         self.key_file = self._index()
+        self.scale_file = {k: self.key_file.pop(k) for k in list(self.key_file)
+                           if self.fp8_block and k.endswith(fp8.SCALE_SUFFIX)}
+        self._check_fp8()
         self.unit_keys: dict[Unit, list[str]] = {}
         for k, f in self.key_file.items():
             u = hf_unit(self.spec, k, source=str(self.path / f))
@@ -68,6 +76,51 @@ class HFSource(LayerParts):
         self.part_keys: dict[Unit, list[str]] = {}  # an MoE layer's keys by LayerPart (`_check_sizes` fills it)
         self._check_unused(str(cfg_path))
         self._check_sizes(str(cfg_path))
+
+    def _check_fp8(self) -> None:
+        """Every e4m3 weight has its scale of the block layout's shape and every scale its e4m3 weight
+        (headers only); an e4m3 tensor without a block-scaled `quantization_config` is refused: cast as it is,
+        it would be garbage."""
+        for k, f in self.key_file.items():
+            m = self._raw_meta(k)
+            if m is None or m.dtype != fp8.FP8:
+                continue
+            where = f"{self.path / f}: tensor {k!r}"
+            if self.fp8_block is None:
+                raise MConvertError(f"{where} is float8_e4m3fn but config.json has no block-scaled FP8 "
+                                    "quantization_config; its scales are unknown — fix config.json")
+            scale = self.scale_file.get(k + fp8.SCALE_SUFFIX)
+            sm = self._raw_meta(k + fp8.SCALE_SUFFIX, scale) if scale is not None else None
+            if sm is None:
+                raise MConvertError(f"{where} is FP8 without its {k + fp8.SCALE_SUFFIX!r}; the checkpoint is incomplete")
+            want = fp8.scale_shape(tuple(m.shape), self.fp8_block) if m.dim() == 2 else None
+            if want is None or tuple(sm.shape) != want or not sm.dtype.is_floating_point:
+                raise MConvertError(f"{where}: FP8 {list(m.shape)} with a {sm.dtype} scale of {list(sm.shape)}; "
+                                    f"blocks of {list(self.fp8_block)} need a float scale of "
+                                    f"{list(want) if want else '[2-D]'} — the checkpoint is damaged")
+        for k, f in self.scale_file.items():
+            w = k[: -len(fp8.SCALE_SUFFIX)]
+            m = self._raw_meta(w) if w in self.key_file else None
+            if m is None or m.dtype != fp8.FP8:
+                raise MConvertError(f"{self.path / f}: scale {k!r} has no FP8 weight {w!r} beside it; the "
+                                    "checkpoint is damaged or mixed — re-copy it")
+
+    def _raw_meta(self, k: str, f: str | None = None) -> torch.Tensor | None:
+        """Tensor `k` as stored (an e4m3 weight as e4m3), from its safetensors header; None otherwise."""
+        f = f or self.key_file[k]
+        if not f.endswith(".safetensors"):
+            return None
+        st = self._st(f)
+        return SafetensorsReader.meta(st, k) if k in st.entries else None
+
+    def dequantize_to(self, dtype: torch.dtype) -> None:
+        """Dequantize block-scaled FP8 weights into `dtype` (bf16 or fp32 out), not the config's torch_dtype."""
+        self.dequant_dtype = dtype
+
+    def _scale(self, k: str) -> torch.Tensor:
+        """The float32 scales of e4m3 weight `k` (from whichever file holds them)."""
+        key = k + fp8.SCALE_SUFFIX
+        return SafetensorsReader.get(self._st(self.scale_file[key]), key).float()
 
     def _check_unused(self, source: str) -> None:
         """Refuse a tensor of a known kind that config.json leaves out of the model (a q_proj.bias with
@@ -193,8 +246,9 @@ class HFSource(LayerParts):
     def _st(self, f: str) -> SafetensorsReader:
         """The opened (header-checked) safetensors file `f`, kept open for the source's life."""
         cache = self.__dict__.setdefault("_st_files", {})
-        if f not in cache:
-            cache[f] = SafetensorsReader(self.path / f)
+        if f not in cache:  # e4m3 weights read dequantized when the checkpoint is block-scaled FP8
+            cache[f] = (SafetensorsReader(self.path / f) if self.fp8_block is None else
+                        BlockFP8File(self.path / f, self.fp8_block, self._scale, lambda: self.dequant_dtype))
         return cache[f]
 
     def close(self) -> None:
@@ -276,7 +330,11 @@ class HFSource(LayerParts):
         return m is not None and m[1] is not None and transposed_in_hf(self.spec, fill(m[1][0], m[2]))
 
     def _check(self, k: str, t: torch.Tensor) -> None:
-        """Safety: int bits would be converted as numbers; NaN/Inf refused."""
+        """Safety: int bits would be converted as numbers, e4m3 bytes without their scales as garbage; NaN/Inf
+        refused."""
+        if t.dtype == fp8.FP8:
+            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is float8_e4m3fn outside a block-scaled "
+                                "FP8 safetensors checkpoint; its scales are unknown — fix config.json")
         if not t.is_floating_point():
             raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds {t.dtype} values, not "
                                 "floating-point weights; the file is corrupt — re-copy it")
@@ -378,3 +436,25 @@ def _bin_reader(path: Path) -> Any:
     if idx is None:
         return st
     return LazyModel(idx, open_regular(path), "", owns_fd=True)
+
+
+class BlockFP8File(SafetensorsReader):
+    """A safetensors file of a block-scaled FP8 checkpoint: its e4m3 weights read dequantized block row by block
+    row (`fp8.dequantize`) with their scales, the other tensors as stored."""
+
+    def __init__(self, path: Path, block: tuple[int, int], scale_of: Any, dtype_of: Any) -> None:
+        super().__init__(path)
+        self.block, self.scale_of, self.dtype_of = block, scale_of, dtype_of
+
+    def meta(self, key: str) -> torch.Tensor:
+        m = super().meta(key)
+        return torch.empty(m.shape, dtype=self.dtype_of(), device="meta") if m.dtype == fp8.FP8 else m
+
+    def get(self, key: str) -> torch.Tensor:
+        t = super().get(key)
+        if t.dtype != fp8.FP8:
+            return t
+        return fp8.dequantize(t, self.scale_of(key), self.block, self.dtype_of(), f"{self.path}: {key!r}")
+
+    def read_into(self, key: str, dst: torch.Tensor, start: int = 0) -> bool:
+        return self.entries[key][1] != fp8.FP8 and super().read_into(key, dst, start)

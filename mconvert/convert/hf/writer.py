@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from mconvert.convert.base import Unit, units_of
+from mconvert.convert.hf import fp8
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import numel
 from mconvert.io.paths import copy_contained, inside_file, load_json_object
@@ -73,8 +74,10 @@ class HFWriter(Writer):
 
     def __init__(self, out: Path, spec: ModelSpec, max_shard_size: int = 5 * 10**9,
                  dtype: torch.dtype | None = None, tokenizer_dir: Path | None = None,
-                 carried: Path | None = None) -> None:
+                 carried: Path | None = None, fp8_block: tuple[int, int] | None = None) -> None:
         self.out, self.spec, self.max_shard_size, self.dtype = Path(out), spec, max_shard_size, dtype
+        self.fp8_block = fp8_block  # projections written block-scaled FP8 (`fp8.quantize_tensors`)
+        self._unquantized: dict[str, None] = {}  # linear modules kept in `dtype`: modules_to_not_convert
         self.tokenizer_dir = tokenizer_dir
         self.carried = carried  # a Megatron root holding HF metadata carried through it (generation config, ids)
         self.warnings: list[str] = []  # said in the report: kept token ids the args overrule
@@ -110,6 +113,8 @@ class HFWriter(Writer):
             for unit in units_of(spec, split_experts=True):
                 meta = {d.name: torch.empty(d.shape, dtype=dtype, device="meta") for d in spec.unit_params(unit)}
                 out[unit] = [(n, dtype, tuple(t.shape)) for n, t in to_hf(spec, unit, meta).items()]
+                if self.fp8_block:
+                    out[unit] = fp8.quantized_entries(out[unit], self.fp8_block)
         except Exception:  # noqa: BLE001 - no plan: fall back to buffering
             return {}
         return out
@@ -119,7 +124,7 @@ class HFWriter(Writer):
         start of that sequence."""
         dtype = self.dtype or next(iter(first.values())).dtype
         entries = [e for es in self._entries_of(dtype).values() for e in es]
-        head = [(n, t.dtype, tuple(t.shape)) for n, t in first.items()]
+        head = [(n, t.dtype, tuple(t.shape)) for n, t in first.items()]  # `first` as `add` turned it
         return plan_shards(entries, self.max_shard_size) if entries and entries[: len(head)] == head else []
 
     def plan_ahead(self, dtype: torch.dtype) -> None:
@@ -232,6 +237,11 @@ class HFWriter(Writer):
         """One unit's tensors under HF names, written as they arrive (shards planned from the spec)."""
         if self.dtype is not None:
             tensors = {n: narrowed(t, self.dtype, n) if t.dtype != self.dtype else t for n, t in tensors.items()}
+        if self.fp8_block:
+            self._unquantized.update({n[: -len(".weight")]: None for n, t in tensors.items()
+                                      if n.endswith(".weight") and t.dim() == 2 and not fp8.quantized_name(n)
+                                      and "embed" not in n and n != "lm_head.weight"})
+            tensors = fp8.quantize_tensors(tensors, self.fp8_block)
         if not self._owned:
             return
         for name, t in tensors.items():
@@ -270,6 +280,8 @@ class HFWriter(Writer):
         spec = self.spec
         units = units_of(spec, split_experts=True)
         expected = {n for u in units for n in hf_names(spec, u)}
+        if self.fp8_block:  # each projection weight is followed by its block scales
+            expected |= {n + fp8.SCALE_SUFFIX for n in expected if fp8.quantized_name(n)}
         missing, extra = sorted(expected - self._written), sorted(self._written - expected)
         if missing or extra:
             raise MConvertError(f"internal: the HF export lacks {len(missing)} tensor(s) its config implies "
@@ -335,6 +347,8 @@ class HFWriter(Writer):
             bos = bos if bos is not None else tb
             eos = eos if eos is not None else te
         cfg = families.hf_config(spec.replace(bos_token_id=bos, eos_token_id=eos))
+        if self.fp8_block:
+            cfg["quantization_config"] = fp8.hf_quantization_config(self.fp8_block, ["lm_head", *self._unquantized])
         kept = self._kept_ids(carried, spec)
         cfg.update(kept)
         for k in TOKEN_ID_KEYS:  # as the checkpoint states them; one it cannot produce is said in the report

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import split_dim
 from mconvert.spec import ModelSpec
@@ -101,7 +102,7 @@ def local_shape(spec: ModelSpec, name: str, shape: tuple[int, ...], tp: int) -> 
 
 
 def chunk_params(spec: ModelSpec, tp: int, pp: int, vpp: int | None, pp_rank: int, chunk: int,
-                 vocab_rows: int) -> list[tuple[str, tuple[int, ...], bool]]:
+                 vocab_rows: int, split: PipelineSplit | None = None) -> list[tuple[str, tuple[int, ...], bool]]:
     """One model chunk's parameters in megatron-core's `named_parameters()` order: (canonical global name, local
     shape at TP, shared_embedding?). A tied output weight at PP > 1 is named `output_layer.weight`."""
     if spec.is_moe:
@@ -110,7 +111,7 @@ def chunk_params(spec: ModelSpec, tp: int, pp: int, vpp: int | None, pp_rank: in
                             "--optimizer-layout fully_reshardable or drop --with-optimizer")
     n_chunks = pp * (vpp or 1)
     model_chunk = chunk * pp + pp_rank
-    per = spec.num_layers // n_chunks
+    layers = (split or PipelineSplit.make(spec.num_layers, pp, vpp)).stage_layers(pp_rank)[chunk]
     pre, post = model_chunk == 0, model_chunk == n_chunks - 1
     out: list[tuple[str, tuple[int, ...], bool]] = []
     tied_shared = spec.tie_embeddings and pp > 1
@@ -124,7 +125,7 @@ def chunk_params(spec: ModelSpec, tp: int, pp: int, vpp: int | None, pp_rank: in
         for d in spec.embedding_params(tp):
             out.append((d.name, shape_of(d.name, d.shape), d.name == "embedding.word_embeddings.weight"
                         and tied_shared))
-    for layer in range(model_chunk * per, (model_chunk + 1) * per):
+    for layer in layers:
         # stable: weight before bias, as each module registers them
         for d in sorted(spec.layer_params(layer), key=_registration_rank):
             out.append((d.name, shape_of(d.name, d.shape), False))
@@ -180,20 +181,20 @@ def buffer_buckets(params: list[tuple[str, tuple[int, ...], bool]], bucket_size:
 
 
 def domain_layout(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ddp: DdpSettings,
-                  vocab_rows: int | None = None) -> dict[int, list[list[Bucket]]]:
+                  vocab_rows: int | None = None, split: PipelineSplit | None = None) -> dict[int, list[list[Bucket]]]:
     """{dp_group_idx: [buckets of each buffer]} for a TP×PP(×VPP) layout: one buffer per model chunk (one dtype),
     bucketed only in the first chunk of the first stage (DDP gives later stages and chunks no bucket_size)."""
     rows = vocab_rows if vocab_rows is not None else spec.padded_vocab_size(tp)
     first = ddp.bucket_size
     if ddp.num_buckets:  # Megatron-LM: the parameters of every chunk on one first-stage rank, divided
         first = sum(math.prod(shape) for c in range(vpp or 1)
-                    for _, shape, _ in chunk_params(spec, tp, pp, vpp, 0, c, rows)) // ddp.num_buckets
+                    for _, shape, _ in chunk_params(spec, tp, pp, vpp, 0, c, rows, split)) // ddp.num_buckets
     out: dict[int, list[list[Bucket]]] = {}
     for p in range(pp):
         buffers = []
         for c in range(vpp or 1):
             size = first if p == 0 and c == 0 else None
-            params = chunk_params(spec, tp, pp, vpp, p, c, rows)
+            params = chunk_params(spec, tp, pp, vpp, p, c, rows, split)
             buffers.append(buffer_buckets(params, size, ddp.dp, ddp.pad_for_busbw))
         for t in range(tp):
             out[p * tp + t] = buffers

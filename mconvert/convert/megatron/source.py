@@ -27,11 +27,11 @@ from mconvert.io.safeload import safe_load
 from mconvert.io.casts import all_finite
 from mconvert.io.torchsave import LazyModel, TensorIndex
 from mconvert.convert.megatron.layout import (
-    layer_location,
+    SPLIT_ARGS,
+    PipelineSplit,
     rank_dir_parts,
     rank_of_parts,
     stored_iteration,
-    stage_layers,
 )
 from mconvert.errors import MConvertError, type_name
 from mconvert.io.transpose import copy_transposed
@@ -126,7 +126,8 @@ class MegatronSource(LayerParts):
                 f"{spec.num_attention_heads}; Megatron-LM never writes both — re-copy the file, or fix "
                 "checkpoint_version or num_query_groups in its args")
         self.padded_vocab = a.get("padded_vocab_size")
-        spec.check_parallel(1, self.pp, self.vpp)
+        spec.check_parallel(1, self.pp, self.vpp, layers=False)
+        self.split = PipelineSplit.from_args(a, spec.num_layers, self.pp, self.vpp, str(first_file))
         self._keymaps: dict[tuple[int, int], dict[str, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}  # canonical name -> shape on TP rank 0 (as stored)
         spec0 = families.spec_from_megatron_args(a).to_dict()
@@ -212,7 +213,7 @@ class MegatronSource(LayerParts):
                                 f"{self.files[(0, 0)]} has {self.checkpoint_version}; the rank files come from "
                                 "different runs or one is corrupt — re-copy the checkpoint")
         if "args" in st:
-            fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size")
+            fields = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "padded_vocab_size", *SPLIT_ARGS)
             a = args_dict(st["args"], f)
             spec = families.spec_from_megatron_args(a, source=str(f)).to_dict()
             diff = [(k, spec[k], spec0[k]) for k in spec0 if spec[k] != spec0[k]]
@@ -304,7 +305,7 @@ class MegatronSource(LayerParts):
 
     def _keymap(self, state: dict, pp_rank: int, chunk: int, file: Path) -> dict[str, str]:
         """raw key -> canonical global name for one stage chunk; drops omitted; unknown keys are an error."""
-        layers = stage_layers(self.spec.num_layers, self.pp, pp_rank, self.vpp)[chunk]
+        layers = self.split.stage_layers(pp_rank)[chunk]
         out: dict[str, str] = {}
         for raw, val in self._model_dict(state, chunk, file).items():
             name = canonical_key(raw)
@@ -319,7 +320,8 @@ class MegatronSource(LayerParts):
             if isinstance(unit, int):
                 if unit >= len(layers):
                     raise MConvertError(f"{file}: key {raw!r} has local layer {unit} but this stage holds "
-                                        f"{len(layers)} layers (num_layers={self.spec.num_layers}, PP={self.pp})")
+                                        f"{len(layers)} layers (num_layers={self.spec.num_layers}, PP={self.pp}, "
+                                        f"split: {self.split.describe()})")
                 name = with_layer(name, layers[unit])
             try:
                 self.spec.split_kind(name)
@@ -351,7 +353,7 @@ class MegatronSource(LayerParts):
             return 0, 0
         if unit == "final":
             return self.pp - 1, (self.vpp or 1) - 1
-        p, c, _ = layer_location(self.spec.num_layers, self.pp, layer_of_unit(unit), self.vpp)  # type: ignore[arg-type]
+        p, c, _ = self.split.layer_location(layer_of_unit(unit))  # type: ignore[arg-type]
         return p, c
 
     # ---- reading ------------------------------------------------------------------------------------

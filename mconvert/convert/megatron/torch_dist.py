@@ -13,6 +13,7 @@ slice of each source TP rank's DDP bucket (`dp_buckets.py`), merged. The writer 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import re
 import tempfile
 from pathlib import Path
@@ -30,7 +31,7 @@ from mconvert.convert.megatron import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.megatron.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.io.atomic import listed_by_manifest
-from mconvert.convert.megatron.layout import stored_iteration
+from mconvert.convert.megatron.layout import PipelineSplit, stored_iteration
 from mconvert.io.integrity import INTEGRITY, check_integrity
 from mconvert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.io.safeload import safe_load, safe_load_dcp_metadata
@@ -65,6 +66,13 @@ DP_DOMAIN = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.per_bucket_
 MAX_OBJECT_BYTES = 64 << 20  # param groups, bucket sizes: kilobytes
 # newer megatron-core (0.19 here) writes no common.pt: its entries are this ShardedObject of the DCP files
 COMMON_STATE = "common_state/shard_0_1"
+
+
+def _layer_keyed(key: str) -> bool:
+    """Whether a DCP key (or its optimizer state's) names one layer: `decoder.layers.<N>.…`."""
+    if key.startswith(OPTIMIZER_STATE_PREFIX) and "." in key[len(OPTIMIZER_STATE_PREFIX):]:
+        key = key[len(OPTIMIZER_STATE_PREFIX):].split(".", 1)[1]
+    return key.startswith(STACKED_PREFIX) and key[len(STACKED_PREFIX):].split(".")[0].isdigit()
 
 
 def _expert_template(name: str) -> str:
@@ -210,6 +218,7 @@ class TorchDistSource(SourceBase):
         self.tp = int(a.get("tensor_model_parallel_size") or 1)
         self.pp = int(a.get("pipeline_model_parallel_size") or 1)
         self.vpp = a.get("virtual_pipeline_model_parallel_size")
+        self.split = PipelineSplit.from_args(a, self.spec.num_layers, self.pp, self.vpp, str(args_file))
         self.ep = int(a.get("expert_model_parallel_size") or 1)  # the layout it was saved at (plans, reports)
         self.padded_vocab = a.get("padded_vocab_size")
         # canonical template (layer '*') or canonical name -> (DCP key, stacked?)
@@ -225,10 +234,10 @@ class TorchDistSource(SourceBase):
         self.optimizer_layout: str | None = None
         self._dp_slots: dict[str, list[tuple[int, int, int, int, tuple[int, ...]]]] = {}
         self._dp_dtype: Any = None
-        features = self.spec.deepseek_features()
-        if features:  # megatron-core keys a moe_layer_freq list per layer, MLA and MTP by their own names
-            raise MConvertError(f"{self.iter_dir}: torch_dist checkpoints of the DeepSeek-V3 architecture "
-                                f"({', '.join(features)}) are not supported; convert a torch-format checkpoint")
+        if self.spec.mtp_num_layers:  # megatron-core keys its MTP layers apart; not read here
+            raise MConvertError(f"{self.iter_dir}: torch_dist checkpoints with multi-token prediction layers "
+                                f"(mtp_num_layers={self.spec.mtp_num_layers}) are not supported; convert a "
+                                "torch-format checkpoint")
         self._index()
 
     def _counters(self, common: dict[str, Any], where: Path | str) -> None:
@@ -269,9 +278,16 @@ class TorchDistSource(SourceBase):
         """Map every DCP key to a canonical name (or an explicit drop); unknown keys are an error."""
         md_file = self.iter_dir / ".metadata"
         L = self.spec.num_layers
-        decls = self.spec.embedding_params(self.tp) + self.spec.layer_template() + self.spec.final_params(self.tp)
-        self._declared = {_expert_template(d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1)): d.shape
-                          for d in decls}
+        # megatron-core keys non-homogeneous layers one by one (`decoder.layers.<N>.…`, a moe_layer_freq list):
+        # then every name template holds its layer, and only a routed expert's stack over experts remains
+        self.per_layer = any(_layer_keyed(k) for k in self.metadata.state_dict_metadata)
+        if self.per_layer:
+            layers = [d for g in range(L) for d in self.spec.layer_template(g)]
+        else:
+            layers = [replace(d, name=d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1))
+                      for d in self.spec.layer_template()]
+        decls = self.spec.embedding_params(self.tp) + layers + self.spec.final_params(self.tp)
+        self._declared = {_expert_template(d.name): d.shape for d in decls}
         self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])
         for key, md in self.metadata.state_dict_metadata.items():
             rng = RNG_SHARD.fullmatch(key)
@@ -287,9 +303,13 @@ class TorchDistSource(SourceBase):
                 state, key = key[len(OPTIMIZER_STATE_PREFIX):].split(".", 1)
             elif any(key.startswith(p) for p in DROP_PREFIXES):
                 continue
-            stacked = key.startswith(STACKED_PREFIX) and not key[len(STACKED_PREFIX):].split(".")[0].isdigit()
+            keyed = _layer_keyed(key)
+            stacked = key.startswith(STACKED_PREFIX) and not keyed
+            if stacked and self.per_layer:
+                raise MConvertError(f"{md_file}: key {key!r} is stacked over layers, other layer keys are per layer "
+                                    "(decoder.layers.<N>.…); not one megatron-core save — re-copy the checkpoint")
             raw = f"{STACKED_PREFIX}0.{key[len(STACKED_PREFIX):]}" if stacked else key
-            experts = stacked and STACKED_EXPERTS in raw
+            experts = (stacked or keyed) and STACKED_EXPERTS in raw
             if experts:
                 raw = raw.replace(STACKED_EXPERTS, EXPERT_TEMPLATE.replace("*", "0"), 1)
             name = canonical_key(raw)
@@ -315,9 +335,15 @@ class TorchDistSource(SourceBase):
                                             f"expected num_experts={self.spec.num_experts}; args and weights "
                                             "disagree")
                     name, shape = _expert_template(name), shape[1:]
-            elif unit_of(name) not in ("embedding", "final"):
-                raise MConvertError(f"{md_file}: key {key!r} is a per-layer key outside the stacked layout; "
-                                    "not a megatron-core torch_dist save this reader knows")
+            elif keyed and experts:
+                if not shape or shape[0] != self.spec.num_experts:
+                    raise MConvertError(f"{md_file}: expert key {key!r} has {list(shape[:1])} experts, expected "
+                                        f"num_experts={self.spec.num_experts}; args and weights disagree")
+                name, shape = _expert_template(name), shape[1:]
+            if name not in self._declared:
+                raise MConvertError(f"{md_file}: key {key!r} (read as {name!r}) is not a parameter the args "
+                                    f"declare (num_layers={L}, moe_layer_freq={self.spec.moe_layer_freq}); the args "
+                                    "and the weights disagree")
             self._check_shape(key, name, shape, md_file)
             if state is not None:
                 self.state_keys.setdefault(name, {})[state] = f"{OPTIMIZER_STATE_PREFIX}{state}.{key}"
@@ -379,7 +405,7 @@ class TorchDistSource(SourceBase):
         emb = self.global_shapes.get("embedding.word_embeddings.weight")
         rows = emb[0] if emb else self.spec.padded_vocab_size(self.tp)
         try:
-            layout = dp_buckets.domain_layout(self.spec, self.tp, self.pp, self.vpp, ddp, rows)
+            layout = dp_buckets.domain_layout(self.spec, self.tp, self.pp, self.vpp, ddp, rows, self.split)
         except MConvertError as e:
             raise MConvertError(f"{where}: {e}") from None
         domains = sorted(int(m.group(1)) for k in self.metadata.state_dict_metadata
@@ -477,18 +503,19 @@ class TorchDistSource(SourceBase):
                 out, self._trainer_step, optim.trainer_group(self._trainer_groups, name, tensors[name].dim()))
         return tensors, states
 
-    @staticmethod
-    def _place(name: str) -> tuple[str, tuple[int, ...]]:
+    def _place(self, name: str) -> tuple[str, tuple[int, ...]]:
         """Canonical name -> (its template in `keys` / `state_keys`, its stacked indices): `(layer,)` for a
-        layer's tensor, `(layer, expert)` for a routed expert's, `()` for embedding and final tensors."""
+        layer's tensor, `(layer, expert)` for a routed expert's, `()` for embedding and final tensors; per-layer
+        keys: `()` and `(expert,)`."""
         layer = unit_of(name)
         if not isinstance(layer, int):
             return name, ()
-        tpl = name.replace(f"{STACKED_PREFIX}{layer}.", f"{STACKED_PREFIX}*.", 1)
+        lead: tuple[int, ...] = () if self.per_layer else (layer,)
+        tpl = name if self.per_layer else name.replace(f"{STACKED_PREFIX}{layer}.", f"{STACKED_PREFIX}*.", 1)
         expert = expert_of(name)
         if expert is None:
-            return tpl, (layer,)
-        return _expert_template(with_expert(tpl, 0)), (layer, expert)
+            return tpl, lead
+        return _expert_template(with_expert(tpl, 0)), (*lead, expert)
 
     def _read_one(self, key: str, tpl: str, lead: tuple[int, ...]) -> torch.Tensor:
         """The full tensor of `key` at stacked indices `lead` (a layer, or a layer and an expert): only that
@@ -598,13 +625,16 @@ class TorchDistSource(SourceBase):
         for tpl in self._declared:
             if tpl not in self.keys:
                 continue
-            if not self.keys[tpl][1]:
+            if self.per_layer and layer is not None and unit_of(tpl) == layer:
+                name = tpl  # the layer is in the name; a routed expert's '*' is its expert
+            elif not self.keys[tpl][1]:
                 if unit_of(tpl) == unit:
                     names.append(tpl)
                 continue
-            if layer is None:
+            elif layer is None:
                 continue
-            name = tpl.replace("*", str(layer), 1)
+            else:
+                name = tpl.replace("*", str(layer), 1)
             if EXPERT_TEMPLATE in tpl:
                 if isinstance(unit, int):  # the whole layer: every expert, parameter by parameter
                     names += [with_expert(name, e) for e in range(self.spec.num_experts or 0)]

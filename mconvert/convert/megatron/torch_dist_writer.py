@@ -54,8 +54,8 @@ from mconvert.io.hashing import HashingFile
 from mconvert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
 from mconvert.io.paths import make_dirs
 from mconvert.io.casts import narrowed
-from mconvert.convert.megatron.layout import CHECKPOINT_VERSION, iteration_dir_name, write_latest
-from mconvert.convert.megatron.writer import target_args
+from mconvert.convert.megatron.layout import CHECKPOINT_VERSION, PipelineSplit, iteration_dir_name, write_latest
+from mconvert.convert.megatron.writer import checked_split, target_args
 from mconvert.convert.megatron.torch_dist import (
     DP_RESHARDABLE,
     OPTIMIZER_STATE_PREFIX,
@@ -80,39 +80,49 @@ KEY_MAP: dict[str, str] = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
-# modules whose `_extra_state` megatron-core saves as a per-layer ShardedObject (the output layer's is dropped)
-EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-# a routed expert's linears have theirs too, per layer and expert
-EXPERT_LINEAR = re.compile(r"mlp\.experts\.local_experts\.\d+\.linear_fc[12]")
+# a layer's modules whose `_extra_state` megatron-core saves as a ShardedObject: its linears (`linear_qkv`, MLA's
+# projections, `linear_fc1/fc2` of the MLP, the shared and each routed expert; not the router)
+EXTRA_STATE_MODULE = re.compile(r"(.+\.)?linear_[a-z0-9_]+")
 
 
-# a routed expert's key before stacking: `decoder.layers.mlp.experts.local_experts.<global expert>.<rest>`
-LOCAL_EXPERT = re.compile(re.escape(STACKED_PREFIX) + r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+# a routed expert's key before stacking: `decoder.layers.[N.]mlp.experts.local_experts.<global expert>.<rest>`
+LOCAL_EXPERT = re.compile(re.escape(STACKED_PREFIX) + r"(\d+\.)?mlp\.experts\.local_experts\.(\d+)\.(.+)")
 
 
-def dist_key(name: str) -> tuple[str, int | None]:
-    """Canonical name (global layer index) -> (torch_dist key, layer index or None when not stacked)."""
+def dist_key(name: str, per_layer: bool = False, mla: bool = False) -> tuple[str, int | None]:
+    """Canonical name (global layer index) -> (torch_dist key, layer index or None when not stacked). Stacked
+    keys drop the layer index; `per_layer` keys keep it (megatron-core's non-homogeneous layers). The local
+    spec saves norms under the TE spec's names, except under multi-latent attention (no key map there)."""
     if not name.startswith(STACKED_PREFIX):
         return name, None
     layer, rest = name[len(STACKED_PREFIX):].split(".", 1)
-    for old, new in KEY_MAP.items():
+    for old, new in ({} if mla else KEY_MAP).items():
         if rest.startswith(old):
             rest = new + rest[len(old):]
             break
-    return STACKED_PREFIX + rest, int(layer)
+    return STACKED_PREFIX + (f"{layer}." if per_layer else "") + rest, int(layer)
 
 
-def dist_place(name: str) -> tuple[str, tuple[int, ...]]:
+def per_layer_keys(spec: ModelSpec) -> bool:
+    """Whether megatron-core keys this model's layers one by one (`decoder.layers.<N>.…`) instead of stacking
+    them: its `TransformerBlock.sharded_state_dict` does for non-homogeneous layers, a `moe_layer_freq` list or
+    an every-N-th > 1."""
+    freq = spec.moe_layer_freq
+    return spec.is_moe and (isinstance(freq, tuple) or freq > 1)
+
+
+def dist_place(name: str, per_layer: bool = False, mla: bool = False) -> tuple[str, tuple[int, ...]]:
     """Canonical name -> (torch_dist key, its stacked leading indices): `(layer,)` for a layer's tensor,
     `(layer, expert)` for a routed expert's (SequentialMLP's `mlp.experts.experts.<linear>`, global expert
-    order), `()` for embedding and final tensors."""
-    key, layer = dist_key(name)
+    order), `()` for embedding and final tensors; with `per_layer` keys the layer is in the key, not an index."""
+    key, layer = dist_key(name, per_layer, mla)
     if layer is None:
         return key, ()
     m = LOCAL_EXPERT.fullmatch(key)
     if m:
-        return f"{STACKED_PREFIX}{STACKED_EXPERTS.strip('.')}.{m.group(2)}", (layer, int(m.group(1)))
-    return key, (layer,)
+        return (f"{STACKED_PREFIX}{m.group(1) or ''}{STACKED_EXPERTS.strip('.')}.{m.group(3)}",
+                (int(m.group(2)),) if per_layer else (layer, int(m.group(2))))
+    return key, () if per_layer else (layer,)
 
 
 def chunk_boxes(kind: str, shape: tuple[int, ...], tp: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -215,10 +225,16 @@ class TorchDistWriter(Writer):
                  with_states: bool = False, optimizer_groups: list[dict[str, Any]] | None = None,
                  source: str = "", rng_state: Callable[[int, int], Any] | None = None, ep: int = 1,
                  optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False,
-                 bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)) -> None:
-        if spec.deepseek_features():  # megatron-core keys a moe_layer_freq list per layer, MLA and MTP their own way
-            raise MConvertError(f"--format torch_dist of the DeepSeek-V3 architecture "
-                                f"({', '.join(spec.deepseek_features())}) is not supported; use --format torch")
+                 bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
+                 split: PipelineSplit | None = None) -> None:
+        self.split = checked_split(spec, tp, pp, vpp, ep, split)
+        if spec.mtp_num_layers:  # megatron-core keys its MTP layers apart; not laid out here
+            raise MConvertError(f"--format torch_dist of a model with multi-token prediction layers (mtp_num_layers="
+                                f"{spec.mtp_num_layers}) is not supported; use --format torch")
+        self.per_layer, self.mla = per_layer_keys(spec), spec.is_mla
+        if bridge and not self.split.even:  # its run config states the split in other words, not written here
+            raise MConvertError(f"--bridge with an uneven pipeline split ({self.split.describe()}) is not written; "
+                                "drop --bridge, or use an even split")
         self.bridge = bridge  # also write what Megatron-Bridge loads the checkpoint from (convert/megatron/bridge.py)
         self.bridge_source = bridge_source  # a Bridge source's (run config, train state), carried
         if bridge:  # its loader pads no vocab: the stored rows are the vocab itself
@@ -235,7 +251,7 @@ class TorchDistWriter(Writer):
             optim.to_mcore_optimizer(optimizer_groups, 0.0, self.source, spec.is_moe)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.iteration, self.dtype = iteration, dtype
-        self.args = target_args(spec, args, tp, pp, vpp, ep)
+        self.args = target_args(spec, args, tp, pp, vpp, ep, self.split)
         self._ep = ep
         # `optimizer` (the distributed optimizer's param groups) is kept when the caller passes it: with states
         self.top_level = {k: v for k, v in (top_level or {}).items()
@@ -269,7 +285,7 @@ class TorchDistWriter(Writer):
         a = args_dict(self.args, self.source)
         try:
             self._dp_layout = dp_buckets.domain_layout(self.spec, self.tp, self.pp, self.vpp,
-                                                       dp_buckets.ddp_settings(a), self.rows)
+                                                       dp_buckets.ddp_settings(a), self.rows, self.split)
         except MConvertError as e:
             raise MConvertError(f"{self.source}: {e}") from None
         param = a.get("params_dtype")
@@ -383,7 +399,7 @@ class TorchDistWriter(Writer):
 
     def _add_tensor(self, name: str, full: torch.Tensor, state: str | None = None) -> None:
         """One full tensor, or with `state` one of its optimizer states (same chunks, its own dtype)."""
-        key, lead = dist_place(name)
+        key, lead = dist_place(name, self.per_layer, self.mla)
         kind = self.spec.split_kind(name)
         if kind == "vocab":
             full = pad_vocab(full, self.rows, self.spec.vocab_size, name)
@@ -417,13 +433,17 @@ class TorchDistWriter(Writer):
             del part
 
     def _stack_dims(self, lead: tuple[int, ...]) -> tuple[int, ...]:
-        """The stacked dimensions of a key placed at `lead`: (num_layers[, num_experts])."""
-        return (self.spec.num_layers, self.spec.num_experts or 0)[: len(lead)]
+        """The stacked dimensions of a key placed at `lead`: (num_layers[, num_experts]), or (num_experts,) for a
+        routed expert's per-layer key."""
+        dims = (self.spec.num_experts or 0,) if self.per_layer else (self.spec.num_layers, self.spec.num_experts or 0)
+        return dims[: len(lead)]
 
     def _add_extra_state(self, key: str, lead: tuple[int, ...]) -> None:
         """A linear module's `_extra_state` ShardedObject at its layer (and expert): megatron-core's
         `shard_<offsets>_<shape>` key, offsets and shape joined by dots."""
         dims = self._stack_dims(lead)
+        if not lead:  # a per-layer module: megatron-core's ShardedObject of global shape (1,)
+            lead, dims = (0,), (1,)
         key = f"{key}._extra_state/shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, dims))}"
         self._md[key] = BytesStorageMetadata()
         self._append(extra_state_blob(), MetadataIndex(key))
@@ -462,8 +482,9 @@ class TorchDistWriter(Writer):
                         self._add_tensor(name, value, state)
             if layer is not None:
                 module = name[len(STACKED_PREFIX):].split(".", 1)[1].rsplit(".", 1)[0]
-                if module in EXTRA_STATE_MODULES or EXPERT_LINEAR.fullmatch(module):
-                    modules[(dist_place(name)[0].rsplit(".", 1)[0], dist_place(name)[1])] = None
+                if EXTRA_STATE_MODULE.fullmatch(module):
+                    key, lead = dist_place(name, self.per_layer, self.mla)
+                    modules[(key.rsplit(".", 1)[0], lead)] = None
         if layer is not None and layer not in self._parts:  # the layer is complete: its modules' extra states
             for key, lead in self._modules.pop(layer):
                 self._add_extra_state(key, lead)

@@ -26,10 +26,9 @@ from mconvert.io.torchsave import Spool, TorchSaveStream, save_spooled
 from mconvert.convert.scaleout import world
 from mconvert.convert.megatron.layout import (
     CHECKPOINT_VERSION,
-    layer_location,
+    PipelineSplit,
     rank_file,
     save_rank_file,
-    stage_layers,
     write_latest,
 )
 from mconvert.errors import MConvertError
@@ -61,7 +60,8 @@ class MegatronWriter(Writer):
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
                  optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None,
                  rank_top_level: Any = None, extra_state: bool = True,
-                 preview: Any = None, ep: int = 1, ep_rank: int = 0) -> None:
+                 preview: Any = None, ep: int = 1, ep_rank: int = 0, split: PipelineSplit | None = None) -> None:
+        self.split = checked_split(spec, tp, pp, vpp, ep, split)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.ep, self.ep_rank = ep, ep_rank  # this writer's EP rank: its experts and every dense weight
         self.iteration, self.dtype = iteration, dtype
@@ -93,12 +93,12 @@ class MegatronWriter(Writer):
         self.world = world()
 
     def _target_args(self, args: Any) -> argparse.Namespace:
-        return target_args(self.spec, args, self.tp, self.pp, self.vpp, self.ep)
+        return target_args(self.spec, args, self.tp, self.pp, self.vpp, self.ep, self.split)
 
     def _units_of_stage(self, p: int) -> list[Unit]:
         """Stage p's units in arrival order, an MoE layer as its dense part and its experts."""
         units: list[Unit] = ["embedding"] if p == 0 else []
-        for chunk in stage_layers(self.spec.num_layers, self.pp, p, self.vpp):
+        for chunk in self.split.stage_layers(p):
             for layer in chunk:
                 units += self.spec.layer_units(layer)
         if p == self.pp - 1:
@@ -115,7 +115,7 @@ class MegatronWriter(Writer):
             return 0, 0, None
         if unit == "final":
             return self.pp - 1, (self.vpp or 1) - 1, None
-        return layer_location(self.spec.num_layers, self.pp, layer_of_unit(unit), self.vpp)  # type: ignore[arg-type]
+        return self.split.layer_location(layer_of_unit(unit))  # type: ignore[arg-type]
 
     def _rank_file(self, t: int, p: int) -> Path:
         return rank_file(self.out, self.iteration, t, p, self.pp, self.ep_rank, self.ep)
@@ -398,9 +398,31 @@ class MegatronWriter(Writer):
         return self.files
 
 
-def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, ep: int = 1) -> argparse.Namespace:
+def checked_split(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int,
+                  split: PipelineSplit | None) -> PipelineSplit:
+    """The pipeline split a writer at TP/PP/VPP/EP uses (None: the even one, which `PipelineSplit.make` refuses
+    where the layers do not divide); the verb has checked heads, groups, ffn and experts (`check_parallel`)."""
+    if split is None:
+        return PipelineSplit.make(spec.num_layers, pp, vpp)
+    if (split.pp, split.vpp, split.num_layers) != (pp, vpp, spec.num_layers):
+        raise MConvertError(f"internal: pipeline split {split!r} for PP={pp} VPP={vpp}, {spec.num_layers} layers")
+    return split
+
+
+def target_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, ep: int = 1,
+                split: PipelineSplit | None = None) -> argparse.Namespace:
     """The args a written checkpoint carries: the source's (or, without them, the spec's) with the target
-    TP/PP/VPP/EP and padded vocab; shared by the torch and torch_dist writers so both say the same."""
+    TP/PP/VPP/EP, pipeline split and padded vocab; shared by the torch and torch_dist writers so both say the
+    same."""
+    ns = _layout_args(spec, args, tp, pp, vpp, ep)
+    split = split or PipelineSplit.make(spec.num_layers, pp, vpp)
+    for k, v in split.megatron_args().items():
+        if not split.even or hasattr(ns, k):  # an even split adds no args the source did not have
+            setattr(ns, k, v)
+    return ns
+
+
+def _layout_args(spec: ModelSpec, args: Any, tp: int, pp: int, vpp: int | None, ep: int) -> argparse.Namespace:
     if args is None:  # bos/eos ride along as extra args (Megatron ignores unknown ones)
         return spec.to_megatron_args(tp, pp, vpp, ep=ep, bos_token_id=spec.bos_token_id,
                                      eos_token_id=spec.eos_token_id)
@@ -460,8 +482,9 @@ class ExpertParallelWriter(Writer):
 
 def megatron_writer(out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None, ep: int = 1,
                     **kw: Any) -> MegatronWriter | ExpertParallelWriter:
-    """The writer of a Megatron checkpoint at TP/PP(/VPP)/EP (`kw`: `MegatronWriter`'s options), a layout the verb
-    has checked (`ModelSpec.check_parallel`)."""
+    """The writer of a Megatron checkpoint at TP/PP(/VPP)/EP (`kw`: `MegatronWriter`'s options, `split` among
+    them)."""
+    checked_split(spec, tp, pp, vpp, ep, kw.get("split"))
     if ep == 1:
         return MegatronWriter(out, spec, tp, pp, vpp, **kw)
     return ExpertParallelWriter([MegatronWriter(out, spec, tp, pp, vpp, ep=ep, ep_rank=e, **kw) for e in range(ep)])
