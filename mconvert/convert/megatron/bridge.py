@@ -54,8 +54,13 @@ PROVIDERS: frozenset[str] = frozenset(
 )
 # Providers known to build what mconvert does not map, refused by name with the reason.
 REFUSED_PROVIDERS: dict[str, str] = {
-    "megatron.bridge.models.mla_provider.": "multi-latent attention (DeepSeek V2/V3, Kimi, Moonlight) is not mapped",
-    "megatron.bridge.models.deepseek.": "multi-latent attention (DeepSeek V2/V3) is not mapped",
+    "megatron.bridge.models.mla_provider.": "its multi-latent attention fields (DeepSeek V2/V3, Kimi, Moonlight) are "
+                                            "not read from run_config.yaml yet (Megatron-LM's MLA checkpoints are)",
+    "megatron.bridge.models.deepseek.": "its multi-latent attention fields (DeepSeek V2/V3) are not read from "
+                                        "run_config.yaml yet (Megatron-LM's MLA checkpoints are)",
+    **dict.fromkeys(("megatron.bridge.models.gemma.gemma2_provider.", "megatron.bridge.models.gemma.gemma3_provider."),
+                    "the Gemma block its provide() builds (sandwich norms, two rope bases, windows) is not read from "
+                    "run_config.yaml yet (Gemma 2 / 3 convert through HF and Megatron args)"),
     "megatron.bridge.models.mamba.": "Mamba models are not mapped",
     "megatron.bridge.models.hybrid.": "hybrid Mamba models are not mapped",
     "megatron.bridge.models.t5_provider.": "encoder-decoder (T5) models are not mapped",

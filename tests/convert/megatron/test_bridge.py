@@ -144,6 +144,7 @@ def test_every_verb_that_reads_megatron_checkpoints_reads_a_megatron_bridge_one(
     ("apply_residual_connection_post_layernorm", True, "apply_residual_connection_post_layernorm"),
     ("a_future_bridge_option", 3, "a_future_bridge_option"),
     ("_target_", "megatron.bridge.models.mla_provider.MLAModelProvider", "multi-latent attention"),
+    ("_target_", "megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider1B", "the Gemma block"),
     ("_target_", "megatron.bridge.models.gemma.gemma_provider.GemmaModelProvider", "not known to mconvert"),
 ])
 def test_a_function_changing_provider_field_is_refused_by_name(capsys, tmp_path, field, value, words):
