@@ -6,13 +6,29 @@ instead of producing a model with wrong outputs. Split kinds are declared in `mc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from mconvert.errors import MConvertError
 from mconvert.io.transpose import copy_transposed, transposed, vectorised
 from mconvert.spec import SPLIT_DIM, SPLIT_KINDS
+
+
+def cat(tensors: Sequence[torch.Tensor], dim: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.cat; on meta tensors (shape planning) only the result's shape is made: torch's meta kernel for cat is
+    a Python decomposition whose first use imports torch._dynamo and sympy, about a second of a small conversion."""
+    if out is None and tensors and all(t.is_meta for t in tensors):
+        first = tensors[0]
+        d = dim % first.dim()
+        if any(t.dim() != first.dim() or t.dtype != first.dtype
+               or [n for i, n in enumerate(t.shape) if i != d] != [n for i, n in enumerate(first.shape) if i != d]
+               for t in tensors):
+            return torch.cat(list(tensors), dim=dim)  # torch's own error for what does not fit
+        shape = list(first.shape)
+        shape[d] = sum(t.shape[d] for t in tensors)
+        return torch.empty(shape, dtype=first.dtype, device="meta")
+    return torch.cat(list(tensors), dim=dim, out=out)
 
 
 def _check_kind(kind: str) -> None:
@@ -40,7 +56,7 @@ def split(full: torch.Tensor, kind: str, tp: int, name: str = "tensor") -> list[
         if full.shape[0] % (2 * tp):
             raise MConvertError(f"{name}: gated rows {full.shape[0]} not divisible by 2·TP={2 * tp}")
         gate, up = full.chunk(2, dim=0)
-        return [torch.cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0))]
+        return [cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0))]
     return list(full.chunk(tp, dim=d))
 
 
@@ -68,9 +84,9 @@ def merge(shards: list[torch.Tensor], kind: str, name: str = "tensor", out: torc
         if shape0[0] % 2:
             raise MConvertError(f"{name}: gated shard has an odd row count {shape0[0]}")
         halves = [s.chunk(2, dim=0) for s in shards]
-        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=out)
+        full = cat([h[0] for h in halves] + [h[1] for h in halves], dim=0, out=out)
     else:
-        full = torch.cat(shards, dim=d, out=out)
+        full = cat(shards, dim=d, out=out)
     total = sum(s.numel() for s in shards)
     assert full.numel() == total, f"{name}: merged {full.numel()} elements from {total}"
     return full
@@ -155,7 +171,7 @@ def separate_to_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nq: int, 
     qg = q.reshape(ng, nq // ng, hd, *rest)
     kg = k.reshape(ng, 1, hd, *rest)
     vg = v.reshape(ng, 1, hd, *rest)
-    fused = torch.cat([qg, kg, vg], dim=1).reshape((nq + 2 * ng) * hd, *rest)
+    fused = cat([qg, kg, vg], dim=1).reshape((nq + 2 * ng) * hd, *rest)
     _check_numel(name, [q, k, v], fused)
     return fused
 
@@ -224,7 +240,7 @@ def halves_to_gated(gate: torch.Tensor, up: torch.Tensor, name: str = "gate/up")
     """[gate, up] -> full SwiGLU fc1 `[gate; up]` (TP=1 order; `split(kind='gated')` re-cuts it per rank)."""
     if gate.shape != up.shape:
         raise MConvertError(f"{name}: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
-    fc1 = torch.cat([gate, up], dim=0)
+    fc1 = cat([gate, up], dim=0)
     _check_numel(name, [gate, up], fc1)
     return fc1
 
@@ -364,4 +380,4 @@ def qkv_rank_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nkv: int,
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """Zero rows appended up to a multiple of `multiple` (an engine that pads the vocab itself per rank)."""
     pad = -x.shape[0] % multiple
-    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
+    return cat([x, x.new_zeros(pad, *x.shape[1:])]) if pad else x
