@@ -108,11 +108,18 @@ def gguf_refuse(spec: ModelSpec) -> None:
                             "it here; conversion refused")
 
 
+def gguf_metadata(spec: ModelSpec) -> dict[str, int | float]:
+    """Gemma 2's keys and the sliding layers' rope base, which llama.cpp's converter writes as `rope.freq_base_swa`
+    (llama.cpp reads 10000 where it is absent, the only base `gguf_refuse` lets through)."""
+    local = spec.rotary_base_local if spec.rotary_base_local is not None else spec.rotary_base
+    return {**gemma2.gguf_metadata(spec), "rope.freq_base_swa": float(local)}
+
+
 GGUF = GgufLayout(arch="gemma3", tensors={**gemma2.GGUF_TENSORS, "lm_head.weight": "output.weight",
                                           H + "self_attn.q_norm.weight": "blk.*.attn_q_norm.weight",
                                           H + "self_attn.k_norm.weight": "blk.*.attn_k_norm.weight"},
                   permute_qk=False, refuse=gguf_refuse, states=("window", "gemma"), norm_shift=1.0,
-                  metadata=gemma2.gguf_metadata, compute_dtype=gemma2.GGUF.compute_dtype)
+                  metadata=gguf_metadata, compute_dtype=gemma2.GGUF.compute_dtype)
 
 FAMILY = Family(
     name=NAME, architecture="Gemma3ForCausalLM", model_type="gemma3_text", base_architecture="Gemma3TextModel",

@@ -51,6 +51,13 @@ CONFIGS = {
                                                      moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                                      decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                                                      tie_word_embeddings=False),
+    "gemma2": lambda: transformers.Gemma2Config(**{**_SMALL, "max_position_embeddings": 64}, head_dim=16,
+                                                query_pre_attn_scalar=16, sliding_window=8,
+                                                attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    # six layers: llama.cpp's gemma3 windows every layer but each 6th
+    "gemma3": lambda: transformers.Gemma3TextConfig(**{**_SMALL, "num_hidden_layers": 6}, head_dim=16,
+                                                    query_pre_attn_scalar=16, sliding_window=8,
+                                                    rope_local_base_freq=10000.0, rope_theta=1000000.0),
 }
 
 ALL = tuple(CONFIGS)
@@ -78,10 +85,13 @@ METADATA_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
                                     "mconvert writes the head size for every family; these converters only "
                                     "where it is not hidden / heads, which is what absent reads as"),
     "{arch}.attention.value_length": (("gpt2", "mistral", "mixtral", "qwen2"), "as key_length"),
-    "{arch}.rope.dimension_count": (("qwen2", "qwen3", "qwen3_moe"),
-                                    "mconvert writes the rotary width; the Qwen converters leave it out, read as "
-                                    "the head size (the value written)"),
-    "{arch}.vocab_size": (("gpt2", "qwen2", "qwen3", "qwen3_moe"),
+    "{arch}.rope.dimension_count": (("gemma2", "gemma3", "qwen2", "qwen3", "qwen3_moe"),
+                                    "mconvert writes the rotary width; the Qwen and Gemma converters leave it out, "
+                                    "read as the head size (the value written)"),
+    "{arch}.rope.freq_base": (("gemma2",), "mconvert writes the config's rope_theta; the Gemma 2 converter leaves it "
+                                           "out, read as 10000 (a Gemma 2 with another rope_theta is computed right "
+                                           "only from mconvert's file)"),
+    "{arch}.vocab_size": (("gemma2", "gemma3", "gpt2", "qwen2", "qwen3", "qwen3_moe"),
                           "mconvert writes it for every family; these converters leave it out, read as the token "
                           "list's length, which is the embedding's rows here"),
 }
