@@ -5,8 +5,8 @@ everything it needs to know up front (ModelSpec, layout, dtype; the verb has che
 `ModelSpec.check_parallel`); `driver.drive` then feeds it one unit at a time, the way its declared
 capabilities (`Writer`'s fields) say, and calls `close()` once (or `abort()` on any error, before the temporary
 directory is removed). HF (`hf.writer.HFWriter`), Megatron (`megatron.writer.MegatronWriter`,
-`megatron.torch_dist_writer.TorchDistWriter`), FasterTransformer (`fastertransformer.FTWriter`), TensorRT-LLM
-(`trtllm.TrtllmWriter`) and GGUF (`gguf.GgufWriter`) subclass it. ONNX does not: optimum and torch.onnx export a
+`megatron.torch_dist_writer.TorchDistWriter`), FasterTransformer (`deploy.fastertransformer.FTWriter`), TensorRT-LLM
+(`deploy.trtllm.TrtllmWriter`) and GGUF (`deploy.gguf.GgufWriter`) subclass it. ONNX does not: optimum and torch.onnx export a
 whole HF model in one call (no unit stream to feed), so `to_onnx` keeps its own flow and returns the same report
 shape.
 """
