@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from mconvert.errors import MConvertError
-from mconvert.mappings import gemma2, llama
-from mconvert.mappings.record import Family, GgufLayout, Plugin, Rule
+from mconvert.mappings import gemma2, llama, qwen3
+from mconvert.mappings.record import Family, GgufLayout, Plugin
 from mconvert.mappings.fields import INT, NUM, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
@@ -23,8 +23,7 @@ TABLE = Plugin(
     family=NAME,
     table={
         **gemma2.TABLE.table,
-        L + "self_attention.q_layernorm.weight": Rule((H + "self_attn.q_norm.weight",)),
-        L + "self_attention.k_layernorm.weight": Rule((H + "self_attn.k_norm.weight",)),
+        **qwen3.QK_NORM_TABLE,
     },
     hf_drops={},
 )
@@ -116,8 +115,7 @@ def gguf_metadata(spec: ModelSpec) -> dict[str, int | float]:
 
 
 GGUF = GgufLayout(arch="gemma3", tensors={**gemma2.GGUF_TENSORS, "lm_head.weight": "output.weight",
-                                          H + "self_attn.q_norm.weight": "blk.*.attn_q_norm.weight",
-                                          H + "self_attn.k_norm.weight": "blk.*.attn_k_norm.weight"},
+                                          **qwen3.QK_NORM_GGUF},
                   permute_qk=False, refuse=gguf_refuse, states=("window", "gemma"), norm_shift=1.0,
                   metadata=gguf_metadata, compute_dtype=gemma2.GGUF.compute_dtype)
 

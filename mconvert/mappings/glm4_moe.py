@@ -25,8 +25,7 @@ TABLE = Plugin(
     family=NAME,
     table={
         **{k: v for k, v in llama.TABLE.table.items() if k not in deepseek_v3.MOE_TABLE},
-        L + "self_attention.q_layernorm.weight": qwen3.TABLE.table[L + "self_attention.q_layernorm.weight"],
-        L + "self_attention.k_layernorm.weight": qwen3.TABLE.table[L + "self_attention.k_layernorm.weight"],
+        **qwen3.QK_NORM_TABLE,
         **deepseek_v3.MOE_TABLE,
         **deepseek_v3.MTP_TABLE,
     },

@@ -19,13 +19,17 @@ from mconvert.spec import ModelSpec
 NAME = "qwen3"
 L, H = llama.L, llama.H
 
+# the per-head q/k RMSNorms every family with them names alike (Qwen3, Qwen3-MoE, GLM-4.5, Gemma 3)
+QK_NORM_TABLE = {
+    L + "self_attention.q_layernorm.weight": Rule((H + "self_attn.q_norm.weight",)),
+    L + "self_attention.k_layernorm.weight": Rule((H + "self_attn.k_norm.weight",)),
+}
+QK_NORM_GGUF = {H + "self_attn.q_norm.weight": "blk.*.attn_q_norm.weight",
+                H + "self_attn.k_norm.weight": "blk.*.attn_k_norm.weight"}
+
 TABLE = Plugin(
     family=NAME,
-    table={
-        **llama.TABLE.table,
-        L + "self_attention.q_layernorm.weight": Rule((H + "self_attn.q_norm.weight",)),
-        L + "self_attention.k_layernorm.weight": Rule((H + "self_attn.k_norm.weight",)),
-    },
+    table={**llama.TABLE.table, **QK_NORM_TABLE},
     hf_drops=llama.TABLE.hf_drops,
 )
 
@@ -81,8 +85,7 @@ PRESETS = {
 # llama.cpp's QWEN3 architecture: NeoX-order rope (no q/k permutation) and the per-head q/k norms.
 GGUF = GgufLayout(
     arch="qwen3",
-    tensors={**llama.GGUF_TENSORS, H + "self_attn.q_norm.weight": "blk.*.attn_q_norm.weight",
-             H + "self_attn.k_norm.weight": "blk.*.attn_k_norm.weight"},
+    tensors={**llama.GGUF_TENSORS, **QK_NORM_GGUF},
     permute_qk=False,
     refuse=llama.gguf_refuse_rope_freqs,
 )

@@ -26,8 +26,7 @@ TABLE = Plugin(
     family=NAME,
     table={
         **mixtral.ATTENTION_TABLE,
-        L + "self_attention.q_layernorm.weight": qwen3.TABLE.table[L + "self_attention.q_layernorm.weight"],
-        L + "self_attention.k_layernorm.weight": qwen3.TABLE.table[L + "self_attention.k_layernorm.weight"],
+        **qwen3.QK_NORM_TABLE,
         L + "mlp.router.weight": Rule((H + "mlp.gate.weight",)),
         X + "linear_fc1.weight": Rule((HX + "gate_proj.weight", HX + "up_proj.weight"), "gated"),
         X + "linear_fc2.weight": Rule((HX + "down_proj.weight",)),
