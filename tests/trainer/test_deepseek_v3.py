@@ -289,25 +289,27 @@ def test_hf_logits_match_ours(tmp_path: Path, q_lora: bool) -> None:
           f"{diff:.1e}")
 
 
-def _hf_mtp_logits(hf_dir: Path, hf, tokens: torch.Tensor) -> torch.Tensor:
+def _hf_mtp_logits(hf_dir: Path, hf, tokens: torch.Tensor, decoder_layer=None, rms_norm=None) -> torch.Tensor:
     """MTP layer 0's logits computed from the HF tensors at model.layers.{num_hidden_layers} by transformers' own
-    modules, as DeepSeek's MTP (and vLLM's deepseek_mtp) composes them: the next tokens through that layer's
-    embed_tokens and enorm, the main model's last hidden state through hnorm, eh_proj of [e; h], transformers'
-    DeepseekV3DecoderLayer at that index, shared_head.norm, shared_head.head."""
+    modules, as DeepSeek's MTP (and vLLM's deepseek_mtp / glm4_moe_mtp) composes them: the next tokens through that
+    layer's embed_tokens and enorm, the main model's last hidden state through hnorm, eh_proj of [e; h], the
+    model's decoder layer class at that index (`decoder_layer`; DeepseekV3DecoderLayer), shared_head.norm
+    (`rms_norm`; DeepseekV3RMSNorm), shared_head.head."""
     from safetensors.torch import load_file
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
 
     from mconvert.trainer.mtp import shift_left
 
+    decoder_layer, rms_norm = decoder_layer or DeepseekV3DecoderLayer, rms_norm or DeepseekV3RMSNorm
     cfg = hf.config
     n, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
     sd = load_file(str(hf_dir / "model.safetensors"))
     p = f"model.layers.{n}."
-    layer = DeepseekV3DecoderLayer(cfg, layer_idx=n).eval()
+    layer = decoder_layer(cfg, layer_idx=n).eval()
     layer.load_state_dict({k[len(p):]: v for k, v in sd.items() if k.startswith(p)}, strict=False)
     norms = {}
     for name in ("enorm", "hnorm", "shared_head.norm"):
-        norms[name] = DeepseekV3RMSNorm(cfg.hidden_size, eps)
+        norms[name] = rms_norm(cfg.hidden_size, eps)
         norms[name].weight.data.copy_(sd[p + name + ".weight"])
     b, s = tokens.shape
     pos = torch.arange(s).unsqueeze(0).expand(b, -1)

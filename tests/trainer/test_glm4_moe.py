@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_deepseek_v3 import PROBE, TOL, _mcore_forward, _merged, _moved, _rel, _save
+from test_deepseek_v3 import _hf_mtp_logits as _deepseek_mtp_logits
 
 from mconvert.convert.megatron.layout import rank_file
 from mconvert.io.safeload import safe_load
@@ -25,31 +26,9 @@ pytestmark = pytest.mark.slow
 def _hf_mtp_logits(hf_dir: Path, hf, tokens: torch.Tensor) -> torch.Tensor:
     """MTP layer 0's logits from the HF tensors at model.layers.{num_hidden_layers}, by transformers' own
     Glm4MoeDecoderLayer and RMSNorm composed as vLLM's glm4_moe_mtp does (DeepSeek's MTP)."""
-    from safetensors.torch import load_file
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
 
-    from mconvert.trainer.mtp import shift_left
-
-    cfg = hf.config
-    n = cfg.num_hidden_layers
-    sd = load_file(str(hf_dir / "model.safetensors"))
-    p = f"model.layers.{n}."
-    layer = Glm4MoeDecoderLayer(cfg, layer_idx=n).eval()
-    layer.load_state_dict({k[len(p):]: v for k, v in sd.items() if k.startswith(p)}, strict=False)
-    norms = {}
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        norms[name] = Glm4MoeRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        norms[name].weight.data.copy_(sd[p + name + ".weight"])
-    b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
-    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
-    with torch.no_grad():
-        h = hf.model(tokens).last_hidden_state
-        e = torch.nn.functional.embedding(shift_left(tokens), sd[p + "embed_tokens.weight"])
-        x = torch.cat([norms["enorm"](e), norms["hnorm"](h)], dim=-1) @ sd[p + "eh_proj.weight"].T
-        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
-        x = x[0] if isinstance(x, tuple) else x
-        return norms["shared_head.norm"](x) @ sd[p + "shared_head.head.weight"].T
+    return _deepseek_mtp_logits(hf_dir, hf, tokens, Glm4MoeDecoderLayer, Glm4MoeRMSNorm)
 
 
 def test_tiny_glm45_exports_to_transformers_logits_and_back_at_tp2_ep2(tmp_path: Path) -> None:
