@@ -372,6 +372,37 @@ def perturb_dense(ctx: McoreContext) -> None:
             p.copy_(1.0 + 0.2 * noise if name.endswith("layernorm.weight") else 0.1 * noise)
 
 
+def save_checkpoints(ctx: McoreContext, root: str, iteration: int, torch_dist: bool = False,
+                     params_dtype: torch.dtype | None = None) -> None:
+    """Per rank: megatron-core's own state dict as the legacy rank file Megatron-LM names under `root`, with args
+    that carry no `model_family` (recognised from the args, as a Megatron-LM checkpoint is); `torch_dist`: also
+    megatron-core's `dist_checkpointing.save` of `sharded_state_dict()` under `root + "_dist"`. Collective."""
+    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+
+    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep)
+    if params_dtype is not None:
+        args.params_dtype = params_dtype
+    args.iteration = iteration
+    del args.model_family
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+             "model": ctx.model.state_dict_for_save_checkpoint()}
+    save_rank_file(rank_file(root, iteration, ctx.tp_rank, 0, 1, ctx.ep_rank, ctx.ep), state)
+    if torch_dist:
+        from megatron.core import dist_checkpointing
+
+        dist = Path(root + "_dist") / f"iter_{iteration:07d}"
+        dist.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        dargs = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep, ckpt_format="torch_dist")
+        del dargs.model_family
+        dist_checkpointing.save({"model": ctx.model.sharded_state_dict(), "args": dargs, "checkpoint_version": 3.0,
+                                 "iteration": iteration}, str(dist))
+    if ctx.rank == 0:
+        write_latest(root, iteration)
+        if torch_dist:
+            write_latest(root + "_dist", iteration)
+
+
 def greedy(ctx: McoreContext, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """megatron-core's greedy tokens (argmax over the true vocab, full forward per step) for each prompt; rank 0's
     choice is broadcast so that every rank extends the same sequence (PP = 1)."""

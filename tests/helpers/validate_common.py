@@ -89,20 +89,10 @@ MOE_ITERATION = 1
 
 def _mcore_save(ctx, root: str) -> None:
     """Per rank: perturb megatron-core's model, save its own state dict as Megatron-LM names the rank file."""
-    from mcore_ref import perturb
-
-    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+    from mcore_ref import perturb, save_checkpoints
 
     perturb(ctx)
-    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep)
-    args.params_dtype = torch.float32
-    args.iteration = MOE_ITERATION
-    del args.model_family  # recognised from the args, as a checkpoint of Megatron-LM would be
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": MOE_ITERATION,
-             "model": ctx.model.state_dict_for_save_checkpoint()}
-    save_rank_file(rank_file(root, MOE_ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank, ctx.ep), state)
-    if ctx.rank == 0:
-        write_latest(root, MOE_ITERATION)
+    save_checkpoints(ctx, root, MOE_ITERATION, params_dtype=torch.float32)
 
 
 def _mcore_greedy(ctx, root: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

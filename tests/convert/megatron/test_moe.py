@@ -26,11 +26,12 @@ import torch
 from hf_ref import hf_logits
 from mcore_ref import McoreContext, run_mcore
 from mcore_ref import perturb as _perturb
+from mcore_ref import save_checkpoints
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
 from mconvert.io.atomic import MANIFEST
-from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.convert.megatron.layout import rank_file, save_rank_file
 from mconvert.convert.megatron.source import MegatronSource
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
@@ -47,26 +48,8 @@ RUNS = [("mixtral", 1, 2), ("qwen3_moe", 2, 2)]
 def _save_legacy(ctx: McoreContext, root: str, tokens: torch.Tensor) -> torch.Tensor:
     """Per rank: perturb, save the legacy torch rank file as Megatron-LM names it and megatron-core's own
     torch_dist checkpoint (`dist_checkpointing.save` of `sharded_state_dict()`) beside it; return the logits."""
-    from megatron.core import dist_checkpointing
-
     _perturb(ctx)
-    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep)
-    args.params_dtype = torch.float32
-    args.iteration = ITERATION
-    del args.model_family  # recognised from the args, as a checkpoint of Megatron-LM would be
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-             "model": ctx.model.state_dict_for_save_checkpoint()}
-    save_rank_file(rank_file(root, ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank, ctx.ep), state)
-    dist = Path(root + "_dist") / f"iter_{ITERATION:07d}"
-    dist.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
-    dargs = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep, ckpt_format="torch_dist")
-    del dargs.model_family
-    dist_checkpointing.save({"model": ctx.model.sharded_state_dict(), "args": dargs, "checkpoint_version": 3.0,
-                             "iteration": ITERATION}, str(dist))
-    if ctx.rank == 0:
-        write_latest(root, ITERATION)
-        write_latest(root + "_dist", ITERATION)
+    save_checkpoints(ctx, root, ITERATION, torch_dist=True, params_dtype=torch.float32)
     return ctx.logits(tokens)
 
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from mcore_ref import McoreContext, perturb, run_mcore
+from mcore_ref import McoreContext, perturb, run_mcore, save_checkpoints
 from safetensors.torch import load_file
 from test_torch_dist_write import _dcp_read_all, _summary
 
 from mconvert.convert.driver import megatron_to_hf, reshard
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.convert.megatron.layout import rank_file
 from mconvert.mappings.families import preset
 
 pytestmark = pytest.mark.slow
@@ -35,28 +35,11 @@ SPEC = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)  # layers: dense,
 def _save_both(ctx: McoreContext, root: str, tokens: torch.Tensor) -> torch.Tensor:
     """Per rank: weights off their init (and a non-zero expert bias), the legacy rank file and megatron-core's
     torch_dist save of the same model; the logits."""
-    from megatron.core import dist_checkpointing
-
     perturb(ctx)
     for name, buf in ctx.model.named_buffers():
         if name.endswith("expert_bias"):
             buf.copy_(0.3 * torch.arange(buf.numel(), dtype=buf.dtype).remainder(5))
-    args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep)
-    args.iteration = ITERATION
-    del args.model_family
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-             "model": ctx.model.state_dict_for_save_checkpoint()}
-    save_rank_file(rank_file(root, ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank, ctx.ep), state)
-    dist = Path(root + "_dist") / f"iter_{ITERATION:07d}"
-    dist.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()
-    dargs = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep, ckpt_format="torch_dist")
-    del dargs.model_family
-    dist_checkpointing.save({"model": ctx.model.sharded_state_dict(), "args": dargs, "checkpoint_version": 3.0,
-                             "iteration": ITERATION}, str(dist))
-    if ctx.rank == 0:
-        write_latest(root, ITERATION)
-        write_latest(root + "_dist", ITERATION)
+    save_checkpoints(ctx, root, ITERATION, torch_dist=True)
     return ctx.logits(tokens)
 
 
