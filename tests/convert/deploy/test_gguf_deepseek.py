@@ -1,0 +1,137 @@
+"""GGUF of the DeepSeek MoE families proven in llama.cpp itself: tiny-deepseek-v3 (architecture `deepseek2`: MLA
+with q LoRA, `kv_b_proj` split into `attn_k_b` / `attn_v_b`, MTP left out) and tiny-glm45 (`glm4moe`: q/k/v bias,
+q/k norm, half the head rotated, the MTP layer as a `nextn` block), both with a dense first layer, shared experts,
+a sigmoid router with a non-zero expert bias and group-limited top-k.
+
+The trainer's model with every weight moved off its init, resharded to TP=2 EP=2, goes through
+`megatron-to-gguf`, and its `megatron-to-hf` export through `hf-to-gguf`: llama.cpp's logits at every position
+must match transformers' on the export (f32 within 1e-4 of the largest logit, f16 within its row), and both
+routes must write the same tensors. Controls: `attn_k_b` written without its per-head transpose (same shape) and
+the expert bias written as zeros fail the comparison. The tiny presets' MLA sizes (kv latent 512 + 64 rope rows)
+are DeepSeek-V3's; llama.cpp 0.3.36's CPU path runs them as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from validate_common import WORK, glm_tokenizer, moved_off_init_ckpt
+
+from mconvert.convert.deploy import gguf as gguf_mod
+from mconvert.convert.deploy.gguf import to_gguf
+from mconvert.mappings.families import preset
+from mconvert.validators.gguf_runner import read_gguf_metadata
+from mconvert.validators.validate import validate
+
+G = WORK / "gguf-deepseek"
+G.mkdir(parents=True, exist_ok=True)
+REL_F32 = 1e-4  # llama.cpp f32 logits vs transformers', relative to the largest logit
+PRESETS = {"deepseek_v3": ("tiny-deepseek-v3", "deepseek2"), "glm4_moe": ("tiny-glm45", "glm4moe")}
+
+
+def _sources(family: str):
+    """(the TP=2 EP=2 Megatron checkpoint, its megatron-to-hf export)."""
+    from mconvert.convert.driver import megatron_to_hf, reshard
+
+    name = PRESETS[family][0]
+    ckpt, hf = G / f"ckpt-{name}-tp2ep2", G / f"hf-{name}"
+    if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
+        reshard(moved_off_init_ckpt(name), ckpt, tp=2, pp=1, ep=2)
+    if not (hf / "config.json").is_file():
+        megatron_to_hf(ckpt, hf, tokenizer=glm_tokenizer())
+    return ckpt, hf
+
+
+def _gguf(src, name: str, outtype: str, **kw):
+    out = G / f"{name}-{outtype}.gguf"
+    if not out.is_file():
+        verb = "hf-to-gguf" if (src / "config.json").is_file() else "megatron-to-gguf"
+        to_gguf(src, out, outtype, verb=verb, tokenizer=None if verb == "hf-to-gguf" else glm_tokenizer(), **kw)
+    return out
+
+
+def _rel(result) -> float:
+    return result.metrics["max_abs"] / result.metrics["ref_scale"]
+
+
+def _tensors(path) -> dict[str, bytes]:
+    return {t.name: np.asarray(t.data).tobytes() for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("family", sorted(PRESETS))
+def test_deepseek_style_gguf_matches_transformers_in_llama_cpp(llama_cpp, family):
+    name, arch = PRESETS[family]
+    spec = preset(name)
+    ckpt, hf = _sources(family)
+    mg32 = _gguf(ckpt, f"mg-{name}", "f32")
+    hf32, hf16 = _gguf(hf, f"hf-{name}", "f32"), _gguf(hf, f"hf-{name}", "f16")
+    assert _tensors(mg32) == _tensors(hf32)  # megatron-to-gguf and hf-to-gguf write the same tensors
+    meta = read_gguf_metadata(hf32)
+    L, mtp = spec.num_layers, spec.mtp_num_layers
+    assert meta["general.architecture"] == arch
+    assert meta[f"{arch}.leading_dense_block_count"] == 1 and meta[f"{arch}.expert_shared_count"] == 1
+    assert meta["tensors"]["blk.1.exp_probs_b.bias"] == ((spec.num_experts,), "F32")
+    if arch == "deepseek2":  # no MTP block; k_b [heads, kv latent, nope], v_b [heads, v, kv latent]
+        assert meta[f"{arch}.block_count"] == L and not any(t.startswith(f"blk.{L}.") for t in meta["tensors"])
+        assert meta["tensors"]["blk.0.attn_k_b.weight"][0] == (8, spec.kv_lora_rank, spec.qk_nope_head_dim)
+        assert meta["tensors"]["blk.0.attn_v_b.weight"][0] == (8, spec.v_head_dim, spec.kv_lora_rank)
+    else:  # the MTP layer is block L, which llama.cpp's main graph does not run
+        assert (meta[f"{arch}.block_count"], meta[f"{arch}.nextn_predict_layers"]) == (L + mtp, mtp)
+        assert f"blk.{L}.nextn.eh_proj.weight" in meta["tensors"]
+        assert meta[f"{arch}.rope.dimension_count"] == 16
+    rep = validate(hf, [mg32, hf32, hf16], device="cpu", n_tokens=32)
+    print(f"[figures] {name} llama.cpp vs transformers: " + ", ".join(
+        f"{r.path.rsplit('/', 1)[-1]} {_rel(r):.1e} top1 {r.metrics['top1']}" for r in rep.results))
+    assert rep.passed, [r.failures for r in rep.results]
+    assert all(_rel(r) < REL_F32 and r.metrics["top1"] == 1.0 for r in rep.results[:2]), \
+        [r.metrics for r in rep.results]
+
+
+def test_deepseek_mtp_layers_are_left_out_with_a_line_in_the_report():
+    ckpt, _ = _sources("deepseek_v3")
+    rep = to_gguf(ckpt, G / "mtp-dry.gguf", "f32", tokenizer=glm_tokenizer(), dry_run=True)
+    assert any("1 multi-token prediction layer(s) are not written: llama.cpp's deepseek2" in w
+               for w in rep.warnings), rep.warnings
+    glm = to_gguf(_sources("glm4_moe")[0], G / "mtp-dry-glm.gguf", "f32", tokenizer=glm_tokenizer(), dry_run=True)
+    assert not any("multi-token" in w for w in glm.warnings)
+
+
+def _k_b_untransposed(spec, x):
+    """The control's k_b: the per-head [nope, kv latent] block reshaped, not transposed, to the planned shape."""
+    kv = x.reshape(spec.num_attention_heads, spec.qk_nope_head_dim + spec.v_head_dim, x.shape[-1])
+    return kv[:, :spec.qk_nope_head_dim].reshape(spec.num_attention_heads, x.shape[-1], spec.qk_nope_head_dim)
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("control", ["k_b untransposed", "expert bias dropped"])
+def test_deepseek_gguf_controls_fail_the_comparison(llama_cpp, monkeypatch, control):
+    """The controls of the comparison above: each changes one rule of the layout and llama.cpp's logits leave
+    the f32 row."""
+    real_layout, real_data = gguf_mod.gguf_layout, gguf_mod.gguf_data
+    if control == "k_b untransposed":
+        def layout(spec):
+            out = real_layout(spec)
+            (kb, _), vb = next(iter(out.pieces.values()))
+            return dataclasses.replace(out, pieces={k: ((kb, _k_b_untransposed), vb) for k in out.pieces})
+
+        monkeypatch.setattr(gguf_mod, "gguf_layout", layout)
+    else:
+        def data(spec, layout, hf_name, x, permute=True):
+            x = real_data(spec, layout, hf_name, x, permute)
+            return torch.zeros_like(x) if hf_name.endswith("e_score_correction_bias") else x
+
+        monkeypatch.setattr(gguf_mod, "gguf_data", data)
+    _, hf = _sources("deepseek_v3")
+    bad = G / f"control-{control.replace(' ', '-')}.gguf"
+    bad.unlink(missing_ok=True)
+    to_gguf(hf, bad, "f32", verb="hf-to-gguf")
+    rep = validate(hf, [bad], device="cpu", n_tokens=32)
+    print(f"[figures] control {control}: {_rel(rep.results[0]):.1e}")
+    assert not rep.passed and any(f.startswith("max abs") for f in rep.results[0].failures), rep.results[0].metrics
