@@ -5,8 +5,8 @@ a sigmoid router with a non-zero expert bias and group-limited top-k.
 
 The trainer's model with every weight moved off its init, resharded to TP=2 EP=2, goes through
 `megatron-to-gguf`, and its `megatron-to-hf` export through `hf-to-gguf`: llama.cpp's logits at every position
-must match transformers' on the export (f32 within 1e-4 of the largest logit, f16 within its row), and both
-routes must write the same tensors. Controls: `attn_k_b` written without its per-head transpose (same shape) and
+must match transformers' on the export (f32 within 1e-4 of the largest logit, f16 within its row), both
+routes must write the same tensors, and `verify` must pass every check. Controls: `attn_k_b` written without its per-head transpose (same shape) and
 the expert bias written as zeros fail the comparison. The tiny presets' MLA sizes (kv latent 512 + 64 rope rows)
 are DeepSeek-V3's; llama.cpp 0.3.36's CPU path runs them as they are.
 """
@@ -26,6 +26,7 @@ from mconvert.convert.deploy.gguf import to_gguf
 from mconvert.mappings.families import preset
 from mconvert.validators.gguf_runner import read_gguf_metadata
 from mconvert.validators.validate import validate
+from mconvert.validators.verify_gguf import verify_gguf as verify
 
 G = WORK / "gguf-deepseek"
 G.mkdir(parents=True, exist_ok=True)
@@ -91,6 +92,11 @@ def test_deepseek_style_gguf_matches_transformers_in_llama_cpp(llama_cpp, family
     assert rep.passed, [r.failures for r in rep.results]
     assert all(_rel(r) < REL_F32 and r.metrics["top1"] == 1.0 for r in rep.results[:2]), \
         [r.metrics for r in rep.results]
+    # verify: the file's tensors are the plan's, llama.cpp tokenizes as transformers does (GLM's special tokens
+    # included) and its greedy tokens and logits equal transformers'
+    checks = {c.name: c for c in verify(mg32, against=hf, device="cpu").checks}
+    for check in ("manifest", "metadata", "tensors", "load", "tokenizer", "greedy", "logits"):
+        assert checks[check].status == "ok", (check, checks[check].message)
 
 
 def test_deepseek_mtp_layers_are_left_out_with_a_line_in_the_report():
