@@ -18,7 +18,8 @@ import pytest
 from mconvert.validators.vllm_check import CHAT, LOGPROB_TOL, ensure_vllm_env, vllm_compare_many
 from mconvert.cli import main
 from tokenizer_common import chain
-from validate_common import MCORE_MOE, broken, hf_export, mcore_moe_export, mcore_moe_greedy, trained_ckpt
+from validate_common import (MCORE_MOE, broken, hf_export, mcore_moe_export, mcore_moe_greedy,
+                             moved_off_init_ckpt, trained_ckpt)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -170,29 +171,11 @@ def test_converted_gemma3_serves_in_vllm_with_transformers_greedy_tokens_beyond_
 def glm45_export(tmp_path_factory):
     """tiny-glm45 with its MTP layer, every weight moved off its init and a non-negative expert bias, written as a
     Megatron checkpoint and exported to HF Glm4MoeForCausalLM."""
-    import torch
-
     from mconvert.convert.driver import megatron_to_hf
-    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
-    from mconvert.mappings.families import preset
-    from mconvert.trainer.model import GPTModel
-    from mconvert.trainer.parallel import ParallelState
 
-    spec = preset("tiny-glm45")
-    g = torch.Generator().manual_seed(7)
-    state = {}
-    for k, v in GPTModel(spec, ParallelState(), seed=3).state_dict().items():
-        if not torch.is_tensor(v):
-            continue
-        noise = torch.randn(v.shape, generator=g)
-        state[k] = (0.3 * noise.abs() if k.endswith("expert_bias") else
-                    1 + 0.2 * noise if k.endswith("norm.weight") else v + 0.05 * noise)
-    root = tmp_path_factory.mktemp("glm45")
-    save_rank_file(rank_file(root / "m", 1, 0, 0, 1), {"args": spec.to_megatron_args(), "checkpoint_version": 3.0,
-                                                        "iteration": 1, "model": state})
-    write_latest(root / "m", 1)
-    megatron_to_hf(root / "m", root / "hf")
-    return root / "hf"
+    out = tmp_path_factory.mktemp("glm45") / "hf"
+    megatron_to_hf(moved_off_init_ckpt("tiny-glm45"), out)
+    return out
 
 
 def test_glm45_export_with_its_mtp_layer_serves_in_vllm_with_transformers_greedy_tokens(vllm_python, glm45_export):
