@@ -300,8 +300,20 @@ def _kv_b(spec: ModelSpec, x: Any) -> tuple[Any, Any]:
     return kv[:, :spec.qk_nope_head_dim].transpose(1, 2), kv[:, spec.qk_nope_head_dim:]
 
 
+# llama.cpp's deepseek2 (0.3.36) reads a model of these layer counts as DeepSeek-V2-Lite's, without q LoRA
+# (`attn_q`), and every other one as with q LoRA (`attn_q_a` / `attn_q_b`, `attention.q_lora_rank`)
+GGUF_LITE_LAYERS = (26, 27)
+
+
 def gguf_refuse(spec: ModelSpec) -> None:
-    """Rope scaling is refused: llama.cpp's deepseek2 scales attention by its own YaRN rule, not proven here."""
+    """What llama.cpp's deepseek2 cannot load or compute: q LoRA against its layer-count rule, rope scaling (it
+    scales attention by its own YaRN rule, not proven here)."""
+    lite = spec.num_layers in GGUF_LITE_LAYERS
+    if (spec.q_lora_rank is None) != lite:
+        raise MConvertError(f"this deepseek_v3-family model has {spec.num_layers} layers and q_lora_rank="
+                            f"{spec.q_lora_rank}; llama.cpp's deepseek2 takes a model of 26 or 27 layers to be "
+                            "without q LoRA (DeepSeek-V2-Lite) and any other to be with it, so it cannot load this "
+                            "GGUF; conversion refused")
     if spec.rope_scaling is not None:
         raise MConvertError(f"rope scaling {spec.rope_scaling!r} of a deepseek_v3-family model has no GGUF form here "
                             "(llama.cpp's deepseek2 applies its own YaRN attention scaling); conversion refused")

@@ -6,6 +6,7 @@ catch it). Everything is built once per test process and cached.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from functools import lru_cache
@@ -160,15 +161,16 @@ def glm_tokenizer() -> Path:
 
 
 @lru_cache(maxsize=None)
-def moved_off_init_ckpt(preset_name: str) -> Path:
-    """A one-rank Megatron checkpoint of the trainer's model of `preset_name` with every weight moved off its
-    init (norms around 1, a non-negative expert bias, so routing depends on it), MTP layers included."""
+def moved_off_init_ckpt(preset_name: str, **changes) -> Path:
+    """A one-rank Megatron checkpoint of the trainer's model of `preset_name` (with `changes` to its spec) with
+    every weight moved off its init (norms around 1, a non-negative expert bias, so routing depends on it), MTP
+    layers included."""
     from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
     from mconvert.mappings.families import preset
     from mconvert.trainer.model import GPTModel
     from mconvert.trainer.parallel import ParallelState
 
-    spec = preset(preset_name)
+    spec = preset(preset_name).replace(**changes)
     g = torch.Generator().manual_seed(7)
     state = {}
     for k, v in GPTModel(spec, ParallelState(), seed=3).state_dict().items():
@@ -177,7 +179,8 @@ def moved_off_init_ckpt(preset_name: str) -> Path:
         noise = torch.randn(v.shape, generator=g)
         state[k] = (0.3 * noise.abs() if k.endswith("expert_bias") else
                     1 + 0.2 * noise if k.endswith("norm.weight") else v + 0.05 * noise)
-    out = WORK / f"ckpt-{preset_name}-moved"
+    tag = hashlib.sha256(repr(sorted(changes.items())).encode()).hexdigest()[:8] if changes else "preset"
+    out = WORK / f"ckpt-{preset_name}-moved-{tag}"
     save_rank_file(rank_file(out, 1, 0, 0, 1), {"args": spec.to_megatron_args(), "checkpoint_version": 3.0,
                                                 "iteration": 1, "model": state})
     write_latest(out, 1)
