@@ -82,7 +82,8 @@ def _steps(w: Path) -> list[tuple[str, list[str]]]:
             ("mixtral-gguf", ["hf-to-gguf", str(mhf), str(w / "dry.gguf")]),
             ("gpt2-gguf", ["megatron-to-gguf", str(w / "gpt2"), str(w / "dry.gguf")]),
             ("llama-onnx", ["to-onnx", str(hf), str(w / "dry"), "--exporter", "torch", "--no-past"]),
-            ("meg-onnx", ["to-onnx", str(llama), str(w / "dry")]))],
+            ("meg-onnx", ["to-onnx", str(llama), str(w / "dry")]),
+            ("mixtral-onnx", ["to-onnx", str(mhf), str(w / "dry")]))],
         *[(f"plan-{preset}-{to}", ["plan", "--preset", preset, "--to", to, *more, "--json", "--files"])
           for preset, to, more in (("tiny-gpt2", "ft", ["--tp", "2", "--target-tp", "2"]),
                                    ("tiny-llama", "ft", ["--target-tp", "2"]),

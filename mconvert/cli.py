@@ -568,7 +568,7 @@ def megatron_to_gguf_cmd(
       mconvert megatron-to-gguf ckpt/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
 
     _manifest_hash(manifest_hash, one_process="megatron-to-gguf")
     tuning.apply()
@@ -596,7 +596,7 @@ def hf_to_gguf_cmd(
       mconvert hf-to-gguf hf/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
 
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")
     tuning.apply()

@@ -470,7 +470,7 @@ def test_yarn_gguf_matches_transformers_in_llama_cpp_past_the_original_context(l
     """hf-to-gguf of transformers' YaRN models: llama.cpp (rope.scaling.* keys; the Llama's mscale pair, and an
     attention_factor of 0.5, give an attention factor other than 0.1·ln(factor)+1, stated as `attn_factor`, its
     ratio to that) matches transformers over 128 tokens."""
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
     from mconvert.validators.gguf_runner import read_gguf_metadata
 
     if name in ARGS_OTHER_THAN_THE_KEYS:
@@ -496,7 +496,7 @@ def test_a_yarn_gguf_without_the_scaling_or_its_factor_fails_the_comparison(llam
                                                                              drop) -> None:
     """The controls: the GGUF of the Llama's config without YaRN (or without the mscale pair, so the factor falls
     back to 0.1·ln(factor)+1) misses transformers' logits of the model with it."""
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
 
     hf = with_tokenizer["llama"]
     kept = json.loads((hf / "config.json").read_text())["rope_scaling"]
