@@ -498,7 +498,7 @@ def megatron_to_ft_cmd(
     """
     _at_least_one(("--tp/--infer-tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_ft
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -532,7 +532,7 @@ def megatron_to_trtllm_cmd(
     """
     _at_least_one(("--tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     _manifest_hash(manifest_hash)
     _workers(workers)

@@ -10,13 +10,70 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from mconvert.convert.deploy import gguf
-from mconvert.convert.driver import drive, peak_rss_bytes
+from mconvert import dtypes
+from mconvert.convert.deploy import fastertransformer as ft
+from mconvert.convert.deploy import gguf, trtllm
+from mconvert.convert.driver import dry_run_report, drive, peak_rss_bytes, write_output
 from mconvert.convert.sources import open_source
 from mconvert.convert.writer import Report, make_report
 from mconvert.errors import MConvertError
-from mconvert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
+from mconvert.io.atomic import atomic_output_file, check_output, check_output_file, file_manifest_path
 from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
+
+
+# ---- FasterTransformer ----------------------------------------------------------------------------------
+@crc_in_background
+def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str = "fp32", force: bool = False,
+                   allow_approx_gelu: bool = False, iteration: str | None = None, progress: bool = False,
+                   dry_run: bool = False, accept_window_as_full: bool = False) -> Report:
+    """`megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it.
+    `accept_window_as_full`: a sliding-window model is written for FT's full attention, and the report says so."""
+    t0 = time.perf_counter()
+    dtype = ft.ft_dtype(dtype)  # a wrong --dtype is refused before the source is opened
+    check_output(out, force, (src,))
+    source = open_source(src, iteration=iteration)
+    try:  # refuse before any work
+        prepared = ft.prepare(source.spec, infer_tp, dtype, allow_approx_gelu, accept_window_as_full, str(source.path))
+    except BaseException:
+        source.close()
+        raise
+    extras = dict(section=prepared.layout.section, infer_tp=infer_tp, ft_dir=str(Path(out) / f"{infer_tp}-gpu"),
+                  notes=prepared.notes)
+    if dry_run:
+        plan = {"dtype": dtypes.canonical(dtype), "files": prepared.files,
+                "note": "tensor bytes only; nothing was written"}
+        return dry_run_report("megatron-to-ft", source, out, plan, prepared.where, t0, **extras)
+    return write_output("megatron-to-ft", source, out, lambda tmp: ft.FTWriter(tmp, prepared),
+                        force=force, inputs=(src,), layout=prepared.where, dtype=dtypes.canonical(dtype), t0=t0,
+                        progress=progress, check=lambda tmp: ft.refuse_written(tmp / f"{infer_tp}-gpu"), **extras)
+
+
+# ---- TensorRT-LLM ---------------------------------------------------------------------------------------
+@crc_in_background
+def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str = "auto", force: bool = False,
+                       iteration: str | None = None, progress: bool = False, dry_run: bool = False,
+                       accept_window_as_full: bool = False) -> Report:
+    """`megatron-to-trtllm`: write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on
+    the result. `accept_window_as_full`: a sliding-window model is written as full attention, and the report
+    says so."""
+    t0 = time.perf_counter()
+    dtypes.choose(dtype, trtllm.TRT_DTYPES)  # a wrong --dtype is refused before the source is opened
+    check_output(out, force, (src,))
+    source = open_source(src, iteration=iteration)
+    try:  # refuse before any work
+        prepared = trtllm.prepare(source.spec, tp, dtype, accept_window_as_full, str(source.path))
+    except BaseException:
+        source.close()
+        raise
+    extras = dict(architecture=prepared.config["architecture"], tp=tp, tensors_per_rank=len(prepared.shapes),
+                  notes=prepared.notes)
+    if dry_run:
+        plan = {"dtype": prepared.dtype, "files": prepared.files,
+                "note": "rank files: tensor bytes only (the safetensors header is not counted); nothing was written"}
+        return dry_run_report("megatron-to-trtllm", source, out, plan, prepared.where, t0, **extras)
+    return write_output("megatron-to-trtllm", source, out, lambda tmp: trtllm.TrtllmWriter(tmp, prepared),
+                        force=force, inputs=(src,), layout=prepared.where, dtype=prepared.dtype, t0=t0,
+                        progress=progress, check=trtllm.refuse_written, **extras)
 
 
 # ---- GGUF (llama.cpp) -----------------------------------------------------------------------------------

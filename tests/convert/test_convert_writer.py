@@ -16,10 +16,10 @@ import torch
 
 from deploy_common import make_hf
 from mconvert.convert.driver import drive, hf_to_megatron, megatron_to_hf, reshard, write_output
-from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+from mconvert.convert.verbs import megatron_to_ft
 from mconvert.convert.deploy.onnx import to_onnx
 from mconvert.convert.sources import open_source
-from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+from mconvert.convert.verbs import megatron_to_trtllm
 from mconvert.convert.writer import REPORT_KEYS, Writer
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset

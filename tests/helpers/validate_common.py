@@ -65,7 +65,7 @@ def onnx_export(family: str) -> Path:
 
 @lru_cache(maxsize=None)
 def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_ft
 
     out = WORK / f"ft-{family}-{infer_tp}-{dtype}"
     megatron_to_ft(trained_ckpt(family), out, infer_tp, dtype)
@@ -74,7 +74,7 @@ def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
 
 @lru_cache(maxsize=None)
 def trtllm_export(family: str, tp: int) -> Path:
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     out = WORK / f"trtllm-{family}-{tp}"
     megatron_to_trtllm(trained_ckpt(family), out, tp)

@@ -482,15 +482,16 @@ def test_megatron_to_ft_takes_a_layer_in_parts_and_refuses_a_missing_parameter(s
     given whole layers (`test_deploy_ft` holds those to FT's loader file list and to transformers' logits);
     a layer that ends without one of its parameters is refused by name, as a whole layer without it is."""
     from mconvert.convert.deploy import fastertransformer as ft
+    from mconvert.convert.verbs import megatron_to_ft
     from mconvert.convert.megatron.source import MegatronSource
     from mconvert.errors import MConvertError
 
     seen = _layer_parts_seen(monkeypatch, ft.FTWriter)
-    ft.megatron_to_ft(small_ckpt, tmp_path / "parts", infer_tp=2)
+    megatron_to_ft(small_ckpt, tmp_path / "parts", infer_tp=2)
     assert seen and max(seen) == 1, seen
     monkeypatch.setattr(ft.FTWriter, "takes_parts", False)
     seen.clear()
-    ft.megatron_to_ft(small_ckpt, tmp_path / "whole", infer_tp=2)
+    megatron_to_ft(small_ckpt, tmp_path / "whole", infer_tp=2)
     assert min(seen) > 1, seen
     assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")
 
@@ -499,7 +500,7 @@ def test_megatron_to_ft_takes_a_layer_in_parts_and_refuses_a_missing_parameter(s
     dropped = "decoder.layers.0.mlp.linear_fc2.weight"
     out = tmp_path / "missing"
     out.mkdir()
-    w = ft.FTWriter(out, src.spec, 2, source="ck")
+    w = ft.FTWriter(out, ft.prepare(src.spec, 2, source="ck"))
     for name, t in layer.items():
         if name != dropped:
             w.add(0, {name: t}, complete=False)

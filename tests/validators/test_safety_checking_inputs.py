@@ -111,8 +111,8 @@ def test_gguf_tolerance_follows_the_tensor_types_not_the_stated_file_type(tmp_pa
 @pytest.fixture(scope="module")
 def deploy(tmp_path_factory) -> dict[str, Path]:
     """A tiny HF Llama with its TensorRT-LLM export, a tiny HF GPT-2 with its FasterTransformer export."""
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     d = tmp_path_factory.mktemp("rt2-deploy")
     llama = make_hf_llama(d / "llama")

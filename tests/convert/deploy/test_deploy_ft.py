@@ -19,8 +19,10 @@ from transformers import AutoModelForCausalLM
 
 from mconvert.cli import main as cli_main
 from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-from mconvert.convert.deploy.fastertransformer import check_ft_dir, megatron_to_ft
-from mconvert.convert.deploy.trtllm import check_trtllm_dir, megatron_to_trtllm
+from mconvert.convert.deploy.fastertransformer import check_ft_dir
+from mconvert.convert.verbs import megatron_to_ft
+from mconvert.convert.deploy.trtllm import check_trtllm_dir
+from mconvert.convert.verbs import megatron_to_trtllm
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 from mconvert.validators.ft_runner import ft_logits

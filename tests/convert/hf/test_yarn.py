@@ -618,7 +618,7 @@ def test_yarn_converts_to_trtllm_with_the_sources_logits(request, tmp_path, sour
     and the reference runner computes that: megatron-core's default YaRN, transformers' Llama whose mscale
     pair gives another attention factor, and one whose attention_factor 0.5 became a negative mscale, match their
     sources at TP=2; without the scaling they do not."""
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
     from mconvert.validators.trtllm_runner import trtllm_logits
 
     if source == "megatron-core":
