@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from deploy_common import make_hf
-from mconvert.convert.driver import drive, hf_to_megatron, megatron_to_hf, reshard, write_output
+from mconvert.convert.driver import drive, write_output
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.convert.verbs import megatron_to_ft
-from mconvert.convert.deploy.onnx import to_onnx
+from mconvert.convert.verbs import to_onnx
 from mconvert.convert.sources import open_source
 from mconvert.convert.verbs import megatron_to_trtllm
 from mconvert.convert.writer import REPORT_KEYS, Writer

@@ -28,7 +28,7 @@ def mha_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     as a Megatron TP=2 PP=2 checkpoint."""
     import transformers
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     d = tmp_path_factory.mktemp("mha")
     torch.manual_seed(0)

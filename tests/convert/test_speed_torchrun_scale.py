@@ -20,7 +20,7 @@ SHARD = "40KB"  # several shards from the tiny model, so that both ranks own som
 
 @pytest.fixture(scope="module")
 def one_process_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     return megatron_to_hf(base()["ckpt"], tmp_path_factory.mktemp("one") / "hf", max_shard_size=SHARD)
 

@@ -271,7 +271,7 @@ def test_hf_logits_match_ours(tmp_path: Path, q_lora: bool) -> None:
     with -inf: the two agree while every biased score (sigmoid + expert bias) is positive, as here."""
     from transformers import AutoModelForCausalLM
 
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     spec = preset("tiny-deepseek-v3") if q_lora else NO_Q_LORA
     model = GPTModel(spec, ParallelState(), seed=5).eval()
@@ -334,7 +334,7 @@ def test_mtp_lands_at_deepseeks_names(tmp_path: Path) -> None:
     and copies of the embedding and head equal to the main ones; num_nextn_predict_layers says it."""
     from safetensors.torch import load_file
 
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     spec = preset("tiny-deepseek-v3")
     state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
@@ -361,7 +361,7 @@ def test_a_checkpoint_without_its_mtp_layer_is_refused_both_ways(tmp_path: Path)
     main one is refused by name."""
     from safetensors.torch import load_file, save_file
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
     from mconvert.validators.verify import verify
 
     spec = preset("tiny-deepseek-v3")
@@ -410,7 +410,7 @@ def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_lo
     from mcore_ref import run_mcore
     from transformers import AutoModelForCausalLM
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     spec = preset("tiny-deepseek-v3")
     state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
@@ -511,7 +511,7 @@ def test_reshard_with_optimizer_continues_the_run_at_tp2_ep2(runs_dir, tmp_path:
     continued at TP=1."""
     import shutil
 
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
 
     run = _run(1, 1, runs_dir)
     same, wide = tmp_path / "same", tmp_path / "wide"

@@ -39,7 +39,7 @@ def test_tiny_glm45_exports_to_transformers_logits_and_back_at_tp2_ep2(tmp_path:
     from mcore_ref import run_mcore
     from transformers import AutoModelForCausalLM
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     spec = preset("tiny-glm45")
     model = GPTModel(spec, ParallelState(), seed=5).eval()
@@ -90,7 +90,7 @@ def test_transformers_random_glm4_moe_round_trips_at_tp2_ep2(tmp_path: Path) -> 
     from safetensors.torch import load_file
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     cfg = Glm4MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5,

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.convert.deploy.fastertransformer import check_ft_dir
 from mconvert.convert.verbs import megatron_to_ft
 from mconvert.convert.deploy.trtllm import check_trtllm_dir

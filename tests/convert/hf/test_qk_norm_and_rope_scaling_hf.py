@@ -28,7 +28,7 @@ from mcore_ref import McoreContext, mcore_forward_logits, perturb_dense, run_mco
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset, spec_from_megatron_args

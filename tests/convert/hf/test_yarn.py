@@ -22,7 +22,7 @@ from mcore_ref import McoreContext, mcore_forward_logits, perturb_dense, run_mco
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.io.safeload import safe_load
 from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
 from mconvert.errors import MConvertError
@@ -659,7 +659,7 @@ def test_yarn_to_onnx_matches_transformers_past_the_original_context(hf_models, 
     """optimum traces transformers' YaRN (static inverse frequencies and attention factor, unlike dynamic NTK), so
     the ONNX graph computes it at every length: onnxruntime equals transformers over 160 tokens, prefill and
     cached decode, for the Llama whose mscale pair gives another attention factor."""
-    from mconvert.convert.deploy.onnx import to_onnx
+    from mconvert.convert.verbs import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
     _, hf, _ = hf_models["llama"]

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import mconvert.trainer.train as train_mod
-from mconvert.convert.driver import megatron_to_hf, reshard
+from mconvert.convert.verbs import megatron_to_hf, reshard
 from mconvert.io.safeload import safe_load
 
 pytestmark = pytest.mark.slow
