@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.base import END, SKIP, Unit, parts_ahead
+from mconvert.convert.base import END, SKIP, SourceBase, Unit, parts_ahead
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
 from mconvert.io.crc import input_check_figures, skip_crc_checks, start_crc_checks, wait_crc_checks
@@ -36,9 +36,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> list[Path]:
-    """THE loop: every unit of `src`, in the writer's `unit_order`, read the way its declared fields say
-    (`convert/writer.py`: `reads`, `feeds`, `splits_experts`, `needs`/`wants`), into the writer; then close it.
+def drive(src: SourceBase, writer: Writer, what: str = "", progress: bool = False) -> list[Path]:
+    """THE loop: every unit of `src`, in the writer's `unit_order`, read the way the writer's and the source's
+    declared fields say (`convert/writer.py`: `reads`, `feeds`, `splits_experts`, `needs`/`wants`;
+    `convert/base.py`: `gives_hf_tasks`, `gives_mcore_tasks`, `gives_mcore_parts`), into the writer; then close it.
     On any error the writer is aborted (threads, staging memory, open files) before the caller's output is
     removed."""
     if not isinstance(writer, Writer):
@@ -74,7 +75,7 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
                 # a torchrun process's shards (`wants`); what is written is freed before the rest is read
                 for part in src.read_hf_parts(unit, only=writer.wants(unit)):
                     writer.add(unit, part)
-            elif feeds == "parts" and hasattr(src, "read_mcore_parts"):
+            elif feeds == "parts" and src.gives_mcore_parts:
                 for part in src.read_mcore_parts(unit):
                     writer.add(unit, part, complete=False)
                 writer.add(unit, {}, complete=True)
@@ -83,19 +84,19 @@ def drive(src: Any, writer: Writer, what: str = "", progress: bool = False) -> l
         return writer.close()
 
 
-def _chained_reads(src: Any, writer: Writer) -> tuple[Callable[[Unit], Any], bool] | None:
+def _chained_reads(src: SourceBase, writer: Writer) -> tuple[Callable[[Unit], Any], bool] | None:
     """How `drive` reads every unit of a writer that takes parts on one pool (`base.parts_ahead`): the source's
     per-unit tasks and whether the writer takes a unit's end apart (`add(unit, {}, complete=True)`); None where
     the loop reads unit by unit (a source without tasks, an MoE model to a Megatron-side writer, whose experts
     come whole one at a time: `base.LayerParts.comes_whole`)."""
-    if writer.reads == "hf" and hasattr(src, "hf_part_tasks"):
+    if writer.reads == "hf" and src.gives_hf_tasks:
         return (lambda unit: src.hf_part_tasks(unit, writer.wants(unit))), False
-    if writer.reads != "hf" and hasattr(src, "mcore_part_tasks") and not src.spec.is_moe:
+    if writer.reads != "hf" and src.gives_mcore_tasks and not src.spec.is_moe:
         return src.mcore_part_tasks, True
     return None
 
 
-def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Path], Writer], *, force: bool,
+def write_output(verb: str, src: SourceBase, out: str | Path, make_writer: Callable[[Path], Writer], *, force: bool,
                  inputs: tuple[Any, ...], layout: str, dtype: str, t0: float, warnings: list[str] | None = None,
                  progress: bool = False, finish: Callable[[Path], dict[str, Any]] | None = None,
                  check: Callable[[Path], None] | None = None, **extras: Any) -> Report:
@@ -129,7 +130,7 @@ def write_output(verb: str, src: Any, out: str | Path, make_writer: Callable[[Pa
                        peak_rss_bytes(), time.perf_counter() - t0, **extras, **more)
 
 
-def dry_run_report(verb: str, src: Any, out: str | Path, plan: dict[str, Any], layout: str, t0: float,
+def dry_run_report(verb: str, src: SourceBase, out: str | Path, plan: dict[str, Any], layout: str, t0: float,
                    warnings: list[str] | None = None, **extras: Any) -> Report:
     """The report of `--dry-run`: the plan's files, sizes and memory estimate in the common report shape."""
     skip_crc_checks()  # nothing is written: the dry run reads no tensor data

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
+from mconvert.convert.base import SourceBase
 from mconvert.convert.deploy import fastertransformer as ft
 from mconvert.convert.deploy import gguf, onnx, trtllm
 from mconvert.convert.driver import dry_run_report, drive, peak_rss_bytes, write_output
@@ -65,7 +66,7 @@ def parallel_layout(tp: int, pp: int = 1, vpp: int | None = None, ep: int | None
 
 
 def target_split(num_layers: int, pp: int, vpp: int | None, pipeline: dict[str, Any] | None,
-                 mtp_num_layers: int | None = None, src: Any = None) -> tuple[PipelineSplit, int | None]:
+                 mtp_num_layers: int | None = None, src: SourceBase | None = None) -> tuple[PipelineSplit, int | None]:
     """The output's pipeline split and VPP: from `pipeline` (Megatron-LM's split args by name, as given on the
     command line; a layout string sets the VPP when none is given), else the source's own when PP and VPP are
     unchanged, else even."""
@@ -74,7 +75,7 @@ def target_split(num_layers: int, pp: int, vpp: int | None, pipeline: dict[str, 
     if layout is not None and vpp is None:
         chunks = len(parse_pipeline_layout(layout)) // pp
         vpp = chunks if chunks > 1 else None
-    if not given and src is not None and getattr(src, "split", None) is not None and (src.pp, src.vpp) == (pp, vpp):
+    if not given and src is not None and src.split is not None and (src.pp, src.vpp) == (pp, vpp):
         return src.split, vpp
     return PipelineSplit.make(num_layers, pp, vpp, given.get("decoder_first_pipeline_num_layers"),
                               given.get("decoder_last_pipeline_num_layers"), layout,
@@ -97,7 +98,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     if src.format == "hf":
         raise MConvertError(f"{ckpt}: this is already a HuggingFace directory; use hf-to-megatron for the other way")
     warnings: list[str] = []
-    if not getattr(src, "vocab_known", True):
+    if not src.vocab_known:
         warnings.append(f"vocab size unknown (args have no vocab_size and no tokenizer was found): exporting all "
                         f"{src.spec.vocab_size} padded rows; pass --tokenizer DIR to strip them")
     untied_warning = families.of(src.spec).vllm.untied_export_warning
@@ -155,7 +156,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         raise MConvertError(f"{hf_dir}: not a HuggingFace directory (detected {src.format}); use reshard instead")
     if target is not None:  # block-scaled FP8 weights dequantize straight into the output dtype
         src.dequantize_to(target)
-    cfg = getattr(src, "config", {})
+    cfg = src.config or {}
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     split, vpp = target_split(spec.num_layers, pp, vpp, pipeline, spec.mtp_num_layers)
     spec.check_parallel(tp, pp, vpp, ep, layers=False)
@@ -210,7 +211,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         format = "torch_dist" if src.format == "megatron-torch_dist" else "torch"
     dist_source = src.format == "megatron-torch_dist"
     if bridge is None:
-        bridge = format == "torch_dist" and getattr(src, "writer", None) is not None
+        bridge = format == "torch_dist" and src.writer is not None
     check_bridge(bridge, format)
     groups = None
     if optimizer_layout is not None:
@@ -239,7 +240,7 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
         rng = lambda t, p: src.top_level(*rng_from[(t, p)][::-1])["rng_state"]  # noqa: E731
         rank_top = lambda t, p: {"rng_state": rng(t, p)}  # noqa: E731
     if "optimizer" in top:  # carried as it is: its hyperparameters are checked as torch's Adam checks them
-        check_mcore_groups(top["optimizer"], str(getattr(src, "iter_dir", Path(ckpt)) / "common.pt"))
+        check_mcore_groups(top["optimizer"], str((src.iter_dir or Path(ckpt)) / "common.pt"))
     if isinstance(src, MegatronSource) and with_optimizer:
         first = safe_load(src.files[(0, 0)])
         _, groups = index_states(first.get("optimizer"), str(src.files[(0, 0)]))
@@ -251,18 +252,17 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     def writer(tmp: Path) -> Writer:
         if format == "torch_dist":
             return _torch_dist_writer(tmp, src.spec, tp, pp, vpp, iteration=iteration_out,
-                                      args=getattr(src, "args", None), top_level=top,
+                                      args=src.args, top_level=top,
                                       with_states=with_optimizer and dist_source,
                                       optimizer_groups=groups if not dist_source else None,
                                       source=str(src.files[(0, 0)] if isinstance(src, MegatronSource) else ckpt),
                                       rng_state=rng, ep=ep,
-                                      optimizer_layout=optimizer_layout or getattr(src, "optimizer_layout", None)
+                                      optimizer_layout=optimizer_layout or src.optimizer_layout
                                       or "fully_reshardable", bridge=bridge,
-                                      bridge_source=(getattr(src, "bridge_config", None),
-                                                     src.train_state() if hasattr(src, "train_state") else None),
+                                      bridge_source=(src.bridge_config, src.train_state()),
                                       split=split)
         return megatron_writer(tmp, src.spec, tp, pp, vpp, ep, iteration=iteration_out,
-                               args=getattr(src, "args", None), top_level=top, optimizer_groups=groups,
+                               args=src.args, top_level=top, optimizer_groups=groups,
                                rank_top_level=rank_top, preview=_preview(src),  # unused with optimizer states
                                split=split)
 
@@ -294,28 +294,28 @@ def check_format(format: str) -> None:
                             "(megatron-core dist_checkpointing)")
 
 
-def _source_dtype(src: Any) -> torch.dtype:
+def _source_dtype(src: SourceBase) -> torch.dtype:
     """The dtype of the source's tensors, from its preview (no data read) or else its spec."""
-    if src.preview is not None and getattr(src, "can_preview", lambda: True)():
+    if src.preview is not None and src.can_preview():
         first = src.preview(src.units()[0])
         if first:
             return next(iter(first.values())).dtype
     return dtypes.lookup(src.spec.params_dtype).torch
 
 
-def _carried_dir(src: Any) -> Path | None:
+def _carried_dir(src: SourceBase) -> Path | None:
     """Where a Megatron source keeps the HF metadata carried through it (its root, else the given path)."""
-    return find_carried_dir(getattr(src, "root", None), getattr(src, "path", None))
+    return find_carried_dir(src.root, src.path)
 
 
-def _preview(src: Any) -> Any:
+def _preview(src: SourceBase) -> Any:
     """The source's `preview` when it can give one for every unit (streamed rank files), else None."""
-    if src.preview is None or not getattr(src, "can_preview", lambda: True)():
+    if src.preview is None or not src.can_preview():
         return None
     return src.preview
 
 
-def _rng_source_ranks(src: Any, tp: int, split: PipelineSplit) -> dict[tuple[int, int], tuple[int, int]]:
+def _rng_source_ranks(src: SourceBase, tp: int, split: PipelineSplit) -> dict[tuple[int, int], tuple[int, int]]:
     """Target (tp_rank, pp_rank) -> the source (tp_rank, pp_rank) whose rng_state it keeps: the same rank when
     the layout is unchanged, else TP rank modulo the source TP and the stage holding the target's first layer
     (a stage without layers: the same PP rank, or the source's last)."""
@@ -401,7 +401,7 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
         raise MConvertError(f"{src_path}: this is a HuggingFace directory; use hf-to-gguf")
     if verb == "hf-to-gguf" and src.format != "hf":
         raise MConvertError(f"{src_path}: not a HuggingFace directory (detected {src.format}); use megatron-to-gguf")
-    if not getattr(src, "vocab_known", True):
+    if not src.vocab_known:
         raise MConvertError(f"{src_path}: vocab size unknown (args have no vocab_size and no tokenizer was found); "
                             "pass --tokenizer DIR")
     tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
