@@ -15,16 +15,13 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import to_hf
 from mconvert.spec import ModelSpec, Unit
-
-if TYPE_CHECKING:  # annotations only: the layout module is the Megatron side's, above this contract
-    from mconvert.convert.megatron.layout import PipelineSplit
 
 
 def units_of(spec: ModelSpec, split_experts: bool = False) -> list[Unit]:
@@ -48,8 +45,9 @@ class SourceBase:
     vpp: int | None = None
     ep: int = 1  # expert-parallel size (Megatron MoE checkpoints)
     iteration: int | str | None = None
-    # the checkpoint's pipeline split (a Megatron source: even or uneven); a reshard keeps it at the same PP/VPP
-    split: PipelineSplit | None = None
+    # the checkpoint's pipeline split (a Megatron source: its `megatron.layout.PipelineSplit`, even or uneven); a
+    # reshard keeps it at the same PP/VPP
+    split: Any = None
     # False where the vocab size is a padded guess (args without vocab_size, no tokenizer found)
     vocab_known: bool = True
     # the directory above the iteration directory (a Megatron source), where carried HF metadata may lie
