@@ -12,7 +12,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
 from typing import Any
 
 import torch
@@ -34,13 +33,13 @@ from mconvert.convert.plan import plan_for_source
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, Writer, make_report
-from mconvert.io.safeload import safe_load
-from mconvert.mappings import families
-from mconvert.mappings.plugin import transposed_in_hf
 from mconvert.errors import MConvertError, renamed
 from mconvert.io.atomic import atomic_output_dir, atomic_output_file, check_output, check_output_file, file_manifest_path
 from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.paths import check_tree_contained
+from mconvert.io.safeload import safe_load
+from mconvert.mappings import families
+from mconvert.mappings.plugin import transposed_in_hf
 
 
 # ---- Megatron <-> HuggingFace ------------------------------------------------------------------------

@@ -99,11 +99,6 @@ def ft_layout(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False,
     return layout
 
 
-def ft_section(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) -> str:
-    """The FT section name (`gpt`, `llama`, ...) for the model; one-line refusal otherwise."""
-    return ft_layout(spec, infer_tp, allow_approx_gelu).section
-
-
 # ---- the files FT's loader opens ---------------------------------------------------------------------
 def ft_expected_files(section: str, cfg: dict[str, Any]) -> list[FTFile]:
     """Every file FT's C++ loader opens for a config (int8_mode 0, no prompt tables), with its shape."""
