@@ -82,6 +82,11 @@ class SourceBase:
         """Megatron-Bridge's training counters (`train_state.pt`) of a torch_dist source, or None."""
         return None
 
+    def listed_files(self) -> list[dict[str, Any]] | None:
+        """The checkpoint's files with their bytes, as `inspect` lists them (a torch_dist source); None: not
+        listed."""
+        return None
+
     def units(self, split_experts: bool = False) -> list[Unit]:
         return units_of(self.spec, split_experts and self.splits_experts)
 

@@ -68,7 +68,7 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
             "rank_shapes": {str(t): shard for t in range(tp)}, "stages": where,
             "collective": SPLIT_COLLECTIVE[d.kind] if tp > 1 or d.kind != "replicated" else "none",
         })
-    files = src.files() if hasattr(src, "files") and callable(src.files) else None
+    files = src.listed_files()
     return {
         "writer": writer_of(src),
         "path": str(path), "format": src.format, "iteration": src.iteration,
