@@ -80,7 +80,7 @@ def peer_script() -> Path:
 # ---- the commands measured --------------------------------------------------------------------------
 # the fixed cost every conversion process pays before its first byte: the interpreter with torch, and the
 # engine's modules on top (the CLI imports them only for a conversion verb)
-STARTUP = {"import-torch": "import torch", "import-engine": "import mconvert.convert.driver"}
+STARTUP = {"import-torch": "import torch", "import-engine": "import mconvert.convert.verbs"}
 
 
 def converts(label: str) -> bool:

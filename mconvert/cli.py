@@ -331,7 +331,7 @@ def megatron_to_hf_cmd(
       mconvert megatron-to-hf ds-ckpt/ ds-fp8/ --fp8-blocks
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -375,7 +375,7 @@ def hf_to_megatron_cmd(
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -425,7 +425,7 @@ def reshard_cmd(
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -498,7 +498,7 @@ def megatron_to_ft_cmd(
     """
     _at_least_one(("--tp/--infer-tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_ft
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -532,7 +532,7 @@ def megatron_to_trtllm_cmd(
     """
     _at_least_one(("--tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -568,7 +568,7 @@ def megatron_to_gguf_cmd(
       mconvert megatron-to-gguf ckpt/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
 
     _manifest_hash(manifest_hash, one_process="megatron-to-gguf")
     tuning.apply()
@@ -596,7 +596,7 @@ def hf_to_gguf_cmd(
       mconvert hf-to-gguf hf/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
 
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")
     tuning.apply()
@@ -637,7 +637,7 @@ def to_onnx_cmd(
                             "below 1 (default 1e-4), or omit it")
     _at_least_one(("--opset", opset))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.onnx import to_onnx
+    from mconvert.convert.verbs import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
     tuning.quiet_gc()  # the imports out of the collector's reach; the collector back on
 

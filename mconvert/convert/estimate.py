@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from mconvert import dtypes
-from mconvert.convert.deploy.ft_checks import ft_layout
+from mconvert.convert.base import units_of
+from mconvert.convert.deploy import fastertransformer as ft
+from mconvert.convert.deploy import trtllm
 from mconvert.io.paths import load_json_object
 from mconvert.convert.megatron.layout import RANK_FILE, rank_dir_name
-from mconvert.convert.deploy.trtllm_layout import expected_trtllm_shapes, trtllm_config, trtllm_refusal
 from rich.table import Table
 
 from mconvert.errors import MConvertError, expect
@@ -225,41 +226,28 @@ def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES
     return [{"path": nm, "bytes": sum(sh), "tensors": len(sh)} for nm, sh in zip(names, shards)]
 
 
-def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]:
-    """FasterTransformer `<t>-gpu/*.bin`: replicated tensors once, split tensors once per rank (true vocab);
-    `unit` is the unit (embedding, layer index, final) whose tensors the file holds. A layout the verb refuses
-    is refused here too; the approximate GELU and a sliding window are the verb's own flags (--allow-approx-gelu,
-    --accept-window-as-full), so they are allowed."""
-    ft_layout(spec.replace(window_size=None), ft_tp, allow_approx_gelu=True, option="--target-tp")
-    units: list[tuple[Any, list[ParamDecl]]] = [("embedding", spec.embedding_params())]
-    units += [(i, spec.layer_params(i)) for i in range(spec.num_layers)]
-    units.append(("final", spec.final_params()))
-    files = []
-    for unit, decls in units:
-        for d in decls:
-            shape = (spec.vocab_size, *d.shape[1:]) if d.kind == "vocab" else d.shape
-            n = _numel(shape)
-            if d.layer is None or d.kind == "replicated":
-                files.append({"path": f"{ft_tp}-gpu/{d.name}.bin", "bytes": n * itemsize, "tensors": 1, "unit": unit})
-            else:
-                for r in range(ft_tp):
-                    files.append({"path": f"{ft_tp}-gpu/{d.name}.{r}.bin", "bytes": n // ft_tp * itemsize,
-                                  "tensors": 1, "unit": unit})
-    return files
+def ft_files(spec: ModelSpec, ft_tp: int, dtype: str) -> list[dict[str, Any]]:
+    """FasterTransformer `<t>-gpu/`: FT's own files with their bytes (`fastertransformer.prepare`, as the verb
+    writes them) in unit order; `unit` is the unit (embedding, layer index, final) whose tensors a weight file
+    holds (config.ini: none). A layout the verb refuses is refused here too; the approximate GELU and a sliding
+    window are the verb's own flags (--allow-approx-gelu, --accept-window-as-full), so they are allowed, and bf16
+    is counted as the fp16 FT's own tools write it."""
+    prepared = ft.prepare(spec, ft_tp, "fp16" if dtype == "bfloat16" else dtype, allow_approx_gelu=True,
+                          accept_window_as_full=True, option="--target-tp")
+    order = {unit: i for i, unit in enumerate(units_of(spec))}
+    files = [{**f, "tensors": int(f["path"] in prepared.units), "unit": prepared.units.get(f["path"])}
+             for f in prepared.files]
+    return sorted(files, key=lambda f: order.get(f["unit"], len(order)))
 
 
 def trtllm_files(spec: ModelSpec, trt_tp: int, dtype: str) -> list[dict[str, Any]]:
     """TensorRT-LLM `rank{r}.safetensors` (tensor bytes: the shapes the checker derives from config.json; the
-    header is not counted) and `config.json`. A sliding window is the verb's own flag (--accept-window-as-full),
-    so it is allowed."""
-    spec = spec.replace(window_size=None)
-    trtllm_refusal(spec, trt_tp)
-    cfg = trtllm_config(spec, trt_tp, dtype)
-    shapes = expected_trtllm_shapes(cfg)
-    per_rank = sum(_numel(s) for s in shapes.values()) * ITEMSIZE[dtype]
-    files = [{"path": f"rank{r}.safetensors", "bytes": per_rank, "tensors": len(shapes)} for r in range(trt_tp)]
-    config = json.dumps(cfg, indent=4) + "\n"
-    return files + [{"path": "config.json", "bytes": len(config.encode()), "tensors": 0}]
+    header is not counted) and `config.json`, as `trtllm.prepare` works them out for the verb. A sliding window
+    is the verb's own flag (--accept-window-as-full), so it is allowed."""
+    prepared = trtllm.prepare(spec, trt_tp, dtype, accept_window_as_full=True)
+    files = [{"path": f"rank{r}.safetensors", "bytes": prepared.rank_bytes, "tensors": len(prepared.shapes)}
+             for r in range(trt_tp)]
+    return files + [{"path": "config.json", "bytes": len(prepared.config_text.encode()), "tensors": 0}]
 
 
 @dataclass
@@ -382,7 +370,7 @@ def estimate(
         if to == "ft":
             if out_item == 2 and dtype == "bfloat16":
                 notes.append("FasterTransformer stores fp32 or fp16 weights; bf16 is written as fp16 by FT's own tools")
-            write = ft_files(spec, ft_tp, out_item)
+            write = ft_files(spec, ft_tp, dtype)
         elif to == "trtllm":
             write = trtllm_files(spec, ft_tp, dtype)
             notes.append("rank files hold the whole model (no pipeline split); every process that writes one "
@@ -448,8 +436,9 @@ def _output_groups(est: Estimate) -> list[int]:
         return [f["bytes"] for f in write if f["path"].startswith("rank")]
     if est.operation == "megatron-to-ft":
         units: dict[Any, int] = {}
-        for f in write:  # in unit order: the order the conversion deals them out in
-            units[f["unit"]] = units.get(f["unit"], 0) + f["bytes"]
+        for f in write:  # in unit order: the order the conversion deals them out in; config.ini is rank 0's
+            if f["unit"] is not None:
+                units[f["unit"]] = units.get(f["unit"], 0) + f["bytes"]
         return list(units.values())
     stages: dict[str, int] = {}
     for f in write:

@@ -90,6 +90,6 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
 
 def plan_for_source(verb: str, src: Any, **kw: Any) -> dict[str, Any]:
     """`plan` for an opened Source (its spec, TP, PP and EP)."""
-    out = plan(verb, src.spec, src_tp=src.tp, src_pp=src.pp, src_ep=getattr(src, "ep", 1), **kw)
+    out = plan(verb, src.spec, src_tp=src.tp, src_pp=src.pp, src_ep=src.ep, **kw)
     out["source"] = src.describe()
     return out

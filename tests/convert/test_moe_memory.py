@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.convert.driver import reshard
+from mconvert.convert.verbs import reshard
 from mconvert.io.hashing import HashingFile
 from mconvert.convert.megatron.writer import megatron_writer
 from mconvert.mappings.families import preset
@@ -39,21 +39,21 @@ TORCH_DIST_QUEUE = inspect.signature(HashingFile).parameters["max_pending"].defa
 PROBE = r"""
 import json, sys, psutil
 from pathlib import Path
-from mconvert.convert import driver
+from mconvert.convert import driver, verbs
 from mconvert.io import tuning
 tuning.apply()  # as the mconvert command does before a conversion (heap threshold, threads, gc)
 mg, warm, out = sys.argv[1:4]
 VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes hf-to-megatron's source
-    "megatron-to-hf": ("{mg}", lambda s, o, **kw: driver.megatron_to_hf(s, o, max_shard_size="8MB", **kw)),
-    "hf-to-megatron": ("{out}/megatron-to-hf", lambda s, o, **kw: driver.hf_to_megatron(s, o, tp=2, ep=2, **kw)),
-    "reshard": ("{mg}", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4, **kw)),
-    "reshard --with-optimizer": ("{mg}.adam", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4,
+    "megatron-to-hf": ("{mg}", lambda s, o, **kw: verbs.megatron_to_hf(s, o, max_shard_size="8MB", **kw)),
+    "hf-to-megatron": ("{out}/megatron-to-hf", lambda s, o, **kw: verbs.hf_to_megatron(s, o, tp=2, ep=2, **kw)),
+    "reshard": ("{mg}", lambda s, o, **kw: verbs.reshard(s, o, tp=1, pp=1, ep=4, **kw)),
+    "reshard --with-optimizer": ("{mg}.adam", lambda s, o, **kw: verbs.reshard(s, o, tp=1, pp=1, ep=4,
                                                                                 with_optimizer=True, **kw)),
-    "megatron-to-hf from torch_dist": ("{mg}.dist", lambda s, o, **kw: driver.megatron_to_hf(s, o, max_shard_size="8MB",
+    "megatron-to-hf from torch_dist": ("{mg}.dist", lambda s, o, **kw: verbs.megatron_to_hf(s, o, max_shard_size="8MB",
                                                                                            **kw)),
-    "reshard torch_dist -> torch": ("{mg}.dist", lambda s, o, **kw: driver.reshard(s, o, tp=1, pp=1, ep=4,
+    "reshard torch_dist -> torch": ("{mg}.dist", lambda s, o, **kw: verbs.reshard(s, o, tp=1, pp=1, ep=4,
                                                                                   format="torch", **kw)),
-    "reshard torch -> torch_dist": ("{mg}", lambda s, o, **kw: driver.reshard(s, o, tp=2, pp=1, ep=1,
+    "reshard torch -> torch_dist": ("{mg}", lambda s, o, **kw: verbs.reshard(s, o, tp=2, pp=1, ep=1,
                                                                              format="torch_dist", **kw)),
 }
 Path(out, "warm").mkdir()

@@ -37,7 +37,7 @@ def trained_ckpt(family: str) -> Path:
 @lru_cache(maxsize=None)
 def hf_export(family: str, shard: str = "5GB") -> Path:
     """The checkpoint converted to HF by `megatron-to-hf` (tokenizer carried, manifest written)."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     out = WORK / f"hf-{family}-{shard}"
     megatron_to_hf(trained_ckpt(family), out, max_shard_size=shard)
@@ -46,7 +46,7 @@ def hf_export(family: str, shard: str = "5GB") -> Path:
 
 @lru_cache(maxsize=None)
 def resharded(family: str, tp: int, pp: int) -> Path:
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
 
     out = WORK / f"ckpt-{family}-tp{tp}pp{pp}"
     reshard(trained_ckpt(family), out, tp=tp, pp=pp)
@@ -55,7 +55,7 @@ def resharded(family: str, tp: int, pp: int) -> Path:
 
 @lru_cache(maxsize=None)
 def onnx_export(family: str) -> Path:
-    from mconvert.convert.deploy.onnx import to_onnx
+    from mconvert.convert.verbs import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
     out = WORK / f"onnx-{family}"
@@ -65,7 +65,7 @@ def onnx_export(family: str) -> Path:
 
 @lru_cache(maxsize=None)
 def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_ft
 
     out = WORK / f"ft-{family}-{infer_tp}-{dtype}"
     megatron_to_ft(trained_ckpt(family), out, infer_tp, dtype)
@@ -74,7 +74,7 @@ def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
 
 @lru_cache(maxsize=None)
 def trtllm_export(family: str, tp: int) -> Path:
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     out = WORK / f"trtllm-{family}-{tp}"
     megatron_to_trtllm(trained_ckpt(family), out, tp)
@@ -133,7 +133,7 @@ def mcore_moe_greedy(family: str, prompts: list[list[int]], max_tokens: int) -> 
 @lru_cache(maxsize=None)
 def mcore_moe_export(family: str) -> Path:
     """megatron-core's MoE checkpoint converted by `megatron-to-hf`."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     out = WORK / f"hf-mcore-{family}"
     megatron_to_hf(mcore_moe_ckpt(family), out)

@@ -21,7 +21,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 
@@ -122,7 +122,7 @@ def test_trainer_gemma_exports_match_the_native_forward_past_the_window(trained,
 
 @pytest.mark.slow
 def test_reshard_with_optimizer_keeps_the_function(trained, tmp_path) -> None:
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
     from mconvert.trainer.infer import megatron_logits
 
     ckpt, _, native = trained["tiny-gemma3"]

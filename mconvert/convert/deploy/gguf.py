@@ -1,5 +1,6 @@
-"""GGUF for llama.cpp (`mconvert megatron-to-gguf`, `hf-to-gguf`): one `.gguf` file written through gguf-py's
-`GGUFWriter`, llama.cpp's own writer.
+"""GGUF for llama.cpp (`mconvert megatron-to-gguf`, `hf-to-gguf`, whose verbs are in `convert/verbs.py`): one
+`.gguf` file written through gguf-py's `GGUFWriter`, llama.cpp's own writer. `prepare` is the one place its
+refusals and its tensor plan are worked out; the verb, the writer, `--dry-run` and `verify` take them from it.
 
 What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp): tensor names from the family's
 `GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
@@ -23,7 +24,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,14 +34,10 @@ import numpy as np
 import torch
 
 from mconvert.convert.base import Unit, units_of
-from mconvert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
 from mconvert.io.paths import inside_file, load_json_object, read_small
-from mconvert.convert.driver import drive, peak_rss_bytes
-from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.casts import check_narrowed, value_range
-from mconvert.convert.sources import open_source
 from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
-from mconvert.convert.writer import Report, Writer, make_report
+from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf
 from mconvert.mappings.record import EXPERT_FF_KEY, GgufLayout
@@ -222,6 +218,34 @@ def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[Gguf
             plan.append(GgufTensor(name, tuple(by[e][0] for e in experts), unit, shape,
                                    tensor_type(name, shape, outtype)))
     return plan
+
+
+@dataclass(frozen=True)
+class GgufPrepared:
+    """What one GGUF conversion writes, worked out before any tensor is read: the spec as the file states it (a
+    sliding window accepted as full attention), the family's layout after every refusal, every tensor of the
+    file in write order with its shape and type, and the notes the report carries."""
+
+    spec: ModelSpec
+    layout: GgufLayout
+    outtype: str
+    tensors: list[GgufTensor]
+    notes: list[str]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def prepare(spec: ModelSpec, outtype: str = "f16", accept_window_as_full: bool = False) -> GgufPrepared:
+    """The one place a GGUF's refusals and plan are worked out (the verb, `GgufWriter`, `--dry-run` and `verify`
+    call it): the --outtype, a sliding window (`accept_window_as_full`: written as full attention, with a
+    note), what HF and llama.cpp cannot hold (`gguf_layout`), then every tensor from the spec alone."""
+    outtype_types(outtype)
+    own = families.of(spec).gguf
+    spec, window_note = spec.window_as_full("GGUF", accept_window_as_full, own.states if own else ())
+    layout = gguf_layout(spec)
+    return GgufPrepared(spec, layout, outtype, plan_tensors(spec, layout, outtype), [window_note] if window_note else [])
 
 
 def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -517,18 +541,20 @@ def gguf_log(name: str, private: Path | None = None, shown: Path | None = None) 
 # ---- the writer -----------------------------------------------------------------------------------------
 class GgufWriter(Writer):
     """Writer of one `.gguf` (reads HF-named units): header, metadata and tensor infos at open, then each unit's
-    tensors appended in plan order by `add`; `close` checks every planned tensor was written."""
+    tensors appended in plan order by `add`; `close` checks every planned tensor was written. It writes what
+    `prepare` worked out."""
 
     reads = "hf"
 
-    def __init__(self, path: Path, spec: ModelSpec, outtype: str, tokenizer_dir: Path | None,
+    def __init__(self, path: Path, prepared: GgufPrepared, tokenizer_dir: Path | None,
                  name: str | None = None, permute: bool = True) -> None:
         g = _gguf()
-        self.path, self.spec, self.outtype = Path(path), spec, outtype
-        self.layout = gguf_layout(spec)
+        self.path, self.spec, self.outtype = Path(path), prepared.spec, prepared.outtype
+        spec = self.spec
+        self.layout = prepared.layout
         self.permute = permute  # False only to prove that a file without the permutation fails validation
         self.warnings: list[str] = []  # what gguf-py logged while reading the tokenizer
-        self.plan = plan_tensors(spec, self.layout, outtype)
+        self.plan = prepared.tensors
         if tokenizer_dir is None:
             raise MConvertError("no tokenizer found beside the checkpoint; GGUF embeds one — pass --tokenizer DIR")
         vocab = gguf_vocab(tokenizer_dir, spec.vocab_size)
@@ -668,54 +694,3 @@ class GgufWriter(Writer):
     def abort(self) -> None:
         """Close the file; the atomic output removes it."""
         self._w.close()
-
-
-# ---- the verbs ------------------------------------------------------------------------------------------
-@crc_in_background
-def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokenizer: str | Path | None = None,
-            iteration: int | str | None = None, force: bool = False, verb: str = "megatron-to-gguf",
-            permute: bool = True, progress: bool = False, dry_run: bool = False,
-            accept_window_as_full: bool = False) -> Report:
-    """Megatron checkpoint (torch or torch_dist, any TP/PP) or HF dir -> one GGUF file, streamed unit by unit
-    through the driver's loop, written atomically with its manifest beside it. Returns the common report.
-    `accept_window_as_full`: a sliding-window model is written as full attention, and the report says so."""
-    t0 = time.perf_counter()
-    outtype_types(outtype)
-    check_output_file(out, force, (src_path, tokenizer))
-    src = open_source(src_path, iteration=iteration, tokenizer=tokenizer)
-    if verb == "megatron-to-gguf" and src.format == "hf":
-        raise MConvertError(f"{src_path}: this is a HuggingFace directory; use hf-to-gguf")
-    if verb == "hf-to-gguf" and src.format != "hf":
-        raise MConvertError(f"{src_path}: not a HuggingFace directory (detected {src.format}); use megatron-to-gguf")
-    if not getattr(src, "vocab_known", True):
-        raise MConvertError(f"{src_path}: vocab size unknown (args have no vocab_size and no tokenizer was found); "
-                            "pass --tokenizer DIR")
-    tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
-    own = families.of(src.spec).gguf
-    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full, own.states if own else ())
-    warnings = [window_note] if window_note else []
-    layout = gguf_layout(spec)  # every refusal before any tensor is read
-    extras = dict(arch=layout.arch, outtype=outtype, tokenizer=str(tok_dir),
-                  permuted_qk=layout.permute_qk and permute)
-    if dry_run:
-        plan = plan_tensors(spec, layout, outtype)
-        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
-        src.close()
-        files = [{"path": Path(out).name, "bytes": None}, {"path": file_manifest_path(out).name, "bytes": None}]
-        return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, None,
-                           time.perf_counter() - t0, dry_run=True, tensors=len(plan),
-                           tensor_bytes=sum(t.nbytes for t in plan), **extras)
-    try:
-        with gguf_log("gguf") as said, atomic_output_file(out, force, inputs=(src_path, tokenizer,
-                                                                                src.tokenizer_dir)) as tmp:
-            writer = GgufWriter(tmp, spec, outtype, tok_dir, name=Path(src_path).name, permute=permute)
-            drive(src, writer, verb, progress)
-            wait_crc_checks()  # the input's checks, run in the background, before the output is committed
-            n = len(writer.plan)
-    finally:
-        src.close()
-    warnings += writer.warnings + [f"gguf-py: {w}" for w in said]
-    files = [{"path": Path(out).name, "bytes": Path(out).stat().st_size},
-             {"path": file_manifest_path(out).name, "bytes": file_manifest_path(out).stat().st_size}]
-    return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, peak_rss_bytes(),
-                       time.perf_counter() - t0, tensors=n, **extras)

@@ -524,7 +524,7 @@ class TorchDistSource(SourceBase):
         box = self.read_slice(key, (*lead, *(0,) * len(shape)), (*(1,) * len(lead), *shape))
         return box[(0,) * len(lead)] if lead else box
 
-    def files(self) -> list[dict[str, Any]]:
+    def listed_files(self) -> list[dict[str, Any]]:
         """The iteration dir's files: each DCP data file with its bytes and entry count, then `.metadata`,
         `common.pt`, `metadata.json` and Megatron-LM's `integrity.json` (sizes from the opening checks' stat calls
         and the file system)."""

@@ -227,7 +227,7 @@ class TorchDistWriter(Writer):
                  optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False,
                  bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
                  split: PipelineSplit | None = None) -> None:
-        self.split = checked_split(spec, tp, pp, vpp, ep, split)
+        self.split = checked_split(spec, pp, vpp, split)
         if spec.mtp_num_layers:  # megatron-core keys its MTP layers apart; not laid out here
             raise MConvertError(f"--format torch_dist of a model with multi-token prediction layers (mtp_num_layers="
                                 f"{spec.mtp_num_layers}) is not supported; use --format torch")

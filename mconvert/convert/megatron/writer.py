@@ -61,7 +61,7 @@ class MegatronWriter(Writer):
                  optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None,
                  rank_top_level: Any = None, extra_state: bool = True,
                  preview: Any = None, ep: int = 1, ep_rank: int = 0, split: PipelineSplit | None = None) -> None:
-        self.split = checked_split(spec, tp, pp, vpp, ep, split)
+        self.split = checked_split(spec, pp, vpp, split)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.ep, self.ep_rank = ep, ep_rank  # this writer's EP rank: its experts and every dense weight
         self.iteration, self.dtype = iteration, dtype
@@ -398,10 +398,10 @@ class MegatronWriter(Writer):
         return self.files
 
 
-def checked_split(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int,
-                  split: PipelineSplit | None) -> PipelineSplit:
-    """The pipeline split a writer at TP/PP/VPP/EP uses (None: the even one, which `PipelineSplit.make` refuses
-    where the layers do not divide); the verb has checked heads, groups, ffn and experts (`check_parallel`)."""
+def checked_split(spec: ModelSpec, pp: int, vpp: int | None, split: PipelineSplit | None) -> PipelineSplit:
+    """The pipeline split a writer at PP/VPP uses (None: the even one, which `PipelineSplit.make` refuses where
+    the layers do not divide); the verb has checked heads, groups, ffn and experts at its TP/EP
+    (`check_parallel`)."""
     if split is None:
         return PipelineSplit.make(spec.num_layers, pp, vpp)
     if (split.pp, split.vpp, split.num_layers) != (pp, vpp, spec.num_layers):
@@ -484,7 +484,7 @@ def megatron_writer(out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | Non
                     **kw: Any) -> MegatronWriter | ExpertParallelWriter:
     """The writer of a Megatron checkpoint at TP/PP(/VPP)/EP (`kw`: `MegatronWriter`'s options, `split` among
     them)."""
-    checked_split(spec, tp, pp, vpp, ep, kw.get("split"))
+    checked_split(spec, pp, vpp, kw.get("split"))
     if ep == 1:
         return MegatronWriter(out, spec, tp, pp, vpp, **kw)
     return ExpertParallelWriter([MegatronWriter(out, spec, tp, pp, vpp, ep=ep, ep_rank=e, **kw) for e in range(ep)])

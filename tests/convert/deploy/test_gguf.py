@@ -19,7 +19,7 @@ import transformers
 from validate_common import WORK, hf_export, mcore_moe_ckpt, mcore_moe_export, trained_ckpt
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.deploy.gguf import to_gguf
+from mconvert.convert.verbs import to_gguf
 from mconvert.mappings.gguf_vocab import PRE_TOKENIZERS
 from mconvert.io.atomic import file_manifest_path
 from mconvert.errors import MConvertError

@@ -24,7 +24,7 @@ import torch
 import transformers
 from scratch import scratch_dir
 
-from mconvert.convert.deploy.gguf import to_gguf
+from mconvert.convert.verbs import to_gguf
 from mconvert.validators.gguf_runner import GGUF_VENV, STAMP
 
 WORK = scratch_dir("mconvert-gguf-peer-", __name__)

@@ -153,7 +153,7 @@ def test_converted_gemma3_serves_in_vllm_with_transformers_greedy_tokens_beyond_
     bases) through hf-to-megatron TP=2 PP=2 and back; prompts longer than its 16-key window."""
     from deploy_common import make_hf
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
     from mconvert.mappings.families import preset
 
     src = make_hf(preset("tiny-gemma3"), tmp_path / "src")
@@ -172,7 +172,7 @@ def glm45_export(tmp_path_factory):
     Megatron checkpoint and exported to HF Glm4MoeForCausalLM."""
     import torch
 
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
     from mconvert.mappings.families import preset
     from mconvert.trainer.model import GPTModel

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from safety_common import run_cli
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.mappings.families import preset
 
 pytestmark = pytest.mark.slow
@@ -207,7 +207,8 @@ def test_fp8_blocks_refuses_conv1d_families(tmp_path, capsys):
 
 MEM_PROBE = r"""
 import json, sys, psutil
-from mconvert.convert.driver import hf_to_megatron, peak_rss_bytes
+from mconvert.convert.driver import peak_rss_bytes
+from mconvert.convert.verbs import hf_to_megatron
 from mconvert.io import tuning
 tuning.apply()
 base = psutil.Process().memory_info().rss

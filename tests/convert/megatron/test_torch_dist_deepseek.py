@@ -21,7 +21,7 @@ from mcore_ref import McoreContext, perturb, run_mcore, save_checkpoints
 from safetensors.torch import load_file
 from test_torch_dist_write import _dcp_read_all, _summary
 
-from mconvert.convert.driver import megatron_to_hf, reshard
+from mconvert.convert.verbs import megatron_to_hf, reshard
 from mconvert.io.safeload import safe_load
 from mconvert.convert.megatron.layout import rank_file
 from mconvert.mappings.families import preset
@@ -95,7 +95,7 @@ def test_torch_dist_back_to_rank_files_gives_the_legacy_tensors(saved, tmp_path)
 def test_hf_to_torch_dist_and_back_gives_the_hf_bytes(saved, tmp_path):
     """HF -> torch_dist at TP=2 EP=2 (per-layer keys) -> HF: the same safetensors, byte for byte; a model with
     MTP layers is refused by name, nothing written."""
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
     from mconvert.errors import MConvertError
 
     root, _, _ = saved
