@@ -6,7 +6,8 @@ through `LLM.chat`, vLLM rendering the carried template itself; the Llama-3.x ro
 presets trained at TP2 PP2 serve with transformers' greedy tokens. Mixtral and Qwen3-MoE checkpoints written by
 megatron-core's own MoE GPTModel (EP=2, TP=2 EP=2) serve after `megatron-to-hf` with megatron-core's greedy tokens.
 The trained sliding-window Mistral serves on prompts longer than its window with transformers' greedy tokens and
-prompt logprobs."""
+prompt logprobs. tiny-deepseek-v3 passes `verify --against --vllm-python`; vLLM's CPU rotary kernel on its
+multi-latent attention, `rope_interleave: false` and two weight-layout errors fail."""
 
 from __future__ import annotations
 
