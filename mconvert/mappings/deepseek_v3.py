@@ -18,6 +18,7 @@ embedding and head (`embed_tokens`, `shared_head.head`), as DeepSeek publishes t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mconvert.errors import MConvertError
@@ -248,9 +249,25 @@ def recognise(fields: dict[str, Any]) -> bool:
     return fields.get("kv_lora_rank") is not None
 
 
+def mla_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """verify's config.json checks for multi-latent attention: (problems, notes)."""
+    problems, notes = llama.rope_config_checks(cfg)
+    if cfg.get("rope_interleave", True) is not True:
+        problems.append(f"rope_interleave={cfg['rope_interleave']!r}: transformers then rotates halves, vLLM's "
+                        "DeepSeek model rotates interleaved pairs whatever the flag")
+    return problems, notes
+
+
+# vLLM's CPU MLA caches the kv latent and the rope key together, one kernel width: kv_lora_rank + qk_rope_head_dim
+MLA_VLLM = dataclasses.replace(
+    llama.ROPE_VLLM, config_checks=mla_config_checks, cpu_head_dims=(576,),
+    head_dim=lambda cfg: int(cfg.get("kv_lora_rank", 512)) + int(cfg.get("qk_rope_head_dim", 64)),
+    head_dim_label="kv_lora_rank + qk_rope_head_dim")
+
+
 FAMILY = Family(**llama.rope_family(
     NAME, "DeepseekV3", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
-    recognise=recognise, recognise_order=4,
+    recognise=recognise, recognise_order=4, vllm=MLA_VLLM,
     ft=None,  # FasterTransformer has no MLA
     trtllm=None,  # no confirmed TensorRT-LLM MLA layout here
     gguf=None,  # llama.cpp's deepseek2 layout (kv_b_proj split into k_b / v_b) is not built

@@ -197,6 +197,9 @@ class VllmFacts:
     rope: bool
     always_ties_head: TiedHeadMessages | None = None  # vLLM ignores tie_word_embeddings=false for it
     untied_export_warning: str | None = None  # megatron-to-hf warning for an untied model
+    # the head widths vLLM's CPU attention runs and what `head_dim` measures (None: its standard attention's widths)
+    cpu_head_dims: tuple[int, ...] | None = None
+    head_dim_label: str = "head_dim"
 
 
 @dataclass(frozen=True)
