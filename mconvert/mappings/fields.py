@@ -143,11 +143,14 @@ def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, wh
 
 def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
     """Refuse Megatron args that change the function and are not mapped (one line naming each arg); with
-    `position_embedding_type='yarn'` the YaRN args are mapped (`MEGATRON_YARN_ARGS`).
+    `position_embedding_type='yarn'` the YaRN args are mapped (`MEGATRON_YARN_ARGS`), with multi-latent
+    attention its rope args (`MEGATRON_MLA_ROPE_ARGS`).
 
     A name in no table is judged by `unlisted_passes` first: at a known release's default, or of a class of
     options that cannot reach the model's function, it passes; otherwise `check` refuses it by name."""
     table = {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if args.get("position_embedding_type") == "yarn" else MEGATRON_ARGS
+    if args.get("multi_latent_attention"):
+        table = {**table, **MEGATRON_MLA_ROPE_ARGS}
     check({k: v for k, v in args.items() if not unlisted_passes(k, v, table)}, table, source, "Megatron arg")
 
 
@@ -627,6 +630,24 @@ MEGATRON_YARN_ARGS: dict[str, Field] = {
     "mscale": mapped("yarn_mscale", NUM, 1.0),
     "mscale_all_dim": mapped("yarn_mscale_all_dim", NUM, 0.0),
     "yarn_correction_range_round_to_int": mapped("yarn_correction_range_round_to_int", BOOL, True),
+}
+
+
+# Multi-latent attention's rope: MLATransformerConfig's fields, which Megatron-LM copies from args of the same
+# name (--rope-type, --rotary-scaling-factor, --mscale, --mscale-all-dim; original_max_position_embeddings,
+# beta_fast and beta_slow only when a build of it has such args); read by `spec.deepseek_from_megatron_args`,
+# which refuses what is ambiguous by name.
+MEGATRON_MLA_ROPE_ARGS: dict[str, Field] = {
+    "rope_type": mapped("rope_scaling", STR, None, ("rope", "yarn")),
+    "rotary_scaling_factor": mapped("rope_scaling_factor", NUM),
+    "original_max_position_embeddings": mapped("rope_original_max_position_embeddings", INT),
+    "beta_fast": mapped("yarn_beta_fast", NUM),
+    "beta_slow": mapped("yarn_beta_slow", NUM),
+    "mscale": mapped("yarn_mscale", NUM),
+    "mscale_all_dim": mapped("yarn_mscale_all_dim", NUM),
+    **neutral("GPTModel's YaRN args, which megatron-core's MLA does not read (spec.mla_yarn_from_megatron_args "
+              "refuses one that differs from what MLA reads)", "yarn_original_max_position_embeddings",
+              "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int"),
 }
 
 
