@@ -242,10 +242,11 @@ PRESETS = {
         moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=32,
         moe_layer_freq=(0, 1, 1), mtp_num_layers=1, rope_scaling="yarn", rope_scaling_factor=4.0,
         rope_original_max_position_embeddings=32, yarn_mscale=1.0, yarn_mscale_all_dim=1.0),
-    # DeepSeek-V3 / R1's shapes (HF config.json of deepseek-ai/DeepSeek-V3), for `plan` estimates from shapes only
+    # DeepSeek-V3 / R1 (HF config.json of deepseek-ai/DeepSeek-V3, its YaRN included), for `plan` estimates
     "deepseek-v3-671b": deepseek_preset(
         num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432, vocab_size=129280,
-        max_position_embeddings=4096, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        max_position_embeddings=163840, rope_scaling="yarn", rope_scaling_factor=40.0,
+        rope_original_max_position_embeddings=4096, yarn_mscale=1.0, yarn_mscale_all_dim=1.0, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, num_experts=256, moe_ffn_hidden_size=2048, moe_router_topk=8, moe_router_num_groups=8,
         moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=2048,
         moe_layer_freq=tuple([0] * 3 + [1] * 58), mtp_num_layers=1, params_dtype="bfloat16"),

@@ -268,3 +268,9 @@ def test_hf_mscale_pair_reads_as_transformers_computes_it(rope: dict, pair: tupl
 def test_hf_mla_yarn_megatron_cannot_compute_is_refused(rope: dict, message: str) -> None:
     with pytest.raises(MConvertError, match=message):
         spec_from_hf_config(_hf_config(**rope))
+
+
+def test_deepseek_v3_671b_preset_is_the_published_config() -> None:
+    """The plan preset is the model DeepSeek-V3's own config.json describes (its YaRN rope included)."""
+    cfg = json.loads((Path(__file__).parents[1] / "data" / "configs" / "deepseek-ai__DeepSeek-V3.json").read_text())
+    assert spec_from_hf_config(cfg).replace(bos_token_id=None, eos_token_id=None) == preset("deepseek-v3-671b")
