@@ -266,4 +266,6 @@ FAMILY = Family(**llama.rope_family(
     gguf=None,  # llama.cpp's deepseek2 layout (kv_b_proj split into k_b / v_b) is not built
     moe=True,
     deepseek=True,
+    # Kimi K2 (moonshotai): architectures DeepseekV3ForCausalLM, auto_map to DeepSeek-V3's own modeling code
+    remote_model_types=("kimi_k2",),
 ))
