@@ -274,3 +274,55 @@ def test_deepseek_v3_671b_preset_is_the_published_config() -> None:
     """The plan preset is the model DeepSeek-V3's own config.json describes (its YaRN rope included)."""
     cfg = json.loads((Path(__file__).parents[1] / "data" / "configs" / "deepseek-ai__DeepSeek-V3.json").read_text())
     assert spec_from_hf_config(cfg).replace(bos_token_id=None, eos_token_id=None) == preset("deepseek-v3-671b")
+
+
+def test_kimi_k2_reads_as_deepseek_v3_and_exports_a_config_transformers_builds() -> None:
+    """Kimi K2's config (model_type kimi_k2, DeepseekV3ForCausalLM, auto_map to DeepSeek's modeling code; its YaRN
+    with beta_fast 1) is the DeepSeek-V3 function: read as if its model_type were deepseek_v3, and exported under
+    deepseek_v3, which transformers builds natively (no remote code) with the same rope."""
+    from transformers import AutoConfig, DeepseekV3Config
+
+    from mconvert.mappings.families import hf_config
+
+    cfg = json.loads((Path(__file__).parents[1] / "data" / "configs" / "moonshotai__Kimi-K2.json").read_text())
+    spec = spec_from_hf_config(cfg)
+    assert spec == spec_from_hf_config({**cfg, "model_type": "deepseek_v3"})
+    assert (spec.family, spec.yarn_beta_fast, spec.yarn_beta_slow, spec.rope_scaling_factor) == (
+        "deepseek_v3", 1.0, 1.0, 32.0)
+    out = hf_config(spec)
+    assert (out["model_type"], out["architectures"], "auto_map" in out) == ("deepseek_v3", ["DeepseekV3ForCausalLM"],
+                                                                           False)
+    built = AutoConfig.for_model(**{k: v for k, v in out.items() if k != "model_type"}, model_type="deepseek_v3")
+    assert isinstance(built, DeepseekV3Config)
+    assert {k: built.rope_scaling[k] for k in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")} == {
+        k: float(cfg["rope_scaling"][k]) for k in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
+    with pytest.raises(MConvertError, match="model_type='kimi_k3' contradicts"):
+        spec_from_hf_config({**cfg, "model_type": "kimi_k3"})
+
+
+# moonshotai/Moonlight-16B-A3B's config.json as published (values as vendored in a public test's copy; the Hub
+# file is not reachable from here): MLA without a q latent, no rope scaling, 64 experts, 2 shared
+MOONLIGHT = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "bos_token_id": 163584, "eos_token_id": 163586, "ep_size": 1, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 11264,
+    "kv_lora_rank": 512, "max_position_embeddings": 8192, "model_type": "deepseek_v3", "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": True,
+    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+    "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "routed_scaling_factor": 2.446,
+    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.46.3", "use_cache": True, "v_head_dim": 128,
+    "vocab_size": 163840}
+
+
+def test_moonlight_reads_as_mla_without_q_latent_and_plain_rope() -> None:
+    from mconvert.mappings.families import hf_config
+
+    spec = spec_from_hf_config(MOONLIGHT)
+    assert (spec.q_lora_rank, spec.kv_lora_rank, spec.rope_scaling, spec.num_experts,
+            spec.moe_shared_expert_intermediate_size, spec.moe_router_num_groups) == (None, 512, None, 64, 2816, None)
+    assert spec_from_hf_config(hf_config(spec)) == spec
