@@ -1257,6 +1257,18 @@ def mla_yarn_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict
 _MLA_FIELD = {name: field_name for field_name, (name, _) in MLA_YARN_ARG_NAMES.items()}
 
 
+def megatron_lm_unstated(spec: ModelSpec) -> list[str]:
+    """Warnings for what the written args hold but Megatron-LM's command line cannot state: MLA YaRN's
+    original_max_position_embeddings / beta_fast / beta_slow away from MLATransformerConfig's defaults."""
+    if not (spec.is_mla and spec.rope_scaling == "yarn"):
+        return []
+    differ = [f"{name}={getattr(spec, f)!r}" for f, (name, default) in MLA_YARN_ARG_NAMES.items()
+              if name in ("original_max_position_embeddings", "beta_fast", "beta_slow") and getattr(spec, f) != default]
+    return [f"multi-latent attention's YaRN has {', '.join(differ)}: the args hold it under MLATransformerConfig's "
+            "names, for which Megatron-LM has no command-line argument; Megatron-LM trains it with 4096 / 32 / 1 "
+            "unless its config receives them"] if differ else []
+
+
 def is_buffer(name: str) -> bool:
     """Whether a declared tensor is a saved buffer, not a trained parameter (the router's expert bias, which
     moves outside the optimizer)."""

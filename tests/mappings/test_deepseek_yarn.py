@@ -296,6 +296,9 @@ def test_kimi_k2_reads_as_deepseek_v3_and_exports_a_config_transformers_builds()
     assert isinstance(built, DeepseekV3Config)
     assert {k: built.rope_scaling[k] for k in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")} == {
         k: float(cfg["rope_scaling"][k]) for k in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")}
+    from mconvert.spec import megatron_lm_unstated
+
+    assert "beta_fast=1.0" in megatron_lm_unstated(spec)[0] and not megatron_lm_unstated(preset("deepseek-v3-671b"))
     with pytest.raises(MConvertError, match="model_type='kimi_k3' contradicts"):
         spec_from_hf_config({**cfg, "model_type": "kimi_k3"})
 
