@@ -180,6 +180,8 @@ def yarn_from_hf(rs: dict[str, Any], cfg: dict[str, Any], where: str, mla: bool 
             raise MConvertError(head + f"the nearest megatron-core reaches is {nearest!r} (0.1·mscale·ln(factor)+1 "
                                 f"with mscale_all_dim {fixed:g}: {why}); conversion refused")
         pair = (solved, fixed)
+    if mla and factor == 1:  # stretches nothing, scales nothing: plain rope, as megatron-core's args read back
+        return {}
     return dict(rope_scaling="yarn", rope_scaling_factor=factor,
                 rope_original_max_position_embeddings=rs.get("original_max_position_embeddings")
                 or cfg.get("max_position_embeddings"),

@@ -339,3 +339,11 @@ def test_deepseek_v2_and_glm_4_7_flash_are_refused_by_architecture(arch: str, mo
     with pytest.raises(MConvertError, match=rf"unsupported architecture \['{arch}'\]"):
         spec_from_hf_config({**MOONLIGHT, "architectures": [arch], "model_type": model_type,
                              "scoring_func": "softmax", "topk_method": "greedy"})
+
+
+def test_hf_mla_yarn_of_factor_1_is_plain_rope() -> None:
+    """Factor 1 stretches nothing and both engines then scale nothing: plain rope, as Megatron's args read back."""
+    spec = spec_from_hf_config(_hf_config(factor=1.0, mscale=1.0, mscale_all_dim=1.0))
+    assert spec.rope_scaling is None
+    back = spec_from_megatron_args(vars(spec.to_megatron_args()))
+    assert back == spec.replace(bos_token_id=None, eos_token_id=None)
