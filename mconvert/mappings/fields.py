@@ -148,10 +148,15 @@ def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
 
     A name in no table is judged by `unlisted_passes` first: at a known release's default, or of a class of
     options that cannot reach the model's function, it passes; otherwise `check` refuses it by name."""
-    table = {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if args.get("position_embedding_type") == "yarn" else MEGATRON_ARGS
-    if args.get("multi_latent_attention"):
-        table = {**table, **MEGATRON_MLA_ROPE_ARGS}
+    table = megatron_table(args)
     check({k: v for k, v in args.items() if not unlisted_passes(k, v, table)}, table, source, "Megatron arg")
+
+
+def megatron_table(args: Mapping[str, Any]) -> dict[str, Field]:
+    """The table that judges these args: `MEGATRON_ARGS`, with the YaRN args mapped under
+    `position_embedding_type='yarn'` and MLA's rope args under `multi_latent_attention`."""
+    table = {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if args.get("position_embedding_type") == "yarn" else MEGATRON_ARGS
+    return {**table, **MEGATRON_MLA_ROPE_ARGS} if args.get("multi_latent_attention") else table
 
 
 # Option families of Megatron-LM that configure the run around the model, never the network: optimizers,
@@ -181,10 +186,12 @@ def unlisted_passes(name: str, value: Any, table: Mapping[str, Field] | None = N
     return is_release_default(name, value)
 
 
-def megatron_rule(name: str, value: Any) -> str:
+def megatron_rule(name: str, value: Any, args: Mapping[str, Any] | None = None) -> str:
     """Which rule judges Megatron arg `name` holding `value` (what `inspect` reports): "read", "checked"
-    (refused unless allowed), "neutral", "inert family", "release default", "unset" or "refused"."""
-    f = _entry(MEGATRON_ARGS, name)
+    (refused unless allowed), "neutral", "inert family", "release default", "unset" or "refused"; `args`: the
+    whole dict, whose YaRN or MLA makes their rope args read (`megatron_table`)."""
+    table = MEGATRON_ARGS if args is None else megatron_table(args)
+    f = _entry(table, name)
     if f is not None:
         if f.kind == MAPPED:
             return "read" if value is not None else "unset"
@@ -193,7 +200,7 @@ def megatron_rule(name: str, value: Any) -> str:
         return "inert family"
     if value is None or value is False:
         return "unset"
-    return "release default" if unlisted_passes(name, value) else "refused"
+    return "release default" if unlisted_passes(name, value, table) else "refused"
 
 
 def key_names(table: Mapping[str, Field]) -> dict[str, str]:

@@ -347,3 +347,11 @@ def test_hf_mla_yarn_of_factor_1_is_plain_rope() -> None:
     assert spec.rope_scaling is None
     back = spec_from_megatron_args(vars(spec.to_megatron_args()))
     assert back == spec.replace(bos_token_id=None, eos_token_id=None)
+
+
+def test_inspect_counts_mla_rope_args_as_read() -> None:
+    from mconvert.convert.inspect import describe_megatron_args
+
+    read = describe_megatron_args(_args())["read"]
+    assert {"rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+            "mscale", "mscale_all_dim"} <= set(read)
