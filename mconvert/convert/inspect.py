@@ -112,7 +112,7 @@ def describe_megatron_args(args: dict[str, Any]) -> dict[str, Any]:
     counts = dict.fromkeys(("read", "checked", "neutral", "release default", "inert family", "unset"), 0)
     read = []
     for name, value in args.items():
-        rule = megatron_rule(name, value)
+        rule = megatron_rule(name, value, args)
         counts[rule] = counts.get(rule, 0) + 1
         if rule == "read":
             read.append(name)

@@ -40,6 +40,7 @@ from mconvert.io.paths import check_tree_contained
 from mconvert.io.safeload import safe_load
 from mconvert.mappings import families
 from mconvert.mappings.plugin import transposed_in_hf
+from mconvert.spec import megatron_lm_unstated
 
 
 # ---- Megatron <-> HuggingFace ------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
         "hf-to-megatron", src, out, writer,
         force=force, inputs=(hf_dir, src.tokenizer_dir), layout=layout, dtype=spec.params_dtype, t0=t0,
         progress=progress, warnings=ids_outside_vocab({k: cfg.get(k) for k in TOKEN_ID_KEYS}, spec.vocab_size,
-                                                      str(Path(hf_dir) / "config.json")),
+                                                      str(Path(hf_dir) / "config.json")) + megatron_lm_unstated(spec),
         finish=lambda tmp: {"tokenizer_files": carry_to_megatron(src.tokenizer_dir, src.path, tmp, config=cfg)
                             if world().primary else []},
         tp=tp, pp=pp, vpp=vpp, **({"ep": ep} if spec.is_moe else {}), format=format,

@@ -229,6 +229,10 @@ class Family:
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
     deepseek: bool = False  # the HF class computes MLA, the DeepSeek router and MTP (`ModelSpec.deepseek_features`)
     gemma: bool = False  # the HF class computes the Gemma block (`ModelSpec.gemma_features`)
+    # model_types of published configs whose `architectures` name this class and whose remote code (auto_map) is
+    # this class's own function under another name (Kimi K2's kimi_k2 is DeepSeek's modeling_deepseek.py): read as
+    # this family, written back under `model_type`, which transformers and vLLM build without remote code
+    remote_model_types: tuple[str, ...] = ()
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

@@ -127,7 +127,9 @@ def test_a_checkpoint_without_its_mtp_layer_does_not_load(trained) -> None:
     (dict(num_experts=8, moe_router_score_function="relu"), "moe_router_score_function"),
     (dict(kv_lora_rank=32, window_size=15), r"sliding-window attention\) with multi-latent attention or MTP"),
     (dict(mtp_num_layers=1, window_size=15), r"sliding-window attention\) with multi-latent attention or MTP"),
-    (dict(kv_lora_rank=32, rope_scaling="yarn", rope_scaling_factor=4.0), "multi-latent attention rotates"),
+    (dict(kv_lora_rank=32, rope_scaling="llama3", rope_scaling_factor=4.0), "multi-latent attention rotates"),
+    (dict(kv_lora_rank=32, rope_scaling="yarn", rope_scaling_factor=4.0, yarn_correction_range_round_to_int=False),
+     "MLA always rounds"),
 ])
 def test_bad_deepseek_fields_are_refused_by_name(kw: dict, message: str) -> None:
     with pytest.raises(MConvertError, match=message):
@@ -135,21 +137,21 @@ def test_bad_deepseek_fields_are_refused_by_name(kw: dict, message: str) -> None
 
 
 def test_yarn_tables_equal_megatron_core(monkeypatch) -> None:
-    """MLA's YaRN (frequencies, concentration, softmax scale) equals megatron-core's YarnRotaryEmbedding and
-    MultiLatentAttention, for when the spec states YaRN for MLA."""
+    """MLA's YaRN (frequencies, cos/sin factor, softmax scale) equals megatron-core's YarnRotaryEmbedding and
+    MultiLatentAttention's softmax scale."""
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
-    dim, base, factor, orig = 64, 10000.0, 40.0, 4096
-    ref = yarn.YarnRotaryEmbedding(dim, rotary_base=base, scaling_factor=factor, original_max_position_embeddings=orig,
-                                   beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+    spec = preset("tiny-deepseek-v3-yarn").replace(rope_scaling_factor=40.0, yarn_mscale=0.9, yarn_mscale_all_dim=0.7)
+    dim, base = spec.qk_rope_head_dim, spec.rotary_base
+    ref = yarn.YarnRotaryEmbedding(dim, rotary_base=base, scaling_factor=40.0, original_max_position_embeddings=32,
+                                   beta_fast=32, beta_slow=1, mscale=0.9, mscale_all_dim=0.7,
                                    use_cpu_initialization=True)
-    emb, conc = ref.get_emb(16)
-    ours = torch.outer(torch.arange(16, dtype=torch.float32), mla.yarn_inv_freq(dim, base, factor, orig))
-    assert torch.allclose(emb[:, 0, 0, : dim // 2], ours) and conc == mla.yarn_concentration(factor, 1.0, 1.0)
-    spec = preset("tiny-deepseek-v3")
-    want = yarn._yarn_get_mscale(factor, 1.0) ** 2 / (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** 0.5
-    assert mla.softmax_scale(spec, factor, 1.0) == pytest.approx(want, rel=1e-12)
+    emb, conc = ref.get_emb(64)
+    cos, sin = mla.rope_tables(spec, 64, torch.device("cpu"))
+    assert torch.allclose(cos, emb[:, 0, 0].cos() * conc) and torch.allclose(sin, emb[:, 0, 0].sin() * conc)
+    want = yarn._yarn_get_mscale(40.0, 0.7) ** 2 / (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** 0.5
+    assert mla.softmax_scale(spec) == pytest.approx(want, rel=1e-12)
 
 
 def _split_for(spec: ModelSpec, state: dict, tp: int, ep: int) -> dict:

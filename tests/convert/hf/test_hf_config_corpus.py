@@ -101,16 +101,18 @@ def expected(name: str, cfg: dict[str, Any], book: dict[str, Any]) -> tuple[dict
     return want, (without if any(want.values()) else None)
 
 
-def write_sparse_hf(cfg: dict[str, Any], d: Path) -> int:
+def write_sparse_hf(cfg: dict[str, Any], d: Path, tensors_as: dict[str, Any] | None = None) -> int:
     """config.json plus a model.safetensors whose header lists the tensors transformers builds for it (the class
-    `architectures` names, which wrote the weights, else the causal LM of its model_type) and whose data region is
-    a hole of the right length; returns the bytes the tensors claim."""
+    `architectures` names, which wrote the weights, else the causal LM of its model_type; `tensors_as`: config
+    fields changed for building them only) and whose data region is a hole of the right length; returns the bytes
+    the tensors claim."""
     import transformers
     from transformers.modeling_utils import no_init_weights
 
     d.mkdir(parents=True)
-    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "config.json").write_text(json.dumps({**cfg, **(tensors_as or {})}))
     config = transformers.AutoConfig.from_pretrained(d, trust_remote_code=False)
+    (d / "config.json").write_text(json.dumps(cfg))
     dtype = getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     named = getattr(transformers, (cfg.get("architectures") or [""])[0], None)
@@ -173,7 +175,7 @@ def test_every_published_config_of_a_supported_family_converts(tmp_path_factory,
         if book["files"].get(path.name, {}).get("kind") == "family":
             write_config_only(cfg, hf)
         else:
-            write_sparse_hf(cfg, hf)
+            write_sparse_hf(cfg, hf, book["files"].get(path.name, {}).get("tensors_as"))
         problems = _verdicts(path.name, hf, want, capsys)
         if without is not None:  # the refusal is for what `without` lacks alone: without it, it converts
             write_sparse_hf(without, work / f"{path.stem}-without")
