@@ -26,7 +26,7 @@ import pytest
 import torch
 from mcore_ref import McoreContext, perturb, run_mcore, save_checkpoints
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.convert.megatron.layout import rank_file
 from mconvert.errors import MConvertError
 from mconvert.io.safeload import safe_load
