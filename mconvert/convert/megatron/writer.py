@@ -44,6 +44,33 @@ EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", 
                        "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")
 
 
+SHARED_EXPERTS = "mlp.shared_experts."
+
+
+def shared_experts_last(entries: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """A rank file's (local name, ...) entries with each MoE layer's shared experts after its routed experts, where
+    megatron-core's MoELayer registers them (router, experts, shared experts): they arrive with the layer's dense
+    part, before its experts. Every other entry keeps its place."""
+    shared: dict[str, list[tuple[str, Any, Any]]] = {}
+    rest = []
+    for e in entries:
+        head, sep, _ = e[0].partition(SHARED_EXPERTS)
+        if sep:
+            shared.setdefault(head, []).append(e)
+        else:
+            rest.append(e)
+    if not shared:
+        return entries
+    last = {e[0].partition("mlp.")[0]: i for i, e in enumerate(rest) if "mlp." in e[0]}  # a layer's last MLP entry
+    out = []
+    for i, e in enumerate(rest):
+        out.append(e)
+        head = e[0].partition("mlp.")[0]
+        if last.get(head) == i:
+            out += shared.pop(head, [])
+    return out + [e for group in shared.values() for e in group]
+
+
 class MegatronWriter(Writer):
     """Writes full tensors, unit by unit, as a Megatron torch-format checkpoint at a target TP/PP(/VPP).
 
@@ -316,7 +343,7 @@ class MegatronWriter(Writer):
         params: list[tuple[str, dict]] = []
         for c in range(self.vpp or 1):
             model: dict[str, Any] = {}
-            entries = chunks.get(c, [])
+            entries = shared_experts_last(chunks.get(c, []))
             for i, (local_name, shards, ost) in enumerate(entries):
                 if shards is None:
                     model[local_name] = None

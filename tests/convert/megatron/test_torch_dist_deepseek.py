@@ -10,7 +10,8 @@ final_layernorm}`, its transformer layer as a per-layer decoder layer under `mtp
   `_extra_state` entries) and its values;
 - megatron-core's own torch_dist save converts to the HF bytes its legacy save converts to (the MTP layer at
   DeepSeek's `model.layers.<num_layers>.*`), and transformers' logits of them are megatron-core's;
-- torch_dist -> torch gives back the legacy rank files' tensors; torch ⇄ torch_dist round trips give the bytes;
+- torch_dist -> torch gives back the legacy rank files' tensors in megatron-core's key order (MLA); torch ⇄ torch_dist round
+  trips give the bytes;
 - a torch_dist save whose MTP keys are gone is refused by name.
 """
 
@@ -114,7 +115,10 @@ def test_megatron_cores_torch_dist_save_converts_to_the_same_hf(saved, tmp_path)
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
-def test_torch_dist_back_to_rank_files_gives_the_legacy_tensors(saved, tmp_path):
+def test_torch_dist_back_to_rank_files_gives_the_legacy_tensors_in_megatron_cores_order(saved, tmp_path):
+    """megatron-core's torch_dist save -> torch: its legacy rank files' tensors, in its key order (MLA's linears
+    before its latent norms, a layer's shared experts after its routed experts, the MTP layer before the head);
+    the standard attention's linear_qkv comes before linear_proj, as ModelSpec and the trainer declare it."""
     root, _, _ = saved
     reshard(Path(str(root) + "_dist"), tmp_path / "torch", tp=TP, pp=1, format="torch")
     for t in range(TP):
@@ -123,6 +127,13 @@ def test_torch_dist_back_to_rank_files_gives_the_legacy_tensors(saved, tmp_path)
         tensors = {k for k, v in want.items() if isinstance(v, torch.Tensor)}
         assert tensors == {k for k, v in got.items() if isinstance(v, torch.Tensor)}
         assert all(torch.equal(want[k], got[k]) for k in tensors)
+        assert {k: v for k, v in want.items() if k not in tensors} == {k: v for k, v in got.items() if k not in tensors}
+        if any(".linear_kv_down_proj." in k for k in want):
+            assert list(got) == list(want)
+        else:
+            def order(keys):
+                return [k for k in keys if ".self_attention." not in k]
+            assert order(got) == order(want)
 
 
 def test_hf_to_torch_dist_is_megatron_cores_save_and_back_gives_the_hf_bytes(saved, tmp_path):
