@@ -316,6 +316,9 @@ def megatron_to_hf_cmd(
     fp8_blocks: Annotated[bool, typer.Option("--fp8-blocks", help="Write the projection weights block-scaled FP8 "
                                              "(e4m3, a float32 scale per 128x128 block: DeepSeek-V3's release "
                                              "layout, which transformers and vLLM load).")] = False,
+    fp8_tp: Annotated[Optional[int], typer.Option("--fp8-tp", help="With --fp8-blocks: the vLLM tensor-parallel "
+                                                  "size to serve at; refuses a projection whose TP slice is not "
+                                                  "whole 128x128 blocks, as vLLM's loader does.")] = None,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -328,7 +331,7 @@ def megatron_to_hf_cmd(
       mconvert megatron-to-hf ckpt/ hf-out/
       mconvert megatron-to-hf ckpt/ hf-out/ --iteration 2000 --dtype bf16 --tokenizer tok/ --max-shard-size 2GB
       mconvert megatron-to-hf ckpt/ hf-out/ --dry-run
-      mconvert megatron-to-hf ds-ckpt/ ds-fp8/ --fp8-blocks
+      mconvert megatron-to-hf ds-ckpt/ ds-fp8/ --fp8-blocks --fp8-tp 8
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
     from mconvert.convert.driver import megatron_to_hf
@@ -338,7 +341,7 @@ def megatron_to_hf_cmd(
     tuning.apply()
     _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
                                  max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run,
-                                 fp8_blocks=fp8_blocks), json_out)
+                                 fp8_blocks=fp8_blocks, fp8_tp=fp8_tp), json_out)
 
 
 @app.command("hf-to-megatron")
