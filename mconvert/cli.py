@@ -196,8 +196,17 @@ def plan_cmd(
     target_pp: Annotated[Optional[int], typer.Option("--target-pp", help="Reshard target PP (--to megatron).")] = None,
     ep: Annotated[int, typer.Option("--ep", help="Megatron expert-parallel size, as --tp (MoE presets).")] = 1,
     target_ep: Annotated[Optional[int], typer.Option("--target-ep", help="Reshard target EP (--to megatron).")] = None,
-    first: Annotated[Optional[int], typer.Option("--first-stage-layers", help="Uneven PP: layers of stage 0.")] = None,
-    last: Annotated[Optional[int], typer.Option("--last-stage-layers", help="Uneven PP: layers of the last stage.")] = None,
+    first: Annotated[Optional[int], typer.Option(
+        "--decoder-first-pipeline-num-layers", "--first-stage-layers",
+        help="Uneven PP: decoder layers of the first stage (Megatron-LM's arg; --first-stage-layers: its former "
+             "name here).")] = None,
+    last: Annotated[Optional[int], typer.Option(
+        "--decoder-last-pipeline-num-layers", "--last-stage-layers",
+        help="Uneven PP: decoder layers of the last stage (Megatron-LM's arg; --last-stage-layers: its former "
+             "name here).")] = None,
+    pp_layout: Annotated[Optional[str], typer.Option(
+        "--pipeline-model-parallel-layout", help="Layers per (virtual) stage, Megatron-LM's string: "
+        "'Ett|tt|ttL'.")] = None,
     dtype: Dtype = "auto",
     format: Annotated[str, typer.Option("--format", help="Megatron output format (--to megatron): torch or "
                                         "torch_dist.")] = "torch",
@@ -225,7 +234,8 @@ def plan_cmd(
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to trtllm --target-tp 8 --nodes 2 --procs-per-node 4
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--ep", ep), ("--target-tp", target_tp), ("--target-pp", target_pp),
-                  ("--target-ep", target_ep), ("--first-stage-layers", first), ("--last-stage-layers", last),
+                  ("--target-ep", target_ep), ("--decoder-first-pipeline-num-layers/--first-stage-layers", first),
+                  ("--decoder-last-pipeline-num-layers/--last-stage-layers", last),
                   ("--nodes", nodes), ("--procs-per-node", procs_per_node))
     _positive_rate(("--disk-gb-per-s", disk_gb), ("--network-gb-per-s", net_gb))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
@@ -234,7 +244,8 @@ def plan_cmd(
 
     est = estimate(
         preset(preset_name), to, tp=tp, pp=pp, target_tp=target_tp, target_pp=target_pp, dtype=dtype,
-        first_stage_layers=first, last_stage_layers=last, bandwidth=load_bandwidth(bandwidth_file),
+        first_stage_layers=first, last_stage_layers=last, pipeline_layout=pp_layout,
+        bandwidth=load_bandwidth(bandwidth_file),
         model=preset_name, format=format, ep=ep, target_ep=target_ep,
     )
     if nodes is not None:

@@ -246,7 +246,8 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         spec = spec.replace(params_dtype=dtypes.of_torch(target).name)
     if dry_run:
         return dry_run_report("megatron-to-hf", src, out, plan_for_source("megatron-to-hf", src,
-                              dtype=spec.params_dtype, max_shard_size=size), "hf", t0, warnings)
+                              dtype=spec.params_dtype, max_shard_size=size,
+                              fp8_block=fp8.DEFAULT_BLOCK if fp8_blocks else None), "hf", t0, warnings)
     writers: list[HFWriter] = []
 
     def hf_writer(tmp: Path) -> HFWriter:
@@ -295,7 +296,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, ep=ep,
-                              dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
+                              dtype=spec.params_dtype, format=format, split=split), layout, t0, tp=tp, pp=pp, vpp=vpp,
                               **({"ep": ep} if spec.is_moe else {}))
 
     def writer(tmp: Path) -> Writer:
@@ -360,7 +361,8 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp, ep=ep,
-                              with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
+                              with_optimizer=with_optimizer, format=format, split=split), layout, t0, tp=tp, pp=pp,
+                              vpp=vpp,
                               **({"ep": ep} if src.spec.is_moe else {}))
     # common.pt's / rank 0's entries; megatron-core's param groups only with its states into torch_dist
     top = {k: v for k, v in src.top_level().items() if k not in ("args", "checkpoint_version", "iteration")
