@@ -21,7 +21,6 @@ import torch
 from mconvert import dtypes
 from mconvert.convert.hf import fp8
 from mconvert.convert.base import END, SKIP, Unit, parts_ahead
-from mconvert.convert.bounds import expected_hf_shapes
 from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
 from mconvert.io.atomic import check_output
 from mconvert.convert.hf.writer import HFWriter, parse_size
@@ -197,20 +196,6 @@ def target_split(num_layers: int, pp: int, vpp: int | None, pipeline: dict[str, 
                               bool(given.get("account_for_loss_in_pipeline_split")), mtp_num_layers), vpp
 
 
-def fp8_vllm_tp(spec: Any, tp: int, fp8_blocks: bool, source: str) -> None:
-    """`--fp8-tp N`: every block-scaled FP8 projection loads in vLLM at TP=N (`fp8.vllm_tp_misfit`), else one
-    error naming the first that does not."""
-    if not fp8_blocks:
-        raise MConvertError(f"--fp8-tp {tp} describes the --fp8-blocks export; add --fp8-blocks or drop --fp8-tp")
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise MConvertError(f"--fp8-tp {tp!r}: expected the vLLM tensor-parallel size, a whole number >= 1")
-    for name, shape in expected_hf_shapes(spec).items():
-        why = fp8.vllm_tp_misfit(name, shape, tp, fp8.DEFAULT_BLOCK, spec.head_dim, not spec.is_mla)
-        if why is not None:
-            raise MConvertError(f"{source}: --fp8-tp {tp}: {name.replace('*', '0')} {list(shape)}: {why}; serve at "
-                                "another TP (or with vLLM's expert parallelism for the experts), or drop --fp8-blocks")
-
-
 @crc_in_background
 def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | None = None, dtype: str = "auto",
                    tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
@@ -241,7 +226,7 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
                             "transposed), which neither transformers' FP8Linear nor vLLM read as block-scaled FP8; "
                             "drop --fp8-blocks")
     if fp8_tp is not None:
-        fp8_vllm_tp(spec, fp8_tp, fp8_blocks, str(ckpt))
+        fp8.check_vllm_tp(spec, fp8_tp, fp8_blocks, str(ckpt))
     if target is not None:
         spec = spec.replace(params_dtype=dtypes.of_torch(target).name)
     if dry_run:

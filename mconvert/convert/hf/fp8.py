@@ -187,3 +187,19 @@ def vllm_tp_misfit(name: str, shape: tuple[int, ...], tp: int, block: tuple[int,
             return (f"its {what} per vLLM TP rank are {size}, not a multiple of the FP8 block's {b} (vLLM's "
                     f"validate_fp8_block_shape refuses it at TP={tp})")
     return None
+
+
+def check_vllm_tp(spec: Any, tp: int, fp8_blocks: bool, source: str) -> None:
+    """`megatron-to-hf --fp8-tp N`: every block-scaled FP8 projection of `spec` loads in vLLM at TP=N
+    (`vllm_tp_misfit`, from the shapes alone), else one error naming the first that does not."""
+    from mconvert.convert.bounds import expected_hf_shapes
+
+    if not fp8_blocks:
+        raise MConvertError(f"--fp8-tp {tp} describes the --fp8-blocks export; add --fp8-blocks or drop --fp8-tp")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise MConvertError(f"--fp8-tp {tp!r}: expected the vLLM tensor-parallel size, a whole number >= 1")
+    for name, shape in expected_hf_shapes(spec).items():
+        why = vllm_tp_misfit(name, shape, tp, DEFAULT_BLOCK, spec.head_dim, not spec.is_mla)
+        if why is not None:
+            raise MConvertError(f"{source}: --fp8-tp {tp}: {name.replace('*', '0')} {list(shape)}: {why}; serve at "
+                                "another TP (or with vLLM's expert parallelism for the experts), or drop --fp8-blocks")

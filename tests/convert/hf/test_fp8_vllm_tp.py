@@ -118,8 +118,7 @@ def test_fp8_tp_refuses_exactly_what_vllms_block_checks_refuse() -> None:
 def test_fp8_tp_refuses_before_writing_and_names_the_tensor(tmp_path: Path) -> None:
     """The 671B model's shapes at TP=32 (its dense MLP's 18432/32 rows): refused, naming the tensor; TP=8 passes;
     --fp8-tp without --fp8-blocks is refused."""
-    from mconvert.convert.driver import fp8_vllm_tp
-
+    fp8_vllm_tp = fp8.check_vllm_tp
     spec = preset("deepseek-v3-671b")
     fp8_vllm_tp(spec, 8, True, "ckpt")
     with pytest.raises(MConvertError, match=r"--fp8-tp 32: model\.layers\.0\.mlp\.gate_proj\.weight \[18432, 7168\]: "
