@@ -168,9 +168,13 @@ def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: lis
                       [[_shard_numel(d, tp) for d in layer if d.expert is not None and d.expert // per_ep == e]
                        for e in range(ep)])
     emb = [_shard_numel(d, tp) for d in spec.embedding_params(tp)]
-    fin = [_shard_numel(d, tp) for d in spec.final_params(tp)]
+    final = spec.final_params(tp)
+    fin = [_shard_numel(d, tp) for d in final if d.expert is None]
     if spec.tie_embeddings and pp > 1:  # the last stage's copy of the word embedding
         fin.append(_shard_numel(spec.embedding_params(tp)[0], tp))
+    # the MTP layers' routed experts: each EP file holds its own, as for a decoder layer
+    fin_experts = [[_shard_numel(d, tp) for d in final if d.expert is not None and d.expert // per_ep == e]
+                   for e in range(ep)]
     starts = [sum(counts[:p]) for p in range(pp)]
     files = []
     for p, n_layers in enumerate(counts):
@@ -182,7 +186,7 @@ def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: lis
             for e in range(ep):
                 numels = [x for moe, n in ((True, moe_layers), (False, n_layers - moe_layers)) if n
                           for x in (kinds[moe][0] + kinds[moe][1][e]) * n]
-                numels += (emb if p == 0 else []) + (fin if p == pp - 1 else [])
+                numels += (emb if p == 0 else []) + (fin + fin_experts[e] if p == pp - 1 else [])
                 files.append({"path": f"{rank_dir_name(t, p, pp, e, ep)}/{RANK_FILE}", "bytes": sum(numels) * itemsize,
                               "tensors": len(numels), "layers": n_layers})
     return files

@@ -16,7 +16,6 @@ import struct
 from pathlib import Path
 
 import pytest
-from deploy_common import make_hf
 from safety_common import run_cli
 from test_moe_plan import _check, _real
 
@@ -24,27 +23,39 @@ from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.mappings.families import preset
 
-SPEC = preset("tiny-deepseek-v3").replace(mtp_num_layers=None)  # 3 layers: dense, MoE, MoE
+SPEC = preset("tiny-deepseek-v3")  # 3 layers: dense, MoE, MoE; an MTP layer (MoE) on the last stage
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_hf(SPEC, tmp_path_factory.mktemp("plan_splits") / "hf")
+    """An HF export with its MTP layer (transformers builds none): random rank files through megatron-to-hf."""
+    import torch
+
+    from mconvert.convert.megatron.writer import megatron_writer
+
+    d = tmp_path_factory.mktemp("plan_splits")
+    w = megatron_writer(d / "mg", SPEC, 1, 1, None, 1, iteration="release")
+    g = torch.Generator().manual_seed(0)
+    for unit in SPEC.units():
+        w.add(unit, {n.name: torch.randn(n.shape, generator=g) * 0.02 for n in SPEC.unit_params(unit)})
+    w.close()
+    megatron_to_hf(d / "mg", d / "hf")
+    return d / "hf"
 
 
 @pytest.mark.timeout(300)
 def test_dry_runs_at_an_uneven_split_list_the_files_written(hf_dir: Path, tmp_path: Path) -> None:
     mg = tmp_path / "mg"
     pipeline = {"decoder_first_pipeline_num_layers": 1}
-    plan = hf_to_megatron(hf_dir, mg, pp=2, pipeline=pipeline, dry_run=True)
+    plan = hf_to_megatron(hf_dir, mg, pp=2, ep=2, pipeline=pipeline, dry_run=True)
     assert not mg.exists()
-    hf_to_megatron(hf_dir, mg, pp=2, pipeline=pipeline)
+    hf_to_megatron(hf_dir, mg, pp=2, ep=2, pipeline=pipeline)
     real = _real(mg)
     _check(plan["files"], real)
     layers = {f["path"]: f.get("layers") for f in plan["files"]}
-    assert layers == {"mp_rank_00_000/model_optim_rng.pt": 1, "mp_rank_00_001/model_optim_rng.pt": 2}
+    assert layers == {f"mp_rank_00_00{p}_00{e}/model_optim_rng.pt": 1 + p for p in (0, 1) for e in (0, 1)}
     again = reshard(mg, tmp_path / "rs", tp=1, pp=1, dry_run=True)  # the source's own uneven split
-    assert again["read_files"] == 2 and again["read_bytes"] == sum(f["bytes"] for f in plan["files"])
+    assert again["read_files"] == 4 and again["read_bytes"] == sum(f["bytes"] for f in plan["files"])
 
 
 def _safetensors(path: Path) -> tuple[int, int]:
