@@ -17,6 +17,7 @@ from dataclasses import replace
 import re
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from mconvert.io.crc import crc_checks_now
 from mconvert.io.casts import all_finite
 from mconvert.errors import MConvertError, expect, renamed
 from mconvert.mappings.keys import canonical_key, unit_of
+from mconvert.mappings.plugin import check_complete, hf_keys_for, hf_order, to_hf_one
 from mconvert.mappings.transforms import merge
 from mconvert.spec import LayerPart, expert_of, layer_of_unit, with_expert
 
@@ -665,6 +667,17 @@ class TorchDistSource(SourceBase):
                 names.append(name)
         flush()
         return names
+
+    def read_hf_parts(self, unit: Unit, only: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """`read_hf(unit)` one parameter's HF tensors at a time, each read as its own box (memory: one
+        parameter, so one expert of an MoE MTP layer in the final unit); `only`: the HF names kept."""
+        names = self._unit_names(unit)
+        check_complete(self.spec, unit, names, str(self.path))
+        for name in hf_order(self.spec, unit, names):
+            if only is not None and not any(k in only for k in hf_keys_for(self.spec, name)):
+                continue
+            tpl, lead = self._place(name)
+            yield to_hf_one(self.spec, name, self._read_one(self.keys[tpl][0], tpl, lead), str(self.path))
 
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Full tensors of one unit under canonical global names, in ModelSpec's declared order; vocab rows as

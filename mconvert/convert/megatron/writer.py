@@ -271,7 +271,7 @@ class MegatronWriter(Writer):
                     ost = [{k: self._spool(p, t).park(v) if parkable(v) else v for k, v in o.items()}
                            for t, o in enumerate(ost)]
             entries.append((local_name, shards, ost))
-        if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
+        if unit == "final" and tied and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
         return entries
 
@@ -486,10 +486,12 @@ class ExpertParallelWriter(Writer):
     def __init__(self, writers: list[MegatronWriter]) -> None:
         self.writers = writers
         self.takes_states = writers[0].takes_states
+        self.takes_parts = all(w.takes_parts for w in writers)  # each EP rank's writer keeps its share of a part
 
-    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None,
+            complete: bool = True) -> None:
         for w in self.writers:
-            w.add(unit, tensors, states)
+            w.add(unit, tensors, states, complete)
 
     def needs(self, unit: Unit) -> bool:
         """Whether this torchrun rank reads `unit` (the EP ranks' writers own the same pipeline stages)."""
