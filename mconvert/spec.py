@@ -701,24 +701,26 @@ class ModelSpec:
     def mla_params(self) -> list[ParamDecl]:
         """Multi-latent attention's parameters (names under `self_attention.`, megatron-core's local spec): the
         down projections are column-split there (each rank computes a slice of the latent, then all-gathers it;
-        the Transformer Engine spec keeps them whole on every rank), the up projections split by head."""
+        the Transformer Engine spec keeps them whole on every rank), the up projections split by head. In the
+        order megatron-core registers them (`MultiLatentAttention` makes linear_proj, then `MLASelfAttention` the
+        projections and last the latent norms), which is its rank files' key order."""
         H, nh, r = self.hidden_size, self.num_attention_heads, self.qk_rope_head_dim
         q_head = self.qk_nope_head_dim + r
         a = "self_attention."
-        out = []
+        kv = self.kv_lora_rank or 0
+        out = [ParamDecl(a + "linear_proj.weight", "row", (H, nh * self.v_head_dim))]
         if self.q_lora_rank is None:
             out.append(ParamDecl(a + "linear_q_proj.weight", "column", (nh * q_head, H)))
         else:
             out += [ParamDecl(a + "linear_q_down_proj.weight", "column", (self.q_lora_rank, H)),
-                    ParamDecl(a + "q_layernorm.weight", "replicated", (self.q_lora_rank,)),
                     ParamDecl(a + "linear_q_up_proj.weight", "column", (nh * q_head, self.q_lora_rank))]
-        kv = self.kv_lora_rank or 0
-        return out + [
+        out += [
             ParamDecl(a + "linear_kv_down_proj.weight", "column", (kv + r, H)),  # rows: the latent, then k's rope part
-            ParamDecl(a + "kv_layernorm.weight", "replicated", (kv,)),
             ParamDecl(a + "linear_kv_up_proj.weight", "column", (nh * (self.qk_nope_head_dim + self.v_head_dim), kv)),
-            ParamDecl(a + "linear_proj.weight", "row", (H, nh * self.v_head_dim)),
         ]
+        if self.q_lora_rank is not None:
+            out.append(ParamDecl(a + "q_layernorm.weight", "replicated", (self.q_lora_rank,)))
+        return out + [ParamDecl(a + "kv_layernorm.weight", "replicated", (kv,))]
 
     def layer_template(self, layer: int | None = None) -> list[ParamDecl]:
         """A layer's parameters with expert 0 standing for every routed expert (each has its shapes): what a
@@ -790,15 +792,16 @@ class ModelSpec:
         return out
 
     def final_params(self, tp: int = 1, mtp: bool = True) -> list[ParamDecl]:
-        """The final norm, the untied head and (with `mtp`) the MTP layers, whole."""
+        """The final norm, (with `mtp`) the MTP layers, whole, and the untied head: megatron-core's GPTModel
+        registers its MTP block before the output layer."""
         H = self.hidden_size
         out = [ParamDecl("decoder.final_layernorm.weight", "replicated", (H,))]
         if self.normalization == "LayerNorm":
             out.append(ParamDecl("decoder.final_layernorm.bias", "replicated", (H,)))
+        for k in range((self.mtp_num_layers or 0) if mtp else 0):
+            out += self.mtp_params(k)
         if not self.tie_embeddings:
             out.append(ParamDecl("output_layer.weight", "vocab", (self.padded_vocab_size(tp), H)))
-        for k in range((self.mtp_num_layers or 0) if mtp else 0):  # on the last stage, after the head (megatron-core's order)
-            out += self.mtp_params(k)
         return out
 
     def units(self, split_experts: bool = False) -> list[Unit]:

@@ -56,6 +56,8 @@ class SourceBase:
     args: Any = None  # a Megatron source's args (Namespace or dict), carried into a reshard's output
     shapes: dict[str, tuple[int, ...]] | None = None  # a Megatron torch source: each parameter's shape on TP rank 0
     config: dict[str, Any] | None = None  # an HF source's config.json
+    # an HF source's block-scaled FP8 weights: the (rows, cols) of one scale's block (`hf.fp8.block_config`)
+    fp8_block: tuple[int, int] | None = None
     # a torch_dist source: its distributed optimizer's layout; Megatron-Bridge's writer info and run_config.yaml
     optimizer_layout: str | None = None
     writer: dict[str, Any] | None = None
@@ -270,6 +272,12 @@ def parts_ahead(units: Iterator[Unit], needs: Callable[[Unit], bool],
     yield from pmap_iter(run, items(), lambda item: item[3])
 
 
+def mtp_experts(spec: ModelSpec) -> bool:
+    """Whether the final unit holds routed experts (MTP layers built as an MoE layer) that a reader gives one
+    parameter at a time; a tied head's copy makes the final unit come whole."""
+    return bool(spec.mtp_num_layers) and spec.is_moe_layer(spec.num_layers) and not spec.tie_embeddings
+
+
 class LayerParts(SourceBase):
     """A source whose dense layers reach a Megatron-side writer parameter by parameter: `read_mcore_parts` and
     `mcore_part_tasks` from its `layer_part_tasks(layer)`."""
@@ -283,7 +291,10 @@ class LayerParts(SourceBase):
 
     def comes_whole(self, unit: Unit) -> bool:
         """Whether `unit` reaches the writer as one part: the embedding and final units (a tied head's copy,
-        dropped keys) and an MoE model's units (already one expert each)."""
+        dropped keys) and an MoE model's units (already one expert each) — except the final unit of an untied
+        model whose MTP layers route over experts, which comes parameter by parameter (memory: one expert)."""
+        if unit == "final" and mtp_experts(self.spec):
+            return False
         return not isinstance(unit, int) or self.spec.is_moe
 
     def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
@@ -293,7 +304,8 @@ class LayerParts(SourceBase):
         if self.comes_whole(unit):
             yield self.read_mcore(unit)
             return
-        yield from pmap_iter(*self.layer_part_tasks(unit))
+        names, one, elements = self.layer_part_tasks(unit)
+        yield from pmap_iter(one, names, elements)
 
     def mcore_part_tasks(self, unit: Unit) -> PartTasks:
         """What `read_mcore_parts(unit)` reads, for a caller that runs several units on one pool (`parts_ahead`):

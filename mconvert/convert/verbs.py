@@ -86,9 +86,11 @@ def target_split(num_layers: int, pp: int, vpp: int | None, pipeline: dict[str, 
 @crc_in_background
 def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | None = None, dtype: str = "auto",
                    tokenizer: str | Path | None = None, max_shard_size: str | int = "5GB", force: bool = False,
-                   progress: bool = False, dry_run: bool = False, fp8_blocks: bool = False) -> dict[str, Any]:
+                   progress: bool = False, dry_run: bool = False, fp8_blocks: bool = False,
+                   fp8_tp: int | None = None) -> dict[str, Any]:
     """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict.
-    `fp8_blocks`: the projection weights written block-scaled FP8 (e4m3, 128×128 scales; `convert/hf/fp8.py`)."""
+    `fp8_blocks`: the projection weights written block-scaled FP8 (e4m3, 128×128 scales; `convert/hf/fp8.py`);
+    `fp8_tp`: the vLLM tensor-parallel size those weights must load at (refused before any work otherwise)."""
 
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
@@ -110,11 +112,14 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
         raise MConvertError(f"--fp8-blocks: the {spec.family} family's HF projections are Conv1D weights (stored "
                             "transposed), which neither transformers' FP8Linear nor vLLM read as block-scaled FP8; "
                             "drop --fp8-blocks")
+    if fp8_tp is not None:
+        fp8.check_vllm_tp(spec, fp8_tp, fp8_blocks, str(ckpt))
     if target is not None:
         spec = spec.replace(params_dtype=dtypes.of_torch(target).name)
     if dry_run:
         return dry_run_report("megatron-to-hf", src, out, plan_for_source("megatron-to-hf", src,
-                              dtype=spec.params_dtype, max_shard_size=size), "hf", t0, warnings)
+                              dtype=spec.params_dtype, max_shard_size=size,
+                              fp8_block=fp8.DEFAULT_BLOCK if fp8_blocks else None), "hf", t0, warnings)
     writers: list[HFWriter] = []
 
     def hf_writer(tmp: Path) -> HFWriter:
@@ -163,7 +168,7 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, ep=ep,
-                              dtype=spec.params_dtype, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
+                              dtype=spec.params_dtype, format=format, split=split), layout, t0, tp=tp, pp=pp, vpp=vpp,
                               **({"ep": ep} if spec.is_moe else {}))
 
     def writer(tmp: Path) -> Writer:
@@ -228,7 +233,8 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp, ep=ep,
-                              with_optimizer=with_optimizer, format=format), layout, t0, tp=tp, pp=pp, vpp=vpp,
+                              with_optimizer=with_optimizer, format=format, split=split), layout, t0, tp=tp, pp=pp,
+                              vpp=vpp,
                               **({"ep": ep} if src.spec.is_moe else {}))
     # common.pt's / rank 0's entries; megatron-core's param groups only with its states into torch_dist
     top = {k: v for k, v in src.top_level().items() if k not in ("args", "checkpoint_version", "iteration")

@@ -246,7 +246,7 @@ def test_mtp_lands_at_deepseeks_names(tmp_path: Path) -> None:
     assert report["tensors"]["out_bytes"] == sum(t.numel() * t.element_size() for t in sd.values())
 
 
-def test_a_checkpoint_without_its_mtp_layer_is_refused_both_ways(tmp_path: Path) -> None:
+def test_a_checkpoint_without_its_mtp_layer_is_refused_both_ways_and_by_dry_run(tmp_path: Path) -> None:
     """Controls: a Megatron checkpoint whose args say mtp_num_layers=1 but lacks the layer's tensors, and an HF
     directory whose config says num_nextn_predict_layers=1 but lacks model.layers.3, are refused naming the
     tensor, with no output; verify fails such an HF directory; an MTP copy of the embedding that differs from the
@@ -271,8 +271,9 @@ def test_a_checkpoint_without_its_mtp_layer_is_refused_both_ways(tmp_path: Path)
         cut.mkdir()
         (cut / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
         save_file({k: v for k, v in sd.items() if not drop(k)}, str(cut / "model.safetensors"))
-        with pytest.raises(MConvertError, match=r"model\.layers\.3\."):
-            hf_to_megatron(cut, tmp_path / f"{name}-m")
+        for dry_run in (True, False):  # the dry run refuses what the conversion would
+            with pytest.raises(MConvertError, match=r"model\.layers\.3\..* is missing \(needed for mtp\.layers\.0\."):
+                hf_to_megatron(cut, tmp_path / f"{name}-m", dry_run=dry_run)
         assert not (tmp_path / f"{name}-m").exists()
         strict = [c for c in verify(cut).checks if c.name == "weights-strict"]
         assert strict[0].status == "error" and "missing" in strict[0].message, strict

@@ -44,6 +44,33 @@ EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", 
                        "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")
 
 
+SHARED_EXPERTS = "mlp.shared_experts."
+
+
+def shared_experts_last(entries: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """A rank file's (local name, ...) entries with each MoE layer's shared experts after its routed experts, where
+    megatron-core's MoELayer registers them (router, experts, shared experts): they arrive with the layer's dense
+    part, before its experts. Every other entry keeps its place."""
+    shared: dict[str, list[tuple[str, Any, Any]]] = {}
+    rest = []
+    for e in entries:
+        head, sep, _ = e[0].partition(SHARED_EXPERTS)
+        if sep:
+            shared.setdefault(head, []).append(e)
+        else:
+            rest.append(e)
+    if not shared:
+        return entries
+    last = {e[0].partition("mlp.")[0]: i for i, e in enumerate(rest) if "mlp." in e[0]}  # a layer's last MLP entry
+    out = []
+    for i, e in enumerate(rest):
+        out.append(e)
+        head = e[0].partition("mlp.")[0]
+        if last.get(head) == i:
+            out += shared.pop(head, [])
+    return out + [e for group in shared.values() for e in group]
+
+
 class MegatronWriter(Writer):
     """Writes full tensors, unit by unit, as a Megatron torch-format checkpoint at a target TP/PP(/VPP).
 
@@ -244,7 +271,7 @@ class MegatronWriter(Writer):
                     ost = [{k: self._spool(p, t).park(v) if parkable(v) else v for k, v in o.items()}
                            for t, o in enumerate(ost)]
             entries.append((local_name, shards, ost))
-        if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
+        if unit == "final" and tied and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
         return entries
 
@@ -316,7 +343,7 @@ class MegatronWriter(Writer):
         params: list[tuple[str, dict]] = []
         for c in range(self.vpp or 1):
             model: dict[str, Any] = {}
-            entries = chunks.get(c, [])
+            entries = shared_experts_last(chunks.get(c, []))
             for i, (local_name, shards, ost) in enumerate(entries):
                 if shards is None:
                     model[local_name] = None
@@ -459,10 +486,12 @@ class ExpertParallelWriter(Writer):
     def __init__(self, writers: list[MegatronWriter]) -> None:
         self.writers = writers
         self.takes_states = writers[0].takes_states
+        self.takes_parts = all(w.takes_parts for w in writers)  # each EP rank's writer keeps its share of a part
 
-    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None,
+            complete: bool = True) -> None:
         for w in self.writers:
-            w.add(unit, tensors, states)
+            w.add(unit, tensors, states, complete)
 
     def needs(self, unit: Unit) -> bool:
         """Whether this torchrun rank reads `unit` (the EP ranks' writers own the same pipeline stages)."""

@@ -121,7 +121,8 @@ def write_sparse_hf(cfg: dict[str, Any], d: Path, tensors_as: dict[str, Any] | N
             model = named._from_config(config, dtype=dtype)
         else:
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = model.state_dict()
+    state = dict(model.state_dict())
+    state.update(_mtp_tensors(config, state))
     if getattr(config, "tie_word_embeddings", False):  # save_pretrained writes the tied copy once
         for k in getattr(model, "_tied_weights_keys", None) or ():
             state.pop(k, None)
@@ -133,6 +134,29 @@ def write_sparse_hf(cfg: dict[str, Any], d: Path, tensors_as: dict[str, Any] | N
         offset += n
     _write_header(d / "model.safetensors", header, offset)
     return offset
+
+
+def _mtp_tensors(config: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The multi-token prediction layers `num_nextn_predict_layers` declares, which transformers does not build but
+    the published checkpoints hold (DeepSeek-V3's README_WEIGHTS.md, GLM-4.5's safetensors index): layer
+    `num_hidden_layers + k` is a decoder layer like the last one plus `enorm`, `hnorm`, `eh_proj` [H, 2H],
+    `shared_head.norm`, and copies of the embedding and the head (`embed_tokens`, `shared_head.head`)."""
+    n = getattr(config, "num_nextn_predict_layers", 0) or 0
+    out: dict[str, torch.Tensor] = {}
+    if not n:
+        return out
+    L = config.num_hidden_layers
+    emb = state["model.embed_tokens.weight"]
+    norm = state["model.norm.weight"]
+    H = emb.shape[1]
+    last = f"model.layers.{L - 1}."
+    for k in range(n):
+        p = f"model.layers.{L + k}."
+        out.update({p + key[len(last):]: t for key, t in state.items() if key.startswith(last)})
+        out.update({p + "enorm.weight": norm, p + "hnorm.weight": norm, p + "shared_head.norm.weight": norm,
+                    p + "eh_proj.weight": torch.empty((H, 2 * H), dtype=emb.dtype, device="meta"),
+                    p + "embed_tokens.weight": emb, p + "shared_head.head.weight": state.get("lm_head.weight", emb)})
+    return out
 
 
 def write_config_only(cfg: dict[str, Any], d: Path) -> None:
@@ -156,9 +180,14 @@ def _corpus() -> list[Path]:
 
 
 @pytest.mark.timeout(900)
-def test_every_published_config_of_a_supported_family_converts(tmp_path_factory, capsys) -> None:
+def test_every_published_config_of_a_supported_family_converts(tmp_path_factory, capsys, monkeypatch) -> None:
     if not CONFIGS.is_dir():
         pytest.skip(f"{CONFIGS} is not in this checkout")
+    # the verdicts are the configs', not this machine's free memory (the memory refusal: test_safety_bounds)
+    import mconvert.convert.bounds as bounds
+
+    real = bounds.check_memory
+    monkeypatch.setattr(bounds, "check_memory", lambda sizes, source, available=None: real(sizes, source, 1 << 40))
     files = _corpus()
     assert len(files) >= MIN_CORPUS, f"{CONFIGS} holds {len(files)} configs; the corpus needs {MIN_CORPUS}"
     book = json.loads(EXPECTATIONS.read_text())
