@@ -32,15 +32,15 @@ SLACK = 32 << 20  # interpreter, allocator and page-cache noise between two runs
 PROBE = r"""
 import json, sys, psutil
 from pathlib import Path
-from mconvert.convert import driver
+from mconvert.convert import driver, verbs
 from mconvert.io import tuning
 tuning.apply()
 mg, warm, out = sys.argv[1:4]
 VERBS = {
-    "megatron-to-hf": ("{mg}", lambda s, o: driver.megatron_to_hf(s, o, max_shard_size="8MB")),
-    "hf-to-megatron": ("{out}/megatron-to-hf", lambda s, o: driver.hf_to_megatron(s, o, ep=2)),
-    "reshard": ("{mg}", lambda s, o: driver.reshard(s, o, tp=1, pp=1, ep=4)),
-    "megatron-to-hf from torch_dist": ("{mg}.dist", lambda s, o: driver.megatron_to_hf(s, o, max_shard_size="8MB")),
+    "megatron-to-hf": ("{mg}", lambda s, o: verbs.megatron_to_hf(s, o, max_shard_size="8MB")),
+    "hf-to-megatron": ("{out}/megatron-to-hf", lambda s, o: verbs.hf_to_megatron(s, o, ep=2)),
+    "reshard": ("{mg}", lambda s, o: verbs.reshard(s, o, tp=1, pp=1, ep=4)),
+    "megatron-to-hf from torch_dist": ("{mg}.dist", lambda s, o: verbs.megatron_to_hf(s, o, max_shard_size="8MB")),
 }
 Path(out, "warm").mkdir()
 for verb, (src, call) in VERBS.items():
