@@ -37,6 +37,7 @@ from mconvert.convert.base import Unit, units_of
 from mconvert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
 from mconvert.io.paths import inside_file, load_json_object, read_small
 from mconvert.convert.driver import drive, peak_rss_bytes
+from mconvert.io.gguf_file import GgufFile, KeyValue, TensorInfo, quantize_q8_0
 from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.casts import check_narrowed, value_range
 from mconvert.convert.sources import open_source
@@ -532,13 +533,13 @@ class GgufWriter(Writer):
         if tokenizer_dir is None:
             raise MConvertError("no tokenizer found beside the checkpoint; GGUF embeds one — pass --tokenizer DIR")
         vocab = gguf_vocab(tokenizer_dir, spec.vocab_size)
-        self._w = g.GGUFWriter(self.path, self.layout.arch)
+        # gguf-py's writer collects the key-values (its `add_*` names and types, SpecialVocab's keys); the bytes
+        # are mconvert's own (`io.gguf_file`: O_DIRECT, hashed on the way)
+        self._w = g.GGUFWriter(None, self.layout.arch)
         self._metadata(name or self.path.stem, vocab, tokenizer_dir)
-        for t in self.plan:
-            self._w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
-        self._w.write_header_to_file(self.path)
-        self._w.write_kv_data_to_file()
-        self._w.write_ti_data_to_file()
+        kvs = [KeyValue(k, v.value, int(v.type), None if v.sub_type is None else int(v.sub_type))
+               for k, v in self._w.kv_data[0].items()]
+        self._file = GgufFile(self.path, kvs, [TensorInfo(t.name, t.shape, int(t.qtype)) for t in self.plan])
         self._next = 0
         if self.plan and self.plan[0].name == ROPE_FREQS:
             self._write(self.plan[0], rope_freqs(spec))
@@ -626,7 +627,7 @@ class GgufWriter(Writer):
             # in between: a float16 source at f16 is written as it is
             out = x.detach().to(torch.float16 if t.qtype == q.F16 else torch.float32).contiguous()
             check_narrowed(x, out, name, fix)
-            self._w.write_tensor_data(out.numpy())
+            self._file.write(out)
             self._next += 1
             return
         src = x.detach().to(torch.float32).contiguous()
@@ -636,9 +637,9 @@ class GgufWriter(Writer):
                 raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
                                     f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
                                     f"would be stored as Inf; {fix}")
-        with np.errstate(over="ignore"):  # a q8_0 scale's overflow is refused above, by name
-            data = _gguf().quants.quantize(src.numpy(), t.qtype)
-        self._w.write_tensor_data(data)
+            self._file.write(quantize_q8_0(src))
+        else:
+            self._file.write(_gguf().quants.quantize(src.numpy(), t.qtype))
         self._next += 1
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
@@ -662,12 +663,12 @@ class GgufWriter(Writer):
             missing = self.plan[self._next]
             raise MConvertError(f"GGUF incomplete: {missing.name} (from {', '.join(missing.hf) or 'the spec'}) was "
                                 "never written")
-        self._w.close()
+        self._file.close()
         return [self.path]
 
     def abort(self) -> None:
         """Close the file; the atomic output removes it."""
-        self._w.close()
+        self._file.abort()
 
 
 # ---- the verbs ------------------------------------------------------------------------------------------

@@ -1,0 +1,224 @@
+"""The GGUF byte format (version 3), written front to back through the aligned hashing writer.
+
+A GGUF file is: the magic `GGUF`, the version, the tensor count and the key-value count (u32, u32, u64, u64,
+little-endian); each key-value (the key as a string, its value type as u32, the value); each tensor's info (name,
+dimension count u32, the dimensions innermost first as u64, the ggml type u32, the data offset u64 from the start
+of the data section); then the data section, which starts at the next multiple of the alignment
+(`general.alignment`, else 32) and holds each tensor's bytes padded with zeros to that alignment. A string is its
+UTF-8 length (u64) and bytes; an array its element type (u32), count (u64) and elements. This is the layout of
+gguf-py's `GGUFWriter` (llama.cpp's writer, `gguf_writer.py` / `constants.py`) and of llama.cpp's `gguf.cpp`
+reader.
+
+Nothing here knows a model family: the caller hands the key-values, the tensor infos in file order, then each
+tensor's bytes in that order (`GgufFile.write`). The bytes go through `HashingFile` (O_DIRECT for large files,
+the manifest's hash taken on the way), so the file is never read back for its manifest.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.io.atomic import record_digest
+from mconvert.io.hashing import DIRECT_MIN_BYTES, HashingFile
+
+MAGIC = 0x46554747  # "GGUF" read as a little-endian u32
+VERSION = 3
+DEFAULT_ALIGNMENT = 32
+ALIGNMENT_KEY = "general.alignment"
+
+# value types (gguf-py's GGUFValueType)
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+_SCALAR = {UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: "i", FLOAT32: "f", BOOL: "?",
+           UINT64: "Q", INT64: "q", FLOAT64: "d"}
+
+# ggml types written here -> (elements per block, bytes per block) (ggml.h's ggml_type, gguf-py's GGML_QUANT_SIZES)
+F32, F16, Q8_0, BF16 = 0, 1, 8, 30
+BLOCKS = {F32: (1, 4), F16: (1, 2), Q8_0: (32, 34), BF16: (1, 2)}
+Q8_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One metadata entry: its value type and, for an array, its element type (None: from the first element,
+    as gguf-py's `GGUFValueType.get_type` reads a Python value)."""
+
+    key: str
+    value: Any
+    type: int
+    sub_type: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file: its name, shape in row-major (torch) order and ggml type."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: int
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.shape, self.type)
+
+
+def tensor_nbytes(shape: Sequence[int], ggml_type: int) -> int:
+    """The bytes of a tensor of `shape` (row-major) in `ggml_type`: whole blocks along the last dimension."""
+    if ggml_type not in BLOCKS:
+        raise MConvertError(f"ggml type {ggml_type} is not written here (F32, F16, BF16, Q8_0 are)")
+    block, size = BLOCKS[ggml_type]
+    if shape and shape[-1] % block:
+        raise MConvertError(f"a {list(shape)} tensor has rows of {shape[-1]}, not whole {block}-element blocks")
+    return math.prod(shape[:-1]) * (shape[-1] // block if shape else 1) * size
+
+
+def pad_to(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _string(s: str | bytes) -> bytes:
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    return struct.pack("<Q", len(b)) + b
+
+
+def _element_type(v: Any) -> int:
+    # the order matters: bool is an int in Python
+    if isinstance(v, (str, bytes, bytearray)):
+        return STRING
+    if isinstance(v, list):
+        return ARRAY
+    if isinstance(v, float):
+        return FLOAT32
+    if isinstance(v, bool):
+        return BOOL
+    if isinstance(v, int):
+        return INT32
+    raise MConvertError(f"GGUF metadata: a value of type {type(v).__name__} has no GGUF type")
+
+
+def encode_value(value: Any, vtype: int, sub_type: int | None = None) -> bytes:
+    """A value's bytes (without its type tag)."""
+    fmt = _SCALAR.get(vtype)
+    if fmt is not None:
+        return struct.pack("<" + fmt, value)
+    if vtype == STRING:
+        return _string(value)
+    if vtype != ARRAY:
+        raise MConvertError(f"GGUF metadata: value type {vtype} unknown")
+    if not isinstance(value, (Sequence, bytes)) or isinstance(value, str) or not len(value):
+        raise MConvertError("GGUF metadata: an array must be a non-empty sequence")
+    elt = sub_type if sub_type is not None else UINT8 if isinstance(value, bytes) else _element_type(value[0])
+    if sub_type is None and not all(_element_type(v) == elt for v in value):
+        raise MConvertError("GGUF metadata: the elements of an array must have one type")
+    head = struct.pack("<IQ", elt, len(value))
+    fmt = _SCALAR.get(elt)
+    if fmt is not None:
+        return head + struct.pack(f"<{len(value)}{fmt}", *value)
+    if elt == STRING:
+        return head + b"".join(_string(v) for v in value)
+    return head + b"".join(encode_value(v, elt) for v in value)
+
+
+def encode_header(kvs: Sequence[KeyValue], tensors: Sequence[TensorInfo], alignment: int) -> bytes:
+    """Everything before the data section: magic, version, counts, key-values, tensor infos (offsets padded to
+    `alignment`)."""
+    out = [struct.pack("<IIQQ", MAGIC, VERSION, len(tensors), len(kvs))]
+    seen: set[str] = set()
+    for kv in kvs:
+        if kv.key in seen:
+            raise MConvertError(f"GGUF metadata: key {kv.key!r} twice")
+        seen.add(kv.key)
+        out += [_string(kv.key), struct.pack("<I", kv.type), encode_value(kv.value, kv.type, kv.sub_type)]
+    offset = 0
+    names: set[str] = set()
+    for t in tensors:
+        if t.name in names:
+            raise MConvertError(f"GGUF: tensor {t.name!r} twice")
+        names.add(t.name)
+        dims = tuple(reversed(t.shape))
+        out += [_string(t.name), struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, t.type, offset)]
+        offset += pad_to(t.nbytes, alignment)
+    return b"".join(out)
+
+
+def alignment_of(kvs: Sequence[KeyValue]) -> int:
+    """The data alignment a reader takes from these key-values: `general.alignment`, else 32."""
+    a = next((kv.value for kv in kvs if kv.key == ALIGNMENT_KEY), DEFAULT_ALIGNMENT)
+    if not isinstance(a, int) or a <= 0 or a % 8:
+        raise MConvertError(f"GGUF metadata: {ALIGNMENT_KEY} {a!r} is not a positive multiple of 8")
+    return a
+
+
+class GgufFile:
+    """A GGUF file written in one pass: the header at open, then each tensor's bytes (`write`) in the order of
+    `tensors`; `close` checks all were written and records the manifest digest taken while writing."""
+
+    def __init__(self, path: str | Path, kvs: Sequence[KeyValue], tensors: Sequence[TensorInfo]) -> None:
+        self.path = Path(path)
+        self.tensors = list(tensors)
+        self.alignment = alignment_of(kvs)
+        head = encode_header(kvs, self.tensors, self.alignment)
+        data = sum(pad_to(t.nbytes, self.alignment) for t in self.tensors)
+        self.size = (pad_to(len(head), self.alignment) if self.tensors else len(head)) + data
+        self._f = HashingFile(self.path, direct=self.size >= DIRECT_MIN_BYTES)
+        self._f.write(head + bytes(self.size - data - len(head)))
+        self._next = 0
+
+    def write(self, data: torch.Tensor | np.ndarray | bytes | memoryview) -> None:
+        """The next tensor's bytes (a tensor or array as its row-major bytes), then its padding."""
+        if self._next >= len(self.tensors):
+            raise MConvertError(f"{self.path}: more tensors written than the {len(self.tensors)} planned")
+        t = self.tensors[self._next]
+        if isinstance(data, np.ndarray):
+            data = torch.from_numpy(np.ascontiguousarray(data))
+        n = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+        if n != t.nbytes:
+            raise MConvertError(f"{self.path}: tensor {t.name}: {n} bytes, its info says {t.nbytes}")
+        self._f.write(data)
+        pad = pad_to(n, self.alignment) - n
+        if pad:
+            self._f.write(bytes(pad))
+        self._next += 1
+
+    def close(self) -> str:
+        """Finish the file (every planned tensor written) and record its digest for the manifest."""
+        if self._next != len(self.tensors):
+            self._f.abort()
+            raise MConvertError(f"{self.path}: tensor {self.tensors[self._next].name} was never written")
+        digest = self._f.close()
+        record_digest(self.path, digest, self._f.algorithm)
+        return digest
+
+    def abort(self) -> None:
+        self._f.abort()
+
+
+def quantize_q8_0(x: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """`x` (float32, last dimension whole 32-blocks) as q8_0 blocks (a float16 scale, its largest magnitude / 127,
+    then 32 int8 values rounded half away from zero), bit for bit what ggml's `quantize_row_q8_0_ref` and gguf-py's
+    `Q8_0.quantize_blocks` compute; `rows` rows at a time, so the float32 temporaries stay small."""
+    n = x.shape[-1]
+    if n % Q8_BLOCK:
+        raise MConvertError(f"a {list(x.shape)} tensor has rows of {n}, not whole q8_0 blocks")
+    flat = x.reshape(-1, n)
+    out = torch.empty((flat.shape[0], n // Q8_BLOCK, 2 + Q8_BLOCK), dtype=torch.uint8)
+    for a in range(0, flat.shape[0], rows):
+        b = flat[a:a + rows].to(torch.float32).reshape(-1, Q8_BLOCK)
+        d = b.abs().amax(dim=1, keepdim=True) / 127
+        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        v = b * inv
+        mag = v.abs()
+        whole = mag.floor()
+        q = torch.sign(v) * (whole + (2 * (mag - whole)).floor())
+        blk = out[a:a + rows].view(-1, 2 + Q8_BLOCK)
+        blk[:, :2] = d.to(torch.float16).view(torch.uint8)
+        blk[:, 2:] = q.to(torch.int8).view(torch.uint8)
+    return out.reshape(*x.shape[:-1], (n // Q8_BLOCK) * (2 + Q8_BLOCK))
