@@ -116,7 +116,7 @@ def encode_value(value: Any, vtype: int, sub_type: int | None = None) -> bytes:
     if not isinstance(value, (Sequence, bytes)) or isinstance(value, str) or not len(value):
         raise MConvertError("GGUF metadata: an array must be a non-empty sequence")
     elt = sub_type if sub_type is not None else UINT8 if isinstance(value, bytes) else _element_type(value[0])
-    if sub_type is None and not all(_element_type(v) == elt for v in value):
+    if sub_type is None and not isinstance(value, bytes) and not all(_element_type(v) == elt for v in value):
         raise MConvertError("GGUF metadata: the elements of an array must have one type")
     head = struct.pack("<IQ", elt, len(value))
     fmt = _SCALAR.get(elt)
