@@ -40,7 +40,8 @@ from mconvert.io.gguf_file import GgufFile, KeyValue, TensorInfo, quantize_q8_0
 from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.casts import check_narrowed, value_range
 from mconvert.convert.sources import open_source
-from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
+from mconvert.convert.hf.tokenizer import check_tokenizer_dir, staged_tokenizer
+from mconvert.convert.hf.tokenizer_files import read_tokenizer
 from mconvert.convert.writer import Report, Writer, make_report
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf
@@ -327,7 +328,7 @@ def gguf_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     check_tokenizer_dir(tok_dir)
     if (tok_dir / SPM_FILE).exists():
         proto = read_sentencepiece(inside_file(tok_dir, SPM_FILE, f"{tok_dir}: tokenizer file"))
-        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, load_tokenizer(tok_dir).get_vocab()):
+        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, read_tokenizer(tok_dir).get_vocab()):
             return sentencepiece_vocab(tok_dir, n_vocab)
     tokens, types, pre = tokenizer_vocab(tok_dir, n_vocab)
     return GgufVocab(BPE_MODEL, pre, tokens, types)
@@ -347,7 +348,7 @@ def tokenizer_vocab(tok_dir: Path, n_vocab: int) -> tuple[list[str], list[int], 
     tok_json = load_json_object(inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file"), "tokenizer",
                                 "re-save the tokenizer", kind="tokenizer")
     pre = tokenizer_pre(tok_json, str(path))
-    tok = load_tokenizer(tok_dir)
+    tok = read_tokenizer(tok_dir)
     vocab = tok.get_vocab()
     if vocab and max(vocab.values()) >= n_vocab:
         raise MConvertError(f"{tok_dir}: the tokenizer has id {max(vocab.values())}, the model {n_vocab} rows; "
@@ -439,7 +440,7 @@ def sentencepiece_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     types = [int(g.TokenType.UNUSED)] * n_vocab
     for i, piece in enumerate(proto.pieces):
         tokens[i], scores[i], types[i] = piece.piece, float(piece.score), int(piece.type)
-    tok = load_tokenizer(tok_dir)
+    tok = read_tokenizer(tok_dir)
     for i, added in sorted(tok.added_tokens_decoder.items()):
         if i >= n_vocab:
             raise MConvertError(f"{tok_dir}: added token {escape_controls(added.content)[:40]!r} has id {i}, the "
