@@ -201,13 +201,18 @@ class GgufFile:
         self._f.abort()
 
 
-def quantize_q8_0(x: torch.Tensor, rows: int = 4096) -> torch.Tensor:
-    """`x` (float32, last dimension whole 32-blocks) as q8_0 blocks (a float16 scale, its largest magnitude / 127,
-    then 32 int8 values rounded half away from zero), bit for bit what ggml's `quantize_row_q8_0_ref` and gguf-py's
-    `Q8_0.quantize_blocks` compute; `rows` rows at a time, so the float32 temporaries stay small."""
+Q8_SLICE = 1 << 17  # values quantized at once: the temporaries of one slice stay in the core's cache
+
+
+def quantize_q8_0(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """`x` (a float tensor, last dimension whole 32-blocks) as q8_0 blocks (a float16 scale, its largest magnitude
+    / 127, then 32 int8 values rounded half away from zero), bit for bit what ggml's `quantize_row_q8_0_ref` and
+    gguf-py's `Q8_0.quantize_blocks` compute on its float32 values; `rows` rows at a time (by default about
+    `Q8_SLICE` values), each cast to float32 on its own, so the temporaries stay small and in cache."""
     n = x.shape[-1]
     if n % Q8_BLOCK:
         raise MConvertError(f"a {list(x.shape)} tensor has rows of {n}, not whole q8_0 blocks")
+    rows = rows or max(1, Q8_SLICE // n)
     flat = x.reshape(-1, n)
     out = torch.empty((flat.shape[0], n // Q8_BLOCK, 2 + Q8_BLOCK), dtype=torch.uint8)
     for a in range(0, flat.shape[0], rows):

@@ -630,16 +630,15 @@ class GgufWriter(Writer):
             self._file.write(out)
             self._next += 1
             return
-        src = x.detach().to(torch.float32).contiguous()
         if t.qtype == q.Q8_0:  # each 32-block's scale, its largest magnitude / 127, is stored in float16
-            lo, hi = value_range(src)
+            lo, hi = value_range(x.detach())
             if max(-lo, hi) / 127 > torch.finfo(torch.float16).max:
                 raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
                                     f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
                                     f"would be stored as Inf; {fix}")
-            self._file.write(quantize_q8_0(src))
+            self._file.write(quantize_q8_0(x.detach()))  # cast to float32 a slice at a time
         else:
-            self._file.write(_gguf().quants.quantize(src.numpy(), t.qtype))
+            self._file.write(_gguf().quants.quantize(x.detach().to(torch.float32).contiguous().numpy(), t.qtype))
         self._next += 1
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
