@@ -201,29 +201,43 @@ class GgufFile:
         self._f.abort()
 
 
-Q8_SLICE = 1 << 17  # values quantized at once: the temporaries of one slice stay in the core's cache
+Q8_SLICE = 1 << 16  # values quantized at once: one slice's working buffers stay in the core's cache
 
 
 def quantize_q8_0(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """`x` (a float tensor, last dimension whole 32-blocks) as q8_0 blocks (a float16 scale, its largest magnitude
     / 127, then 32 int8 values rounded half away from zero), bit for bit what ggml's `quantize_row_q8_0_ref` and
-    gguf-py's `Q8_0.quantize_blocks` compute on its float32 values; `rows` rows at a time (by default about
-    `Q8_SLICE` values), each cast to float32 on its own, so the temporaries stay small and in cache."""
+    gguf-py's `Q8_0.quantize_blocks` compute on its float32 values. `rows` rows at a time (by default about
+    `Q8_SLICE` values), each cast to float32 into the same working buffers, every step in place: no allocation
+    per slice (with the CLI's fixed mmap threshold each would be a fresh mapping, its pages faulted in anew)."""
     n = x.shape[-1]
     if n % Q8_BLOCK:
         raise MConvertError(f"a {list(x.shape)} tensor has rows of {n}, not whole q8_0 blocks")
     rows = rows or max(1, Q8_SLICE // n)
     flat = x.reshape(-1, n)
     out = torch.empty((flat.shape[0], n // Q8_BLOCK, 2 + Q8_BLOCK), dtype=torch.uint8)
+    nb = min(rows, flat.shape[0]) * (n // Q8_BLOCK)
+    v_buf, a_buf, w_buf = (torch.empty((nb, Q8_BLOCK), dtype=torch.float32) for _ in range(3))
+    d_buf, inv_buf = (torch.empty((nb, 1), dtype=torch.float32) for _ in range(2))
+    zero_buf = torch.empty((nb, 1), dtype=torch.bool)
     for a in range(0, flat.shape[0], rows):
-        b = flat[a:a + rows].to(torch.float32).reshape(-1, Q8_BLOCK)
-        d = b.abs().amax(dim=1, keepdim=True) / 127
-        inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        v = b * inv
-        mag = v.abs()
-        whole = mag.floor()
-        q = torch.sign(v) * (whole + (2 * (mag - whole)).floor())
+        src = flat[a:a + rows]
+        k = src.shape[0] * (n // Q8_BLOCK)
+        v, mag, whole, d, inv, zero = v_buf[:k], a_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k], zero_buf[:k]
+        v.view(src.shape).copy_(src)  # the slice as float32
+        torch.abs(v, out=mag)
+        torch.amax(mag, dim=1, keepdim=True, out=d)
+        d.div_(127)
+        torch.reciprocal(d, out=inv)
+        torch.eq(d, 0, out=zero)
+        inv.masked_fill_(zero, 0.0)
+        v.mul_(inv)  # the values in units of the scale
+        torch.abs(v, out=mag)
+        torch.floor(mag, out=whole)
+        mag.sub_(whole).mul_(2).floor_().add_(whole)  # |v| rounded half away from zero
+        torch.sign(v, out=whole)
+        mag.mul_(whole)
         blk = out[a:a + rows].view(-1, 2 + Q8_BLOCK)
-        blk[:, :2] = d.to(torch.float16).view(torch.uint8)
-        blk[:, 2:] = q.to(torch.int8).view(torch.uint8)
+        blk[:, :2].view(torch.float16).copy_(d)
+        blk.view(torch.int8)[:, 2:].copy_(mag)
     return out.reshape(*x.shape[:-1], (n // Q8_BLOCK) * (2 + Q8_BLOCK))
