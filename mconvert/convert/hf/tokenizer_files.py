@@ -56,6 +56,19 @@ class FileTokenizer:
     vocab: dict[str, int]
     added_tokens_decoder: dict[int, AddedToken]
     init_kwargs: dict[str, Any]
+    special_tokens: dict[str, str | None]  # bos_token, eos_token, ... -> the token (None: none)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id("eos_token")
+
+    def _id(self, key: str) -> int | None:
+        tok = self.special_tokens.get(key)
+        return None if tok is None else self.vocab[tok]
 
     def get_vocab(self) -> dict[str, int]:
         return dict(self.vocab)
@@ -67,7 +80,7 @@ class FileTokenizer:
 def read_tokenizer(tok_dir: Path) -> Any:
     """The tokenizer of `tok_dir` as transformers' fast tokenizer has it: from the files where they settle it
     (`FileTokenizer`), else transformers' own (`load_tokenizer`)."""
-    return _from_files(tok_dir) or load_tokenizer(tok_dir)
+    return files_tokenizer(tok_dir) or load_tokenizer(tok_dir)
 
 
 def _json(tok_dir: Path, name: str) -> Any:
@@ -92,7 +105,9 @@ def _contents(value: Any) -> list[str | None] | None:
     return None
 
 
-def _from_files(tok_dir: Path) -> FileTokenizer | None:
+def files_tokenizer(tok_dir: Path) -> FileTokenizer | None:
+    """The tokenizer of `tok_dir` from its files, or None where transformers would hold something the files do
+    not show (then transformers reads it)."""
     check_tokenizer_files(tok_dir)  # what load_tokenizer refuses first, by file
     check_unique_ids(tok_dir)
     if not (tok_dir / "tokenizer.json").is_file():
@@ -142,5 +157,13 @@ def _from_files(tok_dir: Path) -> FileTokenizer | None:
     # a special token that is not an added token yet: transformers adds it (a new id, or a changed type)
     if any(n is not None and n not in contents for n in names):
         return None
+    # the special tokens as transformers sets them: the class's defaults under tokenizer_config.json's, and
+    # special_tokens_map.json's over both only where tokenizer_config.json has no added_tokens_decoder (its
+    # legacy branch)
+    chosen: dict[str, str | None] = dict(specials)
+    for table in tables if not isinstance(cfg.get("added_tokens_decoder"), dict) else tables[:1]:
+        for key in SPECIAL_KEYS:
+            if key in table:
+                chosen[key] = (_contents(table[key]) or [None])[0]
     decoder = {int(i): AddedToken(t.content, bool(t.special)) for i, t in tok.get_added_tokens_decoder().items()}
-    return FileTokenizer(tok.get_vocab(with_added_tokens=True), dict(sorted(decoder.items())), dict(cfg))
+    return FileTokenizer(tok.get_vocab(with_added_tokens=True), dict(sorted(decoder.items())), dict(cfg), chosen)

@@ -1,5 +1,5 @@
 """The tokenizer read from its files (`tokenizer_files.read_tokenizer`, no transformers import) against
-transformers' own tokenizer of the same directory: the same vocabulary, added tokens and special flags where the
+transformers' own tokenizer of the same directory: the same vocabulary, added tokens, special flags and bos/eos ids where the
 files settle them, transformers itself where they do not, and the GGUF vocabulary (tokens, types, scores,
 pre-tokenizer, add_space_prefix) equal either way, for every kind of tokenizer hf-to-gguf writes."""
 
@@ -13,7 +13,7 @@ import transformers
 
 import mconvert.convert.deploy.gguf as gguf_mod
 from mconvert.convert.hf.tokenizer import load_tokenizer
-from mconvert.convert.hf.tokenizer_files import FileTokenizer, _from_files
+from mconvert.convert.hf.tokenizer_files import FileTokenizer, files_tokenizer
 from mconvert.data import EOS, build_tokenizer, corpus_text
 
 ROWS = 1100  # embedding rows past every tokenizer's vocabulary: [PADi] rows too
@@ -94,7 +94,7 @@ NAMES = ("bpe", "gpt2-class", "qwen2-class", "bpe-added", "spm", "spm-via-slow",
 @pytest.mark.parametrize("name", NAMES)
 def test_files_read_as_transformers_reads_them_and_the_gguf_vocabulary_is_the_same(kinds, monkeypatch, name):
     d, settled = kinds[name]
-    ours, theirs = _from_files(d), load_tokenizer(d)
+    ours, theirs = files_tokenizer(d), load_tokenizer(d)
     assert isinstance(ours, FileTokenizer) == settled
     if settled:
         assert ours.get_vocab() == theirs.get_vocab()
@@ -102,6 +102,7 @@ def test_files_read_as_transformers_reads_them_and_the_gguf_vocabulary_is_the_sa
         assert {i: (t.content, t.special) for i, t in ours.added_tokens_decoder.items()} == \
             {i: (t.content, t.special) for i, t in theirs.added_tokens_decoder.items()}
         assert ours.init_kwargs.get("add_prefix_space") == theirs.init_kwargs.get("add_prefix_space")
+        assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
     vocab = gguf_mod.gguf_vocab(d, ROWS)
     monkeypatch.setattr(gguf_mod, "read_tokenizer", load_tokenizer)
     assert vocab == gguf_mod.gguf_vocab(d, ROWS)
