@@ -1,5 +1,6 @@
-"""GGUF for llama.cpp (`mconvert megatron-to-gguf`, `hf-to-gguf`): one `.gguf` file written through gguf-py's
-`GGUFWriter`, llama.cpp's own writer.
+"""GGUF for llama.cpp (`mconvert megatron-to-gguf`, `hf-to-gguf`): one `.gguf` file, its key-values collected by
+gguf-py's `GGUFWriter` (llama.cpp's own writer) and its bytes written as that writer lays them out
+(`io.gguf_file`).
 
 What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp): tensor names from the family's
 `GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
@@ -15,7 +16,7 @@ QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_pa
 
 Streaming: every tensor's name, shape and type follows from the ModelSpec alone (a meta-tensor pass through the
 family's HF mapping), so the header is written first and each unit's tensors are appended as they arrive
-(`GGUFWriter.add_tensor_info` up front, `write_tensor_data` per tensor): memory is one unit.
+(every tensor info up front, each tensor's bytes as it is converted): memory is one unit.
 """
 
 from __future__ import annotations
