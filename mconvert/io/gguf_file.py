@@ -89,19 +89,23 @@ def _string(s: str | bytes) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def _element_type(v: Any) -> int:
+def _class_type(cls: type) -> int:
     # the order matters: bool is an int in Python
-    if isinstance(v, (str, bytes, bytearray)):
+    if issubclass(cls, (str, bytes, bytearray)):
         return STRING
-    if isinstance(v, list):
+    if issubclass(cls, list):
         return ARRAY
-    if isinstance(v, float):
+    if issubclass(cls, float):
         return FLOAT32
-    if isinstance(v, bool):
+    if issubclass(cls, bool):
         return BOOL
-    if isinstance(v, int):
+    if issubclass(cls, int):
         return INT32
-    raise MConvertError(f"GGUF metadata: a value of type {type(v).__name__} has no GGUF type")
+    raise MConvertError(f"GGUF metadata: a value of type {cls.__name__} has no GGUF type")
+
+
+def _element_type(v: Any) -> int:
+    return _class_type(type(v))
 
 
 def encode_value(value: Any, vtype: int, sub_type: int | None = None) -> bytes:
@@ -116,7 +120,7 @@ def encode_value(value: Any, vtype: int, sub_type: int | None = None) -> bytes:
     if not isinstance(value, (Sequence, bytes)) or isinstance(value, str) or not len(value):
         raise MConvertError("GGUF metadata: an array must be a non-empty sequence")
     elt = sub_type if sub_type is not None else UINT8 if isinstance(value, bytes) else _element_type(value[0])
-    if sub_type is None and not isinstance(value, bytes) and not all(_element_type(v) == elt for v in value):
+    if sub_type is None and not isinstance(value, bytes) and {_class_type(c) for c in set(map(type, value))} != {elt}:
         raise MConvertError("GGUF metadata: the elements of an array must have one type")
     head = struct.pack("<IQ", elt, len(value))
     fmt = _SCALAR.get(elt)

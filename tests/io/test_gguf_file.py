@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from mconvert.convert.deploy.gguf import to_gguf
+from mconvert.errors import MConvertError
 from mconvert.io.gguf_file import (ARRAY, BOOL, FLOAT32, FLOAT64, INT8, INT16, INT32, INT64, STRING, UINT8, UINT16,
                                    UINT32, UINT64, GgufFile, KeyValue, TensorInfo, quantize_q8_0)
 
@@ -65,6 +66,15 @@ def test_every_value_type_and_tensor_type_is_written_as_gguf_py_writes_it(tmp_pa
     _gguf_py(tmp_path / "theirs0.gguf", kvs[:3], [])
     _ours(tmp_path / "ours0.gguf", kvs[:3], [])
     assert (tmp_path / "ours0.gguf").read_bytes() == (tmp_path / "theirs0.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("value", [[1, "a"], [1, 2.0], [True, 1], []])
+def test_an_array_gguf_py_refuses_is_refused(tmp_path, value):
+    kvs = [KeyValue("general.architecture", "llama", STRING), KeyValue("bad", value, ARRAY)]
+    with pytest.raises(ValueError):
+        _gguf_py(tmp_path / "theirs.gguf", kvs, [])
+    with pytest.raises(MConvertError, match="array"):
+        _ours(tmp_path / "ours.gguf", kvs, [])
 
 
 def test_q8_0_blocks_equal_gguf_pys_quantizer_bit_for_bit():
