@@ -192,6 +192,10 @@ class GgufFile:
             self._f.write(bytes(pad))
         self._next += 1
 
+    def drain(self) -> None:
+        """Wait until every byte handed to `write` so far is in the file (see `HashingFile.drain`)."""
+        self._f.drain()
+
     def close(self) -> str:
         """Finish the file (every planned tensor written) and record its digest for the manifest."""
         if self._next != len(self.tensors):
