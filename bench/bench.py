@@ -579,11 +579,13 @@ def print_report(report: dict[str, Any]) -> None:
     t = Table(title=f"{report['preset']} ({m['parameters'] / 1e9:.2f} B params, {m['layers']} layers, fp32) "
                     f"TP={SRC_TP} PP={SRC_PP}: {report['build']['bytes'] / GB:.2f} GB, median of {report['repeats']}"
                     f"; page cache {'warm' if report['cache']['warm'] else 'NOT warm'}")
-    for c in ("operation", "wall s", "× cp", "× cp-cold", "CPU s", "CPU s/GB", "CPU × cp", "peak RSS GB", "anon GB"):
+    gbs = report["build"]["bytes"] / GB
+    for c in ("operation", "wall s", "× cp", "× cp-cold", "CPU s", "wall s/GB", "CPU s/GB", "CPU × cp", "peak RSS GB",
+              "anon GB"):
         t.add_column(c, justify="left" if c == "operation" else "right")
     for op, r in report["ops"].items():
         t.add_row(op, f"{r['wall_s']:.2f}", f"{r['ratio_to_cp']:.2f}", f"{r.get('ratio_to_cp_cold', float('nan')):.2f}",
-                  f"{r['cpu_s']:.2f}", f"{r.get('cpu_s_per_gb', float('nan')):.2f}",
+                  f"{r['cpu_s']:.2f}", f"{r['wall_s'] / gbs:.2f}", f"{r.get('cpu_s_per_gb', float('nan')):.2f}",
                   f"{r['cpu_ratio_to_cp']:.1f}", f"{r['peak_rss'] / GB:.2f}", f"{r['peak_anon'] / GB:.2f}")
     console.print(t)
     if "peer" in report:
@@ -679,11 +681,12 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['machine']['date']}.", "",
              "Every row ends with `sync -f` on its output (cp's bytes are on disk only then), and starts after a "
              "`sync` (not timed) of what earlier steps left dirty.", "",
-             "| operation | wall s | × cp | × cp-cold | CPU s | CPU s/GB | CPU × cp | peak RSS GB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| operation | wall s | × cp | × cp-cold | CPU s | wall s/GB | CPU s/GB | CPU × cp | peak RSS GB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    gbs = report["build"]["bytes"] / GB
     for op, r in ops.items():
         lines.append(f"| {op} | {r['wall_s']:.2f} | {r['ratio_to_cp']:.2f} | "
-                     f"{r.get('ratio_to_cp_cold', float('nan')):.2f} | {r['cpu_s']:.2f} | "
+                     f"{r.get('ratio_to_cp_cold', float('nan')):.2f} | {r['cpu_s']:.2f} | {r['wall_s'] / gbs:.2f} | "
                      f"{r.get('cpu_s_per_gb', float('nan')):.2f} | "
                      f"{r['cpu_ratio_to_cp']:.1f} | {r['peak_rss'] / GB:.2f} |")
     if "peer" in report:
