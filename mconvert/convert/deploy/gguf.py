@@ -1,6 +1,7 @@
 """GGUF for llama.cpp (`mconvert megatron-to-gguf`, `hf-to-gguf`, whose verbs are in `convert/verbs.py`): one
-`.gguf` file written through gguf-py's `GGUFWriter`, llama.cpp's own writer. `prepare` is the one place its
-refusals and its tensor plan are worked out; the verb, the writer, `--dry-run` and `verify` take them from it.
+`.gguf` file, its key-values collected by gguf-py's `GGUFWriter` (llama.cpp's own writer) and its bytes written as
+that writer lays them out (`io.gguf_file`). `prepare` is the one place its refusals and its tensor plan are worked
+out; the verb, the writer, `--dry-run` and `verify` take them from it.
 
 What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp): tensor names from the family's
 `GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
@@ -16,7 +17,7 @@ QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_pa
 
 Streaming: every tensor's name, shape and type follows from the ModelSpec alone (a meta-tensor pass through the
 family's HF mapping), so the header is written first and each unit's tensors are appended as they arrive
-(`GGUFWriter.add_tensor_info` up front, `write_tensor_data` per tensor): memory is one unit.
+(every tensor info up front, each tensor's bytes as it is converted): memory is one unit.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.io.paths import inside_file, load_json_object, read_small
 from mconvert.io.casts import check_narrowed, value_range
-from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
+from mconvert.io.gguf_file import GgufFile, KeyValue, TensorInfo, quantize_q8_0
+from mconvert.convert.hf.tokenizer import check_tokenizer_dir, staged_tokenizer
+from mconvert.convert.hf.tokenizer_files import read_tokenizer
 from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf
@@ -351,7 +353,7 @@ def gguf_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     check_tokenizer_dir(tok_dir)
     if (tok_dir / SPM_FILE).exists():
         proto = read_sentencepiece(inside_file(tok_dir, SPM_FILE, f"{tok_dir}: tokenizer file"))
-        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, load_tokenizer(tok_dir).get_vocab()):
+        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, read_tokenizer(tok_dir).get_vocab()):
             return sentencepiece_vocab(tok_dir, n_vocab)
     tokens, types, pre = tokenizer_vocab(tok_dir, n_vocab)
     return GgufVocab(BPE_MODEL, pre, tokens, types)
@@ -371,7 +373,7 @@ def tokenizer_vocab(tok_dir: Path, n_vocab: int) -> tuple[list[str], list[int], 
     tok_json = load_json_object(inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file"), "tokenizer",
                                 "re-save the tokenizer", kind="tokenizer")
     pre = tokenizer_pre(tok_json, str(path))
-    tok = load_tokenizer(tok_dir)
+    tok = read_tokenizer(tok_dir)
     vocab = tok.get_vocab()
     if vocab and max(vocab.values()) >= n_vocab:
         raise MConvertError(f"{tok_dir}: the tokenizer has id {max(vocab.values())}, the model {n_vocab} rows; "
@@ -463,7 +465,7 @@ def sentencepiece_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     types = [int(g.TokenType.UNUSED)] * n_vocab
     for i, piece in enumerate(proto.pieces):
         tokens[i], scores[i], types[i] = piece.piece, float(piece.score), int(piece.type)
-    tok = load_tokenizer(tok_dir)
+    tok = read_tokenizer(tok_dir)
     for i, added in sorted(tok.added_tokens_decoder.items()):
         if i >= n_vocab:
             raise MConvertError(f"{tok_dir}: added token {escape_controls(added.content)[:40]!r} has id {i}, the "
@@ -558,13 +560,13 @@ class GgufWriter(Writer):
         if tokenizer_dir is None:
             raise MConvertError("no tokenizer found beside the checkpoint; GGUF embeds one — pass --tokenizer DIR")
         vocab = gguf_vocab(tokenizer_dir, spec.vocab_size)
-        self._w = g.GGUFWriter(self.path, self.layout.arch)
+        # gguf-py's writer collects the key-values (its `add_*` names and types, SpecialVocab's keys); the bytes
+        # are mconvert's own (`io.gguf_file`: O_DIRECT, hashed on the way)
+        self._w = g.GGUFWriter(None, self.layout.arch)
         self._metadata(name or self.path.stem, vocab, tokenizer_dir)
-        for t in self.plan:
-            self._w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
-        self._w.write_header_to_file(self.path)
-        self._w.write_kv_data_to_file()
-        self._w.write_ti_data_to_file()
+        kvs = [KeyValue(k, v.value, int(v.type), None if v.sub_type is None else int(v.sub_type))
+               for k, v in self._w.kv_data[0].items()]
+        self._file = GgufFile(self.path, kvs, [TensorInfo(t.name, t.shape, int(t.qtype)) for t in self.plan])
         self._next = 0
         if self.plan and self.plan[0].name == ROPE_FREQS:
             self._write(self.plan[0], rope_freqs(spec))
@@ -652,19 +654,18 @@ class GgufWriter(Writer):
             # in between: a float16 source at f16 is written as it is
             out = x.detach().to(torch.float16 if t.qtype == q.F16 else torch.float32).contiguous()
             check_narrowed(x, out, name, fix)
-            self._w.write_tensor_data(out.numpy())
+            self._file.write(out)
             self._next += 1
             return
-        src = x.detach().to(torch.float32).contiguous()
         if t.qtype == q.Q8_0:  # each 32-block's scale, its largest magnitude / 127, is stored in float16
-            lo, hi = value_range(src)
+            lo, hi = value_range(x.detach())
             if max(-lo, hi) / 127 > torch.finfo(torch.float16).max:
                 raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
                                     f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
                                     f"would be stored as Inf; {fix}")
-        with np.errstate(over="ignore"):  # a q8_0 scale's overflow is refused above, by name
-            data = _gguf().quants.quantize(src.numpy(), t.qtype)
-        self._w.write_tensor_data(data)
+            self._file.write(quantize_q8_0(x.detach()))  # cast to float32 a slice at a time
+        else:
+            self._file.write(_gguf().quants.quantize(x.detach().to(torch.float32).contiguous().numpy(), t.qtype))
         self._next += 1
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
@@ -688,9 +689,9 @@ class GgufWriter(Writer):
             missing = self.plan[self._next]
             raise MConvertError(f"GGUF incomplete: {missing.name} (from {', '.join(missing.hf) or 'the spec'}) was "
                                 "never written")
-        self._w.close()
+        self._file.close()
         return [self.path]
 
     def abort(self) -> None:
         """Close the file; the atomic output removes it."""
-        self._w.close()
+        self._file.abort()

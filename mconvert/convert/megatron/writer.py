@@ -18,6 +18,7 @@ import torch
 from mconvert.convert.megatron import optimizer as optim
 from mconvert.convert.base import Unit
 from mconvert.convert.megatron.checkpoint import args_dict
+from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import hash_file, manifest_hash
 from mconvert.io.paths import make_dirs
@@ -255,7 +256,7 @@ class MegatronWriter(Writer):
             kind = self.spec.split_kind(name)
             st = states.get(name)
             if kind == "vocab":
-                full = pad_vocab(full, self.rows, self.spec.vocab_size, name)
+                full = pad_vocab(full, self.rows, self.spec.vocab_size, name, buffers.empty)
                 if st is not None:
                     st = {k: pad_vocab(v, self.rows, self.spec.vocab_size, f"{name}.{k}")
                           if isinstance(v, torch.Tensor) and v.dim() > 0 and k != "step" else v
