@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from mconvert.convert.deploy.gguf import to_gguf
+from mconvert.convert.verbs import to_gguf
 from mconvert.errors import MConvertError
 from mconvert.io.gguf_file import (ARRAY, BOOL, FLOAT32, FLOAT64, INT8, INT16, INT32, INT64, STRING, UINT8, UINT16,
                                    UINT32, UINT64, GgufFile, KeyValue, TensorInfo, quantize_q8_0)
