@@ -105,14 +105,19 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     return q, scale_inv
 
 
+UNQUANTIZED_PROJ = "eh_proj"
+
+
 def quantized_name(name: str) -> bool:
     """Whether HF weight `name` belongs to a linear projection that block-scaled FP8 stores quantized: the
     attention and MLP projections (`*_proj`, MLA's `kv_a_proj_with_mqa`, Mixtral's expert `w1/w2/w3`); never
-    embeddings, `lm_head`, norms, biases or MoE routers (`mlp.gate`, which DeepSeek's release keeps in bf16)."""
+    embeddings, `lm_head`, norms, biases or MoE routers (`mlp.gate`, which DeepSeek's release keeps in bf16), nor
+    an MTP layer's `eh_proj`: vLLM's DeepSeek and GLM MTP models build it as a plain torch Linear, which would
+    take e4m3 bytes as values and leave the scale unread."""
     if not name.endswith(".weight"):
         return False
     module = name[: -len(".weight")].rsplit(".", 1)[-1]
-    return module.endswith(("_proj", "_proj_with_mqa")) or module in ("w1", "w2", "w3")
+    return module != UNQUANTIZED_PROJ and (module.endswith(("_proj", "_proj_with_mqa")) or module in ("w1", "w2", "w3"))
 
 
 def quantize_tensors(tensors: Mapping[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
