@@ -80,7 +80,7 @@ def peer_script() -> Path:
 # ---- the commands measured --------------------------------------------------------------------------
 # the fixed cost every conversion process pays before its first byte: the interpreter with torch, and the
 # engine's modules on top (the CLI imports them only for a conversion verb)
-STARTUP = {"import-torch": "import torch", "import-engine": "import mconvert.convert.driver"}
+STARTUP = {"import-torch": "import torch", "import-engine": "import mconvert.convert.verbs"}
 
 
 def converts(label: str) -> bool:
@@ -414,6 +414,17 @@ def run_gguf(a: argparse.Namespace, work: Path, report: dict[str, Any]) -> None:
                          (f"llama.cpp {name} {outtype}", f"llama.cpp:{outtype}", srcs[name])]
     rows = measure_rounds(jobs, work, max(3, a.repeats))
     report["gguf"] = {"rows": gguf_peer.figures(rows, src_bytes), "load": os.getloadavg(), "cpus": os.cpu_count()}
+    # per byte on the larger Llama at TP4 PP2: megatron-to-hf of its rank files and hf-to-megatron of the HF
+    # directory, each beside cp of the same input
+    hf, ckpt = srcs[gguf_peer.PER_BYTE_MODEL], work / f"{gguf_peer.PER_BYTE_MODEL}-tp{gguf_peer.LLAMA_TP}pp{gguf_peer.LLAMA_PP}"
+    if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
+        m = run_measured([*mconvert_cmd(), "hf-to-megatron", str(hf), str(ckpt), "--tp", str(gguf_peer.LLAMA_TP),
+                          "--pp", str(gguf_peer.LLAMA_PP)])
+        if m.returncode != 0:
+            raise SystemExit(f"bench: building the Llama TP4 PP2 checkpoint failed:\n{m.output_tail}")
+    rows = measure_rounds(gguf_peer.per_byte_jobs(hf, ckpt), work, max(3, a.repeats))
+    report["llama_per_byte"] = {"rows": gguf_peer.per_byte_figures(rows, {"hf": dir_bytes(hf), "megatron": dir_bytes(ckpt)}),
+                                "tp": gguf_peer.LLAMA_TP, "pp": gguf_peer.LLAMA_PP, "load": os.getloadavg()}
 
 
 def pass_costs() -> list[dict[str, Any]]:
@@ -524,9 +535,43 @@ def print_gguf(report: dict[str, Any]) -> None:
     console.print(t)
 
 
+def print_per_byte(report: dict[str, Any]) -> None:
+    g = report.get("llama_per_byte")
+    if not g:
+        return
+    load = ", ".join(f"{x:.1f}" for x in g["load"])
+    t = Table(title=f"Llama {gguf_peer.PER_BYTE_MODEL} at TP{g['tp']} PP{g['pp']}, per byte against cp of the same "
+                    f"input, interleaved, median of ≥ 3; load average at the end {load}")
+    for c in ("verb", "input GB", "wall s", "CPU s", "wall s/GB", "CPU s/GB", "cp wall s/GB", "cp CPU s/GB",
+              "× cp wall", "× cp CPU", "peak RSS GB"):
+        t.add_column(c, justify="left" if c == "verb" else "right")
+    for verb, r in g["rows"].items():
+        t.add_row(verb, f"{r['bytes'] / GB:.2f}", f"{r['ours_wall_s']:.2f}", f"{r['ours_cpu_s']:.2f}",
+                  f"{r['ours_wall_s_per_gb']:.2f}", f"{r['ours_cpu_s_per_gb']:.2f}", f"{r['cp_wall_s_per_gb']:.2f}",
+                  f"{r['cp_cpu_s_per_gb']:.2f}", f"{r['x_cp_wall']:.2f}", f"{r['x_cp_cpu']:.2f}",
+                  f"{r['peak_rss'] / GB:.2f}")
+    console.print(t)
+
+
+def per_byte_markdown(report: dict[str, Any]) -> list[str]:
+    g = report.get("llama_per_byte")
+    if not g:
+        return []
+    lines = ["", f"{gguf_peer.PER_BYTE_MODEL} at TP{g['tp']} PP{g['pp']}, against `cp -r` of the same input in the "
+             "same rounds:", "", "| verb | input GB | wall s | CPU s | wall s/GB | CPU s/GB | cp wall s/GB | "
+             "cp CPU s/GB | × cp wall | × cp CPU | peak RSS GB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for verb, r in g["rows"].items():
+        lines.append(f"| {verb} | {r['bytes'] / GB:.2f} | {r['ours_wall_s']:.2f} | {r['ours_cpu_s']:.2f} | "
+                     f"{r['ours_wall_s_per_gb']:.2f} | {r['ours_cpu_s_per_gb']:.2f} | {r['cp_wall_s_per_gb']:.2f} | "
+                     f"{r['cp_cpu_s_per_gb']:.2f} | {r['x_cp_wall']:.2f} | {r['x_cp_cpu']:.2f} | "
+                     f"{r['peak_rss'] / GB:.2f} |")
+    return lines
+
+
 def print_report(report: dict[str, Any]) -> None:
-    """Rich tables: operations vs cp, peer, depth, GGUF peer, targets."""
+    """Rich tables: operations vs cp, peer, depth, GGUF peer, Llama per byte, targets."""
     print_gguf(report)
+    print_per_byte(report)
     if "ops" not in report:
         print_targets(report)
         return
@@ -534,11 +579,13 @@ def print_report(report: dict[str, Any]) -> None:
     t = Table(title=f"{report['preset']} ({m['parameters'] / 1e9:.2f} B params, {m['layers']} layers, fp32) "
                     f"TP={SRC_TP} PP={SRC_PP}: {report['build']['bytes'] / GB:.2f} GB, median of {report['repeats']}"
                     f"; page cache {'warm' if report['cache']['warm'] else 'NOT warm'}")
-    for c in ("operation", "wall s", "× cp", "× cp-cold", "CPU s", "CPU s/GB", "CPU × cp", "peak RSS GB", "anon GB"):
+    gbs = report["build"]["bytes"] / GB
+    for c in ("operation", "wall s", "× cp", "× cp-cold", "CPU s", "wall s/GB", "CPU s/GB", "CPU × cp", "peak RSS GB",
+              "anon GB"):
         t.add_column(c, justify="left" if c == "operation" else "right")
     for op, r in report["ops"].items():
         t.add_row(op, f"{r['wall_s']:.2f}", f"{r['ratio_to_cp']:.2f}", f"{r.get('ratio_to_cp_cold', float('nan')):.2f}",
-                  f"{r['cpu_s']:.2f}", f"{r.get('cpu_s_per_gb', float('nan')):.2f}",
+                  f"{r['cpu_s']:.2f}", f"{r['wall_s'] / gbs:.2f}", f"{r.get('cpu_s_per_gb', float('nan')):.2f}",
                   f"{r['cpu_ratio_to_cp']:.1f}", f"{r['peak_rss'] / GB:.2f}", f"{r['peak_anon'] / GB:.2f}")
     console.print(t)
     if "peer" in report:
@@ -625,7 +672,7 @@ def gguf_markdown(report: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any]) -> str:
     """The figures as markdown tables (README / notes), from a report dict (`--render last-run.json`)."""
     if "ops" not in report:
-        return "\n".join([*gguf_markdown(report), "", *target_markdown(report)]) + "\n"
+        return "\n".join([*gguf_markdown(report), *per_byte_markdown(report), "", *target_markdown(report)]) + "\n"
     m, ops = report["model"], report["ops"]
     lines = [f"Model: {report['preset']}, {m['layers']} layers, {m['parameters'] / 1e9:.2f} B parameters, fp32, "
              f"TP={SRC_TP} PP={SRC_PP}: {report['build']['files']} files, {report['build']['bytes'] / GB:.2f} GB; "
@@ -634,11 +681,12 @@ def markdown(report: dict[str, Any]) -> str:
              f"{report['machine']['date']}.", "",
              "Every row ends with `sync -f` on its output (cp's bytes are on disk only then), and starts after a "
              "`sync` (not timed) of what earlier steps left dirty.", "",
-             "| operation | wall s | × cp | × cp-cold | CPU s | CPU s/GB | CPU × cp | peak RSS GB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| operation | wall s | × cp | × cp-cold | CPU s | wall s/GB | CPU s/GB | CPU × cp | peak RSS GB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    gbs = report["build"]["bytes"] / GB
     for op, r in ops.items():
         lines.append(f"| {op} | {r['wall_s']:.2f} | {r['ratio_to_cp']:.2f} | "
-                     f"{r.get('ratio_to_cp_cold', float('nan')):.2f} | {r['cpu_s']:.2f} | "
+                     f"{r.get('ratio_to_cp_cold', float('nan')):.2f} | {r['cpu_s']:.2f} | {r['wall_s'] / gbs:.2f} | "
                      f"{r.get('cpu_s_per_gb', float('nan')):.2f} | "
                      f"{r['cpu_ratio_to_cp']:.1f} | {r['peak_rss'] / GB:.2f} |")
     if "peer" in report:
@@ -674,6 +722,7 @@ def markdown(report: dict[str, Any]) -> str:
                   "copy:", "", "| pass | s/GB | × memory copy |", "|---|---:|---:|"]
         lines += [f"| {r['pass']} | {r['s_per_gb']:.3f} | {r['x_copy']:.1f} |" for r in report["passes"]]
     lines += gguf_markdown(report)
+    lines += per_byte_markdown(report)
     lines += ["", *target_markdown(report)]
     return "\n".join(lines) + "\n"
 

@@ -105,3 +105,33 @@ def figures(rows: dict[str, dict[str, Any]], src_bytes: dict[str, int]) -> dict[
         r["target"] = SPEEDUP_TARGET[model]
         out[f"{model} {outtype}"] = r
     return out
+
+
+# ---- per byte on the same Llama: megatron-to-hf and hf-to-megatron at TP4 PP2 against cp ----------------
+LLAMA_TP, LLAMA_PP = 4, 2
+PER_BYTE_MODEL = "llama-1.3gb"
+
+
+def per_byte_jobs(hf: Path, ckpt: Path) -> list[tuple[str, str, Path]]:
+    """(label, op, src) rows of the per-byte section, each with the cp of its own input beside it."""
+    return [("cp llama megatron", "cp", ckpt), ("megatron-to-hf llama", "megatron-to-hf", ckpt),
+            ("cp llama hf", "cp", hf), ("hf-to-megatron llama", "hf-to-megatron", hf)]
+
+
+def per_byte_figures(rows: dict[str, dict[str, Any]], in_bytes: dict[str, int]) -> dict[str, Any]:
+    """Per verb: wall and CPU s, both per GB of its input, and as multiples of cp's of the same input in the
+    same run (wall and CPU)."""
+    out = {}
+    for verb, cp_label, side in (("megatron-to-hf", "cp llama megatron", "megatron"),
+                                 ("hf-to-megatron", "cp llama hf", "hf")):
+        gbs = in_bytes[side] / GB
+        r, cp = rows[f"{verb} llama"], rows[cp_label]
+        out[verb] = {
+            "bytes": in_bytes[side],
+            **{f"{who}_{k}": x[k] for who, x in (("ours", r), ("cp", cp)) for k in ("wall_s", "cpu_s")},
+            "ours_wall_s_per_gb": r["wall_s"] / gbs, "ours_cpu_s_per_gb": r["cpu_s"] / gbs,
+            "cp_wall_s_per_gb": cp["wall_s"] / gbs, "cp_cpu_s_per_gb": cp["cpu_s"] / gbs,
+            "x_cp_wall": r["wall_s"] / cp["wall_s"], "x_cp_cpu": r["cpu_s"] / max(cp["cpu_s"], 1e-9),
+            "peak_rss": r["peak_rss"],
+        }
+    return out

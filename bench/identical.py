@@ -5,8 +5,9 @@
 Trains tiny-llama (TP=2 PP=2), tiny-mixtral (EP=2 DP=2) and tiny-gpt2 (TP=2) on CPU, then runs megatron-to-hf, hf-to-megatron
 (torch, torch_dist, torch_dist --bridge), reshard with the optimizer (torch and torch_dist), megatron-to-ft,
 megatron-to-trtllm, megatron-to-gguf and hf-to-gguf (f16, q8_0) and to-onnx (torch exporter) into
-WORKDIR, and records the sha256 of every file each step wrote. Run it on the tree before a move and after
-it: the two manifests must be equal. Every verb runs as its own process, as a user runs it.
+WORKDIR, and records the sha256 of every file each step wrote; then every verb's `--dry-run --json` report and
+`plan --json --files` (every key but `seconds`), or the one `error:` line of a refusal. Run it on the tree
+before a move and after it: the two manifests must be equal. Every verb runs as its own process, as a user runs it.
 
 The manifest leaves out nothing: every output file's bytes are recorded. Some outputs hold the absolute
 path of their source (FasterTransformer's config.ini `source =`, the Megatron args' `load` in rank files and
@@ -62,6 +63,35 @@ def _steps(w: Path) -> list[tuple[str, list[str]]]:
         ("llama-gguf-q8", ["hf-to-gguf", str(hf), str(w / "llama-q8.gguf"), "--outtype", "q8_0"]),
         ("meg-gguf-f16", ["megatron-to-gguf", str(llama), str(w / "meg-f16.gguf"), "--outtype", "f16"]),
         ("llama-onnx", ["to-onnx", str(hf), str(w / "llama-onnx"), "--exporter", "torch", "--no-past"]),
+        # the plans and refusals every verb shares with `--dry-run` and `plan`: their reports, or their one line
+        *[(f"dry-{name}", [*argv, "--dry-run", "--json"]) for name, argv in (
+            ("llama-hf", ["megatron-to-hf", str(llama), str(w / "dry")]),
+            ("llama-meg", ["hf-to-megatron", str(hf), str(w / "dry"), "--tp", "2", "--pp", "2"]),
+            ("llama-reshard-opt", ["reshard", str(llama), str(w / "dry"), "--tp", "1", "--pp", "2", "--with-optimizer"]),
+            ("gpt2-ft", ["megatron-to-ft", str(w / "gpt2"), str(w / "dry"), "--tp", "2"]),
+            ("gpt2-ft-fp16", ["megatron-to-ft", str(w / "gpt2"), str(w / "dry"), "--dtype", "fp16"]),
+            ("llama-ft", ["megatron-to-ft", str(llama), str(w / "dry"), "--tp", "2"]),
+            ("gpt2-ft-tp3", ["megatron-to-ft", str(w / "gpt2"), str(w / "dry"), "--tp", "3"]),
+            ("mixtral-ft", ["megatron-to-ft", str(mix), str(w / "dry")]),
+            ("gpt2-trtllm", ["megatron-to-trtllm", str(w / "gpt2"), str(w / "dry"), "--tp", "2"]),
+            ("llama-trtllm", ["megatron-to-trtllm", str(llama), str(w / "dry"), "--tp", "2", "--dtype", "fp16"]),
+            ("llama-trtllm-tp3", ["megatron-to-trtllm", str(llama), str(w / "dry"), "--tp", "3"]),
+            ("mixtral-trtllm", ["megatron-to-trtllm", str(mix), str(w / "dry")]),
+            ("llama-gguf", ["hf-to-gguf", str(hf), str(w / "dry.gguf"), "--outtype", "q8_0"]),
+            ("meg-gguf", ["megatron-to-gguf", str(llama), str(w / "dry.gguf")]),
+            ("mixtral-gguf", ["hf-to-gguf", str(mhf), str(w / "dry.gguf")]),
+            ("gpt2-gguf", ["megatron-to-gguf", str(w / "gpt2"), str(w / "dry.gguf")]),
+            ("llama-onnx", ["to-onnx", str(hf), str(w / "dry"), "--exporter", "torch", "--no-past"]),
+            ("meg-onnx", ["to-onnx", str(llama), str(w / "dry")]),
+            ("mixtral-onnx", ["to-onnx", str(mhf), str(w / "dry")]))],
+        *[(f"plan-{preset}-{to}", ["plan", "--preset", preset, "--to", to, *more, "--json", "--files"])
+          for preset, to, more in (("tiny-gpt2", "ft", ["--tp", "2", "--target-tp", "2"]),
+                                   ("tiny-llama", "ft", ["--target-tp", "2"]),
+                                   ("tiny-gpt2", "trtllm", ["--target-tp", "2"]),
+                                   ("tiny-llama", "trtllm", ["--tp", "2", "--target-tp", "2", "--dtype", "fp16"]),
+                                   ("tiny-mixtral", "trtllm", []),
+                                   ("tiny-llama", "hf", ["--tp", "2", "--pp", "2"]),
+                                   ("tiny-mixtral", "megatron", ["--ep", "2", "--format", "torch_dist"]))],
     ]
 
 
@@ -99,6 +129,10 @@ def main() -> int:
         print(f"{name}: rc={r.returncode} {time.perf_counter() - t:.1f}s", flush=True)
         if r.returncode != 0:
             manifest[name] = {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+            continue
+        if "--json" in argv:  # a report or a plan: every key but the clock's
+            report = json.loads(r.stdout)
+            manifest[name] = {k: json.dumps(v, sort_keys=True) for k, v in report.items() if k != "seconds"}
             continue
         manifest[name] = _tree(out)
     a.manifest.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")

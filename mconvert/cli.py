@@ -196,8 +196,17 @@ def plan_cmd(
     target_pp: Annotated[Optional[int], typer.Option("--target-pp", help="Reshard target PP (--to megatron).")] = None,
     ep: Annotated[int, typer.Option("--ep", help="Megatron expert-parallel size, as --tp (MoE presets).")] = 1,
     target_ep: Annotated[Optional[int], typer.Option("--target-ep", help="Reshard target EP (--to megatron).")] = None,
-    first: Annotated[Optional[int], typer.Option("--first-stage-layers", help="Uneven PP: layers of stage 0.")] = None,
-    last: Annotated[Optional[int], typer.Option("--last-stage-layers", help="Uneven PP: layers of the last stage.")] = None,
+    first: Annotated[Optional[int], typer.Option(
+        "--decoder-first-pipeline-num-layers", "--first-stage-layers",
+        help="Uneven PP: decoder layers of the first stage (Megatron-LM's arg; --first-stage-layers: its former "
+             "name here).")] = None,
+    last: Annotated[Optional[int], typer.Option(
+        "--decoder-last-pipeline-num-layers", "--last-stage-layers",
+        help="Uneven PP: decoder layers of the last stage (Megatron-LM's arg; --last-stage-layers: its former "
+             "name here).")] = None,
+    pp_layout: Annotated[Optional[str], typer.Option(
+        "--pipeline-model-parallel-layout", help="Layers per (virtual) stage, Megatron-LM's string: "
+        "'Ett|tt|ttL'.")] = None,
     dtype: Dtype = "auto",
     format: Annotated[str, typer.Option("--format", help="Megatron output format (--to megatron): torch or "
                                         "torch_dist.")] = "torch",
@@ -225,7 +234,8 @@ def plan_cmd(
       mconvert plan --preset llama3-405b --tp 8 --pp 16 --to trtllm --target-tp 8 --nodes 2 --procs-per-node 4
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--ep", ep), ("--target-tp", target_tp), ("--target-pp", target_pp),
-                  ("--target-ep", target_ep), ("--first-stage-layers", first), ("--last-stage-layers", last),
+                  ("--target-ep", target_ep), ("--decoder-first-pipeline-num-layers/--first-stage-layers", first),
+                  ("--decoder-last-pipeline-num-layers/--last-stage-layers", last),
                   ("--nodes", nodes), ("--procs-per-node", procs_per_node))
     _positive_rate(("--disk-gb-per-s", disk_gb), ("--network-gb-per-s", net_gb))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
@@ -234,7 +244,8 @@ def plan_cmd(
 
     est = estimate(
         preset(preset_name), to, tp=tp, pp=pp, target_tp=target_tp, target_pp=target_pp, dtype=dtype,
-        first_stage_layers=first, last_stage_layers=last, bandwidth=load_bandwidth(bandwidth_file),
+        first_stage_layers=first, last_stage_layers=last, pipeline_layout=pp_layout,
+        bandwidth=load_bandwidth(bandwidth_file),
         model=preset_name, format=format, ep=ep, target_ep=target_ep,
     )
     if nodes is not None:
@@ -316,6 +327,9 @@ def megatron_to_hf_cmd(
     fp8_blocks: Annotated[bool, typer.Option("--fp8-blocks", help="Write the projection weights block-scaled FP8 "
                                              "(e4m3, a float32 scale per 128x128 block: DeepSeek-V3's release "
                                              "layout, which transformers and vLLM load).")] = False,
+    fp8_tp: Annotated[Optional[int], typer.Option("--fp8-tp", help="With --fp8-blocks: the vLLM tensor-parallel "
+                                                  "size to serve at; refuses a projection whose TP slice is not "
+                                                  "whole 128x128 blocks, as vLLM's loader does.")] = None,
     force: Force = False,
     manifest_hash: ManifestHash = "blake3",
     dry_run: DryRun = False,
@@ -328,17 +342,17 @@ def megatron_to_hf_cmd(
       mconvert megatron-to-hf ckpt/ hf-out/
       mconvert megatron-to-hf ckpt/ hf-out/ --iteration 2000 --dtype bf16 --tokenizer tok/ --max-shard-size 2GB
       mconvert megatron-to-hf ckpt/ hf-out/ --dry-run
-      mconvert megatron-to-hf ds-ckpt/ ds-fp8/ --fp8-blocks
+      mconvert megatron-to-hf ds-ckpt/ ds-fp8/ --fp8-blocks --fp8-tp 8
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     _manifest_hash(manifest_hash)
     _workers(workers)
     tuning.apply()
     _print_report(megatron_to_hf(ckpt, out, iteration=iteration, dtype=dtype, tokenizer=tokenizer,
                                  max_shard_size=max_shard_size, force=force, progress=True, dry_run=dry_run,
-                                 fp8_blocks=fp8_blocks), json_out)
+                                 fp8_blocks=fp8_blocks, fp8_tp=fp8_tp), json_out)
 
 
 @app.command("hf-to-megatron")
@@ -375,7 +389,7 @@ def hf_to_megatron_cmd(
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -425,7 +439,7 @@ def reshard_cmd(
     """
     _at_least_one(("--tp", tp), ("--pp", pp), ("--vpp", vpp), ("--ep", ep))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -498,7 +512,7 @@ def megatron_to_ft_cmd(
     """
     _at_least_one(("--tp/--infer-tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_ft
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -532,7 +546,7 @@ def megatron_to_trtllm_cmd(
     """
     _at_least_one(("--tp", tp))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     _manifest_hash(manifest_hash)
     _workers(workers)
@@ -568,7 +582,7 @@ def megatron_to_gguf_cmd(
       mconvert megatron-to-gguf ckpt/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
 
     _manifest_hash(manifest_hash, one_process="megatron-to-gguf")
     tuning.apply()
@@ -596,7 +610,7 @@ def hf_to_gguf_cmd(
       mconvert hf-to-gguf hf/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
 
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")
     tuning.apply()
@@ -637,7 +651,7 @@ def to_onnx_cmd(
                             "below 1 (default 1e-4), or omit it")
     _at_least_one(("--opset", opset))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.deploy.onnx import to_onnx
+    from mconvert.convert.verbs import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
     tuning.quiet_gc()  # the imports out of the collector's reach; the collector back on
 

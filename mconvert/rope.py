@@ -53,9 +53,11 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def megatron_mscale_for(factor: float, attention_factor: float) -> float | None:
-    """The `mscale` for which megatron-core, with `mscale_all_dim` 0, multiplies cos and sin by `attention_factor`
-    (its factor is then `0.1·mscale·ln(factor) + 1`, so mscale = 10·(attention_factor - 1) / ln(factor)).
+def megatron_mscale_for(factor: float, attention_factor: float, mscale_all_dim: float = 0.0) -> float | None:
+    """The `mscale` for which megatron-core, with `mscale_all_dim` (0 unless multi-latent attention fixes it, as
+    its softmax reads it), multiplies cos and sin by `attention_factor`: its factor is `get_mscale(factor, mscale) /
+    get_mscale(factor, mscale_all_dim)`, so mscale = 10·(attention_factor·get_mscale(factor, mscale_all_dim) - 1) /
+    ln(factor).
 
     That quotient is rounded, and so is megatron-core's own arithmetic on it, so the float64 neighbours of the
     quotient are tried: the first whose factor equals `attention_factor` bit for bit, else the one nearest to it
@@ -65,7 +67,7 @@ def megatron_mscale_for(factor: float, attention_factor: float) -> float | None:
     rounds its digits away."""
     if factor <= 1:
         return 0.0 if attention_factor == 1 else None
-    guess = 10 * (attention_factor - 1) / math.log(factor)
+    guess = 10 * (attention_factor * yarn_get_mscale(factor, mscale_all_dim) - 1) / math.log(factor)
     if not math.isfinite(guess):
         return None
     below = above = guess
@@ -75,7 +77,7 @@ def megatron_mscale_for(factor: float, attention_factor: float) -> float | None:
         candidates += [below, above]
     near = None
     for m in candidates:
-        got = megatron_attention_factor(factor, m, 0.0)
+        got = megatron_attention_factor(factor, m, mscale_all_dim)
         if got == attention_factor:
             return m
         if _f32(got) == _f32(attention_factor) and (near is None or abs(got - attention_factor) < near[0]):

@@ -301,11 +301,15 @@ class ModelSpec:
                 whole("q_lora_rank", self.q_lora_rank)
             if self.qk_rope_head_dim % 2:
                 raise MConvertError(f"qk_rope_head_dim must be even (rope rotates pairs), got {self.qk_rope_head_dim}")
-            if self.position_embedding_type != "rope" or self.rope_scaling is not None or self.rotary_percent != 1:
-                raise MConvertError("multi-latent attention rotates qk_rope_head_dim with plain rope here "
-                                    "(position_embedding_type='rope', rotary_percent 1, no rope_scaling); "
+            if (self.position_embedding_type != "rope" or self.rope_scaling not in (None, "yarn")
+                    or self.rotary_percent != 1):
+                raise MConvertError("multi-latent attention rotates qk_rope_head_dim with plain rope or YaRN "
+                                    "(position_embedding_type='rope', rotary_percent 1, rope_scaling None or 'yarn'); "
                                     f"this model has {self.position_embedding_type!r}, rotary_percent "
                                     f"{self.rotary_percent}, rope_scaling {self.rope_scaling!r}")
+            if self.rope_scaling == "yarn" and not self.yarn_correction_range_round_to_int:
+                raise MConvertError("multi-latent attention with yarn_correction_range_round_to_int=False: "
+                                    "megatron-core's MLA always rounds YaRN's correction range")
             if self.rotary_interleaved:
                 raise MConvertError("multi-latent attention with rotary_interleaved=True is not megatron-core's MLA "
                                     "(it de-interleaves the rope dims itself); set rotary_interleaved False")
@@ -697,24 +701,26 @@ class ModelSpec:
     def mla_params(self) -> list[ParamDecl]:
         """Multi-latent attention's parameters (names under `self_attention.`, megatron-core's local spec): the
         down projections are column-split there (each rank computes a slice of the latent, then all-gathers it;
-        the Transformer Engine spec keeps them whole on every rank), the up projections split by head."""
+        the Transformer Engine spec keeps them whole on every rank), the up projections split by head. In the
+        order megatron-core registers them (`MultiLatentAttention` makes linear_proj, then `MLASelfAttention` the
+        projections and last the latent norms), which is its rank files' key order."""
         H, nh, r = self.hidden_size, self.num_attention_heads, self.qk_rope_head_dim
         q_head = self.qk_nope_head_dim + r
         a = "self_attention."
-        out = []
+        kv = self.kv_lora_rank or 0
+        out = [ParamDecl(a + "linear_proj.weight", "row", (H, nh * self.v_head_dim))]
         if self.q_lora_rank is None:
             out.append(ParamDecl(a + "linear_q_proj.weight", "column", (nh * q_head, H)))
         else:
             out += [ParamDecl(a + "linear_q_down_proj.weight", "column", (self.q_lora_rank, H)),
-                    ParamDecl(a + "q_layernorm.weight", "replicated", (self.q_lora_rank,)),
                     ParamDecl(a + "linear_q_up_proj.weight", "column", (nh * q_head, self.q_lora_rank))]
-        kv = self.kv_lora_rank or 0
-        return out + [
+        out += [
             ParamDecl(a + "linear_kv_down_proj.weight", "column", (kv + r, H)),  # rows: the latent, then k's rope part
-            ParamDecl(a + "kv_layernorm.weight", "replicated", (kv,)),
             ParamDecl(a + "linear_kv_up_proj.weight", "column", (nh * (self.qk_nope_head_dim + self.v_head_dim), kv)),
-            ParamDecl(a + "linear_proj.weight", "row", (H, nh * self.v_head_dim)),
         ]
+        if self.q_lora_rank is not None:
+            out.append(ParamDecl(a + "q_layernorm.weight", "replicated", (self.q_lora_rank,)))
+        return out + [ParamDecl(a + "kv_layernorm.weight", "replicated", (kv,))]
 
     def layer_template(self, layer: int | None = None) -> list[ParamDecl]:
         """A layer's parameters with expert 0 standing for every routed expert (each has its shapes): what a
@@ -786,15 +792,16 @@ class ModelSpec:
         return out
 
     def final_params(self, tp: int = 1, mtp: bool = True) -> list[ParamDecl]:
-        """The final norm, the untied head and (with `mtp`) the MTP layers, whole."""
+        """The final norm, (with `mtp`) the MTP layers, whole, and the untied head: megatron-core's GPTModel
+        registers its MTP block before the output layer."""
         H = self.hidden_size
         out = [ParamDecl("decoder.final_layernorm.weight", "replicated", (H,))]
         if self.normalization == "LayerNorm":
             out.append(ParamDecl("decoder.final_layernorm.bias", "replicated", (H,)))
+        for k in range((self.mtp_num_layers or 0) if mtp else 0):
+            out += self.mtp_params(k)
         if not self.tie_embeddings:
             out.append(ParamDecl("output_layer.weight", "vocab", (self.padded_vocab_size(tp), H)))
-        for k in range((self.mtp_num_layers or 0) if mtp else 0):  # on the last stage, after the head (megatron-core's order)
-            out += self.mtp_params(k)
         return out
 
     def units(self, split_experts: bool = False) -> list[Unit]:
@@ -933,6 +940,9 @@ class ModelSpec:
                        kv_lora_rank=self.kv_lora_rank, qk_head_dim=self.qk_nope_head_dim,
                        qk_pos_emb_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, rope_type="rope",
                        rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=1.0)
+            if self.rope_scaling == "yarn":  # MLATransformerConfig's names (Megatron-LM copies args by name)
+                out["rope_type"] = "yarn"
+                out.update({name: type(default)(getattr(self, f)) for f, (name, default) in MLA_YARN_ARG_NAMES.items()})
         if self.mtp_num_layers is not None:
             out["mtp_num_layers"] = self.mtp_num_layers
         if self.is_moe:
@@ -956,7 +966,7 @@ class ModelSpec:
             out.update(use_rope_scaling=True, rope_scaling_factor=float(self.rope_scaling_factor))
         elif self.rope_scaling == "linear":
             out["rotary_seq_len_interpolation_factor"] = float(self.rope_scaling_factor)
-        elif self.rope_scaling == "yarn":  # Megatron-LM's arg names (training/arguments.py, argument_utils.py)
+        elif self.rope_scaling == "yarn" and not self.is_mla:  # Megatron-LM's names (arguments.py, argument_utils.py)
             out["position_embedding_type"] = "yarn"
             for field_name, (name, default) in YARN_ARG_NAMES.items():
                 v = getattr(self, field_name)
@@ -1068,6 +1078,20 @@ YARN_ARG_NAMES: dict[str, tuple[str, Any]] = {
 }
 
 
+# ModelSpec YaRN field -> (megatron-core MLATransformerConfig field, its default): multi-latent attention's own
+# YaRN (`rope_type='yarn'`, the default when Megatron-LM's --rope-type is unset). Megatron-LM copies an arg into
+# the config when the names match; it has arguments for rotary_scaling_factor, mscale and mscale_all_dim only, so
+# the config's defaults hold the rest unless the args carry them. MLA always rounds the correction range.
+MLA_YARN_ARG_NAMES: dict[str, tuple[str, Any]] = {
+    "rope_scaling_factor": ("rotary_scaling_factor", 40.0),
+    "rope_original_max_position_embeddings": ("original_max_position_embeddings", 4096),
+    "yarn_beta_fast": ("beta_fast", 32.0),
+    "yarn_beta_slow": ("beta_slow", 1.0),
+    "yarn_mscale": ("mscale", 1.0),
+    "yarn_mscale_all_dim": ("mscale_all_dim", 0.0),
+}
+
+
 def yarn_from_megatron_args(a: dict[str, Any], source: str = "args",
                             names: dict[str, tuple[str, Any]] = YARN_ARG_NAMES) -> dict[str, Any]:
     """ModelSpec kwargs for megatron-core's YaRN read from args by `names` (field -> arg name and the default
@@ -1171,18 +1195,21 @@ def deepseek_features(values: Mapping[str, Any]) -> dict[str, Any]:
 def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict[str, Any]:
     """ModelSpec kwargs for MLA, the DeepSeek router, the MoE layer pattern and MTP from Megatron-LM's args
     (empty when unused). Under MLA `qk_layernorm` means its latent norms, not a per-head q/k norm. MLA's rope is
-    YaRN unless `rope_type` is 'rope'; a YaRN whose factor is 1 is plain rope, another is refused."""
+    YaRN unless `rope_type` is 'rope' (`mla_yarn_from_megatron_args`); plain rope with a factor and
+    mscale_all_dim that rescale the softmax is refused."""
     out: dict[str, Any] = {}
     if a.get("multi_latent_attention"):
         if not a.get("qk_layernorm"):
             raise MConvertError(f"{source}: Megatron arg multi_latent_attention=True without qk_layernorm (no latent norms) is not "
                                 "mapped; conversion refused")
+        if a.get("position_embedding_type") == "yarn":
+            raise MConvertError(f"{source}: position_embedding_type='yarn' with multi_latent_attention: megatron-core's "
+                                "MLA computes its own rope from rope_type and ignores GPTModel's YaRN, so which one "
+                                "the model was meant to compute is ambiguous; conversion refused")
         factor = a.get("rotary_scaling_factor")
-        if a.get("rope_type") != "rope" and factor not in (None, 1, 1.0):
-            raise MConvertError(f"{source}: multi-latent attention with YaRN rope (rope_type="
-                                f"{a.get('rope_type')!r}, rotary_scaling_factor={factor!r}) is not mapped; "
-                                "conversion refused")
-        if a.get("rope_type") == "rope" and factor not in (None, 1, 1.0) and a.get("mscale_all_dim"):
+        if a.get("rope_type") != "rope":
+            out.update(mla_yarn_from_megatron_args(a, source))
+        elif factor not in (None, 1, 1.0) and a.get("mscale_all_dim"):
             raise MConvertError(f"{source}: rope_type='rope' with rotary_scaling_factor={factor!r} and "
                                 f"mscale_all_dim={a.get('mscale_all_dim')!r} rescales MLA's softmax in "
                                 "megatron-core; not mapped; conversion refused")
@@ -1198,6 +1225,51 @@ def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict
         if a.get("moe_router_pre_softmax"):
             raise MConvertError(f"{source}: moe_router_pre_softmax=True is not mapped; conversion refused")
     return out
+
+
+# GPTModel's YaRN args, which megatron-core's MLA does not read -> the MLA field it reads instead
+_GPT_YARN_UNDER_MLA = {"yarn_original_max_position_embeddings": "original_max_position_embeddings",
+                       "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow",
+                       "yarn_correction_range_round_to_int": None}
+
+
+def mla_yarn_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict[str, Any]:
+    """ModelSpec kwargs for MLA's YaRN (`rope_type` 'yarn' or unset, megatron-core's default): each
+    MLATransformerConfig field from the arg of its name, its default when the args lack it (`MLA_YARN_ARG_NAMES`).
+    A factor of 1 is plain rope. Refused by name: a value megatron-core cannot build MLA with (None, not a
+    number), and a GPTModel yarn_* arg that differs from what MLA reads (megatron-core's MLA ignores it, so the
+    intended YaRN is ambiguous)."""
+    out: dict[str, Any] = {"rope_scaling": "yarn"}
+    for field_name, (name, default) in MLA_YARN_ARG_NAMES.items():
+        v = a[name] if name in a else default  # None reaches MLATransformerConfig as None: refused below
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise MConvertError(f"{source}: Megatron arg {name}={v!r} must be a finite number (megatron-core's "
+                                "multi-latent attention builds its YaRN from it); fix it")
+        out[field_name] = v
+    for name, reads in _GPT_YARN_UNDER_MLA.items():
+        given, used = a.get(name), (out[_MLA_FIELD[reads]] if reads else True)
+        if given is not None and given != used:
+            raise MConvertError(f"{source}: Megatron arg {name}={given!r} with multi_latent_attention: megatron-core's "
+                                f"MLA ignores it and uses {reads or 'a rounded correction range'}={used!r}, so the "
+                                "intended YaRN is ambiguous; conversion refused")
+    if out["rope_scaling_factor"] == 1:  # YaRN that stretches nothing: plain rope, cos/sin and softmax unscaled
+        return {"rope_scaling": None}
+    return out
+
+
+_MLA_FIELD = {name: field_name for field_name, (name, _) in MLA_YARN_ARG_NAMES.items()}
+
+
+def megatron_lm_unstated(spec: ModelSpec) -> list[str]:
+    """Warnings for what the written args hold but Megatron-LM's command line cannot state: MLA YaRN's
+    original_max_position_embeddings / beta_fast / beta_slow away from MLATransformerConfig's defaults."""
+    if not (spec.is_mla and spec.rope_scaling == "yarn"):
+        return []
+    differ = [f"{name}={getattr(spec, f)!r}" for f, (name, default) in MLA_YARN_ARG_NAMES.items()
+              if name in ("original_max_position_embeddings", "beta_fast", "beta_slow") and getattr(spec, f) != default]
+    return [f"multi-latent attention's YaRN has {', '.join(differ)}: the args hold it under MLATransformerConfig's "
+            "names, for which Megatron-LM has no command-line argument; Megatron-LM trains it with 4096 / 32 / 1 "
+            "unless its config receives them"] if differ else []
 
 
 def is_buffer(name: str) -> bool:

@@ -16,11 +16,13 @@ import pytest
 @pytest.fixture(scope="session")
 def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`trained_checkpoint(preset=..., tp=..., pp=..., steps=..., **TrainConfig fields)` -> a checkpoint the
-    built-in trainer wrote on the CPU, trained once per session for each distinct configuration. Callers read
-    it and never write into it (a resume or a damaged copy goes to a directory of their own)."""
+    built-in trainer wrote on the CPU, trained once per session for each distinct configuration; the losses of
+    its run are `trained_checkpoint.losses[ckpt]`. Callers read it and never write into it (a resume or a
+    damaged copy goes to a directory of their own)."""
     from mconvert.trainer.train import TrainConfig, train
 
     done: dict[str, Path] = {}
+    losses: dict[Path, list[float]] = {}
 
     def make(**cfg: Any) -> Path:
         cfg.setdefault("quiet", True)
@@ -28,10 +30,11 @@ def trained_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         key = repr(sorted(cfg.items()))
         if key not in done:
             ckpt = tmp_path_factory.mktemp(f"trained-{cfg['preset']}") / "ckpt"
-            train(TrainConfig(save=str(ckpt), **cfg))
+            losses[ckpt] = train(TrainConfig(save=str(ckpt), **cfg)).get("losses", [])
             done[key] = ckpt
         return done[key]
 
+    make.losses = losses  # type: ignore[attr-defined]
     return make
 
 

@@ -1,6 +1,7 @@
-"""The contract between format adapters: a Source yields one unit (embedding, a layer, final) at a time.
+"""The Source contract (`SourceBase`): a Source yields one unit (embedding, a layer, final) at a time, and declares
+every capability the driver and the verbs read, with its default, as `convert/writer.py` does for writers.
 
-Pivot (DESIGN.md): full, unsharded tensors. `read_mcore(unit)` gives them under canonical megatron-core
+Pivot (docs/architecture.md): full, unsharded tensors. `read_mcore(unit)` gives them under canonical megatron-core
 local-spec names (global layer index, vocab rows as stored — padded for a Megatron source);
 `read_hf(unit)` gives them under HF names through the family plugin (vocab rows = the true vocab).
 Writers consume units one by one, so peak memory is one unit's shards plus the output buffer.
@@ -14,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -28,33 +29,39 @@ def units_of(spec: ModelSpec, split_experts: bool = False) -> list[Unit]:
     return spec.units(split_experts)
 
 
-class Source(Protocol):
+class SourceBase:
+    """The Source contract every input format subclasses (`open_source` returns one): `units()` and `read_hf` =
+    the family plugin over `read_mcore`, and every capability the driver (`driver.drive`) and the verbs
+    (`convert/verbs.py`) read, declared here with its default. A source overrides what it has (a class
+    attribute, an instance attribute set in `__init__`, or a method); nothing asks a source with getattr /
+    hasattr what it happens to define (`tests/convert/test_convert_writer.py` reads the code with ast)."""
+
     path: Path
     format: str  # "megatron" | "megatron-torch_dist" | "hf"
     spec: ModelSpec
-    tokenizer_dir: Path | None  # where tokenizer files live, when known
-
-    def units(self, split_experts: bool = False) -> list[Unit]: ...
-
-    def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]: ...
-
-    def read_hf(self, unit: Unit) -> dict[str, torch.Tensor]: ...
-
-    def close(self) -> None: ...
-
-
-class SourceBase:
-    """What every Source shares: `units()` and `read_hf` = the family plugin over `read_mcore`."""
-
-    path: Path
-    format: str
-    spec: ModelSpec
-    tokenizer_dir: Path | None = None
+    tokenizer_dir: Path | None = None  # where tokenizer files live, when known
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     ep: int = 1  # expert-parallel size (Megatron MoE checkpoints)
     iteration: int | str | None = None
+    # the checkpoint's pipeline split (a Megatron source: its `megatron.layout.PipelineSplit`, even or uneven); a
+    # reshard keeps it at the same PP/VPP
+    split: Any = None
+    # False where the vocab size is a padded guess (args without vocab_size, no tokenizer found)
+    vocab_known: bool = True
+    # the directory above the iteration directory (a Megatron source), where carried HF metadata may lie
+    root: Path | None = None
+    iter_dir: Path | None = None  # a Megatron source's iteration directory
+    args: Any = None  # a Megatron source's args (Namespace or dict), carried into a reshard's output
+    shapes: dict[str, tuple[int, ...]] | None = None  # a Megatron torch source: each parameter's shape on TP rank 0
+    config: dict[str, Any] | None = None  # an HF source's config.json
+    # an HF source's block-scaled FP8 weights: the (rows, cols) of one scale's block (`hf.fp8.block_config`)
+    fp8_block: tuple[int, int] | None = None
+    # a torch_dist source: its distributed optimizer's layout; Megatron-Bridge's writer info and run_config.yaml
+    optimizer_layout: str | None = None
+    writer: dict[str, Any] | None = None
+    bridge_config: dict[str, Any] | None = None
 
     # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
     # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead
@@ -62,6 +69,25 @@ class SourceBase:
     # Whether `read_*` / `preview` also take a `LayerPart` (an MoE layer's dense part or one expert): the
     # driver then moves one expert at a time to writers that take them too
     splits_experts = False
+    # How the driver may read a unit in parts for a writer that `takes_parts`: `hf_part_tasks` /
+    # `mcore_part_tasks` give a unit's reads as tasks that several units share one pool over (`parts_ahead`),
+    # `read_mcore_parts` gives an mcore unit in parts; a source without them is read unit by unit
+    gives_hf_tasks = False
+    gives_mcore_tasks = False
+    gives_mcore_parts = False
+
+    def can_preview(self) -> bool:
+        """Whether `preview` holds for every unit (a source may have one that some inputs cannot give)."""
+        return True
+
+    def train_state(self) -> dict[str, Any] | None:
+        """Megatron-Bridge's training counters (`train_state.pt`) of a torch_dist source, or None."""
+        return None
+
+    def listed_files(self) -> list[dict[str, Any]] | None:
+        """The checkpoint's files with their bytes, as `inspect` lists them (a torch_dist source); None: not
+        listed."""
+        return None
 
     def units(self, split_experts: bool = False) -> list[Unit]:
         return units_of(self.spec, split_experts and self.splits_experts)
@@ -79,6 +105,23 @@ class SourceBase:
         of the unit is read. `only` (the writer's `wants`): the HF names the writer keeps; a source may leave
         a parameter none of whose HF tensors it names unread. This default gives the whole unit as one part."""
         yield self.read_hf(unit)
+
+    def hf_part_tasks(self, unit: Unit, only: set[str] | None = None) -> PartTasks:  # pragma: no cover - declared
+        """`read_hf_parts(unit, only)` as tasks on one pool (`gives_hf_tasks`)."""
+        raise NotImplementedError
+
+    def mcore_part_tasks(self, unit: Unit) -> PartTasks:  # pragma: no cover - declared
+        """`read_mcore_parts(unit)` as tasks on one pool (`gives_mcore_tasks`)."""
+        raise NotImplementedError
+
+    def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:  # pragma: no cover - declared
+        """`read_mcore(unit)` in consecutive parts (`gives_mcore_parts`)."""
+        raise NotImplementedError
+
+    def read_unit(self, unit: Unit, with_optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """(`read_mcore(unit)`, each parameter's optimizer states) for a writer that `takes_states`; a source
+        that holds no optimizer states refuses."""
+        raise MConvertError(f"{self.path}: a {self.format} checkpoint holds no optimizer states")
 
     def close(self) -> None:
         """Release what the source keeps open (files, descriptors); a source holding nothing open does nothing."""
@@ -229,9 +272,18 @@ def parts_ahead(units: Iterator[Unit], needs: Callable[[Unit], bool],
     yield from pmap_iter(run, items(), lambda item: item[3])
 
 
+def mtp_experts(spec: ModelSpec) -> bool:
+    """Whether the final unit holds routed experts (MTP layers built as an MoE layer) that a reader gives one
+    parameter at a time; a tied head's copy makes the final unit come whole."""
+    return bool(spec.mtp_num_layers) and spec.is_moe_layer(spec.num_layers) and not spec.tie_embeddings
+
+
 class LayerParts(SourceBase):
     """A source whose dense layers reach a Megatron-side writer parameter by parameter: `read_mcore_parts` and
     `mcore_part_tasks` from its `layer_part_tasks(layer)`."""
+
+    gives_mcore_tasks = True
+    gives_mcore_parts = True
 
     def layer_part_tasks(self, unit: Unit) -> PartTasks:  # pragma: no cover - abstract
         """One dense layer's items in order, the call that reads one part, their element counts."""
@@ -239,7 +291,10 @@ class LayerParts(SourceBase):
 
     def comes_whole(self, unit: Unit) -> bool:
         """Whether `unit` reaches the writer as one part: the embedding and final units (a tied head's copy,
-        dropped keys) and an MoE model's units (already one expert each)."""
+        dropped keys) and an MoE model's units (already one expert each) — except the final unit of an untied
+        model whose MTP layers route over experts, which comes parameter by parameter (memory: one expert)."""
+        if unit == "final" and mtp_experts(self.spec):
+            return False
         return not isinstance(unit, int) or self.spec.is_moe
 
     def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
@@ -249,7 +304,8 @@ class LayerParts(SourceBase):
         if self.comes_whole(unit):
             yield self.read_mcore(unit)
             return
-        yield from pmap_iter(*self.layer_part_tasks(unit))
+        names, one, elements = self.layer_part_tasks(unit)
+        yield from pmap_iter(one, names, elements)
 
     def mcore_part_tasks(self, unit: Unit) -> PartTasks:
         """What `read_mcore_parts(unit)` reads, for a caller that runs several units on one pool (`parts_ahead`):

@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from mconvert import dtypes
-from mconvert.convert.deploy.ft_checks import ft_layout
+from mconvert.convert.base import units_of
+from mconvert.convert.deploy import fastertransformer as ft
+from mconvert.convert.deploy import trtllm
 from mconvert.io.paths import load_json_object
-from mconvert.convert.megatron.layout import RANK_FILE, rank_dir_name
-from mconvert.convert.deploy.trtllm_layout import expected_trtllm_shapes, trtllm_config, trtllm_refusal
+from mconvert.convert.megatron.layout import RANK_FILE, PipelineSplit, parse_pipeline_layout, rank_dir_name
 from rich.table import Table
 
 from mconvert.errors import MConvertError, expect
-from mconvert.spec import ModelSpec, ParamDecl
+from mconvert.spec import ModelSpec, ParamDecl, name_template
 
 ITEMSIZE = {name: dtypes.lookup(name).itemsize for name in dtypes.PARAM_DTYPES}
 DTYPE_ALIASES = {**{dtypes.lookup(name).aliases[0]: name for name in dtypes.PARAM_DTYPES}, "auto": None}
@@ -89,50 +90,44 @@ def load_bandwidth(path: str | Path | None = None) -> dict[str, Any]:
 
 
 # ---- pipeline stages ----------------------------------------------------------------------------------
-def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
-    """Layers per pipeline stage, Megatron's way (megatron-core `get_num_layers_to_build`).
+def suggested_first_last(num_layers: int, pp: int) -> tuple[int | None, int | None]:
+    """The first and last stages' layer counts a Megatron user picks when PP does not divide the layers (Llama-3-405B,
+    126 layers at PP=16: 7 + 14×8 + 7): middle stages get ceil(L/PP), first and last share the rest; (None, None)
+    when PP divides them."""
+    if pp < 1 or num_layers < 1:
+        raise MConvertError(f"need PP >= 1 and layers >= 1 (got pp={pp}, layers={num_layers})")
+    if num_layers % pp == 0:
+        return None, None
+    per = math.ceil(num_layers / pp)
+    if pp == 2:
+        return per, num_layers - per
+    rest = num_layers - (pp - 2) * per
+    if rest < 2:
+        raise MConvertError(f"PP={pp} cannot hold {num_layers} layers with an uneven first/last stage; pass "
+                            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+    return rest // 2, rest - rest // 2
 
-    Even split when PP divides the layers; otherwise (or when `first`/`last` are given) the first and
-    last stages hold `first`/`last` layers and the middle stages share the rest evenly. When neither is
-    given and PP does not divide, pick the split Megatron users pick for Llama-3-405B (126 layers, PP=16:
-    7 + 14×8 + 7): middle stages get ceil(L/PP), first and last share the remainder."""
+
+def stage_split(spec: ModelSpec, pp: int, first: int | None = None, last: int | None = None,
+                layout: str | None = None) -> PipelineSplit:
+    """The pipeline split Megatron-LM builds from its split args (`PipelineSplit`); with none given and a PP that
+    does not divide the layers, the uneven first/last stages of `suggested_first_last`."""
+    if first is None and last is None and layout is None:
+        first, last = suggested_first_last(spec.num_layers, pp)
+    vpp = None
+    if layout is not None:  # Megatron-LM sets the virtual stages from the layout's stage count
+        chunks = len(parse_pipeline_layout(layout)) // pp
+        vpp = chunks if chunks > 1 else None
+    return PipelineSplit.make(spec.num_layers, pp, vpp, first, last, layout, mtp_num_layers=spec.mtp_num_layers)
+
+
+def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Layers per pipeline stage (`stage_split` of a model of `num_layers` layers)."""
     if pp < 1 or num_layers < 1:
         raise MConvertError(f"need PP >= 1 and layers >= 1 (got pp={pp}, layers={num_layers})")
     if first is None and last is None:
-        if num_layers % pp == 0:
-            return [num_layers // pp] * pp
-        if pp <= 2:
-            per = math.ceil(num_layers / pp)
-            return [per, num_layers - per] if pp == 2 else [num_layers]
-        mid = math.ceil(num_layers / pp)
-        rest = num_layers - (pp - 2) * mid
-        if rest < 2:
-            raise MConvertError(
-                f"PP={pp} cannot hold {num_layers} layers with an uneven first/last stage; "
-                "pass --first-stage-layers/--last-stage-layers"
-            )
-        first, last = rest // 2, rest - rest // 2
-    stages = pp - (first is not None) - (last is not None)
-    left = num_layers - (first or 0) - (last or 0)
-    if (first is not None and first <= 0) or (last is not None and last <= 0) or left < 0:
-        raise MConvertError(f"first/last stage layers ({first}, {last}) do not fit {num_layers} layers at PP={pp}")
-    if stages == 0:
-        if left:
-            raise MConvertError(f"first + last stage layers ({first} + {last}) != num_layers {num_layers}")
-        mid = 0
-    elif left % stages:
-        raise MConvertError(
-            f"{left} layers left for {stages} middle stages at PP={pp} do not divide evenly "
-            f"(first={first}, last={last}); choose other first/last stage sizes"
-        )
-    else:
-        mid = left // stages
-    counts = [mid] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return counts
+        first, last = suggested_first_last(num_layers, pp)
+    return PipelineSplit.make(num_layers, pp, None, first, last).layer_counts()
 
 
 # ---- sizes ------------------------------------------------------------------------------------------
@@ -159,25 +154,40 @@ def unit_bytes(spec: ModelSpec, tp: int, itemsize: int) -> dict[str, int]:
     return {"embedding": total(spec.embedding_params(tp)), **layer, "final": total(spec.final_params(tp))}
 
 
-def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: list[int], ep: int = 1
-                   ) -> list[dict[str, Any]]:
+def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: list[int], ep: int = 1,
+                   split: PipelineSplit | None = None) -> list[dict[str, Any]]:
     """One entry per `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`: tensor bytes and tensor count (pickle overhead
     not counted). At EP > 1 each (TP, PP) rank has EP files: each holds its E/EP experts and a copy of every dense
-    weight and the router."""
-    layer = spec.layer_params(0)
+    weight and the router. Stage p holds `counts[p]` layers, consecutive (with `split`: its own layers, virtual
+    chunks included), each a dense or an MoE layer as the model's layer pattern says."""
     per_ep = (spec.num_experts or ep) // ep
-    dense = [_shard_numel(d, tp) for d in layer if d.expert is None]
-    experts = [[_shard_numel(d, tp) for d in layer if d.expert is not None and d.expert // per_ep == e]
-               for e in range(ep)]
+    kinds: dict[bool, tuple[list[int], list[list[int]]]] = {}  # MoE layer? -> (dense numels, per-EP-rank experts)
+    first = {spec.is_moe_layer(i): i for i in reversed(range(spec.num_layers))}  # the first layer of each kind
+    for moe, i in first.items():
+        layer = spec.layer_params(i)
+        kinds[moe] = ([_shard_numel(d, tp) for d in layer if d.expert is None],
+                      [[_shard_numel(d, tp) for d in layer if d.expert is not None and d.expert // per_ep == e]
+                       for e in range(ep)])
     emb = [_shard_numel(d, tp) for d in spec.embedding_params(tp)]
-    fin = [_shard_numel(d, tp) for d in spec.final_params(tp)]
+    final = spec.final_params(tp)
+    fin = [_shard_numel(d, tp) for d in final if d.expert is None]
     if spec.tie_embeddings and pp > 1:  # the last stage's copy of the word embedding
         fin.append(_shard_numel(spec.embedding_params(tp)[0], tp))
+    # the MTP layers' routed experts: each EP file holds its own, as for a decoder layer
+    fin_experts = [[_shard_numel(d, tp) for d in final if d.expert is not None and d.expert // per_ep == e]
+                   for e in range(ep)]
+    starts = [sum(counts[:p]) for p in range(pp)]
     files = []
     for p, n_layers in enumerate(counts):
+        layers = [i for r in split.stage_layers(p) for i in r] if split is not None else \
+            range(starts[p], starts[p] + n_layers)
+        moe_layers = sum(1 for i in layers if spec.is_moe_layer(i)) if len(kinds) > 1 else \
+            (n_layers if next(iter(kinds)) else 0)
         for t in range(tp):
             for e in range(ep):
-                numels = (dense + experts[e]) * n_layers + (emb if p == 0 else []) + (fin if p == pp - 1 else [])
+                numels = [x for moe, n in ((True, moe_layers), (False, n_layers - moe_layers)) if n
+                          for x in (kinds[moe][0] + kinds[moe][1][e]) * n]
+                numels += (emb if p == 0 else []) + (fin + fin_experts[e] if p == pp - 1 else [])
                 files.append({"path": f"{rank_dir_name(t, p, pp, e, ep)}/{RANK_FILE}", "bytes": sum(numels) * itemsize,
                               "tensors": len(numels), "layers": n_layers})
     return files
@@ -207,59 +217,65 @@ def torch_dist_files(spec: ModelSpec, tp: int, itemsize: int, max_file_bytes: in
     return files
 
 
-def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES) -> list[dict[str, Any]]:
-    """safetensors shards packed greedily in parameter order at `max_shard` bytes (true vocab rows)."""
-    sizes = []
+def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES,
+             fp8_block: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """safetensors shards packed greedily in parameter order at `max_shard` bytes (true vocab rows); with
+    `fp8_block`, the projections block-scaled FP8 (one byte an element, a float32 scale per block beside each)."""
+    if fp8_block is not None:  # a dry run's (`plan` itself imports no torch)
+        import torch
+
+        from mconvert.convert.hf import fp8
+        from mconvert.mappings.plugin import to_hf_one
+    sizes: list[tuple[int, int]] = []  # (bytes, tensors) per parameter
+    fp8_sizes: dict[str, tuple[int, int]] = {}  # by name template: every layer and expert has layer 0's
     for d in spec.params(tp=1):
         shape = d.shape
         if d.kind == "vocab":
             shape = (spec.vocab_size, *shape[1:])
-        sizes.append(_numel(shape) * itemsize)
-    shards: list[list[int]] = [[]]
+        if fp8_block is None:
+            sizes.append((_numel(shape) * itemsize, 1))
+            continue
+        tpl = name_template(d.name)
+        if tpl not in fp8_sizes:
+            hf = to_hf_one(spec, d.name, torch.empty(d.shape, device="meta"))
+            planned = fp8.quantized_entries([(n, t.dtype, tuple(t.shape)) for n, t in hf.items()], fp8_block)
+            fp8_sizes[tpl] = (sum(_numel(sh) * (1 if dt == fp8.FP8 else 4 if dt == torch.float32 and
+                                                 n.endswith(fp8.SCALE_SUFFIX) else itemsize)
+                                  for n, dt, sh in planned), len(planned))
+        sizes.append(fp8_sizes[tpl])
+    shards: list[list[tuple[int, int]]] = [[]]
     for s in sizes:
-        if shards[-1] and sum(shards[-1]) + s > max_shard:
+        if shards[-1] and sum(b for b, _ in shards[-1]) + s[0] > max_shard:
             shards.append([])
         shards[-1].append(s)
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    return [{"path": nm, "bytes": sum(sh), "tensors": len(sh)} for nm, sh in zip(names, shards)]
+    return [{"path": nm, "bytes": sum(b for b, _ in sh), "tensors": sum(k for _, k in sh)}
+            for nm, sh in zip(names, shards)]
 
 
-def ft_files(spec: ModelSpec, ft_tp: int, itemsize: int) -> list[dict[str, Any]]:
-    """FasterTransformer `<t>-gpu/*.bin`: replicated tensors once, split tensors once per rank (true vocab);
-    `unit` is the unit (embedding, layer index, final) whose tensors the file holds. A layout the verb refuses
-    is refused here too; the approximate GELU and a sliding window are the verb's own flags (--allow-approx-gelu,
-    --accept-window-as-full), so they are allowed."""
-    ft_layout(spec.replace(window_size=None), ft_tp, allow_approx_gelu=True, option="--target-tp")
-    units: list[tuple[Any, list[ParamDecl]]] = [("embedding", spec.embedding_params())]
-    units += [(i, spec.layer_params(i)) for i in range(spec.num_layers)]
-    units.append(("final", spec.final_params()))
-    files = []
-    for unit, decls in units:
-        for d in decls:
-            shape = (spec.vocab_size, *d.shape[1:]) if d.kind == "vocab" else d.shape
-            n = _numel(shape)
-            if d.layer is None or d.kind == "replicated":
-                files.append({"path": f"{ft_tp}-gpu/{d.name}.bin", "bytes": n * itemsize, "tensors": 1, "unit": unit})
-            else:
-                for r in range(ft_tp):
-                    files.append({"path": f"{ft_tp}-gpu/{d.name}.{r}.bin", "bytes": n // ft_tp * itemsize,
-                                  "tensors": 1, "unit": unit})
-    return files
+def ft_files(spec: ModelSpec, ft_tp: int, dtype: str) -> list[dict[str, Any]]:
+    """FasterTransformer `<t>-gpu/`: FT's own files with their bytes (`fastertransformer.prepare`, as the verb
+    writes them) in unit order; `unit` is the unit (embedding, layer index, final) whose tensors a weight file
+    holds (config.ini: none). A layout the verb refuses is refused here too; the approximate GELU and a sliding
+    window are the verb's own flags (--allow-approx-gelu, --accept-window-as-full), so they are allowed, and bf16
+    is counted as the fp16 FT's own tools write it."""
+    prepared = ft.prepare(spec, ft_tp, "fp16" if dtype == "bfloat16" else dtype, allow_approx_gelu=True,
+                          accept_window_as_full=True, option="--target-tp")
+    order = {unit: i for i, unit in enumerate(units_of(spec))}
+    files = [{**f, "tensors": int(f["path"] in prepared.units), "unit": prepared.units.get(f["path"])}
+             for f in prepared.files]
+    return sorted(files, key=lambda f: order.get(f["unit"], len(order)))
 
 
 def trtllm_files(spec: ModelSpec, trt_tp: int, dtype: str) -> list[dict[str, Any]]:
     """TensorRT-LLM `rank{r}.safetensors` (tensor bytes: the shapes the checker derives from config.json; the
-    header is not counted) and `config.json`. A sliding window is the verb's own flag (--accept-window-as-full),
-    so it is allowed."""
-    spec = spec.replace(window_size=None)
-    trtllm_refusal(spec, trt_tp)
-    cfg = trtllm_config(spec, trt_tp, dtype)
-    shapes = expected_trtllm_shapes(cfg)
-    per_rank = sum(_numel(s) for s in shapes.values()) * ITEMSIZE[dtype]
-    files = [{"path": f"rank{r}.safetensors", "bytes": per_rank, "tensors": len(shapes)} for r in range(trt_tp)]
-    config = json.dumps(cfg, indent=4) + "\n"
-    return files + [{"path": "config.json", "bytes": len(config.encode()), "tensors": 0}]
+    header is not counted) and `config.json`, as `trtllm.prepare` works them out for the verb. A sliding window
+    is the verb's own flag (--accept-window-as-full), so it is allowed."""
+    prepared = trtllm.prepare(spec, trt_tp, dtype, accept_window_as_full=True)
+    files = [{"path": f"rank{r}.safetensors", "bytes": prepared.rank_bytes, "tensors": len(prepared.shapes)}
+             for r in range(trt_tp)]
+    return files + [{"path": "config.json", "bytes": len(prepared.config_text.encode()), "tensors": 0}]
 
 
 @dataclass
@@ -308,6 +324,7 @@ def estimate(
     dtype: str | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    pipeline_layout: str | None = None,
     bandwidth: dict[str, Any] | None = None,
     model: str = "model",
     format: str = "torch",
@@ -339,10 +356,10 @@ def estimate(
             if value < 1:
                 raise MConvertError(f"{name} must be >= 1 (got {value})")
         spec.check_parallel(tp=t, pp=1, ep=e)  # heads / groups / ffn / experts; layers are checked below
-        counts = stage_layer_counts(spec.num_layers, p, first_stage_layers, last_stage_layers)
-        margs: dict[str, Any] = {}
-        if len(set(counts)) > 1:
-            margs = {"decoder_first_pipeline_num_layers": counts[0], "decoder_last_pipeline_num_layers": counts[-1]}
+        split = stage_split(spec, p, first_stage_layers, last_stage_layers, pipeline_layout)
+        counts = split.layer_counts()
+        margs = {k: v for k, v in split.megatron_args().items() if v not in (None, False)}
+        if margs and first_stage_layers is None and last_stage_layers is None and pipeline_layout is None:
             notes.append(
                 f"PP={p} does not divide {spec.num_layers} layers evenly: uneven stages {counts[0]} + "
                 f"{len(counts) - 2}×{counts[1] if len(counts) > 2 else 0} + {counts[-1]} "
@@ -382,7 +399,7 @@ def estimate(
         if to == "ft":
             if out_item == 2 and dtype == "bfloat16":
                 notes.append("FasterTransformer stores fp32 or fp16 weights; bf16 is written as fp16 by FT's own tools")
-            write = ft_files(spec, ft_tp, out_item)
+            write = ft_files(spec, ft_tp, dtype)
         elif to == "trtllm":
             write = trtllm_files(spec, ft_tp, dtype)
             notes.append("rank files hold the whole model (no pipeline split); every process that writes one "
@@ -448,8 +465,9 @@ def _output_groups(est: Estimate) -> list[int]:
         return [f["bytes"] for f in write if f["path"].startswith("rank")]
     if est.operation == "megatron-to-ft":
         units: dict[Any, int] = {}
-        for f in write:  # in unit order: the order the conversion deals them out in
-            units[f["unit"]] = units.get(f["unit"], 0) + f["bytes"]
+        for f in write:  # in unit order: the order the conversion deals them out in; config.ini is rank 0's
+            if f["unit"] is not None:
+                units[f["unit"]] = units.get(f["unit"], 0) + f["bytes"]
         return list(units.values())
     stages: dict[str, int] = {}
     for f in write:

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Group
 from rich.table import Table
 
+from mconvert.convert.base import SourceBase
 from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.convert.sources import open_source
 from mconvert.errors import rich_safe
@@ -33,9 +34,9 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
     src = open_source(path, iteration=iteration, verify=False)  # no tensor data read: no hashing either
     src.close()  # what follows reads only what opening it learned (spec, layout, shapes)
     spec, tp, pp, vpp = src.spec, src.tp, src.pp, src.vpp
-    stored: dict[str, tuple[int, ...]] = getattr(src, "shapes", {})
+    stored: dict[str, tuple[int, ...]] = src.shapes or {}
     stages: dict[str, list[int]] = {}
-    split = getattr(src, "split", None) or PipelineSplit.make(spec.num_layers, pp, vpp)
+    split = src.split or PipelineSplit.make(spec.num_layers, pp, vpp)
     for p in range(pp):
         for chunk in split.stage_layers(p):
             for layer in chunk:
@@ -67,30 +68,30 @@ def inspect_checkpoint(path: str | Path, iteration: int | str | None = None) -> 
             "rank_shapes": {str(t): shard for t in range(tp)}, "stages": where,
             "collective": SPLIT_COLLECTIVE[d.kind] if tp > 1 or d.kind != "replicated" else "none",
         })
-    files = src.files() if hasattr(src, "files") and callable(src.files) else None
+    files = src.listed_files()
     return {
         "writer": writer_of(src),
-        "path": str(path), "format": src.format, "iteration": getattr(src, "iteration", None),
-        "tp": tp, "pp": pp, "vpp": vpp, "ep": getattr(src, "ep", 1), "spec": spec.to_dict(),
+        "path": str(path), "format": src.format, "iteration": src.iteration,
+        "tp": tp, "pp": pp, "vpp": vpp, "ep": src.ep, "spec": spec.to_dict(),
         "padded_vocab_size": spec.padded_vocab_size(tp), "parameters": spec.num_parameters(),
         "tokenizer": str(src.tokenizer_dir) if src.tokenizer_dir else None,
         "stage_layers": {p: _ranges(ls) for p, ls in stages.items()}, "params": params, "files": files,
-        **({"bridge": src.writer} if getattr(src, "writer", None) else {}),  # Megatron-Bridge (convert/megatron/bridge.py)
+        **({"bridge": src.writer} if src.writer else {}),  # Megatron-Bridge (convert/megatron/bridge.py)
     }
 
 
-def writer_of(src: Any) -> dict[str, Any] | None:
+def writer_of(src: SourceBase) -> dict[str, Any] | None:
     """Which program wrote the checkpoint and which of its fields were read (None for an HF directory).
 
     A source whose configuration is not a Megatron `args` Namespace (a Megatron-Bridge `run_config.yaml`)
     answers for itself through its `writer` (`bridge.writer_info`), given here the same keys: `writer`,
     `summary`, `fields`, `read`, `counts`."""
-    own = getattr(src, "writer", None)
+    own = src.writer
     if isinstance(own, dict):
         read = list(own["fields_read"])
         return {**own, "summary": own["text"].removeprefix("written by "), "fields": len(src.bridge_config["model"]),
                 "read": read, "counts": {"read": len(read)}}
-    args = getattr(src, "args", None)
+    args = src.args
     if args is None:
         return None
     from mconvert.convert.megatron.checkpoint import args_dict
@@ -111,7 +112,7 @@ def describe_megatron_args(args: dict[str, Any]) -> dict[str, Any]:
     counts = dict.fromkeys(("read", "checked", "neutral", "release default", "inert family", "unset"), 0)
     read = []
     for name, value in args.items():
-        rule = megatron_rule(name, value)
+        rule = megatron_rule(name, value, args)
         counts[rule] = counts.get(rule, 0) + 1
         if rule == "read":
             read.append(name)

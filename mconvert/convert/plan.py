@@ -21,20 +21,26 @@ from mconvert.convert.estimate import (
     torch_dist_files,
     unit_bytes,
 )
+from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 
 
-def _stage_counts(spec: ModelSpec, pp: int) -> list[int]:
-    return [spec.num_layers // pp] * pp
+def _stage_counts(spec: ModelSpec, pp: int, split: PipelineSplit | None) -> list[int]:
+    """Decoder layers per PP rank: the split's (uneven stages, virtual chunks together), else even."""
+    return split.layer_counts() if split is not None else PipelineSplit.make(spec.num_layers, pp).layer_counts()
 
 
 def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int = 1, pp: int = 1,
          dtype: str | None = None, max_shard_size: int = HF_MAX_SHARD_BYTES, with_optimizer: bool = False,
-         base_rss: int | None = None, format: str = "torch", src_ep: int = 1, ep: int = 1) -> dict[str, Any]:
+         base_rss: int | None = None, format: str = "torch", src_ep: int = 1, ep: int = 1,
+         src_split: PipelineSplit | None = None, split: PipelineSplit | None = None,
+         src_fp8_block: tuple[int, int] | None = None, fp8_block: tuple[int, int] | None = None) -> dict[str, Any]:
     """Files to write (path, bytes), bytes read, and the peak memory estimate of `verb` on `spec`;
     `format`: the Megatron output format (torch rank files or one torch_dist data file); `src_ep` / `ep`: the
-    expert-parallel size of the Megatron source / output (one rank file per TP × PP × EP rank)."""
+    expert-parallel size of the Megatron source / output (one rank file per TP × PP × EP rank); `src_split` /
+    `split`: the source's / output's pipeline split (default even); `src_fp8_block` / `fp8_block`: the HF
+    source / output holds its projections block-scaled FP8."""
     src_item = ITEMSIZE[spec.params_dtype]
     out_dtype = dtype or spec.params_dtype
     if out_dtype not in ITEMSIZE:
@@ -43,19 +49,21 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
     if base_rss is None:
         base_rss = int(load_bandwidth()["base_rss_bytes"])
     if verb == "megatron-to-hf":
-        read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp), src_ep)
-        write = hf_files(spec, out_item, max_shard_size)
+        read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp, src_split), src_ep,
+                              src_split)
+        write = hf_files(spec, out_item, max_shard_size, fp8_block)
         unit_in, unit_out = unit_bytes(spec, src_tp, src_item), unit_bytes(spec, 1, out_item)
         # streamed: io.hashing.HashingFile's queue + its O_DIRECT staging chunks
         buffer = min(64 << 20, max_shard_size, max(f["bytes"] for f in write)) + 3 * (16 << 20)
     elif verb in ("hf-to-megatron", "reshard"):
         if verb == "hf-to-megatron":
-            read = hf_files(spec, src_item)
+            read = hf_files(spec, src_item, fp8_block=src_fp8_block)
             unit_in = unit_bytes(spec, 1, src_item)
         else:
-            read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp), src_ep)
+            read = megatron_files(spec, src_tp, src_pp, src_item, _stage_counts(spec, src_pp, src_split), src_ep,
+                                  src_split)
             unit_in = unit_bytes(spec, src_tp, src_item)
-        write = megatron_files(spec, tp, pp, out_item, _stage_counts(spec, pp), ep)
+        write = megatron_files(spec, tp, pp, out_item, _stage_counts(spec, pp, split), ep, split)
         unit_out = unit_bytes(spec, tp, out_item)
         if format == "torch_dist":  # one data file; one unit's chunks pass through torch.save blobs
             write = torch_dist_files(spec, tp, out_item)
@@ -89,7 +97,8 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
 
 
 def plan_for_source(verb: str, src: Any, **kw: Any) -> dict[str, Any]:
-    """`plan` for an opened Source (its spec, TP, PP and EP)."""
-    out = plan(verb, src.spec, src_tp=src.tp, src_pp=src.pp, src_ep=getattr(src, "ep", 1), **kw)
+    """`plan` for an opened Source (its spec, TP, PP, EP, pipeline split and FP8 blocks)."""
+    out = plan(verb, src.spec, src_tp=src.tp, src_pp=src.pp, src_ep=src.ep, src_split=src.split,
+               src_fp8_block=src.fp8_block, **kw)
     out["source"] = src.describe()
     return out

@@ -566,6 +566,14 @@ class HashingFile(_OutputFile):
             self._pending += n
             self._cv.notify_all()
 
+    def drain(self) -> None:
+        """Wait until every byte queued so far has been taken by the writer thread: written to the file (with
+        O_DIRECT: written, or waiting in the staging chunk being filled)."""
+        with self._cv:
+            while (self._q or self._pending) and self._error is None:
+                self._cv.wait()
+            self._raise()
+
     def _stop(self) -> None:
         with self._cv:
             self._closed = True

@@ -18,6 +18,7 @@ embedding and head (`embed_tokens`, `shared_head.head`), as DeepSeek publishes t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mconvert.errors import MConvertError
@@ -182,12 +183,12 @@ def moe_to_hf(spec: ModelSpec, arch: str) -> dict[str, Any]:
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
     """A DeepseekV3Config dict -> ModelSpec (transformers' defaults where a field is absent)."""
-    base = llama.rope_spec({**cfg, "num_key_value_heads": cfg.get("num_attention_heads")}, common,
-                           add_bias_linear=False, add_qkv_bias=False, source=source)
+    base = llama.rope_spec({**cfg, "num_key_value_heads": cfg.get("num_attention_heads"), "rope_scaling": None},
+                           common, add_bias_linear=False, add_qkv_bias=False, source=source)
     return moe_from_hf(cfg, base.replace(kv_channels=None), CLASS_DEFAULTS).replace(
         q_lora_rank=cfg.get("q_lora_rank", 1536), kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
         qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)), qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
-        v_head_dim=int(cfg.get("v_head_dim", 128)))
+        v_head_dim=int(cfg.get("v_head_dim", 128)), **llama.rope_scaling_from_hf(cfg, source, mla=True))
 
 
 # DeepseekV3Config's defaults of the MoE fields
@@ -233,10 +234,20 @@ PRESETS = {
         v_head_dim=32, num_experts=16, moe_ffn_hidden_size=32, moe_router_topk=4, moe_router_num_groups=4,
         moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=32,
         moe_layer_freq=(0, 1, 1), mtp_num_layers=1),
-    # DeepSeek-V3 / R1's shapes (HF config.json of deepseek-ai/DeepSeek-V3), for `plan` estimates from shapes only
+    # tiny-deepseek-v3 with DeepSeek-V3's YaRN (factor 40 → 4 here, mscale = mscale_all_dim = 1, which also scales
+    # MLA's softmax) over 32 original positions stretched to 128
+    "tiny-deepseek-v3-yarn": deepseek_preset(
+        num_layers=3, hidden_size=128, num_attention_heads=8, ffn_hidden_size=256, vocab_size=1000,
+        max_position_embeddings=128, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+        v_head_dim=32, num_experts=16, moe_ffn_hidden_size=32, moe_router_topk=4, moe_router_num_groups=4,
+        moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=32,
+        moe_layer_freq=(0, 1, 1), mtp_num_layers=1, rope_scaling="yarn", rope_scaling_factor=4.0,
+        rope_original_max_position_embeddings=32, yarn_mscale=1.0, yarn_mscale_all_dim=1.0),
+    # DeepSeek-V3 / R1 (HF config.json of deepseek-ai/DeepSeek-V3, its YaRN included), for `plan` estimates
     "deepseek-v3-671b": deepseek_preset(
         num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432, vocab_size=129280,
-        max_position_embeddings=4096, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        max_position_embeddings=163840, rope_scaling="yarn", rope_scaling_factor=40.0,
+        rope_original_max_position_embeddings=4096, yarn_mscale=1.0, yarn_mscale_all_dim=1.0, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, num_experts=256, moe_ffn_hidden_size=2048, moe_router_topk=8, moe_router_num_groups=8,
         moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=2048,
         moe_layer_freq=tuple([0] * 3 + [1] * 58), mtp_num_layers=1, params_dtype="bfloat16"),
@@ -346,12 +357,30 @@ def recognise(fields: dict[str, Any]) -> bool:
     return fields.get("kv_lora_rank") is not None
 
 
+def mla_config_checks(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """verify's config.json checks for multi-latent attention: (problems, notes)."""
+    problems, notes = llama.rope_config_checks(cfg)
+    if cfg.get("rope_interleave", True) is not True:
+        problems.append(f"rope_interleave={cfg['rope_interleave']!r}: transformers then rotates halves, vLLM's "
+                        "DeepSeek model rotates interleaved pairs whatever the flag")
+    return problems, notes
+
+
+# vLLM's CPU MLA caches the kv latent and the rope key together, one kernel width: kv_lora_rank + qk_rope_head_dim
+MLA_VLLM = dataclasses.replace(
+    llama.ROPE_VLLM, config_checks=mla_config_checks, cpu_head_dims=(576,),
+    head_dim=lambda cfg: int(cfg.get("kv_lora_rank", 512)) + int(cfg.get("qk_rope_head_dim", 64)),
+    head_dim_label="kv_lora_rank + qk_rope_head_dim")
+
+
 FAMILY = Family(**llama.rope_family(
     NAME, "DeepseekV3", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
-    recognise=recognise, recognise_order=4,
+    recognise=recognise, recognise_order=4, vllm=MLA_VLLM,
     ft=None,  # FasterTransformer has no MLA
     trtllm=None,  # no confirmed TensorRT-LLM MLA layout here
     gguf=GGUF,
     moe=True,
     deepseek=True,
+    # Kimi K2 (moonshotai): architectures DeepseekV3ForCausalLM, auto_map to DeepSeek-V3's own modeling code
+    remote_model_types=("kimi_k2",),
 ))

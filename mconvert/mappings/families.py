@@ -264,7 +264,7 @@ def _check_one_class(cfg: dict[str, Any], archs: list[Any], fam: Family, source:
         raise MConvertError(f"{source}: architectures={archs!r} name more than one model; keep the one these weights "
                             "belong to")
     model_type = cfg.get("model_type")
-    if model_type is not None and by_model_type(model_type) is not fam:
+    if model_type is not None and by_model_type(model_type) is not fam and model_type not in fam.remote_model_types:
         raise MConvertError(f"{source}: model_type={model_type!r} contradicts architectures={archs!r} (a "
                             f"{fam.architecture} has model_type {fam.model_type!r}); transformers builds the class of "
                             "model_type and vLLM that of architectures — fix config.json")

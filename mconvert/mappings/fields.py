@@ -143,12 +143,20 @@ def check(values: Mapping[str, Any], table: Mapping[str, Field], source: str, wh
 
 def check_megatron_args(args: Mapping[str, Any], source: str) -> None:
     """Refuse Megatron args that change the function and are not mapped (one line naming each arg); with
-    `position_embedding_type='yarn'` the YaRN args are mapped (`MEGATRON_YARN_ARGS`).
+    `position_embedding_type='yarn'` the YaRN args are mapped (`MEGATRON_YARN_ARGS`), with multi-latent
+    attention its rope args (`MEGATRON_MLA_ROPE_ARGS`).
 
     A name in no table is judged by `unlisted_passes` first: at a known release's default, or of a class of
     options that cannot reach the model's function, it passes; otherwise `check` refuses it by name."""
-    table = {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if args.get("position_embedding_type") == "yarn" else MEGATRON_ARGS
+    table = megatron_table(args)
     check({k: v for k, v in args.items() if not unlisted_passes(k, v, table)}, table, source, "Megatron arg")
+
+
+def megatron_table(args: Mapping[str, Any]) -> dict[str, Field]:
+    """The table that judges these args: `MEGATRON_ARGS`, with the YaRN args mapped under
+    `position_embedding_type='yarn'` and MLA's rope args under `multi_latent_attention`."""
+    table = {**MEGATRON_ARGS, **MEGATRON_YARN_ARGS} if args.get("position_embedding_type") == "yarn" else MEGATRON_ARGS
+    return {**table, **MEGATRON_MLA_ROPE_ARGS} if args.get("multi_latent_attention") else table
 
 
 # Option families of Megatron-LM that configure the run around the model, never the network: optimizers,
@@ -178,10 +186,12 @@ def unlisted_passes(name: str, value: Any, table: Mapping[str, Field] | None = N
     return is_release_default(name, value)
 
 
-def megatron_rule(name: str, value: Any) -> str:
+def megatron_rule(name: str, value: Any, args: Mapping[str, Any] | None = None) -> str:
     """Which rule judges Megatron arg `name` holding `value` (what `inspect` reports): "read", "checked"
-    (refused unless allowed), "neutral", "inert family", "release default", "unset" or "refused"."""
-    f = _entry(MEGATRON_ARGS, name)
+    (refused unless allowed), "neutral", "inert family", "release default", "unset" or "refused"; `args`: the
+    whole dict, whose YaRN or MLA makes their rope args read (`megatron_table`)."""
+    table = MEGATRON_ARGS if args is None else megatron_table(args)
+    f = _entry(table, name)
     if f is not None:
         if f.kind == MAPPED:
             return "read" if value is not None else "unset"
@@ -190,7 +200,7 @@ def megatron_rule(name: str, value: Any) -> str:
         return "inert family"
     if value is None or value is False:
         return "unset"
-    return "release default" if unlisted_passes(name, value) else "refused"
+    return "release default" if unlisted_passes(name, value, table) else "refused"
 
 
 def key_names(table: Mapping[str, Field]) -> dict[str, str]:
@@ -627,6 +637,24 @@ MEGATRON_YARN_ARGS: dict[str, Field] = {
     "mscale": mapped("yarn_mscale", NUM, 1.0),
     "mscale_all_dim": mapped("yarn_mscale_all_dim", NUM, 0.0),
     "yarn_correction_range_round_to_int": mapped("yarn_correction_range_round_to_int", BOOL, True),
+}
+
+
+# Multi-latent attention's rope: MLATransformerConfig's fields, which Megatron-LM copies from args of the same
+# name (--rope-type, --rotary-scaling-factor, --mscale, --mscale-all-dim; original_max_position_embeddings,
+# beta_fast and beta_slow only when a build of it has such args); read by `spec.deepseek_from_megatron_args`,
+# which refuses what is ambiguous by name.
+MEGATRON_MLA_ROPE_ARGS: dict[str, Field] = {
+    "rope_type": mapped("rope_scaling", STR, None, ("rope", "yarn")),
+    "rotary_scaling_factor": mapped("rope_scaling_factor", NUM),
+    "original_max_position_embeddings": mapped("rope_original_max_position_embeddings", INT),
+    "beta_fast": mapped("yarn_beta_fast", NUM),
+    "beta_slow": mapped("yarn_beta_slow", NUM),
+    "mscale": mapped("yarn_mscale", NUM),
+    "mscale_all_dim": mapped("yarn_mscale_all_dim", NUM),
+    **neutral("GPTModel's YaRN args, which megatron-core's MLA does not read (spec.mla_yarn_from_megatron_args "
+              "refuses one that differs from what MLA reads)", "yarn_original_max_position_embeddings",
+              "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int"),
 }
 
 

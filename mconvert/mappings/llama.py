@@ -26,7 +26,7 @@ from mconvert.mappings.record import (
     check_qk_norm,
 )
 from mconvert.mappings.fields import BOOL, INT, MAPPED, NEUTRAL, NUM, STR, Field, mapped, refused
-from mconvert.rope import hf_attention_factor, megatron_attention_factor, megatron_mscale_for
+from mconvert.rope import hf_attention_factor, megatron_attention_factor, megatron_mscale_for, yarn_get_mscale
 from mconvert.spec import ModelSpec
 
 NAME = "llama"
@@ -124,12 +124,16 @@ def yarn_to_hf(spec: ModelSpec) -> dict[str, Any]:
     return out
 
 
-def yarn_from_hf(rs: dict[str, Any], cfg: dict[str, Any], where: str) -> dict[str, Any]:
+def yarn_from_hf(rs: dict[str, Any], cfg: dict[str, Any], where: str, mla: bool = False) -> dict[str, Any]:
     """HF yarn `rope_scaling` -> ModelSpec kwargs, read with transformers' own fallbacks (an absent or zero beta
     is its default, an absent original context is max_position_embeddings). megatron-core must multiply cos and
     sin by the attention factor transformers computes: the dict's mscale pair when megatron-core derives that
     factor from it, else its defaults when they do, else mscale_all_dim 0 and the mscale that gives it
-    (`megatron_mscale_for`); a factor no mscale reaches is refused, both numbers named."""
+    (`megatron_mscale_for`); a factor no mscale reaches is refused, both numbers named.
+
+    `mla`: multi-latent attention, whose softmax both engines scale by get_mscale(factor, mscale_all_dim)²
+    (transformers' DeepseekV3Attention when mscale_all_dim is non-zero): mscale_all_dim is then the dict's (0
+    when absent) and only mscale is solved for; megatron-core's MLA always rounds the correction range."""
     for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
                 "attention_factor"):
         v = rs.get(key)
@@ -147,24 +151,37 @@ def yarn_from_hf(rs: dict[str, Any], cfg: dict[str, Any], where: str) -> dict[st
     except ZeroDivisionError:
         raise MConvertError(f"{where}: mscale_all_dim={mad!r} makes transformers divide by 0.1·mscale_all_dim·"
                             "ln(factor)+1 = 0; fix it") from None
+    fixed = 0.0  # the mscale_all_dim megatron-core gets when only mscale is solved for
+    if mla:
+        if not truncate:
+            raise MConvertError(f"{where} is not supported: megatron-core's multi-latent attention always rounds "
+                                "YaRN's correction range (truncate true); conversion refused")
+        if mad is not None and mad < 0:
+            raise MConvertError(f"{where} is not supported: a negative mscale_all_dim scales multi-latent "
+                                "attention's softmax by a number megatron-core's args do not hold; conversion refused")
+        fixed = float(mad or 0.0)
     # the args keep mscale_all_dim >= 0 (megatron-core's divisor then never 0); a solved mscale covers the rest
-    if m is not None and mad is not None and mad >= 0 and megatron_attention_factor(factor, m, mad) == want:
+    if (m is not None and mad is not None and mad >= 0 and (not mla or mad == fixed)
+            and megatron_attention_factor(factor, m, mad) == want):
         pair = (m, mad)
-    elif megatron_attention_factor(factor, 1.0, 0.0) == want:
-        pair = (1.0, 0.0)
+    elif megatron_attention_factor(factor, 1.0, fixed) == want:
+        pair = (1.0, fixed)
     else:
-        solved = megatron_mscale_for(factor, want)
+        solved = megatron_mscale_for(factor, want, fixed)
         if solved is None:
             head = f"{where} is not supported: transformers computes attention factor {want!r}, "
             if not factor > 1:
                 raise MConvertError(head + f"megatron-core computes 1.0 whenever factor <= 1 (here {factor!r}), "
                                     "whatever mscale; conversion refused")
-            nearest = megatron_attention_factor(factor, 10 * (want - 1) / math.log(factor), 0.0)
+            nearest = megatron_attention_factor(
+                factor, 10 * (want * yarn_get_mscale(factor, fixed) - 1) / math.log(factor), fixed)
             why = ("the + 1 rounds away the digits of a factor this close to 0" if math.isfinite(nearest) else
                    "no finite mscale reaches it")
             raise MConvertError(head + f"the nearest megatron-core reaches is {nearest!r} (0.1·mscale·ln(factor)+1 "
-                                f"with mscale_all_dim 0: {why}); conversion refused")
-        pair = (solved, 0.0)
+                                f"with mscale_all_dim {fixed:g}: {why}); conversion refused")
+        pair = (solved, fixed)
+    if mla and factor == 1:  # stretches nothing, scales nothing: plain rope, as megatron-core's args read back
+        return {}
     return dict(rope_scaling="yarn", rope_scaling_factor=factor,
                 rope_original_max_position_embeddings=rs.get("original_max_position_embeddings")
                 or cfg.get("max_position_embeddings"),
@@ -186,8 +203,9 @@ def rope_scaling_to_hf(spec: ModelSpec) -> dict[str, Any] | None:
     return out
 
 
-def rope_scaling_from_hf(cfg: dict[str, Any], source: str) -> dict[str, Any]:
-    """HF `rope_scaling` -> ModelSpec kwargs; an unmapped type, a missing key or an unknown key is refused."""
+def rope_scaling_from_hf(cfg: dict[str, Any], source: str, mla: bool = False) -> dict[str, Any]:
+    """HF `rope_scaling` -> ModelSpec kwargs; an unmapped type, a missing key or an unknown key is refused
+    (`mla`: see `yarn_from_hf`)."""
     rs = cfg.get("rope_scaling")
     if rs is None:
         return {}
@@ -205,7 +223,7 @@ def rope_scaling_from_hf(cfg: dict[str, Any], source: str) -> dict[str, Any]:
         if unknown:
             raise MConvertError(f"{where} is not supported: {', '.join(unknown)} not mapped for rope type 'yarn'; "
                                 "conversion refused")
-        return yarn_from_hf(rs, cfg, where)
+        return yarn_from_hf(rs, cfg, where, mla)
     if kind not in ROPE_SCALING_KEYS:
         raise MConvertError(f"{where} is not supported: rope type {kind!r} is not mapped (mapped: "
                             f"{', '.join(ROPE_SCALING_KEYS)}, yarn); conversion refused")

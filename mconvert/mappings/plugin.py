@@ -290,6 +290,23 @@ def hf_keys_for(spec: ModelSpec, name: str, reg: Registry | None = None) -> list
     return [] if found is None else found[1]
 
 
+def check_hf_present(spec: ModelSpec, have: Any, source: str = "checkpoint") -> None:
+    """Every HF tensor the config implies (each parameter's own tensors, what `from_hf_one` reads) is among
+    `have`, else the error `from_hf_one` gives on reading it: the whole model is checked from names alone, so a
+    `--dry-run` refuses what the conversion would (an MTP layer the config declares, a layer's bias)."""
+    reg = registry(plugin_for(spec))
+    for d in spec.params():
+        if d.name == "output_layer.weight" and spec.tie_embeddings:
+            continue
+        found = _hf_rule(spec, d.name, reg)
+        if found is None:
+            raise MConvertError(f"no {spec.family} mapping for parameter {d.name!r}")
+        rule, names = found
+        absent = [n for n in names[: len(rule.hf)] if n not in have]
+        if absent:
+            raise MConvertError(f"{source}: tensor {absent[0]!r} is missing (needed for {d.name})")
+
+
 def _hf_rule(spec: ModelSpec, name: str, reg: Registry | None = None) -> tuple[Rule, list[str]] | None:
     """The rule mapping canonical parameter `name` and the HF tensor names it reads (None: no rule)."""
     m = match(spec, name, reg)

@@ -206,6 +206,9 @@ class VllmFacts:
     rope: bool
     always_ties_head: TiedHeadMessages | None = None  # vLLM ignores tie_word_embeddings=false for it
     untied_export_warning: str | None = None  # megatron-to-hf warning for an untied model
+    # the head widths vLLM's CPU attention runs and what `head_dim` measures (None: its standard attention's widths)
+    cpu_head_dims: tuple[int, ...] | None = None
+    head_dim_label: str = "head_dim"
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,10 @@ class Family:
     moe: bool = False  # the HF class routes every layer's MLP over experts (a dense class refuses a MoE model)
     deepseek: bool = False  # the HF class computes MLA, the DeepSeek router and MTP (`ModelSpec.deepseek_features`)
     gemma: bool = False  # the HF class computes the Gemma block (`ModelSpec.gemma_features`)
+    # model_types of published configs whose `architectures` name this class and whose remote code (auto_map) is
+    # this class's own function under another name (Kimi K2's kimi_k2 is DeepSeek's modeling_deepseek.py): read as
+    # this family, written back under `model_type`, which transformers and vLLM build without remote code
+    remote_model_types: tuple[str, ...] = ()
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

@@ -259,16 +259,20 @@ def strip_vocab(t: torch.Tensor, vocab: int, name: str = "embedding") -> torch.T
     return t[:vocab]
 
 
-def pad_vocab(t: torch.Tensor, rows: int, vocab: int | None = None, name: str = "embedding") -> torch.Tensor:
+def pad_vocab(t: torch.Tensor, rows: int, vocab: int | None = None, name: str = "embedding",
+              empty: Empty | None = None) -> torch.Tensor:
     """Vocab rows -> exactly `rows` rows: kept as stored when already `rows` long; otherwise the first
-    `vocab` (true vocab) rows followed by zeros (Megatron's padding for the target TP)."""
+    `vocab` (true vocab) rows followed by zeros (Megatron's padding for the target TP). Only the padding rows
+    are zeroed (`empty`: where the result is allocated)."""
     if t.shape[0] == rows:
         return t
     vocab = t.shape[0] if vocab is None else vocab
     if vocab > rows or t.shape[0] < vocab:
         raise MConvertError(f"{name}: cannot fit {t.shape[0]} rows (vocab {vocab}) into {rows} padded rows")
-    out = t.new_zeros((rows, *t.shape[1:]))
+    shape = (rows, *t.shape[1:])
+    out = t.new_empty(shape) if empty is None or t.is_meta else empty(shape, t.dtype)  # meta: the plan's pass
     out[:vocab] = t[:vocab]
+    out[vocab:].zero_()
     return out
 
 

@@ -11,9 +11,9 @@ latent and all-gathers it (split bwd), after copy-to-TP of the input (all-reduce
 split by head (copy-to-TP of the latent); k's rope part, shared by every head, is copied to TP too (all-reduce
 of its gradient, which each rank's heads give a part of); `linear_proj` is row-parallel (all-reduce fwd).
 
-YaRN: megatron-core's `YarnRotaryEmbedding` (`yarn_inv_freq`, `yarn_concentration`) and MLA's softmax scale
-(`softmax_scale`) are here. The spec states plain rope for MLA; `rope_tables` and `MLAttention.scale` are where
-a YaRN stated by the spec (the llama-style families' `rope_scaling` fields) joins.
+YaRN (`rope_scaling='yarn'`, megatron-core's `rope_type='yarn'`): the rope part's frequencies are blended and its
+cos and sin multiplied by get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) (`rope_tables`), and the
+softmax scale is multiplied by get_mscale(factor, mscale_all_dim)² (`softmax_scale`), as megatron-core's MLA does.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mconvert.rope import yarn_get_mscale, yarn_inv_freq
 from mconvert.spec import ModelSpec, ParamDecl
 from mconvert.trainer.layers import ColumnParallelLinear, RowParallelLinear, copy_to_tp, gather_from_tp
 from mconvert.trainer.parallel import ParallelState
@@ -32,49 +33,26 @@ from mconvert.trainer.parallel import ParallelState
 Make = Callable[[ParamDecl | None], nn.Parameter | None]
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention scale for a stretch `factor` (megatron-core's `_yarn_get_mscale`)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def yarn_concentration(factor: float, mscale: float, mscale_all_dim: float) -> float:
-    """The number cos and sin are multiplied by: mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
-    return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-
-
-def yarn_inv_freq(dim: int, base: float, factor: float, original_max: int, beta_fast: float = 32.0,
-                  beta_slow: float = 1.0, round_to_int: bool = True) -> torch.Tensor:
-    """YaRN's per-pair frequencies: the base frequencies above the fast-rotation bound, those divided by `factor`
-    below the slow bound, a linear ramp between (megatron-core's `YarnRotaryEmbedding.get_emb`)."""
-    extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    inter = extra / factor
-
-    def bound(rotations: float) -> float:
-        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = bound(beta_fast), bound(beta_slow)
-    if round_to_int:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1.0 - ramp  # 1: the base frequency (fast rotations), 0: the interpolated one
-    return inter * (1 - keep) + extra * keep
-
-
 def rope_tables(spec: ModelSpec, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [S, qk_rope_head_dim] for MLA's rope part (freqs repeated, rotate_half, as megatron-core)."""
+    """cos/sin [S, qk_rope_head_dim] for MLA's rope part (freqs repeated, rotate_half, as megatron-core); with YaRN
+    its blended frequencies, cos and sin times its attention factor (megatron-core's `YarnRotaryEmbedding`, which
+    MLA builds without `correction_range_round_to_int`, so the range is always rounded)."""
     dim = spec.qk_rope_head_dim
-    inv = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if spec.rope_scaling == "yarn":
+        inv = yarn_inv_freq(dim, spec.rotary_base, spec.rope_scaling_factor, spec.rope_original_max_position_embeddings,
+                            spec.yarn_beta_fast, spec.yarn_beta_slow, True)
+    else:
+        inv = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     freqs = torch.outer(torch.arange(seq, dtype=torch.float32), inv).to(device)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    factor = spec.yarn_attention_factor if spec.rope_scaling == "yarn" else 1.0
+    return emb.cos() * factor, emb.sin() * factor
 
 
-def softmax_scale(spec: ModelSpec, factor: float = 1.0, mscale_all_dim: float = 0.0) -> float:
-    """megatron-core MLA's softmax scale: mscale(factor, mscale_all_dim)² / sqrt(nope + rope)."""
-    m = yarn_mscale(factor, mscale_all_dim)
+def softmax_scale(spec: ModelSpec) -> float:
+    """megatron-core MLA's softmax scale: get_mscale(factor, mscale_all_dim)² / sqrt(nope + rope) (1 / sqrt(...)
+    without YaRN)."""
+    m = yarn_get_mscale(spec.rope_scaling_factor, spec.yarn_mscale_all_dim) if spec.rope_scaling == "yarn" else 1.0
     return m * m / math.sqrt(spec.qk_nope_head_dim + spec.qk_rope_head_dim)
 
 

@@ -213,3 +213,13 @@ def norm_dtype(d: Any) -> str:
     if row is None and isinstance(getattr(torch, name, None), torch.dtype):  # torch's own spellings: half, float
         row = dtypes.of_torch(getattr(torch, name))
     return row.name if row is not None and row.floating else "float32"
+
+
+def reference_attention(config: Path | dict) -> dict[str, str]:
+    """The attention implementation transformers runs a reference in: its SDPA and flash paths drop
+    attention-logit soft-capping (Gemma 2's `attn_logit_softcapping`) without a word, so a model that declares it
+    runs in the eager path, the one that computes what the config describes."""
+    cfg = config if isinstance(config, dict) else load_json_object(Path(config) / "config.json", "HF config")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    capped = cfg.get("attn_logit_softcapping") or text.get("attn_logit_softcapping")
+    return {"attn_implementation": "eager"} if capped else {}

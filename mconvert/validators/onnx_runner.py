@@ -16,7 +16,7 @@ import torch
 
 from mconvert import dtypes
 from mconvert.errors import MConvertError
-
+from mconvert.validators.formats import reference_attention
 
 
 def _np_dtype(ort_type: str) -> Any:
@@ -122,7 +122,7 @@ def check_onnx_against_hf(onnx_dir: Path, hf_dir: Path, batch: int = 2, seq: int
     from transformers import AutoModelForCausalLM  # heavy optional import, only when an export is checked
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, trust_remote_code=False,
-                                                 local_files_only=True).eval()
+                                                 local_files_only=True, **reference_attention(hf_dir)).eval()
     cfg = model.config
     window = getattr(cfg, "sliding_window", None)
     if isinstance(window, int) and not isinstance(window, bool):

@@ -19,7 +19,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config
 from mconvert.spec import torch_dtype
 from mconvert.trainer.infer import megatron_logits
-from mconvert.validators.formats import ModelInfo
+from mconvert.validators.formats import ModelInfo, reference_attention
 from mconvert.validators.ft_runner import ft_logits
 from mconvert.validators.gguf_runner import gguf_logits
 from mconvert.validators.onnx_runner import onnx_logits
@@ -98,7 +98,7 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", local_files_only=True,
-                                                     trust_remote_code=False)
+                                                     trust_remote_code=False, **reference_attention(path))
     except Exception as e:  # a broken dir: missing shard, bad config ... -> one line
         raise MConvertError(f"{path}: transformers cannot load this dir ({_first_line(e)})") from None
     finally:
@@ -162,7 +162,8 @@ def source_model(path: Path, device: str = "cpu"):
         cfg_dict.pop("architectures", None)
         cfg = AutoConfig.for_model(model_type, **cfg_dict)
         with no_init_weights():  # buffers (rotary inv_freq, causal masks) built for real; weights come from source
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch_dtype(src.spec.params_dtype))
+            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch_dtype(src.spec.params_dtype),
+                                                     **reference_attention(cfg_dict))
         for unit in src.units():
             state.update(src.read_hf(unit))
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -192,11 +192,12 @@ def _config_fields(cfg: dict[str, Any], rep: VerifyReport) -> None:
     else:
         rep.add("config-fields", "ok", "positions, eps" + (", rope" if facts.rope else "") + " present"
                 + (f" ({'; '.join(notes)})" if notes else ""))
-    if hd and hd not in VLLM_CPU_HEAD_DIMS:
-        rep.add("head-dim", "warn", f"head_dim={hd}: vLLM's CPU attention supports {VLLM_CPU_HEAD_DIMS} only "
+    dims = facts.cpu_head_dims or VLLM_CPU_HEAD_DIMS
+    if hd and hd not in dims:
+        rep.add("head-dim", "warn", f"{facts.head_dim_label}={hd}: vLLM's CPU attention supports {dims} only "
                 "(GPU backends accept more)")
     else:
-        rep.add("head-dim", "ok", f"head_dim={hd}")
+        rep.add("head-dim", "ok", f"{facts.head_dim_label}={hd}")
 
 
 # ---- weight files ---------------------------------------------------------------------------------

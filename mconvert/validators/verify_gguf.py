@@ -130,10 +130,10 @@ def _reference_spec(ckpt: Path, rep: Any) -> Any:
 
 def _tensors(meta: dict[str, Any], spec: Any, rep: Any) -> None:
     """Every tensor the reference's spec plans, by name and shape, and nothing else."""
-    from mconvert.convert.deploy.gguf import gguf_layout, plan_tensors
+    from mconvert.convert.deploy.gguf import prepare
 
     try:
-        plan = {t.name: t.shape for t in plan_tensors(spec, gguf_layout(spec), "f32")}
+        plan = {t.name: t.shape for t in prepare(spec, "f32").tensors}
     except MConvertError as e:
         rep.add("tensors", "error", str(e))
         return

@@ -20,12 +20,16 @@ import torch
 from mconvert.io.paths import check_tree_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
 from mconvert.validators.engine_probe import chat_ids
-from mconvert.validators.formats import has_tokenizer
+from mconvert.validators.formats import has_tokenizer, reference_attention
 from mconvert.validators.tokens import make_batch
 
 SERVE_SCRIPT = Path(__file__).with_name("vllm_serve.py")
 ENV_SCRIPT = Path(__file__).with_name("vllm_env.sh")
 LOGPROB_TOL = 1e-4  # fp32 engine vs fp32 transformers: the same weights differ by kernel rounding only
+# vLLM's CPU rotary kernel (`_C.rotary_embedding`) reads a query shaped [tokens, heads, dim] as tokens × heads
+# one-head tokens and rotates most heads by another token's position; multi-latent attention (DeepseekV2/V3) calls
+# it so, GPU kernels take that shape. vLLM's own PyTorch rope computes what its GPU kernels do, on every shape.
+NATIVE_OPS = ("-rotary_embedding",)
 TIE_MARGIN = 1e-4  # a greedy divergence where transformers' top-2 logits are closer than this is a tie
 # The conversation served through `LLM.chat` when the export has a chat template (vLLM renders it itself).
 CHAT = [{"role": "system", "content": "You tell short stories."},
@@ -74,7 +78,7 @@ def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) 
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True,
-                                                     trust_remote_code=False).eval()
+                                                     trust_remote_code=False, **reference_attention(d)).eval()
     finally:
         hf_logging.set_verbosity(v)
         if bars:
@@ -105,9 +109,10 @@ def vllm_compare(d: Path, vllm_python: Path, timeout: float = 600) -> dict[str, 
 
 def vllm_compare_many(
     dirs: list[Path], vllm_python: Path, timeout: float = 900, n_prompts: int = 2, prompt_len: int = 16,
-    max_tokens: int = 16,
+    max_tokens: int = 16, custom_ops: tuple[str, ...] = NATIVE_OPS,
 ) -> list[dict[str, Any]]:
-    """Serve each dir in turn in one vLLM process (one import), compare each with transformers."""
+    """Serve each dir in turn in one vLLM process (one import), compare each with transformers; `custom_ops` is
+    vLLM's `CompilationConfig.custom_ops` ("-NAME": vLLM's PyTorch form of that op, not its CPU kernel)."""
     if not Path(vllm_python).exists():
         raise MConvertError(f"--vllm-python {vllm_python}: no such interpreter; build one with `make vllm-env`")
 
@@ -128,7 +133,7 @@ def vllm_compare_many(
         jobs.append({"model": str(d.absolute()), "prompts": _prompts(d, int(cfg["vocab_size"]), n_prompts, plen),
                      "max_tokens": min(max_tokens, max_len - max(plen, chat_len if chat else 0)),
                      "max_model_len": max_len, "skip_tokenizer_init": not has_tokenizer(d),
-                     "chats": [CHAT] * len(chat), "chat_ids": chat})
+                     "chats": [CHAT] * len(chat), "chat_ids": chat, "custom_ops": list(custom_ops)})
     with tempfile.TemporaryDirectory(prefix="mconvert-vllm-") as tmp:
         rq, rs = Path(tmp) / "request.json", Path(tmp) / "result.json"
         rq.write_text(json.dumps({"jobs": [{k: v for k, v in j.items() if k != "chat_ids"} for j in jobs]}))
@@ -156,7 +161,7 @@ def vllm_compare_many(
         ref = _transformers_reference(d, prompts, job["max_tokens"])
         for r, p in zip(ref, prompts):
             r["prompt_ids"] = p
-        g.update(vllm_version=got["vllm_version"], import_seconds=got["import_seconds"])
+        g.update(vllm_version=got["vllm_version"], import_seconds=got["import_seconds"], custom_ops=list(custom_ops))
         out.append(_judge(g, ref, wall))
     return out
 
@@ -191,8 +196,10 @@ def _judge(got: dict[str, Any], ref: list[dict[str, Any]], wall: float) -> dict[
         x["prompt_ids_equal"] for x in per) else f" ({chats} chat prompt(s) rendered differently)" if chats else ""
     summary = (f"vLLM {got['vllm_version']}: greedy tokens {agree}/{total} equal to transformers'{chat_txt}, prompt logprobs "
                f"{lp_txt} (limit {LOGPROB_TOL:g}); engine start {got['start_seconds']:.1f} s "
-               f"(+{got['import_seconds']:.1f} s import)")
+               f"(+{got['import_seconds']:.1f} s import)"
+               + (f"; vLLM custom_ops {' '.join(got['custom_ops'])}" if got.get("custom_ops") else ""))
     return {"passed": passed, "summary": summary, "vllm_version": got["vllm_version"],
+            "custom_ops": got.get("custom_ops", []),
             "import_seconds": got["import_seconds"],
             "start_seconds": got["start_seconds"], "generate_seconds": got["generate_seconds"], "wall_seconds": wall,
             "token_agreement": agree / max(total, 1), "prompt_logprob_max_abs": _finite(max_lp), "prompts": per,

@@ -4,8 +4,9 @@ Run by the vLLM venv's interpreter (not ours: vLLM pins transformers 5.x), as a 
     VLLM_CPU_KVCACHE_SPACE=1 $VLLM_PY vllm_serve.py REQUEST.json OUT.json
 It imports nothing from mconvert. The engine spawns worker processes, hence the __main__ guard.
 REQUEST: {"jobs": [{"model": DIR, "prompts": [[ids]], "max_tokens": N, "max_model_len": L,
-           "skip_tokenizer_init": bool, "chats": [[{"role", "content"}]]}]} — several models share one import of
-vLLM (~15 s). "chats" (optional) go through `LLM.chat`: vLLM renders the model's own chat template; each result
+           "skip_tokenizer_init": bool, "chats": [[{"role", "content"}]], "custom_ops": ["-op", ...]}]} — several
+models share one import of vLLM (~15 s). "custom_ops" (optional) is vLLM's `CompilationConfig.custom_ops`: "-NAME"
+runs that op in vLLM's own PyTorch form instead of its CPU kernel. "chats" (optional) go through `LLM.chat`: vLLM renders the model's own chat template; each result
 then also gives the prompt ids vLLM made of it.
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, "uni" executor): spawning the engine
 core and a worker re-imports vLLM twice more and triples the start time on a small machine.
@@ -36,6 +37,7 @@ def main() -> None:
     out = {"vllm_version": vllm.__version__, "import_seconds": import_s, "jobs": []}
     for req in jobs:
         t1 = time.time()
+        extra = {"compilation_config": {"custom_ops": list(req["custom_ops"])}} if req.get("custom_ops") else {}
         llm = LLM(
             model=req["model"],
             dtype="float32",
@@ -45,6 +47,7 @@ def main() -> None:
             seed=0,
             trust_remote_code=False,
             distributed_executor_backend="uni",
+            **extra,
         )
         start_s = time.time() - t1
         params = SamplingParams(

@@ -65,7 +65,9 @@ def test_405b_estimate_is_arithmetic_on_the_declarations_and_sums_the_shapes() -
     hf = ests["hf"]
     assert hf.parameters > 400e9 and hf.read_files == 128 and hf.read_bytes == meg
     assert hf.write_bytes == true_bytes  # HF holds the true vocab rows (embedding and untied head)
-    assert ests["ft"].write_bytes == (mha.num_parameters() - (mha.padded_vocab_size(1) - mha.vocab_size) * mha.hidden_size * 2) * 2
+    ft_weights = [f for f in ests["ft"].files["write"] if f["unit"] is not None]  # and config.ini, as written
+    assert [f["path"] for f in ests["ft"].files["write"] if f["unit"] is None] == ["1-gpu/config.ini"]
+    assert sum(f["bytes"] for f in ft_weights) == (mha.num_parameters() - (mha.padded_vocab_size(1) - mha.vocab_size) * mha.hidden_size * 2) * 2
     assert ests["megatron"].read_bytes == true_bytes and ests["megatron"].write_bytes == meg
     assert ests["reshard"].read_bytes == meg and ests["reshard"].write_files == 64
     assert hf.stage_layers == [7] + [8] * 14 + [7]

@@ -23,7 +23,8 @@ LAYER_BYTES = 12 * H * H * 4
 
 PROBE = r"""
 import json, sys, psutil
-from mconvert.convert.driver import megatron_to_hf, peak_rss_bytes
+from mconvert.convert.driver import peak_rss_bytes
+from mconvert.convert.verbs import megatron_to_hf
 from mconvert.io import tuning
 tuning.apply()  # as the mconvert command does before a conversion (heap threshold, threads, gc)
 base = psutil.Process().memory_info().rss

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.io.safeload import safe_load
 
 _CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config"}

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import transformers
 
 from mconvert.mappings.families import spec_from_hf_config
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
 CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=64, vocab_size=100,

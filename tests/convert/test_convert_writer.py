@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from deploy_common import make_hf
-from mconvert.convert.driver import drive, hf_to_megatron, megatron_to_hf, reshard, write_output
-from mconvert.convert.deploy.fastertransformer import megatron_to_ft
-from mconvert.convert.deploy.onnx import to_onnx
+from mconvert.convert.driver import drive, write_output
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
+from mconvert.convert.verbs import megatron_to_ft
+from mconvert.convert.verbs import to_onnx
 from mconvert.convert.sources import open_source
-from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+from mconvert.convert.verbs import megatron_to_trtllm
 from mconvert.convert.writer import REPORT_KEYS, Writer
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
@@ -262,38 +263,58 @@ def test_every_writer_declares_the_writer_contract():
         assert "states" in inspect.signature(subclasses[name].add).parameters
 
 
-def writer_probes(source: str) -> list[str]:
-    """Every getattr / hasattr in `source` asked of a writer (a parameter annotated `Writer` or named `writer`):
-    `line: call`."""
+def probes(source: str, word: str, cls: str) -> list[str]:
+    """Every getattr / hasattr in `source` asked of a writer or a source: of a variable whose name holds `word`
+    or of a parameter annotated with a class whose name holds `cls`; `line: call`."""
     tree = ast.parse(source)
-    writers = {a.arg for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-               for a in f.args.args + f.args.kwonlyargs + f.args.posonlyargs
-               if "writer" in a.arg.lower() or a.annotation is not None and "Writer" in ast.unparse(a.annotation)}
+    annotated = {a.arg for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                 for a in f.args.args + f.args.kwonlyargs + f.args.posonlyargs
+                 if a.annotation is not None and cls in ast.unparse(a.annotation)}
     return [f"{c.lineno}: {ast.unparse(c)}" for c in ast.walk(tree)
             if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in ("getattr", "hasattr")
-            and c.args and ("writer" in ast.unparse(c.args[0]).lower()
-                            or isinstance(c.args[0], ast.Name) and c.args[0].id in writers)]
+            and c.args and (word in ast.unparse(c.args[0]).lower()
+                            or isinstance(c.args[0], ast.Name) and c.args[0].id in annotated)]
 
 
-def test_the_driver_reads_only_what_writers_declare():
-    """`drive` picks its read plan from the writer's declared fields: no getattr / hasattr probes a writer."""
-    from mconvert.convert import driver
+def writer_probes(source: str) -> list[str]:
+    """The getattr / hasattr calls in `source` asked of a writer (`Writer`, or a name holding `writer`)."""
+    return probes(source, "writer", "Writer")
+
+
+def source_probes(source: str) -> list[str]:
+    """The getattr / hasattr calls in `source` asked of a source (`SourceBase`, or a name holding `src` or
+    `source`)."""
+    return sorted(set(probes(source, "src", "Source") + probes(source, "source", "Source")),
+                  key=lambda line: int(line.split(":")[0]))
+
+
+def test_the_driver_reads_only_what_writers_and_sources_declare():
+    """`drive` picks its read plan from the writer's and the source's declared fields (`Writer`, `SourceBase`):
+    no getattr / hasattr probes a writer in the driver, nor a source in the driver, the verbs, plan or inspect."""
+    from mconvert.convert import driver, plan, verbs
+    from mconvert.convert import inspect as inspect_verb
 
     assert writer_probes(Path(driver.__file__).read_text()) == []
+    for module in (driver, verbs, plan, inspect_verb):
+        assert source_probes(Path(module.__file__).read_text()) == [], module.__name__
 
 
 def test_the_probe_check_finds_a_probe():
-    """The check above fails on a driver that probes a writer, whatever the writer's variable is called."""
+    """The checks above fail on a driver that probes a writer or a source, whatever its variable is called."""
     made_up = """
 def drive(src, w: "Writer"):
     if hasattr(w, "needs"):
         pass
     return getattr(src, "vocab_known", True)
 
-def feed(writer, unit):
-    return writer.wants(unit) if getattr(writer, "takes_parts", False) else None
+def feed(writer, unit, s: SourceBase):
+    if hasattr(s, "hf_part_tasks"):
+        return writer.wants(unit) if getattr(writer, "takes_parts", False) else None
+    return hasattr(self.source, "read_mcore_parts")
 """
-    assert writer_probes(made_up) == ["3: hasattr(w, 'needs')", "8: getattr(writer, 'takes_parts', False)"]
+    assert writer_probes(made_up) == ["3: hasattr(w, 'needs')", "9: getattr(writer, 'takes_parts', False)"]
+    assert source_probes(made_up) == ["5: getattr(src, 'vocab_known', True)", "8: hasattr(s, 'hf_part_tasks')",
+                                      "10: hasattr(self.source, 'read_mcore_parts')"]
 
 
 @pytest.mark.timeout(300)

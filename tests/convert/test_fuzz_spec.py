@@ -177,7 +177,7 @@ def test_untied_gpt2_keeps_its_head_through_hf_to_megatron_and_back(tmp_path):
     """Found by the spec fuzz: config.json of an untied GPT-2 was read as tied and its lm_head dropped."""
     import transformers
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_inner=64, vocab_size=50, n_positions=16,

@@ -12,7 +12,7 @@ import pytest
 from deploy_common import make_hf
 from safety_common import assert_one_line_error, run_cli
 
-from mconvert.convert.driver import hf_to_megatron, reshard
+from mconvert.convert.verbs import hf_to_megatron, reshard
 from mconvert.convert.estimate import estimate
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset

@@ -243,7 +243,7 @@ def moe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     without mconvert's manifests (as other tools write them: the edited count is then the only change)."""
     import transformers
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     root = tmp_path_factory.mktemp("moe")
     cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

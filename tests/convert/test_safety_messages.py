@@ -49,7 +49,7 @@ def test_an_intact_export_verifies_its_manifest(tmp_path):
 def test_a_damaged_torch_dist_object_is_named_by_its_data_file_not_a_scratch_file(tmp_path):
     """A torch_dist object (the rng state) is loaded from a scratch copy of its bytes; an error names the
     `.distcp` file and byte range it came from, never the scratch file that is gone once the line is read."""
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
     from mconvert.convert.megatron.torch_dist import TorchDistSource
     from mconvert.trainer.train import TrainConfig, train
 

@@ -106,7 +106,7 @@ def _gpt2_hf(out: Path, **config) -> Path:
 @pytest.fixture(scope="module")
 def tied_pp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tied GPT-2 as a Megatron TP=2 PP=2 checkpoint: the last stage holds the embedding's copy."""
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     d = tmp_path_factory.mktemp("tied")
     hf_to_megatron(_gpt2_hf(d / "hf", activation_function="gelu"), d / "ckpt", tp=2, pp=2)
@@ -219,7 +219,7 @@ def test_a_dtype_that_turns_a_weight_into_inf_is_refused_by_tensor(verb, tmp_pat
     from safetensors.torch import load_file
 
     from deploy_common import make_hf
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
     from safety_common import base
 
     gpt2 = verb == "megatron-to-ft"  # FasterTransformer's LLaMA has no grouped-query attention

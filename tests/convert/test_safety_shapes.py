@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(120)
 @lru_cache(maxsize=None)
 def _made(kind: str) -> Path:
     """A correct directory of `kind` written by our own writers from the base model, built once."""
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_trtllm
     from mconvert.data import build_tokenizer, save_hf_tokenizer
 
     out = _WORK / f"made-{kind}"

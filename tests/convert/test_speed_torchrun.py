@@ -42,7 +42,7 @@ def _torchrun(args: list[str | Path], timeout: int = 240, module: bool = True) -
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The three conversion verbs run in one process (the library API)."""
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 
     d = tmp_path_factory.mktemp("one")
     megatron_to_hf(base()["ckpt"], d / "hf", max_shard_size=SHARD)
@@ -53,7 +53,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 _SCRIPT = """
 import sys
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 ckpt, ref, out, shard = sys.argv[1:]
 megatron_to_hf(ckpt, out + "/hf", max_shard_size=shard)
 hf_to_megatron(ref, out + "/mg", tp=2, pp=2)
@@ -122,7 +122,7 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], tmp_p
     a tensor in its own shards (a layer split over two shards is not read whole by both processes)."""
     from safetensors import safe_open
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
     from mconvert.convert.megatron.source import MegatronSource
 
     monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))

@@ -28,7 +28,7 @@ def mha_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     as a Megatron TP=2 PP=2 checkpoint."""
     import transformers
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     d = tmp_path_factory.mktemp("mha")
     torch.manual_seed(0)
@@ -48,8 +48,8 @@ JOBS = {  # output -> (verb, source, options), the same in one process and on to
 
 
 def _run(verb: str, src: Path, out: Path, opts: dict) -> None:
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     if verb == "ft":
         megatron_to_ft(src, out, **opts)
@@ -71,8 +71,8 @@ def one_process(mha_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 _SCRIPT = """
 import sys
-from mconvert.convert.deploy.fastertransformer import megatron_to_ft
-from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+from mconvert.convert.verbs import megatron_to_ft
+from mconvert.convert.verbs import megatron_to_trtllm
 mha, gqa, out = sys.argv[1:]
 megatron_to_ft(mha, out + "/ft", infer_tp=2)
 megatron_to_trtllm(gqa, out + "/trt", tp=4)
@@ -134,13 +134,15 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], mha_c
     one-process files, rank 0 alone writing config.ini / config.json; it reads only the units they need."""
     from mconvert.convert.driver import drive
     from mconvert.convert.deploy.fastertransformer import FTWriter
+    from mconvert.convert.deploy.fastertransformer import prepare as ft_prepare
     from mconvert.convert.sources import open_source
     from mconvert.convert.deploy.trtllm import TrtllmWriter
+    from mconvert.convert.deploy.trtllm import prepare as trtllm_prepare
 
     monkeypatch.setattr(world_state, "_WORLD", World(rank, 2))
     src = _Recording(open_source(mha_ckpt))
     (tmp_path / "ft").mkdir()
-    drive(src, FTWriter(tmp_path / "ft", src.spec, 2, "fp32", source=str(src.path)))
+    drive(src, FTWriter(tmp_path / "ft", ft_prepare(src.spec, 2, source=str(src.path))))
     src.close()
     want = {k: v for k, v in _tree(one_process["ft"]).items() if k != MANIFEST}
     got = _tree(tmp_path / "ft")
@@ -153,7 +155,7 @@ def test_each_rank_writes_only_its_own_files(one_process: dict[str, Path], mha_c
     for name, tp in (("trt", 4), ("trt1", 1)):
         src = _Recording(open_source(base()["ckpt"]))
         (tmp_path / name).mkdir()
-        drive(src, TrtllmWriter(tmp_path / name, src.spec, tp, src.spec.params_dtype, str(src.path)))
+        drive(src, TrtllmWriter(tmp_path / name, trtllm_prepare(src.spec, tp, source=str(src.path))))
         src.close()
         want = {k: v for k, v in _tree(one_process[name]).items() if k != MANIFEST}
         got = _tree(tmp_path / name)

@@ -20,7 +20,7 @@ SHARD = "40KB"  # several shards from the tiny model, so that both ranks own som
 
 @pytest.fixture(scope="module")
 def one_process_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     return megatron_to_hf(base()["ckpt"], tmp_path_factory.mktemp("one") / "hf", max_shard_size=SHARD)
 
@@ -56,7 +56,8 @@ def test_trtllm_process_cuts_only_its_rank_files(tmp_path: Path, monkeypatch: py
 
     from mconvert.convert.driver import drive
     from mconvert.convert.sources import open_source
-    from mconvert.convert.deploy.trtllm import TrtllmWriter, megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import TrtllmWriter, prepare
+    from mconvert.convert.verbs import megatron_to_trtllm
     from mconvert.mappings import deploy
 
     megatron_to_trtllm(base()["ckpt"], tmp_path / "one", tp=4)
@@ -81,7 +82,7 @@ def test_trtllm_process_cuts_only_its_rank_files(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(world_state, "_WORLD", World(1, 2))  # process 1's part alone, its writer driven
     src = open_source(base()["ckpt"])
     (tmp_path / "r1").mkdir()
-    drive(src, TrtllmWriter(tmp_path / "r1", src.spec, 4, src.spec.params_dtype, str(src.path)))
+    drive(src, TrtllmWriter(tmp_path / "r1", prepare(src.spec, 4, source=str(src.path))))
     src.close()
     assert {f for f, _ in asked} >= {"qkv_cat", "split"}  # the fused QKV (a copy per rank) was cut here
     assert sorted({r for _, r in asked}) == [1, 3]
@@ -96,7 +97,7 @@ def test_plan_to_trtllm_matches_the_written_rank_files(tmp_path: Path) -> None:
     whole input."""
     from mconvert.convert.estimate import estimate, scaleout_estimate
     from mconvert.convert.sources import open_source
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     megatron_to_trtllm(base()["ckpt"], tmp_path / "trt", tp=2)
     src = open_source(base()["ckpt"])

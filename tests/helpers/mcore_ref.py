@@ -77,8 +77,8 @@ def moe_config(spec: ModelSpec, ep: int = 1) -> dict[str, Any]:
 
 
 def deepseek_config(spec: ModelSpec) -> dict[str, Any]:
-    """megatron-core's config fields for MLA (plain rope: `rope_type='rope'`; its latent norms exist only with
-    `qk_layernorm`), the DeepSeek router, the MoE layer pattern and MTP (empty when the model has none)."""
+    """megatron-core's config fields for MLA (`rope_type` 'rope', or 'yarn' with the spec's YaRN; its latent norms
+    exist only with `qk_layernorm`), the DeepSeek router, the MoE layer pattern and MTP (empty when the model has none)."""
     out: dict[str, Any] = {}
     if spec.is_mla:
         out.update(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=spec.q_lora_rank,
@@ -86,6 +86,11 @@ def deepseek_config(spec: ModelSpec) -> dict[str, Any]:
                    qk_pos_emb_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim, rope_type="rope",
                    rotary_base=spec.rotary_base, rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0,
                    apply_rope_fusion=False)
+        if spec.rope_scaling == "yarn":  # MLA's own YaRN (MLATransformerConfig's fields)
+            out.update(rope_type="yarn", rotary_scaling_factor=spec.rope_scaling_factor,
+                       original_max_position_embeddings=spec.rope_original_max_position_embeddings,
+                       beta_fast=spec.yarn_beta_fast, beta_slow=spec.yarn_beta_slow, mscale=spec.yarn_mscale,
+                       mscale_all_dim=spec.yarn_mscale_all_dim)
     if spec.mtp_num_layers:
         out.update(mtp_num_layers=spec.mtp_num_layers)
     if spec.is_moe:
@@ -177,7 +182,7 @@ def _layer_spec(spec: ModelSpec, config):
 def set_yarn_config(config: Any, spec: ModelSpec) -> None:
     """The `config.yarn_*` attributes GPTModel's yarn branch reads, set from the spec's Megatron-LM args as
     Megatron-LM's `_apply_yarn_config_from_args` sets them (nothing when the spec has no YaRN)."""
-    if spec.rope_scaling != "yarn":
+    if spec.rope_scaling != "yarn" or spec.is_mla:  # MLA builds its own YaRN from MLATransformerConfig
         return
     a = spec.to_megatron_args()
     for attr, arg in (("yarn_rotary_scaling_factor", "rotary_scaling_factor"),
@@ -211,7 +216,7 @@ def build_gpt_model(spec: ModelSpec, tp: int, pp: int = 1, vpp: int | None = Non
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type="yarn" if spec.rope_scaling == "yarn" else spec.position_embedding_type,
+        position_embedding_type="yarn" if spec.rope_scaling == "yarn" and not spec.is_mla else spec.position_embedding_type,
         rotary_percent=spec.rotary_percent,
         rotary_base=int(spec.rotary_base),
         rope_scaling=spec.rope_scaling == "llama3",

@@ -63,7 +63,7 @@ def big_llama_hf() -> Path:
 @lru_cache(maxsize=None)
 def base() -> dict[str, Path]:
     """{'hf': tiny HF llama, 'ckpt': its Megatron TP=2 PP=2 checkpoint, 'ref': ckpt converted back to HF}."""
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     hf = make_hf_llama(_WORK / "hf")
     ckpt = _WORK / "ckpt"

@@ -57,7 +57,7 @@ def instruct_hf() -> Path:
 @lru_cache(maxsize=None)
 def chain() -> dict[str, Path]:
     """HF (transformers) -> Megatron TP2 PP2 -> HF, and the same checkpoint resharded to TP1 PP1 -> HF."""
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 
     hf = instruct_hf()
     mg, mg1 = WORK / "mg-tp2pp2", WORK / "mg-tp1pp1"

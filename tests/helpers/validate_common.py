@@ -38,7 +38,7 @@ def trained_ckpt(family: str) -> Path:
 @lru_cache(maxsize=None)
 def hf_export(family: str, shard: str = "5GB") -> Path:
     """The checkpoint converted to HF by `megatron-to-hf` (tokenizer carried, manifest written)."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     out = WORK / f"hf-{family}-{shard}"
     megatron_to_hf(trained_ckpt(family), out, max_shard_size=shard)
@@ -47,7 +47,7 @@ def hf_export(family: str, shard: str = "5GB") -> Path:
 
 @lru_cache(maxsize=None)
 def resharded(family: str, tp: int, pp: int) -> Path:
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
 
     out = WORK / f"ckpt-{family}-tp{tp}pp{pp}"
     reshard(trained_ckpt(family), out, tp=tp, pp=pp)
@@ -56,7 +56,7 @@ def resharded(family: str, tp: int, pp: int) -> Path:
 
 @lru_cache(maxsize=None)
 def onnx_export(family: str) -> Path:
-    from mconvert.convert.deploy.onnx import to_onnx
+    from mconvert.convert.verbs import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
     out = WORK / f"onnx-{family}"
@@ -66,7 +66,7 @@ def onnx_export(family: str) -> Path:
 
 @lru_cache(maxsize=None)
 def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_ft
 
     out = WORK / f"ft-{family}-{infer_tp}-{dtype}"
     megatron_to_ft(trained_ckpt(family), out, infer_tp, dtype)
@@ -75,7 +75,7 @@ def ft_export(family: str, infer_tp: int, dtype: str = "fp32") -> Path:
 
 @lru_cache(maxsize=None)
 def trtllm_export(family: str, tp: int) -> Path:
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     out = WORK / f"trtllm-{family}-{tp}"
     megatron_to_trtllm(trained_ckpt(family), out, tp)
@@ -134,10 +134,47 @@ def mcore_moe_greedy(family: str, prompts: list[list[int]], max_tokens: int) -> 
 @lru_cache(maxsize=None)
 def mcore_moe_export(family: str) -> Path:
     """megatron-core's MoE checkpoint converted by `megatron-to-hf`."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     out = WORK / f"hf-mcore-{family}"
     megatron_to_hf(mcore_moe_ckpt(family), out)
+    return out
+
+
+@lru_cache(maxsize=None)
+def moved_ckpt(name: str) -> Path:
+    """Preset `name` (MTP layer included) as a one-rank Megatron checkpoint with the trainer's tokenizer, every
+    weight moved off the trainer's init and the expert bias non-negative and large enough to change the routing."""
+    from mconvert.data import build_tokenizer, save_hf_tokenizer
+    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+    from mconvert.mappings.families import preset
+    from mconvert.trainer.model import GPTModel
+    from mconvert.trainer.parallel import ParallelState
+
+    spec = preset(name)
+    g = torch.Generator().manual_seed(7)
+    state = {}
+    for k, v in GPTModel(spec, ParallelState(), seed=3).state_dict().items():
+        if not torch.is_tensor(v):
+            continue
+        noise = torch.randn(v.shape, generator=g)
+        state[k] = (0.3 * noise.abs() if k.endswith("expert_bias") else
+                    1 + 0.2 * noise if k.endswith("norm.weight") else v + 0.05 * noise)
+    out = WORK / f"moved-{name}"
+    save_rank_file(rank_file(out, 1, 0, 0, 1), {"args": spec.to_megatron_args(), "checkpoint_version": 3.0,
+                                                 "iteration": 1, "model": state})
+    write_latest(out, 1)
+    save_hf_tokenizer(build_tokenizer(), out)
+    return out
+
+
+@lru_cache(maxsize=None)
+def moved_export(name: str) -> Path:
+    """`moved_ckpt(name)` converted by `megatron-to-hf`."""
+    from mconvert.convert.verbs import megatron_to_hf
+
+    out = WORK / f"hf-moved-{name}"
+    megatron_to_hf(moved_ckpt(name), out)
     return out
 
 
@@ -232,6 +269,41 @@ def _remanifest(d: Path) -> Path:
 
     write_manifest(d)
     return d
+
+
+def broken_mla(kind: str) -> Path:
+    """A copy of the `tiny-deepseek-v3` export with one multi-latent-attention bug (manifest consistent):
+    "kv-b-nope-v-swapped" (each head's k_nope and v rows of kv_b_proj swapped), "rope-rows-deinterleaved" (the
+    rope rows of q_b_proj and kv_a_proj_with_mqa written even dims first, as megatron-core rotates them, under
+    `rope_interleave: true`) or "rope-interleave-false" (the config says so; the weights are right)."""
+    d = _copy(moved_export("tiny-deepseek-v3"), kind)
+    cfg = json.loads((d / "config.json").read_text())
+    heads, nope, rope, v = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
+                                              "v_head_dim"))
+    assert nope == v  # a swap that keeps the shapes: only the outputs can show it
+    layers = range(cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0))
+    deinterleave = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+
+    def fn(t):
+        for i in layers:
+            a = f"model.layers.{i}.self_attn."
+            if kind == "kv-b-nope-v-swapped":
+                w = t[a + "kv_b_proj.weight"].view(heads, nope + v, -1)
+                t[a + "kv_b_proj.weight"] = torch.cat([w[:, nope:], w[:, :nope]], 1).reshape(heads * (nope + v), -1)
+            else:
+                q = t[a + "q_b_proj.weight"].view(heads, nope + rope, -1)
+                t[a + "q_b_proj.weight"] = torch.cat([q[:, :nope], q[:, nope:][:, deinterleave]], 1).flatten(0, 1)
+                kv = t[a + "kv_a_proj_with_mqa.weight"]
+                lat = kv.shape[0] - rope
+                t[a + "kv_a_proj_with_mqa.weight"] = torch.cat([kv[:lat], kv[lat:][deinterleave]])
+        return t
+    if kind == "rope-interleave-false":
+        _edit_config(d, rope_interleave=False)
+    elif kind in ("kv-b-nope-v-swapped", "rope-rows-deinterleaved"):
+        _edit_tensors(d, fn)
+    else:
+        raise KeyError(kind)
+    return _remanifest(d)
 
 
 def broken(kind: str) -> Path:

@@ -20,7 +20,7 @@ from safety_common import load_rank, save_rank, sha_tree
 def hf_pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     """Per family: an HF directory (safetensors, ours) and the same model re-saved by transformers as
     `pytorch_model.bin` with our config and tokenizer files beside it."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from mconvert.trainer.train import TrainConfig, train
 
     out = {}
@@ -45,7 +45,7 @@ def test_bin_input_streams_the_same_rank_files_as_safetensors(hf_pair: dict[str,
                                                               monkeypatch: pytest.MonkeyPatch, preset: str) -> None:
     """A pytorch_model.bin written by transformers previews from its zip offsets like safetensors does, so its
     rank files are streamed (no spool) and come out byte-identical to those of the safetensors input."""
-    from mconvert.convert import driver
+    from mconvert.convert import verbs
     from mconvert.convert.megatron.writer import MegatronWriter
 
     hf, bin_dir = hf_pair[preset]
@@ -53,9 +53,9 @@ def test_bin_input_streams_the_same_rank_files_as_safetensors(hf_pair: dict[str,
     real_open = MegatronWriter._open_stage
     monkeypatch.setattr(MegatronWriter, "_open_stage", lambda self, p: (streamed.append(p), real_open(self, p))[1])
     monkeypatch.setattr(MegatronWriter, "_spool", lambda self, p, t: pytest.fail("the .bin input was spooled"))
-    driver.hf_to_megatron(bin_dir, tmp_path / "from-bin", tp=2, pp=2)
+    verbs.hf_to_megatron(bin_dir, tmp_path / "from-bin", tp=2, pp=2)
     assert sorted(streamed) == [0, 1]
-    driver.hf_to_megatron(hf, tmp_path / "from-st", tp=2, pp=2)
+    verbs.hf_to_megatron(hf, tmp_path / "from-st", tp=2, pp=2)
     assert sha_tree(tmp_path / "from-bin") == sha_tree(tmp_path / "from-st")
 
 
@@ -85,7 +85,7 @@ def test_legacy_pickle_bin_has_no_preview_and_still_converts(hf_pair: dict[str, 
                                                              tmp_path: Path) -> None:
     """A `.bin` in torch's legacy (non-zip) format has no offsets to preview from: the writer takes its general
     path and the rank files are still those of the safetensors input."""
-    from mconvert.convert import driver
+    from mconvert.convert import verbs
     from mconvert.convert.sources import open_source
 
     hf, bin_dir = hf_pair["tiny-llama"]
@@ -98,8 +98,8 @@ def test_legacy_pickle_bin_has_no_preview_and_still_converts(hf_pair: dict[str, 
         assert not src.can_preview()
     finally:
         src.close()
-    driver.hf_to_megatron(legacy, tmp_path / "a", tp=2, pp=1)
-    driver.hf_to_megatron(hf, tmp_path / "b", tp=2, pp=1)
+    verbs.hf_to_megatron(legacy, tmp_path / "a", tp=2, pp=1)
+    verbs.hf_to_megatron(hf, tmp_path / "b", tp=2, pp=1)
     assert sha_tree(tmp_path / "a") == sha_tree(tmp_path / "b")
 
 
@@ -107,7 +107,7 @@ def test_bin_missing_tensor_is_named(hf_pair: dict[str, tuple[Path, Path]], tmp_
     """An index that lists a tensor its .bin file lacks: one MConvertError naming the file and the tensor."""
     import json
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     _, bin_dir = hf_pair["tiny-llama"]
     d = tmp_path / "bin"
@@ -155,7 +155,7 @@ def test_each_input_byte_is_crc_checked_once(rank_ckpt: Path, tmp_path: Path, mo
     states, rng, the pickle) by the background pass."""
     import zlib
 
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from mconvert.io import crc
 
     second_pass: dict[str, set[int]] = {}
@@ -194,7 +194,7 @@ def test_flipped_bit_in_any_record_is_refused(rank_ckpt: Path, tmp_path: Path, m
                                               which: str) -> None:
     """A flipped bit in a tensor megatron-to-hf converts, or in one it never reads (an optimizer state), is
     refused by the CRC-32 check by name, and no output is left."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from mconvert.io import crc, safeload
 
     monkeypatch.setattr(crc, "_CRC_CHECKED", set())
@@ -309,7 +309,7 @@ def test_conv1d_shards_transposed_by_blocks_write_the_bytes_of_whole_shards(
     """Blocks of one row, and of a few rows that end inside a QKV head's rows, give the HF files (manifest
     included) that transposing each whole shard gives; the blocks path is the one taken."""
     from mconvert.convert.megatron import source as megatron
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     offsets: list[int] = []
     real = megatron.LazyModel.read_into
@@ -340,7 +340,7 @@ def test_a_nan_or_a_flipped_bit_in_a_later_block_is_refused(gpt2_tp2: Path, tmp_
     """Read a row at a time, TP rank 1's fc1 weight with a NaN in its last row is refused by file and key, and
     one with a bit flipped in its last row by the CRC-32 of its record; neither leaves an output."""
     from mconvert.convert.megatron import source as megatron
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from mconvert.io import crc
 
     monkeypatch.setattr(megatron, "TRANSPOSE_BLOCK", 1)

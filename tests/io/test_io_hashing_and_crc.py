@@ -189,7 +189,7 @@ def test_deferred_crc_failure_wins_over_the_error_it_caused(tmp_path: Path) -> N
 
 
 def test_megatron_to_hf_refuses_a_flipped_bit_and_leaves_no_output(tmp_path: Path) -> None:
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from mconvert.trainer.train import TrainConfig, train
 
     ck = tmp_path / "ck"
@@ -215,17 +215,17 @@ def test_streamed_reshard_equals_torch_save(trained: dict[str, Path], tmp_path: 
                                             preset: str, tp: int, pp: int) -> None:
     """Reshard with rank files streamed from the preview == the same reshard through torch.save of each
     whole state dict (the stage-buffered path), byte for byte; tied heads at PP > 1 included."""
-    from mconvert.convert import driver
+    from mconvert.convert import verbs
     from mconvert.convert.megatron.writer import MegatronWriter
 
     calls: list[Any] = []
     real_open = MegatronWriter._open_stage
     monkeypatch.setattr(MegatronWriter, "_open_stage", lambda self, p: (calls.append(p), real_open(self, p))[1])
-    driver.reshard(trained[preset], tmp_path / "streamed", tp=tp, pp=pp)
+    verbs.reshard(trained[preset], tmp_path / "streamed", tp=tp, pp=pp)
     assert sorted(calls) == list(range(pp))  # the streamed path ran, once per stage
-    monkeypatch.setattr(driver, "_preview", lambda src: None)
+    monkeypatch.setattr(verbs, "_preview", lambda src: None)
     monkeypatch.setattr(MegatronWriter, "_spool", lambda self, p, t: _NoSpool())
-    driver.reshard(trained[preset], tmp_path / "saved", tp=tp, pp=pp)
+    verbs.reshard(trained[preset], tmp_path / "saved", tp=tp, pp=pp)
     assert sha_tree(tmp_path / "streamed") == sha_tree(tmp_path / "saved")
 
 
@@ -237,21 +237,21 @@ class _NoSpool:
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
 def test_streamed_hf_to_megatron_equals_torch_save(trained: dict[str, Path], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch, preset: str) -> None:
-    from mconvert.convert import driver
+    from mconvert.convert import verbs
     from mconvert.convert.megatron.writer import MegatronWriter
 
-    driver.megatron_to_hf(trained[preset], tmp_path / "hf")
-    driver.hf_to_megatron(tmp_path / "hf", tmp_path / "streamed", tp=2, pp=2)
-    monkeypatch.setattr(driver, "_preview", lambda src: None)
+    verbs.megatron_to_hf(trained[preset], tmp_path / "hf")
+    verbs.hf_to_megatron(tmp_path / "hf", tmp_path / "streamed", tp=2, pp=2)
+    monkeypatch.setattr(verbs, "_preview", lambda src: None)
     monkeypatch.setattr(MegatronWriter, "_spool", lambda self, p, t: _NoSpool())
-    driver.hf_to_megatron(tmp_path / "hf", tmp_path / "saved", tp=2, pp=2)
+    verbs.hf_to_megatron(tmp_path / "hf", tmp_path / "saved", tp=2, pp=2)
     assert sha_tree(tmp_path / "streamed") == sha_tree(tmp_path / "saved")
 
 
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
 def test_preview_matches_what_is_read(trained: dict[str, Path], tmp_path: Path, preset: str) -> None:
     """Each source's preview (names in order, shapes, dtypes) is what read_mcore then returns."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from mconvert.convert.sources import open_source
 
     megatron_to_hf(trained[preset], tmp_path / "hf")
@@ -284,7 +284,7 @@ def test_changed_input_with_a_manifest_is_refused_though_checked_in_the_backgrou
         trained: dict[str, Path], tmp_path: Path) -> None:
     """The manifest check of an input mconvert wrote runs beside the conversion; its failure still stops the
     output from being committed, and its message is the one the user sees."""
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 
     megatron_to_hf(trained["tiny-llama"], tmp_path / "hf")
     st = tmp_path / "hf" / "model.safetensors"
@@ -335,7 +335,7 @@ def test_a_failed_conversion_leaves_no_writer_threads(trained: dict[str, Path], 
     staging memory and no open file is left in the caller's process, and no output directory."""
     import threading
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 
     def writers() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name.startswith(("write ", "odirect "))]

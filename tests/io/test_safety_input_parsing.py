@@ -24,7 +24,7 @@ DEEP = 100_000  # deeper than any recursive JSON parser goes
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory) -> dict[str, Path]:
     """A 1-layer GQA llama: HF dir, its TP=1 PP=1 Megatron checkpoint (with manifest), and that converted back."""
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     root = tmp_path_factory.mktemp("parse")
     hf = make_hf_llama(root / "hf", layers=1)

@@ -37,7 +37,7 @@ def _with_nan(src: Path, dst: Path) -> Path:
 def fx(tmp_path_factory) -> dict[str, Path]:
     """{'hf': a one-layer llama with a tokenizer, 'nan': the same with a NaN, 'ckpt': hf converted to Megatron
     by mconvert (so it has a manifest)}."""
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
     from mconvert.data import build_tokenizer, save_hf_tokenizer
 
     root = tmp_path_factory.mktemp("leftovers")

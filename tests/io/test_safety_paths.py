@@ -185,7 +185,8 @@ def test_verify_reports_an_index_naming_a_file_outside_the_model_dir(tmp_path, c
 
 
 def test_trtllm_rank_file_symlinked_outside_is_a_problem(tmp_path):
-    from mconvert.convert.deploy.trtllm import check_trtllm_dir, megatron_to_trtllm
+    from mconvert.convert.deploy.trtllm import check_trtllm_dir
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     megatron_to_trtllm(base()["hf"], tmp_path / "trt", tp=1)
     assert check_trtllm_dir(tmp_path / "trt") == []
@@ -200,7 +201,9 @@ def test_trtllm_rank_file_symlinked_outside_is_a_problem(tmp_path):
 def test_ft_file_symlinked_outside_is_refused(tmp_path, where):
     from deploy_common import make_hf
 
-    from mconvert.convert.deploy.fastertransformer import check_ft_dir, megatron_to_ft
+    from mconvert.convert.deploy.fastertransformer import check_ft_dir
+
+    from mconvert.convert.verbs import megatron_to_ft
     from mconvert.errors import MConvertError
     from mconvert.mappings.families import preset
     from mconvert.validators.ft_runner import ft_logits

@@ -131,7 +131,7 @@ def test_conversions_with_every_tensor_pooled_write_the_same_bytes(small_ckpt: P
     """megatron-to-hf, hf-to-megatron and reshard with every read and merge buffer taken from the pool (and
     reused: the small model's tensors all qualify) write the very files, manifest included, that they write
     with the pool off."""
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 
     def run(tag: str) -> dict[str, dict[str, bytes]]:
         megatron_to_hf(small_ckpt, tmp_path / tag / "hf")
@@ -397,7 +397,7 @@ def test_megatron_to_hf_hands_the_writer_one_parameter_at_a_time(small_ckpt: Pat
     """The HF writer takes each layer parameter by parameter (`parts_ahead`), so what it has written is freed
     before the rest of the layer is read; the files are those of a conversion given whole layers."""
     from mconvert.convert.hf import writer as hf_mod
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     seen: list[int] = []
     add = hf_mod.HFWriter.add
@@ -440,7 +440,7 @@ def test_hf_to_megatron_hands_the_writer_one_parameter_at_a_time(preset: str, tm
     never in memory whole; the rank files are those of a conversion given whole layers (which
     `test_bench_io.test_streamed_hf_to_megatron_equals_torch_save` holds to torch.save's bytes)."""
     from mconvert.convert.megatron import writer as mg
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
     from mconvert.trainer.train import TrainConfig, train
 
     ck = tmp_path / "ck"
@@ -463,7 +463,7 @@ def test_reshard_hands_the_writer_one_parameter_at_a_time(small_ckpt: Path, tmp_
     rank files are those of whole layers (`test_bench_io.test_streamed_reshard_equals_torch_save` holds the
     streamed path to torch.save's bytes)."""
     from mconvert.convert.megatron import writer as mg
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
 
     seen = _layer_parts_seen(monkeypatch, mg.MegatronWriter)
     reshard(small_ckpt, tmp_path / "parts", tp=1, pp=1)
@@ -482,15 +482,16 @@ def test_megatron_to_ft_takes_a_layer_in_parts_and_refuses_a_missing_parameter(s
     given whole layers (`test_deploy_ft` holds those to FT's loader file list and to transformers' logits);
     a layer that ends without one of its parameters is refused by name, as a whole layer without it is."""
     from mconvert.convert.deploy import fastertransformer as ft
+    from mconvert.convert.verbs import megatron_to_ft
     from mconvert.convert.megatron.source import MegatronSource
     from mconvert.errors import MConvertError
 
     seen = _layer_parts_seen(monkeypatch, ft.FTWriter)
-    ft.megatron_to_ft(small_ckpt, tmp_path / "parts", infer_tp=2)
+    megatron_to_ft(small_ckpt, tmp_path / "parts", infer_tp=2)
     assert seen and max(seen) == 1, seen
     monkeypatch.setattr(ft.FTWriter, "takes_parts", False)
     seen.clear()
-    ft.megatron_to_ft(small_ckpt, tmp_path / "whole", infer_tp=2)
+    megatron_to_ft(small_ckpt, tmp_path / "whole", infer_tp=2)
     assert min(seen) > 1, seen
     assert _tree(tmp_path / "parts") == _tree(tmp_path / "whole")
 
@@ -499,7 +500,7 @@ def test_megatron_to_ft_takes_a_layer_in_parts_and_refuses_a_missing_parameter(s
     dropped = "decoder.layers.0.mlp.linear_fc2.weight"
     out = tmp_path / "missing"
     out.mkdir()
-    w = ft.FTWriter(out, src.spec, 2, source="ck")
+    w = ft.FTWriter(out, ft.prepare(src.spec, 2, source="ck"))
     for name, t in layer.items():
         if name != dropped:
             w.add(0, {name: t}, complete=False)

@@ -138,7 +138,7 @@ def _rchar() -> int:
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """mconvert-written inputs (with their manifests) of a 29 MB Llama, and copies without the manifest."""
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     root = tmp_path_factory.mktemp("followed-inputs")
     hf_to_megatron(big_llama_hf(), root / "mg", tp=2, pp=2)
@@ -152,7 +152,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _convert(verb: str, src: Path, out: Path) -> dict:
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 
     if verb == "megatron-to-hf":
         return megatron_to_hf(src, out)
@@ -193,7 +193,7 @@ def test_a_change_where_no_reader_looks_is_refused(written: dict[str, Path], tmp
     """A byte of a zip record's local header (its alignment padding: neither torch.load nor the CRC-32 look
     at it), and the side file of special token ids, changed but still valid: the manifest refuses both, and
     nothing is written."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     ckpt = tmp_path / "mg"
     shutil.copytree(written["mg"], ckpt)
@@ -213,7 +213,7 @@ def test_a_change_where_no_reader_looks_is_refused(written: dict[str, Path], tmp
 
 
 def test_the_followed_checks_leave_no_threads(written: dict[str, Path], tmp_path: Path) -> None:
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     before = {t.name for t in threading.enumerate()}
     hf_to_megatron(written["hf"], tmp_path / "mg", tp=1, pp=1)

@@ -308,7 +308,7 @@ def test_old_sha256_manifest_stays_valid(tmp_path: Path, capsys: pytest.CaptureF
     code, stdout, err = run_cli(["verify", out, "--json"], capsys)
     assert '"manifest"' in stdout and "differ" not in stdout
     # as an input: intact it converts, changed it is refused by its sha256
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     hf_to_megatron(out, tmp_path / "mg", tp=1, pp=1)
     f = out / "model.safetensors"

@@ -21,7 +21,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 
@@ -122,7 +122,7 @@ def test_trainer_gemma_exports_match_the_native_forward_past_the_window(trained,
 
 @pytest.mark.slow
 def test_reshard_with_optimizer_keeps_the_function(trained, tmp_path) -> None:
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
     from mconvert.trainer.infer import megatron_logits
 
     ckpt, _, native = trained["tiny-gemma3"]
@@ -185,3 +185,32 @@ def test_bridge_key_spellings_are_the_canonical_names() -> None:
     for key in ("self_attention.linear_proj.post_layernorm.weight", "mlp.linear_fc2.post_layernorm.weight",
                 "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
         assert "decoder.layers.0." + key in names
+
+
+def test_validate_runs_a_soft_capped_reference_in_transformers_eager_path(hf_models, tmp_path, capsys) -> None:
+    """transformers' SDPA path drops Gemma 2's attention-logit soft-capping; `validate` (and verify's and vLLM's
+    transformers reference) run such a model eagerly. With attention logits far past the cap, the native forward
+    and the eager reference agree and `validate` passes; the same reference in SDPA differs by far more than the
+    tolerance (so the check can fail)."""
+    from safety_common import run_cli
+
+    from mconvert.trainer.infer import megatron_logits
+    from mconvert.validators.runners import hf_logits
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_models["gemma2"], torch_dtype=torch.float32)
+    with torch.no_grad():  # q scaled up: attention logits reach well past attn_logit_softcapping (50)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40)
+    model.save_pretrained(tmp_path / "hf")
+    hf_to_megatron(tmp_path / "hf", tmp_path / "mg", tp=2)
+    native = megatron_logits(tmp_path / "mg", TOKENS)
+    eager, _, _ = hf_logits(tmp_path / "hf", TOKENS, "cpu")
+    sdpa = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32,
+                                                             attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        dropped = sdpa(TOKENS).logits.float()
+    print(f"[figures] gemma2 capped: eager vs native {_rel(eager.float(), native):.2e}, "
+          f"sdpa vs native {_rel(dropped, native):.2e}")
+    assert _rel(eager.float(), native) <= REL_TOL < _rel(dropped, native) / 10
+    code, out, err = run_cli(["validate", tmp_path / "mg", tmp_path / "hf", "--device", "cpu"], capsys)
+    assert code == 0 and "PASS" in out + err, err

@@ -140,7 +140,7 @@ def moe(tmp_path_factory) -> dict[str, Path]:
     """A tiny Mixtral at TP=2 x EP=2 (rank files) and its HF conversion."""
     import transformers
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
     from mconvert.mappings.families import hf_config, preset
 
     d = tmp_path_factory.mktemp("moe")
@@ -155,7 +155,7 @@ def moe(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def dist(moe, tmp_path_factory) -> dict[str, dict[str, Path]]:
     """The tiny dense and MoE checkpoints as torch_dist (args in common.pt) at TP=2 (x EP=2)."""
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     d = tmp_path_factory.mktemp("dist")
     hf_to_megatron(base()["hf"], d / "dense", tp=2, format="torch_dist")

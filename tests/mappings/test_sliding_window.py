@@ -163,7 +163,7 @@ def trained_swa(trained_checkpoint) -> Path:
 
 @pytest.mark.slow
 def test_trainer_window_converts_and_validates_beyond_the_window(trained_swa, tmp_path) -> None:
-    from mconvert.convert.driver import megatron_to_hf, reshard
+    from mconvert.convert.verbs import megatron_to_hf, reshard
     from mconvert.validators.validate import validate
 
     reshard(trained_swa, tmp_path / "pp2", tp=1, pp=2)  # the window travels in the args of every layout
@@ -217,7 +217,7 @@ def test_a_window_covering_the_context_needs_no_flag(tmp_path, capsys) -> None:
 def test_onnx_export_computes_the_window(swa_hf, tmp_path) -> None:
     """optimum's export traces transformers' sliding-window mask: its own check (a sequence of twice the window)
     passes, and onnxruntime's logits differ from the same weights with full attention beyond the window."""
-    from mconvert.convert.deploy.onnx import to_onnx
+    from mconvert.convert.verbs import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf, onnx_logits
 
     res = to_onnx(swa_hf, tmp_path / "onnx", with_past=False, check=check_onnx_against_hf)
@@ -243,7 +243,7 @@ def test_torch_dist_output_carries_the_window(tmp_path) -> None:
     window on the same layers and the same tensors, byte for byte."""
     from safetensors.torch import load_file
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     hf = make_hf(preset("tiny-qwen2-swa"), tmp_path / "hf")
     hf_to_megatron(hf, tmp_path / "dist", tp=2, pp=2, format="torch_dist")

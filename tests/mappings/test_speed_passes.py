@@ -71,7 +71,7 @@ def test_megatron_to_hf_places_qkv_rows_and_matches_merge_then_map(llama_tp2: Pa
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """With TP=2 and 2 KV groups, q/k/v are read straight into their HF tensors (the fused-tensor split is never
     called) and the output is byte-identical to the merge-then-`qkv_to_separate` path."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from mconvert.mappings import plugin
 
     real = T.qkv_to_separate
@@ -100,7 +100,7 @@ def test_nan_in_one_ranks_qkv_is_refused_by_file_and_key(llama_tp2: Path, tmp_pa
     """A NaN in TP rank 1's linear_qkv rows is refused naming that rank file and key; no output is left."""
     import shutil
 
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     ck = tmp_path / "ck"
     shutil.copytree(llama_tp2, ck)
@@ -136,7 +136,7 @@ def test_all_finite_agrees_with_isfinite_on_every_special_value(dtype: torch.dty
 # ---- hf-to-megatron of a GQA Llama: q/k/v and gate/up rows placed into the merged tensors -----------------
 @pytest.fixture(scope="module")
 def llama_hf(llama_tp2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     out = tmp_path_factory.mktemp("llama-hf") / "hf"
     megatron_to_hf(llama_tp2, out)
@@ -149,7 +149,7 @@ def test_hf_to_megatron_places_hf_rows_and_matches_cat_then_split(llama_hf: Path
     """q_proj/k_proj/v_proj and gate_proj/up_proj are read straight into the fused linear_qkv / linear_fc1
     (torch.cat of `separate_to_qkv` / `halves_to_gated` never runs on data) and the rank files are
     byte-identical to those of the cat-then-split path."""
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
     from mconvert.mappings import plugin
 
     calls: list[str] = []
@@ -180,7 +180,7 @@ def test_nan_in_an_hf_v_proj_is_refused_by_file_and_key(llama_hf: Path, tmp_path
 
     from safetensors.torch import load_file, save_file
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     hf = tmp_path / "hf"
     shutil.copytree(llama_hf, hf)

@@ -10,17 +10,18 @@ be seen.
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from deepseek_ref import (PROBE, TOL, hf_mtp_logits, mcore_rank_logits, merged_ranks, moved_off_init, rel_diff,
+                          save_single_rank)
 
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.convert.megatron.layout import rank_file
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset, spec_from_megatron_args
-from mconvert.mappings.transforms import merge, shard
+from mconvert.mappings.transforms import shard
 from mconvert.spec import ModelSpec
 from mconvert.trainer import mla
 from mconvert.trainer.model import GPTModel
@@ -28,65 +29,6 @@ from mconvert.trainer.parallel import ParallelState
 from mconvert.trainer.train import TrainConfig, train
 
 pytestmark = pytest.mark.slow
-TOL = 1e-4  # relative to the largest |logit|
-PROBE = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(3))
-
-
-def _moved(model: dict, tp_rank: int, ep_rank: int) -> dict:
-    """Every tensor of a rank's state dict moved off its init (same noise for a tensor every rank holds whole,
-    per-rank noise for split ones); the expert bias large enough to change which experts are chosen."""
-    out = {}
-    for k, v in model.items():
-        if not isinstance(v, torch.Tensor):
-            out[k] = v
-            continue
-        whole = "layernorm" in k or "norm." in k or k.endswith(("router.weight", "expert_bias"))
-        expert = ".local_experts." in k
-        g = torch.Generator().manual_seed(zlib.crc32(f"{k}:{'' if whole else tp_rank}:{ep_rank if expert else ''}"
-                                                     .encode()))
-        noise = torch.randn(v.shape, generator=g)
-        if k.endswith("expert_bias"):  # non-negative: see test_hf_logits_match_ours
-            out[k] = 0.3 * noise.abs()
-        elif k.endswith("norm.weight") or k.endswith("layernorm.weight"):
-            out[k] = 1.0 + 0.2 * noise
-        else:
-            out[k] = v + 0.05 * noise
-    return out
-
-
-def _mcore_forward(ctx, files: dict, tokens: torch.Tensor, zero_bias: bool):
-    """Strict-load this rank's file; the main logits and the MTP layer's (forward with labels, as MTP needs)."""
-    sd = dict(files[(ctx.tp_rank, ctx.ep_rank)])
-    if zero_bias:
-        sd = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in sd.items()}
-    ctx.model.load_state_dict(sd, strict=True)
-    seen: list[torch.Tensor] = []  # copies: megatron-core's cross-entropy works on the logits in place
-    ctx.model.output_layer.register_forward_hook(lambda mod, args, out: seen.append(out[0].detach().clone()))
-    b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad():
-        ctx.model(tokens, pos, mask, labels=tokens, runtime_gather_output=True)
-    main, mtp = seen[-1], (seen[0] if len(seen) > 1 else None)  # megatron-core runs the MTP head first
-    return main.transpose(0, 1).float(), None if mtp is None else mtp.transpose(0, 1).float()
-
-
-def _merged(spec: ModelSpec, files: dict, tp: int) -> dict:
-    """The rank files merged to one TP=1 EP=1 state dict (the converter's merge per split kind)."""
-    ep = 1 + max(e for _, e in files)
-    shards: dict[str, dict[int, torch.Tensor]] = {}
-    for (t, e), model in files.items():
-        for k, v in model.items():
-            if not isinstance(v, torch.Tensor):
-                continue
-            parts = k.split(".")
-            if "local_experts" in parts:
-                i = parts.index("local_experts") + 1
-                parts[i] = str(int(parts[i]) + e * spec.num_experts // ep)  # type: ignore[operator]
-            shards.setdefault(".".join(parts), {})[t] = v
-    return {k: merge([v[t] for t in range(tp)], spec.split_kind(k), k) for k, v in shards.items()}
-
-
 def _ours(spec: ModelSpec, state: dict, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     model = GPTModel(spec, ParallelState(), seed=None).eval()
     res = model.load_state_dict(state, strict=False)
@@ -96,50 +38,39 @@ def _ours(spec: ModelSpec, state: dict, tokens: torch.Tensor) -> tuple[torch.Ten
     return logits, model.mtp_logits[0]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 _RUNS: dict[tuple[int, int], dict] = {}
 
 
-def _run(tp: int, ep: int, root: Path) -> dict:
-    """Our trainer's checkpoint of tiny-deepseek-v3 (2 steps, the same 8 sequences a step at every layout): the
-    rank files by (tp_rank, ep_rank)."""
+def _run(tp: int, ep: int, trained_checkpoint) -> dict:
+    """Our trainer's checkpoint of tiny-deepseek-v3 (2 steps, the same 8 sequences a step at every layout; the
+    session's `trained_checkpoint`): the rank files by (tp_rank, ep_rank), the losses and the directory."""
     if (tp, ep) not in _RUNS:
-        ckpt = root / f"tp{tp}ep{ep}"
-        res = train(TrainConfig(preset="tiny-deepseek-v3", tp=tp, pp=1, dp=ep, ep=ep, steps=2, seq_length=32,
-                                micro_batch_size=2, global_batch_size=8, lr=1e-2, seed=42, quiet=True, save=str(ckpt),
-                                moe_aux_loss_coeff=0.0))
+        ckpt = trained_checkpoint(preset="tiny-deepseek-v3", tp=tp, pp=1, dp=ep, ep=ep, steps=2, seq_length=32,
+                                  micro_batch_size=2, global_batch_size=8, lr=1e-2, seed=42, moe_aux_loss_coeff=0.0)
         _RUNS[(tp, ep)] = {(t, e): safe_load(rank_file(ckpt, 2, t, 0, 1, e, ep)) for t in range(tp) for e in range(ep)}
-        _RUNS[(tp, ep)]["losses"] = res["losses"]
+        _RUNS[(tp, ep)]["losses"] = trained_checkpoint.losses[ckpt]
         _RUNS[(tp, ep)]["dir"] = ckpt
     return _RUNS[(tp, ep)]
 
 
-@pytest.fixture(scope="module")
-def runs_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("dsv3")
-
-
 @pytest.fixture(scope="module", params=[dict(tp=1, ep=1), dict(tp=2, ep=2)], ids=["tp1", "tp2ep2"])
-def trained(request, runs_dir):
+def trained(request, trained_checkpoint):
     """A trainer checkpoint at the layout, its rank files moved off init."""
     tp, ep = request.param["tp"], request.param["ep"]
-    states = {k: v for k, v in _run(tp, ep, runs_dir).items() if isinstance(k, tuple)}
+    states = {k: v for k, v in _run(tp, ep, trained_checkpoint).items() if isinstance(k, tuple)}
     spec = spec_from_megatron_args(states[(0, 0)]["args"])
-    files = {k: _moved(v["model"], *k) for k, v in states.items()}
+    files = {k: moved_off_init(v["model"], *k) for k, v in states.items()}
     return spec, tp, ep, states, files
 
 
-def test_tp2_ep2_run_equals_the_single_rank_run(runs_dir) -> None:
+def test_tp2_ep2_run_equals_the_single_rank_run(trained_checkpoint) -> None:
     """Two steps at TP=2 EP=2 (DP=2) give the single-rank run's losses (the main and MTP losses' gradients, the
     router's included, summed right over the ranks) and the same expert biases (the loads behind each bias step
     summed over the TP and DP ranks)."""
     spec = preset("tiny-deepseek-v3")
-    single, sharded = _run(1, 1, runs_dir), _run(2, 2, runs_dir)
+    single, sharded = _run(1, 1, trained_checkpoint), _run(2, 2, trained_checkpoint)
     one = single[(0, 0)]["model"]
-    many = _merged(spec, {k: v["model"] for k, v in sharded.items() if isinstance(k, tuple)}, 2)
+    many = merged_ranks(spec, {k: v["model"] for k, v in sharded.items() if isinstance(k, tuple)}, 2)
     for k, v in one.items():
         if k.endswith("expert_bias"):
             assert torch.equal(many[k], v) and v.abs().max() > 0, k
@@ -161,18 +92,18 @@ def test_megatron_core_strict_loads_and_matches_main_and_mtp_logits(trained) -> 
     from mcore_ref import run_mcore
 
     spec, tp, ep, _, files = trained
-    ref_main, ref_mtp = run_mcore(spec, tp, _mcore_forward, (files, PROBE, False), ep=ep)[0]
-    main, mtp = _ours(spec, _merged(spec, files, tp), PROBE)
-    d_main, d_mtp = _rel(main, ref_main), _rel(mtp, ref_mtp)
+    ref_main, ref_mtp = run_mcore(spec, tp, mcore_rank_logits, (files, PROBE, False), ep=ep)[0]
+    main, mtp = _ours(spec, merged_ranks(spec, files, tp), PROBE)
+    d_main, d_mtp = rel_diff(main, ref_main), rel_diff(mtp, ref_mtp)
     assert d_main <= TOL and d_mtp <= TOL, (d_main, d_mtp)
     # controls: the expert bias, megatron-core's rope order and the MTP layer are all seen
-    nobias = run_mcore(spec, tp, _mcore_forward, (files, PROBE, True), ep=ep)[0][0]
-    d_bias = _rel(nobias, ref_main)
+    nobias = run_mcore(spec, tp, mcore_rank_logits, (files, PROBE, True), ep=ep)[0][0]
+    d_bias = rel_diff(nobias, ref_main)
     assert d_bias > 100 * TOL, d_bias
     keep = mla.deinterleave
     mla.deinterleave = lambda t: t  # HF rope_interleave false: rotate without megatron-core's de-interleave
     try:
-        d_rope = _rel(_ours(spec, _merged(spec, files, tp), PROBE)[0], ref_main)
+        d_rope = rel_diff(_ours(spec, merged_ranks(spec, files, tp), PROBE)[0], ref_main)
     finally:
         mla.deinterleave = keep
     assert d_rope > 100 * TOL, d_rope
@@ -182,7 +113,7 @@ def test_megatron_core_strict_loads_and_matches_main_and_mtp_logits(trained) -> 
 
 def test_a_checkpoint_without_its_mtp_layer_does_not_load(trained) -> None:
     spec, _, _, _, files = trained
-    without = {k: v for k, v in _merged(spec, files, trained[1]).items() if not k.startswith("mtp.")}
+    without = {k: v for k, v in merged_ranks(spec, files, trained[1]).items() if not k.startswith("mtp.")}
     with pytest.raises(RuntimeError, match="mtp.layers.0"):
         GPTModel(spec, ParallelState(), seed=None).load_state_dict(without, strict=True)
 
@@ -196,7 +127,9 @@ def test_a_checkpoint_without_its_mtp_layer_does_not_load(trained) -> None:
     (dict(num_experts=8, moe_router_score_function="relu"), "moe_router_score_function"),
     (dict(kv_lora_rank=32, window_size=15), r"sliding-window attention\) with multi-latent attention or MTP"),
     (dict(mtp_num_layers=1, window_size=15), r"sliding-window attention\) with multi-latent attention or MTP"),
-    (dict(kv_lora_rank=32, rope_scaling="yarn", rope_scaling_factor=4.0), "multi-latent attention rotates"),
+    (dict(kv_lora_rank=32, rope_scaling="llama3", rope_scaling_factor=4.0), "multi-latent attention rotates"),
+    (dict(kv_lora_rank=32, rope_scaling="yarn", rope_scaling_factor=4.0, yarn_correction_range_round_to_int=False),
+     "MLA always rounds"),
 ])
 def test_bad_deepseek_fields_are_refused_by_name(kw: dict, message: str) -> None:
     with pytest.raises(MConvertError, match=message):
@@ -204,21 +137,21 @@ def test_bad_deepseek_fields_are_refused_by_name(kw: dict, message: str) -> None
 
 
 def test_yarn_tables_equal_megatron_core(monkeypatch) -> None:
-    """MLA's YaRN (frequencies, concentration, softmax scale) equals megatron-core's YarnRotaryEmbedding and
-    MultiLatentAttention, for when the spec states YaRN for MLA."""
+    """MLA's YaRN (frequencies, cos/sin factor, softmax scale) equals megatron-core's YarnRotaryEmbedding and
+    MultiLatentAttention's softmax scale."""
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
-    dim, base, factor, orig = 64, 10000.0, 40.0, 4096
-    ref = yarn.YarnRotaryEmbedding(dim, rotary_base=base, scaling_factor=factor, original_max_position_embeddings=orig,
-                                   beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+    spec = preset("tiny-deepseek-v3-yarn").replace(rope_scaling_factor=40.0, yarn_mscale=0.9, yarn_mscale_all_dim=0.7)
+    dim, base = spec.qk_rope_head_dim, spec.rotary_base
+    ref = yarn.YarnRotaryEmbedding(dim, rotary_base=base, scaling_factor=40.0, original_max_position_embeddings=32,
+                                   beta_fast=32, beta_slow=1, mscale=0.9, mscale_all_dim=0.7,
                                    use_cpu_initialization=True)
-    emb, conc = ref.get_emb(16)
-    ours = torch.outer(torch.arange(16, dtype=torch.float32), mla.yarn_inv_freq(dim, base, factor, orig))
-    assert torch.allclose(emb[:, 0, 0, : dim // 2], ours) and conc == mla.yarn_concentration(factor, 1.0, 1.0)
-    spec = preset("tiny-deepseek-v3")
-    want = yarn._yarn_get_mscale(factor, 1.0) ** 2 / (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** 0.5
-    assert mla.softmax_scale(spec, factor, 1.0) == pytest.approx(want, rel=1e-12)
+    emb, conc = ref.get_emb(64)
+    cos, sin = mla.rope_tables(spec, 64, torch.device("cpu"))
+    assert torch.allclose(cos, emb[:, 0, 0].cos() * conc) and torch.allclose(sin, emb[:, 0, 0].sin() * conc)
+    want = yarn._yarn_get_mscale(40.0, 0.7) ** 2 / (spec.qk_nope_head_dim + spec.qk_rope_head_dim) ** 0.5
+    assert mla.softmax_scale(spec) == pytest.approx(want, rel=1e-12)
 
 
 def _split_for(spec: ModelSpec, state: dict, tp: int, ep: int) -> dict:
@@ -249,19 +182,12 @@ def test_without_q_lora_megatron_core_matches_at_tp2() -> None:
 
     spec = NO_Q_LORA
     model = GPTModel(spec, ParallelState(), seed=11).eval()
-    state = _moved(model.state_dict(), 0, 0)
-    ref_main, ref_mtp = run_mcore(spec, 2, _mcore_forward, (_split_for(spec, state, 2, 1), PROBE, False))[0]
+    state = moved_off_init(model.state_dict(), 0, 0)
+    ref_main, ref_mtp = run_mcore(spec, 2, mcore_rank_logits, (_split_for(spec, state, 2, 1), PROBE, False))[0]
     main, mtp = _ours(spec, state, PROBE)
-    d_main, d_mtp = _rel(main, ref_main), _rel(mtp, ref_mtp)
+    d_main, d_mtp = rel_diff(main, ref_main), rel_diff(mtp, ref_mtp)
     assert d_main <= TOL and d_mtp <= TOL, (d_main, d_mtp)
     print(f"[figures] tiny-deepseek-v3 without q LoRA, TP=2: megatron-core vs ours main {d_main:.1e}, MTP {d_mtp:.1e}")
-
-
-def _save(spec: ModelSpec, state: dict, root: Path) -> Path:
-    save_rank_file(rank_file(root, 1, 0, 0, 1), {"args": spec.to_megatron_args(), "checkpoint_version": 3.0,
-                                                  "iteration": 1, "model": state})
-    write_latest(root, 1)
-    return root
 
 
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q-lora", "no-q-lora"])
@@ -271,56 +197,22 @@ def test_hf_logits_match_ours(tmp_path: Path, q_lora: bool) -> None:
     with -inf: the two agree while every biased score (sigmoid + expert bias) is positive, as here."""
     from transformers import AutoModelForCausalLM
 
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     spec = preset("tiny-deepseek-v3") if q_lora else NO_Q_LORA
     model = GPTModel(spec, ParallelState(), seed=5).eval()
-    state = _moved(model.state_dict(), 0, 0)
+    state = moved_off_init(model.state_dict(), 0, 0)
     model.load_state_dict(state)
-    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    megatron_to_hf(save_single_rank(spec, state, tmp_path / "m"), tmp_path / "hf")
     cfg = __import__("json").loads((tmp_path / "hf" / "config.json").read_text())
     assert (cfg["scoring_func"], cfg["topk_method"], cfg["first_k_dense_replace"]) == ("sigmoid", "noaux_tc", 1)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
     with torch.no_grad():
-        diff = _rel(hf(PROBE).logits, model(PROBE)[..., : spec.vocab_size])
+        diff = rel_diff(hf(PROBE).logits, model(PROBE)[..., : spec.vocab_size])
     assert diff <= TOL, diff
     print(f"[figures] tiny-deepseek-v3 ({'q LoRA' if q_lora else 'no q LoRA'}, no MTP) -> HF: transformers vs ours "
           f"{diff:.1e}")
-
-
-def _hf_mtp_logits(hf_dir: Path, hf, tokens: torch.Tensor, decoder_layer=None, rms_norm=None) -> torch.Tensor:
-    """MTP layer 0's logits computed from the HF tensors at model.layers.{num_hidden_layers} by transformers' own
-    modules, as DeepSeek's MTP (and vLLM's deepseek_mtp / glm4_moe_mtp) composes them: the next tokens through that
-    layer's embed_tokens and enorm, the main model's last hidden state through hnorm, eh_proj of [e; h], the
-    model's decoder layer class at that index (`decoder_layer`; DeepseekV3DecoderLayer), shared_head.norm
-    (`rms_norm`; DeepseekV3RMSNorm), shared_head.head."""
-    from safetensors.torch import load_file
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
-
-    from mconvert.trainer.mtp import shift_left
-
-    decoder_layer, rms_norm = decoder_layer or DeepseekV3DecoderLayer, rms_norm or DeepseekV3RMSNorm
-    cfg = hf.config
-    n, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
-    sd = load_file(str(hf_dir / "model.safetensors"))
-    p = f"model.layers.{n}."
-    layer = decoder_layer(cfg, layer_idx=n).eval()
-    layer.load_state_dict({k[len(p):]: v for k, v in sd.items() if k.startswith(p)}, strict=False)
-    norms = {}
-    for name in ("enorm", "hnorm", "shared_head.norm"):
-        norms[name] = rms_norm(cfg.hidden_size, eps)
-        norms[name].weight.data.copy_(sd[p + name + ".weight"])
-    b, s = tokens.shape
-    pos = torch.arange(s).unsqueeze(0).expand(b, -1)
-    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
-    with torch.no_grad():
-        h = hf.model(tokens).last_hidden_state
-        e = torch.nn.functional.embedding(shift_left(tokens), sd[p + "embed_tokens.weight"])
-        x = torch.cat([norms["enorm"](e), norms["hnorm"](h)], dim=-1) @ sd[p + "eh_proj.weight"].T
-        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
-        x = x[0] if isinstance(x, tuple) else x
-        return norms["shared_head.norm"](x) @ sd[p + "shared_head.head.weight"].T
 
 
 # DeepSeek-V3's model.layers.61 (its one MTP layer) beyond a decoder layer's names, as its published
@@ -334,11 +226,11 @@ def test_mtp_lands_at_deepseeks_names(tmp_path: Path) -> None:
     and copies of the embedding and head equal to the main ones; num_nextn_predict_layers says it."""
     from safetensors.torch import load_file
 
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     spec = preset("tiny-deepseek-v3")
-    state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
-    report = megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    state = moved_off_init(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
+    report = megatron_to_hf(save_single_rank(spec, state, tmp_path / "m"), tmp_path / "hf")
     cfg = __import__("json").loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1
     sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -354,23 +246,23 @@ def test_mtp_lands_at_deepseeks_names(tmp_path: Path) -> None:
     assert report["tensors"]["out_bytes"] == sum(t.numel() * t.element_size() for t in sd.values())
 
 
-def test_a_checkpoint_without_its_mtp_layer_is_refused_both_ways(tmp_path: Path) -> None:
+def test_a_checkpoint_without_its_mtp_layer_is_refused_both_ways_and_by_dry_run(tmp_path: Path) -> None:
     """Controls: a Megatron checkpoint whose args say mtp_num_layers=1 but lacks the layer's tensors, and an HF
     directory whose config says num_nextn_predict_layers=1 but lacks model.layers.3, are refused naming the
     tensor, with no output; verify fails such an HF directory; an MTP copy of the embedding that differs from the
     main one is refused by name."""
     from safetensors.torch import load_file, save_file
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
     from mconvert.validators.verify import verify
 
     spec = preset("tiny-deepseek-v3")
-    state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
+    state = moved_off_init(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
     without = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     with pytest.raises(MConvertError, match=r"mtp\.layers\.0\."):
-        megatron_to_hf(_save(spec, without, tmp_path / "m"), tmp_path / "hf")
+        megatron_to_hf(save_single_rank(spec, without, tmp_path / "m"), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
-    megatron_to_hf(_save(spec, state, tmp_path / "m2"), tmp_path / "hf")
+    megatron_to_hf(save_single_rank(spec, state, tmp_path / "m2"), tmp_path / "hf")
     strict = [c for c in verify(tmp_path / "hf").checks if c.name == "weights-strict"]
     assert [c.status for c in strict] == ["ok"], strict  # the tokenizer checks fail: this export has none
     sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -379,8 +271,9 @@ def test_a_checkpoint_without_its_mtp_layer_is_refused_both_ways(tmp_path: Path)
         cut.mkdir()
         (cut / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
         save_file({k: v for k, v in sd.items() if not drop(k)}, str(cut / "model.safetensors"))
-        with pytest.raises(MConvertError, match=r"model\.layers\.3\."):
-            hf_to_megatron(cut, tmp_path / f"{name}-m")
+        for dry_run in (True, False):  # the dry run refuses what the conversion would
+            with pytest.raises(MConvertError, match=r"model\.layers\.3\..* is missing \(needed for mtp\.layers\.0\."):
+                hf_to_megatron(cut, tmp_path / f"{name}-m", dry_run=dry_run)
         assert not (tmp_path / f"{name}-m").exists()
         strict = [c for c in verify(cut).checks if c.name == "weights-strict"]
         assert strict[0].status == "error" and "missing" in strict[0].message, strict
@@ -410,15 +303,15 @@ def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_lo
     from mcore_ref import run_mcore
     from transformers import AutoModelForCausalLM
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     spec = preset("tiny-deepseek-v3")
-    state = _moved(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
-    megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    state = moved_off_init(GPTModel(spec, ParallelState(), seed=5).state_dict(), 0, 0)
+    megatron_to_hf(save_single_rank(spec, state, tmp_path / "m"), tmp_path / "hf")
     hf_to_megatron(tmp_path / "hf", tmp_path / "m2", tp=2, ep=2)
     files = {(t, e): safe_load(rank_file(tmp_path / "m2", "release", t, 0, 1, e, 2))["model"]
              for t in range(2) for e in range(2)}
-    back = _merged(spec, files, 2)
+    back = merged_ranks(spec, files, 2)
     for k, v in state.items():
         if torch.is_tensor(v):
             rows = spec.vocab_size if k in ("embedding.word_embeddings.weight", "output_layer.weight") else None
@@ -426,13 +319,13 @@ def test_hf_to_megatron_at_tp2_ep2_loads_into_megatron_core_with_transformers_lo
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(PROBE).logits
-    got, got_mtp = run_mcore(spec, 2, _mcore_forward, (files, PROBE, False), ep=2)[0]
-    diff = _rel(got[..., : spec.vocab_size], want)
+    got, got_mtp = run_mcore(spec, 2, mcore_rank_logits, (files, PROBE, False), ep=2)[0]
+    diff = rel_diff(got[..., : spec.vocab_size], want)
     assert diff <= TOL, diff
-    want_mtp = _hf_mtp_logits(tmp_path / "hf", hf, PROBE)
-    d_mtp = _rel(got_mtp[..., : spec.vocab_size], want_mtp)
+    want_mtp = hf_mtp_logits(tmp_path / "hf", hf, PROBE)
+    d_mtp = rel_diff(got_mtp[..., : spec.vocab_size], want_mtp)
     assert d_mtp <= TOL, d_mtp
-    d_main_as_mtp = _rel(want, want_mtp)  # control: the MTP layer's logits are not the main head's
+    d_main_as_mtp = rel_diff(want, want_mtp)  # control: the MTP layer's logits are not the main head's
     assert d_main_as_mtp > 100 * TOL, d_main_as_mtp
     megatron_to_hf(tmp_path / "m2", tmp_path / "hf2")  # and back from TP=2 EP=2: the same bytes
     first, again = (tmp_path / d / "model.safetensors" for d in ("hf", "hf2"))
@@ -493,27 +386,27 @@ def test_deepseek_v3_671b_activates_its_published_37b_parameters() -> None:
     assert 37e9 <= active_parameters(spec) < 38e9, active_parameters(spec)
 
 
-def test_the_native_runner_runs_the_tp2_ep2_checkpoint(runs_dir) -> None:
+def test_the_native_runner_runs_the_tp2_ep2_checkpoint(trained_checkpoint) -> None:
     """`validate`'s runner (the checkpoint at its own TP=2 EP=2) gives the logits of its weights merged to one rank."""
     from mconvert.trainer.infer import megatron_logits
 
     spec = preset("tiny-deepseek-v3")
-    run = _run(2, 2, runs_dir)
-    merged = _merged(spec, {k: v["model"] for k, v in run.items() if isinstance(k, tuple)}, 2)
+    run = _run(2, 2, trained_checkpoint)
+    merged = merged_ranks(spec, {k: v["model"] for k, v in run.items() if isinstance(k, tuple)}, 2)
     want = _ours(spec, merged, PROBE)[0][..., : spec.vocab_size]
-    diff = _rel(megatron_logits(run["dir"], PROBE), want)
+    diff = rel_diff(megatron_logits(run["dir"], PROBE), want)
     assert diff <= TOL, diff
 
 
-def test_reshard_with_optimizer_continues_the_run_at_tp2_ep2(runs_dir, tmp_path: Path) -> None:
+def test_reshard_with_optimizer_continues_the_run_at_tp2_ep2(trained_checkpoint, tmp_path: Path) -> None:
     """reshard --with-optimizer of the single-rank checkpoint to TP=2 EP=2 (Adam states follow their tensors, the
     expert bias travels as the buffer it is) continues the run: step 3 there has the step-3 loss of the run
     continued at TP=1."""
     import shutil
 
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
 
-    run = _run(1, 1, runs_dir)
+    run = _run(1, 1, trained_checkpoint)
     same, wide = tmp_path / "same", tmp_path / "wide"
     shutil.copytree(run["dir"], same)
     reshard(run["dir"], wide, tp=2, pp=1, ep=2, with_optimizer=True)

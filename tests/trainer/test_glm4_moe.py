@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_deepseek_v3 import PROBE, TOL, _mcore_forward, _merged, _moved, _rel, _save
-from test_deepseek_v3 import _hf_mtp_logits as _deepseek_mtp_logits
+from deepseek_ref import (PROBE, TOL, hf_mtp_logits, mcore_rank_logits, merged_ranks, moved_off_init, rel_diff,
+                          save_single_rank)
 
 from mconvert.convert.megatron.layout import rank_file
 from mconvert.io.safeload import safe_load
@@ -23,12 +23,12 @@ from mconvert.trainer.parallel import ParallelState
 pytestmark = pytest.mark.slow
 
 
-def _hf_mtp_logits(hf_dir: Path, hf, tokens: torch.Tensor) -> torch.Tensor:
+def glm4_mtp_logits(hf_dir: Path, hf, tokens: torch.Tensor) -> torch.Tensor:
     """MTP layer 0's logits from the HF tensors at model.layers.{num_hidden_layers}, by transformers' own
     Glm4MoeDecoderLayer and RMSNorm composed as vLLM's glm4_moe_mtp does (DeepSeek's MTP)."""
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
 
-    return _deepseek_mtp_logits(hf_dir, hf, tokens, Glm4MoeDecoderLayer, Glm4MoeRMSNorm)
+    return hf_mtp_logits(hf_dir, hf, tokens, Glm4MoeDecoderLayer, Glm4MoeRMSNorm)
 
 
 def test_tiny_glm45_exports_to_transformers_logits_and_back_at_tp2_ep2(tmp_path: Path) -> None:
@@ -39,13 +39,13 @@ def test_tiny_glm45_exports_to_transformers_logits_and_back_at_tp2_ep2(tmp_path:
     from mcore_ref import run_mcore
     from transformers import AutoModelForCausalLM
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     spec = preset("tiny-glm45")
     model = GPTModel(spec, ParallelState(), seed=5).eval()
-    state = _moved(model.state_dict(), 0, 0)
+    state = moved_off_init(model.state_dict(), 0, 0)
     model.load_state_dict(state)
-    report = megatron_to_hf(_save(spec, state, tmp_path / "m"), tmp_path / "hf")
+    report = megatron_to_hf(save_single_rank(spec, state, tmp_path / "m"), tmp_path / "hf")
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (cfg["partial_rotary_factor"], cfg["attention_bias"], cfg["use_qk_norm"], cfg["num_nextn_predict_layers"],
             cfg["scoring_func"], cfg["topk_method"]) == (0.5, True, True, 1, "sigmoid", "noaux_tc")
@@ -55,23 +55,23 @@ def test_tiny_glm45_exports_to_transformers_logits_and_back_at_tp2_ep2(tmp_path:
     with torch.no_grad():
         want = hf(PROBE).logits
         ours = model(PROBE)[..., : spec.vocab_size]
-    diff = _rel(want, ours)
+    diff = rel_diff(want, ours)
     assert diff <= TOL, diff
-    d_mtp_ours = _rel(_hf_mtp_logits(tmp_path / "hf", hf, PROBE), model.mtp_logits[0][..., : spec.vocab_size])
+    d_mtp_ours = rel_diff(glm4_mtp_logits(tmp_path / "hf", hf, PROBE), model.mtp_logits[0][..., : spec.vocab_size])
     assert d_mtp_ours <= TOL, d_mtp_ours
     whole = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, partial_rotary_factor=1.0)
     with torch.no_grad():
-        d_rope = _rel(whole.eval()(PROBE).logits, ours)
+        d_rope = rel_diff(whole.eval()(PROBE).logits, ours)
     assert d_rope > 100 * TOL, d_rope
 
     hf_to_megatron(tmp_path / "hf", tmp_path / "m2", tp=2, ep=2)
     files = {(t, e): safe_load(rank_file(tmp_path / "m2", "release", t, 0, 1, e, 2))["model"]
              for t in range(2) for e in range(2)}
-    got, got_mtp = run_mcore(spec, 2, _mcore_forward, (files, PROBE, False), ep=2)[0]
-    d_main = _rel(got[..., : spec.vocab_size], want)
-    d_mtp = _rel(got_mtp[..., : spec.vocab_size], _hf_mtp_logits(tmp_path / "hf", hf, PROBE))
+    got, got_mtp = run_mcore(spec, 2, mcore_rank_logits, (files, PROBE, False), ep=2)[0]
+    d_main = rel_diff(got[..., : spec.vocab_size], want)
+    d_mtp = rel_diff(got_mtp[..., : spec.vocab_size], glm4_mtp_logits(tmp_path / "hf", hf, PROBE))
     assert d_main <= TOL and d_mtp <= TOL, (d_main, d_mtp)
-    back = _merged(spec, files, 2)
+    back = merged_ranks(spec, files, 2)
     for k, v in state.items():
         if torch.is_tensor(v):
             rows = spec.vocab_size if k in ("embedding.word_embeddings.weight", "output_layer.weight") else None
@@ -90,7 +90,7 @@ def test_transformers_random_glm4_moe_round_trips_at_tp2_ep2(tmp_path: Path) -> 
     from safetensors.torch import load_file
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 
     cfg = Glm4MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5,
@@ -119,8 +119,8 @@ def test_transformers_random_glm4_moe_round_trips_at_tp2_ep2(tmp_path: Path) -> 
         want = hf(tokens).logits
     files = {(t, e): safe_load(rank_file(tmp_path / "m", "release", t, 0, 1, e, 2))["model"]
              for t in range(2) for e in range(2)}
-    got = run_mcore(spec, 2, _mcore_forward, (files, tokens, False), ep=2)[0][0][..., : cfg.vocab_size]
-    diff = _rel(got, want)
+    got = run_mcore(spec, 2, mcore_rank_logits, (files, tokens, False), ep=2)[0][0][..., : cfg.vocab_size]
+    diff = rel_diff(got, want)
     assert diff <= TOL, diff
     print(f"[figures] transformers' random Glm4Moe -> Megatron TP=2 EP=2: megatron-core vs transformers {diff:.1e}; "
           "back to HF: every tensor equal")

@@ -220,7 +220,7 @@ def test_moe_checkpoint_loads_strict_per_rank_into_mcore_and_logits_match(tmp_pa
     # and the converter takes the trainer's EP files to HF, whose transformers model gives the same logits
     from transformers import AutoModelForCausalLM
 
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     megatron_to_hf(ckpt, tmp_path / "hf")
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()

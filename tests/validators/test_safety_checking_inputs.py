@@ -111,8 +111,8 @@ def test_gguf_tolerance_follows_the_tensor_types_not_the_stated_file_type(tmp_pa
 @pytest.fixture(scope="module")
 def deploy(tmp_path_factory) -> dict[str, Path]:
     """A tiny HF Llama with its TensorRT-LLM export, a tiny HF GPT-2 with its FasterTransformer export."""
-    from mconvert.convert.deploy.fastertransformer import megatron_to_ft
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_ft
+    from mconvert.convert.verbs import megatron_to_trtllm
 
     d = tmp_path_factory.mktemp("rt2-deploy")
     llama = make_hf_llama(d / "llama")
@@ -331,7 +331,7 @@ def test_torch_dist_chunks_that_overlap_and_leave_a_gap_are_refused(deploy, tmp_
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     dist = tmp_path / "dist"
     hf_to_megatron(deploy["llama"], dist, format="torch_dist")
@@ -368,7 +368,7 @@ def test_torch_dist_chunks_that_overlap_and_leave_a_gap_are_refused(deploy, tmp_
 def dist_llama(deploy, tmp_path_factory) -> Path:
     """A torch_dist checkpoint of the deploy llama, without either manifest (as Megatron-LM writes it without
     --verify-integrity: an edited `.metadata` is then not caught as changed bytes)."""
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     dist = tmp_path_factory.mktemp("dist-lie") / "dist"
     hf_to_megatron(deploy["llama"], dist, format="torch_dist")

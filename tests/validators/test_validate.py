@@ -69,7 +69,7 @@ def test_broken_export_fails_validate_with_nonzero_exit(capsys):
 
 
 def test_bf16_export_passes_with_the_loose_bf16_row_only():
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
     from validate_common import WORK
 
     out = WORK / "hf-llama-bf16"

@@ -1,2 +1,2 @@
-"""The deployment formats, one module each: FasterTransformer (`fastertransformer`, `ft_checks`), TensorRT-LLM
-(`trtllm`, `trtllm_layout`), GGUF (`gguf`) and ONNX (`onnx`)."""
+"""The deployment formats, one module each, each with its `prepare(spec, options)`: FasterTransformer
+(`fastertransformer`), TensorRT-LLM (`trtllm`, `trtllm_layout`), GGUF (`gguf`) and ONNX (`onnx`)."""

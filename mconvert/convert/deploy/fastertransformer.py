@@ -1,4 +1,6 @@
-"""FasterTransformer's on-disk layout: writer (`megatron-to-ft`) and the loader-side layout check.
+"""FasterTransformer's on-disk layout: `prepare` (what FT can hold, config.ini, every file and its bytes: the one
+place the verb `megatron-to-ft` in `convert/verbs.py`, the writer, `--dry-run` and `plan --to ft` take them from),
+the writer and the loader-side layout check.
 
 Facts read from FT's own code (NVIDIA/FasterTransformer):
 - GPT (`[gpt]`): converters `examples/pytorch/gpt/utils/megatron_ckpt_convert.py` and
@@ -25,8 +27,8 @@ import configparser
 import io
 import os
 import re
-import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +36,14 @@ import numpy as np
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.base import units_of
+from mconvert.convert.base import Unit, units_of
 from mconvert.io import buffers
-from mconvert.io.atomic import check_output, record_digest
+from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import HashingFile
-from mconvert.convert.deploy.ft_checks import ft_layout
 from mconvert.io.paths import contained, inside_file, read_small
-from mconvert.convert.driver import dry_run_report, write_output
-from mconvert.io.crc import crc_in_background
 from mconvert.io.casts import check_narrowed
 from mconvert.convert.scaleout import world
-from mconvert.convert.sources import open_source
-from mconvert.convert.writer import Report, Writer
+from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError
 from mconvert.mappings import deploy, families
 from mconvert.mappings.record import FTFile, FTLayout
@@ -75,9 +73,30 @@ def section_layout(section: str) -> FTLayout:
 
 
 # ---- what FT can hold --------------------------------------------------------------------------------
-def ft_section(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False) -> str:
-    """The FT section name (`gpt`, `llama`, ...) for the model; one-line refusal otherwise."""
-    return ft_layout(spec, infer_tp, allow_approx_gelu).section
+def ft_layout(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False,
+              option: str = "--infer-tp") -> FTLayout:
+    """The FT section of a model FT can represent exactly at `infer_tp`; one-line refusal otherwise, naming
+    `option`, the caller's flag for the inference TP (`plan` calls it --target-tp)."""
+    spec.refuse_unmapped("FasterTransformer")
+    nh, hd, H = spec.num_attention_heads, spec.head_dim, spec.hidden_size
+    if infer_tp < 1:
+        raise MConvertError(f"{option} must be >= 1 (got {infer_tp})")
+    if nh * hd != H:
+        raise MConvertError(
+            f"FasterTransformer needs head_num·size_per_head = hidden ({nh}·{hd} != {H}); it cannot hold this model"
+        )
+    if nh % infer_tp:
+        raise MConvertError(f"{option} {infer_tp} does not divide num_attention_heads={nh}; pick a divisor")
+    if spec.ffn_hidden_size % infer_tp:
+        raise MConvertError(f"{option} {infer_tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
+    layout = families.of(spec).ft
+    if layout is None or not layout.holds(spec):
+        raise MConvertError(
+            f"FasterTransformer has no layout for {spec.normalization} + {spec.activation} + "
+            f"{spec.position_embedding_type} positions ({spec.family}); supported: GPT-2 style and LLaMA style"
+        )
+    layout.refuse(spec, infer_tp, allow_approx_gelu)
+    return layout
 
 
 # ---- the files FT's loader opens ---------------------------------------------------------------------
@@ -345,11 +364,12 @@ class FTWriter(Writer):
     takes_parts = True  # `add(unit, part, complete=False)` per part, then `add(unit, {}, complete=True)`
     shares_work = True  # the units go round robin to the torchrun processes
 
-    def __init__(self, out: Path, spec: ModelSpec, infer_tp: int, dtype: str = "fp32",
-                 allow_approx_gelu: bool = False, source: str = "checkpoint") -> None:
-        self.spec, self.infer_tp, self.dtype, self.source = spec, infer_tp, ft_dtype(dtype), source
-        self.layout = ft_layout(spec, infer_tp, allow_approx_gelu)
-        self.ft_dir = Path(out) / f"{infer_tp}-gpu"
+    def __init__(self, out: Path, prepared: "FTPrepared") -> None:
+        self.prepared = prepared
+        spec = self.spec = prepared.spec
+        self.infer_tp, self.dtype, self.source = prepared.infer_tp, prepared.dtype, prepared.source
+        self.layout = prepared.layout
+        self.ft_dir = Path(out) / f"{self.infer_tp}-gpu"
         self.ft_dir.mkdir(exist_ok=True)  # every torchrun rank writes into the one directory
         self.nbytes = 0
         self._written: list[Path] = []
@@ -401,7 +421,7 @@ class FTWriter(Writer):
         self._raw.finish()
         if self.world.primary:
             with open(self.ft_dir / "config.ini", "w") as fh:
-                ft_config(self.spec, self.layout.section, self.infer_tp, self.dtype, self.source).write(fh)
+                fh.write(self.prepared.config_text)
             self._written.append(self.ft_dir / "config.ini")
         return sorted(self._written)
 
@@ -422,10 +442,42 @@ def ft_dtype(name: str) -> str:
                                            why="FasterTransformer weights are fp32 or fp16"))
 
 
-def ft_plan(spec: ModelSpec, infer_tp: int, dtype: str, allow_approx_gelu: bool = False,
-            source: str = "checkpoint") -> list[dict[str, Any]]:
-    """`--dry-run`: every file of `<infer_tp>-gpu/` with its bytes, from FT's own file list (no tensor read)."""
-    layout = ft_layout(spec, infer_tp, allow_approx_gelu)
+@dataclass(frozen=True)
+class FTPrepared:
+    """What one FasterTransformer conversion writes, worked out before any tensor is read: the spec as FT runs
+    it (a sliding window accepted as full attention), its section after every refusal, FT's weight_data_type,
+    config.ini, every file of `<infer_tp>-gpu/` with its bytes (FT's own file list) and the report's notes."""
+
+    spec: ModelSpec
+    layout: FTLayout
+    infer_tp: int
+    dtype: str  # FT's weight_data_type word: fp32 / fp16
+    source: str  # named in config.ini's [mconvert] section and in errors
+    config_text: str  # config.ini as written
+    files: list[dict[str, Any]]  # {"path": "<t>-gpu/NAME", "bytes"}, sorted by path
+    units: dict[str, Unit]  # each weight file's path -> the unit whose tensors it holds (config.ini: none)
+    notes: list[str]
+
+    @property
+    def where(self) -> str:
+        """The report's layout: `[gpt] TP=2`."""
+        return f"[{self.layout.section}] TP={self.infer_tp}"
+
+
+def prepare(spec: ModelSpec, infer_tp: int, dtype: str = "fp32", allow_approx_gelu: bool = False,
+            accept_window_as_full: bool = False, source: str = "checkpoint", option: str = "--infer-tp") -> FTPrepared:
+    """The one place FT's refusals, config and file sizes are worked out (the verb, `FTWriter`, `--dry-run` and
+    `plan --to ft` call it): the dtype FT stores, a sliding window (`accept_window_as_full`: written for FT's
+    full attention, with a note), what FT's loader cannot hold at `infer_tp` (`ft_layout`; `option` names the
+    caller's flag), then config.ini and every file FT's loader opens, from shapes alone."""
+    dtype = ft_dtype(dtype)
+    spec, window_note = spec.window_as_full("FasterTransformer", accept_window_as_full)
+    layout = ft_layout(spec, infer_tp, allow_approx_gelu, option)
+    notes = [window_note] if window_note else []
+    if spec.activation == "gelu":
+        notes.append("exact-erf GeLU model written for FT's tanh GeLU (--allow-approx-gelu): logits will differ")
+    if layout.tied_head_note and spec.tie_embeddings:
+        notes.append(layout.tied_head_note)
     cfg = ft_config(spec, layout.section, infer_tp, dtype, source)
     text = io.StringIO()
     cfg.write(text)
@@ -434,37 +486,8 @@ def ft_plan(spec: ModelSpec, infer_tp: int, dtype: str, allow_approx_gelu: bool 
     files = [{"path": f"{infer_tp}-gpu/{f.name}", "bytes": int(np.prod(f.shape)) * itemsize}
              for f in ft_expected_files(layout.section, dict(cfg[layout.section])) if head or not f.optional]
     files.append({"path": f"{infer_tp}-gpu/config.ini", "bytes": len(text.getvalue().encode())})
-    return sorted(files, key=lambda f: f["path"])
-
-
-@crc_in_background
-def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str = "fp32", force: bool = False,
-                   allow_approx_gelu: bool = False, iteration: str | None = None, progress: bool = False,
-                   dry_run: bool = False, accept_window_as_full: bool = False) -> Report:
-    """`mconvert megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it.
-    `accept_window_as_full`: a sliding-window model is written for FT's full attention, and the report says so."""
-    t0 = time.perf_counter()
-    dtype = ft_dtype(dtype)
-    check_output(out, force, (src,))
-    source = open_source(src, iteration=iteration)
-    spec, window_note = source.spec.window_as_full("FasterTransformer", accept_window_as_full)
-    try:
-        layout = ft_layout(spec, infer_tp, allow_approx_gelu)  # refuse before any work
-    except BaseException:
-        source.close()
-        raise
-    notes = [window_note] if window_note else []
-    if spec.activation == "gelu":
-        notes.append("exact-erf GeLU model written for FT's tanh GeLU (--allow-approx-gelu): logits will differ")
-    if layout.tied_head_note and spec.tie_embeddings:
-        notes.append(layout.tied_head_note)
-    where = f"[{layout.section}] TP={infer_tp}"
-    extras = dict(section=layout.section, infer_tp=infer_tp, ft_dir=str(Path(out) / f"{infer_tp}-gpu"), notes=notes)
-    if dry_run:
-        plan = {"dtype": dtypes.canonical(dtype), "files": ft_plan(spec, infer_tp, dtype, allow_approx_gelu, str(source.path)),
-                "note": "tensor bytes only; nothing was written"}
-        return dry_run_report("megatron-to-ft", source, out, plan, where, t0, **extras)
-    return write_output("megatron-to-ft", source, out,
-                        lambda tmp: FTWriter(tmp, spec, infer_tp, dtype, allow_approx_gelu, str(source.path)),
-                        force=force, inputs=(src,), layout=where, dtype=dtypes.canonical(dtype), t0=t0,
-                        progress=progress, check=lambda tmp: refuse_written(tmp / f"{infer_tp}-gpu"), **extras)
+    tied = spec.tie_embeddings and layout.always_reads_head
+    units = {f"{infer_tp}-gpu/{name}": unit for unit in units_of(spec) for r in range(infer_tp)
+             for name in deploy.unit_names(spec, layout.files, unit, tied, r)}
+    return FTPrepared(spec, layout, infer_tp, dtype, source, text.getvalue(),
+                      sorted(files, key=lambda f: f["path"]), units, notes)

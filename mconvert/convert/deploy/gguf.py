@@ -1,5 +1,7 @@
-"""GGUF for llama.cpp (`mconvert megatron-to-gguf`, `hf-to-gguf`): one `.gguf` file written through gguf-py's
-`GGUFWriter`, llama.cpp's own writer.
+"""GGUF for llama.cpp (`mconvert megatron-to-gguf`, `hf-to-gguf`, whose verbs are in `convert/verbs.py`): one
+`.gguf` file, its key-values collected by gguf-py's `GGUFWriter` (llama.cpp's own writer) and its bytes written as
+that writer lays them out (`io.gguf_file`). `prepare` is the one place its refusals and its tensor plan are worked
+out; the verb, the writer, `--dry-run` and `verify` take them from it.
 
 What is written follows llama.cpp's `convert_hf_to_gguf.py` (ggml-org/llama.cpp): tensor names from the family's
 `GgufLayout` (gguf-py's `TensorNameMap` names; a MoE layer's experts stacked [experts, out, in] as
@@ -15,7 +17,7 @@ QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_pa
 
 Streaming: every tensor's name, shape and type follows from the ModelSpec alone (a meta-tensor pass through the
 family's HF mapping), so the header is written first and each unit's tensors are appended as they arrive
-(`GGUFWriter.add_tensor_info` up front, `write_tensor_data` per tensor): memory is one unit.
+(every tensor info up front, each tensor's bytes as it is converted): memory is one unit.
 """
 
 from __future__ import annotations
@@ -23,25 +25,21 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from mconvert.convert.base import Unit, units_of
-from mconvert.io.atomic import atomic_output_file, check_output_file, file_manifest_path
 from mconvert.io.paths import inside_file, load_json_object, read_small
-from mconvert.convert.driver import drive, peak_rss_bytes
-from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.casts import check_narrowed, value_range
-from mconvert.convert.sources import open_source
-from mconvert.convert.hf.tokenizer import check_tokenizer_dir, load_tokenizer, staged_tokenizer
-from mconvert.convert.writer import Report, Writer, make_report
+from mconvert.io.gguf_file import GgufFile, KeyValue, TensorInfo, quantize_q8_0
+from mconvert.convert.hf.tokenizer import check_tokenizer_dir, staged_tokenizer
+from mconvert.convert.hf.tokenizer_files import read_tokenizer
+from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
 from mconvert.mappings import families, to_hf
 from mconvert.mappings.record import EXPERT_FF_KEY, GgufLayout
@@ -250,6 +248,35 @@ def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[Gguf
     return plan
 
 
+@dataclass(frozen=True)
+class GgufPrepared:
+    """What one GGUF conversion writes, worked out before any tensor is read: the spec as the file states it (a
+    sliding window accepted as full attention), the family's layout after every refusal, every tensor of the
+    file in write order with its shape and type, and the notes the report carries."""
+
+    spec: ModelSpec
+    layout: GgufLayout
+    outtype: str
+    tensors: list[GgufTensor]
+    notes: list[str]
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def prepare(spec: ModelSpec, outtype: str = "f16", accept_window_as_full: bool = False) -> GgufPrepared:
+    """The one place a GGUF's refusals and plan are worked out (the verb, `GgufWriter`, `--dry-run` and `verify`
+    call it): the --outtype, a sliding window (`accept_window_as_full`: written as full attention, with a
+    note), what HF and llama.cpp cannot hold (`gguf_layout`), then every tensor from the spec alone."""
+    outtype_types(outtype)
+    own = families.of(spec).gguf
+    spec, window_note = spec.window_as_full("GGUF", accept_window_as_full, own.states if own else ())
+    layout = gguf_layout(spec)
+    notes = [note for note in (window_note, mtp_note(spec, layout)) if note]
+    return GgufPrepared(spec, layout, outtype, plan_tensors(spec, layout, outtype), notes)
+
+
 def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """convert_hf_to_gguf.py's `LlamaModel.permute`: per head, rows (i, i + d/2) become rows (2i, 2i + 1), the
     pairs llama.cpp's LLAMA rope rotates together (weights [rows, in] or biases [rows])."""
@@ -353,7 +380,7 @@ def gguf_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     check_tokenizer_dir(tok_dir)
     if (tok_dir / SPM_FILE).exists():
         proto = read_sentencepiece(inside_file(tok_dir, SPM_FILE, f"{tok_dir}: tokenizer file"))
-        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, load_tokenizer(tok_dir).get_vocab()):
+        if not (tok_dir / "tokenizer.json").exists() or pieces_agree(proto, read_tokenizer(tok_dir).get_vocab()):
             return sentencepiece_vocab(tok_dir, n_vocab)
     tokens, types, pre = tokenizer_vocab(tok_dir, n_vocab)
     return GgufVocab(BPE_MODEL, pre, tokens, types)
@@ -373,7 +400,7 @@ def tokenizer_vocab(tok_dir: Path, n_vocab: int) -> tuple[list[str], list[int], 
     tok_json = load_json_object(inside_file(tok_dir, "tokenizer.json", f"{tok_dir}: tokenizer file"), "tokenizer",
                                 "re-save the tokenizer", kind="tokenizer")
     pre = tokenizer_pre(tok_json, str(path))
-    tok = load_tokenizer(tok_dir)
+    tok = read_tokenizer(tok_dir)
     vocab = tok.get_vocab()
     if vocab and max(vocab.values()) >= n_vocab:
         raise MConvertError(f"{tok_dir}: the tokenizer has id {max(vocab.values())}, the model {n_vocab} rows; "
@@ -465,7 +492,7 @@ def sentencepiece_vocab(tok_dir: Path, n_vocab: int) -> GgufVocab:
     types = [int(g.TokenType.UNUSED)] * n_vocab
     for i, piece in enumerate(proto.pieces):
         tokens[i], scores[i], types[i] = piece.piece, float(piece.score), int(piece.type)
-    tok = load_tokenizer(tok_dir)
+    tok = read_tokenizer(tok_dir)
     for i, added in sorted(tok.added_tokens_decoder.items()):
         if i >= n_vocab:
             raise MConvertError(f"{tok_dir}: added token {escape_controls(added.content)[:40]!r} has id {i}, the "
@@ -543,28 +570,30 @@ def gguf_log(name: str, private: Path | None = None, shown: Path | None = None) 
 # ---- the writer -----------------------------------------------------------------------------------------
 class GgufWriter(Writer):
     """Writer of one `.gguf` (reads HF-named units): header, metadata and tensor infos at open, then each unit's
-    tensors appended in plan order by `add`; `close` checks every planned tensor was written."""
+    tensors appended in plan order by `add`; `close` checks every planned tensor was written. It writes what
+    `prepare` worked out."""
 
     reads = "hf"
 
-    def __init__(self, path: Path, spec: ModelSpec, outtype: str, tokenizer_dir: Path | None,
+    def __init__(self, path: Path, prepared: GgufPrepared, tokenizer_dir: Path | None,
                  name: str | None = None, permute: bool = True) -> None:
         g = _gguf()
-        self.path, self.spec, self.outtype = Path(path), spec, outtype
-        self.layout = gguf_layout(spec)
+        self.path, self.spec, self.outtype = Path(path), prepared.spec, prepared.outtype
+        spec = self.spec
+        self.layout = prepared.layout
         self.permute = permute  # False only to prove that a file without the permutation fails validation
         self.warnings: list[str] = []  # what gguf-py logged while reading the tokenizer
-        self.plan = plan_tensors(spec, self.layout, outtype)
+        self.plan = prepared.tensors
         if tokenizer_dir is None:
             raise MConvertError("no tokenizer found beside the checkpoint; GGUF embeds one — pass --tokenizer DIR")
         vocab = gguf_vocab(tokenizer_dir, spec.vocab_size)
-        self._w = g.GGUFWriter(self.path, self.layout.arch)
+        # gguf-py's writer collects the key-values (its `add_*` names and types, SpecialVocab's keys); the bytes
+        # are mconvert's own (`io.gguf_file`: O_DIRECT, hashed on the way)
+        self._w = g.GGUFWriter(None, self.layout.arch)
         self._metadata(name or self.path.stem, vocab, tokenizer_dir)
-        for t in self.plan:
-            self._w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
-        self._w.write_header_to_file(self.path)
-        self._w.write_kv_data_to_file()
-        self._w.write_ti_data_to_file()
+        kvs = [KeyValue(k, v.value, int(v.type), None if v.sub_type is None else int(v.sub_type))
+               for k, v in self._w.kv_data[0].items()]
+        self._file = GgufFile(self.path, kvs, [TensorInfo(t.name, t.shape, int(t.qtype)) for t in self.plan])
         self._next = 0
         if self.plan and self.plan[0].name == ROPE_FREQS:
             self._write(self.plan[0], rope_freqs(spec))
@@ -662,19 +691,18 @@ class GgufWriter(Writer):
             # in between: a float16 source at f16 is written as it is
             out = x.detach().to(torch.float16 if t.qtype == q.F16 else torch.float32).contiguous()
             check_narrowed(x, out, name, fix)
-            self._w.write_tensor_data(out.numpy())
+            self._file.write(out)
             self._next += 1
             return
-        src = x.detach().to(torch.float32).contiguous()
         if t.qtype == q.Q8_0:  # each 32-block's scale, its largest magnitude / 127, is stored in float16
-            lo, hi = value_range(src)
+            lo, hi = value_range(x.detach())
             if max(-lo, hi) / 127 > torch.finfo(torch.float16).max:
                 raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
                                     f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
                                     f"would be stored as Inf; {fix}")
-        with np.errstate(over="ignore"):  # a q8_0 scale's overflow is refused above, by name
-            data = _gguf().quants.quantize(src.numpy(), t.qtype)
-        self._w.write_tensor_data(data)
+            self._file.write(quantize_q8_0(x.detach()))  # cast to float32 a slice at a time
+        else:
+            self._file.write(_gguf().quants.quantize(x.detach().to(torch.float32).contiguous().numpy(), t.qtype))
         self._next += 1
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
@@ -703,61 +731,9 @@ class GgufWriter(Writer):
             missing = self.plan[self._next]
             raise MConvertError(f"GGUF incomplete: {missing.name} (from {', '.join(missing.hf) or 'the spec'}) was "
                                 "never written")
-        self._w.close()
+        self._file.close()
         return [self.path]
 
     def abort(self) -> None:
         """Close the file; the atomic output removes it."""
-        self._w.close()
-
-
-# ---- the verbs ------------------------------------------------------------------------------------------
-@crc_in_background
-def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokenizer: str | Path | None = None,
-            iteration: int | str | None = None, force: bool = False, verb: str = "megatron-to-gguf",
-            permute: bool = True, progress: bool = False, dry_run: bool = False,
-            accept_window_as_full: bool = False) -> Report:
-    """Megatron checkpoint (torch or torch_dist, any TP/PP) or HF dir -> one GGUF file, streamed unit by unit
-    through the driver's loop, written atomically with its manifest beside it. Returns the common report.
-    `accept_window_as_full`: a sliding-window model is written as full attention, and the report says so."""
-    t0 = time.perf_counter()
-    outtype_types(outtype)
-    check_output_file(out, force, (src_path, tokenizer))
-    src = open_source(src_path, iteration=iteration, tokenizer=tokenizer)
-    if verb == "megatron-to-gguf" and src.format == "hf":
-        raise MConvertError(f"{src_path}: this is a HuggingFace directory; use hf-to-gguf")
-    if verb == "hf-to-gguf" and src.format != "hf":
-        raise MConvertError(f"{src_path}: not a HuggingFace directory (detected {src.format}); use megatron-to-gguf")
-    if not getattr(src, "vocab_known", True):
-        raise MConvertError(f"{src_path}: vocab size unknown (args have no vocab_size and no tokenizer was found); "
-                            "pass --tokenizer DIR")
-    tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
-    own = families.of(src.spec).gguf
-    spec, window_note = src.spec.window_as_full("GGUF", accept_window_as_full, own.states if own else ())
-    warnings = [window_note] if window_note else []
-    layout = gguf_layout(spec)  # every refusal before any tensor is read
-    warnings += [note for note in (mtp_note(spec, layout),) if note]
-    extras = dict(arch=layout.arch, outtype=outtype, tokenizer=str(tok_dir),
-                  permuted_qk=layout.permute_qk and permute)
-    if dry_run:
-        plan = plan_tensors(spec, layout, outtype)
-        skip_crc_checks()  # nothing is written: the dry run reads no tensor data
-        src.close()
-        files = [{"path": Path(out).name, "bytes": None}, {"path": file_manifest_path(out).name, "bytes": None}]
-        return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, None,
-                           time.perf_counter() - t0, dry_run=True, tensors=len(plan),
-                           tensor_bytes=sum(t.nbytes for t in plan), **extras)
-    try:
-        with gguf_log("gguf") as said, atomic_output_file(out, force, inputs=(src_path, tokenizer,
-                                                                                src.tokenizer_dir)) as tmp:
-            writer = GgufWriter(tmp, spec, outtype, tok_dir, name=Path(src_path).name, permute=permute)
-            drive(src, writer, verb, progress)
-            wait_crc_checks()  # the input's checks, run in the background, before the output is committed
-            n = len(writer.plan)
-    finally:
-        src.close()
-    warnings += writer.warnings + [f"gguf-py: {w}" for w in said]
-    files = [{"path": Path(out).name, "bytes": Path(out).stat().st_size},
-             {"path": file_manifest_path(out).name, "bytes": file_manifest_path(out).stat().st_size}]
-    return make_report(verb, src.describe(), out, spec.family, "gguf", outtype, files, warnings, peak_rss_bytes(),
-                       time.perf_counter() - t0, tensors=n, **extras)
+        self._file.abort()

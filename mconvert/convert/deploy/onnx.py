@@ -1,4 +1,6 @@
-"""ONNX export (`mconvert to-onnx`) through optimum-onnx, with OUR tolerance enforced by onnxruntime.
+"""ONNX export (`mconvert to-onnx`, whose verb is in `convert/verbs.py`) through optimum-onnx, with OUR tolerance
+enforced by onnxruntime. `prepare` is the one place its refusals, task and sizes are worked out (the verb and its
+`--dry-run` call it); `export` runs the exporter.
 
 optimum's `main_export` (task `text-generation` or `text-generation-with-past`) writes `model.onnx`
 (+ `model.onnx_data` external data when the graph exceeds protobuf's 2 GB) and only *warns* when its own
@@ -13,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,15 +23,13 @@ from typing import Any
 
 import torch
 
-from mconvert.io.atomic import atomic_output_dir, check_output
-from mconvert.io.paths import check_tree_contained, inside_file, load_json_object
+from mconvert.io.paths import inside_file, load_json_object
 from mconvert import dtypes
-from mconvert.convert.driver import megatron_to_hf, peak_rss_bytes
 from mconvert.io.paths import copy_contained
-from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, make_report
 from mconvert.mappings import families
-from mconvert.errors import MConvertError, renamed
+from mconvert.errors import MConvertError
+from mconvert.spec import ModelSpec
 
 DEFAULT_RTOL = 1e-4
 
@@ -70,43 +68,49 @@ class OnnxResult:
                            rtol=self.rtol, notes=self.notes)
 
 
-def _is_hf_dir(p: Path, iteration: str | None = None) -> bool:
-    return detect_format(p, iteration) == "hf"
+# The dtype of the exported graph: optimum's main_export loads the model in fp32 (its `dtype` default) and the
+# torch exporter asks for float32, whatever config.json states; the logits check runs in fp32 too.
+EXPORT_DTYPE = "float32"
+EXPORTERS = ("optimum", "torch")
 
 
-def refuse_moe(cfg: dict[str, Any], source: str) -> None:
-    """Refuse a mixture-of-experts family (its `Family.moe`) before any export: the ONNX graph of a routed MLP
-    is not validated here."""
-    archs = cfg.get("architectures") or []
-    fam = next((f for f in map(families.by_architecture, archs if isinstance(archs, list) else []) if f), None)
-    fam = fam or families.by_model_type(cfg.get("model_type"))
-    if fam is not None and fam.moe:
+def task_of(exporter: str, with_past: bool) -> str:
+    """The export task of the options (`text-generation`, with the KV cache `-with-past`); an exporter mconvert
+    does not run, or the cache asked of the torch fallback, is refused."""
+    if exporter not in EXPORTERS:
+        raise MConvertError(f"--exporter {exporter!r}: choose optimum or torch")
+    if exporter == "torch" and with_past:
+        raise MConvertError("the torch.onnx fallback exports no KV cache; pass --no-past with --exporter torch")
+    return "text-generation-with-past" if with_past else "text-generation"
+
+
+@dataclass(frozen=True)
+class OnnxPrepared:
+    """What one ONNX export writes, worked out from the spec before anything is exported: its task, exporter,
+    the graph's dtype and the bytes of its weights."""
+
+    task: str
+    exporter: str
+    dtype: str
+    weight_bytes: int
+
+
+def prepare(spec: ModelSpec, exporter: str = "optimum", with_past: bool = True, source: str = "") -> OnnxPrepared:
+    """The one place ONNX's refusals and sizes are worked out (the verb and its `--dry-run` call it): the options
+    (`task_of`), then a mixture-of-experts family (its `Family.moe`), refused before any export because the ONNX
+    graph of a routed MLP is not validated here; `source` names the input in that refusal."""
+    task = task_of(exporter, with_past)
+    fam = families.of(spec)
+    if fam.moe:
         raise MConvertError(f"{source}: {fam.architecture} (mixture of experts) is not mapped to ONNX (the routed "
                             "MLP's export is not validated); conversion refused — serve the HF export with "
                             "transformers or vLLM")
+    weights = spec.num_parameters() * dtypes.lookup(EXPORT_DTYPE).itemsize  # type: ignore[union-attr]
+    return OnnxPrepared(task, exporter, EXPORT_DTYPE, weights)
 
 
 @contextlib.contextmanager
-def _hf_dir_for(src: Path, iteration: str | None) -> Any:
-    """Yield an HF dir for `src`: itself, or a temporary fp32 export of a Megatron checkpoint."""
-    if _is_hf_dir(src, iteration):
-        cfg = load_json_object(inside_file(src, "config.json", f"{src}: config"), "config", "fix it or re-copy the model directory")  # before optimum
-        refuse_moe(cfg, str(src))
-        yield src
-        return
-
-    with tempfile.TemporaryDirectory(prefix="mconvert-onnx-hf-") as tmp:
-        hf = Path(tmp) / "hf"
-        megatron_to_hf(src, hf, iteration=iteration, dtype="fp32")
-        refuse_moe(load_json_object(hf / "config.json", "config", "re-run the conversion"), str(src))
-        try:
-            yield hf
-        except MConvertError as e:  # named as the checkpoint: the scratch export is gone once this returns
-            raise MConvertError(renamed(str(e), hf, f"{src}'s HF export")) from None
-
-
-@contextlib.contextmanager
-def _quiet() -> Any:
+def quiet() -> Any:
     """Silence transformers/optimum/torch.onnx chatter during export (our report says what matters)."""
     # heavy optional import: transformers loads only when a model is run
     from transformers.utils import logging as hf_logging
@@ -181,75 +185,17 @@ def _export_torch(hf_dir: Path, out: Path, opset: int | None) -> None:
             copy_contained(hf_dir, name, out, "json")
 
 
-# The dtype of the exported graph: optimum's main_export loads the model in fp32 (its `dtype` default) and the
-# torch exporter asks for float32, whatever config.json states; the logits check runs in fp32 too.
-EXPORT_DTYPE = "float32"
-
-
-def _describe_hf(hf_dir: Path) -> str:
+def hf_model_type(hf_dir: Path) -> str:
     """The family (`model_type`) of the HF directory optimum exports, from its config.json (for the report)."""
     cfg = load_json_object(inside_file(hf_dir, "config.json", f"{hf_dir}: config"), "config",
                            "fix it or re-copy the model directory")
     return str(cfg.get("model_type", ""))
 
 
-def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
-            force: bool = False, rtol: float = DEFAULT_RTOL, exporter: str = "optimum",
-            iteration: str | None = None, *, check: OnnxCheck, dry_run: bool = False) -> OnnxResult | Report:
-    """`mconvert to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers.
-
-    `check(onnx_dir, hf_dir)` runs both on the same tokens (the validators' `check_onnx_against_hf`).
-    `dry_run`: the source is opened and refused as it would be; the report names what would be written."""
-    t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
-    if exporter not in ("optimum", "torch"):
-        raise MConvertError(f"--exporter {exporter!r}: choose optimum or torch")
-    if exporter == "torch" and with_past:
-        raise MConvertError("the torch.onnx fallback exports no KV cache; pass --no-past with --exporter torch")
-    check_output(out, force, (src,))
-    from_megatron = not _is_hf_dir(src, iteration)  # also the one-line error for a non-checkpoint
-    if not from_megatron and iteration is not None:  # it would be ignored: the export is of the directory as is
-        raise MConvertError(f"--iteration {iteration}: {src} is a HuggingFace directory, which has no iterations; "
-                            "drop --iteration (it chooses among a Megatron checkpoint's iter_* directories)")
-    task = "text-generation-with-past" if with_past else "text-generation"
-    described = f"{'megatron' if from_megatron else 'hf'} checkpoint {src}"
-    # Every config field is mapped or refused, as by every verb: optimum exports what transformers' tracing
-    # sees at its dummy length, and a field that acts only on longer inputs (dynamic NTK rope past
-    # max_position_embeddings) would pass the logits check and be baked out of the graph.
-    with open_source(src, iteration=iteration, verify=False) as source:
-        spec = source.spec
-        if dry_run:
-            described = source.describe()
-    if dry_run:
-        family, dtype = spec.family, EXPORT_DTYPE
-        weights = spec.num_parameters() * dtypes.lookup(dtype).itemsize  # type: ignore[union-attr]
-        return make_report("to-onnx", described, out, family, task, dtype,
-                           [{"path": "model.onnx", "bytes": None}], [], None, time.perf_counter() - t0,
-                           dry_run=True, exporter=exporter, opset=opset, rtol=rtol, weight_bytes=weights,
-                           note="optimum writes model.onnx and, for large graphs (or as it chooses), the weights "
-                                "as model.onnx_data; weight_bytes is their size from the parameter count")
-    notes: list[str] = []
-    with _hf_dir_for(src, iteration) as hf_dir, atomic_output_dir(out, force, inputs=(src,)) as tmp:
-        family, dtype = _describe_hf(hf_dir), EXPORT_DTYPE
-        check_tree_contained(hf_dir, f"{hf_dir}: model file")  # optimum and transformers open files by name
-        if from_megatron:
-            notes.append("Megatron source exported to a temporary fp32 HF dir first")
-        with _quiet():
-            if exporter == "optimum":
-                _export_optimum(hf_dir, tmp, with_past, opset)
-            else:
-                _export_torch(hf_dir, tmp, opset)
-            prefill, decode = check(tmp, hf_dir)
-        worst = max(prefill, decode or 0.0)
-        if not worst <= rtol:  # also catches NaN
-            raise MConvertError(
-                f"ONNX export does not match transformers: max relative logits difference {worst:.3g} > {rtol:g} "
-                f"(prefill {prefill:.3g}" + (f", cached decode {decode:.3g})" if decode is not None else ")")
-            )
-        if with_past and decode is None:
-            raise MConvertError("exported model has no past_key_values inputs although --with-past was asked")
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-    if "model.onnx_data" in files:
-        notes.append("weights stored as external data in model.onnx_data (graph > 2 GB protobuf limit)")
-    return OnnxResult(str(out), task, exporter, opset, files, prefill, decode, rtol,
-                      round(time.perf_counter() - t0, 2), notes, described, family, dtype, peak_rss_bytes())
+def export(hf_dir: Path, out: Path, prepared: OnnxPrepared, opset: int | None) -> None:
+    """Export the HF directory into `out` with the prepared exporter and task, its chatter silenced."""
+    with quiet():
+        if prepared.exporter == "optimum":
+            _export_optimum(hf_dir, out, prepared.task == "text-generation-with-past", opset)
+        else:
+            _export_torch(hf_dir, out, opset)

@@ -1,4 +1,6 @@
-"""TensorRT-LLM checkpoint (`mconvert megatron-to-trtllm`): `config.json` + `rank{i}.safetensors`.
+"""TensorRT-LLM checkpoint (`mconvert megatron-to-trtllm`, whose verb is in `convert/verbs.py`): `config.json` +
+`rank{i}.safetensors`. `prepare` is the one place its refusals, config and tensor shapes are worked out; the verb,
+the writer, `--dry-run` and `plan --to trtllm` take them from it.
 
 Names, shapes and splits as TensorRT-LLM's own converters write them (NVIDIA/TensorRT-LLM
 `tensorrt_llm/models/gpt/convert.py`, `models/llama/convert.py`; config = `models/modeling_utils.py`
@@ -19,9 +21,10 @@ and `mconvert.validators.trtllm_runner.trtllm_logits` runs the rank files as Ten
 from __future__ import annotations
 
 import json
+import math
 import os
-import time
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +32,11 @@ import torch
 from safetensors import safe_open
 
 from mconvert import dtypes
-from mconvert.convert.driver import dry_run_report, write_output
 from mconvert.io import buffers
-from mconvert.io.atomic import check_output, record_digest
-from mconvert.io.crc import crc_in_background
+from mconvert.io.atomic import record_digest
 from mconvert.io.paths import inside_file, load_json_object
 from mconvert.io.safetensors import SafetensorsRandomWriter
 from mconvert.convert.scaleout import world
-from mconvert.convert.sources import open_source
 from mconvert.convert.deploy.trtllm_layout import (
     TRT_DTYPES,
     expected_trtllm_shapes,
@@ -45,7 +45,7 @@ from mconvert.convert.deploy.trtllm_layout import (
     trtllm_refusal,
 )
 from mconvert.convert.deploy.trtllm_layout import trtllm_layout_of as trtllm_layout_of  # the checker's users import it here
-from mconvert.convert.writer import Report, Writer
+from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError, expect
 from mconvert.mappings import deploy
 from mconvert.mappings.record import TrtllmLayout
@@ -74,13 +74,13 @@ class TrtllmWriter(Writer):
     reads = "mcore"
     shares_work = True  # process `i mod N` writes rank{i}.safetensors
 
-    def __init__(self, out: Path, spec: ModelSpec, tp: int, dtype: str, source: str = "checkpoint") -> None:
-        trtllm_refusal(spec, tp)
-        self.out, self.spec, self.tp, self.source = Path(out), spec, tp, source
-        self.config = trtllm_config(spec, tp, dtype)
-        self.shapes = expected_trtllm_shapes(self.config)
+    def __init__(self, out: Path, prepared: "TrtllmPrepared") -> None:
+        self.prepared = prepared
+        self.out, self.spec, self.tp, self.source = Path(out), prepared.spec, prepared.tp, prepared.source
+        tp = self.tp
+        self.config, self.shapes = prepared.config, prepared.shapes
         self.world = world()
-        tdt = dtypes.lookup(dtype).torch  # type: ignore[union-attr]
+        tdt = dtypes.lookup(prepared.dtype).torch  # type: ignore[union-attr]
         self._embed: torch.Tensor | None = None
         self._writers: dict[int, SafetensorsRandomWriter] = {}
         try:
@@ -135,7 +135,7 @@ class TrtllmWriter(Writer):
             record_digest(self.out / f"rank{r}.safetensors", w.close())
         files = [self.out / f"rank{r}.safetensors" for r in self._writers]
         if self.world.primary:
-            (self.out / "config.json").write_text(json.dumps(self.config, indent=4) + "\n")
+            (self.out / "config.json").write_text(self.prepared.config_text)
             files.append(self.out / "config.json")
         return files
 
@@ -157,46 +157,59 @@ def trtllm_dtype(name: str, spec: ModelSpec) -> str:
     return spec.params_dtype if dtype == "auto" else dtype
 
 
-@crc_in_background
-def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str = "auto", force: bool = False,
-                       iteration: str | None = None, progress: bool = False, dry_run: bool = False,
-                       accept_window_as_full: bool = False) -> Report:
-    """Write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on the result.
-    `accept_window_as_full`: a sliding-window model is written as full attention, and the report says so."""
-    t0 = time.perf_counter()
-    dtypes.choose(dtype, TRT_DTYPES)  # a wrong --dtype is refused before the source is opened
-    check_output(out, force, (src,))
-    source = open_source(src, iteration=iteration)
+@dataclass(frozen=True)
+class TrtllmPrepared:
+    """What one TensorRT-LLM conversion writes, worked out before any tensor is read: the spec as the engine runs
+    it (a sliding window accepted as full attention), the rank count, the dtype, config.json, every tensor's
+    per-rank shape (the checker's derivation from that config) and the report's notes."""
+
     spec: ModelSpec
-    spec, window_note = source.spec.window_as_full("TensorRT-LLM", accept_window_as_full)
-    try:
-        trtllm_refusal(spec, tp)
-        dtype = trtllm_dtype(dtype, spec)
-        if dtype not in TRT_DTYPES:
-            raise MConvertError(f"{src}: stored dtype {dtype} is not one TensorRT-LLM takes; pass --dtype")
-    except BaseException:
-        source.close()
-        raise
+    tp: int
+    dtype: str
+    source: str  # named in errors
+    config: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    notes: list[str]
+
+    @property
+    def where(self) -> str:
+        """The report's layout: `LlamaForCausalLM TP=2`."""
+        return f"{self.config['architecture']} TP={self.tp}"
+
+    @property
+    def config_text(self) -> str:
+        return json.dumps(self.config, indent=4) + "\n"
+
+    @property
+    def rank_bytes(self) -> int:
+        """Tensor bytes of one rank file (its safetensors header not counted)."""
+        return sum(math.prod(s) for s in self.shapes.values()) * dtypes.lookup(self.dtype).itemsize  # type: ignore[union-attr]
+
+    @property
+    def files(self) -> list[dict[str, Any]]:
+        """Every file with its bytes, sorted by path (the rank files' tensor bytes)."""
+        files = [{"path": f"rank{r}.safetensors", "bytes": self.rank_bytes} for r in range(self.tp)]
+        files.append({"path": "config.json", "bytes": len(self.config_text.encode())})
+        return sorted(files, key=lambda f: f["path"])
+
+
+def prepare(spec: ModelSpec, tp: int, dtype: str = "auto", accept_window_as_full: bool = False,
+            source: str = "checkpoint") -> TrtllmPrepared:
+    """The one place TensorRT-LLM's refusals, config and shapes are worked out (the verb, `TrtllmWriter`,
+    `--dry-run` and `plan --to trtllm` call it): a sliding window (`accept_window_as_full`: written as full
+    attention, with a note), what TensorRT-LLM's classes cannot hold at `tp`, the dtype (`auto`: the model's),
+    then config.json and every tensor's per-rank shape."""
+    spec, window_note = spec.window_as_full("TensorRT-LLM", accept_window_as_full)
+    trtllm_refusal(spec, tp)
+    dtype = trtllm_dtype(dtype, spec)
+    if dtype not in TRT_DTYPES:
+        raise MConvertError(f"{source}: stored dtype {dtype} is not one TensorRT-LLM takes; pass --dtype")
     cfg = trtllm_config(spec, tp, dtype)
-    shapes = expected_trtllm_shapes(cfg)
     notes = ["rank files hold the whole model (no pipeline split: mapping.pp_size=1)"] + ([window_note] if window_note
                                                                                          else [])
     if spec.num_groups < tp:
         notes.append(f"{spec.num_groups} KV heads duplicated to {tp} ranks (TensorRT-LLM's dup_kv_weight)")
-    where = f"{cfg['architecture']} TP={tp}"
-    extras = dict(architecture=cfg["architecture"], tp=tp, tensors_per_rank=len(shapes), notes=notes)
-    if dry_run:
-        item = dtypes.lookup(dtype).itemsize  # type: ignore[union-attr]
-        rank_bytes = sum(int(torch.Size(s).numel()) for s in shapes.values()) * item
-        files = [{"path": f"rank{r}.safetensors", "bytes": rank_bytes} for r in range(tp)]
-        files.append({"path": "config.json", "bytes": len((json.dumps(cfg, indent=4) + "\n").encode())})
-        plan = {"dtype": dtype, "files": sorted(files, key=lambda f: f["path"]),
-                "note": "rank files: tensor bytes only (the safetensors header is not counted); nothing was written"}
-        return dry_run_report("megatron-to-trtllm", source, out, plan, where, t0, **extras)
-    return write_output("megatron-to-trtllm", source, out,
-                        lambda tmp: TrtllmWriter(tmp, spec, tp, dtype, str(source.path)),
-                        force=force, inputs=(src,), layout=where, dtype=dtype, t0=t0, progress=progress,
-                        check=refuse_written, **extras)
+    return TrtllmPrepared(spec, tp, dtype, source, cfg, expected_trtllm_shapes(cfg), notes)
 
 
 # ---- the checker: names and shapes derived from config.json alone --------------------------------------

@@ -105,14 +105,19 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
     return q, scale_inv
 
 
+UNQUANTIZED_PROJ = "eh_proj"
+
+
 def quantized_name(name: str) -> bool:
     """Whether HF weight `name` belongs to a linear projection that block-scaled FP8 stores quantized: the
     attention and MLP projections (`*_proj`, MLA's `kv_a_proj_with_mqa`, Mixtral's expert `w1/w2/w3`); never
-    embeddings, `lm_head`, norms, biases or MoE routers (`mlp.gate`, which DeepSeek's release keeps in bf16)."""
+    embeddings, `lm_head`, norms, biases or MoE routers (`mlp.gate`, which DeepSeek's release keeps in bf16), nor
+    an MTP layer's `eh_proj`: vLLM's DeepSeek and GLM MTP models build it as a plain torch Linear, which would
+    take e4m3 bytes as values and leave the scale unread."""
     if not name.endswith(".weight"):
         return False
     module = name[: -len(".weight")].rsplit(".", 1)[-1]
-    return module.endswith(("_proj", "_proj_with_mqa")) or module in ("w1", "w2", "w3")
+    return module != UNQUANTIZED_PROJ and (module.endswith(("_proj", "_proj_with_mqa")) or module in ("w1", "w2", "w3"))
 
 
 def quantize_tensors(tensors: Mapping[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -137,3 +142,69 @@ def quantized_entries(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
         else:
             out.append((name, dtype, shape))
     return out
+
+
+# vLLM's block-FP8 loader (`validate_fp8_block_shape` / `validate_fp8_block_shape_moe`, vllm
+# model_executor/layers/quantization/utils/fp8_utils.py) needs each TP rank's slice of a projection to be whole
+# blocks: a RowParallelLinear's input slice a multiple of the block's columns; every output slice of a
+# ColumnParallelLinear, and every sub-matrix of a merged one (QKVParallelLinear, MergedColumnParallelLinear:
+# even at TP=1, all but the last), a multiple of its rows; a fused MoE's intermediate slice a multiple of the rows
+# (and, at TP>1, of the columns). How vLLM's model files build each HF projection:
+VLLM_ROW_PARALLEL = ("o_proj", "down_proj", "w2")
+# merged sub-matrices other than the last one: checked at every TP (MLA's q_a_proj is the first part of
+# DeepSeek's fused_qkv_a_proj, which vLLM never splits over TP)
+VLLM_MERGED_FIRST = ("gate_proj", "q_a_proj")
+VLLM_NOT_SPLIT = ("q_a_proj", "kv_a_proj_with_mqa", "eh_proj")  # ReplicatedLinear, fused_qkv_a_proj (disable_tp),
+# DeepSeekMTP's eh_proj (a torch Linear)
+
+
+def vllm_tp_misfit(name: str, shape: tuple[int, ...], tp: int, block: tuple[int, int], head_dim: int,
+                   merged_qkv: bool) -> str | None:
+    """Why vLLM at tensor parallelism `tp` refuses block-scaled FP8 projection `name` of full `shape` (None: it
+    loads it); `head_dim`: a k/v head's rows (a k/v projection of fewer heads than `tp` is replicated, one head per
+    rank); `merged_qkv`: q/k/v are one QKVParallelLinear (standard attention; MLA's q_proj stands alone)."""
+    if not quantized_name(name) or len(shape) != 2:
+        return None
+    bn, bk = block
+    module = name[: -len(".weight")].rsplit(".", 1)[-1]
+    rows, cols = shape
+    checks: list[tuple[int, int, str]] = []  # (size, block dim, what)
+    if ".experts." in name:  # vLLM's FusedMoE: the experts' intermediate width split over TP
+        inter = (cols if module in VLLM_ROW_PARALLEL else rows) // tp
+        checks.append((inter, bn, "intermediate rows"))
+        if tp > 1:
+            checks.append((inter, bk, "intermediate columns"))
+    elif module in VLLM_ROW_PARALLEL:
+        if tp > 1:
+            checks.append((cols // tp, bk, "input columns"))
+    elif module in VLLM_NOT_SPLIT:
+        if module in VLLM_MERGED_FIRST:
+            checks.append((rows, bn, "output rows"))
+    else:
+        part = rows // tp
+        if module in ("k_proj", "v_proj") and merged_qkv:
+            part = max(part, head_dim)
+        first = module in VLLM_MERGED_FIRST or (merged_qkv and module in ("q_proj", "k_proj"))
+        if tp > 1 or first:
+            checks.append((part, bn, "output rows"))
+    for size, b, what in checks:
+        if size % b:
+            return (f"its {what} per vLLM TP rank are {size}, not a multiple of the FP8 block's {b} (vLLM's "
+                    f"validate_fp8_block_shape refuses it at TP={tp})")
+    return None
+
+
+def check_vllm_tp(spec: Any, tp: int, fp8_blocks: bool, source: str) -> None:
+    """`megatron-to-hf --fp8-tp N`: every block-scaled FP8 projection of `spec` loads in vLLM at TP=N
+    (`vllm_tp_misfit`, from the shapes alone), else one error naming the first that does not."""
+    from mconvert.convert.bounds import expected_hf_shapes
+
+    if not fp8_blocks:
+        raise MConvertError(f"--fp8-tp {tp} describes the --fp8-blocks export; add --fp8-blocks or drop --fp8-tp")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise MConvertError(f"--fp8-tp {tp!r}: expected the vLLM tensor-parallel size, a whole number >= 1")
+    for name, shape in expected_hf_shapes(spec).items():
+        why = vllm_tp_misfit(name, shape, tp, DEFAULT_BLOCK, spec.head_dim, not spec.is_mla)
+        if why is not None:
+            raise MConvertError(f"{source}: --fp8-tp {tp}: {name.replace('*', '0')} {list(shape)}: {why}; serve at "
+                                "another TP (or with vLLM's expert parallelism for the experts), or drop --fp8-blocks")

@@ -25,7 +25,7 @@ from mconvert.convert.hf.tokenizer import (
 from mconvert.errors import MConvertError, expect
 from mconvert.io.transpose import copy_transposed
 from mconvert.mappings import families, from_hf, hf_names, hf_unit
-from mconvert.mappings.plugin import (from_hf_one, hf_keys_for, hf_registry, mcore_row_plan, plugin_for, registry,
+from mconvert.mappings.plugin import (check_hf_present, from_hf_one, hf_keys_for, hf_registry, mcore_row_plan, plugin_for, registry,
                                       transposed_in_hf)
 from mconvert.mappings.wildcards import fill
 from mconvert.mappings.fields import key_names
@@ -76,6 +76,7 @@ class HFSource(LayerParts):
         self.part_keys: dict[Unit, list[str]] = {}  # an MoE layer's keys by LayerPart (`_check_sizes` fills it)
         self._check_unused(str(cfg_path))
         self._check_sizes(str(cfg_path))
+        check_hf_present(self.spec, self.key_file, str(self.path))  # at opening: a --dry-run refuses it too
 
     def _check_fp8(self) -> None:
         """Every e4m3 weight has its scale of the block layout's shape and every scale its e4m3 weight

@@ -34,9 +34,9 @@ from mconvert.convert.hf.tokenizer import (
     TokenizerCodeRefused,
     copy_tokenizer,
     ids_outside_vocab,
-    load_tokenizer,
     read_token_ids,
 )
+from mconvert.convert.hf.tokenizer_files import read_tokenizer
 from mconvert.errors import MConvertError
 from mconvert.mappings import families, hf_names, to_hf
 from mconvert.mappings.plugin import mtp_copies
@@ -480,7 +480,7 @@ def _tokenizer_special_ids(tok_dir: Path) -> tuple[int | None, int | None]:
     if fast is not None:
         return fast
     try:
-        tok = load_tokenizer(Path(tok_dir))
+        tok = read_tokenizer(Path(tok_dir))  # transformers' only where the files do not settle it
         return tok.bos_token_id, tok.eos_token_id
     except TokenizerCodeRefused:
         raise

@@ -80,6 +80,7 @@ class MegatronSource(LayerParts):
 
     format = "megatron"
     splits_experts = True
+    gives_hf_tasks = True  # `hf_part_tasks`: a layer's HF parameters read as tasks on the readers' pool
 
     def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,
                  ep_rank: int | None = None) -> None:

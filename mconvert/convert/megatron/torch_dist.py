@@ -17,6 +17,7 @@ from dataclasses import replace
 import re
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,10 +40,12 @@ from mconvert.io.crc import crc_checks_now
 from mconvert.io.casts import all_finite
 from mconvert.errors import MConvertError, expect, renamed
 from mconvert.mappings.keys import canonical_key, unit_of
+from mconvert.mappings.plugin import check_complete, hf_keys_for, hf_order, to_hf_one
 from mconvert.mappings.transforms import merge
 from mconvert.spec import LayerPart, expert_of, layer_of_unit, with_expert
 
 STACKED_PREFIX = "decoder.layers."
+MTP_PREFIX = "mtp.layers."
 # Routed experts are stacked twice: `decoder.layers.mlp.experts.experts.<linear>` is [num_layers, num_experts, ...]
 # (global expert order); read as `decoder.layers.*.mlp.experts.local_experts.*.<linear>`.
 STACKED_EXPERTS, EXPERT_TEMPLATE = ".mlp.experts.experts.", ".mlp.experts.local_experts.*."
@@ -73,6 +76,13 @@ def _layer_keyed(key: str) -> bool:
     if key.startswith(OPTIMIZER_STATE_PREFIX) and "." in key[len(OPTIMIZER_STATE_PREFIX):]:
         key = key[len(OPTIMIZER_STATE_PREFIX):].split(".", 1)[1]
     return key.startswith(STACKED_PREFIX) and key[len(STACKED_PREFIX):].split(".")[0].isdigit()
+
+
+def _mtp_keyed(key: str) -> bool:
+    """Whether a DCP key names a multi-token prediction layer's tensor (`mtp.layers.<K>.…`): megatron-core keys
+    each MTP layer apart, its transformer layer as a per-layer decoder layer (routed experts stacked over
+    experts only), whatever the decoder's keys."""
+    return key.startswith(MTP_PREFIX) and key[len(MTP_PREFIX):].split(".")[0].isdigit()
 
 
 def _expert_template(name: str) -> str:
@@ -234,10 +244,6 @@ class TorchDistSource(SourceBase):
         self.optimizer_layout: str | None = None
         self._dp_slots: dict[str, list[tuple[int, int, int, int, tuple[int, ...]]]] = {}
         self._dp_dtype: Any = None
-        if self.spec.mtp_num_layers:  # megatron-core keys its MTP layers apart; not read here
-            raise MConvertError(f"{self.iter_dir}: torch_dist checkpoints with multi-token prediction layers "
-                                f"(mtp_num_layers={self.spec.mtp_num_layers}) are not supported; convert a "
-                                "torch-format checkpoint")
         self._index()
 
     def _counters(self, common: dict[str, Any], where: Path | str) -> None:
@@ -286,7 +292,8 @@ class TorchDistSource(SourceBase):
         else:
             layers = [replace(d, name=d.name.replace(f"{STACKED_PREFIX}0.", f"{STACKED_PREFIX}*.", 1))
                       for d in self.spec.layer_template()]
-        decls = self.spec.embedding_params(self.tp) + layers + self.spec.final_params(self.tp)
+        final = [d for d in self.spec.final_params(self.tp) if expert_of(d.name) in (None, 0)]  # MTP: expert 0 stands for all
+        decls = self.spec.embedding_params(self.tp) + layers + final
         self._declared = {_expert_template(d.name): d.shape for d in decls}
         self._declared.setdefault("output_layer.weight", self._declared["embedding.word_embeddings.weight"])
         for key, md in self.metadata.state_dict_metadata.items():
@@ -303,7 +310,7 @@ class TorchDistSource(SourceBase):
                 state, key = key[len(OPTIMIZER_STATE_PREFIX):].split(".", 1)
             elif any(key.startswith(p) for p in DROP_PREFIXES):
                 continue
-            keyed = _layer_keyed(key)
+            keyed = _layer_keyed(key) or _mtp_keyed(key)
             stacked = key.startswith(STACKED_PREFIX) and not keyed
             if stacked and self.per_layer:
                 raise MConvertError(f"{md_file}: key {key!r} is stacked over layers, other layer keys are per layer "
@@ -350,6 +357,12 @@ class TorchDistSource(SourceBase):
                 continue
             self.keys[name] = (key, stacked)
             self.global_shapes[name] = shape
+        tied = "output_layer.weight" if self.spec.tie_embeddings else None
+        missing = next((n for n in self._declared if n not in self.keys and n != tied), None)
+        if missing is not None:  # never a unit quietly short of a tensor (an MTP layer's, a layer's bias)
+            raise MConvertError(f"{md_file}: no tensor for {missing!r}, which the args declare (num_layers={L}, "
+                                f"mtp_num_layers={self.spec.mtp_num_layers or 0}); the checkpoint is incomplete or "
+                                "its args describe another model — re-copy it")
         if self._rng and len(self._rng) != self.pp * self.tp:
             missing = next((p, t) for p in range(self.pp) for t in range(self.tp) if (p, t) not in self._rng)
             raise MConvertError(f"{md_file}: rng_state is saved for {len(self._rng)} of the {self.pp * self.tp} "
@@ -508,8 +521,9 @@ class TorchDistSource(SourceBase):
         layer's tensor, `(layer, expert)` for a routed expert's, `()` for embedding and final tensors; per-layer
         keys: `()` and `(expert,)`."""
         layer = unit_of(name)
-        if not isinstance(layer, int):
-            return name, ()
+        if not isinstance(layer, int):  # an MTP layer's routed expert: its box of the layer's expert stack
+            expert = expert_of(name)
+            return (name, ()) if expert is None else (_expert_template(with_expert(name, 0)), (expert,))
         lead: tuple[int, ...] = () if self.per_layer else (layer,)
         tpl = name if self.per_layer else name.replace(f"{STACKED_PREFIX}{layer}.", f"{STACKED_PREFIX}*.", 1)
         expert = expert_of(name)
@@ -524,7 +538,7 @@ class TorchDistSource(SourceBase):
         box = self.read_slice(key, (*lead, *(0,) * len(shape)), (*(1,) * len(lead), *shape))
         return box[(0,) * len(lead)] if lead else box
 
-    def files(self) -> list[dict[str, Any]]:
+    def listed_files(self) -> list[dict[str, Any]]:
         """The iteration dir's files: each DCP data file with its bytes and entry count, then `.metadata`,
         `common.pt`, `metadata.json` and Megatron-LM's `integrity.json` (sizes from the opening checks' stat calls
         and the file system)."""
@@ -622,13 +636,22 @@ class TorchDistSource(SourceBase):
         if part is not None and not 0 <= part < (self.spec.num_experts or 0):
             raise MConvertError(f"{self.path}: expert {part} out of range (num_experts={self.spec.num_experts})")
         names: list[str] = []
+        mtp_experts: list[str] = []  # an MTP layer's expert templates, given expert by expert as spec declares them
+
+        def flush() -> None:
+            names.extend(with_expert(t, e) for e in range(self.spec.num_experts or 0) for t in mtp_experts)
+            mtp_experts.clear()
+
         for tpl in self._declared:
             if tpl not in self.keys:
                 continue
             if self.per_layer and layer is not None and unit_of(tpl) == layer:
                 name = tpl  # the layer is in the name; a routed expert's '*' is its expert
             elif not self.keys[tpl][1]:
-                if unit_of(tpl) == unit:
+                if unit_of(tpl) == unit and EXPERT_TEMPLATE in tpl:
+                    mtp_experts.append(tpl)
+                elif unit_of(tpl) == unit:
+                    flush()
                     names.append(tpl)
                 continue
             elif layer is None:
@@ -642,7 +665,19 @@ class TorchDistSource(SourceBase):
                     names.append(with_expert(name, part))
             elif part is None:
                 names.append(name)
+        flush()
         return names
+
+    def read_hf_parts(self, unit: Unit, only: set[str] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """`read_hf(unit)` one parameter's HF tensors at a time, each read as its own box (memory: one
+        parameter, so one expert of an MoE MTP layer in the final unit); `only`: the HF names kept."""
+        names = self._unit_names(unit)
+        check_complete(self.spec, unit, names, str(self.path))
+        for name in hf_order(self.spec, unit, names):
+            if only is not None and not any(k in only for k in hf_keys_for(self.spec, name)):
+                continue
+            tpl, lead = self._place(name)
+            yield to_hf_one(self.spec, name, self._read_one(self.keys[tpl][0], tpl, lead), str(self.path))
 
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Full tensors of one unit under canonical global names, in ModelSpec's declared order; vocab rows as

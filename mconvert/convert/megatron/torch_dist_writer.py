@@ -87,20 +87,32 @@ EXTRA_STATE_MODULE = re.compile(r"(.+\.)?linear_[a-z0-9_]+")
 
 # a routed expert's key before stacking: `decoder.layers.[N.]mlp.experts.local_experts.<global expert>.<rest>`
 LOCAL_EXPERT = re.compile(re.escape(STACKED_PREFIX) + r"(\d+\.)?mlp\.experts\.local_experts\.(\d+)\.(.+)")
+# a multi-token prediction layer's module: `mtp.layers.<K>.<rest>`; its transformer layer is keyed as a per-layer
+# decoder layer under `mtp.layers.<K>.transformer_layer.` (MultiTokenPredictionBlock.sharded_state_dict)
+MTP_MODULE = re.compile(r"(mtp\.layers\.\d+\.)(.+)")
+MTP_LAYER = "transformer_layer."
+MTP_EXTRA_STATE_MODULE = re.compile(r"eh_proj|" + MTP_LAYER.replace(".", r"\.") + EXTRA_STATE_MODULE.pattern)
 
 
 def dist_key(name: str, per_layer: bool = False, mla: bool = False) -> tuple[str, int | None]:
     """Canonical name (global layer index) -> (torch_dist key, layer index or None when not stacked). Stacked
     keys drop the layer index; `per_layer` keys keep it (megatron-core's non-homogeneous layers). The local
     spec saves norms under the TE spec's names, except under multi-latent attention (no key map there)."""
+    mtp = MTP_MODULE.fullmatch(name)
+    if mtp and mtp.group(2).startswith(MTP_LAYER):
+        return mtp.group(1) + MTP_LAYER + _layer_key(mtp.group(2)[len(MTP_LAYER):], mla), None
     if not name.startswith(STACKED_PREFIX):
         return name, None
     layer, rest = name[len(STACKED_PREFIX):].split(".", 1)
+    return STACKED_PREFIX + (f"{layer}." if per_layer else "") + _layer_key(rest, mla), int(layer)
+
+
+def _layer_key(rest: str, mla: bool) -> str:
+    """A layer's parameter name (after its layer prefix) under the name megatron-core's local spec saves it."""
     for old, new in ({} if mla else KEY_MAP).items():
         if rest.startswith(old):
-            rest = new + rest[len(old):]
-            break
-    return STACKED_PREFIX + (f"{layer}." if per_layer else "") + rest, int(layer)
+            return new + rest[len(old):]
+    return rest
 
 
 def per_layer_keys(spec: ModelSpec) -> bool:
@@ -117,6 +129,10 @@ def dist_place(name: str, per_layer: bool = False, mla: bool = False) -> tuple[s
     order), `()` for embedding and final tensors; with `per_layer` keys the layer is in the key, not an index."""
     key, layer = dist_key(name, per_layer, mla)
     if layer is None:
+        expert = expert_of(key)  # an MTP layer's routed expert: stacked over experts, as a per-layer key is
+        if expert is not None:
+            head, rest = key.split(f"mlp.experts.local_experts.{expert}.", 1)
+            return f"{head}{STACKED_EXPERTS.lstrip('.')}{rest}", (expert,)
         return key, ()
     m = LOCAL_EXPERT.fullmatch(key)
     if m:
@@ -227,10 +243,7 @@ class TorchDistWriter(Writer):
                  optimizer_layout: str = RESHARDABLE_OPTIMIZER, bridge: bool = False,
                  bridge_source: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
                  split: PipelineSplit | None = None) -> None:
-        self.split = checked_split(spec, tp, pp, vpp, ep, split)
-        if spec.mtp_num_layers:  # megatron-core keys its MTP layers apart; not laid out here
-            raise MConvertError(f"--format torch_dist of a model with multi-token prediction layers (mtp_num_layers="
-                                f"{spec.mtp_num_layers}) is not supported; use --format torch")
+        self.split = checked_split(spec, pp, vpp, split)
         self.per_layer, self.mla = per_layer_keys(spec), spec.is_mla
         if bridge and not self.split.even:  # its run config states the split in other words, not written here
             raise MConvertError(f"--bridge with an uneven pipeline split ({self.split.describe()}) is not written; "
@@ -408,7 +421,7 @@ class TorchDistWriter(Writer):
         elif self.dtype is not None and full.dtype != self.dtype:
             full = narrowed(full, self.dtype, name)
         shape = tuple(full.shape)
-        stacked = (*self._stack_dims(lead), *shape)
+        stacked = (*self._stack_dims(key, lead), *shape)
         md = self._tensors.get(key)
         if md is None:
             md = TensorStorageMetadata(properties=TensorProperties(dtype=full.dtype), size=torch.Size(stacked),
@@ -432,16 +445,17 @@ class TorchDistWriter(Writer):
             self._append_tensor(_owned(part), MetadataIndex(key, torch.Size(off)))
             del part
 
-    def _stack_dims(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+    def _stack_dims(self, key: str, lead: tuple[int, ...]) -> tuple[int, ...]:
         """The stacked dimensions of a key placed at `lead`: (num_layers[, num_experts]), or (num_experts,) for a
-        routed expert's per-layer key."""
-        dims = (self.spec.num_experts or 0,) if self.per_layer else (self.spec.num_layers, self.spec.num_experts or 0)
+        routed expert's per-layer or MTP-layer key."""
+        per_layer = self.per_layer or MTP_MODULE.fullmatch(key) is not None
+        dims = (self.spec.num_experts or 0,) if per_layer else (self.spec.num_layers, self.spec.num_experts or 0)
         return dims[: len(lead)]
 
     def _add_extra_state(self, key: str, lead: tuple[int, ...]) -> None:
         """A linear module's `_extra_state` ShardedObject at its layer (and expert): megatron-core's
         `shard_<offsets>_<shape>` key, offsets and shape joined by dots."""
-        dims = self._stack_dims(lead)
+        dims = self._stack_dims(key, lead)
         if not lead:  # a per-layer module: megatron-core's ShardedObject of global shape (1,)
             lead, dims = (0,), (1,)
         key = f"{key}._extra_state/shard_{'.'.join(map(str, lead))}_{'.'.join(map(str, dims))}"
@@ -480,13 +494,16 @@ class TorchDistWriter(Writer):
                         self._add_dp_state(name, value, state)
                     else:
                         self._add_tensor(name, value, state)
+            mtp = MTP_MODULE.fullmatch(name)
             if layer is not None:
                 module = name[len(STACKED_PREFIX):].split(".", 1)[1].rsplit(".", 1)[0]
-                if EXTRA_STATE_MODULE.fullmatch(module):
-                    key, lead = dist_place(name, self.per_layer, self.mla)
-                    modules[(key.rsplit(".", 1)[0], lead)] = None
-        if layer is not None and layer not in self._parts:  # the layer is complete: its modules' extra states
-            for key, lead in self._modules.pop(layer):
+            else:
+                module = mtp.group(2).rsplit(".", 1)[0] if mtp else ""
+            if (EXTRA_STATE_MODULE if layer is not None else MTP_EXTRA_STATE_MODULE).fullmatch(module):
+                key, lead = dist_place(name, self.per_layer, self.mla)
+                modules[(key.rsplit(".", 1)[0], lead)] = None
+        if layer is None or layer not in self._parts:  # the unit or layer is complete: its modules' extra states
+            for key, lead in (self._modules.pop(layer) if layer is not None else modules):
                 self._add_extra_state(key, lead)
 
     def _arrive(self, unit: Unit) -> int | None:

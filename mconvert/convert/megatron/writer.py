@@ -18,6 +18,7 @@ import torch
 from mconvert.convert.megatron import optimizer as optim
 from mconvert.convert.base import Unit
 from mconvert.convert.megatron.checkpoint import args_dict
+from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import hash_file, manifest_hash
 from mconvert.io.paths import make_dirs
@@ -44,6 +45,33 @@ EXTRA_STATE_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", 
                        "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "eh_proj")
 
 
+SHARED_EXPERTS = "mlp.shared_experts."
+
+
+def shared_experts_last(entries: list[tuple[str, Any, Any]]) -> list[tuple[str, Any, Any]]:
+    """A rank file's (local name, ...) entries with each MoE layer's shared experts after its routed experts, where
+    megatron-core's MoELayer registers them (router, experts, shared experts): they arrive with the layer's dense
+    part, before its experts. Every other entry keeps its place."""
+    shared: dict[str, list[tuple[str, Any, Any]]] = {}
+    rest = []
+    for e in entries:
+        head, sep, _ = e[0].partition(SHARED_EXPERTS)
+        if sep:
+            shared.setdefault(head, []).append(e)
+        else:
+            rest.append(e)
+    if not shared:
+        return entries
+    last = {e[0].partition("mlp.")[0]: i for i, e in enumerate(rest) if "mlp." in e[0]}  # a layer's last MLP entry
+    out = []
+    for i, e in enumerate(rest):
+        out.append(e)
+        head = e[0].partition("mlp.")[0]
+        if last.get(head) == i:
+            out += shared.pop(head, [])
+    return out + [e for group in shared.values() for e in group]
+
+
 class MegatronWriter(Writer):
     """Writes full tensors, unit by unit, as a Megatron torch-format checkpoint at a target TP/PP(/VPP).
 
@@ -61,7 +89,7 @@ class MegatronWriter(Writer):
                  optimizer_groups: list[dict[str, Any]] | None = None, dtype: torch.dtype | None = None,
                  rank_top_level: Any = None, extra_state: bool = True,
                  preview: Any = None, ep: int = 1, ep_rank: int = 0, split: PipelineSplit | None = None) -> None:
-        self.split = checked_split(spec, tp, pp, vpp, ep, split)
+        self.split = checked_split(spec, pp, vpp, split)
         self.out, self.spec, self.tp, self.pp, self.vpp = Path(out), spec, tp, pp, vpp
         self.ep, self.ep_rank = ep, ep_rank  # this writer's EP rank: its experts and every dense weight
         self.iteration, self.dtype = iteration, dtype
@@ -228,7 +256,7 @@ class MegatronWriter(Writer):
             kind = self.spec.split_kind(name)
             st = states.get(name)
             if kind == "vocab":
-                full = pad_vocab(full, self.rows, self.spec.vocab_size, name)
+                full = pad_vocab(full, self.rows, self.spec.vocab_size, name, buffers.empty)
                 if st is not None:
                     st = {k: pad_vocab(v, self.rows, self.spec.vocab_size, f"{name}.{k}")
                           if isinstance(v, torch.Tensor) and v.dim() > 0 and k != "step" else v
@@ -244,7 +272,7 @@ class MegatronWriter(Writer):
                     ost = [{k: self._spool(p, t).park(v) if parkable(v) else v for k, v in o.items()}
                            for t, o in enumerate(ost)]
             entries.append((local_name, shards, ost))
-        if unit == "final" and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
+        if unit == "final" and tied and self.extra_state and not any(e[0] == "output_layer.weight" for e in entries):
             entries.append(("output_layer._extra_state", None, None))  # tied head at PP=1: module without weight
         return entries
 
@@ -316,7 +344,7 @@ class MegatronWriter(Writer):
         params: list[tuple[str, dict]] = []
         for c in range(self.vpp or 1):
             model: dict[str, Any] = {}
-            entries = chunks.get(c, [])
+            entries = shared_experts_last(chunks.get(c, []))
             for i, (local_name, shards, ost) in enumerate(entries):
                 if shards is None:
                     model[local_name] = None
@@ -398,10 +426,10 @@ class MegatronWriter(Writer):
         return self.files
 
 
-def checked_split(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int,
-                  split: PipelineSplit | None) -> PipelineSplit:
-    """The pipeline split a writer at TP/PP/VPP/EP uses (None: the even one, which `PipelineSplit.make` refuses
-    where the layers do not divide); the verb has checked heads, groups, ffn and experts (`check_parallel`)."""
+def checked_split(spec: ModelSpec, pp: int, vpp: int | None, split: PipelineSplit | None) -> PipelineSplit:
+    """The pipeline split a writer at PP/VPP uses (None: the even one, which `PipelineSplit.make` refuses where
+    the layers do not divide); the verb has checked heads, groups, ffn and experts at its TP/EP
+    (`check_parallel`)."""
     if split is None:
         return PipelineSplit.make(spec.num_layers, pp, vpp)
     if (split.pp, split.vpp, split.num_layers) != (pp, vpp, spec.num_layers):
@@ -459,10 +487,12 @@ class ExpertParallelWriter(Writer):
     def __init__(self, writers: list[MegatronWriter]) -> None:
         self.writers = writers
         self.takes_states = writers[0].takes_states
+        self.takes_parts = all(w.takes_parts for w in writers)  # each EP rank's writer keeps its share of a part
 
-    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None,
+            complete: bool = True) -> None:
         for w in self.writers:
-            w.add(unit, tensors, states)
+            w.add(unit, tensors, states, complete)
 
     def needs(self, unit: Unit) -> bool:
         """Whether this torchrun rank reads `unit` (the EP ranks' writers own the same pipeline stages)."""
@@ -484,7 +514,7 @@ def megatron_writer(out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | Non
                     **kw: Any) -> MegatronWriter | ExpertParallelWriter:
     """The writer of a Megatron checkpoint at TP/PP(/VPP)/EP (`kw`: `MegatronWriter`'s options, `split` among
     them)."""
-    checked_split(spec, tp, pp, vpp, ep, kw.get("split"))
+    checked_split(spec, pp, vpp, kw.get("split"))
     if ep == 1:
         return MegatronWriter(out, spec, tp, pp, vpp, **kw)
     return ExpertParallelWriter([MegatronWriter(out, spec, tp, pp, vpp, ep=ep, ep_rank=e, **kw) for e in range(ep)])

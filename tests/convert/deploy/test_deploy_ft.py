@@ -8,8 +8,6 @@ LlamaWeight.cc) and TensorRT-LLM's converter names, transcribed by hand below.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,16 +16,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
-from mconvert.convert.deploy.fastertransformer import check_ft_dir, megatron_to_ft
-from mconvert.convert.deploy.trtllm import check_trtllm_dir, megatron_to_trtllm
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
+from mconvert.convert.deploy.fastertransformer import check_ft_dir
+from mconvert.convert.verbs import megatron_to_ft
+from mconvert.convert.deploy.trtllm import check_trtllm_dir
+from mconvert.convert.verbs import megatron_to_trtllm
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 from mconvert.validators.ft_runner import ft_logits
 from mconvert.validators.trtllm_runner import trtllm_logits
 from deploy_common import make_hf, rel
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def hf_ref(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -36,15 +34,12 @@ def hf_ref(hf_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
-    """GPT-2 style (4 heads of 32) trained 3 steps at TP=2 by `mconvert train`, and its HF export."""
+def trained(tmp_path_factory, trained_checkpoint) -> dict:
+    """GPT-2 style (4 heads of 32) trained 3 steps at TP=2 (the session's `trained_checkpoint`), and its HF
+    export."""
     d = tmp_path_factory.mktemp("trained")
-    ckpt = d / "ckpt"
-    cmd = [sys.executable, "-m", "mconvert.cli", "train", "--preset", "tiny-gpt2", "--tp", "2", "--steps", "3",
-           "--save", str(ckpt), "--num-attention-heads", "4", "--hidden-size", "128", "--device", "cpu",
-           "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "32"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = trained_checkpoint(preset="tiny-gpt2", tp=2, steps=3, num_attention_heads=4, hidden_size=128,
+                              micro_batch_size=2, global_batch_size=4, seq_length=32)
     megatron_to_hf(ckpt, d / "hf")
     tokens = torch.randint(0, 1000, (2, 24), generator=torch.Generator().manual_seed(1))
     return {"ckpt": ckpt, "hf": d / "hf", "tokens": tokens, "ref": hf_ref(d / "hf", tokens), "dir": d}

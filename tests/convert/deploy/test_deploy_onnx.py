@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mconvert.convert.driver import hf_to_megatron
-from mconvert.convert.deploy.onnx import to_onnx
+from mconvert.convert.verbs import hf_to_megatron
+from mconvert.convert.verbs import to_onnx
 from mconvert.validators.onnx_runner import check_onnx_against_hf
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset

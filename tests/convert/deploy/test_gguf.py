@@ -19,7 +19,7 @@ import transformers
 from validate_common import WORK, hf_export, mcore_moe_ckpt, mcore_moe_export, trained_ckpt
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.deploy.gguf import to_gguf
+from mconvert.convert.verbs import to_gguf
 from mconvert.mappings.gguf_vocab import PRE_TOKENIZERS
 from mconvert.io.atomic import file_manifest_path
 from mconvert.errors import MConvertError
@@ -365,7 +365,7 @@ def test_writer_streams_each_unit_to_disk_before_the_next_is_read(monkeypatch):
 
     def add(self, unit, tensors):
         real_add(self, unit, tensors)
-        self._w.fout[0].flush()
+        self._file.drain()
         sizes.append((unit, self.path.stat().st_size))
 
     monkeypatch.setattr(gguf_mod.GgufWriter, "add", add)

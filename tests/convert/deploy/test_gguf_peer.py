@@ -28,7 +28,7 @@ import transformers
 from scratch import scratch_dir
 from validate_common import glm_tokenizer, moved_off_init_ckpt
 
-from mconvert.convert.deploy.gguf import to_gguf
+from mconvert.convert.verbs import to_gguf
 from mconvert.validators.gguf_runner import GGUF_VENV, STAMP
 
 WORK = scratch_dir("mconvert-gguf-peer-", __name__)

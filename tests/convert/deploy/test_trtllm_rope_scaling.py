@@ -17,8 +17,9 @@ import pytest
 import torch
 import transformers
 
-from mconvert.convert.driver import hf_to_megatron
-from mconvert.convert.deploy.trtllm import check_trtllm_dir, megatron_to_trtllm
+from mconvert.convert.verbs import hf_to_megatron
+from mconvert.convert.deploy.trtllm import check_trtllm_dir
+from mconvert.convert.verbs import megatron_to_trtllm
 from mconvert.errors import MConvertError
 from mconvert.validators.trtllm_runner import trtllm_logits
 

@@ -6,7 +6,8 @@ through `LLM.chat`, vLLM rendering the carried template itself; the Llama-3.x ro
 presets trained at TP2 PP2 serve with transformers' greedy tokens. Mixtral and Qwen3-MoE checkpoints written by
 megatron-core's own MoE GPTModel (EP=2, TP=2 EP=2) serve after `megatron-to-hf` with megatron-core's greedy tokens.
 The trained sliding-window Mistral serves on prompts longer than its window with transformers' greedy tokens and
-prompt logprobs."""
+prompt logprobs. tiny-deepseek-v3 passes `verify --against --vllm-python`; vLLM's CPU rotary kernel on its
+multi-latent attention, `rope_interleave: false` and two weight-layout errors fail."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import os
 
 import pytest
 
-from mconvert.validators.vllm_check import CHAT, LOGPROB_TOL, ensure_vllm_env, vllm_compare_many
+from mconvert.validators.vllm_check import CHAT, LOGPROB_TOL, NATIVE_OPS, ensure_vllm_env, vllm_compare_many
 from mconvert.cli import main
 from tokenizer_common import chain
-from validate_common import (MCORE_MOE, broken, hf_export, mcore_moe_export, mcore_moe_greedy,
-                             moved_off_init_ckpt, trained_ckpt)
+from validate_common import (MCORE_MOE, broken, broken_mla, hf_export, mcore_moe_export, mcore_moe_greedy,
+                             moved_ckpt, moved_export, trained_ckpt)
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -154,7 +155,7 @@ def test_converted_gemma3_serves_in_vllm_with_transformers_greedy_tokens_beyond_
     bases) through hf-to-megatron TP=2 PP=2 and back; prompts longer than its 16-key window."""
     from deploy_common import make_hf
 
-    from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+    from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
     from mconvert.mappings.families import preset
 
     src = make_hf(preset("tiny-gemma3"), tmp_path / "src")
@@ -167,21 +168,58 @@ def test_converted_gemma3_serves_in_vllm_with_transformers_greedy_tokens_beyond_
     assert all(len(p["prompt_ids"]) > cfg["sliding_window"] for p in r["prompts"])
 
 
-@pytest.fixture(scope="module")
-def glm45_export(tmp_path_factory):
-    """tiny-glm45 with its MTP layer, every weight moved off its init and a non-negative expert bias, written as a
-    Megatron checkpoint and exported to HF Glm4MoeForCausalLM."""
-    from mconvert.convert.driver import megatron_to_hf
-
-    out = tmp_path_factory.mktemp("glm45") / "hf"
-    megatron_to_hf(moved_off_init_ckpt("tiny-glm45"), out)
-    return out
-
-
-def test_glm45_export_with_its_mtp_layer_serves_in_vllm_with_transformers_greedy_tokens(vllm_python, glm45_export):
+def test_glm45_export_with_its_mtp_layer_serves_in_vllm_with_transformers_greedy_tokens(vllm_python):
     """vLLM's Glm4MoeForCausalLM reads the export (its sigmoid router from scoring_func / topk_method, the MTP
     layer's tensors skipped as a main model does) and generates transformers' greedy tokens."""
+    glm45_export = moved_export("tiny-glm45")
     cfg = json.loads((glm45_export / "config.json").read_text())
     assert (cfg["architectures"], cfg["num_nextn_predict_layers"], cfg["partial_rotary_factor"]) == (
         ["Glm4MoeForCausalLM"], 1, 0.5)
     _check_served(vllm_compare_many([glm45_export], vllm_python)[0])
+
+
+def _verify_json(args: list[str], capsys) -> tuple[int, dict]:
+    with pytest.raises(SystemExit) as e:
+        main(["verify", *args, "--device", "cpu", "--json"])
+        raise SystemExit(0)
+    return e.value.code or 0, json.loads(capsys.readouterr().out)
+
+
+def test_deepseek_v3_export_passes_verify_against_its_checkpoint_with_vllm(vllm_python, capsys):
+    """tiny-deepseek-v3 (MLA with q latent, kv latent 512 + rope 64, sigmoid router with groups and a large bias,
+    shared expert, dense first layer, MTP layer), every weight off its init: `verify --against --vllm-python`
+    passes, vLLM's greedy tokens and prompt logprobs those of transformers within the fp32 tolerance."""
+    d = moved_export("tiny-deepseek-v3")
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg["architectures"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], cfg["rope_interleave"],
+            cfg["num_nextn_predict_layers"]) == (["DeepseekV3ForCausalLM"], 576, True, 1)
+    code, rep = _verify_json([str(d), "--against", str(moved_ckpt("tiny-deepseek-v3")), "--vllm-python",
+                              str(vllm_python)], capsys)
+    assert code == 0 and rep["passed"], rep["errors"]
+    assert {c["name"]: c["status"] for c in rep["checks"]}["vllm"] == "ok"
+    _check_served(rep["vllm"])
+    assert rep["vllm"]["custom_ops"] == list(NATIVE_OPS)
+
+
+def test_vllms_cpu_rope_kernel_and_a_rope_interleave_vllm_ignores_fail_the_vllm_check(vllm_python):
+    """The two ways vLLM computes another model than transformers from the same DeepSeek-V3 dir fail the check
+    far beyond its tolerance: vLLM's CPU rotary kernel on multi-latent attention's [tokens, heads, dim] query, and
+    `rope_interleave: false`, which transformers reads (rotate-half rope) and vLLM does not (always interleaved)."""
+    (kernel,) = vllm_compare_many([moved_export("tiny-deepseek-v3")], vllm_python, custom_ops=())
+    (flag,) = vllm_compare_many([broken_mla("rope-interleave-false")], vllm_python)
+    for r in (kernel, flag):
+        print(r["summary"])
+        assert not r["passed"] and "failed to serve" not in r["summary"], r["summary"]
+        assert r["prompt_logprob_max_abs"] > 100 * LOGPROB_TOL
+
+
+@pytest.mark.parametrize("kind", ["kv-b-nope-v-swapped", "rope-rows-deinterleaved"])
+def test_an_mla_layout_error_fails_verify_against_its_checkpoint(vllm_python, capsys, kind):
+    """A layout error in the weights is one vLLM and transformers read alike (the same wrong model), which only the
+    source can show: `verify --against` fails it on the logits and weights, before vLLM is started."""
+    code, rep = _verify_json([str(broken_mla(kind)), "--against", str(moved_ckpt("tiny-deepseek-v3")),
+                              "--vllm-python", str(vllm_python)], capsys)
+    status = {c["name"]: c["status"] for c in rep["checks"]}
+    print(kind, rep["errors"], rep["vllm"]["summary"] if rep["vllm"] else None)
+    assert code == 1 and not rep["passed"] and status["logits"] == status["vllm"] == "error", rep["errors"]
+    assert status["manifest"] == "ok"  # the bug, not a stale digest, is what fails

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from safety_common import run_cli
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.mappings.families import preset
 
 pytestmark = pytest.mark.slow
@@ -207,7 +207,8 @@ def test_fp8_blocks_refuses_conv1d_families(tmp_path, capsys):
 
 MEM_PROBE = r"""
 import json, sys, psutil
-from mconvert.convert.driver import hf_to_megatron, peak_rss_bytes
+from mconvert.convert.driver import peak_rss_bytes
+from mconvert.convert.verbs import hf_to_megatron
 from mconvert.io import tuning
 tuning.apply()
 base = psutil.Process().memory_info().rss
@@ -262,3 +263,28 @@ def test_fp8_import_memory_does_not_grow_with_depth(tmp_path):
           f"(a layer: {layer / 1e6:.1f} MB in bf16)")
     assert out[8] - out[2] < 2 * layer
     assert out[8] < 6 * layer
+
+
+def test_fp8_blocks_keep_the_mtp_eh_proj_as_vllm_builds_it(trained_checkpoint, tmp_path):
+    """vLLM's DeepSeek and GLM-4.5 MTP models build `eh_proj` as a plain torch Linear (read from vLLM's own
+    source when its venv is here): `--fp8-blocks` keeps it in the model dtype, without a scale, and names it in
+    modules_to_not_convert; the MTP layer's attention and expert projections are quantized like the main ones."""
+    import os
+    import re
+
+    ckpt = trained_checkpoint(preset="tiny-deepseek-v3", tp=1, pp=1, dp=1, ep=1, steps=2, seq_length=32,
+                              micro_batch_size=2, global_batch_size=8, lr=1e-2, seed=42, moe_aux_loss_coeff=0.0)
+    megatron_to_hf(ckpt, tmp_path / "fp8", fp8_blocks=True)
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    mtp = cfg["num_hidden_layers"]
+    st = load_file(tmp_path / "fp8" / "model.safetensors")
+    eh = f"model.layers.{mtp}.eh_proj"
+    assert st[eh + ".weight"].dtype != torch.float8_e4m3fn and eh + ".weight_scale_inv" not in st
+    assert eh in cfg["quantization_config"]["modules_to_not_convert"]
+    assert st[f"model.layers.{mtp}.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+    assert f"model.layers.{mtp}.mlp.experts.0.down_proj.weight_scale_inv" in st
+    venv = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache/mconvert/vllm-venv"))
+    for f in ("deepseek_mtp.py", "glm4_moe_mtp.py"):
+        found = list(venv.glob(f"lib/python3*/site-packages/vllm/model_executor/models/{f}"))
+        if found:
+            assert re.search(r"self\.eh_proj = nn\.Linear\(", found[0].read_text()), f

@@ -28,7 +28,7 @@ from mcore_ref import McoreContext, mcore_forward_logits, perturb_dense, run_mco
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset, spec_from_megatron_args
@@ -123,7 +123,7 @@ def test_without_rope_scaling_the_logits_differ_measurably(mcore_exports, tmp_pa
 def test_megatron_core_llama3_converts_to_trtllm_with_its_logits(mcore_exports, tmp_path) -> None:
     """megatron-core's llama3 checkpoint (TP=2) -> megatron-to-trtllm --tp 2: the rank files, combined as
     TensorRT-LLM's layers do, give megatron-core's logits; config.json states the scaling as the HF export does."""
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
     from mconvert.validators.trtllm_runner import trtllm_logits
 
     _, want, hf = mcore_exports["llama3"]

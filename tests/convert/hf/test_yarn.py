@@ -22,7 +22,7 @@ from mcore_ref import McoreContext, mcore_forward_logits, perturb_dense, run_mco
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.io.safeload import safe_load
 from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
 from mconvert.errors import MConvertError
@@ -470,7 +470,7 @@ def test_yarn_gguf_matches_transformers_in_llama_cpp_past_the_original_context(l
     """hf-to-gguf of transformers' YaRN models: llama.cpp (rope.scaling.* keys; the Llama's mscale pair, and an
     attention_factor of 0.5, give an attention factor other than 0.1·ln(factor)+1, stated as `attn_factor`, its
     ratio to that) matches transformers over 128 tokens."""
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
     from mconvert.validators.gguf_runner import read_gguf_metadata
 
     if name in ARGS_OTHER_THAN_THE_KEYS:
@@ -496,7 +496,7 @@ def test_a_yarn_gguf_without_the_scaling_or_its_factor_fails_the_comparison(llam
                                                                              drop) -> None:
     """The controls: the GGUF of the Llama's config without YaRN (or without the mscale pair, so the factor falls
     back to 0.1·ln(factor)+1) misses transformers' logits of the model with it."""
-    from mconvert.convert.deploy.gguf import to_gguf
+    from mconvert.convert.verbs import to_gguf
 
     hf = with_tokenizer["llama"]
     kept = json.loads((hf / "config.json").read_text())["rope_scaling"]
@@ -618,7 +618,7 @@ def test_yarn_converts_to_trtllm_with_the_sources_logits(request, tmp_path, sour
     and the reference runner computes that: megatron-core's default YaRN, transformers' Llama whose mscale
     pair gives another attention factor, and one whose attention_factor 0.5 became a negative mscale, match their
     sources at TP=2; without the scaling they do not."""
-    from mconvert.convert.deploy.trtllm import megatron_to_trtllm
+    from mconvert.convert.verbs import megatron_to_trtllm
     from mconvert.validators.trtllm_runner import trtllm_logits
 
     if source == "megatron-core":
@@ -659,7 +659,7 @@ def test_yarn_to_onnx_matches_transformers_past_the_original_context(hf_models, 
     """optimum traces transformers' YaRN (static inverse frequencies and attention factor, unlike dynamic NTK), so
     the ONNX graph computes it at every length: onnxruntime equals transformers over 160 tokens, prefill and
     cached decode, for the Llama whose mscale pair gives another attention factor."""
-    from mconvert.convert.deploy.onnx import to_onnx
+    from mconvert.convert.verbs import to_onnx
     from mconvert.validators.onnx_runner import check_onnx_against_hf
 
     _, hf, _ = hf_models["llama"]

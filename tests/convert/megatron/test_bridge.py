@@ -62,7 +62,7 @@ def hf_model(name: str) -> Path:
 @lru_cache(maxsize=None)
 def ours(name: str = "llama", tp: int = 1, ep: int = 1) -> Path:
     """mconvert's torch_dist output with Megatron-Bridge's files (--bridge)."""
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     out = WORK / f"ours-{name}-tp{tp}-ep{ep}"
     hf_to_megatron(hf_model(name), out, tp=tp, ep=ep, format="torch_dist", bridge=True)

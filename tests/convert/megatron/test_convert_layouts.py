@@ -17,7 +17,7 @@ from hf_ref import hf_logits
 from safetensors.torch import load_file
 import transformers
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 TOKENS = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 35, 89, 79]])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from mconvert.convert.driver import hf_to_megatron, reshard
+from mconvert.convert.verbs import hf_to_megatron, reshard
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 

@@ -24,7 +24,7 @@ from test_external_mcore import SPECS
 from test_torch_dist_write import _load_go_on, _train_save_go_on, cpu_patches
 
 from mconvert.convert.megatron import dp_buckets
-from mconvert.convert.driver import reshard
+from mconvert.convert.verbs import reshard
 from mconvert.io.safeload import safe_load, safe_load_dcp_metadata
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
@@ -280,7 +280,7 @@ def test_trainer_states_through_dp_reshardable_at_pp_vpp_come_back(tmp_path: Pat
     from test_torch_dist_optimizer import _gpt2
     from test_torch_dist_write import _dcp_read_all
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     hf_to_megatron(_gpt2(tmp_path), tmp_path / "a", tp=2, pp=2, vpp=2)
     _add_optimizer(tmp_path / "a")
@@ -340,7 +340,7 @@ def test_cli_optimizer_layout_refusals_are_one_line(tmp_path: Path, capsys) -> N
     from safety_common import assert_one_line_error, run_cli
     from test_torch_dist_optimizer import _gpt2
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
 
     hf_to_megatron(_gpt2(tmp_path), tmp_path / "a", tp=1)
     base = ["reshard", tmp_path / "a", tmp_path / "o", "--tp", "1", "--with-optimizer"]
@@ -418,7 +418,7 @@ def test_dp_reshardable_without_buckets_is_refused_by_name(tmp_path: Path) -> No
     naming the domains the args expect; no OUT."""
     from test_torch_dist_optimizer import _gpt2
 
-    from mconvert.convert.driver import hf_to_megatron
+    from mconvert.convert.verbs import hf_to_megatron
     from mconvert.io.atomic import MANIFEST
 
     hf_to_megatron(_gpt2(tmp_path), tmp_path / "d", tp=2, format="torch_dist")

@@ -154,7 +154,7 @@ def test_without_stand_ins_the_bytes_are_torch_saves() -> None:
 def test_reshard_keeps_megatron_enum_args(inputs: dict[str, Path], tmp_path: Path, fmt: str) -> None:
     """Reshard TP=2 PP=2 -> TP=1 PP=2 of a checkpoint with enum args: the output loads, with megatron's classes,
     to the same members and objects as the input (only the parallel sizes change), and safe_load reads it."""
-    from mconvert.convert.driver import reshard
+    from mconvert.convert.verbs import reshard
     from mconvert.io.safeload import safe_load
     from mconvert.io.unpickler import StandIn
 

@@ -127,7 +127,7 @@ def test_a_torch_dist_moe_source_is_planned_at_its_saved_ep(tmp_path: Path,
                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
     """megatron-core's torch_dist save at EP=2: the dry run's source and read side say EP=2, as for the legacy
     rank files of the same run (one rank file per EP rank there)."""
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     _, _, _, root = _saved("mixtral", 1, 2, tmp_path_factory)
     legacy = megatron_to_hf(root, tmp_path / "a", dry_run=True)
@@ -179,7 +179,7 @@ def test_a_dense_weight_that_differs_between_ep_ranks_is_refused_naming_both_fil
     with pytest.raises(MConvertError, match=r"mp_rank_00_001/model_optim_rng\.pt: dense weight "
                                             r"'decoder\.layers\.1\.mlp\.router\.weight' differs from .*"
                                             r"mp_rank_00_000/model_optim_rng\.pt"):
-        from mconvert.convert.driver import megatron_to_hf
+        from mconvert.convert.verbs import megatron_to_hf
         megatron_to_hf(bad, tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no half-written output
 

@@ -14,7 +14,7 @@ import torch
 from mcore_ref import run_mcore
 from test_external_mcore import SPECS
 
-from mconvert.convert.driver import reshard
+from mconvert.convert.verbs import reshard
 from mconvert.io.safeload import safe_load
 
 ITER = "iter_0000002"

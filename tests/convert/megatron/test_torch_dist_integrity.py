@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from safety_common import _WORK, assert_one_line_error, make_hf_llama, run_cli
 
-from mconvert.convert.driver import hf_to_megatron
+from mconvert.convert.verbs import hf_to_megatron
 
 ITER = "release"
 DATA = "__0_0.distcp"

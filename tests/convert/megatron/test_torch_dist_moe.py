@@ -21,7 +21,7 @@ from test_moe import ITERATION, SPECS
 from test_moe import _saved as _moe_saved
 from test_torch_dist_write import _dcp_read_all, _load_dist, _summary
 
-from mconvert.convert.driver import hf_to_megatron, reshard
+from mconvert.convert.verbs import hf_to_megatron, reshard
 from mconvert.io.safeload import safe_load_dcp_metadata
 
 

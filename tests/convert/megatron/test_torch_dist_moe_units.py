@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.io.atomic import MANIFEST
 from mconvert.io.safeload import safe_load
 from mconvert.convert.megatron.writer import megatron_writer

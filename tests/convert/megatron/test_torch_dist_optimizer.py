@@ -22,7 +22,7 @@ from test_convert_optimizer import _add_optimizer, _check_states
 from test_external_mcore import SPECS
 from test_torch_dist_write import _dcp_read_all, _load_go_on, _train_save_go_on
 
-from mconvert.convert.driver import hf_to_megatron, reshard
+from mconvert.convert.verbs import hf_to_megatron, reshard
 from mconvert.io.atomic import MANIFEST
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError

@@ -24,7 +24,7 @@ from mcore_ref import McoreContext, run_mcore
 from test_external_mcore import ITERATION, SPECS, _saved
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.driver import hf_to_megatron, reshard
+from mconvert.convert.verbs import hf_to_megatron, reshard
 from mconvert.convert.inspect import inspect_checkpoint
 from mconvert.io.safeload import safe_load_dcp_metadata
 from mconvert.mappings.families import preset

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import mconvert.trainer.train as train_mod
-from mconvert.convert.driver import megatron_to_hf, reshard
+from mconvert.convert.verbs import megatron_to_hf, reshard
 from mconvert.io.safeload import safe_load
 
 pytestmark = pytest.mark.slow
@@ -32,10 +32,9 @@ def _train(save: Path, tp: int, pp: int, steps: int, resume: bool = False, **mod
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def trained(request, tmp_path_factory) -> tuple[str, Path]:
-    root = tmp_path_factory.mktemp(f"train-{request.param}") / "ckpt"
-    _train(root, 2, 2, 2, **MODELS[request.param])
-    return request.param, root
+def trained(request, trained_checkpoint) -> tuple[str, Path]:
+    """The family trained 2 steps at TP=2 PP=2 (the session's `trained_checkpoint`, read only)."""
+    return request.param, trained_checkpoint(tp=2, pp=2, steps=2, **RUN, **MODELS[request.param])
 
 
 def _sha(root: Path) -> dict[str, str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mconvert.trainer.train as train_mod
-from mconvert.convert.driver import hf_to_megatron, megatron_to_hf, reshard
+from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.io.safeload import safe_load
 from mconvert.convert.megatron.layout import PipelineSplit
 from mconvert.errors import MConvertError

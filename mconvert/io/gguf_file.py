@@ -1,0 +1,251 @@
+"""The GGUF byte format (version 3), written front to back through the aligned hashing writer.
+
+A GGUF file is: the magic `GGUF`, the version, the tensor count and the key-value count (u32, u32, u64, u64,
+little-endian); each key-value (the key as a string, its value type as u32, the value); each tensor's info (name,
+dimension count u32, the dimensions innermost first as u64, the ggml type u32, the data offset u64 from the start
+of the data section); then the data section, which starts at the next multiple of the alignment
+(`general.alignment`, else 32) and holds each tensor's bytes padded with zeros to that alignment. A string is its
+UTF-8 length (u64) and bytes; an array its element type (u32), count (u64) and elements. This is the layout of
+gguf-py's `GGUFWriter` (llama.cpp's writer, `gguf_writer.py` / `constants.py`) and of llama.cpp's `gguf.cpp`
+reader.
+
+Nothing here knows a model family: the caller hands the key-values, the tensor infos in file order, then each
+tensor's bytes in that order (`GgufFile.write`). The bytes go through `HashingFile` (O_DIRECT for large files,
+the manifest's hash taken on the way), so the file is never read back for its manifest.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mconvert.errors import MConvertError
+from mconvert.io.atomic import record_digest
+from mconvert.io.hashing import DIRECT_MIN_BYTES, HashingFile
+
+MAGIC = 0x46554747  # "GGUF" read as a little-endian u32
+VERSION = 3
+DEFAULT_ALIGNMENT = 32
+ALIGNMENT_KEY = "general.alignment"
+
+# value types (gguf-py's GGUFValueType)
+UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
+_SCALAR = {UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: "i", FLOAT32: "f", BOOL: "?",
+           UINT64: "Q", INT64: "q", FLOAT64: "d"}
+
+# ggml types written here -> (elements per block, bytes per block) (ggml.h's ggml_type, gguf-py's GGML_QUANT_SIZES)
+F32, F16, Q8_0, BF16 = 0, 1, 8, 30
+BLOCKS = {F32: (1, 4), F16: (1, 2), Q8_0: (32, 34), BF16: (1, 2)}
+Q8_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One metadata entry: its value type and, for an array, its element type (None: from the first element,
+    as gguf-py's `GGUFValueType.get_type` reads a Python value)."""
+
+    key: str
+    value: Any
+    type: int
+    sub_type: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file: its name, shape in row-major (torch) order and ggml type."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: int
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.shape, self.type)
+
+
+def tensor_nbytes(shape: Sequence[int], ggml_type: int) -> int:
+    """The bytes of a tensor of `shape` (row-major) in `ggml_type`: whole blocks along the last dimension."""
+    if ggml_type not in BLOCKS:
+        raise MConvertError(f"ggml type {ggml_type} is not written here (F32, F16, BF16, Q8_0 are)")
+    block, size = BLOCKS[ggml_type]
+    if shape and shape[-1] % block:
+        raise MConvertError(f"a {list(shape)} tensor has rows of {shape[-1]}, not whole {block}-element blocks")
+    return math.prod(shape[:-1]) * (shape[-1] // block if shape else 1) * size
+
+
+def pad_to(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _string(s: str | bytes) -> bytes:
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    return struct.pack("<Q", len(b)) + b
+
+
+def _class_type(cls: type) -> int:
+    # the order matters: bool is an int in Python
+    if issubclass(cls, (str, bytes, bytearray)):
+        return STRING
+    if issubclass(cls, list):
+        return ARRAY
+    if issubclass(cls, float):
+        return FLOAT32
+    if issubclass(cls, bool):
+        return BOOL
+    if issubclass(cls, int):
+        return INT32
+    raise MConvertError(f"GGUF metadata: a value of type {cls.__name__} has no GGUF type")
+
+
+def _element_type(v: Any) -> int:
+    return _class_type(type(v))
+
+
+def encode_value(value: Any, vtype: int, sub_type: int | None = None) -> bytes:
+    """A value's bytes (without its type tag)."""
+    fmt = _SCALAR.get(vtype)
+    if fmt is not None:
+        return struct.pack("<" + fmt, value)
+    if vtype == STRING:
+        return _string(value)
+    if vtype != ARRAY:
+        raise MConvertError(f"GGUF metadata: value type {vtype} unknown")
+    if not isinstance(value, (Sequence, bytes)) or isinstance(value, str) or not len(value):
+        raise MConvertError("GGUF metadata: an array must be a non-empty sequence")
+    elt = sub_type if sub_type is not None else UINT8 if isinstance(value, bytes) else _element_type(value[0])
+    if sub_type is None and not isinstance(value, bytes) and {_class_type(c) for c in set(map(type, value))} != {elt}:
+        raise MConvertError("GGUF metadata: the elements of an array must have one type")
+    head = struct.pack("<IQ", elt, len(value))
+    fmt = _SCALAR.get(elt)
+    if fmt is not None:
+        return head + struct.pack(f"<{len(value)}{fmt}", *value)
+    if elt == STRING:
+        return head + b"".join(_string(v) for v in value)
+    return head + b"".join(encode_value(v, elt) for v in value)
+
+
+def encode_header(kvs: Sequence[KeyValue], tensors: Sequence[TensorInfo], alignment: int) -> bytes:
+    """Everything before the data section: magic, version, counts, key-values, tensor infos (offsets padded to
+    `alignment`)."""
+    out = [struct.pack("<IIQQ", MAGIC, VERSION, len(tensors), len(kvs))]
+    seen: set[str] = set()
+    for kv in kvs:
+        if kv.key in seen:
+            raise MConvertError(f"GGUF metadata: key {kv.key!r} twice")
+        seen.add(kv.key)
+        out += [_string(kv.key), struct.pack("<I", kv.type), encode_value(kv.value, kv.type, kv.sub_type)]
+    offset = 0
+    names: set[str] = set()
+    for t in tensors:
+        if t.name in names:
+            raise MConvertError(f"GGUF: tensor {t.name!r} twice")
+        names.add(t.name)
+        dims = tuple(reversed(t.shape))
+        out += [_string(t.name), struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, t.type, offset)]
+        offset += pad_to(t.nbytes, alignment)
+    return b"".join(out)
+
+
+def alignment_of(kvs: Sequence[KeyValue]) -> int:
+    """The data alignment a reader takes from these key-values: `general.alignment`, else 32."""
+    a = next((kv.value for kv in kvs if kv.key == ALIGNMENT_KEY), DEFAULT_ALIGNMENT)
+    if not isinstance(a, int) or a <= 0 or a % 8:
+        raise MConvertError(f"GGUF metadata: {ALIGNMENT_KEY} {a!r} is not a positive multiple of 8")
+    return a
+
+
+class GgufFile:
+    """A GGUF file written in one pass: the header at open, then each tensor's bytes (`write`) in the order of
+    `tensors`; `close` checks all were written and records the manifest digest taken while writing."""
+
+    def __init__(self, path: str | Path, kvs: Sequence[KeyValue], tensors: Sequence[TensorInfo]) -> None:
+        self.path = Path(path)
+        self.tensors = list(tensors)
+        self.alignment = alignment_of(kvs)
+        head = encode_header(kvs, self.tensors, self.alignment)
+        data = sum(pad_to(t.nbytes, self.alignment) for t in self.tensors)
+        self.size = (pad_to(len(head), self.alignment) if self.tensors else len(head)) + data
+        self._f = HashingFile(self.path, direct=self.size >= DIRECT_MIN_BYTES)
+        self._f.write(head + bytes(self.size - data - len(head)))
+        self._next = 0
+
+    def write(self, data: torch.Tensor | np.ndarray | bytes | memoryview) -> None:
+        """The next tensor's bytes (a tensor or array as its row-major bytes), then its padding."""
+        if self._next >= len(self.tensors):
+            raise MConvertError(f"{self.path}: more tensors written than the {len(self.tensors)} planned")
+        t = self.tensors[self._next]
+        if isinstance(data, np.ndarray):
+            data = torch.from_numpy(np.ascontiguousarray(data))
+        n = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+        if n != t.nbytes:
+            raise MConvertError(f"{self.path}: tensor {t.name}: {n} bytes, its info says {t.nbytes}")
+        self._f.write(data)
+        pad = pad_to(n, self.alignment) - n
+        if pad:
+            self._f.write(bytes(pad))
+        self._next += 1
+
+    def drain(self) -> None:
+        """Wait until every byte handed to `write` so far is in the file (see `HashingFile.drain`)."""
+        self._f.drain()
+
+    def close(self) -> str:
+        """Finish the file (every planned tensor written) and record its digest for the manifest."""
+        if self._next != len(self.tensors):
+            self._f.abort()
+            raise MConvertError(f"{self.path}: tensor {self.tensors[self._next].name} was never written")
+        digest = self._f.close()
+        record_digest(self.path, digest, self._f.algorithm)
+        return digest
+
+    def abort(self) -> None:
+        self._f.abort()
+
+
+Q8_SLICE = 1 << 16  # values quantized at once: one slice's working buffers stay in the core's cache
+
+
+def quantize_q8_0(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """`x` (a float tensor, last dimension whole 32-blocks) as q8_0 blocks (a float16 scale, its largest magnitude
+    / 127, then 32 int8 values rounded half away from zero), bit for bit what ggml's `quantize_row_q8_0_ref` and
+    gguf-py's `Q8_0.quantize_blocks` compute on its float32 values. `rows` rows at a time (by default about
+    `Q8_SLICE` values), each cast to float32 into the same working buffers, every step in place: no allocation
+    per slice (with the CLI's fixed mmap threshold each would be a fresh mapping, its pages faulted in anew)."""
+    n = x.shape[-1]
+    if n % Q8_BLOCK:
+        raise MConvertError(f"a {list(x.shape)} tensor has rows of {n}, not whole q8_0 blocks")
+    rows = rows or max(1, Q8_SLICE // n)
+    flat = x.reshape(-1, n)
+    out = torch.empty((flat.shape[0], n // Q8_BLOCK, 2 + Q8_BLOCK), dtype=torch.uint8)
+    nb = min(rows, flat.shape[0]) * (n // Q8_BLOCK)
+    v_buf, a_buf, w_buf = (torch.empty((nb, Q8_BLOCK), dtype=torch.float32) for _ in range(3))
+    d_buf, inv_buf = (torch.empty((nb, 1), dtype=torch.float32) for _ in range(2))
+    zero_buf = torch.empty((nb, 1), dtype=torch.bool)
+    for a in range(0, flat.shape[0], rows):
+        src = flat[a:a + rows]
+        k = src.shape[0] * (n // Q8_BLOCK)
+        v, mag, whole, d, inv, zero = v_buf[:k], a_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k], zero_buf[:k]
+        v.view(src.shape).copy_(src)  # the slice as float32
+        torch.abs(v, out=mag)
+        torch.amax(mag, dim=1, keepdim=True, out=d)
+        d.div_(127)
+        torch.reciprocal(d, out=inv)
+        torch.eq(d, 0, out=zero)
+        inv.masked_fill_(zero, 0.0)
+        v.mul_(inv)  # the values in units of the scale
+        torch.abs(v, out=mag)
+        torch.floor(mag, out=whole)
+        mag.sub_(whole).mul_(2).floor_().add_(whole)  # |v| rounded half away from zero
+        torch.sign(v, out=whole)
+        mag.mul_(whole)
+        blk = out[a:a + rows].view(-1, 2 + Q8_BLOCK)
+        blk[:, :2].view(torch.float16).copy_(d)
+        blk.view(torch.int8)[:, 2:].copy_(mag)
+    return out.reshape(*x.shape[:-1], (n // Q8_BLOCK) * (2 + Q8_BLOCK))

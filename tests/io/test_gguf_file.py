@@ -1,0 +1,128 @@
+"""mconvert's GGUF bytes (`io.gguf_file`) against gguf-py's `GGUFWriter`, llama.cpp's own writer: the same
+key-values and tensors give the same file, byte for byte, and q8_0 blocks equal gguf-py's quantizer's."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mconvert.convert.verbs import to_gguf
+from mconvert.errors import MConvertError
+from mconvert.io.gguf_file import (ARRAY, BOOL, FLOAT32, FLOAT64, INT8, INT16, INT32, INT64, STRING, UINT8, UINT16,
+                                   UINT32, UINT64, GgufFile, KeyValue, TensorInfo, quantize_q8_0)
+
+
+def _gguf_py(path: Path, kvs: list[KeyValue], tensors: list[tuple[TensorInfo, np.ndarray]]) -> None:
+    """`path` as gguf-py's GGUFWriter writes these key-values and tensors."""
+    w = gguf.GGUFWriter(path, "llama")
+    w.kv_data[0].clear()  # the architecture key comes from `kvs`, in their order
+    for kv in kvs:
+        w.add_key_value(kv.key, kv.value, gguf.GGUFValueType(kv.type),
+                        None if kv.sub_type is None else gguf.GGUFValueType(kv.sub_type))
+    for t, data in tensors:
+        w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), data.nbytes, raw_dtype=gguf.GGMLQuantizationType(t.type))
+    w.write_header_to_file(path)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, data in tensors:
+        w.write_tensor_data(data)
+    w.close()
+
+
+def _ours(path: Path, kvs: list[KeyValue], tensors: list[tuple[TensorInfo, np.ndarray]]) -> None:
+    f = GgufFile(path, kvs, [t for t, _ in tensors])
+    for _, data in tensors:
+        f.write(data)
+    f.close()
+
+
+def test_every_value_type_and_tensor_type_is_written_as_gguf_py_writes_it(tmp_path):
+    rng = np.random.default_rng(0)
+    kvs = [KeyValue("general.architecture", "llama", STRING), KeyValue("u8", 7, UINT8), KeyValue("i8", -7, INT8),
+           KeyValue("u16", 65535, UINT16), KeyValue("i16", -3, INT16), KeyValue("u32", 1 << 31, UINT32),
+           KeyValue("i32", -(1 << 31), INT32), KeyValue("f32", 0.1, FLOAT32), KeyValue("b", True, BOOL),
+           KeyValue("u64", 1 << 63, UINT64), KeyValue("i64", -(1 << 62), INT64), KeyValue("f64", 0.1, FLOAT64),
+           KeyValue("s", "h\u00e9llo \u2581 \U0001f600", STRING), KeyValue("empty-ish", " ", STRING),
+           KeyValue("strs", ["a", "", "\u2581b", "<0x0A>"], ARRAY, STRING),
+           KeyValue("ints", [1, -2, 3], ARRAY), KeyValue("floats", [0.5, -1e-30, 3.25], ARRAY, FLOAT32),
+           KeyValue("types", [1, 2, 3, 6], ARRAY, INT32), KeyValue("bools", [True, False], ARRAY),
+           KeyValue("bytes", b"\x00\xff", ARRAY), KeyValue("nested", [[1, 2], [3]], ARRAY)]
+    f32 = rng.standard_normal((3, 5)).astype(np.float32)  # 60 bytes: padded to 64
+    f16 = rng.standard_normal((7,)).astype(np.float16)  # 14 bytes
+    q8 = quantize_q8_0(torch.from_numpy(rng.standard_normal((2, 64)).astype(np.float32))).numpy()
+    bf16 = gguf.quants.quantize(rng.standard_normal((2, 3)).astype(np.float32), gguf.GGMLQuantizationType.BF16)
+    tensors = [(TensorInfo("a.weight", (3, 5), 0), f32), (TensorInfo("b", (7,), 1), f16),
+               (TensorInfo("c", (2, 64), 8), q8), (TensorInfo("d", (2, 3), 30), bf16)]
+    _gguf_py(tmp_path / "theirs.gguf", kvs, tensors)
+    _ours(tmp_path / "ours.gguf", kvs, tensors)
+    assert (tmp_path / "ours.gguf").read_bytes() == (tmp_path / "theirs.gguf").read_bytes()
+    # no tensors: the header alone, as gguf-py writes it
+    _gguf_py(tmp_path / "theirs0.gguf", kvs[:3], [])
+    _ours(tmp_path / "ours0.gguf", kvs[:3], [])
+    assert (tmp_path / "ours0.gguf").read_bytes() == (tmp_path / "theirs0.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("value", [[1, "a"], [1, 2.0], [True, 1], []])
+def test_an_array_gguf_py_refuses_is_refused(tmp_path, value):
+    kvs = [KeyValue("general.architecture", "llama", STRING), KeyValue("bad", value, ARRAY)]
+    with pytest.raises(ValueError):
+        _gguf_py(tmp_path / "theirs.gguf", kvs, [])
+    with pytest.raises(MConvertError, match="array"):
+        _ours(tmp_path / "ours.gguf", kvs, [])
+
+
+def test_q8_0_blocks_equal_gguf_pys_quantizer_bit_for_bit():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 256, generator=g) * torch.logspace(-6, 4, 300).unsqueeze(1)
+    x[0] = 0  # a zero block: scale 0, values 0
+    x[1, :32] = torch.arange(32) / 2 - 8  # exact halves: rounded away from zero
+    x[2, :32] = 6.5e4  # a scale near float16's top
+    x[3, :32] = 1e-9  # a scale below float16's normals
+    want = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    for rows in (7, 4096):  # one chunk and several, with a short last one
+        have = quantize_q8_0(x, rows=rows).numpy()
+        assert have.shape == want.shape and np.array_equal(have, want)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    """A tiny random transformers Llama with the trainer's byte-level BPE tokenizer beside it."""
+    from mconvert.data import build_tokenizer, save_hf_tokenizer
+
+    d = tmp_path_factory.mktemp("gguf-file") / "hf-llama"
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=1000, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d, safe_serialization=True)
+    tok = d.parent / "tok"
+    save_hf_tokenizer(build_tokenizer(), tok)
+    for f in tok.iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.mark.parametrize("outtype", ["f32", "f16", "q8_0"])
+def test_hf_to_gguf_file_equals_gguf_pys_writer_given_its_key_values_and_tensors(llama_dir, tmp_path, outtype):
+    """The whole file of a real conversion, read back by gguf-py's reader and written again by its writer."""
+    out = tmp_path / "ours.gguf"
+    to_gguf(llama_dir, out, outtype=outtype, verb="hf-to-gguf")
+    r = gguf.GGUFReader(out)
+    kvs = []
+    for f in r.fields.values():
+        if f.name.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        kvs.append(KeyValue(f.name, f.contents(), int(vtype), None if sub is None else int(sub)))
+    tensors = [(TensorInfo(t.name, tuple(int(d) for d in reversed(t.shape)), int(t.tensor_type)),
+                np.array(t.data)) for t in r.tensors]
+    assert {int(t.tensor_type) for t in r.tensors} >= ({8} if outtype == "q8_0" else {0, 1} if outtype == "f16" else {0})
+    _gguf_py(tmp_path / "theirs.gguf", kvs, tensors)
+    assert out.read_bytes() == (tmp_path / "theirs.gguf").read_bytes()
