@@ -24,7 +24,7 @@ import torch
 from validate_common import WORK, glm_tokenizer, moved_off_init_ckpt
 
 from mconvert.convert.deploy import gguf as gguf_mod
-from mconvert.convert.deploy.gguf import to_gguf
+from mconvert.convert.verbs import to_gguf
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
 from mconvert.validators.gguf_runner import read_gguf_metadata
@@ -43,7 +43,7 @@ CASES = {"deepseek_v3": ("tiny-deepseek-v3", {}, "deepseek2"), "glm4_moe": ("tin
 
 def _sources(case: str):
     """(the TP=2 EP=2 Megatron checkpoint, its megatron-to-hf export)."""
-    from mconvert.convert.driver import megatron_to_hf, reshard
+    from mconvert.convert.verbs import megatron_to_hf, reshard
 
     name, changes = CASES[case][:2]
     ckpt, hf = G / f"ckpt-{case.replace(' ', '-')}-tp2ep2", G / f"hf-{case.replace(' ', '-')}"

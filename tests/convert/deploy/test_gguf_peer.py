@@ -173,7 +173,7 @@ def models(spm_tokenizer, bpe_tokenizer) -> dict[str, Path]:
         for f in (bpe_tokenizer if family in BPE_FAMILIES else spm_tokenizer).iterdir():
             shutil.copy(f, d / f.name)
         out[family] = d
-    from mconvert.convert.driver import megatron_to_hf
+    from mconvert.convert.verbs import megatron_to_hf
 
     for family, name in EXPORTED.items():
         out[family] = WORK / f"hf-{family}"
