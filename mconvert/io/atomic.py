@@ -21,6 +21,7 @@ import stat
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -225,7 +226,20 @@ class _Terminated(SystemExit):
     128 + the signal number, the exit status a shell reports for a process the signal ended."""
 
 
+_FINALIZER_CODE = weakref.finalize.__call__.__code__
+
+
 def _raise_terminated(signum: int, frame: Any) -> None:
+    """The handler: raise `_Terminated` where the main thread is, except inside a weakref finalizer (a pool
+    buffer returned, a file descriptor closed), where Python prints and drops any exception: there the signal is
+    sent again a moment later from another thread, to be handled once the finalizer has returned (raising it from
+    here would run this handler again at once, still inside the finalizer)."""
+    f = frame
+    while f is not None:
+        if f.f_code is _FINALIZER_CODE:
+            threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+            return
+        f = f.f_back
     raise _Terminated(128 + signum)
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -201,3 +202,31 @@ def test_a_failed_run_removes_its_directory_while_another_writer_fills_it(tmp_pa
     with atomic_output_dir(out) as tmp:
         (tmp / "config.json").write_text("{}")
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_sigterm_inside_a_finalizer_is_handled_after_it_not_dropped():
+    """A SIGTERM handled while a weakref finalizer runs (a pool buffer returned, a descriptor closed) would raise
+    inside it, where Python prints "Exception ignored" and drops the exception: it is handled once the finalizer
+    has returned, as `_Terminated`, and nothing is printed. Run in a child so the signal stays there."""
+    code = r"""
+import signal, sys, time, weakref
+from mconvert.io.atomic import _Terminated, terminating
+class Owner: pass
+ran = []
+def finalizer():
+    signal.raise_signal(signal.SIGTERM)  # handled at the next bytecode: inside this finalizer
+    ran.extend([1, 2, 3])
+try:
+    with terminating():
+        o = Owner(); weakref.finalize(o, finalizer); del o
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the signal comes back within a moment of the finalizer's return
+            pass
+    print("not terminated")
+except _Terminated as e:
+    print("terminated", e.code, ran)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.strip() == f"terminated {128 + signal.SIGTERM} [1, 2, 3]", (r.stdout, r.stderr)
+    assert r.stderr == "", r.stderr
