@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from mconvert import dtypes
-from mconvert.convert.base import units_of
-from mconvert.convert.deploy import fastertransformer as ft
-from mconvert.convert.deploy import trtllm
+from mconvert.convert.deploy import ft_layout as ft
+from mconvert.convert.deploy import trtllm_layout as trtllm
 from mconvert.io.paths import load_json_object
 from mconvert.convert.megatron.layout import RANK_FILE, PipelineSplit, parse_pipeline_layout, rank_dir_name
 from rich.table import Table
@@ -262,7 +261,7 @@ def ft_files(spec: ModelSpec, ft_tp: int, dtype: str) -> list[dict[str, Any]]:
     is counted as the fp16 FT's own tools write it."""
     prepared = ft.prepare(spec, ft_tp, "fp16" if dtype == "bfloat16" else dtype, allow_approx_gelu=True,
                           accept_window_as_full=True, option="--target-tp")
-    order = {unit: i for i, unit in enumerate(units_of(spec))}
+    order = {unit: i for i, unit in enumerate(spec.units())}
     files = [{**f, "tensors": int(f["path"] in prepared.units), "unit": prepared.units.get(f["path"])}
              for f in prepared.files]
     return sorted(files, key=lambda f: order.get(f["unit"], len(order)))

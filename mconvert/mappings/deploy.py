@@ -15,20 +15,12 @@ from mconvert.errors import MConvertError
 from mconvert.io.transpose import copy_transposed
 from mconvert.mappings import transforms as T
 from mconvert.mappings.record import DeployRule, Tensors
-from mconvert.mappings.wildcards import Registry, fill
-from mconvert.spec import ModelSpec, ParamDecl
+from mconvert.mappings.deploy_names import EMBEDDING, HEAD, registry as _registry, unit_names, unit_params
+from mconvert.mappings.wildcards import fill
+from mconvert.spec import ModelSpec
 
-HEAD = "output_layer.weight"
-EMBEDDING = "embedding.word_embeddings.weight"
+__all__ = ["EMBEDDING", "HEAD", "unit_names", "unit_params"]  # kept importable from here
 
-
-def unit_params(spec: ModelSpec, unit: str | int) -> list[ParamDecl]:
-    """The parameters ModelSpec declares for one unit (a tied model declares no head)."""
-    if unit == "embedding":
-        return spec.embedding_params()
-    if unit == "final":
-        return spec.final_params()
-    return spec.layer_params(int(unit))
 
 
 def _qkv(spec: ModelSpec, full: torch.Tensor, name: str, empty: T.Empty | None = None) -> list[torch.Tensor]:
@@ -144,16 +136,6 @@ def check_table(table: dict[str, DeployRule], what: str) -> None:
             raise ValueError(f"{what}: {tpl}: form {rule.form!r} with {len(rule.names)} names")
 
 
-_REGS: dict[int, Registry] = {}
-
-
-def _registry(table: dict[str, DeployRule | None]) -> Registry:
-    key = id(table)
-    if key not in _REGS:
-        _REGS[key] = Registry(table)
-    return _REGS[key]
-
-
 def check_complete(spec: ModelSpec, unit: str | int, have: Collection[str], what: str, source: str = "checkpoint") -> None:
     """Refuse a unit that ended without one of its declared parameters (`have`: the names that came)."""
     for d in unit_params(spec, unit):
@@ -163,25 +145,6 @@ def check_complete(spec: ModelSpec, unit: str | int, have: Collection[str], what
 
 def _missing(source: str, name: str, unit: str | int, what: str) -> MConvertError:
     return MConvertError(f"{source}: parameter {name!r} is missing (unit {unit!r}); cannot write {what}")
-
-
-def unit_names(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, tied_head: bool = False,
-               rank: int = 0) -> list[str]:
-    """The names `rank_tensors` gives rank `rank`'s tensors of `unit` (`tied_head`: the final unit also writes
-    the tied head), without cutting any tensor: what a writer that lays out its files up front needs to know
-    where a unit's bytes land."""
-    reg = _registry(table)
-    names = [d.name for d in unit_params(spec, unit)]
-    if unit == "final" and tied_head and HEAD in table and table[HEAD] is not None:
-        names.append(HEAD)
-    out: list[str] = []
-    for name in names:
-        m = reg.match(name)
-        if m is None or m[1] is None:
-            continue
-        _, rule, layer = m
-        out += [fill(tpl, layer).replace("{r}", str(rank)) for tpl in rule.names]
-    return out
 
 
 def rank_tensors(spec: ModelSpec, table: dict[str, DeployRule | None], unit: str | int, mcore: Tensors, tp: int,

@@ -24,11 +24,9 @@ The loader only warns on a missing or short file (and runs on garbage): `check_f
 from __future__ import annotations
 
 import configparser
-import io
 import os
 import re
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +34,7 @@ import numpy as np
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.base import Unit, units_of
+from mconvert.convert.base import units_of
 from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import HashingFile
@@ -45,65 +43,15 @@ from mconvert.io.casts import check_narrowed
 from mconvert.convert.scaleout import world
 from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError
-from mconvert.mappings import deploy, families
+from mconvert.mappings import deploy
 from mconvert.mappings.record import FTFile, FTLayout
 from mconvert.mappings.fields import Field, check, neutral, refused
-from mconvert.spec import ModelSpec
+from mconvert.convert.deploy.ft_layout import (  # noqa: F401 - the module's own names, importable from here too
+    FT_PARAM_DTYPES, FTPrepared, ft_config, ft_dtype, ft_expected_files, ft_layout, ft_layouts, prepare,
+    section_layout)
 
 # FT's weight_data_type names -> (numpy dtype of the raw files, torch dtype)
-FT_PARAM_DTYPES = ("float32", "float16")
 FT_DTYPES = {row.aliases[0]: (row.np, row.torch) for row in map(dtypes.lookup, FT_PARAM_DTYPES)}
-
-
-def ft_layouts() -> dict[str, FTLayout]:
-    """Every FT section a family declares, by section name (families may share one)."""
-    out: dict[str, FTLayout] = {}
-    for fam in families.all_families():
-        if fam.ft is not None:
-            out.setdefault(fam.ft.section, fam.ft)
-    return out
-
-
-def section_layout(section: str) -> FTLayout:
-    """The layout of a config.ini section; one MConvertError for a section no family declares."""
-    layout = ft_layouts().get(section)
-    if layout is None:
-        raise MConvertError(f"unknown FasterTransformer section [{section}]")
-    return layout
-
-
-# ---- what FT can hold --------------------------------------------------------------------------------
-def ft_layout(spec: ModelSpec, infer_tp: int, allow_approx_gelu: bool = False,
-              option: str = "--infer-tp") -> FTLayout:
-    """The FT section of a model FT can represent exactly at `infer_tp`; one-line refusal otherwise, naming
-    `option`, the caller's flag for the inference TP (`plan` calls it --target-tp)."""
-    spec.refuse_unmapped("FasterTransformer")
-    nh, hd, H = spec.num_attention_heads, spec.head_dim, spec.hidden_size
-    if infer_tp < 1:
-        raise MConvertError(f"{option} must be >= 1 (got {infer_tp})")
-    if nh * hd != H:
-        raise MConvertError(
-            f"FasterTransformer needs head_num·size_per_head = hidden ({nh}·{hd} != {H}); it cannot hold this model"
-        )
-    if nh % infer_tp:
-        raise MConvertError(f"{option} {infer_tp} does not divide num_attention_heads={nh}; pick a divisor")
-    if spec.ffn_hidden_size % infer_tp:
-        raise MConvertError(f"{option} {infer_tp} does not divide ffn_hidden_size={spec.ffn_hidden_size}")
-    layout = families.of(spec).ft
-    if layout is None or not layout.holds(spec):
-        raise MConvertError(
-            f"FasterTransformer has no layout for {spec.normalization} + {spec.activation} + "
-            f"{spec.position_embedding_type} positions ({spec.family}); supported: GPT-2 style and LLaMA style"
-        )
-    layout.refuse(spec, infer_tp, allow_approx_gelu)
-    return layout
-
-
-# ---- the files FT's loader opens ---------------------------------------------------------------------
-def ft_expected_files(section: str, cfg: dict[str, Any]) -> list[FTFile]:
-    """Every file FT's C++ loader opens for a config (int8_mode 0, no prompt tables), with its shape."""
-    return section_layout(section).expected_files(cfg)
-
 
 # ---- reading an FT dir (shared by the check and the reference runner) ---------------------------------
 def resolve_ft_dir(path: str | Path) -> Path:
@@ -285,38 +233,6 @@ def check_ft_dir(path: str | Path) -> list[str]:
 
 
 # ---- writing -----------------------------------------------------------------------------------------
-def ft_config(spec: ModelSpec, section: str, infer_tp: int, dtype: str, source: str) -> configparser.ConfigParser:
-    """config.ini: FT's fields for the section (layernorm_eps always) plus an informational [mconvert] section."""
-    layout = section_layout(section)
-    def token(tid: int | None) -> int:  # unknown or outside the vocab (GPT-2 config defaults): last id
-        return tid if tid is not None and 0 <= tid < spec.vocab_size else spec.vocab_size - 1
-
-    start, end = token(spec.bos_token_id), token(spec.eos_token_id)
-    common = {
-        "model_name": layout.model_name or spec.family,  # FT's converters: "gpt" / the model's name
-        "head_num": spec.num_attention_heads,
-        "size_per_head": spec.head_dim,
-        "inter_size": spec.ffn_hidden_size,
-        "num_layer": spec.num_layers,
-        "vocab_size": spec.vocab_size,
-        "layernorm_eps": repr(float(spec.norm_epsilon)),
-        "start_id": start,
-        "end_id": end,
-        "weight_data_type": dtype,
-        "tensor_para_size": infer_tp,
-    }
-    fields = dict(common, **layout.config_fields(spec))
-    cp = configparser.ConfigParser()
-    cp[section] = {k: str(v) for k, v in fields.items()}
-    cp["mconvert"] = {  # FT ignores unknown sections; kept for provenance
-        "source": source,
-        "source_activation": spec.activation,
-        "tie_word_embeddings": str(spec.tie_embeddings),
-        "true_vocab_size": str(spec.vocab_size),
-    }
-    return cp
-
-
 class _RawFiles:
     """FT weight files (raw little-endian values), each written through `io.hashing.HashingFile` — O_DIRECT
     from 1 MiB up, hashed on the way and handed to the manifest, so the manifest never reads them back. Up to
@@ -434,60 +350,3 @@ def refuse_written(ft_dir: Path) -> None:
     problems = check_ft_dir(ft_dir)
     if problems:  # our own writer disagreeing with FT's loader is a bug: never leave the dir behind
         raise MConvertError(f"FT layout check failed on what was written: {problems[0]}")
-
-
-def ft_dtype(name: str) -> str:
-    """FT's `weight_data_type` word (`fp32` / `fp16`) for `--dtype NAME`; other dtypes refused by name."""
-    return dtypes.short_name(dtypes.choose(name, FT_PARAM_DTYPES, auto=False,
-                                           why="FasterTransformer weights are fp32 or fp16"))
-
-
-@dataclass(frozen=True)
-class FTPrepared:
-    """What one FasterTransformer conversion writes, worked out before any tensor is read: the spec as FT runs
-    it (a sliding window accepted as full attention), its section after every refusal, FT's weight_data_type,
-    config.ini, every file of `<infer_tp>-gpu/` with its bytes (FT's own file list) and the report's notes."""
-
-    spec: ModelSpec
-    layout: FTLayout
-    infer_tp: int
-    dtype: str  # FT's weight_data_type word: fp32 / fp16
-    source: str  # named in config.ini's [mconvert] section and in errors
-    config_text: str  # config.ini as written
-    files: list[dict[str, Any]]  # {"path": "<t>-gpu/NAME", "bytes"}, sorted by path
-    units: dict[str, Unit]  # each weight file's path -> the unit whose tensors it holds (config.ini: none)
-    notes: list[str]
-
-    @property
-    def where(self) -> str:
-        """The report's layout: `[gpt] TP=2`."""
-        return f"[{self.layout.section}] TP={self.infer_tp}"
-
-
-def prepare(spec: ModelSpec, infer_tp: int, dtype: str = "fp32", allow_approx_gelu: bool = False,
-            accept_window_as_full: bool = False, source: str = "checkpoint", option: str = "--infer-tp") -> FTPrepared:
-    """The one place FT's refusals, config and file sizes are worked out (the verb, `FTWriter`, `--dry-run` and
-    `plan --to ft` call it): the dtype FT stores, a sliding window (`accept_window_as_full`: written for FT's
-    full attention, with a note), what FT's loader cannot hold at `infer_tp` (`ft_layout`; `option` names the
-    caller's flag), then config.ini and every file FT's loader opens, from shapes alone."""
-    dtype = ft_dtype(dtype)
-    spec, window_note = spec.window_as_full("FasterTransformer", accept_window_as_full)
-    layout = ft_layout(spec, infer_tp, allow_approx_gelu, option)
-    notes = [window_note] if window_note else []
-    if spec.activation == "gelu":
-        notes.append("exact-erf GeLU model written for FT's tanh GeLU (--allow-approx-gelu): logits will differ")
-    if layout.tied_head_note and spec.tie_embeddings:
-        notes.append(layout.tied_head_note)
-    cfg = ft_config(spec, layout.section, infer_tp, dtype, source)
-    text = io.StringIO()
-    cfg.write(text)
-    itemsize = FT_DTYPES[dtype][0].itemsize
-    head = not spec.tie_embeddings
-    files = [{"path": f"{infer_tp}-gpu/{f.name}", "bytes": int(np.prod(f.shape)) * itemsize}
-             for f in ft_expected_files(layout.section, dict(cfg[layout.section])) if head or not f.optional]
-    files.append({"path": f"{infer_tp}-gpu/config.ini", "bytes": len(text.getvalue().encode())})
-    tied = spec.tie_embeddings and layout.always_reads_head
-    units = {f"{infer_tp}-gpu/{name}": unit for unit in units_of(spec) for r in range(infer_tp)
-             for name in deploy.unit_names(spec, layout.files, unit, tied, r)}
-    return FTPrepared(spec, layout, infer_tp, dtype, source, text.getvalue(),
-                      sorted(files, key=lambda f: f["path"]), units, notes)

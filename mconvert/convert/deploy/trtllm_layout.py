@@ -1,9 +1,13 @@
-"""The TensorRT-LLM layout as data: `config.json` for a model, what TensorRT-LLM's classes cannot hold, and every
-tensor name and per-rank shape a `config.json` implies. No torch: `plan --to trtllm` estimates from it, the
+"""The TensorRT-LLM layout as data: `config.json` for a model, what TensorRT-LLM's classes cannot hold, every
+tensor name and per-rank shape a `config.json` implies, and `prepare`, the one place the verb, the writer,
+`--dry-run` and `plan --to trtllm` take what one conversion writes from. No torch: `plan` runs without it; the
 writer and the checker (`convert/deploy/trtllm.py`) build on it."""
 
 from __future__ import annotations
 
+import json
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from mconvert import dtypes
@@ -124,3 +128,67 @@ def expected_trtllm_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             if layout.gated:
                 shapes[p + "mlp.gate.bias"] = (F // t,)
     return shapes
+
+
+def trtllm_dtype(name: str, spec: ModelSpec) -> str:
+    """The canonical dtype of `--dtype NAME` (`auto`: the model's own)."""
+    dtype = dtypes.choose(name, TRT_DTYPES)
+    return spec.params_dtype if dtype == "auto" else dtype
+
+
+@dataclass(frozen=True)
+class TrtllmPrepared:
+    """What one TensorRT-LLM conversion writes, worked out before any tensor is read: the spec as the engine runs
+    it (a sliding window accepted as full attention), the rank count, the dtype, config.json, every tensor's
+    per-rank shape (the checker's derivation from that config) and the report's notes."""
+
+    spec: ModelSpec
+    tp: int
+    dtype: str
+    source: str  # named in errors
+    config: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    notes: list[str]
+
+    @property
+    def where(self) -> str:
+        """The report's layout: `LlamaForCausalLM TP=2`."""
+        return f"{self.config['architecture']} TP={self.tp}"
+
+    @property
+    def config_text(self) -> str:
+        return json.dumps(self.config, indent=4) + "\n"
+
+    @property
+    def rank_bytes(self) -> int:
+        """Tensor bytes of one rank file (its safetensors header not counted)."""
+        return sum(math.prod(s) for s in self.shapes.values()) * dtypes.lookup(self.dtype).itemsize  # type: ignore[union-attr]
+
+    @property
+    def files(self) -> list[dict[str, Any]]:
+        """Every file with its bytes, sorted by path (the rank files' tensor bytes)."""
+        files = [{"path": f"rank{r}.safetensors", "bytes": self.rank_bytes} for r in range(self.tp)]
+        files.append({"path": "config.json", "bytes": len(self.config_text.encode())})
+        return sorted(files, key=lambda f: f["path"])
+
+
+def prepare(spec: ModelSpec, tp: int, dtype: str = "auto", accept_window_as_full: bool = False,
+            source: str = "checkpoint") -> TrtllmPrepared:
+    """The one place TensorRT-LLM's refusals, config and shapes are worked out (the verb, `TrtllmWriter`,
+    `--dry-run` and `plan --to trtllm` call it): a sliding window (`accept_window_as_full`: written as full
+    attention, with a note), what TensorRT-LLM's classes cannot hold at `tp`, the dtype (`auto`: the model's),
+    then config.json and every tensor's per-rank shape."""
+    spec, window_note = spec.window_as_full("TensorRT-LLM", accept_window_as_full)
+    trtllm_refusal(spec, tp)
+    dtype = trtllm_dtype(dtype, spec)
+    if dtype not in TRT_DTYPES:
+        raise MConvertError(f"{source}: stored dtype {dtype} is not one TensorRT-LLM takes; pass --dtype")
+    cfg = trtllm_config(spec, tp, dtype)
+    notes = ["rank files hold the whole model (no pipeline split: mapping.pp_size=1)"] + ([window_note] if window_note
+                                                                                         else [])
+    if spec.num_groups < tp:
+        notes.append(f"{spec.num_groups} KV heads duplicated to {tp} ranks (TensorRT-LLM's dup_kv_weight)")
+    return TrtllmPrepared(spec, tp, dtype, source, cfg, expected_trtllm_shapes(cfg), notes)
+
+
+# ---- the checker: names and shapes derived from config.json alone --------------------------------------
