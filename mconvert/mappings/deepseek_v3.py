@@ -131,9 +131,9 @@ def first_dense(spec: ModelSpec, arch: str = "DeepseekV3ForCausalLM") -> int:
     return k
 
 
-def to_hf(spec: ModelSpec) -> dict[str, Any]:
-    """DeepseekV3Config fields (with vLLM's scoring_func / topk_method); refuses what the class cannot compute."""
-    arch = FAMILY.architecture
+def to_hf(spec: ModelSpec, arch: str = "DeepseekV3ForCausalLM") -> dict[str, Any]:
+    """DeepseekV3Config fields (with vLLM's scoring_func / topk_method); refuses what the class `arch` cannot
+    compute."""
     if not (spec.is_mla and spec.is_moe and spec.moe_router_score_function == "sigmoid"):
         raise MConvertError(f"HF {arch} needs multi-latent attention and the sigmoid MoE router; this model has "
                             f"kv_lora_rank={spec.kv_lora_rank}, num_experts={spec.num_experts}, "

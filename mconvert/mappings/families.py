@@ -47,6 +47,7 @@ FAMILY_MODULES = (
     "gemma2",
     "gemma3",
     "glm4_moe",
+    "glm4_moe_lite",
     "gpt2",
     "llama",
     "mistral",
