@@ -12,7 +12,7 @@ What differs from DeepseekV3Config is stated, not assumed:
 - the dense first layers: transformers ≥ 5 builds them from `mlp_layer_types` (default: one dense layer), vLLM
   from `first_k_dense_replace`; both are read, must agree, and both are written;
 - `partial_rotary_factor` (a top-level key of the published config, inside `rope_parameters` in transformers 5)
-  would shorten transformers' rope; only 1.0 is read;
+  would shorten transformers' rope; only 1.0 is read (a `rope_parameters` beyond plain rope is refused);
 - transformers does not read `num_nextn_predict_layers` (it builds no MTP layer), vLLM does: it maps to
   `mtp_num_layers` as DeepSeek-V3's does;
 - the class defaults are GLM-4.7-Flash's (`CLASS_DEFAULTS`).
@@ -78,19 +78,31 @@ def _dense_first(cfg: dict[str, Any], layers: int, source: str) -> int:
 
 def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSpec:
     """A Glm4MoeLiteConfig dict -> ModelSpec: DeepSeek-V3's reading with this class's defaults."""
-    rope = cfg.get("rope_parameters")
-    if isinstance(rope, dict) and rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise MConvertError(f"{source}: rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']!r} is "
-                            "not supported: a partial rope inside MLA's rope dims is not megatron-core's MLA")
     full = {**LATENT_DEFAULTS, **cfg}
     layers = int(full.get("num_hidden_layers", 47))
     full["first_k_dense_replace"] = _dense_first(cfg, layers, source)
-    base = llama.rope_spec({**full, "num_key_value_heads": full.get("num_attention_heads"), "rope_scaling": None},
+    # the dense-attention head width stands in until the MLA fields replace it (GLM-4.7-Flash's 2048 / 20 heads
+    # is no whole width)
+    base = llama.rope_spec({**full, "num_key_value_heads": full.get("num_attention_heads"), "rope_scaling": None,
+                            "head_dim": int(full["v_head_dim"])},
                            common, add_bias_linear=False, add_qkv_bias=False, source=source)
-    return deepseek_v3.moe_from_hf(full, base.replace(kv_channels=None), CLASS_DEFAULTS).replace(
-        q_lora_rank=full["q_lora_rank"], kv_lora_rank=int(full["kv_lora_rank"]),
+    return deepseek_v3.moe_from_hf(full, base, CLASS_DEFAULTS).replace(
+        kv_channels=None, q_lora_rank=full["q_lora_rank"], kv_lora_rank=int(full["kv_lora_rank"]),
         qk_rope_head_dim=int(full["qk_rope_head_dim"]), qk_nope_head_dim=int(full["qk_nope_head_dim"]),
         v_head_dim=int(full["v_head_dim"]), **llama.rope_scaling_from_hf(full, source, mla=True))
+
+
+PRESETS = {
+    # zai-org/GLM-4.7-Flash (its config.json's values), for `plan` estimates: MLA with a q latent, 2048 wide over 20
+    # heads, one dense first layer, 64 experts (top-4, × 1.8), one shared expert, one MTP layer
+    "glm-4.7-flash": deepseek_v3.deepseek_preset(
+        num_layers=47, hidden_size=2048, num_attention_heads=20, ffn_hidden_size=10240, vocab_size=154880,
+        max_position_embeddings=202752, norm_epsilon=1e-5, rotary_base=1000000.0, q_lora_rank=768,
+        kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, num_experts=64,
+        moe_ffn_hidden_size=1536, moe_router_topk=4, moe_router_topk_scaling_factor=1.8,
+        moe_shared_expert_intermediate_size=1536, moe_layer_freq=tuple([0] + [1] * 46), mtp_num_layers=1,
+        params_dtype="bfloat16").replace(family=NAME),
+}
 
 
 def to_hf(spec: ModelSpec) -> dict[str, Any]:
@@ -106,5 +118,5 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
 FAMILY = dataclasses.replace(
     deepseek_v3.FAMILY, **llama.rope_family(
         NAME, "Glm4MoeLite", plugin=dataclasses.replace(deepseek_v3.TABLE, family=NAME), hf_fields=HF_FIELDS,
-        to_hf=to_hf, from_hf=from_hf, presets={}, recognise=None, vllm=deepseek_v3.MLA_VLLM, ft=None, trtllm=None,
+        to_hf=to_hf, from_hf=from_hf, presets=PRESETS, recognise=None, vllm=deepseek_v3.MLA_VLLM, ft=None, trtllm=None,
         remote_model_types=()))
