@@ -2,6 +2,8 @@
 
     python glm4_moe_lite_ref.py make DIR           # a random tiny Glm4MoeLiteForCausalLM saved by transformers
     python glm4_moe_lite_ref.py logits DIR TOKENS OUT   # its logits for TOKENS (a .pt of int64 ids) into OUT
+    python glm4_moe_lite_ref.py greedy DIR PROMPTS N OUT  # per prompt (a JSON list of id lists): N greedy tokens
+                                                           # and the prompt's logprobs, as JSON into OUT
 
 The tiny model has GLM-4.7-Flash's structure: q latent, kv latent 512 + 64 rope dims (576, vLLM's CPU MLA
 width), one dense first layer, 16 experts in 4 groups (top-2 groups, top-4 experts), one shared expert, routed
@@ -49,5 +51,24 @@ def logits(d: str, tokens: str, out: str) -> None:
     torch.save({"class": type(model).__name__, "logits": got}, out)
 
 
+def greedy(d: str, prompts: str, n: str, out: str) -> None:
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    got = []
+    with torch.no_grad():
+        for p in json.loads(open(prompts).read()):
+            ids = torch.tensor([p])
+            lp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            toks, cur = [], ids
+            for _ in range(int(n)):
+                toks.append(int(model(cur).logits[0, -1].argmax()))
+                cur = torch.cat([cur, torch.tensor([[toks[-1]]])], dim=1)
+            got.append({"tokens": toks, "prompt_logprobs": lp.tolist()})
+    open(out, "w").write(json.dumps({"class": type(model).__name__, "results": got}))
+
+
 if __name__ == "__main__":
-    {"make": make, "logits": logits}[sys.argv[1]](*sys.argv[2:])
+    {"make": make, "logits": logits, "greedy": greedy}[sys.argv[1]](*sys.argv[2:])

@@ -119,6 +119,39 @@ def test_transformers5_glm4_moe_lite_loads_into_megatron_core_and_back(tmp_path:
           f"no correction bias {no_bias:.1e}")
 
 
+@needs_t5
+@pytest.mark.slow
+def test_vllm_serves_the_export_with_transformers5_tokens(tmp_path: Path) -> None:
+    """vLLM's own glm4_moe_lite model (DeepseekV2MLAAttention + GLM's MoE) serves megatron-to-hf's export: the
+    greedy tokens and prompt logprobs of transformers 5's Glm4MoeLiteForCausalLM."""
+    from mconvert.validators.vllm_check import NATIVE_OPS, SERVE_SCRIPT
+
+    _ref("make", tmp_path / "hf")
+    hf_to_megatron(tmp_path / "hf", tmp_path / "m", tp=TP, ep=EP)
+    megatron_to_hf(tmp_path / "m", tmp_path / "back")
+    prompts = [[5, 17, 99, 400, 3, 8, 250, 11], [7, 7, 300, 12, 600, 44, 2, 90]]
+    (tmp_path / "rq.json").write_text(json.dumps({"jobs": [{
+        "model": str(tmp_path / "back"), "prompts": prompts, "max_tokens": 8, "max_model_len": 128,
+        "skip_tokenizer_init": True, "chats": [], "custom_ops": list(NATIVE_OPS)}]}))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1")
+    r = subprocess.run([str(PYTHON), str(SERVE_SCRIPT), str(tmp_path / "rq.json"), str(tmp_path / "rs.json")],
+                       capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    served = json.loads((tmp_path / "rs.json").read_text())["jobs"][0]["results"]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    _ref("greedy", tmp_path / "back", tmp_path / "prompts.json", 8, tmp_path / "ref.json")
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    assert ref["class"] == "Glm4MoeLiteForCausalLM"
+    worst = max(abs(a - b) for s, t in zip(served, ref["results"])
+                for a, b in zip(s["prompt_logprobs"], t["prompt_logprobs"]))
+    assert [s["tokens"] for s in served] == [t["tokens"] for t in ref["results"]]
+    assert worst <= 1e-4, worst
+    print(f"[figures] vLLM serves the glm4_moe_lite export: transformers 5's greedy tokens, prompt logprobs within "
+          f"{worst:.1e}")
+
+
 # zai-org/GLM-4.7-Flash's config.json values as a public vLLM test cites them (tests/transformers_utils of
 # vllm-project/vllm: "_glm4_moe_lite_min_config"), with num_nextn_predict_layers 1 as other public readers of the
 # published file cite it; the Hub file itself is not reachable from here, so this is no verbatim copy
