@@ -119,4 +119,4 @@ FAMILY = dataclasses.replace(
     deepseek_v3.FAMILY, **llama.rope_family(
         NAME, "Glm4MoeLite", plugin=dataclasses.replace(deepseek_v3.TABLE, family=NAME), hf_fields=HF_FIELDS,
         to_hf=to_hf, from_hf=from_hf, presets=PRESETS, recognise=None, vllm=deepseek_v3.MLA_VLLM, ft=None, trtllm=None,
-        remote_model_types=()))
+        remote_model_types=(), transformers_stand_in="deepseek_v3"))
