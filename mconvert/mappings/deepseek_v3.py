@@ -23,7 +23,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, qwen3_moe
-from mconvert.mappings.record import Family, Plugin, Rule
+from mconvert.mappings.record import EXPERT_FF_KEY, Family, GgufLayout, Plugin, Rule
 from mconvert.mappings.fields import BOOL, INT, NUM, Field, mapped, neutral, refused
 from mconvert.spec import ModelSpec
 
@@ -256,6 +256,104 @@ PRESETS = {
 }
 
 
+# ---- GGUF (llama.cpp) -----------------------------------------------------------------------------------
+# The DeepSeek MoE layer's GGUF names (deepseek2's and glm4moe's): the dense MLP of the first layers, the router
+# (`ffn_gate_inp`) with its expert bias (`exp_probs_b`), the shared experts (`_shexp`) and the routed experts
+# stacked [experts, out, in] (`_exps`)
+MOE_GGUF: dict[str, str] = {
+    H + "post_attention_layernorm.weight": "blk.*.ffn_norm.weight",
+    **{H + f"mlp.{hf}.weight": f"blk.*.{gg}.weight" for hf, gg in (
+        ("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down"))},
+    H + "mlp.gate.weight": "blk.*.ffn_gate_inp.weight",
+    H + "mlp.gate.e_score_correction_bias": "blk.*.exp_probs_b.bias",
+    **{H + f"mlp.shared_experts.{hf}.weight": f"blk.*.{gg}_shexp.weight" for hf, gg in (
+        ("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down"))},
+    **{HX + f"{hf}.weight": f"blk.*.{gg}_exps.weight" for hf, gg in (
+        ("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down"))},
+}
+# An MTP layer's own tensors as llama.cpp's `nextn` block holds them (glm4moe; deepseek2 reads none)
+MTP_GGUF: dict[str, str] = {
+    H + "enorm.weight": "blk.*.nextn.enorm.weight",
+    H + "hnorm.weight": "blk.*.nextn.hnorm.weight",
+    H + "eh_proj.weight": "blk.*.nextn.eh_proj.weight",
+    H + "shared_head.norm.weight": "blk.*.nextn.shared_head_norm.weight",
+    H + "embed_tokens.weight": "blk.*.nextn.embed_tokens.weight",
+    H + "shared_head.head.weight": "blk.*.nextn.shared_head_head.weight",
+}
+SIGMOID_GATING = 2  # gguf-py's ExpertGatingFuncType.SIGMOID, llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def moe_gguf_metadata(spec: ModelSpec, arch: str) -> dict[str, int | float | bool | str]:
+    """The DeepSeek MoE's llama.cpp keys, as convert_hf_to_gguf.py writes them from the config.json mconvert
+    exports (the same `moe_to_hf` values): experts' width, shared experts, leading dense layers, groups, sigmoid
+    gating, the routed weights' scale and their renormalisation."""
+    hf = moe_to_hf(spec, arch)
+    return {EXPERT_FF_KEY: hf["moe_intermediate_size"], "expert_shared_count": hf["n_shared_experts"],
+            "leading_dense_block_count": hf["first_k_dense_replace"], "expert_group_count": hf["n_group"],
+            "expert_group_used_count": hf["topk_group"], "expert_gating_func": SIGMOID_GATING,
+            "expert_weights_scale": float(hf["routed_scaling_factor"]), "expert_weights_norm": True}
+
+
+def gguf_metadata(spec: ModelSpec) -> dict[str, int | float | bool | str]:
+    """deepseek2's keys (`DeepseekV2Model.set_gguf_parameters`): llama.cpp runs MLA as one KV head of the latent
+    plus the rope part (key_length kv_lora_rank + rope, value_length kv_lora_rank) and the per-head sizes as the
+    `_mla` keys; the rotary width is the rope part."""
+    rope = spec.qk_rope_head_dim
+    return {**moe_gguf_metadata(spec, FAMILY.architecture), "attention.head_count_kv": 1,
+            "attention.key_length": spec.kv_lora_rank + rope, "attention.value_length": spec.kv_lora_rank,
+            **({"attention.q_lora_rank": spec.q_lora_rank} if spec.q_lora_rank else {}),
+            "attention.kv_lora_rank": spec.kv_lora_rank, "attention.key_length_mla": spec.qk_nope_head_dim + rope,
+            "attention.value_length_mla": spec.v_head_dim, "rope.dimension_count": rope}
+
+
+def _kv_b(spec: ModelSpec, x: Any) -> tuple[Any, Any]:
+    """kv_b_proj [heads · (nope + v), kv_lora_rank] -> (k_b [heads, kv_lora_rank, nope], v_b [heads, v,
+    kv_lora_rank]): k_b transposed per head, as llama.cpp's absorbed MLA multiplies by it."""
+    kv = x.reshape(spec.num_attention_heads, spec.qk_nope_head_dim + spec.v_head_dim, x.shape[-1])
+    return kv[:, :spec.qk_nope_head_dim].transpose(1, 2), kv[:, spec.qk_nope_head_dim:]
+
+
+# llama.cpp's deepseek2 (0.3.36) reads a model of these layer counts as DeepSeek-V2-Lite's, without q LoRA
+# (`attn_q`), and every other one as with q LoRA (`attn_q_a` / `attn_q_b`, `attention.q_lora_rank`)
+GGUF_LITE_LAYERS = (26, 27)
+
+
+def gguf_refuse(spec: ModelSpec) -> None:
+    """What llama.cpp's deepseek2 cannot load or compute: q LoRA against its layer-count rule, rope scaling (it
+    scales attention by its own YaRN rule, not proven here)."""
+    lite = spec.num_layers in GGUF_LITE_LAYERS
+    if (spec.q_lora_rank is None) != lite:
+        raise MConvertError(f"this deepseek_v3-family model has {spec.num_layers} layers and q_lora_rank="
+                            f"{spec.q_lora_rank}; llama.cpp's deepseek2 takes a model of 26 or 27 layers to be "
+                            "without q LoRA (DeepSeek-V2-Lite) and any other to be with it, so it cannot load this "
+                            "GGUF; conversion refused")
+    if spec.rope_scaling is not None:
+        raise MConvertError(f"rope scaling {spec.rope_scaling!r} of a deepseek_v3-family model has no GGUF form here "
+                            "(llama.cpp's deepseek2 applies its own YaRN attention scaling); conversion refused")
+
+
+# llama.cpp's DEEPSEEK2 architecture (convert_hf_to_gguf.py's DeepseekV2Model): MLA's projections under their own
+# names, kv_b_proj split into attn_k_b (transposed per head) and attn_v_b, q/k rows as HF's (rope_interleave:
+# llama.cpp's deepseek2 ropes the de-interleaved pairs as HF does); MTP layers are skipped (`skip_mtp`)
+GGUF = GgufLayout(
+    arch="deepseek2",
+    tensors={
+        **{k: v for k, v in llama.GGUF_TENSORS.items() if ".self_attn." not in k and ".mlp." not in k},
+        **{HA + f"{hf}.weight": f"blk.*.{gg}.weight" for hf, gg in (
+            ("q_proj", "attn_q"), ("q_a_proj", "attn_q_a"), ("q_a_layernorm", "attn_q_a_norm"),
+            ("q_b_proj", "attn_q_b"), ("kv_a_proj_with_mqa", "attn_kv_a_mqa"), ("kv_a_layernorm", "attn_kv_a_norm"),
+            ("o_proj", "attn_output"))},
+        **MOE_GGUF,
+    },
+    permute_qk=False,
+    refuse=gguf_refuse,
+    metadata=gguf_metadata,
+    pieces={HA + "kv_b_proj.weight": (("blk.*.attn_k_b.weight", lambda spec, x: _kv_b(spec, x)[0]),
+                                      ("blk.*.attn_v_b.weight", lambda spec, x: _kv_b(spec, x)[1]))},
+    mtp_blocks=False,
+)
+
+
 def recognise(fields: dict[str, Any]) -> bool:
     """Megatron args without model_family: multi-latent attention is DeepSeek-V3-style."""
     return fields.get("kv_lora_rank") is not None
@@ -282,7 +380,7 @@ FAMILY = Family(**llama.rope_family(
     recognise=recognise, recognise_order=4, vllm=MLA_VLLM,
     ft=None,  # FasterTransformer has no MLA
     trtllm=None,  # no confirmed TensorRT-LLM MLA layout here
-    gguf=None,  # llama.cpp's deepseek2 layout (kv_b_proj split into k_b / v_b) is not built
+    gguf=GGUF,
     moe=True,
     deepseek=True,
     # Kimi K2 (moonshotai): architectures DeepseekV3ForCausalLM, auto_map to DeepSeek-V3's own modeling code

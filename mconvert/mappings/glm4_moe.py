@@ -14,7 +14,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import deepseek_v3, llama, qwen3
-from mconvert.mappings.record import Family, Plugin
+from mconvert.mappings.record import Family, GgufLayout, Plugin
 from mconvert.mappings.fields import BOOL, NUM, Field, mapped, neutral
 from mconvert.spec import ModelSpec
 
@@ -99,12 +99,45 @@ PRESETS = {
         moe_shared_expert_intermediate_size=32, moe_layer_freq=(0, 1, 1), mtp_num_layers=1),
 }
 
+
+
+def gguf_metadata(spec: ModelSpec) -> dict[str, int | float | bool | str]:
+    """glm4moe's keys (`Glm4MoeModel.set_gguf_parameters`): the DeepSeek MoE's, the rotary width (head_dim ·
+    partial_rotary_factor), and the MTP layers as `nextn` blocks after the decoder's (block_count counts them;
+    llama.cpp's main graph runs block_count - nextn_predict_layers blocks)."""
+    mtp = spec.mtp_num_layers or 0
+    return {**deepseek_v3.moe_gguf_metadata(spec, FAMILY.architecture), "block_count": spec.num_layers + mtp,
+            "rope.dimension_count": int(spec.head_dim * spec.rotary_percent),
+            **({"nextn_predict_layers": mtp} if mtp else {})}
+
+
+# llama.cpp's GLM4_MOE architecture (convert_hf_to_gguf.py's Glm4MoeModel): Qwen3-MoE's attention names with
+# q/k/v biases, `post_attention_norm` before the MLP, the DeepSeek MoE's names, q/k rows as HF's (NeoX rope of
+# the first rotary dims), each MTP layer written as a `nextn` block; GLM's special tokens by their text
+GGUF = GgufLayout(
+    arch="glm4moe",
+    tensors={
+        **{k: v for k, v in llama.GGUF_TENSORS.items() if ".mlp." not in k},
+        **qwen3.QK_NORM_GGUF,
+        **deepseek_v3.MOE_GGUF,
+        H + "post_attention_layernorm.weight": "blk.*.post_attention_norm.weight",
+        **deepseek_v3.MTP_GGUF,
+    },
+    permute_qk=False,
+    refuse=llama.gguf_refuse_rope_freqs,
+    metadata=gguf_metadata,
+    mtp_blocks=True,
+    # `TextModel._set_vocab_glm`: [gMASK] opens every GLM prompt, <|user|> ends an assistant turn, <|observation|>
+    # a tool call (SpecialVocab keeps a bos / unk the tokenizer files already name)
+    special_tokens={"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"},
+)
+
 FAMILY = Family(**llama.rope_family(
     NAME, "Glm4Moe", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
     recognise=recognise, recognise_order=3,
     ft=None,  # FasterTransformer has no MoE form here
     trtllm=None,  # no confirmed TensorRT-LLM GLM-4.5 layout
-    gguf=None,  # llama.cpp's glm4moe layout is not built
+    gguf=GGUF,
     moe=True,
     deepseek=True,
 ))

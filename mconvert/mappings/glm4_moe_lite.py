@@ -113,10 +113,11 @@ def to_hf(spec: ModelSpec) -> dict[str, Any]:
     return out
 
 
-# DeepSeek-V3's record (tables, vLLM facts, no FT / TensorRT-LLM / GGUF layout) under GLM's class names; never
+# DeepSeek-V3's record (tables, vLLM facts) under GLM's class names, without FT / TensorRT-LLM / GGUF layouts; never
 # inferred from Megatron args (MLA without model_family is deepseek_v3)
 FAMILY = dataclasses.replace(
     deepseek_v3.FAMILY, **llama.rope_family(
         NAME, "Glm4MoeLite", plugin=dataclasses.replace(deepseek_v3.TABLE, family=NAME), hf_fields=HF_FIELDS,
         to_hf=to_hf, from_hf=from_hf, presets=PRESETS, recognise=None, vllm=deepseek_v3.MLA_VLLM, ft=None, trtllm=None,
+        gguf=None,  # llama.cpp's reading of Glm4MoeLiteForCausalLM is not checked here
         remote_model_types=(), transformers_stand_in="deepseek_v3"))

@@ -165,6 +165,15 @@ class GgufLayout:
     states: tuple[str, ...] = ()
     # added to every `*norm.weight` (llama.cpp's converter stores Gemma's zero-centred weights as 1 + w)
     norm_shift: float = 0.0
+    # HF template -> the GGUF tensors made from that one tensor, in order: (GGUF template, function of the spec
+    # and the HF tensor, shape-only on meta tensors too); llama.cpp's deepseek2 reads MLA's kv_b_proj as two
+    pieces: dict[str, tuple[tuple[str, Callable[[ModelSpec, Any], Any]], ...]] = field(default_factory=dict)
+    # multi-token prediction layers: True writes MTP layer K as block num_layers + K (llama.cpp's `nextn`
+    # blocks, counted in block_count through `metadata`); False leaves them out and the report says so
+    mtp_blocks: bool = False
+    # special-token type (gguf-py's SpecialVocab: bos, eot, eom, ...) -> the token text llama.cpp's converter
+    # sets it to for this architecture, applied when the vocabulary holds that token
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
 
 EXPERT_FF_KEY = "expert_feed_forward_length"

@@ -169,6 +169,9 @@ def source_model(path: Path, device: str = "cpu"):
             state.update(src.read_hf(unit))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and src.spec.tie_embeddings)]
+    # transformers builds no multi-token prediction layer (HF's `model.layers.{num_layers + K}`): none is loaded
+    mtp = tuple(f"model.layers.{src.spec.num_layers + k}." for k in range(src.spec.mtp_num_layers or 0))
+    unexpected = [k for k in unexpected if not k.startswith(mtp)] if mtp else unexpected
     if missing or unexpected:
         raise MConvertError(f"{path}: tensors do not match the transformers class (missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]})")

@@ -6,6 +6,7 @@ catch it). Everything is built once per test process and cached.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from functools import lru_cache
@@ -178,6 +179,51 @@ def moved_export(name: str) -> Path:
 
 
 # ---- broken exports ------------------------------------------------------------------------------
+GLM_SPECIAL = ("[gMASK]", "<|user|>", "<|observation|>")  # the added tokens llama.cpp's GLM converter looks up
+
+
+@lru_cache(maxsize=None)
+def glm_tokenizer() -> Path:
+    """The trainer's byte-level BPE (990 pieces) with GLM's added special tokens, as transformers saves it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from mconvert.data import EOS, build_tokenizer
+
+    out = WORK / "tok-glm"
+    fast = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(990)._tokenizer, bos_token=EOS, eos_token=EOS,
+                                   unk_token=EOS)
+    fast.add_special_tokens({"additional_special_tokens": list(GLM_SPECIAL)})
+    fast.save_pretrained(str(out))
+    return out
+
+
+@lru_cache(maxsize=None)
+def moved_off_init_ckpt(preset_name: str, **changes) -> Path:
+    """A one-rank Megatron checkpoint of the trainer's model of `preset_name` (with `changes` to its spec) with
+    every weight moved off its init (norms around 1, a non-negative expert bias, so routing depends on it), MTP
+    layers included."""
+    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+    from mconvert.mappings.families import preset
+    from mconvert.trainer.model import GPTModel
+    from mconvert.trainer.parallel import ParallelState
+
+    spec = preset(preset_name).replace(**changes)
+    g = torch.Generator().manual_seed(7)
+    state = {}
+    for k, v in GPTModel(spec, ParallelState(), seed=3).state_dict().items():
+        if not torch.is_tensor(v):
+            continue
+        noise = torch.randn(v.shape, generator=g)
+        state[k] = (0.3 * noise.abs() if k.endswith("expert_bias") else
+                    1 + 0.2 * noise if k.endswith("norm.weight") else v + 0.05 * noise)
+    tag = hashlib.sha256(repr(sorted(changes.items())).encode()).hexdigest()[:8] if changes else "preset"
+    out = WORK / f"ckpt-{preset_name}-moved-{tag}"
+    save_rank_file(rank_file(out, 1, 0, 0, 1), {"args": spec.to_megatron_args(), "checkpoint_version": 3.0,
+                                                "iteration": 1, "model": state})
+    write_latest(out, 1)
+    return out
+
+
 def _copy(src: Path, name: str) -> Path:
     dst = WORK / "broken" / name
     if dst.exists():

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,13 +91,15 @@ F32_TENSORS = ("ffn_gate_inp.weight", "position_embd.weight")
 @dataclass(frozen=True)
 class GgufTensor:
     """One tensor of the file: GGUF name, the HF tensors it is made from (one; every expert's, stacked in
-    expert order; none: generated), its shape in torch order ([out, in]) and its GGML type."""
+    expert order; none: generated), its shape in torch order ([out, in]), its GGML type, and the layout's
+    function making it from its one HF tensor (`GgufLayout.pieces`) or None."""
 
     name: str
     hf: tuple[str, ...]
     unit: Unit | None
     shape: tuple[int, ...]
     qtype: Any
+    make: Callable[[ModelSpec, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -169,6 +171,21 @@ def gguf_name(layout: GgufLayout, hf_name: str) -> tuple[str, int | None]:
     return (out.replace("*", str(idx[0]), 1) if idx else out), (idx[1] if len(idx) == 2 else None)
 
 
+def dropped_mtp(spec: ModelSpec, layout: GgufLayout, hf_name: str) -> bool:
+    """An HF tensor of a multi-token prediction layer (`model.layers.{num_layers + K}`) that the layout leaves out."""
+    idx = hf_template(hf_name)[1]
+    return not layout.mtp_blocks and bool(idx) and idx[0] >= spec.num_layers
+
+
+def mtp_note(spec: ModelSpec, layout: GgufLayout) -> str | None:
+    """The report's line for MTP layers the layout leaves out (never silently)."""
+    if not spec.mtp_num_layers or layout.mtp_blocks:
+        return None
+    return (f"the model's {spec.mtp_num_layers} multi-token prediction layer(s) are not written: llama.cpp's "
+            f"{layout.arch} architecture reads none (convert_hf_to_gguf.py skips them too); the GGUF predicts the "
+            "next token only")
+
+
 def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> Any:
     """convert_hf_to_gguf.py's choice: 1-D tensors, norms, non-weights, the router and learned positions stay
     F32; q8_0 needs rows of whole 32-value blocks, else F16."""
@@ -200,7 +217,16 @@ def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[Gguf
     for unit in units_of(spec):
         meta = {d.name: torch.empty(d.shape, device="meta") for d in _unit_decls(spec, unit)}
         parts: dict[str, dict[int | None, tuple[str, tuple[int, ...]]]] = {}
+        made: dict[str, Callable[[ModelSpec, torch.Tensor], torch.Tensor]] = {}
         for hf_name, x in to_hf(spec, unit, meta, source="GGUF plan").items():
+            if dropped_mtp(spec, layout, hf_name):
+                continue
+            template, idx = hf_template(hf_name)
+            for piece, make in layout.pieces.get(template, ()):
+                name = piece.replace("*", str(idx[0]), 1)
+                parts[name], made[name] = {None: (hf_name, tuple(int(s) for s in make(spec, x).shape))}, make
+            if template in layout.pieces:
+                continue
             name, expert = gguf_name(layout, hf_name)
             shape = tuple(int(s) for s in x.shape)
             if hf_template(hf_name)[0] in layout.transposed:
@@ -209,7 +235,7 @@ def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[Gguf
         for name, by in parts.items():
             if None in by:
                 hf_name, shape = by[None]
-                plan.append(GgufTensor(name, (hf_name,), unit, shape, tensor_type(name, shape, outtype)))
+                plan.append(GgufTensor(name, (hf_name,), unit, shape, tensor_type(name, shape, outtype), made.get(name)))
                 continue
             experts = sorted(by)  # type: ignore[type-var]
             shapes = {by[e][1] for e in experts}
@@ -247,7 +273,8 @@ def prepare(spec: ModelSpec, outtype: str = "f16", accept_window_as_full: bool =
     own = families.of(spec).gguf
     spec, window_note = spec.window_as_full("GGUF", accept_window_as_full, own.states if own else ())
     layout = gguf_layout(spec)
-    return GgufPrepared(spec, layout, outtype, plan_tensors(spec, layout, outtype), [window_note] if window_note else [])
+    notes = [note for note in (window_note, mtp_note(spec, layout)) if note]
+    return GgufPrepared(spec, layout, outtype, plan_tensors(spec, layout, outtype), notes)
 
 
 def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -575,16 +602,22 @@ class GgufWriter(Writer):
         g, w, s = _gguf(), self._w, self.spec
         w.add_type(g.GGUFType.MODEL)
         w.add_name(name)
+        # the family's architecture keys (`GgufLayout.metadata`); one of them replaces the common key it names
+        own = self.layout.metadata(s)
+
+        def common(key: str, add: Callable[[Any], None], value: Any) -> None:
+            if key not in own:
+                add(value)
+
         w.add_context_length(s.max_position_embeddings)
         w.add_embedding_length(s.hidden_size)
-        w.add_block_count(s.num_layers)
-        own = self.layout.metadata(s)  # the family's architecture keys (`GgufLayout.metadata`)
+        common("block_count", w.add_block_count, s.num_layers)
         moe_width = s.is_moe and EXPERT_FF_KEY not in own
         w.add_feed_forward_length(s.expert_ffn_hidden_size if moe_width else s.ffn_hidden_size)
         w.add_head_count(s.num_attention_heads)
-        w.add_head_count_kv(s.num_groups)
-        w.add_key_length(s.head_dim)
-        w.add_value_length(s.head_dim)
+        common("attention.head_count_kv", w.add_head_count_kv, s.num_groups)
+        common("attention.key_length", w.add_key_length, s.head_dim)
+        common("attention.value_length", w.add_value_length, s.head_dim)
         if s.is_moe:
             w.add_expert_count(int(s.num_experts))
             w.add_expert_used_count(int(s.moe_router_topk))
@@ -594,7 +627,7 @@ class GgufWriter(Writer):
             add(f"{self.layout.arch}.{key}", value)
         if s.position_embedding_type == "rope":
             w.add_rope_freq_base(float(s.rotary_base))
-            w.add_rope_dimension_count(s.head_dim)
+            common("rope.dimension_count", w.add_rope_dimension_count, s.head_dim)
         if s.normalization == "LayerNorm":
             w.add_layer_norm_eps(float(s.norm_epsilon))
         else:
@@ -640,6 +673,10 @@ class GgufWriter(Writer):
         self.warnings += [f"gguf-py: {w}" for w in said]
         if vocab.merges and not special.merges:
             raise MConvertError(f"{tok_dir}: tokenizer.json holds no BPE merges; re-save the tokenizer")
+        ids = {t: i for i, t in enumerate(vocab.tokens)}
+        for typ, text in self.layout.special_tokens.items():
+            if text in ids:
+                special._set_special_token(typ, ids[text])
         special.add_to_gguf(w, quiet=True)
 
     def _write(self, t: GgufTensor, x: torch.Tensor) -> None:
@@ -671,15 +708,20 @@ class GgufWriter(Writer):
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
         """Append one unit's HF-named tensors (experts stacked); a tensor the plan has no place for is refused
         by name."""
-        todo = dict(tensors)
+        todo = {k: v for k, v in tensors.items() if not dropped_mtp(self.spec, self.layout, k)}
+        used: set[str] = set()  # a tensor the layout makes several from (`pieces`) serves each of them
         while self._next < len(self.plan) and self.plan[self._next].unit == unit:
             t = self.plan[self._next]
             missing = next((h for h in t.hf if h not in todo), None)
             if missing is not None:
                 raise MConvertError(f"unit {unit}: the source yields no {missing}; cannot write {t.name}")
-            data = [gguf_data(self.spec, self.layout, h, todo.pop(h), self.permute) for h in t.hf]
+            data = [gguf_data(self.spec, self.layout, h, todo[h], self.permute) for h in t.hf]
+            used.update(t.hf)
+            if t.make is not None:
+                data = [t.make(self.spec, data[0])]
             self._write(t, data[0] if len(data) == 1 else torch.stack(data))
             del data
+        todo = {k: v for k, v in todo.items() if k not in used}
         if todo:
             raise MConvertError(f"unit {unit}: tensor {sorted(todo)[0]} has no place in the GGUF plan; conversion refused")
 

@@ -5,7 +5,10 @@ and values too, except the keys in METADATA_DIFFERENCES (asserted exactly, so a 
 table is in docs/deployment/gguf.md). Skipped only when the llama.cpp venv is absent.
 
 The models carry a SentencePiece `tokenizer.model`, except the families whose llama.cpp converter reads only a
-byte-level BPE `tokenizer.json` (gpt2, qwen3_moe): those carry the trainer's GPT-2-regex BPE. llama.cpp's
+byte-level BPE `tokenizer.json` (gpt2, qwen3_moe, deepseek_v3, glm4_moe): those carry the trainer's GPT-2-regex BPE
+(with GLM's added special tokens, which the GLM converter looks up). The DeepSeek-V3 and GLM-4.5 models are the
+`megatron-to-hf` exports of the trainer's tiny presets with every weight moved off its init, so they hold the MTP
+layer transformers' classes leave out (deepseek2 skips it, glm4moe writes it as a `nextn` block). llama.cpp's
 converter names a BPE pre-tokenizer by the hash of its output on a fixed text, known only for published
 vocabularies, and refuses any other; for such a vocabulary alone the peer is handed the name mconvert reads
 from the split regex ("gpt-2"), everything else it writes by its own code.
@@ -23,6 +26,7 @@ import pytest
 import torch
 import transformers
 from scratch import scratch_dir
+from validate_common import glm_tokenizer, moved_off_init_ckpt
 
 from mconvert.convert.verbs import to_gguf
 from mconvert.validators.gguf_runner import GGUF_VENV, STAMP
@@ -32,7 +36,9 @@ PEER_DIR = "llama.cpp-convert"  # where gguf_env.sh keeps the converter inside t
 OUTTYPES = ("f32", "f16")
 SPM_VOCAB = 320
 BPE_VOCAB = 1000
-BPE_FAMILIES = ("gpt2", "qwen3_moe")
+BPE_FAMILIES = ("gpt2", "qwen3_moe", "deepseek_v3", "glm4_moe")
+# family -> the trainer preset whose megatron-to-hf export is the model (DeepSeek-style: MLA, MoE and MTP)
+EXPORTED = {"deepseek_v3": "tiny-deepseek-v3", "glm4_moe": "tiny-glm45"}
 
 # family -> its transformers config (every family both mconvert's GGUF export and llama.cpp's converter handle)
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -60,7 +66,7 @@ CONFIGS = {
                                                     rope_local_base_freq=10000.0, rope_theta=1000000.0),
 }
 
-ALL = tuple(CONFIGS)
+ALL = tuple(CONFIGS) + tuple(EXPORTED)
 SPM = tuple(f for f in CONFIGS if f not in BPE_FAMILIES)
 # metadata key ({arch}: the architecture's prefix) -> (the families whose files differ there, at f32 and f16
 # alike; why). "absent" is what llama.cpp reads for a key the file does not hold (llama-model.cpp /
@@ -91,7 +97,7 @@ METADATA_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
     "{arch}.rope.freq_base": (("gemma2",), "mconvert writes the config's rope_theta; the Gemma 2 converter leaves it "
                                            "out, read as 10000 (a Gemma 2 with another rope_theta is computed right "
                                            "only from mconvert's file)"),
-    "{arch}.vocab_size": (("gemma2", "gemma3", "gpt2", "qwen2", "qwen3", "qwen3_moe"),
+    "{arch}.vocab_size": (("gemma2", "gemma3", "glm4_moe", "gpt2", "qwen2", "qwen3", "qwen3_moe"),
                           "mconvert writes it for every family; these converters leave it out, read as the token "
                           "list's length, which is the embedding's rows here"),
 }
@@ -167,6 +173,11 @@ def models(spm_tokenizer, bpe_tokenizer) -> dict[str, Path]:
         for f in (bpe_tokenizer if family in BPE_FAMILIES else spm_tokenizer).iterdir():
             shutil.copy(f, d / f.name)
         out[family] = d
+    from mconvert.convert.verbs import megatron_to_hf
+
+    for family, name in EXPORTED.items():
+        out[family] = WORK / f"hf-{family}"
+        megatron_to_hf(moved_off_init_ckpt(name), out[family], tokenizer=glm_tokenizer())
     return out
 
 

@@ -1,0 +1,179 @@
+"""GGUF of the DeepSeek MoE families proven in llama.cpp itself: tiny-deepseek-v3 (architecture `deepseek2`: MLA
+with q LoRA, `kv_b_proj` split into `attn_k_b` / `attn_v_b`, MTP left out) and tiny-glm45 (`glm4moe`: q/k/v bias,
+q/k norm, half the head rotated, the MTP layer as a `nextn` block), both with a dense first layer, shared experts,
+a sigmoid router with a non-zero expert bias and group-limited top-k.
+
+The trainer's model with every weight moved off its init, resharded to TP=2 EP=2, goes through
+`megatron-to-gguf`, and its `megatron-to-hf` export through `hf-to-gguf`: llama.cpp's logits at every position
+must match transformers' on the export (f32 within 1e-4 of the largest logit, f16 within its row), both
+routes must write the same tensors, and `verify` must pass every check. Controls: `attn_k_b` written without its per-head transpose (same shape) and
+the expert bias written as zeros fail the comparison. The tiny presets' MLA sizes (kv latent 512 + 64 rope rows)
+are DeepSeek-V3's; llama.cpp 0.3.36's CPU path runs them as they are. Its deepseek2 reads a 26- or 27-layer model
+as without q LoRA (DeepSeek-V2-Lite) and any other as with it: the case without q LoRA has 27 layers, and a
+model against that rule is refused by name (written anyway, llama.cpp cannot load it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from validate_common import WORK, glm_tokenizer, moved_off_init_ckpt
+
+from mconvert.convert.deploy import gguf as gguf_mod
+from mconvert.convert.verbs import to_gguf
+from mconvert.errors import MConvertError
+from mconvert.mappings.families import preset
+from mconvert.validators.gguf_runner import read_gguf_metadata
+from mconvert.validators.validate import validate
+from mconvert.validators.verify_gguf import verify_gguf as verify
+
+G = WORK / "gguf-deepseek"
+G.mkdir(parents=True, exist_ok=True)
+REL_F32 = 1e-4  # llama.cpp f32 logits vs transformers', relative to the largest logit
+# llama.cpp's deepseek2 reads 26- and 27-layer models as without q LoRA (DeepSeek-V2-Lite) and others as with it
+NO_Q_LORA = {"num_layers": 27, "q_lora_rank": None, "moe_layer_freq": (0,) + (1,) * 26}
+# case -> (trainer preset, changes to its spec, llama.cpp architecture)
+CASES = {"deepseek_v3": ("tiny-deepseek-v3", {}, "deepseek2"), "glm4_moe": ("tiny-glm45", {}, "glm4moe"),
+         "deepseek_v3 without q LoRA": ("tiny-deepseek-v3", NO_Q_LORA, "deepseek2")}
+
+
+def _sources(case: str):
+    """(the TP=2 EP=2 Megatron checkpoint, its megatron-to-hf export)."""
+    from mconvert.convert.verbs import megatron_to_hf, reshard
+
+    name, changes = CASES[case][:2]
+    ckpt, hf = G / f"ckpt-{case.replace(' ', '-')}-tp2ep2", G / f"hf-{case.replace(' ', '-')}"
+    if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
+        reshard(moved_off_init_ckpt(name, **changes), ckpt, tp=2, pp=1, ep=2)
+    if not (hf / "config.json").is_file():
+        megatron_to_hf(ckpt, hf, tokenizer=glm_tokenizer())
+    return ckpt, hf
+
+
+def _gguf(src, name: str, outtype: str, **kw):
+    out = G / f"{name}-{outtype}.gguf"
+    if not out.is_file():
+        verb = "hf-to-gguf" if (src / "config.json").is_file() else "megatron-to-gguf"
+        to_gguf(src, out, outtype, verb=verb, tokenizer=None if verb == "hf-to-gguf" else glm_tokenizer(), **kw)
+    return out
+
+
+def _rel(result) -> float:
+    return result.metrics["max_abs"] / result.metrics["ref_scale"]
+
+
+def _tensors(path) -> dict[str, bytes]:
+    return {t.name: np.asarray(t.data).tobytes() for t in gguf.GGUFReader(str(path)).tensors}
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_deepseek_style_gguf_matches_transformers_in_llama_cpp(llama_cpp, case):
+    name, changes, arch = CASES[case]
+    spec, tag = preset(name).replace(**changes), case.replace(" ", "-")
+    ckpt, hf = _sources(case)
+    mg32 = _gguf(ckpt, f"mg-{tag}", "f32")
+    hf32, hf16 = _gguf(hf, f"hf-{tag}", "f32"), _gguf(hf, f"hf-{tag}", "f16")
+    assert _tensors(mg32) == _tensors(hf32)  # megatron-to-gguf and hf-to-gguf write the same tensors
+    meta = read_gguf_metadata(hf32)
+    L, mtp = spec.num_layers, spec.mtp_num_layers
+    assert meta["general.architecture"] == arch
+    assert meta[f"{arch}.leading_dense_block_count"] == 1 and meta[f"{arch}.expert_shared_count"] == 1
+    assert meta["tensors"]["blk.1.exp_probs_b.bias"] == ((spec.num_experts,), "F32")
+    if arch == "deepseek2":  # no MTP block; k_b [heads, kv latent, nope], v_b [heads, v, kv latent]
+        assert meta[f"{arch}.block_count"] == L and not any(t.startswith(f"blk.{L}.") for t in meta["tensors"])
+        assert meta["tensors"]["blk.0.attn_k_b.weight"][0] == (8, spec.kv_lora_rank, spec.qk_nope_head_dim)
+        assert meta["tensors"]["blk.0.attn_v_b.weight"][0] == (8, spec.v_head_dim, spec.kv_lora_rank)
+        assert ("blk.0.attn_q.weight" in meta["tensors"]) == (spec.q_lora_rank is None)
+    else:  # the MTP layer is block L, which llama.cpp's main graph does not run
+        assert (meta[f"{arch}.block_count"], meta[f"{arch}.nextn_predict_layers"]) == (L + mtp, mtp)
+        assert f"blk.{L}.nextn.eh_proj.weight" in meta["tensors"]
+        assert meta[f"{arch}.rope.dimension_count"] == 16
+    # f16 on the 27-layer model flips near-tied expert choices, which moves logits past the f16 row (as q8_0 does
+    # on the smaller MoE models, see docs/deployment/gguf.md): its layout is proven by the f32 files
+    rep = validate(hf, [mg32, hf32] + ([] if changes else [hf16]), device="cpu", n_tokens=32)
+    print(f"[figures] {case} llama.cpp vs transformers: " + ", ".join(
+        f"{r.path.rsplit('/', 1)[-1]} {_rel(r):.1e} top1 {r.metrics['top1']}" for r in rep.results))
+    assert rep.passed, [r.failures for r in rep.results]
+    assert all(_rel(r) < REL_F32 and r.metrics["top1"] == 1.0 for r in rep.results[:2]), \
+        [r.metrics for r in rep.results]
+    # verify: the file's tensors are the plan's, llama.cpp tokenizes as transformers does (GLM's special tokens
+    # included) and its greedy tokens and logits equal transformers'
+    checks = {c.name: c for c in verify(mg32, against=hf, device="cpu").checks}
+    for check in ("manifest", "metadata", "tensors", "load", "tokenizer", "greedy", "logits"):
+        assert checks[check].status == "ok", (check, checks[check].message)
+
+
+def test_deepseek_mtp_layers_are_left_out_with_a_line_in_the_report():
+    ckpt, _ = _sources("deepseek_v3")
+    rep = to_gguf(ckpt, G / "mtp-dry.gguf", "f32", tokenizer=glm_tokenizer(), dry_run=True)
+    assert any("1 multi-token prediction layer(s) are not written: llama.cpp's deepseek2" in w
+               for w in rep.warnings), rep.warnings
+    glm = to_gguf(_sources("glm4_moe")[0], G / "mtp-dry-glm.gguf", "f32", tokenizer=glm_tokenizer(), dry_run=True)
+    assert not any("multi-token" in w for w in glm.warnings)
+
+
+@pytest.mark.parametrize("layers,q_lora_rank", [(3, None), (27, 64)])
+def test_deepseek_q_lora_against_llama_cpps_layer_count_rule_is_refused_by_name(layers, q_lora_rank):
+    spec = preset("tiny-deepseek-v3").replace(num_layers=layers, q_lora_rank=q_lora_rank,
+                                              moe_layer_freq=(0,) + (1,) * (layers - 1))
+    with pytest.raises(MConvertError, match=f"{layers} layers and q_lora_rank={q_lora_rank}; llama.cpp's deepseek2 "
+                                            "takes a model of 26 or 27 layers to be without q LoRA"):
+        gguf_mod.gguf_layout(spec)
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_the_refused_q_lora_case_is_one_llama_cpp_cannot_load(llama_cpp, monkeypatch):
+    """Why the refusal above: the same file written without it (3 layers, no q LoRA) does not load in llama.cpp."""
+    from mconvert.mappings import families
+
+    monkeypatch.setattr(gguf_mod, "gguf_layout", lambda spec: families.of(spec).gguf)
+    ckpt = moved_off_init_ckpt("tiny-deepseek-v3", q_lora_rank=None)
+    bad = G / "refused-no-q-lora.gguf"
+    bad.unlink(missing_ok=True)
+    to_gguf(ckpt, bad, "f32", tokenizer=glm_tokenizer())
+    from mconvert.validators.gguf_runner import run_llama_cpp
+
+    with pytest.raises(MConvertError, match="llama.cpp cannot run this file"):
+        run_llama_cpp(bad, {"generate": {"prompt": [5, 17], "max_tokens": 1}})
+
+
+def _k_b_untransposed(spec, x):
+    """The control's k_b: the per-head [nope, kv latent] block reshaped, not transposed, to the planned shape."""
+    kv = x.reshape(spec.num_attention_heads, spec.qk_nope_head_dim + spec.v_head_dim, x.shape[-1])
+    return kv[:, :spec.qk_nope_head_dim].reshape(spec.num_attention_heads, x.shape[-1], spec.qk_nope_head_dim)
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("control", ["k_b untransposed", "expert bias dropped"])
+def test_deepseek_gguf_controls_fail_the_comparison(llama_cpp, monkeypatch, control):
+    """The controls of the comparison above: each changes one rule of the layout and llama.cpp's logits leave
+    the f32 row."""
+    real_layout, real_data = gguf_mod.gguf_layout, gguf_mod.gguf_data
+    if control == "k_b untransposed":
+        def layout(spec):
+            out = real_layout(spec)
+            (kb, _), vb = next(iter(out.pieces.values()))
+            return dataclasses.replace(out, pieces={k: ((kb, _k_b_untransposed), vb) for k in out.pieces})
+
+        monkeypatch.setattr(gguf_mod, "gguf_layout", layout)
+    else:
+        def data(spec, layout, hf_name, x, permute=True):
+            x = real_data(spec, layout, hf_name, x, permute)
+            return torch.zeros_like(x) if hf_name.endswith("e_score_correction_bias") else x
+
+        monkeypatch.setattr(gguf_mod, "gguf_data", data)
+    _, hf = _sources("deepseek_v3")
+    bad = G / f"control-{control.replace(' ', '-')}.gguf"
+    bad.unlink(missing_ok=True)
+    to_gguf(hf, bad, "f32", verb="hf-to-gguf")
+    rep = validate(hf, [bad], device="cpu", n_tokens=32)
+    print(f"[figures] control {control}: {_rel(rep.results[0]):.1e}")
+    assert not rep.passed and any(f.startswith("max abs") for f in rep.results[0].failures), rep.results[0].metrics
