@@ -189,6 +189,10 @@ def test_published_glm_4_7_flash_reads_as_deepseek_v3_mla_and_router() -> None:
     assert (out["architectures"], out["model_type"], out["mlp_layer_types"][:2], len(out["mlp_layer_types"])) == (
         ["Glm4MoeLiteForCausalLM"], "glm4_moe_lite", ["dense", "sparse"], 47)
     assert spec_from_hf_config(out) == spec
+    # transformers 5's spelling of the same rope: rope_parameters, the factor copied into it
+    t5 = {k: v for k, v in GLM_4_7_FLASH.items() if k not in ("rope_theta", "rope_scaling")}
+    rope = {"rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": 1.0}
+    assert spec_from_hf_config({**t5, "rope_parameters": rope}) == spec
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -198,6 +202,8 @@ def test_published_glm_4_7_flash_reads_as_deepseek_v3_mla_and_router() -> None:
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
       "rope_theta": None}, "rope_parameters="),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 1.0},
+      "rope_theta": None, "partial_rotary_factor": None}, "rope_parameters="),
     ({"rope_interleave": False}, "rope_interleave=False"),
     ({"norm_topk_prob": False}, "norm_topk_prob=False"),
     ({"model_type": "glm4_moe"}, "contradicts"),
