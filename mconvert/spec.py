@@ -185,7 +185,9 @@ class ModelSpec:
     # ---- derived -------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         # canonical form: defaults are stored as None so equal models compare equal
-        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+        # (MLA computes with its own head widths; megatron-core's MLA never reads kv_channels)
+        if self.kv_channels is not None and (self.kv_channels * self.num_attention_heads == self.hidden_size
+                                             or self.kv_lora_rank is not None):
             object.__setattr__(self, "kv_channels", None)
         if self.num_query_groups == self.num_attention_heads:
             object.__setattr__(self, "num_query_groups", None)
@@ -265,7 +267,8 @@ class ModelSpec:
         if self.sandwich_norms and (self.is_moe or self.is_mla):
             raise MConvertError("sandwich_norms (Gemma's post-attention and post-MLP norms) with mixture of experts or "
                                 "multi-latent attention is not mapped; drop one")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+        # MLA's head widths are its own (qk_nope/qk_rope/v_head_dim): GLM-4.7-Flash has 2048 wide, 20 heads
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads and not self.is_mla:
             raise MConvertError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                 f"{self.num_attention_heads}; set kv_channels"

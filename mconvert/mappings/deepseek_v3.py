@@ -131,14 +131,16 @@ def first_dense(spec: ModelSpec, arch: str = "DeepseekV3ForCausalLM") -> int:
     return k
 
 
-def to_hf(spec: ModelSpec) -> dict[str, Any]:
-    """DeepseekV3Config fields (with vLLM's scoring_func / topk_method); refuses what the class cannot compute."""
-    arch = FAMILY.architecture
+def to_hf(spec: ModelSpec, arch: str = "DeepseekV3ForCausalLM") -> dict[str, Any]:
+    """DeepseekV3Config fields (with vLLM's scoring_func / topk_method); refuses what the class `arch` cannot
+    compute."""
     if not (spec.is_mla and spec.is_moe and spec.moe_router_score_function == "sigmoid"):
         raise MConvertError(f"HF {arch} needs multi-latent attention and the sigmoid MoE router; this model has "
                             f"kv_lora_rank={spec.kv_lora_rank}, num_experts={spec.num_experts}, "
                             f"score function {spec.moe_router_score_function!r}; conversion refused")
-    base = llama.rope_fields(spec.replace(num_experts=None, kv_lora_rank=None, q_lora_rank=None))
+    # a dense-attention head width stands in for MLA's own (hidden / heads need not be whole: GLM-4.7-Flash)
+    base = llama.rope_fields(spec.replace(num_experts=None, kv_lora_rank=None, q_lora_rank=None,
+                                          kv_channels=spec.v_head_dim))
     base.pop("head_dim", None)
     return {**base, **moe_to_hf(spec, arch), "kv_lora_rank": spec.kv_lora_rank, "q_lora_rank": spec.q_lora_rank,
             "qk_rope_head_dim": spec.qk_rope_head_dim, "qk_nope_head_dim": spec.qk_nope_head_dim,

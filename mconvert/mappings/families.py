@@ -25,6 +25,7 @@ from mconvert.mappings.fields import (
     check,
     check_megatron_args,
     check_numbers,
+    full_rotary,
 )
 from mconvert import dtypes
 from mconvert.spec import (
@@ -47,6 +48,7 @@ FAMILY_MODULES = (
     "gemma2",
     "gemma3",
     "glm4_moe",
+    "glm4_moe_lite",
     "gpt2",
     "llama",
     "mistral",
@@ -237,8 +239,9 @@ def fold_rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     writer's transformers computes (transformers 4 ignores the key and takes its class default); any other
     `rope_parameters` is left to the field table."""
     rp = cfg.get("rope_parameters")
-    if (cfg.get("rope_theta") is None and isinstance(rp, dict) and set(rp) == {"rope_type", "rope_theta"}
-            and rp["rope_type"] == "default"):
+    if (cfg.get("rope_theta") is None and isinstance(rp, dict)
+            and set(rp) - {"partial_rotary_factor"} == {"rope_type", "rope_theta"} and rp["rope_type"] == "default"
+            and full_rotary(rp, cfg)):
         return {**cfg, "rope_theta": rp["rope_theta"]}
     return cfg
 

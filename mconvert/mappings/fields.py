@@ -668,8 +668,16 @@ def _int_or_ints(v: Any) -> bool:
 def _rope_parameters_plain(v: Any, cfg: Mapping[str, Any]) -> bool:
     """transformers 5's `rope_parameters` without scaling, its rope_theta the config's own (families folds a
     rope_theta stated only here into the config)."""
-    return (isinstance(v, dict) and set(v) <= {"rope_type", "rope_theta"} and v.get("rope_type", "default") == "default"
+    return (isinstance(v, dict) and set(v) <= {"rope_type", "rope_theta", "partial_rotary_factor"}
+            and v.get("rope_type", "default") == "default" and full_rotary(v, cfg)
             and v.get("rope_theta", cfg.get("rope_theta")) == cfg.get("rope_theta"))
+
+
+def full_rotary(rope_parameters: Mapping[str, Any], cfg: Mapping[str, Any]) -> bool:
+    """transformers 5 copies `partial_rotary_factor` into `rope_parameters` beside the top-level key (GLM-4.7-Flash's
+    1.0): plain rope when it is absent there, or 1.0 there and at the top level (a class default may differ)."""
+    return "partial_rotary_factor" not in rope_parameters or (
+        rope_parameters["partial_rotary_factor"] == 1.0 and cfg.get("partial_rotary_factor") == 1.0)
 
 
 HF_COMMON: dict[str, Field] = {

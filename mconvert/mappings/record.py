@@ -242,6 +242,10 @@ class Family:
     # this class's own function under another name (Kimi K2's kimi_k2 is DeepSeek's modeling_deepseek.py): read as
     # this family, written back under `model_type`, which transformers and vLLM build without remote code
     remote_model_types: tuple[str, ...] = ()
+    # the model_type whose class an older transformers (the pinned one) builds with this family's function from the
+    # same config, where it lacks this family's own class (GLM-4.7-Flash's glm4_moe_lite: deepseek_v3); the
+    # validators run that class as the reference
+    transformers_stand_in: str | None = None
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

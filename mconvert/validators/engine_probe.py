@@ -69,6 +69,9 @@ def build_config(config: dict[str, Any]) -> dict[str, Any]:
     hf_logging.set_verbosity_error()
     c = dict(config)
     mt = c.pop("model_type", None)
+    from mconvert.validators.formats import stand_in_model_type
+
+    mt = stand_in_model_type(mt) if isinstance(mt, str) else mt
     for k in ("architectures", "transformers_version", "_name_or_path"):
         c.pop(k, None)
     part("instantiating config.json as transformers does")

@@ -215,6 +215,33 @@ def norm_dtype(d: Any) -> str:
     return row.name if row is not None and row.floating else "float32"
 
 
+def stand_in_model_type(model_type: str) -> str:
+    """The model_type whose class the installed transformers builds for `model_type`'s function: itself, or, for a
+    class newer than the installed transformers, its family's `transformers_stand_in`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from mconvert.mappings.families import by_model_type
+
+    fam = by_model_type(model_type)
+    if model_type in CONFIG_MAPPING_NAMES or fam is None or fam.transformers_stand_in is None:
+        return model_type
+    return fam.transformers_stand_in
+
+
+def reference_config(path: Path) -> dict[str, Any]:
+    """`from_pretrained`'s `config=` for HF dir `path` when the installed transformers builds it as a stand-in
+    (`stand_in_model_type`); else nothing (transformers reads config.json itself)."""
+    cfg = load_json_object(Path(path) / "config.json", "HF config")
+    model_type = str(cfg.get("model_type", ""))
+    stand_in = stand_in_model_type(model_type)
+    if stand_in == model_type:
+        return {}
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+    return {"config": AutoConfig.for_model(stand_in, **rest)}
+
+
 def reference_attention(config: Path | dict) -> dict[str, str]:
     """The attention implementation transformers runs a reference in: its SDPA and flash paths drop
     attention-logit soft-capping (Gemma 2's `attn_logit_softcapping`) without a word, so a model that declares it

@@ -19,7 +19,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config
 from mconvert.spec import torch_dtype
 from mconvert.trainer.infer import megatron_logits
-from mconvert.validators.formats import ModelInfo, reference_attention
+from mconvert.validators.formats import ModelInfo, reference_attention, reference_config, stand_in_model_type
 from mconvert.validators.ft_runner import ft_logits
 from mconvert.validators.gguf_runner import gguf_logits
 from mconvert.validators.onnx_runner import onnx_logits
@@ -98,7 +98,8 @@ def hf_logits(path: Path, tokens: torch.Tensor, device: str) -> tuple[torch.Tens
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto", local_files_only=True,
-                                                     trust_remote_code=False, **reference_attention(path))
+                                                     trust_remote_code=False, **reference_attention(path),
+                                                     **reference_config(path))
     except Exception as e:  # a broken dir: missing shard, bad config ... -> one line
         raise MConvertError(f"{path}: transformers cannot load this dir ({_first_line(e)})") from None
     finally:
@@ -158,7 +159,7 @@ def source_model(path: Path, device: str = "cpu"):
     state = {}
     with open_source(path) as src:  # its rank / safetensors files close once the weights are read, or on an error
         cfg_dict = hf_config(src.spec)
-        model_type = cfg_dict.pop("model_type")
+        model_type = stand_in_model_type(cfg_dict.pop("model_type"))
         cfg_dict.pop("architectures", None)
         cfg = AutoConfig.for_model(model_type, **cfg_dict)
         with no_init_weights():  # buffers (rotary inv_freq, causal masks) built for real; weights come from source

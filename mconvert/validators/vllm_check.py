@@ -20,7 +20,7 @@ import torch
 from mconvert.io.paths import check_tree_contained, inside_file, load_json_object
 from mconvert.errors import MConvertError
 from mconvert.validators.engine_probe import chat_ids
-from mconvert.validators.formats import has_tokenizer, reference_attention
+from mconvert.validators.formats import has_tokenizer, reference_attention, reference_config
 from mconvert.validators.tokens import make_batch
 
 SERVE_SCRIPT = Path(__file__).with_name("vllm_serve.py")
@@ -78,7 +78,8 @@ def _transformers_reference(d: Path, prompts: list[list[int]], max_tokens: int) 
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True,
-                                                     trust_remote_code=False, **reference_attention(d)).eval()
+                                                     trust_remote_code=False, **reference_attention(d),
+                                                     **reference_config(d)).eval()
     finally:
         hf_logging.set_verbosity(v)
         if bars:

@@ -10,7 +10,8 @@ A read is `config.X` (any receiver whose last name is a config's: `config`, `sel
 `kwargs.pop/get("X")`, every `self.X` its methods and properties load, and both sides of its `attribute_map`.
 
 What counts, per model_type (the modules that build the network or compute its forward):
-- transformers: `models/<type>/modeling_<type>.py` and `configuration_<type>.py`; `configuration_utils`
+- transformers: `models/<type>/modeling_<type>.py` and `configuration_<type>.py` (of the vLLM venv's transformers
+  for a model_type the pinned one lacks: glm4_moe_lite); `configuration_utils`
   (PretrainedConfig, with the generation defaults its __init__ consumes), `modeling_utils` (PreTrainedModel:
   weight tying, pruning, quantization, attention implementation), `modeling_rope_utils`, `masking_utils`,
   `cache_utils`, `modeling_layers`, `modeling_flash_attention_utils` and the attention integrations
@@ -43,6 +44,7 @@ VLLM_SHARED = ("config/*.py", "transformers_utils/config.py", "transformers_util
 # vLLM serves a model_type from a file of another name: DeepSeek-V3 from DeepSeek-V2's, its MTP layers from
 # deepseek_mtp.py (GLM-4.5's from glm4_moe_mtp.py)
 VLLM_MODEL_FILES = {"deepseek_v3": ("deepseek_v2", "deepseek_mtp"), "glm4_moe": ("glm4_moe", "glm4_moe_mtp"),
+                    "glm4_moe_lite": ("glm4_moe_lite", "glm4_moe_lite_mtp"),
                     "gemma3_text": ("gemma3",)}
 # transformers keeps a model_type's code under another model's directory: Gemma 3's text model under gemma3
 TRANSFORMERS_MODEL_DIRS = {"gemma3_text": "gemma3"}
@@ -144,6 +146,9 @@ def transformers_sources(model_type: str) -> list[Path]:
     root = Path(transformers.__file__).parent
     name = TRANSFORMERS_MODEL_DIRS.get(model_type, model_type)
     model = root / "models" / name
+    vllm = vllm_root()
+    if not model.is_dir() and vllm is not None:  # newer than the pinned transformers: the vLLM venv's has it
+        model = vllm.parent / "transformers" / "models" / name
     return [model / f"modeling_{name}.py", model / f"configuration_{name}.py",
             *(root / s for s in TRANSFORMERS_SHARED)]
 

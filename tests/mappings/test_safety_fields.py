@@ -187,6 +187,8 @@ def test_a_config_written_by_transformers_parses(model_type: str) -> None:
     """transformers' own save (every default field written) passes the table."""
     import transformers
 
+    if model_type not in HF_CLASSES:  # newer than the pinned transformers: tests/mappings/test_glm4_moe_lite.py
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type} class")
     cfg = _hf(model_type)
     if not by_name(model_type).gemma:  # mistral's class default (4096) is longer than this context
         cfg.pop("sliding_window", None)
