@@ -143,27 +143,11 @@ def mcore_moe_export(family: str) -> Path:
 
 @lru_cache(maxsize=None)
 def moved_ckpt(name: str) -> Path:
-    """Preset `name` (MTP layer included) as a one-rank Megatron checkpoint with the trainer's tokenizer, every
-    weight moved off the trainer's init and the expert bias non-negative and large enough to change the routing."""
+    """`moved_off_init_ckpt(name)` (MTP layer included) with the trainer's tokenizer beside it."""
     from mconvert.data import build_tokenizer, save_hf_tokenizer
-    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
-    from mconvert.mappings.families import preset
-    from mconvert.trainer.model import GPTModel
-    from mconvert.trainer.parallel import ParallelState
 
-    spec = preset(name)
-    g = torch.Generator().manual_seed(7)
-    state = {}
-    for k, v in GPTModel(spec, ParallelState(), seed=3).state_dict().items():
-        if not torch.is_tensor(v):
-            continue
-        noise = torch.randn(v.shape, generator=g)
-        state[k] = (0.3 * noise.abs() if k.endswith("expert_bias") else
-                    1 + 0.2 * noise if k.endswith("norm.weight") else v + 0.05 * noise)
     out = WORK / f"moved-{name}"
-    save_rank_file(rank_file(out, 1, 0, 0, 1), {"args": spec.to_megatron_args(), "checkpoint_version": 3.0,
-                                                 "iteration": 1, "model": state})
-    write_latest(out, 1)
+    shutil.copytree(moved_off_init_ckpt(name), out, dirs_exist_ok=True)
     save_hf_tokenizer(build_tokenizer(), out)
     return out
 
