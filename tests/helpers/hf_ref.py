@@ -46,6 +46,20 @@ def randomize(model: torch.nn.Module, seed: int = 3) -> None:
             p.copy_(1.0 + 0.2 * noise if n.endswith("norm.weight") else 0.1 * noise)
 
 
+def move_off_init(model: torch.nn.Module, seed: int = 4) -> None:
+    """Every weight moved off its init (norms around 1, the rest by small noise) and a non-negative expert
+    correction bias large enough to change the routing (DeepSeek-style routers). Needs only torch, so a script
+    run by another venv's python (the vLLM venv's transformers) imports it too."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else p + 0.05 * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.rand(b.shape, generator=g))
+
+
 def randomized_models(configs: dict[str, Callable[[], Any]], tokens: torch.Tensor, tmp_path_factory: Any,
                       to_megatron: Callable[..., Any]) -> dict[str, tuple[torch.Tensor, Path, Path]]:
     """name -> (transformers' logits on `tokens`, its save_pretrained dir, `to_megatron(hf, mg, tp=2, pp=1)`'s

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_ref import move_off_init
 from mcore_ref import McoreContext, perturb, run_mcore, save_checkpoints
 
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
@@ -137,14 +138,7 @@ def _random_hf(d: Path, rope_scaling: dict) -> None:
         rms_norm_eps=1e-6, tie_word_embeddings=False, rope_scaling=rope_scaling)
     torch.manual_seed(2)
     model = DeepseekV3ForCausalLM(cfg).eval()
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else p + 0.05 * noise)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.rand(b.shape, generator=g))
+    move_off_init(model)
     model.save_pretrained(d)
 
 
