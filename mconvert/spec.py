@@ -154,6 +154,9 @@ class ModelSpec:
     # moe_layer_freq: every N-th layer, or a 0/1 per layer; HF first_k_dense_replace is [0]*k + [1]*(L-k)).
     moe_shared_expert_intermediate_size: int | None = None
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    # softmax over all experts, top-k of those probabilities, no renormalisation (DeepSeek-V2's router); only the
+    # softmax router reads it (megatron-core's sigmoid router scores before top-k whatever it says)
+    moe_router_pre_softmax: bool = False
     moe_router_enable_expert_bias: bool = False  # `mlp.router.expert_bias` [E] fp32, added to scores for choice only
     moe_router_topk_scaling_factor: float | None = None  # HF routed_scaling_factor
     moe_router_num_groups: int | None = None  # HF n_group
@@ -214,6 +217,8 @@ class ModelSpec:
                 object.__setattr__(self, name, default)
         elif self.moe_ffn_hidden_size == self.ffn_hidden_size:
             object.__setattr__(self, "moe_ffn_hidden_size", None)
+        if self.moe_router_score_function != "softmax":
+            object.__setattr__(self, "moe_router_pre_softmax", False)
         if isinstance(self.moe_layer_freq, list):  # frozen and hashable
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         if self.kv_lora_rank is None:  # the MLA sizes mean nothing to standard attention
@@ -333,6 +338,8 @@ class ModelSpec:
         if self.moe_router_score_function not in ("softmax", "sigmoid"):
             raise MConvertError(f"unsupported moe_router_score_function {self.moe_router_score_function!r} "
                                 "(softmax or sigmoid)")
+        if not isinstance(self.moe_router_pre_softmax, bool):
+            raise MConvertError(f"moe_router_pre_softmax must be true or false, got {self.moe_router_pre_softmax!r}")
         if self.moe_shared_expert_intermediate_size is not None:
             whole("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
         f = self.moe_router_topk_scaling_factor
@@ -1024,7 +1031,8 @@ _MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "qk_nope_head_dim": 128, "
                                  "v_head_dim": 128}
 _DEEPSEEK_MOE_DEFAULTS: dict[str, Any] = {
     "moe_shared_expert_intermediate_size": None, "moe_router_score_function": "softmax",
-    "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None, "moe_router_num_groups": None,
+    "moe_router_pre_softmax": False, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
+    "moe_router_num_groups": None,
     "moe_router_group_topk": None, "moe_layer_freq": 1,
 }
 _LLAMA3_BAND_DEFAULTS: dict[str, Any] = {
@@ -1225,8 +1233,6 @@ def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict
         for k in _DEEPSEEK_MOE_DEFAULTS:
             if a.get(k) is not None:
                 out[k] = a[k]
-        if a.get("moe_router_pre_softmax"):
-            raise MConvertError(f"{source}: moe_router_pre_softmax=True is not mapped; conversion refused")
     return out
 
 

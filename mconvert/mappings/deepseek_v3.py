@@ -107,7 +107,9 @@ HF_FIELDS: dict[str, Field] = {
     "qk_nope_head_dim": mapped("qk_nope_head_dim", INT),
     "v_head_dim": mapped("v_head_dim", INT),
     "rope_interleave": refused("rope_interleave=false is not megatron-core's MLA rope", True),
-    "scoring_func": refused("only the sigmoid router is mapped", "sigmoid"),
+    "scoring_func": refused("transformers' DeepseekV3 scores with sigmoid whatever this says and vLLM follows it, so "
+                            "the engines disagree (DeepSeek-V2's softmax router is DeepseekV2ForCausalLM's)",
+                            "sigmoid"),
     "topk_method": refused("only noaux_tc (expert-bias top-k) is mapped", "noaux_tc"),
     # vLLM's DeepSeek model makes layer i MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0
     # (transformers reads no such field): 1, DeepSeek's published value, is every layer after the dense ones

@@ -44,6 +44,7 @@ READS_FILE = "hf_config_reads.json"  # in mconvert/data: what each engine's code
 # Every family: the module of this package that declares its `FAMILY` record, one line each. Adding a family is
 # adding its line (any place: the families are taken in module-name order).
 FAMILY_MODULES = (
+    "deepseek_v2",
     "deepseek_v3",
     "gemma2",
     "gemma3",
@@ -415,4 +416,4 @@ def _check_deepseek(fam: Any, values: Mapping[str, Any], source: str) -> None:
     if extra and not fam.deepseek:
         k, v = next(iter(extra.items()))
         raise MConvertError(f"{source}: Megatron arg {k}={v!r} is not supported for the {fam.name!r} family (the "
-                            "DeepSeek-V3 architecture is the deepseek_v3 family's); conversion refused")
+                            "DeepSeek architectures are the deepseek_v2 and deepseek_v3 families'); conversion refused")

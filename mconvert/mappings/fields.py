@@ -358,8 +358,7 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     # other architectures and layer layouts
     # MoE variants that change the routed function (the mapped router: top-k of the logits, softmax over the k)
     "moe_router_score_function": mapped("moe_router_score_function", STR, "softmax", ("softmax", "sigmoid")),
-    "moe_router_pre_softmax": refused("a softmax over all experts before top-k (no renormalisation) is not mapped",
-                                      False),
+    "moe_router_pre_softmax": mapped("moe_router_pre_softmax", BOOL, False),
     "moe_router_enable_expert_bias": mapped("moe_router_enable_expert_bias", BOOL, False),
     "moe_router_num_groups": mapped("moe_router_num_groups", INT),
     "moe_router_group_topk": mapped("moe_router_group_topk", INT),

@@ -2,6 +2,8 @@
 
 `Router.route` is megatron-core's `topk_routing_with_score_function` (moe_utils.py) without its fused kernel:
 - softmax (its default): top-k of the logits, softmax over the k (= HF Mixtral / Qwen3-MoE, norm_topk_prob);
+- pre-softmax (`moe_router_pre_softmax`, DeepSeek-V2): softmax over every expert, the top-k of those
+  probabilities as the weights, not renormalised;
 - sigmoid (DeepSeek-V3): sigmoid scores; the experts are chosen on scores + `expert_bias` (an fp32 buffer that
   only steers the choice), weighted by their unbiased scores renormalised over the k (for k > 1);
 - group-limited (n_group / topk_group): experts in `moe_router_num_groups` equal groups, a group scored by the
@@ -60,6 +62,10 @@ def route(logits: torch.Tensor, spec: ModelSpec, expert_bias: torch.Tensor | Non
         probs = scores.gather(1, top)
         if k > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    elif spec.moe_router_pre_softmax:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+        top = topk(scores)
+        probs = scores.gather(1, top)
     else:
         top = topk(logits)
         probs = torch.softmax(logits.gather(1, top), dim=-1, dtype=torch.float32).type_as(logits)

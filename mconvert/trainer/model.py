@@ -596,7 +596,7 @@ def check_trainable(spec: ModelSpec, tp: int, pp: int, ep: int = 1, split: Pipel
                 f"MoE experts here are bias-free SwiGLU; this model has activation={spec.activation!r}, "
                 f"add_bias_linear={spec.add_bias_linear}; use a Mixtral / Qwen3-MoE style preset"
             )
-        if spec.moe_router_topk < 2 and spec.moe_router_score_function == "softmax":
+        if spec.moe_router_topk < 2 and spec.moe_router_score_function == "softmax" and not spec.moe_router_pre_softmax:
             raise MConvertError(
                 f"--moe-topk {spec.moe_router_topk}: pick 2..{spec.num_experts} (softmax over the top-k is 1 for k = 1, "
                 "megatron-core asks for --moe-router-pre-softmax then, which is not this router)"
