@@ -10,7 +10,9 @@ equal:
   times `routed_scaling_factor` = megatron-core's `moe_router_pre_softmax` with `moe_router_topk_scaling_factor`.
   `topk_method: greedy` chooses from every expert; `group_limited_greedy` first keeps the `topk_group` best of
   `n_group` groups, a group scored by its best expert, where megatron-core scores it by the sum of its top
-  k / group_topk: the two agree when k = topk_group (or every group is kept) and are refused otherwise;
+  k / group_topk. With topk_group ≥ k both choose the greedy top-k (the groups holding the top-k experts outrank
+  every other group), so topk_group = k maps to megatron-core's groups and topk_group > k to no groups; with
+  topk_group < k (DeepSeek-V2's 3 of 8 groups for k = 6) the two choose differently and the model is refused;
 - shared experts (transformers calls them unconditionally: a model without them is refused), dense first layers
   (`first_k_dense_replace`), no expert bias, no MTP layer.
 
@@ -118,7 +120,10 @@ def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSp
                            common, add_bias_linear=False, add_qkv_bias=False, source=source)
     k, width = int(get("first_k_dense_replace")), int(get("moe_intermediate_size"))
     groups, group_topk = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
-    grouped = get("topk_method") == "group_limited_greedy" and group_topk < groups  # else every group is kept
+    # every group kept, or at least k groups kept (the groups holding the top-k experts outrank the others): HF
+    # chooses the greedy top-k
+    grouped = get("topk_method") == "group_limited_greedy" and group_topk < groups and (
+        group_topk <= int(get("num_experts_per_tok")))
     spec = base.replace(
         kv_channels=None, num_experts=int(get("n_routed_experts")), moe_ffn_hidden_size=width,
         moe_router_topk=int(get("num_experts_per_tok")), moe_router_score_function="softmax",
