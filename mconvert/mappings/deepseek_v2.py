@@ -112,7 +112,7 @@ def from_hf(cfg: dict[str, Any], common: dict[str, Any], source: str) -> ModelSp
     if get("num_experts_per_tok") is None:
         raise MConvertError(f"{source}: num_experts_per_tok is not set (DeepseekV2Config's default None routes to no "
                             "expert); give it")
-    if not get("n_shared_experts"):
+    if not cfg.get("n_shared_experts", CLASS_DEFAULTS["n_shared_experts"]):  # null: transformers builds none
         raise MConvertError(f"{source}: n_shared_experts={cfg.get('n_shared_experts')!r}: transformers' DeepseekV2 "
                             "runs shared experts in every MoE layer and cannot hold a model without them; conversion "
                             "refused")

@@ -139,7 +139,9 @@ def to_hf(spec: ModelSpec, arch: str = "DeepseekV3ForCausalLM") -> dict[str, Any
     if not (spec.is_mla and spec.is_moe and spec.moe_router_score_function == "sigmoid"):
         raise MConvertError(f"HF {arch} needs multi-latent attention and the sigmoid MoE router; this model has "
                             f"kv_lora_rank={spec.kv_lora_rank}, num_experts={spec.num_experts}, "
-                            f"score function {spec.moe_router_score_function!r}; conversion refused")
+                            f"score function {spec.moe_router_score_function!r}; conversion refused"
+                            + (" (the pre-softmax router is DeepSeek-V2's: model_family deepseek_v2)"
+                               if spec.moe_router_pre_softmax else ""))
     # a dense-attention head width stands in for MLA's own (hidden / heads need not be whole: GLM-4.7-Flash)
     base = llama.rope_fields(spec.replace(num_experts=None, kv_lora_rank=None, q_lora_rank=None,
                                           kv_channels=spec.v_head_dim))
