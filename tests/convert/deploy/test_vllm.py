@@ -7,7 +7,8 @@ presets trained at TP2 PP2 serve with transformers' greedy tokens. Mixtral and Q
 megatron-core's own MoE GPTModel (EP=2, TP=2 EP=2) serve after `megatron-to-hf` with megatron-core's greedy tokens.
 The trained sliding-window Mistral serves on prompts longer than its window with transformers' greedy tokens and
 prompt logprobs. tiny-deepseek-v3 passes `verify --against --vllm-python`; vLLM's CPU rotary kernel on its
-multi-latent attention, `rope_interleave: false` and two weight-layout errors fail."""
+multi-latent attention, `rope_interleave: false` and two weight-layout errors fail; tiny-deepseek-v2-lite (the
+pre-softmax router) passes it too."""
 
 from __future__ import annotations
 
@@ -199,6 +200,22 @@ def test_deepseek_v3_export_passes_verify_against_its_checkpoint_with_vllm(vllm_
     assert {c["name"]: c["status"] for c in rep["checks"]}["vllm"] == "ok"
     _check_served(rep["vllm"])
     assert rep["vllm"]["custom_ops"] == list(NATIVE_OPS)
+
+
+def test_deepseek_v2_lite_export_passes_verify_against_its_checkpoint_with_vllm(vllm_python, capsys):
+    """tiny-deepseek-v2-lite (MLA without q latent, kv latent 512 + rope 64, the pre-softmax router: softmax over
+    every expert, top-4 not renormalised, × 2; two shared experts, a dense first layer), every weight off its init:
+    vLLM's DeepseekV2ForCausalLM (scoring_func softmax, renormalize = norm_topk_prob false) gives transformers'
+    greedy tokens and prompt logprobs, and `verify --against` passes."""
+    d = moved_export("tiny-deepseek-v2-lite")
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg["architectures"], cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], cfg["scoring_func"],
+            cfg["norm_topk_prob"], cfg["q_lora_rank"]) == (["DeepseekV2ForCausalLM"], 576, "softmax", False, None)
+    code, rep = _verify_json([str(d), "--against", str(moved_ckpt("tiny-deepseek-v2-lite")), "--vllm-python",
+                              str(vllm_python)], capsys)
+    assert code == 0 and rep["passed"], rep["errors"]
+    assert {c["name"]: c["status"] for c in rep["checks"]}["vllm"] == "ok"
+    _check_served(rep["vllm"])
 
 
 def test_vllms_cpu_rope_kernel_and_a_rope_interleave_vllm_ignores_fail_the_vllm_check(vllm_python):
