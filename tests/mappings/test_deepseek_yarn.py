@@ -325,13 +325,17 @@ def test_moonlight_reads_as_mla_without_q_latent_and_plain_rope() -> None:
     assert spec_from_hf_config(hf_config(spec)) == spec
 
 
-@pytest.mark.parametrize("arch,model_type", [("DeepseekV2ForCausalLM", "deepseek_v2")])
-def test_deepseek_v2_is_refused_by_architecture(arch: str, model_type: str) -> None:
-    """DeepSeek-V2 / V2-Lite route with softmax scores and no renormalisation (topk_method greedy /
-    group_limited_greedy) and no expert bias (GLM-4.7-Flash: tests/mappings/test_glm4_moe_lite.py)."""
-    with pytest.raises(MConvertError, match=rf"unsupported architecture \['{arch}'\]"):
-        spec_from_hf_config({**MOONLIGHT, "architectures": [arch], "model_type": model_type,
-                             "scoring_func": "softmax", "topk_method": "greedy"})
+def test_deepseek_v2_classes_read_as_the_deepseek_v2_family() -> None:
+    """DeepseekV2ForCausalLM routes with softmax scores, top-k not renormalised (megatron-core's pre-softmax
+    router; tests/convert/hf/test_deepseek_v2_lite.py): Moonlight's fields under that class read as it, and its
+    norm_topk_prob true, which transformers' DeepseekV2 ignores and vLLM's applies, is refused by name."""
+    v2 = {**MOONLIGHT, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+          "scoring_func": "softmax", "topk_method": "greedy"}
+    with pytest.raises(MConvertError, match="norm_topk_prob=True"):
+        spec_from_hf_config(v2)
+    spec = spec_from_hf_config({**v2, "norm_topk_prob": False})
+    assert (spec.family, spec.moe_router_score_function, spec.moe_router_pre_softmax,
+            spec.moe_router_enable_expert_bias) == ("deepseek_v2", "softmax", True, False)
 
 
 def test_hf_mla_yarn_of_factor_1_is_plain_rope() -> None:

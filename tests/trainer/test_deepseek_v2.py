@@ -8,7 +8,7 @@ probabilities, not renormalised, × the routed scale) in the trainer and in conv
   megatron-core's top-k sum agree; with and without a q latent) gives transformers' logits of ours;
 - megatron-core's own save (no model_family in its args) converts to a DeepseekV2ForCausalLM whose transformers
   logits are megatron-core's; hf-to-megatron at TP=2 EP=2 gives back megatron-core's tensors and megatron-to-hf the
-  same safetensors bytes.
+  same safetensors bytes, as its torch_dist save (`dist_checkpointing`) does.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ def test_megatron_to_hf_gives_transformers_logits_of_ours(tmp_path: Path, change
 
 
 def _save(ctx: McoreContext, root: str, tokens: torch.Tensor) -> torch.Tensor:
-    """Per rank: weights off their init, megatron-core's own legacy save, the main head's logits."""
+    """Per rank: weights off their init, megatron-core's own legacy and torch_dist saves, the main head's logits."""
     perturb(ctx)
-    save_checkpoints(ctx, root, 3)
+    save_checkpoints(ctx, root, 3, torch_dist=True)
     return ctx.logits(tokens)
 
 
@@ -121,6 +121,9 @@ def test_megatron_core_save_converts_to_transformers_logits_and_round_trips(tmp_
                 rows = min(max(SPEC.vocab_size - t * per, 0), per) if vocab else None
                 assert torch.equal(back[k][:rows], theirs[k][:rows]), k
     megatron_to_hf(tmp_path / "m2", tmp_path / "hf2")
-    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (tmp_path / "hf2" / "model.safetensors").read_bytes()
+    megatron_to_hf(Path(str(root) + "_dist"), tmp_path / "hf-dist")  # megatron-core's dist_checkpointing save
+    want = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    for again in ("hf2", "hf-dist"):
+        assert (tmp_path / again / "model.safetensors").read_bytes() == want, again
     print(f"[figures] megatron-core's own TP=2 EP=2 save of tiny-deepseek-v2-lite -> HF: transformers vs megatron-core "
-          f"{diff:.1e}; HF -> Megatron TP=2 EP=2 -> HF: same bytes")
+          f"{diff:.1e}; HF -> Megatron TP=2 EP=2 -> HF and its torch_dist save -> HF: the same bytes")
