@@ -89,14 +89,15 @@ class Router(nn.Module):
         else:
             self.expert_bias = self.tokens_per_expert = None
 
-    def aux_loss_inputs(self, logits: torch.Tensor, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def aux_loss_inputs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The scores and choices megatron-core's load-balancing loss counts (`compute_routing_scores_for_aux_loss`):
-        softmax of the logits with the routed choice; for the sigmoid router the sigmoid scores normalised over the
-        experts, with their own top-k (no bias, no groups)."""
+        the softmax of the logits, or for the sigmoid router the sigmoid scores normalised over the experts, each
+        with its own top-k (no bias, no groups: not always the routed choice)."""
         if self.spec.moe_router_score_function == "softmax":
-            return torch.softmax(logits.float(), dim=-1), top
-        scores = torch.sigmoid(logits.float())
-        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+            scores = torch.softmax(logits.float(), dim=-1)
+        else:
+            scores = torch.sigmoid(logits.float())
+            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
         return scores, scores.topk(self.spec.moe_router_topk, dim=-1).indices
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -320,7 +320,7 @@ class MoE(nn.Module):
         h = x.reshape(-1, shape[-1])
         logits, probs, top = self.router(h)
         if self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            aux = load_balancing_loss(*self.router.aux_loss_inputs(logits, top), self.num_experts, self.topk,
+            aux = load_balancing_loss(*self.router.aux_loss_inputs(logits), self.num_experts, self.topk,
                                       self.aux_loss_coeff)
             probs = _AttachAuxLoss.apply(probs, aux, self.aux_loss_scale / st.tp)
             logged = aux.detach() / self.aux_loss_coeff  # megatron-core logs the loss without its coefficient

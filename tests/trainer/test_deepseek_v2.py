@@ -127,3 +127,24 @@ def test_megatron_core_save_converts_to_transformers_logits_and_round_trips(tmp_
         assert (tmp_path / again / "model.safetensors").read_bytes() == want, again
     print(f"[figures] megatron-core's own TP=2 EP=2 save of tiny-deepseek-v2-lite -> HF: transformers vs megatron-core "
           f"{diff:.1e}; HF -> Megatron TP=2 EP=2 -> HF and its torch_dist save -> HF: the same bytes")
+
+
+def test_grouped_pre_softmax_router_load_balancing_loss_is_megatron_cores() -> None:
+    """The load-balancing loss counts what megatron-core's does: the softmax scores with their own top-k, not the
+    group-limited choice the tokens are routed by."""
+    from megatron.core.transformer.moe.moe_utils import (
+        compute_routing_scores_for_aux_loss,
+        switch_load_balancing_loss_func,
+    )
+
+    from mconvert.trainer.deepseek_moe import Router
+    from mconvert.trainer.model import load_balancing_loss
+
+    spec = SPEC.replace(moe_router_num_groups=8, moe_router_group_topk=4)
+    g = torch.Generator().manual_seed(1)
+    router = Router(spec, torch.nn.Parameter(torch.randn(16, 128, generator=g)), None, ParallelState())
+    logits, _, _ = router(torch.randn(64, 128, generator=g))
+    ours = load_balancing_loss(*router.aux_loss_inputs(logits), 16, spec.moe_router_topk, 0.01)
+    routing_map, scores = compute_routing_scores_for_aux_loss(logits, spec.moe_router_topk, "softmax")
+    theirs = switch_load_balancing_loss_func(scores, routing_map.sum(dim=0), 64, spec.moe_router_topk, 16, 0.01)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)

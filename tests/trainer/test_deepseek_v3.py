@@ -349,8 +349,8 @@ def test_sigmoid_router_load_balancing_loss_is_megatron_cores() -> None:
     g = torch.Generator().manual_seed(1)
     router = Router(spec, torch.nn.Parameter(torch.randn(16, 128, generator=g)), None, ParallelState())
     router.expert_bias = torch.randn(16, generator=g)  # steers the routed choice, not the loss's counts
-    logits, _, top = router(torch.randn(64, 128, generator=g))
-    ours = load_balancing_loss(*router.aux_loss_inputs(logits, top), 16, spec.moe_router_topk, 0.01)
+    logits, _, _ = router(torch.randn(64, 128, generator=g))
+    ours = load_balancing_loss(*router.aux_loss_inputs(logits), 16, spec.moe_router_topk, 0.01)
     routing_map, scores = compute_routing_scores_for_aux_loss(logits, spec.moe_router_topk, "sigmoid")
     theirs = switch_load_balancing_loss_func(scores, routing_map.sum(dim=0), 64, spec.moe_router_topk, 16, 0.01)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
