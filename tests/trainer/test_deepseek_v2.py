@@ -21,7 +21,7 @@ import torch
 from deepseek_ref import PROBE, TOL, mcore_rank_logits, merged_ranks, moved_off_init, rel_diff, save_single_rank
 from mcore_ref import McoreContext, perturb, run_mcore, save_checkpoints
 
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset, spec_from_megatron_args

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from safety_common import run_cli
 from test_hf_config_corpus import write_sparse_hf
 
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.errors import MConvertError
 from mconvert.io.safeload import safe_load
