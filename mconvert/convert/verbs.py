@@ -167,6 +167,9 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     split, vpp = target_split(spec.num_layers, pp, vpp, pipeline, spec.mtp_num_layers)
     spec.check_parallel(tp, pp, vpp, ep, layers=False)
+    if bridge:  # before any work, the dry run included
+        from mconvert.convert.megatron.bridge import check_writable
+        check_writable(spec, tp)
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, ep=ep,
@@ -232,6 +235,9 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
             groups = src.trainer_optimizer()
     split, vpp = target_split(src.spec.num_layers, pp, vpp, pipeline, src.spec.mtp_num_layers, src)
     src.spec.check_parallel(tp, pp, vpp, ep, layers=False)
+    if bridge:  # before any work, the dry run included
+        from mconvert.convert.megatron.bridge import check_writable
+        check_writable(src.spec, tp)
     layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp, ep=ep,

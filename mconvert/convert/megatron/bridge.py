@@ -265,7 +265,13 @@ def provider_fields(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int 
 
 
 def check_writable(spec: ModelSpec, tp: int) -> None:
-    """Megatron-Bridge stores the vocab unpadded and pads nothing when it loads: the vocab must split over TP."""
+    """Megatron-Bridge stores the vocab unpadded and pads nothing when it loads: the vocab must split over TP; the
+    GPTModelProvider written here states no DeepSeek architecture field (MLA, the DeepSeek routers, MTP)."""
+    extra = spec.deepseek_features()
+    if extra:
+        k, v = next(iter(extra.items()))
+        raise MConvertError(f"--bridge: {k}={v!r} is not stated by the GPTModelProvider run config written here "
+                            "(Megatron-Bridge would build another model); drop --bridge")
     if spec.vocab_size % tp:
         raise MConvertError(f"--bridge: vocab size {spec.vocab_size} does not split over TP={tp}; Megatron-Bridge "
                             "keeps the vocab unpadded — choose a TP dividing it, or drop --bridge")
