@@ -153,6 +153,9 @@ class ModelSpec:
     # a scale on the routed probabilities, group-limited top-k, and which layers are MoE (Megatron's
     # moe_layer_freq: every N-th layer, or a 0/1 per layer; HF first_k_dense_replace is [0]*k + [1]*(L-k)).
     moe_shared_expert_intermediate_size: int | None = None
+    # the shared experts' output times sigmoid(x · gate_weight) (`mlp.shared_experts.gate_weight` [1, hidden]):
+    # megatron-core's moe_shared_expert_gate, HF Qwen2-MoE's `shared_expert_gate`
+    moe_shared_expert_gate: bool = False
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
     # softmax over all experts, top-k of those probabilities, no renormalisation (DeepSeek-V2's router); only the
     # softmax router reads it (megatron-core's sigmoid router scores before top-k whatever it says)
@@ -342,6 +345,8 @@ class ModelSpec:
             raise MConvertError(f"moe_router_pre_softmax must be true or false, got {self.moe_router_pre_softmax!r}")
         if self.moe_shared_expert_intermediate_size is not None:
             whole("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+        elif self.moe_shared_expert_gate:
+            raise MConvertError("moe_shared_expert_gate needs shared experts (moe_shared_expert_intermediate_size)")
         f = self.moe_router_topk_scaling_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f)
                               or f <= 0):
@@ -694,6 +699,8 @@ class ModelSpec:
                 S = self.moe_shared_expert_intermediate_size
                 add("mlp.shared_experts.linear_fc1.weight", fc1_kind, 2 * S if self.gated else S, H)
                 add("mlp.shared_experts.linear_fc2.weight", "row", H, S)
+                if self.moe_shared_expert_gate:
+                    add("mlp.shared_experts.gate_weight", "replicated", 1, H)
             for e in range(self.num_experts if experts else 0):  # type: ignore[arg-type]
                 out += self.expert_params(layer, e, prefix=p, tag=tag)
             return out
@@ -1031,7 +1038,7 @@ _MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "qk_nope_head_dim": 128, "
                                  "v_head_dim": 128}
 _DEEPSEEK_MOE_DEFAULTS: dict[str, Any] = {
     "moe_shared_expert_intermediate_size": None, "moe_router_score_function": "softmax",
-    "moe_router_pre_softmax": False, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
+    "moe_router_pre_softmax": False, "moe_shared_expert_gate": False, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
     "moe_router_num_groups": None,
     "moe_router_group_topk": None, "moe_layer_freq": 1,
 }

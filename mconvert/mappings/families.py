@@ -55,6 +55,7 @@ FAMILY_MODULES = (
     "mistral",
     "mixtral",
     "qwen2",
+    "qwen2_moe",
     "qwen3",
     "qwen3_moe",
 )

@@ -371,7 +371,7 @@ _MEGATRON_REFUSED: dict[str, Field] = {
                                               or (isinstance(v, list) and "sinkhorn" not in v)),
     "moe_router_force_load_balancing": refused("forced (random) routing is not mapped", False),
     "moe_shared_expert_intermediate_size": mapped("moe_shared_expert_intermediate_size", INT),
-    "moe_shared_expert_gate": refused("shared experts are not mapped", False),
+    "moe_shared_expert_gate": mapped("moe_shared_expert_gate", BOOL, False),
     "moe_layer_freq": mapped("moe_layer_freq", (int, list, tuple), 1),
     "moe_expert_capacity_factor": refused("expert capacity (token dropping) changes the function; not mapped", None),
     "moe_pad_expert_input_to_capacity": refused("expert capacity padding is not mapped", False),

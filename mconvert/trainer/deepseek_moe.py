@@ -14,7 +14,8 @@ The expert bias moves outside the optimizer (aux-loss-free balancing, megatron-c
 over the tensor- and data-parallel ranks (one all-reduce).
 
 `SharedExperts` is megatron-core's `SharedExpertMLP`: a SwiGLU MLP of width moe_shared_expert_intermediate_size
-beside the routed experts, TP-split like them; its partial sums join theirs in the MoE layer's one reduction.
+beside the routed experts, TP-split like them, optionally scaled per token by sigmoid(x · gate_weight)
+(`moe_shared_expert_gate`); its partial sums join theirs in the MoE layer's one reduction.
 """
 
 from __future__ import annotations
@@ -118,10 +119,14 @@ class SharedExperts(nn.Module):
         super().__init__()
         self.linear_fc1 = LocalLinear(make(decls["shared_experts.linear_fc1.weight"]), None, st)
         self.linear_fc2 = LocalLinear(make(decls["shared_experts.linear_fc2.weight"]), None, st)
+        self.gate_weight = make(decls.get("shared_experts.gate_weight"))  # [1, H], replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear_fc1(x).chunk(2, dim=-1)
-        return self.linear_fc2(F.silu(gate) * up)
+        out = self.linear_fc2(F.silu(gate) * up)
+        if self.gate_weight is not None:  # megatron-core's moe_shared_expert_gate: a sigmoid per token
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight.to(x.dtype)))
+        return out
 
 
 def update_expert_bias(routers: list[Router], st: ParallelState, rate: float = BIAS_UPDATE_RATE) -> None:

@@ -508,6 +508,9 @@ class GPTModel(nn.Module):
                     out += [p for p in norm.parameters() if id(p) not in seen]
             if isinstance(layer.mlp, MoE) and self.st.tp > 1 and id(layer.mlp.router.weight) not in seen:
                 out.append(layer.mlp.router.weight)  # it multiplies the TP partial sums of the experts
+                shared = layer.mlp.shared_experts
+                if shared is not None and shared.gate_weight is not None:  # as the router, of the shared ones
+                    out.append(shared.gate_weight)
         return out
 
     def moe_layers(self) -> list[MoE]:

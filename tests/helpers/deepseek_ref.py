@@ -26,7 +26,7 @@ def moved_off_init(model: dict, tp_rank: int, ep_rank: int) -> dict:
         if not isinstance(v, torch.Tensor):
             out[k] = v
             continue
-        whole = "layernorm" in k or "norm." in k or k.endswith(("router.weight", "expert_bias"))
+        whole = "layernorm" in k or "norm." in k or k.endswith(("router.weight", "expert_bias", "gate_weight"))
         expert = ".local_experts." in k
         g = torch.Generator().manual_seed(zlib.crc32(f"{k}:{'' if whole else tp_rank}:{ep_rank if expert else ''}"
                                                      .encode()))

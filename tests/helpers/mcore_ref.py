@@ -97,6 +97,7 @@ def deepseek_config(spec: ModelSpec) -> dict[str, Any]:
         freq = spec.moe_layer_freq
         out.update(moe_router_score_function=spec.moe_router_score_function,
                    moe_router_pre_softmax=spec.moe_router_pre_softmax,
+                   moe_shared_expert_gate=spec.moe_shared_expert_gate,
                    moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
                    moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
                    moe_router_num_groups=spec.moe_router_num_groups, moe_router_group_topk=spec.moe_router_group_topk,

@@ -95,7 +95,7 @@ def test_megatron_args_without_model_family_are_recognised(name, preset_name):
 
 
 def test_an_unknown_family_is_one_line_naming_the_known_ones():
-    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: deepseek_v2, deepseek_v3, gemma2, gemma3, glm4_moe, glm4_moe_lite, gpt2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe$"):
+    with pytest.raises(MConvertError, match=r"unsupported model family 'bert'; supported: deepseek_v2, deepseek_v3, gemma2, gemma3, glm4_moe, glm4_moe_lite, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe$"):
         families.by_name("bert")
     args = vars(families.preset("tiny-llama").to_megatron_args(1, 1))
     with pytest.raises(MConvertError, match="unsupported model family 'bert'"):

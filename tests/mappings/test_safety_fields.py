@@ -24,7 +24,7 @@ from mconvert.mappings.families import FAMILIES, by_name, hf_config, hf_table, p
 HF_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
               "qwen3": "Qwen3Config", "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
               "deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig",
-              "glm4_moe": "Glm4MoeConfig"}
+              "glm4_moe": "Glm4MoeConfig", "qwen2_moe": "Qwen2MoeConfig"}
 
 
 def _transformer_config_fields() -> list[str]:
@@ -176,7 +176,7 @@ def _hf(model_type: str, **changes) -> dict:
     spec = preset({"gpt2": "tiny-gpt2", "llama": "tiny-llama", "mistral": "tiny-mistral", "qwen2": "tiny-qwen2",
                    "qwen3": "tiny-qwen3", "mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3-moe",
                    "deepseek_v2": "tiny-deepseek-v2-lite", "deepseek_v3": "tiny-deepseek-v3", "gemma2": "tiny-gemma2", "gemma3": "tiny-gemma3",
-                   "glm4_moe": "tiny-glm45"}[model_type])
+                   "glm4_moe": "tiny-glm45", "qwen2_moe": "tiny-qwen2-moe"}[model_type])
     cfg = hf_config(spec)
     cfg.update(changes)
     return cfg
