@@ -8,7 +8,8 @@ megatron-core's own MoE GPTModel (EP=2, TP=2 EP=2) serve after `megatron-to-hf` 
 The trained sliding-window Mistral serves on prompts longer than its window with transformers' greedy tokens and
 prompt logprobs. tiny-deepseek-v3 passes `verify --against --vllm-python`; vLLM's CPU rotary kernel on its
 multi-latent attention, `rope_interleave: false` and two weight-layout errors fail; tiny-deepseek-v2-lite (the
-pre-softmax router) passes it too."""
+pre-softmax router) passes it too, and the tiny-qwen2-moe export (gated shared expert) serves with transformers'
+greedy tokens."""
 
 from __future__ import annotations
 
@@ -216,6 +217,16 @@ def test_deepseek_v2_lite_export_passes_verify_against_its_checkpoint_with_vllm(
     assert code == 0 and rep["passed"], rep["errors"]
     assert {c["name"]: c["status"] for c in rep["checks"]}["vllm"] == "ok"
     _check_served(rep["vllm"])
+
+
+def test_qwen2_moe_export_serves_in_vllm_with_transformers_greedy_tokens(vllm_python):
+    """vLLM's Qwen2MoeForCausalLM reads the tiny-qwen2-moe export (the pre-softmax router, norm_topk_prob false;
+    the shared expert and its sigmoid gate) and generates transformers' greedy tokens."""
+    d = moved_export("tiny-qwen2-moe")
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg["architectures"], cfg["norm_topk_prob"], cfg["shared_expert_intermediate_size"]) == (
+        ["Qwen2MoeForCausalLM"], False, 128)
+    _check_served(vllm_compare_many([d], vllm_python)[0])
 
 
 def test_vllms_cpu_rope_kernel_and_a_rope_interleave_vllm_ignores_fail_the_vllm_check(vllm_python):
