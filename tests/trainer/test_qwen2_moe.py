@@ -5,6 +5,7 @@ megatron-core 0.16.1's GPTModel (`moe_router_pre_softmax`, `moe_shared_expert_ga
 - a random Qwen2MoeForCausalLM saved by transformers -> hf-to-megatron TP=2 EP=2 -> megatron-core's logits equal
   transformers'; megatron-to-hf gives back the same tensors, byte for byte; the controls (the router renormalised, the shared
   expert's gate dropped) move megatron-core's logits past the tolerance;
+- megatron-core's own saves (legacy and torch_dist) convert to one HF checkpoint with megatron-core's logits;
 - our trainer at TP=2 EP=2 gives the single-rank run's losses (the gate's gradient summed over TP like the
   router's) and its checkpoint strict-loads into megatron-core with our logits.
 """
@@ -98,3 +99,36 @@ def test_trainer_tp2_ep2_equals_one_rank_and_megatron_core(trained_checkpoint) -
     assert diff <= TOL, diff
     print(f"[figures] tiny-qwen2-moe TP=2 EP=2 vs TP=1, 2 steps: losses max|Δ| {losses:.1e}; megatron-core vs ours "
           f"{diff:.1e}")
+
+
+def _save(ctx, root: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Per rank: weights off their init, megatron-core's own legacy and torch_dist saves, the main head's logits."""
+    from mcore_ref import perturb, save_checkpoints
+
+    perturb(ctx)
+    save_checkpoints(ctx, root, 3, torch_dist=True)
+    return ctx.logits(tokens)
+
+
+def test_megatron_core_saves_convert_to_its_logits_and_one_hf_checkpoint(tmp_path: Path) -> None:
+    """megatron-core's own TP=2 EP=2 saves (legacy rank files and dist_checkpointing, args without model_family)
+    convert to the same HF bytes, whose transformers logits are megatron-core's; through hf-to-megatron --format
+    torch_dist and back, the same bytes again."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path / "mcore"
+    ref = run_mcore(SPEC, 2, _save, (str(root), PROBE), ep=2)[0][..., : SPEC.vocab_size]
+    megatron_to_hf(root, tmp_path / "hf")
+    megatron_to_hf(Path(str(root) + "_dist"), tmp_path / "hf-dist")
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (
+        tmp_path / "hf-dist" / "model.safetensors").read_bytes()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    with torch.no_grad():
+        diff = rel_diff(hf(PROBE).logits, ref)
+    assert diff <= TOL, diff
+    hf_to_megatron(tmp_path / "hf", tmp_path / "dist2", tp=2, ep=2, format="torch_dist")
+    megatron_to_hf(tmp_path / "dist2", tmp_path / "hf2")
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == (tmp_path / "hf2" / "model.safetensors").read_bytes()
+    print(f"[figures] megatron-core's own TP=2 EP=2 saves of tiny-qwen2-moe (legacy and torch_dist) -> the same HF "
+          f"bytes; transformers vs megatron-core {diff:.1e}")
