@@ -1037,10 +1037,9 @@ def gemma_from_megatron_args(a: dict[str, Any]) -> dict[str, Any]:
 _MLA_DEFAULTS: dict[str, Any] = {"q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                                  "v_head_dim": 128}
 _DEEPSEEK_MOE_DEFAULTS: dict[str, Any] = {
-    "moe_shared_expert_intermediate_size": None, "moe_router_score_function": "softmax",
-    "moe_router_pre_softmax": False, "moe_shared_expert_gate": False, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
-    "moe_router_num_groups": None,
-    "moe_router_group_topk": None, "moe_layer_freq": 1,
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False, "moe_router_score_function": "softmax",
+    "moe_router_pre_softmax": False, "moe_router_enable_expert_bias": False, "moe_router_topk_scaling_factor": None,
+    "moe_router_num_groups": None, "moe_router_group_topk": None, "moe_layer_freq": 1,
 }
 _LLAMA3_BAND_DEFAULTS: dict[str, Any] = {
     "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_position_embeddings": 8192,

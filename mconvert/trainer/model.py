@@ -602,7 +602,8 @@ def check_trainable(spec: ModelSpec, tp: int, pp: int, ep: int = 1, split: Pipel
         if spec.moe_router_topk < 2 and spec.moe_router_score_function == "softmax" and not spec.moe_router_pre_softmax:
             raise MConvertError(
                 f"--moe-topk {spec.moe_router_topk}: pick 2..{spec.num_experts} (softmax over the top-k is 1 for k = 1, "
-                "megatron-core asks for --moe-router-pre-softmax then, which is not this router)"
+                "as megatron-core says; top-1 needs the pre-softmax router of --preset tiny-qwen2-moe or "
+                "tiny-deepseek-v2-lite)"
             )
     if spec.mtp_num_layers and pp > 1:
         raise MConvertError(f"multi-token prediction (mtp_num_layers={spec.mtp_num_layers}) trains here with PP=1 "

@@ -302,8 +302,8 @@ def megatron_args(cfg: TrainConfig, spec: ModelSpec, iteration: int, consumed: i
     moe: dict[str, Any] = {}
     if spec.is_moe:  # megatron-core's names for this trainer's router and its load-balancing loss
         moe = dict(moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_router_load_balancing_type="aux_loss",
-                   moe_router_pre_softmax=spec.moe_router_pre_softmax, moe_router_score_function=spec.moe_router_score_function,
-                   moe_expert_capacity_factor=None)
+                   moe_router_pre_softmax=spec.moe_router_pre_softmax,
+                   moe_router_score_function=spec.moe_router_score_function, moe_expert_capacity_factor=None)
         if spec.moe_router_enable_expert_bias:
             moe["moe_router_bias_update_rate"] = BIAS_UPDATE_RATE
     split = cfg.split(spec)
