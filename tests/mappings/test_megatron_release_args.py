@@ -194,7 +194,7 @@ RANK_FILES = "release/*/model_optim_rng.pt"
 FUNCTION_CHANGING = [
     ("apply_residual_connection_post_layernorm", True), ("layernorm_zero_centered_gamma", True),
     ("squared_relu", True), ("qk_l2_norm", True), ("softmax_type", "off-by-one"), ("attention_output_gate", True),
-    ("moe_router_pre_softmax", True), ("use_mup", True), ("glu_linear_offset", 1.0),
+    ("retro_add_retriever", True), ("use_mup", True), ("glu_linear_offset", 1.0),
     ("window_size", (128, 5)), ("apply_layernorm_1p", True), ("moe_router_force_load_balancing", True),
 ]
 
