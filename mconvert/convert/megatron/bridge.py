@@ -25,7 +25,8 @@ import yaml
 
 from mconvert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError, type_name
-from mconvert.mappings.fields import ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, MEGATRON_ARGS, check, check_numbers
+from mconvert.mappings.fields import (ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, MEGATRON_ARGS, MEGATRON_MLA_ROPE_ARGS, check,
+                                      check_numbers)
 from mconvert.spec import ModelSpec
 
 RUN_CONFIG = "run_config.yaml"
@@ -34,9 +35,14 @@ LATEST_TRAIN_STATE = "latest_train_state.pt"
 TOKENIZER_DIR = "tokenizer"
 
 # Provider classes whose `provide()` is GPTModelProvider's: the model is the fields, nothing more. Megatron-Bridge
-# 0.6 writes GPTModelProvider for Llama, Qwen2/3 and Qwen3-MoE; releases before it wrote the named subclasses
-# (`models/llama/llama_provider.py`, `models/qwen/qwen_provider.py`), which only change field defaults.
+# 0.6 writes GPTModelProvider for Llama, Qwen2/3, Qwen3-MoE and GLM-4.5, MLAModelProvider (MLATransformerConfig's
+# fields added, `provide()` unchanged) for DeepSeek-V2/V3, Moonlight and Kimi K2; releases before it wrote the
+# named subclasses (`models/llama/llama_provider.py`, `models/qwen/qwen_provider.py`,
+# `models/deepseek/deepseek_provider.py`, `models/kimi/kimi_provider.py`, `models/glm/glm45_provider.py`), which
+# only change field defaults. Which layers the model has (MLA, dense or MoE per layer) is its
+# `transformer_layer_spec`'s, judged by `fields.BRIDGE_MODEL`.
 _GPT = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+_MLA = "megatron.bridge.models.mla_provider.MLAModelProvider"
 _LLAMA = ("LlamaModelProvider Llama2ModelProvider7B Llama2ModelProvider13B Llama2ModelProvider70B Llama3ModelProvider "
           "Llama31ModelProvider Llama3ModelProvider8B Llama3ModelProvider70B Llama31ModelProvider8B "
           "Llama31ModelProvider70B Llama31ModelProvider405B Llama32ModelProvider1B Llama32ModelProvider3B "
@@ -47,17 +53,22 @@ _QWEN = ("Qwen2ModelProvider Qwen2ModelProvider500M Qwen2ModelProvider1P5B Qwen2
          "Qwen3ModelProvider600M Qwen3ModelProvider1P7B Qwen3ModelProvider4B Qwen3ModelProvider8B "
          "Qwen3ModelProvider14B Qwen3ModelProvider32B Qwen3MoEModelProvider Qwen3MoEModelProvider30B_A3B "
          "Qwen3MoEModelProvider235B_A22B")
+_DEEPSEEK = ("DeepSeekModelProvider DeepSeekV2ModelProvider DeepSeekV2LiteModelProvider DeepSeekV3ModelProvider "
+             "MoonlightModelProvider16B DeepSeekProvider DeepSeekV2Provider DeepSeekV2LiteProvider DeepSeekV3Provider "
+             "MoonlightProvider")
+_GLM = "GLMMoEModelProvider GLM45ModelProvider355B GLM45AirModelProvider106B"
 PROVIDERS: frozenset[str] = frozenset(
-    [_GPT, "megatron.bridge.models.mistral.mistral_provider.MistralModelProvider"]
+    [_GPT, _MLA, "megatron.bridge.models.mistral.mistral_provider.MistralModelProvider",
+     "megatron.bridge.models.kimi.kimi_provider.KimiK2Provider"]
     + [f"megatron.bridge.models.llama.llama_provider.{n}" for n in _LLAMA.split()]
     + [f"megatron.bridge.models.qwen.qwen_provider.{n}" for n in _QWEN.split()]
+    + [f"megatron.bridge.models.deepseek.deepseek_provider.{n}" for n in _DEEPSEEK.split()]
+    + [f"megatron.bridge.models.glm.glm45_provider.{n}" for n in _GLM.split()]
 )
 # Providers known to build what mconvert does not map, refused by name with the reason.
 REFUSED_PROVIDERS: dict[str, str] = {
-    "megatron.bridge.models.mla_provider.": "its multi-latent attention fields (DeepSeek V2/V3, Kimi, Moonlight) are "
-                                            "not read from run_config.yaml yet (Megatron-LM's MLA checkpoints are)",
-    "megatron.bridge.models.deepseek.": "its multi-latent attention fields (DeepSeek V2/V3) are not read from "
-                                        "run_config.yaml yet (Megatron-LM's MLA checkpoints are)",
+    "megatron.bridge.models.deepseek.deepseek_provider.DeepSeekV32": "DeepSeek sparse attention (its indexer) is "
+                                                                     "not mapped",
     **dict.fromkeys(("megatron.bridge.models.gemma.gemma2_provider.", "megatron.bridge.models.gemma.gemma3_provider."),
                     "the Gemma block its provide() builds (sandwich norms, two rope bases, windows) is not read from "
                     "run_config.yaml yet (Gemma 2 / 3 convert through HF and Megatron args)"),
@@ -153,7 +164,10 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
     `fields.BRIDGE_MODEL` table), so that one ModelSpec path serves both writers' checkpoints."""
     m = cfg["model"]
     provider_class(cfg, source)
-    check(m, BRIDGE_MODEL, source, "Megatron-Bridge model field",
+    # MLATransformerConfig's rope fields (rope_type, rotary_scaling_factor, mscale, ...) are Megatron-LM's MLA
+    # args by name: read under multi_latent_attention, refused by the GPT table otherwise
+    mla = MEGATRON_MLA_ROPE_ARGS if m.get("multi_latent_attention") else {}
+    check(m, {**BRIDGE_MODEL, **mla}, source, "Megatron-Bridge model field",
           unknown_hint="remove it from run_config.yaml if it is training-only")
     missing = [k for k in REQUIRED if m.get(k) is None]
     if missing:
@@ -167,8 +181,8 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
                             "conversion refused")
     # every field the Megatron table maps is carried under its own name, so a feature mapped for Megatron-LM's
     # args (a sliding window, ...) is read from the provider too, never dropped
-    a: dict[str, Any] = {k: v for k, v in m.items()
-                         if k in SHARED or (k in MEGATRON_ARGS and MEGATRON_ARGS[k].kind == MAPPED)}
+    a: dict[str, Any] = {k: v for k, v in m.items() if k in SHARED or k in mla
+                         or (k in MEGATRON_ARGS and MEGATRON_ARGS[k].kind == MAPPED)}
     nh, groups = m["num_attention_heads"], m.get("num_query_groups")
     a.update(
         swiglu=bool(glu),
