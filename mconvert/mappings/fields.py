@@ -767,7 +767,7 @@ def _named(v: Any) -> Any:
     return v.get("_target_") if isinstance(v, dict) else v
 
 
-_BRIDGE_ACTIVATIONS = ("torch.nn.functional.silu", "torch.nn.functional.gelu")
+_BRIDGE_ACTIVATIONS = ("torch.nn.functional.silu", "torch.nn.functional.gelu", "megatron.core.activations.fast_gelu")
 _BRIDGE_LAYER_SPECS = tuple(f"megatron.bridge.models.gpt_provider.{n}" for n in
                             ("default_layer_spec", "transformer_engine_layer_spec", "local_layer_spec"))
 # megatron-core's block spec, which the DeepSeek, Kimi and GLM bridges name (a partial): it builds each layer from
@@ -800,7 +800,7 @@ BRIDGE_MODEL: dict[str, Field] = {
     "_target_": Field(NEUTRAL, "the provider class, checked against convert/megatron/bridge.py's provider table"),
     "share_embeddings_and_output_weights": mapped("tie_embeddings", BOOL, True),
     "gated_linear_unit": mapped("activation", BOOL, False),
-    "activation_func": refused("only SiLU (gated: SwiGLU) and GeLU MLPs are mapped", None,
+    "activation_func": refused("only SiLU (gated: SwiGLU), GeLU and tanh GeLU (gated: GeGLU) MLPs are mapped", None,
                                lambda v, a: _named(v) in _BRIDGE_ACTIVATIONS),
     "rope_scaling": mapped("rope_scaling", BOOL, False),
     "seq_len_interpolation_factor": mapped("rope_scaling_factor", NUM),

@@ -27,7 +27,9 @@ HELPER = ROOT / "tests" / "helpers" / "bridge_helper.py"
 REAL_RUN_CONFIG = ROOT / "tests" / "data" / "bridge_0.6.2_llama_run_config.yaml"
 # the run_config.yaml Megatron-Bridge writes for a published HF config (bridge_helper.py dump), by that config
 PUBLISHED = {"deepseek-ai__DeepSeek-V3": "bridge_0.6.2_deepseek_v3_run_config.yaml",
-             "zai-org__GLM-4.5": "bridge_0.6.2_glm45_run_config.yaml"}
+             "zai-org__GLM-4.5": "bridge_0.6.2_glm45_run_config.yaml",
+             "google__gemma-2-9b-it": "bridge_0.6.2_gemma2_run_config.yaml",
+             "lucas-remigio__gemma-3-1b-merged": "bridge_0.6.2_gemma3_run_config.yaml"}
 WORK = scratch_dir("mconvert-bridge-", __name__)
 
 
@@ -194,7 +196,7 @@ def test_every_verb_that_reads_megatron_checkpoints_reads_a_megatron_bridge_one(
     ("apply_residual_connection_post_layernorm", True, "apply_residual_connection_post_layernorm"),
     ("a_future_bridge_option", 3, "a_future_bridge_option"),
     ("_target_", "megatron.bridge.models.deepseek.deepseek_provider.DeepSeekV32ModelProvider", "sparse attention"),
-    ("_target_", "megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider1B", "the Gemma block"),
+    ("_target_", "megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider1B", "gemma3_layer_spec"),
     ("_target_", "megatron.bridge.models.gemma.gemma_provider.GemmaModelProvider", "not known to mconvert"),
 ])
 def test_a_function_changing_provider_field_is_refused_by_name(capsys, tmp_path, field, value, words):
@@ -205,9 +207,10 @@ def test_a_function_changing_provider_field_is_refused_by_name(capsys, tmp_path,
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
-def test_the_provider_megatron_bridge_writes_for_published_deepseek_v3_and_glm45_is_their_hf_model(name):
-    """MLAModelProvider (DeepSeek-V3: MLA, its YaRN, dense and MoE layers, MTP) and GLM-4.5's GPTModelProvider
-    (megatron-core's block spec) read as the ModelSpec of the HF config they were made from."""
+def test_the_provider_megatron_bridge_writes_for_a_published_model_is_its_hf_model(name):
+    """MLAModelProvider (DeepSeek-V3: MLA, its YaRN, dense and MoE layers, MTP), GLM-4.5's GPTModelProvider
+    (megatron-core's block spec) and the Gemma 2 / 3 providers (the Gemma block their provide() builds) read as the
+    ModelSpec of the HF config they were made from."""
     import dataclasses
 
     from mconvert.convert.megatron import bridge
@@ -223,9 +226,14 @@ def test_the_provider_megatron_bridge_writes_for_published_deepseek_v3_and_glm45
                                    moe_router_num_groups=s.moe_router_num_groups if grouped else None,
                                    moe_router_group_topk=s.moe_router_group_topk if grouped else None)
     assert same(read) == same(hf)
-    assert read.mtp_num_layers == 1 and read.moe_layer_freq[0] == 0
-    assert name != "deepseek-ai__DeepSeek-V3" or (read.is_mla and (read.rope_scaling, read.rope_scaling_factor) ==
-                                                   ("yarn", 40))
+    if name.startswith("google__gemma-2"):
+        assert read.window_pattern == (1, 0) * 21 and read.final_logit_softcapping == 30 and read.sandwich_norms
+    elif "gemma-3" in name:
+        assert read.rotary_base_local == 10000 and read.window_size == 511 and read.scale_embeddings
+    else:
+        assert read.mtp_num_layers == 1 and read.moe_layer_freq[0] == 0
+        assert name != "deepseek-ai__DeepSeek-V3" or (read.is_mla and (read.rope_scaling, read.rope_scaling_factor) ==
+                                                       ("yarn", 40))
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -244,6 +252,26 @@ def test_what_the_deepseek_provider_builds_beyond_its_fields_is_refused_by_name(
     from mconvert.mappings.families import spec_from_megatron_args
 
     cfg = bridge.read_run_config(ROOT / "tests" / "data" / PUBLISHED["deepseek-ai__DeepSeek-V3"])
+    cfg["model"].update(edit)
+    with pytest.raises(MConvertError, match=words):
+        spec_from_megatron_args(bridge.megatron_args(cfg, "run_config.yaml"), source="run_config.yaml")
+
+
+@pytest.mark.parametrize("edit, words", [
+    ({"is_vision_language": True}, "is_vision_language"),  # bidirectional, unwindowed
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),  # its TE attention does not soft-cap
+    ({"seq_len_interpolation_factor": 2.0}, "seq_len_interpolation_factor"),  # would scale the local rope too
+    ({"rotary_base": 10000.0}, "rotary_base"),  # provide() unpacks (local, global)
+    ({"transformer_layer_spec": {"_target_": "megatron.bridge.models.gpt_provider.default_layer_spec",
+                                 "_call_": False}}, "gemma3_layer_spec"),
+    ({"activation_func": {"_target_": "torch.nn.functional.gelu", "_call_": False}}, "activation_func"),  # erf GeGLU
+])
+def test_what_the_gemma3_provider_cannot_build_as_its_fields_say_is_refused_by_name(edit, words):
+    from mconvert.convert.megatron import bridge
+    from mconvert.errors import MConvertError
+    from mconvert.mappings.families import spec_from_megatron_args
+
+    cfg = bridge.read_run_config(ROOT / "tests" / "data" / PUBLISHED["lucas-remigio__gemma-3-1b-merged"])
     cfg["model"].update(edit)
     with pytest.raises(MConvertError, match=words):
         spec_from_megatron_args(bridge.megatron_args(cfg, "run_config.yaml"), source="run_config.yaml")
