@@ -44,13 +44,23 @@ def _with_tokenizer(d: Path) -> Path:
 def hf_model(name: str) -> Path:
     """transformers' own random tiny model with the trainer's tokenizer: `llama` is the model the stored
     run_config.yaml describes; `qwen3` has qk-norm and tied embeddings; `qwen3_moe` routes 4 experts, top 2;
-    `deepseek_v3` has MLA with q LoRA and YaRN, a dense first layer, a MoE layer (sigmoid router, expert bias, 2
+    `gemma2` / `gemma3` the Gemma block (windows, soft-caps; two rope bases, linear scaling); `deepseek_v3` has MLA with q LoRA and YaRN, a dense first layer, a MoE layer (sigmoid router, expert bias, 2
     groups, a shared expert) and an MTP layer; `glm4_moe` qk-norm, qkv bias, half-rotary rope, a dense first layer
     and a MoE layer."""
     import transformers
 
     d = WORK / f"hf-{name}"
-    if name == "deepseek_v3":
+    if name in ("gemma2", "gemma3"):  # 6 layers: Gemma 3's 5 local, 1 global; a query_pre_attn_scalar of its own
+        torch.manual_seed(5)
+        small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=1000, max_position_embeddings=128,
+                     sliding_window=8, query_pre_attn_scalar=24)
+        model = (transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**small)) if name == "gemma2" else
+                 transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+                     **small, rope_scaling={"rope_type": "linear", "factor": 2.0})))
+        move_off_init(model)
+        model.save_pretrained(d)
+    elif name == "deepseek_v3":
         _deepseek_with_mtp(d)
     elif name == "glm4_moe":
         torch.manual_seed(3)
@@ -409,6 +419,37 @@ def test_a_deepseek_v3_or_glm45_checkpoint_megatron_bridge_writes_converts_and_r
     _run_bridge(bridge_python, "export", hf_model(name), tmp_path / "tp2", tmp_path / "hf2")
     copies = ("model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight")
     _same_tensors(hf_model(name), tmp_path / "hf2", absent=copies if name == "deepseek_v3" else ())
+
+
+@pytest.mark.bridge
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gemma_checkpoint_under_the_run_config_megatron_bridge_writes_converts_and_reshards(bridge_python, capsys,
+                                                                                            tmp_path, name):
+    """Megatron-Bridge's Gemma 2 / 3 layer specs are Transformer Engine's alone, so it cannot build the model on CPU:
+    the run_config.yaml is the one it writes for the HF model (its provider from AutoBridge), the torch_dist beside
+    it mconvert's (the names Bridge's Gemma bridges map: `linear_proj.post_layernorm`, ...). It converts to the HF
+    tensors and config it came from, also re-sharded."""
+    ckpt = tmp_path / "ckpt"
+    code, _, err = run_cli(["hf-to-megatron", hf_model(name), ckpt, "--format", "torch_dist", "--bridge"], capsys)
+    assert code == 0, err
+    for f in (ckpt / "mconvert-manifest.json", ckpt / "iter_0000000" / "integrity.json"):
+        f.unlink()  # the run config is replaced below; Megatron-Bridge leaves neither
+    _run_bridge(bridge_python, "dump", hf_model(name) / "config.json", ckpt / "iter_0000000" / "run_config.yaml")
+    assert "gemma" in yaml.safe_load((ckpt / "iter_0000000" / "run_config.yaml").read_text())["model"]["_target_"]
+    from mconvert.mappings.families import spec_from_hf_config
+
+    def spec(d):
+        s = spec_from_hf_config(json.loads((d / "config.json").read_text()))
+        return s.replace(softmax_scale=round(s.softmax_scale, 12))  # 24 ** -0.5 both ways, to the last bit or so
+    for out, argv in (("hf", []), ("hf-tp2", ["reshard", ckpt, tmp_path / "tp2", "--tp", "2"])):
+        if argv:
+            code, _, err = run_cli(argv, capsys)
+            assert code == 0, err
+        code, _, err = run_cli(["megatron-to-hf", tmp_path / "tp2" if argv else ckpt, tmp_path / out], capsys)
+        assert code == 0, err
+        _same_tensors(hf_model(name), tmp_path / out)
+        assert spec(tmp_path / out) == spec(hf_model(name))
 
 
 @pytest.mark.bridge
