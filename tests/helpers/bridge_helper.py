@@ -22,7 +22,8 @@ name its checkpoint and conversion paths touch but whose work does not happen on
   TE's attention takes; the local DotProductAttention takes them here (v_channels sizes its output), as the model
   is only built and saved, never run.
 - MTP layers: GPTModelProvider asks megatron-core for their Transformer Engine spec whatever the layer spec; the
-  local one stands in, as for the decoder layers.
+  local one stands in, as for the decoder layers, and for megatron-core's block spec a run_config.yaml names with
+  `use_transformer_engine: true` (as Megatron-Bridge writes it on a machine with TE).
 - GLM-4.5's bridge maps its routed experts only in the grouped-GEMM spelling (TE); without TE the experts are
   megatron-core's SequentialMLP, mapped here from the same HF tensors as Megatron-Bridge's DeepSeek and Qwen3-MoE
   bridges map theirs (`local_experts.*`).
@@ -108,6 +109,12 @@ def _cpu() -> None:
         return mtp(config, spec, False, **k)
 
     gpt_layer_specs.get_gpt_mtp_block_spec = local_mtp
+    block = gpt_layer_specs.get_gpt_decoder_block_spec  # a run_config.yaml's partial names it with TE
+
+    def local_block(config, use_transformer_engine, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return block(config, False, *a, **k)
+
+    gpt_layer_specs.get_gpt_decoder_block_spec = local_block
     for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
         del sys.modules[name]
 

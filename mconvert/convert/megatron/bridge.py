@@ -307,9 +307,25 @@ def bridge_divisor(n: int) -> int:
     return d
 
 
+# Megatron args of the same names as megatron-core's TransformerConfig / MLATransformerConfig fields: what a model
+# states beyond GPTModelProvider's basic fields (MLA and its rope, the DeepSeek router, moe_layer_freq, MTP, the
+# window), written under those names as Megatron-Bridge's DeepSeek and GLM imports write them
+_CONFIG_ARGS = (
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+    "mscale_all_dim", "mtp_num_layers", "moe_shared_expert_intermediate_size", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_layer_freq", "window_size", "window_attn_skip_freq",
+)
+_BLOCK_SPEC = {"_target_": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec", "_partial_": True,
+               "_args_": [], "use_transformer_engine": True}
+
+
 def provider_fields(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int = 1) -> dict[str, Any]:
-    """The GPTModelProvider fields (run_config.yaml `model:`) of `spec` at TP/PP/VPP/EP, as Megatron-Bridge's own
-    import writes them: unpadded vocab (`should_pad_vocab` off), the default (Transformer Engine) layer spec."""
+    """The provider fields (run_config.yaml `model:`) of `spec` at TP/PP/VPP/EP, as Megatron-Bridge's own import
+    writes them: unpadded vocab (`should_pad_vocab` off); GPTModelProvider with the default (Transformer Engine)
+    layer spec, or, for MLA or dense and MoE layers mixed, MLAModelProvider / GPTModelProvider with megatron-core's
+    block spec (its DeepSeek and GLM bridges' choice)."""
     dtype = spec.params_dtype
     m: dict[str, Any] = {
         "_target_": _GPT,
@@ -344,11 +360,23 @@ def provider_fields(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int 
                  moe_router_topk=spec.moe_router_topk, expert_model_parallel_size=ep,
                  expert_tensor_parallel_size=tp, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                  moe_router_score_function="softmax", moe_router_pre_softmax=False)
+    args = vars(spec.to_megatron_args(tp, pp, vpp, ep=ep))
+    m.update({k: list(v) if isinstance(v, tuple) else v for k, v in args.items() if k in _CONFIG_ARGS})
+    if spec.is_mla:
+        m.update(_target_=_MLA, qk_layernorm=True)  # MLA's latent norms
+    if spec.is_mla or (spec.is_moe and spec.num_moe_layers != spec.num_layers):
+        m["transformer_layer_spec"] = dict(_BLOCK_SPEC)
     return m
 
 
 def check_writable(spec: ModelSpec, tp: int) -> None:
-    """Megatron-Bridge stores the vocab unpadded and pads nothing when it loads: the vocab must split over TP."""
+    """Megatron-Bridge stores the vocab unpadded and pads nothing when it loads: the vocab must split over TP. The
+    Gemma block is built by Megatron-Bridge's Gemma providers, whose run_config.yaml mconvert reads but does not
+    write."""
+    if spec.sandwich_norms or spec.scale_embeddings or spec.rotary_base_local is not None:
+        raise MConvertError(f"--bridge: the {spec.family} block (post-norms, embedding scale, two rope bases) is "
+                            "built by Megatron-Bridge's Gemma providers, which mconvert does not write; drop --bridge "
+                            "(the torch_dist checkpoint holds Megatron-Bridge's tensor names)")
     if spec.vocab_size % tp:
         raise MConvertError(f"--bridge: vocab size {spec.vocab_size} does not split over TP={tp}; Megatron-Bridge "
                             "keeps the vocab unpadded — choose a TP dividing it, or drop --bridge")

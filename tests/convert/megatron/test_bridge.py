@@ -330,6 +330,10 @@ def test_bridge_output_needs_torch_dist_and_a_vocab_that_splits_over_tp(capsys, 
     code, _, err = run_cli(["hf-to-megatron", odd, tmp_path / "b", "--format", "torch_dist", "--bridge", "--tp", "2"],
                            capsys)
     assert_one_line_error(code, err, "vocab size 1001", "TP=2")
+    code, _, err = run_cli(["hf-to-megatron", hf_model("gemma3"), tmp_path / "c", "--format", "torch_dist", "--bridge"],
+                           capsys)
+    assert_one_line_error(code, err, "--bridge", "Gemma providers")
+    assert not (tmp_path / "c").exists()
 
 
 def test_reshard_keeps_a_megatron_bridge_checkpoint_loadable_by_megatron_bridge(capsys, tmp_path):
@@ -454,11 +458,31 @@ def test_a_gemma_checkpoint_under_the_run_config_megatron_bridge_writes_converts
 
 @pytest.mark.bridge
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("name, tp, ep", [("llama", 2, 1), ("qwen3", 1, 1), ("qwen3_moe", 2, 2)])
+@pytest.mark.parametrize("name, tp, ep", [("llama", 2, 1), ("qwen3", 1, 1), ("qwen3_moe", 2, 2), ("deepseek_v3", 2, 2),
+                                         ("glm4_moe", 2, 2)])
 def test_megatron_bridge_export_reads_mconvert_torch_dist_into_the_same_hf_tensors(bridge_python, tmp_path, name, tp,
                                                                                   ep):
+    """Also MLA (MLAModelProvider) and dense + MoE layers (megatron-core's block spec) as mconvert writes them; the
+    MTP layer's embedding and head copies are not written by Bridge's DeepSeek export."""
     _run_bridge(bridge_python, "export", hf_model(name), ours(name, tp, ep), tmp_path / "hf")
-    _same_tensors(hf_model(name), tmp_path / "hf")
+    copies = ("model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight")
+    _same_tensors(hf_model(name), tmp_path / "hf", absent=copies if name == "deepseek_v3" else ())
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_the_provider_mconvert_writes_for_mla_and_mixed_moe_layers_reads_back_as_the_model(name):
+    """--bridge writes MLAModelProvider with MLA's fields (DeepSeek-V3) and megatron-core's block spec for dense and
+    MoE layers mixed (both), so that what Megatron-Bridge builds from it is the model (its export: the -m bridge
+    test above)."""
+    from mconvert.convert.megatron import bridge
+    from mconvert.mappings.families import spec_from_hf_config, spec_from_megatron_args
+
+    spec = spec_from_hf_config(json.loads((hf_model(name) / "config.json").read_text()))
+    model = bridge.provider_fields(spec, 2, 1, None, 2)
+    assert model["transformer_layer_spec"]["_target_"].endswith("get_gpt_decoder_block_spec")
+    assert model["_target_"].endswith("MLAModelProvider" if name == "deepseek_v3" else "GPTModelProvider")
+    read = spec_from_megatron_args(bridge.megatron_args({"model": yaml.safe_load(yaml.safe_dump(model))}, "x"))
+    assert read.replace(bos_token_id=None, eos_token_id=None) == spec.replace(bos_token_id=None, eos_token_id=None)
 
 
 def test_a_window_in_the_provider_reaches_the_export(capsys, tmp_path):
