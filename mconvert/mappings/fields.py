@@ -305,7 +305,9 @@ _MEGATRON_REFUSED: dict[str, Field] = {
                           _decoder_only),
     # rope variants (YaRN's factors are dead values unless `_yarn_unused` says otherwise)
     "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0, _yarn_unused),
-    "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope"),
+    # read only by multi-latent attention (mapped there) and the experimental variants (refused)
+    "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope" or not (
+        a.get("multi_latent_attention") or a.get("experimental_attention_variant"))),
     "mscale": refused("YaRN mscale is not mapped", 1.0, _yarn_unused),
     "mscale_all_dim": refused("YaRN mscale is not mapped", 1.0, _yarn_unused),
     "beta_fast": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
