@@ -291,7 +291,8 @@ def writer_info(cfg: dict[str, Any]) -> dict[str, Any]:
     none), the provider class, and the model fields the ModelSpec was read from."""
     version = next((v for v in (cfg.get("megatron_bridge_version"), cfg.get("version")) if isinstance(v, str)), None)
     cls = (target(cfg.get("model")) or "?").rsplit(".", 1)[-1]
-    read = sorted(k for k, f in BRIDGE_MODEL.items() if f.kind == MAPPED and k in cfg["model"])
+    table = {**BRIDGE_MODEL, **(MEGATRON_MLA_ROPE_ARGS if cfg["model"].get("multi_latent_attention") else {})}
+    read = sorted(k for k, f in table.items() if f.kind == MAPPED and k in cfg["model"])
     text = f"written by Megatron-Bridge{' ' + version if version else ''}, provider {cls}"
     return {"writer": "Megatron-Bridge", "version": version, "provider": cls, "text": text, "fields_read": read}
 

@@ -412,6 +412,8 @@ def test_a_deepseek_v3_or_glm45_checkpoint_megatron_bridge_writes_converts_and_r
     model = yaml.safe_load((ckpt / "iter_0000000" / "run_config.yaml").read_text())["model"]
     assert model["_target_"].rsplit(".", 1)[-1] == ("MLAModelProvider" if name == "deepseek_v3" else "GPTModelProvider")
     assert model["transformer_layer_spec"]["_target_"].endswith("get_gpt_decoder_block_spec")
+    code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "plan", "--dry-run"], capsys)
+    assert code == 0 and not (tmp_path / "plan").exists(), err
     code, _, err = run_cli(["megatron-to-hf", ckpt, tmp_path / "hf"], capsys)
     assert code == 0, err
     _same_tensors(hf_model(name), tmp_path / "hf")
