@@ -370,11 +370,11 @@ def provider_fields(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int 
     return m
 
 
-def check_writable(spec: ModelSpec, tp: int) -> None:
+def check_writable(spec: ModelSpec, tp: int, carried: bool = False) -> None:
     """Megatron-Bridge stores the vocab unpadded and pads nothing when it loads: the vocab must split over TP. The
-    Gemma block is built by Megatron-Bridge's Gemma providers, whose run_config.yaml mconvert reads but does not
-    write."""
-    if spec.sandwich_norms or spec.scale_embeddings or spec.rotary_base_local is not None:
+    Gemma block is built by Megatron-Bridge's Gemma providers, whose run_config.yaml mconvert reads and (`carried`,
+    from a Megatron-Bridge source) carries, but does not write."""
+    if not carried and (spec.sandwich_norms or spec.scale_embeddings or spec.rotary_base_local is not None):
         raise MConvertError(f"--bridge: the {spec.family} block (post-norms, embedding scale, two rope bases) is "
                             "built by Megatron-Bridge's Gemma providers, which mconvert does not write; drop --bridge "
                             "(the torch_dist checkpoint holds Megatron-Bridge's tensor names)")

@@ -437,10 +437,13 @@ def test_a_gemma_checkpoint_under_the_run_config_megatron_bridge_writes_converts
     it mconvert's (the names Bridge's Gemma bridges map: `linear_proj.post_layernorm`, ...). It converts to the HF
     tensors and config it came from, also re-sharded."""
     ckpt = tmp_path / "ckpt"
-    code, _, err = run_cli(["hf-to-megatron", hf_model(name), ckpt, "--format", "torch_dist", "--bridge"], capsys)
+    code, _, err = run_cli(["hf-to-megatron", hf_model(name), ckpt, "--format", "torch_dist"], capsys)
     assert code == 0, err
+    (ckpt / "release").rename(ckpt / "iter_0000000")  # laid out as Megatron-Bridge saves
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("0")
     for f in (ckpt / "mconvert-manifest.json", ckpt / "iter_0000000" / "integrity.json"):
-        f.unlink()  # the run config is replaced below; Megatron-Bridge leaves neither
+        f.unlink()  # Megatron-Bridge leaves neither
+    torch.save({"checkpoint_version": 3.0, "iteration": 0}, ckpt / "iter_0000000" / "common.pt")  # no args: Bridge's
     _run_bridge(bridge_python, "dump", hf_model(name) / "config.json", ckpt / "iter_0000000" / "run_config.yaml")
     assert "gemma" in yaml.safe_load((ckpt / "iter_0000000" / "run_config.yaml").read_text())["model"]["_target_"]
     from mconvert.mappings.families import spec_from_hf_config
@@ -456,6 +459,9 @@ def test_a_gemma_checkpoint_under_the_run_config_megatron_bridge_writes_converts
         assert code == 0, err
         _same_tensors(hf_model(name), tmp_path / out)
         assert spec(tmp_path / out) == spec(hf_model(name))
+    carried = yaml.safe_load((tmp_path / "tp2" / "iter_0000000" / "run_config.yaml").read_text())["model"]
+    assert carried["_target_"].endswith(("Gemma2ModelProvider", "Gemma3ModelProvider"))  # re-shard keeps Bridge's
+    assert carried["tensor_model_parallel_size"] == 2
 
 
 @pytest.mark.bridge
