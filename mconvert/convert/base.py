@@ -123,6 +123,12 @@ class SourceBase:
         that holds no optimizer states refuses."""
         raise MConvertError(f"{self.path}: a {self.format} checkpoint holds no optimizer states")
 
+    def read_unit_parts(self, unit: Unit, with_optimizer: bool = False
+                        ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, dict]]]:
+        """`read_unit(unit, with_optimizer)` in consecutive parts (same tensors and states, same order), for a
+        writer that `takes_states` and `takes_parts`. This default gives the whole unit as one part."""
+        yield self.read_unit(unit, with_optimizer)
+
     def close(self) -> None:
         """Release what the source keeps open (files, descriptors); a source holding nothing open does nothing."""
 
@@ -278,6 +284,15 @@ def mtp_experts(spec: ModelSpec) -> bool:
     return bool(spec.mtp_num_layers) and spec.is_moe_layer(spec.num_layers) and not spec.tie_embeddings
 
 
+def comes_whole(spec: ModelSpec, unit: Unit) -> bool:
+    """Whether `unit` reaches a Megatron-side writer as one part: the embedding and final units (a tied head's
+    copy, dropped keys) and an MoE model's units (already one expert each) — except the final unit of an untied
+    model whose MTP layers route over experts, which comes parameter by parameter (memory: one expert)."""
+    if unit == "final" and mtp_experts(spec):
+        return False
+    return not isinstance(unit, int) or spec.is_moe
+
+
 class LayerParts(SourceBase):
     """A source whose dense layers reach a Megatron-side writer parameter by parameter: `read_mcore_parts` and
     `mcore_part_tasks` from its `layer_part_tasks(layer)`."""
@@ -290,12 +305,8 @@ class LayerParts(SourceBase):
         raise NotImplementedError
 
     def comes_whole(self, unit: Unit) -> bool:
-        """Whether `unit` reaches the writer as one part: the embedding and final units (a tied head's copy,
-        dropped keys) and an MoE model's units (already one expert each) — except the final unit of an untied
-        model whose MTP layers route over experts, which comes parameter by parameter (memory: one expert)."""
-        if unit == "final" and mtp_experts(self.spec):
-            return False
-        return not isinstance(unit, int) or self.spec.is_moe
+        """`base.comes_whole` of this source's model."""
+        return comes_whole(self.spec, unit)
 
     def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
         """`read_mcore(unit)` in parts, same tensors, same order: a dense layer's parameters one per part on the

@@ -68,7 +68,11 @@ def drive(src: SourceBase, writer: Writer, what: str = "", progress: bool = Fals
             if not writer.needs(unit):  # another torchrun rank writes what it feeds
                 writer.skip(unit)
                 continue
-            if feeds == "states":
+            if feeds == "states" and writer.takes_parts:  # each part's states with it, as `read_unit_parts` gives
+                for tensors, states in src.read_unit_parts(unit, True):
+                    writer.add(unit, tensors, states, complete=False)
+                writer.add(unit, {}, {}, complete=True)
+            elif feeds == "states":
                 tensors, states = src.read_unit(unit, True)
                 writer.add(unit, tensors, states)
             elif feeds == "parts" and writer.reads == "hf":

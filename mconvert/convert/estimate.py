@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mconvert import dtypes
+from mconvert.convert.base import comes_whole
 from mconvert.convert.deploy import ft_layout as ft
 from mconvert.convert.deploy import trtllm_layout as trtllm
 from mconvert.io.paths import load_json_object
@@ -141,7 +142,8 @@ def _shard_numel(decl: ParamDecl, tp: int) -> int:
 
 def unit_bytes(spec: ModelSpec, tp: int, itemsize: int) -> dict[str, int]:
     """Bytes of every kind of unit summed over all TP shards (replicated params count once per rank): the
-    embedding, a layer, the final unit; an MoE layer moves as its dense part and one unit per expert."""
+    embedding, a layer, the final unit; an MoE layer moves as its dense part and one unit per expert, a final
+    unit with an MoE MTP layer one parameter at a time."""
 
     def total(decls: list[ParamDecl]) -> int:
         return sum(_shard_numel(d, tp) * tp for d in decls) * itemsize
@@ -150,7 +152,10 @@ def unit_bytes(spec: ModelSpec, tp: int, itemsize: int) -> dict[str, int]:
         layer = {"dense part": total(spec.layer_params(0, experts=False)), "expert": total(spec.expert_params(0, 0))}
     else:
         layer = {"layer": total(spec.layer_params(0))}
-    return {"embedding": total(spec.embedding_params(tp)), **layer, "final": total(spec.final_params(tp))}
+    final = spec.final_params(tp)
+    # a final unit with an MoE MTP layer moves one parameter at a time (`base.comes_whole`): its largest one
+    held = max(total([d]) for d in final) if not comes_whole(spec, "final") else total(final)
+    return {"embedding": total(spec.embedding_params(tp)), **layer, "final": held}
 
 
 def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: list[int], ep: int = 1,
