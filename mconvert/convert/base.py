@@ -62,6 +62,10 @@ class SourceBase:
     optimizer_layout: str | None = None
     writer: dict[str, Any] | None = None
     bridge_config: dict[str, Any] | None = None
+    # what the memory pre-check counted (`bounds.held_together` part -> bytes) and the file it names; the driver
+    # checks it again for a writer fed whole layers or whole units (`bounds.held_by_writer`)
+    held_sizes: dict[Any, int] | None = None
+    held_source: str = ""
 
     # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
     # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead

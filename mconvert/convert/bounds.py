@@ -142,6 +142,19 @@ def memory_needed(sizes: Mapping[Any, int]) -> tuple[Any, int]:
     return part, 3 * size
 
 
+def held_by_writer(sizes: Mapping[Any, int], splits_experts: bool, takes_parts: bool) -> dict[Any, int]:
+    """`sizes` (by `held_together` part) regrouped by what a writer is fed at once: an MoE layer whole where it
+    takes no expert apart (`Writer.splits_experts`), the final unit whole where it takes no unit in parts."""
+    out: dict[Any, int] = {}
+    for part, n in sizes.items():
+        if isinstance(part, LayerPart) and not splits_experts:
+            part = part.layer
+        elif isinstance(part, tuple) and not takes_parts:
+            part = part[0]
+        out[part] = out.get(part, 0) + n
+    return out
+
+
 def check_memory(unit_sizes: Mapping[Any, int], source: str, available: int | None = None) -> None:
     """The largest of what a conversion holds at once (`memory_needed`) must fit in the memory available;
     `unit_sizes`: bytes of every unit or part (`held_together`), from the tensor shapes."""

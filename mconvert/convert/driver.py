@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from mconvert.convert import bounds
 from mconvert.convert.base import END, SKIP, SourceBase, Unit, parts_ahead
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
@@ -49,6 +50,9 @@ def drive(src: SourceBase, writer: Writer, what: str = "", progress: bool = Fals
                             "run it without torchrun")
     with _aborting(writer):  # MoE layers one expert at a time where both sides can (memory: one expert)
         start_crc_checks()  # every reader has claimed the input records it checks on the bytes it reads
+        if src.held_sizes:  # the source's memory pre-check, for what this writer is fed at once
+            bounds.check_memory(bounds.held_by_writer(src.held_sizes, writer.splits_experts,
+                                                      writer.feeds != "units"), src.held_source)
         units = writer.unit_order(list(src.units(writer.splits_experts)))
         feeds = writer.feeds
         chained = _chained_reads(src, writer) if feeds == "parts" else None

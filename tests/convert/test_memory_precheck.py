@@ -68,7 +68,8 @@ def _held_at_once(d: Path) -> dict[str, int]:
         if m and int(m.group(1)) < L:
             part = f"layer {m.group(1)}" + (f" expert {m.group(3)}" if m.group(2) else "")
             held[part] = held.get(part, 0) + v
-    held["final unit whole"] = sum(mtp.values()) + sizes["lm_head.weight"] + sizes["model.norm.weight"]
+    held["final unit whole"] = (sum(v for k, v in mtp.items() if not k.endswith(".embed_tokens.weight"))
+                                + sizes["lm_head.weight"] + sizes["model.norm.weight"])
     return held
 
 
@@ -96,3 +97,23 @@ def test_the_precheck_needs_what_is_held_at_once_not_the_mtp_layer_whole(name, p
     assert not (tmp_path / "out").exists()
     print(f"\n{name}: the pre-check needs {need / 2**30:.1f} GiB (3 × the largest of what is held at once); "
           f"the final unit with its MTP layer held whole would need {3 * whole / 2**30:.1f} GiB")
+
+
+@pytest.mark.timeout(300)
+def test_a_writer_fed_whole_layers_is_checked_for_them(published, monkeypatch, capsys, tmp_path: Path) -> None:
+    """hf-to-gguf takes an MoE layer with all its experts (llama.cpp stores them stacked) and the final unit whole:
+    where hf-to-megatron fits, GLM-4.5's GGUF is refused, naming the larger of the two and what it needs."""
+    hf = published["zai-org__GLM-4.5"]
+    held = _held_at_once(hf)
+    final = held.pop("final unit whole")
+    need = 3 * max(held.values())
+    layer = max(sum(v for k, v in held.items() if k == f"layer {i}" or k.startswith(f"layer {i} "))
+                for i in range(json.loads((hf / "config.json").read_text())["num_hidden_layers"]))
+    monkeypatch.setattr(bounds.psutil, "virtual_memory", lambda: SimpleNamespace(available=need))
+    code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "mg", "--tp", "8", "--ep", "8", "--dry-run"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["hf-to-gguf", hf, tmp_path / "out.gguf", "--dry-run"], capsys)
+    whole = max(layer, final)  # the final unit: GLM-4.5's MTP layer, written as llama.cpp's nextn block
+    assert_one_line_error(code, err, f"{hf / 'config.json'}: converting "
+                          + ("the final" if final > layer else "layer "), f"needs about {3 * whole / 2**30:.1f} GiB")
+    assert not (tmp_path / "out.gguf").exists()

@@ -163,6 +163,7 @@ class HFSource(LayerParts):
                     m = self._meta(k)
                     if m is not None:
                         sizes[part] = sizes.get(part, 0) + math.prod(m.shape) * m.dtype.itemsize
+        self.held_sizes, self.held_source = sizes, source
         bounds.check_memory(sizes, source)
 
     def _held_keys(self, unit: Unit, keys: list[str]) -> dict[Any, list[str]]:

@@ -180,6 +180,7 @@ class MegatronSource(LayerParts):
         for name, shape in self.shapes.items():  # an MoE layer moves one expert at a time, an MoE MTP layer one
             u = bounds.held_together(self.spec, unit_of(name), name)  # parameter at a time
             sizes[u] = sizes.get(u, 0) + math.prod(shape) * self.__dict__["_dtypes"][name].itemsize * self.tp
+        self.held_sizes, self.held_source = sizes, source
         bounds.check_memory(sizes, source)
 
     # ---- discovery ------------------------------------------------------------------------------------
