@@ -21,7 +21,7 @@ import torch
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import to_hf
-from mconvert.spec import ModelSpec, Unit
+from mconvert.spec import ModelSpec, Unit, comes_whole
 
 
 def units_of(spec: ModelSpec, split_experts: bool = False) -> list[Unit]:
@@ -45,7 +45,7 @@ class SourceBase:
     vpp: int | None = None
     ep: int = 1  # expert-parallel size (Megatron MoE checkpoints)
     iteration: int | str | None = None
-    # the checkpoint's pipeline split (a Megatron source: its `megatron.layout.PipelineSplit`, even or uneven); a
+    # the checkpoint's pipeline split (a Megatron source: its `layouts.megatron.PipelineSplit`, even or uneven); a
     # reshard keeps it at the same PP/VPP
     split: Any = None
     # False where the vocab size is a padded guess (args without vocab_size, no tokenizer found)
@@ -282,21 +282,6 @@ def parts_ahead(units: Iterator[Unit], needs: Callable[[Unit], bool],
     yield from pmap_iter(run, items(), lambda item: item[3])
 
 
-def mtp_experts(spec: ModelSpec) -> bool:
-    """Whether the final unit holds routed experts (MTP layers built as an MoE layer) that a reader gives one
-    parameter at a time; a tied head's copy makes the final unit come whole."""
-    return bool(spec.mtp_num_layers) and spec.is_moe_layer(spec.num_layers) and not spec.tie_embeddings
-
-
-def comes_whole(spec: ModelSpec, unit: Unit) -> bool:
-    """Whether `unit` reaches a Megatron-side writer as one part: the embedding and final units (a tied head's
-    copy, dropped keys) and an MoE model's units (already one expert each) — except the final unit of an untied
-    model whose MTP layers route over experts, which comes parameter by parameter (memory: one expert)."""
-    if unit == "final" and mtp_experts(spec):
-        return False
-    return not isinstance(unit, int) or spec.is_moe
-
-
 class LayerParts(SourceBase):
     """A source whose dense layers reach a Megatron-side writer parameter by parameter: `read_mcore_parts` and
     `mcore_part_tasks` from its `layer_part_tasks(layer)`."""
@@ -309,7 +294,7 @@ class LayerParts(SourceBase):
         raise NotImplementedError
 
     def comes_whole(self, unit: Unit) -> bool:
-        """`base.comes_whole` of this source's model."""
+        """`spec.comes_whole` of this source's model."""
         return comes_whole(self.spec, unit)
 
     def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:

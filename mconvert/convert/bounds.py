@@ -14,10 +14,9 @@ from typing import Any, Callable, Mapping
 import psutil
 import torch
 
-from mconvert.convert.base import Unit, comes_whole
 from mconvert.errors import MConvertError
 from mconvert.mappings.plugin import to_hf_one
-from mconvert.spec import SPLIT_DIM, LayerPart, ModelSpec, expert_of
+from mconvert.spec import SPLIT_DIM, LayerPart, ModelSpec, Unit, comes_whole, expert_of
 
 ExpectedOf = Callable[[ModelSpec], Mapping[str, tuple[int, ...]]]
 
@@ -119,7 +118,7 @@ def expected_shard_shapes(spec: ModelSpec, tp: int, vocab_rows: int | None = Non
 def held_together(spec: ModelSpec, unit: Unit, param: str) -> Any:
     """What a conversion holds at once that a tensor of `unit` (part of canonical parameter `param`) belongs to:
     an MoE layer's dense part or one expert (`LayerPart`), the final unit's one parameter where that unit moves
-    parameter by parameter (`("final", param)`: an MoE MTP layer, `base.comes_whole`), else the unit."""
+    parameter by parameter (`("final", param)`: an MoE MTP layer, `spec.comes_whole`), else the unit."""
     if isinstance(unit, int) and spec.is_moe:
         return LayerPart(unit, expert_of(param))
     if unit == "final" and not comes_whole(spec, unit):

@@ -24,11 +24,11 @@ from mconvert.convert.hf import fp8
 from mconvert.convert.hf.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab
 from mconvert.convert.hf.writer import HFWriter, parse_size
 from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
-from mconvert.convert.megatron.layout import PipelineSplit, parse_pipeline_layout
+from mconvert.layouts.megatron import PipelineSplit, parse_pipeline_layout
 from mconvert.convert.megatron.optimizer import check_mcore_groups, index_states
 from mconvert.convert.megatron.source import MegatronSource
 from mconvert.convert.megatron.writer import megatron_writer
-from mconvert.convert.plan import plan_for_source
+from mconvert.layouts.plan import plan_for_source
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, Writer, make_report

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from mconvert.convert.megatron import bridge
 from mconvert.convert.megatron import dp_buckets
 from mconvert.convert.megatron import optimizer as optim
-from mconvert.convert.base import SourceBase, Unit, comes_whole
+from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.megatron.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.io.atomic import listed_by_manifest
-from mconvert.convert.megatron.layout import PipelineSplit, stored_iteration
+from mconvert.layouts.megatron import PipelineSplit, stored_iteration
 from mconvert.io.integrity import INTEGRITY, check_integrity
 from mconvert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.io.safeload import safe_load, safe_load_dcp_metadata
@@ -42,7 +42,7 @@ from mconvert.errors import MConvertError, expect, renamed
 from mconvert.mappings.keys import canonical_key, unit_of
 from mconvert.mappings.plugin import check_complete, hf_keys_for, hf_order, to_hf_one
 from mconvert.mappings.transforms import merge
-from mconvert.spec import LayerPart, expert_of, is_buffer, layer_of_unit, with_expert
+from mconvert.spec import LayerPart, comes_whole, expert_of, is_buffer, layer_of_unit, with_expert
 
 STACKED_PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp.layers."
@@ -165,7 +165,7 @@ class TorchDistSource(SourceBase):
 
     format = "megatron-torch_dist"
     splits_experts = True  # an MoE layer is read as its dense part and one unit per expert (memory: one expert)
-    # a unit that does not `base.comes_whole` (a dense layer; the final unit of an MoE model with an MoE MTP
+    # a unit that does not `spec.comes_whole` (a dense layer; the final unit of an MoE model with an MoE MTP
     # layer) is read one parameter at a time, each its own box
     gives_mcore_parts = True
 
@@ -693,14 +693,14 @@ class TorchDistSource(SourceBase):
 
     def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
         """`read_mcore(unit)` in parts, same tensors, same order: one parameter per part where the unit does not
-        `base.comes_whole` (what is written is freed before the next is read), else the unit."""
+        `spec.comes_whole` (what is written is freed before the next is read), else the unit."""
         for tensors, _ in self.read_unit_parts(unit):
             yield tensors
 
     def read_unit_parts(self, unit: Unit, with_optimizer: bool = False
                         ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, dict]]]:
         """`read_unit(unit, with_optimizer)` one parameter (with its states) at a time where the unit does not
-        `base.comes_whole`, else the unit in one part."""
+        `spec.comes_whole`, else the unit in one part."""
         if comes_whole(self.spec, unit):
             yield self.read_unit(unit, with_optimizer)
             return
