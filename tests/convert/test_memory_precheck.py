@@ -19,10 +19,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from safety_common import assert_one_line_error, run_cli
 from sparse_hf import write_sparse_hf
 
 import mconvert.convert.bounds as bounds
+from mconvert.convert.megatron.writer import megatron_writer
+from mconvert.mappings.families import preset
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "configs"
 MODELS = ("zai-org__GLM-4.5", "deepseek-ai__DeepSeek-V3")
@@ -116,4 +119,26 @@ def test_a_writer_fed_whole_layers_is_checked_for_them(published, monkeypatch, c
     whole = max(layer, final)  # the final unit: GLM-4.5's MTP layer, written as llama.cpp's nextn block
     assert_one_line_error(code, err, f"{hf / 'config.json'}: converting "
                           + ("the final" if final > layer else "layer "), f"needs about {3 * whole / 2**30:.1f} GiB")
+    assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.timeout(300)
+def test_megatron_rank_files_are_checked_per_expert_and_per_mtp_parameter(monkeypatch, capsys, tmp_path: Path) -> None:
+    """EP=2 rank files of a DeepSeek-V3-style model of 32 experts of 6.3 MB in fp32 (a 201 MB layer of experts, one
+    MoE MTP layer): with 100 MB free, megatron-to-hf (one expert, one MTP parameter at a time) is accepted, and
+    megatron-to-gguf, which takes an MoE layer and the final unit whole, is refused naming the final unit."""
+    H, F, E = 256, 2048, 32
+    spec = preset("tiny-deepseek-v3").replace(num_layers=1, moe_layer_freq=(1,), hidden_size=H, moe_ffn_hidden_size=F,
+                                              moe_shared_expert_intermediate_size=F, num_experts=E, vocab_size=512)
+    w = megatron_writer(tmp_path / "mg", spec, tp=1, pp=1, ep=2)
+    for unit in spec.units(split_experts=True):
+        w.add(unit, {d.name: torch.zeros(d.shape) for d in spec.unit_params(unit)})
+    w.close()
+    final = sum(math.prod(d.shape) for d in spec.final_params()) * 4
+    assert 3 * final > 600e6  # 32 experts of the MTP layer and the rest of the final unit, held whole
+    monkeypatch.setattr(bounds.psutil, "virtual_memory", lambda: SimpleNamespace(available=100 << 20))
+    code, _, err = run_cli(["megatron-to-hf", tmp_path / "mg", tmp_path / "hf", "--dry-run"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["megatron-to-gguf", tmp_path / "mg", tmp_path / "out.gguf", "--dry-run"], capsys)
+    assert_one_line_error(code, err, "converting the final needs about", "but 0.1 GiB is available")
     assert not (tmp_path / "out.gguf").exists()
