@@ -11,6 +11,11 @@ the expert bias written as zeros fail the comparison. The tiny presets' MLA size
 are DeepSeek-V3's; llama.cpp 0.3.36's CPU path runs them as they are. Its deepseek2 reads a 26- or 27-layer model
 as without q LoRA (DeepSeek-V2-Lite) and any other as with it: the case without q LoRA has 27 layers, and a
 model against that rule is refused by name (written anyway, llama.cpp cannot load it).
+
+DeepSeek-V3's YaRN (tiny-deepseek-v3-yarn: factor 4 over 32 original positions, 64 positions run): llama.cpp's
+logits match transformers' for DeepSeek-V3's mscale pair (`yarn_log_multiplier` alone), for mscale 0.5 and for no
+pair (`attn_factor` too); each key dropped fails (the controls); the betas llama.cpp does not read (Kimi K2's) and
+a cos/sin factor of 0 are refused in one line.
 """
 
 from __future__ import annotations
