@@ -253,3 +253,23 @@ def test_a_float16_source_is_written_as_llama_cpp_writes_it(peer, models):
         assert t_ours.keys() == t_theirs.keys()
         assert all(t_ours[k] == v for k, v in t_theirs.items()), \
             [k for k, v in t_theirs.items() if t_ours[k] != v][:5]
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_deepseek_style_bf16_and_q8_0_are_llama_cpp_converters_bytes(peer, models, family):
+    """The DeepSeek MoE families at bf16 and q8_0 (gguf-py's rounding and 32-blocks, the router, expert bias and
+    norms kept F32, MLA's `attn_k_b` / `attn_v_b` and the stacked experts quantized): the converter's tensors byte
+    for byte, and its metadata but for the rows of METADATA_DIFFERENCES."""
+    allowed = {k.replace("{arch}.", "") for k, (fams, _) in METADATA_DIFFERENCES.items() if family in fams}
+    for outtype in ("bf16", "q8_0"):
+        ours, theirs = _convert_both(peer, models[family], family, outtype)
+        (m_ours, t_ours), (m_theirs, t_theirs) = _read(ours), _read(theirs)
+        assert t_ours.keys() == t_theirs.keys(), (outtype, set(t_ours) ^ set(t_theirs))
+        assert {t[1] for t in t_theirs.values()} >= {"F32", outtype.upper()}, outtype  # both types are in play
+        for name, theirs_t in t_theirs.items():
+            assert t_ours[name][:2] == theirs_t[:2], (outtype, name, t_ours[name][:2], theirs_t[:2])
+            assert t_ours[name][2] == theirs_t[2], f"{family} {outtype}: {name} bytes differ"
+        differ = {k for k in set(m_ours) | set(m_theirs) if m_ours.get(k) != m_theirs.get(k)}
+        assert {k.replace("{arch}.", "") for k in differ} <= allowed, (outtype, differ)
