@@ -437,22 +437,25 @@ class HashingFile(_OutputFile):
                     break
                 data, keep, queued = self._q.popleft()
             ck = keep if isinstance(keep, Checksum) else None  # `write(..., crc=...)`: CRC-32 here, off the caller
+            part: Any = None
             try:
                 if self._error is None:
                     if callable(data):  # bytes known only now (`write_later`)
                         data = memoryview(data()).cast("B")
-                    if not self.direct:
-                        mv = _Staged(data).whole()
-                        if ck is not None:
-                            ck.value = crc32(mv)
-                        self._h.update(mv)  # both hashes release the GIL for large buffers, as os.write does
-                        self._also.update(mv)
-                        write_all(self._fd, mv)
-                        self._total += len(mv)
-                        del mv
-                    else:  # each piece is copied into the chunk, then checksummed and hashed there, still in cache
-                        src = _Staged(data)
-                        crc = 0
+                    crc = 0
+                    for part in data if isinstance(data, tuple) else (data,):  # a tuple: blocks written in turn
+                        if not self.direct:
+                            mv = _Staged(part).whole()
+                            if ck is not None:
+                                crc = crc32(mv, crc)
+                            self._h.update(mv)  # both hashes release the GIL for large buffers, as os.write does
+                            self._also.update(mv)
+                            write_all(self._fd, mv)
+                            self._total += len(mv)
+                            del mv
+                            continue
+                        # each piece is copied into the chunk, then checksummed and hashed there, still in cache
+                        src = _Staged(part)
                         pos = 0
                         while pos < src.nbytes:
                             n = min(src.nbytes - pos, self._chunk - fill)
@@ -466,10 +469,10 @@ class HashingFile(_OutputFile):
                             if fill == self._chunk:
                                 self._hand_on(cur, fill, at)
                                 cur, fill, at = self._free.get(), 0, at + fill
-                        if ck is not None:
-                            ck.value = crc
                         self._total += src.nbytes
                         del src
+                    if ck is not None:
+                        ck.value = crc
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e.with_traceback(None)  # its frames would pin the buffers
             if ck is not None:
@@ -477,7 +480,7 @@ class HashingFile(_OutputFile):
             with self._cv:
                 self._pending -= queued
                 self._cv.notify_all()
-            del data, keep, ck
+            del data, keep, ck, part  # the last block too: its memory goes back now
         if self.direct:
             if fill and self._error is None:
                 self._hand_on(cur, fill, at)
@@ -541,12 +544,17 @@ class HashingFile(_OutputFile):
             self._q.append((produce, None, 0))
             self._cv.notify_all()
 
-    def write(self, data: "bytes | memoryview | torch.Tensor", keep: Any = None, crc: "Checksum | None" = None) -> None:
+    def write(self, data: "bytes | memoryview | torch.Tensor | tuple[torch.Tensor, ...]", keep: Any = None,
+              crc: "Checksum | None" = None) -> None:
         """Queue `data` (keep `keep` — e.g. its tensor — alive until written). A tensor is written as its
         row-major bytes: the copy that a view with strided rows (a row-split TP shard) needs is made on the
-        writer thread, straight into the staging chunk where the file is written with O_DIRECT. With `crc`, its
-        CRC-32 is taken on the writer thread into `crc.value` (with `crc.keep` kept alive instead of `keep`)."""
-        if isinstance(data, torch.Tensor):
+        writer thread, straight into the staging chunk where the file is written with O_DIRECT. A tuple of
+        tensors (`transforms.RowBlocks`) is written as their bytes one after the other, one record. With `crc`,
+        the CRC-32 is taken on the writer thread into `crc.value` (with `crc.keep` kept alive instead of `keep`)."""
+        if isinstance(data, tuple):
+            n = sum(t.numel() * t.element_size() for t in data)
+            keep = data if keep is None else keep
+        elif isinstance(data, torch.Tensor):
             n = data.numel() * data.element_size()
             keep = data if keep is None else keep
         else:
