@@ -22,6 +22,7 @@ import os
 import queue
 import stat
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from collections import deque
@@ -143,6 +144,8 @@ def _hash_mapped(path: str | Path, h: Any, window: int) -> bool:
 GAP_READ = 8 << 20  # FollowedDigest reads a gap of unread bytes up to this size itself (headers, a pickle)
 FOLLOW_BLOCK = 1 << 20  # one pread while the input's checks are taken on the way: the block is still in L2
 CATCH_UP = 64 << 20  # FollowedDigest reads again at most this much per block fed (see `_catch_up`)
+# How long a block read ahead of the hashed prefix waits for the reads in flight before it (see `saw`)
+FOLLOW_WAIT_S = 0.5
 _FOLLOW_BUF = threading.local()  # each thread's block buffer for the bytes a FollowedDigest reads itself
 
 
@@ -176,17 +179,22 @@ class FollowedDigest:
 
     Both manifest hashes are chains over the file front to back, and the conversion reads its input almost in
     file order: a unit at a time, the units in the order they were written. So a block read at the `cursor`
-    (everything before it hashed) is hashed there and then, while it is in cache. A block read ahead of the
-    cursor (another reader thread is still on the bytes before it) is noted as seen; once the cursor reaches
-    it, the thread that brought it there reads it again from the page cache. Bytes nobody reads (zip headers,
-    a pickle) are read here when no read in flight (`begin`..`end`) will deliver them and the gap is at most
-    GAP_READ. `finish` hashes whatever is left from the cursor to the end and compares: no reader ever waits
-    for another, and a file read in any order still gets its whole digest, with more bytes read twice."""
+    (everything before it hashed) is hashed there and then, while it is in cache. A block read just ahead of
+    the cursor while a read in flight (`begin`..`end`) delivers the bytes before it (the readers' pool reads
+    neighbouring tensors of one file at once) waits for the cursor, at most FOLLOW_WAIT_S, and is hashed
+    then: its reader trails the other one through the file instead of having the block read again. A block
+    still ahead after that is noted as seen; once the cursor reaches it, the thread that brought it there
+    reads it again from the page cache. Bytes nobody reads (zip headers, a pickle) are read here when no read
+    in flight will deliver them and the gap is at most GAP_READ. `finish` hashes whatever is left from the
+    cursor to the end and compares: a reader waits only for reads in flight before its block, so every chain
+    of waits ends at the read at the cursor, and a file read in any order still gets its whole digest, with
+    more bytes read twice."""
 
     def __init__(self, path: str | Path, algorithm: str, want: str, size: int) -> None:
         self.path, self.algorithm, self.want, self.size = Path(path), algorithm, want, size
         self._h = new_hasher(algorithm, threads=False)
         self._lock = threading.Lock()
+        self._moved = threading.Condition(self._lock)  # the cursor moved, or a read in flight ended
         self.cursor = 0  # every byte before it is hashed
         self._seen: list[list[int]] = []  # sorted, disjoint [start, end) read ahead of the cursor, not hashed
         self._flight: dict[int, list[int]] = {}  # reads in progress: token -> [next byte they deliver, end]
@@ -208,6 +216,7 @@ class FollowedDigest:
         """The read `token` is over (done or failed)."""
         with self._lock:
             self._flight.pop(token, None)
+            self._moved.notify_all()
 
     def _delivers(self, a: int, b: int) -> bool:
         """Whether a read in flight has yet to deliver some byte of [a, b)."""
@@ -219,6 +228,8 @@ class FollowedDigest:
         with self._lock:
             if token in self._flight:
                 self._flight[token][0] = end
+            if pos > self.cursor and self._delivers(self.cursor, pos):
+                self._wait_for(pos)
             if self.problem is not None or self.done or end <= self.cursor:
                 return
             if pos > self.cursor:
@@ -234,6 +245,16 @@ class FollowedDigest:
             self.on_read += end - self.cursor
             self.cursor = end
             self._catch_up(fd)
+            self._moved.notify_all()
+
+    def _wait_for(self, pos: int) -> None:
+        """(lock held) Wait, at most FOLLOW_WAIT_S, until the cursor reaches `pos` or no read in flight delivers
+        the bytes before it. The reads it waits for lie before `pos`, so they never wait for this one."""
+        deadline = time.monotonic() + FOLLOW_WAIT_S
+        while pos > self.cursor and self.problem is None and not self.done and self._delivers(self.cursor, pos):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._moved.wait(left):
+                return
 
     def _note(self, start: int, end: int) -> None:
         """Add [start, end) to the blocks seen ahead of the cursor (merged with the ones it touches)."""
@@ -280,6 +301,7 @@ class FollowedDigest:
             self._h.update(buf[:k])
             self.again += k
             self.cursor += k
+        self._moved.notify_all()
 
     def finish(self) -> str | None:
         """Hash the rest of the file (from the cursor) and compare with the manifest: None when it matches, else
