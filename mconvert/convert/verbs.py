@@ -2,7 +2,8 @@
 Source, work out what is written (`plan`, or the format's `prepare`: its refusals, config and sizes), then
 `--dry-run`'s report or the driver's loop into the format's Writer (`driver.write_output`).
 
-The Python API of the tool: the CLI calls these and prints their reports.
+The Python API of the tool: the CLI calls these and prints their reports. A deployment format's writer module
+is imported by the verb that writes it: a process pays only for the verb it runs.
 """
 
 from __future__ import annotations
@@ -12,24 +13,22 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mconvert import dtypes
 from mconvert.convert.base import SourceBase
-from mconvert.convert.deploy import fastertransformer as ft
-from mconvert.convert.deploy import gguf, onnx, trtllm
 from mconvert.convert.driver import dry_run_report, drive, peak_rss_bytes, write_output
 from mconvert.convert.hf import fp8
 from mconvert.convert.hf.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab
 from mconvert.convert.hf.writer import HFWriter, parse_size
 from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
-from mconvert.convert.megatron.layout import PipelineSplit, parse_pipeline_layout
+from mconvert.layouts.megatron import PipelineSplit, parse_pipeline_layout
 from mconvert.convert.megatron.optimizer import check_mcore_groups, index_states
 from mconvert.convert.megatron.source import MegatronSource
 from mconvert.convert.megatron.writer import megatron_writer
-from mconvert.convert.plan import plan_for_source
+from mconvert.layouts.plan import plan_for_source
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, Writer, make_report
@@ -41,6 +40,9 @@ from mconvert.io.safeload import safe_load
 from mconvert.mappings import families
 from mconvert.mappings.plugin import transposed_in_hf
 from mconvert.spec import megatron_lm_unstated
+
+if TYPE_CHECKING:
+    from mconvert.convert.deploy.onnx import OnnxCheck, OnnxResult
 
 
 # ---- Megatron <-> HuggingFace ------------------------------------------------------------------------
@@ -341,6 +343,8 @@ def megatron_to_ft(src: str | Path, out: str | Path, infer_tp: int, dtype: str =
                    dry_run: bool = False, accept_window_as_full: bool = False) -> Report:
     """`megatron-to-ft`: write `OUT/<infer_tp>-gpu/` atomically, then run the FT layout check on it.
     `accept_window_as_full`: a sliding-window model is written for FT's full attention, and the report says so."""
+    from mconvert.convert.deploy import fastertransformer as ft
+
     t0 = time.perf_counter()
     dtype = ft.ft_dtype(dtype)  # a wrong --dtype is refused before the source is opened
     check_output(out, force, (src,))
@@ -369,6 +373,8 @@ def megatron_to_trtllm(src: str | Path, out: str | Path, tp: int = 1, dtype: str
     """`megatron-to-trtllm`: write config.json + rank{i}.safetensors atomically, then run `check_trtllm_dir` on
     the result. `accept_window_as_full`: a sliding-window model is written as full attention, and the report
     says so."""
+    from mconvert.convert.deploy import trtllm
+
     t0 = time.perf_counter()
     dtypes.choose(dtype, trtllm.TRT_DTYPES)  # a wrong --dtype is refused before the source is opened
     check_output(out, force, (src,))
@@ -399,6 +405,8 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
     GGUF file, streamed unit by unit through the driver's loop, written atomically with its manifest beside it.
     Returns the common report. `accept_window_as_full`: a sliding-window model is written as full attention, and
     the report says so."""
+    from mconvert.convert.deploy import gguf
+
     t0 = time.perf_counter()
     gguf.outtype_types(outtype)
     check_output_file(out, force, (src_path, tokenizer))
@@ -439,14 +447,18 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
 
 # ---- ONNX (no unit stream: optimum exports a whole HF model) ----------------------------------------------
 def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
-            force: bool = False, rtol: float = onnx.DEFAULT_RTOL, exporter: str = "optimum",
-            iteration: str | None = None, *, check: onnx.OnnxCheck,
-            dry_run: bool = False) -> onnx.OnnxResult | Report:
+            force: bool = False, rtol: float | None = None, exporter: str = "optimum",
+            iteration: str | None = None, *, check: OnnxCheck,
+            dry_run: bool = False) -> OnnxResult | Report:
     """`to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers.
 
     `check(onnx_dir, hf_dir)` runs both on the same tokens (the validators' `check_onnx_against_hf`).
-    `dry_run`: the source is opened and refused as it would be; the report names what would be written."""
+    `dry_run`: the source is opened and refused as it would be; the report names what would be written. `rtol`:
+    the largest relative logits difference accepted (default `onnx.DEFAULT_RTOL`)."""
+    from mconvert.convert.deploy import onnx
+
     t0 = time.perf_counter()
+    rtol = onnx.DEFAULT_RTOL if rtol is None else rtol
     src, out = Path(src), Path(out)
     onnx.task_of(exporter, with_past)  # the options are refused before anything is opened
     check_output(out, force, (src,))
