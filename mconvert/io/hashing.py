@@ -181,8 +181,9 @@ class FollowedDigest:
     file order: a unit at a time, the units in the order they were written. So a block read at the `cursor`
     (everything before it hashed) is hashed there and then, while it is in cache. A block read just ahead of
     the cursor while a read in flight (`begin`..`end`) delivers the bytes before it (the readers' pool reads
-    neighbouring tensors of one file at once) waits for the cursor, at most FOLLOW_WAIT_S, and is hashed
-    then: its reader trails the other one through the file instead of having the block read again. A block
+    neighbouring tensors of one file at once) waits for the cursor, at most FOLLOW_WAIT_S (once per read: a
+    read that timed out waits no more), and is hashed then: its reader trails the other one through the file
+    instead of having the block read again. A block
     still ahead after that is noted as seen; once the cursor reaches it, the thread that brought it there
     reads it again from the page cache. Bytes nobody reads (zip headers, a pickle) are read here when no read
     in flight will deliver them and the gap is at most GAP_READ. `finish` hashes whatever is left from the
@@ -198,6 +199,7 @@ class FollowedDigest:
         self.cursor = 0  # every byte before it is hashed
         self._seen: list[list[int]] = []  # sorted, disjoint [start, end) read ahead of the cursor, not hashed
         self._flight: dict[int, list[int]] = {}  # reads in progress: token -> [next byte they deliver, end]
+        self._gave_up: set[int] = set()  # reads whose wait for the reads before them timed out: no more waits
         self._tokens = itertools.count()
         self.attached = False  # a reader of the conversion feeds it (else one pass on the background thread)
         self.on_read = 0  # bytes hashed from the conversion's own reads
@@ -216,6 +218,7 @@ class FollowedDigest:
         """The read `token` is over (done or failed)."""
         with self._lock:
             self._flight.pop(token, None)
+            self._gave_up.discard(token)
             self._moved.notify_all()
 
     def _delivers(self, a: int, b: int) -> bool:
@@ -228,8 +231,9 @@ class FollowedDigest:
         with self._lock:
             if token in self._flight:
                 self._flight[token][0] = end
-            if pos > self.cursor and self._delivers(self.cursor, pos):
-                self._wait_for(pos)
+            if pos > self.cursor and token not in self._gave_up and self._delivers(self.cursor, pos):
+                if not self._wait_for(pos):  # the read before it stalls: this read's blocks go on unwaited
+                    self._gave_up.add(token)
             if self.problem is not None or self.done or end <= self.cursor:
                 return
             if pos > self.cursor:
@@ -247,14 +251,16 @@ class FollowedDigest:
             self._catch_up(fd)
             self._moved.notify_all()
 
-    def _wait_for(self, pos: int) -> None:
+    def _wait_for(self, pos: int) -> bool:
         """(lock held) Wait, at most FOLLOW_WAIT_S, until the cursor reaches `pos` or no read in flight delivers
-        the bytes before it. The reads it waits for lie before `pos`, so they never wait for this one."""
+        the bytes before it; False when the time ran out. The reads it waits for lie before `pos`, so they
+        never wait for this one."""
         deadline = time.monotonic() + FOLLOW_WAIT_S
         while pos > self.cursor and self.problem is None and not self.done and self._delivers(self.cursor, pos):
             left = deadline - time.monotonic()
             if left <= 0 or not self._moved.wait(left):
-                return
+                return False
+        return True
 
     def _note(self, start: int, end: int) -> None:
         """Add [start, end) to the blocks seen ahead of the cursor (merged with the ones it touches)."""

@@ -122,6 +122,27 @@ def test_a_block_just_ahead_waits_for_the_read_before_it_instead_of_being_read_a
     assert (d.on_read, d.again) == (2 * n, len(data) - 2 * n)
 
 
+def test_a_read_that_timed_out_waiting_waits_no_more(blob: tuple[Path, bytes]) -> None:
+    """A read in flight that never moves (a stalled reader): the read after it waits FOLLOW_WAIT_S once, then
+    reads on without waiting per block; its blocks are read again later and the digest still matches."""
+    from mconvert.io import hashing
+
+    path, data = blob
+    n = 4 << 20  # four blocks
+    d = FollowedDigest(path, "blake3", _truth(data, "blake3"), len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        stalled = d.begin(0, n)
+        t0 = time.monotonic()
+        pread_into(fd, memoryview(bytearray(n)), n, path, "b", digest=d)
+        took = time.monotonic() - t0
+        d.end(stalled)
+    finally:
+        os.close(fd)
+    assert hashing.FOLLOW_WAIT_S <= took < 3 * hashing.FOLLOW_WAIT_S
+    assert d.finish() is None and d.on_read + d.again == len(data)
+
+
 @pytest.mark.parametrize("order", ["reversed", "shuffled"])
 def test_a_catch_up_cut_short_goes_on_later(blob: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch,
                                             order: str) -> None:
