@@ -167,9 +167,6 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     spec = src.spec if target is None else src.spec.replace(params_dtype=dtypes.of_torch(target).name)
     split, vpp = target_split(spec.num_layers, pp, vpp, pipeline, spec.mtp_num_layers)
     spec.check_parallel(tp, pp, vpp, ep, layers=False)
-    if bridge:  # before any work, the dry run included
-        from mconvert.convert.megatron.bridge import check_writable
-        check_writable(spec, tp)
     layout = parallel_layout(tp, pp, vpp, ep if spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("hf-to-megatron", src, out, plan_for_source("hf-to-megatron", src, tp=tp, pp=pp, ep=ep,
@@ -235,9 +232,6 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
             groups = src.trainer_optimizer()
     split, vpp = target_split(src.spec.num_layers, pp, vpp, pipeline, src.spec.mtp_num_layers, src)
     src.spec.check_parallel(tp, pp, vpp, ep, layers=False)
-    if bridge:  # before any work, the dry run included
-        from mconvert.convert.megatron.bridge import check_writable
-        check_writable(src.spec, tp)
     layout = parallel_layout(tp, pp, vpp, ep if src.spec.is_moe else None, split)
     if dry_run:
         return dry_run_report("reshard", src, out, plan_for_source("reshard", src, tp=tp, pp=pp, ep=ep,
@@ -426,6 +420,11 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
                             "pass --tokenizer DIR")
     tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
     prepared = gguf.prepare(src.spec, outtype, accept_window_as_full)  # every refusal before any tensor is read
+    if src.held_sizes:  # the GGUF writer is fed whole units: an MoE layer with its experts, the final unit
+        from mconvert.convert import bounds
+
+        bounds.check_memory(bounds.held_by_writer(src.held_sizes, gguf.GgufWriter.splits_experts,
+                                                  gguf.GgufWriter.takes_parts), src.held_source)
     spec, warnings = prepared.spec, list(prepared.notes)
     extras = dict(arch=prepared.layout.arch, outtype=outtype, tokenizer=str(tok_dir),
                   permuted_qk=prepared.layout.permute_qk and permute)

@@ -178,19 +178,15 @@ class MegatronWriter(Writer):
         """Pass `unit` by unread (`needs` is False): another rank writes its stage."""
         self._received[self._where(unit)[0]].update(self._parts(unit))
 
-    @property
-    def takes_parts(self) -> bool:
-        """Whether `add` may take a layer in parts (`complete=False`, then `complete=True` after the last): when
-        the stage's rank files stream from the preview, each part's shards go out as they come."""
-        return self.preview is not None
+    # `add` takes a unit in parts (`complete=False`, then `complete=True` after the last): streamed from the
+    # preview, each part's shards go out as they come; else they are spooled as they come (Adam states with them)
+    takes_parts = True
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None,
             complete: bool = True) -> None:
         """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states.
         `complete=False` (`takes_parts`): more of the unit's tensors follow in later calls."""
         p, c, local = self._where(unit)
-        if not complete and self.preview is None:
-            raise MConvertError(f"internal: unit {unit!r} given in parts to a writer that takes it whole")
         if complete and unit in self._in_parts:  # the end of a unit given in parts: its tensors all came
             self._in_parts.discard(unit)
             if tensors or states:
@@ -264,7 +260,8 @@ class MegatronWriter(Writer):
             if self.dtype is not None and full.dtype != self.dtype:
                 full = narrowed(full, self.dtype, name)
             local_name = name if local is None else with_layer(name, local)
-            shards = split(full, kind, self.tp, name)
+            # streamed: a gated shard goes out as its gate and up row blocks, never concatenated in memory
+            shards = split(full, kind, self.tp, name, blocks=real and self.preview is not None)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
             if real and self.preview is None and full.dim() > 0 and full.numel():  # no stage in RAM
                 shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]

@@ -138,22 +138,6 @@ def test_megatron_models_hf_deepseek_v2_cannot_compute_are_refused() -> None:
     assert preset("tiny-deepseek-v3").replace(moe_router_pre_softmax=True) == preset("tiny-deepseek-v3")
 
 
-def test_bridge_output_of_a_deepseek_model_is_refused_before_any_work(tmp_path: Path) -> None:
-    """Megatron-Bridge's run config written by `--bridge` states no DeepSeek field: refused, the dry run too."""
-    from deepseek_ref import save_single_rank
-
-    from mconvert.trainer.model import GPTModel
-    from mconvert.trainer.parallel import ParallelState
-
-    spec = preset("tiny-deepseek-v2-lite")
-    megatron_to_hf(save_single_rank(spec, GPTModel(spec, ParallelState(), seed=1).state_dict(), tmp_path / "m"),
-                   tmp_path / "hf")
-    for dry_run in (True, False):
-        with pytest.raises(MConvertError, match="--bridge: multi_latent_attention=True is not stated"):
-            hf_to_megatron(tmp_path / "hf", tmp_path / "b", format="torch_dist", bridge=True, dry_run=dry_run)
-        assert not (tmp_path / "b").exists()
-
-
 def _load_forward(ctx, files: dict, tokens: torch.Tensor) -> torch.Tensor:
     ctx.model.load_state_dict(files[(ctx.tp_rank, ctx.ep_rank)], strict=True)
     return ctx.logits(tokens)
