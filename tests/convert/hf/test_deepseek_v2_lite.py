@@ -181,3 +181,28 @@ def test_shrunk_copy_converts_to_megatron_cores_logits_of_transformers5(tmp_path
     assert d5 <= TOL, d5
     print(f"[figures] DeepSeek-V2-Lite config shrunk (YaRN 40) -> Megatron TP=2 EP=2: megatron-core vs transformers 5 "
           f"{d5:.1e}; vs transformers 4.57 (no YaRN softmax factor) {d4:.1e}; back to HF: same tensors")
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v2-lite", "tiny-qwen2-moe"])
+def test_bridge_run_config_states_the_pre_softmax_router_and_the_shared_gate(tmp_path: Path, name: str) -> None:
+    """`--bridge` writes the router and the shared expert's gate into Megatron-Bridge's run config, which reads
+    back as the same model, and the checkpoint converts back to the same tensors."""
+    from deepseek_ref import save_single_rank
+
+    from mconvert.convert.megatron import bridge
+    from mconvert.trainer.model import GPTModel
+    from mconvert.trainer.parallel import ParallelState
+
+    spec = preset(name)
+    megatron_to_hf(save_single_rank(spec, GPTModel(spec, ParallelState(), seed=1).state_dict(), tmp_path / "m"),
+                   tmp_path / "hf")
+    hf_to_megatron(tmp_path / "hf", tmp_path / "b", tp=2, ep=2, format="torch_dist", bridge=True)
+    (cfg_path,) = (tmp_path / "b").rglob("run_config.yaml")
+    model = bridge.read_run_config(cfg_path)["model"]
+    assert (model["moe_router_pre_softmax"], model.get("moe_shared_expert_gate", False)) == (
+        True, name == "tiny-qwen2-moe")
+    read = spec_from_megatron_args(bridge.megatron_args(bridge.read_run_config(cfg_path), str(cfg_path)))
+    assert read.replace(family=spec.family, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by) == spec
+    megatron_to_hf(tmp_path / "b", tmp_path / "hf2")
+    src, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
+    assert src.keys() == back.keys() and all(torch.equal(src[k], back[k]) for k in src)
