@@ -206,3 +206,20 @@ def test_bridge_run_config_states_the_pre_softmax_router_and_the_shared_gate(tmp
     megatron_to_hf(tmp_path / "b", tmp_path / "hf2")
     src, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "hf2" / "model.safetensors")
     assert src.keys() == back.keys() and all(torch.equal(src[k], back[k]) for k in src)
+
+
+def test_published_deepseek_v3_bridge_config_with_the_softmax_router_reads_its_pre_softmax_flag() -> None:
+    """DeepSeek-V3's published Megatron-Bridge run config says moe_router_pre_softmax true, which its sigmoid router
+    ignores; with the softmax router the flag is read (DeepSeek-V2's router), and the HF export of that model is
+    refused for what DeepseekV2ForCausalLM lacks (the expert bias, MTP)."""
+    from mconvert.convert.megatron import bridge
+
+    path = Path(__file__).parents[2] / "data" / "bridge_0.6.2_deepseek_v3_run_config.yaml"
+    cfg = bridge.read_run_config(path)
+    sigmoid = spec_from_megatron_args(bridge.megatron_args(cfg, str(path)), source=str(path))
+    assert (sigmoid.family, sigmoid.moe_router_pre_softmax) == ("deepseek_v3", False)
+    cfg["model"]["moe_router_score_function"] = "softmax"
+    spec = spec_from_megatron_args(bridge.megatron_args(cfg, str(path)), source=str(path))
+    assert (spec.family, spec.moe_router_pre_softmax) == ("deepseek_v2", True)
+    with pytest.raises(MConvertError, match="no expert bias and no multi-token prediction layer"):
+        hf_config(spec)

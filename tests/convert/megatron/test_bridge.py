@@ -252,7 +252,6 @@ def test_the_provider_megatron_bridge_writes_for_a_published_model_is_its_hf_mod
     ({"transformer_layer_spec": {"_target_": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec",
                                  "_partial_": True, "use_transformer_engine": True, "qk_l2_norm": True}},
      "transformer_layer_spec"),
-    ({"moe_router_score_function": "softmax"}, "moe_router_pre_softmax"),  # read by the softmax router
     ({"rope_type": "rope", "mscale_all_dim": 0.707}, "mscale_all_dim"),
     ({"_target_": "megatron.bridge.models.deepseek.deepseek_provider.DeepSeekV32ModelProvider"}, "sparse attention"),
 ])
