@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mconvert.errors import MConvertError
 from mconvert.io.atomic import record_digest
@@ -44,6 +43,10 @@ _SCALAR = {UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: "
 F32, F16, Q8_0, BF16 = 0, 1, 8, 30
 BLOCKS = {F32: (1, 4), F16: (1, 2), Q8_0: (32, 34), BF16: (1, 2)}
 Q8_BLOCK = 32
+# bfloat16, which numpy lacks, travels as its raw bits: the one unsigned 16-bit type a weight arrives in
+BF16_BITS = np.dtype(np.uint16)
+F16_MAX = 65504.0
+F16_OVERFLOW = 65520.0  # the smallest magnitude IEEE round-to-nearest-even takes to float16's Inf
 
 
 @dataclass(frozen=True)
@@ -176,14 +179,15 @@ class GgufFile:
         self._f.write(head + bytes(self.size - data - len(head)))
         self._next = 0
 
-    def write(self, data: torch.Tensor | np.ndarray | bytes | memoryview) -> None:
-        """The next tensor's bytes (a tensor or array as its row-major bytes), then its padding."""
+    def write(self, data: np.ndarray | bytes | memoryview) -> None:
+        """The next tensor's bytes (an array as its row-major bytes), then its padding. The array is kept alive
+        until written, not copied."""
         if self._next >= len(self.tensors):
             raise MConvertError(f"{self.path}: more tensors written than the {len(self.tensors)} planned")
         t = self.tensors[self._next]
         if isinstance(data, np.ndarray):
-            data = torch.from_numpy(np.ascontiguousarray(data))
-        n = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        n = memoryview(data).nbytes
         if n != t.nbytes:
             raise MConvertError(f"{self.path}: tensor {t.name}: {n} bytes, its info says {t.nbytes}")
         self._f.write(data)
@@ -212,40 +216,89 @@ class GgufFile:
 Q8_SLICE = 1 << 16  # values quantized at once: one slice's working buffers stay in the core's cache
 
 
-def quantize_q8_0(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-    """`x` (a float tensor, last dimension whole 32-blocks) as q8_0 blocks (a float16 scale, its largest magnitude
-    / 127, then 32 int8 values rounded half away from zero), bit for bit what ggml's `quantize_row_q8_0_ref` and
-    gguf-py's `Q8_0.quantize_blocks` compute on its float32 values. `rows` rows at a time (by default about
-    `Q8_SLICE` values), each cast to float32 into the same working buffers, every step in place: no allocation
-    per slice (with the CLI's fixed mmap threshold each would be a fresh mapping, its pages faulted in anew)."""
+def to_float32(x: np.ndarray) -> np.ndarray:
+    """`x` (float16, float32, or bfloat16 bits) as float32, exactly; a float32 array as it is."""
+    if x.dtype == np.float32:
+        return x
+    if x.dtype == BF16_BITS:  # a bfloat16 is the top half of the float32 of the same value
+        out = np.empty(x.shape, dtype=np.float32)
+        bits = out.view(np.uint32)
+        bits[...] = x
+        bits <<= 16
+        return out
+    if x.dtype != np.float16:
+        raise MConvertError(f"a {x.dtype} tensor has no GGUF form here (float16, bfloat16 and float32 are read)")
+    return x.astype(np.float32)
+
+
+def to_float16(x: np.ndarray, name: str, fix: str) -> np.ndarray:
+    """`x` as float16, rounded to nearest even as gguf-py's `astype` (a float16 array as it is), refused where
+    a finite value would become Inf: one line naming the tensor, its largest magnitude and `fix`."""
+    if x.dtype == np.float16:
+        return x
+    f = to_float32(x)
+    if f.size:
+        big = max(-float(f.min()), float(f.max()))
+        if big >= F16_OVERFLOW:
+            raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what float16 holds (±{F16_MAX:g}), "
+                                f"so they would be stored as Inf; {fix}")
+    return f.astype(np.float16)
+
+
+def round_half_away(v: np.ndarray, whole: np.ndarray, mag: np.ndarray) -> None:
+    """`v` rounded half away from zero, in place (gguf-py's `np_roundf`, ggml's `roundf`): the magnitude's whole
+    part plus one where its fraction is at least a half, the sign put back. `whole` and `mag` are working
+    buffers of `v`'s shape."""
+    np.abs(v, out=mag)
+    np.floor(mag, out=whole)
+    mag -= whole
+    mag *= 2
+    np.floor(mag, out=mag)
+    mag += whole
+    np.sign(v, out=whole)
+    np.multiply(mag, whole, out=v)
+
+
+def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
+                  fix: str = "write --outtype bf16 or f32") -> np.ndarray:
+    """`x` (float16, float32 or bfloat16 bits; last dimension whole 32-blocks) as q8_0 blocks (a float16 scale,
+    its largest magnitude / 127, then 32 int8 values rounded half away from zero), bit for bit what ggml's
+    `quantize_row_q8_0_ref` and gguf-py's `Q8_0.quantize_blocks` compute on its float32 values. `rows` rows at a
+    time (by default about `Q8_SLICE` values), each cast to float32 into the same working buffers, every step in
+    place: no allocation per slice (a fresh one would have its pages faulted in anew). A scale beyond float16's
+    range (it would be stored as Inf) is refused, naming the tensor and `fix`."""
     n = x.shape[-1]
     if n % Q8_BLOCK:
         raise MConvertError(f"a {list(x.shape)} tensor has rows of {n}, not whole q8_0 blocks")
     rows = rows or max(1, Q8_SLICE // n)
     flat = x.reshape(-1, n)
-    out = torch.empty((flat.shape[0], n // Q8_BLOCK, 2 + Q8_BLOCK), dtype=torch.uint8)
-    nb = min(rows, flat.shape[0]) * (n // Q8_BLOCK)
-    v_buf, a_buf, w_buf = (torch.empty((nb, Q8_BLOCK), dtype=torch.float32) for _ in range(3))
-    d_buf, inv_buf = (torch.empty((nb, 1), dtype=torch.float32) for _ in range(2))
-    zero_buf = torch.empty((nb, 1), dtype=torch.bool)
+    per_row = n // Q8_BLOCK
+    out = np.empty((flat.shape[0], per_row, 2 + Q8_BLOCK), dtype=np.uint8)
+    nb = min(rows, flat.shape[0]) * per_row
+    v_buf, a_buf, w_buf = (np.empty((nb, Q8_BLOCK), dtype=np.float32) for _ in range(3))
+    d_buf, inv_buf = (np.empty((nb, 1), dtype=np.float32) for _ in range(2))
     for a in range(0, flat.shape[0], rows):
         src = flat[a:a + rows]
-        k = src.shape[0] * (n // Q8_BLOCK)
-        v, mag, whole, d, inv, zero = v_buf[:k], a_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k], zero_buf[:k]
-        v.view(src.shape).copy_(src)  # the slice as float32
-        torch.abs(v, out=mag)
-        torch.amax(mag, dim=1, keepdim=True, out=d)
-        d.div_(127)
-        torch.reciprocal(d, out=inv)
-        torch.eq(d, 0, out=zero)
-        inv.masked_fill_(zero, 0.0)
-        v.mul_(inv)  # the values in units of the scale
-        torch.abs(v, out=mag)
-        torch.floor(mag, out=whole)
-        mag.sub_(whole).mul_(2).floor_().add_(whole)  # |v| rounded half away from zero
-        torch.sign(v, out=whole)
-        mag.mul_(whole)
-        blk = out[a:a + rows].view(-1, 2 + Q8_BLOCK)
-        blk[:, :2].view(torch.float16).copy_(d)
-        blk.view(torch.int8)[:, 2:].copy_(mag)
-    return out.reshape(*x.shape[:-1], (n // Q8_BLOCK) * (2 + Q8_BLOCK))
+        k = src.shape[0] * per_row
+        v, mag, whole, d, inv = v_buf[:k], a_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k]
+        if src.dtype == BF16_BITS:  # the slice as float32
+            bits = v.view(np.uint32).reshape(src.shape)
+            bits[...] = src
+            bits <<= 16
+        else:
+            v.reshape(src.shape)[...] = src
+        np.abs(v, out=mag)
+        np.max(mag, axis=1, keepdims=True, out=d)
+        big = float(d.max())
+        if big / 127 > F16_MAX:
+            raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what q8_0's float16 block scales hold "
+                                f"(±{127 * F16_MAX:g}), so a scale would be stored as Inf; {fix}")
+        d /= 127
+        np.divide(1, d, out=inv, where=d != 0)
+        inv[d == 0] = 0
+        v *= inv  # the values in units of the scale
+        round_half_away(v, whole, mag)
+        blk = out[a:a + rows].reshape(-1, 2 + Q8_BLOCK)
+        blk[:, :2].view(np.float16)[...] = d
+        blk[:, 2:].view(np.int8)[...] = v
+    return out.reshape(*x.shape[:-1], per_row * (2 + Q8_BLOCK))

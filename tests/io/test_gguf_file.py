@@ -15,7 +15,8 @@ import transformers
 from mconvert.convert.verbs import to_gguf
 from mconvert.errors import MConvertError
 from mconvert.io.gguf_file import (ARRAY, BOOL, FLOAT32, FLOAT64, INT8, INT16, INT32, INT64, STRING, UINT8, UINT16,
-                                   UINT32, UINT64, GgufFile, KeyValue, TensorInfo, quantize_q8_0)
+                                   UINT32, UINT64, GgufFile, KeyValue, TensorInfo, quantize_q8_0,
+                                   to_float16, to_float32)
 
 
 def _gguf_py(path: Path, kvs: list[KeyValue], tensors: list[tuple[TensorInfo, np.ndarray]]) -> None:
@@ -55,7 +56,7 @@ def test_every_value_type_and_tensor_type_is_written_as_gguf_py_writes_it(tmp_pa
            KeyValue("bytes", b"\x00\xff", ARRAY), KeyValue("nested", [[1, 2], [3]], ARRAY)]
     f32 = rng.standard_normal((3, 5)).astype(np.float32)  # 60 bytes: padded to 64
     f16 = rng.standard_normal((7,)).astype(np.float16)  # 14 bytes
-    q8 = quantize_q8_0(torch.from_numpy(rng.standard_normal((2, 64)).astype(np.float32))).numpy()
+    q8 = quantize_q8_0(rng.standard_normal((2, 64)).astype(np.float32))
     bf16 = gguf.quants.quantize(rng.standard_normal((2, 3)).astype(np.float32), gguf.GGMLQuantizationType.BF16)
     tensors = [(TensorInfo("a.weight", (3, 5), 0), f32), (TensorInfo("b", (7,), 1), f16),
                (TensorInfo("c", (2, 64), 8), q8), (TensorInfo("d", (2, 3), 30), bf16)]
@@ -86,8 +87,32 @@ def test_q8_0_blocks_equal_gguf_pys_quantizer_bit_for_bit():
     x[3, :32] = 1e-9  # a scale below float16's normals
     want = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
     for rows in (7, 4096):  # one chunk and several, with a short last one
-        have = quantize_q8_0(x, rows=rows).numpy()
+        have = quantize_q8_0(x.numpy(), rows=rows)
         assert have.shape == want.shape and np.array_equal(have, want)
+    # float16 and bfloat16 (its raw bits) sources: gguf-py quantizes their float32 values
+    for src in (x.half(), x.bfloat16()):
+        want = gguf.quants.quantize(src.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        arr = src.numpy() if src.dtype == torch.float16 else src.view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(quantize_q8_0(arr, rows=7), want)
+
+
+def test_bf16_and_f16_casts_equal_torchs_and_refuse_overflow():
+    """bfloat16 bits widened to float32 exactly as torch widens them; float32 to float16 rounded as numpy's
+    astype (gguf-py's cast); a value float16 cannot hold refused by name."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-8, 4, 64).unsqueeze(1)
+    bf = x.bfloat16()
+    bits = bf.view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(to_float32(bits), bf.float().numpy())
+    assert np.array_equal(to_float16(bits, "w", "fix"), bf.float().numpy().astype(np.float16))
+    assert np.array_equal(to_float16(x.numpy(), "w", "fix"), x.numpy().astype(np.float16))
+    assert np.array_equal(to_float16(x.numpy(), "w", "fix").view(np.uint16), x.half().numpy().view(np.uint16))
+    ok = np.array([65519.9], dtype=np.float32)  # rounds down to float16's largest value
+    assert to_float16(ok, "w", "fix")[0] == 65504
+    with pytest.raises(MConvertError, match=r"^w: holds values up to 65520, beyond what float16 holds"):
+        to_float16(np.array([-1.0, 65520.0], dtype=np.float32), "w", "fix")
+    with pytest.raises(MConvertError, match=r"^w: holds values up to .*q8_0's float16 block scales"):
+        quantize_q8_0(np.full((1, 32), 1e8, dtype=np.float32), name="w")
 
 
 @pytest.fixture(scope="module")

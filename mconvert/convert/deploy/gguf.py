@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.io.paths import inside_file, load_json_object, read_small
-from mconvert.io.casts import check_narrowed, value_range
-from mconvert.io.gguf_file import GgufFile, KeyValue, TensorInfo, quantize_q8_0
+from mconvert.io.gguf_file import BF16_BITS, GgufFile, KeyValue, TensorInfo, quantize_q8_0, to_float16, to_float32
 from mconvert.convert.hf.tokenizer import check_tokenizer_dir, staged_tokenizer
 from mconvert.convert.hf.tokenizer_files import read_tokenizer
 from mconvert.convert.writer import Writer
@@ -99,7 +98,7 @@ class GgufTensor:
     unit: Unit | None
     shape: tuple[int, ...]
     qtype: Any
-    make: Callable[[ModelSpec, torch.Tensor], torch.Tensor] | None = None
+    make: Callable[[ModelSpec, Any], Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -214,10 +213,12 @@ def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[Gguf
     if spec.rope_scaling == "llama3":
         shape = (spec.head_dim // 2,)
         plan.append(GgufTensor(ROPE_FREQS, (), None, shape, tensor_type(ROPE_FREQS, shape, outtype)))
+    import torch  # the shapes come from the family's HF mapping run on meta tensors (no memory)
+
     for unit in units_of(spec):
         meta = {d.name: torch.empty(d.shape, device="meta") for d in _unit_decls(spec, unit)}
         parts: dict[str, dict[int | None, tuple[str, tuple[int, ...]]]] = {}
-        made: dict[str, Callable[[ModelSpec, torch.Tensor], torch.Tensor]] = {}
+        made: dict[str, Callable[[ModelSpec, Any], Any]] = {}
         for hf_name, x in to_hf(spec, unit, meta, source="GGUF plan").items():
             if dropped_mtp(spec, layout, hf_name):
                 continue
@@ -277,19 +278,30 @@ def prepare(spec: ModelSpec, outtype: str = "f16", accept_window_as_full: bool =
     return GgufPrepared(spec, layout, outtype, plan_tensors(spec, layout, outtype), notes)
 
 
-def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's `LlamaModel.permute`: per head, rows (i, i + d/2) become rows (2i, 2i + 1), the
     pairs llama.cpp's LLAMA rope rotates together (weights [rows, in] or biases [rows])."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: torch.Tensor, permute: bool = True) -> torch.Tensor:
+def as_array(x: Any) -> np.ndarray:
+    """A source's tensor as the array the GGUF rules work on (bfloat16 as its raw bits, `BF16_BITS`): an array
+    as it is; a torch tensor (a Megatron source's) viewed, not copied."""
+    if isinstance(x, np.ndarray):
+        return x
+    import torch
+
+    x = x.detach()
+    return x.view(torch.int16).numpy().view(BF16_BITS) if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: np.ndarray, permute: bool = True) -> np.ndarray:
     """One HF tensor as the GGUF stores it (Conv1D weights transposed, q/k rows permuted where the layout says
     so)."""
     if hf_template(hf_name)[0] in layout.transposed:
-        x = x.t()
+        x = x.T
     if layout.norm_shift and hf_name.endswith("norm.weight"):
-        x = x.float() + layout.norm_shift
+        x = to_float32(x) + np.float32(layout.norm_shift)
     if permute and layout.permute_qk:
         if ".self_attn.q_proj." in hf_name:
             return permute_qk(x, spec.num_attention_heads)
@@ -298,9 +310,12 @@ def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: torch.Tensor
     return x
 
 
-def rope_freqs(spec: ModelSpec) -> torch.Tensor:
+def rope_freqs(spec: ModelSpec) -> np.ndarray:
     """llama3 rope scaling as llama.cpp reads it: one divisor per rotary pair (`rope_freqs.weight`), computed as
-    `LlamaModel.generate_extra_tensors` does from the base, head dim and the four scaling numbers."""
+    `LlamaModel.generate_extra_tensors` does from the base, head dim and the four scaling numbers (in torch:
+    its float32 power is the one llama.cpp's converter takes)."""
+    import torch
+
     dim = spec.head_dim
     freqs = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor = float(spec.rope_scaling_factor)
@@ -317,7 +332,7 @@ def rope_freqs(spec: ModelSpec) -> torch.Tensor:
         else:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float32)
+    return np.array(out, dtype=np.float32)
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------------
@@ -679,36 +694,29 @@ class GgufWriter(Writer):
                 special._set_special_token(typ, ids[text])
         special.add_to_gguf(w, quiet=True)
 
-    def _write(self, t: GgufTensor, x: torch.Tensor) -> None:
+    def _write(self, t: GgufTensor, x: np.ndarray) -> None:
         if tuple(x.shape) != t.shape:
             raise MConvertError(f"tensor {t.hf[0] if t.hf else t.name}: shape {list(x.shape)}, the plan has "
                                 f"{list(t.shape)}")
         name = t.hf[0] if t.hf else t.name
         fix = "write --outtype bf16 or f32"
         q = _gguf().GGMLQuantizationType
-        if t.qtype in (q.F16, q.F32):
-            # one cast in torch, IEEE round-to-nearest-even as gguf-py's numpy astype, without a float32 copy
-            # in between: a float16 source at f16 is written as it is
-            out = x.detach().to(torch.float16 if t.qtype == q.F16 else torch.float32).contiguous()
-            check_narrowed(x, out, name, fix)
-            self._file.write(out)
-            self._next += 1
-            return
-        if t.qtype == q.Q8_0:  # each 32-block's scale, its largest magnitude / 127, is stored in float16
-            lo, hi = value_range(x.detach())
-            if max(-lo, hi) / 127 > torch.finfo(torch.float16).max:
-                raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
-                                    f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
-                                    f"would be stored as Inf; {fix}")
-            self._file.write(quantize_q8_0(x.detach()))  # cast to float32 a slice at a time
+        if t.qtype == q.F16:
+            self._file.write(to_float16(x, name, fix))
+        elif t.qtype == q.F32:
+            self._file.write(to_float32(x))
+        elif t.qtype == q.Q8_0:
+            self._file.write(quantize_q8_0(x, name=name, fix=fix))  # cast to float32 a slice at a time
+        elif t.qtype == q.BF16 and x.dtype == BF16_BITS:
+            self._file.write(x)  # bfloat16 written as it is
         else:
-            self._file.write(_gguf().quants.quantize(x.detach().to(torch.float32).contiguous().numpy(), t.qtype))
+            self._file.write(_gguf().quants.quantize(to_float32(x), t.qtype))
         self._next += 1
 
-    def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
-        """Append one unit's HF-named tensors (experts stacked); a tensor the plan has no place for is refused
-        by name."""
-        todo = {k: v for k, v in tensors.items() if not dropped_mtp(self.spec, self.layout, k)}
+    def add(self, unit: Unit, tensors: dict[str, Any]) -> None:
+        """Append one unit's HF-named tensors (arrays, or torch tensors taken as arrays at this edge; experts
+        stacked); a tensor the plan has no place for is refused by name."""
+        todo = {k: as_array(v) for k, v in tensors.items() if not dropped_mtp(self.spec, self.layout, k)}
         used: set[str] = set()  # a tensor the layout makes several from (`pieces`) serves each of them
         while self._next < len(self.plan) and self.plan[self._next].unit == unit:
             t = self.plan[self._next]
@@ -719,7 +727,7 @@ class GgufWriter(Writer):
             used.update(t.hf)
             if t.make is not None:
                 data = [t.make(self.spec, data[0])]
-            self._write(t, data[0] if len(data) == 1 else torch.stack(data))
+            self._write(t, data[0] if len(data) == 1 else np.stack(data))
             del data
         todo = {k: v for k, v in todo.items() if k not in used}
         if todo:
