@@ -22,21 +22,30 @@ import os
 import queue
 import stat
 import threading
+import sys
 import zlib
 from collections.abc import Callable
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mconvert.io import buffers
 from mconvert.errors import MConvertError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether `x` is a torch tensor, without importing torch: a process that never imported it holds none."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of `t` in row-major order (a copy only when `t` is not contiguous)."""
+    import torch
+
     if not t.is_contiguous():
         t = t.contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -546,7 +555,7 @@ class HashingFile(_OutputFile):
         row-major bytes: the copy that a view with strided rows (a row-split TP shard) needs is made on the
         writer thread, straight into the staging chunk where the file is written with O_DIRECT. With `crc`, its
         CRC-32 is taken on the writer thread into `crc.value` (with `crc.keep` kept alive instead of `keep`)."""
-        if isinstance(data, torch.Tensor):
+        if is_tensor(data):
             n = data.numel() * data.element_size()
             keep = data if keep is None else keep
         else:
@@ -924,7 +933,11 @@ class _Staged:
     def __init__(self, data: "memoryview | torch.Tensor") -> None:
         self.rows: torch.Tensor | None = None
         self.flat: memoryview | None = None
-        if isinstance(data, torch.Tensor):
+        if is_tensor(data):
+            import torch
+
+            from mconvert.io import buffers
+
             t = data.detach()
             if t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and t.shape[0] > 1 and t.shape[1] \
                     and t.device.type == "cpu":
@@ -940,6 +953,8 @@ class _Staged:
         """All the bytes at once (a buffered file writes them as they are)."""
         if self.flat is None:
             assert self.rows is not None
+            from mconvert.io import buffers
+
             self.flat = tensor_bytes(buffers.contiguous(self.rows))
         return self.flat
 
@@ -949,6 +964,8 @@ class _Staged:
             _memmove(chunk, at, self.flat[pos:pos + n])
             return
         assert self.rows is not None
+        import torch
+
         dst = torch.frombuffer(chunk, dtype=torch.uint8, count=n, offset=at)
         w, done = self.width, 0
         r, o = divmod(pos, w)

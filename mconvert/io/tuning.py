@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -74,9 +75,10 @@ def process_cores() -> int:
 def reserve_writer_core() -> None:
     """Leave one core to the writer/hash thread: torch's intra-op pool at (cores - 1), at least 1. With as many
     OpenMP threads as cores, every parallel op (aminmax, cat, transposes) stalls at its barrier while the
-    writer thread holds a core."""
-    import torch  # the verb's engine has loaded it by now; importing the CLI does not
-
+    writer thread holds a core. A verb whose engine runs without torch (HF to GGUF) has no pool to size."""
+    torch = sys.modules.get("torch")  # the verb's engine has loaded it by now, where it uses it
+    if torch is None:
+        return
     want = max(1, process_cores() - 1)
     if torch.get_num_threads() > want:
         torch.set_num_threads(want)

@@ -40,7 +40,8 @@ from mconvert.convert.hf.tokenizer import check_tokenizer_dir, staged_tokenizer
 from mconvert.convert.hf.tokenizer_files import read_tokenizer
 from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
-from mconvert.mappings import families, to_hf
+from mconvert.mappings import families
+from mconvert.mappings.plugin import unit_hf_shapes
 from mconvert.mappings.record import EXPERT_FF_KEY, GgufLayout
 from mconvert.mappings.gguf_vocab import (
     ADDED_SCORE,
@@ -197,39 +198,30 @@ def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> Any:
     return want
 
 
-def _unit_decls(spec: ModelSpec, unit: Unit) -> list[Any]:
-    if unit == "embedding":
-        return spec.embedding_params(1)
-    if unit == "final":
-        return spec.final_params(1)
-    return spec.layer_params(int(unit))
-
-
 def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[GgufTensor]:
-    """Every tensor of the file in write order, derived from the spec alone: each unit's parameters as meta
-    tensors through the family's HF mapping, then renamed (experts stacked where their first one stands); the
-    rope factor tensor first when llama3 scaling."""
+    """Every tensor of the file in write order, derived from the spec alone: each unit's parameters' shapes
+    through the family's HF mapping (`unit_hf_shapes`), then renamed (experts stacked where their first one
+    stands; a layout's `pieces` made from a zero-strided array of the HF shape, which holds no memory); the rope
+    factor tensor first when llama3 scaling."""
     plan: list[GgufTensor] = []
     if spec.rope_scaling == "llama3":
         shape = (spec.head_dim // 2,)
         plan.append(GgufTensor(ROPE_FREQS, (), None, shape, tensor_type(ROPE_FREQS, shape, outtype)))
-    import torch  # the shapes come from the family's HF mapping run on meta tensors (no memory)
-
     for unit in units_of(spec):
-        meta = {d.name: torch.empty(d.shape, device="meta") for d in _unit_decls(spec, unit)}
         parts: dict[str, dict[int | None, tuple[str, tuple[int, ...]]]] = {}
         made: dict[str, Callable[[ModelSpec, Any], Any]] = {}
-        for hf_name, x in to_hf(spec, unit, meta, source="GGUF plan").items():
+        for hf_name, hf_shape in unit_hf_shapes(spec, unit).items():
             if dropped_mtp(spec, layout, hf_name):
                 continue
             template, idx = hf_template(hf_name)
             for piece, make in layout.pieces.get(template, ()):
                 name = piece.replace("*", str(idx[0]), 1)
-                parts[name], made[name] = {None: (hf_name, tuple(int(s) for s in make(spec, x).shape))}, make
+                shape = make(spec, np.broadcast_to(np.float32(0), hf_shape)).shape
+                parts[name], made[name] = {None: (hf_name, tuple(int(s) for s in shape))}, make
             if template in layout.pieces:
                 continue
             name, expert = gguf_name(layout, hf_name)
-            shape = tuple(int(s) for s in x.shape)
+            shape = hf_shape
             if hf_template(hf_name)[0] in layout.transposed:
                 shape = shape[::-1]
             parts.setdefault(name, {})[expert] = (hf_name, shape)
