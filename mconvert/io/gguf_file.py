@@ -216,8 +216,9 @@ class GgufFile:
 Q8_SLICE = 1 << 16  # values quantized at once: one slice's working buffers stay in the core's cache
 
 
-def to_float32(x: np.ndarray) -> np.ndarray:
-    """`x` (float16, float32, or bfloat16 bits) as float32, exactly; a float32 array as it is."""
+def to_float32(x: np.ndarray, name: str = "tensor", fix: str = "no GGUF type holds them; rescale the model") -> np.ndarray:
+    """`x` (float16, float32, or bfloat16 bits) as float32, exactly; a float32 array as it is; float64 rounded,
+    refused where a finite value would become Inf."""
     if x.dtype == np.float32:
         return x
     if x.dtype == BF16_BITS:  # a bfloat16 is the top half of the float32 of the same value
@@ -226,8 +227,15 @@ def to_float32(x: np.ndarray) -> np.ndarray:
         bits[...] = x
         bits <<= 16
         return out
+    if x.dtype == np.float64:
+        out = x.astype(np.float32)
+        if out.size and not (np.isfinite(out.min()) and np.isfinite(out.max())):
+            raise MConvertError(f"{name}: holds values up to {float(np.abs(x).max()):.6g}, beyond what float32 holds, "
+                                f"so they would be stored as Inf; {fix}")
+        return out
     if x.dtype != np.float16:
-        raise MConvertError(f"a {x.dtype} tensor has no GGUF form here (float16, bfloat16 and float32 are read)")
+        raise MConvertError(f"{name}: a {x.dtype} tensor has no GGUF form here (float16, bfloat16, float32 and "
+                            "float64 are read)")
     return x.astype(np.float32)
 
 
@@ -236,7 +244,7 @@ def to_float16(x: np.ndarray, name: str, fix: str) -> np.ndarray:
     a finite value would become Inf: one line naming the tensor, its largest magnitude and `fix`."""
     if x.dtype == np.float16:
         return x
-    f = to_float32(x)
+    f = to_float32(x, name, fix)
     if f.size:
         big = max(-float(f.min()), float(f.max()))
         if big >= F16_OVERFLOW:

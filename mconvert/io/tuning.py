@@ -102,9 +102,12 @@ def quiet_gc() -> None:
         gc.enable()
 
 
-def apply() -> None:
+def apply(with_torch: bool = True) -> None:
     """Everything a conversion verb wants: called once, after the verb's modules are imported (so `quiet_gc`
-    freezes them too) and before its first tensor."""
+    freezes them too) and before its first tensor. `with_torch`: the verb's engine computes in torch, imported
+    here where the verbs' module left it to first use; False for a verb that runs without it (HF to GGUF)."""
+    if with_torch:
+        import torch  # noqa: F401 - imported before the freeze, its thread pool sized below
     huge_pages()
     bound_heap()
     reserve_writer_core()

@@ -151,3 +151,10 @@ def test_hf_to_gguf_file_equals_gguf_pys_writer_given_its_key_values_and_tensors
     assert {int(t.tensor_type) for t in r.tensors} >= ({8} if outtype == "q8_0" else {0, 1} if outtype == "f16" else {0})
     _gguf_py(tmp_path / "theirs.gguf", kvs, tensors)
     assert out.read_bytes() == (tmp_path / "theirs.gguf").read_bytes()
+
+
+def test_float64_is_narrowed_to_float32_and_refused_past_its_range():
+    x = np.array([[1e-3, -2.5], [3.0, 1e30]])
+    assert np.array_equal(to_float32(x), x.astype(np.float32))
+    with pytest.raises(MConvertError, match=r"^w: holds values up to 1e\+300, beyond what float32 holds"):
+        to_float32(np.array([1.0, -1e300]), "w")

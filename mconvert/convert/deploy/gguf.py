@@ -696,13 +696,13 @@ class GgufWriter(Writer):
         if t.qtype == q.F16:
             self._file.write(to_float16(x, name, fix))
         elif t.qtype == q.F32:
-            self._file.write(to_float32(x))
+            self._file.write(to_float32(x, name, fix))
         elif t.qtype == q.Q8_0:
             self._file.write(quantize_q8_0(x, name=name, fix=fix))  # cast to float32 a slice at a time
         elif t.qtype == q.BF16 and x.dtype == BF16_BITS:
             self._file.write(x)  # bfloat16 written as it is
         else:
-            self._file.write(_gguf().quants.quantize(to_float32(x), t.qtype))
+            self._file.write(_gguf().quants.quantize(to_float32(x, name, fix), t.qtype))
         self._next += 1
 
     def add(self, unit: Unit, tensors: dict[str, Any]) -> None:
