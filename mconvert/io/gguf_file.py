@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mconvert.errors import MConvertError
+from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import DIRECT_MIN_BYTES, HashingFile
 
@@ -216,13 +217,20 @@ class GgufFile:
 Q8_SLICE = 1 << 16  # values quantized at once: one slice's working buffers stay in the core's cache
 
 
+def cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`x.astype(dtype)` (IEEE round-to-nearest-even, as gguf-py's) into reused memory (`buffers.array`)."""
+    out = buffers.array(x.shape, dtype)
+    np.copyto(out, x, casting="unsafe")
+    return out
+
+
 def to_float32(x: np.ndarray, name: str = "tensor", fix: str = "no GGUF type holds them; rescale the model") -> np.ndarray:
     """`x` (float16, float32, or bfloat16 bits) as float32, exactly; a float32 array as it is; float64 rounded,
     refused where a finite value would become Inf."""
     if x.dtype == np.float32:
         return x
     if x.dtype == BF16_BITS:  # a bfloat16 is the top half of the float32 of the same value
-        out = np.empty(x.shape, dtype=np.float32)
+        out = buffers.array(x.shape, np.dtype(np.float32))
         bits = out.view(np.uint32)
         bits[...] = x
         bits <<= 16
@@ -236,7 +244,7 @@ def to_float32(x: np.ndarray, name: str = "tensor", fix: str = "no GGUF type hol
     if x.dtype != np.float16:
         raise MConvertError(f"{name}: a {x.dtype} tensor has no GGUF form here (float16, bfloat16, float32 and "
                             "float64 are read)")
-    return x.astype(np.float32)
+    return widen_half(x.view(np.uint16), buffers.array(x.shape, np.dtype(np.float32)))
 
 
 def to_float16(x: np.ndarray, name: str, fix: str) -> np.ndarray:
@@ -250,21 +258,23 @@ def to_float16(x: np.ndarray, name: str, fix: str) -> np.ndarray:
         if big >= F16_OVERFLOW:
             raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what float16 holds (±{F16_MAX:g}), "
                                 f"so they would be stored as Inf; {fix}")
-    return f.astype(np.float16)
+    return cast(f, np.dtype(np.float16))
 
 
-def round_half_away(v: np.ndarray, whole: np.ndarray, mag: np.ndarray) -> None:
-    """`v` rounded half away from zero, in place (gguf-py's `np_roundf`, ggml's `roundf`): the magnitude's whole
-    part plus one where its fraction is at least a half, the sign put back. `whole` and `mag` are working
-    buffers of `v`'s shape."""
-    np.abs(v, out=mag)
-    np.floor(mag, out=whole)
-    mag -= whole
-    mag *= 2
-    np.floor(mag, out=mag)
-    mag += whole
-    np.sign(v, out=whole)
-    np.multiply(mag, whole, out=v)
+def widen_half(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """float16 values (their raw bits) as float32 into `out` (same shape), exactly as numpy's cast, for every
+    finite value (subnormals included): the exponent and mantissa moved to float32's places, rescaled by
+    2^(127 - 15), the sign put back. Integer steps and one multiply, each vectorised, where numpy's own half
+    cast is a scalar loop."""
+    b = out.view(np.uint32)
+    b[...] = bits
+    sign = np.bitwise_and(b, 0x8000)
+    np.bitwise_and(b, 0x7FFF, out=b)
+    np.left_shift(b, 13, out=b)
+    out *= np.float32(2.0 ** 112)
+    np.left_shift(sign, 16, out=sign)
+    np.bitwise_or(b, sign, out=b)
+    return out
 
 
 def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
@@ -281,22 +291,30 @@ def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
     rows = rows or max(1, Q8_SLICE // n)
     flat = x.reshape(-1, n)
     per_row = n // Q8_BLOCK
-    out = np.empty((flat.shape[0], per_row, 2 + Q8_BLOCK), dtype=np.uint8)
+    out = buffers.array((flat.shape[0], per_row, 2 + Q8_BLOCK), np.dtype(np.uint8))
     nb = min(rows, flat.shape[0]) * per_row
-    v_buf, a_buf, w_buf = (np.empty((nb, Q8_BLOCK), dtype=np.float32) for _ in range(3))
+    v_buf, a_buf = (np.empty((nb, Q8_BLOCK), dtype=np.float32) for _ in range(2))
+    h_buf = np.empty((nb, Q8_BLOCK // 2), dtype=np.float32)
+    w_buf = np.empty((nb, Q8_BLOCK), dtype=np.float64)
     d_buf, inv_buf = (np.empty((nb, 1), dtype=np.float32) for _ in range(2))
     for a in range(0, flat.shape[0], rows):
         src = flat[a:a + rows]
         k = src.shape[0] * per_row
-        v, mag, whole, d, inv = v_buf[:k], a_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k]
+        v, mag, half, w, d, inv = v_buf[:k], a_buf[:k], h_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k]
         if src.dtype == BF16_BITS:  # the slice as float32
             bits = v.view(np.uint32).reshape(src.shape)
             bits[...] = src
             bits <<= 16
+        elif src.dtype == np.float16:
+            widen_half(src.view(np.uint16), v.reshape(src.shape))
         else:
             v.reshape(src.shape)[...] = src
         np.abs(v, out=mag)
-        np.max(mag, axis=1, keepdims=True, out=d)
+        # each block's largest magnitude: halves folded onto each other (elementwise, not a 32-wide reduction)
+        np.maximum(mag[:, :16], mag[:, 16:], out=half)
+        for width in (8, 4, 2):
+            np.maximum(half[:, :width], half[:, width:2 * width], out=half[:, :width])
+        np.maximum(half[:, :1], half[:, 1:2], out=d)
         big = float(d.max())
         if big / 127 > F16_MAX:
             raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what q8_0's float16 block scales hold "
@@ -304,9 +322,13 @@ def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
         d /= 127
         np.divide(1, d, out=inv, where=d != 0)
         inv[d == 0] = 0
-        v *= inv  # the values in units of the scale
-        round_half_away(v, whole, mag)
+        v *= inv  # the values in units of the scale, as gguf-py's float32 product
+        # rounded half away from zero (ggml's roundf, gguf-py's np_roundf): |v| <= 127 has 24 significant bits,
+        # so v + sign(v)/2 is exact in float64, and the cast to int8 truncates it toward zero
+        np.sign(v, out=mag)
+        mag *= 0.5
+        np.add(v, mag, out=w, dtype=np.float64)
         blk = out[a:a + rows].reshape(-1, 2 + Q8_BLOCK)
         blk[:, :2].view(np.float16)[...] = d
-        blk[:, 2:].view(np.int8)[...] = v
+        blk[:, 2:].view(np.int8)[...] = w
     return out.reshape(*x.shape[:-1], per_row * (2 + Q8_BLOCK))

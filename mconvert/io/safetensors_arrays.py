@@ -15,6 +15,7 @@ import numpy as np
 from mconvert import dtypes
 from mconvert.dtypes import DType
 from mconvert.errors import MConvertError
+from mconvert.io import buffers
 from mconvert.io.crc import followed_digest
 from mconvert.io.hashing import pread_into
 from mconvert.io.paths import open_regular, owned_fd
@@ -117,8 +118,9 @@ def array_dtype(row: DType) -> np.dtype:
 
 
 class SafetensorsArrays:
-    """One safetensors file read tensor by tensor with pread into fresh numpy arrays (each tensor's memory its
-    own: a writer may keep it queued), the input's manifest digest fed on the way as `SafetensorsReader` does."""
+    """One safetensors file read tensor by tensor with pread into numpy arrays over reused memory
+    (`buffers.array`: a slot goes back when the last view of it, a writer's queued bytes included, is freed),
+    the input's manifest digest fed on the way as `SafetensorsReader` does."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -145,7 +147,7 @@ class SafetensorsArrays:
         """Tensor `key` as an array of its shape (`array_dtype`)."""
         a, row, shape = self.entries[key]
         dt = array_dtype(row)
-        out = np.empty(shape if dt.itemsize == row.itemsize else (*shape, row.itemsize), dtype=dt)
+        out = buffers.array(shape if dt.itemsize == row.itemsize else (*shape, row.itemsize), dt)
         if out.size:
             pread_into(self.fd, memoryview(out.reshape(-1).view(np.uint8)), self.start + a, self.path, key,
                        digest=self.digest)

@@ -85,6 +85,9 @@ def test_q8_0_blocks_equal_gguf_pys_quantizer_bit_for_bit():
     x[1, :32] = torch.arange(32) / 2 - 8  # exact halves: rounded away from zero
     x[2, :32] = 6.5e4  # a scale near float16's top
     x[3, :32] = 1e-9  # a scale below float16's normals
+    x[4, :32] = 127
+    x[4, 1] = float(np.nextafter(np.float32(0.5), np.float32(0)))  # just below a half: rounded down
+    x[4, 2] = -0.0
     want = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
     for rows in (7, 4096):  # one chunk and several, with a short last one
         have = quantize_q8_0(x.numpy(), rows=rows)
@@ -97,10 +100,13 @@ def test_q8_0_blocks_equal_gguf_pys_quantizer_bit_for_bit():
 
 
 def test_bf16_and_f16_casts_equal_torchs_and_refuse_overflow():
-    """bfloat16 bits widened to float32 exactly as torch widens them; float32 to float16 rounded as numpy's
-    astype (gguf-py's cast); a value float16 cannot hold refused by name."""
+    """float16 widened to float32 exactly as numpy's astype, bfloat16 bits as torch widens them; float32 to
+    float16 rounded as numpy's astype (gguf-py's cast); a value float16 cannot hold refused by name."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(64, 96, generator=g) * torch.logspace(-8, 4, 64).unsqueeze(1)
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)]  # every finite float16, subnormals and -0 among them
+    assert np.array_equal(to_float32(halves).view(np.uint32), halves.astype(np.float32).view(np.uint32))
     bf = x.bfloat16()
     bits = bf.view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(to_float32(bits), bf.float().numpy())

@@ -35,6 +35,7 @@ import numpy as np
 
 from mconvert.convert.base import Unit, units_of
 from mconvert.io.paths import inside_file, load_json_object, read_small
+from mconvert.io import buffers
 from mconvert.io.gguf_file import BF16_BITS, GgufFile, KeyValue, TensorInfo, quantize_q8_0, to_float16, to_float32
 from mconvert.convert.hf.tokenizer import check_tokenizer_dir, staged_tokenizer
 from mconvert.convert.hf.tokenizer_files import read_tokenizer
@@ -272,8 +273,11 @@ def prepare(spec: ModelSpec, outtype: str = "f16", accept_window_as_full: bool =
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's `LlamaModel.permute`: per head, rows (i, i + d/2) become rows (2i, 2i + 1), the
-    pairs llama.cpp's LLAMA rope rotates together (weights [rows, in] or biases [rows])."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    pairs llama.cpp's LLAMA rope rotates together (weights [rows, in] or biases [rows]); into reused memory."""
+    half = w.shape[0] // n_head // 2
+    out = buffers.array(w.shape, w.dtype)
+    out.reshape(n_head, half, 2, *w.shape[1:])[...] = w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2)
+    return out
 
 
 def as_array(x: Any) -> np.ndarray:
