@@ -261,14 +261,14 @@ def to_float16(x: np.ndarray, name: str, fix: str) -> np.ndarray:
     return cast(f, np.dtype(np.float16))
 
 
-def widen_half(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+def widen_half(bits: np.ndarray, out: np.ndarray, sign: np.ndarray | None = None) -> np.ndarray:
     """float16 values (their raw bits) as float32 into `out` (same shape), exactly as numpy's cast, for every
     finite value (subnormals included): the exponent and mantissa moved to float32's places, rescaled by
     2^(127 - 15), the sign put back. Integer steps and one multiply, each vectorised, where numpy's own half
-    cast is a scalar loop."""
+    cast is a scalar loop. `sign`: a uint32 working buffer of `out`'s shape (else one is allocated)."""
     b = out.view(np.uint32)
     b[...] = bits
-    sign = np.bitwise_and(b, 0x8000)
+    sign = np.bitwise_and(b, 0x8000, out=sign)
     np.bitwise_and(b, 0x7FFF, out=b)
     np.left_shift(b, 13, out=b)
     out *= np.float32(2.0 ** 112)
@@ -306,7 +306,7 @@ def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
             bits[...] = src
             bits <<= 16
         elif src.dtype == np.float16:
-            widen_half(src.view(np.uint16), v.reshape(src.shape))
+            widen_half(src.view(np.uint16), v.reshape(src.shape), mag.view(np.uint32).reshape(src.shape))
         else:
             v.reshape(src.shape)[...] = src
         np.abs(v, out=mag)
@@ -324,9 +324,11 @@ def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
         inv[d == 0] = 0
         v *= inv  # the values in units of the scale, as gguf-py's float32 product
         # rounded half away from zero (ggml's roundf, gguf-py's np_roundf): |v| <= 127 has 24 significant bits,
-        # so v + sign(v)/2 is exact in float64, and the cast to int8 truncates it toward zero
-        np.sign(v, out=mag)
-        mag *= 0.5
+        # so v ± 1/2 (v's sign bit on 0.5's bits) is exact in float64, and the cast to int8 truncates it toward
+        # zero
+        half_bits = mag.view(np.uint32)
+        np.bitwise_and(v.view(np.uint32), 0x80000000, out=half_bits)
+        half_bits |= 0x3F000000
         np.add(v, mag, out=w, dtype=np.float64)
         blk = out[a:a + rows].reshape(-1, 2 + Q8_BLOCK)
         blk[:, :2].view(np.float16)[...] = d

@@ -92,6 +92,12 @@ def test_q8_0_blocks_equal_gguf_pys_quantizer_bit_for_bit():
     for rows in (7, 4096):  # one chunk and several, with a short last one
         have = quantize_q8_0(x.numpy(), rows=rows)
         assert have.shape == want.shape and np.array_equal(have, want)
+    # every half-integer up to 127.5 in units of the scale, and its float32 neighbours: the rounding's edges
+    rng = np.random.default_rng(3)
+    grid = (rng.integers(-255, 256, (2048, 32)) / 2).astype(np.float32)
+    grid[:, 0] = 127
+    for g in (grid, np.nextafter(grid, np.float32(0)), np.nextafter(grid, np.float32(300))):
+        assert np.array_equal(quantize_q8_0(g), gguf.quants.quantize(g, gguf.GGMLQuantizationType.Q8_0))
     # float16 and bfloat16 (its raw bits) sources: gguf-py quantizes their float32 values
     for src in (x.half(), x.bfloat16()):
         want = gguf.quants.quantize(src.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
