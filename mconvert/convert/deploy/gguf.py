@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from mconvert.convert.base import Unit, units_of
+from mconvert.convert.base import Unit, pmap_iter, units_of
 from mconvert.io.paths import inside_file, load_json_object, read_small
 from mconvert.io import buffers
 from mconvert.io.gguf_file import BF16_BITS, GgufFile, KeyValue, TensorInfo, quantize_q8_0, to_float16, to_float32
@@ -690,7 +690,8 @@ class GgufWriter(Writer):
                 special._set_special_token(typ, ids[text])
         special.add_to_gguf(w, quiet=True)
 
-    def _write(self, t: GgufTensor, x: np.ndarray) -> None:
+    def _converted(self, t: GgufTensor, x: np.ndarray) -> np.ndarray:
+        """Tensor `t`'s bytes in its GGML type, from `x` as the GGUF stores it (`gguf_data`)."""
         if tuple(x.shape) != t.shape:
             raise MConvertError(f"tensor {t.hf[0] if t.hf else t.name}: shape {list(x.shape)}, the plan has "
                                 f"{list(t.shape)}")
@@ -698,36 +699,47 @@ class GgufWriter(Writer):
         fix = "write --outtype bf16 or f32"
         q = _gguf().GGMLQuantizationType
         if t.qtype == q.F16:
-            self._file.write(to_float16(x, name, fix))
-        elif t.qtype == q.F32:
-            self._file.write(to_float32(x, name, fix))
-        elif t.qtype == q.Q8_0:
-            self._file.write(quantize_q8_0(x, name=name, fix=fix))  # cast to float32 a slice at a time
-        elif t.qtype == q.BF16 and x.dtype == BF16_BITS:
-            self._file.write(x)  # bfloat16 written as it is
-        else:
-            self._file.write(_gguf().quants.quantize(to_float32(x, name, fix), t.qtype))
+            return to_float16(x, name, fix)
+        if t.qtype == q.F32:
+            return to_float32(x, name, fix)
+        if t.qtype == q.Q8_0:
+            return quantize_q8_0(x, name=name, fix=fix)  # cast to float32 a slice at a time
+        if t.qtype == q.BF16 and x.dtype == BF16_BITS:
+            return x  # bfloat16 written as it is
+        return _gguf().quants.quantize(to_float32(x, name, fix), t.qtype)
+
+    def _write(self, t: GgufTensor, x: np.ndarray) -> None:
+        self._file.write(self._converted(t, x))
         self._next += 1
 
     def add(self, unit: Unit, tensors: dict[str, Any]) -> None:
         """Append one unit's HF-named tensors (arrays, or torch tensors taken as arrays at this edge; experts
-        stacked); a tensor the plan has no place for is refused by name."""
+        stacked); a tensor the plan has no place for is refused by name. The unit's tensors are converted
+        several at once on the readers' pool (numpy releases the GIL), each written in plan order as soon as it
+        is ready."""
         todo = {k: as_array(v) for k, v in tensors.items() if not dropped_mtp(self.spec, self.layout, k)}
+        planned: list[GgufTensor] = []
         used: set[str] = set()  # a tensor the layout makes several from (`pieces`) serves each of them
-        while self._next < len(self.plan) and self.plan[self._next].unit == unit:
-            t = self.plan[self._next]
+        while self._next + len(planned) < len(self.plan) and self.plan[self._next + len(planned)].unit == unit:
+            t = self.plan[self._next + len(planned)]
             missing = next((h for h in t.hf if h not in todo), None)
             if missing is not None:
                 raise MConvertError(f"unit {unit}: the source yields no {missing}; cannot write {t.name}")
-            data = [gguf_data(self.spec, self.layout, h, todo[h], self.permute) for h in t.hf]
+            planned.append(t)
             used.update(t.hf)
+        left = sorted(k for k in todo if k not in used)
+        if left:
+            raise MConvertError(f"unit {unit}: tensor {left[0]} has no place in the GGUF plan; conversion refused")
+
+        def one(t: GgufTensor) -> np.ndarray:
+            data = [gguf_data(self.spec, self.layout, h, todo[h], self.permute) for h in t.hf]
             if t.make is not None:
                 data = [t.make(self.spec, data[0])]
-            self._write(t, data[0] if len(data) == 1 else np.stack(data))
-            del data
-        todo = {k: v for k, v in todo.items() if k not in used}
-        if todo:
-            raise MConvertError(f"unit {unit}: tensor {sorted(todo)[0]} has no place in the GGUF plan; conversion refused")
+            return self._converted(t, data[0] if len(data) == 1 else np.stack(data))
+
+        for out in pmap_iter(one, planned, lambda t: math.prod(t.shape)):  # each as soon as those before it are
+            self._file.write(out)
+            self._next += 1
 
     def close(self) -> list[Path]:
         """Finish the file; refuse one that misses a planned tensor."""
