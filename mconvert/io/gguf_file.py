@@ -236,7 +236,8 @@ def to_float32(x: np.ndarray, name: str = "tensor", fix: str = "no GGUF type hol
         bits <<= 16
         return out
     if x.dtype == np.float64:
-        out = x.astype(np.float32)
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            out = x.astype(np.float32)
         if out.size and not (np.isfinite(out.min()) and np.isfinite(out.max())):
             raise MConvertError(f"{name}: holds values up to {float(np.abs(x).max()):.6g}, beyond what float32 holds, "
                                 f"so they would be stored as Inf; {fix}")
