@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-gguf test-bridge docs bench vllm-env gguf-env bridge-env lint clean
+.PHONY: venv demo test test-gguf test-bridge docs bench bench-ab vllm-env gguf-env bridge-env lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,10 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench.py
+
+# The same conversions by version A (a git ref) and by this tree, interleaved in one run: make bench-ab A=main~5
+bench-ab: $(STAMP)
+	$(BIN)/python bench/ab.py --a $(A)
 
 # vLLM pins transformers 5.x, so it gets its own venv (outside the repo; reused when present).
 VLLM_VENV ?= $(HOME)/.cache/mconvert/vllm-venv

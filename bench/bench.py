@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 import gguf_peer  # noqa: E402
 from procmon import Measurement, dir_bytes, files_under, resident_bytes, run_measured  # noqa: E402
 
-from mconvert.convert.estimate import bandwidth_file, estimate, unit_bytes  # noqa: E402
+from mconvert.layouts.estimate import bandwidth_file, estimate, unit_bytes  # noqa: E402
 from mconvert.mappings.families import preset as get_preset  # noqa: E402
 
 console = Console(stderr=True)

@@ -239,7 +239,7 @@ def plan_cmd(
                   ("--nodes", nodes), ("--procs-per-node", procs_per_node))
     _positive_rate(("--disk-gb-per-s", disk_gb), ("--network-gb-per-s", net_gb))
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
-    from mconvert.convert.estimate import estimate, load_bandwidth, render_estimate, scaleout_estimate
+    from mconvert.layouts.estimate import estimate, load_bandwidth, render_estimate, scaleout_estimate
     from mconvert.mappings.families import preset
 
     est = estimate(

@@ -46,7 +46,7 @@ class SourceBase:
     vpp: int | None = None
     ep: int = 1  # expert-parallel size (Megatron MoE checkpoints)
     iteration: int | str | None = None
-    # the checkpoint's pipeline split (a Megatron source: its `megatron.layout.PipelineSplit`, even or uneven); a
+    # the checkpoint's pipeline split (a Megatron source: its `layouts.megatron.PipelineSplit`, even or uneven); a
     # reshard keeps it at the same PP/VPP
     split: Any = None
     # False where the vocab size is a padded guess (args without vocab_size, no tokenizer found)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mconvert.convert.megatron.checkpoint import DIST_MARKERS, is_iteration_dir, resolve_iteration_dir
 from mconvert.io.paths import load_json_object
-from mconvert.convert.megatron.layout import TRACKER
+from mconvert.layouts.megatron import TRACKER
 from mconvert.errors import MConvertError
 
 

@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.table import Table
 
 from mconvert.convert.base import SourceBase
-from mconvert.convert.megatron.layout import PipelineSplit
+from mconvert.layouts.megatron import PipelineSplit
 from mconvert.convert.sources import open_source
 from mconvert.errors import rich_safe
 from mconvert.mappings.transforms import split_dim

@@ -2,7 +2,8 @@
 Source, work out what is written (`plan`, or the format's `prepare`: its refusals, config and sizes), then
 `--dry-run`'s report or the driver's loop into the format's Writer (`driver.write_output`).
 
-The Python API of the tool: the CLI calls these and prints their reports.
+The Python API of the tool: the CLI calls these and prints their reports. A deployment format's writer module
+is imported by the verb that writes it: a process pays only for the verb it runs.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from mconvert import dtypes
 from mconvert.convert.base import SourceBase
-from mconvert.convert.deploy import gguf
 from mconvert.convert.driver import dry_run_report, drive, peak_rss_bytes, write_output
 from mconvert.convert.hf.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab
-from mconvert.convert.megatron.layout import PipelineSplit, parse_pipeline_layout
-from mconvert.convert.plan import plan_for_source
+from mconvert.layouts.megatron import PipelineSplit, parse_pipeline_layout
+from mconvert.layouts.plan import plan_for_source
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import detect_format, open_source
 from mconvert.convert.writer import Report, Writer, make_report
@@ -35,7 +35,7 @@ from mconvert.spec import megatron_lm_unstated
 if TYPE_CHECKING:
     import torch
 
-    from mconvert.convert.deploy import onnx
+    from mconvert.convert.deploy.onnx import OnnxCheck, OnnxResult
 
 
 # ---- Megatron <-> HuggingFace ------------------------------------------------------------------------
@@ -409,6 +409,8 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
     GGUF file, streamed unit by unit through the driver's loop, written atomically with its manifest beside it.
     Returns the common report. `accept_window_as_full`: a sliding-window model is written as full attention, and
     the report says so."""
+    from mconvert.convert.deploy import gguf
+
     t0 = time.perf_counter()
     gguf.outtype_types(outtype)
     check_output_file(out, force, (src_path, tokenizer))
@@ -451,16 +453,17 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
 # ---- ONNX (no unit stream: optimum exports a whole HF model) ----------------------------------------------
 def to_onnx(src: str | Path, out: str | Path, with_past: bool = True, opset: int | None = None,
             force: bool = False, rtol: float | None = None, exporter: str = "optimum",
-            iteration: str | None = None, *, check: onnx.OnnxCheck,
-            dry_run: bool = False) -> onnx.OnnxResult | Report:
+            iteration: str | None = None, *, check: OnnxCheck,
+            dry_run: bool = False) -> OnnxResult | Report:
     """`to-onnx`: export, then refuse (leaving no OUT) unless onnxruntime matches transformers.
 
     `check(onnx_dir, hf_dir)` runs both on the same tokens (the validators' `check_onnx_against_hf`).
-    `dry_run`: the source is opened and refused as it would be; the report names what would be written."""
+    `dry_run`: the source is opened and refused as it would be; the report names what would be written. `rtol`:
+    the largest relative logits difference accepted (default `onnx.DEFAULT_RTOL`)."""
     from mconvert.convert.deploy import onnx
 
-    rtol = onnx.DEFAULT_RTOL if rtol is None else rtol
     t0 = time.perf_counter()
+    rtol = onnx.DEFAULT_RTOL if rtol is None else rtol
     src, out = Path(src), Path(out)
     onnx.task_of(exporter, with_past)  # the options are refused before anything is opened
     check_output(out, force, (src,))

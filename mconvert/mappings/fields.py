@@ -407,7 +407,7 @@ _MEGATRON_NEUTRAL: dict[str, Field] = {
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
         "expert_model_parallel_size", "expert_tensor_parallel_size", "context_parallel_size",
-        # the pipeline split: which stage holds which layers (convert/megatron/layout.py `PipelineSplit` reads them)
+        # the pipeline split: which stage holds which layers (layouts/megatron.py `PipelineSplit` reads them)
         "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
         "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",

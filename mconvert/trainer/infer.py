@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mconvert.convert.megatron.checkpoint import args_dict
-from mconvert.convert.megatron.layout import PipelineSplit, rank_file, read_latest
+from mconvert.layouts.megatron import PipelineSplit, rank_file, read_latest
 from mconvert.io.paths import inside_file
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError

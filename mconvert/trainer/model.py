@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mconvert.convert.megatron.layout import PipelineSplit
+from mconvert.layouts.megatron import PipelineSplit
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import shard
 from mconvert.rope import yarn_inv_freq

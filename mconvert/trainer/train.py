@@ -38,7 +38,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from mconvert.convert.megatron import optimizer as optim
 from mconvert.convert.megatron.checkpoint import args_dict
 from mconvert.io.atomic import atomic_output_dir, terminating
-from mconvert.convert.megatron.layout import TRACKER, PipelineSplit, rank_file, read_latest, save_rank_file, write_latest
+from mconvert.layouts.megatron import TRACKER, PipelineSplit, rank_file, read_latest, save_rank_file, write_latest
 from mconvert.io.safeload import safe_load
 from mconvert.io.casts import all_finite, value_range
 from mconvert.data import build_tokenizer, save_hf_tokenizer, tokenize_corpus

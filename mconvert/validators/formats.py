@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from mconvert import dtypes
-from mconvert.convert.megatron.layout import RANK_FILE, parse_rank_dir
+from mconvert.layouts.megatron import RANK_FILE, parse_rank_dir
 from mconvert.io.paths import inside_file, load_json_object
 from mconvert.convert import detect
 from mconvert.convert.megatron import bridge
 from mconvert.convert.megatron.checkpoint import DIST_MARKERS, args_dict, checkpoint_dict, is_iteration_dir
 from mconvert.convert.deploy.fastertransformer import ft_number, read_ft_config
-from mconvert.convert.megatron.layout import iteration_dir_name, read_latest
+from mconvert.layouts.megatron import iteration_dir_name, read_latest
 from mconvert.io.safeload import safe_load
 from mconvert.convert.deploy.trtllm import read_trtllm_config
 from mconvert.errors import MConvertError

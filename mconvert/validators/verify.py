@@ -24,7 +24,7 @@ from mconvert import dtypes
 from mconvert.convert.hf.directory import read_weight_map
 from mconvert.io.paths import contained, inside_file, load_json_object
 from mconvert.io.atomic import MANIFEST, check_manifest
-from mconvert.convert.megatron.layout import RANK_FILE, iteration_dir_name
+from mconvert.layouts.megatron import RANK_FILE, iteration_dir_name
 from mconvert.io.safeload import safe_load
 from mconvert.io.casts import all_finite
 from mconvert.convert.sources import open_source

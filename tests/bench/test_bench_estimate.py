@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mconvert.convert.estimate import ITEMSIZE, estimate, load_bandwidth, stage_layer_counts
+from mconvert.layouts.estimate import ITEMSIZE, estimate, load_bandwidth, stage_layer_counts
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset
 

@@ -63,3 +63,20 @@ def test_every_measured_command_ends_with_sync(bench, tmp_path: Path) -> None:
     for n in ("1", "2"):
         cmd = bench.op_command(f"megatron-to-hf-torchrun{n}", tmp_path / "src", tmp_path / "o2")
         assert cmd[4:10] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", n]
+
+
+def test_ab_compares_every_output_file(tmp_path) -> None:
+    """`bench/ab.py` (make bench-ab) names a file whose bytes differ between the two versions' outputs, and one
+    that only one of them wrote; identical trees give none."""
+    sys.path.insert(0, str(BENCH))
+    import ab
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        (root / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+        (root / "config.json").write_text('{"x": 1}')
+        (root / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(bytes(range(256)) * 4)
+    assert ab.differing_files(a, b) == []
+    (b / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(bytes(range(256)) * 3 + bytes(256))
+    (a / "extra.safetensors").write_bytes(b"\0")
+    assert ab.differing_files(a, b) == ["extra.safetensors", "iter_0000001/mp_rank_00/model_optim_rng.pt"]

@@ -115,6 +115,19 @@ def test_the_collector_is_back_after_a_verb_that_stops_early(capsys) -> None:
         gc.enable()
 
 
+def test_verbs_import_no_deployment_format() -> None:
+    """`convert/verbs.py` imports a deployment format's writer (FasterTransformer, TensorRT-LLM, GGUF, ONNX) only
+    inside the verb that writes it (the torch-free layouts `plan` reads are light): megatron-to-hf does not pay
+    for them."""
+    code = ("import json, sys; import mconvert.convert.verbs; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('mconvert.convert.deploy.', 'gguf', "
+            "'onnx', 'optimum')) and not m.endswith('_layout'))))")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout) == []
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("outtype", ["f16", "q8_0"])
 def test_hf_to_gguf_never_imports_torch(tmp_path, outtype) -> None:

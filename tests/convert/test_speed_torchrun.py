@@ -216,7 +216,7 @@ _RANK_0_FAILS_FIRST = """
 import signal, sys, time
 from pathlib import Path
 import torch
-from mconvert.convert.megatron.layout import save_rank_file
+from mconvert.layouts.megatron import save_rank_file
 from mconvert.convert.scaleout import shared_atomic_output_dir, world_from_env
 from mconvert.errors import MConvertError
 
@@ -309,7 +309,7 @@ def test_world_from_env() -> None:
 def test_plan_on_nodes_shares_out_the_file_groups() -> None:
     """The torchrun estimate: file groups = shards (HF) or target stages (Megatron); more machines never
     take longer; one process is the one-process estimate plus the start."""
-    from mconvert.convert.estimate import estimate, hf_files, scaleout_estimate
+    from mconvert.layouts.estimate import estimate, hf_files, scaleout_estimate
     from mconvert.mappings.families import preset
 
     spec = preset("llama3-405b")

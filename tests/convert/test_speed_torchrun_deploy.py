@@ -179,7 +179,7 @@ def test_a_failing_rank_leaves_no_output(mha_ckpt: Path, tmp_path: Path, verb: s
 def test_plan_on_nodes_shares_out_ft_units() -> None:
     """The torchrun estimate of FT output: one file group per unit (embedding, each layer, final), holding all
     of the written bytes; more machines never take longer."""
-    from mconvert.convert.estimate import estimate, scaleout_estimate
+    from mconvert.layouts.estimate import estimate, scaleout_estimate
     from mconvert.mappings.families import preset
 
     spec = preset("gpt2-1b")

@@ -95,7 +95,7 @@ def test_plan_to_trtllm_matches_the_written_rank_files(tmp_path: Path) -> None:
     """`plan --to trtllm`: each rank file's tensor bytes as safetensors (not our code) reads them back from a
     real megatron-to-trtllm output; on torchrun the rank files are the groups and each busy process reads the
     whole input."""
-    from mconvert.convert.estimate import estimate, scaleout_estimate
+    from mconvert.layouts.estimate import estimate, scaleout_estimate
     from mconvert.convert.sources import open_source
     from mconvert.convert.verbs import megatron_to_trtllm
 

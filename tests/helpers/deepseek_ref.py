@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.layouts.megatron import rank_file, save_rank_file, write_latest
 from mconvert.mappings.transforms import merge
 from mconvert.spec import ModelSpec
 

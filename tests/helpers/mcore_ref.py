@@ -382,7 +382,7 @@ def save_checkpoints(ctx: McoreContext, root: str, iteration: int, torch_dist: b
     """Per rank: megatron-core's own state dict as the legacy rank file Megatron-LM names under `root`, with args
     that carry no `model_family` (recognised from the args, as a Megatron-LM checkpoint is); `torch_dist`: also
     megatron-core's `dist_checkpointing.save` of `sharded_state_dict()` under `root + "_dist"`. Collective."""
-    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+    from mconvert.layouts.megatron import rank_file, save_rank_file, write_latest
 
     args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp, ep=ctx.ep)
     if params_dtype is not None:

@@ -171,7 +171,7 @@ def add_adam_states(root: Path) -> None:
     along unchanged. The manifest goes: the files are ours to change."""
     from mconvert.io.atomic import MANIFEST
     from mconvert.io.safeload import safe_load
-    from mconvert.convert.megatron.layout import save_rank_file
+    from mconvert.layouts.megatron import save_rank_file
 
     for f in sorted((root / "release").glob("mp_rank_*/model_optim_rng.pt")):
         state = safe_load(f)

@@ -101,7 +101,7 @@ def _mcore_greedy(ctx, root: str, prompts: list[list[int]], max_tokens: int) -> 
     from mcore_ref import greedy
 
     from mconvert.io.safeload import safe_load
-    from mconvert.convert.megatron.layout import rank_file
+    from mconvert.layouts.megatron import rank_file
 
     ctx.model.load_state_dict(safe_load(rank_file(root, MOE_ITERATION, ctx.tp_rank, 0, 1, ctx.ep_rank,
                                                   ctx.ep))["model"], strict=True)
@@ -186,7 +186,7 @@ def moved_off_init_ckpt(preset_name: str, **changes) -> Path:
     """A one-rank Megatron checkpoint of the trainer's model of `preset_name` (with `changes` to its spec) with
     every weight moved off its init (norms around 1, a non-negative expert bias, so routing depends on it), MTP
     layers included."""
-    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+    from mconvert.layouts.megatron import rank_file, save_rank_file, write_latest
     from mconvert.mappings.families import preset
     from mconvert.trainer.model import GPTModel
     from mconvert.trainer.parallel import ParallelState

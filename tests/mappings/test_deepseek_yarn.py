@@ -28,7 +28,7 @@ from hf_ref import move_off_init
 from mcore_ref import McoreContext, perturb, run_mcore, save_checkpoints
 
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.errors import MConvertError
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset, spec_from_hf_config, spec_from_megatron_args

@@ -24,7 +24,7 @@ import torch
 from mcore_ref import run_mcore
 from safetensors.torch import load_file, save_file
 
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.errors import MConvertError
 from mconvert.io.safeload import safe_load

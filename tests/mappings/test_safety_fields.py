@@ -236,7 +236,7 @@ def test_an_hf_field_of_the_wrong_type_is_refused_by_name(model_type: str, name:
 
 def _save_llama31(ctx, root: str) -> None:
     """One rank of a Megatron-LM save of a megatron-core GPTModel trained with Llama-3.1 rope scaling."""
-    from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+    from mconvert.layouts.megatron import rank_file, save_rank_file, write_latest
 
     args = ctx.spec.to_megatron_args(ctx.tp, ctx.pp)
     args.params_dtype = torch.float32

@@ -18,7 +18,7 @@ from deepseek_ref import (PROBE, TOL, hf_mtp_logits, mcore_rank_logits, merged_r
                           save_single_rank)
 
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset, spec_from_megatron_args
 from mconvert.mappings.transforms import shard

@@ -14,7 +14,7 @@ import torch
 from deepseek_ref import (PROBE, TOL, hf_mtp_logits, mcore_rank_logits, merged_ranks, moved_off_init, rel_diff,
                           save_single_rank)
 
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset, spec_from_hf_config
 from mconvert.trainer.model import GPTModel

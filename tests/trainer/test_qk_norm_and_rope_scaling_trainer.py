@@ -13,7 +13,7 @@ import pytest
 import test_trainer_parallel as parallel_tests
 import torch
 
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import merge

@@ -16,7 +16,7 @@ from safety_common import assert_one_line_error, run_cli
 from scratch import scratch_dir
 
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.layout import save_rank_file
+from mconvert.layouts.megatron import save_rank_file
 from mconvert.errors import MConvertError
 
 WORK = scratch_dir("mconvert-rt3-", __name__)

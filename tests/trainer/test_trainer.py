@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from mconvert.convert.megatron.layout import stage_layers
+from mconvert.layouts.megatron import stage_layers
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import shard
 from mconvert.mappings.families import preset

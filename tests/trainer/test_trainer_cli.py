@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mconvert.convert.megatron.layout import read_latest
+from mconvert.layouts.megatron import read_latest
 from mconvert.io.safeload import safe_load
 
 pytestmark = pytest.mark.slow

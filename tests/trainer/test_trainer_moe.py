@@ -22,7 +22,7 @@ import test_trainer_parallel as parallel_tests
 import torch
 
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import spec_from_megatron_args
 from mconvert.mappings.transforms import merge

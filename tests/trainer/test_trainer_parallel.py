@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mconvert.mappings.families import spec_from_megatron_args
-from mconvert.convert.megatron.layout import rank_file, read_latest
+from mconvert.layouts.megatron import rank_file, read_latest
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.transforms import merge
 from mconvert.spec import ModelSpec

@@ -180,7 +180,7 @@ def test_ft_export_with_every_field_mconvert_writes_still_checks(deploy):
 
 
 def _trt_config(tmp_path: Path, preset: str, edit) -> Path:
-    from mconvert.convert.deploy.trtllm_layout import trtllm_config
+    from mconvert.layouts.trtllm import trtllm_config
 
     cfg = json.loads(json.dumps(trtllm_config(families.preset(preset), 1, "float32")))  # as written on disk
     edit(cfg)

@@ -46,7 +46,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings import deploy
 from mconvert.mappings.record import FTFile, FTLayout
 from mconvert.mappings.fields import Field, check, neutral, refused
-from mconvert.convert.deploy.ft_layout import (  # noqa: F401 - the module's own names, importable from here too
+from mconvert.layouts.ft import (  # noqa: F401 - the module's own names, importable from here too
     FT_PARAM_DTYPES, FTPrepared, ft_config, ft_dtype, ft_expected_files, ft_layout, ft_layouts, prepare,
     section_layout)
 

@@ -35,13 +35,13 @@ from mconvert.io.atomic import record_digest
 from mconvert.io.paths import inside_file, load_json_object
 from mconvert.io.safetensors import SafetensorsRandomWriter
 from mconvert.convert.scaleout import world
-from mconvert.convert.deploy.trtllm_layout import (
+from mconvert.layouts.trtllm import (
     TRT_DTYPES,
     expected_trtllm_shapes,
     layout_for,
 )
-from mconvert.convert.deploy.trtllm_layout import trtllm_layout_of as trtllm_layout_of  # the checker's users import it here
-from mconvert.convert.deploy.trtllm_layout import (  # noqa: F401 - worked out there (no torch), importable here
+from mconvert.layouts.trtllm import trtllm_layout_of as trtllm_layout_of  # the checker's users import it here
+from mconvert.layouts.trtllm import (  # noqa: F401 - worked out there (no torch), importable here
     TrtllmPrepared, prepare, trtllm_dtype)
 from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError, expect

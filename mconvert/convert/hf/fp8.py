@@ -12,17 +12,16 @@ weight_block_size: [bm, bn]}`.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
 
 from mconvert.errors import MConvertError
+from mconvert.layouts.fp8 import DEFAULT_BLOCK as DEFAULT_BLOCK  # the layout's names, for the callers of this module
+from mconvert.layouts.fp8 import SCALE_SUFFIX, quantized_name, scale_shape
 
-SCALE_SUFFIX = "_scale_inv"
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-DEFAULT_BLOCK = (128, 128)
 
 
 def block_config(config: Mapping[str, Any], where: str) -> tuple[int, int] | None:
@@ -59,11 +58,6 @@ def hf_quantization_config(block: tuple[int, int], not_converted: list[str]) -> 
     the linear modules left unquantized, which transformers and vLLM then build unquantized)."""
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": list(block), "modules_to_not_convert": not_converted}
-
-
-def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
-    rows, cols = shape
-    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
@@ -103,21 +97,6 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
         q[r0:r1] = torch.clamp(x * full, min=-FP8_MAX, max=FP8_MAX).to(FP8)
         scale_inv[i] = scale.reciprocal()
     return q, scale_inv
-
-
-UNQUANTIZED_PROJ = "eh_proj"
-
-
-def quantized_name(name: str) -> bool:
-    """Whether HF weight `name` belongs to a linear projection that block-scaled FP8 stores quantized: the
-    attention and MLP projections (`*_proj`, MLA's `kv_a_proj_with_mqa`, Mixtral's expert `w1/w2/w3`); never
-    embeddings, `lm_head`, norms, biases or MoE routers (`mlp.gate`, which DeepSeek's release keeps in bf16), nor
-    an MTP layer's `eh_proj`: vLLM's DeepSeek and GLM MTP models build it as a plain torch Linear, which would
-    take e4m3 bytes as values and leave the scale unread."""
-    if not name.endswith(".weight"):
-        return False
-    module = name[: -len(".weight")].rsplit(".", 1)[-1]
-    return module != UNQUANTIZED_PROJ and (module.endswith(("_proj", "_proj_with_mqa")) or module in ("w1", "w2", "w3"))
 
 
 def quantize_tensors(tensors: Mapping[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:

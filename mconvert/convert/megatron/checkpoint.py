@@ -9,7 +9,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from mconvert.convert.megatron.layout import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
+from mconvert.layouts.megatron import TRACKER, iteration_dir_name, parse_rank_dir, read_latest
 from mconvert.io.paths import contained
 from mconvert.convert.hf.tokenizer import find_tokenizer_dir, tokenizer_length
 from mconvert.errors import MConvertError, type_name

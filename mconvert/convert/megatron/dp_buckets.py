@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mconvert.convert.megatron.layout import PipelineSplit
+from mconvert.layouts.megatron import PipelineSplit
 from mconvert.errors import MConvertError
 from mconvert.mappings.transforms import split_dim
 from mconvert.spec import ModelSpec

@@ -26,7 +26,7 @@ from mconvert.io.paths import inside_file, owned_fd
 from mconvert.io.safeload import safe_load
 from mconvert.io.casts import all_finite
 from mconvert.io.torchsave import LazyModel, TensorIndex
-from mconvert.convert.megatron.layout import (
+from mconvert.layouts.megatron import (
     SPLIT_ARGS,
     PipelineSplit,
     rank_dir_parts,

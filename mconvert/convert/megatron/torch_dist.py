@@ -32,7 +32,7 @@ from mconvert.convert.megatron import optimizer as optim
 from mconvert.convert.base import SourceBase, Unit
 from mconvert.convert.megatron.checkpoint import args_dict, checkpoint_dict, megatron_spec, resolve_iteration_dir
 from mconvert.io.atomic import listed_by_manifest
-from mconvert.convert.megatron.layout import PipelineSplit, stored_iteration
+from mconvert.layouts.megatron import PipelineSplit, stored_iteration
 from mconvert.io.integrity import INTEGRITY, check_integrity
 from mconvert.io.paths import check_regular, contained, inside_file, load_json_object
 from mconvert.io.safeload import safe_load, safe_load_dcp_metadata

@@ -54,7 +54,7 @@ from mconvert.io.hashing import HashingFile
 from mconvert.io.integrity import ALGORITHM, INTEGRITY, write_integrity
 from mconvert.io.paths import make_dirs
 from mconvert.io.casts import narrowed
-from mconvert.convert.megatron.layout import CHECKPOINT_VERSION, PipelineSplit, iteration_dir_name, write_latest
+from mconvert.layouts.megatron import CHECKPOINT_VERSION, PipelineSplit, iteration_dir_name, write_latest
 from mconvert.convert.megatron.writer import checked_split, target_args
 from mconvert.convert.megatron.torch_dist import (
     DP_RESHARDABLE,

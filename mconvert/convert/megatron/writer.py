@@ -25,7 +25,7 @@ from mconvert.io.paths import make_dirs
 from mconvert.io.casts import narrowed
 from mconvert.io.torchsave import Spool, TorchSaveStream, save_spooled
 from mconvert.convert.scaleout import world
-from mconvert.convert.megatron.layout import (
+from mconvert.layouts.megatron import (
     CHECKPOINT_VERSION,
     PipelineSplit,
     rank_file,

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
-from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.layouts.megatron import rank_file, save_rank_file, write_latest
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset, spec_from_megatron_args
 from mconvert.spec import ModelSpec

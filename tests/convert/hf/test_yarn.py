@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from mconvert.cli import main as cli_main
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.layouts.megatron import rank_file, save_rank_file, write_latest
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, spec_from_megatron_args
 from mconvert.spec import ModelSpec

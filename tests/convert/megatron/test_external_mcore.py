@@ -22,7 +22,7 @@ from mcore_ref import McoreContext, run_mcore
 from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
-from mconvert.convert.megatron.layout import rank_file, save_rank_file, write_latest
+from mconvert.layouts.megatron import rank_file, save_rank_file, write_latest
 from mconvert.mappings.families import preset
 from mconvert.spec import ModelSpec
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from mconvert.cli import main as cli_main
 from mconvert.io.atomic import MANIFEST
-from mconvert.convert.megatron.layout import rank_file, save_rank_file
+from mconvert.layouts.megatron import rank_file, save_rank_file
 from mconvert.convert.megatron.source import MegatronSource
 from mconvert.io.safeload import safe_load
 from mconvert.errors import MConvertError
@@ -408,7 +408,7 @@ def test_deployment_formats_without_a_moe_layout_refuse_by_name(verb: str, sourc
 
 def test_plan_estimates_a_671b_moe_from_shapes() -> None:
     """`moe-671b`: DeepSeek-V3's routed sizes in Mixtral's layout, estimated from shapes alone (no weights)."""
-    from mconvert.convert.estimate import estimate, unit_bytes
+    from mconvert.layouts.estimate import estimate, unit_bytes
 
     spec = preset("moe-671b")
     assert 660e9 < spec.num_parameters() < 680e9

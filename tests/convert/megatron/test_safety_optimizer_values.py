@@ -26,7 +26,7 @@ def _with_adam() -> Path:
 
 def _edit_all_ranks(ckpt: Path, key: str, value) -> None:
     from mconvert.io.safeload import safe_load
-    from mconvert.convert.megatron.layout import save_rank_file
+    from mconvert.layouts.megatron import save_rank_file
 
     for f in sorted((ckpt / "release").glob("mp_rank_*/model_optim_rng.pt")):
         state = safe_load(f)  # memory-mapped: save_rank_file writes a new file and renames it over this one

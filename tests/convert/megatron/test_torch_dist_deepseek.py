@@ -27,7 +27,7 @@ from test_torch_dist_write import _dcp_read_all, _summary
 
 from mconvert.convert.verbs import megatron_to_hf, reshard
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.layout import rank_file
+from mconvert.layouts.megatron import rank_file
 from mconvert.convert.megatron.torch_dist import TorchDistSource
 from mconvert.mappings.families import preset
 

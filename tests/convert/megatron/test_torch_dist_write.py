@@ -194,7 +194,7 @@ def test_bad_format_and_optimizer_into_torch_dist_are_one_line_refusals(tmp_path
 def test_data_files_split_at_the_size_limit_as_planned_and_read_back(tmp_path: Path) -> None:
     """A new `__0_<i>.distcp` starts where the next chunk would pass the limit; `plan` names the same files
     with the same tensor bytes, and the reader gets every tensor back from them."""
-    from mconvert.convert.estimate import torch_dist_files
+    from mconvert.layouts.estimate import torch_dist_files
     from mconvert.convert.sources import open_source
     from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 

@@ -15,7 +15,7 @@ import torch
 import mconvert.trainer.train as train_mod
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
 from mconvert.io.safeload import safe_load
-from mconvert.convert.megatron.layout import PipelineSplit
+from mconvert.layouts.megatron import PipelineSplit
 from mconvert.errors import MConvertError
 from safety_common import run_cli
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mconvert.convert.estimate import (
+from mconvert.layouts.estimate import (
     HF_MAX_SHARD_BYTES,
     ITEMSIZE,
     hf_files,
@@ -21,7 +21,7 @@ from mconvert.convert.estimate import (
     torch_dist_files,
     unit_bytes,
 )
-from mconvert.convert.megatron.layout import PipelineSplit
+from mconvert.layouts.megatron import PipelineSplit
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
 

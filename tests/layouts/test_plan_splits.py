@@ -20,7 +20,7 @@ from safety_common import run_cli
 from test_moe_plan import _check, _real
 
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf, reshard
-from mconvert.convert.megatron.layout import PipelineSplit
+from mconvert.layouts.megatron import PipelineSplit
 from mconvert.mappings.families import preset
 
 SPEC = preset("tiny-deepseek-v3")  # 3 layers: dense, MoE, MoE; an MTP layer (MoE) on the last stage

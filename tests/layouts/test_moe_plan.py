@@ -13,7 +13,7 @@ from deploy_common import make_hf
 from safety_common import assert_one_line_error, run_cli
 
 from mconvert.convert.verbs import hf_to_megatron, reshard
-from mconvert.convert.estimate import estimate
+from mconvert.layouts.estimate import estimate
 from mconvert.io.safeload import safe_load
 from mconvert.mappings.families import preset
 

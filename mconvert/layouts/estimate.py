@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from mconvert import dtypes
-from mconvert.convert.deploy import ft_layout as ft
-from mconvert.convert.deploy import trtllm_layout as trtllm
+from mconvert.layouts import fp8, ft, trtllm
 from mconvert.io.paths import load_json_object
-from mconvert.convert.megatron.layout import RANK_FILE, PipelineSplit, parse_pipeline_layout, rank_dir_name
+from mconvert.layouts.megatron import RANK_FILE, PipelineSplit, parse_pipeline_layout, rank_dir_name
 from rich.table import Table
 
 from mconvert.errors import MConvertError, expect
@@ -223,7 +222,6 @@ def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES
     if fp8_block is not None:  # a dry run's (`plan` itself imports no torch)
         import torch
 
-        from mconvert.convert.hf import fp8
         from mconvert.mappings.plugin import to_hf_one
     sizes: list[tuple[int, int]] = []  # (bytes, tensors) per parameter
     fp8_sizes: dict[str, tuple[int, int]] = {}  # by name template: every layer and expert has layer 0's
@@ -237,10 +235,8 @@ def hf_files(spec: ModelSpec, itemsize: int, max_shard: int = HF_MAX_SHARD_BYTES
         tpl = name_template(d.name)
         if tpl not in fp8_sizes:
             hf = to_hf_one(spec, d.name, torch.empty(d.shape, device="meta"))
-            planned = fp8.quantized_entries([(n, t.dtype, tuple(t.shape)) for n, t in hf.items()], fp8_block)
-            fp8_sizes[tpl] = (sum(_numel(sh) * (1 if dt == fp8.FP8 else 4 if dt == torch.float32 and
-                                                 n.endswith(fp8.SCALE_SUFFIX) else itemsize)
-                                  for n, dt, sh in planned), len(planned))
+            stored = [fp8.stored_bytes(n, tuple(t.shape), itemsize, fp8_block) for n, t in hf.items()]
+            fp8_sizes[tpl] = (sum(b for b, _ in stored), sum(k for _, k in stored))
         sizes.append(fp8_sizes[tpl])
     shards: list[list[tuple[int, int]]] = [[]]
     for s in sizes:
