@@ -1275,6 +1275,21 @@ def megatron_lm_unstated(spec: ModelSpec) -> list[str]:
             "unless its config receives them"] if differ else []
 
 
+def mtp_experts(spec: ModelSpec) -> bool:
+    """Whether the final unit holds routed experts (MTP layers built as an MoE layer) that a reader gives one
+    parameter at a time; a tied head's copy makes the final unit come whole."""
+    return bool(spec.mtp_num_layers) and spec.is_moe_layer(spec.num_layers) and not spec.tie_embeddings
+
+
+def comes_whole(spec: ModelSpec, unit: Unit) -> bool:
+    """Whether `unit` reaches a Megatron-side writer as one part: the embedding and final units (a tied head's
+    copy, dropped keys) and an MoE model's units (already one expert each) — except the final unit of an untied
+    model whose MTP layers route over experts, which comes parameter by parameter (memory: one expert)."""
+    if unit == "final" and mtp_experts(spec):
+        return False
+    return not isinstance(unit, int) or spec.is_moe
+
+
 def is_buffer(name: str) -> bool:
     """Whether a declared tensor is a saved buffer, not a trained parameter (the router's expert bias, which
     moves outside the optimizer)."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import to_hf
-from mconvert.spec import ModelSpec, Unit
+from mconvert.spec import ModelSpec, Unit, comes_whole
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +63,10 @@ class SourceBase:
     optimizer_layout: str | None = None
     writer: dict[str, Any] | None = None
     bridge_config: dict[str, Any] | None = None
+    # what the memory pre-check counted (`bounds.held_together` part -> bytes) and the file it names; the driver
+    # checks it again for a writer fed whole layers or whole units (`bounds.held_by_writer`)
+    held_sizes: dict[Any, int] | None = None
+    held_source: str = ""
 
     # `preview(unit)`: what `read_mcore(unit)` returns, as meta tensors, without reading data — sources that
     # can say define it (Megatron torch, HF safetensors); writers then lay their files out ahead
@@ -123,6 +127,12 @@ class SourceBase:
         """(`read_mcore(unit)`, each parameter's optimizer states) for a writer that `takes_states`; a source
         that holds no optimizer states refuses."""
         raise MConvertError(f"{self.path}: a {self.format} checkpoint holds no optimizer states")
+
+    def read_unit_parts(self, unit: Unit, with_optimizer: bool = False
+                        ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, dict]]]:
+        """`read_unit(unit, with_optimizer)` in consecutive parts (same tensors and states, same order), for a
+        writer that `takes_states` and `takes_parts`. This default gives the whole unit as one part."""
+        yield self.read_unit(unit, with_optimizer)
 
     def close(self) -> None:
         """Release what the source keeps open (files, descriptors); a source holding nothing open does nothing."""
@@ -273,12 +283,6 @@ def parts_ahead(units: Iterator[Unit], needs: Callable[[Unit], bool],
     yield from pmap_iter(run, items(), lambda item: item[3])
 
 
-def mtp_experts(spec: ModelSpec) -> bool:
-    """Whether the final unit holds routed experts (MTP layers built as an MoE layer) that a reader gives one
-    parameter at a time; a tied head's copy makes the final unit come whole."""
-    return bool(spec.mtp_num_layers) and spec.is_moe_layer(spec.num_layers) and not spec.tie_embeddings
-
-
 class LayerParts(SourceBase):
     """A source whose dense layers reach a Megatron-side writer parameter by parameter: `read_mcore_parts` and
     `mcore_part_tasks` from its `layer_part_tasks(layer)`."""
@@ -291,12 +295,8 @@ class LayerParts(SourceBase):
         raise NotImplementedError
 
     def comes_whole(self, unit: Unit) -> bool:
-        """Whether `unit` reaches the writer as one part: the embedding and final units (a tied head's copy,
-        dropped keys) and an MoE model's units (already one expert each) — except the final unit of an untied
-        model whose MTP layers route over experts, which comes parameter by parameter (memory: one expert)."""
-        if unit == "final" and mtp_experts(self.spec):
-            return False
-        return not isinstance(unit, int) or self.spec.is_moe
+        """`spec.comes_whole` of this source's model."""
+        return comes_whole(self.spec, unit)
 
     def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
         """`read_mcore(unit)` in parts, same tensors, same order: a dense layer's parameters one per part on the

@@ -15,7 +15,7 @@ import psutil
 
 from mconvert.errors import MConvertError
 from mconvert.mappings.plugin import to_hf_shapes
-from mconvert.spec import SPLIT_DIM, ModelSpec
+from mconvert.spec import SPLIT_DIM, LayerPart, ModelSpec, Unit, comes_whole, expert_of
 
 ExpectedOf = Callable[[ModelSpec], Mapping[str, tuple[int, ...]]]
 
@@ -113,16 +113,54 @@ def expected_shard_shapes(spec: ModelSpec, tp: int, vocab_rows: int | None = Non
     return out
 
 
+def held_together(spec: ModelSpec, unit: Unit, param: str) -> Any:
+    """What a conversion holds at once that a tensor of `unit` (part of canonical parameter `param`) belongs to:
+    an MoE layer's dense part or one expert (`LayerPart`), the final unit's one parameter where that unit moves
+    parameter by parameter (`("final", param)`: an MoE MTP layer, `spec.comes_whole`), else the unit."""
+    if isinstance(unit, int) and spec.is_moe:
+        return LayerPart(unit, expert_of(param))
+    if unit == "final" and not comes_whole(spec, unit):
+        return ("final", param)
+    return unit
+
+
+def _describe(part: Any) -> str:
+    if isinstance(part, LayerPart):
+        return f"layer {part.layer}'s " + ("dense part" if part.expert is None else f"expert {part.expert}")
+    if isinstance(part, tuple):
+        return f"{part[1]} of the {part[0]} unit"
+    return f"layer {part}" if isinstance(part, int) else f"the {part}"
+
+
+def memory_needed(sizes: Mapping[Any, int]) -> tuple[Any, int]:
+    """(the largest of what a conversion holds at once, the bytes converting it needs: its shards, the merged
+    tensors and the output buffer, 3 × its bytes); `sizes`: bytes by `held_together` part."""
+    part, size = max(sizes.items(), key=lambda kv: kv[1])
+    return part, 3 * size
+
+
+def held_by_writer(sizes: Mapping[Any, int], splits_experts: bool, takes_parts: bool) -> dict[Any, int]:
+    """`sizes` (by `held_together` part) regrouped by what a writer is fed at once: an MoE layer whole where it
+    takes no expert apart (`Writer.splits_experts`), the final unit whole where it takes no unit in parts."""
+    out: dict[Any, int] = {}
+    for part, n in sizes.items():
+        if isinstance(part, LayerPart) and not splits_experts:
+            part = part.layer
+        elif isinstance(part, tuple) and not takes_parts:
+            part = part[0]
+        out[part] = out.get(part, 0) + n
+    return out
+
+
 def check_memory(unit_sizes: Mapping[Any, int], source: str, available: int | None = None) -> None:
-    """The largest unit (its shards, the merged tensors and the output buffer: 3 × its bytes) must fit in the
-    memory available; `unit_sizes`: bytes of every unit, from the tensor shapes."""
+    """The largest of what a conversion holds at once (`memory_needed`) must fit in the memory available;
+    `unit_sizes`: bytes of every unit or part (`held_together`), from the tensor shapes."""
     if not unit_sizes:
         return
     if available is None:
         available = psutil.virtual_memory().available
-    unit, size = max(unit_sizes.items(), key=lambda kv: kv[1])
-    if 3 * size > available:
-        what = f"layer {unit}" if isinstance(unit, int) else f"the {unit}" if isinstance(unit, str) else str(unit)
-        raise MConvertError(f"{source}: converting {what} needs about {3 * size / 2**30:.1f} GiB (3 × its "
-                            f"{size / 2**30:.1f} GiB of weights) but {available / 2**30:.1f} GiB is available; "
+    part, need = memory_needed(unit_sizes)
+    if need > available:
+        raise MConvertError(f"{source}: converting {_describe(part)} needs about {need / 2**30:.1f} GiB (3 × its "
+                            f"{need / 3 / 2**30:.1f} GiB of weights) but {available / 2**30:.1f} GiB is available; "
                             "free memory or convert on a larger machine")

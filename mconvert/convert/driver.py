@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from mconvert.convert import bounds
 from mconvert.convert.base import END, SKIP, SourceBase, Unit, parts_ahead
 from mconvert.convert.progress import unit_progress
 from mconvert.convert.scaleout import claim_files, shared_atomic_output_dir, world
@@ -49,6 +50,9 @@ def drive(src: SourceBase, writer: Writer, what: str = "", progress: bool = Fals
                             "run it without torchrun")
     with _aborting(writer):  # MoE layers one expert at a time where both sides can (memory: one expert)
         start_crc_checks()  # every reader has claimed the input records it checks on the bytes it reads
+        if src.held_sizes:  # the source's memory pre-check, for what this writer is fed at once
+            bounds.check_memory(bounds.held_by_writer(src.held_sizes, writer.splits_experts,
+                                                      writer.feeds != "units"), src.held_source)
         units = writer.unit_order(list(src.units(writer.splits_experts)))
         feeds = writer.feeds
         chained = _chained_reads(src, writer) if feeds == "parts" else None
@@ -68,7 +72,11 @@ def drive(src: SourceBase, writer: Writer, what: str = "", progress: bool = Fals
             if not writer.needs(unit):  # another torchrun rank writes what it feeds
                 writer.skip(unit)
                 continue
-            if feeds == "states":
+            if feeds == "states" and writer.takes_parts:  # each part's states with it, as `read_unit_parts` gives
+                for tensors, states in src.read_unit_parts(unit, True):
+                    writer.add(unit, tensors, states, complete=False)
+                writer.add(unit, {}, {}, complete=True)
+            elif feeds == "states":
                 tensors, states = src.read_unit(unit, True)
                 writer.add(unit, tensors, states)
             elif feeds == "parts" and writer.reads == "hf":

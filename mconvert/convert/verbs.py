@@ -425,6 +425,11 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
                             "pass --tokenizer DIR")
     tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
     prepared = gguf.prepare(src.spec, outtype, accept_window_as_full)  # every refusal before any tensor is read
+    if src.held_sizes:  # the GGUF writer is fed whole units: an MoE layer with its experts, the final unit
+        from mconvert.convert import bounds
+
+        bounds.check_memory(bounds.held_by_writer(src.held_sizes, gguf.GgufWriter.splits_experts,
+                                                  gguf.GgufWriter.takes_parts), src.held_source)
     spec, warnings = prepared.spec, list(prepared.notes)
     extras = dict(arch=prepared.layout.arch, outtype=outtype, tokenizer=str(tok_dir),
                   permuted_qk=prepared.layout.permute_qk and permute)

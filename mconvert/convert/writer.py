@@ -41,8 +41,9 @@ class Writer:
     # mcore-side one `add(unit, part, complete=False)` per part of `Source.read_mcore_parts`, then
     # `add(unit, {}, complete=True)`
     takes_parts: bool = False
-    # `add(unit, tensors, states)`: each parameter's optimizer states come with it (`Source.read_unit`); wins
-    # over `takes_parts` (states come with whole units)
+    # `add(unit, tensors, states)`: each parameter's optimizer states come with it (`Source.read_unit`); with
+    # `takes_parts` too, a unit's parts come with their states (`Source.read_unit_parts`, `complete=False`, then
+    # `add(unit, {}, {}, complete=True)`)
     takes_states: bool = False
     # an MoE layer may come as its dense part and one unit per expert (`base.LayerPart`), when the source can
     # read it so too: memory is one expert, not one layer of experts
@@ -53,7 +54,8 @@ class Writer:
 
     @property
     def feeds(self) -> Feeds:
-        """What `add` takes: a unit's optimizer states with its tensors, a unit in parts, or whole units."""
+        """What `add` takes: a unit's optimizer states with its tensors (in parts when it `takes_parts`), a unit
+        in parts, or whole units."""
         return "states" if self.takes_states else "parts" if self.takes_parts else "units"
 
     def unit_order(self, units: list[Unit]) -> list[Unit]:

@@ -24,7 +24,7 @@ from mconvert.layouts.megatron import RANK_FILE, PipelineSplit, parse_pipeline_l
 from rich.table import Table
 
 from mconvert.errors import MConvertError, expect
-from mconvert.spec import ModelSpec, ParamDecl, name_template
+from mconvert.spec import ModelSpec, ParamDecl, comes_whole, name_template
 
 ITEMSIZE = {name: dtypes.lookup(name).itemsize for name in dtypes.PARAM_DTYPES}
 DTYPE_ALIASES = {**{dtypes.lookup(name).aliases[0]: name for name in dtypes.PARAM_DTYPES}, "auto": None}
@@ -140,7 +140,8 @@ def _shard_numel(decl: ParamDecl, tp: int) -> int:
 
 def unit_bytes(spec: ModelSpec, tp: int, itemsize: int) -> dict[str, int]:
     """Bytes of every kind of unit summed over all TP shards (replicated params count once per rank): the
-    embedding, a layer, the final unit; an MoE layer moves as its dense part and one unit per expert."""
+    embedding, a layer, the final unit; an MoE layer moves as its dense part and one unit per expert, a final
+    unit with an MoE MTP layer one parameter at a time."""
 
     def total(decls: list[ParamDecl]) -> int:
         return sum(_shard_numel(d, tp) * tp for d in decls) * itemsize
@@ -149,7 +150,10 @@ def unit_bytes(spec: ModelSpec, tp: int, itemsize: int) -> dict[str, int]:
         layer = {"dense part": total(spec.layer_params(0, experts=False)), "expert": total(spec.expert_params(0, 0))}
     else:
         layer = {"layer": total(spec.layer_params(0))}
-    return {"embedding": total(spec.embedding_params(tp)), **layer, "final": total(spec.final_params(tp))}
+    final = spec.final_params(tp)
+    # a final unit with an MoE MTP layer moves one parameter at a time (`spec.comes_whole`): its largest one
+    held = max(total([d]) for d in final) if not comes_whole(spec, "final") else total(final)
+    return {"embedding": total(spec.embedding_params(tp)), **layer, "final": held}
 
 
 def megatron_files(spec: ModelSpec, tp: int, pp: int, itemsize: int, counts: list[int], ep: int = 1,

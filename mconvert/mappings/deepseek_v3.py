@@ -319,22 +319,20 @@ GGUF_LITE_LAYERS = (26, 27)
 
 
 def gguf_refuse(spec: ModelSpec) -> None:
-    """What llama.cpp's deepseek2 cannot load or compute: q LoRA against its layer-count rule, rope scaling (it
-    scales attention by its own YaRN rule, not proven here)."""
+    """What llama.cpp's deepseek2 cannot load: q LoRA against its layer-count rule. (Its YaRN, which scales the
+    softmax by its own rule, is stated by `gguf.yarn_keys` and refused there where no key reaches it.)"""
     lite = spec.num_layers in GGUF_LITE_LAYERS
     if (spec.q_lora_rank is None) != lite:
         raise MConvertError(f"this deepseek_v3-family model has {spec.num_layers} layers and q_lora_rank="
                             f"{spec.q_lora_rank}; llama.cpp's deepseek2 takes a model of 26 or 27 layers to be "
                             "without q LoRA (DeepSeek-V2-Lite) and any other to be with it, so it cannot load this "
                             "GGUF; conversion refused")
-    if spec.rope_scaling is not None:
-        raise MConvertError(f"rope scaling {spec.rope_scaling!r} of a deepseek_v3-family model has no GGUF form here "
-                            "(llama.cpp's deepseek2 applies its own YaRN attention scaling); conversion refused")
 
 
 # llama.cpp's DEEPSEEK2 architecture (convert_hf_to_gguf.py's DeepseekV2Model): MLA's projections under their own
 # names, kv_b_proj split into attn_k_b (transposed per head) and attn_v_b, q/k rows as HF's (rope_interleave:
-# llama.cpp's deepseek2 ropes the de-interleaved pairs as HF does); MTP layers are skipped (`skip_mtp`)
+# llama.cpp's deepseek2 ropes the de-interleaved pairs as HF does), YaRN's softmax factor through
+# `rope.scaling.yarn_log_multiplier`; MTP layers are skipped (`skip_mtp`)
 GGUF = GgufLayout(
     arch="deepseek2",
     tensors={
@@ -351,6 +349,7 @@ GGUF = GgufLayout(
     pieces={HA + "kv_b_proj.weight": (("blk.*.attn_k_b.weight", lambda spec, x: _kv_b(spec, x)[0]),
                                       ("blk.*.attn_v_b.weight", lambda spec, x: _kv_b(spec, x)[1]))},
     mtp_blocks=False,
+    yarn_log_mul=True,
 )
 
 

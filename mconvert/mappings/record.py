@@ -174,6 +174,9 @@ class GgufLayout:
     # special-token type (gguf-py's SpecialVocab: bos, eot, eom, ...) -> the token text llama.cpp's converter
     # sets it to for this architecture, applied when the vocabulary holds that token
     special_tokens: dict[str, str] = field(default_factory=dict)
+    # the architecture reads `rope.scaling.yarn_log_multiplier` and scales YaRN's attention as MLA does: the
+    # softmax by its own factor, apart from cos and sin (llama.cpp's deepseek2; `gguf.yarn_keys`)
+    yarn_log_mul: bool = False
 
 
 EXPERT_FF_KEY = "expert_feed_forward_length"

@@ -644,16 +644,18 @@ def diagnose_weights(d: Path, ckpt: Path) -> str | None:
             for f in sorted(d.glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as h:
                     keys.update({k: f for k in h.keys()})
-            for unit in src.units():
-                want = src.read_hf(unit)
-                for name, w in want.items():
-                    if name not in keys:
-                        continue
-                    with safe_open(str(keys[name]), framework="pt") as h:
-                        got = h.get_tensor(name)
-                    verdict = classify_difference(name, got, w, want)
-                    if verdict:
-                        return verdict
+            # one expert, one parameter of a streamed unit at a time (an MoE MTP layer's experts): never a layer
+            # of experts; a parameter's siblings (gate/up, q/k/v) come in its part
+            for unit in src.units(split_experts=True):
+                for want in src.read_hf_parts(unit):
+                    for name, w in want.items():
+                        if name not in keys:
+                            continue
+                        with safe_open(str(keys[name]), framework="pt") as h:
+                            got = h.get_tensor(name)
+                        verdict = classify_difference(name, got, w, want)
+                        if verdict:
+                            return verdict
     except Exception as e:  # diagnosis is best effort; the logits verdict stands either way
         return f"(weight diagnosis unavailable: {str(e)[:120]})"
     return None

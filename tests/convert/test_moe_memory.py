@@ -13,11 +13,8 @@ same. The HF writer's own accounting (the largest part handed to it) is one expe
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ from mconvert.convert.verbs import reshard
 from mconvert.io.hashing import HashingFile
 from mconvert.convert.megatron.writer import megatron_writer
 from mconvert.mappings.families import preset
+from memory_probe import peak_over_baseline
 from safety_common import add_adam_states
 
 pytestmark = pytest.mark.slow
@@ -36,13 +34,7 @@ EXPERT_FC1_BYTES = 2 * H * F * 4  # w1 and w3, one Megatron parameter (linear_fc
 SLACK = 32 << 20  # interpreter, allocator and page-cache noise between two runs of one verb
 TORCH_DIST_QUEUE = inspect.signature(HashingFile).parameters["max_pending"].default
 
-PROBE = r"""
-import json, sys, psutil
-from pathlib import Path
-from mconvert.convert import driver, verbs
-from mconvert.io import tuning
-tuning.apply()  # as the mconvert command does before a conversion (heap threshold, threads, gc)
-mg, warm, out = sys.argv[1:4]
+VERBS = r"""
 VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes hf-to-megatron's source
     "megatron-to-hf": ("{mg}", lambda s, o, **kw: verbs.megatron_to_hf(s, o, max_shard_size="8MB", **kw)),
     "hf-to-megatron": ("{out}/megatron-to-hf", lambda s, o, **kw: verbs.hf_to_megatron(s, o, tp=2, ep=2, **kw)),
@@ -56,20 +48,6 @@ VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes hf-
     "reshard torch -> torch_dist": ("{mg}", lambda s, o, **kw: verbs.reshard(s, o, tp=2, pp=1, ep=1,
                                                                              format="torch_dist", **kw)),
 }
-Path(out, "warm").mkdir()
-for verb, (src, call) in VERBS.items():  # first on a 4-expert model: lazy imports, thread pools, arenas
-    call(src.format(mg=warm, out=out + "/warm"), f"{out}/warm/{verb}")
-got = {}
-for verb, (src, call) in VERBS.items():
-    src = src.format(mg=mg, out=out)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
-    base = psutil.Process().memory_info().rss
-    rep = call(src, f"{out}/{verb}")
-    peak = driver.peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak across fork+exec
-    plan = call(src, f"{out}/{verb}.plan", dry_run=True)  # the writer's buffers as the plan states them
-    got[verb] = {"delta": peak - base, "buffer": rep.get("hf_buffer_peak_bytes"),
-                 "writer_buffer": plan["writer_buffer_bytes"]}
-print(json.dumps(got))
 """
 
 
@@ -101,14 +79,6 @@ def _with_torch_dist(root: Path) -> None:
     reshard(root, root.with_name(root.name + ".dist"), tp=1, pp=1, ep=1, format="torch_dist")
 
 
-def _probe(mg: Path, warm: Path, out: Path) -> dict:
-    out.mkdir()
-    r = subprocess.run([sys.executable, "-c", PROBE, str(mg), str(warm), str(out)], capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.timeout(900)
 def test_peak_memory_is_one_expert_whatever_the_number_of_experts(tmp_path: Path) -> None:
     spec32 = _spec(32)
@@ -124,7 +94,7 @@ def test_peak_memory_is_one_expert_whatever_the_number_of_experts(tmp_path: Path
         mg = _ckpt(tmp_path / f"mg{experts}", experts)
         _with_adam_states(mg)
         _with_torch_dist(mg)
-        got = _probe(mg, warm, tmp_path / f"out{experts}")
+        got = peak_over_baseline(VERBS, mg, warm, tmp_path / f"out{experts}")
         # the driver's own accounting: the most the HF writer held at once was one parameter of one expert (its
         # fused w1/w3, the largest), handed over as read from a torch rank file or a torch_dist box, not a layer
         assert got["megatron-to-hf"]["buffer"] == EXPERT_FC1_BYTES, (got["megatron-to-hf"], EXPERT_FC1_BYTES)

@@ -121,6 +121,7 @@ def gguf_layout(spec: ModelSpec) -> GgufLayout:
         raise MConvertError(f"rope scaling {spec.rope_scaling!r} has no GGUF form here; conversion refused")
     if spec.rope_scaling == "yarn":
         refuse_yarn(spec, layout.arch)
+        yarn_keys(spec, layout)  # refuses a YaRN whose attention scaling the architecture cannot state
     layout.refuse(spec)
     if spec.rope_scaling == "llama3" and not layout.rope_freqs:
         raise MConvertError(f"rope scaling llama3 has no GGUF form for llama.cpp's {layout.arch} architecture; "
@@ -142,18 +143,49 @@ def refuse_yarn(spec: ModelSpec, arch: str) -> None:
                             "range; conversion refused")
 
 
-def yarn_keys(spec: ModelSpec) -> dict[str, float | int]:
+def yarn_keys(spec: ModelSpec, layout: GgufLayout) -> dict[str, float | int]:
     """The YaRN metadata (key suffix after `{arch}.rope.scaling.` -> value). llama.cpp multiplies cos and sin by
     0.1·ln(factor)+1 times `attn_factor` (llama-context.cpp overwrites the `yarn_attn_factor` key for YaRN), so
-    the model's own factor is stated as its ratio to that default, and only when it differs."""
-    out: dict[str, float | int] = {"factor": float(spec.rope_scaling_factor),
+    the model's own factor is stated as its ratio to that default, and only when it differs.
+
+    An architecture that reads `yarn_log_multiplier` (`GgufLayout.yarn_log_mul`: llama.cpp's deepseek2, whose
+    MLA scales the softmax apart from cos and sin) computes otherwise when that key is non-zero: cos and sin
+    times `attn_factor` A alone, and the softmax times (A·(1 + 0.1·L·ln factor))², L the key over 0.1 (its
+    converter writes 0.1·mscale_all_dim and its loader divides the 0.1 back out). The model's cos/sin factor P
+    and softmax factor R² (R = get_mscale(factor, mscale_all_dim), megatron-core's MLA and transformers'
+    DeepseekV3 alike) are reached by A = P and L = (R/P - 1) / (0.1·ln factor), computed as mscale_all_dim +
+    10·R·(1 - P) / (P·ln factor) so that P = 1 (mscale = mscale_all_dim, DeepSeek-V3's YaRN) gives
+    mscale_all_dim itself, the converter's value. An L that is 0 in float32 (P = R) takes the first rule."""
+    factor = float(spec.rope_scaling_factor)
+    out: dict[str, float | int] = {"factor": factor,
                                    "original_context_length": int(spec.rope_original_max_position_embeddings),
                                    "yarn_beta_fast": float(spec.yarn_beta_fast),
                                    "yarn_beta_slow": float(spec.yarn_beta_slow)}
-    ratio = spec.yarn_attention_factor / yarn_get_mscale(spec.rope_scaling_factor)
+    p = spec.yarn_attention_factor
+    if layout.yarn_log_mul and factor > 1:  # a factor <= 1 scales nothing: P = R = 1, the first rule
+        r, ln = yarn_get_mscale(factor, spec.yarn_mscale_all_dim), math.log(factor)
+        log_mul = 0.1 * (spec.yarn_mscale_all_dim + 10 * r * (1 - p) / (p * ln)) if p else math.inf
+        if not (math.isfinite(_f32(log_mul)) and _f32(p)):
+            raise MConvertError(
+                f"YaRN with mscale={spec.yarn_mscale!r}, mscale_all_dim={spec.yarn_mscale_all_dim!r} and factor "
+                f"{factor:g} has no GGUF form: it multiplies cos and sin by {p:.6g} and the softmax by {r * r:.6g}, "
+                f"and llama.cpp's {layout.arch} multiplies the softmax by the square of its cos/sin factor times "
+                "(1 + yarn_log_multiplier·ln factor), which no float32 key reaches here; conversion refused")
+        if _f32(log_mul):
+            out["yarn_log_multiplier"] = log_mul
+            if p != 1.0:
+                out["attn_factor"] = p
+            return out
+    ratio = p / yarn_get_mscale(factor)
     if ratio != 1.0:
         out["attn_factor"] = ratio
     return out
+
+
+def _f32(x: float) -> float:
+    """x as the float32 llama.cpp reads a key into (inf beyond its range, 0 below it)."""
+    with np.errstate(over="ignore"):  # IEEE round to nearest, as a float32 key is stored
+        return float(np.float32(x))
 
 
 def hf_template(hf_name: str) -> tuple[str, list[int]]:
@@ -649,13 +681,15 @@ class GgufWriter(Writer):
             w.add_rope_scaling_factor(float(s.rope_scaling_factor))
         if s.rope_scaling == "yarn":
             w.add_rope_scaling_type(g.RopeScalingType.YARN)
-            keys = yarn_keys(s)
+            keys = yarn_keys(s, self.layout)
             w.add_rope_scaling_factor(keys["factor"])
             w.add_rope_scaling_orig_ctx_len(int(keys["original_context_length"]))
             w.add_rope_scaling_yarn_beta_fast(keys["yarn_beta_fast"])
             w.add_rope_scaling_yarn_beta_slow(keys["yarn_beta_slow"])
             if "attn_factor" in keys:
                 w.add_rope_scaling_attn_factors(keys["attn_factor"])
+            if "yarn_log_multiplier" in keys:
+                w.add_rope_scaling_yarn_log_mul(keys["yarn_log_multiplier"])
         w.add_file_type(outtype_types(self.outtype)[1])
         w.add_quantization_version(g.GGML_QUANT_VERSION)
         w.add_tokenizer_model(vocab.model)

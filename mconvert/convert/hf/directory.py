@@ -19,7 +19,7 @@ from mconvert.errors import MConvertError, expect
 from mconvert.io.paths import contained, inside_file, load_json_object
 from mconvert.mappings import families
 from mconvert.mappings.fields import key_names
-from mconvert.mappings.plugin import check_hf_present, hf_names, hf_unit
+from mconvert.mappings.plugin import check_hf_present, hf_keys_for, hf_names, hf_unit
 from mconvert.spec import LayerPart
 
 INDEX = "model.safetensors.index.json"
@@ -122,14 +122,33 @@ class HFDirectory(SourceBase):
                     shapes[k] = tuple(m.shape)
         bounds.check_shapes(self.spec, bounds.expected_hf_shapes, shapes, source, names)
         self.part_keys = self._part_keys(source)
-        sizes: dict[Unit, int] = {}
+        sizes: dict[Any, int] = {}
         by_unit = {u: ks for u, ks in self.unit_keys.items() if not (isinstance(u, int) and self.spec.is_moe)}
         for unit, keys in {**by_unit, **self.part_keys}.items():  # an MoE layer moves one expert at a time
-            for k in keys:
-                m = self._meta(k)
-                if m is not None:
-                    sizes[unit] = sizes.get(unit, 0) + math.prod(m.shape) * m.dtype.itemsize
+            for part, ks in self._held_keys(unit, keys).items():
+                for k in ks:
+                    m = self._meta(k)
+                    if m is not None:
+                        sizes[part] = sizes.get(part, 0) + math.prod(m.shape) * m.dtype.itemsize
+        self.held_sizes, self.held_source = sizes, source
         bounds.check_memory(sizes, source)
+
+    def _held_keys(self, unit: Unit, keys: list[str]) -> dict[Any, list[str]]:
+        """A unit's HF keys by what a conversion holds at once (`bounds.held_together`): a final unit that moves
+        parameter by parameter as each parameter's HF tensors (an MTP layer's copy of the head with the head);
+        a key no parameter reads, alone."""
+        whole = bounds.held_together(self.spec, unit, "")
+        if whole == unit:
+            return {unit: keys}
+        out: dict[Any, list[str]] = {}
+        left = dict.fromkeys(keys)
+        for d in self.spec.unit_params(unit):
+            mine = [k for k in hf_keys_for(self.spec, d.name) if k in left]
+            for k in mine:
+                del left[k]
+            out[bounds.held_together(self.spec, unit, d.name)] = mine
+        out.update({(unit, k): [k] for k in left})
+        return out
 
     def _part_keys(self, source: str) -> dict[Unit, list[str]]:
         """An MoE layer's keys by `LayerPart` (its dense part, each expert), in the layer's key order; {} for a

@@ -176,12 +176,11 @@ class MegatronSource(LayerParts):
         rows = padded if isinstance(padded, int) and padded >= self.spec.vocab_size else None
         bounds.check_shapes(self.spec, lambda s: bounds.expected_shard_shapes(s, self.tp, rows), self.shapes, source,
                             names)
-        sizes: dict[Unit, int] = {}
-        for name, shape in self.shapes.items():
-            u = unit_of(name)
-            if isinstance(u, int) and self.spec.is_moe:  # an MoE layer moves one expert at a time
-                u = LayerPart(u, expert_of(name))
+        sizes: dict[Any, int] = {}
+        for name, shape in self.shapes.items():  # an MoE layer moves one expert at a time, an MoE MTP layer one
+            u = bounds.held_together(self.spec, unit_of(name), name)  # parameter at a time
             sizes[u] = sizes.get(u, 0) + math.prod(shape) * self.__dict__["_dtypes"][name].itemsize * self.tp
+        self.held_sizes, self.held_source = sizes, source
         bounds.check_memory(sizes, source)
 
     # ---- discovery ------------------------------------------------------------------------------------
@@ -727,6 +726,16 @@ class MegatronSource(LayerParts):
     def layer_part_tasks(self, unit: Unit) -> PartTasks:
         """`base.LayerParts`: a dense layer's parameters, each read (merged over TP) alone."""
         return self._unit_names(unit), lambda n: self.read_unit(unit, only={n})[0], param_elements(self.spec, unit)
+
+    def read_unit_parts(self, unit: Unit, with_optimizer: bool = False
+                        ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, dict]]]:
+        """`read_unit(unit, with_optimizer)` one parameter (with its Adam states) at a time where the unit does not
+        `comes_whole` (a dense layer; the final unit of an MoE model with an MoE MTP layer: memory one expert)."""
+        if self.comes_whole(unit):
+            yield self.read_unit(unit, with_optimizer)
+            return
+        for name in self._unit_names(unit):
+            yield self.read_unit(unit, with_optimizer, only={name})
 
     def preview(self, unit: Unit) -> dict[str, torch.Tensor]:
         """What `read_mcore(unit)` returns, as meta tensors (names in its order, full shapes, dtypes): from the

@@ -42,7 +42,7 @@ from mconvert.errors import MConvertError, expect, renamed
 from mconvert.mappings.keys import canonical_key, unit_of
 from mconvert.mappings.plugin import check_complete, hf_keys_for, hf_order, to_hf_one
 from mconvert.mappings.transforms import merge
-from mconvert.spec import LayerPart, expert_of, layer_of_unit, with_expert
+from mconvert.spec import LayerPart, comes_whole, expert_of, is_buffer, layer_of_unit, with_expert
 
 STACKED_PREFIX = "decoder.layers."
 MTP_PREFIX = "mtp.layers."
@@ -165,6 +165,9 @@ class TorchDistSource(SourceBase):
 
     format = "megatron-torch_dist"
     splits_experts = True  # an MoE layer is read as its dense part and one unit per expert (memory: one expert)
+    # a unit that does not `spec.comes_whole` (a dense layer; the final unit of an MoE model with an MoE MTP
+    # layer) is read one parameter at a time, each its own box
+    gives_mcore_parts = True
 
     def __init__(self, path: Path, iteration: int | str | None = None, tokenizer: str | Path | None = None,
                  verify: bool = True) -> None:
@@ -399,7 +402,7 @@ class TorchDistSource(SourceBase):
             self._index_dp_optimizer(where)
             return
         self.optimizer_layout = kind
-        missing = [n for n in self.keys if n not in self.state_keys]
+        missing = [n for n in self.keys if n not in self.state_keys and not is_buffer(n)]  # a buffer: no state
         if missing:
             raise MConvertError(f"{self.iter_dir / '.metadata'}: no optimizer state for {missing[0]!r}; the "
                                 "checkpoint is incomplete — drop --with-optimizer")
@@ -494,15 +497,18 @@ class TorchDistSource(SourceBase):
         self._trainer_groups = groups
         return groups
 
-    def read_unit(self, unit: Unit, with_optimizer: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    def read_unit(self, unit: Unit, with_optimizer: bool = False, only: list[str] | None = None
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
         """`read_mcore(unit)` and, when asked, each parameter's optimizer states as full tensors (the
         `fully_reshardable` states: `param`, `exp_avg`, `exp_avg_sq`; after `trainer_optimizer()` the
-        trainer's Adam states)."""
-        tensors = self.read_mcore(unit)
+        trainer's Adam states; a buffer, the router's expert bias, has none); `only`: just these parameters."""
+        tensors = self._read_names(self._unit_names(unit) if only is None else only)
         if not with_optimizer:
             return tensors, {}
         states: dict[str, dict] = {}
         for name in tensors:
+            if is_buffer(name):  # moves outside the optimizer: megatron-core saves no state for it
+                continue
             tpl, lead = self._place(name)
             if self.optimizer_layout == DP_RESHARDABLE:
                 out = self._read_dp_states(name)
@@ -683,8 +689,28 @@ class TorchDistSource(SourceBase):
         """Full tensors of one unit under canonical global names, in ModelSpec's declared order; vocab rows as
         stored (padded). A routed expert is read as its own box of the stacked experts, never the layer's
         whole expert stack; a `LayerPart` reads only its dense part's or its expert's boxes."""
-        out: dict[str, torch.Tensor] = {}
+        return self._read_names(self._unit_names(unit))
+
+    def read_mcore_parts(self, unit: Unit) -> Iterator[dict[str, torch.Tensor]]:
+        """`read_mcore(unit)` in parts, same tensors, same order: one parameter per part where the unit does not
+        `spec.comes_whole` (what is written is freed before the next is read), else the unit."""
+        for tensors, _ in self.read_unit_parts(unit):
+            yield tensors
+
+    def read_unit_parts(self, unit: Unit, with_optimizer: bool = False
+                        ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, dict]]]:
+        """`read_unit(unit, with_optimizer)` one parameter (with its states) at a time where the unit does not
+        `spec.comes_whole`, else the unit in one part."""
+        if comes_whole(self.spec, unit):
+            yield self.read_unit(unit, with_optimizer)
+            return
         for name in self._unit_names(unit):
+            yield self.read_unit(unit, with_optimizer, only=[name])
+
+    def _read_names(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """These parameters' full tensors, in order, each read as its own box."""
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
             tpl, lead = self._place(name)
             out[name] = self._read_one(self.keys[tpl][0], tpl, lead)
         return out

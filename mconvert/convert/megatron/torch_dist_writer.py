@@ -234,6 +234,9 @@ class TorchDistWriter(Writer):
     # an MoE layer may arrive as its dense part and one unit per expert: the chunks stream as they come, and
     # only the layer's extra-state keys wait for its last part (same file bytes as the whole layer)
     splits_experts = True
+    # a unit may arrive in parts (`add(unit, part, states, complete=False)`, then `complete=True`): a dense
+    # layer, the final unit of an MoE model with an MoE MTP layer parameter by parameter; the same file bytes
+    takes_parts = True
 
     def __init__(self, out: Path, spec: ModelSpec, tp: int, pp: int, vpp: int | None = None,
                  iteration: int | str = "release", args: Any = None, top_level: dict[str, Any] | None = None,
@@ -284,6 +287,8 @@ class TorchDistWriter(Writer):
         self._parts: dict[int, list[Unit]] = {}  # MoE layer -> its parts still to come, once one has arrived
         # (module key, stacked indices) of a layer's linears, in arrival order, until the layer is complete
         self._modules: dict[int, dict[tuple[str, tuple[int, ...]], None]] = {}
+        # units begun with `add(..., complete=False)`: their layer (None: embedding, final) and modules so far
+        self._open: dict[Unit, tuple[int | None, dict[tuple[str, tuple[int, ...]], None]]] = {}
         self.files: list[Path] = []
         self.optimizer_layout = optimizer_layout
         # dp_reshardable: canonical name -> its slots [(dp_group_idx, gbuf, bucket, tp_rank, Slot)], the buckets
@@ -471,12 +476,19 @@ class TorchDistWriter(Writer):
                 self._md[key] = BytesStorageMetadata()
                 self._append(_blob([self.rng_state(t, p)]), MetadataIndex(key))  # type: ignore[misc]
 
-    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None) -> None:
+    def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None,
+            complete: bool = True) -> None:
         """Append one unit's full tensors (canonical global names) to the data file, and with `states` each
         parameter's distributed-optimizer states ({name: {'param', 'exp_avg', 'exp_avg_sq'}}, full shapes)
-        in megatron-core's `fully_reshardable` layout."""
-        layer = self._arrive(unit)
-        modules = self._modules.setdefault(layer, {}) if layer is not None else {}
+        in megatron-core's `fully_reshardable` layout. `complete=False`: more of the unit follows; its linears'
+        extra states are written once it is complete."""
+        if unit in self._open:
+            layer, modules = self._open[unit]
+        else:
+            layer = self._arrive(unit)
+            modules = self._modules.setdefault(layer, {}) if layer is not None else {}
+            if not complete:
+                self._open[unit] = (layer, modules)
         for name, full in tensors.items():
             if unit_of(name) != (unit if layer is None else layer) or \
                     isinstance(unit, LayerPart) and expert_of(name) != unit.expert:
@@ -502,6 +514,9 @@ class TorchDistWriter(Writer):
             if (EXTRA_STATE_MODULE if layer is not None else MTP_EXTRA_STATE_MODULE).fullmatch(module):
                 key, lead = dist_place(name, self.per_layer, self.mla)
                 modules[(key.rsplit(".", 1)[0], lead)] = None
+        if not complete:
+            return
+        self._open.pop(unit, None)
         if layer is None or layer not in self._parts:  # the unit or layer is complete: its modules' extra states
             for key, lead in (self._modules.pop(layer) if layer is not None else modules):
                 self._add_extra_state(key, lead)
@@ -528,8 +543,8 @@ class TorchDistWriter(Writer):
 
     def close(self) -> list[Path]:
         """Finish the data file, write `.metadata`, `common.pt`, `metadata.json` and the tracker file."""
-        if self._pending:
-            raise MConvertError(f"internal: units {self._pending[:3]} never arrived")
+        if self._pending or self._open:
+            raise MConvertError(f"internal: units {(self._pending or list(self._open))[:3]} never arrived whole")
         if self.rng_state is not None:
             self._add_rng_state()
         opt = self._optimizer_entry()

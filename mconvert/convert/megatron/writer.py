@@ -178,19 +178,15 @@ class MegatronWriter(Writer):
         """Pass `unit` by unread (`needs` is False): another rank writes its stage."""
         self._received[self._where(unit)[0]].update(self._parts(unit))
 
-    @property
-    def takes_parts(self) -> bool:
-        """Whether `add` may take a layer in parts (`complete=False`, then `complete=True` after the last): when
-        the stage's rank files stream from the preview, each part's shards go out as they come."""
-        return self.preview is not None
+    # `add` takes a unit in parts (`complete=False`, then `complete=True` after the last): streamed from the
+    # preview, each part's shards go out as they come; else they are spooled as they come (Adam states with them)
+    takes_parts = True
 
     def add(self, unit: Unit, tensors: dict[str, torch.Tensor], states: dict[str, dict] | None = None,
             complete: bool = True) -> None:
         """Take one unit's full tensors (canonical global names) and, optionally, their full Adam states.
         `complete=False` (`takes_parts`): more of the unit's tensors follow in later calls."""
         p, c, local = self._where(unit)
-        if not complete and self.preview is None:
-            raise MConvertError(f"internal: unit {unit!r} given in parts to a writer that takes it whole")
         if complete and unit in self._in_parts:  # the end of a unit given in parts: its tensors all came
             self._in_parts.discard(unit)
             if tensors or states:

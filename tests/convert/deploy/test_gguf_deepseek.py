@@ -11,11 +11,17 @@ the expert bias written as zeros fail the comparison. The tiny presets' MLA size
 are DeepSeek-V3's; llama.cpp 0.3.36's CPU path runs them as they are. Its deepseek2 reads a 26- or 27-layer model
 as without q LoRA (DeepSeek-V2-Lite) and any other as with it: the case without q LoRA has 27 layers, and a
 model against that rule is refused by name (written anyway, llama.cpp cannot load it).
+
+DeepSeek-V3's YaRN (tiny-deepseek-v3-yarn: factor 4 over 32 original positions, 64 positions run): llama.cpp's
+logits match transformers' for DeepSeek-V3's mscale pair (`yarn_log_multiplier` alone), for mscale 0.5 and for no
+pair (`attn_factor` too); each key dropped fails (the controls); the betas llama.cpp does not read (Kimi K2's) and
+a cos/sin factor of 0 are refused in one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import gguf
 import numpy as np
@@ -176,3 +182,116 @@ def test_deepseek_gguf_controls_fail_the_comparison(llama_cpp, monkeypatch, cont
     rep = validate(hf, [bad], device="cpu", n_tokens=32)
     print(f"[figures] control {control}: {_rel(rep.results[0]):.1e}")
     assert not rep.passed and any(f.startswith("max abs") for f in rep.results[0].failures), rep.results[0].metrics
+
+
+# ---- YaRN (DeepSeek-V3's rope) --------------------------------------------------------------------------
+YARN_TOKENS = 64  # twice tiny-deepseek-v3-yarn's original_max_position_embeddings (32): YaRN's stretch matters
+# variant -> the rope_scaling keys changed in the export's config.json (None drops one; the weights stay the same):
+# DeepSeek-V3's own pair (mscale = mscale_all_dim: `yarn_log_multiplier` alone), a cos/sin factor other than 1
+# (mscale 0.5: `attn_factor` too, and a log multiplier other than 0.1·mscale_all_dim), and no pair (transformers
+# then scales cos/sin by get_mscale(factor) and leaves the softmax: a negative log multiplier)
+YARN_VARIANTS = {"v3": {}, "mscale-0.5": {"mscale": 0.5}, "no-mscale-pair": {"mscale": None, "mscale_all_dim": None}}
+
+
+def _yarn_ckpt():
+    return moved_off_init_ckpt("tiny-deepseek-v3-yarn")
+
+
+def _yarn_hf(variant: str):
+    """The megatron-to-hf export of tiny-deepseek-v3-yarn (every weight off its init), its rope_scaling changed
+    as YARN_VARIANTS says."""
+    import json
+    import shutil
+
+    from mconvert.convert.verbs import megatron_to_hf
+
+    base = G / "hf-yarn-v3"
+    if not (base / "config.json").is_file():
+        megatron_to_hf(_yarn_ckpt(), base, tokenizer=glm_tokenizer())
+    if not YARN_VARIANTS[variant]:
+        return base
+    out = G / f"hf-yarn-{variant}"
+    if not (out / "config.json").is_file():
+        # not its manifest: the changed config.json is a new input, not the export changed behind its back
+        shutil.copytree(base, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("mconvert-manifest.json"))
+        cfg = json.loads((base / "config.json").read_text())
+        rs = {**cfg["rope_scaling"], **YARN_VARIANTS[variant]}
+        cfg["rope_scaling"] = {k: v for k, v in rs.items() if v is not None}
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+def test_deepseek_yarn_gguf_matches_transformers_in_llama_cpp(llama_cpp):
+    """DeepSeek-V3's YaRN (factor 4 over 32 original positions here, 64 positions run) in llama.cpp's deepseek2:
+    its logits at every position match transformers' DeepseekV3 for each mscale pair, and megatron-to-gguf
+    writes what hf-to-gguf writes."""
+    mg32, hf32 = _gguf(_yarn_ckpt(), "mg-yarn-v3", "f32"), _gguf(_yarn_hf("v3"), "hf-yarn-v3", "f32")
+    assert _tensors(mg32) == _tensors(hf32)
+    meta, mg_meta = read_gguf_metadata(hf32), read_gguf_metadata(mg32)
+    rope = {k: v for k, v in meta.items() if k.startswith("deepseek2.rope.")}
+    assert rope == {k: v for k, v in mg_meta.items() if k.startswith("deepseek2.rope.")}
+    assert rope["deepseek2.rope.scaling.type"] == "yarn" and rope["deepseek2.rope.scaling.factor"] == 4.0
+    assert rope["deepseek2.rope.scaling.original_context_length"] == 32
+    # llama.cpp's own converter writes 0.1·mscale_all_dim here (test_gguf_peer compares the files)
+    assert rope["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)
+    assert "deepseek2.rope.scaling.attn_factor" not in rope
+    figures = []
+    for variant in YARN_VARIANTS:
+        hf = _yarn_hf(variant)
+        path = hf32 if variant == "v3" else _gguf(hf, f"hf-yarn-{variant}", "f32")
+        rep = validate(hf, [path], device="cpu", n_tokens=YARN_TOKENS)
+        r = rep.results[0]
+        keys = {k.rsplit(".", 1)[-1]: v for k, v in read_gguf_metadata(path).items()
+                if k.startswith("deepseek2.rope.scaling.") and k.endswith(("yarn_log_multiplier", "attn_factor"))}
+        figures.append(f"{variant} {keys} {_rel(r):.1e} top1 {r.metrics['top1']}")
+        assert rep.passed and _rel(r) < REL_F32 and r.metrics["top1"] == 1.0, (variant, r.failures, r.metrics)
+    print("[figures] YaRN deepseek2 llama.cpp vs transformers, 64 positions: " + "; ".join(figures))
+
+
+def _spec_of(hf):
+    import json
+
+    from mconvert.mappings.families import spec_from_hf_config
+
+    return spec_from_hf_config(json.loads((hf / "config.json").read_text()))
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("control", ["yarn_log_multiplier dropped", "attn_factor dropped"])
+def test_deepseek_yarn_gguf_controls_fail_the_comparison(llama_cpp, monkeypatch, control):
+    """Each key left out, llama.cpp's logits leave the f32 row: without `yarn_log_multiplier` deepseek2 takes the
+    plain YaRN rule (cos and sin times get_mscale(factor)); without `attn_factor` it scales cos and sin by 1."""
+    key = control.split()[0]
+    real = gguf_mod.yarn_keys
+    monkeypatch.setattr(gguf_mod, "yarn_keys", lambda spec, layout: {
+        k: v for k, v in real(spec, layout).items() if k != key})
+    hf = _yarn_hf("v3" if key == "yarn_log_multiplier" else "mscale-0.5")
+    assert key in real(_spec_of(hf), gguf_mod.gguf_layout(_spec_of(hf)))  # the key the control drops is written
+    bad = G / f"control-yarn-{key}.gguf"
+    bad.unlink(missing_ok=True)
+    to_gguf(hf, bad, "f32", verb="hf-to-gguf")
+    rep = validate(hf, [bad], device="cpu", n_tokens=YARN_TOKENS)
+    print(f"[figures] YaRN control {control}: {_rel(rep.results[0]):.1e}")
+    assert not rep.passed and any(f.startswith("max abs") for f in rep.results[0].failures), rep.results[0].metrics
+
+
+@pytest.mark.parametrize("changes,says", [
+    ({"yarn_beta_fast": 1.0}, "YaRN with yarn_beta_fast=1.0 has no GGUF form: llama.cpp's deepseek2 architecture "
+                              "fixes beta_fast 32 and beta_slow 1"),
+    ({"yarn_mscale": -10 / math.log(4)}, "multiplies cos and sin by 0 and the softmax by 1.29648, and llama.cpp's "
+                                         "deepseek2 multiplies the softmax by the square of its cos/sin factor"),
+])
+def test_deepseek_yarn_llama_cpp_computes_otherwise_is_refused_in_one_line(capsys, changes, says):
+    """Kimi K2's betas (llama.cpp's deepseek2 reads none and uses 32 and 1), and a cos/sin factor of 0 (its softmax
+    factor is that factor squared times a number, so it cannot keep the model's): one `error:` line, no file."""
+    from safety_common import assert_one_line_error, run_cli
+
+    out = G / "refused-yarn.gguf"
+    out.unlink(missing_ok=True)
+    code, _, err = run_cli(["megatron-to-gguf", moved_off_init_ckpt("tiny-deepseek-v3-yarn", **changes), out,
+                            "--outtype", "f32", "--tokenizer", glm_tokenizer()], capsys)
+    assert_one_line_error(code, err, says, "conversion refused")
+    assert not out.exists()

@@ -7,8 +7,8 @@ table is in docs/deployment/gguf.md). Skipped only when the llama.cpp venv is ab
 The models carry a SentencePiece `tokenizer.model`, except the families whose llama.cpp converter reads only a
 byte-level BPE `tokenizer.json` (gpt2, qwen3_moe, deepseek_v3, glm4_moe): those carry the trainer's GPT-2-regex BPE
 (with GLM's added special tokens, which the GLM converter looks up). The DeepSeek-V3 and GLM-4.5 models are the
-`megatron-to-hf` exports of the trainer's tiny presets with every weight moved off its init, so they hold the MTP
-layer transformers' classes leave out (deepseek2 skips it, glm4moe writes it as a `nextn` block). llama.cpp's
+`megatron-to-hf` exports of the trainer's tiny presets with every weight moved off its init (DeepSeek-V3 with and
+without its YaRN rope scaling), so they hold the MTP layer transformers' classes leave out (deepseek2 skips it, glm4moe writes it as a `nextn` block). llama.cpp's
 converter names a BPE pre-tokenizer by the hash of its output on a fixed text, known only for published
 vocabularies, and refuses any other; for such a vocabulary alone the peer is handed the name mconvert reads
 from the split regex ("gpt-2"), everything else it writes by its own code.
@@ -36,9 +36,10 @@ PEER_DIR = "llama.cpp-convert"  # where gguf_env.sh keeps the converter inside t
 OUTTYPES = ("f32", "f16")
 SPM_VOCAB = 320
 BPE_VOCAB = 1000
-BPE_FAMILIES = ("gpt2", "qwen3_moe", "deepseek_v3", "glm4_moe")
-# family -> the trainer preset whose megatron-to-hf export is the model (DeepSeek-style: MLA, MoE and MTP)
-EXPORTED = {"deepseek_v3": "tiny-deepseek-v3", "glm4_moe": "tiny-glm45"}
+BPE_FAMILIES = ("gpt2", "qwen3_moe", "deepseek_v3", "deepseek_v3-yarn", "glm4_moe")
+# family (or family-variant) -> the trainer preset whose megatron-to-hf export is the model (DeepSeek-style: MLA,
+# MoE and MTP; `-yarn`: DeepSeek-V3's YaRN, whose `yarn_log_multiplier` both write)
+EXPORTED = {"deepseek_v3": "tiny-deepseek-v3", "deepseek_v3-yarn": "tiny-deepseek-v3-yarn", "glm4_moe": "tiny-glm45"}
 
 # family -> its transformers config (every family both mconvert's GGUF export and llama.cpp's converter handle)
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -219,6 +220,9 @@ def test_hf_to_gguf_writes_llama_cpp_converters_tensors_byte_for_byte(peer, mode
             ours, theirs = _convert_both(peer, hf, family, outtype)
             (m_ours, t_ours), (m_theirs, t_theirs) = _read(ours), _read(theirs)
             where = f"{family} {outtype}"
+            if family.endswith("-yarn"):  # the key both must write alike, and the scaling type it goes with
+                assert m_theirs["{arch}.rope.scaling.yarn_log_multiplier"] > 0, where
+                assert m_theirs["{arch}.rope.scaling.type"] == "yarn", where
             assert sorted(t_ours) == sorted(t_theirs), (where, set(t_ours) ^ set(t_theirs))
             for name, (shape, qtype, data) in t_theirs.items():
                 assert t_ours[name][:2] == (shape, qtype), (where, name, t_ours[name][:2], (shape, qtype))
@@ -252,3 +256,23 @@ def test_a_half_precision_source_is_written_as_llama_cpp_writes_it(peer, models,
         assert t_ours.keys() == t_theirs.keys()
         assert all(t_ours[k] == v for k, v in t_theirs.items()), \
             (outtype, [k for k, v in t_theirs.items() if t_ours[k] != v][:5])
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_deepseek_style_bf16_and_q8_0_are_llama_cpp_converters_bytes(peer, models, family):
+    """The DeepSeek MoE families at bf16 and q8_0 (gguf-py's rounding and 32-blocks, the router, expert bias and
+    norms kept F32, MLA's `attn_k_b` / `attn_v_b` and the stacked experts quantized): the converter's tensors byte
+    for byte, and its metadata but for the rows of METADATA_DIFFERENCES."""
+    allowed = {k.replace("{arch}.", "") for k, (fams, _) in METADATA_DIFFERENCES.items() if family in fams}
+    for outtype in ("bf16", "q8_0"):
+        ours, theirs = _convert_both(peer, models[family], family, outtype)
+        (m_ours, t_ours), (m_theirs, t_theirs) = _read(ours), _read(theirs)
+        assert t_ours.keys() == t_theirs.keys(), (outtype, set(t_ours) ^ set(t_theirs))
+        assert {t[1] for t in t_theirs.values()} >= {"F32", outtype.upper()}, outtype  # both types are in play
+        for name, theirs_t in t_theirs.items():
+            assert t_ours[name][:2] == theirs_t[:2], (outtype, name, t_ours[name][:2], theirs_t[:2])
+            assert t_ours[name][2] == theirs_t[2], f"{family} {outtype}: {name} bytes differ"
+        differ = {k for k in set(m_ours) | set(m_theirs) if m_ours.get(k) != m_theirs.get(k)}
+        assert {k.replace("{arch}.", "") for k in differ} <= allowed, (outtype, differ)

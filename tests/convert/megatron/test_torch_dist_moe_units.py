@@ -24,7 +24,7 @@ from mconvert.convert.megatron.torch_dist import STACKED_EXPERTS, TorchDistSourc
 from mconvert.convert.megatron.torch_dist_writer import TorchDistWriter
 from mconvert.errors import MConvertError
 from mconvert.mappings.families import preset
-from mconvert.spec import LayerPart
+from mconvert.spec import LayerPart, is_buffer
 
 E = 4
 
@@ -192,3 +192,46 @@ def test_expert_optimizer_states_move_with_their_expert_through_torch_dist(tmp_p
             assert set(st[name]) == {"param", "exp_avg", "exp_avg_sq"}, name
             for k, v in states(t).items():
                 assert torch.equal(st[name][k], v), (name, k)
+
+
+@pytest.mark.timeout(120)
+def test_an_moe_mtp_final_unit_streams_through_torch_dist_with_its_states(tmp_path: Path) -> None:
+    """tiny-deepseek-v3 (MoE layers with an expert bias, an MoE MTP layer in the final unit): the writer given the
+    final unit whole or one parameter at a time writes the same bytes; resharded torch_dist -> torch_dist with
+    `--with-optimizer`, every parameter's states (an MTP expert's included) come back at its place, and the router's
+    expert bias, a buffer megatron-core keeps no optimizer state for, is carried without one."""
+    spec = preset("tiny-deepseek-v3")
+
+    def states(t: torch.Tensor) -> dict:
+        return {"param": t.double().float(), "exp_avg": t / 2, "exp_avg_sq": t ** 2}
+
+    weights = _weights(spec)
+    state_of = {u: {n: states(t) for n, t in ts.items() if not is_buffer(n)} for u, ts in weights.items()}
+    for parts in (False, True):
+        w = TorchDistWriter(tmp_path / f"src-{parts}", spec, tp=1, pp=1, with_states=True,
+                            top_level={"optimizer": {"param_state_sharding_type": "fully_reshardable"}})
+        for unit, tensors in weights.items():
+            if parts and unit == "final":
+                for name, t in tensors.items():
+                    w.add(unit, {name: t}, {n: s for n, s in state_of[unit].items() if n == name}, complete=False)
+                w.add(unit, {}, {}, complete=True)
+            else:
+                w.add(unit, tensors, state_of[unit])
+        w.close()
+    assert _files(tmp_path / "src-False", "*") == _files(tmp_path / "src-True", "*")
+    reshard(tmp_path / "src-True", tmp_path / "out", tp=2, pp=1, ep=2, with_optimizer=True)
+    out = TorchDistSource(tmp_path / "out")
+    out.check_optimizer()
+    experts = 0
+    for unit, tensors in weights.items():
+        for got, st in out.read_unit_parts(unit, with_optimizer=True):
+            for name, t in got.items():
+                assert torch.equal(t, tensors[name]), name
+                if is_buffer(name):
+                    assert st.get(name, {}) == {}, name
+                    continue
+                assert set(st[name]) == {"param", "exp_avg", "exp_avg_sq"}, name
+                for k, v in state_of[unit][name].items():
+                    assert torch.equal(st[name][k], v), (name, k)
+                experts += unit == "final" and ".local_experts." in name
+    assert experts == 2 * spec.num_experts  # the MTP layer's experts' fc1 and fc2, one part each
