@@ -107,7 +107,7 @@ def figures(rows: dict[str, dict[str, Any]], src_bytes: dict[str, int]) -> dict[
     return out
 
 
-# ---- per byte on the same Llama: megatron-to-hf and hf-to-megatron at TP4 PP2 against cp ----------------
+# ---- per byte on the same Llama: megatron-to-hf, reshard and hf-to-megatron at TP4 PP2 against cp ----------------
 LLAMA_TP, LLAMA_PP = 4, 2
 PER_BYTE_MODEL = "llama-1.3gb"
 
@@ -115,7 +115,7 @@ PER_BYTE_MODEL = "llama-1.3gb"
 def per_byte_jobs(hf: Path, ckpt: Path) -> list[tuple[str, str, Path]]:
     """(label, op, src) rows of the per-byte section, each with the cp of its own input beside it."""
     return [("cp llama megatron", "cp", ckpt), ("megatron-to-hf llama", "megatron-to-hf", ckpt),
-            ("cp llama hf", "cp", hf), ("hf-to-megatron llama", "hf-to-megatron", hf)]
+            ("reshard llama", "reshard", ckpt), ("cp llama hf", "cp", hf), ("hf-to-megatron llama", "hf-to-megatron", hf)]
 
 
 def per_byte_figures(rows: dict[str, dict[str, Any]], in_bytes: dict[str, int]) -> dict[str, Any]:
@@ -123,7 +123,7 @@ def per_byte_figures(rows: dict[str, dict[str, Any]], in_bytes: dict[str, int]) 
     same run (wall and CPU)."""
     out = {}
     for verb, cp_label, side in (("megatron-to-hf", "cp llama megatron", "megatron"),
-                                 ("hf-to-megatron", "cp llama hf", "hf")):
+                                 ("reshard", "cp llama megatron", "megatron"), ("hf-to-megatron", "cp llama hf", "hf")):
         gbs = in_bytes[side] / GB
         r, cp = rows[f"{verb} llama"], rows[cp_label]
         out[verb] = {

@@ -1225,7 +1225,7 @@ def deepseek_from_megatron_args(a: dict[str, Any], source: str = "args") -> dict
         for k in _DEEPSEEK_MOE_DEFAULTS:
             if a.get(k) is not None:
                 out[k] = a[k]
-        if a.get("moe_router_pre_softmax"):
+        if a.get("moe_router_pre_softmax") and a.get("moe_router_score_function") != "sigmoid":  # sigmoid: unread
             raise MConvertError(f"{source}: moe_router_pre_softmax=True is not mapped; conversion refused")
     return out
 

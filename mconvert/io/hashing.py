@@ -23,6 +23,7 @@ import queue
 import stat
 import threading
 import sys
+import time
 import zlib
 from collections.abc import Callable
 from collections import deque
@@ -152,6 +153,8 @@ def _hash_mapped(path: str | Path, h: Any, window: int) -> bool:
 GAP_READ = 8 << 20  # FollowedDigest reads a gap of unread bytes up to this size itself (headers, a pickle)
 FOLLOW_BLOCK = 1 << 20  # one pread while the input's checks are taken on the way: the block is still in L2
 CATCH_UP = 64 << 20  # FollowedDigest reads again at most this much per block fed (see `_catch_up`)
+# How long a block read ahead of the hashed prefix waits for the reads in flight before it (see `saw`)
+FOLLOW_WAIT_S = 0.5
 _FOLLOW_BUF = threading.local()  # each thread's block buffer for the bytes a FollowedDigest reads itself
 
 
@@ -185,20 +188,27 @@ class FollowedDigest:
 
     Both manifest hashes are chains over the file front to back, and the conversion reads its input almost in
     file order: a unit at a time, the units in the order they were written. So a block read at the `cursor`
-    (everything before it hashed) is hashed there and then, while it is in cache. A block read ahead of the
-    cursor (another reader thread is still on the bytes before it) is noted as seen; once the cursor reaches
-    it, the thread that brought it there reads it again from the page cache. Bytes nobody reads (zip headers,
-    a pickle) are read here when no read in flight (`begin`..`end`) will deliver them and the gap is at most
-    GAP_READ. `finish` hashes whatever is left from the cursor to the end and compares: no reader ever waits
-    for another, and a file read in any order still gets its whole digest, with more bytes read twice."""
+    (everything before it hashed) is hashed there and then, while it is in cache. A block read just ahead of
+    the cursor while a read in flight (`begin`..`end`) delivers the bytes before it (the readers' pool reads
+    neighbouring tensors of one file at once) waits for the cursor, at most FOLLOW_WAIT_S (once per read: a
+    read that timed out waits no more), and is hashed then: its reader trails the other one through the file
+    instead of having the block read again. A block
+    still ahead after that is noted as seen; once the cursor reaches it, the thread that brought it there
+    reads it again from the page cache. Bytes nobody reads (zip headers, a pickle) are read here when no read
+    in flight will deliver them and the gap is at most GAP_READ. `finish` hashes whatever is left from the
+    cursor to the end and compares: a reader waits only for reads in flight before its block, so every chain
+    of waits ends at the read at the cursor, and a file read in any order still gets its whole digest, with
+    more bytes read twice."""
 
     def __init__(self, path: str | Path, algorithm: str, want: str, size: int) -> None:
         self.path, self.algorithm, self.want, self.size = Path(path), algorithm, want, size
         self._h = new_hasher(algorithm, threads=False)
         self._lock = threading.Lock()
+        self._moved = threading.Condition(self._lock)  # the cursor moved, or a read in flight ended
         self.cursor = 0  # every byte before it is hashed
         self._seen: list[list[int]] = []  # sorted, disjoint [start, end) read ahead of the cursor, not hashed
         self._flight: dict[int, list[int]] = {}  # reads in progress: token -> [next byte they deliver, end]
+        self._gave_up: set[int] = set()  # reads whose wait for the reads before them timed out: no more waits
         self._tokens = itertools.count()
         self.attached = False  # a reader of the conversion feeds it (else one pass on the background thread)
         self.on_read = 0  # bytes hashed from the conversion's own reads
@@ -217,6 +227,8 @@ class FollowedDigest:
         """The read `token` is over (done or failed)."""
         with self._lock:
             self._flight.pop(token, None)
+            self._gave_up.discard(token)
+            self._moved.notify_all()
 
     def _delivers(self, a: int, b: int) -> bool:
         """Whether a read in flight has yet to deliver some byte of [a, b)."""
@@ -228,6 +240,9 @@ class FollowedDigest:
         with self._lock:
             if token in self._flight:
                 self._flight[token][0] = end
+            if pos > self.cursor and token not in self._gave_up and self._delivers(self.cursor, pos):
+                if not self._wait_for(pos):  # the read before it stalls: this read's blocks go on unwaited
+                    self._gave_up.add(token)
             if self.problem is not None or self.done or end <= self.cursor:
                 return
             if pos > self.cursor:
@@ -243,6 +258,18 @@ class FollowedDigest:
             self.on_read += end - self.cursor
             self.cursor = end
             self._catch_up(fd)
+            self._moved.notify_all()
+
+    def _wait_for(self, pos: int) -> bool:
+        """(lock held) Wait, at most FOLLOW_WAIT_S, until the cursor reaches `pos` or no read in flight delivers
+        the bytes before it; False when the time ran out. The reads it waits for lie before `pos`, so they
+        never wait for this one."""
+        deadline = time.monotonic() + FOLLOW_WAIT_S
+        while pos > self.cursor and self.problem is None and not self.done and self._delivers(self.cursor, pos):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._moved.wait(left):
+                return False
+        return True
 
     def _note(self, start: int, end: int) -> None:
         """Add [start, end) to the blocks seen ahead of the cursor (merged with the ones it touches)."""
@@ -289,6 +316,7 @@ class FollowedDigest:
             self._h.update(buf[:k])
             self.again += k
             self.cursor += k
+        self._moved.notify_all()
 
     def finish(self) -> str | None:
         """Hash the rest of the file (from the cursor) and compare with the manifest: None when it matches, else
@@ -446,22 +474,25 @@ class HashingFile(_OutputFile):
                     break
                 data, keep, queued = self._q.popleft()
             ck = keep if isinstance(keep, Checksum) else None  # `write(..., crc=...)`: CRC-32 here, off the caller
+            part: Any = None
             try:
                 if self._error is None:
                     if callable(data):  # bytes known only now (`write_later`)
                         data = memoryview(data()).cast("B")
-                    if not self.direct:
-                        mv = _Staged(data).whole()
-                        if ck is not None:
-                            ck.value = crc32(mv)
-                        self._h.update(mv)  # both hashes release the GIL for large buffers, as os.write does
-                        self._also.update(mv)
-                        write_all(self._fd, mv)
-                        self._total += len(mv)
-                        del mv
-                    else:  # each piece is copied into the chunk, then checksummed and hashed there, still in cache
-                        src = _Staged(data)
-                        crc = 0
+                    crc = 0
+                    for part in data if isinstance(data, tuple) else (data,):  # a tuple: blocks written in turn
+                        if not self.direct:
+                            mv = _Staged(part).whole()
+                            if ck is not None:
+                                crc = crc32(mv, crc)
+                            self._h.update(mv)  # both hashes release the GIL for large buffers, as os.write does
+                            self._also.update(mv)
+                            write_all(self._fd, mv)
+                            self._total += len(mv)
+                            del mv
+                            continue
+                        # each piece is copied into the chunk, then checksummed and hashed there, still in cache
+                        src = _Staged(part)
                         pos = 0
                         while pos < src.nbytes:
                             n = min(src.nbytes - pos, self._chunk - fill)
@@ -475,10 +506,10 @@ class HashingFile(_OutputFile):
                             if fill == self._chunk:
                                 self._hand_on(cur, fill, at)
                                 cur, fill, at = self._free.get(), 0, at + fill
-                        if ck is not None:
-                            ck.value = crc
                         self._total += src.nbytes
                         del src
+                    if ck is not None:
+                        ck.value = crc
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e.with_traceback(None)  # its frames would pin the buffers
             if ck is not None:
@@ -486,7 +517,7 @@ class HashingFile(_OutputFile):
             with self._cv:
                 self._pending -= queued
                 self._cv.notify_all()
-            del data, keep, ck
+            del data, keep, ck, part  # the last block too: its memory goes back now
         if self.direct:
             if fill and self._error is None:
                 self._hand_on(cur, fill, at)
@@ -550,12 +581,17 @@ class HashingFile(_OutputFile):
             self._q.append((produce, None, 0))
             self._cv.notify_all()
 
-    def write(self, data: "bytes | memoryview | torch.Tensor", keep: Any = None, crc: "Checksum | None" = None) -> None:
+    def write(self, data: "bytes | memoryview | torch.Tensor | tuple[torch.Tensor, ...]", keep: Any = None,
+              crc: "Checksum | None" = None) -> None:
         """Queue `data` (keep `keep` — e.g. its tensor — alive until written). A tensor is written as its
         row-major bytes: the copy that a view with strided rows (a row-split TP shard) needs is made on the
-        writer thread, straight into the staging chunk where the file is written with O_DIRECT. With `crc`, its
-        CRC-32 is taken on the writer thread into `crc.value` (with `crc.keep` kept alive instead of `keep`)."""
-        if is_tensor(data):
+        writer thread, straight into the staging chunk where the file is written with O_DIRECT. A tuple of
+        tensors (`transforms.RowBlocks`) is written as their bytes one after the other, one record. With `crc`,
+        the CRC-32 is taken on the writer thread into `crc.value` (with `crc.keep` kept alive instead of `keep`)."""
+        if isinstance(data, tuple):
+            n = sum(t.numel() * t.element_size() for t in data)
+            keep = data if keep is None else keep
+        elif is_tensor(data):
             n = data.numel() * data.element_size()
             keep = data if keep is None else keep
         else:

@@ -305,7 +305,9 @@ _MEGATRON_REFUSED: dict[str, Field] = {
                           _decoder_only),
     # rope variants (YaRN's factors are dead values unless `_yarn_unused` says otherwise)
     "rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", 1.0, _yarn_unused),
-    "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope"),
+    # read only by multi-latent attention (mapped there) and the experimental variants (refused)
+    "rope_type": refused("only plain rope is mapped", None, lambda v, a: v == "rope" or not (
+        a.get("multi_latent_attention") or a.get("experimental_attention_variant"))),
     "mscale": refused("YaRN mscale is not mapped", 1.0, _yarn_unused),
     "mscale_all_dim": refused("YaRN mscale is not mapped", 1.0, _yarn_unused),
     "beta_fast": refused("YaRN rotary scaling is not mapped", None, _yarn_unused),
@@ -358,8 +360,9 @@ _MEGATRON_REFUSED: dict[str, Field] = {
     # other architectures and layer layouts
     # MoE variants that change the routed function (the mapped router: top-k of the logits, softmax over the k)
     "moe_router_score_function": mapped("moe_router_score_function", STR, "softmax", ("softmax", "sigmoid")),
+    # megatron-core's sigmoid router never reads it (moe_utils.topk_routing_with_score_function)
     "moe_router_pre_softmax": refused("a softmax over all experts before top-k (no renormalisation) is not mapped",
-                                      False),
+                                      False, lambda v, a: a.get("moe_router_score_function") == "sigmoid"),
     "moe_router_enable_expert_bias": mapped("moe_router_enable_expert_bias", BOOL, False),
     "moe_router_num_groups": mapped("moe_router_num_groups", INT),
     "moe_router_group_topk": mapped("moe_router_group_topk", INT),
@@ -766,22 +769,47 @@ def _named(v: Any) -> Any:
     return v.get("_target_") if isinstance(v, dict) else v
 
 
-_BRIDGE_ACTIVATIONS = ("torch.nn.functional.silu", "torch.nn.functional.gelu")
+_BRIDGE_ACTIVATIONS = ("torch.nn.functional.silu", "torch.nn.functional.gelu", "megatron.core.activations.fast_gelu")
 _BRIDGE_LAYER_SPECS = tuple(f"megatron.bridge.models.gpt_provider.{n}" for n in
                             ("default_layer_spec", "transformer_engine_layer_spec", "local_layer_spec"))
+# megatron-core's block spec, which the DeepSeek, Kimi and GLM bridges name (a partial): it builds each layer from
+# the config (MLA, `moe_layer_freq`'s dense and MoE layers, qk-norm)
+_DECODER_BLOCK_SPEC = "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec"
+_BLOCK_SPEC_KEYWORDS = {"use_transformer_engine", "normalization", "qk_l2_norm", "vp_stage", "pp_rank"}
+
+
+def _per_layer_moe(freq: Any) -> bool:
+    return freq not in (None, 1) and not (isinstance(freq, list) and freq and set(freq) == {1})
+
+
+def _bridge_layer_spec_ok(v: Any, m: Mapping[str, Any]) -> bool:
+    """GPTModelProvider's own specs build every layer alike (standard attention; MoE in each layer with
+    num_moe_experts): the model the fields say unless they ask for MLA or a per-layer `moe_layer_freq`. The block
+    spec's keywords: use_transformer_engine (kernels: the same torch_dist keys), normalization (None: the
+    model's), qk_l2_norm off, the pipeline stage."""
+    if _named(v) in _BRIDGE_LAYER_SPECS:
+        return not m.get("multi_latent_attention") and not (m.get("num_moe_experts") and
+                                                            _per_layer_moe(m.get("moe_layer_freq")))
+    if _named(v) != _DECODER_BLOCK_SPEC or not isinstance(v, dict) or v.get("_args_"):
+        return False
+    kw = {k: x for k, x in v.items() if k not in ("_target_", "_partial_", "_args_", "_call_")}
+    return (set(kw) <= _BLOCK_SPEC_KEYWORDS and kw.get("normalization") in (None, m.get("normalization"))
+            and not kw.get("qk_l2_norm"))
+
 
 BRIDGE_MODEL: dict[str, Field] = {
     **MEGATRON_ARGS,
     "_target_": Field(NEUTRAL, "the provider class, checked against convert/megatron/bridge.py's provider table"),
     "share_embeddings_and_output_weights": mapped("tie_embeddings", BOOL, True),
     "gated_linear_unit": mapped("activation", BOOL, False),
-    "activation_func": refused("only SiLU (gated: SwiGLU) and GeLU MLPs are mapped", None,
+    "activation_func": refused("only SiLU (gated: SwiGLU), GeLU and tanh GeLU (gated: GeGLU) MLPs are mapped", None,
                                lambda v, a: _named(v) in _BRIDGE_ACTIVATIONS),
     "rope_scaling": mapped("rope_scaling", BOOL, False),
     "seq_len_interpolation_factor": mapped("rope_scaling_factor", NUM),
     "should_pad_vocab": mapped("vocab_size", BOOL, False),
-    "transformer_layer_spec": refused("a custom layer spec is not mapped", None,
-                                      lambda v, a: _named(v) in _BRIDGE_LAYER_SPECS),
+    "transformer_layer_spec": refused("only megatron-core's get_gpt_decoder_block_spec (plain keywords) and "
+                                      "GPTModelProvider's own specs are mapped, the latter without MLA or a per-layer "
+                                      "moe_layer_freq (they build every layer alike)", None, _bridge_layer_spec_ok),
     "yarn_rotary_scaling_factor": refused("YaRN rotary scaling is not mapped", None),
     "yarn_original_max_position_embeddings": refused("YaRN rotary scaling is not mapped", None),
     "yarn_beta_fast": refused("YaRN rotary scaling is not mapped", None),

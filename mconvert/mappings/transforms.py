@@ -45,8 +45,30 @@ def split_dim(kind: str, ndim: int) -> int | None:
     return d
 
 
-def split(full: torch.Tensor, kind: str, tp: int, name: str = "tensor") -> list[torch.Tensor]:
-    """Full tensor -> `tp` shards (views where possible; `gated` builds [gate_r; up_r] per rank)."""
+class RowBlocks(tuple):
+    """One TP shard as consecutive blocks of rows of one dtype, left unconcatenated (`split(..., blocks=True)`):
+    a writer that streams bytes writes the blocks one after the other — the bytes of their `torch.cat` —
+    without the copy into new memory that the concatenation makes. `shape`, `dtype`, `numel()` and
+    `element_size()` are those of the concatenation."""
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(t.shape[0] for t in self), *self[0].shape[1:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self[0].dtype
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self)
+
+    def element_size(self) -> int:
+        return self[0].element_size()
+
+
+def split(full: torch.Tensor, kind: str, tp: int, name: str = "tensor", blocks: bool = False) -> list[torch.Tensor]:
+    """Full tensor -> `tp` shards (views where possible; `gated` builds [gate_r; up_r] per rank, or with
+    `blocks` gives it as the `RowBlocks` (gate_r, up_r), two views, for a caller that writes its bytes)."""
     d = split_dim(kind, full.dim())
     if d is None:
         return [full] * tp
@@ -56,6 +78,8 @@ def split(full: torch.Tensor, kind: str, tp: int, name: str = "tensor") -> list[
         if full.shape[0] % (2 * tp):
             raise MConvertError(f"{name}: gated rows {full.shape[0]} not divisible by 2·TP={2 * tp}")
         gate, up = full.chunk(2, dim=0)
+        if blocks and not full.is_meta:
+            return [RowBlocks((g, u)) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0))]  # type: ignore[misc]
         return [cat([g, u], dim=0) for g, u in zip(gate.chunk(tp, 0), up.chunk(tp, 0))]
     return list(full.chunk(tp, dim=d))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,28 @@ def _write_and_check(path: Path, seed: int, direct: bool = True, as_bytes: bool 
 @pytest.mark.parametrize("direct", [True, False])
 def test_hashing_file_bytes_and_digest_match_hashlib(tmp_path: Path, direct: bool) -> None:
     _write_and_check(tmp_path / "x.bin", 1, direct=direct)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_hashing_file_writes_row_blocks_as_one_record(tmp_path: Path, direct: bool) -> None:
+    """A tuple of tensors (a gated shard's gate and up blocks, one a strided view) is written as the bytes of
+    their concatenation, with one CRC-32 over them all, across staging-chunk boundaries."""
+    from mconvert.mappings.transforms import RowBlocks
+
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(96, 2000, generator=g)
+    blocks = RowBlocks((full[:40, 7:1907], full[50:96, 100:2000]))
+    f = HashingFile(tmp_path / "x.bin", direct=direct, chunk=1 << 16)
+    ck = hashing.Checksum()
+    f.write(b"head")
+    f.write(blocks, crc=ck)
+    f.write(b"tail")
+    digest = f.close()
+    cat = torch.cat([b.contiguous() for b in blocks]).numpy().tobytes()
+    want = b"head" + cat + b"tail"
+    assert (tmp_path / "x.bin").read_bytes() == want
+    assert ck.value == zlib.crc32(cat)
+    assert digest == blake3.blake3(want).hexdigest()
 
 
 def test_hashing_file_keeps_two_direct_writes_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

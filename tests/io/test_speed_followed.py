@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -95,6 +96,51 @@ def test_the_followed_digest_is_the_files_digest_in_any_read_order(
     wrong = FollowedDigest(path, algorithm, _truth(data[:-1] + b"\0", algorithm), len(data))
     _read(path, wrong, pieces, threads)
     assert "differs from the manifest" in (wrong.finish() or "")
+
+
+def test_a_block_just_ahead_waits_for_the_read_before_it_instead_of_being_read_again(
+        blob: tuple[Path, bytes]) -> None:
+    """The readers' pool pattern: one thread reads [0, n) while another reads [n, 2n) of the same file. The
+    second one's blocks wait for the first read and are hashed as read: no byte of either is read again, only
+    the rest of the file at `finish`."""
+    path, data = blob
+    n = 4 << 20
+    d = FollowedDigest(path, "blake3", _truth(data, "blake3"), len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        first = d.begin(0, n)  # the first read is in flight before the second one starts
+        second = threading.Thread(target=pread_into, args=(fd, memoryview(bytearray(n)), n, path, "b"),
+                                  kwargs={"digest": d})
+        second.start()
+        time.sleep(0.05)
+        d.saw(0, memoryview(data[:n]), fd, first)
+        d.end(first)
+        second.join()
+    finally:
+        os.close(fd)
+    assert d.finish() is None
+    assert (d.on_read, d.again) == (2 * n, len(data) - 2 * n)
+
+
+def test_a_read_that_timed_out_waiting_waits_no_more(blob: tuple[Path, bytes]) -> None:
+    """A read in flight that never moves (a stalled reader): the read after it waits FOLLOW_WAIT_S once, then
+    reads on without waiting per block; its blocks are read again later and the digest still matches."""
+    from mconvert.io import hashing
+
+    path, data = blob
+    n = 4 << 20  # four blocks
+    d = FollowedDigest(path, "blake3", _truth(data, "blake3"), len(data))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        stalled = d.begin(0, n)
+        t0 = time.monotonic()
+        pread_into(fd, memoryview(bytearray(n)), n, path, "b", digest=d)
+        took = time.monotonic() - t0
+        d.end(stalled)
+    finally:
+        os.close(fd)
+    assert hashing.FOLLOW_WAIT_S <= took < 3 * hashing.FOLLOW_WAIT_S
+    assert d.finish() is None and d.on_read + d.again == len(data)
 
 
 @pytest.mark.parametrize("order", ["reversed", "shuffled"])

@@ -118,7 +118,7 @@ def test_neutral_megatron_args_pass_whatever_their_value() -> None:
     ("qk_l2_norm", True), ("apply_residual_connection_post_layernorm", True), ("window_size", (128, 1)),
     ("softmax_scale", 0.1), ("layernorm_zero_centered_gamma", True), ("apply_layernorm_1p", True),
     ("squared_relu", True),
-    ("rope_type", "yarn"), ("mrope_section", [16, 24, 24]), ("no_rope_freq", 4),
+    ("mrope_section", [16, 24, 24]), ("no_rope_freq", 4),
     ("num_experts", 8), ("multi_latent_attention", True), ("spec", ["my.module", "my_spec"]),
     ("gated_linear_unit", True), ("mtp_num_layers", 1), ("fp8_param", True),
 ])
@@ -131,10 +131,10 @@ def test_a_function_changing_megatron_arg_is_refused_by_name(name: str, value) -
 
 
 @pytest.mark.parametrize("name,value", [("rotary_scaling_factor", 40.0), ("mscale", 0.707), ("mscale_all_dim", 0.0),
-                                        ("yarn_beta_fast", 32.0)])
+                                        ("yarn_beta_fast", 32.0), ("rope_type", "yarn")])
 def test_a_yarn_factor_passes_where_no_yarn_rope_reads_it(name: str, value) -> None:
-    """megatron-core reads YaRN's factors only for YaRN rope, MLA and DSA; with plain rope they are dead. (MLA's
-    are read: tests/mappings/test_deepseek_yarn.py.)"""
+    """megatron-core reads YaRN's factors (and `rope_type`) only for YaRN rope, MLA and DSA; with plain rope they are
+    dead. (MLA's are read: tests/mappings/test_deepseek_yarn.py.)"""
     assert spec_from_megatron_args(_args(**{name: value})) == preset("tiny-llama")
     for live in ({"experimental_attention_variant": "dsa"},):
         with pytest.raises(MConvertError, match=f"{name}="):

@@ -23,6 +23,19 @@ def test_split_then_merge_is_identity(kind, tp):
     assert torch.equal(merge(split(full, kind, tp), kind), full)
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gated_split_as_row_blocks_is_the_split_without_a_copy(tp):
+    """`blocks=True`: each rank's gated shard as (gate_r, up_r), views of the full tensor whose concatenation
+    is the shard `split` makes; shape and dtype are the shard's."""
+    full = torch.randn(8 * tp, 6, dtype=torch.float16)
+    for blocks, shard in zip(split(full, "gated", tp, blocks=True), split(full, "gated", tp), strict=True):
+        assert isinstance(blocks, T.RowBlocks) and len(blocks) == 2
+        assert all(b.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() for b in blocks)
+        assert torch.equal(torch.cat(list(blocks)), shard)
+        assert (blocks.shape, blocks.dtype, blocks.numel(), blocks.element_size()) == \
+            (shard.shape, shard.dtype, shard.numel(), shard.element_size())
+
+
 @pytest.fixture(scope="module")
 def mcore():
     """megatron-core's tensor-parallel layers, attention and MLP modules, imported once for this file."""

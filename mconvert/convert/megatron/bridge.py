@@ -16,6 +16,7 @@ string, compared as strings.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ import yaml
 
 from mconvert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError, type_name
-from mconvert.mappings.fields import ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, MEGATRON_ARGS, check, check_numbers
+from mconvert.mappings.fields import (ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, MEGATRON_ARGS, MEGATRON_MLA_ROPE_ARGS, check,
+                                      check_numbers)
 from mconvert.spec import ModelSpec
 
 RUN_CONFIG = "run_config.yaml"
@@ -34,9 +36,14 @@ LATEST_TRAIN_STATE = "latest_train_state.pt"
 TOKENIZER_DIR = "tokenizer"
 
 # Provider classes whose `provide()` is GPTModelProvider's: the model is the fields, nothing more. Megatron-Bridge
-# 0.6 writes GPTModelProvider for Llama, Qwen2/3 and Qwen3-MoE; releases before it wrote the named subclasses
-# (`models/llama/llama_provider.py`, `models/qwen/qwen_provider.py`), which only change field defaults.
+# 0.6 writes GPTModelProvider for Llama, Qwen2/3, Qwen3-MoE and GLM-4.5, MLAModelProvider (MLATransformerConfig's
+# fields added, `provide()` unchanged) for DeepSeek-V2/V3, Moonlight and Kimi K2; releases before it wrote the
+# named subclasses (`models/llama/llama_provider.py`, `models/qwen/qwen_provider.py`,
+# `models/deepseek/deepseek_provider.py`, `models/kimi/kimi_provider.py`, `models/glm/glm45_provider.py`), which
+# only change field defaults. Which layers the model has (MLA, dense or MoE per layer) is its
+# `transformer_layer_spec`'s, judged by `fields.BRIDGE_MODEL`.
 _GPT = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+_MLA = "megatron.bridge.models.mla_provider.MLAModelProvider"
 _LLAMA = ("LlamaModelProvider Llama2ModelProvider7B Llama2ModelProvider13B Llama2ModelProvider70B Llama3ModelProvider "
           "Llama31ModelProvider Llama3ModelProvider8B Llama3ModelProvider70B Llama31ModelProvider8B "
           "Llama31ModelProvider70B Llama31ModelProvider405B Llama32ModelProvider1B Llama32ModelProvider3B "
@@ -47,20 +54,30 @@ _QWEN = ("Qwen2ModelProvider Qwen2ModelProvider500M Qwen2ModelProvider1P5B Qwen2
          "Qwen3ModelProvider600M Qwen3ModelProvider1P7B Qwen3ModelProvider4B Qwen3ModelProvider8B "
          "Qwen3ModelProvider14B Qwen3ModelProvider32B Qwen3MoEModelProvider Qwen3MoEModelProvider30B_A3B "
          "Qwen3MoEModelProvider235B_A22B")
+_DEEPSEEK = ("DeepSeekModelProvider DeepSeekV2ModelProvider DeepSeekV2LiteModelProvider DeepSeekV3ModelProvider "
+             "MoonlightModelProvider16B DeepSeekProvider DeepSeekV2Provider DeepSeekV2LiteProvider DeepSeekV3Provider "
+             "MoonlightProvider")
+_GLM = "GLMMoEModelProvider GLM45ModelProvider355B GLM45AirModelProvider106B"
+# Gemma 2 / 3 (`models/gemma/`; the sized classes of earlier releases only change defaults): provide() and the
+# provider's own layer spec build the Gemma block, which `gemma_args` maps from the fields they read.
+GEMMA: dict[str, str] = {
+    **{f"megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider{n}": "gemma2" for n in ("", "2B", "9B", "27B")},
+    **{f"megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider{n}": "gemma3"
+       for n in ("", "1B", "4B", "12B", "27B")},
+}
 PROVIDERS: frozenset[str] = frozenset(
-    [_GPT, "megatron.bridge.models.mistral.mistral_provider.MistralModelProvider"]
+    [_GPT, _MLA, "megatron.bridge.models.mistral.mistral_provider.MistralModelProvider",
+     "megatron.bridge.models.kimi.kimi_provider.KimiK2Provider"]
     + [f"megatron.bridge.models.llama.llama_provider.{n}" for n in _LLAMA.split()]
     + [f"megatron.bridge.models.qwen.qwen_provider.{n}" for n in _QWEN.split()]
+    + [f"megatron.bridge.models.deepseek.deepseek_provider.{n}" for n in _DEEPSEEK.split()]
+    + [f"megatron.bridge.models.glm.glm45_provider.{n}" for n in _GLM.split()]
+    + list(GEMMA)
 )
 # Providers known to build what mconvert does not map, refused by name with the reason.
 REFUSED_PROVIDERS: dict[str, str] = {
-    "megatron.bridge.models.mla_provider.": "its multi-latent attention fields (DeepSeek V2/V3, Kimi, Moonlight) are "
-                                            "not read from run_config.yaml yet (Megatron-LM's MLA checkpoints are)",
-    "megatron.bridge.models.deepseek.": "its multi-latent attention fields (DeepSeek V2/V3) are not read from "
-                                        "run_config.yaml yet (Megatron-LM's MLA checkpoints are)",
-    **dict.fromkeys(("megatron.bridge.models.gemma.gemma2_provider.", "megatron.bridge.models.gemma.gemma3_provider."),
-                    "the Gemma block its provide() builds (sandwich norms, two rope bases, windows) is not read from "
-                    "run_config.yaml yet (Gemma 2 / 3 convert through HF and Megatron args)"),
+    "megatron.bridge.models.deepseek.deepseek_provider.DeepSeekV32": "DeepSeek sparse attention (its indexer) is "
+                                                                     "not mapped",
     "megatron.bridge.models.mamba.": "Mamba models are not mapped",
     "megatron.bridge.models.hybrid.": "hybrid Mamba models are not mapped",
     "megatron.bridge.models.t5_provider.": "encoder-decoder (T5) models are not mapped",
@@ -82,6 +99,7 @@ SHARED = (
     "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
 )
 SILU, GELU = "torch.nn.functional.silu", "torch.nn.functional.gelu"
+TANH_GELU = "megatron.core.activations.fast_gelu"  # Gemma's: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
 DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
 
 
@@ -143,17 +161,20 @@ def provider_class(cfg: dict[str, Any], source: str) -> str:
             raise MConvertError(f"{source}: model provider {cls} is not supported: {why}; conversion refused")
     if cls not in PROVIDERS:
         raise MConvertError(f"{source}: model provider {cls} is not known to mconvert (its provide() may build "
-                            "another model than its fields say); supported: GPTModelProvider and the Llama, Qwen and "
-                            "Mistral providers; conversion refused")
+                            "another model than its fields say); supported: GPTModelProvider, MLAModelProvider and "
+                            "the Llama, Qwen, Mistral, DeepSeek, Kimi, GLM-4.5 and Gemma 2 / 3 providers; conversion "
+                            "refused")
     return cls
 
 
 def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
     """The Megatron-LM args a run_config.yaml's model provider stands for (every field mapped or refused, by the
     `fields.BRIDGE_MODEL` table), so that one ModelSpec path serves both writers' checkpoints."""
-    m = cfg["model"]
-    provider_class(cfg, source)
-    check(m, BRIDGE_MODEL, source, "Megatron-Bridge model field",
+    m, implied = gemma_args(cfg["model"], GEMMA.get(provider_class(cfg, source)), source)
+    # MLATransformerConfig's rope fields (rope_type, rotary_scaling_factor, mscale, ...) are Megatron-LM's MLA
+    # args by name: read under multi_latent_attention, refused by the GPT table otherwise
+    mla = MEGATRON_MLA_ROPE_ARGS if m.get("multi_latent_attention") else {}
+    check(m, {**BRIDGE_MODEL, **mla}, source, "Megatron-Bridge model field",
           unknown_hint="remove it from run_config.yaml if it is training-only")
     missing = [k for k in REQUIRED if m.get(k) is None]
     if missing:
@@ -161,17 +182,18 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
                             "run_config.yaml (Megatron-Bridge writes them all) — re-save it with Megatron-Bridge")
     check_numbers(m, ARGS_NUMBERS, ("hidden_size", "num_attention_heads", "num_layers"), source)
     act, glu = target(m["activation_func"]), m["gated_linear_unit"]
-    if (act == SILU) != bool(glu):  # GLU with GeLU is GeGLU, SiLU without GLU a plain SiLU MLP: neither mapped
+    geglu = act == TANH_GELU and bool(glu)
+    if (act == SILU) != bool(glu) and not geglu:  # erf-GeLU GLU and a SiLU MLP without GLU are not mapped
         raise MConvertError(f"{source}: Megatron-Bridge model field activation_func={act} with gated_linear_unit="
-                            f"{glu} is not supported: only SwiGLU (silu, gated) and GeLU (ungated) MLPs are mapped; "
-                            "conversion refused")
+                            f"{glu} is not supported: only SwiGLU (silu, gated), GeGLU (fast_gelu, gated) and GeLU "
+                            "(ungated) MLPs are mapped; conversion refused")
     # every field the Megatron table maps is carried under its own name, so a feature mapped for Megatron-LM's
     # args (a sliding window, ...) is read from the provider too, never dropped
-    a: dict[str, Any] = {k: v for k, v in m.items()
-                         if k in SHARED or (k in MEGATRON_ARGS and MEGATRON_ARGS[k].kind == MAPPED)}
+    a: dict[str, Any] = {k: v for k, v in m.items() if k in SHARED or k in mla
+                         or (k in MEGATRON_ARGS and MEGATRON_ARGS[k].kind == MAPPED)}
     nh, groups = m["num_attention_heads"], m.get("num_query_groups")
     a.update(
-        swiglu=bool(glu),
+        swiglu=act == SILU and bool(glu), openai_gelu=geglu, gated_linear_unit=geglu,
         untie_embeddings_and_output_weights=not m["share_embeddings_and_output_weights"],
         norm_epsilon=m["layernorm_epsilon"],
         max_position_embeddings=m["seq_length"],
@@ -190,7 +212,68 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
         a["rotary_seq_len_interpolation_factor"] = m["seq_len_interpolation_factor"]
     if not a["use_rope_scaling"]:
         a.pop("rope_scaling_factor", None)
-    return argparse.Namespace(**a)
+    return argparse.Namespace(**{**a, **implied})
+
+
+def gemma_args(m: dict[str, Any], family: str | None, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Gemma provider's fields as GPTModelProvider's, and the Megatron args of what its provide() and layer spec
+    build beyond them (`spec._gemma_megatron_args`' names), from what Megatron-Bridge 0.6's models/gemma/ reads:
+    both: post-attention and post-MLP norms (the spec's TERowParallelLinearLayerNorm), embeddings × √hidden;
+    Gemma 2: layer n (1-based) windowed by `window_size` when n is odd, attention scaled by
+    1/√query_pre_attn_scalar (not softmax_scale), both soft-caps; Gemma 3: layer n windowed with `window_size` - 1
+    keys back unless n % sum(interleaved_attn_pattern) == 0, `rotary_base` (local, global), full rotary, the
+    global rope divided by `rope_scaling_factor`, Transformer Engine attention (no soft-cap). Other models: as
+    given, nothing implied."""
+    if family is None:
+        return m, {}
+    m = dict(m)
+    where = f"{source}: Megatron-Bridge model field"
+
+    def number(name: str, v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise MConvertError(f"{where} {name}={v!r} must be a positive number; fix it")
+        return v
+
+    spec = target(m.pop("transformer_layer_spec", None))
+    own = f"megatron.bridge.models.gemma.{family}_provider.{family}_layer_spec"
+    if spec != own:
+        raise MConvertError(f"{where} transformer_layer_spec={spec} is not supported under the {family} provider: "
+                            f"only its own {own} (the Gemma block) is mapped; conversion refused")
+    implied: dict[str, Any] = {"model_family": family, "sandwich_norms": True, "scale_embeddings": True}
+    if family == "gemma2":
+        implied["softmax_scale"] = number("query_pre_attn_scalar", m.pop("query_pre_attn_scalar", None)) ** -0.5
+        m.pop("softmax_scale", None)  # Gemma2DotProductAttention does not read it
+        if m.get("window_size") is not None:
+            implied["window_attn_skip_freq"] = 2
+        return m, implied
+    vl, pattern, window = m.pop("is_vision_language", None), m.pop("interleaved_attn_pattern", None), m.pop(
+        "window_size", None)
+    if vl:
+        raise MConvertError(f"{where} is_vision_language={vl!r} is not supported: Gemma 3's vision-language model "
+                            "(bidirectional, unwindowed attention) is not mapped; conversion refused")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "seq_len_interpolation_factor"):
+        if m.get(name) is not None:  # Gemma 3's TE attention and output layer do not soft-cap
+            raise MConvertError(f"{where} {name}={m[name]!r} is not supported under the gemma3 provider (its "
+                                "attention and output layer do not read it, or it scales the local rope too, which "
+                                "no Gemma 3 does); conversion refused")
+    bases = m.get("rotary_base")
+    if not (isinstance(bases, list) and len(bases) == 2):
+        raise MConvertError(f"{where} rotary_base={bases!r} must be the pair (local, global) Gemma 3's provide() "
+                            "reads; fix it")
+    if (not isinstance(pattern, list) or not pattern
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in pattern) or sum(pattern) < 1):
+        raise MConvertError(f"{where} interleaved_attn_pattern={pattern!r} must be whole numbers (local, global); "
+                            "fix it")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise MConvertError(f"{where} window_size={window!r} must be a whole number >= 1 (keys a local layer "
+                            "sees); fix it")
+    factor = number("rope_scaling_factor", m.pop("rope_scaling_factor", None) or 1.0)
+    m.update(rotary_base=number("rotary_base", bases[1]), rotary_percent=1.0, rope_scaling=False)
+    implied.update(rotary_base_local=number("rotary_base", bases[0]), window_size=(window - 1, 0),
+                   window_attn_skip_freq=sum(pattern))
+    if factor != 1:
+        implied["rotary_seq_len_interpolation_factor"] = factor
+    return m, implied
 
 
 def padded_vocab(m: dict[str, Any]) -> int:
@@ -208,7 +291,8 @@ def writer_info(cfg: dict[str, Any]) -> dict[str, Any]:
     none), the provider class, and the model fields the ModelSpec was read from."""
     version = next((v for v in (cfg.get("megatron_bridge_version"), cfg.get("version")) if isinstance(v, str)), None)
     cls = (target(cfg.get("model")) or "?").rsplit(".", 1)[-1]
-    read = sorted(k for k, f in BRIDGE_MODEL.items() if f.kind == MAPPED and k in cfg["model"])
+    table = {**BRIDGE_MODEL, **(MEGATRON_MLA_ROPE_ARGS if cfg["model"].get("multi_latent_attention") else {})}
+    read = sorted(k for k, f in table.items() if f.kind == MAPPED and k in cfg["model"])
     text = f"written by Megatron-Bridge{' ' + version if version else ''}, provider {cls}"
     return {"writer": "Megatron-Bridge", "version": version, "provider": cls, "text": text, "fields_read": read}
 
@@ -224,9 +308,25 @@ def bridge_divisor(n: int) -> int:
     return d
 
 
+# Megatron args of the same names as megatron-core's TransformerConfig / MLATransformerConfig fields: what a model
+# states beyond GPTModelProvider's basic fields (MLA and its rope, the DeepSeek router, moe_layer_freq, MTP, the
+# window), written under those names as Megatron-Bridge's DeepSeek and GLM imports write them
+_CONFIG_ARGS = (
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+    "mscale_all_dim", "mtp_num_layers", "moe_shared_expert_intermediate_size", "moe_router_score_function",
+    "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+    "moe_router_group_topk", "moe_layer_freq", "window_size", "window_attn_skip_freq",
+)
+_BLOCK_SPEC = {"_target_": "megatron.core.models.gpt.gpt_layer_specs.get_gpt_decoder_block_spec", "_partial_": True,
+               "_args_": [], "use_transformer_engine": True}
+
+
 def provider_fields(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int = 1) -> dict[str, Any]:
-    """The GPTModelProvider fields (run_config.yaml `model:`) of `spec` at TP/PP/VPP/EP, as Megatron-Bridge's own
-    import writes them: unpadded vocab (`should_pad_vocab` off), the default (Transformer Engine) layer spec."""
+    """The provider fields (run_config.yaml `model:`) of `spec` at TP/PP/VPP/EP, as Megatron-Bridge's own import
+    writes them: unpadded vocab (`should_pad_vocab` off); GPTModelProvider with the default (Transformer Engine)
+    layer spec, or, for MLA or dense and MoE layers mixed, MLAModelProvider / GPTModelProvider with megatron-core's
+    block spec (its DeepSeek and GLM bridges' choice)."""
     dtype = spec.params_dtype
     m: dict[str, Any] = {
         "_target_": _GPT,
@@ -261,11 +361,23 @@ def provider_fields(spec: ModelSpec, tp: int, pp: int, vpp: int | None, ep: int 
                  moe_router_topk=spec.moe_router_topk, expert_model_parallel_size=ep,
                  expert_tensor_parallel_size=tp, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
                  moe_router_score_function="softmax", moe_router_pre_softmax=False)
+    args = vars(spec.to_megatron_args(tp, pp, vpp, ep=ep))
+    m.update({k: list(v) if isinstance(v, tuple) else v for k, v in args.items() if k in _CONFIG_ARGS})
+    if spec.is_mla:
+        m.update(_target_=_MLA, qk_layernorm=True)  # MLA's latent norms
+    if spec.is_mla or (spec.is_moe and spec.num_moe_layers != spec.num_layers):
+        m["transformer_layer_spec"] = dict(_BLOCK_SPEC)
     return m
 
 
-def check_writable(spec: ModelSpec, tp: int) -> None:
-    """Megatron-Bridge stores the vocab unpadded and pads nothing when it loads: the vocab must split over TP."""
+def check_writable(spec: ModelSpec, tp: int, carried: bool = False) -> None:
+    """Megatron-Bridge stores the vocab unpadded and pads nothing when it loads: the vocab must split over TP. The
+    Gemma block is built by Megatron-Bridge's Gemma providers, whose run_config.yaml mconvert reads and (`carried`,
+    from a Megatron-Bridge source) carries, but does not write."""
+    if not carried and (spec.sandwich_norms or spec.scale_embeddings or spec.rotary_base_local is not None):
+        raise MConvertError(f"--bridge: the {spec.family} block (post-norms, embedding scale, two rope bases) is "
+                            "built by Megatron-Bridge's Gemma providers, which mconvert does not write; drop --bridge "
+                            "(the torch_dist checkpoint holds Megatron-Bridge's tensor names)")
     if spec.vocab_size % tp:
         raise MConvertError(f"--bridge: vocab size {spec.vocab_size} does not split over TP={tp}; Megatron-Bridge "
                             "keeps the vocab unpadded — choose a TP dividing it, or drop --bridge")

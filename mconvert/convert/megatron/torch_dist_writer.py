@@ -254,7 +254,7 @@ class TorchDistWriter(Writer):
         self.bridge = bridge  # also write what Megatron-Bridge loads the checkpoint from (convert/megatron/bridge.py)
         self.bridge_source = bridge_source  # a Bridge source's (run config, train state), carried
         if bridge:  # its loader pads no vocab: the stored rows are the vocab itself
-            bridge_files.check_writable(spec, tp)
+            bridge_files.check_writable(spec, tp, carried=bridge_source[0] is not None)
             spec = spec.replace(make_vocab_size_divisible_by=bridge_files.bridge_divisor(spec.vocab_size // tp))
         dp_buckets.check_optimizer_layout(optimizer_layout)
         # the driver then hands each parameter's optimizer states to `add`: megatron-core's own, or with

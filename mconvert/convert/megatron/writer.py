@@ -260,7 +260,8 @@ class MegatronWriter(Writer):
             if self.dtype is not None and full.dtype != self.dtype:
                 full = narrowed(full, self.dtype, name)
             local_name = name if local is None else with_layer(name, local)
-            shards = split(full, kind, self.tp, name)
+            # streamed: a gated shard goes out as its gate and up row blocks, never concatenated in memory
+            shards = split(full, kind, self.tp, name, blocks=real and self.preview is not None)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
             if real and self.preview is None and full.dim() > 0 and full.numel():  # no stage in RAM
                 shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]
