@@ -78,8 +78,9 @@ def peer_script() -> Path:
 
 
 # ---- the commands measured --------------------------------------------------------------------------
-# the fixed cost every conversion process pays before its first byte: the interpreter with torch, and the
-# engine's modules on top (the CLI imports them only for a conversion verb)
+# the fixed cost a conversion process pays before its first byte: the interpreter with torch (every verb but
+# hf-to-gguf of safetensors computes in it), and the engine's modules (the CLI imports them only for a
+# conversion verb; they load torch on first use)
 STARTUP = {"import-torch": "import torch", "import-engine": "import mconvert.convert.verbs"}
 
 

@@ -613,7 +613,7 @@ def hf_to_gguf_cmd(
     from mconvert.convert.verbs import to_gguf
 
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")
-    tuning.apply()
+    tuning.apply(with_torch=False)  # a safetensors directory is read as numpy arrays (`convert/hf/arrays.py`)
     _print_report(to_gguf(hf_dir, out, outtype, tokenizer, None, force, verb="hf-to-gguf", progress=True,
                           dry_run=dry_run, accept_window_as_full=accept_window_as_full), json_out)
 

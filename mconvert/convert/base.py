@@ -15,13 +15,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import to_hf
 from mconvert.spec import ModelSpec, Unit, comes_whole
+
+if TYPE_CHECKING:
+    import torch
 
 
 def units_of(spec: ModelSpec, split_experts: bool = False) -> list[Unit]:
@@ -253,7 +254,7 @@ def pmap_iter(fn: Any, items: Any, size: Callable[[Any], int] | None = None) -> 
 SKIP, END = object(), object()  # `parts_ahead`'s marks: a unit passed over; a unit's last part given
 # one unit's reads (`hf_part_tasks`, `mcore_part_tasks`): its items in order, the call that reads one part, and
 # each item's element count (`pmap_iter`'s `size`)
-PartTasks = tuple[list[Any], Callable[[Any], dict[str, torch.Tensor]], Callable[[Any], int]]
+PartTasks = tuple[list[Any], Callable[[Any], dict[str, "torch.Tensor"]], Callable[[Any], int]]
 
 
 def parts_ahead(units: Iterator[Unit], needs: Callable[[Unit], bool],

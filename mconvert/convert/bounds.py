@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import psutil
-import torch
 
 from mconvert.errors import MConvertError
-from mconvert.mappings.plugin import to_hf_one
+from mconvert.mappings.plugin import to_hf_shapes
 from mconvert.spec import SPLIT_DIM, LayerPart, ModelSpec, Unit, comes_whole, expert_of
 
 ExpectedOf = Callable[[ModelSpec], Mapping[str, tuple[int, ...]]]
@@ -86,15 +85,14 @@ def check_shapes(spec: ModelSpec, expected_of: ExpectedOf, actual: Mapping[str, 
 
 
 def expected_hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """HF tensor shapes the spec implies (layer and expert index `*`), from the plugin on the meta device (no
-    memory); layer 0 and expert 0 stand for all, so the time does not grow with num_layers or num_experts."""
+    """HF tensor shapes the spec implies (layer and expert index `*`), from the plugin's shape rules (no
+    tensor); layer 0 and expert 0 stand for all, so the time does not grow with num_layers or num_experts."""
     out: dict[str, tuple[int, ...]] = {}
     for unit in ("embedding", 0, "final"):
         decls = (spec.embedding_params() if unit == "embedding" else
                  spec.final_params() if unit == "final" else spec.layer_template())
         for d in decls:  # one parameter at a time: the template list is not a whole unit
-            hf = to_hf_one(spec, d.name, torch.empty(d.shape, device="meta"))
-            out.update({template(n): tuple(t.shape) for n, t in hf.items()})
+            out.update({template(n): s for n, s in to_hf_shapes(spec, d.name, d.shape).items()})
     return out
 
 

@@ -15,19 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from mconvert import dtypes
 from mconvert.convert.base import SourceBase
 from mconvert.convert.driver import dry_run_report, drive, peak_rss_bytes, write_output
-from mconvert.convert.hf import fp8
 from mconvert.convert.hf.tokenizer import TOKEN_ID_KEYS, carry_to_megatron, find_carried_dir, ids_outside_vocab
-from mconvert.convert.hf.writer import HFWriter, parse_size
-from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
 from mconvert.layouts.megatron import PipelineSplit, parse_pipeline_layout
-from mconvert.convert.megatron.optimizer import check_mcore_groups, index_states
-from mconvert.convert.megatron.source import MegatronSource
-from mconvert.convert.megatron.writer import megatron_writer
 from mconvert.layouts.plan import plan_for_source
 from mconvert.convert.scaleout import world
 from mconvert.convert.sources import detect_format, open_source
@@ -36,12 +28,13 @@ from mconvert.errors import MConvertError, renamed
 from mconvert.io.atomic import atomic_output_dir, atomic_output_file, check_output, check_output_file, file_manifest_path
 from mconvert.io.crc import crc_in_background, skip_crc_checks, wait_crc_checks
 from mconvert.io.paths import check_tree_contained
-from mconvert.io.safeload import safe_load
 from mconvert.mappings import families
 from mconvert.mappings.plugin import transposed_in_hf
 from mconvert.spec import megatron_lm_unstated
 
 if TYPE_CHECKING:
+    import torch
+
     from mconvert.convert.deploy.onnx import OnnxCheck, OnnxResult
 
 
@@ -93,6 +86,9 @@ def megatron_to_hf(ckpt: str | Path, out: str | Path, iteration: int | str | Non
     """Megatron checkpoint (torch or torch_dist, any TP/PP/VPP) -> HF directory. Returns a report dict.
     `fp8_blocks`: the projection weights written block-scaled FP8 (e4m3, 128×128 scales; `convert/hf/fp8.py`);
     `fp8_tp`: the vLLM tensor-parallel size those weights must load at (refused before any work otherwise)."""
+    from mconvert.convert.hf import fp8
+    from mconvert.convert.hf.writer import HFWriter, parse_size
+
 
     t0 = time.perf_counter()
     target = parse_dtype(dtype)
@@ -152,6 +148,8 @@ def hf_to_megatron(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1
     (rank files) or torch_dist (megatron-core dist_checkpointing) format; `bridge`: torch_dist in iter_0000000/
     with the files Megatron-Bridge loads it from (run_config.yaml, train_state.pt); `pipeline`: Megatron-LM's
     uneven split args (`target_split`)."""
+    from mconvert.convert.megatron.writer import megatron_writer
+
 
     t0 = time.perf_counter()
     check_format(format)
@@ -206,6 +204,12 @@ def reshard(ckpt: str | Path, out: str | Path, tp: int, pp: int, vpp: int | None
     output Megatron-Bridge loads (run_config.yaml, train_state.pt; default: when the source is a Bridge one).
     `pipeline`: Megatron-LM's uneven split args for the output (default: the source's split at its own PP/VPP,
     else even)."""
+    from mconvert.convert.megatron.dp_buckets import check_optimizer_layout
+    from mconvert.convert.megatron.optimizer import check_mcore_groups, index_states
+    from mconvert.convert.megatron.source import MegatronSource
+    from mconvert.convert.megatron.writer import megatron_writer
+    from mconvert.io.safeload import safe_load
+
 
     t0 = time.perf_counter()
     if format is not None:
@@ -410,7 +414,8 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
     t0 = time.perf_counter()
     gguf.outtype_types(outtype)
     check_output_file(out, force, (src_path, tokenizer))
-    src = open_source(src_path, iteration=iteration, tokenizer=tokenizer)
+    # the GGUF writer takes numpy arrays: an HF directory of safetensors is read as them, without torch
+    src = open_source(src_path, iteration=iteration, tokenizer=tokenizer, arrays=True)
     if verb == "megatron-to-gguf" and src.format == "hf":
         raise MConvertError(f"{src_path}: this is a HuggingFace directory; use hf-to-gguf")
     if verb == "hf-to-gguf" and src.format != "hf":

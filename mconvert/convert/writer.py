@@ -14,11 +14,12 @@ shape.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from mconvert.convert.base import Unit
+
+if TYPE_CHECKING:
+    import torch
 
 # Keys of every writing verb's report, in print order; a verb adds its own after these.
 REPORT_KEYS = ("verb", "source", "output", "family", "layout", "dtype", "files", "warnings", "peak_rss_bytes",

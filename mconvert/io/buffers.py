@@ -12,14 +12,18 @@ bytes than were ever live at once (idle slots are unmapped, least recently used 
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
 import weakref
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 import numpy
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 MIN_BYTES = 1 << 20  # smaller tensors come from the allocator: their pages are reused by malloc already
 # Idle slots may exceed the largest live total by 1/SLACK of it: a conversion lends slots of a few sizes in a
@@ -50,14 +54,23 @@ class BufferPool:
         self.mapped = 0  # slots created
         self.grown = 0  # idle slots grown for a larger tensor
 
-    def empty(self, shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised contiguous CPU tensor of `shape` and `dtype` over a pooled slot."""
+    def array(self, shape: tuple[int, ...] | list[int], dtype: numpy.dtype) -> numpy.ndarray:
+        """An uninitialised contiguous numpy array of `shape` and `dtype` over a pooled slot: every view of it
+        (a tensor over it too) holds the slot's owner, whose finalizer gives the slot back."""
         shape = tuple(int(d) for d in shape)
-        n = torch.Size(shape).numel() * dtype.itemsize
+        n = math.prod(shape) * numpy.dtype(dtype).itemsize
         slot = self._take(n)
         owner = numpy.frombuffer(slot, dtype=numpy.uint8, count=n) if n else numpy.empty(0, numpy.uint8)
         weakref.finalize(owner, self._give, slot)
-        return torch.from_numpy(owner).view(dtype).view(shape)
+        return owner.view(dtype).reshape(shape)
+
+    def empty(self, shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of `shape` and `dtype` over a pooled slot."""
+        import torch
+
+        shape = tuple(int(d) for d in shape)
+        n = math.prod(shape) * dtype.itemsize
+        return torch.from_numpy(self.array((n,), numpy.dtype(numpy.uint8))).view(dtype).view(shape)
 
     def _take(self, n: int) -> mmap.mmap:
         size = max(_PAGE, -(-n // _PAGE) * _PAGE)
@@ -154,10 +167,20 @@ def empty(shape: tuple[int, ...] | list[int] | torch.Size, dtype: torch.dtype) -
     """`torch.empty(shape, dtype=dtype)` for a tensor whose every byte is written before it is read: from the
     pool when it is large (`MIN_BYTES`), else from torch's allocator. `MCONVERT_NO_BUFFER_POOL=1` turns the pool
     off."""
-    n = torch.Size(tuple(shape)).numel() * dtype.itemsize
+    import torch
+
+    n = math.prod(tuple(shape)) * dtype.itemsize
     if n < MIN_BYTES or _DISABLED:
         return torch.empty(tuple(shape), dtype=dtype)
     return POOL.empty(shape, dtype)
+
+
+def array(shape: tuple[int, ...], dtype: numpy.dtype) -> numpy.ndarray:
+    """`empty` for a numpy array (a reader that needs no torch): pooled when large."""
+    n = math.prod(shape) * numpy.dtype(dtype).itemsize
+    if n < MIN_BYTES or _DISABLED:
+        return numpy.empty(shape, dtype=dtype)
+    return POOL.array(shape, dtype)
 
 
 _DISABLED = bool(os.environ.get("MCONVERT_NO_BUFFER_POOL"))

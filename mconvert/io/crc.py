@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
+import sys
 import threading
 import zipfile
 from collections.abc import Callable, Iterator
@@ -324,9 +325,15 @@ def deferred_crc_checks() -> Iterator[DeferredCRC]:
         _DEFERRED = outer
         d.close()
         if outer is None:  # the conversion is over: its idle read buffers go back to the system
-            from mconvert.io.buffers import POOL
+            _trim_read_buffers()
 
-            POOL.trim()
+
+def _trim_read_buffers() -> None:
+    """The pooled read buffers go back to the system (`buffers.POOL.trim`); a process that never loaded the
+    pool (a reader of numpy arrays) holds none."""
+    buffers = sys.modules.get("mconvert.io.buffers")
+    if buffers is not None:
+        buffers.POOL.trim()
 
 
 @contextmanager
@@ -351,9 +358,7 @@ def start_crc_checks() -> None:
 def wait_crc_checks() -> None:
     """Raise the first failed background CRC-32 check (no-op outside `deferred_crc_checks()`). The units are
     converted by now: the idle read buffers go back to the system before the checks and the commit run."""
-    from mconvert.io.buffers import POOL
-
-    POOL.trim()
+    _trim_read_buffers()
     if _DEFERRED is not None:
         _DEFERRED.wait()
 

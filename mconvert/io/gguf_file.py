@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mconvert.errors import MConvertError
+from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
 from mconvert.io.hashing import DIRECT_MIN_BYTES, HashingFile
 
@@ -44,6 +44,10 @@ _SCALAR = {UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: "
 F32, F16, Q8_0, BF16 = 0, 1, 8, 30
 BLOCKS = {F32: (1, 4), F16: (1, 2), Q8_0: (32, 34), BF16: (1, 2)}
 Q8_BLOCK = 32
+# bfloat16, which numpy lacks, travels as its raw bits: the one unsigned 16-bit type a weight arrives in
+BF16_BITS = np.dtype(np.uint16)
+F16_MAX = 65504.0
+F16_OVERFLOW = 65520.0  # the smallest magnitude IEEE round-to-nearest-even takes to float16's Inf
 
 
 @dataclass(frozen=True)
@@ -176,14 +180,15 @@ class GgufFile:
         self._f.write(head + bytes(self.size - data - len(head)))
         self._next = 0
 
-    def write(self, data: torch.Tensor | np.ndarray | bytes | memoryview) -> None:
-        """The next tensor's bytes (a tensor or array as its row-major bytes), then its padding."""
+    def write(self, data: np.ndarray | bytes | memoryview) -> None:
+        """The next tensor's bytes (an array as its row-major bytes), then its padding. The array is kept alive
+        until written, not copied."""
         if self._next >= len(self.tensors):
             raise MConvertError(f"{self.path}: more tensors written than the {len(self.tensors)} planned")
         t = self.tensors[self._next]
         if isinstance(data, np.ndarray):
-            data = torch.from_numpy(np.ascontiguousarray(data))
-        n = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        n = memoryview(data).nbytes
         if n != t.nbytes:
             raise MConvertError(f"{self.path}: tensor {t.name}: {n} bytes, its info says {t.nbytes}")
         self._f.write(data)
@@ -212,40 +217,121 @@ class GgufFile:
 Q8_SLICE = 1 << 16  # values quantized at once: one slice's working buffers stay in the core's cache
 
 
-def quantize_q8_0(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-    """`x` (a float tensor, last dimension whole 32-blocks) as q8_0 blocks (a float16 scale, its largest magnitude
-    / 127, then 32 int8 values rounded half away from zero), bit for bit what ggml's `quantize_row_q8_0_ref` and
-    gguf-py's `Q8_0.quantize_blocks` compute on its float32 values. `rows` rows at a time (by default about
-    `Q8_SLICE` values), each cast to float32 into the same working buffers, every step in place: no allocation
-    per slice (with the CLI's fixed mmap threshold each would be a fresh mapping, its pages faulted in anew)."""
+def cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`x.astype(dtype)` (IEEE round-to-nearest-even, as gguf-py's) into reused memory (`buffers.array`)."""
+    out = buffers.array(x.shape, dtype)
+    np.copyto(out, x, casting="unsafe")
+    return out
+
+
+def to_float32(x: np.ndarray, name: str = "tensor", fix: str = "no GGUF type holds them; rescale the model") -> np.ndarray:
+    """`x` (float16, float32, or bfloat16 bits) as float32, exactly; a float32 array as it is; float64 rounded,
+    refused where a finite value would become Inf."""
+    if x.dtype == np.float32:
+        return x
+    if x.dtype == BF16_BITS:  # a bfloat16 is the top half of the float32 of the same value
+        out = buffers.array(x.shape, np.dtype(np.float32))
+        bits = out.view(np.uint32)
+        bits[...] = x
+        bits <<= 16
+        return out
+    if x.dtype == np.float64:
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            out = x.astype(np.float32)
+        if out.size and not (np.isfinite(out.min()) and np.isfinite(out.max())):
+            raise MConvertError(f"{name}: holds values up to {float(np.abs(x).max()):.6g}, beyond what float32 holds, "
+                                f"so they would be stored as Inf; {fix}")
+        return out
+    if x.dtype != np.float16:
+        raise MConvertError(f"{name}: a {x.dtype} tensor has no GGUF form here (float16, bfloat16, float32 and "
+                            "float64 are read)")
+    return widen_half(x.view(np.uint16), buffers.array(x.shape, np.dtype(np.float32)))
+
+
+def to_float16(x: np.ndarray, name: str, fix: str) -> np.ndarray:
+    """`x` as float16, rounded to nearest even as gguf-py's `astype` (a float16 array as it is), refused where
+    a finite value would become Inf: one line naming the tensor, its largest magnitude and `fix`."""
+    if x.dtype == np.float16:
+        return x
+    f = to_float32(x, name, fix)
+    if f.size:
+        big = max(-float(f.min()), float(f.max()))
+        if big >= F16_OVERFLOW:
+            raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what float16 holds (±{F16_MAX:g}), "
+                                f"so they would be stored as Inf; {fix}")
+    return cast(f, np.dtype(np.float16))
+
+
+def widen_half(bits: np.ndarray, out: np.ndarray, sign: np.ndarray | None = None) -> np.ndarray:
+    """float16 values (their raw bits) as float32 into `out` (same shape), exactly as numpy's cast, for every
+    finite value (subnormals included): the exponent and mantissa moved to float32's places, rescaled by
+    2^(127 - 15), the sign put back. Integer steps and one multiply, each vectorised, where numpy's own half
+    cast is a scalar loop. `sign`: a uint32 working buffer of `out`'s shape (else one is allocated)."""
+    b = out.view(np.uint32)
+    b[...] = bits
+    sign = np.bitwise_and(b, 0x8000, out=sign)
+    np.bitwise_and(b, 0x7FFF, out=b)
+    np.left_shift(b, 13, out=b)
+    out *= np.float32(2.0 ** 112)
+    np.left_shift(sign, 16, out=sign)
+    np.bitwise_or(b, sign, out=b)
+    return out
+
+
+def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
+                  fix: str = "write --outtype bf16 or f32") -> np.ndarray:
+    """`x` (float16, float32 or bfloat16 bits; last dimension whole 32-blocks) as q8_0 blocks (a float16 scale,
+    its largest magnitude / 127, then 32 int8 values rounded half away from zero), bit for bit what ggml's
+    `quantize_row_q8_0_ref` and gguf-py's `Q8_0.quantize_blocks` compute on its float32 values. `rows` rows at a
+    time (by default about `Q8_SLICE` values), each cast to float32 into the same working buffers, every step in
+    place: no allocation per slice (a fresh one would have its pages faulted in anew). A scale beyond float16's
+    range (it would be stored as Inf) is refused, naming the tensor and `fix`."""
     n = x.shape[-1]
     if n % Q8_BLOCK:
         raise MConvertError(f"a {list(x.shape)} tensor has rows of {n}, not whole q8_0 blocks")
     rows = rows or max(1, Q8_SLICE // n)
     flat = x.reshape(-1, n)
-    out = torch.empty((flat.shape[0], n // Q8_BLOCK, 2 + Q8_BLOCK), dtype=torch.uint8)
-    nb = min(rows, flat.shape[0]) * (n // Q8_BLOCK)
-    v_buf, a_buf, w_buf = (torch.empty((nb, Q8_BLOCK), dtype=torch.float32) for _ in range(3))
-    d_buf, inv_buf = (torch.empty((nb, 1), dtype=torch.float32) for _ in range(2))
-    zero_buf = torch.empty((nb, 1), dtype=torch.bool)
+    per_row = n // Q8_BLOCK
+    out = buffers.array((flat.shape[0], per_row, 2 + Q8_BLOCK), np.dtype(np.uint8))
+    nb = min(rows, flat.shape[0]) * per_row
+    v_buf, a_buf = (np.empty((nb, Q8_BLOCK), dtype=np.float32) for _ in range(2))
+    h_buf = np.empty((nb, Q8_BLOCK // 2), dtype=np.float32)
+    w_buf = np.empty((nb, Q8_BLOCK), dtype=np.float64)
+    d_buf, inv_buf = (np.empty((nb, 1), dtype=np.float32) for _ in range(2))
     for a in range(0, flat.shape[0], rows):
         src = flat[a:a + rows]
-        k = src.shape[0] * (n // Q8_BLOCK)
-        v, mag, whole, d, inv, zero = v_buf[:k], a_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k], zero_buf[:k]
-        v.view(src.shape).copy_(src)  # the slice as float32
-        torch.abs(v, out=mag)
-        torch.amax(mag, dim=1, keepdim=True, out=d)
-        d.div_(127)
-        torch.reciprocal(d, out=inv)
-        torch.eq(d, 0, out=zero)
-        inv.masked_fill_(zero, 0.0)
-        v.mul_(inv)  # the values in units of the scale
-        torch.abs(v, out=mag)
-        torch.floor(mag, out=whole)
-        mag.sub_(whole).mul_(2).floor_().add_(whole)  # |v| rounded half away from zero
-        torch.sign(v, out=whole)
-        mag.mul_(whole)
-        blk = out[a:a + rows].view(-1, 2 + Q8_BLOCK)
-        blk[:, :2].view(torch.float16).copy_(d)
-        blk.view(torch.int8)[:, 2:].copy_(mag)
-    return out.reshape(*x.shape[:-1], (n // Q8_BLOCK) * (2 + Q8_BLOCK))
+        k = src.shape[0] * per_row
+        v, mag, half, w, d, inv = v_buf[:k], a_buf[:k], h_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k]
+        if src.dtype == BF16_BITS:  # the slice as float32
+            bits = v.view(np.uint32).reshape(src.shape)
+            bits[...] = src
+            bits <<= 16
+        elif src.dtype == np.float16:
+            widen_half(src.view(np.uint16), v.reshape(src.shape), mag.view(np.uint32).reshape(src.shape))
+        else:
+            v.reshape(src.shape)[...] = src
+        np.abs(v, out=mag)
+        # each block's largest magnitude: halves folded onto each other (elementwise, not a 32-wide reduction)
+        np.maximum(mag[:, :16], mag[:, 16:], out=half)
+        for width in (8, 4, 2):
+            np.maximum(half[:, :width], half[:, width:2 * width], out=half[:, :width])
+        np.maximum(half[:, :1], half[:, 1:2], out=d)
+        big = float(d.max())
+        if big / 127 > F16_MAX:
+            raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what q8_0's float16 block scales hold "
+                                f"(±{127 * F16_MAX:g}), so a scale would be stored as Inf; {fix}")
+        d /= 127
+        np.divide(1, d, out=inv, where=d != 0)
+        inv[d == 0] = 0
+        v *= inv  # the values in units of the scale, as gguf-py's float32 product
+        # rounded half away from zero (ggml's roundf, gguf-py's np_roundf): |v| <= 127 has 24 significant bits,
+        # so v ± 1/2 (v's sign bit on 0.5's bits) is exact in float64, and the cast to int8 truncates it toward
+        # zero
+        half_bits = mag.view(np.uint32)
+        np.bitwise_and(v.view(np.uint32), 0x80000000, out=half_bits)
+        half_bits |= 0x3F000000
+        np.add(v, mag, out=w, dtype=np.float64)
+        blk = out[a:a + rows].reshape(-1, 2 + Q8_BLOCK)
+        blk[:, :2].view(np.float16)[...] = d
+        blk[:, 2:].view(np.int8)[...] = w
+    return out.reshape(*x.shape[:-1], per_row * (2 + Q8_BLOCK))

@@ -22,22 +22,31 @@ import os
 import queue
 import stat
 import threading
+import sys
 import time
 import zlib
 from collections.abc import Callable
 from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mconvert.io import buffers
 from mconvert.errors import MConvertError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether `x` is a torch tensor, without importing torch: a process that never imported it holds none."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of `t` in row-major order (a copy only when `t` is not contiguous)."""
+    import torch
+
     if not t.is_contiguous():
         t = t.contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -582,7 +591,7 @@ class HashingFile(_OutputFile):
         if isinstance(data, tuple):
             n = sum(t.numel() * t.element_size() for t in data)
             keep = data if keep is None else keep
-        elif isinstance(data, torch.Tensor):
+        elif is_tensor(data):
             n = data.numel() * data.element_size()
             keep = data if keep is None else keep
         else:
@@ -960,7 +969,11 @@ class _Staged:
     def __init__(self, data: "memoryview | torch.Tensor") -> None:
         self.rows: torch.Tensor | None = None
         self.flat: memoryview | None = None
-        if isinstance(data, torch.Tensor):
+        if is_tensor(data):
+            import torch
+
+            from mconvert.io import buffers
+
             t = data.detach()
             if t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and t.shape[0] > 1 and t.shape[1] \
                     and t.device.type == "cpu":
@@ -976,6 +989,8 @@ class _Staged:
         """All the bytes at once (a buffered file writes them as they are)."""
         if self.flat is None:
             assert self.rows is not None
+            from mconvert.io import buffers
+
             self.flat = tensor_bytes(buffers.contiguous(self.rows))
         return self.flat
 
@@ -985,6 +1000,8 @@ class _Staged:
             _memmove(chunk, at, self.flat[pos:pos + n])
             return
         assert self.rows is not None
+        import torch
+
         dst = torch.frombuffer(chunk, dtype=torch.uint8, count=n, offset=at)
         w, done = self.width, 0
         r, o = divmod(pos, w)

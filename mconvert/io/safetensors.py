@@ -32,13 +32,13 @@ from mconvert.io.hashing import (
     tensor_bytes,
 )
 from mconvert.io.paths import open_regular, owned_fd
+from mconvert.io.safetensors_arrays import decode_header
 from mconvert.io.crc import followed_digest
 from mconvert.io.casts import narrowed
 from mconvert.errors import MConvertError
 
 Entry = tuple[str, torch.dtype, tuple[int, ...]]  # (name, dtype, shape) of one planned tensor
 
-MAX_HEADER_BYTES = 100 << 20  # a larger header is corruption, not a model
 
 
 def nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
@@ -68,82 +68,6 @@ def encode_header(entries: Iterable[Entry], metadata: dict[str, str] | None = No
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
-_MAX_SIZE = (1 << 63) - 1  # safetensors reads sizes as usize; torch holds them as int64
-
-
-def _shown(x: Any) -> str:
-    """A JSON value as a short phrase for an error line."""
-    if x is None or isinstance(x, (bool, int, float)):
-        return json.dumps(x)[:40]
-    return repr(x[:20]) if isinstance(x, str) else ("a list" if isinstance(x, list) else "an object")
-
-
-def _size(x: Any, what: str) -> int:
-    """`x` as safetensors reads a size (usize): a JSON integer >= 0, never a bool, a fraction or a string."""
-    if type(x) is not int or not 0 <= x <= _MAX_SIZE:
-        raise ValueError(f"{what} is {_shown(x)}, not a non-negative JSON integer")
-    return x
-
-
-def decode_header(prefix: bytes, read: Any, size: int) -> tuple[int, dict[str, Entry], dict[str, str]]:
-    """Parse and check a header: `prefix` is the file's first 8 bytes, `read(n)` returns the n bytes after them,
-    `size` is the file's size. Returns (start of the data section, name -> (offset, dtype, shape), metadata);
-    a `ValueError` names what is wrong. Accepts what safetensors' own parser accepts: a shape is a list of JSON
-    integers >= 0, `data_offsets` two of them, `__metadata__` null or an object of strings."""
-    (n,) = struct.unpack("<Q", prefix)
-    if n > min(size - 8, MAX_HEADER_BYTES):
-        raise ValueError(f"header length {n} exceeds the file")
-    try:
-        head = json.loads(read(n))
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-    if not isinstance(head, dict):
-        raise ValueError("header is not a JSON object")
-    start = 8 + n
-    entries: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
-    metadata: dict[str, str] = {}
-    spans = []
-    for k, v in head.items():
-        if k == "__metadata__":
-            if v is not None and (not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values())):
-                raise ValueError("__metadata__ is not an object of strings")
-            metadata = v or {}
-            continue
-        if not isinstance(v, dict):
-            raise ValueError(f"tensor {k!r}: entry is {_shown(v)}, not an object")
-        for field in ("dtype", "shape", "data_offsets"):
-            if field not in v:
-                raise ValueError(f"tensor {k!r}: no {field!r}")
-        dt = v["dtype"]
-        row = dtypes.of_safetensors(dt) if isinstance(dt, str) else None
-        if row is None:
-            raise ValueError(f"tensor {k!r}: unknown dtype {_shown(dt)}")
-        shp, offs = v["shape"], v["data_offsets"]
-        if not isinstance(shp, list):
-            raise ValueError(f"tensor {k!r}: shape is {_shown(shp)}, not a list")
-        if not isinstance(offs, list) or len(offs) != 2:
-            raise ValueError(f"tensor {k!r}: data_offsets is {_shown(offs)}, not a [begin, end] pair")
-        shape = tuple(_size(d, f"tensor {k!r}: a shape entry") for d in shp)
-        a, b = (_size(x, f"tensor {k!r}: a data_offsets entry") for x in offs)
-        count = 1
-        for d in shape:  # as safetensors: the running product must fit
-            count *= d
-            if count > _MAX_SIZE:
-                raise ValueError(f"tensor {k!r}: shape {list(shape)} overflows")
-        if b - a != count * row.itemsize:
-            raise ValueError(f"tensor {k!r}: {b - a} bytes for shape {list(shape)} {dt}")
-        entries[k] = (a, row.torch, shape)
-        spans.append((a, b))
-    pos = 0
-    for a, b in sorted(spans):
-        if a != pos:
-            raise ValueError("tensor data offsets do not tile the data section")
-        pos = b
-    if start + pos != size:
-        raise ValueError(f"data section holds {size - start} bytes, the header describes {pos}")
-    return start, entries, metadata
-
-
 class SafetensorsReader:
     """One safetensors file read tensor by tensor with pread into reused memory — not through a mapping of the
     whole file, whose touched pages would count in the resident set until unmapped."""
@@ -154,8 +78,9 @@ class SafetensorsReader:
         self._close = owned_fd(self, self.fd)
         size = os.fstat(self.fd).st_size
         try:
-            self.start, self.entries, self.metadata = decode_header(
+            self.start, rows, self.metadata = decode_header(
                 os.pread(self.fd, 8, 0), lambda n: os.pread(self.fd, n, 8), size)
+            self.entries = {k: (a, row.torch, shape) for k, (a, row, shape) in rows.items()}
         except (ValueError, KeyError, TypeError, struct.error) as e:
             self._close()
             raise MConvertError(f"{path}: unreadable safetensors file ({str(e)[:120]}); it is truncated or corrupt "

@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -74,9 +75,10 @@ def process_cores() -> int:
 def reserve_writer_core() -> None:
     """Leave one core to the writer/hash thread: torch's intra-op pool at (cores - 1), at least 1. With as many
     OpenMP threads as cores, every parallel op (aminmax, cat, transposes) stalls at its barrier while the
-    writer thread holds a core."""
-    import torch  # the verb's engine has loaded it by now; importing the CLI does not
-
+    writer thread holds a core. A verb whose engine runs without torch (HF to GGUF) has no pool to size."""
+    torch = sys.modules.get("torch")  # the verb's engine has loaded it by now, where it uses it
+    if torch is None:
+        return
     want = max(1, process_cores() - 1)
     if torch.get_num_threads() > want:
         torch.set_num_threads(want)
@@ -100,9 +102,12 @@ def quiet_gc() -> None:
         gc.enable()
 
 
-def apply() -> None:
+def apply(with_torch: bool = True) -> None:
     """Everything a conversion verb wants: called once, after the verb's modules are imported (so `quiet_gc`
-    freezes them too) and before its first tensor."""
+    freezes them too) and before its first tensor. `with_torch`: the verb's engine computes in torch, imported
+    here where the verbs' module left it to first use; False for a verb that runs without it (HF to GGUF)."""
+    if with_torch:
+        import torch  # noqa: F401 - imported before the freeze, its thread pool sized below
     huge_pages()
     bound_heap()
     reserve_writer_core()

@@ -314,7 +314,7 @@ def _kv_b(spec: ModelSpec, x: Any) -> tuple[Any, Any]:
     """kv_b_proj [heads · (nope + v), kv_lora_rank] -> (k_b [heads, kv_lora_rank, nope], v_b [heads, v,
     kv_lora_rank]): k_b transposed per head, as llama.cpp's absorbed MLA multiplies by it."""
     kv = x.reshape(spec.num_attention_heads, spec.qk_nope_head_dim + spec.v_head_dim, x.shape[-1])
-    return kv[:, :spec.qk_nope_head_dim].transpose(1, 2), kv[:, spec.qk_nope_head_dim:]
+    return kv[:, :spec.qk_nope_head_dim].swapaxes(1, 2), kv[:, spec.qk_nope_head_dim:]
 
 
 # llama.cpp's deepseek2 (0.3.36) reads a model of these layer counts as DeepSeek-V2-Lite's, without q LoRA

@@ -6,17 +6,26 @@ table of HF names that are explicit drops (`None`). `op` names one layout transf
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import families
-from mconvert.mappings import transforms as T
 from mconvert.mappings.record import Plugin, Rule
 from mconvert.mappings.wildcards import Registry, fill, layer_of
 from mconvert.spec import ModelSpec, Unit
+
+if TYPE_CHECKING:
+    import torch
+
+    from mconvert.mappings import transforms as T
+else:  # the tensor ops load with torch on first use: the tables, names and shapes serve without it
+    class _Transforms:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(importlib.import_module("mconvert.mappings.transforms"), name)
+
+    T = _Transforms()
 
 
 _REG_CACHE: dict[str, Registry] = {}
@@ -109,6 +118,23 @@ OPS: dict[str, tuple[Callable[..., list[torch.Tensor]], Callable[..., torch.Tens
         lambda spec, t, n, e: [T.qkv_to_conv1d(t, spec.num_attention_heads, spec.head_dim, n, e)],
         lambda spec, ts, n, e: T.conv1d_to_qkv(ts[0], spec.num_attention_heads, spec.head_dim, n, e),
     ),
+}
+
+
+def _qkv_shapes(spec: ModelSpec, s: tuple[int, ...]) -> list[tuple[int, ...]]:
+    nq, ng, hd = spec.num_attention_heads, spec.num_groups, spec.head_dim
+    return [(nq * hd, *s[1:]), (ng * hd, *s[1:]), (ng * hd, *s[1:])]
+
+
+# op -> (spec, canonical shape) -> the shapes of its HF tensors in the rule's order: what `OPS`' to_hf makes of a
+# tensor of that shape, without one (planning: a writer's header, a source's expected shapes)
+SHAPES: dict[str, Callable[[ModelSpec, tuple[int, ...]], list[tuple[int, ...]]]] = {
+    "identity": lambda spec, s: [s],
+    "vocab": lambda spec, s: [(spec.vocab_size, *s[1:])],
+    "transpose": lambda spec, s: [s[::-1] if len(s) == 2 else s],
+    "gated": lambda spec, s: [(s[0] // 2, *s[1:])] * 2,
+    "qkv": _qkv_shapes,
+    "qkv_conv1d": lambda spec, s: [s[::-1] if len(s) == 2 else s],
 }
 
 
@@ -215,6 +241,30 @@ def to_hf_one(spec: ModelSpec, name: str, t: torch.Tensor, source: str = "checkp
     return out
 
 
+def to_hf_shapes(spec: ModelSpec, name: str, shape: tuple[int, ...], reg: Registry | None = None
+                 ) -> dict[str, tuple[int, ...]]:
+    """`to_hf_one` on shapes: the HF names canonical parameter `name` of `shape` becomes, with their shapes."""
+    m = match(spec, name, reg)
+    if m is None:
+        raise MConvertError(f"no {spec.family} mapping for parameter {name!r}")
+    _, rule, layer = m
+    shapes = [tuple(int(d) for d in s) for s in SHAPES[rule.op](spec, tuple(shape))]
+    out = {fill(h, layer): s for h, s in zip(rule.hf, shapes, strict=True)}
+    out.update({copy: shapes[0] for copy in mtp_copies(spec, name)})
+    return out
+
+
+def unit_hf_shapes(spec: ModelSpec, unit: Unit) -> dict[str, tuple[int, ...]]:
+    """`to_hf` on shapes: the HF tensors of one unit, in the order `to_hf` emits them, with their shapes, from
+    the spec alone."""
+    reg = registry(plugin_for(spec))
+    decls = {d.name: d.shape for d in spec.unit_params(unit)}
+    out: dict[str, tuple[int, ...]] = {}
+    for name in hf_order(spec, unit, decls):
+        out.update(to_hf_shapes(spec, name, decls[name], reg))
+    return out
+
+
 def check_complete(spec: ModelSpec, unit: Unit, names: Any, source: str = "checkpoint") -> None:
     """Every parameter ModelSpec declares for the unit is among `names` (else one clear error)."""
     have = set(names)
@@ -276,6 +326,8 @@ def _check_copy(hf: dict[str, torch.Tensor], copy: str, main: str, source: str) 
         return
     same = t.shape == want.shape and t.dtype == want.dtype
     if same and t.device.type != "meta" and want.device.type != "meta":
+        import torch
+
         same = torch.equal(t, want)
     if not same:
         raise MConvertError(f"{source}: tensor {copy!r} differs from {main!r}; Megatron's multi-token prediction "

@@ -21,7 +21,7 @@ from rich.table import Table
 from safetensors import safe_open
 
 from mconvert import dtypes
-from mconvert.convert.hf.source import read_weight_map
+from mconvert.convert.hf.directory import read_weight_map
 from mconvert.io.paths import contained, inside_file, load_json_object
 from mconvert.io.atomic import MANIFEST, check_manifest
 from mconvert.layouts.megatron import RANK_FILE, iteration_dir_name

@@ -126,3 +126,27 @@ def test_verbs_import_no_deployment_format() -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+def test_hf_to_gguf_never_imports_torch(tmp_path, outtype) -> None:
+    """`hf-to-gguf` of a safetensors HF directory (and its `--dry-run`) runs without torch: the directory is
+    read as numpy arrays (`convert/hf/arrays.py`) into the numpy GGUF writer; the file it writes is a GGUF that
+    gguf-py reads with every tensor."""
+    import gguf
+    from safety_common import make_hf_llama
+
+    from mconvert.data import build_tokenizer, save_hf_tokenizer
+
+    tok = tmp_path / "tok"
+    save_hf_tokenizer(build_tokenizer(), tok)
+    hf = make_hf_llama(tmp_path / "hf", vocab=1000)
+    args = ("--outtype", outtype, "--tokenizer", str(tok))
+    dry = _probe("hf-to-gguf", str(hf), str(tmp_path / "dry.gguf"), *args, "--dry-run")
+    assert dry["rc"] == 0 and "torch" not in dry["loaded"], dry
+    assert not (tmp_path / "dry.gguf").exists()
+    got = _probe("hf-to-gguf", str(hf), str(tmp_path / "m.gguf"), *args)
+    assert got["rc"] == 0, got
+    assert "torch" not in got["loaded"] and "transformers" not in got["loaded"], got
+    assert gguf.GGUFReader(tmp_path / "m.gguf").tensors

@@ -15,7 +15,8 @@ import transformers
 from mconvert.convert.verbs import to_gguf
 from mconvert.errors import MConvertError
 from mconvert.io.gguf_file import (ARRAY, BOOL, FLOAT32, FLOAT64, INT8, INT16, INT32, INT64, STRING, UINT8, UINT16,
-                                   UINT32, UINT64, GgufFile, KeyValue, TensorInfo, quantize_q8_0)
+                                   UINT32, UINT64, GgufFile, KeyValue, TensorInfo, quantize_q8_0,
+                                   to_float16, to_float32)
 
 
 def _gguf_py(path: Path, kvs: list[KeyValue], tensors: list[tuple[TensorInfo, np.ndarray]]) -> None:
@@ -55,7 +56,7 @@ def test_every_value_type_and_tensor_type_is_written_as_gguf_py_writes_it(tmp_pa
            KeyValue("bytes", b"\x00\xff", ARRAY), KeyValue("nested", [[1, 2], [3]], ARRAY)]
     f32 = rng.standard_normal((3, 5)).astype(np.float32)  # 60 bytes: padded to 64
     f16 = rng.standard_normal((7,)).astype(np.float16)  # 14 bytes
-    q8 = quantize_q8_0(torch.from_numpy(rng.standard_normal((2, 64)).astype(np.float32))).numpy()
+    q8 = quantize_q8_0(rng.standard_normal((2, 64)).astype(np.float32))
     bf16 = gguf.quants.quantize(rng.standard_normal((2, 3)).astype(np.float32), gguf.GGMLQuantizationType.BF16)
     tensors = [(TensorInfo("a.weight", (3, 5), 0), f32), (TensorInfo("b", (7,), 1), f16),
                (TensorInfo("c", (2, 64), 8), q8), (TensorInfo("d", (2, 3), 30), bf16)]
@@ -84,10 +85,46 @@ def test_q8_0_blocks_equal_gguf_pys_quantizer_bit_for_bit():
     x[1, :32] = torch.arange(32) / 2 - 8  # exact halves: rounded away from zero
     x[2, :32] = 6.5e4  # a scale near float16's top
     x[3, :32] = 1e-9  # a scale below float16's normals
+    x[4, :32] = 127
+    x[4, 1] = float(np.nextafter(np.float32(0.5), np.float32(0)))  # just below a half: rounded down
+    x[4, 2] = -0.0
     want = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
     for rows in (7, 4096):  # one chunk and several, with a short last one
-        have = quantize_q8_0(x, rows=rows).numpy()
+        have = quantize_q8_0(x.numpy(), rows=rows)
         assert have.shape == want.shape and np.array_equal(have, want)
+    # every half-integer up to 127.5 in units of the scale, and its float32 neighbours: the rounding's edges
+    rng = np.random.default_rng(3)
+    grid = (rng.integers(-255, 256, (2048, 32)) / 2).astype(np.float32)
+    grid[:, 0] = 127
+    for g in (grid, np.nextafter(grid, np.float32(0)), np.nextafter(grid, np.float32(300))):
+        assert np.array_equal(quantize_q8_0(g), gguf.quants.quantize(g, gguf.GGMLQuantizationType.Q8_0))
+    # float16 and bfloat16 (its raw bits) sources: gguf-py quantizes their float32 values
+    for src in (x.half(), x.bfloat16()):
+        want = gguf.quants.quantize(src.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+        arr = src.numpy() if src.dtype == torch.float16 else src.view(torch.int16).numpy().view(np.uint16)
+        assert np.array_equal(quantize_q8_0(arr, rows=7), want)
+
+
+def test_bf16_and_f16_casts_equal_torchs_and_refuse_overflow():
+    """float16 widened to float32 exactly as numpy's astype, bfloat16 bits as torch widens them; float32 to
+    float16 rounded as numpy's astype (gguf-py's cast); a value float16 cannot hold refused by name."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 96, generator=g) * torch.logspace(-8, 4, 64).unsqueeze(1)
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)]  # every finite float16, subnormals and -0 among them
+    assert np.array_equal(to_float32(halves).view(np.uint32), halves.astype(np.float32).view(np.uint32))
+    bf = x.bfloat16()
+    bits = bf.view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(to_float32(bits), bf.float().numpy())
+    assert np.array_equal(to_float16(bits, "w", "fix"), bf.float().numpy().astype(np.float16))
+    assert np.array_equal(to_float16(x.numpy(), "w", "fix"), x.numpy().astype(np.float16))
+    assert np.array_equal(to_float16(x.numpy(), "w", "fix").view(np.uint16), x.half().numpy().view(np.uint16))
+    ok = np.array([65519.9], dtype=np.float32)  # rounds down to float16's largest value
+    assert to_float16(ok, "w", "fix")[0] == 65504
+    with pytest.raises(MConvertError, match=r"^w: holds values up to 65520, beyond what float16 holds"):
+        to_float16(np.array([-1.0, 65520.0], dtype=np.float32), "w", "fix")
+    with pytest.raises(MConvertError, match=r"^w: holds values up to .*q8_0's float16 block scales"):
+        quantize_q8_0(np.full((1, 32), 1e8, dtype=np.float32), name="w")
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +163,10 @@ def test_hf_to_gguf_file_equals_gguf_pys_writer_given_its_key_values_and_tensors
     assert {int(t.tensor_type) for t in r.tensors} >= ({8} if outtype == "q8_0" else {0, 1} if outtype == "f16" else {0})
     _gguf_py(tmp_path / "theirs.gguf", kvs, tensors)
     assert out.read_bytes() == (tmp_path / "theirs.gguf").read_bytes()
+
+
+def test_float64_is_narrowed_to_float32_and_refused_past_its_range():
+    x = np.array([[1e-3, -2.5], [3.0, 1e30]])
+    assert np.array_equal(to_float32(x), x.astype(np.float32))
+    with pytest.raises(MConvertError, match=r"^w: holds values up to 1e\+300, beyond what float32 holds"):
+        to_float32(np.array([1.0, -1e300]), "w")

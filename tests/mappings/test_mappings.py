@@ -11,7 +11,8 @@ from mconvert.mappings import from_hf, hf_names, hf_unit, to_hf
 from mconvert.mappings import transforms as T
 from mconvert.mappings.keys import canonical_key, flatten
 from mconvert.mappings.wildcards import Registry
-from mconvert.mappings.families import hf_config, preset
+from mconvert.mappings.families import hf_config, preset, presets
+from mconvert.mappings.plugin import unit_hf_shapes
 
 
 def test_qkv_separate_roundtrip_and_group_layout():
@@ -178,3 +179,15 @@ def test_rotary_interleaved_q_k_reordered_for_hf(monkeypatch):
     assert not torch.allclose(hf_scores(q_m, k_m), want, atol=1e-2)  # without the reorder: wrong
     back = from_hf(spec, 0, hf)["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert torch.equal(back, fused)
+
+
+@pytest.mark.parametrize("name", [n for n in presets() if n.startswith("tiny-")])
+def test_shape_rules_give_what_to_hf_gives(name):
+    """`unit_hf_shapes` (the plugin's shape rules, what a GGUF header and a source's shape check are planned
+    from without torch) names, orders and shapes every unit's HF tensors as `to_hf` makes them from meta
+    tensors (`to_hf` itself is held to transformers' models in `test_plugin_to_hf_from_hf_roundtrip`)."""
+    spec = preset(name)
+    for unit in spec.units(False):
+        mc = {d.name: torch.empty(d.shape, device="meta") for d in spec.unit_params(unit)}
+        want = [(k, tuple(v.shape)) for k, v in to_hf(spec, unit, mc).items()]
+        assert list(unit_hf_shapes(spec, unit).items()) == want, unit

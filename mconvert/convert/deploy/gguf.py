@@ -31,17 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from mconvert.convert.base import Unit, units_of
+from mconvert.convert.base import Unit, pmap_iter, units_of
 from mconvert.io.paths import inside_file, load_json_object, read_small
-from mconvert.io.casts import check_narrowed, value_range
-from mconvert.io.gguf_file import GgufFile, KeyValue, TensorInfo, quantize_q8_0
+from mconvert.io import buffers
+from mconvert.io.gguf_file import BF16_BITS, GgufFile, KeyValue, TensorInfo, quantize_q8_0, to_float16, to_float32
 from mconvert.convert.hf.tokenizer import check_tokenizer_dir, staged_tokenizer
 from mconvert.convert.hf.tokenizer_files import read_tokenizer
 from mconvert.convert.writer import Writer
 from mconvert.errors import MConvertError, escape_controls, expect, renamed
-from mconvert.mappings import families, to_hf
+from mconvert.mappings import families
+from mconvert.mappings.plugin import unit_hf_shapes
 from mconvert.mappings.record import EXPERT_FF_KEY, GgufLayout
 from mconvert.mappings.gguf_vocab import (
     ADDED_SCORE,
@@ -99,7 +100,7 @@ class GgufTensor:
     unit: Unit | None
     shape: tuple[int, ...]
     qtype: Any
-    make: Callable[[ModelSpec, torch.Tensor], torch.Tensor] | None = None
+    make: Callable[[ModelSpec, Any], Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -183,7 +184,8 @@ def yarn_keys(spec: ModelSpec, layout: GgufLayout) -> dict[str, float | int]:
 
 def _f32(x: float) -> float:
     """x as the float32 llama.cpp reads a key into (inf beyond its range, 0 below it)."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    with np.errstate(over="ignore"):  # IEEE round to nearest, as a float32 key is stored
+        return float(np.float32(x))
 
 
 def hf_template(hf_name: str) -> tuple[str, list[int]]:
@@ -229,37 +231,30 @@ def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> Any:
     return want
 
 
-def _unit_decls(spec: ModelSpec, unit: Unit) -> list[Any]:
-    if unit == "embedding":
-        return spec.embedding_params(1)
-    if unit == "final":
-        return spec.final_params(1)
-    return spec.layer_params(int(unit))
-
-
 def plan_tensors(spec: ModelSpec, layout: GgufLayout, outtype: str) -> list[GgufTensor]:
-    """Every tensor of the file in write order, derived from the spec alone: each unit's parameters as meta
-    tensors through the family's HF mapping, then renamed (experts stacked where their first one stands); the
-    rope factor tensor first when llama3 scaling."""
+    """Every tensor of the file in write order, derived from the spec alone: each unit's parameters' shapes
+    through the family's HF mapping (`unit_hf_shapes`), then renamed (experts stacked where their first one
+    stands; a layout's `pieces` made from a zero-strided array of the HF shape, which holds no memory); the rope
+    factor tensor first when llama3 scaling."""
     plan: list[GgufTensor] = []
     if spec.rope_scaling == "llama3":
         shape = (spec.head_dim // 2,)
         plan.append(GgufTensor(ROPE_FREQS, (), None, shape, tensor_type(ROPE_FREQS, shape, outtype)))
     for unit in units_of(spec):
-        meta = {d.name: torch.empty(d.shape, device="meta") for d in _unit_decls(spec, unit)}
         parts: dict[str, dict[int | None, tuple[str, tuple[int, ...]]]] = {}
-        made: dict[str, Callable[[ModelSpec, torch.Tensor], torch.Tensor]] = {}
-        for hf_name, x in to_hf(spec, unit, meta, source="GGUF plan").items():
+        made: dict[str, Callable[[ModelSpec, Any], Any]] = {}
+        for hf_name, hf_shape in unit_hf_shapes(spec, unit).items():
             if dropped_mtp(spec, layout, hf_name):
                 continue
             template, idx = hf_template(hf_name)
             for piece, make in layout.pieces.get(template, ()):
                 name = piece.replace("*", str(idx[0]), 1)
-                parts[name], made[name] = {None: (hf_name, tuple(int(s) for s in make(spec, x).shape))}, make
+                shape = make(spec, np.broadcast_to(np.float32(0), hf_shape)).shape
+                parts[name], made[name] = {None: (hf_name, tuple(int(s) for s in shape))}, make
             if template in layout.pieces:
                 continue
             name, expert = gguf_name(layout, hf_name)
-            shape = tuple(int(s) for s in x.shape)
+            shape = hf_shape
             if hf_template(hf_name)[0] in layout.transposed:
                 shape = shape[::-1]
             parts.setdefault(name, {})[expert] = (hf_name, shape)
@@ -308,19 +303,33 @@ def prepare(spec: ModelSpec, outtype: str = "f16", accept_window_as_full: bool =
     return GgufPrepared(spec, layout, outtype, plan_tensors(spec, layout, outtype), notes)
 
 
-def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's `LlamaModel.permute`: per head, rows (i, i + d/2) become rows (2i, 2i + 1), the
-    pairs llama.cpp's LLAMA rope rotates together (weights [rows, in] or biases [rows])."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    pairs llama.cpp's LLAMA rope rotates together (weights [rows, in] or biases [rows]); into reused memory."""
+    half = w.shape[0] // n_head // 2
+    out = buffers.array(w.shape, w.dtype)
+    out.reshape(n_head, half, 2, *w.shape[1:])[...] = w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2)
+    return out
 
 
-def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: torch.Tensor, permute: bool = True) -> torch.Tensor:
+def as_array(x: Any) -> np.ndarray:
+    """A source's tensor as the array the GGUF rules work on (bfloat16 as its raw bits, `BF16_BITS`): an array
+    as it is; a torch tensor (a Megatron source's) viewed, not copied."""
+    if isinstance(x, np.ndarray):
+        return x
+    import torch
+
+    x = x.detach()
+    return x.view(torch.int16).numpy().view(BF16_BITS) if x.dtype == torch.bfloat16 else x.numpy()
+
+
+def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: np.ndarray, permute: bool = True) -> np.ndarray:
     """One HF tensor as the GGUF stores it (Conv1D weights transposed, q/k rows permuted where the layout says
     so)."""
     if hf_template(hf_name)[0] in layout.transposed:
-        x = x.t()
+        x = x.T
     if layout.norm_shift and hf_name.endswith("norm.weight"):
-        x = x.float() + layout.norm_shift
+        x = to_float32(x) + np.float32(layout.norm_shift)
     if permute and layout.permute_qk:
         if ".self_attn.q_proj." in hf_name:
             return permute_qk(x, spec.num_attention_heads)
@@ -329,9 +338,12 @@ def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: torch.Tensor
     return x
 
 
-def rope_freqs(spec: ModelSpec) -> torch.Tensor:
+def rope_freqs(spec: ModelSpec) -> np.ndarray:
     """llama3 rope scaling as llama.cpp reads it: one divisor per rotary pair (`rope_freqs.weight`), computed as
-    `LlamaModel.generate_extra_tensors` does from the base, head dim and the four scaling numbers."""
+    `LlamaModel.generate_extra_tensors` does from the base, head dim and the four scaling numbers (in torch:
+    its float32 power is the one llama.cpp's converter takes)."""
+    import torch
+
     dim = spec.head_dim
     freqs = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor = float(spec.rope_scaling_factor)
@@ -348,7 +360,7 @@ def rope_freqs(spec: ModelSpec) -> torch.Tensor:
         else:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float32)
+    return np.array(out, dtype=np.float32)
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------------
@@ -712,51 +724,56 @@ class GgufWriter(Writer):
                 special._set_special_token(typ, ids[text])
         special.add_to_gguf(w, quiet=True)
 
-    def _write(self, t: GgufTensor, x: torch.Tensor) -> None:
+    def _converted(self, t: GgufTensor, x: np.ndarray) -> np.ndarray:
+        """Tensor `t`'s bytes in its GGML type, from `x` as the GGUF stores it (`gguf_data`)."""
         if tuple(x.shape) != t.shape:
             raise MConvertError(f"tensor {t.hf[0] if t.hf else t.name}: shape {list(x.shape)}, the plan has "
                                 f"{list(t.shape)}")
         name = t.hf[0] if t.hf else t.name
         fix = "write --outtype bf16 or f32"
         q = _gguf().GGMLQuantizationType
-        if t.qtype in (q.F16, q.F32):
-            # one cast in torch, IEEE round-to-nearest-even as gguf-py's numpy astype, without a float32 copy
-            # in between: a float16 source at f16 is written as it is
-            out = x.detach().to(torch.float16 if t.qtype == q.F16 else torch.float32).contiguous()
-            check_narrowed(x, out, name, fix)
-            self._file.write(out)
-            self._next += 1
-            return
-        if t.qtype == q.Q8_0:  # each 32-block's scale, its largest magnitude / 127, is stored in float16
-            lo, hi = value_range(x.detach())
-            if max(-lo, hi) / 127 > torch.finfo(torch.float16).max:
-                raise MConvertError(f"{name}: holds values up to {max(-lo, hi):.6g}, beyond what q8_0's float16 "
-                                    f"block scales hold (±{127 * torch.finfo(torch.float16).max:g}), so a scale "
-                                    f"would be stored as Inf; {fix}")
-            self._file.write(quantize_q8_0(x.detach()))  # cast to float32 a slice at a time
-        else:
-            self._file.write(_gguf().quants.quantize(x.detach().to(torch.float32).contiguous().numpy(), t.qtype))
+        if t.qtype == q.F16:
+            return to_float16(x, name, fix)
+        if t.qtype == q.F32:
+            return to_float32(x, name, fix)
+        if t.qtype == q.Q8_0:
+            return quantize_q8_0(x, name=name, fix=fix)  # cast to float32 a slice at a time
+        if t.qtype == q.BF16 and x.dtype == BF16_BITS:
+            return x  # bfloat16 written as it is
+        return _gguf().quants.quantize(to_float32(x, name, fix), t.qtype)
+
+    def _write(self, t: GgufTensor, x: np.ndarray) -> None:
+        self._file.write(self._converted(t, x))
         self._next += 1
 
-    def add(self, unit: Unit, tensors: dict[str, torch.Tensor]) -> None:
-        """Append one unit's HF-named tensors (experts stacked); a tensor the plan has no place for is refused
-        by name."""
-        todo = {k: v for k, v in tensors.items() if not dropped_mtp(self.spec, self.layout, k)}
+    def add(self, unit: Unit, tensors: dict[str, Any]) -> None:
+        """Append one unit's HF-named tensors (arrays, or torch tensors taken as arrays at this edge; experts
+        stacked); a tensor the plan has no place for is refused by name. The unit's tensors are converted
+        several at once on the readers' pool (numpy releases the GIL), each written in plan order as soon as it
+        is ready."""
+        todo = {k: as_array(v) for k, v in tensors.items() if not dropped_mtp(self.spec, self.layout, k)}
+        planned: list[GgufTensor] = []
         used: set[str] = set()  # a tensor the layout makes several from (`pieces`) serves each of them
-        while self._next < len(self.plan) and self.plan[self._next].unit == unit:
-            t = self.plan[self._next]
+        while self._next + len(planned) < len(self.plan) and self.plan[self._next + len(planned)].unit == unit:
+            t = self.plan[self._next + len(planned)]
             missing = next((h for h in t.hf if h not in todo), None)
             if missing is not None:
                 raise MConvertError(f"unit {unit}: the source yields no {missing}; cannot write {t.name}")
-            data = [gguf_data(self.spec, self.layout, h, todo[h], self.permute) for h in t.hf]
+            planned.append(t)
             used.update(t.hf)
+        left = sorted(k for k in todo if k not in used)
+        if left:
+            raise MConvertError(f"unit {unit}: tensor {left[0]} has no place in the GGUF plan; conversion refused")
+
+        def one(t: GgufTensor) -> np.ndarray:
+            data = [gguf_data(self.spec, self.layout, h, todo[h], self.permute) for h in t.hf]
             if t.make is not None:
                 data = [t.make(self.spec, data[0])]
-            self._write(t, data[0] if len(data) == 1 else torch.stack(data))
-            del data
-        todo = {k: v for k, v in todo.items() if k not in used}
-        if todo:
-            raise MConvertError(f"unit {unit}: tensor {sorted(todo)[0]} has no place in the GGUF plan; conversion refused")
+            return self._converted(t, data[0] if len(data) == 1 else np.stack(data))
+
+        for out in pmap_iter(one, planned, lambda t: math.prod(t.shape)):  # each as soon as those before it are
+            self._file.write(out)
+            self._next += 1
 
     def close(self) -> list[Path]:
         """Finish the file; refuse one that misses a planned tensor."""

@@ -2,64 +2,38 @@
 
 from __future__ import annotations
 
-import math
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mconvert import dtypes as dtype_table
-from mconvert.convert import bounds
 from mconvert.convert.hf import fp8
+from mconvert.convert.hf.directory import HFDirectory
 from mconvert.convert.base import LayerParts, PartTasks, Unit, param_elements, pmap
 from mconvert.io import buffers
-from mconvert.io.paths import contained, inside_file, load_json_object, open_regular
+from mconvert.io.paths import open_regular
 from mconvert.io.safeload import safe_load
 from mconvert.io.casts import all_finite
 from mconvert.io.safetensors import SafetensorsReader
 from mconvert.io.torchsave import LazyModel, TensorIndex
-from mconvert.convert.hf.tokenizer import (
-    find_tokenizer_dir,
-)
-from mconvert.errors import MConvertError, expect
+from mconvert.errors import MConvertError
 from mconvert.io.transpose import copy_transposed
-from mconvert.mappings import families, from_hf, hf_names, hf_unit
-from mconvert.mappings.plugin import (check_hf_present, from_hf_one, hf_keys_for, hf_registry, mcore_row_plan, plugin_for, registry,
+from mconvert.mappings import from_hf
+from mconvert.mappings.plugin import (from_hf_one, hf_keys_for, hf_registry, mcore_row_plan, plugin_for, registry,
                                       transposed_in_hf)
 from mconvert.mappings.wildcards import fill
-from mconvert.mappings.fields import key_names
-from mconvert.spec import LayerPart
 
-INDEX = "model.safetensors.index.json"
 # A tensor read transposed goes through one reused block of about this size: big enough that each row of the
 # transposed result takes a run of a few hundred bytes at once, small enough to stay in the cache
 TRANSPOSE_BLOCK = 4 << 20
-def read_weight_map(index: Path) -> dict[str, str]:
-    """The `weight_map` of a `*.index.json` (tensor name -> file name); any other shape is one MConvertError
-    naming the file and the key."""
-    fix = "re-export the model (or delete the index to list the weight files instead)"
-    obj = load_json_object(index, "index", fix)
-    if "weight_map" not in obj:
-        raise MConvertError(f"{index}: unreadable index (no 'weight_map'); {fix}")
-    wmap = expect(obj["weight_map"], dict, f"{index}: weight_map", fix)
-    for name, file in wmap.items():
-        expect(file, str, f"{index}: weight_map[{name!r}]", fix)
-    return dict(wmap)
-
-
-class HFSource(LayerParts):
+class HFSource(HFDirectory, LayerParts):
     """An HF model directory (config.json + safetensors / pytorch_model*.bin), read one unit at a time."""
 
-    format = "hf"
     splits_experts = True
 
     def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
-        self.path = Path(path)
-        cfg_path = inside_file(self.path, "config.json", f"{self.path}: config")
-        self.config = load_json_object(cfg_path, "config", "fix it or re-copy the model directory")
-        self.spec = families.spec_from_hf_config(self.config, source=str(cfg_path))
-        self.tokenizer_dir = find_tokenizer_dir(Path(tokenizer) if tokenizer else None, self.path)
+        cfg_path = self._open(path, tokenizer)
         self._bin_cache: tuple[str, Any] | None = None
         # block-scaled FP8: its e4m3 weights are read dequantized into `dequant_dtype`, the scales beside them
         self.fp8_block = fp8.block_config(self.config, str(cfg_path))
@@ -68,15 +42,7 @@ class HFSource(LayerParts):
         self.scale_file = {k: self.key_file.pop(k) for k in list(self.key_file)
                            if self.fp8_block and k.endswith(fp8.SCALE_SUFFIX)}
         self._check_fp8()
-        self.unit_keys: dict[Unit, list[str]] = {}
-        for k, f in self.key_file.items():
-            u = hf_unit(self.spec, k, source=str(self.path / f))
-            if u is not None:
-                self.unit_keys.setdefault(u, []).append(k)
-        self.part_keys: dict[Unit, list[str]] = {}  # an MoE layer's keys by LayerPart (`_check_sizes` fills it)
-        self._check_unused(str(cfg_path))
-        self._check_sizes(str(cfg_path))
-        check_hf_present(self.spec, self.key_file, str(self.path))  # at opening: a --dry-run refuses it too
+        self._check_layout(cfg_path)
 
     def _check_fp8(self) -> None:
         """Every e4m3 weight has its scale of the block layout's shape and every scale its e4m3 weight
@@ -122,116 +88,6 @@ class HFSource(LayerParts):
         """The float32 scales of e4m3 weight `k` (from whichever file holds them)."""
         key = k + fp8.SCALE_SUFFIX
         return SafetensorsReader.get(self._st(self.scale_file[key]), key).float()
-
-    def _check_unused(self, source: str) -> None:
-        """Refuse a tensor of a known kind that config.json leaves out of the model (a q_proj.bias with
-        attention_bias false): transformers would skip it with a warning and compute another model than the
-        weights describe. A tied model's lm_head.weight is the one tensor the model may carry unused (transformers
-        ties it to the embedding, as the conversion does). MoE layers are checked part by part (`_part_keys`)."""
-        for unit, keys in self.unit_keys.items():
-            if isinstance(unit, int) and self.spec.is_moe:
-                continue
-            declared = set(hf_names(self.spec, unit))
-            for k in keys:
-                if k not in declared and not (k == "lm_head.weight" and self.spec.tie_embeddings):
-                    raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is not a parameter of this "
-                                        f"{self.spec.family} model as {source} describes it (a flag such as "
-                                        "attention_bias or tie_word_embeddings says otherwise); fix the config or "
-                                        "remove the tensor")
-
-    def _check_sizes(self, source: str) -> None:
-        """config.json's sizes against the tensors present (safetensors headers, the offset index of .bin
-        files) and the memory available, before any per-layer loop or allocation."""
-        names = key_names(families.hf_table(families.of(self.spec).model_type))
-        bounds.check_layer_count(self.spec, {u for u in self.unit_keys if isinstance(u, int)}, source, names)
-        if not self.can_preview():  # a legacy-pickle .bin has no index: its shapes are checked as each unit is read
-            self.part_keys = self._part_keys(source)
-            return
-        shapes: dict[str, tuple[int, ...]] = {}
-        for keys in self.unit_keys.values():
-            for k in keys:
-                m = self._meta(k)
-                if m is not None:
-                    shapes[k] = tuple(m.shape)
-        bounds.check_shapes(self.spec, bounds.expected_hf_shapes, shapes, source, names)
-        self.part_keys = self._part_keys(source)
-        sizes: dict[Any, int] = {}
-        by_unit = {u: ks for u, ks in self.unit_keys.items() if not (isinstance(u, int) and self.spec.is_moe)}
-        for unit, keys in {**by_unit, **self.part_keys}.items():  # an MoE layer moves one expert at a time
-            for part, ks in self._held_keys(unit, keys).items():
-                for k in ks:
-                    m = self._meta(k)
-                    if m is not None:
-                        sizes[part] = sizes.get(part, 0) + math.prod(m.shape) * m.dtype.itemsize
-        self.held_sizes, self.held_source = sizes, source
-        bounds.check_memory(sizes, source)
-
-    def _held_keys(self, unit: Unit, keys: list[str]) -> dict[Any, list[str]]:
-        """A unit's HF keys by what a conversion holds at once (`bounds.held_together`): a final unit that moves
-        parameter by parameter as each parameter's HF tensors (an MTP layer's copy of the head with the head);
-        a key no parameter reads, alone."""
-        whole = bounds.held_together(self.spec, unit, "")
-        if whole == unit:
-            return {unit: keys}
-        out: dict[Any, list[str]] = {}
-        left = dict.fromkeys(keys)
-        for d in self.spec.unit_params(unit):
-            mine = [k for k in hf_keys_for(self.spec, d.name) if k in left]
-            for k in mine:
-                del left[k]
-            out[bounds.held_together(self.spec, unit, d.name)] = mine
-        out.update({(unit, k): [k] for k in left})
-        return out
-
-    def _part_keys(self, source: str) -> dict[Unit, list[str]]:
-        """An MoE layer's keys by `LayerPart` (its dense part, each expert), in the layer's key order; {} for a
-        dense model. A layer key that no part declares (an expert beyond num_experts) is refused by name."""
-        if not self.spec.is_moe:
-            return {}
-        out: dict[Unit, list[str]] = {}
-        for layer in range(self.spec.num_layers):
-            part_of = {k: part for part in self.spec.layer_units(layer) for k in hf_names(self.spec, part)}
-            for k in self.unit_keys.get(layer, []):
-                if k not in part_of:
-                    raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is not a parameter of this "
-                                        f"{self.spec.family} model ({self.spec.num_experts} experts, {source}); "
-                                        "remove it or fix the config")
-                out.setdefault(part_of[k], []).append(k)
-        return out
-
-    def _keys(self, unit: Unit) -> list[str]:
-        """The HF keys of one unit (of an MoE layer's part when `unit` is a `LayerPart`)."""
-        return (self.part_keys if isinstance(unit, LayerPart) else self.unit_keys).get(unit, [])
-
-    def _index(self) -> dict[str, str]:
-        """tensor name -> file name, from the index json or by listing the weight files."""
-        idx = self.path / INDEX
-        if os.path.lexists(idx):
-            return self._weight_map(idx)
-        files = sorted(p.name for p in self.path.glob("*.safetensors"))
-        if not files:
-            bin_idx = self.path / "pytorch_model.bin.index.json"
-            if os.path.lexists(bin_idx):
-                return self._weight_map(bin_idx)
-            files = sorted(p.name for p in self.path.glob("pytorch_model*.bin"))
-        if not files:
-            raise MConvertError(f"{self.path}: no *.safetensors or pytorch_model*.bin weight files")
-        out: dict[str, str] = {}
-        for f in files:
-            inside_file(self.path, f, f"{self.path}: weight file")
-            for k in self._keys_of(f):
-                out[k] = f
-        return out
-
-    def _weight_map(self, idx: Path) -> dict[str, str]:
-        """An index's `weight_map`; every file it names must be a regular file inside the model directory."""
-        weight_map = read_weight_map(inside_file(self.path, idx.name, f"{self.path}: index"))
-        for f in sorted(set(weight_map.values())):
-            path = contained(self.path, f, f"{idx}: weight_map file")
-            if not os.path.lexists(path):
-                raise MConvertError(f"{idx}: lists {f} but that file is missing")
-            inside_file(self.path, f, f"{idx}: weight_map file")
-        return dict(weight_map)
 
     def _keys_of(self, f: str) -> list[str]:
         if f.endswith(".safetensors"):
@@ -351,16 +207,8 @@ class HFSource(LayerParts):
 
     def _check(self, k: str, t: torch.Tensor) -> None:
         """Safety: int bits would be converted as numbers, e4m3 bytes without their scales as garbage; NaN/Inf
-        refused."""
-        if t.dtype == fp8.FP8:
-            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is float8_e4m3fn outside a block-scaled "
-                                "FP8 safetensors checkpoint; its scales are unknown — fix config.json")
-        if not t.is_floating_point():
-            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds {t.dtype} values, not "
-                                "floating-point weights; the file is corrupt — re-copy it")
-        if not all_finite(t):
-            raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} holds NaN or Inf values; the "
-                                "model is corrupt — re-copy or re-export it")
+        refused (`HFDirectory.check_values`)."""
+        self.check_values(k, str(t.dtype), t.dtype == fp8.FP8, t.is_floating_point(), lambda: all_finite(t))
 
     def read_mcore(self, unit: Unit) -> dict[str, torch.Tensor]:
         """Canonical full tensors of one unit (vocab rows = the true vocab, unpadded); the parameters are built

@@ -41,7 +41,7 @@ from mconvert.errors import MConvertError
 from mconvert.mappings import families, hf_names, to_hf
 from mconvert.mappings.plugin import mtp_copies
 from mconvert.spec import ModelSpec
-from mconvert.convert.hf.source import INDEX
+from mconvert.convert.hf.directory import INDEX
 from mconvert.convert.writer import Writer
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.I)

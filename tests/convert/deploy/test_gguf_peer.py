@@ -240,19 +240,22 @@ def test_hf_to_gguf_writes_llama_cpp_converters_tensors_byte_for_byte(peer, mode
 
 @pytest.mark.gguf
 @pytest.mark.timeout(900)
-def test_a_float16_source_is_written_as_llama_cpp_writes_it(peer, models):
-    """The float16 checkpoint a user downloads (f16 written as it is, f32 widened) gives the converter's bytes."""
-    d = WORK / "hf-llama-fp16"
-    transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float16).save_pretrained(d)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_source_is_written_as_llama_cpp_writes_it(peer, models, dtype):
+    """The float16 or bfloat16 checkpoint a user downloads, read as numpy arrays (bfloat16 as its raw bits): f16
+    written as it is or narrowed, f32 widened, q8_0 quantized from its float32 values give the converter's
+    bytes."""
+    d = WORK / f"hf-llama-{dtype}"
+    transformers.AutoModelForCausalLM.from_pretrained(models["llama"], dtype=getattr(torch, dtype)).save_pretrained(d)
     for f in (models["llama"]).iterdir():
         if not (d / f.name).exists():
             shutil.copy(f, d / f.name)
-    for outtype in OUTTYPES:
-        ours, theirs = _convert_both(peer, d, "llama-fp16", outtype)
+    for outtype in (*OUTTYPES, "q8_0"):
+        ours, theirs = _convert_both(peer, d, f"llama-{dtype}", outtype)
         t_ours, t_theirs = _read(ours)[1], _read(theirs)[1]
         assert t_ours.keys() == t_theirs.keys()
         assert all(t_ours[k] == v for k, v in t_theirs.items()), \
-            [k for k, v in t_theirs.items() if t_ours[k] != v][:5]
+            (outtype, [k for k, v in t_theirs.items() if t_ours[k] != v][:5])
 
 
 @pytest.mark.gguf
