@@ -17,7 +17,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, qwen2
-from mconvert.mappings.record import Family, GgufLayout, Plugin, Rule, VllmFacts, check_qk_norm
+from mconvert.mappings.record import BridgeProviders, Family, GgufLayout, Plugin, Rule, VllmFacts, check_qk_norm
 from mconvert.mappings.fields import INT, NUM, STR, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
@@ -261,6 +261,44 @@ def gguf_metadata(spec: ModelSpec) -> dict[str, int | float]:
     return out
 
 
+# ---- Megatron-Bridge (`models/gemma/`; the sized classes of earlier releases only change defaults) -------------
+def bridge_number(where: str, name: str, v: Any) -> float:
+    """A run_config.yaml field that must be a positive number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise MConvertError(f"{where} {name}={v!r} must be a positive number; fix it")
+    return v
+
+
+def bridge_block(m: dict[str, Any], where: str, family: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What every Gemma provider builds: its own layer spec (required: the Gemma block is built there) with
+    post-attention and post-MLP norms, and embeddings scaled by √hidden. Returns (the fields left, the args)."""
+    m = dict(m)
+    spec = m.pop("transformer_layer_spec", None)
+    spec = spec.get("_target_") if isinstance(spec, dict) else None
+    own = f"megatron.bridge.models.gemma.{family}_provider.{family}_layer_spec"
+    if spec != own:
+        raise MConvertError(f"{where} transformer_layer_spec={spec} is not supported under the {family} provider: "
+                            f"only its own {own} (the Gemma block) is mapped; conversion refused")
+    return m, {"model_family": family, "sandwich_norms": True, "scale_embeddings": True}
+
+
+def bridge_args(m: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 2's provider: odd layers (1-based) windowed, attention scaled by 1/√query_pre_attn_scalar (its
+    attention does not read softmax_scale), both soft-caps read from their fields."""
+    m, implied = bridge_block(m, where, NAME)
+    implied["softmax_scale"] = bridge_number(where, "query_pre_attn_scalar", m.pop("query_pre_attn_scalar", None)) ** -0.5
+    m.pop("softmax_scale", None)  # Gemma2DotProductAttention does not read it
+    if m.get("window_size") is not None:
+        implied["window_attn_skip_freq"] = 2
+    return m, implied
+
+
+BRIDGE = BridgeProviders(
+    classes=tuple(f"megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider{n}" for n in ("", "2B", "9B", "27B")),
+    args=bridge_args,
+)
+
+
 # ggml-cpu's GeLU (the gate of GeGLU) reads an f16 table (GGML_GELU_FP16): an f32 file computes at f16 precision
 GGUF = GgufLayout(arch="gemma2", tensors=GGUF_TENSORS, permute_qk=False, refuse=lambda s: gguf_refuse(s, "gemma2"),
                   states=("window", "gemma"), norm_shift=1.0, metadata=gguf_metadata, compute_dtype="float16")
@@ -273,4 +311,5 @@ FAMILY = Family(
     hf_window="per_layer",
     gemma=True,
     gguf=GGUF,
+    bridge=BRIDGE,
 )

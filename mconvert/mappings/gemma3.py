@@ -12,7 +12,7 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import gemma2, llama, qwen3
-from mconvert.mappings.record import Family, GgufLayout, Plugin
+from mconvert.mappings.record import BridgeProviders, Family, GgufLayout, Plugin
 from mconvert.mappings.fields import INT, NUM, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
@@ -119,6 +119,48 @@ GGUF = GgufLayout(arch="gemma3", tensors={**gemma2.GGUF_TENSORS, "lm_head.weight
                   permute_qk=False, refuse=gguf_refuse, states=("window", "gemma"), norm_shift=1.0,
                   metadata=gguf_metadata, compute_dtype=gemma2.GGUF.compute_dtype)
 
+def bridge_args(m: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's provider (text only): `rotary_base` the pair (local, global); a local layer sees `window_size` − 1
+    keys back; layer n (1-based) is global when n % sum(`interleaved_attn_pattern`) == 0; the global rope divided by
+    `rope_scaling_factor`; Transformer Engine attention, which soft-caps nothing."""
+    m, implied = gemma2.bridge_block(m, where, NAME)
+    vl, pattern, window = m.pop("is_vision_language", None), m.pop("interleaved_attn_pattern", None), m.pop(
+        "window_size", None)
+    if vl:
+        raise MConvertError(f"{where} is_vision_language={vl!r} is not supported: Gemma 3's vision-language model "
+                            "(bidirectional, unwindowed attention) is not mapped; conversion refused")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping", "seq_len_interpolation_factor"):
+        if m.get(name) is not None:  # Gemma 3's TE attention and output layer do not soft-cap
+            raise MConvertError(f"{where} {name}={m[name]!r} is not supported under the gemma3 provider (its "
+                                "attention and output layer do not read it, or it scales the local rope too, which "
+                                "no Gemma 3 does); conversion refused")
+    bases = m.get("rotary_base")
+    if not (isinstance(bases, list) and len(bases) == 2):
+        raise MConvertError(f"{where} rotary_base={bases!r} must be the pair (local, global) Gemma 3's provide() "
+                            "reads; fix it")
+    if (not isinstance(pattern, list) or not pattern
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in pattern) or sum(pattern) < 1):
+        raise MConvertError(f"{where} interleaved_attn_pattern={pattern!r} must be whole numbers (local, global); "
+                            "fix it")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise MConvertError(f"{where} window_size={window!r} must be a whole number >= 1 (keys a local layer "
+                            "sees); fix it")
+    factor = gemma2.bridge_number(where, "rope_scaling_factor", m.pop("rope_scaling_factor", None) or 1.0)
+    m.update(rotary_base=gemma2.bridge_number(where, "rotary_base", bases[1]), rotary_percent=1.0, rope_scaling=False)
+    implied.update(rotary_base_local=gemma2.bridge_number(where, "rotary_base", bases[0]), window_size=(window - 1, 0),
+                   window_attn_skip_freq=sum(pattern))
+    if factor != 1:
+        implied["rotary_seq_len_interpolation_factor"] = factor
+    return m, implied
+
+
+BRIDGE = BridgeProviders(
+    classes=tuple(f"megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider{n}"
+                  for n in ("", "1B", "4B", "12B", "27B")),
+    args=bridge_args,
+)
+
+
 FAMILY = Family(
     name=NAME, architecture="Gemma3ForCausalLM", model_type="gemma3_text", base_architecture="Gemma3TextModel",
     plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, vllm=gemma2.VLLM, presets=PRESETS,
@@ -127,4 +169,5 @@ FAMILY = Family(
     hf_window="per_layer",
     gemma=True,
     gguf=GGUF,
+    bridge=BRIDGE,
 )

@@ -215,6 +215,17 @@ class VllmFacts:
 
 
 @dataclass(frozen=True)
+class BridgeProviders:
+    """Megatron-Bridge model providers whose `provide()` builds this family's block beyond what
+    GPTModelProvider's fields say: their class paths (`_target_` in run_config.yaml), and `args(model fields,
+    where)` -> (the fields left for the common Megatron-Bridge table, the Megatron-LM args the provider implies),
+    refusing by name what the family does not map."""
+
+    classes: tuple[str, ...]
+    args: Callable[[dict[str, Any], str], tuple[dict[str, Any], dict[str, Any]]]
+
+
+@dataclass(frozen=True)
 class Family:
     """Every fact of one model family (see the module docstring)."""
 
@@ -249,6 +260,9 @@ class Family:
     # same config, where it lacks this family's own class (GLM-4.7-Flash's glm4_moe_lite: deepseek_v3); the
     # validators run that class as the reference
     transformers_stand_in: str | None = None
+    # Megatron-Bridge providers of this family that build more than their fields say (`convert/megatron/bridge.py`
+    # accepts their checkpoints through `args`)
+    bridge: BridgeProviders | None = None
 
 
 def check_qk_norm(spec: ModelSpec, architecture: str, has_qk_norm: bool) -> None:

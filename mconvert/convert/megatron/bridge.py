@@ -16,7 +16,6 @@ string, compared as strings.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import yaml
 
 from mconvert.io.paths import inside_file, read_small
 from mconvert.errors import MConvertError, type_name
+from mconvert.mappings import families
 from mconvert.mappings.fields import (ARGS_NUMBERS, BRIDGE_MODEL, MAPPED, MEGATRON_ARGS, MEGATRON_MLA_ROPE_ARGS, check,
                                       check_numbers)
 from mconvert.spec import ModelSpec
@@ -58,13 +58,6 @@ _DEEPSEEK = ("DeepSeekModelProvider DeepSeekV2ModelProvider DeepSeekV2LiteModelP
              "MoonlightModelProvider16B DeepSeekProvider DeepSeekV2Provider DeepSeekV2LiteProvider DeepSeekV3Provider "
              "MoonlightProvider")
 _GLM = "GLMMoEModelProvider GLM45ModelProvider355B GLM45AirModelProvider106B"
-# Gemma 2 / 3 (`models/gemma/`; the sized classes of earlier releases only change defaults): provide() and the
-# provider's own layer spec build the Gemma block, which `gemma_args` maps from the fields they read.
-GEMMA: dict[str, str] = {
-    **{f"megatron.bridge.models.gemma.gemma2_provider.Gemma2ModelProvider{n}": "gemma2" for n in ("", "2B", "9B", "27B")},
-    **{f"megatron.bridge.models.gemma.gemma3_provider.Gemma3ModelProvider{n}": "gemma3"
-       for n in ("", "1B", "4B", "12B", "27B")},
-}
 PROVIDERS: frozenset[str] = frozenset(
     [_GPT, _MLA, "megatron.bridge.models.mistral.mistral_provider.MistralModelProvider",
      "megatron.bridge.models.kimi.kimi_provider.KimiK2Provider"]
@@ -72,7 +65,8 @@ PROVIDERS: frozenset[str] = frozenset(
     + [f"megatron.bridge.models.qwen.qwen_provider.{n}" for n in _QWEN.split()]
     + [f"megatron.bridge.models.deepseek.deepseek_provider.{n}" for n in _DEEPSEEK.split()]
     + [f"megatron.bridge.models.glm.glm45_provider.{n}" for n in _GLM.split()]
-    + list(GEMMA)
+    # the providers a family declares (`Family.bridge`: Gemma 2 / 3), whose block beyond the fields it reads
+    + [cls for fam in families.all_families() if fam.bridge is not None for cls in fam.bridge.classes]
 )
 # Providers known to build what mconvert does not map, refused by name with the reason.
 REFUSED_PROVIDERS: dict[str, str] = {
@@ -170,7 +164,10 @@ def provider_class(cfg: dict[str, Any], source: str) -> str:
 def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
     """The Megatron-LM args a run_config.yaml's model provider stands for (every field mapped or refused, by the
     `fields.BRIDGE_MODEL` table), so that one ModelSpec path serves both writers' checkpoints."""
-    m, implied = gemma_args(cfg["model"], GEMMA.get(provider_class(cfg, source)), source)
+    cls = provider_class(cfg, source)
+    own = next((f.bridge for f in families.all_families() if f.bridge is not None and cls in f.bridge.classes), None)
+    # a family's own providers build more than their fields say: the family reads what they imply
+    m, implied = own.args(cfg["model"], f"{source}: Megatron-Bridge model field") if own else (cfg["model"], {})
     # MLATransformerConfig's rope fields (rope_type, rotary_scaling_factor, mscale, ...) are Megatron-LM's MLA
     # args by name: read under multi_latent_attention, refused by the GPT table otherwise
     mla = MEGATRON_MLA_ROPE_ARGS if m.get("multi_latent_attention") else {}
@@ -213,67 +210,6 @@ def megatron_args(cfg: dict[str, Any], source: str) -> argparse.Namespace:
     if not a["use_rope_scaling"]:
         a.pop("rope_scaling_factor", None)
     return argparse.Namespace(**{**a, **implied})
-
-
-def gemma_args(m: dict[str, Any], family: str | None, source: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A Gemma provider's fields as GPTModelProvider's, and the Megatron args of what its provide() and layer spec
-    build beyond them (`spec._gemma_megatron_args`' names), from what Megatron-Bridge 0.6's models/gemma/ reads:
-    both: post-attention and post-MLP norms (the spec's TERowParallelLinearLayerNorm), embeddings × √hidden;
-    Gemma 2: layer n (1-based) windowed by `window_size` when n is odd, attention scaled by
-    1/√query_pre_attn_scalar (not softmax_scale), both soft-caps; Gemma 3: layer n windowed with `window_size` - 1
-    keys back unless n % sum(interleaved_attn_pattern) == 0, `rotary_base` (local, global), full rotary, the
-    global rope divided by `rope_scaling_factor`, Transformer Engine attention (no soft-cap). Other models: as
-    given, nothing implied."""
-    if family is None:
-        return m, {}
-    m = dict(m)
-    where = f"{source}: Megatron-Bridge model field"
-
-    def number(name: str, v: Any) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise MConvertError(f"{where} {name}={v!r} must be a positive number; fix it")
-        return v
-
-    spec = target(m.pop("transformer_layer_spec", None))
-    own = f"megatron.bridge.models.gemma.{family}_provider.{family}_layer_spec"
-    if spec != own:
-        raise MConvertError(f"{where} transformer_layer_spec={spec} is not supported under the {family} provider: "
-                            f"only its own {own} (the Gemma block) is mapped; conversion refused")
-    implied: dict[str, Any] = {"model_family": family, "sandwich_norms": True, "scale_embeddings": True}
-    if family == "gemma2":
-        implied["softmax_scale"] = number("query_pre_attn_scalar", m.pop("query_pre_attn_scalar", None)) ** -0.5
-        m.pop("softmax_scale", None)  # Gemma2DotProductAttention does not read it
-        if m.get("window_size") is not None:
-            implied["window_attn_skip_freq"] = 2
-        return m, implied
-    vl, pattern, window = m.pop("is_vision_language", None), m.pop("interleaved_attn_pattern", None), m.pop(
-        "window_size", None)
-    if vl:
-        raise MConvertError(f"{where} is_vision_language={vl!r} is not supported: Gemma 3's vision-language model "
-                            "(bidirectional, unwindowed attention) is not mapped; conversion refused")
-    for name in ("attn_logit_softcapping", "final_logit_softcapping", "seq_len_interpolation_factor"):
-        if m.get(name) is not None:  # Gemma 3's TE attention and output layer do not soft-cap
-            raise MConvertError(f"{where} {name}={m[name]!r} is not supported under the gemma3 provider (its "
-                                "attention and output layer do not read it, or it scales the local rope too, which "
-                                "no Gemma 3 does); conversion refused")
-    bases = m.get("rotary_base")
-    if not (isinstance(bases, list) and len(bases) == 2):
-        raise MConvertError(f"{where} rotary_base={bases!r} must be the pair (local, global) Gemma 3's provide() "
-                            "reads; fix it")
-    if (not isinstance(pattern, list) or not pattern
-            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in pattern) or sum(pattern) < 1):
-        raise MConvertError(f"{where} interleaved_attn_pattern={pattern!r} must be whole numbers (local, global); "
-                            "fix it")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise MConvertError(f"{where} window_size={window!r} must be a whole number >= 1 (keys a local layer "
-                            "sees); fix it")
-    factor = number("rope_scaling_factor", m.pop("rope_scaling_factor", None) or 1.0)
-    m.update(rotary_base=number("rotary_base", bases[1]), rotary_percent=1.0, rope_scaling=False)
-    implied.update(rotary_base_local=number("rotary_base", bases[0]), window_size=(window - 1, 0),
-                   window_attn_skip_freq=sum(pattern))
-    if factor != 1:
-        implied["rotary_seq_len_interpolation_factor"] = factor
-    return m, implied
 
 
 def padded_vocab(m: dict[str, Any]) -> int:
