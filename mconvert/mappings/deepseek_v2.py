@@ -31,6 +31,7 @@ from typing import Any
 from mconvert.errors import MConvertError
 from mconvert.mappings import deepseek_v3, llama
 from mconvert.mappings.fields import NUM, Field, mapped, refused
+from mconvert.mappings.record import EXPERT_FF_KEY
 from mconvert.spec import ModelSpec
 
 NAME = "deepseek_v2"
@@ -170,11 +171,31 @@ PRESETS = {
 }
 
 
-# DeepSeek-V3's record (tables, vLLM's MLA facts) under DeepSeek-V2's class names; no GGUF layout (llama.cpp's
-# deepseek2 metadata for this router is not checked here), no FT / TensorRT-LLM layout (no MLA there)
+# ---- GGUF: llama.cpp's deepseek2 (`build_moe_ffn` in llama-graph.cpp) ----------------------------------------
+SOFTMAX_GATING = 1  # gguf-py's ExpertGatingFuncType.SOFTMAX, llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def gguf_metadata(spec: ModelSpec) -> dict[str, int | float | bool | str]:
+    """deepseek2's keys for this router: softmax over every expert (`expert_gating_func`), the top-k weights not
+    renormalised, × `routed_scaling_factor`; MLA's keys as DeepSeek-V3's. No expert groups: every group rule this
+    class maps (`check_group_rule`) chooses the greedy top-k, which llama.cpp computes without groups (its own
+    group score, the sum of a group's top 2 experts, is neither HF's nor megatron-core's here)."""
+    hf = to_hf(spec)
+    return {EXPERT_FF_KEY: hf["moe_intermediate_size"], "expert_shared_count": hf["n_shared_experts"],
+            "leading_dense_block_count": hf["first_k_dense_replace"], "expert_group_count": 1,
+            "expert_group_used_count": 1, "expert_gating_func": SOFTMAX_GATING,
+            "expert_weights_scale": float(hf["routed_scaling_factor"]), "expert_weights_norm": False,
+            **deepseek_v3.mla_gguf_metadata(spec)}
+
+
+GGUF = dataclasses.replace(deepseek_v3.GGUF, metadata=gguf_metadata)
+
+
+# DeepSeek-V3's record (tables, vLLM's MLA facts, llama.cpp's deepseek2 tensors) under DeepSeek-V2's class names
+# and router; no FT / TensorRT-LLM layout (no MLA there)
 FAMILY = dataclasses.replace(
     deepseek_v3.FAMILY, **llama.rope_family(
         NAME, "DeepseekV2", plugin=dataclasses.replace(deepseek_v3.TABLE, family=NAME), hf_fields=HF_FIELDS,
         to_hf=to_hf, from_hf=from_hf, presets=PRESETS, recognise=recognise, recognise_order=3,
-        vllm=deepseek_v3.MLA_VLLM, ft=None, trtllm=None, gguf=None, remote_model_types=(),
+        vllm=deepseek_v3.MLA_VLLM, ft=None, trtllm=None, gguf=GGUF, remote_model_types=(),
         transformers_stand_in=None))

@@ -299,11 +299,15 @@ def moe_gguf_metadata(spec: ModelSpec, arch: str) -> dict[str, int | float | boo
 
 
 def gguf_metadata(spec: ModelSpec) -> dict[str, int | float | bool | str]:
-    """deepseek2's keys (`DeepseekV2Model.set_gguf_parameters`): llama.cpp runs MLA as one KV head of the latent
-    plus the rope part (key_length kv_lora_rank + rope, value_length kv_lora_rank) and the per-head sizes as the
-    `_mla` keys; the rotary width is the rope part."""
+    """deepseek2's keys (`DeepseekV2Model.set_gguf_parameters`): the DeepSeek MoE's and MLA's."""
+    return {**moe_gguf_metadata(spec, FAMILY.architecture), **mla_gguf_metadata(spec)}
+
+
+def mla_gguf_metadata(spec: ModelSpec) -> dict[str, int | float | bool | str]:
+    """MLA in llama.cpp's deepseek2: one KV head of the latent plus the rope part (key_length kv_lora_rank + rope,
+    value_length kv_lora_rank), the per-head sizes as the `_mla` keys; the rotary width is the rope part."""
     rope = spec.qk_rope_head_dim
-    return {**moe_gguf_metadata(spec, FAMILY.architecture), "attention.head_count_kv": 1,
+    return {"attention.head_count_kv": 1,
             "attention.key_length": spec.kv_lora_rank + rope, "attention.value_length": spec.kv_lora_rank,
             **({"attention.q_lora_rank": spec.q_lora_rank} if spec.q_lora_rank else {}),
             "attention.kv_lora_rank": spec.kv_lora_rank, "attention.key_length_mla": spec.qk_nope_head_dim + rope,
@@ -327,7 +331,7 @@ def gguf_refuse(spec: ModelSpec) -> None:
     softmax by its own rule, is stated by `gguf.yarn_keys` and refused there where no key reaches it.)"""
     lite = spec.num_layers in GGUF_LITE_LAYERS
     if (spec.q_lora_rank is None) != lite:
-        raise MConvertError(f"this deepseek_v3-family model has {spec.num_layers} layers and q_lora_rank="
+        raise MConvertError(f"this {spec.family}-family model has {spec.num_layers} layers and q_lora_rank="
                             f"{spec.q_lora_rank}; llama.cpp's deepseek2 takes a model of 26 or 27 layers to be "
                             "without q LoRA (DeepSeek-V2-Lite) and any other to be with it, so it cannot load this "
                             "GGUF; conversion refused")

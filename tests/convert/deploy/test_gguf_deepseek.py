@@ -11,6 +11,8 @@ the expert bias written as zeros fail the comparison. The tiny presets' MLA size
 are DeepSeek-V3's; llama.cpp 0.3.36's CPU path runs them as they are. Its deepseek2 reads a 26- or 27-layer model
 as without q LoRA (DeepSeek-V2-Lite) and any other as with it: the case without q LoRA has 27 layers, and a
 model against that rule is refused by name (written anyway, llama.cpp cannot load it).
+DeepSeek-V2-Lite's router (tiny-deepseek-v2-lite at 27 layers, with and without expert groups of topk_group = k):
+softmax gating, the top-k weights not renormalised; a control that renormalises them fails.
 
 DeepSeek-V3's YaRN (tiny-deepseek-v3-yarn: factor 4 over 32 original positions, 64 positions run): llama.cpp's
 logits match transformers' for DeepSeek-V3's mscale pair (`yarn_log_multiplier` alone), for mscale 0.5 and for no
@@ -43,7 +45,12 @@ REL_F32 = 1e-4  # llama.cpp f32 logits vs transformers', relative to the largest
 NO_Q_LORA = {"num_layers": 27, "q_lora_rank": None, "moe_layer_freq": (0,) + (1,) * 26}
 # case -> (trainer preset, changes to its spec, llama.cpp architecture)
 CASES = {"deepseek_v3": ("tiny-deepseek-v3", {}, "deepseek2"), "glm4_moe": ("tiny-glm45", {}, "glm4moe"),
-         "deepseek_v3 without q LoRA": ("tiny-deepseek-v3", NO_Q_LORA, "deepseek2")}
+         "deepseek_v3 without q LoRA": ("tiny-deepseek-v3", NO_Q_LORA, "deepseek2"),
+         "deepseek_v2 lite": ("tiny-deepseek-v2-lite", NO_Q_LORA, "deepseek2"),
+         # 8 groups, k = topk_group = 4: the greedy top-k, which llama.cpp computes without groups
+         "deepseek_v2 lite grouped": ("tiny-deepseek-v2-lite", {**NO_Q_LORA, "moe_router_num_groups": 8,
+                                                               "moe_router_group_topk": 4}, "deepseek2")}
+GATING = {"sigmoid": 2, "softmax": 1}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
 
 
 def _sources(case: str):
@@ -88,8 +95,16 @@ def test_deepseek_style_gguf_matches_transformers_in_llama_cpp(llama_cpp, case):
     meta = read_gguf_metadata(hf32)
     L, mtp = spec.num_layers, spec.mtp_num_layers
     assert meta["general.architecture"] == arch
-    assert meta[f"{arch}.leading_dense_block_count"] == 1 and meta[f"{arch}.expert_shared_count"] == 1
-    assert meta["tensors"]["blk.1.exp_probs_b.bias"] == ((spec.num_experts,), "F32")
+    shared = spec.moe_shared_expert_intermediate_size // spec.expert_ffn_hidden_size
+    assert meta[f"{arch}.leading_dense_block_count"] == 1 and meta[f"{arch}.expert_shared_count"] == shared
+    # the router: DeepSeek-V3's sigmoid with the expert bias and renormalised weights, V2's softmax without either
+    assert meta[f"{arch}.expert_gating_func"] == GATING[spec.moe_router_score_function]
+    assert meta[f"{arch}.expert_weights_norm"] == (not spec.moe_router_pre_softmax)
+    assert meta[f"{arch}.expert_weights_scale"] == pytest.approx(spec.moe_router_topk_scaling_factor or 1.0)
+    if spec.moe_router_pre_softmax:
+        assert meta[f"{arch}.expert_group_count"] == 1
+    bias = meta["tensors"].get("blk.1.exp_probs_b.bias")
+    assert bias == (((spec.num_experts,), "F32") if spec.moe_router_enable_expert_bias else None)
     if arch == "deepseek2":  # no MTP block; k_b [heads, kv latent, nope], v_b [heads, v, kv latent]
         assert meta[f"{arch}.block_count"] == L and not any(t.startswith(f"blk.{L}.") for t in meta["tensors"])
         assert meta["tensors"]["blk.0.attn_k_b.weight"][0] == (8, spec.kv_lora_rank, spec.qk_nope_head_dim)
@@ -157,12 +172,20 @@ def _k_b_untransposed(spec, x):
 
 @pytest.mark.gguf
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("control", ["k_b untransposed", "expert bias dropped"])
+@pytest.mark.parametrize("control", ["k_b untransposed", "expert bias dropped", "V2 weights renormalised"])
 def test_deepseek_gguf_controls_fail_the_comparison(llama_cpp, monkeypatch, control):
     """The controls of the comparison above: each changes one rule of the layout and llama.cpp's logits leave
     the f32 row."""
     real_layout, real_data = gguf_mod.gguf_layout, gguf_mod.gguf_data
-    if control == "k_b untransposed":
+    case = "deepseek_v3"
+    if control == "V2 weights renormalised":  # DeepSeek-V2's router with V3's renormalisation of the top-k
+        def layout(spec):
+            out = real_layout(spec)
+            return dataclasses.replace(out, metadata=lambda s: {**out.metadata(s), "expert_weights_norm": True})
+
+        monkeypatch.setattr(gguf_mod, "gguf_layout", layout)
+        case = "deepseek_v2 lite"
+    elif control == "k_b untransposed":
         def layout(spec):
             out = real_layout(spec)
             (kb, _), vb = next(iter(out.pieces.values()))
@@ -175,7 +198,7 @@ def test_deepseek_gguf_controls_fail_the_comparison(llama_cpp, monkeypatch, cont
             return np.zeros_like(x) if hf_name.endswith("e_score_correction_bias") else x
 
         monkeypatch.setattr(gguf_mod, "gguf_data", data)
-    _, hf = _sources("deepseek_v3")
+    _, hf = _sources(case)
     bad = G / f"control-{control.replace(' ', '-')}.gguf"
     bad.unlink(missing_ok=True)
     to_gguf(hf, bad, "f32", verb="hf-to-gguf")
