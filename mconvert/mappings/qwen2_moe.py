@@ -18,7 +18,7 @@ from typing import Any
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, mixtral, qwen2
 from mconvert.mappings.fields import BOOL, INT, Field, mapped, refused
-from mconvert.mappings.record import Family, Plugin, Rule
+from mconvert.mappings.record import Family, GgufLayout, Plugin, Rule, expert_width_key
 from mconvert.spec import ModelSpec
 
 NAME = "qwen2_moe"
@@ -123,11 +123,44 @@ PRESETS = {
         moe_shared_expert_intermediate_size=128, moe_shared_expert_gate=True),
 }
 
+# llama.cpp's QWEN2MOE architecture (convert_hf_to_gguf.py's Qwen2MoeModel, llama.cpp's models/qwen2moe.cpp):
+# Qwen2's attention names, the router as `ffn_gate_inp`, the experts stacked [experts, out, in], the shared expert
+# as `ffn_*_shexp` gated by sigmoid(`ffn_gate_inp_shexp`); softmax over every expert, the top-k weights never
+# renormalised (the pre-softmax router) and not scaled.
+GGUF_TENSORS: dict[str, str] = {
+    **{k: v for k, v in qwen2.GGUF.tensors.items() if k not in mixtral.DENSE_GGUF},
+    H + "mlp.gate.weight": "blk.*.ffn_gate_inp.weight",
+    HX + "gate_proj.weight": "blk.*.ffn_gate_exps.weight",
+    HX + "up_proj.weight": "blk.*.ffn_up_exps.weight",
+    HX + "down_proj.weight": "blk.*.ffn_down_exps.weight",
+    **{H + f"mlp.shared_expert.{p}_proj.weight": f"blk.*.ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
+    H + "mlp.shared_expert_gate.weight": "blk.*.ffn_gate_inp_shexp.weight",
+}
+
+
+def gguf_refuse(spec: ModelSpec) -> None:
+    """What llama.cpp's qwen2moe cannot compute: llama3 rope scaling (no rope_freqs here), and top-k weights
+    renormalised (norm_topk_prob true: megatron-core's default router), which its graph never does."""
+    llama.gguf_refuse_rope_freqs(spec)
+    if not spec.moe_router_pre_softmax:
+        raise MConvertError("llama.cpp's qwen2moe never renormalises the top-k expert weights; this qwen2_moe-family "
+                            "model does (norm_topk_prob true: megatron-core's default router), so there is no GGUF "
+                            "form; conversion refused")
+
+
+GGUF = GgufLayout(
+    arch="qwen2moe", tensors=GGUF_TENSORS, permute_qk=False, refuse=gguf_refuse,
+    metadata=lambda spec: {**expert_width_key(spec),
+                           "expert_shared_feed_forward_length": spec.moe_shared_expert_intermediate_size},
+)
+
+
 FAMILY = Family(**llama.rope_family(
     NAME, "Qwen2Moe", plugin=TABLE, hf_fields=HF_FIELDS, to_hf=to_hf, from_hf=from_hf, presets=PRESETS,
     recognise=recognise, recognise_order=2,
     ft=None,  # FasterTransformer has no MoE form here
     trtllm=None,  # no confirmed TensorRT-LLM MoE layout
+    gguf=GGUF,
     moe=True,
     deepseek=True,  # it holds the pre-softmax router and the gated shared expert (to_hf refuses the rest)
 ))

@@ -318,3 +318,63 @@ def test_deepseek_yarn_llama_cpp_computes_otherwise_is_refused_in_one_line(capsy
                             "--outtype", "f32", "--tokenizer", glm_tokenizer()], capsys)
     assert_one_line_error(code, err, says, "conversion refused")
     assert not out.exists()
+
+
+# ---- Qwen2-MoE (llama.cpp's qwen2moe): the pre-softmax router and a sigmoid-gated shared expert ----------------
+def _qwen2_moe_sources():
+    """(the trainer's tiny-qwen2-moe moved off its init at TP=2 EP=2, its megatron-to-hf export)."""
+    from mconvert.convert.verbs import megatron_to_hf, reshard
+
+    ckpt, hf = G / "ckpt-qwen2-moe-tp2ep2", G / "hf-qwen2-moe"
+    if not (ckpt / "latest_checkpointed_iteration.txt").is_file():
+        reshard(moved_off_init_ckpt("tiny-qwen2-moe"), ckpt, tp=2, pp=1, ep=2)
+    if not (hf / "config.json").is_file():
+        megatron_to_hf(ckpt, hf, tokenizer=glm_tokenizer())
+    return ckpt, hf
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("control", [None, "shared expert gate negated"])
+def test_qwen2_moe_gguf_matches_transformers_in_llama_cpp(llama_cpp, monkeypatch, control):
+    """tiny-qwen2-moe through megatron-to-gguf and hf-to-gguf: llama.cpp's f32 logits match transformers'
+    Qwen2MoeForCausalLM on the export (whose top-k weights are not renormalised: llama.cpp's qwen2moe never does);
+    the control, the shared expert's gate written negated (sigmoid(-x) = 1 - sigmoid(x)), leaves the f32 row."""
+    ckpt, hf = _qwen2_moe_sources()
+    spec = preset("tiny-qwen2-moe")
+    if control is None:
+        mg, hf32 = _gguf(ckpt, "mg-qwen2-moe", "f32"), _gguf(hf, "hf-qwen2-moe", "f32")
+        assert _tensors(mg) == _tensors(hf32)
+        meta = read_gguf_metadata(hf32)
+        assert meta["general.architecture"] == "qwen2moe"
+        assert meta["qwen2moe.expert_shared_feed_forward_length"] == spec.moe_shared_expert_intermediate_size
+        assert meta["tensors"]["blk.0.ffn_gate_inp_shexp.weight"][0] == (1, spec.hidden_size)  # HF's [1, hidden]
+        rep = validate(hf, [mg, hf32], device="cpu", n_tokens=32)
+        print(f"[figures] qwen2_moe llama.cpp vs transformers: {_rel(rep.results[0]):.1e}")
+        assert rep.passed and all(_rel(r) < REL_F32 and r.metrics["top1"] == 1.0 for r in rep.results), \
+            [r.metrics for r in rep.results]
+        checks = {c.name: c for c in verify(hf32, against=hf, device="cpu").checks}
+        assert all(checks[c].status == "ok" for c in ("tensors", "load", "greedy", "logits")), checks
+        return
+    real_data = gguf_mod.gguf_data
+
+    def data(spec, layout, hf_name, x, permute=True):
+        x = real_data(spec, layout, hf_name, x, permute)
+        return -x if hf_name.endswith("shared_expert_gate.weight") else x
+
+    monkeypatch.setattr(gguf_mod, "gguf_data", data)
+    bad = G / "control-qwen2-moe-gate.gguf"
+    bad.unlink(missing_ok=True)
+    to_gguf(hf, bad, "f32", verb="hf-to-gguf")
+    rep = validate(hf, [bad], device="cpu", n_tokens=32)
+    print(f"[figures] control {control}: {_rel(rep.results[0]):.1e}")
+    assert not rep.passed and any(f.startswith("max abs") for f in rep.results[0].failures), rep.results[0].metrics
+
+
+def test_qwen2_moe_renormalising_router_has_no_gguf_form(tmp_path):
+    """norm_topk_prob true (megatron-core's default router): llama.cpp's qwen2moe never renormalises; refused in one
+    line before anything is written."""
+    from mconvert.convert.deploy import gguf as deploy_gguf
+
+    with pytest.raises(MConvertError, match="qwen2moe never renormalises the top-k expert weights"):
+        deploy_gguf.prepare(preset("tiny-qwen2-moe").replace(moe_router_pre_softmax=False), "f32", False)
