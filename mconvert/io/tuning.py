@@ -65,6 +65,17 @@ def no_huge_pages() -> None:
         _huge_by_default = False
 
 
+BLAS_THREADS_ENV = "OPENBLAS_NUM_THREADS"
+
+
+def one_blas_thread() -> None:
+    """Have numpy's OpenBLAS start no threads of its own: at import it starts one per core, which spin-wait for
+    work for a while before they sleep, CPU a verb that makes no BLAS call (HF to GGUF: casts, permutes and
+    quantizes elementwise) pays for nothing. OpenBLAS reads the variable when numpy is first imported, so this
+    runs before the verb's engine is; a user's own setting wins."""
+    os.environ.setdefault(BLAS_THREADS_ENV, "1")
+
+
 def bound_heap(threshold: int = 128 << 10) -> None:
     """Have glibc serve every allocation above `threshold` with its own mmap and give it back on free, so the
     resident set follows the live tensors (one unit) instead of the heap's high-water mark (glibc's adaptive
