@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,7 +215,7 @@ class GgufFile:
         self._f.abort()
 
 
-Q8_SLICE = 1 << 16  # values quantized at once: one slice's working buffers stay in the core's cache
+Q8_SLICE = 1 << 17  # values quantized at once: the working buffers stay in cache, the calls per slice few
 
 
 def cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -304,6 +305,23 @@ class _Q8Work:
         self.f32: np.ndarray | None = None  # a wider source's float32 values (float64)
 
 
+_WORK = threading.local()  # each converting thread's `_Q8Work`s, by (values, bits dtype)
+
+
+def _q8_work(size: int, bits: np.dtype) -> _Q8Work:
+    """This thread's working buffers for slices of `size` values, kept for its next tensor of the same slice
+    size: new ones would be fresh pages (a page fault each) for every tensor."""
+    cache = getattr(_WORK, "by_size", None)
+    if cache is None:
+        cache = _WORK.by_size = {}
+    w = cache.get((size, bits))
+    if w is None:
+        if len(cache) >= 4:  # a few slice sizes in turn (a model's row widths), not one per tensor
+            cache.clear()
+        w = cache[(size, bits)] = _Q8Work(size, bits)
+    return w
+
+
 def block_maxima(mag: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Each 32-block's largest element of the flat contiguous `mag` (a view, one per block): the running maximum
     of 2, 4, ... 32 neighbours, each step one contiguous elementwise pass (a 32-wide reduction per block would be
@@ -341,7 +359,7 @@ def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
     per_row = n // Q8_BLOCK
     out = buffers.array((flat.shape[0] * per_row, 2 + Q8_BLOCK), np.dtype(np.uint8))
     half = x.dtype in (np.float16, BF16_BITS)
-    work = _Q8Work(min(rows, flat.shape[0]) * n, np.dtype(np.uint16 if half else np.uint32))
+    work = _q8_work(min(rows, flat.shape[0]) * n, np.dtype(np.uint16 if half else np.uint32))
     for a in range(0, flat.shape[0], rows):
         src = flat[a:a + rows]
         _quantize_slice(src, out[a * per_row:(a + src.shape[0]) * per_row], work, name, fix)
