@@ -68,9 +68,12 @@ def converter(venv: Path | None = None) -> tuple[Path, Path] | None:
     return (venv / "bin" / "python", script) if script.is_file() else None
 
 
-def build_model(name: str, dest: Path) -> None:
-    """A Llama-style HF model of MODELS[name] at `dest` (in a child process: torch stays out of the bench's)."""
-    r = subprocess.run([sys.executable, "-c", _BUILD, str(dest), json.dumps(MODELS[name]), str(SPM_VOCAB)],
+def build_model(name: str, dest: Path, layers: int | None = None) -> None:
+    """A Llama-style HF model of MODELS[name] (at `layers` layers when given) at `dest` (in a child process: torch
+    stays out of the bench's)."""
+    dims = list(MODELS[name])
+    dims[2] = layers or dims[2]
+    r = subprocess.run([sys.executable, "-c", _BUILD, str(dest), json.dumps(dims), str(SPM_VOCAB)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"bench: building {name} failed:\n{r.stderr[-2000:]}")
@@ -107,25 +110,49 @@ def figures(rows: dict[str, dict[str, Any]], src_bytes: dict[str, int]) -> dict[
     return out
 
 
-# ---- per byte on the same Llama: megatron-to-hf, reshard and hf-to-megatron at TP4 PP2 against cp ----------------
+# ---- per byte on the same Llama: megatron-to-hf, reshard, hf-to-megatron and hf-to-gguf at TP4 PP2 against cp ----
 LLAMA_TP, LLAMA_PP = 4, 2
 PER_BYTE_MODEL = "llama-1.3gb"
+SHALLOW_LAYERS = 4  # the same width at this depth: the marginal cost per extra GB is the difference of the two
+# verb -> (the cp row of its input, which input): Megatron-side verbs read the rank files, HF-side ones the HF dir
+PER_BYTE_VERBS = {"megatron-to-hf": ("cp", "megatron"), "reshard": ("cp", "megatron"),
+                  "hf-to-megatron": ("cp hf", "hf"), "hf-to-gguf": ("cp hf", "hf")}
 
 
-def per_byte_jobs(hf: Path, ckpt: Path) -> list[tuple[str, str, Path]]:
-    """(label, op, src) rows of the per-byte section, each with the cp of its own input beside it."""
-    return [("cp llama megatron", "cp", ckpt), ("megatron-to-hf llama", "megatron-to-hf", ckpt),
-            ("reshard llama", "reshard", ckpt), ("cp llama hf", "cp", hf), ("hf-to-megatron llama", "hf-to-megatron", hf)]
+def per_byte_jobs(hf: Path, ckpt: Path, tag: str = "") -> list[tuple[str, str, Path]]:
+    """(label, op, src) rows of the per-byte section, each with the cp of its own input beside it; `tag` tells
+    one depth's rows from another's."""
+    return [(f"cp llama{tag} megatron", "cp", ckpt), (f"megatron-to-hf llama{tag}", "megatron-to-hf", ckpt),
+            (f"reshard llama{tag}", "reshard", ckpt), (f"cp llama{tag} hf", "cp", hf),
+            (f"hf-to-megatron llama{tag}", "hf-to-megatron", hf), (f"hf-to-gguf llama{tag}", "hf-to-gguf:f16", hf)]
 
 
-def per_byte_figures(rows: dict[str, dict[str, Any]], in_bytes: dict[str, int]) -> dict[str, Any]:
+def marginal_figures(lo: dict[str, Any], hi: dict[str, Any]) -> dict[str, Any]:
+    """Per verb, from its `per_byte_figures` rows at two depths: wall and CPU seconds per extra GB of input
+    (start-up cancels), cp's of the same input likewise, and the verb's as a multiple of cp's."""
+    out = {}
+    for verb in hi:
+        extra = (hi[verb]["bytes"] - lo[verb]["bytes"]) / GB
+        if extra <= 0:
+            continue
+        r = {f"{who}_{fig}_s_per_gb": (hi[verb][f"{who}_{fig}_s"] - lo[verb][f"{who}_{fig}_s"]) / extra
+             for who in ("ours", "cp") for fig in ("wall", "cpu")}
+        r["x_cp_wall"] = r["ours_wall_s_per_gb"] / r["cp_wall_s_per_gb"] if r["cp_wall_s_per_gb"] > 0 else float("inf")
+        r["x_cp_cpu"] = r["ours_cpu_s_per_gb"] / r["cp_cpu_s_per_gb"] if r["cp_cpu_s_per_gb"] > 0 else float("inf")
+        out[verb] = r
+    return out
+
+
+def per_byte_figures(rows: dict[str, dict[str, Any]], in_bytes: dict[str, int], tag: str = "") -> dict[str, Any]:
     """Per verb: wall and CPU s, both per GB of its input, and as multiples of cp's of the same input in the
     same run (wall and CPU)."""
     out = {}
-    for verb, cp_label, side in (("megatron-to-hf", "cp llama megatron", "megatron"),
-                                 ("reshard", "cp llama megatron", "megatron"), ("hf-to-megatron", "cp llama hf", "hf")):
+    for verb, (cp_row, side) in PER_BYTE_VERBS.items():
+        if f"{verb} llama{tag}" not in rows:
+            continue
         gbs = in_bytes[side] / GB
-        r, cp = rows[f"{verb} llama"], rows[cp_label]
+        cp_label = f"cp llama{tag} megatron" if cp_row == "cp" else f"cp llama{tag} hf"
+        r, cp = rows[f"{verb} llama{tag}"], rows[cp_label]
         out[verb] = {
             "bytes": in_bytes[side],
             **{f"{who}_{k}": x[k] for who, x in (("ours", r), ("cp", cp)) for k in ("wall_s", "cpu_s")},

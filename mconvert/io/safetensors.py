@@ -1,4 +1,5 @@
-"""The safetensors format, once: one header codec (`encode_header` / `decode_header`) and the files built on it.
+"""The safetensors format, once: one header codec (`encode_header` here, `decode_header` and the opened file
+`SafetensorsFile` in the torch-free `io/safetensors_arrays.py`) and the files built on it.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header (padded with spaces to a multiple
 of 8) mapping each tensor name to its dtype code, shape and `[begin, end)` offsets in the data section, then
@@ -13,7 +14,6 @@ section).
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,9 +31,7 @@ from mconvert.io.hashing import (
     pread_into,
     tensor_bytes,
 )
-from mconvert.io.paths import open_regular, owned_fd
-from mconvert.io.safetensors_arrays import decode_header
-from mconvert.io.crc import followed_digest
+from mconvert.io.safetensors_arrays import SafetensorsFile
 from mconvert.io.casts import narrowed
 from mconvert.errors import MConvertError
 
@@ -68,37 +66,19 @@ def encode_header(entries: Iterable[Entry], metadata: dict[str, str] | None = No
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
-class SafetensorsReader:
+class SafetensorsReader(SafetensorsFile):
     """One safetensors file read tensor by tensor with pread into reused memory — not through a mapping of the
     whole file, whose touched pages would count in the resident set until unmapped."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = open_regular(path)
-        self._close = owned_fd(self, self.fd)
-        size = os.fstat(self.fd).st_size
-        try:
-            self.start, rows, self.metadata = decode_header(
-                os.pread(self.fd, 8, 0), lambda n: os.pread(self.fd, n, 8), size)
-            self.entries = {k: (a, row.torch, shape) for k, (a, row, shape) in rows.items()}
-        except (ValueError, KeyError, TypeError, struct.error) as e:
-            self._close()
-            raise MConvertError(f"{path}: unreadable safetensors file ({str(e)[:120]}); it is truncated or corrupt "
-                                "— re-copy it") from None
-        self.digest = followed_digest(path)  # the input's manifest digest, fed with the bytes as they are read
-
-    def keys(self) -> list[str]:
-        return list(self.entries)
-
     def meta(self, key: str) -> torch.Tensor:
         """A meta-device tensor of `key`'s shape and dtype (no memory)."""
-        _, dtype, shape = self.entries[key]
-        return torch.empty(shape, dtype=dtype, device="meta")
+        _, row, shape = self.entries[key]
+        return torch.empty(shape, dtype=row.torch, device="meta")
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor `key`, read with pread into pooled memory (`buffers.empty`)."""
-        a, dtype, shape = self.entries[key]
-        t = buffers.empty(shape, dtype)
+        a, row, shape = self.entries[key]
+        t = buffers.empty(shape, row.torch)
         mv = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         pread_into(self.fd, mv, self.start + a, self.path, key, digest=self.digest)
         return t
@@ -106,16 +86,13 @@ class SafetensorsReader:
     def read_into(self, key: str, dst: torch.Tensor, start: int = 0) -> bool:
         """pread bytes [start, start + dst.nbytes) of tensor `key` straight into `dst` (contiguous, same dtype);
         False when `dst` cannot take them (then use `get`)."""
-        a, dtype, shape = self.entries[key]
+        a, row, shape = self.entries[key]
         n = dst.numel() * dst.element_size()
-        if dtype != dst.dtype or not dst.is_contiguous() or start + n > numel(shape) * dst.element_size():
+        if row.torch != dst.dtype or not dst.is_contiguous() or start + n > numel(shape) * dst.element_size():
             return False
         mv = memoryview(dst.reshape(-1).view(torch.uint8).numpy()) if n else memoryview(b"")
         pread_into(self.fd, mv, self.start + a + start, self.path, key, digest=self.digest)
         return True
-
-    def close(self) -> None:
-        self._close()
 
 
 class SafetensorsStream:

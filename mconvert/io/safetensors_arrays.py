@@ -1,6 +1,6 @@
 """The safetensors header's reading half (`decode_header`, the checks safetensors' own loader makes) and
-`SafetensorsArrays`, a file read tensor by tensor as numpy arrays: what a conversion that needs no torch (HF to
-GGUF) reads through. `io/safetensors.py` holds the writers and the torch reader on the same codec."""
+`SafetensorsFile`, a file opened and its header checked, the base of both readers; `SafetensorsArrays`, a file
+read tensor by tensor as numpy arrays: what a conversion that needs no torch (HF to GGUF) reads through. `io/safetensors.py` holds the writers and the torch reader on the same codec."""
 
 from __future__ import annotations
 
@@ -117,10 +117,11 @@ def array_dtype(row: DType) -> np.dtype:
     return row.np if row.numpy is not None else np.dtype(np.uint8)
 
 
-class SafetensorsArrays:
-    """One safetensors file read tensor by tensor with pread into numpy arrays over reused memory
-    (`buffers.array`: a slot goes back when the last view of it, a writer's queued bytes included, is freed),
-    the input's manifest digest fed on the way as `SafetensorsReader` does."""
+class SafetensorsFile:
+    """One safetensors file opened (`open_regular`, the descriptor closed with its owner) and its header checked
+    (`decode_header`): `start` of the data section, `entries` (name -> (offset, dtype row, shape)), `metadata`,
+    and `digest`, the input's manifest digest fed with the bytes as they are read. The readers build on it:
+    `SafetensorsArrays` reads numpy arrays, `io/safetensors.py`'s `SafetensorsReader` torch tensors."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -139,6 +140,14 @@ class SafetensorsArrays:
     def keys(self) -> list[str]:
         return list(self.entries)
 
+    def close(self) -> None:
+        self._close()
+
+
+class SafetensorsArrays(SafetensorsFile):
+    """One safetensors file read tensor by tensor with pread into numpy arrays over reused memory
+    (`buffers.array`: a slot goes back when the last view of it, a writer's queued bytes included, is freed)."""
+
     def meta(self, key: str) -> Meta:
         _, row, shape = self.entries[key]
         return Meta(shape, row)
@@ -152,6 +161,3 @@ class SafetensorsArrays:
             pread_into(self.fd, memoryview(out.reshape(-1).view(np.uint8)), self.start + a, self.path, key,
                        digest=self.digest)
         return out
-
-    def close(self) -> None:
-        self._close()

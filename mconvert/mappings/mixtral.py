@@ -8,7 +8,7 @@ of the logits, softmax over the k). `intermediate_size` is each expert's width (
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, mistral
@@ -18,21 +18,49 @@ from mconvert.spec import ModelSpec
 
 NAME = "mixtral"
 L, H = llama.L, llama.H
-X, HX = L + "mlp.experts.local_experts.*.", H + "block_sparse_moe.experts.*."
+X = L + "mlp.experts.local_experts.*."
 
 # LLaMA's attention and norms; the dense MLP rows are replaced by the router and the per-expert MLPs
 # (the second `*` is the global expert index).
 DENSE_MLP = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
 ATTENTION_TABLE = {k: v for k, v in llama.TABLE.table.items() if k.removeprefix(L) not in DENSE_MLP}
 
+
+class Experts(NamedTuple):
+    """A routed SwiGLU MLP's HF names (templates after the layer prefix `H`; `*` in an expert's name is its
+    index): the router's weight and each expert's gate, up and down projections. The families with one differ
+    only in these names; `table` and `gguf` give their rows."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+
+    def table(self) -> dict[str, Rule]:
+        """The name-table rows: the router, each expert's gate and up as one gated fc1, its down as fc2."""
+        return {
+            L + "mlp.router.weight": Rule((H + self.router,)),
+            X + "linear_fc1.weight": Rule((H + self.gate, H + self.up), "gated"),
+            X + "linear_fc2.weight": Rule((H + self.down,)),
+        }
+
+    def gguf(self) -> dict[str, str]:
+        """llama.cpp's rows: the router as `ffn_gate_inp`, the experts stacked [experts, out, in] as
+        `ffn_{gate,up,down}_exps`."""
+        return {
+            H + self.router: "blk.*.ffn_gate_inp.weight",
+            H + self.gate: "blk.*.ffn_gate_exps.weight",
+            H + self.up: "blk.*.ffn_up_exps.weight",
+            H + self.down: "blk.*.ffn_down_exps.weight",
+        }
+
+
+EXPERTS = Experts("block_sparse_moe.gate.weight",
+                  *(f"block_sparse_moe.experts.*.{w}.weight" for w in ("w1", "w3", "w2")))
+
 TABLE = Plugin(
     family=NAME,
-    table={
-        **ATTENTION_TABLE,
-        L + "mlp.router.weight": Rule((H + "block_sparse_moe.gate.weight",)),
-        X + "linear_fc1.weight": Rule((HX + "w1.weight", HX + "w3.weight"), "gated"),
-        X + "linear_fc2.weight": Rule((HX + "w2.weight",)),
-    },
+    table={**ATTENTION_TABLE, **EXPERTS.table()},
     hf_drops=llama.TABLE.hf_drops,
 )
 
@@ -106,10 +134,7 @@ PRESETS = {
 DENSE_GGUF = tuple(H + f"mlp.{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj") for k in ("weight", "bias"))
 GGUF_TENSORS: dict[str, str] = {
     **{k: v for k, v in llama.GGUF_TENSORS.items() if k not in DENSE_GGUF},
-    H + "block_sparse_moe.gate.weight": "blk.*.ffn_gate_inp.weight",
-    HX + "w1.weight": "blk.*.ffn_gate_exps.weight",
-    HX + "w3.weight": "blk.*.ffn_up_exps.weight",
-    HX + "w2.weight": "blk.*.ffn_down_exps.weight",
+    **EXPERTS.gguf(),
 }
 GGUF = GgufLayout(arch="llama", tensors=GGUF_TENSORS, permute_qk=True, rope_freqs=True)
 

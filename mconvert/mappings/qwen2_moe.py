@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from mconvert.errors import MConvertError
-from mconvert.mappings import llama, mixtral, qwen2
+from mconvert.mappings import llama, mixtral, qwen2, qwen3_moe
 from mconvert.mappings.fields import BOOL, INT, Field, mapped, refused
 from mconvert.mappings.record import Family, GgufLayout, Plugin, Rule, expert_width_key
 from mconvert.spec import ModelSpec
@@ -24,15 +24,12 @@ from mconvert.spec import ModelSpec
 NAME = "qwen2_moe"
 ARCH = "Qwen2MoeForCausalLM"
 L, H = llama.L, llama.H
-X, HX = L + "mlp.experts.local_experts.*.", H + "mlp.experts.*."
 
 TABLE = Plugin(
     family=NAME,
     table={
         **mixtral.ATTENTION_TABLE,
-        L + "mlp.router.weight": Rule((H + "mlp.gate.weight",)),
-        X + "linear_fc1.weight": Rule((HX + "gate_proj.weight", HX + "up_proj.weight"), "gated"),
-        X + "linear_fc2.weight": Rule((HX + "down_proj.weight",)),
+        **qwen3_moe.EXPERTS.table(),
         L + "mlp.shared_experts.linear_fc1.weight": Rule((H + "mlp.shared_expert.gate_proj.weight",
                                                           H + "mlp.shared_expert.up_proj.weight"), "gated"),
         L + "mlp.shared_experts.linear_fc2.weight": Rule((H + "mlp.shared_expert.down_proj.weight",)),
@@ -129,10 +126,7 @@ PRESETS = {
 # renormalised (the pre-softmax router) and not scaled.
 GGUF_TENSORS: dict[str, str] = {
     **{k: v for k, v in qwen2.GGUF.tensors.items() if k not in mixtral.DENSE_GGUF},
-    H + "mlp.gate.weight": "blk.*.ffn_gate_inp.weight",
-    HX + "gate_proj.weight": "blk.*.ffn_gate_exps.weight",
-    HX + "up_proj.weight": "blk.*.ffn_up_exps.weight",
-    HX + "down_proj.weight": "blk.*.ffn_down_exps.weight",
+    **qwen3_moe.EXPERTS.gguf(),
     **{H + f"mlp.shared_expert.{p}_proj.weight": f"blk.*.ffn_{p}_shexp.weight" for p in ("gate", "up", "down")},
     H + "mlp.shared_expert_gate.weight": "blk.*.ffn_gate_inp_shexp.weight",
 }

@@ -14,23 +14,19 @@ from typing import Any
 
 from mconvert.errors import MConvertError
 from mconvert.mappings import llama, mixtral, qwen2, qwen3
-from mconvert.mappings.record import Family, GgufLayout, Plugin, Rule, expert_width_key
+from mconvert.mappings.record import Family, GgufLayout, Plugin, expert_width_key
 from mconvert.mappings.fields import BOOL, INT, NEUTRAL, Field, mapped, refused
 from mconvert.spec import ModelSpec
 
 NAME = "qwen3_moe"
 L, H = llama.L, llama.H
-X, HX = L + "mlp.experts.local_experts.*.", H + "mlp.experts.*."
+
+# Qwen's names of the router and the experts (Qwen2-MoE's too)
+EXPERTS = mixtral.Experts("mlp.gate.weight", *(f"mlp.experts.*.{p}_proj.weight" for p in ("gate", "up", "down")))
 
 TABLE = Plugin(
     family=NAME,
-    table={
-        **mixtral.ATTENTION_TABLE,
-        **qwen3.QK_NORM_TABLE,
-        L + "mlp.router.weight": Rule((H + "mlp.gate.weight",)),
-        X + "linear_fc1.weight": Rule((HX + "gate_proj.weight", HX + "up_proj.weight"), "gated"),
-        X + "linear_fc2.weight": Rule((HX + "down_proj.weight",)),
-    },
+    table={**mixtral.ATTENTION_TABLE, **qwen3.QK_NORM_TABLE, **EXPERTS.table()},
     hf_drops=llama.TABLE.hf_drops,
 )
 
@@ -114,10 +110,7 @@ GGUF = GgufLayout(
     arch="qwen3moe",
     tensors={
         **{k: v for k, v in qwen3.GGUF.tensors.items() if k not in mixtral.DENSE_GGUF},
-        H + "mlp.gate.weight": "blk.*.ffn_gate_inp.weight",
-        HX + "gate_proj.weight": "blk.*.ffn_gate_exps.weight",
-        HX + "up_proj.weight": "blk.*.ffn_up_exps.weight",
-        HX + "down_proj.weight": "blk.*.ffn_down_exps.weight",
+        **EXPERTS.gguf(),
     },
     permute_qk=False,
     refuse=llama.gguf_refuse_rope_freqs,

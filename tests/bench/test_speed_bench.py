@@ -80,3 +80,46 @@ def test_ab_compares_every_output_file(tmp_path) -> None:
     (b / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(bytes(range(256)) * 3 + bytes(256))
     (a / "extra.safetensors").write_bytes(b"\0")
     assert ab.differing_files(a, b) == ["extra.safetensors", "iter_0000001/mp_rank_00/model_optim_rng.pt"]
+
+
+def test_marginal_per_input_and_startup_targets(bench) -> None:
+    """HF-side verbs' marginal cost is per GB of the HF directory against cp of that directory; the start-up
+    rows are held to the issue's limits (0.5 s for --help and plan, 2 s for the smallest conversion)."""
+    def row(wall: float, cpu: float) -> dict:
+        return {"wall_s": wall, "cpu_s": cpu, "peak_rss": 1}
+
+    depth = {"8": {"layers": 8, "bytes": 2e9, "hf_bytes": 1e9, "cp": row(1.0, 0.5), "cp-hf": row(1.0, 0.5),
+                   "megatron-to-hf": row(2.0, 2.0), "hf-to-gguf": row(1.5, 1.0)},
+             "32": {"layers": 32, "bytes": 6e9, "hf_bytes": 3e9, "cp": row(3.0, 1.5), "cp-hf": row(1.4, 0.9),
+                    "megatron-to-hf": row(4.4, 5.0), "hf-to-gguf": row(2.6, 2.0)}}
+    m = bench.marginal(depth)
+    assert m["cp"] == pytest.approx(0.5) and m["cp-hf"] == pytest.approx(0.2)
+    assert m["megatron-to-hf"] == pytest.approx(0.6) and m["hf-to-gguf"] == pytest.approx(0.55)
+    x = bench.marginal_ratios(m)
+    assert x == pytest.approx({"megatron-to-hf": 1.2, "hf-to-gguf": 2.75})
+    rep = {"preset": "gpt2-1b", "marginal_s_per_gb": m,
+           "startup": {"mconvert --help": row(0.2, 0.1), "mconvert plan": row(0.6, 0.5),
+                       "megatron-to-hf tiny-llama": row(1.9, 1.5)}}
+    verdict = {t["target"]: t["pass"] for t in bench.targets(rep)}
+    assert verdict == {"mconvert --help ≤ 0.5 s wall": True, "mconvert plan ≤ 0.5 s wall": False,
+                       "megatron-to-hf tiny-llama ≤ 2 s wall": True}
+
+
+def test_llama_marginal_figures(bench) -> None:
+    """The Llama section's marginal cost: the difference of two depths' rows per extra GB, against cp's of the
+    same input over the same bytes."""
+    import gguf_peer
+
+    def fig(nbytes: float, ours: float, cp: float) -> dict:
+        return {"bytes": nbytes, "ours_wall_s": ours, "ours_cpu_s": ours / 2, "cp_wall_s": cp, "cp_cpu_s": cp / 4}
+
+    lo = {"megatron-to-hf": fig(0.5e9, 1.0, 0.3), "hf-to-gguf": fig(0.4e9, 0.5, 0.2)}
+    hi = {"megatron-to-hf": fig(1.5e9, 1.5, 0.7), "hf-to-gguf": fig(0.4e9, 0.6, 0.3)}
+    out = gguf_peer.marginal_figures(lo, hi)
+    assert list(out) == ["megatron-to-hf"]  # no extra bytes, no marginal figure
+    r = out["megatron-to-hf"]
+    assert r["ours_wall_s_per_gb"] == pytest.approx(0.5) and r["cp_wall_s_per_gb"] == pytest.approx(0.4)
+    assert r["x_cp_wall"] == pytest.approx(1.25) and r["x_cp_cpu"] == pytest.approx(0.25 / 0.1)
+    rep = {"llama_per_byte": {"marginal": out, "tp": 4, "pp": 2, "layers": (4, 12)}}
+    (t,) = bench.targets(rep)
+    assert t["target"] == "megatron-to-hf marginal wall cost ≤ 1.1 × cp's (Llama TP4 PP2)" and t["pass"] is False

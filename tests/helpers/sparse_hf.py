@@ -87,3 +87,26 @@ def _write_header(path: Path, header: dict[str, Any], data_bytes: int) -> None:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         f.truncate(8 + len(raw) + data_bytes)  # a hole: nothing is written, nothing is read in a dry run
+
+
+# The fields DeepSeek-V2-Lite's config.json and Moonlight-16B-A3B's (DeepSeek-V2-Lite's shape under DeepSeek-V3's
+# class) publish alike: 27 layers of hidden 2048, MLA with a kv latent of 512 and no q latent, 64 routed experts of
+# width 1408 with 2 shared, top-6 of one group, the first layer dense
+_DEEPSEEK_LITE_SHAPE = {
+    "attention_bias": False, "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "ep_size": 1,
+    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "kv_lora_rank": 512, "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+    "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1, "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128}
+
+
+def deepseek_lite_config(version: int, **fields: Any) -> dict[str, Any]:
+    """A published config.json of DeepSeek's remote-code class DeepseekV{version}ForCausalLM (its `architectures`,
+    `auto_map`, `model_type`) with DeepSeek-V2-Lite's shape (`_DEEPSEEK_LITE_SHAPE`), then the model's own `fields`."""
+    v = f"DeepseekV{version}"
+    return {"architectures": [f"{v}ForCausalLM"], "model_type": f"deepseek_v{version}",
+            "auto_map": {"AutoConfig": f"configuration_deepseek.{v}Config", "AutoModel": f"modeling_deepseek.{v}Model",
+                         "AutoModelForCausalLM": f"modeling_deepseek.{v}ForCausalLM"},
+            **_DEEPSEEK_LITE_SHAPE, **fields}

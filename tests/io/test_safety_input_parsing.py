@@ -271,7 +271,7 @@ ST_PROBES = {  # header JSON of one F32 tensor of 2 elements (8 data bytes)
 def test_decode_header_accepts_what_safetensors_accepts(tmp_path, case):
     from safetensors import safe_open
 
-    from mconvert.io.safetensors import decode_header
+    from mconvert.io.safetensors_arrays import decode_header
 
     head = ST_PROBES[case].encode()
     head += b" " * (-(len(head) + 8) % 8)

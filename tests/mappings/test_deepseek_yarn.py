@@ -26,6 +26,7 @@ import pytest
 import torch
 from hf_ref import move_off_init
 from mcore_ref import McoreContext, perturb, run_mcore, save_checkpoints
+from sparse_hf import deepseek_lite_config
 
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
 from mconvert.layouts.megatron import rank_file
@@ -298,22 +299,13 @@ def test_kimi_k2_reads_as_deepseek_v3_and_exports_a_config_transformers_builds()
 
 
 # moonshotai/Moonlight-16B-A3B's config.json as published (values as vendored in a public test's copy; the Hub
-# file is not reachable from here): MLA without a q latent, no rope scaling, 64 experts, 2 shared
-MOONLIGHT = {
-    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
-                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
-                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
-    "aux_loss_alpha": 0.001, "bos_token_id": 163584, "eos_token_id": 163586, "ep_size": 1, "first_k_dense_replace": 1,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 11264,
-    "kv_lora_rank": 512, "max_position_embeddings": 8192, "model_type": "deepseek_v3", "moe_intermediate_size": 1408,
-    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": True,
-    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
-    "num_nextn_predict_layers": 0, "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 50000.0, "routed_scaling_factor": 2.446,
-    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1, "topk_method": "noaux_tc",
-    "torch_dtype": "bfloat16", "transformers_version": "4.46.3", "use_cache": True, "v_head_dim": 128,
-    "vocab_size": 163840}
+# file is not reachable from here): DeepSeek-V2-Lite's shape (MLA without a q latent, 64 experts, 2 shared) under
+# DeepSeek-V3's class and sigmoid router, no rope scaling
+MOONLIGHT = deepseek_lite_config(
+    3, bos_token_id=163584, eos_token_id=163586, intermediate_size=11264, max_position_embeddings=8192,
+    norm_topk_prob=True, num_nextn_predict_layers=0, rms_norm_eps=1e-05, rope_theta=50000.0,
+    routed_scaling_factor=2.446, scoring_func="sigmoid", topk_method="noaux_tc", transformers_version="4.46.3",
+    vocab_size=163840)
 
 
 def test_moonlight_reads_as_mla_without_q_latent_and_plain_rope() -> None:

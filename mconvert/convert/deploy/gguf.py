@@ -22,9 +22,11 @@ family's HF mapping), so the header is written first and each unit's tensors are
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -84,9 +86,23 @@ def outtype_types(outtype: str) -> tuple[Any, Any]:
     return table[outtype]
 
 
-# 2-D tensors convert_hf_to_gguf.py keeps in F32 whatever the outtype (llama.cpp's quantizer skips them too):
-# the MoE router and learned positions
-F32_TENSORS = ("ffn_gate_inp.weight", "position_embd.weight")
+# The tensor kinds (gguf-py's MODEL_TENSOR) convert_hf_to_gguf.py keeps in F32 whatever the outtype, as
+# llama.cpp's quantizer skips them: MoE routers (the shared expert's gate too), learned positions and token types,
+# convolutions and the recurrent families' mixing weights; a kind this gguf-py does not know names no tensor here
+F32_KINDS = ("FFN_GATE_INP", "FFN_GATE_INP_SHEXP", "POS_EMBD", "TOKEN_TYPES", "SSM_CONV1D", "SHORTCONV_CONV",
+             "TIME_MIX_FIRST", "TIME_MIX_W1", "TIME_MIX_W2", "TIME_MIX_DECAY_W1", "TIME_MIX_DECAY_W2",
+             "TIME_MIX_LERP_FUSED", "POSNET_NORM1", "POSNET_NORM2", "V_ENC_EMBD_POS", "A_ENC_EMBD_POS",
+             "ALTUP_CORRECT_COEF", "ALTUP_PREDICT_COEF", "SSM_CONV1D_Q", "SSM_CONV1D_K", "SSM_CONV1D_V",
+             "INDEXER_PROJ")
+
+
+@functools.lru_cache(maxsize=1)
+def _f32_names() -> re.Pattern[str]:
+    """The GGUF weight names of `F32_KINDS` (gguf-py's TENSOR_NAMES, any block number) as one pattern."""
+    g = _gguf()
+    kinds = [getattr(g.MODEL_TENSOR, k) for k in F32_KINDS if hasattr(g.MODEL_TENSOR, k)]
+    names = sorted({g.TENSOR_NAMES[k] for k in kinds if k in g.TENSOR_NAMES})
+    return re.compile("(?:" + "|".join(re.escape(n).replace(re.escape("{bid}"), r"\d+") for n in names) + r")\.weight")
 
 
 @dataclass(frozen=True)
@@ -220,11 +236,12 @@ def mtp_note(spec: ModelSpec, layout: GgufLayout) -> str | None:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> Any:
-    """convert_hf_to_gguf.py's choice: 1-D tensors, norms, non-weights, the router and learned positions stay
-    F32; q8_0 needs rows of whole 32-value blocks, else F16."""
+    """convert_hf_to_gguf.py's choice: 1-D tensors, norms, non-weights and the kinds of `F32_KINDS` (the
+    routers, learned positions) stay F32; q8_0 needs rows of whole 32-value blocks, else F16."""
     g = _gguf()
     want = outtype_types(outtype)[0]
-    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") or name.endswith(F32_TENSORS):
+    if (len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight")
+            or _f32_names().fullmatch(name)):
         return g.GGMLQuantizationType.F32
     if want == g.GGMLQuantizationType.Q8_0 and shape[-1] % g.GGML_QUANT_SIZES[want][0]:
         return g.GGMLQuantizationType.F16

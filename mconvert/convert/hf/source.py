@@ -325,4 +325,4 @@ class BlockFP8File(SafetensorsReader):
         return fp8.dequantize(t, self.scale_of(key), self.block, self.dtype_of(), f"{self.path}: {key!r}")
 
     def read_into(self, key: str, dst: torch.Tensor, start: int = 0) -> bool:
-        return self.entries[key][1] != fp8.FP8 and super().read_into(key, dst, start)
+        return self.entries[key][1].torch != fp8.FP8 and super().read_into(key, dst, start)

@@ -37,10 +37,15 @@ PEER_DIR = "llama.cpp-convert"  # where gguf_env.sh keeps the converter inside t
 OUTTYPES = ("f32", "f16")
 SPM_VOCAB = 320
 BPE_VOCAB = 1000
-BPE_FAMILIES = ("gpt2", "qwen3_moe", "deepseek_v3", "deepseek_v3-yarn", "glm4_moe")
-# family (or family-variant) -> the trainer preset whose megatron-to-hf export is the model (DeepSeek-style: MLA,
+BPE_FAMILIES = ("gpt2", "qwen3_moe", "deepseek_v3", "deepseek_v3-yarn", "glm4_moe", "deepseek_v2", "qwen2_moe")
+# family (or family-variant) -> the trainer preset (or it and changes to its spec) whose megatron-to-hf export is
+# the model (DeepSeek-style: MLA,
 # MoE and MTP; `-yarn`: DeepSeek-V3's YaRN, whose `yarn_log_multiplier` both write)
-EXPORTED = {"deepseek_v3": "tiny-deepseek-v3", "deepseek_v3-yarn": "tiny-deepseek-v3-yarn", "glm4_moe": "tiny-glm45"}
+EXPORTED = {"deepseek_v3": "tiny-deepseek-v3", "deepseek_v3-yarn": "tiny-deepseek-v3-yarn", "glm4_moe": "tiny-glm45",
+            # DeepSeek-V2-Lite's shape (no q LoRA, softmax router; 27 layers, which llama.cpp's deepseek2 reads as
+            # without q LoRA) and Qwen2-MoE's (the gated shared expert)
+            "deepseek_v2": ("tiny-deepseek-v2-lite", {"num_layers": 27, "moe_layer_freq": (0,) + (1,) * 26}),
+            "qwen2_moe": "tiny-qwen2-moe"}
 
 # family -> its transformers config (every family both mconvert's GGUF export and llama.cpp's converter handle)
 _SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -98,15 +103,18 @@ METADATA_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
                                     "mconvert writes the head size for every family; these converters only "
                                     "where it is not hidden / heads, which is what absent reads as"),
     "{arch}.attention.value_length": (("gpt2", "mistral", "mixtral", "qwen2"), "as key_length"),
-    "{arch}.rope.dimension_count": (("gemma2", "gemma3", "qwen2", "qwen3", "qwen3_moe"),
+    "{arch}.rope.dimension_count": (("gemma2", "gemma3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"),
                                     "mconvert writes the rotary width; the Qwen and Gemma converters leave it out, "
                                     "read as the head size (the value written)"),
     "{arch}.rope.freq_base": (("gemma2",), "mconvert writes the config's rope_theta; the Gemma 2 converter leaves it "
                                            "out, read as 10000 (a Gemma 2 with another rope_theta is computed right "
                                            "only from mconvert's file)"),
-    "{arch}.vocab_size": (("gemma2", "gemma3", "glm4_moe", "gpt2", "qwen2", "qwen3", "qwen3_moe"),
+    "{arch}.vocab_size": (("gemma2", "gemma3", "glm4_moe", "gpt2", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"),
                           "mconvert writes it for every family; these converters leave it out, read as the token "
                           "list's length, which is the embedding's rows here"),
+    "{arch}.expert_weights_norm": (("deepseek_v2",), "mconvert writes false for a router that does not renormalise "
+                                                     "its top-k weights; the DeepSeek converter writes the key only "
+                                                     "when true, and deepseek2 reads absent as false"),
 }
 
 # runs convert_hf_to_gguf.py as its own `__main__`; a BPE vocabulary whose hash it does not know gets argv[1]'s
@@ -202,7 +210,8 @@ def models(spm_tokenizer, bpe_tokenizer) -> dict[str, Path]:
 
     for family, name in EXPORTED.items():
         out[family] = WORK / f"hf-{family}"
-        megatron_to_hf(moved_off_init_ckpt(name), out[family], tokenizer=glm_tokenizer())
+        name, changes = name if isinstance(name, tuple) else (name, {})
+        megatron_to_hf(moved_off_init_ckpt(name, **changes), out[family], tokenizer=glm_tokenizer())
     return out
 
 

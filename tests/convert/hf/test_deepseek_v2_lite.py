@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from safety_common import run_cli
-from test_hf_config_corpus import write_sparse_hf
+from sparse_hf import deepseek_lite_config, write_sparse_hf
 
 from mconvert.layouts.megatron import rank_file
 from mconvert.convert.verbs import hf_to_megatron, megatron_to_hf
@@ -32,22 +32,12 @@ from mconvert.mappings.families import hf_config, preset, spec_from_hf_config, s
 # 85864749cd611b4353ce1decdb286193298f64c7 (a public fine-tuning log in the code index; the Hub is not reachable
 # from here, so this is no byte copy; `ep_size` is the remote config class's default, which the log shows).
 # DeepSeek-V2-Lite (base) publishes the same fields and values.
-V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV2Config",
-                 "AutoModel": "modeling_deepseek.DeepseekV2Model",
-                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM"},
-    "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "ep_size": 1, "first_k_dense_replace": 1,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
-    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2", "moe_intermediate_size": 1408,
-    "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False,
-    "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
-    "pretraining_tp": 1, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True,
-    "tie_word_embeddings": False, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
-    "transformers_version": "4.49.0", "use_cache": True, "v_head_dim": 128, "vocab_size": 102400}
+V2_LITE = deepseek_lite_config(
+    2, bos_token_id=100000, eos_token_id=100001, intermediate_size=10944, max_position_embeddings=163840,
+    norm_topk_prob=False, rms_norm_eps=1e-06, rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax",
+    topk_method="greedy", transformers_version="4.49.0", vocab_size=102400,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                  "original_max_position_embeddings": 4096, "type": "yarn"})
 
 # the sizes shrunk, every other field as published (kv latent 512 + rope 64 kept: vLLM's CPU MLA width)
 SHRUNK = {**V2_LITE, "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 32,
