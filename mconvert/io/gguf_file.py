@@ -199,6 +199,7 @@ class GgufFile:
                 self._f.write(bytes(pad), at + t.nbytes)
             at += t.nbytes + pad
         self._filled = [0] * len(self.tensors)  # bytes of each tensor written so far
+        self._reach = 0  # the end of the furthest write made ahead of the tensors written whole in file order
 
     def write_at(self, index: int, data: np.ndarray | bytes | memoryview, at: int = 0) -> None:
         """(positional) Bytes [at, at + n) of tensor `index` (an array as its row-major bytes, kept alive until
@@ -214,13 +215,16 @@ class GgufFile:
         n = memoryview(data).nbytes
         if at < 0 or at + n > t.nbytes:
             raise MConvertError(f"{self.path}: tensor {t.name}: bytes [{at}, {at + n}) outside its {t.nbytes}")
+        if index > self._next or at != self._filled[index]:  # ahead of the bytes written in file order
+            self._reach = max(self._reach, self.offsets[index] + at + n)
         self._f.write(data, self.offsets[index] + at, keep=data)
         self._filled[index] += n
         if self._filled[index] == t.nbytes and index == self._next:
             while self._next < len(self.tensors) and self._filled[self._next] == self.tensors[self._next].nbytes:
                 self._next += 1
             end = self.offsets[self._next] if self._next < len(self.tensors) else self.size
-            self._f.catch_up(end)
+            if self._reach > self.offsets[index]:  # bytes came ahead of this tensor: the digest may wait on them
+                self._f.catch_up(end)
 
     def write(self, data: np.ndarray | bytes | memoryview) -> None:
         """The next tensor's bytes (an array as its row-major bytes), then its padding. The array is kept alive

@@ -906,12 +906,12 @@ class RandomDirectFile(_OutputFile):
     def catch_up(self, stop: int) -> None:
         """Move the digest's front to `stop` (every byte before it written) where writes ahead of the front
         stopped it: once those writes are on the disk, their bytes are read back and hashed now rather than at
-        `close`, so only what was written out of order is read again. Nothing to do where the front is not
-        stopped (it follows the writes itself) or is already there."""
+        `close`, so only what was written out of order is read again. Nothing is read where the front is not
+        stopped (it follows the writes itself) or is already there; the caller waits for the writes either way."""
+        self._drain()  # the digest is fed on the staging thread: its front is known once the writes are staged
+        self._raise()
         if self._far == self.size or stop <= self._front:
             return
-        self._drain()
-        self._raise()
         k = stop // _ALIGN  # the block at `stop`: in memory while some of its bytes are still to come
         on_disk = stop // _ALIGN * _ALIGN if self.direct and k in self._edges else stop
         if on_disk > self._front:
