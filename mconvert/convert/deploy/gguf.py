@@ -16,8 +16,11 @@ QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_pa
 `SpecialVocab` (merges for BPE, special ids, add-bos/eos, chat template).
 
 Streaming: every tensor's name, shape and type follows from the ModelSpec alone (a meta-tensor pass through the
-family's HF mapping), so the header is written first and each unit's tensors are appended as they arrive
-(every tensor info up front, each tensor's bytes as it is converted): memory is one unit.
+family's HF mapping), so the header is written first (every tensor info, so every offset, up front) and each
+tensor's bytes as it is converted. An MoE layer comes as its dense part and one expert at a time, each expert's
+tensors written as their slices of the stacked tensors at their offsets (`io.gguf_file.GgufFile`'s positional
+mode), and a final unit with an MoE MTP layer a parameter at a time: memory is one unit, and one expert of an
+MoE layer.
 """
 
 from __future__ import annotations
