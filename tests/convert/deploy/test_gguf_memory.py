@@ -2,10 +2,11 @@
 
 llama.cpp stacks a layer's routed experts into one tensor per projection ([experts, out, in]); the GGUF writer
 takes the layer as its dense part and one expert at a time and writes each expert's slice of the stacked
-tensors at its offset. Measured as `test_moe_memory.py` measures the other verbs (`memory_probe`: a fresh
-process, a warm-up run, peak RSS over the RSS before the verb) on one MoE layer of 8 and of 48 experts of the
-same width (6.3 MB each in fp32; the 48-expert layer is 302 MB): megatron-to-gguf from TP=2 EP=2 rank files and
-hf-to-gguf of their HF export, at f32 and q8_0. The control runs the same hf-to-gguf with the writer fed whole
+tensors at its offset; a final unit with an MoE MTP layer the file keeps comes a parameter at a time. Measured as
+`test_moe_memory.py` measures the other verbs (`memory_probe`: a fresh process, a warm-up run, peak RSS over the
+RSS before the verb) on one MoE layer of 8 and of 48 experts of the same width (6.3 MB each in fp32; the 48-expert
+layer is 302 MB) — Mixtral's, and GLM-4.5's with its MoE MTP layer of as many experts: megatron-to-gguf from
+TP=2 EP=2 rank files and hf-to-gguf of their HF export, at f32 and q8_0. The control runs the same hf-to-gguf with the writer fed whole
 layers (`GgufWriter.splits_experts` off): its peak grows by about the 40 experts more, which is what the probe
 would see if the writer held a layer; streamed, it grows by at most the output's write queue. The megatron-to-gguf file is the hf-to-gguf file of its export (every
 tensor byte for byte, every key but the name, which is the source directory's).
@@ -57,13 +58,23 @@ VERBS = {  # verb -> (its source, the call); megatron-to-hf first: it writes the
 """
 
 
-def _ckpt(root: Path, experts: int) -> Path:
-    """A TP=2 EP=2 Megatron checkpoint of one MoE layer (Mixtral), written one expert at a time, with a
-    byte-level BPE tokenizer beside it (`.tok`)."""
+# the model -> its one-layer spec of E experts of width F: Mixtral's layer; GLM-4.5's layer and MoE MTP layer, which
+# the GGUF keeps (llama.cpp's nextn block), so its final unit holds as many experts as the layer
+SPECS = {
+    "mixtral": lambda e: preset("tiny-mixtral").replace(num_layers=1, hidden_size=H, ffn_hidden_size=F, num_experts=e,
+                                                        num_attention_heads=4, num_query_groups=2, vocab_size=512),
+    "glm4_moe with its MTP layer": lambda e: preset("tiny-glm45").replace(
+        num_layers=1, moe_layer_freq=(1,), hidden_size=H, moe_ffn_hidden_size=F, moe_shared_expert_intermediate_size=F,
+        num_experts=e, vocab_size=512),
+}
+
+
+def _ckpt(root: Path, model: str, experts: int) -> Path:
+    """A TP=2 EP=2 Megatron checkpoint of `model` (`SPECS`), written one expert at a time, with a byte-level BPE
+    tokenizer beside it (`.tok`)."""
     from mconvert.data import build_tokenizer, save_hf_tokenizer
 
-    spec = preset("tiny-mixtral").replace(num_layers=1, hidden_size=H, ffn_hidden_size=F, num_experts=experts,
-                                          num_attention_heads=4, num_query_groups=2, vocab_size=512)
+    spec = SPECS[model](experts)
     w = megatron_writer(root, spec, tp=2, pp=1, ep=2)
     g = torch.Generator().manual_seed(experts)
     for unit in spec.units(split_experts=True):
@@ -84,18 +95,19 @@ def _contents(path: Path) -> tuple[dict, dict]:
 
 
 @pytest.mark.timeout(900)
-def test_gguf_of_an_moe_layer_holds_one_expert_not_the_layer(tmp_path: Path) -> None:
-    warm = _ckpt(tmp_path / "warm", 8)
+@pytest.mark.parametrize("model", SPECS)
+def test_gguf_of_an_moe_layer_holds_one_expert_not_the_layer(tmp_path: Path, model: str) -> None:
+    warm = _ckpt(tmp_path / "warm", model, 8)
     deltas: dict[str, dict[int, int]] = {}
     for experts in (8, MANY):
         out = tmp_path / f"out{experts}"
-        got = peak_over_baseline(VERBS, _ckpt(tmp_path / f"mg{experts}", experts), warm, out)
+        got = peak_over_baseline(VERBS, _ckpt(tmp_path / f"mg{experts}", model, experts), warm, out)
         for verb, r in got.items():
             deltas.setdefault(verb, {})[experts] = r["delta"]
         want = _contents(out / "hf-to-gguf")
         for verb in ("megatron-to-gguf", "hf-to-gguf, whole layers (control)"):  # the same file every way
             assert _contents(out / verb) == want, (experts, verb)
-    print(f"\npeak RSS over baseline (MB), 8 vs {MANY} experts of 6.3 MB (the {MANY}-expert layer "
+    print(f"\n{model}: peak RSS over baseline (MB), 8 vs {MANY} experts of 6.3 MB (the {MANY}-expert layer "
           f"{MANY * EXPERT_BYTES / 1e6:.0f} MB): "
           + ", ".join(f"{v} {d[8] / 1e6:.1f} vs {d[MANY] / 1e6:.1f}" for v, d in deltas.items()))
     more = (MANY - 8) * EXPERT_BYTES
