@@ -805,11 +805,11 @@ class GgufWriter(Writer):
             self._write_piece(i, e, out)
 
     def wants(self, unit: Unit) -> set[str] | None:
-        """The HF names of `unit` the plan writes (a multi-token prediction layer the layout leaves out is not
-        read)."""
-        if unit != "final" or not self.spec.mtp_num_layers or self.layout.mtp_blocks:
+        """The HF names of `unit` the plan writes: the tensors of multi-token prediction layers the layout leaves
+        out (in the final unit, and their copy of the embedding in the embedding unit) are not read."""
+        if unit not in ("embedding", "final") or not self.spec.mtp_num_layers or self.layout.mtp_blocks:
             return None
-        return {h for t in self.plan if t.unit == "final" for h in t.hf}
+        return {h for t in self.plan if t.unit == unit for h in t.hf}
 
     def _write_piece(self, i: int, expert: int | None, out: np.ndarray) -> None:
         """Tensor i's bytes, or expert `expert`'s slice of them (tensor i stacks its experts)."""
