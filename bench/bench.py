@@ -430,29 +430,41 @@ def startup_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def run_gguf(a: argparse.Namespace, work: Path, report: dict[str, Any]) -> None:
-    """`hf-to-gguf` against llama.cpp's converter and `cp`, interleaved round by round (gguf_peer.py)."""
-    if gguf_peer.converter() is None:
-        console.print("[yellow]gguf[/]: llama.cpp's converter is not in the llama.cpp venv (`make gguf-env`); skipped")
-        return
-    srcs, src_bytes = {}, {}
+def llama_models(work: Path) -> dict[str, Path]:
+    """The Llama-style HF models of `gguf_peer.MODELS` under `work` (built once), warm in the page cache."""
+    srcs = {}
     for name in gguf_peer.MODELS:
         srcs[name] = work / name
         if not (srcs[name] / "model.safetensors").is_file():
             console.print(f"[bold]building[/] {name} (random float16 Llama, SentencePiece tokenizer)")
             gguf_peer.build_model(name, srcs[name])
-        src_bytes[name] = dir_bytes(srcs[name])
         run_measured(["cp", "-r", str(srcs[name]), str(work / "warm")])  # the inputs warm in the page cache
         shutil.rmtree(work / "warm", ignore_errors=True)
-    jobs = []
-    for name in gguf_peer.MODELS:
-        jobs.append((f"cp {name}", "cp", srcs[name]))
-        for model, outtype in gguf_peer.RUNS:
-            if model == name:
-                jobs += [(f"hf-to-gguf {name} {outtype}", f"hf-to-gguf:{outtype}", srcs[name]),
-                         (f"llama.cpp {name} {outtype}", f"llama.cpp:{outtype}", srcs[name])]
-    rows = measure_rounds(jobs, work, max(3, a.repeats))
-    report["gguf"] = {"rows": gguf_peer.figures(rows, src_bytes), "load": os.getloadavg(), "cpus": os.cpu_count()}
+    return srcs
+
+
+def run_gguf(a: argparse.Namespace, work: Path, report: dict[str, Any]) -> None:
+    """`hf-to-gguf` against llama.cpp's converter and `cp`, interleaved round by round (gguf_peer.py), then the
+    Llama per-byte section (`run_llama_per_byte`), which needs no peer."""
+    srcs = llama_models(work)
+    if gguf_peer.converter() is None:
+        console.print("[yellow]gguf[/]: llama.cpp's converter is not in the llama.cpp venv (`make gguf-env`); "
+                      "the comparison with it is skipped")
+    else:
+        src_bytes = {name: dir_bytes(d) for name, d in srcs.items()}
+        jobs = []
+        for name in gguf_peer.MODELS:
+            jobs.append((f"cp {name}", "cp", srcs[name]))
+            for model, outtype in gguf_peer.RUNS:
+                if model == name:
+                    jobs += [(f"hf-to-gguf {name} {outtype}", f"hf-to-gguf:{outtype}", srcs[name]),
+                             (f"llama.cpp {name} {outtype}", f"llama.cpp:{outtype}", srcs[name])]
+        rows = measure_rounds(jobs, work, max(3, a.repeats))
+        report["gguf"] = {"rows": gguf_peer.figures(rows, src_bytes), "load": os.getloadavg(), "cpus": os.cpu_count()}
+    run_llama_per_byte(a, work, report, srcs)
+
+
+def run_llama_per_byte(a: argparse.Namespace, work: Path, report: dict[str, Any], srcs: dict[str, Path]) -> None:
     # per byte on the larger Llama at TP4 PP2: megatron-to-hf and reshard of its rank files, hf-to-megatron and
     # hf-to-gguf of the HF directory, each beside cp of the same input; the same at SHALLOW_LAYERS layers in the
     # same rounds, for the marginal cost per extra GB

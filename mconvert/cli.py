@@ -610,6 +610,7 @@ def hf_to_gguf_cmd(
       mconvert hf-to-gguf hf/ model.gguf --dry-run
     """
     # the verb's engine (torch and up) loads only when the verb runs: --help and usage errors stay instant
+    tuning.one_blas_thread()  # before numpy's import
     from mconvert.convert.verbs import to_gguf
 
     _manifest_hash(manifest_hash, one_process="hf-to-gguf")

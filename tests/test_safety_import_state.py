@@ -67,3 +67,19 @@ def test_cli_applies_tuning_and_library_does_not(tmp_path):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["thp"] == "1" and got["frozen"] > 0 and got["threshold"] == 50_000
     assert got["threads"] == min(got["t0"], max(1, got["cores"] - 1))
+
+
+def test_a_torch_free_verb_takes_back_the_huge_page_default_but_not_a_users_setting():
+    """hf-to-gguf (`tuning.apply(with_torch=False)`) has no torch allocator to tune: the pool's buffers stay on
+    4 KiB pages unless the user asked for huge pages."""
+    probe = ("import os, json; from mconvert.io import tuning; out = []\n"
+             "for user in (None, '1'):\n"
+             "    os.environ.pop('THP_MEM_ALLOC_ENABLE', None)\n"
+             "    if user: os.environ['THP_MEM_ALLOC_ENABLE'] = user\n"
+             "    tuning.huge_pages(); was = os.environ.get('THP_MEM_ALLOC_ENABLE'); tuning.apply(with_torch=False)\n"
+             "    out.append([was, os.environ.get('THP_MEM_ALLOC_ENABLE')])\n"
+             "print(json.dumps(out))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [["1", None], ["1", "1"]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,7 +267,7 @@ class GgufFile:
         self._f.abort()
 
 
-Q8_SLICE = 1 << 16  # values quantized at once: one slice's working buffers stay in the core's cache
+Q8_SLICE = 1 << 17  # values quantized at once: the working buffers stay in cache, the calls per slice few
 
 
 def cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -330,60 +331,145 @@ def widen_half(bits: np.ndarray, out: np.ndarray, sign: np.ndarray | None = None
     return out
 
 
+# ggml's roundf on a float32 magnitude v < 2^23, in float32 steps: trunc(v + the largest float32 below 1/2). The
+# sum rounds to nearest even; that nudge below 1/2 (2^-25) is under half a unit in the last place of every sum of
+# 1 and more, so a fraction of 1/2 and more reaches the next integer and one below 1/2 stays under it, never
+# rounded up to it (v + 1/2 in float32 would take 0.49999997 to 1)
+ROUND_NUDGE = np.float32(np.nextafter(np.float32(0.5), np.float32(0)))
+
+
+class _Q8Work:
+    """One quantization's working buffers, for slices of up to `size` values (whole 32-blocks), each reused
+    once its step is done so that a slice's working set stays small: the block maxima fold where the values
+    and the spread 1/scales go next; the int8 values and their signs go where the 1/scales were spread."""
+
+    def __init__(self, size: int, bits: np.dtype) -> None:
+        self.mag = np.empty(size, dtype=bits)
+        floats = np.empty(2 * size, dtype=np.float32)
+        self.values, self.inv_full = floats[:size], floats[size:]
+        fold = floats.view(np.uint8)
+        n = size * bits.itemsize
+        self.fold_a, self.fold_b = fold[:n].view(bits), fold[n:2 * n].view(bits)
+        rest = self.inv_full.view(np.uint8)
+        self.q, self.sign = rest[:size], rest[size:2 * size].view(np.int8)
+        k = size // Q8_BLOCK
+        self.top, self.d, self.inv = np.empty(k, dtype=np.uint32), *(np.empty(k, dtype=np.float32) for _ in range(2))
+        self.f32: np.ndarray | None = None  # a wider source's float32 values (float64)
+
+
+_WORK = threading.local()  # each converting thread's `_Q8Work`s, by (values, bits dtype)
+
+
+def _q8_work(size: int, bits: np.dtype) -> _Q8Work:
+    """This thread's working buffers for slices of `size` values, kept for its next tensor of the same slice
+    size: new ones would be fresh pages (a page fault each) for every tensor."""
+    cache = getattr(_WORK, "by_size", None)
+    if cache is None:
+        cache = _WORK.by_size = {}
+    w = cache.get((size, bits))
+    if w is None:
+        if len(cache) >= 4:  # a few slice sizes in turn (a model's row widths), not one per tensor
+            cache.clear()
+        w = cache[(size, bits)] = _Q8Work(size, bits)
+    return w
+
+
+def block_maxima(mag: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Each 32-block's largest element of the flat contiguous `mag` (a view, one per block): the running maximum
+    of 2, 4, ... 32 neighbours, each step one contiguous elementwise pass (a 32-wide reduction per block would be
+    one short loop per block); `a`, `b`: working buffers of `mag`'s size, never overlapping the pass they feed."""
+    n = mag.size
+    np.maximum(mag[:n - 1], mag[1:], out=a[:n - 1])
+    src, dst, span = a, b, 2
+    for width in (2, 4, 8, 16):
+        live = n - 2 * width + 1  # positions whose window of 2 * width lies inside the slice
+        np.maximum(src[:live], src[width:live + width], out=dst[:live])
+        src, dst, span = dst, src, 2 * width
+    return src[:n - span + 1:Q8_BLOCK]
+
+
 def quantize_q8_0(x: np.ndarray, rows: int | None = None, name: str = "tensor",
                   fix: str = "write --outtype bf16 or f32") -> np.ndarray:
     """`x` (float16, float32 or bfloat16 bits; last dimension whole 32-blocks) as q8_0 blocks (a float16 scale,
     its largest magnitude / 127, then 32 int8 values rounded half away from zero), bit for bit what ggml's
     `quantize_row_q8_0_ref` and gguf-py's `Q8_0.quantize_blocks` compute on its float32 values. `rows` rows at a
-    time (by default about `Q8_SLICE` values), each cast to float32 into the same working buffers, every step in
-    place: no allocation per slice (a fresh one would have its pages faulted in anew). A scale beyond float16's
-    range (it would be stored as Inf) is refused, naming the tensor and `fix`."""
+    time (by default about `Q8_SLICE` values) through the same working buffers, every step in place.
+
+    Each step is one contiguous elementwise pass where it can be: a finite IEEE float's magnitude orders as
+    its bits with the sign cleared, read as an unsigned integer, so each block's largest magnitude is found on
+    those bits (`block_maxima`) and only that one per block is widened; the values are quantized as
+    magnitudes (a float16 magnitude widened exactly: its bits moved to float32's places, times 2^(127 - 15)),
+    times the block's 1/scale spread over its 32 values, rounded (`ROUND_NUDGE`) and cast to integers; the
+    sign goes back on the int8 values (two's complement: (q xor s) - s, s = 0 or -1 from the sign bit), as
+    roundf(-v) = -roundf(v). A scale beyond float16's range (it would be stored as Inf; a NaN or Inf value
+    among them) is refused, naming the tensor and `fix`."""
     n = x.shape[-1]
     if n % Q8_BLOCK:
         raise MConvertError(f"a {list(x.shape)} tensor has rows of {n}, not whole q8_0 blocks")
     rows = rows or max(1, Q8_SLICE // n)
     flat = x.reshape(-1, n)
     per_row = n // Q8_BLOCK
-    out = buffers.array((flat.shape[0], per_row, 2 + Q8_BLOCK), np.dtype(np.uint8))
-    nb = min(rows, flat.shape[0]) * per_row
-    v_buf, a_buf = (np.empty((nb, Q8_BLOCK), dtype=np.float32) for _ in range(2))
-    h_buf = np.empty((nb, Q8_BLOCK // 2), dtype=np.float32)
-    w_buf = np.empty((nb, Q8_BLOCK), dtype=np.float64)
-    d_buf, inv_buf = (np.empty((nb, 1), dtype=np.float32) for _ in range(2))
+    out = buffers.array((flat.shape[0] * per_row, 2 + Q8_BLOCK), np.dtype(np.uint8))
+    half = x.dtype in (np.float16, BF16_BITS)
+    work = _q8_work(min(rows, flat.shape[0]) * n, np.dtype(np.uint16 if half else np.uint32))
     for a in range(0, flat.shape[0], rows):
         src = flat[a:a + rows]
-        k = src.shape[0] * per_row
-        v, mag, half, w, d, inv = v_buf[:k], a_buf[:k], h_buf[:k], w_buf[:k], d_buf[:k], inv_buf[:k]
-        if src.dtype == BF16_BITS:  # the slice as float32
-            bits = v.view(np.uint32).reshape(src.shape)
-            bits[...] = src
-            bits <<= 16
-        elif src.dtype == np.float16:
-            widen_half(src.view(np.uint16), v.reshape(src.shape), mag.view(np.uint32).reshape(src.shape))
-        else:
-            v.reshape(src.shape)[...] = src
-        np.abs(v, out=mag)
-        # each block's largest magnitude: halves folded onto each other (elementwise, not a 32-wide reduction)
-        np.maximum(mag[:, :16], mag[:, 16:], out=half)
-        for width in (8, 4, 2):
-            np.maximum(half[:, :width], half[:, width:2 * width], out=half[:, :width])
-        np.maximum(half[:, :1], half[:, 1:2], out=d)
-        big = float(d.max())
-        if big / 127 > F16_MAX:
-            raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what q8_0's float16 block scales hold "
-                                f"(±{127 * F16_MAX:g}), so a scale would be stored as Inf; {fix}")
-        d /= 127
-        np.divide(1, d, out=inv, where=d != 0)
-        inv[d == 0] = 0
-        v *= inv  # the values in units of the scale, as gguf-py's float32 product
-        # rounded half away from zero (ggml's roundf, gguf-py's np_roundf): |v| <= 127 has 24 significant bits,
-        # so v ± 1/2 (v's sign bit on 0.5's bits) is exact in float64, and the cast to int8 truncates it toward
-        # zero
-        half_bits = mag.view(np.uint32)
-        np.bitwise_and(v.view(np.uint32), 0x80000000, out=half_bits)
-        half_bits |= 0x3F000000
-        np.add(v, mag, out=w, dtype=np.float64)
-        blk = out[a:a + rows].reshape(-1, 2 + Q8_BLOCK)
-        blk[:, :2].view(np.float16)[...] = d
-        blk[:, 2:].view(np.int8)[...] = w
+        _quantize_slice(src, out[a * per_row:(a + src.shape[0]) * per_row], work, name, fix)
     return out.reshape(*x.shape[:-1], per_row * (2 + Q8_BLOCK))
+
+
+def _quantize_slice(src: np.ndarray, blk: np.ndarray, w: _Q8Work, name: str, fix: str) -> None:
+    """`src` (whole rows) quantized into its q8_0 blocks `blk` ([blocks, 34] bytes) through `w`'s buffers."""
+    size, k = src.size, blk.shape[0]
+    if src.dtype in (np.float16, BF16_BITS):
+        bits, signed, sign_bit = np.ascontiguousarray(src).reshape(-1).view(np.uint16), np.int16, 15
+        inf = 0x7C00 if src.dtype == np.float16 else 0x7F80
+    else:
+        if src.dtype != np.float32:  # float64: its float32 values, as gguf-py quantizes them
+            if w.f32 is None:
+                w.f32 = np.empty(w.mag.size, dtype=np.float32)
+            np.copyto(w.f32[:size].reshape(src.shape), src, casting="unsafe")
+            src = w.f32[:size]
+        bits, signed, sign_bit = np.ascontiguousarray(src).reshape(-1).view(np.uint32), np.int32, 31
+        inf = 0x7F800000
+    mag = np.bitwise_and(bits, (1 << sign_bit) - 1, out=w.mag[:size])
+    top = w.top[:k]
+    np.copyto(top, block_maxima(mag, w.fold_a[:size], w.fold_b[:size]))
+    if int(top.max()) >= inf:  # all exponent bits set
+        raise MConvertError(f"{name}: holds NaN or Inf values; the model is corrupt — re-copy or re-export it")
+    amax, values = _magnitudes(top, src.dtype, w.d[:k]), w.values[:size]
+    big = float(amax.max())
+    if not big / 127 <= F16_MAX:  # a NaN compares false
+        raise MConvertError(f"{name}: holds values up to {big:.6g}, beyond what q8_0's float16 block scales hold "
+                            f"(±{127 * F16_MAX:g}), so a scale would be stored as Inf; {fix}")
+    d = np.divide(amax, np.float32(127), out=amax)
+    inv = w.inv[:k]
+    inv.fill(0)
+    np.divide(np.float32(1), d, out=inv, where=d != 0)
+    v = _magnitudes(mag, src.dtype, values)
+    inv_full = w.inv_full[:size]
+    np.copyto(inv_full.reshape(k, Q8_BLOCK), inv[:, None])
+    v *= inv_full  # the magnitudes in units of the scale, as gguf-py's float32 product
+    v += ROUND_NUDGE
+    q = w.q[:size]
+    np.copyto(q, v, casting="unsafe")  # truncated: |v| <= 127 rounded half up
+    s = w.sign[:size]
+    np.right_shift(bits.view(signed), sign_bit, out=s, casting="unsafe")  # 0, or -1 where negative
+    qs = q.view(np.int8)
+    qs ^= s
+    blk[:, :2].view(np.float16)[...] = d[:, None]
+    np.subtract(qs.reshape(k, Q8_BLOCK), s.reshape(k, Q8_BLOCK), out=blk[:, 2:].view(np.int8))
+
+
+def _magnitudes(mag: np.ndarray, dtype: np.dtype, out: np.ndarray) -> np.ndarray:
+    """Float magnitudes (their bits with the sign cleared, of a `dtype` value) as float32 into `out`, exactly."""
+    if dtype not in (np.float16, BF16_BITS):  # float32 bits
+        return mag.view(np.float32)
+    u = out.view(np.uint32)
+    np.copyto(u, mag)
+    if dtype == BF16_BITS:  # a bfloat16 is the top half of the float32 of the same value
+        u <<= 16
+        return out
+    u <<= 13
+    out *= np.float32(2.0 ** 112)
+    return out

@@ -39,12 +39,41 @@ def start_up() -> Iterator[None]:
             gc.enable()
 
 
+_huge_by_default = False  # `huge_pages` set the variable (the user had not)
+
+
 def huge_pages() -> None:
     """Have torch place tensors of 2 MB and more on transparent huge pages: a conversion allocates and frees
     buffers of the size of a layer's shards, and with 4 KiB pages every fresh buffer costs a page fault per
     4 KiB (on a VM a host-side fault too). torch reads the variable at its first allocation, so this runs
     before any tensor is made; a user's own setting wins."""
-    os.environ.setdefault(THP_ENV, "1")
+    global _huge_by_default
+    if THP_ENV not in os.environ:
+        os.environ[THP_ENV] = "1"
+        _huge_by_default = True
+
+
+def no_huge_pages() -> None:
+    """Take back `huge_pages`' default (a user's own setting stays): for a verb that runs without torch, whose
+    only large buffers are the pool's (`io.buffers`), which follow the variable. A huge page's first touch
+    zeroes 2 MB at once, and on a VM whose balloon has returned the guest's free huge pages to the host
+    (free page reporting) it costs 512 host-side faults: an order of magnitude more than the same fresh memory
+    on 4 KiB pages. Reused memory costs neither, and the pool reuses most of it."""
+    global _huge_by_default
+    if _huge_by_default:
+        os.environ.pop(THP_ENV, None)
+        _huge_by_default = False
+
+
+BLAS_THREADS_ENV = "OPENBLAS_NUM_THREADS"
+
+
+def one_blas_thread() -> None:
+    """Have numpy's OpenBLAS start no threads of its own: at import it starts one per core, which spin-wait for
+    work for a while before they sleep, CPU a verb that makes no BLAS call (HF to GGUF: casts, permutes and
+    quantizes elementwise) pays for nothing. OpenBLAS reads the variable when numpy is first imported, so this
+    runs before the verb's engine is; a user's own setting wins."""
+    os.environ.setdefault(BLAS_THREADS_ENV, "1")
 
 
 def bound_heap(threshold: int = 128 << 10) -> None:
@@ -108,7 +137,9 @@ def apply(with_torch: bool = True) -> None:
     here where the verbs' module left it to first use; False for a verb that runs without it (HF to GGUF)."""
     if with_torch:
         import torch  # noqa: F401 - imported before the freeze, its thread pool sized below
-    huge_pages()
+        huge_pages()
+    else:
+        no_huge_pages()
     bound_heap()
     reserve_writer_core()
     quiet_gc()

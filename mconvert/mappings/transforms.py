@@ -300,6 +300,30 @@ def pad_vocab(t: torch.Tensor, rows: int, vocab: int | None = None, name: str = 
     return out
 
 
+def split_padded(t: torch.Tensor, rows: int, vocab: int | None, tp: int, name: str = "embedding",
+                 empty: Empty | None = None, blocks: bool = False) -> list[torch.Tensor]:
+    """`split(pad_vocab(t, rows, vocab), "vocab", tp)`: each TP rank's rows of the padded vocab. With `blocks`
+    (a caller that writes the shards' bytes), nothing is copied: a rank's stored rows are a view of `t` and its
+    padding rows a zero block after them (`RowBlocks`), where the padded tensor would be a copy of the whole
+    embedding."""
+    if not blocks or t.is_meta or t.shape[0] == rows:
+        return split(pad_vocab(t, rows, vocab, name, empty), "vocab", tp, name)
+    vocab = t.shape[0] if vocab is None else vocab
+    if vocab > rows or t.shape[0] < vocab:
+        raise MConvertError(f"{name}: cannot fit {t.shape[0]} rows (vocab {vocab}) into {rows} padded rows")
+    if rows % tp:
+        raise MConvertError(f"{name}: dim 0 of shape {(rows, *t.shape[1:])} is not divisible by TP={tp}")
+    per = rows // tp
+    shards: list[torch.Tensor] = []
+    for r in range(tp):
+        a, b = r * per, (r + 1) * per
+        parts = [t[a:min(b, vocab)]] if a < vocab else []
+        if b > vocab:
+            parts.append(t.new_zeros((b - max(a, vocab), *t.shape[1:])))
+        shards.append(parts[0] if len(parts) == 1 else RowBlocks(tuple(parts)))  # type: ignore[arg-type]
+    return shards
+
+
 def interleaved_to_half(t: torch.Tensor, heads: int, hd: int, name: str = "q/k") -> torch.Tensor:
     """Rows of q or k per head from Megatron's `rotary_interleaved=True` order (pairs 2i, 2i+1) to HF's
     rotate_half order (pairs i, i + hd/2): [r0, r2, r4, ..., r1, r3, ...] in each head."""

@@ -129,11 +129,12 @@ def test_verbs_import_no_deployment_format() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
-def test_hf_to_gguf_never_imports_torch(tmp_path, outtype) -> None:
+@pytest.mark.parametrize(("outtype", "scaling"), [("f16", None), ("q8_0", None), ("q8_0", "llama3")])
+def test_hf_to_gguf_never_imports_torch(tmp_path, outtype, scaling) -> None:
     """`hf-to-gguf` of a safetensors HF directory (and its `--dry-run`) runs without torch: the directory is
-    read as numpy arrays (`convert/hf/arrays.py`) into the numpy GGUF writer; the file it writes is a GGUF that
-    gguf-py reads with every tensor."""
+    read as numpy arrays (`convert/hf/arrays.py`) into the numpy GGUF writer, a llama3-scaled model's
+    `rope_freqs.weight` computed in numpy too; the file it writes is a GGUF that gguf-py reads with every
+    tensor."""
     import gguf
     from safety_common import make_hf_llama
 
@@ -142,6 +143,11 @@ def test_hf_to_gguf_never_imports_torch(tmp_path, outtype) -> None:
     tok = tmp_path / "tok"
     save_hf_tokenizer(build_tokenizer(), tok)
     hf = make_hf_llama(tmp_path / "hf", vocab=1000)
+    if scaling == "llama3":
+        cfg = json.loads((hf / "config.json").read_text())
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}
+        (hf / "config.json").write_text(json.dumps(cfg))
     args = ("--outtype", outtype, "--tokenizer", str(tok))
     dry = _probe("hf-to-gguf", str(hf), str(tmp_path / "dry.gguf"), *args, "--dry-run")
     assert dry["rc"] == 0 and "torch" not in dry["loaded"], dry
@@ -149,4 +155,5 @@ def test_hf_to_gguf_never_imports_torch(tmp_path, outtype) -> None:
     got = _probe("hf-to-gguf", str(hf), str(tmp_path / "m.gguf"), *args)
     assert got["rc"] == 0, got
     assert "torch" not in got["loaded"] and "transformers" not in got["loaded"], got
-    assert gguf.GGUFReader(tmp_path / "m.gguf").tensors
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert len(names) > 10 and ("rope_freqs.weight" in names) == (scaling == "llama3")

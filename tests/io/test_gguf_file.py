@@ -3,7 +3,9 @@ key-values and tensors give the same file, byte for byte, and q8_0 blocks equal 
 
 from __future__ import annotations
 
+import math
 import shutil
+import struct
 from pathlib import Path
 
 import gguf
@@ -103,6 +105,81 @@ def test_q8_0_blocks_equal_gguf_pys_quantizer_bit_for_bit():
         want = gguf.quants.quantize(src.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
         arr = src.numpy() if src.dtype == torch.float16 else src.view(torch.int16).numpy().view(np.uint16)
         assert np.array_equal(quantize_q8_0(arr, rows=7), want)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def _ggml_q8_0_block(values: list[float]) -> bytes:
+    """One block as ggml's `quantize_row_q8_0_ref` computes it, in scalar Python: float32 steps emulated by
+    rounding each exact double result to float32 (a float32 quotient or product is exact in a double first),
+    C's roundf as floor(|v| + 1/2) with v's sign (exact in a double for |v| <= 127), the scale packed as
+    IEEE half by struct (round to nearest even)."""
+    amax = max(abs(v) for v in values)
+    d = _f32(amax / 127)
+    inv = _f32(1 / d) if d else 0.0
+    qs = [int(math.copysign(math.floor(abs(_f32(v * inv)) + 0.5), v)) for v in values]
+    return struct.pack("<e", d) + struct.pack("<32b", *qs)
+
+
+def _crafted_blocks(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Blocks that reach each rule's edges, by source type: every finite float16 (subnormals, +-0, +-65504) in
+    order and shuffled; exact halves of the scale and their float32 neighbours at many scales; a block's
+    largest magnitude negative, or both signs of it; zero and -0 blocks; bfloat16 and float32 patterns across
+    their exponent range, subnormals among them."""
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    halves = halves[np.isfinite(halves)]
+    halves = halves[:halves.size // 32 * 32]
+    f16 = [halves.reshape(-1, 32), rng.permutation(halves).reshape(-1, 32)]
+    ties = []
+    for e in range(-14, 5):  # scales 2^e: amax 127 * 2^e, every half unit of the scale
+        grid = (rng.integers(-254, 255, (64, 32)) / 2 * 2.0 ** e).astype(np.float32)
+        for near in (grid, np.nextafter(grid, np.float32(0)), np.nextafter(grid, np.float32(1e9))):
+            near[:, 0] = 127 * 2.0 ** e  # the scale 2^e exactly, its 1/scale too
+            near[::2, 0] *= -1
+            ties.append(near)
+    ties = np.concatenate(ties)
+    special = np.zeros((4, 32), dtype=np.float32)
+    special[1] = -0.0
+    special[2, :] = rng.standard_normal(32)
+    special[2, 5], special[2, 9] = -7.25, 7.25
+    special[3, :] = rng.standard_normal(32)
+    special[3, 17] = -9.5
+    bf_bits = rng.integers(0, 1 << 15, 64 * 32, dtype=np.uint16)
+    bf_bits = (bf_bits % (148 << 7)) | (rng.integers(0, 2, bf_bits.size, dtype=np.uint16) << 15)  # |x| < 2^21
+    f32_bits = rng.integers(0, 1 << 31, 64 * 32, dtype=np.uint32) % np.uint32(147 << 23)  # |x| < 2^20
+    f32_bits |= rng.integers(0, 2, f32_bits.size, dtype=np.uint32) << np.uint32(31)
+    f32 = np.concatenate([ties, special, f32_bits.view(np.float32).reshape(-1, 32)])
+    f32[-3:, 0] = 1.0  # blocks of subnormals beside a normal largest value
+    f32[-3:, 1:] = np.float32(1e-40)
+    return {"float16": np.concatenate([*f16, ties.astype(np.float16)]),
+            "bfloat16": np.concatenate([bf_bits.reshape(-1, 32), (ties.view(np.uint32) >> 16).astype(np.uint16)]),
+            "float32": f32}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_q8_0_equals_ggmls_scalar_rules_and_gguf_py_on_crafted_blocks(dtype):
+    """The block maxima taken on the magnitudes' bits, the float32 rounding and the signs put back on the int8
+    values, against a scalar reading of ggml's reference quantizer and against gguf-py's, block by block."""
+    x = _crafted_blocks(np.random.default_rng(4))[dtype]
+    values = (x.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else x.astype(np.float32)
+    want = b"".join(_ggml_q8_0_block([float(v) for v in row]) for row in values)
+    assert np.array_equal(gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0).reshape(-1),
+                          np.frombuffer(want, dtype=np.uint8))
+    for rows in (None, 5):  # one slice; several with a short last one
+        assert quantize_q8_0(x, rows=rows).tobytes() == want
+    wide = np.ascontiguousarray(x.reshape(-1, 128).T)  # rows of 32 blocks' worth, read through a transposed view
+    assert np.array_equal(quantize_q8_0(wide.T, rows=3), quantize_q8_0(x.reshape(-1, 128)))
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_q8_0_refuses_nan_and_inf_by_name(bad, dtype):
+    x = np.ones((3, 64), dtype=dtype)
+    x[2, 40] = bad
+    with pytest.raises(MConvertError, match=r"^w: holds NaN or Inf values"):
+        quantize_q8_0(x, name="w", rows=1)
 
 
 def test_bf16_and_f16_casts_equal_torchs_and_refuse_overflow():

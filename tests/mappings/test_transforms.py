@@ -294,3 +294,26 @@ def test_the_copying_transforms_write_into_the_memory_they_are_given():
     n = len(given)
     T.transpose(w.t().contiguous().t(), empty=empty)  # column-major already: a view, nothing allocated
     assert len(given) == n == 5
+
+
+@pytest.mark.parametrize("vocab,rows,tp", [(1000, 1024, 4), (1000, 1000, 4), (1000, 1536, 2), (1000, 1280, 5),
+                                           (100, 1024, 8)])
+def test_split_padded_blocks_are_megatrons_padded_shards(vocab, rows, tp) -> None:
+    """Each rank's shard of the padded vocabulary, given as views of the stored rows and a zero block, holds the
+    bytes of the padded tensor's shard (Megatron's layout: the true rows, then zeros) — every rank, including
+    those holding only padding — and copies none of the stored rows."""
+    t = torch.randn(vocab, 8).to(torch.bfloat16)
+    want = split(T.pad_vocab(t, rows, vocab), "vocab", tp)
+    got = T.split_padded(t, rows, vocab, tp, blocks=True)
+    assert len(got) == tp
+    per = rows // tp
+    for r, (w, g) in enumerate(zip(want, got)):
+        parts = tuple(g) if isinstance(g, T.RowBlocks) else (g,)
+        assert tuple(g.shape) == tuple(w.shape) and g.dtype == w.dtype
+        assert torch.equal(torch.cat(parts).view(torch.int16), w.view(torch.int16))
+        # the rank's stored rows are views of `t` (no copy); only its padding is new memory
+        views = [p for p in parts if t.data_ptr() <= p.data_ptr() < t.data_ptr() + t.nbytes]
+        assert sum(p.shape[0] for p in views) == max(0, min((r + 1) * per, vocab) - r * per)
+    assert T.split_padded(t, rows, vocab, tp)[0].data_ptr() != t.data_ptr() or rows == vocab  # no blocks: a copy
+    with pytest.raises(MConvertError, match="cannot fit"):
+        T.split_padded(t, vocab - 1, vocab, tp, blocks=True)

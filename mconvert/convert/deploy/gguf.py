@@ -359,28 +359,52 @@ def gguf_data(spec: ModelSpec, layout: GgufLayout, hf_name: str, x: np.ndarray, 
 
 
 def rope_freqs(spec: ModelSpec) -> np.ndarray:
-    """llama3 rope scaling as llama.cpp reads it: one divisor per rotary pair (`rope_freqs.weight`), computed as
-    `LlamaModel.generate_extra_tensors` does from the base, head dim and the four scaling numbers (in torch:
-    its float32 power is the one llama.cpp's converter takes)."""
-    import torch
-
+    """llama3 rope scaling as llama.cpp reads it: one divisor per rotary pair (`rope_freqs.weight`), from the
+    base, head dim and the four scaling numbers, in the float32 steps `LlamaModel.generate_extra_tensors`
+    takes on torch scalars: the frequencies 1 / base^(2i / dim); `number / tensor` as torch's reciprocal times
+    the number; each bound cast to float32 before it is compared; the smoothed divisor in float32 throughout."""
+    f32, one = np.float32, np.float32(1)
     dim = spec.head_dim
-    freqs = 1.0 / (spec.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = one / powf(f32(spec.rotary_base), np.arange(0, dim, 2, dtype=f32) / f32(dim))
     factor = float(spec.rope_scaling_factor)
     low, high = float(spec.rope_low_freq_factor), float(spec.rope_high_freq_factor)
-    old = float(spec.rope_original_max_position_embeddings)
-    low_wavelen, high_wavelen = old / low, old / high
-    out = []
-    for f in freqs.tolist():
-        wavelen = 2 * math.pi / f
-        if wavelen < high_wavelen:
-            out.append(1.0)
-        elif wavelen > low_wavelen:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+    old = spec.rope_original_max_position_embeddings
+    out = np.empty(freqs.shape, dtype=f32)
+    with np.errstate(divide="ignore", invalid="ignore"):  # low == high: what the converter computes, Inf or NaN
+        for i, freq in enumerate(freqs):
+            wavelen = (one / freq) * f32(2 * math.pi)
+            if wavelen < f32(old / high):
+                out[i] = 1
+            elif wavelen > f32(old / low):
+                out[i] = factor
+            else:
+                smooth = ((one / wavelen) * f32(old) - f32(low)) / f32(high - low)
+                out[i] = one / ((one - smooth) / f32(factor) + smooth)
+    return out
+
+
+_POWF: list[Any] = []
+
+
+def powf(base: np.float32, x: np.ndarray) -> np.ndarray:
+    """`base ** x` in float32 as torch's CPU kernel computes it element by element (std::pow on floats): the C
+    library's powf, else (no C library found) the float64 power rounded once. torch computes whole vector-width
+    chunks with SLEEF's powf instead, which can differ in the last bit (within 1 ulp, either way)."""
+    if not _POWF:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+            fn = libm.powf
+            fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+        except (OSError, AttributeError):
+            fn = None
+        _POWF.append(fn)
+    fn = _POWF[0]
+    if fn is None:
+        return (np.float64(base) ** x.astype(np.float64)).astype(np.float32)
+    return np.array([fn(float(base), float(v)) for v in x], dtype=np.float32)
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------------

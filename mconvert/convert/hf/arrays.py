@@ -6,6 +6,7 @@ this does not read (pytorch_model*.bin, a quantization_config) is `HFSource`'s (
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from mconvert.spec import comes_whole
 FINITE_SLICE = 1 << 20  # values checked at once: one slice's bit mask stays in the core's cache
 # IEEE exponent bits of the 16-bit floats: all set is Inf or NaN
 EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
+_MASK = threading.local()  # each reading thread's working mask of FINITE_SLICE values
 
 
 def readable(path: Path) -> bool:
@@ -49,7 +51,9 @@ def all_finite(a: np.ndarray, dtype: str) -> bool:
     if top is None:
         return bool(np.isfinite(a.min()) and np.isfinite(a.max()))
     bits = a.reshape(-1).view(np.uint16)
-    mask = np.empty(min(bits.size, FINITE_SLICE), dtype=np.uint16)
+    mask = getattr(_MASK, "buf", None)
+    if mask is None or mask.size < FINITE_SLICE:  # kept per reading thread: a new one is fresh pages per tensor
+        mask = _MASK.buf = np.empty(FINITE_SLICE, dtype=np.uint16)
     for i in range(0, bits.size, FINITE_SLICE):
         part = bits[i:i + FINITE_SLICE]
         m = mask[:part.size]

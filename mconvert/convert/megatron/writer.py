@@ -34,7 +34,7 @@ from mconvert.layouts.megatron import (
 )
 from mconvert.errors import MConvertError
 from mconvert.mappings.keys import with_layer
-from mconvert.mappings.transforms import (pad_vocab, split)
+from mconvert.mappings.transforms import (pad_vocab, split, split_padded)
 from mconvert.spec import ModelSpec, expert_of, layer_of_unit, with_expert
 from mconvert.convert.megatron.source import parkable
 from mconvert.convert.writer import Writer
@@ -251,17 +251,20 @@ class MegatronWriter(Writer):
         for name, full in tensors.items():
             kind = self.spec.split_kind(name)
             st = states.get(name)
-            if kind == "vocab":
-                full = pad_vocab(full, self.rows, self.spec.vocab_size, name, buffers.empty)
-                if st is not None:
-                    st = {k: pad_vocab(v, self.rows, self.spec.vocab_size, f"{name}.{k}")
-                          if isinstance(v, torch.Tensor) and v.dim() > 0 and k != "step" else v
-                          for k, v in st.items()}
+            # streamed: a gated shard goes out as its gate and up row blocks, a vocab shard as its stored rows
+            # and its padding, never concatenated in memory
+            blocks = real and self.preview is not None
+            if kind == "vocab" and st is not None:
+                st = {k: pad_vocab(v, self.rows, self.spec.vocab_size, f"{name}.{k}")
+                      if isinstance(v, torch.Tensor) and v.dim() > 0 and k != "step" else v
+                      for k, v in st.items()}
             if self.dtype is not None and full.dtype != self.dtype:
                 full = narrowed(full, self.dtype, name)
             local_name = name if local is None else with_layer(name, local)
-            # streamed: a gated shard goes out as its gate and up row blocks, never concatenated in memory
-            shards = split(full, kind, self.tp, name, blocks=real and self.preview is not None)
+            if kind == "vocab":
+                shards = split_padded(full, self.rows, self.spec.vocab_size, self.tp, name, buffers.empty, blocks)
+            else:
+                shards = split(full, kind, self.tp, name, blocks=blocks)
             ost = optim.split_states(st, kind, self.tp, name) if st is not None else None
             if real and self.preview is None and full.dim() > 0 and full.numel():  # no stage in RAM
                 shards = [self._spool(p, t).park(x) for t, x in enumerate(shards)]

@@ -16,6 +16,7 @@ from the split regex ("gpt-2"), everything else it writes by its own code.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -54,6 +55,11 @@ CONFIGS = {
     "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, n_ctx=64, vocab_size=BPE_VOCAB,
                                             bos_token_id=0, eos_token_id=0),
     "llama": lambda: transformers.LlamaConfig(**_SMALL, rope_theta=500000.0, tie_word_embeddings=False),
+    # llama3 rope scaling: the generated rope_freqs.weight, every branch of its rule taken by one of the 8 pairs
+    "llama3": lambda: transformers.LlamaConfig(**_SMALL, rope_theta=500000.0, tie_word_embeddings=False,
+                                               rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                             "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 8192}),
     "mistral": lambda: transformers.MistralConfig(**_SMALL, sliding_window=None, tie_word_embeddings=False),
     "mixtral": lambda: transformers.MixtralConfig(**_SMALL, num_local_experts=4, num_experts_per_tok=2,
                                                   sliding_window=None, tie_word_embeddings=False),
@@ -128,6 +134,24 @@ def named(self, tokenizer):
 TextModel.get_vocab_base_pre = named
 sys.argv = sys.argv[2:]
 runpy.run_path(str(script), run_name="__main__")
+"""
+
+
+# prints, for each llama3 rope scaling on stdin (JSON), the rope_freqs tensor the converter's own
+# `LlamaModel.generate_extra_tensors` yields for it (hex of its float32 bytes)
+ROPE_FREQS = """
+import json, sys, types
+from pathlib import Path
+script = Path(sys.argv[1])
+sys.path[:0] = [str(script.parent / "gguf-py"), str(script.parent)]
+from conversion.llama import LlamaModel
+out = []
+for c in json.loads(sys.stdin.read()):
+    me = types.SimpleNamespace(hparams={"head_dim": c["head_dim"]}, format_tensor_name=lambda t: t.name,
+                               rope_parameters={"rope_type": "llama3", **{k: v for k, v in c.items() if k != "head_dim"}})
+    (_, t), = LlamaModel.generate_extra_tensors(me)
+    out.append(t.numpy().tobytes().hex())
+print(json.dumps(out))
 """
 
 
@@ -285,3 +309,41 @@ def test_deepseek_style_bf16_and_q8_0_are_llama_cpp_converters_bytes(peer, model
             assert t_ours[name][2] == theirs_t[2], f"{family} {outtype}: {name} bytes differ"
         differ = {k for k in set(m_ours) | set(m_theirs) if m_ours.get(k) != m_theirs.get(k)}
         assert {k.replace("{arch}.", "") for k in differ} <= allowed, (outtype, differ)
+
+
+@pytest.mark.gguf
+@pytest.mark.timeout(300)
+def test_llama3_rope_freqs_are_the_converters_float32_steps(peer):
+    """`rope_freqs.weight` (numpy, no torch) against the converter's own `generate_extra_tensors` (torch
+    scalars) for Llama 3.1's and 3.2's published scalings and a grid of bases, head sizes, factors and bounds
+    (a quotient like 4096 / 3.7 that float32 rounds before it is compared): every float32 step alike. The grid's
+    head sizes give fewer pairs than a vector of torch's power kernel holds, so torch computes each with the C
+    library's powf, as here (whole vectors go through SLEEF's, within 1 ulp of it)."""
+    import types
+
+    from mconvert.convert.deploy.gguf import rope_freqs
+
+    published = [dict(head_dim=128, rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+                 dict(head_dim=64, rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192)]
+    grid = [dict(head_dim=d, rope_theta=b, factor=f, low_freq_factor=lo, high_freq_factor=hi,
+                 original_max_position_embeddings=n)
+            for d in (8, 16, 24, 30) for b in (10000.0, 500000.0, 1000000.0, 7.5e6) for f in (4.0, 8.0, 32.0)
+            for lo, hi in ((1.0, 4.0), (1.5, 3.7)) for n in (2048, 4096, 8192)]
+    configs = published + grid
+    py, script = peer
+    r = subprocess.run([str(py), "-c", ROPE_FREQS, str(script)], input=json.dumps(configs), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    branches = set()
+    for c, want in zip(configs, theirs, strict=True):
+        spec = types.SimpleNamespace(head_dim=c["head_dim"], rotary_base=c["rope_theta"], rope_scaling_factor=c["factor"],
+                                     rope_low_freq_factor=c["low_freq_factor"],
+                                     rope_high_freq_factor=c["high_freq_factor"],
+                                     rope_original_max_position_embeddings=c["original_max_position_embeddings"])
+        ours = rope_freqs(spec)
+        assert ours.dtype == np.float32 and ours.tobytes().hex() == want, c
+        branches |= {"1" if v == 1 else "factor" if v == c["factor"] else "smooth" for v in ours.tolist()}
+    assert branches == {"1", "factor", "smooth"}
