@@ -822,7 +822,11 @@ class GgufWriter(Writer):
             data = gguf_data(self.spec, self.layout, k, todo[k], self.permute)
             return self._converted(t, t.make(self.spec, data) if t.make is not None else data, stacked=len(t.hf) > 1)
 
-        for (i, e, k), out in zip(jobs, pmap_iter(one, jobs, lambda job: math.prod(self.plan[job[0]].shape[1:]))):
+        def elements(job: tuple[int, int | None, str]) -> int:  # of the result: a stacked tensor's one slice
+            shape = self.plan[job[0]].shape
+            return math.prod(shape[1:] if job[1] is not None else shape)
+
+        for (i, e, k), out in zip(jobs, pmap_iter(one, jobs, elements)):
             if (i, e) in self._written:
                 raise MConvertError(f"unit {unit}: tensor {k} came twice; cannot write {self.plan[i].name}")
             self._written.add((i, e))
