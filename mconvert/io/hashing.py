@@ -6,7 +6,8 @@ written and hashed, and the manifest need not read the file back (`atomic.record
 standard CRC-32 of zlib, computed by ISA-L where installed (the same value, several times faster). Large files
 go through page-aligned staging chunks with O_DIRECT, so the output skips the page cache. Every format writer
 (safetensors, torch.save zip, FasterTransformer raw arrays) writes through it, except a file filled at its
-offsets in any order (TensorRT-LLM's rank files): `RandomDirectFile`.
+offsets in any order (TensorRT-LLM's rank files, a GGUF whose MoE layers come one expert at a time):
+`RandomDirectFile`.
 """
 
 from __future__ import annotations
