@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mconvert.io import tuning
+
 # Modules whose import may fail for want of an optional dependency. None today: every module imports what is
 # not a declared dependency where it uses it, so each import below must succeed.
 OPTIONAL_IMPORTS: frozenset[str] = frozenset()
@@ -65,7 +67,8 @@ def test_cli_applies_tuning_and_library_does_not(tmp_path):
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["thp"] == "1" and got["frozen"] > 0 and got["threshold"] == 50_000
+    assert got["thp"] == (None if tuning.host_takes_back_huge_pages() else "1")
+    assert got["frozen"] > 0 and got["threshold"] == 50_000
     assert got["threads"] == min(got["t0"], max(1, got["cores"] - 1))
 
 
@@ -82,4 +85,40 @@ def test_a_torch_free_verb_takes_back_the_huge_page_default_but_not_a_users_sett
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [["1", None], ["1", "1"]]
+    default = None if tuning.host_takes_back_huge_pages() else "1"
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[default, None], ["1", "1"]]
+
+
+def _sysfs(root: Path, order: int | None, balloon_features: str | None, huge: int = 2 << 20) -> Path:
+    """A /sys of a machine: the page-reporting order (None: no page reporting), the huge page size, a virtio
+    net device and, unless None, a balloon device with the given feature bits."""
+    (root / "kernel/mm/transparent_hugepage").mkdir(parents=True)
+    (root / "kernel/mm/transparent_hugepage/hpage_pmd_size").write_text(f"{huge}\n")
+    if order is not None:
+        (root / "module/page_reporting/parameters").mkdir(parents=True)
+        (root / "module/page_reporting/parameters/page_reporting_order").write_text(f"{order}\n")
+    for name, dev, features in (("virtio0", "0x0001", "1" * 64), ("virtio1", "0x0005", balloon_features)):
+        if features is not None:
+            (root / "bus/virtio/devices" / name).mkdir(parents=True)
+            (root / "bus/virtio/devices" / name / "device").write_text(dev + "\n")
+            (root / "bus/virtio/devices" / name / "features").write_text(features + "\n")
+    return root
+
+
+REPORTING = "011001" + "0" * 58  # the balloon's feature bits: stats, deflate on OOM, free page reporting (bit 5)
+
+
+@pytest.mark.parametrize("order,features,huge,want", [
+    (9, REPORTING, 2 << 20, True),  # free 2 MB blocks go back to the host: no huge pages by default
+    (11, REPORTING, 2 << 20, False),  # only 8 MB blocks are reported
+    (9, "011000" + "0" * 58, 2 << 20, False),  # a balloon without free page reporting
+    (9, None, 2 << 20, False),  # no balloon
+    (None, REPORTING, 2 << 20, False),  # a kernel without page reporting
+    (0, REPORTING, 2 << 20, True),
+    (9, REPORTING, 1 << 20, False),  # huge pages smaller than the reported blocks
+])
+def test_huge_pages_only_where_the_host_does_not_take_them_back(tmp_path, order, features, huge, want):
+    """`host_takes_back_huge_pages` reads the balloon's free page reporting and its block order from /sys:
+    True only where free blocks of a huge page's size go back to the host."""
+    assert tuning.host_takes_back_huge_pages(_sysfs(tmp_path, order, features, huge)) is want
+    assert tuning.host_takes_back_huge_pages(tmp_path / "absent") is False

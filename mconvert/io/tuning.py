@@ -12,10 +12,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import mmap
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -42,13 +44,36 @@ def start_up() -> Iterator[None]:
 _huge_by_default = False  # `huge_pages` set the variable (the user had not)
 
 
+def host_takes_back_huge_pages(sys_root: Path = Path("/sys")) -> bool:
+    """Whether this machine is a VM whose balloon reports the guest's free memory to the host (virtio-balloon
+    free page reporting: feature bit 5 of the balloon device, id 5) in blocks no larger than a transparent huge
+    page (`page_reporting_order`). Then every free block a huge page could take has gone back to the host, and
+    a fresh huge page's first touch costs a host-side fault for each 4 KiB page it spans, where 4 KiB pages
+    come mostly from blocks the guest still holds. False where any of it cannot be read."""
+    try:
+        order = int((sys_root / "module/page_reporting/parameters/page_reporting_order").read_text())
+        huge = int((sys_root / "kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return False
+    if (mmap.PAGESIZE << order) > huge:  # only blocks larger than a huge page go back to the host
+        return False
+    for dev in sorted((sys_root / "bus/virtio/devices").glob("*")):
+        try:
+            if int((dev / "device").read_text(), 16) == 5 and (dev / "features").read_text()[5:6] == "1":
+                return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
 def huge_pages() -> None:
     """Have torch place tensors of 2 MB and more on transparent huge pages: a conversion allocates and frees
     buffers of the size of a layer's shards, and with 4 KiB pages every fresh buffer costs a page fault per
-    4 KiB (on a VM a host-side fault too). torch reads the variable at its first allocation, so this runs
-    before any tensor is made; a user's own setting wins."""
+    4 KiB (on a VM a host-side fault too). Not on a VM whose host takes back free huge-page blocks
+    (`host_takes_back_huge_pages`), where a fresh huge page costs more than its 4 KiB pages do. torch reads
+    the variable at its first allocation, so this runs before any tensor is made; a user's own setting wins."""
     global _huge_by_default
-    if THP_ENV not in os.environ:
+    if THP_ENV not in os.environ and not host_takes_back_huge_pages():
         os.environ[THP_ENV] = "1"
         _huge_by_default = True
 
