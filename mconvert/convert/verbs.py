@@ -425,7 +425,7 @@ def to_gguf(src_path: str | Path, out: str | Path, outtype: str = "f16", tokeniz
                             "pass --tokenizer DIR")
     tok_dir = Path(tokenizer) if tokenizer is not None else src.tokenizer_dir
     prepared = gguf.prepare(src.spec, outtype, accept_window_as_full)  # every refusal before any tensor is read
-    if src.held_sizes:  # the GGUF writer is fed whole units: an MoE layer with its experts, the final unit
+    if src.held_sizes:  # what the GGUF writer is fed at once (one expert), before the output is opened
         from mconvert.convert import bounds
 
         bounds.check_memory(bounds.held_by_writer(src.held_sizes, gguf.GgufWriter.splits_experts,

@@ -29,7 +29,7 @@ import numpy as np
 from mconvert.errors import MConvertError
 from mconvert.io import buffers
 from mconvert.io.atomic import record_digest
-from mconvert.io.hashing import DIRECT_MIN_BYTES, HashingFile
+from mconvert.io.hashing import DIRECT_MIN_BYTES, HashingFile, RandomDirectFile
 
 MAGIC = 0x46554747  # "GGUF" read as a little-endian u32
 VERSION = 3
@@ -168,22 +168,71 @@ def alignment_of(kvs: Sequence[KeyValue]) -> int:
 
 class GgufFile:
     """A GGUF file written in one pass: the header at open, then each tensor's bytes (`write`) in the order of
-    `tensors`; `close` checks all were written and records the manifest digest taken while writing."""
+    `tensors`; `close` checks all were written and records the manifest digest taken while writing.
 
-    def __init__(self, path: str | Path, kvs: Sequence[KeyValue], tensors: Sequence[TensorInfo]) -> None:
+    `positional`: the tensors are written at their offsets in any order, a tensor in pieces (`write_at`: an
+    expert's slice of the experts stacked in one tensor), through a `RandomDirectFile`; its digest follows the
+    writes made in file order and reads back only what came ahead of them, as soon as the bytes before it are
+    all written."""
+
+    def __init__(self, path: str | Path, kvs: Sequence[KeyValue], tensors: Sequence[TensorInfo],
+                 positional: bool = False) -> None:
         self.path = Path(path)
         self.tensors = list(tensors)
         self.alignment = alignment_of(kvs)
         head = encode_header(kvs, self.tensors, self.alignment)
         data = sum(pad_to(t.nbytes, self.alignment) for t in self.tensors)
         self.size = (pad_to(len(head), self.alignment) if self.tensors else len(head)) + data
-        self._f = HashingFile(self.path, direct=self.size >= DIRECT_MIN_BYTES)
-        self._f.write(head + bytes(self.size - data - len(head)))
         self._next = 0
+        self.positional = positional
+        if not positional:
+            self._f: Any = HashingFile(self.path, direct=self.size >= DIRECT_MIN_BYTES)
+            self._f.write(head + bytes(self.size - data - len(head)))
+            return
+        self._f = RandomDirectFile(self.path, self.size, direct=self.size >= DIRECT_MIN_BYTES)
+        self._f.write(head + bytes(self.size - data - len(head)), 0)
+        self.offsets: list[int] = []  # each tensor's first byte in the file
+        at = self.size - data
+        for t in self.tensors:
+            self.offsets.append(at)
+            pad = pad_to(t.nbytes, self.alignment) - t.nbytes
+            if pad:
+                self._f.write(bytes(pad), at + t.nbytes)
+            at += t.nbytes + pad
+        self._filled = [0] * len(self.tensors)  # bytes of each tensor written so far
+        self._reach = 0  # the end of the furthest write made ahead of the tensors written whole in file order
+
+    def write_at(self, index: int, data: np.ndarray | bytes | memoryview, at: int = 0) -> None:
+        """(positional) Bytes [at, at + n) of tensor `index` (an array as its row-major bytes, kept alive until
+        written, not copied). Once the tensors before a point are all whole, the digest is taken up to it."""
+        if not self.positional:  # front to back: the next tensor, whole
+            if index != self._next or at:
+                raise MConvertError(f"internal: {self.path}: tensor {self.tensors[index].name} written out of order")
+            self.write(data)
+            return
+        t = self.tensors[index]
+        if isinstance(data, np.ndarray):
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        n = memoryview(data).nbytes
+        if at < 0 or at + n > t.nbytes:
+            raise MConvertError(f"{self.path}: tensor {t.name}: bytes [{at}, {at + n}) outside its {t.nbytes}")
+        if index > self._next or at != self._filled[index]:  # ahead of the bytes written in file order
+            self._reach = max(self._reach, self.offsets[index] + at + n)
+        self._f.write(data, self.offsets[index] + at, keep=data)
+        self._filled[index] += n
+        if self._filled[index] == t.nbytes and index == self._next:
+            while self._next < len(self.tensors) and self._filled[self._next] == self.tensors[self._next].nbytes:
+                self._next += 1
+            end = self.offsets[self._next] if self._next < len(self.tensors) else self.size
+            if self._reach > self.offsets[index]:  # bytes came ahead of this tensor: the digest may wait on them
+                self._f.catch_up(end)
 
     def write(self, data: np.ndarray | bytes | memoryview) -> None:
         """The next tensor's bytes (an array as its row-major bytes), then its padding. The array is kept alive
         until written, not copied."""
+        if self.positional:
+            self.write_at(self._next, data)
+            return
         if self._next >= len(self.tensors):
             raise MConvertError(f"{self.path}: more tensors written than the {len(self.tensors)} planned")
         t = self.tensors[self._next]
@@ -200,6 +249,9 @@ class GgufFile:
 
     def drain(self) -> None:
         """Wait until every byte handed to `write` so far is in the file (see `HashingFile.drain`)."""
+        if self.positional:
+            self._f._drain()
+            return
         self._f.drain()
 
     def close(self) -> str:

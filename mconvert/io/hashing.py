@@ -6,7 +6,8 @@ written and hashed, and the manifest need not read the file back (`atomic.record
 standard CRC-32 of zlib, computed by ISA-L where installed (the same value, several times faster). Large files
 go through page-aligned staging chunks with O_DIRECT, so the output skips the page cache. Every format writer
 (safetensors, torch.save zip, FasterTransformer raw arrays) writes through it, except a file filled at its
-offsets in any order (TensorRT-LLM's rank files): `RandomDirectFile`.
+offsets in any order (TensorRT-LLM's rank files, a GGUF whose MoE layers come one expert at a time):
+`RandomDirectFile`.
 """
 
 from __future__ import annotations
@@ -903,11 +904,41 @@ class RandomDirectFile(_OutputFile):
             self._close_fd()
         return self._digest()
 
+    def catch_up(self, stop: int) -> None:
+        """Move the digest's front to `stop` (every byte before it written) where writes ahead of the front
+        stopped it: once those writes are on the disk, their bytes are read back and hashed now rather than at
+        `close`, so only what was written out of order is read again. Nothing is read where the front is not
+        stopped (it follows the writes itself) or is already there; the caller waits for the writes either way."""
+        self._drain()  # the digest is fed on the staging thread: its front is known once the writes are staged
+        self._raise()
+        if self._far == self.size or stop <= self._front:
+            return
+        k = stop // _ALIGN  # the block at `stop`: in memory while some of its bytes are still to come
+        on_disk = stop // _ALIGN * _ALIGN if self.direct and k in self._edges else stop
+        if on_disk > self._front:
+            self._read_back(on_disk)
+        if stop > self._front:  # the rest lies in that block
+            self._h.update(memoryview(self._edges[k][0])[self._front - k * _ALIGN:stop - k * _ALIGN])
+            self._front = stop
+        self._far = self.size
+        for k in [k for k in self._ahead if k < stop]:
+            self._ahead_bytes -= len(self._ahead.pop(k))
+        while self._front in self._ahead:
+            kept = self._ahead.pop(self._front)
+            self._ahead_bytes -= len(kept)
+            self._h.update(kept)
+            self._front += len(kept)
+
     def _digest(self) -> str:
         """The chained digest, the bytes from the front on read back from the file (O_DIRECT when written so:
         from a block boundary, the bytes before the front skipped)."""
-        if self._front == self.size:
-            return self._h.hexdigest()
+        if self._front < self.size:
+            self._read_back(self.size)
+        return self._h.hexdigest()
+
+    def _read_back(self, stop: int) -> None:
+        """Hash the file's bytes from the front to `stop` (the file's end, or a block boundary when O_DIRECT)
+        as read back from it."""
         fd = -1
         if self.direct:
             try:
@@ -921,9 +952,9 @@ class RandomDirectFile(_OutputFile):
         mv = memoryview(buf)
         try:
             pos = start
-            while pos < self.size:
+            while pos < stop:
                 try:
-                    k = os.preadv(fd, [mv], pos)
+                    k = os.preadv(fd, [mv[:min(len(mv), pad_block(stop - pos))]], pos)
                 except OSError as e:
                     if e.errno != errno.EINVAL or pos != start or start == self._front:
                         raise
@@ -934,9 +965,9 @@ class RandomDirectFile(_OutputFile):
                 if k <= 0:
                     raise MConvertError(f"{self.path}: ends at byte {pos:,} while its digest is taken")
                 skip = max(0, self._front - pos)
-                self._h.update(mv[skip:k])
+                self._h.update(mv[skip:min(k, stop - pos)])
                 pos += k
-            return self._h.hexdigest()
+            self._front = stop
         finally:
             mv.release()
             os.close(fd)
@@ -947,6 +978,11 @@ class RandomDirectFile(_OutputFile):
         self._error = self._error or MConvertError("aborted")
         self._drain()
         self._close_fd()
+
+
+def pad_block(n: int) -> int:
+    """`n` rounded up to whole 4 KiB blocks (an O_DIRECT read's length)."""
+    return -(-n // _ALIGN) * _ALIGN
 
 
 class Checksum:

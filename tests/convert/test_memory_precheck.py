@@ -103,30 +103,42 @@ def test_the_precheck_needs_what_is_held_at_once_not_the_mtp_layer_whole(name, p
 
 
 @pytest.mark.timeout(300)
-def test_a_writer_fed_whole_layers_is_checked_for_them(published, monkeypatch, capsys, tmp_path: Path) -> None:
-    """hf-to-gguf takes an MoE layer with all its experts (llama.cpp stores them stacked) and the final unit whole:
-    where hf-to-megatron fits, GLM-4.5's GGUF is refused, naming the larger of the two and what it needs."""
-    hf = published["zai-org__GLM-4.5"]
+@pytest.mark.parametrize("name", MODELS)
+def test_gguf_is_checked_for_one_expert_not_a_layer_of_them(name, published, monkeypatch, capsys,
+                                                            tmp_path: Path) -> None:
+    """hf-to-gguf writes each expert as its slice of llama.cpp's stacked tensors and the final unit a parameter
+    at a time: it holds what hf-to-megatron holds, so a machine with exactly the need above is accepted for the
+    GGUF too and one with a byte less refused, far below 3 × a whole MoE layer (or the final unit with its MTP
+    layer, GLM-4.5's nextn block), what a writer fed whole layers would need."""
+    hf = published[name]
     held = _held_at_once(hf)
     final = held.pop("final unit whole")
     need = 3 * max(held.values())
     layer = max(sum(v for k, v in held.items() if k == f"layer {i}" or k.startswith(f"layer {i} "))
                 for i in range(json.loads((hf / "config.json").read_text())["num_hidden_layers"]))
-    monkeypatch.setattr(bounds.psutil, "virtual_memory", lambda: SimpleNamespace(available=need))
-    code, _, err = run_cli(["hf-to-megatron", hf, tmp_path / "mg", "--tp", "8", "--ep", "8", "--dry-run"], capsys)
+    whole = 3 * max(layer, final)
+    assert need < whole / 3, (need, whole)
+
+    def free(available: int) -> tuple[int, str]:
+        monkeypatch.setattr(bounds.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+        code, _, err = run_cli(["hf-to-gguf", hf, tmp_path / "out.gguf", "--outtype", "bf16", "--dry-run"], capsys)
+        return code, err
+
+    code, err = free(need)
     assert code == 0, err
-    code, _, err = run_cli(["hf-to-gguf", hf, tmp_path / "out.gguf", "--dry-run"], capsys)
-    whole = max(layer, final)  # the final unit: GLM-4.5's MTP layer, written as llama.cpp's nextn block
-    assert_one_line_error(code, err, f"{hf / 'config.json'}: converting "
-                          + ("the final" if final > layer else "layer "), f"needs about {3 * whole / 2**30:.1f} GiB")
+    code, err = free(need - 1)
+    assert_one_line_error(code, err, f"{hf / 'config.json'}: converting ", f"needs about {need / 2**30:.1f} GiB")
     assert not (tmp_path / "out.gguf").exists()
+    print(f"\n{name} to GGUF: the pre-check needs {need / 2**30:.1f} GiB; whole layers would need "
+          f"{whole / 2**30:.1f} GiB (3 × {max(layer, final) / 2**30:.1f} GiB)")
 
 
 @pytest.mark.timeout(300)
 def test_megatron_rank_files_are_checked_per_expert_and_per_mtp_parameter(monkeypatch, capsys, tmp_path: Path) -> None:
     """EP=2 rank files of a DeepSeek-V3-style model of 32 experts of 6.3 MB in fp32 (a 201 MB layer of experts, one
-    MoE MTP layer): with 100 MB free, megatron-to-hf (one expert, one MTP parameter at a time) is accepted, and
-    megatron-to-gguf, which takes an MoE layer and the final unit whole, is refused naming the final unit."""
+    MoE MTP layer): with 100 MB free, megatron-to-hf and megatron-to-gguf (one expert, one MTP parameter at a time;
+    the GGUF reads no MTP tensor, llama.cpp's deepseek2 has none) are accepted, where the final unit held whole
+    would need more than 600 MB; with 10 MB free the GGUF is refused, naming what it holds at once."""
     H, F, E = 256, 2048, 32
     spec = preset("tiny-deepseek-v3").replace(num_layers=1, moe_layer_freq=(1,), hidden_size=H, moe_ffn_hidden_size=F,
                                               moe_shared_expert_intermediate_size=F, num_experts=E, vocab_size=512)
@@ -140,5 +152,8 @@ def test_megatron_rank_files_are_checked_per_expert_and_per_mtp_parameter(monkey
     code, _, err = run_cli(["megatron-to-hf", tmp_path / "mg", tmp_path / "hf", "--dry-run"], capsys)
     assert code == 0, err
     code, _, err = run_cli(["megatron-to-gguf", tmp_path / "mg", tmp_path / "out.gguf", "--dry-run"], capsys)
-    assert_one_line_error(code, err, "converting the final needs about", "but 0.1 GiB is available")
+    assert code == 0, err
+    monkeypatch.setattr(bounds.psutil, "virtual_memory", lambda: SimpleNamespace(available=10 << 20))
+    code, _, err = run_cli(["megatron-to-gguf", tmp_path / "mg", tmp_path / "out.gguf", "--dry-run"], capsys)
+    assert_one_line_error(code, err, "converting layer 0's dense part needs about", "but 0.0 GiB is available")
     assert not (tmp_path / "out.gguf").exists()

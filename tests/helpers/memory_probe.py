@@ -37,7 +37,7 @@ for verb, (src, call) in VERBS.items():
     peak = driver.peak_rss_bytes()
     plan = call(src, f"{out}/{verb}.plan", dry_run=True)
     got[verb] = {"delta": peak - base, "buffer": rep.get("hf_buffer_peak_bytes"),
-                 "writer_buffer": plan["writer_buffer_bytes"]}
+                 "writer_buffer": plan.get("writer_buffer_bytes")}
 print(json.dumps(got))
 """
 

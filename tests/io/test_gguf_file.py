@@ -71,6 +71,44 @@ def test_every_value_type_and_tensor_type_is_written_as_gguf_py_writes_it(tmp_pa
     assert (tmp_path / "ours0.gguf").read_bytes() == (tmp_path / "theirs0.gguf").read_bytes()
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_positional_file_written_in_any_order_and_in_slices_is_gguf_pys(tmp_path, monkeypatch, direct):
+    """A positional GgufFile (an MoE layer's stacked experts, one expert's slice at a time): the tensors written
+    last first, each stacked one a slice per expert with the slices of its three stacks interleaved as experts
+    come, give gguf-py's file byte for byte, and the manifest digest recorded is blake3's of it (buffered, and
+    O_DIRECT where the file system takes it)."""
+    import blake3
+
+    from mconvert.io import gguf_file
+    from mconvert.io.atomic import digests_under
+
+    if direct:
+        monkeypatch.setattr(gguf_file, "DIRECT_MIN_BYTES", 0)
+    rng = np.random.default_rng(1)
+    kvs = [KeyValue("general.architecture", "llama", STRING)]
+    experts = 5
+    stacks = [quantize_q8_0(rng.standard_normal((experts, 3, 64)).astype(np.float32)) for _ in range(2)]
+    stacks.append(rng.standard_normal((experts, 7, 3)).astype(np.float32))  # 84 bytes per expert: unaligned
+    tensors = [(TensorInfo("norm", (7,), 0), rng.standard_normal((7,)).astype(np.float32)),
+               (TensorInfo("gate_exps", (experts, 3, 64), 8), stacks[0]),
+               (TensorInfo("up_exps", (experts, 3, 64), 8), stacks[1]),
+               (TensorInfo("down_exps", (experts, 7, 3), 0), stacks[2]),
+               (TensorInfo("shexp", (4, 9), 1), rng.standard_normal((4, 9)).astype(np.float16))]
+    _gguf_py(tmp_path / "theirs.gguf", kvs, tensors)
+    f = GgufFile(tmp_path / "ours.gguf", kvs, [t for t, _ in tensors], positional=True)
+    f.write_at(4, tensors[4][1])
+    f.write_at(0, tensors[0][1])
+    for e in range(experts):
+        for i in (1, 2, 3):
+            per = tensors[i][0].nbytes // experts
+            f.write_at(i, tensors[i][1][e], e * per)
+    digest = f.close()
+    data = (tmp_path / "ours.gguf").read_bytes()
+    assert data == (tmp_path / "theirs.gguf").read_bytes()
+    assert digest == blake3.blake3(data).hexdigest()
+    assert digests_under(tmp_path)[str((tmp_path / "ours.gguf").resolve())][3] == digest  # what the manifest takes
+
+
 @pytest.mark.parametrize("value", [[1, "a"], [1, 2.0], [True, 1], []])
 def test_an_array_gguf_py_refuses_is_refused(tmp_path, value):
     kvs = [KeyValue("general.architecture", "llama", STRING), KeyValue("bad", value, ARRAY)]

@@ -178,6 +178,53 @@ def test_random_direct_file_written_in_file_order_is_hashed_without_reading_it_b
     assert (tmp_path / "ordered").read_bytes() == data
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_random_direct_file_catches_up_reading_back_only_what_came_ahead(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        direct: bool) -> None:
+    """Stacked slices as a GGUF's MoE layer brings them (expert e's three slices to three regions, each at
+    e x slice, the regions and the layers unaligned): `catch_up` at each layer's end moves the digest's front
+    there, reading back at most the two regions that came ahead of it (less what it kept), so the digest is
+    blake3's of the bytes and `close` reads nothing back."""
+    from mconvert.io import hashing
+    from mconvert.io.hashing import RandomDirectFile
+
+    rng = random.Random(29)
+    head, experts, slice_, layers = 1001, 8, 300_017, 2  # more ahead of the front than it keeps in memory
+    layer = 3 * experts * slice_
+    size = head + layers * layer
+    data = rng.randbytes(size)
+    f = RandomDirectFile(tmp_path / "stacked", size, direct=direct, chunk=1 << 20)
+    if direct and not f.direct:
+        pytest.skip("this file system refuses O_DIRECT")
+    read = [0]
+    real = os.preadv
+
+    def counted(fd, bufs, pos):
+        k = real(fd, bufs, pos)
+        read[0] += max(0, k)
+        return k
+
+    monkeypatch.setattr(hashing.os, "preadv", counted)
+    f.write(data[:head], 0)
+    before = 0
+    for lay in range(layers):
+        base = head + lay * layer
+        for e in range(experts):
+            for r in range(3):
+                at = base + r * experts * slice_ + e * slice_
+                f.write(data[at:at + slice_], at)
+        f.catch_up(base + layer)
+        ahead = 2 * experts * slice_
+        assert hashing.AHEAD_KEEP < ahead
+        assert 0 < read[0] - before <= ahead + 2 * 4096, (lay, read[0] - before)
+        before = read[0]
+    got = read[0]
+    assert f.close() == blake3.blake3(data).hexdigest()
+    assert read[0] == got  # nothing left to read back at close
+    assert (tmp_path / "stacked").read_bytes() == data
+
+
 def test_random_direct_file_refuses_a_byte_never_written_or_written_twice(tmp_path: Path) -> None:
     from mconvert.io.hashing import RandomDirectFile
 

@@ -16,8 +16,11 @@ QuantError fallback); the metadata keys of `TextModel` / `LlamaModel.set_gguf_pa
 `SpecialVocab` (merges for BPE, special ids, add-bos/eos, chat template).
 
 Streaming: every tensor's name, shape and type follows from the ModelSpec alone (a meta-tensor pass through the
-family's HF mapping), so the header is written first and each unit's tensors are appended as they arrive
-(every tensor info up front, each tensor's bytes as it is converted): memory is one unit.
+family's HF mapping), so the header is written first (every tensor info, so every offset, up front) and each
+tensor's bytes as it is converted. An MoE layer comes as its dense part and one expert at a time, each expert's
+tensors written as their slices of the stacked tensors at their offsets (`io.gguf_file.GgufFile`'s positional
+mode), and a final unit with an MoE MTP layer a parameter at a time: memory is one unit, and one expert of an
+MoE layer.
 """
 
 from __future__ import annotations
@@ -654,10 +657,14 @@ def gguf_log(name: str, private: Path | None = None, shown: Path | None = None) 
 # ---- the writer -----------------------------------------------------------------------------------------
 class GgufWriter(Writer):
     """Writer of one `.gguf` (reads HF-named units): header, metadata and tensor infos at open, then each unit's
-    tensors appended in plan order by `add`; `close` checks every planned tensor was written. It writes what
-    `prepare` worked out."""
+    tensors written by `add` at their places (in plan order where they come so; an expert's tensors as slices of
+    the stacked ones); `close` checks every planned tensor was written. It writes what `prepare` worked out."""
 
     reads = "hf"
+    # an MoE layer comes as its dense part and one unit per expert; a unit may come in parts (the final unit's
+    # MTP layer one parameter at a time, without the tensors the plan leaves out: `wants`): memory is one expert
+    splits_experts = True
+    takes_parts = True
 
     def __init__(self, path: Path, prepared: GgufPrepared, tokenizer_dir: Path | None,
                  name: str | None = None, permute: bool = True) -> None:
@@ -677,8 +684,14 @@ class GgufWriter(Writer):
         self._metadata(name or self.path.stem, vocab, tokenizer_dir)
         kvs = [KeyValue(k, v.value, int(v.type), None if v.sub_type is None else int(v.sub_type))
                for k, v in self._w.kv_data[0].items()]
-        self._file = GgufFile(self.path, kvs, [TensorInfo(t.name, t.shape, int(t.qtype)) for t in self.plan])
-        self._next = 0
+        self._file = GgufFile(self.path, kvs, [TensorInfo(t.name, t.shape, int(t.qtype)) for t in self.plan],
+                              positional=any(len(t.hf) > 1 for t in self.plan))  # experts a slice at a time
+        # HF name -> the (plan index, expert slice or None) it is written to: one tensor may make several
+        self._uses: dict[str, list[tuple[int, int | None]]] = {}
+        for i, t in enumerate(self.plan):
+            for e, h in enumerate(t.hf):
+                self._uses.setdefault(h, []).append((i, e if len(t.hf) > 1 else None))
+        self._written: set[tuple[int, int | None]] = set()
         if self.plan and self.plan[0].name == ROPE_FREQS:
             self._write(self.plan[0], rope_freqs(spec))
 
@@ -765,9 +778,10 @@ class GgufWriter(Writer):
                 special._set_special_token(typ, ids[text])
         special.add_to_gguf(w, quiet=True)
 
-    def _converted(self, t: GgufTensor, x: np.ndarray) -> np.ndarray:
-        """Tensor `t`'s bytes in its GGML type, from `x` as the GGUF stores it (`gguf_data`)."""
-        if tuple(x.shape) != t.shape:
+    def _converted(self, t: GgufTensor, x: np.ndarray, stacked: bool = False) -> np.ndarray:
+        """Tensor `t`'s bytes in its GGML type, from `x` as the GGUF stores it (`gguf_data`); `stacked`: `x`
+        is one expert's slice of `t`."""
+        if tuple(x.shape) != (t.shape[1:] if stacked else t.shape):
             raise MConvertError(f"tensor {t.hf[0] if t.hf else t.name}: shape {list(x.shape)}, the plan has "
                                 f"{list(t.shape)}")
         name = t.hf[0] if t.hf else t.name
@@ -784,44 +798,62 @@ class GgufWriter(Writer):
         return _gguf().quants.quantize(to_float32(x, name, fix), t.qtype)
 
     def _write(self, t: GgufTensor, x: np.ndarray) -> None:
-        self._file.write(self._converted(t, x))
-        self._next += 1
+        i = self.plan.index(t)
+        self._written.add((i, None))
+        self._file.write_at(i, self._converted(t, x))
 
-    def add(self, unit: Unit, tensors: dict[str, Any]) -> None:
-        """Append one unit's HF-named tensors (arrays, or torch tensors taken as arrays at this edge; experts
-        stacked); a tensor the plan has no place for is refused by name. The unit's tensors are converted
-        several at once on the readers' pool (numpy releases the GIL), each written in plan order as soon as it
-        is ready."""
+    def add(self, unit: Unit, tensors: dict[str, Any], states: dict[str, dict] | None = None,
+            complete: bool = True) -> None:
+        """Write HF-named tensors (arrays, or torch tensors taken as arrays at this edge) of `unit`: a unit whole
+        or in parts, an MoE layer as its dense part and one expert at a time (`splits_experts`), each expert's
+        tensor written as its slice of the stacked tensor at its offset (a q8_0 row is quantized alone, so a
+        slice is the stacked tensor's bytes for that expert); a tensor the plan has no place for is refused by
+        name. The tensors are converted several at once on the readers' pool (numpy releases the GIL), each
+        written as soon as it is ready."""
         todo = {k: as_array(v) for k, v in tensors.items() if not dropped_mtp(self.spec, self.layout, k)}
-        planned: list[GgufTensor] = []
-        used: set[str] = set()  # a tensor the layout makes several from (`pieces`) serves each of them
-        while self._next + len(planned) < len(self.plan) and self.plan[self._next + len(planned)].unit == unit:
-            t = self.plan[self._next + len(planned)]
-            missing = next((h for h in t.hf if h not in todo), None)
-            if missing is not None:
-                raise MConvertError(f"unit {unit}: the source yields no {missing}; cannot write {t.name}")
-            planned.append(t)
-            used.update(t.hf)
-        left = sorted(k for k in todo if k not in used)
+        left = sorted(k for k in todo if k not in self._uses)
         if left:
             raise MConvertError(f"unit {unit}: tensor {left[0]} has no place in the GGUF plan; conversion refused")
+        jobs = sorted((i, e, k) for k in todo for i, e in self._uses[k])  # file order where a unit comes whole
 
-        def one(t: GgufTensor) -> np.ndarray:
-            data = [gguf_data(self.spec, self.layout, h, todo[h], self.permute) for h in t.hf]
-            if t.make is not None:
-                data = [t.make(self.spec, data[0])]
-            return self._converted(t, data[0] if len(data) == 1 else np.stack(data))
+        def one(job: tuple[int, int | None, str]) -> np.ndarray:
+            i, _, k = job
+            t = self.plan[i]
+            data = gguf_data(self.spec, self.layout, k, todo[k], self.permute)
+            return self._converted(t, t.make(self.spec, data) if t.make is not None else data, stacked=len(t.hf) > 1)
 
-        for out in pmap_iter(one, planned, lambda t: math.prod(t.shape)):  # each as soon as those before it are
-            self._file.write(out)
-            self._next += 1
+        def elements(job: tuple[int, int | None, str]) -> int:  # of the result: a stacked tensor's one slice
+            shape = self.plan[job[0]].shape
+            return math.prod(shape[1:] if job[1] is not None else shape)
+
+        for (i, e, k), out in zip(jobs, pmap_iter(one, jobs, elements)):
+            if (i, e) in self._written:
+                raise MConvertError(f"unit {unit}: tensor {k} came twice; cannot write {self.plan[i].name}")
+            self._written.add((i, e))
+            self._write_piece(i, e, out)
+
+    def wants(self, unit: Unit) -> set[str] | None:
+        """The HF names of `unit` the plan writes: the tensors of multi-token prediction layers the layout leaves
+        out (in the final unit, and their copy of the embedding in the embedding unit) are not read."""
+        if unit not in ("embedding", "final") or not self.spec.mtp_num_layers or self.layout.mtp_blocks:
+            return None
+        return {h for t in self.plan if t.unit == unit for h in t.hf}
+
+    def _write_piece(self, i: int, expert: int | None, out: np.ndarray) -> None:
+        """Tensor i's bytes, or expert `expert`'s slice of them (tensor i stacks its experts)."""
+        if expert is None:
+            self._file.write_at(i, out)
+            return
+        t = self.plan[i]
+        self._file.write_at(i, out, expert * (t.nbytes // t.shape[0]))
 
     def close(self) -> list[Path]:
         """Finish the file; refuse one that misses a planned tensor."""
-        if self._next != len(self.plan):
-            missing = self.plan[self._next]
-            raise MConvertError(f"GGUF incomplete: {missing.name} (from {', '.join(missing.hf) or 'the spec'}) was "
-                                "never written")
+        for i, t in enumerate(self.plan):
+            lost = [h for e, h in enumerate(t.hf) if (i, e if len(t.hf) > 1 else None) not in self._written]
+            if lost or (not t.hf and (i, None) not in self._written):
+                raise MConvertError(f"GGUF incomplete: {t.name} (from {', '.join(lost) or 'the spec'}) was never "
+                                    "written")
         self._file.close()
         return [self.path]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from mconvert.convert.hf.directory import INDEX, HFDirectory, read_weight_map
 from mconvert.io.paths import inside_file, load_json_object
 from mconvert.io.safetensors_arrays import Meta, SafetensorsArrays
 from mconvert.errors import MConvertError
+from mconvert.spec import comes_whole
 
 FINITE_SLICE = 1 << 20  # values checked at once: one slice's bit mask stays in the core's cache
 # IEEE exponent bits of the 16-bit floats: all set is Inf or NaN
@@ -64,6 +66,8 @@ def all_finite(a: np.ndarray, dtype: str) -> bool:
 class HFArrays(HFDirectory):
     """An HF safetensors directory read one unit at a time as numpy arrays (see the module)."""
 
+    splits_experts = True  # an MoE layer read as its dense part and one unit per expert (`HFDirectory._keys`)
+
     def __init__(self, path: Path, tokenizer: str | Path | None = None) -> None:
         cfg_path = self._open(path, tokenizer)
         self._files: dict[str, SafetensorsArrays] = {}
@@ -92,10 +96,10 @@ class HFArrays(HFDirectory):
     def can_preview(self) -> bool:
         return True
 
-    def read_hf(self, unit: Unit) -> dict[str, np.ndarray]:  # type: ignore[override]
+    def read_hf(self, unit: Unit, only: set[str] | None = None) -> dict[str, np.ndarray]:  # type: ignore[override]
         """HF tensors of one unit as stored (true vocab), each checked; several read at once on the readers'
-        pool (pread and numpy's reductions release the GIL)."""
-        keys = self._keys(unit)
+        pool (pread and numpy's reductions release the GIL). `only`: just these keys of the unit."""
+        keys = [k for k in self._keys(unit) if only is None or k in only]
         for k in keys:
             if self._meta(k) is None:
                 raise MConvertError(f"{self.path / self.key_file[k]}: tensor {k!r} is missing (the index lists it "
@@ -104,6 +108,19 @@ class HFArrays(HFDirectory):
         if unit == "final" and self.spec.tie_embeddings:
             out.pop("lm_head.weight", None)
         return out
+
+    def read_hf_parts(self, unit: Unit, only: set[str] | None = None) -> Iterator[dict[str, np.ndarray]]:  # type: ignore[override]
+        """`read_hf(unit)` in parts: a unit whole, but the final unit of a model whose MTP layers route over
+        experts (`spec.comes_whole`) a parameter's HF tensors at a time, as the memory pre-check counts it
+        (`HFDirectory._held_keys`; memory: one expert). `only`: the keys a writer keeps; the others are not
+        read."""
+        keys = [k for k in self._keys(unit) if only is None or k in only]
+        if unit != "final" or comes_whole(self.spec, unit):
+            yield self.read_hf(unit, set(keys))
+            return
+        for part in self._held_keys(unit, keys).values():
+            if part:
+                yield self.read_hf(unit, set(part))
 
     def _checked(self, k: str) -> np.ndarray:
         st = self._st(self.key_file[k])

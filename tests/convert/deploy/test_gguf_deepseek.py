@@ -23,6 +23,7 @@ a cos/sin factor of 0 are refused in one line.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import gguf
@@ -136,6 +137,40 @@ def test_deepseek_mtp_layers_are_left_out_with_a_line_in_the_report():
                for w in rep.warnings), rep.warnings
     glm = to_gguf(_sources("glm4_moe")[0], G / "mtp-dry-glm.gguf", "f32", tokenizer=glm_tokenizer(), dry_run=True)
     assert not any("multi-token" in w for w in glm.warnings)
+
+
+def test_deepseek_mtp_tensors_the_gguf_leaves_out_are_not_read(monkeypatch):
+    """deepseek2 has no MTP block: neither hf-to-gguf nor megatron-to-gguf (TP=2 EP=2) reads the MTP layer's
+    tensors (its experts included), and both write the same tensors."""
+    from mconvert.convert.hf.arrays import HFArrays
+    from mconvert.convert.megatron.source import MegatronSource
+
+    ckpt, hf = _sources("deepseek_v3")
+    layers = preset("tiny-deepseek-v3").num_layers
+    read: list[str] = []
+    hf_read, mg_read = HFArrays._checked, MegatronSource.read_unit
+
+    def hf_checked(self, k):
+        read.append(k)
+        return hf_read(self, k)
+
+    def mg_unit(self, unit, *a, **kw):
+        only = inspect.signature(mg_read).bind(self, unit, *a, **kw).arguments.get("only")
+        read.extend(only or self._unit_names(unit))
+        return mg_read(self, unit, *a, **kw)
+
+    monkeypatch.setattr(HFArrays, "_checked", hf_checked)
+    monkeypatch.setattr(MegatronSource, "read_unit", mg_unit)
+    out = {}
+    for src in (hf, ckpt):
+        read.clear()
+        out[src] = G / f"mtp-unread-{src.name}.gguf"
+        to_gguf(src, out[src], "f32", verb="hf-to-gguf" if src == hf else "megatron-to-gguf",
+                tokenizer=None if src == hf else glm_tokenizer(), force=True)
+        assert any(".experts." in k for k in read), src  # the decoder's experts were read here
+        mtp = [k for k in read if k.startswith("mtp.") or k.startswith(f"model.layers.{layers}.")]
+        assert not mtp, (src, mtp[:3])
+    assert _tensors(out[hf]) == _tensors(out[ckpt])
 
 
 @pytest.mark.parametrize("layers,q_lora_rank", [(3, None), (27, 64)])
