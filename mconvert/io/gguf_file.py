@@ -249,9 +249,6 @@ class GgufFile:
 
     def drain(self) -> None:
         """Wait until every byte handed to `write` so far is in the file (see `HashingFile.drain`)."""
-        if self.positional:
-            self._f._drain()
-            return
         self._f.drain()
 
     def close(self) -> str:

@@ -884,7 +884,7 @@ class RandomDirectFile(_OutputFile):
             self._block[:] = ent[0]
             write_all(self._fd, memoryview(self._block), self, k * _ALIGN)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Wait until every write queued for this file is staged and on the disk (or failed)."""
         with self._cv:
             while self._pending:
@@ -894,7 +894,7 @@ class RandomDirectFile(_OutputFile):
         """Finish the writes, cut the file to its size, and return its digest (of `self.algorithm`). A byte
         never written is an error (a bug in the writer: the file would hold zeros there)."""
         try:
-            self._drain()
+            self.drain()
             self._raise()
             if self.size and self._spans != [[0, self.size]]:
                 gap = self._spans[0][1] if self._spans and self._spans[0][0] == 0 else 0
@@ -909,7 +909,7 @@ class RandomDirectFile(_OutputFile):
         stopped it: once those writes are on the disk, their bytes are read back and hashed now rather than at
         `close`, so only what was written out of order is read again. Nothing is read where the front is not
         stopped (it follows the writes itself) or is already there; the caller waits for the writes either way."""
-        self._drain()  # the digest is fed on the staging thread: its front is known once the writes are staged
+        self.drain()  # the digest is fed on the staging thread: its front is known once the writes are staged
         self._raise()
         if self._far == self.size or stop <= self._front:
             return
@@ -976,7 +976,7 @@ class RandomDirectFile(_OutputFile):
     def abort(self) -> None:
         """Stop after a failure without judging the file (it is removed with the rest of the output)."""
         self._error = self._error or MConvertError("aborted")
-        self._drain()
+        self.drain()
         self._close_fd()
 
 
