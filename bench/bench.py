@@ -1,13 +1,14 @@
 """`make bench`: mconvert against the copy limit, against transformers' converter, and across depth.
 
-One run: build a ~4 GB fp32 GPT-2 checkpoint with the trainer (`--steps 0`, TP=4 PP=2, preset gpt2-1b),
-then measure, each `--repeats` times (median): `cp -r` of it (the copy limit; warmed once first, the page
-cache is left as it is and its residency reported), `megatron-to-hf`, `reshard` to TP=2 PP=1,
-`megatron-to-ft`, `megatron-to-trtllm` at TP=2; then transformers' `checkpoint_reshaping_and_interoperability.py`
-HF → Megatron against our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers; then
-`hf-to-gguf` against llama.cpp's `convert_hf_to_gguf.py` on a 1.3 GB and a 0.3 GB Llama (gguf_peer.py). Wall
-time, CPU time and peak RSS of every command's process tree; ratios to `cp` and to each peer in the same run; the
-targets marked pass/fail.
+One run: the start-up of whole commands (`--help`, `plan`, the smallest conversions of the tiny-llama preset);
+then build a ~4 GB fp32 GPT-2 checkpoint with the trainer (`--steps 0`, TP=4 PP=2, preset gpt2-1b) and
+measure, each `--repeats` times (median): `cp -r` of it (the copy limit; warmed once first, the page cache is
+left as it is and its residency reported), `megatron-to-hf`, `reshard` to TP=2 PP=1, `megatron-to-ft`,
+`megatron-to-trtllm` at TP=2; then transformers' `checkpoint_reshaping_and_interoperability.py` HF → Megatron
+against our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers; then `hf-to-gguf`
+against llama.cpp's `convert_hf_to_gguf.py` on a 1.3 GB and a 0.3 GB Llama (gguf_peer.py), and the 1.3 GB Llama
+and its 4-layer twin at TP4 PP2 per byte and per extra GB against cp. Wall time, CPU time and peak RSS of every
+command's process tree; ratios to `cp` and to each peer in the same run; the targets marked pass/fail.
 Prints a rich table (stderr) and `--json` (stdout); leaves the measured bandwidth where `mconvert plan`
 reads it. Work dirs under bench/work/ are deleted at the end (`--keep` keeps them).
 
