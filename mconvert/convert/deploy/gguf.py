@@ -383,25 +383,25 @@ def rope_freqs(spec: ModelSpec) -> np.ndarray:
     return out
 
 
-_POWF: list[Any] = []
+@functools.lru_cache(maxsize=1)
+def _libm_powf() -> Any:
+    """The C library's powf, or None where no C math library is found."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6").powf
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+    return fn
 
 
 def powf(base: np.float32, x: np.ndarray) -> np.ndarray:
     """`base ** x` in float32 as torch's CPU kernel computes it element by element (std::pow on floats): the C
     library's powf, else (no C library found) the float64 power rounded once. torch computes whole vector-width
     chunks with SLEEF's powf instead, which can differ in the last bit (within 1 ulp, either way)."""
-    if not _POWF:
-        import ctypes
-        import ctypes.util
-
-        try:
-            libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-            fn = libm.powf
-            fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
-        except (OSError, AttributeError):
-            fn = None
-        _POWF.append(fn)
-    fn = _POWF[0]
+    fn = _libm_powf()
     if fn is None:
         return (np.float64(base) ** x.astype(np.float64)).astype(np.float32)
     return np.array([fn(float(base), float(v)) for v in x], dtype=np.float32)
@@ -693,7 +693,7 @@ class GgufWriter(Writer):
                 self._uses.setdefault(h, []).append((i, e if len(t.hf) > 1 else None))
         self._written: set[tuple[int, int | None]] = set()
         if self.plan and self.plan[0].name == ROPE_FREQS:
-            self._write(self.plan[0], rope_freqs(spec))
+            self._write_piece(0, None, self._converted(self.plan[0], rope_freqs(spec)))
 
     def _metadata(self, name: str, vocab: GgufVocab, tok_dir: Path) -> None:
         g, w, s = _gguf(), self._w, self.spec
@@ -797,11 +797,6 @@ class GgufWriter(Writer):
             return x  # bfloat16 written as it is
         return _gguf().quants.quantize(to_float32(x, name, fix), t.qtype)
 
-    def _write(self, t: GgufTensor, x: np.ndarray) -> None:
-        i = self.plan.index(t)
-        self._written.add((i, None))
-        self._file.write_at(i, self._converted(t, x))
-
     def add(self, unit: Unit, tensors: dict[str, Any], states: dict[str, dict] | None = None,
             complete: bool = True) -> None:
         """Write HF-named tensors (arrays, or torch tensors taken as arrays at this edge) of `unit`: a unit whole
@@ -829,7 +824,6 @@ class GgufWriter(Writer):
         for (i, e, k), out in zip(jobs, pmap_iter(one, jobs, elements)):
             if (i, e) in self._written:
                 raise MConvertError(f"unit {unit}: tensor {k} came twice; cannot write {self.plan[i].name}")
-            self._written.add((i, e))
             self._write_piece(i, e, out)
 
     def wants(self, unit: Unit) -> set[str] | None:
@@ -840,7 +834,8 @@ class GgufWriter(Writer):
         return {h for t in self.plan if t.unit == unit for h in t.hf}
 
     def _write_piece(self, i: int, expert: int | None, out: np.ndarray) -> None:
-        """Tensor i's bytes, or expert `expert`'s slice of them (tensor i stacks its experts)."""
+        """Tensor i's bytes, or expert `expert`'s slice of them (tensor i stacks its experts), marked written."""
+        self._written.add((i, expert))
         if expert is None:
             self._file.write_at(i, out)
             return
