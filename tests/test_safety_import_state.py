@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,14 @@ def test_importing_mconvert_changes_no_process_state():
     assert after == before
 
 
+def _probe(code: str) -> Any:
+    """The JSON `code` prints last, run in a fresh interpreter with this checkout on the path."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_cli_applies_tuning_and_library_does_not(tmp_path):
     """`tuning.apply()` is what the CLI's conversion verbs call: it changes exactly the settings it names."""
     probe = ("import gc, os, torch, json; from mconvert.io import tuning; "
@@ -63,10 +72,7 @@ def test_cli_applies_tuning_and_library_does_not(tmp_path):
              "print(json.dumps({'thp': os.environ.get('THP_MEM_ALLOC_ENABLE'), 'frozen': gc.get_freeze_count(), "
              "'threshold': gc.get_threshold()[0], 'threads': torch.get_num_threads(), 't0': t0, "
              "'cores': len(os.sched_getaffinity(0))}))")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = _probe(probe)
     assert got["thp"] == (None if tuning.host_takes_back_huge_pages() else "1")
     assert got["frozen"] > 0 and got["threshold"] == 50_000
     assert got["threads"] == min(got["t0"], max(1, got["cores"] - 1))
@@ -82,11 +88,8 @@ def test_a_torch_free_verb_takes_back_the_huge_page_default_but_not_a_users_sett
              "    tuning.huge_pages(); was = os.environ.get('THP_MEM_ALLOC_ENABLE'); tuning.apply(with_torch=False)\n"
              "    out.append([was, os.environ.get('THP_MEM_ALLOC_ENABLE')])\n"
              "print(json.dumps(out))")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
     default = None if tuning.host_takes_back_huge_pages() else "1"
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[default, None], ["1", "1"]]
+    assert _probe(probe) == [[default, None], ["1", "1"]]
 
 
 def _sysfs(root: Path, order: int | None, balloon_features: str | None, huge: int = 2 << 20) -> Path:
