@@ -571,7 +571,7 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     for op, v in report.get("marginal_s_per_gb", {}).items():
         if op in ("megatron-to-hf", "hf-to-megatron"):
             out.append(target(f"{op} marginal cost ≤ 1.0 s/GB", v, 1.0, v <= 1.0, "s/GB"))
-    # issue 39: each verb's marginal wall cost (s/GB) against cp's of the same input in the same run; the CPU
+    # each verb's marginal wall cost (s/GB) against cp's of the same input in the same run; the CPU
     # figures are printed beside it (`marginal_line`)
     for op, x in marginal_ratios(report.get("marginal_s_per_gb", {})).items():
         out.append(target(f"{op} marginal wall cost ≤ {MARGINAL_X:g} × cp's ({report['preset']})", x, MARGINAL_X,
