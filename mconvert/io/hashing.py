@@ -16,6 +16,7 @@ import bisect
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import itertools
 import mmap
@@ -96,8 +97,11 @@ def check_hash_name(name: str) -> str:
 
 def new_hasher(name: str, threads: bool = True) -> Any:
     """A fresh hashlib-style object (update, hexdigest) for manifest algorithm `name`. BLAKE3 hashes on every
-    core (`threads`): its tree splits one large buffer across threads, where sha256 is one sequential chain.
-    Without `threads` it stays on the caller's thread (blocks hashed by readers that already run in parallel)."""
+    core (`threads`): its tree splits one large buffer across threads, where sha256 is one sequential chain —
+    for a hash nothing else runs beside (a finished file). Without `threads` it stays on the caller's thread:
+    for a hash taken beside other work (an input's blocks as its readers bring them, an output's bytes on its
+    writer thread while the next tensor is read), where the pool's threads, spinning between buffers, take
+    the cores from that work and from the disk writes' completions."""
     if check_hash_name(name) == "sha256":
         return hashlib.sha256()
     import blake3
@@ -349,7 +353,7 @@ class FollowedDigest:
 
 
 DIRECT_MIN_BYTES = 256 << 20  # files planned at least this large are written with O_DIRECT (see HashingFile)
-CHUNK = 16 << 20  # one O_DIRECT write (default); IO_WRITES + 1 of them are a file's staging memory
+CHUNK = 4 << 20  # one O_DIRECT write (default): one disk request at most devices' largest (`_take_chunk`)
 IO_WRITES = 2  # O_DIRECT writes of one file in flight at once
 _ALIGN = 4096
 
@@ -429,11 +433,12 @@ class HashingFile(_OutputFile):
         self.algorithm = check_hash_name(algorithm or _manifest_hash)
         self._chunk = chunk
         self._open(direct)
-        self._h = new_hasher(self.algorithm)
+        self._h = new_hasher(self.algorithm, threads=False)  # beside the conversion (`new_hasher`)
         # `also`: a second algorithm taken on the same bytes (a format's own manifest: Megatron-LM's sha256);
         # `digests` holds both once closed. With O_DIRECT it hashes each full staging chunk on a thread of its
         # own, beside the disk writes: a sequential sha256 on the copying thread would halve its throughput
-        self._also = _SameHash(self._h) if also in (None, self.algorithm) else new_hasher(check_hash_name(also))
+        self._also = (_SameHash(self._h) if also in (None, self.algorithm)
+                      else new_hasher(check_hash_name(also), threads=False))
         self._also_name = also or self.algorithm
         self.digests: dict[str, str] = {}
         self._also_q: Any = None
@@ -657,14 +662,37 @@ class HashingFile(_OutputFile):
 _CHUNK_POOL: dict[int, list[Any]] = {}
 
 
+@functools.lru_cache(maxsize=1)
+def huge_page_bytes() -> int:
+    """The size of a transparent huge page (/sys), 0 where the kernel offers none."""
+    try:
+        return int(Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
 def _take_chunk(size: int) -> Any:
     """A page-aligned staging chunk: a free one of this size (its pages already resident: a new page costs a
-    fault each, on a VM a host-side one too), else a new mapping."""
+    fault each, on a VM a host-side one too), else a new mapping, on transparent huge pages where the kernel
+    has them (asked for with madvise, so a system set to `madvise` gives them too). The block layer cuts an
+    O_DIRECT write into disk requests at the device's segment limit, one segment per physically contiguous run:
+    from 4 KiB pages that is max_segments × 4 KiB (about 1 MB on virtio and NVMe), from 2 MiB pages the
+    device's largest request (max_sectors_kb, often 4 MiB), as large as the page cache's own writeback sends
+    them; a disk pays per request, a virtual disk most of all. The few chunks a process has are mapped once and reused, so a huge page's first
+    touch (its zeroing) is paid once per chunk, not per write."""
     free = _CHUNK_POOL.get(size)
     if free:
         return free.pop()
-    # private: anonymous shared memory is shmem, where transparent huge pages are usually off
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # not shared: anonymous shared memory is shmem, without THP
+    huge = huge_page_bytes()
+    if not huge or size % huge or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return mmap.mmap(-1, size, flags=flags)
+    m = mmap.mmap(-1, size + huge, flags=flags)  # room to start at a huge-page boundary; the rest is never touched
+    ref = ctypes.c_char.from_buffer(m)
+    start = -ctypes.addressof(ref) % huge
+    del ref  # the buffer export (an mmap with exports cannot be closed)
+    m.madvise(mmap.MADV_HUGEPAGE, start, size)
+    return memoryview(m)[start:start + size]  # keeps the mapping alive
 
 
 def _give_chunk(chunk: Any) -> None:
@@ -795,7 +823,7 @@ class RandomDirectFile(_OutputFile):
         self._error: BaseException | None = None
         self._cv = threading.Condition()
         self._pending = 0  # writes queued for staging and chunks queued for the disk, not yet done
-        self._h = new_hasher(self.algorithm)
+        self._h = new_hasher(self.algorithm, threads=False)  # beside the conversion (`new_hasher`)
         self._front = 0  # every byte before it is hashed
         self._ahead: dict[int, bytes] = {}  # small writes ahead of the front: offset -> their bytes
         self._ahead_bytes = 0

@@ -3,7 +3,7 @@
 Shape-based (ModelSpec + parallel layout; no tensor is read), so the same numbers hold for a model nobody
 has on disk (see `estimate.py`, which answers from a preset). Peak memory of the streaming driver =
 one unit's source shards + its full/mapped copy + the writer's buffer (HF: the write queue, ≤ 64 MB, and
-three 16 MiB O_DIRECT staging chunks; Megatron: per open rank file a 4 MiB queue and three 4 MiB staging
+three 4 MiB O_DIRECT staging chunks; Megatron: per open rank file a 4 MiB queue and three 4 MiB staging
 chunks — shards are streamed into their rank files, or spooled to disk until their stage is complete, their Adam
 states with them) + the interpreter.
 """
@@ -22,8 +22,11 @@ from mconvert.layouts.estimate import (
     unit_bytes,
 )
 from mconvert.layouts.megatron import PipelineSplit
+from mconvert.io.hashing import CHUNK, IO_WRITES
 from mconvert.errors import MConvertError
 from mconvert.spec import ModelSpec
+
+STAGING = (IO_WRITES + 1) * CHUNK  # one HashingFile's O_DIRECT staging chunks
 
 
 def _stage_counts(spec: ModelSpec, pp: int, split: PipelineSplit | None) -> list[int]:
@@ -54,7 +57,7 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         write = hf_files(spec, out_item, max_shard_size, fp8_block)
         unit_in, unit_out = unit_bytes(spec, src_tp, src_item), unit_bytes(spec, 1, out_item)
         # streamed: io.hashing.HashingFile's queue + its O_DIRECT staging chunks
-        buffer = min(64 << 20, max_shard_size, max(f["bytes"] for f in write)) + 3 * (16 << 20)
+        buffer = min(64 << 20, max_shard_size, max(f["bytes"] for f in write)) + STAGING
     elif verb in ("hf-to-megatron", "reshard"):
         if verb == "hf-to-megatron":
             read = hf_files(spec, src_item, fp8_block=src_fp8_block)
@@ -71,7 +74,7 @@ def plan(verb: str, spec: ModelSpec, src_tp: int = 1, src_pp: int = 1, tp: int =
         # streamed rank files (io.torchsave.TorchSaveStream): queue + staging per open (TP, EP) file
         buffer = tp * ep * 4 * (4 << 20)
         if format == "torch_dist":  # io.hashing.HashingFile's queue and staging chunks, one chunk's blob
-            buffer = (64 << 20) + 3 * (16 << 20) + max(unit_out.values())
+            buffer = (64 << 20) + STAGING + max(unit_out.values())
         if with_optimizer and format == "torch_dist":  # fp32 param + exp_avg + exp_avg_sq, streamed with it
             states = 3 * 4
             unit_in = {k: int(v * (1 + states / src_item)) for k, v in unit_in.items()}

@@ -386,3 +386,40 @@ def test_a_failed_conversion_leaves_no_writer_threads(trained: dict[str, Path], 
         assert not (tmp_path / f"out-{fn.__name__}").exists()
     assert rank.exists() and not (tmp_path / "mg").exists()
     assert writers() == before
+
+
+def _mapping_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds address `addr` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not hashing.huge_page_bytes() or not Path("/proc/self/smaps").exists(),
+                    reason="the kernel offers no transparent huge pages")
+def test_staging_chunks_start_at_a_huge_page_and_ask_for_huge_pages() -> None:
+    # an O_DIRECT write from 4 KiB pages reaches the disk in requests of max_segments pages; from huge pages in
+    # requests of the device's largest size: the staging chunk is huge-page aligned and advised (the kernel's
+    # own record of the advice, VmFlags "hg"), and the bytes written from it are the bytes given
+    import ctypes
+
+    huge = hashing.huge_page_bytes()
+    chunk = hashing._take_chunk(hashing.CHUNK)
+    try:
+        assert hashing.CHUNK % huge == 0 and len(chunk) == hashing.CHUNK
+        ref = ctypes.c_char.from_buffer(chunk)
+        addr = ctypes.addressof(ref)
+        del ref
+        assert addr % huge == 0
+        assert "hg" in _mapping_flags(addr), _mapping_flags(addr)
+        chunk[:5] = b"abcde"
+        chunk[-3:] = b"xyz"
+        assert bytes(chunk[:5]) + bytes(chunk[-3:]) == b"abcdexyz"
+    finally:
+        hashing._give_chunk(chunk)
