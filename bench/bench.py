@@ -765,7 +765,7 @@ def print_report(report: dict[str, Any]) -> None:
                       f"{d['reshard']['peak_rss'] / GB:.2f}")
         console.print(t)
     if report.get("passes"):
-        t = Table(title="each pass over the bytes (64 MiB, one core; BLAKE3 on every core)")
+        t = Table(title="each pass over the bytes (64 MiB, one core)")
         for c in ("pass", "s/GB", "× memory copy"):
             t.add_column(c, justify="left" if c == "pass" else "right")
         for r in report["passes"]:
@@ -866,7 +866,7 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("marginal_s_per_gb"):
         lines += ["", marginal_line(report)]
     if report.get("passes"):
-        lines += ["", "Each pass over the bytes (64 MiB in memory, one core; BLAKE3 on every core), against a memory "
+        lines += ["", "Each pass over the bytes (64 MiB in memory, one core), against a memory "
                   "copy:", "", "| pass | s/GB | × memory copy |", "|---|---:|---:|"]
         lines += [f"| {r['pass']} | {r['s_per_gb']:.3f} | {r['x_copy']:.1f} |" for r in report["passes"]]
     lines += startup_markdown(report)
