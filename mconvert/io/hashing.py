@@ -678,8 +678,8 @@ def _take_chunk(size: int) -> Any:
     O_DIRECT write into disk requests at the device's segment limit, one segment per physically contiguous run:
     from 4 KiB pages that is max_segments × 4 KiB (about 1 MB on virtio and NVMe), from 2 MiB pages the
     device's largest request (max_sectors_kb, often 4 MiB), as large as the page cache's own writeback sends
-    them; a disk pays per request, a virtual disk most of all. The few chunks a process has are mapped once and reused, so a huge page's first
-    touch (its zeroing) is paid once per chunk, not per write."""
+    them; a disk pays per request, a virtual disk most of all. The few chunks a process has are mapped once
+    and reused, so a huge page's first touch (its zeroing) is paid once per chunk, not per write."""
     free = _CHUNK_POOL.get(size)
     if free:
         return free.pop()
