@@ -7,7 +7,8 @@ left as it is and its residency reported), `megatron-to-hf`, `reshard` to TP=2 P
 `megatron-to-trtllm` at TP=2; then transformers' `checkpoint_reshaping_and_interoperability.py` HF → Megatron
 against our `hf-to-megatron` on the same model; then the same model at 8 and 32 layers; then `hf-to-gguf`
 against llama.cpp's `convert_hf_to_gguf.py` on a 1.3 GB and a 0.3 GB Llama (gguf_peer.py), and the 1.3 GB Llama
-and its 4-layer twin at TP4 PP2 per byte and per extra GB against cp. Wall time, CPU time and peak RSS of every
+and its 4-layer twin at TP4 PP2 per byte and per extra GB against cp; then Megatron-Bridge's own import and export
+of the 1.3 GB Llama against ours (bridge_peer.py, where `make bridge-env` built its venv). Wall time, CPU time and peak RSS of every
 command's process tree; ratios to `cp` and to each peer in the same run; the targets marked pass/fail.
 Prints a rich table (stderr) and `--json` (stdout); leaves the measured bandwidth where `mconvert plan`
 reads it. Work dirs under bench/work/ are deleted at the end (`--keep` keeps them).
@@ -16,6 +17,7 @@ reads it. Work dirs under bench/work/ are deleted at the end (`--keep` keeps the
     .venv/bin/python bench/bench.py --quick              # small smoke run (~1 min)
     .venv/bin/python bench/bench.py --layers 8 --repeats 1 --skip peer,depth --json
     .venv/bin/python bench/bench.py --only gguf          # hf-to-gguf against llama.cpp's converter alone
+    .venv/bin/python bench/bench.py --only bridge        # Megatron-Bridge's import and export against ours
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
+import bridge_peer  # noqa: E402
 import gguf_peer  # noqa: E402
 from procmon import Measurement, dir_bytes, files_under, resident_bytes, run_measured  # noqa: E402
 
@@ -118,6 +121,8 @@ def _bare_command(op: str, src: Path, out: Path, workers: int = 0) -> list[str]:
         return ["cp", "-r", str(src), str(out)]
     if op.startswith(("hf-to-gguf:", "llama.cpp:")):
         return gguf_peer.command(op, src, out, mc)
+    if op.startswith("bridge:") or op == "hf-to-megatron-dist":
+        return bridge_peer.command(op, src, out, mc)
     if op == "megatron-to-hf-shards":  # 1 GB shards: the file groups the torchrun row shares out
         return [*mc, "megatron-to-hf", str(src), str(out), "--max-shard-size", TORCHRUN_SHARD, *w]
     if op in ("megatron-to-hf-torchrun1", "megatron-to-hf-torchrun2"):  # the same launcher, 1 or 2 processes
@@ -262,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depth", default="8,32", help="layer counts for the depth-scaling runs")
     ap.add_argument("--depth-repeats", type=int, default=2, help="runs per depth-scaling measurement (median)")
     ap.add_argument("--skip", default="", help="comma list of: startup, ft, trtllm, workers, peer, depth, torchrun, "
-                    "passes, gguf")
-    ap.add_argument("--only", choices=("gguf",), default=None, help="run one section alone")
+                    "passes, gguf, bridge")
+    ap.add_argument("--only", choices=("gguf", "bridge"), default=None, help="run one section alone")
     ap.add_argument("--workers", type=int, default=0, help="pass --workers N to our verbs (0: their default)")
     ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-100m at 4 layers, 1 repeat, depth 2,4")
     ap.add_argument("--work", type=Path, default=HERE / "work", help="scratch dir (deleted at the end)")
@@ -288,10 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.only is None and "startup" not in skip:
             run_startup(a, work, report)
-        if a.only != "gguf":
+        if a.only is None:
             run(a, skip, work, report)
-        if "gguf" not in skip:
+        if "gguf" not in skip and a.only in (None, "gguf"):
             run_gguf(a, work, report)
+        if "bridge" not in skip and a.only in (None, "bridge"):
+            run_bridge(a, work, report)
         report["targets"] = targets(report)
     finally:
         if not a.keep:
@@ -493,6 +500,26 @@ def run_llama_per_byte(a: argparse.Namespace, work: Path, report: dict[str, Any]
                                 "tp": gguf_peer.LLAMA_TP, "pp": gguf_peer.LLAMA_PP, "load": os.getloadavg()}
 
 
+def run_bridge(a: argparse.Namespace, work: Path, report: dict[str, Any]) -> None:
+    """Megatron-Bridge's HF → Megatron import and Megatron → HF export against ours, and cp of the HF directory,
+    interleaved round by round (bridge_peer.py), on the 1.3 GB Llama; left out, and said so, without its venv."""
+    if bridge_peer.python() is None:
+        console.print("[yellow]Megatron-Bridge section left out[/]: no venv (make bridge-env, or BRIDGE_VENV=...)")
+        report["bridge"] = {"left_out": "no Megatron-Bridge venv (make bridge-env)"}
+        return
+    hf = llama_models(work)[gguf_peer.PER_BYTE_MODEL]
+    ckpt = bridge_peer.checkpoint_of(hf)
+    if not (ckpt / "latest_checkpointed_iteration.txt").is_file():  # the export's input, written once by Bridge
+        console.print(f"[bold]building[/] the Megatron-Bridge checkpoint of {hf.name}")
+        shutil.rmtree(ckpt, ignore_errors=True)
+        m = run_measured(bridge_peer.command("bridge:import", hf, ckpt, mconvert_cmd()))
+        if m.returncode != 0:
+            raise SystemExit(f"bench: Megatron-Bridge's import failed:\n{m.output_tail}")
+    rows = measure_rounds(bridge_peer.jobs(hf), work, max(3, a.repeats))
+    report["bridge"] = {"rows": bridge_peer.figures(rows, dir_bytes(hf)), "model": hf.name,
+                        "load": os.getloadavg(), "cpus": os.cpu_count()}
+
+
 def pass_costs() -> list[dict[str, Any]]:
     """`passes.py` in its own process: the seconds per GB of each pass over the bytes, against a memory copy."""
     import subprocess
@@ -636,6 +663,56 @@ def print_gguf(report: dict[str, Any]) -> None:
     console.print(t)
 
 
+def print_bridge(report: dict[str, Any]) -> None:
+    g = report.get("bridge")
+    if not g or "rows" not in g:
+        return
+    load = ", ".join(f"{x:.1f}" for x in g["load"])
+    t = Table(title=f"Megatron-Bridge's import and export vs ours, {g['model']}, interleaved, median of ≥ 3; load "
+                    f"average at the end {load} on {g['cpus']} CPUs")
+    for c in ("direction", "converter", "wall s", "CPU s", "wall s/GB", "CPU s/GB", "× cp (wall)", "peak RSS GB",
+              "peer ÷ ours wall", "peer ÷ ours CPU"):
+        t.add_column(c, justify="left" if c in ("direction", "converter") else "right")
+    for direction, r in g["rows"].items():
+        for side, name in bridge_sides(direction):
+            x = r[side]
+            t.add_row(direction, name, f"{x['wall_s']:.2f}", f"{x['cpu_s']:.2f}", f"{x['wall_s_per_gb']:.2f}",
+                      f"{x['cpu_s_per_gb']:.2f}", f"{x['x_cp']:.2f}", f"{x['peak_rss'] / GB:.2f}",
+                      f"{r['speedup']:.2f}" if side == "ours" else "",
+                      f"{r['cpu_speedup']:.2f}" if side == "ours" else "")
+    console.print(t)
+
+
+def bridge_sides(direction: str) -> list[tuple[str, str]]:
+    """(side, the converter's name) rows of one direction of the Megatron-Bridge section."""
+    ours = ("mconvert hf-to-megatron --format torch_dist" if direction.startswith("HF")
+            else "mconvert megatron-to-hf (of the Bridge checkpoint)")
+    peer = "Megatron-Bridge import (AutoBridge)" if direction.startswith("HF") else "Megatron-Bridge export_ckpt"
+    return [("ours", ours), ("peer", peer), ("cp", "cp -r (the HF directory)")]
+
+
+def bridge_markdown(report: dict[str, Any]) -> list[str]:
+    """The Megatron-Bridge rows as a markdown table (a line saying why when left out; nothing when not run)."""
+    g = report.get("bridge")
+    if not g:
+        return []
+    if "rows" not in g:
+        return ["", f"Megatron-Bridge section left out: {g['left_out']}."]
+    load = ", ".join(f"{x:.1f}" for x in g["load"])
+    lines = ["", f"Megatron-Bridge's own HF → Megatron import and export (its venv, on CPU) against ours on "
+             f"{g['model']} (TP=1 PP=1 torch_dist, as Bridge saves), and `cp -r` of the HF directory, interleaved, "
+             f"median of ≥ 3 rounds; load average {load} on {g['cpus']} CPUs at the end of the section:", "",
+             "| direction | converter | wall s | CPU s | wall s/GB | CPU s/GB | × cp (wall) | peak RSS GB | "
+             "peer ÷ ours, wall | peer ÷ ours, CPU |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for direction, r in g["rows"].items():
+        for side, name in bridge_sides(direction):
+            x = r[side]
+            lines.append(f"| {direction} | {name} | {x['wall_s']:.2f} | {x['cpu_s']:.2f} | {x['wall_s_per_gb']:.2f} | "
+                         f"{x['cpu_s_per_gb']:.2f} | {x['x_cp']:.2f} | {x['peak_rss'] / GB:.2f} | "
+                         + (f"{r['speedup']:.2f} | {r['cpu_speedup']:.2f} |" if side == "ours" else " | |"))
+    return lines
+
+
 def print_per_byte(report: dict[str, Any]) -> None:
     g = report.get("llama_per_byte")
     if not g:
@@ -716,6 +793,7 @@ def print_report(report: dict[str, Any]) -> None:
     print_startup(report)
     print_gguf(report)
     print_per_byte(report)
+    print_bridge(report)
     if "ops" not in report:
         print_targets(report)
         return
@@ -819,7 +897,8 @@ def gguf_markdown(report: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any]) -> str:
     """The figures as markdown tables (README / notes), from a report dict (`--render last-run.json`)."""
     if "ops" not in report:
-        return "\n".join([*startup_markdown(report), *gguf_markdown(report), *per_byte_markdown(report), "",
+        return "\n".join([*startup_markdown(report), *gguf_markdown(report), *per_byte_markdown(report),
+                          *bridge_markdown(report), "",
                           *target_markdown(report)]) + "\n"
     m, ops = report["model"], report["ops"]
     lines = [f"Model: {report['preset']}, {m['layers']} layers, {m['parameters'] / 1e9:.2f} B parameters, fp32, "
@@ -872,6 +951,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += startup_markdown(report)
     lines += gguf_markdown(report)
     lines += per_byte_markdown(report)
+    lines += bridge_markdown(report)
     lines += ["", *target_markdown(report)]
     return "\n".join(lines) + "\n"
 

@@ -123,3 +123,51 @@ def test_llama_marginal_figures(bench) -> None:
     rep = {"llama_per_byte": {"marginal": out, "tp": 4, "pp": 2, "layers": (4, 12)}}
     (t,) = bench.targets(rep)
     assert t["target"] == "megatron-to-hf marginal wall cost ≤ 1.1 × cp's (Llama TP4 PP2)" and t["pass"] is False
+
+
+def test_bridge_figures_commands_and_table(bench, tmp_path: Path) -> None:
+    """The Megatron-Bridge section: each direction's peer over ours from the rows' medians, the Bridge commands
+    (its venv's interpreter, the helper, this process's Python variables unset, the export's HF dir beside the
+    checkpoint), ours writing torch_dist, and the markdown table; a report without the venv says so."""
+    import bridge_peer
+
+    def row(wall: float, cpu: float) -> dict:
+        return {"wall_s": wall, "cpu_s": cpu, "peak_rss": int(1e9), "runs": [{"wall_s": wall, "cpu_s": cpu}]}
+
+    rows = {"cp bridge hf": row(0.8, 0.3), "Megatron-Bridge HF → Megatron": row(20.0, 12.0),
+            "mconvert HF → Megatron": row(2.5, 2.0), "Megatron-Bridge Megatron → HF": row(18.0, 9.0),
+            "mconvert Megatron → HF": row(3.0, 3.0)}
+    hf = tmp_path / "llama-1.3gb"
+    assert [j[0] for j in bridge_peer.jobs(hf)] == list(rows)
+    assert {j[0]: j[2] for j in bridge_peer.jobs(hf)}["mconvert Megatron → HF"] == tmp_path / "llama-1.3gb-bridge"
+    figs = bridge_peer.figures(rows, int(1.6e9))
+    assert figs["HF → Megatron"]["speedup"] == pytest.approx(8.0)
+    assert figs["HF → Megatron"]["cpu_speedup"] == pytest.approx(6.0)
+    assert figs["Megatron → HF"]["speedup"] == pytest.approx(6.0)
+    assert figs["Megatron → HF"]["ours"]["wall_s_per_gb"] == pytest.approx(3.0 / 1.6)
+    assert figs["Megatron → HF"]["peer"]["x_cp"] == pytest.approx(18.0 / 0.8)
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setenv("BRIDGE_VENV", str(venv))
+        mp.setenv("PYTHONPATH", "/somewhere")
+        exp = bridge_peer.command("bridge:export", tmp_path / "llama-1.3gb-bridge", tmp_path / "out", ["mc"])
+        assert exp[0] == "env" and "--unset=PYTHONPATH" in exp and "CUDA_VISIBLE_DEVICES=" in exp
+        py, ckpt = str(venv / "bin" / "python"), str(tmp_path / "llama-1.3gb-bridge")
+        assert exp[-6:] == [py, str(bridge_peer.HELPER), "export", str(hf), ckpt, str(tmp_path / "out")]
+        imp = bridge_peer.command("bridge:import", hf, tmp_path / "o", ["mc"])
+        assert imp[-5:] == [py, str(bridge_peer.HELPER), "import", str(hf), str(tmp_path / "o")]
+        assert bridge_peer.command("hf-to-megatron-dist", hf, tmp_path / "o", ["mc"]) == [
+            "mc", "hf-to-megatron", str(hf), str(tmp_path / "o"), "--format", "torch_dist"]
+        mp.setenv("BRIDGE_VENV", str(tmp_path / "none"))
+        assert bridge_peer.python() is None
+    finally:
+        mp.undo()
+    md = "\n".join(bench.bridge_markdown({"bridge": {"rows": figs, "model": "llama-1.3gb", "load": (1.0, 1.0, 1.0),
+                                                     "cpus": 2}}))
+    assert "| HF → Megatron | mconvert hf-to-megatron --format torch_dist | 2.50 | 2.00 |" in md
+    assert "| 8.00 | 6.00 |" in md and "Megatron-Bridge export_ckpt" in md
+    assert bench.bridge_markdown({"bridge": {"left_out": "no venv"}}) == ["", "Megatron-Bridge section left out: no venv."]
