@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from procmon import row_figures
+
 ROOT = Path(__file__).resolve().parent.parent
 HELPER = ROOT / "tests" / "helpers" / "bridge_helper.py"
 CKPT_SUFFIX = "-bridge"  # the Bridge checkpoint of HF dir X, built once (not timed): X-bridge beside it
@@ -73,10 +75,7 @@ def figures(rows: dict[str, dict[str, Any]], hf_bytes: int) -> dict[str, Any]:
         r: dict[str, Any] = {"bytes": hf_bytes}
         for side, label in (("peer", f"Megatron-Bridge {direction}"), ("ours", f"mconvert {direction}"),
                             ("cp", "cp bridge hf")):
-            x = rows[label]
-            r[side] = {"wall_s": x["wall_s"], "cpu_s": x["cpu_s"], "wall_s_per_gb": x["wall_s"] / gbs,
-                       "cpu_s_per_gb": x["cpu_s"] / gbs, "x_cp": x["wall_s"] / cp["wall_s"],
-                       "peak_rss": x["peak_rss"], "runs": [(m["wall_s"], m["cpu_s"]) for m in x["runs"]]}
+            r[side] = row_figures(rows[label], gbs, cp["wall_s"])
         r["speedup"] = r["peer"]["wall_s"] / r["ours"]["wall_s"]
         r["cpu_speedup"] = r["peer"]["cpu_s"] / r["ours"]["cpu_s"]
         out[direction] = r

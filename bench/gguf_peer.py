@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from procmon import row_figures
+
 # name -> (hidden, ffn, layers, heads, kv heads, vocab): a ~1.3 GB and a ~0.3 GB float16 Llama
 MODELS = {
     "llama-1.3gb": (2048, 5632, 12, 16, 4, 32000),
@@ -99,10 +101,7 @@ def figures(rows: dict[str, dict[str, Any]], src_bytes: dict[str, int]) -> dict[
         r = {"model": model, "outtype": outtype, "bytes": src_bytes[model]}
         for side, label in (("ours", f"hf-to-gguf {model} {outtype}"), ("peer", f"llama.cpp {model} {outtype}"),
                             ("cp", f"cp {model}")):
-            x = rows[label]
-            r[side] = {"wall_s": x["wall_s"], "cpu_s": x["cpu_s"], "wall_s_per_gb": x["wall_s"] / gbs,
-                       "cpu_s_per_gb": x["cpu_s"] / gbs, "x_cp": x["wall_s"] / cp["wall_s"],
-                       "peak_rss": x["peak_rss"], "runs": [(m["wall_s"], m["cpu_s"]) for m in x["runs"]]}
+            r[side] = row_figures(rows[label], gbs, cp["wall_s"])
         r["speedup"] = r["peer"]["wall_s"] / r["ours"]["wall_s"]
         r["cpu_speedup"] = r["peer"]["cpu_s"] / r["ours"]["cpu_s"]
         r["target"] = SPEEDUP_TARGET[model]

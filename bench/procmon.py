@@ -17,6 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -140,3 +141,11 @@ def files_under(root: Path) -> list[Path]:
 
 def dir_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in files_under(root))
+
+
+def row_figures(row: dict[str, Any], gbs: float, cp_wall_s: float) -> dict[str, Any]:
+    """One measured row (`bench.measure_rounds`' medians) as a peer section prints it: wall and CPU seconds, both
+    per GB of the input (`gbs` GB), the wall time as a multiple of cp's in the same rounds, peak RSS, each run."""
+    return {"wall_s": row["wall_s"], "cpu_s": row["cpu_s"], "wall_s_per_gb": row["wall_s"] / gbs,
+            "cpu_s_per_gb": row["cpu_s"] / gbs, "x_cp": row["wall_s"] / cp_wall_s, "peak_rss": row["peak_rss"],
+            "runs": [(m["wall_s"], m["cpu_s"]) for m in row["runs"]]}
