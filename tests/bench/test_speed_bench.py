@@ -125,7 +125,7 @@ def test_llama_marginal_figures(bench) -> None:
     assert t["target"] == "megatron-to-hf marginal wall cost ≤ 1.1 × cp's (Llama TP4 PP2)" and t["pass"] is False
 
 
-def test_bridge_figures_commands_and_table(bench, tmp_path: Path) -> None:
+def test_bridge_figures_commands_and_table(bench, tmp_path: Path, monkeypatch) -> None:
     """The Megatron-Bridge section: each direction's peer over ours from the rows' medians, the Bridge commands
     (its venv's interpreter, the helper, this process's Python variables unset, the export's HF dir beside the
     checkpoint), ours writing torch_dist, and the markdown table; a report without the venv says so."""
@@ -150,22 +150,18 @@ def test_bridge_figures_commands_and_table(bench, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("")
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.setenv("BRIDGE_VENV", str(venv))
-        mp.setenv("PYTHONPATH", "/somewhere")
-        exp = bridge_peer.command("bridge:export", tmp_path / "llama-1.3gb-bridge", tmp_path / "out", ["mc"])
-        assert exp[0] == "env" and "--unset=PYTHONPATH" in exp and "CUDA_VISIBLE_DEVICES=" in exp
-        py, ckpt = str(venv / "bin" / "python"), str(tmp_path / "llama-1.3gb-bridge")
-        assert exp[-6:] == [py, str(bridge_peer.HELPER), "export", str(hf), ckpt, str(tmp_path / "out")]
-        imp = bridge_peer.command("bridge:import", hf, tmp_path / "o", ["mc"])
-        assert imp[-5:] == [py, str(bridge_peer.HELPER), "import", str(hf), str(tmp_path / "o")]
-        assert bridge_peer.command("hf-to-megatron-dist", hf, tmp_path / "o", ["mc"]) == [
-            "mc", "hf-to-megatron", str(hf), str(tmp_path / "o"), "--format", "torch_dist"]
-        mp.setenv("BRIDGE_VENV", str(tmp_path / "none"))
-        assert bridge_peer.python() is None
-    finally:
-        mp.undo()
+    monkeypatch.setenv("BRIDGE_VENV", str(venv))
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    exp = bridge_peer.command("bridge:export", tmp_path / "llama-1.3gb-bridge", tmp_path / "out", ["mc"])
+    assert exp[0] == "env" and "--unset=PYTHONPATH" in exp and "CUDA_VISIBLE_DEVICES=" in exp
+    py, ckpt = str(venv / "bin" / "python"), str(tmp_path / "llama-1.3gb-bridge")
+    assert exp[-6:] == [py, str(bridge_peer.HELPER), "export", str(hf), ckpt, str(tmp_path / "out")]
+    imp = bridge_peer.command("bridge:import", hf, tmp_path / "o", ["mc"])
+    assert imp[-5:] == [py, str(bridge_peer.HELPER), "import", str(hf), str(tmp_path / "o")]
+    assert bridge_peer.command("hf-to-megatron-dist", hf, tmp_path / "o", ["mc"]) == [
+        "mc", "hf-to-megatron", str(hf), str(tmp_path / "o"), "--format", "torch_dist"]
+    monkeypatch.setenv("BRIDGE_VENV", str(tmp_path / "none"))
+    assert bridge_peer.python() is None
     md = "\n".join(bench.bridge_markdown({"bridge": {"rows": figs, "model": "llama-1.3gb", "load": (1.0, 1.0, 1.0),
                                                      "cpus": 2}}))
     assert "| HF → Megatron | mconvert hf-to-megatron --format torch_dist | 2.50 | 2.00 |" in md
